@@ -1,0 +1,59 @@
+"""The attention-backend interface.
+
+A backend owns its per-step metadata (built once per step in `init_forward_metadata`) and its
+CUDA-graph state. Layers call `backend.forward(q, k, v, layer, forward_batch)`; the backend writes
+the new tokens' K/V into the pool at `forward_batch.out_cache_loc` and attends over the paged cache.
+
+Shapes: q (T, num_heads, head_dim); k, v (T, num_kv_heads, head_dim); output (T, num_heads * head_dim).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Build `fb.attn_metadata` once per step (before the model runs)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                fb: ForwardBatch) -> torch.Tensor:
+        fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        if fb.forward_mode.is_decode():
+            return self.forward_decode(q, layer, fb)
+        return self.forward_extend(q, layer, fb)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        """Causal attention of the new tokens over prefix + new tokens (K/V already in the pool)."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        """One query token per request over its whole sequence (K/V already in the pool)."""
+
+    # ---- CUDA-graph hooks (decode only). Backends without graph support keep the defaults. ----
+    supports_cuda_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        raise NotImplementedError
+
+    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
+        raise NotImplementedError
+
+    def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
+        raise NotImplementedError

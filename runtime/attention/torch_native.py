@@ -1,0 +1,86 @@
+"""torch_native: the reference attention backend over the paged KV pool (CPU and GPU).
+
+Gathers each request's K/V from the pool through `req_to_token` and runs
+`scaled_dot_product_attention`. Extend runs one request at a time (different prefix and extend
+lengths); decode runs the whole batch at once over K/V padded to the longest sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..forward_batch import ForwardBatch
+from .base import AttentionBackend, AttentionLayerSpec
+
+
+@dataclass
+class _DecodeMetadata:
+    kv_index: torch.Tensor  # (B, S_max) int64 kv slots, padded with the dummy slot 0
+    mask: torch.Tensor  # (B, 1, 1, S_max) bool, True where a real key exists
+
+
+@dataclass
+class _ExtendMetadata:
+    kv_indices: list  # per request: (S_i,) int64 kv slots of prefix + new tokens
+    causal_masks: list  # per request: (E_i, S_i) bool, or None when there is no prefix
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, model_runner):
+        self.device = model_runner.device
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        r2t = fb.req_to_token_pool.req_to_token
+        if fb.forward_mode.is_decode():
+            s_max = max(fb.seq_lens_cpu)
+            ar = torch.arange(s_max, device=self.device)
+            mask = ar[None, :] < fb.seq_lens[:, None]  # (B, S_max)
+            kv_index = r2t[fb.req_pool_indices, :s_max].long()
+            kv_index = torch.where(mask, kv_index, torch.zeros_like(kv_index))
+            fb.attn_metadata = _DecodeMetadata(kv_index, mask[:, None, None, :])
+            return
+        kv_indices, masks = [], []
+        for i in range(fb.batch_size):
+            req = int(fb.req_pool_indices[i])
+            prefix, ext = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
+            kv_indices.append(r2t[req, :prefix + ext].long())
+            if prefix == 0:
+                masks.append(None)
+            else:
+                q_pos = torch.arange(ext, device=self.device)[:, None] + prefix
+                k_pos = torch.arange(prefix + ext, device=self.device)[None, :]
+                masks.append(k_pos <= q_pos)  # (E, S)
+        fb.attn_metadata = _ExtendMetadata(kv_indices, masks)
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        md: _ExtendMetadata = fb.attn_metadata
+        k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
+        out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
+        gqa = layer.num_heads != layer.num_kv_heads
+        start = 0
+        for i in range(fb.batch_size):
+            ext = fb.extend_seq_lens_cpu[i]
+            qi = q[start:start + ext].transpose(0, 1)  # (H, E, D)
+            idx = md.kv_indices[i]
+            ki = k_buf[idx].transpose(0, 1).to(q.dtype)  # (Hkv, S, D)
+            vi = v_buf[idx].transpose(0, 1).to(q.dtype)
+            mask = md.causal_masks[i]
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa)
+            out[start:start + ext] = oi.transpose(0, 1).reshape(ext, -1)
+            start += ext
+        return out
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        md: _DecodeMetadata = fb.attn_metadata
+        k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
+        k = k_buf[md.kv_index].transpose(1, 2).to(q.dtype)  # (B, Hkv, S, D)
+        v = v_buf[md.kv_index].transpose(1, 2).to(q.dtype)
+        qb = q.unsqueeze(2)  # (B, H, 1, D)
+        o = F.scaled_dot_product_attention(
+            qb, k, v, attn_mask=md.mask, scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads)  # (B, H, 1, D)
+        return o.reshape(q.shape[0], -1)

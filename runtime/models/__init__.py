@@ -1,0 +1,10 @@
+"""Model registry: config.json's architecture → our PyTorch module."""
+
+from ..model_config import ModelConfig
+
+
+def model_class(cfg: ModelConfig):
+    from .llama import LlamaForCausalLM
+    from .qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}[cfg.family]

@@ -1,0 +1,142 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window).
+
+Qwen2/2.5/3 reuse this module with flags (`attention_bias`, `qk_norm`); see qwen.py.
+Q/K/V and gate/up projections are fused at load time (one matmul each).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from ..attention.base import AttentionLayerSpec
+from ..forward_batch import ForwardBatch
+from ..model_config import ModelConfig
+from .layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.spec = AttentionLayerSpec(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+                                       self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # (T, q + 2kv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = fb.attn_backend.forward(q, k, v, self.spec, fb)  # (T, H * D)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, h, residual, fb):
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, fb)
+        h, _ = self.norm(h, residual)
+        return h  # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, w.t()).float()  # (N, vocab)
+
+    # ---- weights ----
+    _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up into one matrix each."""
+        params = dict(self.named_parameters())
+        cfg = self.config
+        q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+        offsets = {"qkv_proj": [(0, q), (q, kv), (q + kv, kv)], "gate_up_proj": [(0, inter), (inter, inter)]}
+        loaded = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            for part, (fused, idx) in self._STACKED.items():
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    start, size = offsets[fused][idx]
+                    with torch.no_grad():
+                        params[target].data[start:start + size].copy_(tensor)
+                    loaded.add(f"{target}#{idx}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                with torch.no_grad():
+                    params[name].data.copy_(tensor)
+                loaded.add(name)
+        expected = set()
+        for pname in params:
+            fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in pname and pname.endswith("weight")), None)
+            if fused == "qkv_proj":
+                expected |= {f"{pname}#{i}" for i in range(3)}
+            elif fused == "gate_up_proj":
+                expected |= {f"{pname}#{i}" for i in range(2)}
+            elif ".qkv_proj.bias" in pname:
+                expected |= {f"{pname}#{i}" for i in range(3)}
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
