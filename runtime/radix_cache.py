@@ -1,0 +1,396 @@
+"""RadixCache: RadixAttention's radix tree from token ids to kv slots, behind `PrefixCache`.
+
+Each edge (node) holds a run of token ids (`key`) and the kv slots that hold their K/V (`value`,
+int64, one slot per token). A path from the root spells a cached prefix; its slots are the
+concatenation of the values along the path.
+
+Invariants (checked by `check_integrity`):
+  - every non-root node has a non-empty key of whole pages, `len(value) == len(key)`, and sits in its
+    parent's `children` under the first page of its key;
+  - `lock_ref` counts the running requests / pins whose path goes through the node, so a parent is
+    locked at least as often as any child; locked nodes (`lock_ref > 0`) are `protected`, the others
+    `evictable`, and the two counters equal the sizes recomputed from the tree;
+  - every slot in the tree appears once, is not on the allocator's free list, and is in 1..num_slots.
+
+Splits keep the *original* node object as the deeper half, so a handle a request holds keeps naming
+the end of the same path after someone else splits an edge above it.
+
+Access times come from a logical clock (one tick per match/insert), not wall time, so LRU order is
+deterministic and tests can pin exact eviction order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .memory_pool import TokenAllocator
+from .prefix_cache import MatchResult, PrefixCache
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class TreeNode:
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple, value: torch.Tensor, parent: Optional["TreeNode"], last_access: int):
+        self.key = key  # token ids on the edge from `parent` to this node
+        self.value = value  # (len(key),) int64 kv slots
+        self.children: dict = {}  # first page of the child's key -> child
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = last_access
+
+    def __repr__(self) -> str:
+        return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
+
+
+@dataclass
+class PrefixHitStats:
+    """Tokens asked for in `match_prefix` vs tokens found cached; the scheduler reports the rate."""
+
+    num_queries: int = 0
+    queried_tokens: int = 0
+    matched_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.matched_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def reset(self) -> None:
+        self.num_queries = self.queried_tokens = self.matched_tokens = 0
+
+
+@dataclass(eq=False)
+class PinHandle:
+    """A locked cached prefix (see `RadixCache.pin`). `num_tokens` is how much of it was cached."""
+
+    node: Optional[TreeNode]
+    num_tokens: int
+    active: bool = True
+
+
+class RadixCache(PrefixCache):
+    def __init__(self, allocator: TokenAllocator, page_size: int = 1):
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.hit_stats = PrefixHitStats()
+        self._new_tree()
+
+    def _new_tree(self) -> None:
+        self.root = TreeNode((), _EMPTY, None, 0)
+        self._evictable = 0
+        self._protected = 0
+        self._clock = 0
+
+    # ---- lookups -------------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        key = self._as_key(token_ids)
+        node, values = self._match(key[: self._aligned(len(key))])
+        kv = torch.cat(values) if values else _EMPTY
+        self.hit_stats.num_queries += 1
+        self.hit_stats.queried_tokens += len(key)
+        self.hit_stats.matched_tokens += int(kv.numel())
+        return MatchResult(kv, self._handle(node))
+
+    def peek_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """Length of the cached prefix without splitting, touching LRU times or hit stats.
+
+        For scheduling policies that rank many waiting requests without admitting them.
+        """
+        key = self._as_key(token_ids)
+        key = key[: self._aligned(len(key))]
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            m = self._common_len(child.key, key, pos)
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return pos
+
+    # ---- locking -------------------------------------------------------------------------------
+
+    def inc_lock(self, node: Optional[TreeNode]) -> None:
+        for n in self._path_to_root(node):
+            if n.lock_ref == 0:
+                self._evictable -= len(n.key)
+                self._protected += len(n.key)
+            n.lock_ref += 1
+
+    def dec_lock(self, node: Optional[TreeNode]) -> None:
+        path = self._path_to_root(node)
+        # Ancestors are locked at least as often as `node`, so checking the first suffices.
+        if path and path[0].lock_ref <= 0:
+            raise RuntimeError(f"dec_lock on an unlocked node {path[0]!r} (unbalanced lock/unlock)")
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._protected -= len(n.key)
+                self._evictable += len(n.key)
+
+    def pin(self, token_ids: Sequence[int]) -> PinHandle:
+        """Lock the cached part of `token_ids` against eviction until `unpin`.
+
+        Only what is already cached can be pinned (prefill it first, e.g. `Engine.cache_prefix`);
+        the handle's `num_tokens` says how many tokens that was. Does not count in `hit_stats`.
+        """
+        key = self._as_key(token_ids)
+        node, values = self._match(key[: self._aligned(len(key))])
+        handle = PinHandle(self._handle(node), sum(len(v) for v in values))
+        self.inc_lock(handle.node)
+        return handle
+
+    def unpin(self, handle: PinHandle) -> None:
+        if not isinstance(handle, PinHandle):
+            raise TypeError(f"unpin expects a PinHandle from pin(), got {type(handle).__name__}")
+        if not handle.active:
+            raise RuntimeError("unpin: this PinHandle was already released")
+        handle.active = False
+        self.dec_lock(handle.node)
+
+    # ---- inserting -----------------------------------------------------------------------------
+
+    def cache_unfinished_req(self, token_ids, kv_indices, old_node):
+        key, kv = self._checked_pair(token_ids, kv_indices)
+        n = self._aligned(len(key))
+        node, tree_kv = self._insert(key[:n], kv[:n])
+        self.inc_lock(self._handle(node))  # lock the new path before releasing the old one
+        self.dec_lock(old_node)
+        # The unaligned tail (page_size > 1) stays the request's private memory.
+        return torch.cat([tree_kv, kv[n:]]), self._handle(node)
+
+    def cache_finished_req(self, token_ids, kv_indices, old_node) -> None:
+        key, kv = self._checked_pair(token_ids, kv_indices)
+        n = self._aligned(len(key))
+        self._insert(key[:n], kv[:n])
+        self.allocator.free(kv[n:])
+        self.dec_lock(old_node)
+
+    # ---- eviction and reset --------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        if num_tokens <= 0:
+            return 0
+        tiebreak = itertools.count()  # never compare TreeNodes when access times tie
+        heap = [(n.last_access, next(tiebreak), n) for n in self._iter_nodes()
+                if n is not self.root and not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[self._child_key(leaf.key, 0)]
+            leaf.parent = None  # detached: a stale handle to it is now detectably invalid
+            self.allocator.free(leaf.value)
+            freed += len(leaf.key)
+            self._evictable -= len(leaf.key)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, next(tiebreak), parent))
+        return freed
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def reset(self) -> None:
+        if self._protected:
+            raise RuntimeError(f"cannot reset the prefix cache: {self._protected} cached tokens are "
+                               "locked by running requests or pins")
+        for node in self._iter_nodes():
+            if node is not self.root:
+                self.allocator.free(node.value)
+                node.parent = None
+        self._new_tree()
+
+    # ---- checks and introspection --------------------------------------------------------------
+
+    def check_integrity(self, num_private: int = 0) -> None:
+        super().check_integrity(num_private)
+        _require(not self.root.key and self.root.parent is None and self.root.lock_ref == 0,
+                 "root must have an empty key, no parent and no locks")
+        evictable = protected = 0
+        slot_runs = []
+        for node in self._iter_nodes():
+            for ck, child in node.children.items():
+                where = f"node {child!r} (key starts {child.key[:8]})"
+                _require(child.parent is node, f"{where}: parent pointer does not match")
+                _require(len(child.key) > 0 and len(child.key) % self.page_size == 0,
+                         f"{where}: key length {len(child.key)} is not a positive multiple of "
+                         f"page_size {self.page_size}")
+                _require(ck == self._child_key(child.key, 0), f"{where}: stored under child key {ck}")
+                _require(child.value.dtype == torch.int64 and child.value.shape == (len(child.key),),
+                         f"{where}: value {child.value.dtype} {tuple(child.value.shape)} does not "
+                         "match its key")
+                _require(child.lock_ref >= 0, f"{where}: negative lock_ref {child.lock_ref}")
+                _require(node is self.root or child.lock_ref <= node.lock_ref,
+                         f"{where}: lock_ref {child.lock_ref} exceeds its parent's {node.lock_ref}")
+                if child.lock_ref:
+                    protected += len(child.key)
+                else:
+                    evictable += len(child.key)
+                slot_runs.append(child.value)
+        _require(evictable == self._evictable and protected == self._protected,
+                 f"size counters drifted: evictable {self._evictable} (tree says {evictable}), "
+                 f"protected {self._protected} (tree says {protected})")
+        tree_slots = torch.cat(slot_runs).tolist() if slot_runs else []
+        tree_set = set(tree_slots)
+        free_set = self.allocator.free_slot_set()
+        _require(len(tree_set) == len(tree_slots), "a kv slot appears twice in the tree")
+        _require(len(free_set) == self.allocator.available(), "a kv slot is twice on the free list")
+        _require(not (tree_set & free_set),
+                 f"kv slots both cached and free: {sorted(tree_set & free_set)[:8]}")
+        _require(all(1 <= s <= self.allocator.num_slots for s in tree_set),
+                 "a cached kv slot is outside 1..num_slots")
+
+    def dump(self) -> list[tuple[int, tuple, tuple, int]]:
+        """Depth-first `(depth, key, slots, lock_ref)` per node, children in key order (for tests)."""
+        out = []
+
+        def visit(node: TreeNode, depth: int) -> None:
+            for ck in sorted(node.children):
+                child = node.children[ck]
+                out.append((depth, child.key, tuple(child.value.tolist()), child.lock_ref))
+                visit(child, depth + 1)
+
+        visit(self.root, 0)
+        return out
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _match(self, key: tuple) -> tuple[TreeNode, list[torch.Tensor]]:
+        """Walk `key` (page-aligned), splitting the last edge on a partial match; touch LRU times."""
+        self._clock += 1
+        node, pos, values = self.root, 0, []
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            m = self._common_len(child.key, key, pos)
+            partial = m < len(child.key)
+            if partial:
+                child = self._split(child, m)
+            child.last_access = self._clock
+            values.append(child.value)
+            node, pos = child, pos + m
+            if partial:
+                break
+        return node, values
+
+    def _insert(self, key: tuple, value: torch.Tensor) -> tuple[TreeNode, torch.Tensor]:
+        """Add `key -> value`; returns the path's last node and the tree's slots for all of `key`.
+
+        Where the tree already held a token, the caller's slot for it is a duplicate computation:
+        it goes back to the allocator and the tree's slot replaces it.
+        """
+        self._clock += 1
+        node, pos, tree_values, duplicates = self.root, 0, [], []
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                leaf = TreeNode(key[pos:], value[pos:].clone(), node, self._clock)
+                node.children[self._child_key(key, pos)] = leaf
+                self._evictable += len(leaf.key)
+                tree_values.append(leaf.value)
+                node = leaf
+                break
+            m = self._common_len(child.key, key, pos)
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = self._clock
+            mine = value[pos:pos + m]
+            differs = mine != child.value
+            if bool(differs.any()):
+                duplicates.append(mine[differs])
+            tree_values.append(child.value)
+            node, pos = child, pos + m
+        for dup in duplicates:
+            self.allocator.free(dup)
+        return node, (torch.cat(tree_values) if tree_values else _EMPTY)
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Cut `child`'s edge after `m` tokens; returns the new upper node (child stays below)."""
+        parent = child.parent
+        upper = TreeNode(child.key[:m], child.value[:m].clone(), parent, child.last_access)
+        # Same locks as the child: every lock through the child goes through the upper half too,
+        # so the evictable/protected counters do not change.
+        upper.lock_ref = child.lock_ref
+        child.key, child.value = child.key[m:], child.value[m:].clone()
+        child.parent = upper
+        upper.children[self._child_key(child.key, 0)] = child
+        parent.children[self._child_key(upper.key, 0)] = upper
+        return upper
+
+    def _common_len(self, node_key: tuple, key: tuple, start: int) -> int:
+        """Tokens shared by `node_key` and `key[start:]`, rounded down to whole pages."""
+        n = min(len(node_key), len(key) - start)
+        if key[start:start + n] == node_key[:n]:  # fast path: C-level tuple compare
+            m = n
+        else:
+            m = 0
+            while node_key[m] == key[start + m]:
+                m += 1
+        return m - m % self.page_size
+
+    def _child_key(self, key: tuple, pos: int):
+        return key[pos] if self.page_size == 1 else key[pos:pos + self.page_size]
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _handle(self, node: TreeNode) -> Optional[TreeNode]:
+        return None if node is self.root else node
+
+    def _path_to_root(self, node: Optional[TreeNode]) -> list[TreeNode]:
+        path = []
+        while node is not None and node is not self.root:
+            path.append(node)
+            node = node.parent
+        if path and node is None:
+            raise RuntimeError(f"{path[0]!r} is no longer in the tree (evicted or reset while "
+                               "unlocked): lock a node right after match_prefix returns it")
+        return path
+
+    def _iter_nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    @staticmethod
+    def _as_key(token_ids: Sequence[int]) -> tuple:
+        if isinstance(token_ids, torch.Tensor):
+            return tuple(token_ids.reshape(-1).tolist())
+        try:
+            return tuple(int(t) for t in token_ids)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}: {e}")
+
+    def _checked_pair(self, token_ids, kv_indices) -> tuple[tuple, torch.Tensor]:
+        key = self._as_key(token_ids)
+        if not isinstance(kv_indices, torch.Tensor):
+            raise TypeError(f"kv_indices must be a torch.Tensor, got {type(kv_indices).__name__}")
+        kv = kv_indices.reshape(-1).to("cpu", torch.int64)
+        if kv.numel() != len(key):
+            raise ValueError(f"kv_indices has {kv.numel()} slots but token_ids has {len(key)} tokens; "
+                             "they must correspond one to one")
+        return key, kv
+
+
+def _require(cond: bool, message: str) -> None:
+    # Explicit raise, not `assert`: integrity checks must survive `python -O`.
+    if not cond:
+        raise AssertionError(message)
