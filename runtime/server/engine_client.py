@@ -1,0 +1,217 @@
+"""Running the Engine requests behind one HTTP request: admission, disconnect → abort, metrics.
+
+Every generation route (native and OpenAI, streaming or not) goes through `GenerationGroup`:
+
+1. admission: with `--max-queued-requests` the server refuses (503) a request that would push the
+   number of open generations past `max_running_requests + max_queued_requests`;
+2. it opens one Engine stream per prompt and waits for each stream's first chunk before the HTTP
+   response starts, so that bad input (which the Engine reports as ValueError) becomes a 400 with a
+   JSON body rather than a broken stream;
+3. a watcher task listens for the client's `http.disconnect` and aborts every unfinished request of
+   the group at once (the issue: no zombie decoding to max_tokens); `close()` does the same when the
+   handler itself is cancelled or fails;
+4. TTFT / inter-token / end-to-end latencies and token counts go to `ServerMetrics`.
+
+Streaming is used internally even for non-streaming HTTP requests: it is what lets the server measure
+time to first token, and the final cumulative chunk is the complete result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from starlette.requests import Request
+
+from .errors import APIError
+from .metrics import ServerMetrics
+
+logger = logging.getLogger("plait.server")
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+class AdmissionControl:
+    """Tracks open generations (by rid); refuses new ones past the limit (None = unlimited)."""
+
+    def __init__(self, limit: Optional[int], metrics: ServerMetrics) -> None:
+        self.limit = limit
+        self.open_rids: set[str] = set()
+        self._metrics = metrics
+
+    def admit(self, rids: list[str]) -> None:
+        n_open = len(self.open_rids)
+        if self.limit is not None and n_open + len(rids) > self.limit:
+            self._metrics.observe_rejected()
+            raise APIError(503, f"server is at capacity ({n_open} requests open, limit {self.limit} = "
+                                f"max_running_requests + max_queued_requests); retry later")
+        duplicate = next((r for r in rids if r in self.open_rids), None)
+        if duplicate is not None or len(set(rids)) != len(rids):
+            raise APIError(400, f"rid {duplicate or rids} is already in use", param="rid")
+        self.open_rids.update(rids)
+        self._metrics.set_in_flight(len(self.open_rids))
+
+    def release(self, rid: str) -> None:
+        self.open_rids.discard(rid)
+        self._metrics.set_in_flight(len(self.open_rids))
+
+
+@dataclass
+class _SubStream:
+    rid: str
+    iterator: Any = None
+    first: Optional[dict] = None
+    finished: bool = False
+    aborted: bool = False
+    started_at: float = 0.0
+    last_token_at: Optional[float] = None
+    tokens_seen: int = 0
+    last: Optional[dict] = None
+    released: bool = False
+
+
+@dataclass
+class GenerationGroup:
+    engine: Any
+    admission: AdmissionControl
+    metrics: ServerMetrics
+    request: Optional[Request]  # None: nobody to watch (internal health probe)
+    log_metrics: bool = True
+    _subs: list[_SubStream] = field(default_factory=list)
+    _watcher: Optional[asyncio.Task] = None
+    _pumps: list[asyncio.Task] = field(default_factory=list)
+    disconnected: bool = False
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self, calls: list[dict[str, Any]]) -> None:
+        """Open one Engine stream per call (kwargs of `Engine.async_generate`, `rid` included)."""
+        self.admission.admit([c["rid"] for c in calls])
+        self._subs = [_SubStream(rid=c["rid"]) for c in calls]
+        if self.request is not None:
+            self._watcher = asyncio.create_task(self._watch_disconnect())
+        try:
+            opened = await asyncio.gather(*(self._open(s, c) for s, c in zip(self._subs, calls)),
+                                          return_exceptions=True)
+        except BaseException:
+            await self.close()
+            raise
+        errors = [e for e in opened if isinstance(e, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+
+    async def _open(self, sub: _SubStream, call: dict[str, Any]) -> None:
+        sub.started_at = time.perf_counter()
+        result = self.engine.async_generate(**call, stream=True)
+        if inspect.isawaitable(result):
+            result = await result
+        sub.iterator = result.__aiter__()
+        try:
+            sub.first = await sub.iterator.__anext__()
+        except StopAsyncIteration:
+            raise RuntimeError(f"engine stream for request {sub.rid} ended without output") from None
+        self._observe(sub, sub.first)
+
+    async def close(self) -> None:
+        """Stop watching; abort whatever has not finished (cancelled handler, error, disconnect)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        for task in self._pumps:
+            task.cancel()
+        self._pumps = []
+        self._abort_unfinished()
+        for sub in self._subs:
+            if not sub.released:
+                sub.released = True
+                self.admission.release(sub.rid)
+
+    async def _watch_disconnect(self) -> None:
+        assert self.request is not None
+        try:
+            while True:
+                message = await self.request.receive()
+                if message["type"] == "http.disconnect":
+                    break
+        except asyncio.CancelledError:
+            return
+        except Exception:  # a broken transport is a disconnect too
+            pass
+        self.disconnected = True
+        unfinished = [s.rid for s in self._subs if not (s.finished or s.aborted)]
+        if unfinished:
+            logger.info("client disconnected; aborting %s", ", ".join(unfinished))
+        self._abort_unfinished()
+
+    def _abort_unfinished(self) -> None:
+        for sub in self._subs:
+            if not (sub.finished or sub.aborted):
+                sub.aborted = True
+                try:
+                    self.engine.abort(sub.rid)
+                except Exception:
+                    logger.exception("engine.abort(%s) failed", sub.rid)
+
+    # ---------------------------------------------------------------- outputs
+    def _observe(self, sub: _SubStream, chunk: dict) -> None:
+        now = time.perf_counter()
+        meta = chunk.get("meta_info") or {}
+        sub.last = chunk
+        tokens = int(meta.get("completion_tokens") or 0)
+        if tokens > sub.tokens_seen and self.log_metrics:
+            if sub.last_token_at is None:
+                self.metrics.observe_first_token(now - sub.started_at)
+            else:
+                new = tokens - sub.tokens_seen
+                self.metrics.observe_inter_token((now - sub.last_token_at) / new, new)
+        if tokens > sub.tokens_seen:
+            sub.tokens_seen, sub.last_token_at = tokens, now
+        if meta.get("finish_reason") is not None and not sub.finished:
+            sub.finished = True
+            if self.log_metrics:
+                self.metrics.observe_finished(meta, now - sub.started_at)
+
+    async def _pump(self, index: int, queue: asyncio.Queue) -> None:
+        sub = self._subs[index]
+        try:
+            await queue.put((index, sub.first))
+            async for chunk in sub.iterator:
+                self._observe(sub, chunk)
+                await queue.put((index, chunk))
+            await queue.put((index, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # hand the error to the consumer
+            await queue.put((index, e))
+
+    async def chunks(self) -> AsyncIterator[tuple[int, dict]]:
+        """(index, cumulative chunk) from all streams, interleaved as they arrive."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._pumps = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self._subs))]
+        remaining = len(self._subs)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                sub = self._subs[index]
+                sub.finished = True
+                if not sub.released:
+                    sub.released = True
+                    self.admission.release(sub.rid)
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield index, item
+
+    async def results(self) -> list[dict]:
+        """Final (complete) output of every stream, in call order."""
+        async for _ in self.chunks():
+            pass
+        return [s.last for s in self._subs]  # type: ignore[misc]

@@ -1,0 +1,101 @@
+"""One JSON error shape for every route, and the handlers that produce it.
+
+Body: `{"error": {"message", "type", "param", "code"}}` — OpenAI's shape, which also satisfies SGLang
+clients (they read `error.message`). `param` names the offending field when one is known, so a client
+can tell `temperature` from `top_p` without parsing prose.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("plait.server")
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    503: "server_overloaded",
+}
+
+
+class APIError(Exception):
+    """Raised by route code for an HTTP error with a JSON body."""
+
+    def __init__(self, status_code: int, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+
+
+def error_body(status_code: int, message: str, param: Optional[str] = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status_code, "server_error"),
+                      "param": param, "code": status_code}}
+
+
+def error_response(status_code: int, message: str, param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(status_code, message, param), status_code=status_code)
+
+
+def sse_error_event(message: str, status_code: int = 400) -> str:
+    """An error reported inside an already-started SSE stream (headers are gone by then)."""
+    return f"data: {json.dumps(error_body(status_code, message))}\n\n"
+
+
+def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, Optional[str]]:
+    """Turn pydantic's error list into one message and the name of the first offending field."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return f"malformed JSON body: {ctx.get('error', first.get('msg'))}", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union members show up in loc as type names ("list[int]"); they are noise to a client.
+    field_path = [p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "float",
+                                                                                  "bool", "dict")]
+    msg = str(first.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if first.get("type") == "missing" and field_path:
+        return f"missing required field '{'.'.join(field_path)}'", field_path[0]
+    if first.get("type") == "extra_forbidden" and field_path:
+        return f"unknown field '{'.'.join(field_path)}'", field_path[-1]
+    if not field_path:
+        if first.get("type") in ("model_type", "dict_type", "model_attributes_type"):
+            return ("request body must be a JSON object (sent with Content-Type: application/json)",
+                    None)
+        return msg, None
+    return f"invalid value for field '{'.'.join(field_path)}': {msg}", field_path[0]
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status_code, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_errors(list(exc.errors()))
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        # The Engine and SamplingParams raise ValueError for bad input; their messages name the field.
+        return error_response(400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error while serving a request")
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")

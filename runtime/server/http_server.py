@@ -1,0 +1,121 @@
+"""The FastAPI app over an Engine, and `launch_server` (Engine + uvicorn, one log line when ready).
+
+`create_app(engine, server_args)` works with any object that has the Engine's methods, so the same
+app serves an in-process Engine in tests and in `plait serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from typing import Any, Optional
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from ..server_args import ServerArgs
+from .errors import error_body, install_error_handlers
+from .metrics import CONTENT_TYPE
+from .native_api import router as native_router
+from .openai_api import router as openai_router
+from .server_context import ServerContext, get_context
+
+logger = logging.getLogger("plait.server")
+
+# Reachable without the API key: load balancers probe it, and it reveals nothing.
+_PUBLIC_PATHS = frozenset({"/health"})
+
+
+class BearerAuth:
+    """Pure ASGI middleware (not BaseHTTPMiddleware, which would get between the route and the
+    client's `http.disconnect` that aborts requests): 401 unless `Authorization: Bearer <api_key>`."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") in _PUBLIC_PATHS or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if secrets.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(error_body(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+                          ).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"www-authenticate", b"Bearer"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI:
+    server_args = server_args or getattr(engine, "server_args", None) or ServerArgs()
+    # strict_content_type=False: a body without a Content-Type header is still read as JSON.
+    app = FastAPI(title="plait", docs_url=None, redoc_url=None, openapi_url=None,
+                  strict_content_type=False)
+    ctx = ServerContext.build(engine, server_args)
+    ctx.started_at = time.time()
+    app.state.plait = ctx
+    install_error_handlers(app)
+    app.include_router(native_router)
+    app.include_router(openai_router)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        c = get_context(request)
+        try:
+            info = await asyncio.to_thread(c.engine.get_server_info)
+        except Exception:  # metrics must not fail because the scheduler is busy or gone
+            logger.exception("get_server_info failed while rendering /metrics")
+            info = None
+        return Response(c.metrics.render(info), media_type=CONTENT_TYPE)
+
+    if server_args.api_key:
+        app.add_middleware(BearerAuth, api_key=server_args.api_key)
+    return app
+
+
+def _engine_kwargs(server_args: ServerArgs) -> dict[str, Any]:
+    return dataclasses.asdict(server_args)
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    """Build the Engine, serve until SIGINT/SIGTERM, then shut the Engine down."""
+    from ..engine import Engine
+
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine(**_engine_kwargs(server_args))
+    try:
+        app = create_app(engine, server_args)
+        ctx: ServerContext = app.state.plait
+        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                log_level=server_args.log_level, access_log=server_args.log_level == "debug",
+                                timeout_graceful_shutdown=5)
+        ready = (f"plait server ready on http://{server_args.host}:{server_args.port} "
+                 f"(model {ctx.model_name}, context {ctx.context_len})")
+        _ReadyLoggingServer(config, ready).run()
+    finally:
+        engine.shutdown()
+
+
+class _ReadyLoggingServer(uvicorn.Server):
+    """Logs one line once the socket listens (lifespan startup runs before the bind, so the app
+    itself cannot know when it becomes reachable)."""
+
+    def __init__(self, config: uvicorn.Config, ready_message: str) -> None:
+        super().__init__(config)
+        self._ready_message = ready_message
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            logger.info(self._ready_message)

@@ -1,0 +1,122 @@
+"""Prometheus metrics of one server, in its own CollectorRegistry.
+
+A per-app registry (not prometheus_client's global one) keeps two servers or two test apps in one
+process from colliding on metric names. Latencies are measured here, at the HTTP edge, from the
+stream of cumulative chunks the Engine hands back: that is what a client experiences. Scheduler
+gauges (running / queued requests, KV usage) are read from `Engine.get_server_info()` at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Buckets cover a CPU test box (hundreds of ms per token) up to GPU serving (ms per token).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0,
+                    120.0, 300.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0)
+
+# Names the Engine may use for each scheduler statistic (first one found wins).
+_RUNNING_KEYS = ("num_running_reqs", "num_running_requests", "running_reqs")
+_QUEUED_KEYS = ("num_waiting_reqs", "num_queue_reqs", "num_queued_reqs", "num_waiting_requests")
+_KV_USAGE_KEYS = ("kv_cache_usage", "token_usage", "kv_usage", "kv_cache_usage_ratio")
+_HIT_RATE_KEYS = ("cache_hit_rate", "prefix_cache_hit_rate")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def find_stat(info: dict[str, Any], names: Iterable[str]) -> Optional[float]:
+    """Look a statistic up in the Engine's server info, top level first, then one level of nesting
+    (dicts, or the first dict of a list such as SGLang's `internal_states`)."""
+    names = tuple(names)
+    layers: list[dict[str, Any]] = [info]
+    for value in info.values():
+        if isinstance(value, dict):
+            layers.append(value)
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            layers.append(value[0])
+    for layer in layers:
+        for name in names:
+            v = layer.get(name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return float(v)
+    return None
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        self.prompt_tokens = counter("plait_prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("plait_generation_tokens", "Tokens generated")
+        self.cached_tokens = counter("plait_cached_tokens", "Prompt tokens served from the prefix cache")
+        self.requests = Counter("plait_requests", "Finished generation requests", labels + ["finish_reason"],
+                                registry=r)
+        self.rejected = counter("plait_rejected_requests", "Requests refused with 503 (queue full)")
+        self.running = gauge("plait_num_running_reqs", "Requests in the running batch")
+        self.queued = gauge("plait_num_queued_reqs", "Requests waiting in the scheduler queue")
+        self.in_flight = gauge("plait_num_in_flight_reqs", "Generation requests open at the HTTP server")
+        self.kv_usage = gauge("plait_kv_cache_usage", "Fraction of KV cache slots in use (0-1)")
+        self.hit_rate = gauge("plait_cache_hit_rate", "Prefix cache hit rate: cached / prompt tokens (0-1)")
+        self.ttft = Histogram("plait_time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("plait_inter_token_latency_seconds", "Time between output tokens", labels,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("plait_e2e_request_latency_seconds", "End-to-end request latency", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self._label = {"model_name": model_name}
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    # ---- per-request observations (called by EngineClient) ----
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.labels(**self._label).observe(seconds)
+
+    def observe_inter_token(self, seconds_per_token: float, num_tokens: int) -> None:
+        hist = self.itl.labels(**self._label)
+        for _ in range(max(num_tokens, 0)):
+            hist.observe(seconds_per_token)
+
+    def observe_finished(self, meta_info: dict[str, Any], e2e_seconds: float) -> None:
+        prompt = int(meta_info.get("prompt_tokens") or 0)
+        completion = int(meta_info.get("completion_tokens") or 0)
+        cached = int(meta_info.get("cached_tokens") or 0)
+        self.prompt_tokens.labels(**self._label).inc(prompt)
+        self.generation_tokens.labels(**self._label).inc(completion)
+        self.cached_tokens.labels(**self._label).inc(cached)
+        finish = meta_info.get("finish_reason") or {}
+        reason = finish.get("type", "unknown") if isinstance(finish, dict) else str(finish)
+        self.requests.labels(finish_reason=reason, **self._label).inc()
+        self.e2e.labels(**self._label).observe(e2e_seconds)
+        self._prompt_total += prompt
+        self._cached_total += cached
+
+    def observe_rejected(self) -> None:
+        self.rejected.labels(**self._label).inc()
+
+    def set_in_flight(self, n: int) -> None:
+        self.in_flight.labels(**self._label).set(n)
+
+    # ---- scrape ----
+    def render(self, server_info: Optional[dict[str, Any]]) -> bytes:
+        info = server_info or {}
+        for gauge, keys in ((self.running, _RUNNING_KEYS), (self.queued, _QUEUED_KEYS),
+                            (self.kv_usage, _KV_USAGE_KEYS)):
+            value = find_stat(info, keys)
+            if value is not None:
+                gauge.labels(**self._label).set(value)
+        engine_hit_rate = find_stat(info, _HIT_RATE_KEYS)
+        if engine_hit_rate is not None:
+            self.hit_rate.labels(**self._label).set(engine_hit_rate)
+        elif self._prompt_total:
+            self.hit_rate.labels(**self._label).set(self._cached_total / self._prompt_total)
+        return generate_latest(self.registry)

@@ -1,0 +1,231 @@
+"""SGLang's native HTTP API: /generate and the management routes, same fields as SGLang.
+
+Responses are the Engine's dicts unchanged (`text`, `output_ids`, `meta_info`), so SGLang's own
+clients and bench scripts parse them. Streaming chunks carry cumulative text, like SGLang's default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..sampling_params import SamplingParams
+from .engine_client import GenerationGroup, new_rid
+from .errors import APIError, error_response, sse_error_event
+from .protocol import AbortRequest, GenerateRequest
+from .server_context import ServerContext, get_context
+
+router = APIRouter()
+
+SSE_DONE = "data: [DONE]\n\n"
+_HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def sse_event(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ---------------------------------------------------------------- request → Engine calls
+
+def verified_sampling_params(params: Optional[dict[str, Any]], ctx: ServerContext,
+                             label: str = "sampling_params", param: Optional[str] = "sampling_params"
+                             ) -> SamplingParams:
+    """Parse and range-check a sampling_params dict; SamplingParams' messages name the field (400)."""
+    try:
+        sp = SamplingParams.from_dict(params)
+        sp.verify(ctx.vocab_size)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"invalid {label}: {e}", param=param) from None
+    return sp
+
+
+def check_prompt_ids(ids: list[int], ctx: ServerContext, field_name: str) -> None:
+    if not ids:
+        raise APIError(400, f"{field_name} must not be empty", param=field_name)
+    if ctx.vocab_size is not None:
+        bad = next((t for t in ids if t < 0 or t >= ctx.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"{field_name} contains token id {bad}, outside [0, {ctx.vocab_size})",
+                           param=field_name)
+    check_prompt_length(len(ids), ctx, field_name)
+
+
+def check_prompt_length(num_tokens: int, ctx: ServerContext, field_name: str) -> None:
+    if ctx.context_len is not None and num_tokens >= ctx.context_len:
+        raise APIError(400, f"{field_name} is too long: {num_tokens} tokens, the model's context length "
+                            f"is {ctx.context_len}", param=field_name)
+
+
+def expand_n(base: dict[str, Any], sp: SamplingParams, rid: str) -> list[dict[str, Any]]:
+    """One Engine call per sample: `n` becomes n calls sharing the prompt (the prefix cache makes the
+    copies cheap). With a seed, copy j uses seed + j so the samples differ yet stay reproducible."""
+    params = {k: v for k, v in sp.to_dict().items() if k != "n"}
+    if sp.n == 1:
+        return [{**base, "sampling_params": params, "rid": rid}]
+    calls = []
+    for j in range(sp.n):
+        p = dict(params)
+        if sp.seed is not None:
+            p["seed"] = sp.seed + j
+        calls.append({**base, "sampling_params": p, "rid": f"{rid}-{j}"})
+    return calls
+
+
+def _per_item(value: Any, i: int, batch: int, is_batch: bool, name: str) -> Any:
+    if isinstance(value, list):
+        if not is_batch:
+            raise APIError(400, f"{name} is a list but the request is not a batch", param=name)
+        if len(value) != batch:
+            raise APIError(400, f"{name} has {len(value)} entries but the batch has {batch} prompts",
+                           param=name)
+        return value[i]
+    return value
+
+
+def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[dict[str, Any]]:
+    """Engine calls for one /generate body: batch items × n samples, each with its own rid."""
+    batch, is_batch = body.batch_size, body.is_batch
+    if batch == 0:
+        raise APIError(400, "the batch is empty", param="text" if body.text is not None else "input_ids")
+    calls: list[dict[str, Any]] = []
+    for i in range(batch):
+        base: dict[str, Any] = {}
+        if body.text is not None:
+            text = body.text[i] if is_batch else body.text
+            if text == "":
+                raise APIError(400, "text must not be empty", param="text")
+            base["prompt"] = text
+        else:
+            ids = body.input_ids[i] if is_batch else body.input_ids
+            check_prompt_ids(ids, ctx, "input_ids")  # type: ignore[arg-type]
+            base["input_ids"] = ids
+        sp = verified_sampling_params(_per_item(body.sampling_params, i, batch, is_batch,
+                                                "sampling_params"), ctx)
+        for name in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+            value = _per_item(getattr(body, name), i, batch, is_batch, name)
+            if value is not None:
+                base[name] = value
+        top = base.get("top_logprobs_num")
+        if top is not None and top < 0:
+            raise APIError(400, f"top_logprobs_num must be >= 0, got {top}", param="top_logprobs_num")
+        if body.return_text_in_logprobs:
+            base["return_text_in_logprobs"] = True
+        rid = _per_item(body.rid, i, batch, is_batch, "rid") or new_rid()
+        calls.extend(expand_n(base, sp, rid))
+    return calls
+
+
+# ---------------------------------------------------------------- /generate
+
+async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator[str]:
+    try:
+        async for index, chunk in group.chunks():
+            if indexed:
+                chunk = {**chunk, "index": index}
+            yield sse_event(chunk)
+    except Exception as e:  # headers are sent: report in-band, then end the stream
+        yield sse_error_event(str(e), 400 if isinstance(e, ValueError) else 500)
+    finally:
+        await group.close()
+    yield SSE_DONE
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request):
+    ctx = get_context(request)
+    calls = native_calls(body, ctx)
+    group = ctx.new_group(request, log_metrics=body.log_metrics)
+    await group.start(calls)
+    indexed = body.is_batch or len(calls) > 1
+    if body.stream:
+        return StreamingResponse(_stream_native(group, indexed), media_type="text/event-stream")
+    try:
+        results = await group.results()
+    finally:
+        await group.close()
+    return results if indexed else results[0]
+
+
+# ---------------------------------------------------------------- management routes
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """200 once the whole path (tokenizer → scheduler → model → detokenizer) produces a token."""
+    ctx = get_context(request)
+    group = ctx.new_group(None, log_metrics=False)
+    call = {"prompt": "ping", "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "rid": "health-" + new_rid()}
+    try:
+        await asyncio.wait_for(_run_to_end(group, call), timeout=_HEALTH_GENERATE_TIMEOUT_S)
+    except APIError:
+        raise
+    except Exception as e:
+        return error_response(503, f"health generation failed: {type(e).__name__}: {e}")
+    finally:
+        await group.close()
+    return Response(status_code=200)
+
+
+async def _run_to_end(group: GenerationGroup, call: dict[str, Any]) -> list[dict]:
+    await group.start([call])
+    return await group.results()
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    ctx = get_context(request)
+    engine = ctx.engine
+    return {
+        "model_path": str(getattr(engine, "model_path", ctx.server_args.model_path)),
+        "tokenizer_path": str(ctx.server_args.tokenizer_path or getattr(engine, "model_path", None)),
+        "served_model_name": ctx.model_name,
+        "is_generation": True,
+        "context_length": ctx.context_len,
+        "vocab_size": ctx.vocab_size,
+        "preferred_sampling_params": None,
+    }
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    ctx = get_context(request)
+    info = await asyncio.to_thread(ctx.engine.get_server_info)
+    return {**info, "num_open_http_requests": len(ctx.admission.open_rids),
+            "uptime_s": round(time.time() - ctx.started_at, 3)}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> JSONResponse:
+    ctx = get_context(request)
+    ok = await asyncio.to_thread(ctx.engine.flush_cache)
+    if ok:
+        return JSONResponse({"success": True, "message": "Cache flushed."})
+    return JSONResponse({"success": False, "message": "Cache not flushed: requests are running or waiting."},
+                        status_code=400)
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, request: Request) -> JSONResponse:
+    ctx = get_context(request)
+    if body.abort_all:
+        rids = sorted(ctx.admission.open_rids)
+    elif body.rid:
+        # n > 1 expands rid into rid-0, rid-1, ...: abort those too.
+        rids = [body.rid] + [r for r in ctx.admission.open_rids if r.startswith(body.rid + "-")]
+    else:
+        raise APIError(400, "give 'rid' or 'abort_all': true", param="rid")
+    for rid in rids:
+        ctx.engine.abort(rid)
+    return JSONResponse({"success": True, "aborted": rids})

@@ -1,0 +1,288 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+Each request becomes a list of Engine calls (prompts × n) run by one `GenerationGroup`; choices are
+numbered prompt-major (`index = prompt * n + sample`), as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from .engine_client import GenerationGroup, new_rid
+from .errors import APIError, sse_error_event
+from .native_api import (SSE_DONE, check_prompt_ids, check_prompt_length, expand_n, sse_event,
+                         verified_sampling_params)
+from .openai_responses import (ChoiceCursor, chat_logprobs, completion_logprobs, finish_reason, matched_stop,
+                               usage)
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .response_format import response_format_to_sampling
+from .server_context import ServerContext, get_context
+
+router = APIRouter(prefix="/v1")
+
+# OpenAI field → SamplingParams field, copied when the client sets it.
+_SAMPLING_FIELDS = (
+    ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+    ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+    ("repetition_penalty", "repetition_penalty"), ("min_tokens", "min_new_tokens"), ("stop", "stop"),
+    ("stop_token_ids", "stop_token_ids"), ("seed", "seed"), ("regex", "regex"), ("ebnf", "ebnf"),
+    ("ignore_eos", "ignore_eos"), ("skip_special_tokens", "skip_special_tokens"),
+    ("no_stop_trim", "no_stop_trim"), ("n", "n"),
+)
+
+
+def check_model(req: Union[CompletionRequest, ChatCompletionRequest], ctx: ServerContext) -> None:
+    if req.model is not None and req.model not in ctx.accepted_model_names:
+        raise APIError(404, f"model '{req.model}' does not exist; this server serves '{ctx.model_name}'",
+                       param="model")
+
+
+def sampling_dict(req: Union[CompletionRequest, ChatCompletionRequest], max_new_tokens: Optional[int]
+                  ) -> dict[str, Any]:
+    params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    for src, dst in _SAMPLING_FIELDS:
+        value = getattr(req, src)
+        if value is not None:
+            params[dst] = value
+    if req.logit_bias:
+        try:
+            params["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
+                           param="logit_bias") from None
+    params.update(response_format_to_sampling(req.response_format))
+    return params
+
+
+def _engine_calls(prompts: list[dict[str, Any]], params: dict[str, Any], ctx: ServerContext,
+                  rid: Optional[str], logprob_args: dict[str, Any]) -> list[dict[str, Any]]:
+    sp = verified_sampling_params(params, ctx, label="sampling parameters", param=None)
+    calls = []
+    for i, prompt in enumerate(prompts):
+        base_rid = rid if rid and len(prompts) == 1 else (f"{rid}-p{i}" if rid else new_rid())
+        calls.extend(expand_n({**prompt, **logprob_args}, sp, base_rid))
+    return calls
+
+
+def _default_max_tokens(prompt_len: int, ctx: ServerContext) -> Optional[int]:
+    return None if ctx.context_len is None else max(ctx.context_len - prompt_len, 1)
+
+
+async def _results_or_stream(group: GenerationGroup, calls: list[dict[str, Any]], stream: bool,
+                             events: Callable[[], AsyncIterator[str]]) -> Union[list[dict], StreamingResponse]:
+    await group.start(calls)
+    if stream:
+        return StreamingResponse(_sse(group, events()), media_type="text/event-stream")
+    try:
+        return await group.results()
+    finally:
+        await group.close()
+
+
+async def _sse(group: GenerationGroup, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Wrap an event generator: report a mid-stream error in-band, always close the group."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:
+        yield sse_error_event(str(e), 400 if isinstance(e, ValueError) else 500)
+    finally:
+        await group.close()
+    yield SSE_DONE
+
+
+# ---------------------------------------------------------------- /v1/models
+
+@router.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    ctx = get_context(request)
+    return {"object": "list", "data": [{
+        "id": ctx.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "plait",
+        "root": str(getattr(ctx.engine, "model_path", ctx.model_name)), "max_model_len": ctx.context_len}]}
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+def _completion_prompts(req: CompletionRequest, ctx: ServerContext) -> list[dict[str, Any]]:
+    p = req.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif p and isinstance(p[0], int):
+        items = [p]
+    else:
+        items = list(p)
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if item == "":
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            prompts.append({"prompt": item})
+        else:
+            check_prompt_ids(item, ctx, "prompt")
+            prompts.append({"input_ids": item})
+    return prompts
+
+
+@router.post("/completions")
+async def completions(req: CompletionRequest, request: Request):
+    ctx = get_context(request)
+    check_model(req, ctx)
+    prompts = _completion_prompts(req, ctx)
+    logprob_args: dict[str, Any] = {}
+    if req.logprobs is not None:
+        logprob_args = {"return_logprob": True, "top_logprobs_num": req.logprobs,
+                        "return_text_in_logprobs": True}
+        if req.echo:
+            logprob_args["logprob_start_len"] = 0
+    calls = _engine_calls(prompts, sampling_dict(req, req.max_tokens), ctx, req.rid, logprob_args)
+    group = ctx.new_group(request)
+    response_id = "cmpl-" + (req.rid or uuid.uuid4().hex)
+    created = int(time.time())
+    echo_texts = [_prompt_text(p, ctx) if req.echo else "" for p in prompts]
+    result = await _results_or_stream(
+        group, calls, req.stream,
+        lambda: _completion_events(group, req, response_id, created, ctx, echo_texts))
+    if isinstance(result, StreamingResponse):
+        return result
+    choices = []
+    for index, out in enumerate(result):
+        meta = out.get("meta_info") or {}
+        echo = echo_texts[index // req.n]
+        logprobs = None
+        if req.logprobs is not None:
+            tokens = (meta.get("input_token_logprobs") or [])[:] if req.echo else []
+            tops = (meta.get("input_top_logprobs") or [])[:] if req.echo else []
+            tokens += meta.get("output_token_logprobs") or []
+            tops += meta.get("output_top_logprobs") or []
+            logprobs = completion_logprobs(tokens, tops, ctx.tokenizer, 0)
+        choices.append({"index": index, "text": echo + (out.get("text") or ""), "logprobs": logprobs,
+                        "finish_reason": finish_reason(meta), "matched_stop": matched_stop(meta)})
+    metas = [o.get("meta_info") or {} for o in result]
+    return {"id": response_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+            "choices": choices, "usage": usage(metas[::req.n], metas)}
+
+
+def _prompt_text(prompt: dict[str, Any], ctx: ServerContext) -> str:
+    return prompt["prompt"] if "prompt" in prompt else ctx.tokenizer.decode(prompt["input_ids"])
+
+
+async def _completion_events(group: GenerationGroup, req: CompletionRequest, response_id: str,
+                             created: int, ctx: ServerContext, echo_texts: list[str]) -> AsyncIterator[str]:
+    cursors: dict[int, ChoiceCursor] = {}
+    last_meta: dict[int, dict] = {}
+    head = {"id": response_id, "object": "text_completion", "created": created, "model": ctx.model_name}
+    async for index, chunk in group.chunks():
+        cur = cursors.setdefault(index, ChoiceCursor())
+        meta = chunk.get("meta_info") or {}
+        last_meta[index] = meta
+        text = cur.text_delta(chunk)
+        if not cur.role_sent:  # first chunk of this choice: the echoed prompt goes first
+            cur.role_sent = True
+            text = echo_texts[index // req.n] + text
+        logprobs = None
+        if req.logprobs is not None:
+            tokens, tops = cur.logprob_delta(meta)
+            logprobs = completion_logprobs(tokens, tops, ctx.tokenizer, cur.text_offset)
+            cur.text_offset += sum(len(t) for t in logprobs["tokens"])
+        reason = finish_reason(meta)
+        if text or reason or logprobs:
+            yield sse_event({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                                  "finish_reason": reason}]})
+    if req.stream_options is not None and req.stream_options.include_usage:
+        metas = [last_meta[i] for i in sorted(last_meta)]
+        yield sse_event({**head, "choices": [], "usage": usage(metas[::req.n], metas)})
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServerContext) -> list[int]:
+    """Render the messages with the model's chat template and tokenize."""
+    tokenizer = ctx.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.continue_final_message:
+        kwargs.update(add_generation_prompt=False, continue_final_message=True)
+    else:
+        kwargs.setdefault("add_generation_prompt", True)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as e:  # jinja raises TemplateError for e.g. roles the template refuses
+        raise APIError(400, f"messages could not be rendered with the chat template: {e}",
+                       param="messages") from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    check_prompt_length(len(ids), ctx, "messages")
+    return ids
+
+
+@router.post("/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    ctx = get_context(request)
+    check_model(req, ctx)
+    ids = chat_prompt_ids(req, ctx)
+    max_new = req.max_new_tokens if req.max_new_tokens is not None else _default_max_tokens(len(ids), ctx)
+    logprob_args: dict[str, Any] = {}
+    if req.logprobs:
+        logprob_args = {"return_logprob": True, "top_logprobs_num": req.top_logprobs or 0,
+                        "return_text_in_logprobs": True}
+    calls = _engine_calls([{"input_ids": ids}], sampling_dict(req, max_new), ctx, req.rid, logprob_args)
+    group = ctx.new_group(request)
+    response_id = "chatcmpl-" + (req.rid or uuid.uuid4().hex)
+    created = int(time.time())
+    result = await _results_or_stream(group, calls, req.stream,
+                                      lambda: _chat_events(group, req, response_id, created, ctx))
+    if isinstance(result, StreamingResponse):
+        return result
+    choices = []
+    for index, out in enumerate(result):
+        meta = out.get("meta_info") or {}
+        logprobs = None
+        if req.logprobs:
+            logprobs = chat_logprobs(meta.get("output_token_logprobs") or [],
+                                     meta.get("output_top_logprobs") or [], ctx.tokenizer)
+        choices.append({"index": index, "message": {"role": "assistant", "content": out.get("text") or ""},
+                        "logprobs": logprobs, "finish_reason": finish_reason(meta),
+                        "matched_stop": matched_stop(meta)})
+    metas = [o.get("meta_info") or {} for o in result]
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
+            "choices": choices, "usage": usage(metas[:1], metas)}
+
+
+async def _chat_events(group: GenerationGroup, req: ChatCompletionRequest, response_id: str, created: int,
+                       ctx: ServerContext) -> AsyncIterator[str]:
+    cursors: dict[int, ChoiceCursor] = {}
+    last_meta: dict[int, dict] = {}
+    head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
+
+    def event(index: int, delta: dict, reason: Optional[str] = None, logprobs: Any = None) -> str:
+        return sse_event({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                               "finish_reason": reason}]})
+
+    async for index, chunk in group.chunks():
+        cur = cursors.setdefault(index, ChoiceCursor())
+        meta = chunk.get("meta_info") or {}
+        last_meta[index] = meta
+        if not cur.role_sent:
+            cur.role_sent = True
+            yield event(index, {"role": "assistant", "content": ""})
+        text = cur.text_delta(chunk)
+        logprobs = None
+        if req.logprobs:
+            tokens, tops = cur.logprob_delta(meta)
+            logprobs = chat_logprobs(tokens, tops, ctx.tokenizer) if tokens else None
+        if text or logprobs:
+            yield event(index, {"content": text}, logprobs=logprobs)
+        reason = finish_reason(meta)
+        if reason is not None and not cur.finished:
+            cur.finished = True
+            yield event(index, {}, reason)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        metas = [last_meta[i] for i in sorted(last_meta)]
+        yield sse_event({**head, "choices": [], "usage": usage(metas[:1], metas)})
