@@ -1,0 +1,371 @@
+"""Engine: the in-process API over the tokenizer manager and the scheduler process.
+
+    with Engine() as eng:                      # the embedded default model
+        eng.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+
+Every public method is safe to call from any thread and any asyncio loop: work is handed to the
+tokenizer manager's own loop (a background thread) and the results are bridged back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import pickle
+import subprocess
+import sys
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from typing import Any, AsyncIterator, Iterator, Optional, Union
+
+from .io_struct import SchedulerInfo, TokenizedGenerateReq
+from .sampling_params import SamplingParams
+from .server_args import ServerArgs
+from .tokenizer_manager import OverloadedError, TokenizerManager, new_rid
+
+logger = logging.getLogger("plait.engine")
+
+STARTUP_TIMEOUT_S = 900
+
+
+class Engine:
+    def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
+        if "model" in kwargs and model_path is None:
+            model_path = kwargs.pop("model")
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        from .default_model import resolve_model_path
+
+        if model_path is None:
+            self.model_path = resolve_model_path(None)
+        else:
+            self.model_path = model_path
+        self.server_args.model_path = self.model_path
+        self._closed = False
+        self._tmpdir = tempfile.mkdtemp(prefix="plait-")
+        to_sched = f"ipc://{self._tmpdir}/to_scheduler"
+        from_sched = f"ipc://{self._tmpdir}/from_scheduler"
+
+        # NOTE: the scheduler runs in a fresh interpreter (`python -m plait.runtime.scheduler_main`), not a
+        # multiprocessing child: spawn would re-import the user's __main__, which breaks scripts that
+        # create an Engine at top level without an `if __name__ == "__main__"` guard.
+        self._ready_addr = f"ipc://{self._tmpdir}/ready"
+        self._proc = _launch_scheduler(self.server_args, self.model_path, to_sched, from_sched,
+                                       f"ipc://{self._tmpdir}/ready", self._tmpdir)
+        status, payload = self._wait_ready()
+        if status != "ready":
+            self._cleanup_process()
+            raise RuntimeError(f"the scheduler failed to start: {payload}")
+        self.info: SchedulerInfo = payload
+        self.tokenizer = _load_tokenizer(self.server_args.tokenizer_path or self.model_path)
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="plait-tokenizer-manager", daemon=True)
+        self._thread.start()
+
+        async def make_tm():
+            tm = TokenizerManager(self.server_args, self.tokenizer, self.info, to_sched, from_sched,
+                                  lambda: self._proc.poll() is None)
+            tm.start()
+            return tm
+
+        self.tokenizer_manager: TokenizerManager = self._call(make_tm())
+        atexit.register(self.shutdown)
+        logger.info("engine ready: %s on %s (%s, %s attention, %d KV tokens)", self.model_path, self.info.device,
+                    self.info.dtype, self.info.attention_backend, self.info.max_total_tokens)
+
+    def _wait_ready(self):
+        import zmq
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PULL)
+        sock.bind(self._ready_addr)
+        try:
+            waited = 0.0
+            while waited < STARTUP_TIMEOUT_S:
+                if sock.poll(500):
+                    return sock.recv_pyobj()
+                waited += 0.5
+                if self._proc.poll() is not None:
+                    return ("error", f"scheduler process exited with code {self._proc.returncode}")
+            return ("error", "timed out waiting for the scheduler")
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    # ------------------------------------------------------------------ bridges
+    def _call(self, coro, timeout: Optional[float] = None):
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the engine is shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _acall(self, coro):
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the engine is shut down")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def model_config(self) -> SchedulerInfo:
+        return self.info
+
+    @property
+    def context_len(self) -> int:
+        return self.info.context_len
+
+    # ------------------------------------------------------------------ generate
+    def _build_requests(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                        top_logprobs_num, return_text_in_logprobs, stream, rid, group=None):
+        """Normalize SGLang-style inputs into (list of TokenizedGenerateReq, is_batch, n-groups)."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt (text) and input_ids")
+        tm = self.tokenizer_manager
+        if prompt is not None:
+            if isinstance(prompt, str):
+                batch, ids_list = False, [tm.tokenize(prompt)] if prompt else [[]]
+            elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+                if not prompt:
+                    raise ValueError("prompt is an empty list")
+                batch, ids_list = True, [tm.tokenize(p) if p else [] for p in prompt]
+            else:
+                raise ValueError("prompt must be a string or a list of strings")
+        else:
+            if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+                batch, ids_list = True, [list(x) for x in input_ids]
+            elif isinstance(input_ids, list):
+                batch, ids_list = False, [list(input_ids)]
+            else:
+                raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+        size = len(ids_list)
+
+        def per_item(value, name):
+            if isinstance(value, list) and batch:
+                if len(value) != size:
+                    raise ValueError(f"{name} has {len(value)} entries for a batch of {size}")
+                return value
+            return [value] * size
+
+        sps = per_item(sampling_params, "sampling_params")
+        lps = per_item(return_logprob, "return_logprob")
+        starts = per_item(logprob_start_len, "logprob_start_len")
+        tops = per_item(top_logprobs_num, "top_logprobs_num")
+        texts = per_item(return_text_in_logprobs, "return_text_in_logprobs")
+        rids = rid if (batch and isinstance(rid, list)) else [rid] * size
+        if batch and isinstance(rid, str):
+            rids = [f"{rid}_{i}" for i in range(size)]
+        reqs, groups = [], []
+        for i in range(size):
+            sp = SamplingParams.from_dict(sps[i])
+            tm.validate(ids_list[i], sp, starts[i], tops[i])
+            base_rid = rids[i] or new_rid()
+            members = []
+            for k in range(sp.n):
+                sub = SamplingParams.from_dict({**sp.to_dict(), "n": 1})
+                if sp.seed is not None and k:
+                    sub.seed = sp.seed + k
+                members.append(TokenizedGenerateReq(
+                    rid=base_rid if sp.n == 1 else f"{base_rid}_{k}", input_ids=ids_list[i], sampling_params=sub,
+                    return_logprob=bool(lps[i]), logprob_start_len=-1 if starts[i] is None else starts[i],
+                    top_logprobs_num=tops[i] or 0, return_text_in_logprobs=bool(texts[i]), stream=stream,
+                    group=group or (base_rid if sp.n > 1 else None)))
+            groups.append(members)
+        return groups, batch
+
+    async def _generate_async(self, groups, batch: bool):
+        tm = self.tokenizer_manager
+        # n > 1: prefill the shared prompt once (a prefill-only request), then start the samples.
+        for members in groups:
+            if len(members) > 1 and not self.server_args.disable_radix_cache:
+                head = members[0]
+                warm = TokenizedGenerateReq(rid=new_rid(), input_ids=head.input_ids,
+                                            sampling_params=SamplingParams(max_new_tokens=0), group=head.group)
+                await tm.wait(await tm.submit(warm))
+        states = [[await tm.submit(m) for m in members] for members in groups]
+        results = []
+        for group_states in states:
+            outs = [await tm.wait(s) for s in group_states]
+            results.append(outs if len(outs) > 1 else outs[0])
+        if batch:
+            flat = []
+            for r in results:
+                flat.extend(r if isinstance(r, list) else [r])
+            return flat
+        return results[0]
+
+    def generate(self, prompt: Union[str, list[str], None] = None,
+                 sampling_params: Union[dict, list[dict], None] = None,
+                 input_ids: Union[list[int], list[list[int]], None] = None,
+                 return_logprob: Union[bool, list[bool]] = False,
+                 logprob_start_len: Union[int, list[int], None] = None,
+                 top_logprobs_num: Union[int, list[int], None] = None,
+                 return_text_in_logprobs: bool = False, stream: bool = False, rid=None, group=None):
+        groups, batch = self._build_requests(prompt, sampling_params, input_ids, return_logprob,
+                                             logprob_start_len, top_logprobs_num, return_text_in_logprobs,
+                                             stream, rid, group)
+        if stream:
+            return self._stream_sync(groups, batch)
+        return self._call(self._generate_async(groups, batch))
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=False,
+                             stream: bool = False, rid=None, group=None):
+        groups, batch = self._build_requests(prompt, sampling_params, input_ids, return_logprob,
+                                             logprob_start_len, top_logprobs_num, return_text_in_logprobs,
+                                             stream, rid, group)
+        if stream:
+            return self._stream_async(groups, batch)
+        return await self._acall(self._generate_async(groups, batch))
+
+    # Streaming: one request (n == 1, not a batch) yields cumulative chunks.
+    def _single_stream_req(self, groups, batch):
+        if batch or len(groups) != 1 or len(groups[0]) != 1:
+            raise ValueError("stream=True takes a single prompt with n=1")
+        return groups[0][0]
+
+    async def _stream_async(self, groups, batch) -> AsyncIterator[dict]:
+        req = self._single_stream_req(groups, batch)
+        caller_loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        tm = self.tokenizer_manager
+
+        async def pump():
+            try:
+                state = await tm.submit(req)
+                async for chunk in tm.stream(state):
+                    caller_loop.call_soon_threadsafe(q.put_nowait, ("chunk", chunk))
+                caller_loop.call_soon_threadsafe(q.put_nowait, ("end", None))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                caller_loop.call_soon_threadsafe(q.put_nowait, ("error", e))
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                kind, item = await q.get()
+                if kind == "chunk":
+                    yield item
+                elif kind == "error":
+                    raise item
+                else:
+                    return
+        finally:
+            if not fut.done():  # consumer left early (e.g. a client disconnect): abort in the scheduler
+                fut.cancel()
+                self.abort(req.rid)
+
+    def _stream_sync(self, groups, batch) -> Iterator[dict]:
+        req = self._single_stream_req(groups, batch)
+        q: queue.Queue = queue.Queue()
+        tm = self.tokenizer_manager
+
+        async def pump():
+            try:
+                state = await tm.submit(req)
+                async for chunk in tm.stream(state):
+                    q.put(("chunk", chunk))
+                q.put(("end", None))
+            except BaseException as e:  # noqa: BLE001
+                q.put(("error", e))
+
+        def gen():
+            fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+            try:
+                while True:
+                    kind, item = q.get()
+                    if kind == "chunk":
+                        yield item
+                    elif kind == "error":
+                        raise item
+                    else:
+                        return
+            finally:
+                if not fut.done():
+                    fut.cancel()
+                    self.abort(req.rid)
+
+        return gen()
+
+    # ------------------------------------------------------------------ control
+    def abort(self, rid: str) -> None:
+        if not self._closed:
+            asyncio.run_coroutine_threadsafe(self.tokenizer_manager.abort(rid), self._loop)
+
+    def flush_cache(self) -> bool:
+        return self._call(self.tokenizer_manager.control("flush_cache"))
+
+    async def async_flush_cache(self) -> bool:
+        return await self._acall(self.tokenizer_manager.control("flush_cache"))
+
+    def get_stats(self) -> dict:
+        return self._call(self.tokenizer_manager.control("get_stats"))
+
+    async def async_get_stats(self) -> dict:
+        return await self._acall(self.tokenizer_manager.control("get_stats"))
+
+    def check_integrity(self) -> bool:
+        """True when every KV slot is accounted for (free + cached + in use == total)."""
+        return self._call(self.tokenizer_manager.control("check_integrity"))
+
+    def get_server_info(self) -> dict:
+        import dataclasses
+
+        return {**dataclasses.asdict(self.server_args), **dataclasses.asdict(self.info), **self.get_stats()}
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            async def stop():
+                await self.tokenizer_manager.send_sock.send_pyobj(None)
+                await self.tokenizer_manager.close()
+
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
+        except Exception:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._cleanup_process()
+
+    def _cleanup_process(self) -> None:
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _launch_scheduler(server_args: ServerArgs, model_path: str, to_sched: str, from_sched: str,
+                      ready_addr: str, tmpdir: str) -> subprocess.Popen:
+    spec = os.path.join(tmpdir, "scheduler_args.pkl")
+    with open(spec, "wb") as f:
+        pickle.dump((server_args, model_path, to_sched, from_sched, ready_addr), f)
+    return subprocess.Popen([sys.executable, "-m", "plait.runtime.scheduler_main", spec], close_fds=True)
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None
+
+
+__all__ = ["Engine", "OverloadedError"]

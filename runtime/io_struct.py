@@ -1,0 +1,82 @@
+"""Typed messages between the tokenizer manager (caller's process) and the scheduler process.
+
+They travel pickled over ZMQ; every message is a dataclass, never a bare dict or string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    group: Optional[str] = None  # program / fork group (scheduling and caching hint)
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class ControlReq:
+    """A request that expects one `ControlReply` with the same `call_id`."""
+
+    call_id: int
+    op: str  # "flush_cache" | "get_stats" | "pin_prefix" | "unpin_prefix" | "check_integrity"
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ControlReply:
+    call_id: int
+    result: Any = None
+    error: Optional[str] = None
+
+
+@dataclass
+class ReqOutput:
+    """What one request produced since the last message (deltas), plus its running totals."""
+
+    rid: str
+    new_ids: list[int]
+    text_delta: str
+    finished_reason: Optional[dict[str, Any]]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # Deltas of (logprob, token_id, text|None) and of top lists [(logprob, token_id, text|None)]
+    input_token_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    # Final text replaces the accumulated one when stop trimming cut part of it.
+    final_text: Optional[str] = None
+
+
+@dataclass
+class BatchOut:
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class SchedulerInfo:
+    max_total_tokens: int
+    context_len: int
+    vocab_size: int
+    max_running_requests: int
+    device: str
+    dtype: str
+    attention_backend: str
+    eos_token_ids: list[int]

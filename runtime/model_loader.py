@@ -1,0 +1,68 @@
+"""Build a model and fill its weights: from a Hugging Face folder (safetensors) or as dummy weights."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+
+from .model_config import BUILTIN_SHAPES, ModelConfig
+from .models import model_class
+
+
+def load_model_config(model_path: str, load_format: str) -> ModelConfig:
+    if load_format == "dummy" and model_path in BUILTIN_SHAPES:
+        return ModelConfig.from_dict(BUILTIN_SHAPES[model_path])
+    if not os.path.isdir(model_path):
+        shapes = ", ".join(sorted(BUILTIN_SHAPES))
+        hint = f" (with load_format='dummy' a built-in shape name also works: {shapes})"
+        raise ValueError(f"model_path {model_path!r} is not a folder{hint}")
+    return ModelConfig.from_path(model_path)
+
+
+def _iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_path!r} (use load_format='dummy' for random weights)")
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
+    # Small uniform weights keep activations finite through many bf16 layers; norms stay at 1.
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen) \
+                if p.numel() < 2 ** 24 else None
+            if cpu is not None:
+                p.copy_(cpu)
+            else:  # large matrices: draw on the device (fast on a GPU)
+                p.uniform_(-0.02, 0.02)
+
+
+def load_model(model_path: str, cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: str,
+               max_position: int, seed: int = 0) -> torch.nn.Module:
+    cls = model_class(cfg)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg, max_position)
+    finally:
+        torch.set_default_dtype(old)
+    if load_format == "dummy":
+        _fill_dummy(model, seed)
+    else:
+        model.load_weights(_iter_safetensors(model_path))
+    return model.eval()

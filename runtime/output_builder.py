@@ -1,0 +1,113 @@
+"""Stop checks and the per-step output messages of the scheduler.
+
+`check_finish` runs after every sampled token: it feeds the incremental detokenizer, then checks stop
+token ids / EOS, stop strings, stop regexes, grammar termination, max_new_tokens and the context
+length. `collect` turns the requests' progress into `ReqOutput` deltas: streaming requests every
+`stream_interval` tokens, the others once, when they finish.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .detokenizer import find_stop_regex, find_stop_string
+from .io_struct import ReqOutput
+from .schedule_batch import FinishReason, Req
+
+
+class OutputBuilder:
+    def __init__(self, tokenizer, stream_interval: int):
+        self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
+        self.pending: list[ReqOutput] = []
+
+    def check_finish(self, r: Req, context_len: int) -> None:
+        tok = r.output_ids[-1]
+        delta = r.detok.step([tok])
+        sp = r.sampling_params
+        if tok in r.stop_token_ids and len(r.output_ids) >= sp.min_new_tokens:
+            r.finished_reason = FinishReason("stop", matched=tok)
+            return
+        stops = sp.stop_strs
+        if stops and delta:
+            hit = find_stop_string(r.detok.text, len(delta), stops)
+            if hit is not None:
+                idx, s = hit
+                r.finished_reason = FinishReason("stop", matched=s)
+                r.final_text = r.detok.text if sp.no_stop_trim else r.detok.text[:idx]
+                return
+        if r.stop_regexes and delta:
+            hit = find_stop_regex(r.detok.text, r.stop_regexes)
+            if hit is not None:
+                start, end, s = hit
+                r.finished_reason = FinishReason("stop", matched=s)
+                r.final_text = r.detok.text[:end] if sp.no_stop_trim else r.detok.text[:start]
+                return
+        if r.grammar is not None and r.grammar.is_terminated():
+            r.finished_reason = FinishReason("stop", matched=None)
+            return
+        if sp.max_new_tokens is not None and len(r.output_ids) >= sp.max_new_tokens:
+            r.finished_reason = FinishReason("length", length=len(r.output_ids))
+            return
+        if r.seq_len >= context_len:
+            r.finished_reason = FinishReason("length", length=len(r.output_ids))
+
+    # ------------------------------------------------------------------ messages
+    def emit_final(self, r: Req) -> None:
+        r.detok.flush()
+        text = r.final_text if r.final_text is not None else r.detok.text
+        out = self._delta(r, text, final=True)
+        out.finished_reason = r.finished_reason.to_json()
+        out.final_text = text
+        self.pending.append(out)
+
+    def collect(self, live: list[Req]) -> list[ReqOutput]:
+        outs, self.pending = self.pending, []
+        for r in live:
+            if not r.stream or r.finished:
+                continue
+            if len(r.output_ids) - r.sent_ids < self.stream_interval and not (r.sent_ids == 0 and r.output_ids):
+                continue
+            text = r.detok.text
+            holdback = max((len(s) for s in r.sampling_params.stop_strs), default=1) - 1
+            if holdback:
+                text = text[:max(r.sent_text_len, len(text) - holdback)]
+            outs.append(self._delta(r, text, final=False))
+        return outs
+
+    def _delta(self, r: Req, text: str, final: bool) -> ReqOutput:
+        out = ReqOutput(
+            rid=r.rid, new_ids=r.output_ids[r.sent_ids:], text_delta=text[r.sent_text_len:],
+            finished_reason=None, prompt_tokens=len(r.origin_input_ids), completion_tokens=len(r.output_ids),
+            cached_tokens=r.cached_tokens)
+        r.sent_ids = len(r.output_ids)
+        r.sent_text_len = len(text)
+        if r.return_logprob:
+            self._add_logprobs(r, out)
+        return out
+
+    def _tok_text(self, r: Req, tok: Optional[int]) -> Optional[str]:
+        if not r.return_text_in_logprobs or tok is None or self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([tok])
+
+    def _top(self, r: Req, top) -> Optional[list]:
+        if top is None:
+            return None
+        return [(lp, t, self._tok_text(r, t)) for lp, t in top]
+
+    def _add_logprobs(self, r: Req, out: ReqOutput) -> None:
+        if r.sent_input_logprobs == 0 and r.return_logprob and (r.input_token_logprobs or r.logprob_start_len == 0):
+            if r.logprob_start_len == 0 and r.origin_input_ids:
+                first = r.origin_input_ids[0]
+                out.input_token_logprobs.append((None, first, self._tok_text(r, first)))
+                out.input_top_logprobs.append(None)
+            for (lp, t), top in zip(r.input_token_logprobs, r.input_top_logprobs):
+                out.input_token_logprobs.append((lp, t, self._tok_text(r, t)))
+                out.input_top_logprobs.append(self._top(r, top))
+            r.sent_input_logprobs = 1
+        n = r.sent_output_logprobs
+        for (lp, t), top in zip(r.output_token_logprobs[n:], r.output_top_logprobs[n:]):
+            out.output_token_logprobs.append((lp, t, self._tok_text(r, t)))
+            out.output_top_logprobs.append(self._top(r, top))
+        r.sent_output_logprobs = len(r.output_token_logprobs)

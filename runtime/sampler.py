@@ -1,0 +1,133 @@
+"""Batched sampling: logit bias, penalties, min_new_tokens, grammar masks, temperature, top-k/top-p/min-p.
+
+`SamplingBatchInfo` turns the per-request parameters into tensors once per step; `sample()` picks one
+token per row. A batch that is entirely greedy and unconstrained by penalties takes the argmax fast
+path. Requests with a `seed` draw from their own generator, so their output reproduces exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .schedule_batch import Req
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # (B, 1) float32, 1.0 for greedy rows (unused there)
+    top_ps: torch.Tensor  # (B,)
+    top_ks: torch.Tensor  # (B,) int64, vocab size where disabled
+    min_ps: torch.Tensor  # (B,)
+    greedy: torch.Tensor  # (B,) bool
+    all_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    need_penalties: bool
+    need_logit_bias: bool
+    need_min_tokens: bool
+    has_grammar: bool
+    has_seed: bool
+
+    @classmethod
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: str) -> "SamplingBatchInfo":
+        sps = [r.sampling_params for r in reqs]
+        greedy = [sp.is_greedy for sp in sps]
+        temps = [1.0 if g else float(sp.temperature) for sp, g in zip(sps, greedy)]
+        top_ks = [vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size) for sp in sps]
+        return cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1),
+            top_ps=torch.tensor([float(sp.top_p) for sp in sps], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor([float(sp.min_p) for sp in sps], dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            need_top_p=any(sp.top_p < 1.0 for sp, g in zip(sps, greedy) if not g),
+            need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
+            need_min_p=any(sp.min_p > 0 for sp, g in zip(sps, greedy) if not g),
+            need_penalties=any(sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
+                               for sp in sps),
+            need_logit_bias=any(sp.logit_bias for sp in sps),
+            need_min_tokens=any(len(r.output_ids) < sp.min_new_tokens for r, sp in zip(reqs, sps)),
+            has_grammar=any(r.grammar is not None for r in reqs),
+            has_seed=any(sp.seed is not None and not g for sp, g in zip(sps, greedy)),
+        )
+
+
+def apply_logit_adjustments(logits: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> None:
+    """In place on logits (B, V): bias, penalties, and EOS/stop-token bans before min_new_tokens."""
+    vocab = logits.shape[1]
+    if info.need_logit_bias:
+        for i, r in enumerate(reqs):
+            bias = r.sampling_params.logit_bias
+            if bias:
+                ids = torch.tensor(list(bias.keys()), dtype=torch.int64, device=logits.device)
+                vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[i].index_add_(0, ids, vals)
+    if info.need_penalties:
+        for i, r in enumerate(reqs):
+            sp = r.sampling_params
+            if sp.frequency_penalty or sp.presence_penalty:
+                if r.output_ids:
+                    out = torch.tensor(r.output_ids, dtype=torch.int64, device=logits.device)
+                    counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+                    logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+            if sp.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.fill_ids)), dtype=torch.int64, device=logits.device)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+    if info.need_min_tokens:
+        for i, r in enumerate(reqs):
+            if len(r.output_ids) < r.sampling_params.min_new_tokens and r.stop_token_ids:
+                ban = torch.tensor(sorted(r.stop_token_ids), dtype=torch.int64, device=logits.device)
+                logits[i, ban] = float("-inf")
+
+
+def sample(logits: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> torch.Tensor:
+    """logits (B, V) float32, already adjusted and masked → next token ids (B,) int64."""
+    if info.all_greedy:
+        return torch.argmax(logits, dim=-1)
+    probs = torch.softmax(logits / info.temperatures, dim=-1)  # (B, V)
+    if info.need_top_k or info.need_top_p or info.need_min_p:
+        probs = _filter_probs(probs, info)
+    sampled = _draw(probs, reqs, info)
+    return torch.where(info.greedy, torch.argmax(logits, dim=-1), sampled)
+
+
+def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if info.need_top_k:
+        ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
+        keep &= ranks < info.top_ks[:, None]
+    if info.need_top_p:
+        # Keep a token while the mass strictly before it is below top_p (the first token always stays).
+        keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < info.top_ps[:, None]
+    if info.need_min_p:
+        keep &= sorted_p >= info.min_ps[:, None] * sorted_p[:, :1]
+    sorted_p = sorted_p * keep
+    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def _draw(probs: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> torch.Tensor:
+    if not info.has_seed:
+        return torch.multinomial(probs, 1).squeeze(1)
+    out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    for i, r in enumerate(reqs):
+        gen: Optional[torch.Generator] = r.generator
+        out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    return out
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int):
+    """Raw-model logprobs of `token_ids` (N,) under logits (N, V); plus top-k (values, ids) if top_k > 0."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
+    if top_k > 0:
+        vals, ids = logprobs.topk(min(top_k, logprobs.shape[1]), dim=-1)
+        return chosen, vals, ids
+    return chosen, None, None

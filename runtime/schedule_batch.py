@@ -1,0 +1,137 @@
+"""Per-request scheduler state (`Req`) and one step's batch (`ScheduleBatch`).
+
+A request's tokens are `fill_ids = origin_input_ids + output_ids`. `kv_len` of them have K/V in the
+pool: `req_to_token[req_pool_idx, :kv_len]`. Of those, the first `cache_len` belong to the prefix cache
+(locked through `last_node`); the rest are the request's private slots.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .forward_batch import ForwardMode
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: Any = None  # stop string or token id (type "stop")
+    length: int = 0  # type "length"
+    message: str = ""  # type "abort"
+
+    def to_json(self) -> dict[str, Any]:
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message}
+
+
+class Req:
+    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, *,
+                 return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 return_text_in_logprobs: bool = False, stream: bool = False, tokenizer=None,
+                 eos_token_ids: tuple[int, ...] = (), group: Optional[str] = None):
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.sampling_params = sampling_params
+        self.return_logprob = return_logprob
+        # Prompt logprobs are wanted from this prompt position on (-1: none, only output logprobs).
+        if return_logprob and logprob_start_len is not None and logprob_start_len >= 0:
+            self.logprob_start_len = min(logprob_start_len, len(input_ids))
+        else:
+            self.logprob_start_len = len(input_ids)
+        self.top_logprobs_num = top_logprobs_num or 0
+        self.return_text_in_logprobs = return_text_in_logprobs
+        self.stream = stream
+        self.group = group  # program / fork group id (scheduling hint)
+        self.output_ids: list[int] = []
+        self.finished_reason: Optional[FinishReason] = None
+        self.stop_token_ids = set(sampling_params.stop_token_ids or [])
+        if not sampling_params.ignore_eos:
+            self.stop_token_ids |= set(eos_token_ids)
+        self.eos_token_ids = set(eos_token_ids)
+        self.stop_regexes = [re.compile(p) for p in sampling_params.stop_regexes]
+        self.detok = IncrementalDetokenizer(tokenizer, sampling_params.skip_special_tokens)
+        self.sent_text_len = 0  # characters of detok.text already sent to the caller
+        self.sent_ids = 0
+        self.final_text: Optional[str] = None  # text after stop trimming, once finished
+
+        # Memory
+        self.req_pool_idx: Optional[int] = None
+        self.kv_len = 0
+        self.cache_len = 0
+        self.last_node: Any = None
+        self.prefix_len_this_step = 0
+        self.extend_len_this_step = 0
+        self.is_chunked = False  # mid-way through a chunked prefill
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (reported)
+        self.num_retractions = 0
+
+        # Logprobs, accumulated as (logprob, token_id) pairs; top lists as [(logprob, token_id)]
+        self.input_token_logprobs: list = []
+        self.input_top_logprobs: list = []
+        self.output_token_logprobs: list = []
+        self.output_top_logprobs: list = []
+        self.sent_input_logprobs = 0
+        # Next prompt position whose logprob is still to compute (survives retraction).
+        self.input_logprob_next = self.logprob_start_len
+        self.sent_output_logprobs = 0
+
+        self.generator: Optional[torch.Generator] = None
+        self.grammar: Any = None  # per-request grammar matcher (constrained decoding), or None
+        self.created = time.monotonic()
+        self.first_token_time: Optional[float] = None
+
+    # ---- token views ----
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.sampling_params.max_new_tokens == 0
+
+    def remaining_new_tokens(self) -> int:
+        return max(0, (self.sampling_params.max_new_tokens or 0) - len(self.output_ids))
+
+    def needs_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len < len(self.origin_input_ids)
+
+    def reset_for_retract(self) -> None:
+        self.req_pool_idx = None
+        self.kv_len = 0
+        self.cache_len = 0
+        self.last_node = None
+        self.is_chunked = False
+        self.num_retractions += 1
+
+
+@dataclass
+class ScheduleBatch:
+    """The requests of one forward step and how many new tokens each contributes."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    prefix_lens: list[int] = field(default_factory=list)  # kv already in the pool (EXTEND)
+    extend_lens: list[int] = field(default_factory=list)  # new tokens this step (EXTEND)
+    out_cache_loc: Optional[torch.Tensor] = None  # (T,) kv slots allocated for the new tokens
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)

@@ -1,0 +1,55 @@
+"""Waiting-queue order and the prefill admission budget.
+
+- `fcfs`: arrival order.
+- `lpm`: longest cached prefix first (a request whose prefix is in the tree costs the least prefill
+  and frees the least memory); falls back to FCFS on long queues where matching everything costs more
+  than it saves.
+- `dfs-weight`: requests of one program / fork group (and, within that, sharing prefixes) run
+  together, so siblings share one prefill batch and the subtree stays hot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .prefix_cache import PrefixCache
+from .schedule_batch import Req
+
+LPM_MAX_QUEUE = 128
+
+
+def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache) -> list[Req]:
+    if policy == "fcfs" or len(waiting) <= 1:
+        return waiting
+    if policy == "lpm":
+        if len(waiting) > LPM_MAX_QUEUE:
+            return waiting
+        scored = [(-cache.match_prefix(r.fill_ids).num_tokens, i, r) for i, r in enumerate(waiting)]
+        scored.sort(key=lambda t: (t[0], t[1]))
+        return [r for _, _, r in scored]
+    if policy == "dfs-weight":
+        # Group by program; groups ordered by their first arrival; within a group, shared prefixes
+        # adjacent (lexicographic token order puts siblings of one prefix next to each other).
+        first_seen: dict[str, int] = {}
+        for i, r in enumerate(waiting):
+            first_seen.setdefault(r.group or r.rid, i)
+        return sorted(waiting, key=lambda r: (first_seen[r.group or r.rid], r.fill_ids[:64]))
+    raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+@dataclass
+class PrefillBudget:
+    """Token budgets for one prefill step and the memory the admitted requests will need."""
+
+    rem_input_tokens: int  # max_prefill_tokens left in this step
+    rem_chunk_tokens: int  # chunked_prefill_size left in this step
+    rem_memory: float  # free + evictable slots, minus what running requests are expected to decode
+
+    def fits_whole(self, extend_len: int, reserve: float) -> bool:
+        return (extend_len <= self.rem_input_tokens and extend_len <= self.rem_chunk_tokens
+                and extend_len + reserve <= self.rem_memory)
+
+    def take(self, extend_len: int, reserve: float) -> None:
+        self.rem_input_tokens -= extend_len
+        self.rem_chunk_tokens -= extend_len
+        self.rem_memory -= extend_len + reserve

@@ -1,0 +1,503 @@
+"""The scheduler process: continuous batching over the paged KV pool.
+
+Each loop: take new messages → build the next batch (a prefill batch when requests wait and fit, else a
+decode batch of every running request; retract when KV runs short) → run it → process the results
+(append tokens, detokenize, check stops, insert into the prefix cache) → stream outputs back.
+When idle it verifies the KV slot accounting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from collections import deque
+from typing import Any, Optional
+
+import torch
+import zmq
+
+from .io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo,
+                        TokenizedGenerateReq)
+from .forward_batch import ForwardMode
+from .model_runner import ModelRunner, StepOutput
+from .prefix_cache import NoSharingCache, PrefixCache
+from .schedule_batch import FinishReason, Req, ScheduleBatch
+from .schedule_policy import PrefillBudget, order_waiting_queue
+from .server_args import ServerArgs
+from .output_builder import OutputBuilder
+
+logger = logging.getLogger("plait.scheduler")
+
+# Expected fraction of max_new_tokens a running request will still decode (admission reserve).
+# Decays while nothing is retracted; jumps back up after a retraction (as SGLang does).
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, model_path: str):
+        self.server_args = server_args
+        self.tokenizer = _load_tokenizer(server_args.tokenizer_path or model_path)
+        self.model_runner = ModelRunner(server_args, model_path, grammar_hook=self._apply_grammar)
+        mr = self.model_runner
+        self.allocator = mr.allocator
+        self.req_to_token = mr.req_to_token_pool
+        self.cache: PrefixCache = self._make_cache()
+        self.eos_token_ids = tuple(mr.model_config.eos_token_ids)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Optional[Req] = None
+        self.grammar_pending: list[Req] = []
+        self.grammar_manager = None
+        self.reqs_by_rid: dict[str, Req] = {}
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.outputs = OutputBuilder(self.tokenizer, server_args.stream_interval)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "num_retractions": 0,
+                      "num_finished": 0, "integrity_errors": 0}
+        self.last_integrity_error: Optional[str] = None
+
+    def _make_cache(self) -> PrefixCache:
+        if self.server_args.disable_radix_cache:
+            return NoSharingCache(self.allocator, self.server_args.page_size)
+        from .radix_cache import RadixCache
+
+        return RadixCache(self.allocator, self.server_args.page_size)
+
+    def info(self) -> SchedulerInfo:
+        mr = self.model_runner
+        return SchedulerInfo(
+            max_total_tokens=mr.max_total_tokens, context_len=mr.context_len, vocab_size=mr.vocab_size,
+            max_running_requests=mr.max_running_requests, device=mr.device, dtype=str(mr.dtype).replace("torch.", ""),
+            attention_backend=self.server_args.resolved_attention_backend(), eos_token_ids=list(self.eos_token_ids))
+
+    # ------------------------------------------------------------------ intake
+    def handle_message(self, msg: Any) -> Optional[Any]:
+        """Apply one incoming message; returns a reply to send back (control requests) or None."""
+        if isinstance(msg, TokenizedGenerateReq):
+            self._add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self._abort(msg.rid)
+        elif isinstance(msg, ControlReq):
+            try:
+                return ControlReply(msg.call_id, result=self._control(msg.op, msg.args))
+            except Exception as e:  # a bad control call must not kill the scheduler
+                return ControlReply(msg.call_id, error=f"{type(e).__name__}: {e}")
+        return None
+
+    def _add_request(self, m: TokenizedGenerateReq) -> None:
+        req = Req(m.rid, m.input_ids, m.sampling_params, return_logprob=m.return_logprob,
+                  logprob_start_len=m.logprob_start_len, top_logprobs_num=m.top_logprobs_num,
+                  return_text_in_logprobs=m.return_text_in_logprobs, stream=m.stream,
+                  tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, group=m.group)
+        if m.sampling_params.seed is not None:
+            req.generator = torch.Generator(device=self.model_runner.device).manual_seed(m.sampling_params.seed)
+        self.reqs_by_rid[req.rid] = req
+        mr = self.model_runner
+        if req.seq_len + 1 > mr.max_total_tokens:
+            self._finish_now(req, FinishReason("abort", message=(
+                f"prompt of {req.seq_len} tokens cannot fit in the KV cache ({mr.max_total_tokens} tokens)")))
+            return
+        if m.sampling_params.grammar_key is not None:
+            if not self._start_grammar(req):
+                return
+            self.grammar_pending.append(req)
+            return
+        self.waiting.append(req)
+
+    def _start_grammar(self, req: Req) -> bool:
+        try:
+            if self.grammar_manager is None:
+                from .constrained.integration import GrammarManager
+
+                self.grammar_manager = GrammarManager(self.tokenizer, self.model_runner.vocab_size, self.server_args)
+            req.grammar_future = self.grammar_manager.request(req.sampling_params)
+            return True
+        except Exception as e:
+            self._finish_now(req, FinishReason("abort", message=f"constrained decoding unavailable: {e}"))
+            return False
+
+    def _poll_grammars(self) -> None:
+        still = []
+        for req in self.grammar_pending:
+            if req.finished:
+                continue
+            fut = req.grammar_future
+            if not fut.done():
+                still.append(req)
+                continue
+            try:
+                req.grammar = fut.result()
+            except Exception as e:
+                self._finish_now(req, FinishReason("abort", message=f"invalid grammar: {e}"))
+                continue
+            self.waiting.append(req)
+        self.grammar_pending = still
+
+    def _apply_grammar(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        self.grammar_manager.fill_and_apply(logits, reqs)
+
+    def _abort(self, rid: str) -> None:
+        req = self.reqs_by_rid.get(rid)
+        if req is None or req.finished:
+            return
+        req.finished_reason = FinishReason("abort", message="aborted by the client")
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._finish_now(req, req.finished_reason, release=True)
+        elif req in self.grammar_pending:
+            self.grammar_pending.remove(req)
+            self._finish_now(req, req.finished_reason)
+        # Running or chunked requests are released at the end of the current step.
+
+    def _control(self, op: str, args: dict) -> Any:
+        if op == "flush_cache":
+            if self.running or self.waiting or self.chunked_req or self.grammar_pending:
+                return False
+            self.cache.reset()
+            return True
+        if op == "get_stats":
+            return self.get_stats()
+        if op == "check_integrity":
+            self._check_integrity()
+            return self.last_integrity_error is None
+        if op in ("pin_prefix", "unpin_prefix"):
+            fn = getattr(self.cache, op.split("_")[0], None)
+            if fn is None:
+                raise ValueError(f"{op} needs the radix cache (disable_radix_cache is set)")
+            return fn(args["token_ids"]) if op == "pin_prefix" else fn(args["handle"])
+        raise ValueError(f"unknown control op {op!r}")
+
+    def get_stats(self) -> dict:
+        total = self.allocator.num_slots
+        free = self.allocator.available()
+        evictable = self.cache.evictable_size()
+        return {
+            "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
+            "num_waiting_reqs": len(self.waiting) + len(self.grammar_pending),
+            "max_total_tokens": total,
+            "free_tokens": free,
+            "evictable_tokens": evictable,
+            "protected_tokens": self.cache.protected_size(),
+            "kv_used_tokens": total - free - evictable,
+            "token_usage": (total - free - evictable) / total,
+            **self.stats,
+            "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
+            "last_integrity_error": self.last_integrity_error,
+        }
+
+    # ------------------------------------------------------------------ batching
+    def is_idle(self) -> bool:
+        return not (self.running or self.waiting or self.chunked_req or self.grammar_pending)
+
+    def step(self) -> Optional[ScheduleBatch]:
+        """Build, run and process one batch. Returns the batch (None when nothing could run)."""
+        if self.grammar_pending:
+            self._poll_grammars()
+        batch = self._get_prefill_batch()
+        if batch is None:
+            batch = self._get_decode_batch()
+        if batch is None:
+            return None
+        out = self.model_runner.run(batch)
+        self._process_result(batch, out)
+        return batch
+
+    def _running_reserve(self) -> float:
+        return sum(r.remaining_new_tokens() for r in self.running) * self.new_token_ratio
+
+    def _get_prefill_batch(self) -> Optional[ScheduleBatch]:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        sa = self.server_args
+        budget = PrefillBudget(sa.max_prefill_tokens, sa.chunked_prefill_size,
+                               self.allocator.available() + self.cache.evictable_size() - self._running_reserve())
+        reqs, prefix_lens, extend_lens = [], [], []
+        free_req_slots = self.req_to_token.available()
+
+        if self.chunked_req is not None:  # continue the chunked prefill first
+            r = self.chunked_req
+            ext = min(len(r.fill_ids) - r.kv_len, budget.rem_chunk_tokens)
+            reqs.append(r), prefix_lens.append(r.kv_len), extend_lens.append(ext)
+            budget.take(ext, 0)
+            self.chunked_req = None
+
+        self.waiting = order_waiting_queue(sa.schedule_policy, self.waiting, self.cache)
+        admitted = []
+        for r in self.waiting:
+            if len(self.running) + len(reqs) >= self.model_runner.max_running_requests or free_req_slots == 0:
+                break
+            match = self.cache.match_prefix(self._matchable_ids(r))
+            pre = match.num_tokens
+            ext = len(r.fill_ids) - pre
+            reserve = r.remaining_new_tokens() * self.new_token_ratio
+            if budget.fits_whole(ext, reserve):
+                take = ext
+            elif (not reqs and budget.rem_chunk_tokens > 0
+                  and min(budget.rem_chunk_tokens, budget.rem_input_tokens) + reserve <= budget.rem_memory):
+                take = min(budget.rem_chunk_tokens, budget.rem_input_tokens)  # first request: chunk it
+            else:
+                break
+            if take <= 0:
+                break
+            self._assign_slot_and_prefix(r, match)
+            free_req_slots -= 1
+            budget.take(take, reserve)
+            reqs.append(r), prefix_lens.append(pre), extend_lens.append(take)
+            admitted.append(r)
+            if take < ext:
+                break
+        if admitted:
+            ids = set(map(id, admitted))
+            self.waiting = [r for r in self.waiting if id(r) not in ids]
+        if not reqs:
+            return None
+        loc = self._alloc(sum(extend_lens))
+        if loc is None:  # cannot happen when the budget is right; undo and fall back to decode
+            for r in admitted:
+                self._release(r, keep_in_cache=False)
+                r.reset_for_retract()
+            self.waiting = admitted + self.waiting
+            return None
+        start = 0
+        for r, pre, ext in zip(reqs, prefix_lens, extend_lens):
+            self.req_to_token.write(r.req_pool_idx, pre, loc[start:start + ext])
+            start += ext
+            r.prefix_len_this_step, r.extend_len_this_step = pre, ext
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, loc)
+
+    def _matchable_ids(self, r: Req) -> list[int]:
+        # Leave at least one token to compute (its logits give the next token), and recompute the
+        # prompt positions whose logprobs were asked for.
+        limit = len(r.fill_ids) - 1
+        if r.needs_input_logprobs():
+            limit = min(limit, max(r.input_logprob_next - 1, 0))
+        return r.fill_ids[:limit]
+
+    def _assign_slot_and_prefix(self, r: Req, match) -> None:
+        r.req_pool_idx = self.req_to_token.alloc()
+        if match.num_tokens:
+            self.req_to_token.write(r.req_pool_idx, 0, match.kv_indices)
+        self.cache.inc_lock(match.node)
+        r.last_node = match.node
+        r.kv_len = r.cache_len = match.num_tokens
+        if r.num_retractions == 0:
+            r.cached_tokens = match.num_tokens
+            self.stats["cached_tokens"] += match.num_tokens
+            self.stats["prompt_tokens"] += len(r.origin_input_ids)
+
+    def _alloc(self, n: int) -> Optional[torch.Tensor]:
+        loc = self.allocator.alloc(n)
+        if loc is None:
+            self.cache.evict(n - self.allocator.available())
+            loc = self.allocator.alloc(n)
+        return loc
+
+    def _get_decode_batch(self) -> Optional[ScheduleBatch]:
+        if not self.running:
+            return None
+        need = len(self.running)
+        if self.allocator.available() < need:
+            self.cache.evict(need - self.allocator.available())
+        while self.allocator.available() < len(self.running):
+            if len(self.running) == 1:
+                victim = self.running[0]
+                self.running = []
+                self._finish_now(victim, FinishReason("abort", message="out of KV memory"), release=True)
+                return None
+            self._retract_one()
+            self.cache.evict(max(0, len(self.running) - self.allocator.available()))
+        loc = self.allocator.alloc(len(self.running))
+        for r, slot in zip(self.running, loc):
+            self.req_to_token.write(r.req_pool_idx, r.seq_len - 1, slot.view(1))
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return ScheduleBatch(ForwardMode.DECODE, list(self.running), out_cache_loc=loc)
+
+    def _retract_one(self) -> None:
+        # The request with the fewest generated tokens loses the least work (ties: the longest prompt
+        # frees the most memory).
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        self.running.remove(victim)
+        self._release(victim)
+        victim.reset_for_retract()
+        self.waiting.insert(0, victim)
+        self.stats["num_retractions"] += 1
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        logger.info("retracted %s (%d output tokens) for lack of KV memory", victim.rid, len(victim.output_ids))
+
+    # ------------------------------------------------------------------ results
+    def _process_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        for i, r in enumerate(batch.reqs):
+            if batch.mode.is_extend():
+                r.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
+                for pos, lp, tok, top in out.input_logprobs[i]:
+                    r.input_token_logprobs.append((lp, tok))
+                    r.input_top_logprobs.append(top)
+                    r.input_logprob_next = pos + 1
+            else:
+                r.kv_len += 1
+            if r.finished:  # aborted mid-step
+                self._finish_running(r)
+                continue
+            tok = out.next_token_ids[i]
+            if tok is None:
+                if r.kv_len < len(r.fill_ids):  # chunk mid-way
+                    self._insert_progress(r)
+                    r.is_chunked = True
+                    self.chunked_req = r
+                elif r.prefill_only:
+                    r.finished_reason = FinishReason("length", length=0)
+                    self._finish_running(r)
+                continue
+            if batch.mode.is_extend():
+                r.is_chunked = False
+                self._insert_progress(r)
+            if r.first_token_time is None:
+                r.first_token_time = time.monotonic()
+            r.output_ids.append(tok)
+            self.stats["generation_tokens"] += 1
+            if out.output_logprobs[i] is not None:
+                lp, top = out.output_logprobs[i]
+                r.output_token_logprobs.append((lp, tok))
+                r.output_top_logprobs.append(top)
+            if r.grammar is not None:
+                self.grammar_manager.accept(r, tok)
+            self.outputs.check_finish(r, self.model_runner.context_len)
+            if r.finished:
+                self._finish_running(r)
+            elif batch.mode.is_extend():
+                self.running.append(r)
+        self.running = [r for r in self.running if not r.finished]
+
+    def _insert_progress(self, r: Req) -> None:
+        ids = r.fill_ids[:r.kv_len]
+        kv = self.req_to_token.req_to_token[r.req_pool_idx, :r.kv_len].to(torch.int64)
+        new_kv, node = self.cache.cache_unfinished_req(ids, kv, r.last_node)
+        if new_kv.numel():
+            self.req_to_token.write(r.req_pool_idx, 0, new_kv)
+        r.last_node = node
+        r.cache_len = r.kv_len
+
+    def _release(self, r: Req, keep_in_cache: bool = True) -> None:
+        """Give the request's KV back: the computed part to the cache, the rest to the allocator."""
+        if r.req_pool_idx is None:
+            return
+        kv = self.req_to_token.req_to_token[r.req_pool_idx, :r.kv_len].to(torch.int64).cpu()
+        self.cache.cache_finished_req(r.fill_ids[:r.kv_len], kv, r.last_node)
+        self.req_to_token.free(r.req_pool_idx)
+        r.req_pool_idx = None
+        r.last_node = None
+
+    def _finish_running(self, r: Req) -> None:
+        self._release(r)
+        if self.chunked_req is r:
+            self.chunked_req = None
+        self.outputs.emit_final(r)
+        self.reqs_by_rid.pop(r.rid, None)
+        self.stats["num_finished"] += 1
+
+    def _finish_now(self, r: Req, reason: FinishReason, release: bool = False) -> None:
+        r.finished_reason = reason
+        if release:
+            self._release(r)
+        self.outputs.emit_final(r)
+        self.reqs_by_rid.pop(r.rid, None)
+
+    def collect_outputs(self) -> list[ReqOutput]:
+        live = list(self.running)
+        if self.chunked_req is not None:
+            live.append(self.chunked_req)
+        return self.outputs.collect(live)
+
+    def fail_all(self, message: str) -> None:
+        """A step raised: abort every request with the error instead of dying (best-effort cleanup)."""
+        reqs = self.running + self.waiting + self.grammar_pending + ([self.chunked_req] if self.chunked_req else [])
+        self.running, self.waiting, self.grammar_pending, self.chunked_req = [], [], [], None
+        for r in reqs:
+            if r.finished_reason is None or r.finished_reason.type != "abort":
+                r.finished_reason = FinishReason("abort", message=f"internal error: {message}")
+            try:
+                self._release(r)
+            except Exception:
+                pass
+            self.outputs.emit_final(r)
+            self.reqs_by_rid.pop(r.rid, None)
+
+    def _check_integrity(self) -> None:
+        private = 0
+        for r in self.running + ([self.chunked_req] if self.chunked_req else []):
+            private += r.kv_len - r.cache_len
+        try:
+            self.cache.check_integrity(num_private=private)
+            self.last_integrity_error = None
+        except AssertionError as e:
+            self.last_integrity_error = str(e)
+            self.stats["integrity_errors"] += 1
+            logger.error("KV integrity check failed: %s", e)
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None  # dummy weights from a bare config: token ids in, token ids out
+
+
+# ---------------------------------------------------------------------- process entry
+def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_addr: str) -> None:
+    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if server_args.num_threads:
+        torch.set_num_threads(server_args.num_threads)
+    ctx = zmq.Context()
+    ready = ctx.socket(zmq.PUSH)
+    ready.connect(ready_addr)
+    try:
+        scheduler = Scheduler(server_args, model_path)
+    except Exception as e:
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        ready.send_pyobj(("error", f"{type(e).__name__}: {e}"))
+        ready.close(linger=2000)
+        return
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(in_addr)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(out_addr)
+    ready.send_pyobj(("ready", scheduler.info()))
+    ready.close(linger=2000)
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    checked_idle = True
+    while True:
+        idle = scheduler.is_idle()
+        if idle and not checked_idle:
+            scheduler._check_integrity()
+            checked_idle = True
+        # Block only when there is nothing to do (grammar compiles are polled every 5 ms).
+        timeout = None if idle else 0
+        if scheduler.grammar_pending and not scheduler.running and not scheduler.waiting:
+            timeout = 5
+        events = dict(poller.poll(timeout))
+        while events.get(recv):
+            msg = recv.recv_pyobj()
+            if msg is None:  # shutdown
+                return
+            reply = scheduler.handle_message(msg)
+            if reply is not None:
+                send.send_pyobj(reply)
+            events = dict(poller.poll(0))
+        try:
+            batch = scheduler.step()
+        except Exception:
+            logger.error("step failed:\n%s", traceback.format_exc())
+            scheduler.fail_all(traceback.format_exc().splitlines()[-1])
+            batch = None
+        if batch is not None:
+            checked_idle = False
+        outs = scheduler.collect_outputs()
+        if outs:
+            send.send_pyobj(BatchOut(outs))

@@ -1,0 +1,233 @@
+"""TokenizerManager: the asyncio side of the runtime, in the caller's process.
+
+It tokenizes and validates requests, sends them to the scheduler process over ZMQ, and routes the
+scheduler's output deltas back to whoever waits (a result future or a stream). It runs on its own
+event loop in a background thread, so the Engine's sync API, an async caller and the HTTP server all
+use it the same way through thread-safe bridges (see engine.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional
+
+import zmq
+import zmq.asyncio
+
+from .io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo,
+                        TokenizedGenerateReq)
+from .sampling_params import SamplingParams
+from .server_args import ServerArgs
+
+
+@dataclass
+class _ReqState:
+    rid: str
+    prompt_tokens: int
+    return_logprob: bool
+    created: float
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: Optional[dict] = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    input_token_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    first_token_time: Optional[float] = None
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def apply(self, o: ReqOutput) -> None:
+        if o.new_ids and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_ids.extend(o.new_ids)
+        self.text += o.text_delta
+        if o.final_text is not None:
+            self.text = o.final_text
+        self.completion_tokens = o.completion_tokens
+        self.cached_tokens = o.cached_tokens
+        self.input_token_logprobs.extend(o.input_token_logprobs)
+        self.input_top_logprobs.extend(o.input_top_logprobs)
+        self.output_token_logprobs.extend(o.output_token_logprobs)
+        self.output_top_logprobs.extend(o.output_top_logprobs)
+        if o.finished_reason is not None:
+            self.finished_reason = o.finished_reason
+        self.event.set()
+
+    def result(self) -> dict[str, Any]:
+        meta = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finished_reason,
+            "e2e_latency": time.monotonic() - self.created,
+        }
+        if self.first_token_time is not None:
+            meta["ttft"] = self.first_token_time - self.created
+        if self.return_logprob:
+            meta["input_token_logprobs"] = list(self.input_token_logprobs)
+            meta["input_top_logprobs"] = list(self.input_top_logprobs)
+            meta["output_token_logprobs"] = list(self.output_token_logprobs)
+            meta["output_top_logprobs"] = list(self.output_top_logprobs)
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, tokenizer, info: SchedulerInfo, send_addr: str, recv_addr: str,
+                 is_scheduler_alive: Callable[[], bool]):
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.info = info
+        self.context = zmq.asyncio.Context()
+        self.send_sock = self.context.socket(zmq.PUSH)
+        self.send_sock.connect(send_addr)
+        self.recv_sock = self.context.socket(zmq.PULL)
+        self.recv_sock.bind(recv_addr)
+        self.is_scheduler_alive = is_scheduler_alive
+        self.states: dict[str, _ReqState] = {}
+        self.control_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self.dead_reason: Optional[str] = None
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """Call on the manager's own loop."""
+        self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._watchdog())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.send_sock.close(linger=0)
+        self.recv_sock.close(linger=0)
+        self.context.term()
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass input_ids instead of a text prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if _has_bos_in_template(self.tokenizer, prompt) \
+            else self.tokenizer.encode(prompt)
+
+    def validate(self, input_ids: list[int], sp: SamplingParams, logprob_start_len: Optional[int],
+                 top_logprobs_num: Optional[int]) -> None:
+        if not input_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.info.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in input_ids):
+            raise ValueError(f"input_ids must be ints in [0, {vocab})")
+        sp.verify(vocab)
+        ctx = self.info.context_len
+        if len(input_ids) >= ctx:
+            raise ValueError(f"prompt is too long: {len(input_ids)} tokens, the context length is {ctx}")
+        if len(input_ids) + 1 > self.info.max_total_tokens:
+            raise ValueError(f"prompt is too long: {len(input_ids)} tokens cannot fit in the KV cache "
+                             f"({self.info.max_total_tokens} tokens)")
+        if logprob_start_len is not None and (not isinstance(logprob_start_len, int) or logprob_start_len < -1):
+            raise ValueError(f"logprob_start_len must be an int >= -1, got {logprob_start_len!r}")
+        if top_logprobs_num is not None and (not isinstance(top_logprobs_num, int) or top_logprobs_num < 0):
+            raise ValueError(f"top_logprobs_num must be an int >= 0, got {top_logprobs_num!r}")
+        key = sp.grammar_key
+        if key is not None:
+            from .constrained import validate_constraint
+
+            validate_constraint(key[0], key[1], self.server_args.grammar_backend)
+
+    async def submit(self, req: TokenizedGenerateReq) -> _ReqState:
+        if self.dead_reason:
+            raise RuntimeError(self.dead_reason)
+        if req.rid in self.states:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        limit = self.server_args.max_queued_requests
+        if limit is not None and len(self.states) >= limit + self.info.max_running_requests:
+            raise OverloadedError(f"too many requests in flight ({len(self.states)}); try again later")
+        state = _ReqState(req.rid, len(req.input_ids), req.return_logprob, time.monotonic())
+        self.states[req.rid] = state
+        await self.send_sock.send_pyobj(req)
+        return state
+
+    async def wait(self, state: _ReqState) -> dict[str, Any]:
+        try:
+            while state.finished_reason is None:
+                await state.event.wait()
+                state.event.clear()
+                if self.dead_reason and state.finished_reason is None:
+                    raise RuntimeError(self.dead_reason)
+            return state.result()
+        finally:
+            self.states.pop(state.rid, None)
+
+    async def stream(self, state: _ReqState) -> AsyncIterator[dict[str, Any]]:
+        finished = False
+        try:
+            while True:
+                await state.event.wait()
+                state.event.clear()
+                if self.dead_reason and state.finished_reason is None:
+                    raise RuntimeError(self.dead_reason)
+                yield state.result()
+                if state.finished_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self.states.pop(state.rid, None)
+            if not finished:  # the consumer went away: stop the work in the scheduler
+                await self.abort(state.rid)
+
+    async def abort(self, rid: str) -> None:
+        await self.send_sock.send_pyobj(AbortReq(rid))
+
+    async def control(self, op: str, **args) -> Any:
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.control_calls[call_id] = fut
+        await self.send_sock.send_pyobj(ControlReq(call_id, op, args))
+        reply: ControlReply = await fut
+        if reply.error:
+            raise ValueError(reply.error)
+        return reply.result
+
+    # ------------------------------------------------------------------ background
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.recv_sock.recv_pyobj()
+            if isinstance(msg, BatchOut):
+                for o in msg.outputs:
+                    st = self.states.get(o.rid)
+                    if st is not None:
+                        st.apply(o)
+            elif isinstance(msg, ControlReply):
+                fut = self.control_calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if not self.is_scheduler_alive():
+                self.dead_reason = "the scheduler process died; see its log above"
+                for st in list(self.states.values()):
+                    st.event.set()
+                for fut in self.control_calls.values():
+                    if not fut.done():
+                        fut.set_exception(RuntimeError(self.dead_reason))
+                return
+
+
+class OverloadedError(RuntimeError):
+    """More requests in flight than `max_queued_requests` allows (HTTP 503)."""
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+def _has_bos_in_template(tokenizer, prompt: str) -> bool:
+    # A prompt rendered from a chat template may already start with the BOS string; don't add another.
+    bos = getattr(tokenizer, "bos_token", None)
+    return bool(bos) and prompt.startswith(bos)
