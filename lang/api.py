@@ -1,0 +1,162 @@
+"""The public functions of the language: function, gen, select, roles, backends."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, List, Optional, Union
+
+from .choices import ChoicesSamplingMethod, token_length_normalized
+from .function import SglFunction
+from .gen_params import GenOverrides
+from .global_config import global_config
+from .ir import SglExpr, SglExprList, SglGen, SglImage, SglRoleBegin, SglRoleEnd, SglSelect, as_expr
+
+
+def function(func: Optional[Callable] = None, num_api_spec_tokens: Optional[int] = None):
+    """Decorate a program: `@function` or `@function(...)`; its first parameter is the state `s`."""
+    if func is not None:
+        return SglFunction(func, num_api_spec_tokens=num_api_spec_tokens)
+    return lambda f: SglFunction(f, num_api_spec_tokens=num_api_spec_tokens)
+
+
+def set_default_backend(backend: Any) -> None:
+    global_config.default_backend = backend
+
+
+def _backend(backend: Any) -> Any:
+    backend = backend or global_config.default_backend
+    return backend.endpoint if hasattr(backend, "endpoint") else backend
+
+
+def flush_cache(backend: Any = None) -> Any:
+    """Drop the runtime's prefix cache; False when there is no backend."""
+    backend = _backend(backend)
+    return False if backend is None else backend.flush_cache()
+
+
+def get_server_info(backend: Any = None) -> Optional[dict]:
+    backend = _backend(backend)
+    return None if backend is None else backend.get_server_info()
+
+
+def gen(
+    name: Optional[str] = None,
+    max_tokens: Optional[int] = None,
+    min_tokens: Optional[int] = None,
+    n: Optional[int] = None,
+    stop: Optional[Union[str, List[str]]] = None,
+    stop_token_ids: Optional[List[int]] = None,
+    stop_regex: Optional[Union[str, List[str]]] = None,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
+    top_k: Optional[int] = None,
+    min_p: Optional[float] = None,
+    frequency_penalty: Optional[float] = None,
+    presence_penalty: Optional[float] = None,
+    ignore_eos: Optional[bool] = None,
+    return_logprob: Optional[bool] = None,
+    logprob_start_len: Optional[int] = None,
+    top_logprobs_num: Optional[int] = None,
+    return_text_in_logprobs: Optional[bool] = None,
+    dtype: Optional[Union[type, str]] = None,
+    choices: Optional[List[str]] = None,
+    choices_method: Optional[ChoicesSamplingMethod] = None,
+    regex: Optional[str] = None,
+    json_schema: Optional[Union[str, dict]] = None,
+) -> SglExpr:
+    """Generate into variable `name`. Every argument left None inherits the run() defaults
+    (max_new_tokens=128, temperature=1.0, ...); the names map onto plait.runtime.SamplingParams.
+    With `choices`, this is select()."""
+    if choices:
+        return select(name, choices, 0.0 if temperature is None else temperature,
+                      choices_method or token_length_normalized)
+    if regex is not None:
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise ValueError(f"gen({name!r}): regex {regex!r} is not valid: {e}") from None
+    settings = dict(locals())
+    for key in ("name", "choices", "choices_method"):
+        settings.pop(key)
+    return SglGen(name, GenOverrides.from_gen_kwargs(settings))
+
+
+def gen_int(name: Optional[str] = None, max_tokens: Optional[int] = None, **kwargs: Any) -> SglExpr:
+    """gen() of an integer: constrained by REGEX_INT, stopped at a space or newline."""
+    return _typed_gen(name, max_tokens, int, kwargs)
+
+
+def gen_string(name: Optional[str] = None, max_tokens: Optional[int] = None, **kwargs: Any) -> SglExpr:
+    """gen() of a double-quoted string: constrained by REGEX_STR."""
+    return _typed_gen(name, max_tokens, str, kwargs)
+
+
+def _typed_gen(name: Optional[str], max_tokens: Optional[int], dtype: type, kwargs: dict) -> SglExpr:
+    clash = sorted(set(kwargs) & {"dtype", "regex", "json_schema", "choices", "choices_method"})
+    if clash:
+        raise TypeError(f"gen_{dtype.__name__}() fixes the output format; it does not take {clash}")
+    return gen(name, max_tokens, dtype=dtype, **kwargs)
+
+
+def select(name: Optional[str] = None, choices: Optional[List[str]] = None, temperature: float = 0.0,
+           choices_method: ChoicesSamplingMethod = token_length_normalized) -> SglExpr:
+    """Append the choice the model finds most likely (scored by prompt logprobs) into `name`."""
+    if not choices:
+        raise ValueError(f"select({name!r}) needs a non-empty list of choices")
+    if not all(isinstance(c, str) for c in choices):
+        raise TypeError(f"select({name!r}): every choice must be a str")
+    if not isinstance(choices_method, ChoicesSamplingMethod):
+        raise TypeError(f"select({name!r}): choices_method must be one of plait's choice methods, "
+                        f"got {choices_method!r}")
+    return SglSelect(name, list(choices), temperature, choices_method)
+
+
+def image(expr: Any) -> SglExpr:
+    """Accepted so programs import; executing it raises NotImplementedError (text-only runtime)."""
+    return SglImage(expr)
+
+
+def video(path: str, num_frames: int) -> SglExpr:
+    raise NotImplementedError("video() is not supported: plait's runtime serves text-only models")
+
+
+def _role_common(role: str, expr: Any = None) -> SglExprList:
+    if expr is None:
+        return SglExprList([SglRoleBegin(role), SglRoleEnd(role)])
+    return SglExprList([SglRoleBegin(role), as_expr(expr), SglRoleEnd(role)])
+
+
+def system(expr: Any = None) -> SglExprList:
+    return _role_common("system", expr)
+
+
+def user(expr: Any = None) -> SglExprList:
+    return _role_common("user", expr)
+
+
+def assistant(expr: Any = None) -> SglExprList:
+    return _role_common("assistant", expr)
+
+
+def system_begin() -> SglRoleBegin:
+    return SglRoleBegin("system")
+
+
+def system_end() -> SglRoleEnd:
+    return SglRoleEnd("system")
+
+
+def user_begin() -> SglRoleBegin:
+    return SglRoleBegin("user")
+
+
+def user_end() -> SglRoleEnd:
+    return SglRoleEnd("user")
+
+
+def assistant_begin() -> SglRoleBegin:
+    return SglRoleBegin("assistant")
+
+
+def assistant_end() -> SglRoleEnd:
+    return SglRoleEnd("assistant")

@@ -1,0 +1,1 @@
+"""Backends the interpreter runs programs on: colocated Engine, HTTP endpoint, OpenAI."""

@@ -1,0 +1,142 @@
+"""The colocated backend: programs call the in-process Engine directly (no HTTP).
+
+`plait.Runtime(model_path=None, **server_args)` starts an Engine in this process (the embedded
+default model when model_path is None) and exposes it as `.endpoint`, an EngineBackend, the way
+SGLang's Runtime exposes a RuntimeEndpoint.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import weakref
+from typing import Any, Iterator, Optional, Union
+
+from ..chat_template import ChatTemplate, chat_template_from_tokenizer, get_chat_template
+from .native import NativeBackend
+
+
+class EngineBackend(NativeBackend):
+    def __init__(self, engine: Any, chat_template: Optional[Union[ChatTemplate, str]] = None) -> None:
+        if isinstance(chat_template, str):
+            chat_template = get_chat_template(chat_template)
+        tokenizer = getattr(engine, "tokenizer", None)
+        if chat_template is None and tokenizer is not None:
+            chat_template = chat_template_from_tokenizer(tokenizer, self._model_name_of(engine))
+        super().__init__(chat_template)
+        self.engine = engine
+
+    @staticmethod
+    def _model_name_of(engine: Any) -> str:
+        for owner in (engine, getattr(engine, "server_args", None)):
+            for attr in ("model_path", "served_model_name"):
+                value = getattr(owner, attr, None)
+                if value:
+                    return str(value)
+        return "plait-default-model"
+
+    def get_model_name(self) -> str:
+        return self._model_name_of(self.engine)
+
+    # ---- transport ----
+    @staticmethod
+    def _engine_kwargs(payload: dict) -> dict:
+        kwargs = dict(payload)
+        if "text" in kwargs:  # SGLang's /generate says "text"; Engine.generate says "prompt"
+            kwargs["prompt"] = kwargs.pop("text")
+        return kwargs
+
+    def _send(self, payload: dict):
+        return self.engine.generate(**self._engine_kwargs(payload))
+
+    def _send_stream(self, payload: dict) -> Iterator[dict]:
+        return iter(self.engine.generate(**self._engine_kwargs(payload)))
+
+    # ---- prefix hints: use the Engine's own when it has them ----
+    def cache_prefix(self, prefix: str) -> None:
+        if not prefix:
+            return
+        if hasattr(self.engine, "cache_prefix"):
+            self.engine.cache_prefix(prefix)
+        else:
+            super().cache_prefix(prefix)
+
+    def pin_prefix(self, prefix: str) -> Any:
+        if prefix and hasattr(self.engine, "pin_prefix"):
+            return self.engine.pin_prefix(prefix)
+        return None
+
+    def unpin_prefix(self, handle: Any) -> None:
+        if handle is not None and hasattr(self.engine, "unpin_prefix"):
+            self.engine.unpin_prefix(handle)
+
+    # ---- management ----
+    def flush_cache(self) -> Any:
+        return self.engine.flush_cache()
+
+    def get_server_info(self) -> dict:
+        return self.engine.get_server_info()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class Runtime:
+    """An in-process Engine for DSL programs: `plait.set_default_backend(plait.Runtime())`.
+
+    Keyword arguments are ServerArgs fields (model_path=None picks the embedded default model).
+    SGLang's launch-only arguments (`launch_timeout`) are accepted and ignored: nothing is launched.
+    """
+
+    def __init__(self, model_path: Optional[str] = None, chat_template: Optional[Union[ChatTemplate, str]] = None,
+                 launch_timeout: Optional[float] = None, **server_args: Any) -> None:
+        from plait.runtime import Engine
+
+        self.engine = Engine(model_path=model_path, **server_args)
+        self.endpoint = EngineBackend(self.engine, chat_template)
+        # Shut the engine down at exit even if the user forgets; weakref so this keeps nothing alive.
+        self._atexit = functools.partial(_shutdown_if_alive, weakref.ref(self))
+        atexit.register(self._atexit)
+
+    def shutdown(self) -> None:
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.shutdown()
+            atexit.unregister(self._atexit)
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _live_engine(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError("this Runtime has been shut down")
+        return self.engine
+
+    def get_tokenizer(self) -> Any:
+        return self._live_engine().tokenizer
+
+    def cache_prefix(self, prefix: str) -> None:
+        self.endpoint.cache_prefix(prefix)
+
+    def flush_cache(self) -> Any:
+        return self._live_engine().flush_cache()
+
+    def get_server_info(self) -> dict:
+        return self._live_engine().get_server_info()
+
+    def generate(self, prompt: Any = None, sampling_params: Optional[dict] = None, **kwargs: Any) -> Any:
+        """Plain generation, as Engine.generate (SGLang's Runtime returns a JSON string; this returns
+        the dict)."""
+        return self._live_engine().generate(prompt=prompt, sampling_params=sampling_params, **kwargs)
+
+    async def async_generate(self, prompt: Any = None, sampling_params: Optional[dict] = None, **kwargs: Any):
+        return await self._live_engine().async_generate(prompt=prompt, sampling_params=sampling_params, **kwargs)
+
+
+def _shutdown_if_alive(runtime_ref: "weakref.ref[Runtime]") -> None:
+    runtime = runtime_ref()
+    if runtime is not None:
+        runtime.shutdown()

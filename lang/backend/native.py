@@ -1,0 +1,130 @@
+"""Generation, streaming and select over SGLang's native `/generate` request shape.
+
+The colocated Engine and an HTTP server (plait's or SGLang's) take the same request dict, so both
+backends share this logic and differ only in how a dict is sent (`_send`, `_send_stream`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Sequence, Union
+
+from ..choices import ChoicesDecision, ChoicesSamplingMethod
+from ..gen_params import ResolvedGen
+from ..global_config import global_config
+from .base import BaseBackend
+
+PREFILL_ONLY = {"max_new_tokens": 0}
+
+
+class NativeBackend(BaseBackend):
+    # ---- transport, implemented by subclasses ----
+    def _send(self, payload: dict) -> Union[dict, list[dict]]:
+        """One /generate request; a list of prompts gives a list of results in the same order."""
+        raise NotImplementedError
+
+    def _send_stream(self, payload: dict) -> Iterator[dict]:
+        """A streaming /generate request: cumulative results ({"text": all so far, "meta_info"})."""
+        raise NotImplementedError
+
+    # ---- the backend interface ----
+    def cache_prefix(self, prefix: str) -> None:
+        if prefix:
+            self._send({"text": prefix, "sampling_params": dict(PREFILL_ONLY)})
+
+    def generate(self, s: Any, params: ResolvedGen):
+        n = params.sampling.n
+        if n > 1:
+            # n samples = n copies of the prompt in one batch: every runtime batches a list, and
+            # the copies share the prompt's prefix in the cache.
+            single = ResolvedGen(dataclasses.replace(params.sampling, n=1), params.logprob, params.dtype)
+            outs = self._send(self._payload([s.text_] * n, single))
+            return [o["text"] for o in outs], [o["meta_info"] for o in outs]
+        out = self._send(self._payload(s.text_, params))
+        if isinstance(out, list):  # a server that answers a single prompt with a one-item list
+            out = out[0]
+        return out["text"], out["meta_info"]
+
+    def generate_stream(self, s: Any, params: ResolvedGen) -> Iterator[tuple[str, dict]]:
+        if params.sampling.n > 1:
+            raise ValueError("gen(n > 1) cannot stream; run the program with stream=False")
+        payload = self._payload(s.text_, params)
+        payload["stream"] = True
+        seen = 0
+        for chunk in self._send_stream(payload):
+            text = chunk["text"]
+            yield text[seen:], chunk["meta_info"]
+            seen = len(text)
+
+    def select(self, s: Any, choices: Sequence[str], temperature: float,
+               choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
+        if temperature > 1e-5:
+            raise ValueError(f"select() scores choices by likelihood and needs temperature=0, got {temperature}")
+        if not choices:
+            raise ValueError("select() needs a non-empty list of choices")
+        prefix = s.text_
+        # 1. Prefill the shared prefix once; the batch below then hits it in the prefix cache.
+        prefix_tokens = self._send({"text": prefix, "sampling_params": dict(PREFILL_ONLY)})["meta_info"][
+            "prompt_tokens"] if prefix else 0
+        # 2. Score every choice in one batched request. Logprobs start one token before the end of
+        #    the prefix: the prefix's last token may merge with the choice's first ("A: " + "Paris"
+        #    tokenizes as "A:" + " Paris"), and then it belongs to the choice (token healing).
+        outs = self._send({
+            "text": [prefix + c for c in choices],
+            "sampling_params": {**PREFILL_ONLY, "temperature": 0},
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+            "logprob_start_len": max(prefix_tokens - 2, 0),
+        })
+        input_logprobs = [choice_token_logprobs(o["meta_info"], prefix, prefix_tokens) for o in outs]
+        output_logprobs = [o["meta_info"].get("output_token_logprobs", []) for o in outs]
+        normalized = [mean_logprob(lps) for lps in input_logprobs]
+        unconditional = None
+        if choices_method.requires_unconditional_logprobs:
+            uncond = self._send({
+                "input_ids": [[tok[1] for tok in lps] for lps in input_logprobs],
+                "sampling_params": dict(PREFILL_ONLY),
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            })
+            unconditional = [o["meta_info"]["input_token_logprobs"] for o in uncond]
+        return choices_method(choices=list(choices), normalized_prompt_logprobs=normalized,
+                              input_token_logprobs=input_logprobs, output_token_logprobs=output_logprobs,
+                              unconditional_token_logprobs=unconditional)
+
+    # ---- helpers ----
+    def _payload(self, text: Union[str, list[str]], params: ResolvedGen) -> dict:
+        sampling = params.request_sampling_dict()
+        if not global_config.skip_special_tokens_in_output:
+            sampling["skip_special_tokens"] = False
+        if not global_config.spaces_between_special_tokens_in_out:
+            sampling["spaces_between_special_tokens"] = False
+        return {"text": text, "sampling_params": sampling, **params.logprob}
+
+
+def choice_token_logprobs(meta_info: dict, prefix: str, prefix_tokens: int) -> list:
+    """The (logprob, token_id, text) entries of one choice's tokens.
+
+    The entries cover the last positions of prefix+choice, whatever logprob_start_len convention the
+    runtime uses; the choice starts at the prefix's last token position (healing) unless that token
+    is still a piece of the prefix, in which case it is dropped.
+    """
+    entries = list(meta_info["input_token_logprobs"])
+    total = meta_info["prompt_tokens"]
+    start = max(prefix_tokens - 1, 0)
+    keep = total - start
+    if keep > len(entries):
+        raise RuntimeError(
+            f"the runtime returned {len(entries)} input logprobs for a {total}-token prompt; "
+            f"select() needs the last {keep}")
+    entries = entries[len(entries) - keep:]
+    if prefix_tokens > 0 and entries and len(entries) > 1:
+        first_text = entries[0][2] if len(entries[0]) > 2 else None
+        if first_text is not None and prefix.endswith(first_text):
+            entries = entries[1:]
+    return entries
+
+
+def mean_logprob(entries: Sequence[Sequence[Any]]) -> float:
+    values = [e[0] for e in entries if e[0] is not None]
+    return sum(values) / len(values) if values else float("-inf")

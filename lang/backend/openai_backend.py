@@ -1,0 +1,125 @@
+"""OpenAI: programs on any OpenAI-compatible server (api.openai.com, plait's /v1, vLLM, ...).
+
+Chat models receive `s.messages()`, so a gen must open an assistant turn — `s += assistant(gen(...))`
+— exactly as in SGLang. Completion models receive the raw text. Constraints the OpenAI API lacks
+(regex, top_k, min_p, ...) go in `extra_body`, which SGLang-style servers (plait's included) read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Iterator, Optional, Sequence, Union
+
+from ..chat_template import ChatTemplate, get_chat_template
+from ..choices import ChoicesDecision, ChoicesSamplingMethod
+from ..gen_params import ResolvedGen
+from .base import BaseBackend
+from .native import mean_logprob
+
+logger = logging.getLogger(__name__)
+
+INSTRUCT_MODEL_NAMES = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
+
+
+class OpenAI(BaseBackend):
+    def __init__(self, model_name: str, is_chat_model: Optional[bool] = None,
+                 chat_template: Optional[Union[ChatTemplate, str]] = None, base_url: Optional[str] = None,
+                 api_key: Optional[str] = None, **client_kwargs: Any) -> None:
+        import openai
+
+        if isinstance(chat_template, str):
+            chat_template = get_chat_template(chat_template)
+        super().__init__(chat_template or get_chat_template("default"))
+        if api_key is None and base_url is not None and not os.environ.get("OPENAI_API_KEY"):
+            api_key = "EMPTY"  # local OpenAI-compatible servers usually need no key
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, **client_kwargs)
+        self.model_name = model_name
+        self.is_chat_model = model_name not in INSTRUCT_MODEL_NAMES if is_chat_model is None else is_chat_model
+
+    def get_model_name(self) -> str:
+        return self.model_name
+
+    # ---- requests ----
+    def _request_kwargs(self, params: ResolvedGen) -> dict:
+        sp = params.sampling
+        kwargs: dict[str, Any] = {"model": self.model_name, "max_tokens": sp.max_new_tokens,
+                                  "temperature": sp.temperature, "top_p": sp.top_p, "n": sp.n}
+        if sp.stop_strs:
+            kwargs["stop"] = sp.stop_strs
+        for name in ("frequency_penalty", "presence_penalty", "seed"):
+            if getattr(sp, name):
+                kwargs[name] = getattr(sp, name)
+        extra: dict[str, Any] = {}
+        for name, unset in (("top_k", -1), ("min_p", 0.0), ("min_new_tokens", 0), ("ignore_eos", False),
+                            ("regex", None), ("stop_token_ids", None), ("repetition_penalty", 1.0)):
+            if getattr(sp, name) != unset:
+                extra["min_tokens" if name == "min_new_tokens" else name] = getattr(sp, name)
+        if sp.json_schema is not None:
+            import json
+
+            kwargs["response_format"] = {"type": "json_schema",
+                                         "json_schema": {"name": "output", "schema": json.loads(sp.json_schema)}}
+        if extra:
+            kwargs["extra_body"] = extra
+        return kwargs
+
+    def _prompt(self, s: Any) -> dict:
+        if not self.is_chat_model:
+            return {"prompt": s.text_}
+        if s.cur_role != "assistant" or s.text_[s.cur_role_begin_pos:].strip():
+            raise RuntimeError(
+                "for OpenAI chat models, gen() must open an assistant turn, e.g. "
+                "`s += assistant(gen('answer'))`: the API continues a conversation, not arbitrary text")
+        return {"messages": list(s.messages_)}
+
+    def generate(self, s: Any, params: ResolvedGen):
+        kwargs = {**self._request_kwargs(params), **self._prompt(s)}
+        if self.is_chat_model:
+            ret = self.client.chat.completions.create(**kwargs)
+            texts = [c.message.content or "" for c in ret.choices]
+        else:
+            ret = self.client.completions.create(**kwargs)
+            texts = [c.text for c in ret.choices]
+        metas = [{"id": ret.id, "finish_reason": c.finish_reason,
+                  "prompt_tokens": getattr(ret.usage, "prompt_tokens", None),
+                  "completion_tokens": getattr(ret.usage, "completion_tokens", None)} for c in ret.choices]
+        if params.sampling.n > 1:
+            return texts, metas
+        return texts[0], metas[0]
+
+    def generate_stream(self, s: Any, params: ResolvedGen) -> Iterator[tuple[str, dict]]:
+        if params.sampling.n > 1:
+            raise ValueError("gen(n > 1) cannot stream; run the program with stream=False")
+        kwargs = {**self._request_kwargs(params), **self._prompt(s), "stream": True}
+        create = self.client.chat.completions.create if self.is_chat_model else self.client.completions.create
+        for chunk in create(**kwargs):
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            piece = (choice.delta.content if self.is_chat_model else choice.text) or ""
+            yield piece, {"id": chunk.id, "finish_reason": choice.finish_reason}
+
+    def select(self, s: Any, choices: Sequence[str], temperature: float,
+               choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
+        """Completion models: score each choice from echoed prompt logprobs (one batched request)."""
+        if self.is_chat_model:
+            raise NotImplementedError("select() needs prompt logprobs, which OpenAI chat models do not "
+                                      "return; use a completion model or the plait Runtime/RuntimeEndpoint")
+        if choices_method.requires_unconditional_logprobs:
+            raise NotImplementedError(f"{choices_method!r} is not supported by the OpenAI backend")
+        prefix = s.text_
+        ret = self.client.completions.create(model=self.model_name, prompt=[prefix + c for c in choices],
+                                             max_tokens=1, echo=True, logprobs=0, temperature=0)
+        by_index = sorted(ret.choices, key=lambda c: c.index)
+        input_logprobs = []
+        for choice, c in zip(by_index, choices):
+            lp = choice.logprobs
+            end = len(prefix) + len(c)
+            entries = [(v, None, t) for v, t, off in zip(lp.token_logprobs, lp.tokens, lp.text_offset)
+                       if off < end and off + len(t) > len(prefix)]
+            input_logprobs.append(entries)
+        normalized = [mean_logprob(e) for e in input_logprobs]
+        return choices_method(choices=list(choices), normalized_prompt_logprobs=normalized,
+                              input_token_logprobs=input_logprobs,
+                              output_token_logprobs=[[] for _ in choices])

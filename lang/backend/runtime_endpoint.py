@@ -1,0 +1,95 @@
+"""RuntimeEndpoint: programs talk to a plait or SGLang server over its native HTTP API
+(`/generate`, `/get_model_info`, `/flush_cache`, `/get_server_info`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Iterator, Optional, Union
+
+from ..chat_template import ChatTemplate, chat_template_from_tokenizer, get_chat_template
+from .native import NativeBackend
+
+logger = logging.getLogger(__name__)
+
+
+class RuntimeEndpoint(NativeBackend):
+    def __init__(self, base_url: str, api_key: Optional[str] = None, verify: Any = None,
+                 chat_template_name: Optional[str] = None, timeout: Optional[float] = None) -> None:
+        import requests
+
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.verify = verify
+        self.timeout = timeout
+        self.session = requests.Session()
+        self.model_info = self._get("/get_model_info")
+        template = get_chat_template(chat_template_name) if chat_template_name else self._template_from_server()
+        super().__init__(template)
+
+    def _template_from_server(self) -> ChatTemplate:
+        """Load the served model's tokenizer to derive role markup (works when its folder or hub id
+        is reachable from here); otherwise fall back to 'default' with a warning."""
+        source = self.model_info.get("tokenizer_path") or self.model_info.get("model_path")
+        if source:
+            try:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(source)
+                return chat_template_from_tokenizer(tokenizer, self.get_model_name())
+            except Exception as e:  # an unreachable folder or hub id is common for remote servers
+                logger.warning("could not load the tokenizer %r to derive role markup (%s); pass "
+                               "chat_template_name=... to choose one", source, e)
+        return get_chat_template("default")
+
+    def get_model_name(self) -> str:
+        return self.model_info.get("model_path", "")
+
+    # ---- HTTP ----
+    def _headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _check(self, res: Any, path: str) -> None:
+        if res.status_code != 200:
+            try:
+                detail: Union[str, dict] = res.json()
+            except ValueError:
+                detail = res.text
+            raise RuntimeError(f"{self.base_url}{path} answered HTTP {res.status_code}: {detail}")
+
+    def _get(self, path: str) -> Any:
+        res = self.session.get(self.base_url + path, headers=self._headers(), verify=self.verify,
+                               timeout=self.timeout)
+        self._check(res, path)
+        return res.json()
+
+    def _post(self, path: str, payload: Optional[dict] = None, stream: bool = False) -> Any:
+        res = self.session.post(self.base_url + path, json=payload or {}, headers=self._headers(),
+                                verify=self.verify, stream=stream, timeout=self.timeout)
+        self._check(res, path)
+        return res
+
+    def _send(self, payload: dict):
+        return self._post("/generate", payload).json()
+
+    def _send_stream(self, payload: dict) -> Iterator[dict]:
+        res = self._post("/generate", payload, stream=True)
+        for line in res.iter_lines(decode_unicode=False):
+            line = line.decode("utf-8") if isinstance(line, bytes) else line
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk and "text" not in chunk:
+                raise RuntimeError(f"{self.base_url}/generate stream failed: {chunk['error']}")
+            yield chunk
+
+    # ---- management ----
+    def flush_cache(self) -> Any:
+        res = self._post("/flush_cache")
+        return res.text
+
+    def get_server_info(self) -> dict:
+        return self._get("/get_server_info")

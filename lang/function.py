@@ -1,0 +1,129 @@
+"""SglFunction: what `@plait.function` makes of a Python function whose first parameter is the state."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional, Sequence, Union
+
+from .gen_params import RunDefaults
+from .global_config import global_config
+
+
+class SglFunction:
+    def __init__(self, func: Callable, num_api_spec_tokens: Optional[int] = None,
+                 bind_arguments: Optional[dict] = None):
+        if not callable(func):
+            raise TypeError(f"@function needs a function, got {type(func).__name__}")
+        self.func = func
+        self.num_api_spec_tokens = num_api_spec_tokens  # accepted for SGLang compatibility
+        self.bind_arguments = dict(bind_arguments or {})
+        spec = inspect.getfullargspec(func)
+        if not spec.args:
+            raise TypeError(f"program {func.__name__!r} must take the state as its first parameter, "
+                            f"e.g. `def {func.__name__}(s, ...)`")
+        self.arg_names: list[str] = spec.args[1:]
+        self.arg_defaults: Sequence[Any] = spec.defaults or ()
+        self.takes_var_kwargs = spec.varkw is not None
+        self.__name__ = getattr(func, "__name__", "program")
+        self.__doc__ = func.__doc__
+
+    def __repr__(self) -> str:
+        return f"<plait.function {self.__name__}({', '.join(self.arg_names)})>"
+
+    def bind(self, **kwargs: Any) -> "SglFunction":
+        """A copy with some arguments fixed: `few_shot_qa.bind(examples=...)`."""
+        unknown = [k for k in kwargs if k not in self.arg_names]
+        if unknown:
+            raise TypeError(f"{self.__name__}() has no parameter(s) {unknown}; it takes {self.arg_names}")
+        return SglFunction(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
+
+    def split_run_kwargs(self, kwargs: dict) -> tuple[dict, dict]:
+        """Separate program arguments from sampling defaults (a program parameter's name wins)."""
+        program, sampling = {}, {}
+        for key, value in kwargs.items():
+            if key in self.arg_names:
+                program[key] = value
+            elif RunDefaults.is_sampling_name(key):
+                sampling[key] = value
+            elif self.takes_var_kwargs:
+                program[key] = value
+            else:
+                raise TypeError(f"{self.__name__}() got an unexpected argument {key!r}: it is neither a "
+                                f"parameter of the program ({self.arg_names}) nor a sampling parameter")
+        return program, sampling
+
+    def run(self, *args: Any, stream: bool = False, backend: Any = None, use_thread: bool = True,
+            **kwargs: Any):
+        """Run the program once. Keyword arguments are the program's own, or sampling defaults that
+        every gen() inherits unless it sets them (`max_new_tokens=128`, `temperature=1.0`, ...)."""
+        from .run import run_program
+
+        program_kwargs, sampling = self.split_run_kwargs(kwargs)
+        program_kwargs = self._positional_to_kwargs(args, program_kwargs)
+        defaults = RunDefaults.from_kwargs(sampling)
+        backend = backend or global_config.default_backend
+        return run_program(self, backend, (), program_kwargs, defaults, stream, use_thread=use_thread)
+
+    def _positional_to_kwargs(self, args: Sequence[Any], kwargs: dict) -> dict:
+        # Positional values fill the parameters bind() left open, in order.
+        free = [n for n in self.arg_names if n not in self.bind_arguments]
+        if len(args) > len(free):
+            raise TypeError(f"{self.__name__}() takes {len(free)} positional argument(s) ({free}) "
+                            f"but {len(args)} were given")
+        out = dict(kwargs)
+        for name, value in zip(free, args):
+            if name in out:
+                raise TypeError(f"{self.__name__}() got multiple values for argument {name!r}")
+            out[name] = value
+        return out
+
+    def run_batch(self, batch_kwargs: Sequence[Union[dict, Sequence[Any]]], *, backend: Any = None,
+                  num_threads: Union[str, int] = "auto", progress_bar: bool = False,
+                  generator_style: bool = False, **sampling: Any):
+        """Run the program once per item (a dict of arguments, or a tuple in parameter order).
+        Returns the states in input order (a generator of them with generator_style=True); a program
+        that fails has its exception in `state.error()` and does not stop the others."""
+        from .run import run_program_batch
+
+        if not isinstance(batch_kwargs, (list, tuple)):
+            raise TypeError(f"run_batch() needs a list of argument dicts or tuples, got {type(batch_kwargs).__name__}")
+        arguments = [self._batch_item_kwargs(i, item) for i, item in enumerate(batch_kwargs)]
+        for key in sampling:
+            if not RunDefaults.is_sampling_name(key):
+                raise TypeError(f"run_batch() got an unexpected argument {key!r}")
+        defaults = RunDefaults.from_kwargs(sampling)
+        backend = backend or global_config.default_backend
+        return run_program_batch(self, backend, arguments, defaults, num_threads, progress_bar, generator_style)
+
+    def _batch_item_kwargs(self, index: int, item: Any) -> dict:
+        if isinstance(item, dict):
+            return dict(item)
+        if isinstance(item, (list, tuple)):
+            required = len(self.arg_names) - len(self.arg_defaults)
+            if not required <= len(item) <= len(self.arg_names):
+                raise TypeError(f"run_batch item {index} has {len(item)} values; {self.__name__}() takes "
+                                f"{required} to {len(self.arg_names)} ({self.arg_names})")
+            return dict(zip(self.arg_names, item))
+        raise TypeError(f"run_batch item {index} must be a dict or a tuple, got {type(item).__name__}")
+
+    def trace(self, *args: Any, backend: Any = None, **kwargs: Any):
+        """Record the program's expression graph without running a model (see plait.tracer)."""
+        from .tracer import trace_program
+
+        kwargs.update(zip(self.arg_names, args))
+        return trace_program(self, kwargs, backend or global_config.default_backend)
+
+    def cache(self, backend: Any = None) -> None:
+        """Prefill the text every run of this program starts with."""
+        from .run import cache_program
+
+        cache_program(self, backend or global_config.default_backend)
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        from .tracer import TracingScope
+
+        scope = TracingScope.get_current_scope()
+        if scope is None:
+            return self.run(*args, **kwargs)
+        kwargs["backend"] = scope.tracer_state.backend
+        return self.trace(*args, **kwargs)

@@ -1,0 +1,342 @@
+"""StreamExecutor: runs one program's expressions, in order, on a worker thread.
+
+The program's Python body runs in the caller's thread and only *submits* expressions
+(`s += ...` returns at once); the worker executes them against the backend. Reading a variable
+(`s["x"]`) blocks until the worker has produced it, so Python control flow can branch on model
+output while text that does not depend on it is already being sent.
+
+Failure model: the first exception stops execution; later expressions are skipped, every
+waiting reader wakes, `error()` returns the exception (its `__traceback__` intact) and reading a
+variable that was never produced raises a RuntimeError chained to it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import queue
+import threading
+import traceback
+import uuid
+from typing import Any, Iterable, Optional
+
+from .gen_params import RunDefaults, resolve_gen
+from .ir import (SglCommitLazy, SglConcateAndAppend, SglConstantText, SglExpr, SglExprList, SglGen,
+                 SglImage, SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin,
+                 SglVarScopeEnd, as_expr)
+
+logger = logging.getLogger(__name__)
+
+
+class StreamExecutor:
+    def __init__(self, backend: Any, arguments: dict, default_sampling_para: RunDefaults,
+                 chat_template: Any = None, stream: bool = False, use_thread: bool = True) -> None:
+        self.sid = uuid.uuid4().hex
+        self.backend = backend
+        self.arguments = arguments
+        self.default_sampling_para = default_sampling_para
+        self.stream = stream
+
+        self.variables: dict[str, Any] = {}
+        self.variable_event: dict[str, threading.Event] = {}
+        self.meta_info: dict[str, Any] = {}
+        self.is_finished = False
+        self.error_: Optional[BaseException] = None
+
+        self.text_ = ""
+        self.messages_: list[dict] = []
+        self.chat_template = chat_template or backend.get_chat_template()
+        self.cur_role: Optional[str] = None
+        self.cur_role_begin_pos: Optional[int] = None
+        self.fork_start_text_pos: Optional[int] = None
+        self.images_: list = []
+        self._scope_starts: dict[str, int] = {}
+        # Role state as submitted (caller thread), so misuse raises where the user wrote it.
+        self._submitted_role: Optional[str] = None
+
+        self.stream_text_event = threading.Event() if stream else None
+        self.stream_var_event: Optional[dict[str, threading.Event]] = {} if stream else None
+
+        self._lock = threading.Lock()
+        self._failed = False
+        self._ended = False
+        self.use_thread = use_thread
+        if use_thread:
+            self.queue: queue.Queue = queue.Queue()
+            ctx = contextvars.copy_context()
+            self.worker = threading.Thread(target=ctx.run, args=(self._worker_loop,), daemon=True,
+                                           name=f"plait-program-{self.sid[:8]}")
+            self.worker.start()
+        backend.begin_program(self)
+
+    # ---------------- submission side (program thread) ----------------
+    def submit(self, expr: Any) -> None:
+        expr = as_expr(expr)
+        self._check_roles(expr)
+        with self._lock:
+            events = self._init_var_event(expr)
+            if self._failed:
+                for event in events:  # nobody will produce these: wake readers at once
+                    event.set()
+                return
+            if self.use_thread:
+                self.queue.put(expr)
+                return
+        self._execute_guarded(expr)
+
+    def _check_roles(self, expr: SglExpr) -> None:
+        role = self._submitted_role
+        for node in _flatten(expr):
+            if isinstance(node, SglRoleBegin):
+                if role is not None:
+                    raise ValueError(
+                        f"cannot begin a {node.role!r} turn inside the unfinished {role!r} turn: roles do "
+                        f"not nest; end the {role!r} turn first")
+                role = node.role
+            elif isinstance(node, SglRoleEnd):
+                if role != node.role:
+                    raise ValueError(f"{node.role}_end() without a {node.role!r} turn in progress"
+                                     + (f" (the open turn is {role!r})" if role else ""))
+                role = None
+        self._submitted_role = role
+
+    def sync(self) -> None:
+        if self.use_thread:
+            self.queue.join()
+
+    def get_var(self, name: str) -> Any:
+        event = self.variable_event.get(name)
+        if event is not None:
+            event.wait()
+        if name in self.variables:
+            return self.variables[name]
+        if self.error_ is not None:
+            raise RuntimeError(f"variable {name!r} was not produced because the program failed: "
+                               f"{type(self.error_).__name__}: {self.error_}") from self.error_
+        raise KeyError(f"the program has no variable {name!r}; known: {sorted(map(str, self.variables))}")
+
+    def set_var(self, name: str, value: Any) -> None:
+        self.variables[name] = value
+
+    def get_meta_info(self, name: str, timeout: Optional[float] = None) -> Any:
+        event = self.variable_event.get(name)
+        if event is not None and not event.wait(timeout):
+            raise TimeoutError(f"timed out waiting for variable {name!r}")
+        return self.meta_info.get(name)
+
+    def text(self) -> str:
+        self.sync()
+        return self.text_
+
+    def messages(self) -> list[dict]:
+        self.sync()
+        return self.messages_
+
+    def error(self) -> Optional[BaseException]:
+        self.sync()
+        return self.error_
+
+    def fork(self, size: int = 1) -> list["StreamExecutor"]:
+        size = int(size)
+        if size < 1:
+            raise ValueError(f"fork size must be >= 1, got {size}")
+        self.sync()
+        if self.error_ is not None:
+            raise RuntimeError("cannot fork: the program failed earlier") from self.error_
+        if size > 1 and self.text_:
+            # The branches all start with this text: prefill it once, before they race to do so.
+            self._execute_guarded(SglCommitLazy())
+            if self.error_ is not None:
+                raise RuntimeError("cannot fork: prefilling the shared prefix failed") from self.error_
+        children = [StreamExecutor(self.backend, self.arguments, self.default_sampling_para,
+                                   self.chat_template, self.stream) for _ in range(size)]
+        for child in children:
+            child.variables = dict(self.variables)
+            child.meta_info = dict(self.meta_info)
+            child.text_ = self.text_
+            child.messages_ = list(self.messages_)
+            child.cur_role = self.cur_role
+            child.cur_role_begin_pos = self.cur_role_begin_pos
+            child._submitted_role = self._submitted_role
+            child.fork_start_text_pos = len(self.text_)
+            child.images_ = list(self.images_)
+        return children
+
+    def end(self) -> None:
+        """No more submissions: let the worker finish what is queued, then exit."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            if self.use_thread:
+                self.queue.put(None)
+        if not self.use_thread:
+            self._finish()
+        try:
+            self.backend.end_program(self)
+        except Exception:  # a backend's bookkeeping must not hide the program's own result
+            logger.exception("end_program failed")
+
+    def __del__(self) -> None:
+        try:
+            self.end()
+        except Exception:
+            pass
+
+    # ---------------- execution side (worker thread) ----------------
+    def _worker_loop(self) -> None:
+        # NOTE: every queued item gets its task_done (also after a failure, when items are only
+        # skipped), so sync() never waits on work that will not happen.
+        while True:
+            expr = self.queue.get()
+            try:
+                if expr is None:
+                    break
+                if self.error_ is None:
+                    self._execute_guarded(expr)
+                if self.stream_text_event is not None:
+                    self.stream_text_event.set()
+            finally:
+                self.queue.task_done()
+        self._finish()
+
+    def _execute_guarded(self, expr: SglExpr) -> bool:
+        try:
+            self._execute(expr)
+            return True
+        except Exception as e:  # the program's failure: recorded, surfaced by error() and get_var
+            logger.warning("program %s failed:\n%s", self.sid[:8], "".join(traceback.format_exception(e)))
+            self._fail(e)
+            return False
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            self.error_ = error
+            self._failed = True
+        for event in list(self.variable_event.values()):
+            event.set()
+        for event in list((self.stream_var_event or {}).values()):
+            event.set()
+
+    def _finish(self) -> None:
+        self.is_finished = True
+        if self.stream_text_event is not None:
+            self.stream_text_event.set()
+
+    def _execute(self, other: SglExpr) -> None:
+        if isinstance(other, SglConstantText):
+            self._execute_fill(other.value)
+        elif isinstance(other, SglExprList):
+            for child in other.expr_list:
+                self._execute(child)
+        elif isinstance(other, SglGen):
+            self._execute_gen(other)
+        elif isinstance(other, SglSelect):
+            self._execute_select(other)
+        elif isinstance(other, SglRoleBegin):
+            self._execute_role_begin(other.role)
+        elif isinstance(other, SglRoleEnd):
+            self._execute_role_end(other.role)
+        elif isinstance(other, SglVarScopeBegin):
+            self._scope_starts[other.name] = len(self.text_)
+        elif isinstance(other, SglVarScopeEnd):
+            self._execute_var_scope_end(other.name)
+        elif isinstance(other, SglVariable):
+            self._execute_fill(other.source.get_var(other.name) if hasattr(other.source, "get_var")
+                               else self.get_var(other.name))
+        elif isinstance(other, SglCommitLazy):
+            self.backend.commit_lazy_operations(self)
+        elif isinstance(other, SglConcateAndAppend):
+            self._execute_concatenate(other.states)
+        elif isinstance(other, SglImage):
+            raise NotImplementedError("image() is not supported yet: plait's runtime serves text-only models")
+        else:
+            raise TypeError(f"cannot execute {other!r}")
+
+    def _execute_fill(self, value: Any) -> None:
+        self.text_ += str(value)
+
+    def _execute_gen(self, expr: SglGen) -> None:
+        params = resolve_gen(self.default_sampling_para, expr.overrides, self.chat_template.stop_str)
+        name = expr.name
+        if not self.stream:
+            comp, meta = self.backend.generate(self, params)
+            self.text_ += comp[0] if isinstance(comp, list) else comp
+            self._set_result(name, comp, meta)
+            return
+        if name is not None:
+            self.variables[name] = ""
+            self.stream_var_event[name].set()
+        for piece, meta in self.backend.generate_stream(self, params):
+            self.text_ += piece
+            if name is not None:
+                self.variables[name] += piece
+                self.meta_info[name] = meta
+                self.stream_var_event[name].set()
+            self.stream_text_event.set()
+        if name is not None:
+            self.variable_event[name].set()
+            self.stream_var_event[name].set()
+
+    def _execute_select(self, expr: SglSelect) -> None:
+        decision = self.backend.select(self, expr.choices, expr.temperature, expr.choices_method)
+        self.text_ += decision.decision
+        self._set_result(expr.name, decision.decision, decision.meta_info)
+
+    def _set_result(self, name: Optional[str], value: Any, meta: Any) -> None:
+        if name is None:
+            return
+        self.variables[name] = value
+        self.meta_info[name] = meta
+        self.variable_event[name].set()
+        if self.stream_var_event is not None:
+            self.stream_var_event[name].set()
+
+    def _execute_role_begin(self, role: str) -> None:
+        template = self.chat_template
+        if not self.messages_ and role != "system" and template.default_system_prompt is not None:
+            # What the model's own template does when a conversation has no system turn.
+            self._execute_role_begin("system")
+            self._execute_fill(template.default_system_prompt)
+            self._execute_role_end("system")
+        prefix, _ = template.get_prefix_and_suffix(role, self.messages_)
+        self.cur_role = role
+        self._execute_fill(prefix)
+        self.cur_role_begin_pos = len(self.text_)
+
+    def _execute_role_end(self, role: str) -> None:
+        content = self.text_[self.cur_role_begin_pos:].lstrip()
+        _, suffix = self.chat_template.get_prefix_and_suffix(role, self.messages_)
+        self._execute_fill(suffix)
+        self.messages_.append({"role": role, "content": content})
+        self.cur_role = None
+
+    def _execute_var_scope_end(self, name: str) -> None:
+        start = self._scope_starts.pop(name)
+        self._set_result(name, self.text_[start:], None)
+
+    def _execute_concatenate(self, states: Iterable[Any]) -> None:
+        for state in states:
+            exe = state.stream_executor
+            exe.sync()
+            self._execute_fill(exe.text_[exe.fork_start_text_pos:])
+
+    def _init_var_event(self, expr: SglExpr) -> list[threading.Event]:
+        created = []
+        for node in _flatten(expr):
+            if isinstance(node, (SglGen, SglSelect, SglVarScopeBegin)) and node.name is not None:
+                event = threading.Event()
+                self.variable_event[node.name] = event
+                created.append(event)
+                if self.stream_var_event is not None:
+                    self.stream_var_event[node.name] = threading.Event()
+                    created.append(self.stream_var_event[node.name])
+        return created
+
+
+def _flatten(expr: SglExpr) -> Iterable[SglExpr]:
+    if isinstance(expr, SglExprList):
+        for child in expr.expr_list:
+            yield from _flatten(child)
+    else:
+        yield expr

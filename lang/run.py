@@ -1,0 +1,129 @@
+"""Running programs: one (`run_program`), many concurrently (`run_program_batch`), and pre-caching
+the text every run of a program starts with (`cache_program`)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator, Optional, Sequence, Union
+
+from .gen_params import RunDefaults
+from .global_config import global_config
+from .interpreter import StreamExecutor
+from .state import ProgramState
+
+# Below this many characters a shared prefix is not worth a separate prefill request.
+MIN_PRECACHE_CHARS = 64
+
+
+def resolve_backend(backend: Any) -> Any:
+    if backend is None:
+        raise ValueError("no backend to run on: call plait.set_default_backend(plait.Runtime()) "
+                         "or pass backend=... to run()")
+    # A Runtime (colocated or launched) wraps the backend that does the work.
+    return backend.endpoint if hasattr(backend, "endpoint") else backend
+
+
+def run_program(program: Any, backend: Any, args: Sequence[Any], kwargs: dict, defaults: RunDefaults,
+                stream: bool, sync: bool = False, use_thread: bool = True,
+                capture_errors: bool = False) -> ProgramState:
+    """Start the program. Without streaming, its body runs here and an exception in it propagates
+    (unless capture_errors, used by run_batch, records it in the state instead)."""
+    backend = resolve_backend(backend)
+    kwargs = {**kwargs, **program.bind_arguments}
+    executor = StreamExecutor(backend, kwargs, defaults, stream=stream, use_thread=use_thread)
+    state = ProgramState(executor)
+    if stream:
+        # The body must keep submitting while the caller reads the stream, so it gets a thread.
+        threading.Thread(target=_run_body, args=(state, program, args, kwargs, sync, True),
+                         daemon=True, name=f"plait-{program.__name__}").start()
+        return state
+    _run_body(state, program, args, kwargs, sync, capture_errors)
+    return state
+
+
+def _run_body(state: ProgramState, program: Any, args: Sequence[Any], kwargs: dict, sync: bool,
+              capture_errors: bool) -> None:
+    executor = state.stream_executor
+    try:
+        state.ret_value = program.func(state, *args, **kwargs)
+    except Exception as e:
+        if executor.error_ is None:
+            executor._fail(e)
+        if not capture_errors:
+            raise
+    finally:
+        executor.end()
+    if sync:
+        executor.sync()
+    if global_config.verbosity >= 2:
+        print(state.text())
+
+
+def run_program_batch(program: Any, backend: Any, batch_arguments: list[dict], defaults: RunDefaults,
+                      num_threads: Union[str, int], progress_bar: bool, generator_style: bool = False):
+    backend = resolve_backend(backend)
+    if not batch_arguments:
+        return iter(()) if generator_style else []
+    if global_config.enable_precache_with_tracing and len(batch_arguments) > 1:
+        cache_program(program, backend)
+    if num_threads == "auto":
+        num_threads = max(96, multiprocessing.cpu_count() * 16)
+    if not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads must be 'auto' or a positive int, got {num_threads!r}")
+    num_threads = min(num_threads, len(batch_arguments))
+    runs = _BatchRuns(program, backend, batch_arguments, defaults, num_threads, progress_bar)
+    if generator_style:
+        return runs.iter_in_order()
+    return list(runs.iter_in_order())
+
+
+class _BatchRuns:
+    """Runs the batch on a thread pool; yields the states in input order."""
+
+    def __init__(self, program, backend, batch_arguments, defaults, num_threads, progress_bar):
+        self.program = program
+        self.backend = backend
+        self.batch_arguments = batch_arguments
+        self.defaults = defaults
+        self.num_threads = num_threads
+        self.progress_bar = progress_bar
+
+    def _run_one(self, arguments: dict) -> ProgramState:
+        return run_program(self.program, self.backend, (), arguments, self.defaults, stream=False,
+                           sync=True, capture_errors=True)
+
+    def iter_in_order(self) -> Iterator[ProgramState]:
+        bar = _progress_bar(len(self.batch_arguments), self.program.__name__) if self.progress_bar else None
+        try:
+            with ThreadPoolExecutor(self.num_threads, thread_name_prefix="plait-batch") as pool:
+                futures: list[Future] = []
+                for arguments in self.batch_arguments:
+                    future = pool.submit(self._run_one, arguments)
+                    if bar is not None:
+                        future.add_done_callback(lambda _: bar.update(1))
+                    futures.append(future)
+                for future in futures:
+                    yield future.result()
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def _progress_bar(total: int, name: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"run_batch {name}", unit="program")
+
+
+def cache_program(program: Any, backend: Any) -> Optional[str]:
+    """Prefill the constant text the program starts with (found by tracing); returns it."""
+    from .tracer import extract_prefix_by_tracing
+
+    backend = resolve_backend(backend)
+    prefix = extract_prefix_by_tracing(program, backend)
+    if prefix and len(prefix) > MIN_PRECACHE_CHARS:
+        backend.cache_prefix(prefix)
+        return prefix
+    return None

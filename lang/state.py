@@ -1,0 +1,264 @@
+"""ProgramState (`s` inside a program) and ProgramStateGroup (what `s.fork(n)` returns)."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+from .interpreter import StreamExecutor
+from .ir import (SglConcateAndAppend, SglExpr, SglExprList, SglRoleBegin, SglRoleEnd, SglVarScopeBegin,
+                 SglVarScopeEnd, as_expr)
+
+
+class ProgramState:
+    """The state of one running program: its text, chat messages and variables."""
+
+    def __init__(self, stream_executor: StreamExecutor):
+        self.stream_executor = stream_executor
+        self.ret_value: Any = None
+
+    # ---- building the program ----
+    def __iadd__(self, other: Any) -> "ProgramState":
+        if other is None:
+            raise ValueError("tried to append None to the program state")
+        self.stream_executor.submit(other)
+        return self
+
+    def _role_common(self, role: str, expr: Any = None):
+        if expr is not None:
+            role_expr = SglExprList([SglRoleBegin(role), as_expr(expr), SglRoleEnd(role)])
+            self.stream_executor.submit(role_expr)
+            return role_expr
+
+        @contextmanager
+        def role_scope() -> Iterator[None]:
+            self.stream_executor.submit(SglRoleBegin(role))
+            yield
+            self.stream_executor.submit(SglRoleEnd(role))
+
+        return role_scope()
+
+    def system(self, expr: Any = None):
+        """`s.system("...")` appends a system turn; `with s.system():` wraps what the block appends."""
+        return self._role_common("system", expr)
+
+    def user(self, expr: Any = None):
+        return self._role_common("user", expr)
+
+    def assistant(self, expr: Any = None):
+        return self._role_common("assistant", expr)
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """Everything the block appends becomes variable `name` as well."""
+        self.stream_executor.submit(SglVarScopeBegin(name))
+        yield
+        self.stream_executor.submit(SglVarScopeEnd(name))
+
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> "ProgramStateGroup":
+        """`size` copies of this state that continue concurrently; the shared text is prefilled once."""
+        executors = self.stream_executor.fork(size)
+        backend = self.stream_executor.backend
+        pin = backend.pin_prefix(self.stream_executor.text_) if size > 1 else None
+        return ProgramStateGroup([ProgramState(e) for e in executors], self, pin)
+
+    @contextmanager
+    def copy(self, position_ids_offset: Any = None) -> Iterator["ProgramState"]:
+        group = self.fork(1)
+        try:
+            yield group[0]
+        finally:
+            group.join()
+
+    # ---- reading results ----
+    def text(self) -> str:
+        return self.stream_executor.text()
+
+    def messages(self) -> list[dict]:
+        """The chat turns so far, in OpenAI's format: [{"role": ..., "content": ...}]."""
+        return self.stream_executor.messages()
+
+    def sync(self) -> None:
+        self.stream_executor.sync()
+
+    def error(self) -> Optional[BaseException]:
+        """The exception that stopped the program (its __traceback__ intact), or None."""
+        return self.stream_executor.error()
+
+    def get_var(self, name: str) -> Any:
+        return self.stream_executor.get_var(name)
+
+    def set_var(self, name: str, value: Any) -> None:
+        self.stream_executor.set_var(name, value)
+
+    def get_meta_info(self, name: str) -> Any:
+        return self.stream_executor.get_meta_info(name)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.get_var(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set_var(name, value)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stream_executor.variables
+
+    def __repr__(self) -> str:
+        return f"ProgramState({self.text()!r})"
+
+    # ---- streaming (run(stream=True)) ----
+    def text_iter(self, var_name: Optional[str] = None) -> Iterator[str]:
+        """Yield text as it is produced: the whole program's text, or one variable's."""
+        exe = self.stream_executor
+        if not exe.stream:
+            yield self.text() if var_name is None else self.get_var(var_name)
+            return
+        for piece, _ in _stream_pieces(exe, var_name, exe.stream_text_event.wait, _wait_event):
+            yield piece
+
+    async def text_async_iter(self, var_name: Optional[str] = None, return_meta_data: bool = False):
+        """Async version of text_iter; with return_meta_data, yields (piece, meta_info)."""
+        exe = self.stream_executor
+        loop = asyncio.get_running_loop()
+        if not exe.stream:
+            if var_name is None:
+                value = await loop.run_in_executor(None, self.text)
+            else:
+                value = await loop.run_in_executor(None, self.get_var, var_name)
+            yield (value, exe.meta_info.get(var_name)) if return_meta_data else value
+            return
+        # The waits block, so they run on the default executor while the event loop stays free.
+        gen = _stream_pieces(exe, var_name, exe.stream_text_event.wait, _wait_event)
+        sentinel = object()
+        while True:
+            item = await loop.run_in_executor(None, next, gen, sentinel)
+            if item is sentinel:
+                return
+            piece, meta = item
+            yield (piece, meta) if return_meta_data else piece
+
+    def __del__(self) -> None:
+        try:
+            self.stream_executor.end()
+        except Exception:
+            pass
+
+
+def _wait_event(event: Any) -> None:
+    event.wait()
+
+
+def _stream_pieces(exe: StreamExecutor, var_name: Optional[str], wait_text: Callable, wait: Callable):
+    """Yield (new text, meta_info) pieces until the program (or the variable) is complete."""
+    prev = 0
+    if var_name is None:
+        event = exe.stream_text_event
+        while True:
+            wait_text()
+            event.clear()
+            out = exe.text_[prev:]
+            prev += len(out)
+            if out:
+                yield out, None
+            if exe.is_finished:
+                return
+    # The variable's events exist once its gen() has been submitted; until then poll for them.
+    while var_name not in exe.stream_var_event:
+        if exe.is_finished:
+            return
+        exe.stream_text_event.wait(0.05)
+    event = exe.stream_var_event[var_name]
+    while True:
+        wait(event)
+        event.clear()
+        value = exe.variables.get(var_name, "")
+        out = value[prev:] if isinstance(value, str) else ""
+        prev += len(out)
+        if out:
+            yield out, exe.meta_info.get(var_name)
+        if exe.variable_event[var_name].is_set():
+            return
+
+
+class ProgramStateGroup:
+    """The branches of a fork. `forks += expr` appends to every branch (a callable gets the index,
+    a list gives one item per branch); `join()` waits for them and gathers their new variables."""
+
+    def __init__(self, states: list[ProgramState], src_state: Optional[ProgramState] = None, pin: Any = None):
+        self.states = states
+        self.src_state = src_state
+        self._pin = pin
+        self._joined = False
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        # `forks[i] += ...` assigns the (same) state back after __iadd__.
+        if value is not self.states[i]:
+            raise TypeError("cannot replace a forked state; append to it with forks[i] += ...")
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self.states)
+
+    def __iadd__(self, other: Any) -> "ProgramStateGroup":
+        if isinstance(other, (list, tuple)):
+            if len(other) != len(self.states):
+                raise ValueError(f"got {len(other)} items for {len(self.states)} forked states")
+            for state, item in zip(self.states, other):
+                state += item
+        elif callable(other) and not isinstance(other, SglExpr):
+            for i, state in enumerate(self.states):
+                state += other(i)
+        elif isinstance(other, (SglExpr, str)):
+            for state in self.states:
+                state += other
+        else:
+            raise TypeError(f"cannot append a {type(other).__name__} to forked states")
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        """Wait for every branch. 'gather_variable': each variable a branch created becomes a list
+        (one item per branch) on the parent. 'concate_and_append': the branches' new text is
+        appended to the parent's text, in branch order."""
+        if mode not in ("gather_variable", "concate_and_append"):
+            raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+        if self.src_state is None:
+            raise ValueError("this group has no parent state to join into")
+        try:
+            if mode == "gather_variable":
+                self._gather_variables()
+            else:
+                self.src_state += SglConcateAndAppend(self.states)
+                self.src_state.stream_executor.sync()
+        finally:
+            self._release()
+
+    def _gather_variables(self) -> None:
+        parent = self.src_state.stream_executor
+        parent.sync()
+        known = set(parent.variables)
+        for state in self.states:
+            child = state.stream_executor
+            child.sync()
+            if child.error_ is not None:
+                raise RuntimeError("a forked branch failed") from child.error_
+            for name in child.variables:
+                if name in known:
+                    continue
+                parent.variables.setdefault(name, []).append(child.variables[name])
+                parent.meta_info.setdefault(name, []).append(child.meta_info.get(name))
+
+    def _release(self) -> None:
+        if self._joined:
+            return
+        self._joined = True
+        for state in self.states:
+            state.stream_executor.end()
+        if self._pin is not None:
+            self.src_state.stream_executor.backend.unpin_prefix(self._pin)
+            self._pin = None
