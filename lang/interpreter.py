@@ -32,6 +32,8 @@ class StreamExecutor:
     def __init__(self, backend: Any, arguments: dict, default_sampling_para: RunDefaults,
                  chat_template: Any = None, stream: bool = False, use_thread: bool = True) -> None:
         self.sid = uuid.uuid4().hex
+        # Shared by a program and all its forks: requests carry it as a scheduling hint.
+        self.program_id = self.sid
         self.backend = backend
         self.arguments = arguments
         self.default_sampling_para = default_sampling_para
@@ -151,6 +153,7 @@ class StreamExecutor:
         children = [StreamExecutor(self.backend, self.arguments, self.default_sampling_para,
                                    self.chat_template, self.stream) for _ in range(size)]
         for child in children:
+            child.program_id = self.program_id
             child.variables = dict(self.variables)
             child.meta_info = dict(self.meta_info)
             child.text_ = self.text_

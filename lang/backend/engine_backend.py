@@ -38,6 +38,10 @@ class EngineBackend(NativeBackend):
     def get_model_name(self) -> str:
         return self._model_name_of(self.engine)
 
+    def _request_tags(self, s: Any) -> dict:
+        # The scheduler keeps one program's requests (and its forks') together (dfs-weight policy).
+        return {"group": s.program_id} if getattr(s, "program_id", None) else {}
+
     # ---- transport ----
     @staticmethod
     def _engine_kwargs(payload: dict) -> dict:
@@ -60,6 +64,12 @@ class EngineBackend(NativeBackend):
             self.engine.cache_prefix(prefix)
         else:
             super().cache_prefix(prefix)
+
+    def commit_lazy_operations(self, s: Any) -> None:
+        if hasattr(self.engine, "cache_prefix"):
+            self.cache_prefix(s.text_)
+        else:
+            super().commit_lazy_operations(s)
 
     def pin_prefix(self, prefix: str) -> Any:
         if prefix and hasattr(self.engine, "pin_prefix"):

@@ -27,10 +27,18 @@ class NativeBackend(BaseBackend):
         """A streaming /generate request: cumulative results ({"text": all so far, "meta_info"})."""
         raise NotImplementedError
 
+    def _request_tags(self, s: Any) -> dict:
+        """Extra request fields naming the program a request belongs to (scheduling hints)."""
+        return {}
+
     # ---- the backend interface ----
     def cache_prefix(self, prefix: str) -> None:
         if prefix:
             self._send({"text": prefix, "sampling_params": dict(PREFILL_ONLY)})
+
+    def commit_lazy_operations(self, s: Any) -> None:
+        if s.text_:
+            self._send({"text": s.text_, "sampling_params": dict(PREFILL_ONLY), **self._request_tags(s)})
 
     def generate(self, s: Any, params: ResolvedGen):
         n = params.sampling.n
@@ -38,9 +46,9 @@ class NativeBackend(BaseBackend):
             # n samples = n copies of the prompt in one batch: every runtime batches a list, and
             # the copies share the prompt's prefix in the cache.
             single = ResolvedGen(dataclasses.replace(params.sampling, n=1), params.logprob, params.dtype)
-            outs = self._send(self._payload([s.text_] * n, single))
+            outs = self._send(self._payload(s, [s.text_] * n, single))
             return [o["text"] for o in outs], [o["meta_info"] for o in outs]
-        out = self._send(self._payload(s.text_, params))
+        out = self._send(self._payload(s, s.text_, params))
         if isinstance(out, list):  # a server that answers a single prompt with a one-item list
             out = out[0]
         return out["text"], out["meta_info"]
@@ -48,7 +56,7 @@ class NativeBackend(BaseBackend):
     def generate_stream(self, s: Any, params: ResolvedGen) -> Iterator[tuple[str, dict]]:
         if params.sampling.n > 1:
             raise ValueError("gen(n > 1) cannot stream; run the program with stream=False")
-        payload = self._payload(s.text_, params)
+        payload = self._payload(s, s.text_, params)
         payload["stream"] = True
         seen = 0
         for chunk in self._send_stream(payload):
@@ -64,8 +72,9 @@ class NativeBackend(BaseBackend):
             raise ValueError("select() needs a non-empty list of choices")
         prefix = s.text_
         # 1. Prefill the shared prefix once; the batch below then hits it in the prefix cache.
-        prefix_tokens = self._send({"text": prefix, "sampling_params": dict(PREFILL_ONLY)})["meta_info"][
-            "prompt_tokens"] if prefix else 0
+        tags = self._request_tags(s)
+        prefix_tokens = self._send({"text": prefix, "sampling_params": dict(PREFILL_ONLY), **tags})[
+            "meta_info"]["prompt_tokens"] if prefix else 0
         # 2. Score every choice in one batched request. Logprobs start one token before the end of
         #    the prefix: the prefix's last token may merge with the choice's first ("A: " + "Paris"
         #    tokenizes as "A:" + " Paris"), and then it belongs to the choice (token healing).
@@ -75,6 +84,7 @@ class NativeBackend(BaseBackend):
             "return_logprob": True,
             "return_text_in_logprobs": True,
             "logprob_start_len": max(prefix_tokens - 2, 0),
+            **tags,
         })
         input_logprobs = [choice_token_logprobs(o["meta_info"], prefix, prefix_tokens) for o in outs]
         output_logprobs = [o["meta_info"].get("output_token_logprobs", []) for o in outs]
@@ -86,6 +96,7 @@ class NativeBackend(BaseBackend):
                 "sampling_params": dict(PREFILL_ONLY),
                 "return_logprob": True,
                 "logprob_start_len": 0,
+                **tags,
             })
             unconditional = [o["meta_info"]["input_token_logprobs"] for o in uncond]
         return choices_method(choices=list(choices), normalized_prompt_logprobs=normalized,
@@ -93,13 +104,13 @@ class NativeBackend(BaseBackend):
                               unconditional_token_logprobs=unconditional)
 
     # ---- helpers ----
-    def _payload(self, text: Union[str, list[str]], params: ResolvedGen) -> dict:
+    def _payload(self, s: Any, text: Union[str, list[str]], params: ResolvedGen) -> dict:
         sampling = params.request_sampling_dict()
         if not global_config.skip_special_tokens_in_output:
             sampling["skip_special_tokens"] = False
         if not global_config.spaces_between_special_tokens_in_out:
             sampling["spaces_between_special_tokens"] = False
-        return {"text": text, "sampling_params": sampling, **params.logprob}
+        return {"text": text, "sampling_params": sampling, **params.logprob, **self._request_tags(s)}
 
 
 def choice_token_logprobs(meta_info: dict, prefix: str, prefix_tokens: int) -> list:
