@@ -1,0 +1,193 @@
+"""triton: the default attention backend on GPU (paged extend with cached prefix, split-KV decode).
+
+Kernels live in `triton_ops/`. Both read K/V straight from the pool through `req_to_token`, so the
+per-step metadata is only a handful of (B,) tensors that the ForwardBatch already holds: nothing is
+flattened or copied per step, and decode needs no host data at all (CUDA-graph friendly).
+
+What the backend reads from `model_runner` (all optional except `device`):
+- `device`: where metadata and scratch live.
+- `model_config` (or its `hf_config`): `num_attention_heads`, `num_key_value_heads`, `head_dim`
+  (else `hidden_size // num_attention_heads`); with `tp_size` (default 1) they pre-size the decode
+  scratch in `init_cuda_graph_state`. Without them the scratch is sized at the first decode call.
+
+CUDA-graph contract (decode only):
+- `init_cuda_graph_state(max_bs)` once, before any capture.
+- `init_forward_metadata_capture_cuda_graph(fb)` / `..._replay_cuda_graph(fb)` with
+  `fb.batch_size` = the captured (padded) batch size `bs <= max_bs`, and `fb.req_pool_indices` /
+  `fb.seq_lens` holding either `bs` entries or only the real `n <= bs` ones. The backend copies them
+  into its own static buffers; entries `n..bs` become empty requests (seq_len 0: zero output, no KV
+  read). Padding entries the caller supplies itself may use seq_len 0, or seq_len 1 with any valid
+  `req_to_token` row (row 0); their `out_cache_loc` must be the dummy slot 0.
+- Nothing in the decode path syncs with the host, so replay only needs the two copies above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..forward_batch import ForwardBatch
+from .base import AttentionBackend, AttentionLayerSpec
+from .triton_ops import DecodeConfig, ExtendConfig, decode_attention, decode_scratch_numel, extend_attention
+
+
+@dataclass
+class TritonDecodeMetadata:
+    req_pool_indices: torch.Tensor  # (B,) rows of req_to_token
+    seq_lens: torch.Tensor  # (B,) tokens to attend over, including the new one; 0 = padding
+
+
+@dataclass
+class TritonExtendMetadata:
+    req_pool_indices: torch.Tensor  # (B,)
+    prefix_lens: torch.Tensor  # (B,) cached tokens before the new ones
+    extend_lens: torch.Tensor  # (B,) new tokens
+    extend_start: torch.Tensor  # (B,) row of each request's first new token in q
+    max_extend_len: int
+
+
+@dataclass(frozen=True)
+class _HeadShape:
+    num_heads: int  # per tensor-parallel rank
+    num_kv_heads: int
+    head_dim: int
+
+
+class TritonAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, model_runner, decode_config: Optional[DecodeConfig] = None,
+                 extend_config: Optional[ExtendConfig] = None):
+        self.device = torch.device(model_runner.device)
+        self.decode_config = decode_config or DecodeConfig(target_programs=4 * _num_sms(self.device))
+        self.extend_config = extend_config  # None: picked per head_dim by the kernel module
+        self.head_shape = _read_head_shape(model_runner)
+        self._scratch: Optional[torch.Tensor] = None  # flat fp32 decode scratch, never reallocated
+        self._scratch_max_bs = 0  # batch size the scratch is (or will be) sized for
+        self._graph_req_pool_indices: Optional[torch.Tensor] = None  # (max_bs,) static
+        self._graph_seq_lens: Optional[torch.Tensor] = None  # (max_bs,) static
+
+    # ---- per-step metadata ----
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_decode():
+            fb.attn_metadata = TritonDecodeMetadata(fb.req_pool_indices, fb.seq_lens)
+            return
+        if fb.extend_seq_lens_cpu is None or fb.extend_prefix_lens_cpu is None:
+            raise ValueError("an EXTEND ForwardBatch needs extend_seq_lens_cpu and extend_prefix_lens_cpu")
+        extend_lens = fb.extend_seq_lens
+        if extend_lens is None:
+            extend_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=self.device)
+        prefix_lens = fb.extend_prefix_lens
+        if prefix_lens is None:
+            prefix_lens = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64, device=self.device)
+        extend_start = fb.extend_start_loc
+        if extend_start is None:
+            extend_start = torch.cumsum(extend_lens, 0) - extend_lens  # (B,) exclusive prefix sum
+        fb.attn_metadata = TritonExtendMetadata(
+            fb.req_pool_indices, prefix_lens, extend_lens, extend_start,
+            max(fb.extend_seq_lens_cpu, default=0))
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        md: TritonExtendMetadata = fb.attn_metadata
+        q = q.view(q.shape[0], layer.num_heads, layer.head_dim)  # (T, H, D)
+        out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
+        extend_attention(
+            q, fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id],
+            out.view(q.shape), fb.req_to_token_pool.req_to_token,
+            md.req_pool_indices, md.prefix_lens, md.extend_lens, md.extend_start, md.max_extend_len,
+            layer.scaling, self.extend_config)
+        return out  # (T, H * D)
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        md: TritonDecodeMetadata = fb.attn_metadata
+        batch = md.seq_lens.shape[0]
+        q = q.view(batch, layer.num_heads, layer.head_dim)  # (B, H, D)
+        out = torch.empty(batch, layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
+        decode_attention(
+            q, fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id],
+            out.view(q.shape), fb.req_to_token_pool.req_to_token, md.req_pool_indices, md.seq_lens,
+            layer.scaling, self.decode_config,
+            scratch=self._decode_scratch(batch, layer.num_heads, layer.num_kv_heads, layer.head_dim))
+        return out  # (B, H * D)
+
+    def _decode_scratch(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[torch.Tensor]:
+        shape = _HeadShape(num_heads, num_kv_heads, head_dim)
+        if self.head_shape is None:
+            self.head_shape = shape
+        if shape != self.head_shape:
+            return None  # an unexpected layer shape: decode_attention allocates its own scratch
+        graphs_enabled = self._graph_seq_lens is not None
+        if self._scratch is None or (batch > self._scratch_max_bs and not graphs_enabled):
+            self._allocate_scratch(max(batch, self._scratch_max_bs))
+        if batch > self._scratch_max_bs:
+            # NOTE: once graphs are enabled the shared scratch never moves: captured graphs hold its
+            # address. Batches above the largest graph run eagerly with scratch from the allocator.
+            return None
+        return self._scratch
+
+    def _allocate_scratch(self, max_bs: int) -> None:
+        hs = self.head_shape
+        numel = max(decode_scratch_numel(bs, hs.num_heads, hs.num_kv_heads, hs.head_dim, self.decode_config)
+                    for bs in range(1, max_bs + 1))
+        self._scratch = torch.empty(numel, dtype=torch.float32, device=self.device)
+        self._scratch_max_bs = max_bs
+
+    # ---- CUDA graphs (decode) ----
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        if max_bs < 1:
+            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        self._graph_req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        self._graph_seq_lens = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        if self._scratch is None or self._scratch_max_bs < max_bs:
+            # Sized before any capture (when the head shape is known) so that every graph shares one
+            # scratch buffer that never moves; otherwise the first decode call sizes it for max_bs.
+            self._scratch = None
+            self._scratch_max_bs = max_bs
+            if self.head_shape is not None:
+                self._allocate_scratch(max_bs)
+
+    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
+        fb.attn_metadata = self._load_graph_inputs(fb)
+
+    def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
+        fb.attn_metadata = self._load_graph_inputs(fb)
+
+    def _load_graph_inputs(self, fb: ForwardBatch) -> TritonDecodeMetadata:
+        if self._graph_seq_lens is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing or replaying a graph")
+        if not fb.forward_mode.is_decode():
+            raise ValueError("CUDA graphs are only captured for DECODE batches")
+        bs, max_bs = fb.batch_size, self._graph_seq_lens.shape[0]
+        n = fb.seq_lens.shape[0]
+        if bs > max_bs or n > bs or fb.req_pool_indices.shape[0] != n:
+            raise ValueError(f"graph batch of {n} requests padded to {bs} does not fit max_bs {max_bs}")
+        req, seq = self._graph_req_pool_indices[:bs], self._graph_seq_lens[:bs]
+        req[:n].copy_(fb.req_pool_indices, non_blocking=True)
+        seq[:n].copy_(fb.seq_lens, non_blocking=True)
+        if n < bs:
+            req[n:].zero_()
+            seq[n:].zero_()  # empty requests: no KV read, zero output
+        return TritonDecodeMetadata(req, seq)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H200's count; only the split heuristic uses it
+
+
+def _read_head_shape(model_runner) -> Optional[_HeadShape]:
+    cfg = getattr(model_runner, "model_config", None)
+    cfg = getattr(cfg, "hf_config", cfg)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0:
+        return None
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 0) // heads
+    tp = getattr(model_runner, "tp_size", 1) or 1
+    if not head_dim or heads % tp:
+        return None
+    # NOTE: with TP > num_kv_heads the KV heads are replicated, one per rank.
+    return _HeadShape(heads // tp, max(1, kv_heads // tp), head_dim)

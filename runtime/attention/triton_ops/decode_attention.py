@@ -1,0 +1,241 @@
+"""Split-KV decode attention over the paged KV pool, in two Triton stages.
+
+One query token per request attends over its whole sequence, whose K/V live in the pool at the slots
+`req_to_token[req_pool_indices[b], 0:seq_lens[b]]`.
+
+- Stage 1 (grid: batch x kv head x split): each program takes one KV split of one request and ALL the
+  query heads that share that KV head (GQA grouping), so every K/V row is read from memory once per
+  group instead of once per query head. It writes the split's normalised partial output and its
+  log-sum-exp (base 2).
+- Stage 2 (grid: batch x query head): merges the splits by their log-sum-exps.
+
+Splitting the KV axis is what keeps the GPU busy when the batch is small (a batch of one has only
+`num_kv_heads` programs otherwise). The number of splits per request is computed *inside* the kernels
+from `seq_lens` and a host-side cap that depends only on the batch size, so there is no per-step
+metadata kernel and no host sync, and a captured CUDA graph stays valid for any sequence lengths.
+
+Empty requests (seq_len == 0, e.g. CUDA-graph padding) produce an all-zero output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the split-KV decode (GPU defaults; tests shrink them to exercise splits)."""
+
+    block_n: int = 64  # KV tokens per inner-loop iteration
+    max_kv_splits: int = 16  # upper bound on splits per request (sizes the partial-output scratch)
+    min_split_len: int = 256  # do not split a sequence into pieces shorter than this
+    target_programs: int = 4 * 132  # stage-1 programs worth launching (about 4 waves on an H200)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.max_kv_splits < 1 or self.min_split_len < 1 or self.target_programs < 1:
+            raise ValueError("max_kv_splits, min_split_len and target_programs must be >= 1")
+
+    def split_cap(self, batch_size: int, num_kv_heads: int) -> int:
+        """Most splits a request of this batch may use: enough programs to fill the GPU, no more."""
+        want = -(-self.target_programs // max(1, batch_size * num_kv_heads))
+        return max(1, min(self.max_kv_splits, want))
+
+
+@triton.jit
+def _num_splits(seq_len, split_cap, MIN_SPLIT_LEN: tl.constexpr):
+    # Same formula in both stages, so they agree on where each split starts and ends.
+    n = tl.cdiv(seq_len, MIN_SPLIT_LEN)
+    return tl.maximum(tl.minimum(n, split_cap), 1)
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, K_buf, V_buf, ReqToToken, ReqPoolIndices, SeqLens,
+    PartialO, PartialLse,
+    sm_scale_log2, split_cap,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_r2t,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    num_splits = _num_splits(seq_len, split_cap, MIN_SPLIT_LEN)
+    split_len = tl.cdiv(seq_len, num_splits)
+    kv_start = split * split_len
+    kv_end = tl.minimum(kv_start + split_len, seq_len)
+
+    if kv_start < kv_end:
+        req = tl.load(ReqPoolIndices + b).to(tl.int64)
+        offs_h = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + offs_h  # (BLOCK_H,) query heads of this KV head
+        h_mask = offs_h < GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        offs_n = tl.arange(0, BLOCK_N)
+
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_H, BLOCK_D)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for n_start in range(kv_start, kv_end, BLOCK_N):
+            kv_pos = n_start + offs_n  # (BLOCK_N,)
+            n_mask = kv_pos < kv_end
+            slots = tl.load(ReqToToken + req * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(K_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+                        mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                        mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out_mask = h_mask[:, None] & d_mask[None, :]
+        tl.store(PartialO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
+                 + offs_d[None, :], acc / l_i[:, None], mask=out_mask)
+        tl.store(PartialLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    PartialO, PartialLse, SeqLens, Out,
+    split_cap,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    num_splits = _num_splits(seq_len, split_cap, MIN_SPLIT_LEN)
+    split_len = tl.cdiv(seq_len, num_splits)
+    offs_s = tl.arange(0, BLOCK_S)
+    # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
+    # wrote nothing there, so it must be masked here by its start, not just by num_splits.
+    s_mask = (offs_s < num_splits) & (offs_s * split_len < seq_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    lse = tl.load(PartialLse + b * stride_plb + head * stride_plh + offs_s,
+                  mask=s_mask, other=float("-inf"))  # (BLOCK_S,)
+    lse_max = tl.max(lse, 0)
+    # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # (BLOCK_S,) 0 for masked splits
+    o = tl.load(PartialO + b * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
+    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+def decode_scratch_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                         cfg: DecodeConfig) -> int:
+    """fp32 elements of scratch one decode call needs: partial outputs + log-sum-exps per split.
+
+    NOTE: the split count shrinks as the batch grows (see `split_cap`), so batch * splits stays near
+    `target_programs / num_kv_heads` and the scratch stays small even for large batches.
+    """
+    splits = cfg.split_cap(batch_size, num_kv_heads)
+    return batch_size * num_heads * splits * (head_dim + 1)
+
+
+def decode_attention(
+    q: torch.Tensor,  # (B, H, D)
+    k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
+    v_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
+    out: torch.Tensor,  # (B, H, D) written in place (a view of the (B, H * D) layer output is fine)
+    req_to_token: torch.Tensor,  # (rows, max_ctx) int32
+    req_pool_indices: torch.Tensor,  # (B,)
+    seq_lens: torch.Tensor,  # (B,) 0 means an empty (padding) request
+    sm_scale: float,
+    cfg: DecodeConfig,
+    scratch: torch.Tensor | None = None,  # flat fp32, >= decode_scratch_numel(...) elements
+) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    _check_decode_args(q, k_buffer, v_buffer, out, num_kv_heads)
+    if batch == 0:
+        return out
+    split_cap = cfg.split_cap(batch, num_kv_heads)
+    need = decode_scratch_numel(batch, num_heads, num_kv_heads, head_dim, cfg)
+    if scratch is None:
+        scratch = torch.empty(need, dtype=torch.float32, device=q.device)
+    if scratch.dtype != torch.float32 or scratch.numel() < need:
+        raise ValueError(f"decode scratch must be fp32 with >= {need} elements, got {scratch.dtype} "
+                         f"x {scratch.numel()}")
+    n_o = batch * num_heads * split_cap * head_dim
+    partial_o = scratch[:n_o].view(batch, num_heads, split_cap, head_dim)
+    partial_lse = scratch[n_o:need].view(batch, num_heads, split_cap)
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    # NOTE: tl.dot needs M >= 16 on the GPU; a group of 1..16 heads is padded to 16 rows. The extra
+    # rows cost tensor-core time only, which decode (memory-bound) has to spare.
+    block_h = max(16, triton.next_power_of_2(group))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    _decode_stage1_kernel[(batch, num_kv_heads, split_cap)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+        partial_o, partial_lse,
+        sm_scale * _LOG2E, split_cap,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+        BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _decode_stage2_kernel[(batch, num_heads)](
+        partial_o, partial_lse, seq_lens, out,
+        split_cap,
+        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(cfg.max_kv_splits),
+        MIN_SPLIT_LEN=cfg.min_split_len,
+        num_warps=4 if block_d >= 128 else 2,
+    )
+    return out
+
+
+def _check_decode_args(q, k_buffer, v_buffer, out, num_kv_heads) -> None:
+    batch, num_heads, head_dim = q.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if k_buffer.shape[2] != head_dim or v_buffer.shape != k_buffer.shape:
+        raise ValueError(f"KV buffers {tuple(k_buffer.shape)}/{tuple(v_buffer.shape)} do not match "
+                         f"head_dim {head_dim}")
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_buffer.stride(2) != 1 or v_buffer.stride(2) != 1:
+        raise ValueError("q, out and the KV buffers must be contiguous in head_dim")
+    if tuple(out.shape) != (batch, num_heads, head_dim):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(batch, num_heads, head_dim)}")

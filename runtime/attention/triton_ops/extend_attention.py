@@ -1,0 +1,176 @@
+"""Extend (prefill) attention over the paged KV pool with a cached prefix, in one Triton launch.
+
+Request b contributes `extend_lens[b]` new query tokens at rows `extend_start[b]...` of q; its keys are
+the `prefix_lens[b] + extend_lens[b]` tokens at `req_to_token[req_pool_indices[b], :]` (the new
+tokens' K/V are already written to the pool). New token i sits at position `prefix_lens[b] + i` and
+sees keys at positions <= its own (causal mask; the prefix is fully visible).
+
+Grid: request x query head x block of BLOCK_M new tokens. FlashAttention-style online softmax (base
+2). The key range of a query block splits in two phases:
+- keys before the block's first query position: visible to every row, no causal mask;
+- the diagonal keys up to the block's last query position: causal mask.
+Keys past the block's last query position are never loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Tile sizes of the extend kernel (GPU defaults; tests shrink them to exercise the loops)."""
+
+    block_m: int = 128  # new query tokens per program
+    block_n: int = 64  # keys per inner-loop iteration
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            val = getattr(self, name)
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {val}")
+
+
+def default_extend_config(head_dim: int) -> ExtendConfig:
+    # NOTE: 128x64 tiles with 8 warps keep a head_dim<=128 q tile + fp32 accumulator in registers;
+    # larger head dims halve BLOCK_M to avoid spilling.
+    if head_dim <= 128:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _online_softmax_step(q, K_buf, V_buf, slots, kv_mask, n_valid, kv_head, offs_d,
+                         m_i, l_i, acc, sm_scale_log2,
+                         stride_ks, stride_kh, stride_vs, stride_vh, DOT_PRECISION: tl.constexpr):
+    # slots: (BLOCK_N,) int64 kv slots; kv_mask: (BLOCK_N, BLOCK_D); n_valid: (BLOCK_M, BLOCK_N)
+    k = tl.load(K_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+                mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # (BLOCK_M, BLOCK_N)
+    s = tl.where(n_valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_attention_kernel(
+    Q, Out, K_buf, V_buf, ReqToToken,
+    ReqPoolIndices, PrefixLens, ExtendLens, ExtendStart,
+    sm_scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_r2t,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    m_start = tl.program_id(2) * BLOCK_M
+    ext_len = tl.load(ExtendLens + b).to(tl.int32)
+
+    if m_start < ext_len:
+        prefix_len = tl.load(PrefixLens + b).to(tl.int32)
+        q_start = tl.load(ExtendStart + b).to(tl.int64)
+        req = tl.load(ReqPoolIndices + b).to(tl.int64)
+        kv_head = head // GROUP
+
+        offs_m = m_start + tl.arange(0, BLOCK_M)  # (BLOCK_M,) index among the new tokens
+        m_mask = offs_m < ext_len
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        offs_n = tl.arange(0, BLOCK_N)
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+        q_pos = prefix_len + offs_m  # (BLOCK_M,) absolute positions
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        # Phase 1: keys at positions < the block's first query position (no causal mask needed).
+        # NOTE: no NaN from all-masked rows: every row sees at least one key in the first iteration
+        # of each phase (the tail mask only cuts the end), so m_i is finite from then on.
+        visible_end = prefix_len + m_start
+        for n_start in range(0, visible_end, BLOCK_N):
+            kv_pos = n_start + offs_n
+            n_mask = kv_pos < visible_end
+            slots = tl.load(ReqToToken + req * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
+            m_i, l_i, acc = _online_softmax_step(
+                q, K_buf, V_buf, slots, n_mask[:, None] & d_mask[None, :], n_mask[None, :], kv_head,
+                offs_d, m_i, l_i, acc, sm_scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
+                DOT_PRECISION)
+
+        # Phase 2: the diagonal, keys from the first to the last query position of this block.
+        diag_end = prefix_len + tl.minimum(m_start + BLOCK_M, ext_len)
+        for n_start in range(visible_end, diag_end, BLOCK_N):
+            kv_pos = n_start + offs_n
+            n_mask = kv_pos < diag_end
+            slots = tl.load(ReqToToken + req * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
+            causal = (kv_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]  # (BLOCK_M, BLOCK_N)
+            m_i, l_i, acc = _online_softmax_step(
+                q, K_buf, V_buf, slots, n_mask[:, None] & d_mask[None, :], causal, kv_head,
+                offs_d, m_i, l_i, acc, sm_scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
+                DOT_PRECISION)
+
+        out = acc / l_i[:, None]
+        tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,  # (T, H, D) new tokens of all requests, concatenated
+    k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
+    v_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
+    out: torch.Tensor,  # (T, H, D) written in place
+    req_to_token: torch.Tensor,  # (rows, max_ctx) int32
+    req_pool_indices: torch.Tensor,  # (B,)
+    prefix_lens: torch.Tensor,  # (B,)
+    extend_lens: torch.Tensor,  # (B,)
+    extend_start: torch.Tensor,  # (B,) row of each request's first new token in q
+    max_extend_len: int,
+    sm_scale: float,
+    cfg: ExtendConfig | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if k_buffer.shape[2] != head_dim or v_buffer.shape != k_buffer.shape:
+        raise ValueError(f"KV buffers {tuple(k_buffer.shape)}/{tuple(v_buffer.shape)} do not match "
+                         f"head_dim {head_dim}")
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_buffer.stride(2) != 1 or v_buffer.stride(2) != 1:
+        raise ValueError("q, out and the KV buffers must be contiguous in head_dim")
+    batch = req_pool_indices.shape[0]
+    if batch == 0 or num_tokens == 0 or max_extend_len <= 0:
+        return out
+    cfg = cfg or default_extend_config(head_dim)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (batch, num_heads, triton.cdiv(max_extend_len, cfg.block_m))
+    _extend_attention_kernel[grid](
+        q, out, k_buffer, v_buffer, req_to_token,
+        req_pool_indices, prefix_lens, extend_lens, extend_start,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
