@@ -6,11 +6,22 @@ Tests marked `gpu` run the compiled kernels at real model sizes (`pytest -m gpu`
 """
 
 import os
+import sys
 
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton`
+    # NOTE: Triton picks interpreted vs compiled when a function is decorated (its own library
+    # included), i.e. when triton is first imported. Best: TRITON_INTERPRET=1 in the environment or
+    # conftest.py. If something (transformers' generate does) imported triton earlier in compiled mode,
+    # re-import it interpreted: on a machine without CUDA the compiled copy is unusable anyway, and
+    # whoever holds it keeps their reference.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        for _name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")
+                      or m.startswith("plait.runtime.attention.triton")]:
+            if not _name.startswith("triton._C"):  # the C extension cannot be re-imported
+                del sys.modules[_name]
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import types  # noqa: E402
 
@@ -211,7 +222,7 @@ def test_cuda_graph_hooks_pad_and_reuse_static_buffers():
         backend.init_forward_metadata_replay_cuda_graph(case.forward_batch(ForwardMode.DECODE, backend))
 
 
-def test_bad_shapes_are_rejected_with_a_clear_error():
+def test_bad_shapes_are_rejected_with_a_clear_error(monkeypatch):
     case = _Case(6, 4, 32, [3], [1])
     q = case.randn(1, 6, 32)
     out = torch.empty_like(q)
@@ -221,6 +232,10 @@ def test_bad_shapes_are_rejected_with_a_clear_error():
                          1.0, TINY_DECODE)
     with pytest.raises(ValueError, match="block_n"):
         DecodeConfig(block_n=24)
+    if not HAS_CUDA:
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            TritonAttnBackend(_runner("cpu"))
 
 
 # ---------------------------------------------------------------- GPU, real sizes (pytest -m gpu)

@@ -23,6 +23,7 @@ CUDA-graph contract (decode only):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -61,6 +62,9 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, model_runner, decode_config: Optional[DecodeConfig] = None,
                  extend_config: Optional[ExtendConfig] = None):
         self.device = torch.device(model_runner.device)
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the triton attention backend needs a CUDA device, not {self.device.type!r} "
+                             "(use attention_backend='torch_native'; TRITON_INTERPRET=1 runs it slowly on CPU)")
         self.decode_config = decode_config or DecodeConfig(target_programs=4 * _num_sms(self.device))
         self.extend_config = extend_config  # None: picked per head_dim by the kernel module
         self.head_shape = _read_head_shape(model_runner)
