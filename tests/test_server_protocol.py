@@ -104,7 +104,9 @@ def test_native_batch_expands_n_with_distinct_rids_and_seeds():
     body = GenerateRequest.model_validate({
         "text": ["a", "b"], "rid": ["r1", "r2"], "return_logprob": [True, False],
         "sampling_params": {"max_new_tokens": 4, "n": 2, "seed": 7}})
-    calls = native_calls(body, ctx)
+    runs = native_calls(body, ctx)
+    assert [len(run) for run in runs] == [2, 2]
+    calls = [c for run in runs for c in run]
     assert [c["rid"] for c in calls] == ["r1-0", "r1-1", "r2-0", "r2-1"]
     assert [c["prompt"] for c in calls] == ["a", "a", "b", "b"]
     assert [c["sampling_params"]["seed"] for c in calls] == [7, 8, 7, 8]

@@ -4,9 +4,9 @@ Every generation route (native and OpenAI, streaming or not) goes through `Gener
 
 1. admission: with `--max-queued-requests` the server refuses (503) a request that would push the
    number of open generations past `max_running_requests + max_queued_requests`;
-2. it opens one Engine stream per prompt and waits for each stream's first chunk before the HTTP
-   response starts, so that bad input (which the Engine reports as ValueError) becomes a 400 with a
-   JSON body rather than a broken stream;
+2. `start()` hands each prompt to the Engine, which validates it synchronously, so bad input becomes a
+   400 with a JSON body before any response byte is sent; a streaming response then starts at once
+   (a queued request gets its headers immediately, its tokens when it runs);
 3. a watcher task listens for the client's `http.disconnect` and aborts every unfinished request of
    the group at once (the issue: no zombie decoding to max_tokens); `close()` does the same when the
    handler itself is cancelled or fails;
@@ -65,16 +65,20 @@ class AdmissionControl:
 
 @dataclass
 class _SubStream:
+    """One Engine request (one prompt, one sample)."""
+
     rid: str
+    call: dict[str, Any]
+    leader: Optional[int] = None  # index of the sample whose first token must come first (n > 1)
     iterator: Any = None
-    first: Optional[dict] = None
+    first_token: Optional[asyncio.Event] = None  # set once this leader's prompt is prefilled
     finished: bool = False
     aborted: bool = False
+    released: bool = False
     started_at: float = 0.0
     last_token_at: Optional[float] = None
     tokens_seen: int = 0
     last: Optional[dict] = None
-    released: bool = False
 
 
 @dataclass
@@ -90,15 +94,27 @@ class GenerationGroup:
     disconnected: bool = False
 
     # ---------------------------------------------------------------- lifecycle
-    async def start(self, calls: list[dict[str, Any]]) -> None:
-        """Open one Engine stream per call (kwargs of `Engine.async_generate`, `rid` included)."""
-        self.admission.admit([c["rid"] for c in calls])
-        self._subs = [_SubStream(rid=c["rid"]) for c in calls]
+    async def start(self, runs: list[list[dict[str, Any]]]) -> None:
+        """Hand the calls (kwargs of `Engine.async_generate`, `rid` included) to the Engine.
+
+        `runs` groups the calls that share a prompt (the n samples of one prompt). Only the first
+        sample of a run starts now; the others start once it has produced its first token, i.e. once
+        the prompt is prefilled and in the prefix cache, so the prompt is computed once, not n times.
+        Outputs are indexed in the order of the flattened runs.
+        """
+        self._subs = []
+        for run in runs:
+            leader = len(self._subs)
+            for j, call in enumerate(run):
+                self._subs.append(_SubStream(rid=call["rid"], call=call, leader=leader if j else None))
+            if len(run) > 1:
+                self._subs[leader].first_token = asyncio.Event()
+        self.admission.admit([s.rid for s in self._subs])
         if self.request is not None:
             self._watcher = asyncio.create_task(self._watch_disconnect())
+        leaders = [s for s in self._subs if s.leader is None]
         try:
-            opened = await asyncio.gather(*(self._open(s, c) for s, c in zip(self._subs, calls)),
-                                          return_exceptions=True)
+            opened = await asyncio.gather(*(self._open(s) for s in leaders), return_exceptions=True)
         except BaseException:
             await self.close()
             raise
@@ -107,17 +123,12 @@ class GenerationGroup:
             await self.close()
             raise errors[0]
 
-    async def _open(self, sub: _SubStream, call: dict[str, Any]) -> None:
+    async def _open(self, sub: _SubStream) -> None:
         sub.started_at = time.perf_counter()
-        result = self.engine.async_generate(**call, stream=True)
+        result = self.engine.async_generate(**sub.call, stream=True)
         if inspect.isawaitable(result):
             result = await result
         sub.iterator = result.__aiter__()
-        try:
-            sub.first = await sub.iterator.__anext__()
-        except StopAsyncIteration:
-            raise RuntimeError(f"engine stream for request {sub.rid} ended without output") from None
-        self._observe(sub, sub.first)
 
     async def close(self) -> None:
         """Stop watching; abort whatever has not finished (cancelled handler, error, disconnect)."""
@@ -129,9 +140,12 @@ class GenerationGroup:
         self._pumps = []
         self._abort_unfinished()
         for sub in self._subs:
-            if not sub.released:
-                sub.released = True
-                self.admission.release(sub.rid)
+            self._release(sub)
+
+    def _release(self, sub: _SubStream) -> None:
+        if not sub.released:
+            sub.released = True
+            self.admission.release(sub.rid)
 
     async def _watch_disconnect(self) -> None:
         assert self.request is not None
@@ -154,6 +168,8 @@ class GenerationGroup:
         for sub in self._subs:
             if not (sub.finished or sub.aborted):
                 sub.aborted = True
+                if sub.iterator is None:
+                    continue  # a follower that never reached the Engine
                 try:
                     self.engine.abort(sub.rid)
                 except Exception:
@@ -165,13 +181,13 @@ class GenerationGroup:
         meta = chunk.get("meta_info") or {}
         sub.last = chunk
         tokens = int(meta.get("completion_tokens") or 0)
-        if tokens > sub.tokens_seen and self.log_metrics:
-            if sub.last_token_at is None:
-                self.metrics.observe_first_token(now - sub.started_at)
-            else:
-                new = tokens - sub.tokens_seen
-                self.metrics.observe_inter_token((now - sub.last_token_at) / new, new)
         if tokens > sub.tokens_seen:
+            if self.log_metrics:
+                if sub.last_token_at is None:
+                    self.metrics.observe_first_token(now - sub.started_at)
+                else:
+                    new = tokens - sub.tokens_seen
+                    self.metrics.observe_inter_token((now - sub.last_token_at) / new, new)
             sub.tokens_seen, sub.last_token_at = tokens, now
         if meta.get("finish_reason") is not None and not sub.finished:
             sub.finished = True
@@ -181,15 +197,27 @@ class GenerationGroup:
     async def _pump(self, index: int, queue: asyncio.Queue) -> None:
         sub = self._subs[index]
         try:
-            await queue.put((index, sub.first))
+            if sub.leader is not None:
+                first_token = self._subs[sub.leader].first_token
+                assert first_token is not None
+                await first_token.wait()
+                if sub.aborted:
+                    await queue.put((index, None))
+                    return
+                await self._open(sub)
             async for chunk in sub.iterator:
                 self._observe(sub, chunk)
+                if sub.first_token is not None:
+                    sub.first_token.set()
                 await queue.put((index, chunk))
             await queue.put((index, None))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # hand the error to the consumer
             await queue.put((index, e))
+        finally:
+            if sub.first_token is not None:  # never leave the other samples waiting
+                sub.first_token.set()
 
     async def chunks(self) -> AsyncIterator[tuple[int, dict]]:
         """(index, cumulative chunk) from all streams, interleaved as they arrive."""
@@ -202,9 +230,7 @@ class GenerationGroup:
                 remaining -= 1
                 sub = self._subs[index]
                 sub.finished = True
-                if not sub.released:
-                    sub.released = True
-                    self.admission.release(sub.rid)
+                self._release(sub)
                 continue
             if isinstance(item, BaseException):
                 raise item
@@ -214,4 +240,7 @@ class GenerationGroup:
         """Final (complete) output of every stream, in call order."""
         async for _ in self.chunks():
             pass
+        missing = [s.rid for s in self._subs if s.last is None]
+        if missing:
+            raise RuntimeError(f"the engine returned no output for {', '.join(missing)}")
         return [s.last for s in self._subs]  # type: ignore[misc]

@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..tokenizer_manager import OverloadedError
+
 logger = logging.getLogger("plait.server")
 
 _ERROR_TYPES = {
@@ -46,9 +48,18 @@ def error_response(status_code: int, message: str, param: Optional[str] = None) 
     return JSONResponse(error_body(status_code, message, param), status_code=status_code)
 
 
-def sse_error_event(message: str, status_code: int = 400) -> str:
+def status_for(exc: BaseException) -> int:
+    if isinstance(exc, APIError):
+        return exc.status_code
+    if isinstance(exc, OverloadedError):
+        return 503
+    return 400 if isinstance(exc, ValueError) else 500
+
+
+def sse_error_event(exc: BaseException) -> str:
     """An error reported inside an already-started SSE stream (headers are gone by then)."""
-    return f"data: {json.dumps(error_body(status_code, message))}\n\n"
+    message = exc.message if isinstance(exc, APIError) else str(exc)
+    return f"data: {json.dumps(error_body(status_for(exc), message))}\n\n"
 
 
 def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, Optional[str]]:
@@ -89,6 +100,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
+        # The tokenizer manager's own queue limit (it also counts requests of in-process callers).
+        return error_response(503, str(exc))
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:

@@ -87,12 +87,12 @@ def _per_item(value: Any, i: int, batch: int, is_batch: bool, name: str) -> Any:
     return value
 
 
-def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[dict[str, Any]]:
-    """Engine calls for one /generate body: batch items × n samples, each with its own rid."""
+def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[str, Any]]]:
+    """Engine calls for one /generate body: one run of n samples per batch item, each its own rid."""
     batch, is_batch = body.batch_size, body.is_batch
     if batch == 0:
         raise APIError(400, "the batch is empty", param="text" if body.text is not None else "input_ids")
-    calls: list[dict[str, Any]] = []
+    runs: list[list[dict[str, Any]]] = []
     for i in range(batch):
         base: dict[str, Any] = {}
         if body.text is not None:
@@ -116,8 +116,8 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[dict[str, An
         if body.return_text_in_logprobs:
             base["return_text_in_logprobs"] = True
         rid = _per_item(body.rid, i, batch, is_batch, "rid") or new_rid()
-        calls.extend(expand_n(base, sp, rid))
-    return calls
+        runs.append(expand_n(base, sp, rid))
+    return runs
 
 
 # ---------------------------------------------------------------- /generate
@@ -129,7 +129,7 @@ async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator
                 chunk = {**chunk, "index": index}
             yield sse_event(chunk)
     except Exception as e:  # headers are sent: report in-band, then end the stream
-        yield sse_error_event(str(e), 400 if isinstance(e, ValueError) else 500)
+        yield sse_error_event(e)
     finally:
         await group.close()
     yield SSE_DONE
@@ -138,10 +138,10 @@ async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request):
     ctx = get_context(request)
-    calls = native_calls(body, ctx)
+    runs = native_calls(body, ctx)
     group = ctx.new_group(request, log_metrics=body.log_metrics)
-    await group.start(calls)
-    indexed = body.is_batch or len(calls) > 1
+    await group.start(runs)
+    indexed = body.is_batch or len(runs[0]) > 1
     if body.stream:
         return StreamingResponse(_stream_native(group, indexed), media_type="text/event-stream")
     try:
@@ -177,7 +177,7 @@ async def health_generate(request: Request) -> Response:
 
 
 async def _run_to_end(group: GenerationGroup, call: dict[str, Any]) -> list[dict]:
-    await group.start([call])
+    await group.start([[call]])
     return await group.results()
 
 
@@ -202,6 +202,8 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 async def get_server_info(request: Request) -> dict[str, Any]:
     ctx = get_context(request)
     info = await asyncio.to_thread(ctx.engine.get_server_info)
+    if info.get("api_key"):
+        info = {**info, "api_key": "<redacted>"}  # never hand the secret to whoever can read this route
     return {**info, "num_open_http_requests": len(ctx.admission.open_rids),
             "uptime_s": round(time.time() - ctx.started_at, 3)}
 

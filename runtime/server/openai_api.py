@@ -60,22 +60,23 @@ def sampling_dict(req: Union[CompletionRequest, ChatCompletionRequest], max_new_
 
 
 def _engine_calls(prompts: list[dict[str, Any]], params: dict[str, Any], ctx: ServerContext,
-                  rid: Optional[str], logprob_args: dict[str, Any]) -> list[dict[str, Any]]:
+                  rid: Optional[str], logprob_args: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """One run of n samples per prompt (see GenerationGroup.start)."""
     sp = verified_sampling_params(params, ctx, label="sampling parameters", param=None)
-    calls = []
+    runs = []
     for i, prompt in enumerate(prompts):
         base_rid = rid if rid and len(prompts) == 1 else (f"{rid}-p{i}" if rid else new_rid())
-        calls.extend(expand_n({**prompt, **logprob_args}, sp, base_rid))
-    return calls
+        runs.append(expand_n({**prompt, **logprob_args}, sp, base_rid))
+    return runs
 
 
 def _default_max_tokens(prompt_len: int, ctx: ServerContext) -> Optional[int]:
     return None if ctx.context_len is None else max(ctx.context_len - prompt_len, 1)
 
 
-async def _results_or_stream(group: GenerationGroup, calls: list[dict[str, Any]], stream: bool,
+async def _results_or_stream(group: GenerationGroup, runs: list[list[dict[str, Any]]], stream: bool,
                              events: Callable[[], AsyncIterator[str]]) -> Union[list[dict], StreamingResponse]:
-    await group.start(calls)
+    await group.start(runs)
     if stream:
         return StreamingResponse(_sse(group, events()), media_type="text/event-stream")
     try:
@@ -90,7 +91,7 @@ async def _sse(group: GenerationGroup, events: AsyncIterator[str]) -> AsyncItera
         async for event in events:
             yield event
     except Exception as e:
-        yield sse_error_event(str(e), 400 if isinstance(e, ValueError) else 500)
+        yield sse_error_event(e)
     finally:
         await group.close()
     yield SSE_DONE
@@ -139,13 +140,13 @@ async def completions(req: CompletionRequest, request: Request):
                         "return_text_in_logprobs": True}
         if req.echo:
             logprob_args["logprob_start_len"] = 0
-    calls = _engine_calls(prompts, sampling_dict(req, req.max_tokens), ctx, req.rid, logprob_args)
+    runs = _engine_calls(prompts, sampling_dict(req, req.max_tokens), ctx, req.rid, logprob_args)
     group = ctx.new_group(request)
     response_id = "cmpl-" + (req.rid or uuid.uuid4().hex)
     created = int(time.time())
     echo_texts = [_prompt_text(p, ctx) if req.echo else "" for p in prompts]
     result = await _results_or_stream(
-        group, calls, req.stream,
+        group, runs, req.stream,
         lambda: _completion_events(group, req, response_id, created, ctx, echo_texts))
     if isinstance(result, StreamingResponse):
         return result
@@ -232,11 +233,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.logprobs:
         logprob_args = {"return_logprob": True, "top_logprobs_num": req.top_logprobs or 0,
                         "return_text_in_logprobs": True}
-    calls = _engine_calls([{"input_ids": ids}], sampling_dict(req, max_new), ctx, req.rid, logprob_args)
+    runs = _engine_calls([{"input_ids": ids}], sampling_dict(req, max_new), ctx, req.rid, logprob_args)
     group = ctx.new_group(request)
     response_id = "chatcmpl-" + (req.rid or uuid.uuid4().hex)
     created = int(time.time())
-    result = await _results_or_stream(group, calls, req.stream,
+    result = await _results_or_stream(group, runs, req.stream,
                                       lambda: _chat_events(group, req, response_id, created, ctx))
     if isinstance(result, StreamingResponse):
         return result
