@@ -68,7 +68,7 @@ class TritonAttnBackend(AttentionBackend):
         self.decode_config = decode_config or DecodeConfig(target_programs=4 * _num_sms(self.device))
         self.extend_config = extend_config  # None: picked per head_dim by the kernel module
         self.head_shape = _read_head_shape(model_runner)
-        self._scratch: Optional[torch.Tensor] = None  # flat fp32 decode scratch, never reallocated
+        self._scratch: Optional[torch.Tensor] = None  # flat fp32 decode scratch; fixed once graphs are on
         self._scratch_max_bs = 0  # batch size the scratch is (or will be) sized for
         self._graph_req_pool_indices: Optional[torch.Tensor] = None  # (max_bs,) static
         self._graph_seq_lens: Optional[torch.Tensor] = None  # (max_bs,) static
