@@ -27,6 +27,13 @@ class NativeBackend(BaseBackend):
         """A streaming /generate request: cumulative results ({"text": all so far, "meta_info"})."""
         raise NotImplementedError
 
+    def _request(self, payload: dict) -> Union[dict, list[dict]]:
+        """Send, and turn an aborted request (the runtime refused or dropped it) into an exception."""
+        out = self._send(payload)
+        for item in out if isinstance(out, list) else [out]:
+            raise_if_aborted(item)
+        return out
+
     def _request_tags(self, s: Any) -> dict:
         """Extra request fields naming the program a request belongs to (scheduling hints)."""
         return {}
@@ -34,11 +41,11 @@ class NativeBackend(BaseBackend):
     # ---- the backend interface ----
     def cache_prefix(self, prefix: str) -> None:
         if prefix:
-            self._send({"text": prefix, "sampling_params": dict(PREFILL_ONLY)})
+            self._request({"text": prefix, "sampling_params": dict(PREFILL_ONLY)})
 
     def commit_lazy_operations(self, s: Any) -> None:
         if s.text_:
-            self._send({"text": s.text_, "sampling_params": dict(PREFILL_ONLY), **self._request_tags(s)})
+            self._request({"text": s.text_, "sampling_params": dict(PREFILL_ONLY), **self._request_tags(s)})
 
     def generate(self, s: Any, params: ResolvedGen):
         n = params.sampling.n
@@ -46,9 +53,9 @@ class NativeBackend(BaseBackend):
             # n samples = n copies of the prompt in one batch: every runtime batches a list, and
             # the copies share the prompt's prefix in the cache.
             single = ResolvedGen(dataclasses.replace(params.sampling, n=1), params.logprob, params.dtype)
-            outs = self._send(self._payload(s, [s.text_] * n, single))
+            outs = self._request(self._payload(s, [s.text_] * n, single))
             return [o["text"] for o in outs], [o["meta_info"] for o in outs]
-        out = self._send(self._payload(s, s.text_, params))
+        out = self._request(self._payload(s, s.text_, params))
         if isinstance(out, list):  # a server that answers a single prompt with a one-item list
             out = out[0]
         return out["text"], out["meta_info"]
@@ -60,6 +67,7 @@ class NativeBackend(BaseBackend):
         payload["stream"] = True
         seen = 0
         for chunk in self._send_stream(payload):
+            raise_if_aborted(chunk)
             text = chunk["text"]
             yield text[seen:], chunk["meta_info"]
             seen = len(text)
@@ -73,12 +81,12 @@ class NativeBackend(BaseBackend):
         prefix = s.text_
         # 1. Prefill the shared prefix once; the batch below then hits it in the prefix cache.
         tags = self._request_tags(s)
-        prefix_tokens = self._send({"text": prefix, "sampling_params": dict(PREFILL_ONLY), **tags})[
+        prefix_tokens = self._request({"text": prefix, "sampling_params": dict(PREFILL_ONLY), **tags})[
             "meta_info"]["prompt_tokens"] if prefix else 0
         # 2. Score every choice in one batched request. Logprobs start one token before the end of
         #    the prefix: the prefix's last token may merge with the choice's first ("A: " + "Paris"
         #    tokenizes as "A:" + " Paris"), and then it belongs to the choice (token healing).
-        outs = self._send({
+        outs = self._request({
             "text": [prefix + c for c in choices],
             "sampling_params": {**PREFILL_ONLY, "temperature": 0},
             "return_logprob": True,
@@ -91,7 +99,7 @@ class NativeBackend(BaseBackend):
         normalized = [mean_logprob(lps) for lps in input_logprobs]
         unconditional = None
         if choices_method.requires_unconditional_logprobs:
-            uncond = self._send({
+            uncond = self._request({
                 "input_ids": [[tok[1] for tok in lps] for lps in input_logprobs],
                 "sampling_params": dict(PREFILL_ONLY),
                 "return_logprob": True,
@@ -111,6 +119,12 @@ class NativeBackend(BaseBackend):
         if not global_config.spaces_between_special_tokens_in_out:
             sampling["spaces_between_special_tokens"] = False
         return {"text": text, "sampling_params": sampling, **params.logprob, **self._request_tags(s)}
+
+
+def raise_if_aborted(result: dict) -> None:
+    reason = (result.get("meta_info") or {}).get("finish_reason") or {}
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        raise RuntimeError(f"the runtime aborted the request: {reason.get('message', 'no reason given')}")
 
 
 def choice_token_logprobs(meta_info: dict, prefix: str, prefix_tokens: int) -> list:
