@@ -165,9 +165,8 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest]) -> t
             warm = await run_one(session, args, BenchRequest(req.prompt_ids, min(req.output_len, 4)))
             if not warm.success:
                 sys.exit(f"warmup request failed: {warm.error}")
-        if args.flush_cache and args.backend == "plait":
-            async with session.post(args.base_url + "/flush_cache", headers=args.headers) as r:
-                await r.read()
+        if args.flush_cache:
+            await flush_cache(session, args)
 
         async def limited(req: BenchRequest) -> RequestResult:
             if limit is None:
@@ -180,6 +179,16 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest]) -> t
                  async for req in arrivals(requests, args.request_rate, random.Random(args.seed + 1))]
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
+
+
+async def flush_cache(session: aiohttp.ClientSession, args: argparse.Namespace) -> None:
+    """Empty the server's prefix cache; it refuses while the warmup request is still being released."""
+    for _ in range(50):
+        async with session.post(args.base_url + "/flush_cache", headers=args.headers) as r:
+            if r.status == 200:
+                return
+        await asyncio.sleep(0.2)
+    print("warning: /flush_cache kept failing; the run starts with a warm cache")
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -276,7 +285,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson; inf = burst")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--warmup-requests", type=int, default=1)
-    p.add_argument("--flush-cache", action="store_true", help="plait: flush the prefix cache after warmup")
+    p.add_argument("--flush-cache", action="store_true", help="flush the server's prefix cache after warmup (SGLang/plait /flush_cache)")
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output-file", default=None, help="default benchmarks/out/bench_serving_<...>.json")
