@@ -8,6 +8,7 @@ the same instance; every other test keeps at most four requests open and max_tok
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -257,6 +258,26 @@ def test_chat_usage_reports_cached_prompt_tokens_and_n(server, client):
     assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1 > 0
 
 
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                 "age": {"type": "integer"}},
+                 "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.xfail(importlib.util.find_spec("plait.runtime.constrained.integration") is None, strict=True,
+                   reason="the scheduler's constrained-decoding integration has not landed yet")
+def test_response_format_json_schema(server, client):
+    import jsonschema
+
+    r = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Describe a person."}], max_tokens=40,
+        temperature=0, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "person", "schema": PERSON_SCHEMA}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
+    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Any JSON."}],
+                                       max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
 # ---------------------------------------------------------------- bad input: 4xx, server keeps serving
 
 TOO_LONG_IDS = [504] * 9000
@@ -299,6 +320,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, None,
      "json_schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400, None,
+     "not a valid JSON schema"),
+    ("/v1/completions", {"prompt": "hi", "regex": "("}, 400, None, "regex"),
 ]
 
 

@@ -34,6 +34,7 @@ class EngineThatMustNotBeCalled:
     model_path = "/models/tiny-model"
     model_config = SimpleNamespace(context_len=32, vocab_size=100)
     tokenizer = None
+    tokenizer_manager = SimpleNamespace(dead_reason=None)  # what /health consults
 
     def __getattr__(self, name):
         raise AssertionError(f"engine.{name} called for a request that should have been rejected")

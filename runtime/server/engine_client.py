@@ -241,6 +241,8 @@ class GenerationGroup:
         async for _ in self.chunks():
             pass
         missing = [s.rid for s in self._subs if s.last is None]
+        if missing and self.disconnected:  # nobody is listening; don't log a spurious failure
+            return [s.last or {} for s in self._subs]
         if missing:
             raise RuntimeError(f"the engine returned no output for {', '.join(missing)}")
         return [s.last for s in self._subs]  # type: ignore[misc]

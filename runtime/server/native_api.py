@@ -154,7 +154,12 @@ async def generate(body: GenerateRequest, request: Request):
 # ---------------------------------------------------------------- management routes
 
 @router.get("/health")
-async def health() -> Response:
+async def health(request: Request) -> Response:
+    """200 while the server can serve; 503 once the scheduler process is gone."""
+    manager = getattr(get_context(request).engine, "tokenizer_manager", None)
+    dead_reason = getattr(manager, "dead_reason", None)
+    if dead_reason:
+        return error_response(503, dead_reason)
     return Response(status_code=200)
 
 

@@ -17,8 +17,8 @@ from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, sse_error_event
 from .native_api import (SSE_DONE, check_prompt_ids, check_prompt_length, expand_n, sse_event,
                          verified_sampling_params)
-from .openai_responses import (ChoiceCursor, chat_logprobs, completion_logprobs, finish_reason, matched_stop,
-                               usage)
+from .openai_responses import (ChoiceCursor, abort_error, chat_logprobs, completion_logprobs, finish_reason,
+                               matched_stop, usage)
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .response_format import response_format_to_sampling
 from .server_context import ServerContext, get_context
@@ -97,6 +97,18 @@ async def _sse(group: GenerationGroup, events: AsyncIterator[str]) -> AsyncItera
     yield SSE_DONE
 
 
+def raise_if_aborted(results: list[dict]) -> None:
+    for out in results:
+        error = abort_error(out.get("meta_info") or {})
+        if error is not None:
+            raise APIError(*error)
+
+
+def _abort_event(meta: dict[str, Any]) -> Optional[str]:
+    error = abort_error(meta)
+    return None if error is None else sse_error_event(APIError(*error))
+
+
 # ---------------------------------------------------------------- /v1/models
 
 @router.get("/models")
@@ -150,6 +162,7 @@ async def completions(req: CompletionRequest, request: Request):
         lambda: _completion_events(group, req, response_id, created, ctx, echo_texts))
     if isinstance(result, StreamingResponse):
         return result
+    raise_if_aborted(result)
     choices = []
     for index, out in enumerate(result):
         meta = out.get("meta_info") or {}
@@ -194,6 +207,8 @@ async def _completion_events(group: GenerationGroup, req: CompletionRequest, res
         if text or reason or logprobs:
             yield sse_event({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                                   "finish_reason": reason}]})
+        if reason == "abort" and (event := _abort_event(meta)):
+            yield event
     if req.stream_options is not None and req.stream_options.include_usage:
         metas = [last_meta[i] for i in sorted(last_meta)]
         yield sse_event({**head, "choices": [], "usage": usage(metas[::req.n], metas)})
@@ -241,6 +256,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                       lambda: _chat_events(group, req, response_id, created, ctx))
     if isinstance(result, StreamingResponse):
         return result
+    raise_if_aborted(result)
     choices = []
     for index, out in enumerate(result):
         meta = out.get("meta_info") or {}
@@ -284,6 +300,8 @@ async def _chat_events(group: GenerationGroup, req: ChatCompletionRequest, respo
         if reason is not None and not cur.finished:
             cur.finished = True
             yield event(index, {}, reason)
+            if reason == "abort" and (error := _abort_event(meta)):
+                yield error
     if req.stream_options is not None and req.stream_options.include_usage:
         metas = [last_meta[i] for i in sorted(last_meta)]
         yield sse_event({**head, "choices": [], "usage": usage(metas[:1], metas)})

@@ -20,6 +20,18 @@ def finish_reason(meta: dict[str, Any]) -> Optional[str]:
     return kind if kind in ("stop", "length", "abort") else "stop"
 
 
+def abort_error(meta: dict[str, Any]) -> Optional[tuple[int, str]]:
+    """(status, message) when the Engine aborted the request with a reason (a grammar it could not
+    compile, an internal failure, an operator's /abort_request). OpenAI has no "abort" finish
+    reason, so OpenAI clients get an error instead of an empty 200."""
+    fr = meta.get("finish_reason")
+    if not isinstance(fr, dict) or fr.get("type") != "abort":
+        return None
+    message = str(fr.get("message") or "aborted")
+    status = fr.get("status_code") or (400 if message.startswith("invalid") else 500)
+    return int(status), f"request aborted: {message}"
+
+
 def matched_stop(meta: dict[str, Any]) -> Any:
     fr = meta.get("finish_reason")
     return fr.get("matched") if isinstance(fr, dict) else None
