@@ -161,3 +161,23 @@ def test_flush_cache_empties_the_tree(engine_on, few_shot_prompts):
     stats = engine_on.get_stats()
     assert stats["evictable_tokens"] == 0 and stats["free_tokens"] == POOL
     assert engine_on.generate(input_ids=prompts[0], sampling_params=GREEDY)["meta_info"]["cached_tokens"] == 0
+
+
+def test_retraction_while_shared_prefix_is_locked(engine_off, few_shot_prompts):
+    # 160 KV slots cannot hold four 46-token prompts decoding 30 tokens each, even sharing their
+    # 35-token prefix: decode runs short and retracts a request whose prefix path is locked by the
+    # others; it resumes later from the cache. Small prefill budgets admit the first request alone.
+    small = dict(num_threads=1, max_total_tokens=160, chunked_prefill_size=32, max_prefill_tokens=32)
+    encode = engine_off.tokenizer.encode
+    prefix = encode(FEW_SHOT.split("Q: How many")[0])
+    prompts = [prefix + encode(f"Q: {q}\nA:") for q in QUESTIONS]
+    params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+    want = [engine_off.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    with Engine(**small) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
+        stats = eng.get_stats()
+        assert eng.check_integrity()
+    assert [o["output_ids"] for o in outs] == want
+    assert stats["num_retractions"] > 0
+    assert stats["cached_tokens"] >= len(prefix)
+    assert stats["protected_tokens"] == 0 and stats["free_tokens"] + stats["evictable_tokens"] == 160
