@@ -1,8 +1,16 @@
-"""The language end to end on the real default model (SmolLM2-135M-Instruct) through the colocated
-Runtime: one in-process Engine shared by the module; greedy decoding and few tokens per gen."""
+"""The language end to end on the real default model (SmolLM2-135M-Instruct), through both backends:
+the colocated Runtime (in-process Engine) and RuntimeEndpoint over HTTP to plait's server.
+
+One Engine serves the whole module: the HTTP backend talks to the real FastAPI app of
+runtime/server wrapping that same Engine, on a real socket, so the model loads once. Greedy decoding
+and a few tokens per gen keep it short.
+"""
 
 import json
 import math
+import socket
+import threading
+import time
 
 import pytest
 
@@ -10,12 +18,44 @@ import plait as sgl
 
 
 @pytest.fixture(scope="module")
-def runtime():
+def engine_runtime():
     rt = sgl.Runtime()
-    sgl.set_default_backend(rt)
     yield rt
-    sgl.set_default_backend(None)
     rt.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http_url(engine_runtime):
+    import uvicorn
+
+    from plait.runtime.server.http_server import create_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine_runtime.engine), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the HTTP server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module", params=["colocated", "http"])
+def runtime(request, engine_runtime):
+    """The Runtime (for direct engine checks), with the default backend set to the backend under test."""
+    if request.param == "colocated":
+        backend = engine_runtime
+    else:
+        backend = sgl.RuntimeEndpoint(request.getfixturevalue("http_url"))
+    sgl.set_default_backend(backend)
+    yield engine_runtime
+    sgl.set_default_backend(None)
 
 
 # ---------------------------------------------------------------- programs
@@ -72,10 +112,13 @@ def city_json(s, country):
 
 
 def test_backend_identity_and_management(runtime):
-    assert runtime.endpoint.get_model_name().endswith("SmolLM2-135M-Instruct")
-    info = sgl.get_server_info()
-    assert info["model_path"] == runtime.endpoint.get_model_name()
-    assert sgl.flush_cache() is True
+    backend = sgl.global_config.default_backend
+    backend = getattr(backend, "endpoint", backend)
+    assert backend.get_model_name() == runtime.endpoint.get_model_name()
+    assert backend.get_model_name().endswith("SmolLM2-135M-Instruct")
+    assert backend.get_chat_template() == runtime.endpoint.get_chat_template()  # both from the tokenizer
+    assert sgl.get_server_info()["model_path"] == backend.get_model_name()
+    assert sgl.flush_cache()
 
 
 def test_few_shot_qa(runtime):
