@@ -256,3 +256,37 @@ def test_errors_inside_programs(runtime):
 
     err = bad_param.run().error()
     assert isinstance(err, ValueError) and "top_p" in str(err)
+
+
+def test_openai_backend_against_the_servers_v1_api(http_url, engine_runtime):
+    import openai
+
+    model = openai.OpenAI(base_url=http_url + "/v1", api_key="EMPTY").models.list().data[0].id
+    chat = sgl.OpenAI(model, base_url=http_url + "/v1")
+    state = multi_turn.run(q1="What is 2 + 2?", q2="And 3 + 3?", temperature=0, backend=chat)
+    assert state.error() is None
+    msgs = state.messages()
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
+    assert state["a1"].strip() and state["a2"].strip()
+    assert state.get_meta_info("a1")["completion_tokens"] <= 8
+
+    @sgl.function
+    def not_at_turn_start(s):
+        s += sgl.user("Hi")
+        s += sgl.assistant("Sure: " + sgl.gen("x", max_tokens=4))
+
+    assert "assistant turn" in str(not_at_turn_start.run(backend=chat).error())
+
+    # A completion model: raw text in, and select scored from echoed prompt logprobs.
+    completion = sgl.OpenAI(model, base_url=http_url + "/v1", is_chat_model=False)
+
+    @sgl.function
+    def capital(s):
+        s += "Q: What is the capital of France?\nA: The capital of France is"
+        s += sgl.select("city", [" Paris", " London", " Berlin"])
+        s += "." + sgl.gen("rest", max_tokens=4, stop="\n")
+
+    state = capital.run(backend=completion, temperature=0)
+    assert state.error() is None
+    assert state["city"] == " Paris"
+    assert len(state.get_meta_info("city")["input_token_logprobs"][0]) >= 1
