@@ -15,7 +15,7 @@ import plait as sgl
 def explain(s, topic):
     s += sgl.system("You are a friendly teacher. Answer in two short sentences.")
     s += sgl.user("Explain " + topic + " to a ten-year-old.")
-    s += sgl.assistant(sgl.gen("explanation", max_tokens=48, stop="\n\n"))
+    s += sgl.assistant(sgl.gen("explanation", max_tokens=40, stop="\n\n"))
     s += sgl.user("Is that explanation about science, history or art? Answer with one word.")
     s += sgl.assistant(sgl.select("field", choices=["science", "history", "art"]))
 

@@ -9,10 +9,10 @@ import time
 import plait as sgl
 
 FEW_SHOT = (
-    "Classify each animal as mammal, bird or fish.\n"
-    "Animal: dog\nClass: mammal\n"
-    "Animal: eagle\nClass: bird\n"
-    "Animal: salmon\nClass: fish\n"
+    "Classify each animal as mammal, bird or fish, then give a short fact about it.\n\n"
+    "Animal: dog\nClass: mammal\nFact: Dogs can hear sounds four times farther away than people.\n\n"
+    "Animal: eagle\nClass: bird\nFact: Eagles can spot a rabbit from three kilometres away.\n\n"
+    "Animal: salmon\nClass: fish\nFact: Salmon swim back to the river where they hatched.\n\n"
 )
 
 DATASET = ["cat", "sparrow", "tuna", "horse", "penguin", "shark", "whale", "owl"]
@@ -22,7 +22,7 @@ DATASET = ["cat", "sparrow", "tuna", "horse", "penguin", "shark", "whale", "owl"
 def classify(s, animal):
     s += FEW_SHOT + "Animal: " + animal + "\nClass: "
     s += sgl.select("label", choices=["mammal", "bird", "fish"])
-    s += "\nFun fact:" + sgl.gen("fact", max_tokens=12, stop="\n")
+    s += "\nFact:" + sgl.gen("fact", max_tokens=12, stop="\n")
 
 
 def main() -> None:

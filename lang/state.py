@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from .interpreter import StreamExecutor
 from .ir import (SglConcateAndAppend, SglExpr, SglExprList, SglRoleBegin, SglRoleEnd, SglVarScopeBegin,
@@ -114,7 +114,7 @@ class ProgramState:
         if not exe.stream:
             yield self.text() if var_name is None else self.get_var(var_name)
             return
-        for piece, _ in _stream_pieces(exe, var_name, exe.stream_text_event.wait, _wait_event):
+        for piece, _ in _stream_pieces(exe, var_name):
             yield piece
 
     async def text_async_iter(self, var_name: Optional[str] = None, return_meta_data: bool = False):
@@ -129,7 +129,7 @@ class ProgramState:
             yield (value, exe.meta_info.get(var_name)) if return_meta_data else value
             return
         # The waits block, so they run on the default executor while the event loop stays free.
-        gen = _stream_pieces(exe, var_name, exe.stream_text_event.wait, _wait_event)
+        gen = _stream_pieces(exe, var_name)
         sentinel = object()
         while True:
             item = await loop.run_in_executor(None, next, gen, sentinel)
@@ -145,17 +145,13 @@ class ProgramState:
             pass
 
 
-def _wait_event(event: Any) -> None:
-    event.wait()
-
-
-def _stream_pieces(exe: StreamExecutor, var_name: Optional[str], wait_text: Callable, wait: Callable):
+def _stream_pieces(exe: StreamExecutor, var_name: Optional[str]) -> Iterator[tuple[str, Any]]:
     """Yield (new text, meta_info) pieces until the program (or the variable) is complete."""
     prev = 0
     if var_name is None:
         event = exe.stream_text_event
         while True:
-            wait_text()
+            event.wait()
             event.clear()
             out = exe.text_[prev:]
             prev += len(out)
@@ -170,7 +166,7 @@ def _stream_pieces(exe: StreamExecutor, var_name: Optional[str], wait_text: Call
         exe.stream_text_event.wait(0.05)
     event = exe.stream_var_event[var_name]
     while True:
-        wait(event)
+        event.wait()
         event.clear()
         value = exe.variables.get(var_name, "")
         out = value[prev:] if isinstance(value, str) else ""

@@ -7,7 +7,7 @@ import pytest
 import plait
 from plait.backend.native import choice_token_logprobs, mean_logprob
 from plait.choices import greedy_token_selection, token_length_normalized, unconditional_likelihood_normalized
-from plait.gen_params import GenOverrides, RunDefaults, resolve_gen
+from plait.gen_params import RunDefaults, resolve_gen
 from plait.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 
 

@@ -7,7 +7,6 @@ exact text in milliseconds. The same features run on the real model in test_lang
 
 import asyncio
 import importlib.util
-import os
 import random
 import threading
 import time
