@@ -289,6 +289,53 @@ class Engine:
 
         return gen()
 
+    # ------------------------------------------------------------------ prefix hints
+    def _prefix_ids(self, prefix) -> list[int]:
+        if isinstance(prefix, str):
+            if not prefix:
+                raise ValueError("prefix is empty")
+            return self.tokenizer_manager.tokenize(prefix)
+        if isinstance(prefix, list) and prefix and all(isinstance(t, int) for t in prefix):
+            return list(prefix)
+        raise ValueError("prefix must be a non-empty string or a list of token ids")
+
+    def cache_prefix(self, prefix: Union[str, list[int]], pin: bool = False) -> dict:
+        """Prefill `prefix` into the prefix cache without generating.
+
+        Returns {"prompt_tokens", "cached_tokens" (already there before), "pin_id"}; with pin=True the
+        prefix stays in the cache until `unpin_prefix(pin_id)` (a program's shared context between
+        its own requests)."""
+        ids = self._prefix_ids(prefix)
+        out = self.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
+        if out["meta_info"]["finish_reason"]["type"] == "abort":
+            raise ValueError(out["meta_info"]["finish_reason"]["message"])
+        pin_id = self.pin_prefix(ids)["pin_id"] if pin else None
+        return {"prompt_tokens": len(ids), "cached_tokens": out["meta_info"]["cached_tokens"], "pin_id": pin_id}
+
+    async def async_cache_prefix(self, prefix: Union[str, list[int]], pin: bool = False) -> dict:
+        ids = self._prefix_ids(prefix)
+        out = await self.async_generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
+        if out["meta_info"]["finish_reason"]["type"] == "abort":
+            raise ValueError(out["meta_info"]["finish_reason"]["message"])
+        pin_id = None
+        if pin:
+            pin_id = (await self._acall(self.tokenizer_manager.control("pin_prefix", token_ids=ids)))["pin_id"]
+        return {"prompt_tokens": len(ids), "cached_tokens": out["meta_info"]["cached_tokens"], "pin_id": pin_id}
+
+    def pin_prefix(self, prefix: Union[str, list[int]]) -> dict:
+        """Lock the cached part of `prefix` against eviction → {"pin_id", "pinned_tokens"}."""
+        return self._call(self.tokenizer_manager.control("pin_prefix", token_ids=self._prefix_ids(prefix)))
+
+    def unpin_prefix(self, pin_id: Optional[int]) -> bool:
+        if pin_id is None:
+            return False
+        return self._call(self.tokenizer_manager.control("unpin_prefix", pin_id=pin_id))
+
+    async def async_unpin_prefix(self, pin_id: Optional[int]) -> bool:
+        if pin_id is None:
+            return False
+        return await self._acall(self.tokenizer_manager.control("unpin_prefix", pin_id=pin_id))
+
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:
         if not self._closed:

@@ -101,7 +101,7 @@ class ModelRunner:
         sampling_reqs: list[int] = []  # index into batch.reqs
         input_lp_rows: list[tuple[int, int, int]] = []  # (req index, row, prompt position of the predicted token)
         if batch.mode.is_decode():
-            ids = [r.fill_ids[-1] for r in reqs]
+            ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs]
             seq_lens = [r.seq_len for r in reqs]
             positions = [s - 1 for s in seq_lens]
             sample_rows = list(range(len(reqs)))

@@ -24,7 +24,9 @@ def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache) -> 
     if policy == "lpm":
         if len(waiting) > LPM_MAX_QUEUE:
             return waiting
-        scored = [(-cache.match_prefix(r.fill_ids).num_tokens, i, r) for i, r in enumerate(waiting)]
+        # A read-only lookup: ranking must not split tree nodes or refresh LRU times.
+        peek = getattr(cache, "peek_prefix_len", None) or (lambda ids: cache.match_prefix(ids).num_tokens)
+        scored = [(-peek(r.fill_ids), i, r) for i, r in enumerate(waiting)]
         scored.sort(key=lambda t: (t[0], t[1]))
         return [r for _, _, r in scored]
     if policy == "dfs-weight":

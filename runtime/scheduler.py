@@ -8,6 +8,7 @@ When idle it verifies the KV slot accounting.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -35,6 +36,9 @@ logger = logging.getLogger("plait.scheduler")
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+# A waiting request that shares at least this many not-yet-cached tokens with one being prefilled
+# waits one step, then hits the cache instead of computing the same prefix again.
+IN_BATCH_DEDUP_MIN_TOKENS = 32
 
 
 class Scheduler:
@@ -58,6 +62,8 @@ class Scheduler:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "num_retractions": 0,
                       "num_finished": 0, "integrity_errors": 0}
         self.last_integrity_error: Optional[str] = None
+        self.pins: dict[int, Any] = {}
+        self._pin_ids = itertools.count(1)
 
     def _make_cache(self) -> PrefixCache:
         if self.server_args.disable_radix_cache:
@@ -156,6 +162,9 @@ class Scheduler:
         if op == "flush_cache":
             if self.running or self.waiting or self.chunked_req or self.grammar_pending:
                 return False
+            for handle in self.pins.values():
+                self.cache.unpin(handle)
+            self.pins.clear()
             self.cache.reset()
             return True
         if op == "get_stats":
@@ -163,11 +172,20 @@ class Scheduler:
         if op == "check_integrity":
             self._check_integrity()
             return self.last_integrity_error is None
-        if op in ("pin_prefix", "unpin_prefix"):
-            fn = getattr(self.cache, op.split("_")[0], None)
-            if fn is None:
-                raise ValueError(f"{op} needs the radix cache (disable_radix_cache is set)")
-            return fn(args["token_ids"]) if op == "pin_prefix" else fn(args["handle"])
+        if op == "pin_prefix":
+            if not hasattr(self.cache, "pin"):
+                return {"pin_id": None, "pinned_tokens": 0}
+            # NOTE: handles stay here; only an integer id crosses the process boundary.
+            handle = self.cache.pin(args["token_ids"])
+            pin_id = next(self._pin_ids)
+            self.pins[pin_id] = handle
+            return {"pin_id": pin_id, "pinned_tokens": handle.num_tokens}
+        if op == "unpin_prefix":
+            handle = self.pins.pop(args["pin_id"], None)
+            if handle is None:
+                return False
+            self.cache.unpin(handle)
+            return True
         raise ValueError(f"unknown control op {op!r}")
 
     def get_stats(self) -> dict:
@@ -196,6 +214,7 @@ class Scheduler:
         """Build, run and process one batch. Returns the batch (None when nothing could run)."""
         if self.grammar_pending:
             self._poll_grammars()
+        self._sweep_aborted()
         batch = self._get_prefill_batch()
         if batch is None:
             batch = self._get_decode_batch()
@@ -204,6 +223,15 @@ class Scheduler:
         out = self.model_runner.run(batch)
         self._process_result(batch, out)
         return batch
+
+    def _sweep_aborted(self) -> None:
+        """Release running requests aborted since the last step (they may not be in the next batch)."""
+        if any(r.finished for r in self.running):
+            for r in [r for r in self.running if r.finished]:
+                self._finish_running(r)
+            self.running = [r for r in self.running if not r.finished]
+        if self.chunked_req is not None and self.chunked_req.finished:
+            self._finish_running(self.chunked_req)
 
     def _running_reserve(self) -> float:
         return sum(r.remaining_new_tokens() for r in self.running) * self.new_token_ratio
@@ -226,10 +254,14 @@ class Scheduler:
 
         self.waiting = order_waiting_queue(sa.schedule_policy, self.waiting, self.cache)
         admitted = []
+        in_flight: list[list[int]] = []  # token ids being prefilled in this step
         for r in self.waiting:
             if len(self.running) + len(reqs) >= self.model_runner.max_running_requests or free_req_slots == 0:
                 break
-            match = self.cache.match_prefix(self._matchable_ids(r))
+            matchable = self._matchable_ids(r)
+            if in_flight and self._shares_in_flight_prefix(matchable, in_flight):
+                continue  # next step its prefix is in the tree: prefill it once, not twice
+            match = self.cache.match_prefix(matchable)
             pre = match.num_tokens
             ext = len(r.fill_ids) - pre
             reserve = r.remaining_new_tokens() * self.new_token_ratio
@@ -242,11 +274,15 @@ class Scheduler:
                 break
             if take <= 0:
                 break
+            evictable_before = self.cache.evictable_size()
             self._assign_slot_and_prefix(r, match)
+            # Locking the matched prefix turned some evictable slots into protected ones.
+            budget.rem_memory -= evictable_before - self.cache.evictable_size()
             free_req_slots -= 1
             budget.take(take, reserve)
             reqs.append(r), prefix_lens.append(pre), extend_lens.append(take)
             admitted.append(r)
+            in_flight.append(r.fill_ids[:pre + take])
             if take < ext:
                 break
         if admitted:
@@ -257,7 +293,7 @@ class Scheduler:
         loc = self._alloc(sum(extend_lens))
         if loc is None:  # cannot happen when the budget is right; undo and fall back to decode
             for r in admitted:
-                self._release(r, keep_in_cache=False)
+                self._release(r)
                 r.reset_for_retract()
             self.waiting = admitted + self.waiting
             return None
@@ -267,6 +303,21 @@ class Scheduler:
             start += ext
             r.prefix_len_this_step, r.extend_len_this_step = pre, ext
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, loc)
+
+    def _shares_in_flight_prefix(self, ids: list[int], in_flight: list[list[int]]) -> bool:
+        """Does `ids` share a long uncached prefix with a request already in this prefill batch?"""
+        if self.server_args.disable_radix_cache:
+            return False
+        cached = self._peek(ids)
+        for other in in_flight:
+            n = _common_prefix_len(ids, other)
+            if n - cached >= IN_BATCH_DEDUP_MIN_TOKENS:
+                return True
+        return False
+
+    def _peek(self, ids: list[int]) -> int:
+        peek = getattr(self.cache, "peek_prefix_len", None)
+        return peek(ids) if peek is not None else self.cache.match_prefix(ids).num_tokens
 
     def _matchable_ids(self, r: Req) -> list[int]:
         # Leave at least one token to compute (its logits give the next token), and recompute the
@@ -310,8 +361,11 @@ class Scheduler:
             self._retract_one()
             self.cache.evict(max(0, len(self.running) - self.allocator.available()))
         loc = self.allocator.alloc(len(self.running))
-        for r, slot in zip(self.running, loc):
-            self.req_to_token.write(r.req_pool_idx, r.seq_len - 1, slot.view(1))
+        # One indexed write for the whole batch (a per-request write is a kernel launch each on GPU).
+        dev = self.model_runner.device
+        rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64, device=dev)
+        cols = torch.tensor([r.seq_len - 1 for r in self.running], dtype=torch.int64, device=dev)
+        self.req_to_token.req_to_token[rows, cols] = loc.to(dev, torch.int32)
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return ScheduleBatch(ForwardMode.DECODE, list(self.running), out_cache_loc=loc)
 
@@ -380,7 +434,7 @@ class Scheduler:
         r.last_node = node
         r.cache_len = r.kv_len
 
-    def _release(self, r: Req, keep_in_cache: bool = True) -> None:
+    def _release(self, r: Req) -> None:
         """Give the request's KV back: the computed part to the cache, the rest to the allocator."""
         if r.req_pool_idx is None:
             return
@@ -436,6 +490,17 @@ class Scheduler:
             self.last_integrity_error = str(e)
             self.stats["integrity_errors"] += 1
             logger.error("KV integrity check failed: %s", e)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    # Compare in blocks first (list slices compare in C), then finish token by token.
+    i, step = 0, 256
+    while i + step <= n and a[i:i + step] == b[i:i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _load_tokenizer(path: str):

@@ -1,0 +1,96 @@
+"""CUDA graphs for decode steps.
+
+Graphs are captured at start-up for bucketed batch sizes up to `cuda_graph_max_bs`, over static
+input buffers. A decode batch of n requests replays the smallest bucket >= n: the real rows are
+copied into the static buffers and the padding rows write their K/V to the dummy slot 0. The
+attention backend prepares its own static metadata through its capture/replay hooks. Batches larger
+than the biggest bucket run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from .forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+    return [s for s in sizes if s <= max_bs] or [1]
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner):
+        self.mr = model_runner
+        mr = model_runner
+        max_bs = min(mr.server_args.cuda_graph_max_bs, mr.max_running_requests)
+        self.batch_sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        dev = mr.device
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        mr.attn_backend.init_cuda_graph_state(self.max_bs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self._capture_all()
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        mr = self.mr
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], out_cache_loc=self.out_cache_loc[:bs], seq_lens_cpu=[1] * bs,
+            req_to_token_pool=mr.req_to_token_pool, kv_pool=mr.kv_pool, attn_backend=mr.attn_backend)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        stream = torch.cuda.Stream()
+        self.seq_lens.fill_(1)
+        for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory pool
+            fb = self._static_batch(bs)
+            self.mr.attn_backend.init_forward_metadata_capture_cuda_graph(fb)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
+                    self.mr.model(fb.input_ids, fb.positions, fb)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = self.mr.model(fb.input_ids, fb.positions, fb)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+            self.outputs[bs] = out
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        n = fb.batch_size
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        if bs != n:  # padding rows: token 0 at position 0, K/V into the dummy slot, no keys read
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.out_cache_loc[n:bs].zero_()
+            self.req_pool_indices[n:bs].zero_()
+            self.seq_lens[n:bs].zero_()
+        self.input_ids[:n].copy_(fb.input_ids, non_blocking=True)
+        self.positions[:n].copy_(fb.positions, non_blocking=True)
+        self.req_pool_indices[:n].copy_(fb.req_pool_indices, non_blocking=True)
+        self.seq_lens[:n].copy_(fb.seq_lens, non_blocking=True)
+        self.out_cache_loc[:n].copy_(fb.out_cache_loc, non_blocking=True)
+        static = self._static_batch(bs)
+        self.mr.attn_backend.init_forward_metadata_replay_cuda_graph(static)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

@@ -1,0 +1,89 @@
+"""Shared fixtures. Engines are expensive (a scheduler process + model load): share them per module."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+# Triton picks interpreted or compiled mode at its first import (transformers imports it), so the
+# CPU-interpreter choice must be made before anything else loads it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from plait.runtime.default_model import default_model_path as resolve
+
+    return resolve()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_path, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+def make_random_model(folder: str, arch: str, seed: int = 0) -> str:
+    """Write a small random Hugging Face model (config.json + safetensors) for reference tests."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+                  # NOTE: a large init makes the logits peaked, so greedy decoding has no near-ties
+                  # that float noise could flip.
+                  initializer_range=0.3, bos_token_id=0, eos_token_id=1)
+    if arch == "llama":
+        cfg = AutoConfig.for_model("llama", rope_theta=10000.0, tie_word_embeddings=False, **common)
+    elif arch == "qwen2":
+        cfg = AutoConfig.for_model("qwen2", rope_theta=10000.0, tie_word_embeddings=True, **common)
+    elif arch == "qwen3":
+        cfg = AutoConfig.for_model("qwen3", rope_theta=10000.0, head_dim=16, tie_word_embeddings=False, **common)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    if arch == "qwen2":  # biases start at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def random_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("random_models")
+    return {arch: make_random_model(str(root / arch), arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:
+    """Greedy continuation with transformers, stopping at EOS like the engine."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=list(eos_ids) or None)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,144 @@
+"""Scheduler and KV-memory logic with exact-state assertions, in-process, on a tiny random model.
+
+No subprocess: the Scheduler is driven message by message and step by step, and its pools are
+inspected directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.runtime.io_struct import AbortReq, ControlReq, TokenizedGenerateReq
+from plait.runtime.memory_pool import TokenAllocator
+from plait.runtime.prefix_cache import NoSharingCache
+from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.scheduler import Scheduler
+from plait.runtime.server_args import ServerArgs
+
+
+def make_scheduler(path, **kw) -> Scheduler:
+    args = ServerArgs(model_path=path, device="cpu", **kw)
+    return Scheduler(args, path)
+
+
+def submit(s: Scheduler, rid: str, ids: list[int], **sp) -> None:
+    s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=SamplingParams(**sp)))
+
+
+def run_until_idle(s: Scheduler, max_steps: int = 1000) -> dict:
+    finals = {}
+    for _ in range(max_steps):
+        s.step()
+        for o in s.collect_outputs():
+            if o.finished_reason is not None:
+                finals[o.rid] = o
+        if s.is_idle():
+            return finals
+    raise AssertionError("scheduler did not go idle")
+
+
+def test_allocator_free_list_exact():
+    a = TokenAllocator(8, "cpu")
+    x = a.alloc(3)
+    assert x.tolist() == [1, 2, 3] and a.available() == 5
+    assert a.alloc(6) is None and a.available() == 5
+    a.free(torch.tensor([2]))
+    assert a.free_slot_set() == {2, 4, 5, 6, 7, 8}
+    assert 0 not in a.free_slot_set()  # slot 0 is the dummy, never handed out
+
+
+def test_no_sharing_cache_returns_every_slot():
+    a = TokenAllocator(10, "cpu")
+    c = NoSharingCache(a)
+    kv = a.alloc(4)
+    assert c.match_prefix([1, 2, 3]).num_tokens == 0
+    c.check_integrity(num_private=4)
+    c.cache_finished_req([1, 2, 3, 4], kv, None)
+    c.check_integrity()
+    assert a.available() == 10
+
+
+def test_prefill_then_decode_exact_state(random_models):
+    s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=64,
+                       max_running_requests=4)
+    submit(s, "a", [5, 6, 7, 8, 9], max_new_tokens=3, temperature=0, ignore_eos=True)
+    submit(s, "b", [10, 11, 12], max_new_tokens=3, temperature=0, ignore_eos=True)
+    batch = s.step()  # one prefill step for both
+    assert batch.mode.is_extend() and batch.extend_lens == [5, 3] and batch.prefix_lens == [0, 0]
+    a, b = s.running
+    assert (a.kv_len, b.kv_len) == (5, 3) and len(a.output_ids) == len(b.output_ids) == 1
+    assert s.allocator.available() == 64 - 8
+    rows = s.req_to_token.req_to_token
+    assert sorted(rows[a.req_pool_idx, :5].tolist() + rows[b.req_pool_idx, :3].tolist()) == list(range(1, 9))
+    batch = s.step()  # decode: one new slot each
+    assert batch.mode.is_decode() and s.allocator.available() == 64 - 10
+    assert (a.kv_len, b.kv_len) == (6, 4)
+    finals = run_until_idle(s)
+    assert set(finals) == {"a", "b"}
+    assert all(f.finished_reason == {"type": "length", "length": 3} for f in finals.values())
+    assert s.allocator.available() == 64
+    s.cache.check_integrity()
+    assert s.req_to_token.available() == s.req_to_token.size
+
+
+def test_chunked_prefill_splits_long_prompt(random_models):
+    s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=128,
+                       chunked_prefill_size=8, max_prefill_tokens=8)
+    submit(s, "long", list(range(2, 22)), max_new_tokens=2, temperature=0, ignore_eos=True)  # 20 tokens
+    sizes = []
+    for _ in range(3):
+        b = s.step()
+        sizes.append((b.prefix_lens[0], b.extend_lens[0]))
+    assert sizes == [(0, 8), (8, 8), (16, 4)]
+    run_until_idle(s)
+    assert s.allocator.available() == 128
+
+
+def test_retraction_when_kv_runs_out(random_models):
+    # 20 slots: both requests are admitted (admission reserves only part of max_new_tokens), but
+    # together they need 2 * (2 + 10) = 24 slots: one is retracted and resumed later.
+    s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=20)
+    alone = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=64)
+    for sched in (s, alone):
+        submit(sched, "x", [2, 3], max_new_tokens=10, temperature=0, ignore_eos=True)
+        submit(sched, "y", [20, 21], max_new_tokens=10, temperature=0, ignore_eos=True)
+    finals, expected = run_until_idle(s), run_until_idle(alone)
+    assert s.stats["num_retractions"] >= 1 and alone.stats["num_retractions"] == 0
+    # Identical greedy output after resuming.
+    assert {k: v.new_ids for k, v in finals.items()} == {k: v.new_ids for k, v in expected.items()}
+    assert all(len(f.new_ids) == 10 for f in finals.values())
+    assert s.allocator.available() == 20
+    s.cache.check_integrity()
+
+
+def test_request_that_can_never_fit_is_rejected(random_models):
+    s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=16)
+    submit(s, "big", list(range(2, 40)), max_new_tokens=2)
+    outs = s.collect_outputs()
+    assert outs[0].rid == "big" and outs[0].finished_reason["type"] == "abort"
+    assert "cannot fit" in outs[0].finished_reason["message"]
+    assert s.is_idle()
+
+
+def test_abort_waiting_and_running(random_models):
+    s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=64)
+    submit(s, "run", [3, 4, 5], max_new_tokens=50, temperature=0, ignore_eos=True)
+    s.step()
+    submit(s, "wait", [6, 7], max_new_tokens=5)
+    s.handle_message(AbortReq("wait"))
+    s.handle_message(AbortReq("run"))
+    finals = run_until_idle(s)
+    assert finals["wait"].finished_reason["type"] == "abort"
+    assert finals["run"].finished_reason["type"] == "abort"
+    assert s.allocator.available() == 64
+
+
+def test_flush_cache_refused_while_busy(random_models):
+    s = make_scheduler(random_models["llama"], max_total_tokens=64)
+    submit(s, "a", [3, 4, 5], max_new_tokens=4, temperature=0, ignore_eos=True)
+    assert s.handle_message(ControlReq(1, "flush_cache")).result is False
+    run_until_idle(s)
+    assert s.cache.evictable_size() > 0
+    assert s.handle_message(ControlReq(2, "flush_cache")).result is True
+    assert s.cache.evictable_size() == 0 and s.allocator.available() == 64
