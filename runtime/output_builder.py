@@ -23,11 +23,15 @@ class OutputBuilder:
 
     def check_finish(self, r: Req, context_len: int) -> None:
         tok = r.output_ids[-1]
-        delta = r.detok.step([tok])
         sp = r.sampling_params
         if tok in r.stop_token_ids and len(r.output_ids) >= sp.min_new_tokens:
+            # Like SGLang, the stop token stays in output_ids but its text is trimmed (unless
+            # no_stop_trim): a stop id that is an ordinary token must not leak into the text.
+            if sp.no_stop_trim:
+                r.detok.step([tok])
             r.finished_reason = FinishReason("stop", matched=tok)
             return
+        delta = r.detok.step([tok])
         stops = sp.stop_strs
         if stops and delta:
             hit = find_stop_string(r.detok.text, len(delta), stops)

@@ -8,6 +8,9 @@ Field names follow SGLang's `sampling_params` dict so that SGLang clients work u
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -63,11 +66,9 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         clean = {k: v for k, v in d.items()}
         if isinstance(clean.get("json_schema"), dict):
-            import json
-
             clean["json_schema"] = json.dumps(clean["json_schema"])
         if clean.get("logit_bias"):
-            clean["logit_bias"] = {int(k): float(v) for k, v in clean["logit_bias"].items()}
+            clean["logit_bias"] = _parse_logit_bias(clean["logit_bias"])
         sp = cls(**clean)
         return sp
 
@@ -107,6 +108,9 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
             check_type(name, (float, int))
+            # NOTE: a NaN passes every range comparison below and would poison the whole batch's softmax.
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_whitespace"):
             check_type(name, (bool,))
         if self.max_new_tokens is not None and self.max_new_tokens < 0:
@@ -134,21 +138,29 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int, got {type(self.seed).__name__}")
-        for s in self.stop_strs:
-            if not isinstance(s, str) or s == "":
-                raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        for name in ("stop", "stop_regex"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            items = [v] if isinstance(v, str) else v
+            if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+                raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {v!r}")
         if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-                raise ValueError("stop_token_ids must be a list of ints")
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
             if vocab_size is not None and any(t < 0 or t >= vocab_size for t in self.stop_token_ids):
                 raise ValueError(f"stop_token_ids must lie in [0, {vocab_size})")
-        if self.logit_bias and vocab_size is not None:
-            bad = [t for t in self.logit_bias if t < 0 or t >= vocab_size]
+        if self.logit_bias:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            bad = [t for t in self.logit_bias
+                   if not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size)]
             if bad:
-                raise ValueError(f"logit_bias token id {bad[0]} is outside [0, {vocab_size})")
+                raise ValueError(f"logit_bias token id {bad[0]!r} is outside [0, {vocab_size})")
+            if not all(isinstance(b, (int, float)) and math.isfinite(b) for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be finite numbers")
         for pat in self.stop_regexes:
-            import re
-
             try:
                 re.compile(pat)
             except re.error as e:
@@ -170,3 +182,13 @@ class SamplingParams:
         if self.structural_tag is not None:
             return ("structural_tag", self.structural_tag)
         return None
+
+
+def _parse_logit_bias(bias: Any) -> dict[int, float]:
+    """JSON gives string keys ({"123": 5}); turn them into token ids, naming the field on bad input."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None

@@ -1,0 +1,179 @@
+"""Incremental detokenization and stop strings with the real SmolLM2 tokenizer (byte-level BPE).
+
+Byte-level BPE splits one emoji or CJK character over several tokens; decoding a partial character
+yields U+FFFD. The detokenizer must hold such text back and never emit it.
+"""
+
+import pytest
+
+from plait.runtime.detokenizer import IncrementalDetokenizer, find_stop_regex, find_stop_string
+from plait.runtime.output_builder import OutputBuilder
+from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.schedule_batch import Req
+
+MULTIBYTE_TEXTS = [
+    "Café naïve — 日本語のテキスト 🚀🎉 emoji 👩‍👩‍👧 done. Ünïcödé ✓ 中文",
+    "🙂🙃😉 three emoji in a row, then Ελληνικά and русский текст.",
+    "  leading spaces\n\tand a tab, then 한국어 and ok 👍🏽 (skin tone)",
+]
+CONTEXT_LEN = 10_000
+
+
+def stream_deltas(tokenizer, ids, chunk=1, skip_special_tokens=True):
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    deltas = [detok.step(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas.append(detok.flush())
+    return detok, deltas
+
+
+@pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
+def test_token_by_token_never_yields_replacement_chars(default_tokenizer, text):
+    ids = default_tokenizer.encode(text)
+    # The text really is split mid-character somewhere (else this test would prove nothing).
+    assert any("\ufffd" in default_tokenizer.decode([t]) for t in ids)
+    detok, deltas = stream_deltas(default_tokenizer, ids)
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == default_tokenizer.decode(ids) == text
+    assert detok.text == text
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5])
+def test_multi_token_steps_concatenate_to_the_full_decode(default_tokenizer, chunk):
+    text = MULTIBYTE_TEXTS[0]
+    ids = default_tokenizer.encode(text)
+    _, deltas = stream_deltas(default_tokenizer, ids, chunk=chunk)
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_emitted_text_is_always_a_prefix_of_the_final_text(default_tokenizer):
+    text = MULTIBYTE_TEXTS[1]
+    ids = default_tokenizer.encode(text)
+    detok = IncrementalDetokenizer(default_tokenizer)
+    for t in ids:
+        detok.step([t])
+        assert text.startswith(detok.text)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_follow_skip_special_tokens(default_tokenizer, skip):
+    ids = (default_tokenizer.encode("Hello 🌍") + [default_tokenizer.eos_token_id]
+           + default_tokenizer.encode(" after ✓"))
+    _, deltas = stream_deltas(default_tokenizer, ids, skip_special_tokens=skip)
+    assert "".join(deltas) == default_tokenizer.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in "".join(deltas)) is not skip
+
+
+def test_flush_emits_a_dangling_partial_character(default_tokenizer):
+    ids = default_tokenizer.encode("ok 🚀")
+    detok = IncrementalDetokenizer(default_tokenizer)
+    emitted = "".join(detok.step([t]) for t in ids[:-1])  # the rocket's last byte is missing
+    assert "\ufffd" not in emitted
+    assert detok.flush() != ""  # the caller gets whatever is left at the end
+
+
+# ---------------------------------------------------------------------- stop strings
+def test_find_stop_string_across_the_delta_boundary():
+    # "world" starts in the old text ("Hello wor") and ends in the new delta ("ld!").
+    assert find_stop_string("Hello world!", 3, ["world"]) == (6, "world")
+    # A stop lying entirely in old text was already checked; only new matches count.
+    assert find_stop_string("world and more", 5, ["world"]) is None
+    # Earliest of several stops wins.
+    assert find_stop_string("abc STOP end", 8, ["end", "STOP"]) == (4, "STOP")
+    assert find_stop_string("no match here", 4, ["xyz"]) is None
+
+
+def test_find_stop_regex_picks_the_earliest_match():
+    import re
+
+    text = "value 42; next 7."
+    assert find_stop_regex(text, [re.compile(r"\d+\."), re.compile(r"\d+;")]) == (6, 9, "42;")
+
+
+def make_req(tokenizer, stream=False, **params) -> Req:
+    sp = SamplingParams.from_dict({"max_new_tokens": 200, **params})
+    sp.verify(tokenizer.vocab_size)
+    return Req("r", tokenizer.encode("Q:"), sp, tokenizer=tokenizer, stream=stream,
+               eos_token_ids=(tokenizer.eos_token_id,))
+
+
+def feed(builder: OutputBuilder, r: Req, ids: list[int]) -> tuple[list[str], str | None]:
+    """Feed generated ids one at a time the way the scheduler does → (text deltas sent, final text)."""
+    deltas, final = [], None
+    for t in ids:
+        r.output_ids.append(t)
+        builder.check_finish(r, CONTEXT_LEN)
+        if r.finished:
+            builder.emit_final(r)
+        for o in builder.collect([] if r.finished else [r]):
+            deltas.append(o.text_delta)
+            if o.final_text is not None:
+                final = o.final_text
+        if r.finished:
+            break
+    return deltas, final
+
+
+@pytest.mark.parametrize("stop, expected", [
+    ("is 42", "The answer "),  # spans several tokens
+    ("🚀", "The answer is 42 "),  # one character made of several byte tokens
+    ("42 🚀 and", "The answer is "),
+])
+def test_stop_string_spanning_tokens_is_found_and_trimmed(default_tokenizer, stop, expected):
+    text = "The answer is 42 🚀 and the rest is never reached."
+    ids = default_tokenizer.encode(text)
+    builder = OutputBuilder(default_tokenizer, stream_interval=1)
+    r = make_req(default_tokenizer, stop=[stop, "never-there"])
+    _, final = feed(builder, r, ids)
+    assert r.finished_reason.to_json() == {"type": "stop", "matched": stop}
+    assert final == expected
+    # It stopped as soon as the stop string was complete, not later.
+    assert stop in default_tokenizer.decode(r.output_ids)
+    assert stop not in default_tokenizer.decode(r.output_ids[:-1])
+
+    r2 = make_req(default_tokenizer, stop=stop, no_stop_trim=True)
+    _, final = feed(builder, r2, ids)
+    assert final == expected + stop
+
+
+def test_streamed_deltas_never_contain_text_that_is_trimmed_later(default_tokenizer):
+    text = "Count: one, two, three STOP four five"
+    ids = default_tokenizer.encode(text)
+    builder = OutputBuilder(default_tokenizer, stream_interval=1)
+    r = make_req(default_tokenizer, stream=True, stop="STOP")
+    deltas, final = feed(builder, r, ids)
+    assert "".join(deltas) == final == "Count: one, two, three "
+    assert len(deltas) > 3  # it really streamed
+
+
+def test_stop_token_id_ends_the_request_and_its_text_is_trimmed(default_tokenizer):
+    ids = default_tokenizer.encode("alpha beta gamma delta")
+    stop_tok = ids[2]
+    builder = OutputBuilder(default_tokenizer, stream_interval=1)
+    r = make_req(default_tokenizer, stop_token_ids=[stop_tok])
+    _, final = feed(builder, r, ids)
+    assert r.output_ids == ids[:3]  # the stop token stays in output_ids (SGLang)
+    assert r.finished_reason.to_json() == {"type": "stop", "matched": stop_tok}
+    assert final == default_tokenizer.decode(ids[:2])
+
+    r2 = make_req(default_tokenizer, stop_token_ids=[stop_tok], no_stop_trim=True)
+    _, final = feed(builder, r2, ids)
+    assert final == default_tokenizer.decode(ids[:3])
+
+
+def test_eos_before_min_new_tokens_does_not_finish(default_tokenizer):
+    eos = default_tokenizer.eos_token_id
+    builder = OutputBuilder(default_tokenizer, stream_interval=1)
+    r = make_req(default_tokenizer, min_new_tokens=3)
+    feed(builder, r, [eos])
+    assert not r.finished
+    feed(builder, r, default_tokenizer.encode(" x y")[:1] + [eos])
+    assert r.finished_reason.to_json() == {"type": "stop", "matched": eos}
+
+
+def test_max_new_tokens_finishes_with_length(default_tokenizer):
+    builder = OutputBuilder(default_tokenizer, stream_interval=1)
+    r = make_req(default_tokenizer, max_new_tokens=4)
+    feed(builder, r, default_tokenizer.encode("one two three four five six"))
+    assert len(r.output_ids) == 4
+    assert r.finished_reason.to_json() == {"type": "length", "length": 4}
