@@ -72,8 +72,10 @@ class EngineBackend(NativeBackend):
             super().commit_lazy_operations(s)
 
     def pin_prefix(self, prefix: str) -> Any:
+        """Keep a fork's shared prefix cached until join(); returns the Engine's pin id (or None)."""
         if prefix and hasattr(self.engine, "pin_prefix"):
-            return self.engine.pin_prefix(prefix)
+            pinned = self.engine.pin_prefix(prefix)
+            return pinned.get("pin_id") if isinstance(pinned, dict) else pinned
         return None
 
     def unpin_prefix(self, handle: Any) -> None:
