@@ -21,31 +21,33 @@ def calculator(expression: str) -> str:
             return OPERATORS[type(node.op)](ev(node.left), ev(node.right))
         raise ValueError("unsupported expression")
 
+    expression = expression.split("=")[0].strip()  # small models often write "17 * 23 = <guess>"
     try:
-        return str(ev(ast.parse(expression.strip(), mode="eval").body))
+        return str(ev(ast.parse(expression, mode="eval").body))
     except (SyntaxError, ValueError, ZeroDivisionError) as e:
         return f"error: {e}"
 
 
 @sgl.function
-def agent(s, question, expression, max_steps=3):
-    s += sgl.system("You solve problems. You may use a calculator before answering.")
+def agent(s, question, max_steps=3):
+    s += sgl.system("You are a math assistant. Write an arithmetic expression for the calculator; when the "
+                    "result answers the question, say so.")
     s += sgl.user(question)
-    for step in range(max_steps):
-        s += sgl.assistant("Action: " + sgl.select("action", choices=["calculator", "answer"]))
-        if s["action"] == "answer":
+    for _ in range(max_steps):
+        s += sgl.assistant("Expression: " + sgl.gen("expression", max_tokens=16, stop="\n"))
+        result = calculator(s["expression"])  # the tool: plain Python, between model calls
+        s += sgl.user(f"The calculator says {result}. Is that the final answer? Say yes or no.")
+        s += sgl.assistant(sgl.select("done", choices=["yes", "no"]))
+        if s["done"] == "yes":  # reading s[...] waits for the model; then Python branches
             break
-        result = calculator(expression)  # plain Python, between model calls
-        s += sgl.user(f"calculator({expression}) = {result}. Now answer.")
-        expression = expression  # the tool input could itself be generated with sgl.gen
-    s += sgl.assistant("Answer: " + sgl.gen("answer", max_tokens=24, stop="\n"))
+    s += sgl.user("State the final answer in one sentence.")
+    s += sgl.assistant(sgl.gen("answer", max_tokens=24, stop="\n"))
 
 
 def main() -> None:
     runtime = sgl.Runtime()
     sgl.set_default_backend(runtime)
-    state = agent.run(question="A box holds 17 rows of 23 apples. How many apples?", expression="17 * 23",
-                      temperature=0)
+    state = agent.run(question="A box holds 17 rows of 23 apples. How many apples?", temperature=0)
     for message in state.messages():
         print(f"{message['role']:>9}: {message['content']}")
     runtime.shutdown()
