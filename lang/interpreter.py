@@ -53,6 +53,8 @@ class StreamExecutor:
         self.fork_start_text_pos: Optional[int] = None
         self.images_: list = []
         self._scope_starts: dict[str, int] = {}
+        # Prefix pins held for this program's forks; released at join, or at the latest by end().
+        self._pins: list[Any] = []
         # Role state as submitted (caller thread), so misuse raises where the user wrote it.
         self._submitted_role: Optional[str] = None
 
@@ -165,6 +167,15 @@ class StreamExecutor:
             child.images_ = list(self.images_)
         return children
 
+    def hold_pin(self, handle: Any) -> None:
+        if handle is not None:
+            self._pins.append(handle)
+
+    def release_pin(self, handle: Any) -> None:
+        if handle is not None and handle in self._pins:
+            self._pins.remove(handle)
+            self.backend.unpin_prefix(handle)
+
     def end(self) -> None:
         """No more submissions: let the worker finish what is queued, then exit."""
         with self._lock:
@@ -176,9 +187,11 @@ class StreamExecutor:
         if not self.use_thread:
             self._finish()
         try:
+            for handle in list(self._pins):  # forks the program never joined
+                self.release_pin(handle)
             self.backend.end_program(self)
         except Exception:  # a backend's bookkeeping must not hide the program's own result
-            logger.exception("end_program failed")
+            logger.exception("releasing the program's runtime resources failed")
 
     def __del__(self) -> None:
         try:

@@ -58,9 +58,10 @@ class ProgramState:
 
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> "ProgramStateGroup":
         """`size` copies of this state that continue concurrently; the shared text is prefilled once."""
-        executors = self.stream_executor.fork(size)
-        backend = self.stream_executor.backend
-        pin = backend.pin_prefix(self.stream_executor.text_) if size > 1 else None
+        parent = self.stream_executor
+        executors = parent.fork(size)
+        pin = parent.backend.pin_prefix(parent.text_) if size > 1 else None
+        parent.hold_pin(pin)
         return ProgramStateGroup([ProgramState(e) for e in executors], self, pin)
 
     @contextmanager
@@ -256,5 +257,5 @@ class ProgramStateGroup:
         for state in self.states:
             state.stream_executor.end()
         if self._pin is not None:
-            self.src_state.stream_executor.backend.unpin_prefix(self._pin)
+            self.src_state.stream_executor.release_pin(self._pin)
             self._pin = None

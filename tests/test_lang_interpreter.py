@@ -27,6 +27,7 @@ class ScriptedEngine:
         self.favored = favored  # characters the "model" likes: logprob -0.1 instead of -2.0
         self.delay = delay
         self.requests = []
+        self.pinned, self.unpinned = [], []
         self.lock = threading.Lock()
         self.model_path = "/models/scripted"
 
@@ -79,6 +80,16 @@ class ScriptedEngine:
         return chunks()
 
     def flush_cache(self):
+        return True
+
+    def pin_prefix(self, prefix):
+        with self.lock:
+            self.pinned.append(prefix)
+            return {"pin_id": len(self.pinned), "pinned_tokens": len(prefix)}
+
+    def unpin_prefix(self, pin_id):
+        with self.lock:
+            self.unpinned.append(pin_id)
         return True
 
     def get_server_info(self):
@@ -347,6 +358,29 @@ def test_fork_runs_branches_and_join_gathers_variables():
     assert reqs[0]["prompt"] == "Write tips.\n" and reqs[0]["sampling_params"] == {"max_new_tokens": 0}
     assert sorted(r["prompt"] for r in reqs[1:]) == [f"Write tips.\nTip {i}:" for i in range(3)]
     assert len({r["group"] for r in reqs}) == 1  # forks stay in the program's scheduling group
+
+
+def test_fork_pins_the_shared_prefix_until_join_or_program_end():
+    backend = backend_for(reply=lambda p: "x")
+
+    @sgl.function
+    def joined(s):
+        s += "shared context "
+        forks = s.fork(2)
+        forks += sgl.gen("g", max_tokens=1)
+        assert backend.engine.unpinned == []  # still pinned while the branches may run
+        forks.join()
+
+    joined.run(backend=backend).sync()
+    assert backend.engine.pinned == ["shared context "] and backend.engine.unpinned == [1]
+
+    @sgl.function
+    def never_joined(s):
+        s += "other context "
+        s.fork(2)
+
+    never_joined.run(backend=backend)
+    assert backend.engine.pinned[-1] == "other context " and backend.engine.unpinned == [1, 2]
 
 
 def test_fork_accepts_lists_and_exprs_and_concat_join():
