@@ -155,9 +155,16 @@ class Engine:
         starts = per_item(logprob_start_len, "logprob_start_len")
         tops = per_item(top_logprobs_num, "top_logprobs_num")
         texts = per_item(return_text_in_logprobs, "return_text_in_logprobs")
-        rids = rid if (batch and isinstance(rid, list)) else [rid] * size
-        if batch and isinstance(rid, str):
+        if batch and isinstance(rid, list):
+            if len(rid) != size:
+                raise ValueError(f"rid has {len(rid)} entries for a batch of {size}")
+            rids = rid
+        elif batch and isinstance(rid, str):
             rids = [f"{rid}_{i}" for i in range(size)]
+        else:
+            rids = [rid] * size
+        if not all(r is None or isinstance(r, str) for r in rids):
+            raise ValueError("rid must be a string (or a list of strings for a batch)")
         reqs, groups = [], []
         for i in range(size):
             sp = SamplingParams.from_dict(sps[i])
@@ -174,22 +181,42 @@ class Engine:
                     top_logprobs_num=tops[i] or 0, return_text_in_logprobs=bool(texts[i]), stream=stream,
                     group=group or (base_rid if sp.n > 1 else None)))
             groups.append(members)
+        all_rids = [m.rid for members in groups for m in members]
+        if len(set(all_rids)) != len(all_rids):
+            dup = next(r for r in all_rids if all_rids.count(r) > 1)
+            raise ValueError(f"duplicate request id {dup!r}")
         return groups, batch
 
     async def _generate_async(self, groups, batch: bool):
         tm = self.tokenizer_manager
-        # n > 1: prefill the shared prompt once (a prefill-only request), then start the samples.
-        for members in groups:
-            if len(members) > 1 and not self.server_args.disable_radix_cache:
-                head = members[0]
-                warm = TokenizedGenerateReq(rid=new_rid(), input_ids=head.input_ids,
-                                            sampling_params=SamplingParams(max_new_tokens=0), group=head.group)
-                await tm.wait(await tm.submit(warm))
-        states = [[await tm.submit(m) for m in members] for members in groups]
-        results = []
-        for group_states in states:
-            outs = [await tm.wait(s) for s in group_states]
-            results.append(outs if len(outs) > 1 else outs[0])
+        submitted = []
+        try:
+            # n > 1: prefill the shared prompt once (a prefill-only request), then start the samples.
+            for members in groups:
+                if len(members) > 1 and not self.server_args.disable_radix_cache:
+                    head = members[0]
+                    warm = TokenizedGenerateReq(rid=new_rid(), input_ids=head.input_ids,
+                                                sampling_params=SamplingParams(max_new_tokens=0), group=head.group)
+                    await tm.wait(await tm.submit(warm))
+            states = []
+            for members in groups:
+                group_states = []
+                for m in members:
+                    group_states.append(await tm.submit(m))
+                    submitted.append(group_states[-1])
+                states.append(group_states)
+            results = []
+            for group_states in states:
+                outs = [await tm.wait(s) for s in group_states]
+                results.append(outs if len(outs) > 1 else outs[0])
+        except BaseException:
+            # NOTE: the caller gave up (cancelled, or a later submit failed): stop the requests already
+            # in the scheduler and forget their states, or they would run on and leak.
+            for st in submitted:
+                if st.finished_reason is None:
+                    await tm.abort(st.rid)
+                tm.states.pop(st.rid, None)
+            raise
         if batch:
             flat = []
             for r in results:
@@ -209,7 +236,14 @@ class Engine:
                                              stream, rid, group)
         if stream:
             return self._stream_sync(groups, batch)
-        return self._call(self._generate_async(groups, batch))
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        fut = asyncio.run_coroutine_threadsafe(self._generate_async(groups, batch), self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()  # e.g. Ctrl-C while waiting: abort the requests instead of letting them run on
+            raise
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=False,
@@ -218,6 +252,7 @@ class Engine:
                                              logprob_start_len, top_logprobs_num, return_text_in_logprobs,
                                              stream, rid, group)
         if stream:
+            self._single_stream_req(groups, batch)  # reject a batch here, not at the first iteration
             return self._stream_async(groups, batch)
         return await self._acall(self._generate_async(groups, batch))
 

