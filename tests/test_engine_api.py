@@ -69,6 +69,20 @@ def test_top_k_1_equals_greedy(eng, fact_ref):
     assert out["output_ids"] == fact_ref["output_ids"]
 
 
+@pytest.mark.parametrize("narrow", [{"top_p": 0.01}, {"min_p": 1.0}])
+def test_top_p_and_min_p_narrowed_to_one_token_equal_greedy(eng, fact_ref, narrow):
+    out = gen(eng, FACT, temperature=1.0, max_new_tokens=12, **narrow)
+    assert out["output_ids"] == fact_ref["output_ids"]
+
+
+def test_stop_regex(eng, fact_ref):
+    text = fact_ref["text"]
+    assert "\n" in text, text
+    out = gen(eng, FACT, stop_regex=r"\n+", **GREEDY)
+    assert out["text"] == text[:text.index("\n")]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 def test_seed_reproduces_a_sampled_output(eng, fact_ref):
     sampled = dict(temperature=1.0, max_new_tokens=12, ignore_eos=True)
     a = gen(eng, FACT, seed=11, **sampled)["output_ids"]
