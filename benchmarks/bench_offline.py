@@ -113,7 +113,7 @@ def copy_bandwidth() -> float:
 
 def load_workload(name: str):
     sys.path.insert(0, os.path.join(HERE, "..", "..", "shared", "bench"))
-    sys.path.insert(0, os.path.join(HERE, "..", "shared", "bench"))
+    sys.path.insert(0, os.path.join(HERE, "..", ".shared", "bench"))  # a copy carried to the GPU machine
     import workload  # noqa: E402
 
     return workload.make(name)
@@ -159,7 +159,7 @@ def run_gpu(args) -> dict:
                                            + 3 * cfg.hidden_size * cfg.intermediate_size))
     weight_bytes = 2 * n_params
     kv_tok = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16)
-    lb = roofline_seconds(reqs, weight_bytes, kv_tok, bw / 2, args.max_running_requests)  # bw/2: read-only bytes
+    lb = roofline_seconds(reqs, weight_bytes, kv_tok, bw, args.max_running_requests)
     result["plait"] = {"seconds": dt, "output_tok_s": out_toks / dt,
                        "total_tok_s": (out_toks + result["input_tokens"]) / dt, "exact_lengths": exact,
                        "max_total_tokens": info.get("max_total_tokens"), "retractions": info.get("num_retractions")}

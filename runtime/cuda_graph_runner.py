@@ -3,7 +3,8 @@
 Graphs are captured at start-up for bucketed batch sizes up to `cuda_graph_max_bs`, over static
 input buffers. A decode batch of n requests replays the smallest bucket >= n: the real rows are
 copied into the static buffers and the padding rows write their K/V to the dummy slot 0. The
-attention backend prepares its own static metadata through its capture/replay hooks. Batches larger
+attention backend prepares its own static metadata through its capture/replay hooks. The graph
+ends with the logits, so a replay is the whole forward of a decode step. Batches larger
 than the biggest bucket run eagerly.
 """
 
@@ -61,17 +62,21 @@ class CudaGraphRunner:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
-                    self.mr.model(fb.input_ids, fb.positions, fb)
+                    self._forward(fb)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self.mr.model(fb.input_ids, fb.positions, fb)
+                out = self._forward(fb)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
             self.outputs[bs] = out
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.mr.model(fb.input_ids, fb.positions, fb)  # (bs, hidden)
+        return self.mr.model.compute_logits(hidden)  # (bs, vocab) float32
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
@@ -93,4 +98,4 @@ class CudaGraphRunner:
         static = self._static_batch(bs)
         self.mr.attn_backend.init_forward_metadata_replay_cuda_graph(static)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return self.outputs[bs][:n]  # (n, vocab) logits

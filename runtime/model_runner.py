@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .attention import create_attention_backend
@@ -63,6 +64,7 @@ class ModelRunner:
                               cfg.head_dim, self.dtype, self.device)
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend(), self)
+        self._pinned = None  # host staging buffer for per-step inputs (GPU)
         self.graph_runner = None
         if self.device == "cuda" and not server_args.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             from .cuda_graph_runner import CudaGraphRunner
@@ -88,32 +90,52 @@ class ModelRunner:
     def run(self, batch: ScheduleBatch) -> StepOutput:
         fb, sample_rows, sampling_reqs, input_lp_rows = self._build_forward_batch(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
-            hidden = self.graph_runner.replay(fb)
-        else:
-            self.attn_backend.init_forward_metadata(fb)
-            hidden = self.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
+            # Decode: the graph computes the logits of every row too (one row per request).
+            logits = self.graph_runner.replay(fb)  # (B, vocab) float32
+            return self._sample(batch, None, sample_rows, sampling_reqs, input_lp_rows, logits)
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
         return self._sample(batch, hidden, sample_rows, sampling_reqs, input_lp_rows)
 
+    def _upload(self, rows: list) -> torch.Tensor:
+        """k equally long int lists → a (k, n) int64 device tensor with one host-to-device copy."""
+        host = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+        if self.device == "cpu":
+            return host
+        k, n = host.shape
+        if self._pinned is None or self._pinned.numel() < k * n:
+            self._pinned = torch.empty(max(k * n, 1 << 16), dtype=torch.int64, pin_memory=True)
+        staging = self._pinned[:k * n].view(k, n)
+        staging.copy_(host)
+        # NOTE: reusing the staging buffer next step is safe: reading the sampled tokens syncs first.
+        return staging.to(self.device, non_blocking=True)
+
     def _build_forward_batch(self, batch: ScheduleBatch):
-        dev = self.device
         reqs = batch.reqs
         sample_rows: list[int] = []  # row in hidden (T,) per sampling request
         sampling_reqs: list[int] = []  # index into batch.reqs
         input_lp_rows: list[tuple[int, int, int]] = []  # (req index, row, prompt position of the predicted token)
+        loc = batch.out_cache_loc.tolist()
+        pool_idx = [r.req_pool_idx for r in reqs]
         if batch.mode.is_decode():
-            ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs]
             seq_lens = [r.seq_len for r in reqs]
+            ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs]
             positions = [s - 1 for s in seq_lens]
+            dev = self._upload([ids, positions, pool_idx, seq_lens, loc])  # (5, B)
+            input_ids, pos_t, pool_t, seq_t, loc_t = dev
+            token_rows = pool_t
             sample_rows = list(range(len(reqs)))
             sampling_reqs = list(range(len(reqs)))
         else:
-            ids, positions, seq_lens = [], [], []
+            ids, positions, seq_lens, token_rows_l, starts = [], [], [], [], []
             offset = 0
             for i, (r, pre, ext) in enumerate(zip(reqs, batch.prefix_lens, batch.extend_lens)):
                 fill = r.fill_ids
                 ids.extend(fill[pre:pre + ext])
                 positions.extend(range(pre, pre + ext))
+                token_rows_l.extend([r.req_pool_idx] * ext)
                 seq_lens.append(pre + ext)
+                starts.append(offset)
                 if pre + ext == len(fill) and not r.prefill_only:
                     sample_rows.append(offset + ext - 1)
                     sampling_reqs.append(i)
@@ -123,31 +145,22 @@ class ModelRunner:
                     for pos in range(first, min(pre + ext, prompt_len)):
                         input_lp_rows.append((i, offset + (pos - 1 - pre), pos))
                 offset += ext
+            input_ids, pos_t, loc_t, token_rows = self._upload([ids, positions, loc, token_rows_l])  # (4, T)
+            pool_t, seq_t, pre_t, ext_t, start_t = self._upload(
+                [pool_idx, seq_lens, list(batch.prefix_lens), list(batch.extend_lens), starts])  # (5, B)
+        # The new tokens' kv slots go into req_to_token here, on the device, in one indexed write.
+        self.req_to_token_pool.req_to_token[token_rows, pos_t] = loc_t.to(torch.int32)
         fb = ForwardBatch(
-            forward_mode=batch.mode,
-            batch_size=len(reqs),
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            out_cache_loc=batch.out_cache_loc.to(dev),
-            seq_lens_cpu=seq_lens,
-            req_to_token_pool=self.req_to_token_pool,
-            kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
-        )
+            forward_mode=batch.mode, batch_size=len(reqs), input_ids=input_ids, positions=pos_t,
+            req_pool_indices=pool_t, seq_lens=seq_t, out_cache_loc=loc_t, seq_lens_cpu=seq_lens,
+            req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
         if batch.mode.is_extend():
             fb.extend_prefix_lens_cpu = list(batch.prefix_lens)
             fb.extend_seq_lens_cpu = list(batch.extend_lens)
-            fb.extend_prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=dev)
-            fb.extend_seq_lens = torch.tensor(batch.extend_lens, dtype=torch.int64, device=dev)
-            starts = [0]
-            for e in batch.extend_lens[:-1]:
-                starts.append(starts[-1] + e)
-            fb.extend_start_loc = torch.tensor(starts, dtype=torch.int64, device=dev)
+            fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = pre_t, ext_t, start_t
         return fb, sample_rows, sampling_reqs, input_lp_rows
 
-    def _sample(self, batch, hidden, sample_rows, sampling_reqs, input_lp_rows) -> StepOutput:
+    def _sample(self, batch, hidden, sample_rows, sampling_reqs, input_lp_rows, logits=None) -> StepOutput:
         reqs = batch.reqs
         out = StepOutput(next_token_ids=[None] * len(reqs), output_logprobs=[None] * len(reqs),
                          input_logprobs=[[] for _ in reqs])
@@ -167,14 +180,20 @@ class ModelRunner:
         if not sample_rows:
             return out
         s_reqs = [reqs[i] for i in sampling_reqs]
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])  # (B, V)
+        if logits is None:
+            rows = torch.tensor(sample_rows, device=hidden.device)
+            logits = self.model.compute_logits(hidden[rows])  # (B, V)
         want_lp = [r.return_logprob for r in s_reqs]
         raw_logits = logits.clone() if any(want_lp) else None
-        info = SamplingBatchInfo.from_reqs(s_reqs, logits.shape[1], logits.device)
-        apply_logit_adjustments(logits, s_reqs, info)
-        if info.has_grammar and self.grammar_hook is not None:
-            self.grammar_hook(logits, s_reqs)
-        next_ids = sample(logits, s_reqs, info)
+        if all(_plain_greedy(r) for r in s_reqs):
+            # NOTE: the common case pays for no sampling tensors (each is a host-to-device copy).
+            next_ids = torch.argmax(logits, dim=-1)
+        else:
+            info = SamplingBatchInfo.from_reqs(s_reqs, logits.shape[1], logits.device)
+            apply_logit_adjustments(logits, s_reqs, info)
+            if info.has_grammar and self.grammar_hook is not None:
+                self.grammar_hook(logits, s_reqs)
+            next_ids = sample(logits, s_reqs, info)
         if raw_logits is not None:
             top_k = max(r.top_logprobs_num for r in s_reqs)
             chosen, top_v, top_i = compute_logprobs(raw_logits, next_ids, top_k)
@@ -189,3 +208,10 @@ class ModelRunner:
                 top = list(zip(top_v[j][:k], top_i[j][:k])) if (k and top_v is not None) else None
                 out.output_logprobs[i] = (chosen[j], top)
         return out
+
+
+def _plain_greedy(r: Req) -> bool:
+    sp = r.sampling_params
+    return (sp.is_greedy and r.grammar is None and not sp.logit_bias and sp.frequency_penalty == 0
+            and sp.presence_penalty == 0 and sp.repetition_penalty == 1.0
+            and len(r.output_ids) >= sp.min_new_tokens)

@@ -297,11 +297,9 @@ class Scheduler:
                 r.reset_for_retract()
             self.waiting = admitted + self.waiting
             return None
-        start = 0
         for r, pre, ext in zip(reqs, prefix_lens, extend_lens):
-            self.req_to_token.write(r.req_pool_idx, pre, loc[start:start + ext])
-            start += ext
             r.prefix_len_this_step, r.extend_len_this_step = pre, ext
+        # NOTE: the model runner writes `loc` into req_to_token on the device (one indexed write).
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, loc)
 
     def _shares_in_flight_prefix(self, ids: list[int], in_flight: list[list[int]]) -> bool:
@@ -360,12 +358,7 @@ class Scheduler:
                 return None
             self._retract_one()
             self.cache.evict(max(0, len(self.running) - self.allocator.available()))
-        loc = self.allocator.alloc(len(self.running))
-        # One indexed write for the whole batch (a per-request write is a kernel launch each on GPU).
-        dev = self.model_runner.device
-        rows = torch.tensor([r.req_pool_idx for r in self.running], dtype=torch.int64, device=dev)
-        cols = torch.tensor([r.seq_len - 1 for r in self.running], dtype=torch.int64, device=dev)
-        self.req_to_token.req_to_token[rows, cols] = loc.to(dev, torch.int32)
+        loc = self.allocator.alloc(len(self.running))  # written into req_to_token by the model runner
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return ScheduleBatch(ForwardMode.DECODE, list(self.running), out_cache_loc=loc)
 

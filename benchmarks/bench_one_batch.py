@@ -1,0 +1,179 @@
+"""One static batch through the ModelRunner (no scheduler, no IPC): prefill latency and per-step decode
+latency at several batch sizes, next to the memory floor of each decode step.
+
+The floor of a decode step is the bytes it must read — every weight once, plus the K/V of every
+token attended to — over the device-to-device copy bandwidth measured in the same run. transformers
+`generate` runs the same shapes in the same run for comparison.
+
+    python benchmarks/bench_one_batch.py --model llama-3.1-8b --batch-sizes 1 8 32 64 128 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def copy_bandwidth() -> float:
+    """Memory traffic per second of a device-to-device copy (a copy of n bytes moves 2n)."""
+    x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ts = []
+    for _ in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        y.copy_(x)
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2 * 1024 ** 3 / statistics.median(ts[3:])
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def timed(fn, reps: int = 1) -> float:
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / 1e3 / reps
+
+
+def run_plait(args, bw: float) -> list[dict]:
+    from plait.runtime.forward_batch import ForwardMode
+    from plait.runtime.memory_pool import KVPool
+    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.schedule_batch import Req, ScheduleBatch
+    from plait.runtime.server_args import ServerArgs
+
+    max_bs = max(args.batch_sizes)
+    total = max_bs * (args.input_len + args.output_len) + 64
+    sa = ServerArgs(model_path=args.model, load_format="dummy", max_total_tokens=total,
+                    max_running_requests=max_bs, cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
+                    attention_backend=args.attention_backend, context_length=args.input_len + args.output_len + 16)
+    mr = ModelRunner(sa, args.model)
+    cfg = mr.model_config
+    wbytes = weight_bytes(mr.model)
+    kv_tok = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, mr.dtype)
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for bs in args.batch_sizes:
+        reqs = []
+        for i in range(bs):
+            ids = torch.randint(100, 30000, (args.input_len,), generator=gen).tolist()
+            r = Req(f"r{i}", ids, SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True))
+            r.req_pool_idx = mr.req_to_token_pool.alloc()
+            reqs.append(r)
+        loc = mr.allocator.alloc(bs * args.input_len)
+        batch = ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [args.input_len] * bs, loc)
+
+        def prefill():
+            return mr.run(batch)
+
+        prefill()  # warm-up (Triton compiles)
+        t_prefill = timed(prefill)
+        out = prefill()
+        for r, tok in zip(reqs, out.next_token_ids):
+            r.output_ids = [tok]
+            r.kv_len = args.input_len
+        step_times = []
+        for step in range(args.output_len - 1):
+            dloc = mr.allocator.alloc(bs)
+            dbatch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=dloc)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            o = mr.run(dbatch)  # includes the one host sync that reads the sampled tokens
+            step_times.append(time.perf_counter() - t)
+            for r, tok in zip(reqs, o.next_token_ids):
+                r.output_ids.append(tok)
+                r.kv_len += 1
+        decode = statistics.median(step_times[5:])
+        mean_ctx = args.input_len + args.output_len / 2
+        floor = (wbytes + bs * mean_ctx * kv_tok) / bw
+        rows.append({"batch_size": bs, "prefill_s": t_prefill, "prefill_tok_s": bs * args.input_len / t_prefill,
+                     "decode_step_ms": decode * 1e3, "decode_tok_s": bs / decode, "floor_ms": floor * 1e3,
+                     "floor_fraction": floor / decode})
+        print(f"plait bs={bs:4d} prefill {t_prefill * 1e3:8.1f} ms  decode step {decode * 1e3:7.3f} ms  "
+              f"floor {floor * 1e3:7.3f} ms  ({floor / decode:5.1%} of floor speed)  {bs / decode:8.0f} tok/s",
+              flush=True)
+        for r in reqs:
+            kv = mr.req_to_token_pool.req_to_token[r.req_pool_idx, :r.kv_len + 1].long().cpu()
+            mr.allocator.free(kv)
+            mr.req_to_token_pool.free(r.req_pool_idx)
+    return rows, wbytes, kv_tok
+
+
+def run_transformers(args) -> list[dict]:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from plait.runtime.model_config import BUILTIN_SHAPES
+
+    raw = {k: v for k, v in BUILTIN_SHAPES[args.model].items() if k != "architectures"}
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**raw), torch_dtype=torch.bfloat16).eval()
+    rows = []
+    for bs in args.hf_batch_sizes:
+        ids = torch.randint(100, 30000, (bs, args.input_len), device="cuda")
+
+        def gen(n):
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+
+        gen(2)
+        t1 = timed(lambda: gen(1))
+        tn = timed(lambda: gen(args.output_len))
+        step = (tn - t1) / (args.output_len - 1)
+        rows.append({"batch_size": bs, "prefill_s": t1, "decode_step_ms": step * 1e3, "decode_tok_s": bs / step})
+        print(f"transformers bs={bs:4d} prefill {t1 * 1e3:8.1f} ms  decode step {step * 1e3:7.3f} ms  "
+              f"{bs / step:8.0f} tok/s", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--skip-transformers", action="store_true")
+    args = p.parse_args()
+    bw = copy_bandwidth()
+    print(f"GPU {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows, wbytes, kv_tok = run_plait(args, bw)
+    result = {"bench": "one_batch", "model": args.model, "gpu": torch.cuda.get_device_name(),
+              "copy_bandwidth_TBps": bw / 1e12, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
+              "input_len": args.input_len, "output_len": args.output_len,
+              "cuda_graph": not args.disable_cuda_graph, "plait": rows}
+    if not args.skip_transformers:
+        result["transformers"] = run_transformers(args)
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "out")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"bench_one_batch_{args.model}{'_nograph' if args.disable_cuda_graph else ''}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print("saved", path)
+
+
+if __name__ == "__main__":
+    main()
