@@ -245,9 +245,18 @@ class Scheduler:
         reqs, prefix_lens, extend_lens = [], [], []
         free_req_slots = self.req_to_token.available()
 
-        if self.chunked_req is not None:  # continue the chunked prefill first
-            r = self.chunked_req
-            ext = min(len(r.fill_ids) - r.kv_len, budget.rem_chunk_tokens)
+        continuing = self.chunked_req
+        if continuing is not None:  # continue the chunked prefill first
+            r = continuing
+            # Bounded by the memory that really exists (free + evictable), not the reserve-adjusted budget:
+            # the chunk's earlier part already holds memory, so it must be able to finish.
+            room = self.allocator.available() + self.cache.evictable_size()
+            ext = min(len(r.fill_ids) - r.kv_len, budget.rem_chunk_tokens, room)
+            if ext <= 0:
+                if self.running:
+                    return None  # decode first; finishing (or retracted) requests free memory
+                self._retract_chunked()
+                return None
             reqs.append(r), prefix_lens.append(r.kv_len), extend_lens.append(ext)
             budget.take(ext, 0)
             self.chunked_req = None
@@ -291,11 +300,14 @@ class Scheduler:
         if not reqs:
             return None
         loc = self._alloc(sum(extend_lens))
-        if loc is None:  # cannot happen when the budget is right; undo and fall back to decode
+        if loc is None:  # the budget overestimated what eviction can free: undo, fall back to decode
             for r in admitted:
                 self._release(r)
                 r.reset_for_retract()
             self.waiting = admitted + self.waiting
+            self.chunked_req = continuing
+            if continuing is not None and not self.running:
+                self._retract_chunked()
             return None
         for r, pre, ext in zip(reqs, prefix_lens, extend_lens):
             r.prefix_len_this_step, r.extend_len_this_step = pre, ext
@@ -361,6 +373,16 @@ class Scheduler:
         loc = self.allocator.alloc(len(self.running))  # written into req_to_token by the model runner
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return ScheduleBatch(ForwardMode.DECODE, list(self.running), out_cache_loc=loc)
+
+    def _retract_chunked(self) -> None:
+        """A half-prefilled request that cannot get memory with nothing else running: start it over."""
+        r = self.chunked_req
+        self.chunked_req = None
+        self._release(r)
+        r.reset_for_retract()
+        self.waiting.insert(0, r)
+        self.stats["num_retractions"] += 1
+        logger.info("retracted chunked request %s for lack of KV memory", r.rid)
 
     def _retract_one(self) -> None:
         # The request with the fewest generated tokens loses the least work (ties: the longest prompt

@@ -142,3 +142,22 @@ def test_flush_cache_refused_while_busy(random_models):
     assert s.cache.evictable_size() > 0
     assert s.handle_message(ControlReq(2, "flush_cache")).result is True
     assert s.cache.evictable_size() == 0 and s.allocator.available() == 64
+
+
+@pytest.mark.parametrize("disable_radix_cache", [True, False])
+def test_chunked_prefill_under_memory_pressure_loses_nothing(random_models, disable_radix_cache):
+    # Tiny chunks and a pool that cannot hold every request's decode: chunked requests must resume
+    # (never be dropped) and every request must produce the same tokens as without pressure.
+    prompts = [list(range(2, 2 + n)) for n in (5, 17, 4, 9, 22)]
+    outs = {}
+    for total in (64, 4096):
+        s = make_scheduler(random_models["llama"], disable_radix_cache=disable_radix_cache, max_total_tokens=total,
+                           chunked_prefill_size=7, max_prefill_tokens=7)
+        for i, p in enumerate(prompts):
+            submit(s, f"r{i}", p, max_new_tokens=12, temperature=0, ignore_eos=True)
+        finals = run_until_idle(s)
+        assert sorted(finals) == [f"r{i}" for i in range(5)]
+        s._check_integrity()
+        assert s.last_integrity_error is None
+        outs[total] = {k: v.new_ids for k, v in finals.items()}
+    assert outs[64] == outs[4096]
