@@ -75,6 +75,8 @@ def gen(
             re.compile(regex)
         except re.error as e:
             raise ValueError(f"gen({name!r}): regex {regex!r} is not valid: {e}") from None
+    # NOTE: the parameters themselves are the settings (SGLang's signature, kept for positional
+    # callers); GenOverrides maps each name onto SamplingParams, so nothing is listed twice.
     settings = dict(locals())
     for key in ("name", "choices", "choices_method"):
         settings.pop(key)
