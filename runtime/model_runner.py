@@ -30,6 +30,15 @@ CPU_DEFAULT_KV_TOKENS = 65536
 
 
 @dataclass
+class PendingDecode:
+    """A decode step launched but not yet read back."""
+
+    next_ids: torch.Tensor  # (B,) int64 on the device
+    host: torch.Tensor  # (B,) pinned host copy, valid once `event` completes
+    event: Optional["torch.cuda.Event"]  # None on the CPU
+
+
+@dataclass
 class StepOutput:
     # Per request in batch order: the sampled token, or None (chunk mid-way / prefill-only).
     next_token_ids: list[Optional[int]]
@@ -65,6 +74,8 @@ class ModelRunner:
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend(), self)
         self._pinned = None  # host staging buffer for per-step inputs (GPU)
+        self._host_ring = None  # pinned buffers receiving sampled tokens of overlapped steps
+        self._ring_pos = 0
         self.graph_runner = None
         if self.device == "cuda" and not server_args.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             from .cuda_graph_runner import CudaGraphRunner
@@ -97,6 +108,59 @@ class ModelRunner:
         hidden = self.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
         return self._sample(batch, hidden, sample_rows, sampling_reqs, input_lp_rows)
 
+    # ------------------------------------------------------------------ overlapped decode
+    @torch.inference_mode()
+    def launch_decode(self, batch: ScheduleBatch, prev: Optional["PendingDecode"] = None) -> "PendingDecode":
+        """Start a decode step without waiting for it (overlap scheduling).
+
+        With `prev` (the step still in flight for the same requests, in the same order), the input tokens
+        are prev's sampled tokens, read on the device, and each request is one token further along than
+        its CPU-side state says. Only for requests `can_overlap` accepts (no logprobs, grammar or
+        penalties: those need the previous token on the host).
+        """
+        fb, _, _, _ = self._build_forward_batch(batch, ahead=1 if prev is not None else 0,
+                                                input_ids=prev.next_ids if prev is not None else None)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            logits = self.graph_runner.replay(fb)
+        else:
+            self.attn_backend.init_forward_metadata(fb)
+            logits = self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
+        reqs = batch.reqs
+        if all(_plain_greedy(r) for r in reqs):
+            next_ids = torch.argmax(logits, dim=-1)
+        else:
+            info = SamplingBatchInfo.from_reqs(reqs, logits.shape[1], logits.device)
+            apply_logit_adjustments(logits, reqs, info)
+            next_ids = sample(logits, reqs, info)
+        if self.device != "cuda":  # CPU: nothing runs asynchronously; kept so the logic is testable here
+            return PendingDecode(next_ids, next_ids, None)
+        host = self._next_host_buffer(len(reqs))
+        host.copy_(next_ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingDecode(next_ids, host, event)
+
+    def resolve(self, pending: "PendingDecode") -> StepOutput:
+        if pending.event is not None:
+            pending.event.synchronize()
+        ids = pending.host.tolist()
+        return StepOutput(next_token_ids=ids, output_logprobs=[None] * len(ids), input_logprobs=[[] for _ in ids])
+
+    def _next_host_buffer(self, n: int) -> torch.Tensor:
+        # Two pinned buffers used in turn: at most two decode steps are in flight.
+        if self._host_ring is None:
+            size = self.max_running_requests + 1
+            self._host_ring = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._ring_pos ^= 1
+        return self._host_ring[self._ring_pos][:n]
+
+    @staticmethod
+    def can_overlap(r: Req) -> bool:
+        sp = r.sampling_params
+        return (not r.return_logprob and r.grammar is None and sp.frequency_penalty == 0
+                and sp.presence_penalty == 0 and sp.repetition_penalty == 1.0
+                and len(r.output_ids) >= sp.min_new_tokens)
+
     def _upload(self, rows: list) -> torch.Tensor:
         """k equally long int lists → a (k, n) int64 device tensor with one host-to-device copy."""
         host = torch.from_numpy(np.asarray(rows, dtype=np.int64))
@@ -110,7 +174,7 @@ class ModelRunner:
         # NOTE: reusing the staging buffer next step is safe: reading the sampled tokens syncs first.
         return staging.to(self.device, non_blocking=True)
 
-    def _build_forward_batch(self, batch: ScheduleBatch):
+    def _build_forward_batch(self, batch: ScheduleBatch, ahead: int = 0, input_ids: Optional[torch.Tensor] = None):
         reqs = batch.reqs
         sample_rows: list[int] = []  # row in hidden (T,) per sampling request
         sampling_reqs: list[int] = []  # index into batch.reqs
@@ -118,11 +182,15 @@ class ModelRunner:
         loc = batch.out_cache_loc.tolist()
         pool_idx = [r.req_pool_idx for r in reqs]
         if batch.mode.is_decode():
-            seq_lens = [r.seq_len for r in reqs]
-            ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs]
+            seq_lens = [r.seq_len + ahead for r in reqs]
+            if input_ids is None:
+                ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs]
+            else:
+                ids = [0] * len(reqs)  # placeholder: the tokens are on the device already
             positions = [s - 1 for s in seq_lens]
             dev = self._upload([ids, positions, pool_idx, seq_lens, loc])  # (5, B)
-            input_ids, pos_t, pool_t, seq_t, loc_t = dev
+            ids_t, pos_t, pool_t, seq_t, loc_t = dev
+            input_ids = ids_t if input_ids is None else input_ids
             token_rows = pool_t
             sample_rows = list(range(len(reqs)))
             sampling_reqs = list(range(len(reqs)))

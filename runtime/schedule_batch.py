@@ -74,6 +74,7 @@ class Req:
         self.is_chunked = False  # mid-way through a chunked prefill
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (reported)
         self.num_retractions = 0
+        self.inflight_slot: Optional[int] = None  # overlap: kv slot of a launched, unprocessed step
 
         # Logprobs, accumulated as (logprob, token_id) pairs; top lists as [(logprob, token_id)]
         self.input_token_logprobs: list = []

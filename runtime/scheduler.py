@@ -62,6 +62,9 @@ class Scheduler:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "num_retractions": 0,
                       "num_finished": 0, "integrity_errors": 0}
         self.last_integrity_error: Optional[str] = None
+        # Overlap scheduling (GPU): a decode step in flight, launched but not yet read back.
+        self.overlap = not server_args.disable_overlap_schedule and self.model_runner.device == "cuda"
+        self.pending: Optional[tuple[ScheduleBatch, Any]] = None
         self.pins: dict[int, Any] = {}
         self._pin_ids = itertools.count(1)
 
@@ -160,7 +163,7 @@ class Scheduler:
 
     def _control(self, op: str, args: dict) -> Any:
         if op == "flush_cache":
-            if self.running or self.waiting or self.chunked_req or self.grammar_pending:
+            if not self.is_idle():
                 return False
             for handle in self.pins.values():
                 self.cache.unpin(handle)
@@ -208,10 +211,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ batching
     def is_idle(self) -> bool:
-        return not (self.running or self.waiting or self.chunked_req or self.grammar_pending)
+        return not (self.running or self.waiting or self.chunked_req or self.grammar_pending or self.pending)
 
     def step(self) -> Optional[ScheduleBatch]:
         """Build, run and process one batch. Returns the batch (None when nothing could run)."""
+        if self.pending is not None:
+            return self._step_overlapped()
         if self.grammar_pending:
             self._poll_grammars()
         self._sweep_aborted()
@@ -220,9 +225,41 @@ class Scheduler:
             batch = self._get_decode_batch()
         if batch is None:
             return None
+        if self.overlap and batch.mode.is_decode() and all(map(self.model_runner.can_overlap, batch.reqs)):
+            self.pending = (batch, self.model_runner.launch_decode(batch))
+            return batch
         out = self.model_runner.run(batch)
         self._process_result(batch, out)
         return batch
+
+    # ------------------------------------------------------------------ overlap
+    def _step_overlapped(self) -> ScheduleBatch:
+        """Launch the next decode step on the device, then process the one in flight.
+
+        While the GPU computes step i+1 (its input tokens are step i's samples, read on the device), the
+        CPU reads step i's tokens, checks stops and streams outputs. A request that finishes at step i
+        got one extra token computed in step i+1: it is dropped and its slot freed.
+        """
+        batch, handle = self.pending
+        self.pending = None
+        if self._can_pipeline(batch):
+            loc = self._alloc(len(batch.reqs))
+            if loc is not None:
+                nxt = ScheduleBatch(ForwardMode.DECODE, batch.reqs, out_cache_loc=loc)
+                for r, slot in zip(batch.reqs, loc.tolist()):
+                    r.inflight_slot = slot
+                self.pending = (nxt, self.model_runner.launch_decode(nxt, prev=handle))
+        self._process_result(batch, self.model_runner.resolve(handle))
+        return batch
+
+    def _can_pipeline(self, batch: ScheduleBatch) -> bool:
+        if self.grammar_pending or self.chunked_req is not None:
+            return False
+        # Waiting requests that could be admitted get their prefill first (one step later otherwise).
+        if self.waiting and len(self.running) < self.model_runner.max_running_requests:
+            return False
+        limit = self.model_runner.context_len - 1
+        return all(not r.finished and r.seq_len < limit and self.model_runner.can_overlap(r) for r in batch.reqs)
 
     def _sweep_aborted(self) -> None:
         """Release running requests aborted since the last step (they may not be in the next batch)."""
@@ -398,7 +435,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
     def _process_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        step_slots = batch.out_cache_loc.tolist() if batch.mode.is_decode() else None
         for i, r in enumerate(batch.reqs):
+            if r.finished and r.req_pool_idx is None:
+                continue  # released already (overlap: the extra step of a finished request)
+            if step_slots is not None and r.inflight_slot == step_slots[i]:
+                r.inflight_slot = None  # this step's slot is committed below (kv_len += 1)
             if batch.mode.is_extend():
                 r.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
                 for pos, lp, tok, top in out.input_logprobs[i]:
@@ -460,6 +502,9 @@ class Scheduler:
         r.last_node = None
 
     def _finish_running(self, r: Req) -> None:
+        if r.inflight_slot is not None:  # overlap: a step computed past the end; its slot is unused
+            self.allocator.free(torch.tensor([r.inflight_slot]))
+            r.inflight_slot = None
         self._release(r)
         if self.chunked_req is r:
             self.chunked_req = None
@@ -484,6 +529,7 @@ class Scheduler:
         """A step raised: abort every request with the error instead of dying (best-effort cleanup)."""
         reqs = self.running + self.waiting + self.grammar_pending + ([self.chunked_req] if self.chunked_req else [])
         self.running, self.waiting, self.grammar_pending, self.chunked_req = [], [], [], None
+        self.pending = None
         for r in reqs:
             if r.finished_reason is None or r.finished_reason.type != "abort":
                 r.finished_reason = FinishReason("abort", message=f"internal error: {message}")
@@ -497,7 +543,7 @@ class Scheduler:
     def _check_integrity(self) -> None:
         private = 0
         for r in self.running + ([self.chunked_req] if self.chunked_req else []):
-            private += r.kv_len - r.cache_len
+            private += r.kv_len - r.cache_len + (r.inflight_slot is not None)
         try:
             self.cache.check_integrity(num_private=private)
             self.last_integrity_error = None

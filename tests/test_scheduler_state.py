@@ -161,3 +161,42 @@ def test_chunked_prefill_under_memory_pressure_loses_nothing(random_models, disa
         assert s.last_integrity_error is None
         outs[total] = {k: v.new_ids for k, v in finals.items()}
     assert outs[64] == outs[4096]
+
+
+def test_overlap_schedule_gives_identical_outputs_and_frees_everything(random_models):
+    # Overlap scheduling launches decode step i+1 before reading step i back; requests finishing at
+    # step i get one discarded extra step. On the CPU the launch is synchronous, but the bookkeeping
+    # (device-side input tokens, in-flight slots, late finishes, aborts) is the same as on a GPU.
+    prompts = [list(range(2, 2 + n)) for n in (5, 17, 4, 9, 22, 3)]
+    lengths = [3, 11, 7, 1, 12, 5]
+    results = {}
+    for overlap in (False, True):
+        s = make_scheduler(random_models["llama"], max_total_tokens=512)
+        s.overlap = overlap
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            submit(s, f"r{i}", p, max_new_tokens=n, temperature=0, ignore_eos=True)
+        submit(s, "stopper", [7, 8, 9], max_new_tokens=30, temperature=0, stop_token_ids=list(range(2, 256)))
+        finals = run_until_idle(s)
+        s._check_integrity()
+        assert s.last_integrity_error is None
+        assert s.allocator.available() + s.cache.evictable_size() == 512
+        results[overlap] = {k: (v.new_ids, v.finished_reason) for k, v in finals.items()}
+        if overlap:
+            assert s.pending is None
+    assert results[True] == results[False]
+    assert [len(results[True][f"r{i}"][0]) for i in range(6)] == lengths
+
+
+def test_overlap_abort_mid_flight_frees_slots(random_models):
+    s = make_scheduler(random_models["llama"], max_total_tokens=256, disable_radix_cache=True)
+    s.overlap = True
+    submit(s, "a", [3, 4, 5], max_new_tokens=40, temperature=0, ignore_eos=True)
+    submit(s, "b", [6, 7], max_new_tokens=40, temperature=0, ignore_eos=True)
+    for _ in range(4):
+        s.step()
+    assert s.pending is not None
+    s.handle_message(AbortReq("a"))
+    finals = run_until_idle(s)
+    assert finals["a"].finished_reason["type"] == "abort"
+    assert len(finals["b"].new_ids) == 40
+    assert s.allocator.available() == 256
