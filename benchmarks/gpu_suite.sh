@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks of issue 7, in the order they are run on the device machine.
+#   bash benchmarks/gpu_suite.sh tests|one_batch|offline|serving ...
+# Packages missing on that machine (pyzmq, fastapi, ...) travel as wheels in .whl/ (see the device
+# README); the shared workload file travels in .shared/bench/. Results land in $OUT (else benchmarks/out).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-benchmarks/out}"; mkdir -p "$OUT"
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+python3 -c "import plait" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+for step in "$@"; do
+  case "$step" in
+    tests)
+      timeout 420 python3 -m pytest -q -x -m gpu -p no:cacheprovider --timeout 200 \
+        tests/test_triton_attention.py tests/test_fused_kernels.py tests/test_gpu_correctness.py -s 2>&1 \
+        | grep -vE "Warning|warn\(|^\s*$" | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    one_batch)
+      for m in llama-3.2-1b llama-3.1-8b; do
+        timeout 300 python3 benchmarks/bench_one_batch.py --model $m --batch-sizes 1 8 32 64 128 256 \
+          --hf-batch-sizes 1 32 2>&1 | grep -E "plait|transformers|GPU"
+      done ;;
+    offline)
+      for m in llama-3.2-1b llama-3.1-8b; do
+        timeout 420 python3 benchmarks/bench_offline.py --model $m --workload offline 2>&1 \
+          | grep -E "^plait|^transformers|roofline"
+      done ;;
+    serving)
+      python3 -m plait.runtime.server --model-path llama-3.2-1b --load-format dummy --port 30123 \
+        > "$OUT/server.log" 2>&1 &
+      srv=$!
+      for i in $(seq 1 180); do curl -sf localhost:30123/health >/dev/null && break; sleep 1; done
+      for rate in 16 64 inf; do
+        timeout 200 python3 benchmarks/bench_serving.py --port 30123 --backend plait --dataset random \
+          --num-prompts 400 --random-input-len 512 --random-output-len 128 --request-rate $rate \
+          --vocab-size 30000 --output-file "$OUT/bench_serving_gpu_rate_$rate.json" --tag "H200 llama-3.2-1b dummy" 2>&1 \
+          | grep -vE "^\s*$" | tail -12
+      done
+      kill $srv ;;
+  esac
+done
