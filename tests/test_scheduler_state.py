@@ -200,3 +200,25 @@ def test_overlap_abort_mid_flight_frees_slots(random_models):
     assert finals["a"].finished_reason["type"] == "abort"
     assert len(finals["b"].new_ids) == 40
     assert s.allocator.available() == 256
+
+
+def test_in_batch_prefix_dedup_prefills_a_shared_prefix_once(random_models):
+    s = make_scheduler(random_models["llama"], max_total_tokens=1024)
+    shared = list(range(2, 66))  # 64 tokens, longer than the dedup threshold
+    for i in range(4):
+        submit(s, f"q{i}", shared + [100 + i, 120 + i], max_new_tokens=2, temperature=0, ignore_eos=True)
+    first = s.step()
+    assert [r.rid for r in first.reqs] == ["q0"] and first.extend_lens == [66]
+    second = s.step()
+    # The other three now hit the 64 cached tokens (66-token prompts: 65 matchable, 64 shared).
+    assert second.mode.is_extend() and sorted(r.rid for r in second.reqs) == ["q1", "q2", "q3"]
+    assert second.prefix_lens == [64, 64, 64] and second.extend_lens == [2, 2, 2]
+    run_until_idle(s)
+    assert s.stats["cached_tokens"] == 3 * 64
+
+
+def test_short_shared_prefix_is_not_held_back(random_models):
+    s = make_scheduler(random_models["llama"], max_total_tokens=1024)
+    for i in range(3):
+        submit(s, f"q{i}", [5, 6, 7, 8] + [100 + i], max_new_tokens=1, temperature=0)
+    assert len(s.step().reqs) == 3  # a 4-token overlap is cheaper to recompute than to wait for
