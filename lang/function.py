@@ -113,6 +113,12 @@ class SglFunction:
         kwargs.update(zip(self.arg_names, args))
         return trace_program(self, kwargs, backend or global_config.default_backend)
 
+    def graph(self, *args: Any, backend: Any = None, **kwargs: Any):
+        """The program's request graph, by tracing (plait.graph.RequestGraph): text segments, gen and
+        select requests, forks and joins, and which requests share which text. Arguments not given
+        stay placeholders. Render it with `.to_dot()`, `.to_html()` or `.save("program.html")`."""
+        return self.trace(*args, backend=backend, **kwargs).graph(self.__name__)
+
     def cache(self, backend: Any = None) -> None:
         """Prefill the text every run of this program starts with."""
         from .run import cache_program

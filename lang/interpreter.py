@@ -21,11 +21,16 @@ import uuid
 from typing import Any, Iterable, Optional
 
 from .gen_params import RunDefaults, resolve_gen
+from .graph import MAIN_BRANCH, GraphBuilder, collect_requests
+from .pins import ProgramPins
 from .ir import (SglCommitLazy, SglConcateAndAppend, SglConstantText, SglExpr, SglExprList, SglGen,
                  SglImage, SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin,
                  SglVarScopeEnd, as_expr)
 
 logger = logging.getLogger(__name__)
+
+# A program state shorter than this is cheaper to prefill again than to keep pinned between gens.
+MIN_STATE_PIN_CHARS = 256
 
 
 class StreamExecutor:
@@ -53,8 +58,13 @@ class StreamExecutor:
         self.fork_start_text_pos: Optional[int] = None
         self.images_: list = []
         self._scope_starts: dict[str, int] = {}
-        # Prefix pins held for this program's forks; released at join, or at the latest by end().
-        self._pins: list[Any] = []
+        # The request graph of this run (shared with the forks), and the prefix pins the program holds
+        # while it runs (plait.pins; None with program hints off). Forks overwrite these with the
+        # parent's, as they do program_id.
+        self.branch = MAIN_BRANCH
+        self.is_root = True
+        self.recorder = GraphBuilder("program", "run")
+        self.pins = ProgramPins(backend.pin_service()) if backend.hints_enabled() else None
         # Role state as submitted (caller thread), so misuse raises where the user wrote it.
         self._submitted_role: Optional[str] = None
 
@@ -147,15 +157,22 @@ class StreamExecutor:
         self.sync()
         if self.error_ is not None:
             raise RuntimeError("cannot fork: the program failed earlier") from self.error_
+        prefill = None
         if size > 1 and self.text_:
             # The branches all start with this text: prefill it once, before they race to do so.
-            self._execute_guarded(SglCommitLazy())
+            with collect_requests(self.recorder) as prefill:
+                self._execute_guarded(SglCommitLazy())
             if self.error_ is not None:
                 raise RuntimeError("cannot fork: prefilling the shared prefix failed") from self.error_
+        _, branches = self.recorder.fork(self.branch, size, stats=prefill)
         children = [StreamExecutor(self.backend, self.arguments, self.default_sampling_para,
                                    self.chat_template, self.stream) for _ in range(size)]
-        for child in children:
+        for child, branch in zip(children, branches):
             child.program_id = self.program_id
+            child.recorder = self.recorder
+            child.branch = branch
+            child.is_root = False
+            child.pins = self.pins
             child.variables = dict(self.variables)
             child.meta_info = dict(self.meta_info)
             child.text_ = self.text_
@@ -167,14 +184,23 @@ class StreamExecutor:
             child.images_ = list(self.images_)
         return children
 
-    def hold_pin(self, handle: Any) -> None:
-        if handle is not None:
-            self._pins.append(handle)
+    def pin_fork_prefix(self) -> Any:
+        """Keep the text the branches of a fork share cached until join (a pin ticket, or None)."""
+        return self.pins.pin(self.text_) if self.pins is not None else None
 
-    def release_pin(self, handle: Any) -> None:
-        if handle is not None and handle in self._pins:
-            self._pins.remove(handle)
-            self.backend.unpin_prefix(handle)
+    def release_pin(self, ticket: Any) -> None:
+        if self.pins is not None:
+            self.pins.unpin(ticket)
+
+    def record_join(self, states: list, mode: str) -> None:
+        """The branches of one of this state's forks were joined (gather_variable)."""
+        self._record_join([state.stream_executor for state in states], mode)
+
+    def _record_join(self, executors: list["StreamExecutor"], mode: str) -> None:
+        try:
+            self.recorder.join(self.branch, [e.branch for e in executors], mode)
+        except ValueError:  # states of another program: nothing to draw, nothing wrong with the run
+            logger.debug("join of states outside this program's graph")
 
     def end(self) -> None:
         """No more submissions: let the worker finish what is queued, then exit."""
@@ -182,16 +208,48 @@ class StreamExecutor:
             if self._ended:
                 return
             self._ended = True
+            idle = not self.use_thread or self.queue.unfinished_tasks == 0
             if self.use_thread:
                 self.queue.put(None)
         if not self.use_thread:
             self._finish()
         try:
-            for handle in list(self._pins):  # forks the program never joined
-                self.release_pin(handle)
+            if idle:  # nothing left to run: give the program's pins back now, not when the worker wakes
+                self._release_pins()
             self.backend.end_program(self)
         except Exception:  # a backend's bookkeeping must not hide the program's own result
             logger.exception("releasing the program's runtime resources failed")
+
+    def _release_pins(self) -> None:
+        if self.pins is None:
+            return
+        if self.is_root:  # the program is over: every pin it and its forks hold
+            self.pins.release_all(wait=True)
+        else:
+            self.pins.drop_state_pin(self.branch)
+
+    def _maybe_pin_state(self) -> None:
+        """After a request: keep this state cached until its next request, when that pays."""
+        if self.pins is None:
+            return
+        if len(self.text_) >= MIN_STATE_PIN_CHARS and self._will_extend():
+            self.pins.move_state_pin(self.branch, self.text_)
+        else:
+            self.pins.drop_state_pin(self.branch)
+
+    def _will_extend(self) -> bool:
+        """Whether another request will follow on this state: one is queued already, or the program
+        body is still running (it may be reading this result to decide what to send next)."""
+        if not self.use_thread:
+            return not self._ended
+        with self.queue.mutex:
+            pending = list(self.queue.queue)
+        for expr in pending:
+            if expr is None:
+                return False
+            if any(isinstance(n, (SglGen, SglSelect, SglConcateAndAppend)) for n in _flatten(expr)):
+                return True
+        return not self._ended
 
     def __del__(self) -> None:
         try:
@@ -207,6 +265,7 @@ class StreamExecutor:
             expr = self.queue.get()
             try:
                 if expr is None:
+                    self._release_pins()  # before task_done: sync() returns with the pins given back
                     break
                 if self.error_ is None:
                     self._execute_guarded(expr)
@@ -270,9 +329,20 @@ class StreamExecutor:
             raise TypeError(f"cannot execute {other!r}")
 
     def _execute_fill(self, value: Any) -> None:
-        self.text_ += str(value)
+        value = str(value)
+        self.text_ += value
+        self.recorder.add_text(self.branch, value)
 
     def _execute_gen(self, expr: SglGen) -> None:
+        start = len(self.text_)
+        with collect_requests(self.recorder) as stats:
+            self._run_gen(expr)
+        detail = {k: v for k, v in (("max_new_tokens", expr.overrides.sampling.get("max_new_tokens")),)
+                  if v is not None}
+        self.recorder.add(self.branch, "gen", self.text_[start:], expr.name, detail, stats)
+        self._maybe_pin_state()
+
+    def _run_gen(self, expr: SglGen) -> None:
         params = resolve_gen(self.default_sampling_para, expr.overrides, self.chat_template.stop_str)
         name = expr.name
         if not self.stream:
@@ -295,9 +365,13 @@ class StreamExecutor:
             self.stream_var_event[name].set()
 
     def _execute_select(self, expr: SglSelect) -> None:
-        decision = self.backend.select(self, expr.choices, expr.temperature, expr.choices_method)
+        with collect_requests(self.recorder) as stats:
+            decision = self.backend.select(self, expr.choices, expr.temperature, expr.choices_method)
         self.text_ += decision.decision
+        self.recorder.add(self.branch, "select", decision.decision, expr.name,
+                          {"choices": list(expr.choices)}, stats)
         self._set_result(expr.name, decision.decision, decision.meta_info)
+        self._maybe_pin_state()
 
     def _set_result(self, name: Optional[str], value: Any, meta: Any) -> None:
         if name is None:
@@ -332,10 +406,11 @@ class StreamExecutor:
         self._set_result(name, self.text_[start:], None)
 
     def _execute_concatenate(self, states: Iterable[Any]) -> None:
-        for state in states:
-            exe = state.stream_executor
+        executors = [state.stream_executor for state in states]
+        for exe in executors:
             exe.sync()
-            self._execute_fill(exe.text_[exe.fork_start_text_pos:])
+            self.text_ += exe.text_[exe.fork_start_text_pos:]  # drawn as the branches, joined
+        self._record_join(executors, "concate_and_append")
 
     def _init_var_event(self, expr: SglExpr) -> list[threading.Event]:
         created = []

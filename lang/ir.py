@@ -229,3 +229,16 @@ class SglConcateAndAppend(SglExpr):
 
     def __repr__(self) -> str:
         return f"ConcateAndAppend({len(self.states)} states)"
+
+
+class SglJoin(SglExpr):
+    """Where a fork's branches end (join mode 'gather_variable'); recorded by the tracer for the
+    program's request graph, never executed."""
+
+    def __init__(self, states: list, mode: str = "gather_variable"):
+        super().__init__()
+        self.states = states
+        self.mode = mode
+
+    def __repr__(self) -> str:
+        return f"Join({len(self.states)} states, {self.mode})"

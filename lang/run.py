@@ -8,6 +8,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Sequence, Union
 
+from .batch_plan import BatchPrefill, plan_batch
 from .gen_params import RunDefaults
 from .global_config import global_config
 from .interpreter import StreamExecutor
@@ -33,6 +34,7 @@ def run_program(program: Any, backend: Any, args: Sequence[Any], kwargs: dict, d
     backend = resolve_backend(backend)
     kwargs = {**kwargs, **program.bind_arguments}
     executor = StreamExecutor(backend, kwargs, defaults, stream=stream, use_thread=use_thread)
+    executor.recorder.name = program.__name__
     state = ProgramState(executor)
     if stream:
         # The body must keep submitting while the caller reads the stream, so it gets a thread.
@@ -66,49 +68,69 @@ def run_program_batch(program: Any, backend: Any, batch_arguments: list[dict], d
     backend = resolve_backend(backend)
     if not batch_arguments:
         return iter(()) if generator_style else []
-    if global_config.enable_precache_with_tracing and len(batch_arguments) > 1:
-        cache_program(program, backend)
     if num_threads == "auto":
         num_threads = max(96, multiprocessing.cpu_count() * 16)
     if not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"num_threads must be 'auto' or a positive int, got {num_threads!r}")
     num_threads = min(num_threads, len(batch_arguments))
-    runs = _BatchRuns(program, backend, batch_arguments, defaults, num_threads, progress_bar)
+    prefill = None
+    if global_config.enable_precache_with_tracing and len(batch_arguments) > 1:
+        if backend.hints_enabled():
+            # plait: every shared segment of the batch (header, groups), prefilled and pinned once.
+            plan = plan_batch(program, backend, batch_arguments)
+            prefill = BatchPrefill(plan, backend) if plan.segments else None
+        if prefill is None:
+            cache_program(program, backend)  # SGLang: the constant text every run starts with
+    runs = _BatchRuns(program, backend, batch_arguments, defaults, num_threads, progress_bar, prefill)
     if generator_style:
         return runs.iter_in_order()
     return list(runs.iter_in_order())
 
 
 class _BatchRuns:
-    """Runs the batch on a thread pool; yields the states in input order."""
+    """Runs the batch on a thread pool (grouped by shared segment when there is a plan); yields the
+    states in input order."""
 
-    def __init__(self, program, backend, batch_arguments, defaults, num_threads, progress_bar):
+    def __init__(self, program, backend, batch_arguments, defaults, num_threads, progress_bar,
+                 prefill: Optional[BatchPrefill] = None):
         self.program = program
         self.backend = backend
         self.batch_arguments = batch_arguments
         self.defaults = defaults
         self.num_threads = num_threads
         self.progress_bar = progress_bar
+        self.prefill = prefill
 
-    def _run_one(self, arguments: dict) -> ProgramState:
-        return run_program(self.program, self.backend, (), arguments, self.defaults, stream=False,
-                           sync=True, capture_errors=True)
+    def _run_one(self, index: int) -> ProgramState:
+        try:
+            state = run_program(self.program, self.backend, (), self.batch_arguments[index], self.defaults,
+                                stream=False, sync=True, capture_errors=True)
+        finally:
+            if self.prefill is not None:
+                self.prefill.program_done(index)
+        if self.prefill is not None:
+            state.batch_plan = self.prefill.plan
+            self.prefill.plan.leaf_stats[index] = state.stream_executor.recorder.build().totals()
+        return state
 
     def iter_in_order(self) -> Iterator[ProgramState]:
         bar = _progress_bar(len(self.batch_arguments), self.program.__name__) if self.progress_bar else None
+        order = self.prefill.plan.dispatch_order() if self.prefill is not None else range(len(self.batch_arguments))
         try:
             with ThreadPoolExecutor(self.num_threads, thread_name_prefix="plait-batch") as pool:
-                futures: list[Future] = []
-                for arguments in self.batch_arguments:
-                    future = pool.submit(self._run_one, arguments)
+                futures: dict[int, Future] = {}
+                for index in order:
+                    future = pool.submit(self._run_one, index)
                     if bar is not None:
                         future.add_done_callback(lambda _: bar.update(1))
-                    futures.append(future)
-                for future in futures:
-                    yield future.result()
+                    futures[index] = future
+                for index in range(len(self.batch_arguments)):
+                    yield futures[index].result()
         finally:
             if bar is not None:
                 bar.close()
+            if self.prefill is not None:
+                self.prefill.close()
 
 
 def _progress_bar(total: int, name: str):

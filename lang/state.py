@@ -60,8 +60,7 @@ class ProgramState:
         """`size` copies of this state that continue concurrently; the shared text is prefilled once."""
         parent = self.stream_executor
         executors = parent.fork(size)
-        pin = parent.backend.pin_prefix(parent.text_) if size > 1 else None
-        parent.hold_pin(pin)
+        pin = parent.pin_fork_prefix() if size > 1 else None
         return ProgramStateGroup([ProgramState(e) for e in executors], self, pin)
 
     @contextmanager
@@ -95,6 +94,13 @@ class ProgramState:
 
     def get_meta_info(self, name: str) -> Any:
         return self.stream_executor.get_meta_info(name)
+
+    def graph(self):
+        """The request graph of this run so far (plait.graph.RequestGraph): the text sent, each
+        gen/select with the runtime's cached-token counts and timings, forks and joins. Waits for
+        the work submitted so far; render it with `.to_html()` / `.save("run.html")`."""
+        self.stream_executor.sync()
+        return self.stream_executor.recorder.build()
 
     def __getitem__(self, name: str) -> Any:
         return self.get_var(name)
@@ -229,6 +235,7 @@ class ProgramStateGroup:
         try:
             if mode == "gather_variable":
                 self._gather_variables()
+                self.src_state.stream_executor.record_join(self.states, mode)
             else:
                 self.src_state += SglConcateAndAppend(self.states)
                 self.src_state.stream_executor.sync()

@@ -16,7 +16,7 @@ import uuid
 from typing import Any, Optional
 
 from .backend.base import BaseBackend
-from .ir import (SglArgument, SglConstantText, SglExpr, SglExprList, SglFork, SglGen, SglGetForkItem,
+from .ir import (SglArgument, SglConstantText, SglExpr, SglExprList, SglFork, SglGen, SglGetForkItem, SglJoin,
                  SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin, SglVarScopeEnd,
                  as_expr)
 from .state import ProgramState, ProgramStateGroup
@@ -103,7 +103,7 @@ class TracerProgramState(ProgramState):
         if self.only_trace_prefix:
             raise StopTracing()
         fork_node = SglFork(size)
-        fork_node.prev_node = self.last_node
+        self._append_node(fork_node)
         children = []
         for i in range(size):
             child = TracerProgramState(self.backend, self.arguments, self.only_trace_prefix)
@@ -115,7 +115,18 @@ class TracerProgramState(ProgramState):
             child.cur_role = self.cur_role
             children.append(child)
         self.child_states.extend(children)
+        fork_node.states = children  # the request graph walks into the branches from here
         return ProgramStateGroup(children, self)
+
+    def record_join(self, states: list, mode: str) -> None:
+        self._append_node(SglJoin([getattr(s, "stream_executor", s) for s in states], mode))
+
+    def graph(self, name: Optional[str] = None):
+        """The traced program as a request graph (plait.graph.RequestGraph): render it with
+        `.to_dot()`, `.to_html()` or `.save("program.html")`."""
+        from .graph import graph_from_trace
+
+        return graph_from_trace(self, name or getattr(self, "program_name", "program"))
 
     def flatten_nodes(self) -> list[SglExpr]:
         return list(self.nodes)
@@ -180,14 +191,17 @@ def trace_program(program: Any, arguments: dict, backend: Any) -> TracerProgramS
         arguments.setdefault(name, SglArgument(name, None))
     arguments.update(program.bind_arguments)
     tracer = TracerProgramState(backend, arguments, only_trace_prefix=False)
+    tracer.program_name = getattr(program, "__name__", "program")
     with TracingScope(tracer):
         tracer.ret_value = program.func(tracer, **arguments)
     return tracer
 
 
-def extract_prefix_by_tracing(program: Any, backend: Any) -> str:
-    arguments: dict[str, Any] = {name: SglArgument(name, None) for name in program.arg_names}
-    arguments.update(program.bind_arguments)
+def extract_prefix_by_tracing(program: Any, backend: Any, arguments: Optional[dict] = None) -> str:
+    """The constant text the program sends before its first request. Without `arguments`, every
+    argument is a placeholder (the text *every* run starts with); with them, one run's first prompt."""
+    placeholders: dict[str, Any] = {name: SglArgument(name, None) for name in program.arg_names}
+    arguments = {**placeholders, **(arguments or {}), **program.bind_arguments}
     tracer = TracerProgramState(backend, arguments, only_trace_prefix=True)
     try:
         with TracingScope(tracer):

@@ -12,13 +12,19 @@ from typing import Any, Iterator, Optional, Sequence, Union
 from ..chat_template import ChatTemplate, get_chat_template
 from ..choices import ChoicesDecision, ChoicesSamplingMethod
 from ..gen_params import ResolvedGen
+from ..pins import PinService, PrefixPin
 
 
 class BaseBackend:
     is_chat_model = False
+    # Program hints (plait's additions to SGLang's frontend): scheduling group tags on requests,
+    # prefix pins for forks and program state, run_batch's shared-segment prefill. Turn them off
+    # (`backend.program_hints = False`) to send exactly what SGLang's frontend sends.
+    program_hints = True
 
     def __init__(self, chat_template: Optional[ChatTemplate] = None) -> None:
         self.chat_template = chat_template or get_chat_template("default")
+        self._pin_service: Optional[PinService] = None
 
     def get_model_name(self) -> str:
         raise NotImplementedError(f"{type(self).__name__} has no model name")
@@ -33,19 +39,47 @@ class BaseBackend:
     def end_program(self, s: Any) -> None:
         pass
 
-    def cache_prefix(self, prefix: str) -> None:
-        """Prefill `prefix` so later requests that start with it reuse its KV cache."""
+    def prefix_cache_enabled(self) -> bool:
+        """Whether the runtime keeps a prefix cache (prefilling or pinning a prefix pays off)."""
+        return False
+
+    def hints_enabled(self) -> bool:
+        return bool(self.program_hints) and self.prefix_cache_enabled()
+
+    def kv_pool_tokens(self) -> Optional[int]:
+        """The runtime's KV pool size in tokens, when known (it bounds what programs may pin)."""
+        return None
+
+    def tokenize(self, text: str) -> Optional[list[int]]:
+        """The token ids the runtime will see for `text`, when this process can know them."""
+        return None
+
+    def cache_prefix(self, prefix: Union[str, list[int]]) -> Optional[dict]:
+        """Prefill `prefix` so later requests that start with it reuse its KV cache; returns the
+        request's meta_info ({"prompt_tokens", "cached_tokens", ...}) when the runtime reports one."""
+        return None
+
+    def cache_prefixes(self, prefixes: Sequence[Union[str, list[int]]]) -> list[Optional[dict]]:
+        """Prefill several prefixes (one batched request where the runtime takes batches)."""
+        return [self.cache_prefix(p) for p in prefixes]
 
     def commit_lazy_operations(self, s: Any) -> None:
         """Called before a fork: the text so far becomes a cached prefix the branches share."""
         self.cache_prefix(s.text_)
 
-    def pin_prefix(self, prefix: str) -> Any:
-        """Keep `prefix` cached while forked branches still need it; returns a handle or None."""
+    def pin_prefix(self, prefix: Union[str, list[int]]) -> Optional[PrefixPin]:
+        """Lock the cached part of `prefix` against eviction until `unpin_prefix`; None when the
+        runtime cannot pin."""
         return None
 
-    def unpin_prefix(self, handle: Any) -> None:
+    def unpin_prefix(self, pin: PrefixPin) -> None:
         pass
+
+    def pin_service(self) -> PinService:
+        """The thread pool and token budget of this backend's program pins (see plait.pins)."""
+        if getattr(self, "_pin_service", None) is None:
+            self._pin_service = PinService(self)
+        return self._pin_service
 
     # ---- generation ----
     def generate(self, s: Any, params: ResolvedGen) -> tuple[Union[str, list[str]], Union[dict, list[dict]]]:

@@ -13,11 +13,13 @@ import weakref
 from typing import Any, Iterator, Optional, Union
 
 from ..chat_template import ChatTemplate, chat_template_from_tokenizer, get_chat_template
+from ..pins import PrefixPin
 from .native import NativeBackend
 
 
 class EngineBackend(NativeBackend):
-    def __init__(self, engine: Any, chat_template: Optional[Union[ChatTemplate, str]] = None) -> None:
+    def __init__(self, engine: Any, chat_template: Optional[Union[ChatTemplate, str]] = None,
+                 program_hints: bool = True) -> None:
         if isinstance(chat_template, str):
             chat_template = get_chat_template(chat_template)
         tokenizer = getattr(engine, "tokenizer", None)
@@ -25,6 +27,7 @@ class EngineBackend(NativeBackend):
             chat_template = chat_template_from_tokenizer(tokenizer, self._model_name_of(engine))
         super().__init__(chat_template)
         self.engine = engine
+        self.program_hints = program_hints
 
     @staticmethod
     def _model_name_of(engine: Any) -> str:
@@ -37,10 +40,6 @@ class EngineBackend(NativeBackend):
 
     def get_model_name(self) -> str:
         return self._model_name_of(self.engine)
-
-    def _request_tags(self, s: Any) -> dict:
-        # The scheduler keeps one program's requests (and its forks') together (dfs-weight policy).
-        return {"group": s.program_id} if getattr(s, "program_id", None) else {}
 
     # ---- transport ----
     @staticmethod
@@ -56,31 +55,28 @@ class EngineBackend(NativeBackend):
     def _send_stream(self, payload: dict) -> Iterator[dict]:
         return iter(self.engine.generate(**self._engine_kwargs(payload)))
 
-    # ---- prefix hints: use the Engine's own when it has them ----
-    def cache_prefix(self, prefix: str) -> None:
-        if not prefix:
-            return
-        if hasattr(self.engine, "cache_prefix"):
-            self.engine.cache_prefix(prefix)
-        else:
-            super().cache_prefix(prefix)
+    # ---- what the Engine knows directly ----
+    def prefix_cache_enabled(self) -> bool:
+        return not getattr(getattr(self.engine, "server_args", None), "disable_radix_cache", False)
 
-    def commit_lazy_operations(self, s: Any) -> None:
-        if hasattr(self.engine, "cache_prefix"):
-            self.cache_prefix(s.text_)
-        else:
-            super().commit_lazy_operations(s)
+    def kv_pool_tokens(self) -> Optional[int]:
+        return getattr(getattr(self.engine, "info", None), "max_total_tokens", None)
 
-    def pin_prefix(self, prefix: str) -> Any:
-        """Keep a fork's shared prefix cached until join(); returns the Engine's pin id (or None)."""
-        if prefix and hasattr(self.engine, "pin_prefix"):
-            pinned = self.engine.pin_prefix(prefix)
-            return pinned.get("pin_id") if isinstance(pinned, dict) else pinned
-        return None
+    def tokenize(self, text: str) -> Optional[list[int]]:
+        manager = getattr(self.engine, "tokenizer_manager", None)
+        return manager.tokenize(text) if manager is not None else None  # exactly what generate() sends
 
-    def unpin_prefix(self, handle: Any) -> None:
-        if handle is not None and hasattr(self.engine, "unpin_prefix"):
-            self.engine.unpin_prefix(handle)
+    def pin_prefix(self, prefix: Union[str, list[int]]) -> Optional[PrefixPin]:
+        if not prefix or not hasattr(self.engine, "pin_prefix"):
+            return None
+        pinned = self.engine.pin_prefix(prefix)
+        if not isinstance(pinned, dict) or pinned.get("pin_id") is None:
+            return None
+        return PrefixPin(pinned["pin_id"], int(pinned.get("pinned_tokens") or 0))
+
+    def unpin_prefix(self, pin: PrefixPin) -> None:
+        if pin is not None and hasattr(self.engine, "unpin_prefix"):
+            self.engine.unpin_prefix(pin.pin_id)
 
     # ---- management ----
     def flush_cache(self) -> Any:
@@ -101,11 +97,11 @@ class Runtime:
     """
 
     def __init__(self, model_path: Optional[str] = None, chat_template: Optional[Union[ChatTemplate, str]] = None,
-                 launch_timeout: Optional[float] = None, **server_args: Any) -> None:
+                 launch_timeout: Optional[float] = None, program_hints: bool = True, **server_args: Any) -> None:
         from plait.runtime import Engine
 
         self.engine = Engine(model_path=model_path, **server_args)
-        self.endpoint = EngineBackend(self.engine, chat_template)
+        self.endpoint = EngineBackend(self.engine, chat_template, program_hints=program_hints)
         # Shut the engine down at exit even if the user forgets; weakref so this keeps nothing alive.
         self._atexit = functools.partial(_shutdown_if_alive, weakref.ref(self))
         atexit.register(self._atexit)

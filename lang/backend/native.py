@@ -7,11 +7,12 @@ backends share this logic and differ only in how a dict is sent (`_send`, `_send
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from ..choices import ChoicesDecision, ChoicesSamplingMethod
 from ..gen_params import ResolvedGen
 from ..global_config import global_config
+from ..graph import observe_request
 from .base import BaseBackend
 
 PREFILL_ONLY = {"max_new_tokens": 0}
@@ -28,20 +29,52 @@ class NativeBackend(BaseBackend):
         raise NotImplementedError
 
     def _request(self, payload: dict) -> Union[dict, list[dict]]:
-        """Send, and turn an aborted request (the runtime refused or dropped it) into an exception."""
+        """Send, and turn an aborted request (the runtime refused or dropped it) into an exception.
+        Each result's meta_info also goes to the program's request graph (plait.graph)."""
         out = self._send(payload)
         for item in out if isinstance(out, list) else [out]:
             raise_if_aborted(item)
+            observe_request(item.get("meta_info"))
         return out
 
     def _request_tags(self, s: Any) -> dict:
-        """Extra request fields naming the program a request belongs to (scheduling hints)."""
-        return {}
+        """Extra request fields naming the program a request belongs to: the runtime schedules one
+        program's requests (and its forks') together. SGLang servers ignore the field."""
+        program_id = getattr(s, "program_id", None)
+        return {"group": program_id} if program_id and self.program_hints else {}
+
+    def prefix_cache_enabled(self) -> bool:
+        return not bool(self._server_setting("disable_radix_cache", False))
+
+    def kv_pool_tokens(self) -> Optional[int]:
+        return self._server_setting("max_total_tokens", None)
+
+    def _server_setting(self, name: str, default: Any) -> Any:
+        """A runtime setting from get_server_info(), read once (None/defaults where it fails)."""
+        info = getattr(self, "_server_info_cache", None)
+        if info is None:
+            try:
+                info = self.get_server_info() or {}
+            except Exception:  # a server without the route: assume the defaults
+                info = {}
+            self._server_info_cache = info
+        value = info.get(name, default)
+        return default if value is None else value
 
     # ---- the backend interface ----
-    def cache_prefix(self, prefix: str) -> None:
-        if prefix:
-            self._request({"text": prefix, "sampling_params": dict(PREFILL_ONLY)})
+    def cache_prefix(self, prefix: Union[str, list[int]]) -> Optional[dict]:
+        if not prefix:
+            return None
+        key = "text" if isinstance(prefix, str) else "input_ids"
+        return self._request({key: prefix, "sampling_params": dict(PREFILL_ONLY)})["meta_info"]
+
+    def cache_prefixes(self, prefixes: Sequence[Union[str, list[int]]]) -> list[Optional[dict]]:
+        prefixes = [p for p in prefixes if p]
+        if len(prefixes) <= 1:
+            return [self.cache_prefix(p) for p in prefixes]
+        key = "text" if isinstance(prefixes[0], str) else "input_ids"
+        outs = self._request({key: list(prefixes), "sampling_params": dict(PREFILL_ONLY)})
+        return [o["meta_info"] for o in (outs if isinstance(outs, list) else [outs])]
 
     def commit_lazy_operations(self, s: Any) -> None:
         if s.text_:
@@ -66,11 +99,13 @@ class NativeBackend(BaseBackend):
         payload = self._payload(s, s.text_, params)
         payload["stream"] = True
         seen = 0
+        meta = None
         for chunk in self._send_stream(payload):
             raise_if_aborted(chunk)
-            text = chunk["text"]
-            yield text[seen:], chunk["meta_info"]
+            text, meta = chunk["text"], chunk["meta_info"]
+            yield text[seen:], meta
             seen = len(text)
+        observe_request(meta)
 
     def select(self, s: Any, choices: Sequence[str], temperature: float,
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:

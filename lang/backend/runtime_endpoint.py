@@ -8,6 +8,7 @@ import logging
 from typing import Any, Iterator, Optional, Union
 
 from ..chat_template import ChatTemplate, chat_template_from_tokenizer, get_chat_template
+from ..pins import PrefixPin
 from .native import NativeBackend
 
 logger = logging.getLogger(__name__)
@@ -15,7 +16,8 @@ logger = logging.getLogger(__name__)
 
 class RuntimeEndpoint(NativeBackend):
     def __init__(self, base_url: str, api_key: Optional[str] = None, verify: Any = None,
-                 chat_template_name: Optional[str] = None, timeout: Optional[float] = None) -> None:
+                 chat_template_name: Optional[str] = None, timeout: Optional[float] = None,
+                 program_hints: bool = True) -> None:
         import requests
 
         self.base_url = base_url.rstrip("/")
@@ -26,6 +28,8 @@ class RuntimeEndpoint(NativeBackend):
         self.model_info = self._get("/get_model_info")
         template = get_chat_template(chat_template_name) if chat_template_name else self._template_from_server()
         super().__init__(template)
+        self.program_hints = program_hints
+        self._server_pins = True  # until the server answers 404: SGLang has no pin routes
 
     def _template_from_server(self) -> ChatTemplate:
         """Load the served model's tokenizer to derive role markup (works when its folder or hub id
@@ -85,6 +89,27 @@ class RuntimeEndpoint(NativeBackend):
             if "error" in chunk and "text" not in chunk:
                 raise RuntimeError(f"{self.base_url}/generate stream failed: {chunk['error']}")
             yield chunk
+
+    # ---- prefix pins (plait's /pin_prefix and /unpin_prefix; absent on SGLang servers) ----
+    def pin_prefix(self, prefix: Union[str, list[int]]) -> Optional[PrefixPin]:
+        if not prefix or not self._server_pins:
+            return None
+        key = "text" if isinstance(prefix, str) else "input_ids"
+        res = self.session.post(self.base_url + "/pin_prefix", json={key: prefix}, headers=self._headers(),
+                                verify=self.verify, timeout=self.timeout)
+        if res.status_code in (404, 405):
+            self._server_pins = False
+            logger.info("%s has no /pin_prefix route: program prefixes are not pinned", self.base_url)
+            return None
+        self._check(res, "/pin_prefix")
+        body = res.json()
+        if body.get("pin_id") is None:
+            return None
+        return PrefixPin(body["pin_id"], int(body.get("pinned_tokens") or 0))
+
+    def unpin_prefix(self, pin: PrefixPin) -> None:
+        if pin is not None:
+            self._post("/unpin_prefix", {"pin_id": pin.pin_id})
 
     # ---- management ----
     def flush_cache(self) -> Any:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, error_response, sse_error_event
-from .protocol import AbortRequest, GenerateRequest
+from .protocol import AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
 from .server_context import ServerContext, get_context
 
 router = APIRouter()
@@ -115,6 +115,8 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[st
             raise APIError(400, f"top_logprobs_num must be >= 0, got {top}", param="top_logprobs_num")
         if body.return_text_in_logprobs:
             base["return_text_in_logprobs"] = True
+        if body.group is not None:
+            base["group"] = body.group
         rid = _per_item(body.rid, i, batch, is_batch, "rid") or new_rid()
         runs.append(expand_n(base, sp, rid))
     return runs
@@ -221,6 +223,29 @@ async def flush_cache(request: Request) -> JSONResponse:
         return JSONResponse({"success": True, "message": "Cache flushed."})
     return JSONResponse({"success": False, "message": "Cache not flushed: requests are running or waiting."},
                         status_code=400)
+
+
+@router.post("/pin_prefix")
+async def pin_prefix(body: PinPrefixRequest, request: Request) -> dict[str, Any]:
+    """plait's program hint: lock the cached part of a prefix -> {"pin_id", "pinned_tokens"}. Clients
+    (plait's RuntimeEndpoint) pin a running program's context and unpin it when the program ends."""
+    ctx = get_context(request)
+    if body.input_ids is not None:
+        check_prompt_ids(body.input_ids, ctx, "input_ids")
+        prefix: Any = body.input_ids
+    else:
+        prefix = body.text
+    try:
+        return await asyncio.to_thread(ctx.engine.pin_prefix, prefix)
+    except ValueError as e:
+        raise APIError(400, f"cannot pin the prefix: {e}", param="text" if body.text is not None else "input_ids") from None
+
+
+@router.post("/unpin_prefix")
+async def unpin_prefix(body: UnpinPrefixRequest, request: Request) -> JSONResponse:
+    # NOTE: an unknown id is not an error (the Engine answers False too): a flush_cache drops all pins.
+    ok = await asyncio.to_thread(get_context(request).engine.unpin_prefix, body.pin_id)
+    return JSONResponse({"success": bool(ok)} if ok else {"success": False, "message": f"no pin with id {body.pin_id}"})
 
 
 @router.post("/abort_request")

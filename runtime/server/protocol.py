@@ -42,6 +42,9 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
+    # plait's program hint: requests of one program (and its forks) share a group id, which the
+    # `dfs-weight` schedule policy keeps together. SGLang servers ignore the field.
+    group: Optional[str] = None
 
     @model_validator(mode="after")
     def _check_extras(self) -> "GenerateRequest":
@@ -65,6 +68,27 @@ class GenerateRequest(BaseModel):
         if not self.is_batch:
             return 1
         return len(self.text if self.text is not None else self.input_ids)
+
+
+class PinPrefixRequest(BaseModel):
+    """POST /pin_prefix (plait only): keep the cached part of a prefix from eviction until unpinned."""
+
+    model_config = _STRICT
+    text: Optional[str] = None
+    input_ids: Optional[list[int]] = None
+
+    @model_validator(mode="after")
+    def _one_prefix(self) -> "PinPrefixRequest":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of 'text' or 'input_ids' must be given")
+        if not (self.text if self.text is not None else self.input_ids):
+            raise ValueError("the prefix to pin must not be empty")
+        return self
+
+
+class UnpinPrefixRequest(BaseModel):
+    model_config = _STRICT
+    pin_id: int
 
 
 class AbortRequest(BaseModel):

@@ -1,0 +1,370 @@
+"""Request graphs: a program seen as the requests it sends and the text those requests share.
+
+A node is one piece of a program's text or one request:
+
+- `text`: constant text (role markup included); consecutive constants on one branch merge into one
+  segment. `arg` / `var`: a value not known when tracing (a program argument, another state's
+  variable); in a recorded run everything is text.
+- `gen` / `select`: a request to the runtime; its prompt is every piece of text before it on its path.
+- `fork`: the branches start here (each branch's first node hangs off it by a `fork` edge); `join`:
+  the branches end here (`join` edges from each branch's last node, in branch order). A
+  `concate_and_append` join puts the branches' text into the parent's prompt; `gather_variable` does not.
+- `program` (batch graphs only): one program of a run_batch, under the shared segment it starts with.
+
+Edges: `next` (sequence on one branch), `fork`, `join`. Every node has at most one `next`/`fork`
+predecessor, so a node's prompt is a walk back to the root (`prompt_path`), plus the branches' text
+at a concatenating join. A node shared by several requests' prompts is a prefix the runtime can
+compute once: `sharing()` says which requests share which node.
+
+Graphs come from tracing (`program.graph(...)`, `program.trace().graph()`), from a run
+(`state.graph()`: the text really sent, with per-request `NodeStats`: cached tokens from the runtime's
+`meta_info`, timings), and from run_batch's plan (`plan.to_graph()`). `graph_render` draws them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator, Optional
+
+NODE_KINDS = ("text", "arg", "var", "gen", "select", "fork", "join", "program")
+REQUEST_KINDS = ("gen", "select")
+EDGE_KINDS = ("next", "fork", "join")
+MAIN_BRANCH = "main"
+
+
+@dataclass
+class NodeStats:
+    """What the runtime reported for the requests a node made (a select makes two or three)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    start_s: Optional[float] = None  # seconds after the program (or batch) started
+    latency_s: Optional[float] = None
+
+    @property
+    def hit_rate(self) -> Optional[float]:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    def add_meta(self, meta: Optional[dict]) -> None:
+        """Count one request's meta_info (missing fields, as from an OpenAI server, count as 0)."""
+        if not isinstance(meta, dict):
+            return
+        self.requests += 1
+        self.prompt_tokens += int(meta.get("prompt_tokens") or 0)
+        self.cached_tokens += int(meta.get("cached_tokens") or 0)
+        self.completion_tokens += int(meta.get("completion_tokens") or 0)
+
+    def __add__(self, other: "NodeStats") -> "NodeStats":
+        return NodeStats(self.requests + other.requests, self.prompt_tokens + other.prompt_tokens,
+                         self.cached_tokens + other.cached_tokens,
+                         self.completion_tokens + other.completion_tokens)
+
+
+@dataclass
+class GraphNode:
+    id: int
+    kind: str
+    branch: str
+    text: str = ""  # what this node adds to its branch's prompt: segment text, generated output
+    name: Optional[str] = None  # variable name (gen, select, arg, var)
+    detail: dict = field(default_factory=dict)  # fork: size; join: mode, fork; select: choices
+    stats: Optional[NodeStats] = None
+
+    @property
+    def is_request(self) -> bool:
+        return self.kind in REQUEST_KINDS
+
+
+@dataclass(frozen=True)
+class GraphEdge:
+    src: int
+    dst: int
+    kind: str
+
+
+@dataclass
+class RequestGraph:
+    name: str
+    nodes: list[GraphNode]
+    edges: list[GraphEdge]
+    source: str = "trace"  # "trace" | "run" | "batch"
+
+    def __post_init__(self) -> None:
+        self._pred: dict[int, int] = {}
+        self._joins_in: dict[int, list[int]] = {}
+        for i, node in enumerate(self.nodes):
+            if node.id != i:
+                raise ValueError(f"node ids must be 0..n-1 in order; node {i} has id {node.id}")
+            if node.kind not in NODE_KINDS:
+                raise ValueError(f"node {i} has unknown kind {node.kind!r}; kinds are {NODE_KINDS}")
+        for e in self.edges:
+            if e.kind not in EDGE_KINDS:
+                raise ValueError(f"edge {e} has unknown kind {e.kind!r}; kinds are {EDGE_KINDS}")
+            if not (0 <= e.src < len(self.nodes) and 0 <= e.dst < len(self.nodes)):
+                raise ValueError(f"edge {e} names a node that does not exist")
+            if e.kind == "join":
+                self._joins_in.setdefault(e.dst, []).append(e.src)
+            elif e.dst in self._pred:
+                raise ValueError(f"node {e.dst} has two predecessors ({self._pred[e.dst]} and {e.src})")
+            else:
+                self._pred[e.dst] = e.src
+
+    # ---- structure ----
+    def node(self, node_id: int) -> GraphNode:
+        return self.nodes[node_id]
+
+    def predecessor(self, node_id: int) -> Optional[int]:
+        """The node this one follows on its path (by a `next` or `fork` edge); None at the root."""
+        return self._pred.get(node_id)
+
+    def requests(self) -> list[GraphNode]:
+        return [n for n in self.nodes if n.is_request]
+
+    def edge_tuples(self) -> list[tuple[int, int, str]]:
+        return [(e.src, e.dst, e.kind) for e in self.edges]
+
+    def prompt_path(self, node_id: int) -> list[int]:
+        """The nodes whose text forms everything before `node_id` on its path, in order."""
+        chain = []
+        cur = self.predecessor(node_id)
+        while cur is not None:  # NOTE: a loop, not recursion: an agent loop makes long chains
+            chain.append(cur)
+            cur = self.predecessor(cur)
+        out: list[int] = []
+        for c in reversed(chain):
+            out.extend(self._contribution(c))
+        return out
+
+    def _contribution(self, node_id: int) -> list[int]:
+        node = self.nodes[node_id]
+        if node.kind == "join" and node.detail.get("mode") == "concate_and_append":
+            base = len(self.prompt_path(node.detail["fork"]))
+            out = []
+            for tail in self._joins_in.get(node_id, []):
+                out.extend((self.prompt_path(tail) + self._contribution(tail))[base:])
+            return out
+        if node.kind in ("fork", "join", "program"):
+            return []
+        return [node_id]
+
+    def prompt_text(self, node_id: int) -> str:
+        """The prompt a request node sends (in a trace, unknown values appear as {name})."""
+        return "".join(self.display_text(self.nodes[i]) for i in self.prompt_path(node_id))
+
+    def display_text(self, node: GraphNode) -> str:
+        """The node's text; in a trace, a value not known yet shows as {name}."""
+        if self.source == "trace" and node.kind in ("arg", "var", "gen", "select"):
+            return "{" + str(node.name) + "}"
+        return node.text
+
+    def sharing(self) -> dict[int, list[int]]:
+        """For every node in some request's prompt: the request nodes whose prompt contains it."""
+        shared: dict[int, list[int]] = {}
+        for req in self.requests():
+            for n in self.prompt_path(req.id):
+                shared.setdefault(n, []).append(req.id)
+        return shared
+
+    def shared_segments(self) -> dict[int, list[int]]:
+        """`sharing()` restricted to nodes in the prompts of two or more requests."""
+        return {n: reqs for n, reqs in self.sharing().items() if len(reqs) >= 2}
+
+    # ---- stats ----
+    def totals(self) -> NodeStats:
+        total = NodeStats()
+        for node in self.nodes:
+            if node.stats is not None:
+                total = total + node.stats
+        return total
+
+    def summary(self) -> str:
+        head = f"{self.name}: {len(self.nodes)} nodes, {len(self.requests())} requests"
+        if self.source == "batch":
+            programs = sum(1 for n in self.nodes if n.kind == "program")
+            head = f"{self.name}: {programs} programs, {len(self.nodes) - programs} shared segments"
+        if self.source == "trace":
+            return head + f", {len(self.shared_segments())} nodes shared by two or more requests"
+        t = self.totals()
+        rate = f"{100 * t.hit_rate:.0f}%" if t.hit_rate is not None else "n/a"
+        return (head + f"; runtime requests {t.requests}, prompt tokens {t.prompt_tokens}, cached {t.cached_tokens} "
+                f"({rate}), completion tokens {t.completion_tokens}")
+
+    # ---- rendering (graph_render) ----
+    def to_dot(self) -> str:
+        from .graph_render import to_dot
+
+        return to_dot(self)
+
+    def to_html(self) -> str:
+        from .graph_render import to_html
+
+        return to_html(self)
+
+    def save(self, path: str) -> str:
+        """Write the graph to `path`: .dot/.gv, .html, .svg or .png (PNG and dot-SVG need graphviz)."""
+        from .graph_render import save
+
+        return save(self, path)
+
+    def _repr_html_(self) -> str:  # Jupyter
+        from .graph_render import to_svg
+
+        return to_svg(self)
+
+
+class GraphBuilder:
+    """Appends nodes branch by branch; thread-safe, since forked branches run concurrently.
+
+    Each branch has a tail (its last node) and the kind of edge its next node hangs off it by
+    (`fork` for a branch's first node, `next` after that).
+    """
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.started = time.perf_counter()
+        self._nodes: list[GraphNode] = []
+        self._edges: list[GraphEdge] = []
+        self._tails: dict[str, tuple[Optional[int], str]] = {}
+        self._fork_of: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def add(self, branch: str, kind: str, text: str = "", name: Optional[str] = None,
+            detail: Optional[dict] = None, stats: Optional[NodeStats] = None) -> int:
+        with self._lock:
+            return self._add(branch, kind, text, name, detail, stats)
+
+    def _add(self, branch, kind, text="", name=None, detail=None, stats=None) -> int:
+        tail, edge_kind = self._tails.get(branch, (None, "next"))
+        node = GraphNode(len(self._nodes), kind, branch, text, name, dict(detail or {}), stats)
+        self._nodes.append(node)
+        if tail is not None:
+            self._edges.append(GraphEdge(tail, node.id, edge_kind))
+        self._tails[branch] = (node.id, "next")
+        return node.id
+
+    def attach(self, branch: str, node_id: int) -> None:
+        """Start (an empty) `branch` after `node_id`, by a `next` edge."""
+        with self._lock:
+            self._tails[branch] = (node_id, "next")
+
+    def add_text(self, branch: str, text: str) -> None:
+        """Append text to the branch, merged into its last segment when that is text too."""
+        if not text:
+            return
+        with self._lock:
+            tail, edge_kind = self._tails.get(branch, (None, "next"))
+            if tail is not None and edge_kind == "next" and self._nodes[tail].kind == "text":
+                self._nodes[tail].text += text
+            else:
+                self._add(branch, "text", text)
+
+    def fork(self, branch: str, size: int, stats: Optional[NodeStats] = None) -> tuple[int, list[str]]:
+        """A fork node on `branch`; returns it and the names of its `size` branches."""
+        with self._lock:
+            fork_id = self._add(branch, "fork", detail={"size": size}, stats=stats)
+            children = [f"f{fork_id}.{i}" for i in range(size)]
+            for child in children:
+                self._tails[child] = (fork_id, "fork")
+                self._fork_of[child] = fork_id
+            return fork_id, children
+
+    def join(self, branch: str, children: Iterable[str], mode: str) -> int:
+        with self._lock:
+            children = list(children)
+            forks = {self._fork_of.get(c) for c in children}
+            if len(forks) != 1 or None in forks:
+                raise ValueError(f"join needs the branches of one fork, got {children}")
+            join_id = self._add(branch, "join", detail={"mode": mode, "fork": forks.pop()})
+            for child in children:
+                self._edges.append(GraphEdge(self._tails[child][0], join_id, "join"))
+            return join_id
+
+    def set_stats(self, node_id: int, stats: NodeStats) -> None:
+        with self._lock:
+            self._nodes[node_id].stats = stats
+
+    def build(self) -> RequestGraph:
+        """A snapshot: later additions do not change the returned graph."""
+        with self._lock:
+            nodes = [replace(n, detail=dict(n.detail), stats=replace(n.stats) if n.stats else None)
+                     for n in self._nodes]
+            return RequestGraph(self.name, nodes, list(self._edges), self.source)
+
+
+def graph_from_trace(tracer: Any, name: str = "program") -> RequestGraph:
+    """The request graph of a traced program (a `TracerProgramState`)."""
+    from .ir import (SglArgument, SglConcateAndAppend, SglConstantText, SglFork, SglGen, SglJoin, SglSelect,
+                     SglVariable)
+
+    builder = GraphBuilder(name, "trace")
+    children_of: dict[int, list[str]] = {}  # id(child tracer state) -> its branch name
+
+    def walk(state: Any, branch: str) -> None:
+        for node in state.nodes:
+            if isinstance(node, SglConstantText):
+                builder.add_text(branch, node.value)
+            elif isinstance(node, SglArgument):
+                builder.add(branch, "arg", name=node.name)
+            elif isinstance(node, SglVariable):
+                builder.add(branch, "var", name=node.name)
+            elif isinstance(node, SglGen):
+                builder.add(branch, "gen", name=node.name, detail=_gen_detail(node))
+            elif isinstance(node, SglSelect):
+                builder.add(branch, "select", name=node.name, detail={"choices": list(node.choices)})
+            elif isinstance(node, SglFork):
+                _, names = builder.fork(branch, node.number)
+                for child, child_branch in zip(node.states, names):
+                    children_of[id(child)] = child_branch
+                    walk(child, child_branch)
+            elif isinstance(node, (SglJoin, SglConcateAndAppend)):
+                mode = node.mode if isinstance(node, SglJoin) else "concate_and_append"
+                states = [getattr(s, "stream_executor", s) for s in node.states]
+                builder.join(branch, [children_of[id(s)] for s in states], mode)
+
+    walk(tracer, MAIN_BRANCH)
+    return builder.build()
+
+
+def _gen_detail(node: Any) -> dict:
+    sampling = getattr(getattr(node, "overrides", None), "sampling", None) or {}
+    return {k: sampling[k] for k in ("max_new_tokens", "stop", "regex", "json_schema") if k in sampling}
+
+
+# ---- per-request meta_info, collected while a node executes ----
+# NOTE: a context variable, not a global: each program's worker thread runs in its own context, so
+# concurrent programs never see each other's requests.
+_request_sink: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("plait_request_sink", default=None)
+
+
+def observe_request(meta: Optional[dict]) -> None:
+    """Backends call this with each runtime request's meta_info."""
+    sink = _request_sink.get()
+    if sink is not None and isinstance(meta, dict):
+        sink.append(meta)
+
+
+@contextlib.contextmanager
+def collect_requests(builder: Optional[GraphBuilder] = None) -> Iterator[NodeStats]:
+    """Count the requests made inside the block into a NodeStats, with its start and duration
+    (relative to `builder`'s start)."""
+    stats = NodeStats(start_s=builder.elapsed() if builder is not None else None)
+    metas: list = []
+    token = _request_sink.set(metas)
+    started = time.perf_counter()
+    try:
+        yield stats
+    finally:
+        _request_sink.reset(token)
+        stats.latency_s = time.perf_counter() - started
+        for meta in metas:
+            stats.add_meta(meta)
