@@ -294,11 +294,46 @@ class GraphBuilder:
             self._nodes[node_id].stats = stats
 
     def build(self) -> RequestGraph:
-        """A snapshot: later additions do not change the returned graph."""
+        """A snapshot (later additions do not change it), numbered in program order: each branch
+        in full, in branch order, where it forks. Concurrent branches record their nodes interleaved;
+        the numbering does not depend on that timing."""
         with self._lock:
-            nodes = [replace(n, detail=dict(n.detail), stats=replace(n.stats) if n.stats else None)
-                     for n in self._nodes]
-            return RequestGraph(self.name, nodes, list(self._edges), self.source)
+            order = self._program_order()
+            new_id = {old: new for new, old in enumerate(order)}
+            nodes = [replace(self._nodes[old], id=new_id[old], detail=dict(self._nodes[old].detail),
+                             stats=replace(self._nodes[old].stats) if self._nodes[old].stats else None)
+                     for old in order]
+            edges = sorted((GraphEdge(new_id[e.src], new_id[e.dst], e.kind) for e in self._edges),
+                           key=lambda e: e.dst)  # stable: a join's edges stay in branch order
+            return RequestGraph(self.name, nodes, edges, self.source)
+
+    def _program_order(self) -> list[int]:
+        successor: dict[int, list[int]] = {}
+        branch_starts: dict[int, list[int]] = {}
+        has_pred = set()
+        for e in self._edges:
+            if e.kind == "next":
+                successor.setdefault(e.src, []).append(e.dst)
+            elif e.kind == "fork":
+                branch_starts.setdefault(e.src, []).append(e.dst)
+            if e.kind != "join":
+                has_pred.add(e.dst)
+        order: list[int] = []
+        # NOTE: an explicit stack, not recursion: an agent loop makes long chains.
+        stack = [n.id for n in reversed(self._nodes) if n.id not in has_pred]
+        while stack:
+            node_id = stack.pop()
+            order.append(node_id)
+            # next: the branch continues after this node's forked branches (batch graphs: several)
+            stack.extend(reversed(successor.get(node_id, [])))
+            starts = sorted(branch_starts.get(node_id, []), key=lambda c: _branch_index(self._nodes[c].branch))
+            stack.extend(reversed(starts))
+        return order
+
+
+def _branch_index(branch: str) -> int:
+    """The i of a fork's branch named f<fork>.<i>."""
+    return int(branch.rsplit(".", 1)[1]) if "." in branch else 0
 
 
 def graph_from_trace(tracer: Any, name: str = "program") -> RequestGraph:
