@@ -1,4 +1,18 @@
-"""Building blocks shared by the model files: RMSNorm, rotary embedding, SiLU-and-mul."""
+"""Building blocks shared by the model files: RMSNorm, rotary embedding, SiLU-and-mul.
+
+Each op has two implementations with one numerics contract (see runtime/kernels/ for the details):
+- the torch code below, the reference, used for CPU tensors (and matched token for token against
+  transformers by tests/test_correctness_vs_hf.py);
+- a fused Triton kernel from runtime/kernels/, used automatically for CUDA tensors, because at small
+  batches a decode step is bound by the number of kernel launches, not by memory (the torch RMSNorm
+  alone is ~8 elementwise kernels, rotary ~10, SiLU-and-mul 3).
+`use_triton` overrides the choice: None = by device, True = always (CPU only under TRITON_INTERPRET=1,
+for tests), False = always torch.
+
+The fused paths update in place where the torch ones return new tensors: `RMSNorm(x, residual)`
+adds x into `residual`, and `RotaryEmbedding` rotates the q and k it is given. Callers use the
+returned tensors and must not rely on the inputs being left alone (or being changed).
+"""
 
 from __future__ import annotations
 
@@ -10,27 +24,76 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def _kernels():
+    # NOTE: imported on first use, so CPU-only processes never import triton (and tests can set
+    # TRITON_INTERPRET before it is imported).
+    from .. import kernels
+
+    return kernels
+
+
+def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
+    return x.is_cuda if use_triton is None else use_triton
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: Optional[torch.Tensor] = None):
+    """Reference RMSNorm (optionally of x + residual): returns out, or (out, x + residual)."""
+    # NOTE: computed in float32 and cast back, exactly as transformers does, so greedy outputs match.
+    if residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(dtype)
+    return out if residual is None else (out, residual)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, use_triton: Optional[bool] = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        # NOTE: computed in float32 and cast back, exactly as transformers does, so greedy outputs match.
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        # x: (T, dim) or (T, H, dim); residual like x. Returns out, or (out, x + residual).
+        if not _wants_triton(x, self.use_triton):
+            return rms_norm_torch(x, self.weight, self.eps, residual)
+        if residual is None:
+            return _kernels().rmsnorm(x, self.weight, self.eps)
+        return _kernels().fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul(gate_up: torch.Tensor, use_triton: Optional[bool] = None) -> torch.Tensor:
+    """(T, 2I) = [gate | up] -> (T, I) = silu(gate) * up."""
+    if _wants_triton(gate_up, use_triton):
+        return _kernels().silu_and_mul(gate_up)
+    return silu_and_mul_torch(gate_up)
+
+
+class SiluAndMul(nn.Module):
+    """`silu_and_mul` as a module, so `set_use_triton` reaches it like the other layers."""
+
+    def __init__(self, use_triton: Optional[bool] = None):
+        super().__init__()
+        self.use_triton = use_triton
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up, self.use_triton)
+
+
+def set_use_triton(model: nn.Module, use_triton: Optional[bool]) -> None:
+    """Force (True), forbid (False) or auto-select by device (None) the fused kernels in a model."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+            module.use_triton = use_triton
 
 
 def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -49,8 +112,10 @@ def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> 
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) RoPE with a precomputed cos/sin cache indexed by position."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: Optional[dict[str, Any]]):
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: Optional[dict[str, Any]],
+                 use_triton: Optional[bool] = None):
         super().__init__()
+        self.use_triton = use_triton
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         attention_factor = 1.0
         if scaling:
@@ -67,10 +132,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", (freqs.sin() * attention_factor), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: (T, H, D), k: (T, Hkv, D)
-        cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, D/2)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        # positions: (T,), q: (T, H, D), k: (T, Hkv, D) -> rotated (q, k); the fused path is in place.
+        if _wants_triton(q, self.use_triton):
+            return _kernels().rotary_inplace(q, k, positions, self.cos_cache, self.sin_cache)
+        return rotary_torch(positions, q, k, self.cos_cache, self.sin_cache)
+
+
+def rotary_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference rotate-half RoPE; returns new tensors."""
+    cos = cos_cache[positions].unsqueeze(1)  # (T, 1, D/2)
+    sin = sin_cache[positions].unsqueeze(1)
+    return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
 from ..model_config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from .layers import RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class Attention(nn.Module):
@@ -49,9 +49,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # (T, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -63,6 +64,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, h, residual, fb):
+        # NOTE: on CUDA the norms add h into `residual` in place (fused kernel); residual starts as this
+        # step's embedding output, a fresh buffer that nothing else reads.
         if residual is None:
             residual = h
             h = self.input_layernorm(h)

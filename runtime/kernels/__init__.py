@@ -1,0 +1,13 @@
+"""Fused Triton kernels for the small per-layer ops (RMSNorm(+residual), rotary, SiLU-and-mul).
+
+They run on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1, for tests). Importing this
+package imports triton; `runtime/models/layers.py` imports it only when a fused op is actually used,
+so CPU-only runs never need it. Each wrapper checks shapes on the host and launches one kernel with
+no host sync, so all of them can be captured in a CUDA graph.
+"""
+
+from .activation import silu_and_mul
+from .rmsnorm import fused_add_rmsnorm, rmsnorm
+from .rotary import rotary_inplace
+
+__all__ = ["fused_add_rmsnorm", "rmsnorm", "rotary_inplace", "silu_and_mul"]

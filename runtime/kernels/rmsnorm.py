@@ -1,0 +1,115 @@
+"""RMSNorm and fused residual-add + RMSNorm as one Triton launch each.
+
+Numerics follow transformers' LlamaRMSNorm (and `layers.rms_norm_torch`) step for step:
+    s   = (x + residual) rounded to x.dtype            (fused variant only; written back into residual)
+    h   = float32(s)
+    n   = h * (1 / sqrt(sum(h * h) / D + eps))         float32; the sqrt and both divisions correctly
+                                                       rounded (torch's CPU rsqrt is 1/sqrt too)
+    out = (weight * n.to(x.dtype)) rounded to promote(weight.dtype, x.dtype)
+The cast of `n` to the input dtype *before* the weight multiply is what makes greedy tokens match:
+the product of two bf16/fp16 values is exact in float32, so `out` equals the torch result bit for
+bit whenever `n` rounds the same way (it can differ by the last fp32 bit of the mean, whose
+summation order differs).
+
+Rows: x is (M, D) or (M, N, D) with any row strides and unit stride on D — e.g. the (T, H, D) query
+view of a fused QKV output for Qwen3's per-head q/k norm, which needs no copy. Each program takes
+BLOCK_ROWS rows of one BLOCK_D tile (BLOCK_D >= D), so wide rows (hidden 576..8192) get one row per
+program and narrow ones (head_dim 64/128) get many. No host syncs: everything the launch needs is
+shape metadata, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import check_device, next_power_of_2
+
+# NOTE: one tile must hold a whole row (the reduction is not looped); 64K fp32 values already spill
+# registers badly, and no supported model is wider than 8192.
+MAX_ROW = 65536
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    X, Residual, W, Out,
+    n_rows, heads, eps,
+    stride_xm, stride_xn, stride_rm, stride_rn,
+    DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (R,)
+    cols = tl.arange(0, BLOCK_D)  # (BD,)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < DIM)[None, :]  # (R, BD)
+    # A flat row index r covers x[r // heads, r % heads, :] (heads == 1 for 2-D inputs).
+    m, n = rows // heads, rows % heads
+    x_ptrs = X + (m * stride_xm + n * stride_xn)[:, None] + cols[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0)  # (R, BD) input dtype
+    if HAS_RESIDUAL:
+        r_ptrs = Residual + (m * stride_rm + n * stride_rn)[:, None] + cols[None, :]
+        res = tl.load(r_ptrs, mask=mask, other=0.0)
+        # NOTE: rounded to the input dtype before normalising, exactly like `x + residual` in torch.
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        tl.store(r_ptrs, x, mask=mask)
+    h = x.to(tl.float32)
+    # NOTE: div_rn/sqrt_rn, not `/` and rsqrt: Triton lowers those to approximate PTX instructions.
+    mean_sq = tl.div_rn(tl.sum(h * h, axis=1), tl.full((BLOCK_ROWS,), DIM, tl.float32))  # (R,)
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))  # (R,)
+    normed = (h * inv_rms[:, None]).to(x.dtype)
+    w = tl.load(W + cols, mask=cols < DIM, other=0.0).to(tl.float32)  # (BD,)
+    out = w[None, :] * normed.to(tl.float32)
+    tl.store(Out + rows[:, None] * DIM + cols[None, :], out.to(Out.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x (D,), (M, D) or (M, N, D); returns a new contiguous tensor."""
+    return _launch(x, None, weight, eps)
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual += x` in place, then RMSNorm of the sum; returns (out, residual)."""
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"residual must match x in shape, dtype and device: got {tuple(residual.shape)} "
+                         f"{residual.dtype} {residual.device} vs {tuple(x.shape)} {x.dtype} {x.device}")
+    return _launch(x, residual, weight, eps), residual
+
+
+def _launch(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> torch.Tensor:
+    check_device("rmsnorm", x, residual, weight)
+    if x.dim() == 1:  # a single row: a (1, D) view, so an in-place residual stays the caller's
+        out = _launch(x.unsqueeze(0), None if residual is None else residual.unsqueeze(0), weight, eps)
+        return out.squeeze(0)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"rmsnorm expects x of shape (D,), (M, D) or (M, N, D), got {tuple(x.shape)}")
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"rmsnorm weight must have shape ({dim},), got {tuple(weight.shape)}")
+    if dim > MAX_ROW:
+        raise ValueError(f"rmsnorm supports rows up to {MAX_ROW} elements, got {dim}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        raise ValueError("residual must have unit stride on its last dim (it is updated in place)")
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    heads = x.shape[1] if x.dim() == 3 else 1
+    n_rows = x.numel() // dim
+    if n_rows == 0:
+        return out
+
+    def row_strides(t: torch.Tensor) -> tuple[int, int]:
+        return (t.stride(0), t.stride(1)) if t.dim() == 3 else (t.stride(0), 0)
+
+    block_d = next_power_of_2(dim)
+    # ~4K elements a program: one row at hidden sizes, a group of heads at head_dim 64/128.
+    block_rows = min(max(1, 4096 // block_d), next_power_of_2(n_rows))
+    num_warps = min(16, max(1, block_rows * block_d // 256))
+    res = residual if residual is not None else x
+    _rmsnorm_kernel[(triton.cdiv(n_rows, block_rows),)](
+        x, res, weight, out, n_rows, heads, eps, *row_strides(x), *row_strides(res),
+        DIM=dim, HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=num_warps)
+    return out
