@@ -14,11 +14,15 @@ python3 -c "import plait" 2>/dev/null || python3 -m pip install -q --no-deps --n
 for step in "$@"; do
   case "$step" in
     tests)
-      timeout 420 python3 -m pytest -q -x -m gpu -p no:cacheprovider --timeout 200 \
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 \
         tests/test_triton_attention.py tests/test_fused_kernels.py tests/test_gpu_correctness.py -s 2>&1 \
         | grep -vE "Warning|warn\(|^\s*$" | tee "$OUT/gpu_tests.log" | tail -15 ;;
-    one_batch)
-      for m in llama-3.2-1b llama-3.1-8b; do
+    fused)
+      timeout 120 python3 benchmarks/bench_fused_kernels.py --quick 2>&1 | tail -25 ;;
+    one_batch_8b|one_batch_1b|one_batch)
+      models="llama-3.2-1b llama-3.1-8b"; [ "$step" = one_batch_8b ] && models=llama-3.1-8b
+      [ "$step" = one_batch_1b ] && models=llama-3.2-1b
+      for m in $models; do
         timeout 300 python3 benchmarks/bench_one_batch.py --model $m --batch-sizes 1 8 32 64 128 256 \
           --hf-batch-sizes 1 32 2>&1 | grep -E "plait|transformers|GPU"
       done ;;
