@@ -1,1 +1,15 @@
+"""Constrained decoding: grammar backends (xgrammar, outlines-core), async compile cache,
+token bitmasks and jump-forward. See base.py for the interface and integration.py for the
+scheduler-facing helpers."""
 
+from .base import (ANY_JSON, BACKEND_NAMES, GRAMMAR_KINDS, CompiledGrammar, GrammarBackend,
+                   GrammarCompileError, GrammarCompileTimeout, GrammarMatcher,
+                   create_grammar_backend)
+from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+from .validation import validate_constraint
+
+__all__ = [
+    "ANY_JSON", "BACKEND_NAMES", "GRAMMAR_KINDS", "CompiledGrammar", "GrammarBackend",
+    "GrammarCompileError", "GrammarCompileTimeout", "GrammarMatcher", "create_grammar_backend",
+    "allocate_token_bitmask", "apply_token_bitmask_inplace", "validate_constraint",
+]

@@ -1,0 +1,274 @@
+"""The grammar-backend interface: compile constraints asynchronously, match tokens per request.
+
+Three objects, each with one job:
+
+- `GrammarBackend` (one per engine; holds the tokenizer's `TokenizerVocab`): turns a constraint
+  key `(kind, text)` into a `CompiledGrammar` on a thread pool, so a slow compile never stalls a
+  batch. `get_or_compile(key)` returns a `concurrent.futures.Future`; equal keys share one
+  compilation (an LRU cache of futures). A compile that runs past `compile_timeout` seconds resolves
+  its future with `GrammarCompileTimeout`; the compile itself keeps running and, if it eventually
+  succeeds, later requests with the same key get the result. Invalid inputs resolve the future
+  with `ValueError` saying what is wrong (and so does the synchronous `validate`).
+- `CompiledGrammar` (shared, immutable): the tokenizer-specific automaton plus `warnings`, the
+  schema features the backend does not enforce (never dropped silently).
+- `GrammarMatcher` (one per request, mutable): `accept_token`, `fill_bitmask`, `is_terminated`,
+  `rollback`, `jump_forward_string`.
+
+Kinds: "json" (compact JSON for a JSON schema), "json_ws" (JSON schema, free whitespace), "regex",
+"ebnf" (xgrammar only). A JSON kind whose text is `ANY_JSON` ("$$ANY$$") means any JSON value
+(OpenAI `response_format={"type": "json_object"}`).
+
+Bitmask layout (shared by both backends): int32 tensor (B, ceil(V / 32)); bit j of word w is token
+32 * w + j; 1 = allowed. See `bitmask.py` for allocation and in-place application.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from abc import ABC, abstractmethod
+import queue
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .vocab import TokenizerVocab, build_tokenizer_vocab
+
+GRAMMAR_KINDS = ("json", "json_ws", "regex", "ebnf")
+ANY_JSON = "$$ANY$$"
+BACKEND_NAMES = ("xgrammar", "outlines")
+
+GrammarKey = tuple[str, str]
+
+
+class GrammarCompileError(ValueError):
+    """A constraint that cannot be compiled (bad syntax, unsupported feature, ...)."""
+
+
+class GrammarCompileTimeout(GrammarCompileError):
+    """Compilation ran past the backend's compile_timeout."""
+
+
+def check_key(key: Any) -> GrammarKey:
+    """Validate the shape of a grammar key; returns it as a (kind, text) tuple."""
+    if not isinstance(key, (tuple, list)) or len(key) != 2:
+        raise ValueError(f"grammar key must be a (kind, text) pair, got {key!r}")
+    kind, text = key
+    if kind not in GRAMMAR_KINDS:
+        raise ValueError(f"grammar kind must be one of {list(GRAMMAR_KINDS)}, got {kind!r}")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{kind} constraint must be a non-empty string")
+    return (kind, text)
+
+
+class _DaemonPool:
+    """A minimal thread pool of daemon threads.
+
+    NOTE: not concurrent.futures.ThreadPoolExecutor: its threads are joined at interpreter exit,
+    so one runaway compile (outlines can take minutes) would hang engine shutdown. A compile
+    cannot be interrupted, but with daemon threads it no longer outlives the process."""
+
+    def __init__(self, num_threads: int, name: str) -> None:
+        self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._closed = False
+        for i in range(num_threads):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        fut: Future = Future()
+        if self._closed:
+            fut.set_exception(RuntimeError("the grammar backend was shut down"))
+        else:
+            self._tasks.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # delivered to the waiter, never lost
+                fut.set_exception(e)
+
+    def shutdown(self, num_threads: int) -> None:
+        self._closed = True
+        for _ in range(num_threads):
+            self._tasks.put(None)
+
+
+class GrammarMatcher(ABC):
+    """Per-request matching state. Not thread-safe: one request, one scheduler thread."""
+
+    # Constraint features the backend does not enforce (copied from the CompiledGrammar).
+    warnings: tuple[str, ...] = ()
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar forbids it.
+
+        Accepting a stop token where the grammar may end terminates the matcher."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted at a point where the grammar may end."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-next-token bits into `bitmask[row]` (int32 CPU tensor, (B, W))."""
+
+    @property
+    def max_rollback(self) -> int:
+        """How many accepted tokens `rollback` can undo (0: unsupported)."""
+        return 0
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        raise NotImplementedError(f"{type(self).__name__} does not support rollback")
+
+    def jump_forward_string(self) -> Optional[str]:
+        """The text the grammar forces next (every valid continuation starts with it), or None."""
+        return None
+
+
+class CompiledGrammar(ABC):
+    """A grammar compiled against one tokenizer; immutable and shared by all requests with its key."""
+
+    def __init__(self, key: GrammarKey, warnings: Sequence[str], compile_seconds: float) -> None:
+        self.key = key
+        self.warnings: tuple[str, ...] = tuple(warnings)
+        self.compile_seconds = compile_seconds
+
+    @abstractmethod
+    def new_matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start state."""
+
+
+class GrammarBackend(ABC):
+    """Compiles and caches grammars for one tokenizer; subclasses implement `_compile`/`validate`."""
+
+    name: str = "?"
+
+    def __init__(self, vocab: TokenizerVocab, num_threads: int = 1,
+                 compile_timeout: float = 60.0, cache_size: int = 1024) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if compile_timeout <= 0:
+            raise ValueError(f"compile_timeout must be > 0 seconds, got {compile_timeout}")
+        self.vocab = vocab
+        self.num_threads = num_threads
+        self.compile_timeout = float(compile_timeout)
+        self.cache_size = cache_size
+        self._pool = _DaemonPool(num_threads, f"grammar-{self.name}")
+        self._cache: "collections.OrderedDict[GrammarKey, Future]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.vocab_size
+
+    # ---- to implement ----
+    @abstractmethod
+    def validate(self, kind: str, text: str) -> list[str]:
+        """Tokenizer-free check; raises ValueError, returns warnings (unenforced features)."""
+
+    @abstractmethod
+    def _compile(self, kind: str, text: str, warnings: list[str]) -> CompiledGrammar:
+        """Compile (runs on the pool); raise ValueError for invalid input."""
+
+    # ---- shared machinery ----
+    def compile_sync(self, key: GrammarKey) -> CompiledGrammar:
+        """Compile on the calling thread, bypassing the cache and the timeout (tests, benchmarks)."""
+        kind, text = check_key(key)
+        warnings = self.validate(kind, text)
+        return self._compile(kind, text, warnings)
+
+    def get_or_compile(self, key: GrammarKey) -> "Future[CompiledGrammar]":
+        """A future of the compiled grammar; cached by key, compiled on the thread pool."""
+        kind, text = key = check_key(key)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                self.cache_hits += 1
+                return fut
+            self.cache_misses += 1
+            outer: Future = Future()
+            self._cache[key] = outer
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        inner = self._pool.submit(self.compile_sync, key)
+        timer = threading.Timer(self.compile_timeout, self._on_timeout, args=(key, outer))
+        timer.daemon = True
+        timer.start()
+        inner.add_done_callback(lambda f: self._on_compiled(key, outer, f, timer))
+        return outer
+
+    def _on_timeout(self, key: GrammarKey, outer: Future) -> None:
+        kind, text = key
+        snippet = text if len(text) <= 80 else text[:77] + "..."
+        err = GrammarCompileTimeout(
+            f"compiling the {kind} constraint {snippet!r} with the {self.name} backend took longer "
+            f"than grammar_compile_timeout={self.compile_timeout:g}s; simplify the constraint or "
+            f"raise the timeout")
+        try:
+            outer.set_exception(err)
+        except InvalidStateError:  # the compile finished at the same instant
+            pass
+
+    def _on_compiled(self, key: GrammarKey, outer: Future, inner: Future,
+                     timer: threading.Timer) -> None:
+        timer.cancel()
+        exc = inner.exception()
+        try:
+            if exc is not None:
+                outer.set_exception(exc if isinstance(exc, ValueError)
+                                    else GrammarCompileError(f"{self.name} failed to compile the "
+                                                             f"{key[0]} constraint: {exc}"))
+            else:
+                outer.set_result(inner.result())
+            return
+        except InvalidStateError:  # the deadline passed first
+            pass
+        if exc is None:
+            # NOTE: the compile finished after its deadline; later requests with this key get it
+            # at once instead of being refused until the cache entry is evicted.
+            done: Future = Future()
+            done.set_result(inner.result())
+            with self._lock:
+                if self._cache.get(key) is outer:
+                    self._cache[key] = done
+
+    def cache_info(self) -> dict[str, int]:
+        with self._lock:
+            return {"hits": self.cache_hits, "misses": self.cache_misses, "size": len(self._cache)}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(self.num_threads)
+
+
+def create_grammar_backend(name: str, tokenizer: Any, vocab_size: Optional[int] = None,
+                           num_threads: int = 1, compile_timeout: float = 60.0,
+                           stop_token_ids: Optional[Sequence[int]] = None) -> GrammarBackend:
+    """Build the named backend ("xgrammar" | "outlines") for a Hugging Face tokenizer.
+
+    vocab_size: the model's logit width (may exceed the tokenizer's; extra ids are never allowed).
+    stop_token_ids: tokens that end a finished grammar (default: the tokenizer's eos)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"grammar_backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
+    vocab = build_tokenizer_vocab(tokenizer, vocab_size, stop_token_ids)
+    if name == "xgrammar":
+        from .xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(vocab, num_threads=num_threads, compile_timeout=compile_timeout)
+    from .outlines_backend import OutlinesBackend
+
+    return OutlinesBackend(vocab, num_threads=num_threads, compile_timeout=compile_timeout)
+

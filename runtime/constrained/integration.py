@@ -1,0 +1,174 @@
+"""The scheduler's side of constrained decoding: one `GrammarManager` per scheduler process.
+
+Calls the scheduler makes (runtime/scheduler.py):
+
+    manager = GrammarManager(tokenizer, vocab_size, server_args)     # lazily, first grammar request
+    req.grammar_future = manager.request(sampling_params)            # on arrival; poll .done()
+    req.grammar = req.grammar_future.result()                        # a per-request GrammarMatcher
+                                                                     # (ValueError: abort the request)
+    manager.fill_and_apply(logits, reqs)                             # sampler hook, before sampling
+    manager.accept(req, token_id)                                    # after appending a sampled token
+    plan = manager.jump_forward(req)                                 # after the stop checks, if the
+                                                                     # request is still running
+
+`jump_forward` rewrites `req.output_ids` in place (drops at most the just-sampled token, whose KV
+is not computed yet, and appends the forced tokens), advances the matcher and feeds the
+detokenizer; the scheduler then prefills the new tail (`len(req.fill_ids) - req.kv_len` tokens)
+instead of decoding one token. Stop strings are not searched inside forced text (the grammar, not
+the model, wrote it); forced tokens count towards max_new_tokens and are cut to fit it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .base import GrammarBackend, GrammarMatcher, create_grammar_backend
+from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+from .jump_forward import JumpForwardPlan, apply_jump_forward, plan_jump_forward
+
+
+class GrammarManager:
+    """Owns the grammar backend and the batch bitmask of one scheduler."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, server_args: Any) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.backend: GrammarBackend = create_grammar_backend(
+            server_args.grammar_backend, tokenizer, vocab_size,
+            num_threads=1, compile_timeout=server_args.grammar_compile_timeout)
+        # NOTE: jump-forward re-prefills the forced tail; without the radix cache that would
+        # recompute the whole prompt, so it only pays with the cache on.
+        self.jump_forward_enabled = not (server_args.disable_jump_forward
+                                         or getattr(server_args, "disable_radix_cache", False))
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
+        self._bitmask: Optional[torch.Tensor] = None
+        self.stats = {"jump_forward_events": 0, "jump_forward_tokens": 0}
+
+    # ---- arrival ----
+    def request(self, sampling_params: Any) -> "Future[GrammarMatcher]":
+        """A future of a fresh matcher for the request's constraint (compiled once per key)."""
+        return make_request_grammar(self.backend, sampling_params)
+
+    # ---- sampling ----
+    def fill_and_apply(self, logits: torch.Tensor, reqs: Sequence[Any]) -> None:
+        """Mask logits (B, V) in place: row i follows reqs[i].grammar; rows without one untouched."""
+        rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+        if not rows:
+            return
+        batch, vocab = logits.shape
+        if self._bitmask is None or self._bitmask.shape[0] < batch:
+            self._bitmask = allocate_token_bitmask(max(batch, 8), self.backend.vocab_size)
+        bitmask = self._bitmask[:batch]  # (B, W)
+        for i in rows:
+            if not reqs[i].grammar.is_terminated():
+                reqs[i].grammar.fill_bitmask(bitmask, i)
+            else:  # only reached if a finished request is still batched: allow nothing but stop
+                bitmask[i].zero_()
+        apply_token_bitmask_inplace(logits, bitmask, rows)
+
+    # ---- after sampling ----
+    def accept(self, req: Any, token_id: int) -> bool:
+        """Advance the request's matcher; a rejected token aborts the request (never silently)."""
+        if advance(req, token_id):
+            return True
+        from ..schedule_batch import FinishReason
+
+        req.finished_reason = FinishReason(
+            "abort", message=f"token {token_id} violates the request's grammar (constraint "
+                             f"{req.sampling_params.grammar_key[0]})")
+        return False
+
+    def jump_forward(self, req: Any) -> Optional[JumpForwardPlan]:
+        """Append the grammar-forced tokens to `req.output_ids` (see the module docstring)."""
+        if not self.jump_forward_enabled or req.grammar is None or req.grammar.is_terminated():
+            return None
+        plan = jump_forward(req, self.tokenizer, self._special)
+        if plan is not None:
+            self.stats["jump_forward_events"] += 1
+            self.stats["jump_forward_tokens"] += len(plan.append_token_ids)
+        return plan
+
+
+def make_request_grammar(backend: GrammarBackend, sampling_params: Any
+                         ) -> "Optional[Future[GrammarMatcher]]":
+    """None for an unconstrained request; else a future resolving to the request's own matcher
+    (with `.warnings`, the constraint features the backend does not enforce) or to ValueError."""
+    key = sampling_params.grammar_key
+    if key is None:
+        return None
+    compiled_future = backend.get_or_compile(key)
+    matcher_future: Future = Future()
+
+    def on_compiled(fut: Future) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            matcher_future.set_exception(exc)
+            return
+        compiled = fut.result()
+        matcher = compiled.new_matcher()
+        matcher.warnings = compiled.warnings
+        matcher_future.set_result(matcher)
+
+    compiled_future.add_done_callback(on_compiled)
+    return matcher_future
+
+
+def fill_and_apply_masks(logits: torch.Tensor, reqs: Sequence[Any], bitmask: torch.Tensor) -> None:
+    """Stateless form of `GrammarManager.fill_and_apply` with a caller-owned (B, W) bitmask."""
+    rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+    for i in rows:
+        reqs[i].grammar.fill_bitmask(bitmask, i)
+    if rows:
+        apply_token_bitmask_inplace(logits, bitmask, rows)
+
+
+def advance(req: Any, token_id: int) -> bool:
+    """Feed a sampled token to the request's matcher; False if the grammar rejects it."""
+    return req.grammar is None or req.grammar.accept_token(int(token_id))
+
+
+def jump_forward(req: Any, tokenizer: Any, special_ids: frozenset = frozenset()
+                 ) -> Optional[JumpForwardPlan]:
+    """Plan and apply a jump-forward on `req` (output_ids, matcher, detokenizer); None if nothing
+    is forced or the budget is spent. Drops at most the last (not yet KV-computed) token."""
+    max_new = req.sampling_params.max_new_tokens
+    budget = None if max_new is None else max_new - len(req.output_ids)
+    if budget is not None and budget <= 0:
+        return None
+    plan = plan_jump_forward(req.grammar, tokenizer, req.output_ids, max_backoff=1)
+    if plan is None or any(t in special_ids for t in plan.append_token_ids):
+        return None  # forced text that encodes to special tokens is left to the model
+    if budget is not None and plan.tokens_saved > budget:
+        plan = _without_backoff(req.grammar, tokenizer, plan.forced_text, budget)
+        if plan is None:
+            return None
+    detok_ids = (list(plan.append_token_ids) if plan.rollback_tokens == 0
+                 else list(tokenizer.encode(plan.forced_text, add_special_tokens=False)))
+    if plan.rollback_tokens and tokenizer.decode(detok_ids) != plan.forced_text:
+        return None
+    if not apply_jump_forward(req.grammar, plan):
+        return None
+    if plan.rollback_tokens:
+        del req.output_ids[len(req.output_ids) - plan.rollback_tokens:]
+    req.output_ids.extend(plan.append_token_ids)
+    detok = getattr(req, "detok", None)
+    if detok is not None:
+        # NOTE: the detokenizer already emitted the dropped token's text; the new tokens decode
+        # to that text plus the forced text, so it is fed only tokens spelling the forced text.
+        detok.step(detok_ids)
+    return plan
+
+
+def _without_backoff(matcher: GrammarMatcher, tokenizer: Any, forced: str,
+                     budget: int) -> Optional[JumpForwardPlan]:
+    ids = list(tokenizer.encode(forced, add_special_tokens=False))[:budget]
+    if not ids:
+        return None
+    text = tokenizer.decode(ids)
+    if not forced.startswith(text) or "\ufffd" in text:
+        return None
+    return JumpForwardPlan(forced_text=text, rollback_tokens=0, dropped_token_ids=(),
+                           append_token_ids=tuple(ids))

@@ -1,0 +1,241 @@
+"""outlines-core backend: regex and JSON schema (no EBNF), via a token-level DFA index.
+
+A JSON schema becomes a regex (compact: no whitespace between tokens; "json_ws" allows
+`[ \\t\\n\\r]*`), then an `Index` over the vocabulary. Compiling walks the whole DFA against the
+vocabulary, which is slow for large schemas (seconds) but makes per-token masks cheap.
+
+Recursive structures are unrolled to a fixed depth (`MAX_RECURSION_DEPTH`); any-JSON is therefore
+limited in nesting depth, which is reported as a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Optional
+
+import outlines_core as oc
+import torch
+
+from .base import ANY_JSON, CompiledGrammar, GrammarBackend, GrammarKey, GrammarMatcher
+from .schema_support import ASSERTION_KEYWORDS, tighten_schema, unenforced_features, walk_schema
+from .validation import normalize_regex, parse_json_schema
+from .vocab import TokenizerVocab
+
+MAX_RECURSION_DEPTH = 3
+MAX_ENUM_RANGE = 1000
+_SCALAR_TYPES = ("string", "number", "boolean", "null")
+_WHITESPACE = r"[ \t\n\r]*"
+_MAX_ROLLBACK = 64
+
+
+def _to_regex(kind: str, text: str) -> tuple[str, list[str]]:
+    """Tokenizer-free: the regex outlines will enforce, plus warnings (raises ValueError)."""
+    if kind == "ebnf":
+        raise ValueError("the outlines grammar backend does not support EBNF grammars; "
+                         "use grammar_backend='xgrammar'")
+    if kind == "regex":
+        return normalize_regex(text), []
+    schema = parse_json_schema(text)
+    if schema is None:
+        schema = {}
+        warnings = [f"any-JSON is limited to {MAX_RECURSION_DEPTH} levels of nesting by outlines"]
+    else:
+        schema = prepare_schema_for_outlines(schema)
+        warnings = unenforced_features(schema, "outlines")
+    try:
+        regex = oc.json_schema.build_regex_from_schema(
+            json.dumps(schema), "" if kind == "json" else _WHITESPACE, MAX_RECURSION_DEPTH)
+    except ValueError as e:
+        msg = str(e).splitlines()[0].strip()
+        raise ValueError(f"invalid json_schema for outlines: {msg}") from None
+    return regex, warnings
+
+
+def prepare_schema_for_outlines(schema: Any) -> Any:
+    """Rewrite a schema into the subset outlines-core translates correctly (same valid outputs).
+
+    - `tighten_schema` (declared properties only, required names declared).
+    - An empty subschema `{}` (any value) becomes "any scalar": outlines' regex for `{}` lacks a
+      group around its alternation, which breaks the enclosing object, and spelling out nested
+      containers instead multiplies the DFA past memory. A narrowing: outputs stay valid.
+    - An integer with both bounds and at most `MAX_ENUM_RANGE` values becomes an enum: outlines
+      ignores minimum/maximum.
+    """
+    schema = tighten_schema(schema)
+    for path, node in list(walk_schema(schema)):
+        if path != "/" and not any(k in ASSERTION_KEYWORDS for k in node):
+            node["type"] = list(_SCALAR_TYPES)
+        values = _bounded_integer_values(node)
+        if values is not None:
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                node.pop(key, None)
+            node["enum"] = values
+    return schema
+
+
+def _bounded_integer_values(node: dict) -> Optional[list[int]]:
+    if node.get("type") != "integer" or "enum" in node or "const" in node:
+        return None
+    low, high = node.get("minimum"), node.get("maximum")
+    if isinstance(node.get("exclusiveMinimum"), (int, float)) and not isinstance(
+            node.get("exclusiveMinimum"), bool):
+        low = math.floor(node["exclusiveMinimum"]) + 1 if low is None else max(
+            low, math.floor(node["exclusiveMinimum"]) + 1)
+    if isinstance(node.get("exclusiveMaximum"), (int, float)) and not isinstance(
+            node.get("exclusiveMaximum"), bool):
+        high = math.ceil(node["exclusiveMaximum"]) - 1 if high is None else min(
+            high, math.ceil(node["exclusiveMaximum"]) - 1)
+    if not isinstance(low, (int, float)) or not isinstance(high, (int, float)):
+        return None
+    low, high = math.ceil(low), math.floor(high)
+    if high < low or high - low + 1 > MAX_ENUM_RANGE:
+        return None
+    return list(range(low, high + 1))
+
+
+def validate_for_outlines(kind: str, text: str) -> list[str]:
+    """Raise ValueError if outlines cannot handle the constraint; return unenforced-feature warnings."""
+    return _to_regex(kind, text)[1]
+
+
+class OutlinesMatcher(GrammarMatcher):
+    """Wraps an outlines Guide; a stop token accepted in a final state terminates the match."""
+
+    def __init__(self, index: oc.Index, vocab: TokenizerVocab) -> None:
+        self._index = index
+        self._guide = oc.Guide(index, max_rollback=_MAX_ROLLBACK)
+        self._vocab = vocab
+        self._stop = frozenset(vocab.stop_token_ids)
+        self._terminated = False
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._terminated:
+            return False
+        if token_id in self._stop:
+            if self._guide.is_finished():
+                self._terminated = True
+                return True
+            return False
+        if not 0 <= token_id < self._vocab.vocab_size or not self._vocab.decoded[token_id]:
+            return False
+        try:
+            self._guide.advance(int(token_id), return_tokens=False)
+        except ValueError:  # no transition: the grammar forbids this token
+            return False
+        return True
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        target = bitmask[row]
+        if self._terminated:
+            target.zero_()
+            return
+        self._guide.write_mask_into(target.data_ptr(), target.numel(), target.element_size())
+        if self._guide.is_finished():
+            # outlines knows one eos id; every configured stop token may end a finished match.
+            for stop in self._stop:
+                target[stop // 32] |= _bit(stop % 32)
+
+    @property
+    def max_rollback(self) -> int:
+        return _MAX_ROLLBACK
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0 and self._terminated:
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens > 0:
+            self._guide.rollback_state(num_tokens)
+
+    def jump_forward_string(self) -> Optional[str]:
+        """Forced text read off the token DFA: the common prefix of every allowed token, repeated
+        while a token spelling exactly that prefix exists to step the DFA past it."""
+        if self._terminated:
+            return None
+        state = self._guide.get_state()
+        decoded = self._vocab.decoded
+        forced = b""
+        for _ in range(256):  # bound the walk; forced runs are short in practice
+            if self._index.is_final_state(state):
+                break  # ending is allowed here, so nothing further is forced
+            allowed = self._index.get_allowed_tokens(state)
+            if not allowed:
+                break
+            prefix = decoded[allowed[0]]
+            for tok in allowed[1:]:
+                text = decoded[tok]
+                n = 0
+                limit = min(len(prefix), len(text))
+                while n < limit and prefix[n] == text[n]:
+                    n += 1
+                prefix = prefix[:n]
+                if not prefix:
+                    break
+            if not prefix:
+                break
+            step = next((t for t in allowed if decoded[t] == prefix), None)
+            if step is None:
+                break
+            forced += prefix
+            state = self._index.get_next_state(state, step)
+            if state is None:
+                break
+        return _complete_utf8_prefix(forced) or None
+
+
+def _complete_utf8_prefix(data: bytes) -> str:
+    """The longest prefix of `data` made of whole UTF-8 characters ("" if it starts mid-character).
+
+    A trailing partial character stays forced and is offered again on a later step."""
+    for cut in range(len(data), max(len(data) - 4, 0) - 1, -1):
+        try:
+            return data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return ""
+
+
+def _bit(i: int) -> int:
+    return (1 << i) - (1 << 32) if i == 31 else (1 << i)  # int32 two's complement for bit 31
+
+
+class OutlinesCompiled(CompiledGrammar):
+    def __init__(self, key: GrammarKey, warnings: list[str], seconds: float, index: oc.Index,
+                 vocab: TokenizerVocab) -> None:
+        super().__init__(key, warnings, seconds)
+        self._index = index
+        self._vocab = vocab
+
+    def new_matcher(self) -> GrammarMatcher:
+        return OutlinesMatcher(self._index, self._vocab)
+
+
+class OutlinesBackend(GrammarBackend):
+    name = "outlines"
+
+    def __init__(self, vocab: TokenizerVocab, num_threads: int = 1,
+                 compile_timeout: float = 60.0) -> None:
+        super().__init__(vocab, num_threads=num_threads, compile_timeout=compile_timeout)
+        by_bytes: dict[bytes, list[int]] = {}
+        for token_id, data in enumerate(vocab.decoded):
+            if data:  # special tokens, stop tokens and padding ids are never part of a match
+                by_bytes.setdefault(data, []).append(token_id)
+        self._vocabulary = oc.Vocabulary(vocab.stop_token_ids[0], by_bytes)
+
+    def validate(self, kind: str, text: str) -> list[str]:
+        return validate_for_outlines(kind, text)
+
+    def _compile(self, kind: str, text: str, warnings: list[str]) -> CompiledGrammar:
+        start = time.perf_counter()
+        regex, _ = _to_regex(kind, text)
+        try:
+            index = oc.Index(regex, self._vocabulary)
+        except ValueError as e:
+            raise ValueError(f"outlines could not compile the {kind} constraint: "
+                             f"{str(e).splitlines()[0]}") from None
+        return OutlinesCompiled((kind, text), warnings, time.perf_counter() - start, index,
+                                self.vocab)

@@ -1,0 +1,224 @@
+"""Which JSON-schema keywords each backend enforces, and a walker that reports the rest.
+
+A backend that accepts a schema but silently drops one of its assertions would produce outputs
+that fail validation; `unenforced_features(schema, backend)` lists every such place as a warning
+("keyword 'uniqueItems' at /properties/tags is not enforced by xgrammar"). The tables below were
+established against the official JSON-Schema test suite (tests/test_constrained_unit.py keeps
+them honest: an invalid instance that a backend accepts must be explained by a warning here).
+
+Unknown keywords and annotations (title, description, default, ...) constrain nothing, so they
+are not reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+# Keywords that assert something about an instance (JSON Schema 2020-12 plus older drafts' names).
+ASSERTION_KEYWORDS = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+    "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
+    "uniqueItems", "maxContains", "minContains", "contains", "maxProperties", "minProperties",
+    "required", "dependentRequired", "dependentSchemas", "dependencies", "properties",
+    "patternProperties", "additionalProperties", "propertyNames", "items", "prefixItems",
+    "additionalItems", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+    "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
+})
+
+_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LIST_KEYS = ("prefixItems", "allOf", "anyOf", "oneOf")
+_SCHEMA_KEYS = ("additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
+                "unevaluatedItems", "unevaluatedProperties", "additionalItems", "items")
+
+_ALLOF_BRANCH = re.compile(r"/allOf/\d+$")
+_OPEN_OBJECT_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf",
+                     "anyOf", "oneOf", "$ref", "if", "dependentSchemas")
+
+# Keywords that only constrain values of one JSON type; without a declared `type` a backend may
+# generate another type and skip them.
+_TYPED_KEYWORDS = {
+    "multipleOf": "number", "maximum": "number", "exclusiveMaximum": "number",
+    "minimum": "number", "exclusiveMinimum": "number", "maxLength": "string",
+    "minLength": "string", "pattern": "string", "format": "string", "maxItems": "array",
+    "minItems": "array", "uniqueItems": "array", "contains": "array", "maxContains": "array",
+    "minContains": "array", "prefixItems": "array", "items": "array", "additionalItems": "array",
+    "maxProperties": "object", "minProperties": "object", "required": "object",
+    "properties": "object", "patternProperties": "object", "additionalProperties": "object",
+    "propertyNames": "object", "dependentRequired": "object",
+}
+# Keywords whose presence lets xgrammar infer the node's type.
+_TYPE_IMPLYING = {"properties": "object", "items": "array", "prefixItems": "array"}
+_VALUE_PINNING = ("enum", "const")
+_BRANCHING = ("anyOf", "oneOf")
+
+
+@dataclass(frozen=True)
+class BackendSupport:
+    """What one backend enforces; `partial` maps a keyword to the caveat reported for it."""
+
+    name: str
+    enforced: frozenset
+    partial: dict
+    formats: frozenset
+    integer_bounds: bool  # minimum/maximum on integers
+    number_bounds: bool  # minimum/maximum on non-integer numbers
+    multiple_of_number: bool
+    length_with_pattern: bool  # minLength/maxLength still enforced when a pattern is present
+
+
+XGRAMMAR = BackendSupport(
+    name="xgrammar",
+    enforced=frozenset({
+        "type", "enum", "const", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+        "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "required",
+        "properties", "additionalProperties", "items", "prefixItems", "additionalItems", "anyOf",
+        "$ref", "maxProperties", "minProperties", "patternProperties", "propertyNames",
+        "multipleOf",
+    }),
+    partial={"oneOf": "is enforced as anyOf (exclusivity is not checked)"},
+    formats=frozenset({
+        "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+        "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+    }),
+    integer_bounds=True, number_bounds=True, multiple_of_number=False, length_with_pattern=False,
+)
+
+OUTLINES = BackendSupport(
+    name="outlines",
+    enforced=frozenset({
+        "type", "enum", "const", "maxLength", "minLength", "pattern", "format", "maxItems",
+        "minItems", "required", "properties", "additionalProperties", "items", "anyOf", "$ref",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    }),
+    partial={"oneOf": "is enforced as anyOf (exclusivity is not checked)"},
+    formats=frozenset({"date-time", "date", "time", "uuid", "uri", "email"}),
+    # NOTE: outlines emits no bounds at all; outlines_backend rewrites small integer ranges into
+    # enums (see `bounded_integer_to_enum`), so only those count as enforced.
+    integer_bounds=False, number_bounds=False, multiple_of_number=False, length_with_pattern=False,
+)
+
+BACKENDS = {"xgrammar": XGRAMMAR, "outlines": OUTLINES}
+_BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def walk_schema(schema: Any, path: str = "") -> Iterator[tuple[str, dict]]:
+    """Yield (json-pointer, subschema) for every object subschema, depth first."""
+    if not isinstance(schema, dict):
+        return
+    yield path or "/", schema
+    for key in _SCHEMA_MAP_KEYS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, child in sub.items():
+                yield from walk_schema(child, f"{path}/{key}/{_escape(name)}")
+    for key in _SCHEMA_LIST_KEYS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, child in enumerate(sub):
+                yield from walk_schema(child, f"{path}/{key}/{i}")
+    for key in _SCHEMA_KEYS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            yield from walk_schema(sub, f"{path}/{key}")
+        elif isinstance(sub, list):  # draft-7 tuple `items` / list-valued keywords
+            for i, child in enumerate(sub):
+                yield from walk_schema(child, f"{path}/{key}/{i}")
+    deps = schema.get("dependencies")
+    if isinstance(deps, dict):
+        for name, child in deps.items():
+            yield from walk_schema(child, f"{path}/dependencies/{_escape(name)}")
+
+
+def tighten_schema(schema: Any) -> Any:
+    """A copy of `schema` narrowed for generation; every output it admits is valid for `schema`.
+
+    - An object that declares `properties` (and has no additionalProperties, patternProperties,
+      unevaluatedProperties or sibling applicators) gets `additionalProperties: false`: small
+      models otherwise invent keys. Skipped where `required` or `minProperties` would then be
+      unsatisfiable, and for allOf branches, whose siblings may declare the other keys.
+    - A `required` name missing from `properties` is added there (with the additionalProperties
+      schema, or `{}`), so that backends which only emit declared properties still emit it.
+    """
+    schema = copy.deepcopy(schema)
+    for path, node in list(walk_schema(schema)):
+        props = node.get("properties")
+        required = node.get("required")
+        if isinstance(required, list) and (isinstance(props, dict) or node.get("type") == "object"):
+            props = node.setdefault("properties", {}) if not isinstance(props, dict) else props
+            extra = node.get("additionalProperties", True)
+            for name in required:
+                if isinstance(name, str) and name not in props and extra is not False:
+                    props[name] = extra if isinstance(extra, dict) else {}
+        if not isinstance(props, dict) or not props:
+            continue
+        if _ALLOF_BRANCH.search(path) or any(k in node for k in _OPEN_OBJECT_KEYS):
+            continue
+        min_props = node.get("minProperties", 0)
+        if isinstance(min_props, (int, float)) and min_props > len(props):
+            continue
+        node["additionalProperties"] = False
+    return schema
+
+
+def unenforced_features(schema: Any, backend: str) -> list[str]:
+    """Warnings for every assertion in `schema` that `backend` does not (fully) enforce."""
+    support = BACKENDS[backend]
+    warnings: list[str] = []
+
+    def warn(path: str, what: str) -> None:
+        warnings.append(f"{what} at {path} is not enforced by {backend}; outputs may violate it")
+
+    for path, node in walk_schema(schema):
+        keywords = [k for k in node if k in ASSERTION_KEYWORDS]
+        declared = node.get("type")
+        inferred = {_TYPE_IMPLYING[k] for k in keywords if k in _TYPE_IMPLYING}
+        for keyword in keywords:
+            value = node[keyword]
+            if keyword in support.partial:
+                warnings.append(f"keyword {keyword!r} at {path} {support.partial[keyword]} "
+                                f"by {backend}")
+                continue
+            if keyword not in support.enforced:
+                warn(path, f"keyword {keyword!r}")
+                continue
+            if keyword == "$ref":
+                if not (isinstance(value, str) and (value == "#" or value.startswith("#/"))):
+                    warn(path, f"non-local $ref {value!r}")
+                siblings = [k for k in keywords if k not in ("$ref", "type")]
+                if siblings:
+                    warn(path, f"keywords {siblings} next to $ref")
+                continue
+            if keyword in _BRANCHING:
+                siblings = [k for k in keywords if k not in (*_BRANCHING, "type", "required",
+                                                             "properties")]
+                if siblings:
+                    warn(path, f"keywords {siblings} next to {keyword}")
+                continue
+            if any(k in node for k in _VALUE_PINNING) or "$ref" in node:
+                continue  # the pinned values / reference decide; reported above if relevant
+            typed = _TYPED_KEYWORDS.get(keyword)
+            if typed and declared is None and typed not in inferred:
+                warn(path, f"keyword {keyword!r} without a declared 'type'")
+                continue
+            if keyword in ("minLength", "maxLength") and "pattern" in node and (
+                    not support.length_with_pattern):
+                warn(path, f"keyword {keyword!r} next to 'pattern'")
+            elif keyword == "format" and isinstance(value, str) and value not in support.formats:
+                warn(path, f"format {value!r}")
+            elif keyword in _BOUND_KEYWORDS:
+                is_int = declared == "integer"
+                if (is_int and not support.integer_bounds) or (
+                        not is_int and not support.number_bounds):
+                    warn(path, f"keyword {keyword!r}")
+            elif keyword == "multipleOf":
+                exact = declared == "integer" and isinstance(value, int)
+                if not exact and not support.multiple_of_number:
+                    warn(path, f"keyword 'multipleOf' ({value!r} on {declared or 'any'} values)")
+    return warnings
+
+
+def _escape(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")

@@ -1,0 +1,128 @@
+"""xgrammar backend (the default): JSON schema, regex, EBNF (GBNF dialect) and any-JSON.
+
+JSON output is compact (separators "," and ":") unless the kind is "json_ws". Objects that declare
+their properties admit only those, in declared order (see `schema_support.tighten_schema`), which
+keeps small models on the rails and still yields schema-valid output.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import torch
+import xgrammar as xgr
+
+from .base import ANY_JSON, CompiledGrammar, GrammarBackend, GrammarMatcher, GrammarKey
+from .schema_support import tighten_schema, unenforced_features
+from .validation import clean_backend_error, normalize_regex, parse_json_schema
+from .vocab import TokenizerVocab
+
+_COMPACT = (",", ":")
+
+
+def _to_grammar(kind: str, text: str) -> xgr.Grammar:
+    """Tokenizer-free conversion of a constraint to an xgrammar Grammar (raises ValueError)."""
+    if kind == "regex":
+        text = normalize_regex(text)
+    try:
+        if kind in ("json", "json_ws"):
+            any_ws = kind == "json_ws"
+            schema = "{}" if text == ANY_JSON else json.dumps(tighten_schema(json.loads(text)))
+            # NOTE: xgrammar's strict_mode drops required-but-undeclared keys and refuses
+            # minItems without items; tighten_schema gives the same narrowing without that.
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=any_ws,
+                                                separators=None if any_ws else _COMPACT,
+                                                strict_mode=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        return xgr.Grammar.from_ebnf(text)
+    except Exception as e:  # xgrammar raises RuntimeError or its own error types
+        label = {"json": "json_schema", "json_ws": "json_schema"}.get(kind, kind)
+        raise ValueError(f"invalid {label}: {clean_backend_error(e)}") from None
+
+
+def validate_for_xgrammar(kind: str, text: str) -> list[str]:
+    """Raise ValueError if xgrammar cannot handle the constraint; return unenforced-feature warnings."""
+    warnings: list[str] = []
+    if kind in ("json", "json_ws"):
+        schema = parse_json_schema(text)
+        warnings = unenforced_features(schema, "xgrammar") if schema is not None else []
+    _to_grammar(kind, text)
+    return warnings
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab: TokenizerVocab) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._special = vocab.special_token_ids
+        self._vocab_size = vocab.vocab_size
+
+    def accept_token(self, token_id: int) -> bool:
+        # NOTE: xgrammar logs a warning for every rejected special token; reject those up front.
+        if token_id in self._special or not 0 <= token_id < self._vocab_size:
+            return False
+        return self._matcher.accept_token(int(token_id))
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def max_rollback(self) -> int:
+        return 1 << 30  # unlimited in xgrammar >= 0.1.20
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._matcher.rollback(num_tokens)
+
+    def jump_forward_string(self) -> Optional[str]:
+        if self._matcher.is_terminated():
+            return None
+        return self._matcher.find_jump_forward_string() or None
+
+
+class XGrammarCompiled(CompiledGrammar):
+    def __init__(self, key: GrammarKey, warnings: list[str], seconds: float,
+                 compiled: xgr.CompiledGrammar, vocab: TokenizerVocab) -> None:
+        super().__init__(key, warnings, seconds)
+        self._compiled = compiled
+        self._vocab = vocab
+
+    def new_matcher(self) -> GrammarMatcher:
+        return XGrammarMatcher(self._compiled, self._vocab)
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, vocab: TokenizerVocab, num_threads: int = 1,
+                 compile_timeout: float = 60.0) -> None:
+        super().__init__(vocab, num_threads=num_threads, compile_timeout=compile_timeout)
+        vocab_type = {"byte_level": xgr.VocabType.BYTE_LEVEL,
+                      "byte_fallback": xgr.VocabType.BYTE_FALLBACK}.get(vocab.vocab_type,
+                                                                         xgr.VocabType.RAW)
+        # NOTE: special tokens carry "" in `encoded`, which xgrammar treats as never-allowed.
+        self._info = xgr.TokenizerInfo(list(vocab.encoded), vocab_type, vocab_size=vocab.vocab_size,
+                                       stop_token_ids=list(vocab.stop_token_ids),
+                                       add_prefix_space=vocab.add_prefix_space)
+        # Our own cache (keyed by (kind, text)) sits in front; xgrammar's would duplicate it.
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=num_threads,
+                                             cache_enabled=False)
+
+    def validate(self, kind: str, text: str) -> list[str]:
+        return validate_for_xgrammar(kind, text)
+
+    def _compile(self, kind: str, text: str, warnings: list[str]) -> CompiledGrammar:
+        start = time.perf_counter()
+        grammar = _to_grammar(kind, text)
+        try:
+            compiled = self._compiler.compile_grammar(grammar)
+        except RuntimeError as e:
+            raise ValueError(f"xgrammar could not compile the {kind} constraint: "
+                             f"{clean_backend_error(e)}") from None
+        return XGrammarCompiled((kind, text), warnings, time.perf_counter() - start, compiled,
+                                self.vocab)
