@@ -73,7 +73,8 @@ class ModelRunner:
                               cfg.head_dim, self.dtype, self.device)
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend(), self)
-        self._pinned = None  # host staging buffer for per-step inputs (GPU)
+        self._staging = [(None, None)] * 4  # pinned host buffers for per-step inputs (GPU) + their copy events
+        self._staging_pos = 0
         self._host_ring = None  # pinned buffers receiving sampled tokens of overlapped steps
         self._ring_pos = 0
         self.graph_runner = None
@@ -167,12 +168,21 @@ class ModelRunner:
         if self.device == "cpu":
             return host
         k, n = host.shape
-        if self._pinned is None or self._pinned.numel() < k * n:
-            self._pinned = torch.empty(max(k * n, 1 << 16), dtype=torch.int64, pin_memory=True)
-        staging = self._pinned[:k * n].view(k, n)
+        # NOTE: a ring of pinned staging buffers, each reused only after its last copy completed: with
+        # overlap scheduling the next step's inputs are written while this step's copy may be pending.
+        slot = self._staging_pos = (self._staging_pos + 1) % len(self._staging)
+        buf, done = self._staging[slot]
+        if done is not None:
+            done.synchronize()
+        if buf is None or buf.numel() < k * n:
+            buf = torch.empty(max(k * n, 1 << 16), dtype=torch.int64, pin_memory=True)
+        staging = buf[:k * n].view(k, n)
         staging.copy_(host)
-        # NOTE: reusing the staging buffer next step is safe: reading the sampled tokens syncs first.
-        return staging.to(self.device, non_blocking=True)
+        dev = staging.to(self.device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._staging[slot] = (buf, done)
+        return dev
 
     def _build_forward_batch(self, batch: ScheduleBatch, ahead: int = 0, input_ids: Optional[torch.Tensor] = None):
         reqs = batch.reqs
