@@ -85,6 +85,8 @@ class GrammarManager:
         """Append the grammar-forced tokens to `req.output_ids` (see the module docstring)."""
         if not self.jump_forward_enabled or req.grammar is None or req.grammar.is_terminated():
             return None
+        if getattr(req, "return_logprob", False):
+            return None  # forced tokens have no logprobs; keep such requests token by token
         plan = jump_forward(req, self.tokenizer, self._special)
         if plan is not None:
             self.stats["jump_forward_events"] += 1
