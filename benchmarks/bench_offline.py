@@ -119,12 +119,29 @@ def load_workload(name: str):
     return workload.make(name)
 
 
-def roofline_seconds(reqs, weight_bytes: int, kv_bytes_per_token: int, bw: float, max_bs: int) -> float:
-    """A lower bound: each decode step reads all weights once; every generated token reads its KV."""
+def matmul_flops() -> float:
+    """Dense bf16 matmul rate (FLOP/s) measured in this run: the prefill compute ceiling."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192 ** 3 / (time.perf_counter() - t)
+
+
+def roofline_seconds(reqs, weight_bytes: int, kv_bytes_per_token: int, bw: float, max_bs: int,
+                     n_params: int = 0, flops: float = 0.0) -> float:
+    """A lower bound: prefill is compute (2 x params FLOP per prompt token at the measured matmul rate);
+    each decode step reads all weights once and every generated token reads its KV."""
     n_out = [o for _, o in reqs]
     steps = max(max(n_out), -(-sum(n_out) // max_bs))
     kv = sum(sum(len(i) + t for t in range(o)) for i, o in reqs) * kv_bytes_per_token
-    return (steps * weight_bytes + kv) / bw
+    prefill = 2 * n_params * sum(len(i) for i, _ in reqs) / flops if flops else 0.0
+    return (steps * weight_bytes + kv) / bw + prefill
 
 
 def run_gpu(args) -> dict:
@@ -159,7 +176,9 @@ def run_gpu(args) -> dict:
                                            + 3 * cfg.hidden_size * cfg.intermediate_size))
     weight_bytes = 2 * n_params
     kv_tok = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16)
-    lb = roofline_seconds(reqs, weight_bytes, kv_tok, bw, args.max_running_requests)
+    flops = matmul_flops()
+    result["matmul_TFLOPs"] = flops / 1e12
+    lb = roofline_seconds(reqs, weight_bytes, kv_tok, bw, args.max_running_requests, n_params, flops)
     result["plait"] = {"seconds": dt, "output_tok_s": out_toks / dt,
                        "total_tok_s": (out_toks + result["input_tokens"]) / dt, "exact_lengths": exact,
                        "max_total_tokens": info.get("max_total_tokens"), "retractions": info.get("num_retractions")}
