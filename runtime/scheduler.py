@@ -55,6 +55,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
         self.grammar_pending: list[Req] = []
+        self.jump_queue: list[Req] = []  # running requests whose grammar-forced tail needs a prefill
         self.grammar_manager = None
         self.reqs_by_rid: dict[str, Req] = {}
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -196,7 +197,7 @@ class Scheduler:
         free = self.allocator.available()
         evictable = self.cache.evictable_size()
         return {
-            "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
+            "num_running_reqs": len(self.running) + len(self.jump_queue) + (1 if self.chunked_req else 0),
             "num_waiting_reqs": len(self.waiting) + len(self.grammar_pending),
             "max_total_tokens": total,
             "free_tokens": free,
@@ -207,11 +208,13 @@ class Scheduler:
             **self.stats,
             "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
             "last_integrity_error": self.last_integrity_error,
+            **(dict(self.grammar_manager.stats) if self.grammar_manager is not None else {}),
         }
 
     # ------------------------------------------------------------------ batching
     def is_idle(self) -> bool:
-        return not (self.running or self.waiting or self.chunked_req or self.grammar_pending or self.pending)
+        return not (self.running or self.waiting or self.chunked_req or self.grammar_pending or self.pending
+                    or self.jump_queue)
 
     def step(self) -> Optional[ScheduleBatch]:
         """Build, run and process one batch. Returns the batch (None when nothing could run)."""
@@ -269,12 +272,16 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished]
         if self.chunked_req is not None and self.chunked_req.finished:
             self._finish_running(self.chunked_req)
+        if any(r.finished for r in self.jump_queue):
+            for r in [r for r in self.jump_queue if r.finished]:
+                self._finish_running(r)
+            self.jump_queue = [r for r in self.jump_queue if not r.finished]
 
     def _running_reserve(self) -> float:
         return sum(r.remaining_new_tokens() for r in self.running) * self.new_token_ratio
 
     def _get_prefill_batch(self) -> Optional[ScheduleBatch]:
-        if not self.waiting and self.chunked_req is None:
+        if not self.waiting and self.chunked_req is None and not self.jump_queue:
             return None
         sa = self.server_args
         budget = PrefillBudget(sa.max_prefill_tokens, sa.chunked_prefill_size,
@@ -298,6 +305,26 @@ class Scheduler:
             budget.take(ext, 0)
             self.chunked_req = None
 
+        jumped = []
+        for r in self.jump_queue:  # jump-forward tails: the requests already hold their prefix's KV
+            if r.finished:
+                continue
+            ext = len(r.fill_ids) - r.kv_len
+            if ext > min(budget.rem_chunk_tokens, budget.rem_input_tokens,
+                         self.allocator.available() + self.cache.evictable_size()):
+                break
+            reqs.append(r), prefix_lens.append(r.kv_len), extend_lens.append(ext)
+            budget.take(ext, 0)
+            jumped.append(r)
+        if jumped:
+            ids = set(map(id, jumped))
+            self.jump_queue = [r for r in self.jump_queue if id(r) not in ids]
+        elif self.jump_queue and not self.running and continuing is None and not reqs:
+            for r in self.jump_queue:  # nothing else can free memory: start them over
+                self._release(r)
+                r.reset_for_retract()
+                self.waiting.insert(0, r)
+            self.jump_queue = []
         self.waiting = order_waiting_queue(sa.schedule_policy, self.waiting, self.cache)
         admitted = []
         in_flight: list[list[int]] = []  # token ids being prefilled in this step
@@ -342,6 +369,7 @@ class Scheduler:
                 self._release(r)
                 r.reset_for_retract()
             self.waiting = admitted + self.waiting
+            self.jump_queue = jumped + self.jump_queue
             self.chunked_req = continuing
             if continuing is not None and not self.running:
                 self._retract_chunked()
@@ -478,9 +506,18 @@ class Scheduler:
             self.outputs.check_finish(r, self.model_runner.context_len)
             if r.finished:
                 self._finish_running(r)
+            elif r.grammar is not None and self.grammar_manager.jump_forward(r) is not None:
+                # The grammar forced text: its tokens were appended; prefill them next step instead of
+                # decoding them one by one (unless they used up max_new_tokens).
+                if r.remaining_new_tokens() == 0:
+                    r.finished_reason = FinishReason("length", length=len(r.output_ids))
+                    self._finish_running(r)
+                else:
+                    self.jump_queue.append(r)
             elif batch.mode.is_extend():
                 self.running.append(r)
-        self.running = [r for r in self.running if not r.finished]
+        jumped = set(map(id, self.jump_queue))
+        self.running = [r for r in self.running if not r.finished and id(r) not in jumped]
 
     def _insert_progress(self, r: Req) -> None:
         ids = r.fill_ids[:r.kv_len]
@@ -520,15 +557,17 @@ class Scheduler:
         self.reqs_by_rid.pop(r.rid, None)
 
     def collect_outputs(self) -> list[ReqOutput]:
-        live = list(self.running)
+        live = self.running + self.jump_queue
         if self.chunked_req is not None:
             live.append(self.chunked_req)
         return self.outputs.collect(live)
 
     def fail_all(self, message: str) -> None:
         """A step raised: abort every request with the error instead of dying (best-effort cleanup)."""
-        reqs = self.running + self.waiting + self.grammar_pending + ([self.chunked_req] if self.chunked_req else [])
+        reqs = (self.running + self.waiting + self.grammar_pending + self.jump_queue
+                + ([self.chunked_req] if self.chunked_req else []))
         self.running, self.waiting, self.grammar_pending, self.chunked_req = [], [], [], None
+        self.jump_queue = []
         self.pending = None
         for r in reqs:
             if r.finished_reason is None or r.finished_reason.type != "abort":
@@ -542,7 +581,7 @@ class Scheduler:
 
     def _check_integrity(self) -> None:
         private = 0
-        for r in self.running + ([self.chunked_req] if self.chunked_req else []):
+        for r in self.running + self.jump_queue + ([self.chunked_req] if self.chunked_req else []):
             private += r.kv_len - r.cache_len + (r.inflight_slot is not None)
         try:
             self.cache.check_integrity(num_private=private)
