@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
-from .graph import GraphBuilder, NodeStats, RequestGraph
+from .graph import NodeStats, RequestGraph
+from .graph_builder import GraphBuilder
 
 Prefix = Union[str, list[int]]
 

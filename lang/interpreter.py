@@ -21,7 +21,8 @@ import uuid
 from typing import Any, Iterable, Optional
 
 from .gen_params import RunDefaults, resolve_gen
-from .graph import MAIN_BRANCH, GraphBuilder, collect_requests
+from .graph import MAIN_BRANCH
+from .graph_builder import GraphBuilder, collect_requests
 from .pins import ProgramPins
 from .ir import (SglCommitLazy, SglConcateAndAppend, SglConstantText, SglExpr, SglExprList, SglGen,
                  SglImage, SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin,

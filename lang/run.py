@@ -74,7 +74,8 @@ def run_program_batch(program: Any, backend: Any, batch_arguments: list[dict], d
         raise ValueError(f"num_threads must be 'auto' or a positive int, got {num_threads!r}")
     num_threads = min(num_threads, len(batch_arguments))
     prefill = None
-    if global_config.enable_precache_with_tracing and len(batch_arguments) > 1:
+    # NOTE: without a prefix cache in the runtime, prefilling ahead of the programs is wasted work.
+    if global_config.enable_precache_with_tracing and len(batch_arguments) > 1 and backend.prefix_cache_enabled():
         if backend.hints_enabled():
             # plait: every shared segment of the batch (header, groups), prefilled and pinned once.
             plan = plan_batch(program, backend, batch_arguments)

@@ -124,7 +124,7 @@ class TracerProgramState(ProgramState):
     def graph(self, name: Optional[str] = None):
         """The traced program as a request graph (plait.graph.RequestGraph): render it with
         `.to_dot()`, `.to_html()` or `.save("program.html")`."""
-        from .graph import graph_from_trace
+        from .graph_builder import graph_from_trace
 
         return graph_from_trace(self, name or getattr(self, "program_name", "program"))
 

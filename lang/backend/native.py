@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 from ..choices import ChoicesDecision, ChoicesSamplingMethod
 from ..gen_params import ResolvedGen
 from ..global_config import global_config
-from ..graph import observe_request
+from ..graph_builder import observe_request
 from .base import BaseBackend
 
 PREFILL_ONLY = {"max_new_tokens": 0}
@@ -77,7 +77,8 @@ class NativeBackend(BaseBackend):
         return [o["meta_info"] for o in (outs if isinstance(outs, list) else [outs])]
 
     def commit_lazy_operations(self, s: Any) -> None:
-        if s.text_:
+        # NOTE: without a prefix cache, a prefill ahead of the forks would only be computed again.
+        if s.text_ and self.prefix_cache_enabled():
             self._request({"text": s.text_, "sampling_params": dict(PREFILL_ONLY), **self._request_tags(s)})
 
     def generate(self, s: Any, params: ResolvedGen):
