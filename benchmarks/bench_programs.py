@@ -48,6 +48,8 @@ import bench_programs_workloads as wl  # noqa: E402
 import plait as sgl  # noqa: E402
 
 MODES = ("plait", "hints-off", "radix-off")
+# Not run by default: plait's hints on SGLang's `lpm` policy (separates the policy from the hints).
+EXTRA_MODES = ("plait-lpm",)
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -74,14 +76,16 @@ class RunResult:
     outputs: list[str] = field(repr=False, default_factory=list)
 
 
-def make_runtimes(args) -> dict[str, Any]:
+def make_runtimes(args, modes: list[str]) -> dict[str, Any]:
     common = dict(num_threads=args.num_threads, max_total_tokens=args.max_total_tokens,
                   chunked_prefill_size=args.chunked_prefill_size, log_level="warning")
-    return {
-        "plait": sgl.Runtime(schedule_policy="dfs-weight", program_hints=True, **common),
-        "hints-off": sgl.Runtime(schedule_policy="lpm", program_hints=False, **common),
-        "radix-off": sgl.Runtime(schedule_policy="lpm", disable_radix_cache=True, program_hints=False, **common),
+    settings = {
+        "plait": dict(schedule_policy="dfs-weight", program_hints=True),
+        "plait-lpm": dict(schedule_policy="lpm", program_hints=True),
+        "hints-off": dict(schedule_policy="lpm", program_hints=False),
+        "radix-off": dict(schedule_policy="lpm", disable_radix_cache=True, program_hints=False),
     }
+    return {mode: sgl.Runtime(**settings[mode], **common) for mode in modes}
 
 
 def program_latency(state, batch_started: float) -> float:
@@ -127,13 +131,13 @@ def median_round(runs: list[RunResult]) -> RunResult:
     return chosen
 
 
-def ratio_table(results: list[RunResult]) -> list[dict]:
+def ratio_table(results: list[RunResult], modes: list[str]) -> list[dict]:
     rows = []
     for name in dict.fromkeys(r.workload for r in results):
         by_mode = {r.mode: r for r in results if r.workload == name}
-        base = by_mode["plait"]
+        base = by_mode[modes[0]]
         row = {"workload": name}
-        for mode in MODES[1:]:
+        for mode in modes[1:]:
             other = by_mode[mode]
             row[f"speedup_vs_{mode}"] = other.wall_s / base.wall_s
             row[f"same_outputs_as_{mode}"] = sum(a == b for a, b in zip(base.outputs, other.outputs))
@@ -142,7 +146,7 @@ def ratio_table(results: list[RunResult]) -> list[dict]:
     return rows
 
 
-def print_tables(results: list[RunResult], ratios: list[dict]) -> None:
+def print_tables(results: list[RunResult], ratios: list[dict], modes: list[str]) -> None:
     print("\n| workload | mode | programs | wall s, median (min-max) | programs/s | out tok/s | latency mean / max s | "
           "program requests | hit rate: programs | runtime prompt / cached tok | hit rate: runtime | prefill computed |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -153,29 +157,31 @@ def print_tables(results: list[RunResult], ratios: list[dict]) -> None:
               f"{r.output_tok_per_s:.1f} | {r.latency_mean_s:.2f} / {r.latency_max_s:.2f} | {r.runtime_requests} | "
               f"{100 * program_hit:.1f}% | {r.prompt_tokens} / {r.cached_tokens} | {100 * r.hit_rate:.1f}% | "
               f"{r.computed_prefill_tokens} |" + (f" {r.errors} errors" if r.errors else ""))
-    print("\n| workload | plait vs hints-off | plait vs radix-off | same outputs (hints-off, radix-off) |")
-    print("|---|---|---|---|")
+    others = modes[1:]
+    print("\n| workload | " + " | ".join(f"{modes[0]} vs {m}" for m in others)
+          + f" | same outputs as {modes[0]} ({', '.join(others)}) |")
+    print("|---|" + "---|" * (len(others) + 1))
     for row in ratios:
-        print(f"| {row['workload']} | {row['speedup_vs_hints-off']:.2f}x | {row['speedup_vs_radix-off']:.2f}x | "
-              f"{row['same_outputs_as_hints-off']}/{row['programs']}, {row['same_outputs_as_radix-off']}/{row['programs']} |")
+        print(f"| {row['workload']} | " + " | ".join(f"{row['speedup_vs_' + m]:.2f}x" for m in others) + " | "
+              + ", ".join(f"{row['same_outputs_as_' + m]}/{row['programs']}" for m in others) + " |")
 
 
-def plot(results: list[RunResult], path_stem: Path) -> Path:
+def plot(results: list[RunResult], path_stem: Path, modes: list[str]) -> Path:
     """Wall time per workload and mode: matplotlib when installed, else a plain SVG drawn here."""
     names = list(dict.fromkeys(r.workload for r in results))
     wall = {(r.workload, r.mode): r.wall_s for r in results}
-    colors = {"plait": "#2563eb", "hints-off": "#f59e0b", "radix-off": "#9ca3af"}
+    colors = {"plait": "#2563eb", "plait-lpm": "#7c3aed", "hints-off": "#f59e0b", "radix-off": "#9ca3af"}
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return _plot_svg(names, wall, colors, path_stem.with_suffix(".svg"))
+        return _plot_svg(names, wall, colors, path_stem.with_suffix(".svg"), modes)
     fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.27
-    for k, mode in enumerate(MODES):
-        ax.bar([i + (k - 1) * width for i in range(len(names))], [wall[(n, mode)] for n in names], width,
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        ax.bar([i + (k - (len(modes) - 1) / 2) * width for i in range(len(names))], [wall[(n, mode)] for n in names], width,
                label=mode, color=colors[mode])
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("wall seconds (lower is better)")
@@ -186,20 +192,20 @@ def plot(results: list[RunResult], path_stem: Path) -> Path:
     return out
 
 
-def _plot_svg(names: list[str], wall: dict, colors: dict, out: Path) -> Path:
+def _plot_svg(names: list[str], wall: dict, colors: dict, out: Path, modes: list[str]) -> Path:
     top = max(wall.values())
     w, h, left, bottom, group = 120 * len(names) + 80, 320, 50, 40, 120
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="Helvetica" '
              f'font-size="11"><text x="{left}" y="14">wall seconds per workload (lower is better)</text>']
     for i, name in enumerate(names):
-        for k, mode in enumerate(MODES):
+        for k, mode in enumerate(modes):
             value = wall[(name, mode)]
             bh = (h - bottom - 30) * value / top
             x, y = left + i * group + k * 32, h - bottom - bh
             parts.append(f'<rect x="{x}" y="{y:.1f}" width="28" height="{bh:.1f}" fill="{colors[mode]}"/>'
-                         f'<text x="{x}" y="{y - 3:.1f}" font-size="9">{value:.0f}</text>')
+                         f'<text x="{x}" y="{y - 3:.1f}" font-size="9">{value:.1f}</text>')
         parts.append(f'<text x="{left + i * group}" y="{h - bottom + 15}">{name}</text>')
-    for k, mode in enumerate(MODES):
+    for k, mode in enumerate(modes):
         parts.append(f'<rect x="{left + k * 110}" y="{h - 16}" width="10" height="10" fill="{colors[mode]}"/>'
                      f'<text x="{left + k * 110 + 14}" y="{h - 7}">{mode}</text>')
     parts.append("</svg>")
@@ -212,6 +218,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated workloads (default: all)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the batch sizes")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per workload and mode (median reported)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, the first is the baseline of the ratios; from {MODES + EXTRA_MODES}")
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads per scheduler process")
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--chunked-prefill-size", type=int, default=1024)
@@ -224,10 +232,13 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown workload(s) {unknown}; choose from {[x.name for x in workloads]}")
         workloads = [w for w in workloads if w.name in wanted]
+    modes = args.modes.split(",")
+    if not modes or any(m not in MODES + EXTRA_MODES for m in modes) or len(set(modes)) != len(modes):
+        parser.error(f"--modes takes distinct names from {MODES + EXTRA_MODES}, got {args.modes!r}")
     started = time.perf_counter()
-    runtimes = make_runtimes(args)
+    runtimes = make_runtimes(args, modes)
     try:
-        json_regex = wl.regex_supported(runtimes["plait"])
+        json_regex = wl.regex_supported(runtimes[modes[0]])
         print(f"engines ready in {time.perf_counter() - started:.1f}s; regex-constrained json fields: {json_regex}")
         for rt in runtimes.values():  # warm each engine once (first-call costs are not the workload's)
             rt.generate("Hello", {"max_new_tokens": 1, "temperature": 0})
@@ -235,24 +246,24 @@ def main() -> None:
         for i, workload in enumerate(workloads):
             workload.use_regex = json_regex
             for r in range(args.repeats):
-                k = (i + r) % 3
-                for mode in MODES[k:] + MODES[:k]:
+                k = (i + r) % len(modes)
+                for mode in modes[k:] + modes[:k]:
                     result = run_once(workload, mode, runtimes[mode])
                     print(f"{workload.name:10s} {mode:10s} {result.wall_s:7.2f}s  hit {100 * result.hit_rate:5.1f}%  "
                           f"prefill computed {result.computed_prefill_tokens}", flush=True)
                     rounds.setdefault((workload.name, mode), []).append(result)
-        results = [median_round(rounds[(w.name, mode)]) for w in workloads for mode in MODES]
+        results = [median_round(rounds[(w.name, mode)]) for w in workloads for mode in modes]
     finally:
         for rt in runtimes.values():
             rt.shutdown()
-    ratios = ratio_table(results)
-    print_tables(results, ratios)
+    ratios = ratio_table(results, modes) if len(modes) > 1 else []
+    print_tables(results, ratios, modes)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "json_regex": json_regex, "cpu_count": os.cpu_count(),
                                "load_avg": os.getloadavg(), "total_s": time.perf_counter() - started,
                                "results": [asdict(r) for r in results], "ratios": ratios}, indent=1))
-    print(f"\nwrote {out} and {plot(results, out.with_suffix(''))}; total {time.perf_counter() - started:.0f}s")
+    print(f"\nwrote {out} and {plot(results, out.with_suffix(''), modes)}; total {time.perf_counter() - started:.0f}s")
 
 
 if __name__ == "__main__":

@@ -65,10 +65,12 @@ class PinService:
             self._budget_known = True
         return self._budget
 
-    def take(self, tokens: int) -> bool:
+    def take(self, tokens: int, superseded: int = 0) -> bool:
+        """Count a new pin of `tokens` against the budget; `superseded`: tokens of pins about to be
+        released that the new one covers (a state pin moving forward), which do not count twice."""
         limit = self._limit()
         with self._lock:
-            if limit is not None and self.pinned_tokens + tokens > limit:
+            if limit is not None and self.pinned_tokens - superseded + tokens > limit:
                 return False
             self.pinned_tokens += tokens
             return True
@@ -122,12 +124,16 @@ class ProgramPins:
 
     def move_state_pin(self, branch: str, text: str) -> None:
         """Pin `text` as `branch`'s state, then release the state pin it replaces."""
-        new = self.pin(text)  # queued before the release below, so the shared part stays locked
         with self._lock:
             old = self._state_pins.pop(branch, None)
+        if old is not None:
+            old.cancelled = True  # superseded: skipped if not sent yet, not counted twice if held
+        new = self.pin(text)  # queued before the release below, so the shared part stays locked
+        with self._lock:
             if new is not None:
                 self._state_pins[branch] = new
-        self.unpin(old)
+        if old is not None:
+            self._enqueue(lambda: self._do_unpin(old))
 
     def drop_state_pin(self, branch: str) -> None:
         with self._lock:
@@ -175,7 +181,9 @@ class ProgramPins:
         pin = self.service.backend.pin_prefix(ticket.text)
         if pin is None:
             return
-        if not self.service.take(pin.tokens):
+        with self._lock:
+            superseded = sum(t.pin.tokens for t in self._held if t.cancelled and t.pin is not None)
+        if not self.service.take(pin.tokens, superseded):
             self.service.backend.unpin_prefix(pin)  # over budget: keep memory for everyone else
             return
         ticket.pin = pin

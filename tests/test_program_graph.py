@@ -222,6 +222,47 @@ def test_shared_segments_on_tokens_exact():
         (0, None, 0, 2, (0, 1, 2, 3, 4)), (1, 0, 2, 5, (0, 1)), (2, 0, 2, 5, (2, 3))]
 
 
+# ---------------------------------------------------------------- pins (no model)
+
+class PinLedgerEngine:
+    """The Engine's pin API over a ledger (one token per character): what a program pins, in order."""
+
+    def __init__(self, pool_tokens):
+        self.info = type("Info", (), {"max_total_tokens": pool_tokens})()
+        self.events = []
+        self.lock = threading.Lock()
+
+    def pin_prefix(self, prefix):
+        with self.lock:
+            self.events.append(("pin", prefix))
+            return {"pin_id": len(self.events), "pinned_tokens": len(prefix)}
+
+    def unpin_prefix(self, pin_id):
+        with self.lock:
+            self.events.append(("unpin", pin_id))
+        return True
+
+
+def test_pins_keep_order_give_back_over_budget_and_release_everything():
+    from plait.pins import ProgramPins
+
+    engine = PinLedgerEngine(pool_tokens=40)  # budget: a quarter, 10 tokens
+    service = EngineBackend(engine).pin_service()
+    pins = ProgramPins(service)
+    pins.move_state_pin("main", "abcdef")  # 6 tokens: kept
+    pins.wait_idle()
+    # 8: pinned before the old one is released, and the 6 it supersedes do not count twice
+    pins.move_state_pin("main", "abcdefgh")
+    fork = pins.pin("abcdefghijk")  # 11 > budget: given back at once
+    pins.wait_idle()
+    assert engine.events == [("pin", "abcdef"), ("pin", "abcdefgh"), ("unpin", 1), ("pin", "abcdefghijk"),
+                             ("unpin", 4)]
+    assert fork.pin is None and service.pinned_tokens == 8
+    pins.release_all(wait=True)
+    assert engine.events[-1] == ("unpin", 2) and service.pinned_tokens == 0
+    assert pins.pin("more") is None  # the program is over
+
+
 # ---------------------------------------------------------------- the real model
 
 @pytest.fixture(scope="module")
