@@ -39,13 +39,13 @@ class GrammarManager:
         self.backend: GrammarBackend = create_grammar_backend(
             server_args.grammar_backend, tokenizer, vocab_size,
             num_threads=1, compile_timeout=server_args.grammar_compile_timeout)
-        # NOTE: jump-forward re-prefills the forced tail; without the radix cache that would
-        # recompute the whole prompt, so it only pays with the cache on.
-        self.jump_forward_enabled = not (server_args.disable_jump_forward
-                                         or getattr(server_args, "disable_radix_cache", False))
+        self.jump_forward_enabled = not server_args.disable_jump_forward
         self._special = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
         self._bitmask: Optional[torch.Tensor] = None
-        self.stats = {"jump_forward_events": 0, "jump_forward_tokens": 0}
+        # jump_forward_tokens: tokens appended without a decode step; jump_forward_rollback_tokens:
+        # sampled tokens replaced by the retokenized forced text (decoded, then dropped).
+        self.stats = {"jump_forward_events": 0, "jump_forward_tokens": 0,
+                      "jump_forward_rollback_tokens": 0}
 
     # ---- arrival ----
     def request(self, sampling_params: Any) -> "Future[GrammarMatcher]":
@@ -91,6 +91,7 @@ class GrammarManager:
         if plan is not None:
             self.stats["jump_forward_events"] += 1
             self.stats["jump_forward_tokens"] += len(plan.append_token_ids)
+            self.stats["jump_forward_rollback_tokens"] += plan.rollback_tokens
         return plan
 
 
