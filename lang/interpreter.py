@@ -203,7 +203,7 @@ class StreamExecutor:
         except ValueError:  # states of another program: nothing to draw, nothing wrong with the run
             logger.debug("join of states outside this program's graph")
 
-    def end(self) -> None:
+    def end(self, wait_for_pins: bool = True) -> None:
         """No more submissions: let the worker finish what is queued, then exit."""
         with self._lock:
             if self._ended:
@@ -216,16 +216,16 @@ class StreamExecutor:
             self._finish()
         try:
             if idle:  # nothing left to run: give the program's pins back now, not when the worker wakes
-                self._release_pins()
+                self._release_pins(wait_for_pins)
             self.backend.end_program(self)
         except Exception:  # a backend's bookkeeping must not hide the program's own result
             logger.exception("releasing the program's runtime resources failed")
 
-    def _release_pins(self) -> None:
+    def _release_pins(self, wait: bool = True) -> None:
         if self.pins is None:
             return
         if self.is_root:  # the program is over: every pin it and its forks hold
-            self.pins.release_all(wait=True)
+            self.pins.release_all(wait=wait)
         else:
             self.pins.drop_state_pin(self.branch)
 
@@ -254,7 +254,7 @@ class StreamExecutor:
 
     def __del__(self) -> None:
         try:
-            self.end()
+            self.end(wait_for_pins=False)  # NOTE: the collector may run on any thread: never block it
         except Exception:
             pass
 

@@ -147,7 +147,7 @@ class ProgramState:
 
     def __del__(self) -> None:
         try:
-            self.stream_executor.end()
+            self.stream_executor.end(wait_for_pins=False)
         except Exception:
             pass
 
