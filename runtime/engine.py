@@ -168,7 +168,7 @@ class Engine:
         reqs, groups = [], []
         for i in range(size):
             sp = SamplingParams.from_dict(sps[i])
-            tm.validate(ids_list[i], sp, starts[i], tops[i])
+            warnings = tm.validate(ids_list[i], sp, starts[i], tops[i])
             base_rid = rids[i] or new_rid()
             members = []
             for k in range(sp.n):
@@ -179,7 +179,7 @@ class Engine:
                     rid=base_rid if sp.n == 1 else f"{base_rid}_{k}", input_ids=ids_list[i], sampling_params=sub,
                     return_logprob=bool(lps[i]), logprob_start_len=-1 if starts[i] is None else starts[i],
                     top_logprobs_num=tops[i] or 0, return_text_in_logprobs=bool(texts[i]), stream=stream,
-                    group=group or (base_rid if sp.n > 1 else None)))
+                    group=group or (base_rid if sp.n > 1 else None), grammar_warnings=warnings))
             groups.append(members)
         all_rids = [m.rid for members in groups for m in members]
         if len(set(all_rids)) != len(all_rids):

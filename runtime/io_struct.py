@@ -22,6 +22,7 @@ class TokenizedGenerateReq:
     return_text_in_logprobs: bool = False
     stream: bool = False
     group: Optional[str] = None  # program / fork group (scheduling and caching hint)
+    grammar_warnings: list[str] = field(default_factory=list)  # unenforced schema features (reported)
 
 
 @dataclass

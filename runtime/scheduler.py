@@ -501,9 +501,10 @@ class Scheduler:
                 lp, top = out.output_logprobs[i]
                 r.output_token_logprobs.append((lp, tok))
                 r.output_top_logprobs.append(top)
-            if r.grammar is not None:
-                self.grammar_manager.accept(r, tok)
-            self.outputs.check_finish(r, self.model_runner.context_len)
+            if r.grammar is not None and not self.grammar_manager.accept(r, tok):
+                pass  # the grammar rejected the token: accept() set an abort reason; keep it
+            else:
+                self.outputs.check_finish(r, self.model_runner.context_len)
             if r.finished:
                 self._finish_running(r)
             elif r.grammar is not None and self.grammar_manager.jump_forward(r) is not None:

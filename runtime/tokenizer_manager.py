@@ -40,6 +40,7 @@ class _ReqState:
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     first_token_time: Optional[float] = None
+    grammar_warnings: list = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def apply(self, o: ReqOutput) -> None:
@@ -70,6 +71,8 @@ class _ReqState:
         }
         if self.first_token_time is not None:
             meta["ttft"] = self.first_token_time - self.created
+        if self.grammar_warnings:
+            meta["grammar_warnings"] = list(self.grammar_warnings)
         if self.return_logprob:
             meta["input_token_logprobs"] = list(self.input_token_logprobs)
             meta["input_top_logprobs"] = list(self.input_top_logprobs)
@@ -115,7 +118,7 @@ class TokenizerManager:
             else self.tokenizer.encode(prompt)
 
     def validate(self, input_ids: list[int], sp: SamplingParams, logprob_start_len: Optional[int],
-                 top_logprobs_num: Optional[int]) -> None:
+                 top_logprobs_num: Optional[int]) -> list[str]:
         if not input_ids:
             raise ValueError("prompt is empty")
         vocab = self.info.vocab_size
@@ -136,7 +139,9 @@ class TokenizerManager:
         if key is not None:
             from .constrained import validate_constraint
 
-            validate_constraint(key[0], key[1], self.server_args.grammar_backend)
+            # Schema features the backend cannot enforce come back as warnings for the caller.
+            return list(validate_constraint(key[0], key[1], self.server_args.grammar_backend) or [])
+        return []
 
     async def submit(self, req: TokenizedGenerateReq) -> _ReqState:
         if self.dead_reason:
@@ -146,7 +151,8 @@ class TokenizerManager:
         limit = self.server_args.max_queued_requests
         if limit is not None and len(self.states) >= limit + self.info.max_running_requests:
             raise OverloadedError(f"too many requests in flight ({len(self.states)}); try again later")
-        state = _ReqState(req.rid, len(req.input_ids), req.return_logprob, time.monotonic())
+        state = _ReqState(req.rid, len(req.input_ids), req.return_logprob, time.monotonic(),
+                          grammar_warnings=list(req.grammar_warnings))
         self.states[req.rid] = state
         await self.send_sock.send_pyobj(req)
         return state

@@ -138,3 +138,13 @@ def test_outlines_rejects_ebnf_clearly(engines):
     with pytest.raises(ValueError, match="does not support EBNF"):
         engines["outlines"].generate("Hi", {"max_new_tokens": 4, "ebnf": 'root ::= "a"'})
     assert engines["outlines"].generate("Hi", greedy(2))["meta_info"]["completion_tokens"] == 2
+
+
+def test_unenforced_schema_features_are_reported_in_meta_info(engines):
+    eng = engines["xgrammar"]
+    schema = {"type": "object", "required": ["tags"],
+              "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+    out = eng.generate(chat(eng, "List two tags."), greedy(24, json_schema=json.dumps(schema)))
+    assert any("uniqueItems" in w for w in out["meta_info"]["grammar_warnings"])
+    plain = eng.generate(chat(eng, "Hi"), greedy(2))
+    assert "grammar_warnings" not in plain["meta_info"]
