@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, List, Optional, Union
 
+from plait.grammars.regexes import REGEXES as NAMED_REGEXES
+
 from .choices import ChoicesSamplingMethod, token_length_normalized
 from .function import SglFunction
 from .gen_params import GenOverrides
@@ -62,15 +64,25 @@ def gen(
     choices: Optional[List[str]] = None,
     choices_method: Optional[ChoicesSamplingMethod] = None,
     regex: Optional[str] = None,
-    json_schema: Optional[Union[str, dict]] = None,
+    json_schema: Optional[Union[str, dict, type]] = None,
+    ebnf: Optional[str] = None,
 ) -> SglExpr:
     """Generate into variable `name`. Every argument left None inherits the run() defaults
     (max_new_tokens=128, temperature=1.0, ...); the names map onto plait.runtime.SamplingParams.
-    With `choices`, this is select()."""
+    With `choices`, this is select(). `regex` may also name a built-in pattern of
+    plait.grammars.regexes ("integer", "float", "boolean", "iso_date", "email", "ipv4", ...).
+    `json_schema` takes a dict, a JSON string or a Pydantic model class; with a class,
+    `state.parsed(name)` returns the output as an instance of it."""
     if choices:
         return select(name, choices, 0.0 if temperature is None else temperature,
                       choices_method or token_length_normalized)
+    output_model = None
+    if isinstance(json_schema, type):
+        if not hasattr(json_schema, "model_json_schema"):
+            raise TypeError(f"gen({name!r}): json_schema must be a dict, a JSON string or a Pydantic model class")
+        output_model, json_schema = json_schema, json_schema.model_json_schema()
     if regex is not None:
+        regex = NAMED_REGEXES.get(regex, regex)
         try:
             re.compile(regex)
         except re.error as e:
@@ -78,9 +90,11 @@ def gen(
     # NOTE: the parameters themselves are the settings (SGLang's signature, kept for positional
     # callers); GenOverrides maps each name onto SamplingParams, so nothing is listed twice.
     settings = dict(locals())
-    for key in ("name", "choices", "choices_method"):
+    for key in ("name", "choices", "choices_method", "output_model"):
         settings.pop(key)
-    return SglGen(name, GenOverrides.from_gen_kwargs(settings))
+    expr = SglGen(name, GenOverrides.from_gen_kwargs(settings))
+    expr.output_model = output_model
+    return expr
 
 
 def gen_int(name: Optional[str] = None, max_tokens: Optional[int] = None, **kwargs: Any) -> SglExpr:
@@ -94,7 +108,7 @@ def gen_string(name: Optional[str] = None, max_tokens: Optional[int] = None, **k
 
 
 def _typed_gen(name: Optional[str], max_tokens: Optional[int], dtype: type, kwargs: dict) -> SglExpr:
-    clash = sorted(set(kwargs) & {"dtype", "regex", "json_schema", "choices", "choices_method"})
+    clash = sorted(set(kwargs) & {"dtype", "regex", "json_schema", "ebnf", "choices", "choices_method"})
     if clash:
         raise TypeError(f"gen_{dtype.__name__}() fixes the output format; it does not take {clash}")
     return gen(name, max_tokens, dtype=dtype, **kwargs)

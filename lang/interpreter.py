@@ -48,6 +48,7 @@ class StreamExecutor:
         self.variables: dict[str, Any] = {}
         self.variable_event: dict[str, threading.Event] = {}
         self.meta_info: dict[str, Any] = {}
+        self.output_models: dict[str, Any] = {}  # var name -> Pydantic class (gen(json_schema=Model))
         self.is_finished = False
         self.error_: Optional[BaseException] = None
 
@@ -176,6 +177,7 @@ class StreamExecutor:
             child.pins = self.pins
             child.variables = dict(self.variables)
             child.meta_info = dict(self.meta_info)
+            child.output_models = dict(self.output_models)
             child.text_ = self.text_
             child.messages_ = list(self.messages_)
             child.cur_role = self.cur_role
@@ -346,6 +348,8 @@ class StreamExecutor:
     def _run_gen(self, expr: SglGen) -> None:
         params = resolve_gen(self.default_sampling_para, expr.overrides, self.chat_template.stop_str)
         name = expr.name
+        if name is not None and getattr(expr, "output_model", None) is not None:
+            self.output_models[name] = expr.output_model
         if not self.stream:
             comp, meta = self.backend.generate(self, params)
             self.text_ += comp[0] if isinstance(comp, list) else comp

@@ -121,6 +121,7 @@ class SglGen(SglExpr):
         super().__init__()
         self.name = name
         self.overrides = overrides  # gen_params.GenOverrides
+        self.output_model = None  # a Pydantic model class the output parses into (json_schema=Model)
 
     def __repr__(self) -> str:
         return f"Gen({self.name!r})"

@@ -95,6 +95,17 @@ class ProgramState:
     def get_meta_info(self, name: str) -> Any:
         return self.stream_executor.get_meta_info(name)
 
+    def parsed(self, name: str) -> Any:
+        """The JSON output of gen(name, json_schema=...) parsed: an instance of the Pydantic model when
+        the schema was given as a model class, else the decoded JSON value."""
+        import json
+
+        text = self.get_var(name)
+        model = self.stream_executor.output_models.get(name)
+        if model is not None:
+            return model.model_validate_json(text)
+        return json.loads(text)
+
     def graph(self):
         """The request graph of this run so far (plait.graph.RequestGraph): the text sent, each
         gen/select with the runtime's cached-token counts and timings, forks and joins. Waits for
