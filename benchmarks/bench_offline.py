@@ -18,11 +18,12 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
 
 import torch
+
+from gpu_ceilings import copy_bandwidth, matmul_flops  # noqa: E402 (benchmarks/ is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORDS = ("the of and to in is was he for it with as his on be at by had are but from or have an they which "
@@ -95,42 +96,12 @@ def run_cpu(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted), median of 10."""
-    x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    times = []
-    for _ in range(13):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        y.copy_(x)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del x, y
-    return 2 * 2 * 1024 ** 3 / statistics.median(times[3:])
-
-
 def load_workload(name: str):
     sys.path.insert(0, os.path.join(HERE, "..", "..", "shared", "bench"))
     sys.path.insert(0, os.path.join(HERE, "..", ".shared", "bench"))  # a copy carried to the GPU machine
     import workload  # noqa: E402
 
     return workload.make(name)
-
-
-def matmul_flops() -> float:
-    """Dense bf16 matmul rate (FLOP/s) measured in this run: the prefill compute ceiling."""
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192 ** 3 / (time.perf_counter() - t)
 
 
 def roofline_seconds(reqs, weight_bytes: int, kv_bytes_per_token: int, bw: float, max_bs: int,

@@ -18,24 +18,9 @@ import time
 
 import torch
 
+from gpu_ceilings import copy_bandwidth, matmul_flops  # noqa: E402 (benchmarks/ is on sys.path)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def copy_bandwidth() -> float:
-    """Memory traffic per second of a device-to-device copy (a copy of n bytes moves 2n)."""
-    x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ts = []
-    for _ in range(13):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        y.copy_(x)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * 2 * 1024 ** 3 / statistics.median(ts[3:])
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
