@@ -357,9 +357,14 @@ class Engine:
             pin_id = (await self._acall(self.tokenizer_manager.control("pin_prefix", token_ids=ids)))["pin_id"]
         return {"prompt_tokens": len(ids), "cached_tokens": out["meta_info"]["cached_tokens"], "pin_id": pin_id}
 
-    def pin_prefix(self, prefix: Union[str, list[int]]) -> dict:
-        """Lock the cached part of `prefix` against eviction → {"pin_id", "pinned_tokens"}."""
-        return self._call(self.tokenizer_manager.control("pin_prefix", token_ids=self._prefix_ids(prefix)))
+    def pin_prefix(self, prefix: Union[str, list[int]], ttl: Optional[float] = None) -> dict:
+        """Lock the cached part of `prefix` against eviction → {"pin_id", "pinned_tokens"}.
+
+        With `ttl` (seconds) the pin also ends by itself then: what remote clients get, so that one
+        that dies without unpinning cannot hold KV memory forever."""
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
+        return self._call(self.tokenizer_manager.control("pin_prefix", token_ids=self._prefix_ids(prefix), ttl=ttl))
 
     def unpin_prefix(self, pin_id: Optional[int]) -> bool:
         if pin_id is None:

@@ -67,6 +67,7 @@ class Scheduler:
         self.overlap = not server_args.disable_overlap_schedule and self.model_runner.device == "cuda"
         self.pending: Optional[tuple[ScheduleBatch, Any]] = None
         self.pins: dict[int, Any] = {}
+        self.pin_expiry: dict[int, float] = {}  # pin id -> monotonic deadline (pins made with a ttl)
         self._pin_ids = itertools.count(1)
 
     def _make_cache(self) -> PrefixCache:
@@ -169,9 +170,12 @@ class Scheduler:
             for handle in self.pins.values():
                 self.cache.unpin(handle)
             self.pins.clear()
+            self.pin_expiry.clear()
             self.cache.reset()
             return True
         if op == "get_stats":
+            if self.pin_expiry:
+                self._expire_pins()
             return self.get_stats()
         if op == "check_integrity":
             self._check_integrity()
@@ -179,18 +183,32 @@ class Scheduler:
         if op == "pin_prefix":
             if not hasattr(self.cache, "pin"):
                 return {"pin_id": None, "pinned_tokens": 0}
-            # NOTE: handles stay here; only an integer id crosses the process boundary.
+            # NOTE: handles stay here; only an integer id crosses the process boundary. A pin with a
+            # ttl expires on its own, so a client that dies without unpinning cannot hold KV forever.
             handle = self.cache.pin(args["token_ids"])
             pin_id = next(self._pin_ids)
+            ttl = args.get("ttl")
             self.pins[pin_id] = handle
+            if ttl is not None:
+                self.pin_expiry[pin_id] = time.monotonic() + float(ttl)
             return {"pin_id": pin_id, "pinned_tokens": handle.num_tokens}
         if op == "unpin_prefix":
-            handle = self.pins.pop(args["pin_id"], None)
-            if handle is None:
-                return False
-            self.cache.unpin(handle)
-            return True
+            return self._unpin(args["pin_id"])
         raise ValueError(f"unknown control op {op!r}")
+
+    def _unpin(self, pin_id: int) -> bool:
+        handle = self.pins.pop(pin_id, None)
+        self.pin_expiry.pop(pin_id, None)
+        if handle is None:
+            return False
+        self.cache.unpin(handle)
+        return True
+
+    def _expire_pins(self) -> None:
+        now = time.monotonic()
+        for pin_id in [p for p, t in self.pin_expiry.items() if t <= now]:
+            logger.info("pin %d expired (its client never unpinned it)", pin_id)
+            self._unpin(pin_id)
 
     def get_stats(self) -> dict:
         total = self.allocator.num_slots
@@ -220,6 +238,8 @@ class Scheduler:
         """Build, run and process one batch. Returns the batch (None when nothing could run)."""
         if self.pending is not None:
             return self._step_overlapped()
+        if self.pin_expiry:
+            self._expire_pins()
         if self.grammar_pending:
             self._poll_grammars()
         self._sweep_aborted()

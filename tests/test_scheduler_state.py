@@ -222,3 +222,22 @@ def test_short_shared_prefix_is_not_held_back(random_models):
     for i in range(3):
         submit(s, f"q{i}", [5, 6, 7, 8] + [100 + i], max_new_tokens=1, temperature=0)
     assert len(s.step().reqs) == 3  # a 4-token overlap is cheaper to recompute than to wait for
+
+
+def test_pins_with_a_ttl_expire(random_models):
+    import time as _time
+
+    s = make_scheduler(random_models["llama"], max_total_tokens=256)
+    submit(s, "a", list(range(2, 40)), max_new_tokens=0)
+    run_until_idle(s)
+    pinned = s.handle_message(ControlReq(1, "pin_prefix", {"token_ids": list(range(2, 40)), "ttl": 0.05})).result
+    kept = s.handle_message(ControlReq(2, "pin_prefix", {"token_ids": list(range(2, 40))})).result
+    assert pinned["pinned_tokens"] == 38 and s.cache.protected_size() == 38
+    _time.sleep(0.1)
+    stats = s.handle_message(ControlReq(3, "get_stats")).result
+    assert pinned["pin_id"] not in s.pins and kept["pin_id"] in s.pins
+    assert stats["protected_tokens"] == 38  # the pin without a ttl still holds the prefix
+    assert s.handle_message(ControlReq(4, "unpin_prefix", {"pin_id": kept["pin_id"]})).result is True
+    assert s.cache.protected_size() == 0
+    s._check_integrity()
+    assert s.last_integrity_error is None

@@ -225,6 +225,9 @@ async def flush_cache(request: Request) -> JSONResponse:
                         status_code=400)
 
 
+PIN_TTL_S = 600.0
+
+
 @router.post("/pin_prefix")
 async def pin_prefix(body: PinPrefixRequest, request: Request) -> dict[str, Any]:
     """plait's program hint: lock the cached part of a prefix -> {"pin_id", "pinned_tokens"}. Clients
@@ -236,7 +239,8 @@ async def pin_prefix(body: PinPrefixRequest, request: Request) -> dict[str, Any]
     else:
         prefix = body.text
     try:
-        return await asyncio.to_thread(ctx.engine.pin_prefix, prefix)
+        # NOTE: pins made over HTTP always expire (PIN_TTL_S): a client may die without unpinning.
+        return await asyncio.to_thread(ctx.engine.pin_prefix, prefix, PIN_TTL_S)
     except ValueError as e:
         raise APIError(400, f"cannot pin the prefix: {e}", param="text" if body.text is not None else "input_ids") from None
 
