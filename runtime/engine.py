@@ -23,6 +23,7 @@ import threading
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from .io_struct import SchedulerInfo, TokenizedGenerateReq
+from .model_loader import load_tokenizer
 from .sampling_params import SamplingParams
 from .server_args import ServerArgs
 from .tokenizer_manager import OverloadedError, TokenizerManager, new_rid
@@ -60,7 +61,7 @@ class Engine:
             self._cleanup_process()
             raise RuntimeError(f"the scheduler failed to start: {payload}")
         self.info: SchedulerInfo = payload
-        self.tokenizer = _load_tokenizer(self.server_args.tokenizer_path or self.model_path)
+        self.tokenizer = load_tokenizer(self.server_args.tokenizer_path or self.model_path)
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="plait-tokenizer-manager", daemon=True)
@@ -165,7 +166,7 @@ class Engine:
             rids = [rid] * size
         if not all(r is None or isinstance(r, str) for r in rids):
             raise ValueError("rid must be a string (or a list of strings for a batch)")
-        reqs, groups = [], []
+        groups = []
         for i in range(size):
             sp = SamplingParams.from_dict(sps[i])
             warnings = tm.validate(ids_list[i], sp, starts[i], tops[i])
@@ -444,15 +445,6 @@ def _launch_scheduler(server_args: ServerArgs, model_path: str, to_sched: str, f
     with open(spec, "wb") as f:
         pickle.dump((server_args, model_path, to_sched, from_sched, ready_addr), f)
     return subprocess.Popen([sys.executable, "-m", "plait.runtime.scheduler_main", spec], close_fds=True)
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception:
-        return None
 
 
 __all__ = ["Engine", "OverloadedError"]

@@ -8,7 +8,7 @@ metadata (`attn_metadata`, built by `attn_backend.init_forward_metadata`) throug
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch

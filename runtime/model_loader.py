@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Iterator
 
@@ -66,3 +65,13 @@ def load_model(model_path: str, cfg: ModelConfig, load_format: str, dtype: torch
     else:
         model.load_weights(_iter_safetensors(model_path))
     return model.eval()
+
+
+def load_tokenizer(path: str):
+    """The model's Hugging Face tokenizer, or None (dummy weights from a bare config: token ids only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .attention import create_attention_backend
-from .forward_batch import ForwardBatch, ForwardMode
+from .forward_batch import ForwardBatch
 from .memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from .model_config import ModelConfig
 from .model_loader import load_model, load_model_config

@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
-import traceback
-from collections import deque
 from typing import Any, Optional
 
 import torch
-import zmq
 
-from .io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo,
+from .io_struct import (AbortReq, ControlReply, ControlReq, ReqOutput, SchedulerInfo,
                         TokenizedGenerateReq)
 from .forward_batch import ForwardMode
+from .model_loader import load_tokenizer
 from .model_runner import ModelRunner, StepOutput
 from .prefix_cache import NoSharingCache, PrefixCache
 from .schedule_batch import FinishReason, Req, ScheduleBatch
@@ -44,7 +41,7 @@ IN_BATCH_DEDUP_MIN_TOKENS = 32
 class Scheduler:
     def __init__(self, server_args: ServerArgs, model_path: str):
         self.server_args = server_args
-        self.tokenizer = _load_tokenizer(server_args.tokenizer_path or model_path)
+        self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
         self.model_runner = ModelRunner(server_args, model_path, grammar_hook=self._apply_grammar)
         mr = self.model_runner
         self.allocator = mr.allocator
@@ -622,68 +619,3 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception:
-        return None  # dummy weights from a bare config: token ids in, token ids out
-
-
-# ---------------------------------------------------------------------- process entry
-def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_addr: str) -> None:
-    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if server_args.num_threads:
-        torch.set_num_threads(server_args.num_threads)
-    ctx = zmq.Context()
-    ready = ctx.socket(zmq.PUSH)
-    ready.connect(ready_addr)
-    try:
-        scheduler = Scheduler(server_args, model_path)
-    except Exception as e:
-        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
-        ready.send_pyobj(("error", f"{type(e).__name__}: {e}"))
-        ready.close(linger=2000)
-        return
-    recv = ctx.socket(zmq.PULL)
-    recv.bind(in_addr)
-    send = ctx.socket(zmq.PUSH)
-    send.connect(out_addr)
-    ready.send_pyobj(("ready", scheduler.info()))
-    ready.close(linger=2000)
-    poller = zmq.Poller()
-    poller.register(recv, zmq.POLLIN)
-    checked_idle = True
-    while True:
-        idle = scheduler.is_idle()
-        if idle and not checked_idle:
-            scheduler._check_integrity()
-            checked_idle = True
-        # Block only when there is nothing to do (grammar compiles are polled every 5 ms).
-        timeout = None if idle else 0
-        if scheduler.grammar_pending and not scheduler.running and not scheduler.waiting:
-            timeout = 5
-        events = dict(poller.poll(timeout))
-        while events.get(recv):
-            msg = recv.recv_pyobj()
-            if msg is None:  # shutdown
-                return
-            reply = scheduler.handle_message(msg)
-            if reply is not None:
-                send.send_pyobj(reply)
-            events = dict(poller.poll(0))
-        try:
-            batch = scheduler.step()
-        except Exception:
-            logger.error("step failed:\n%s", traceback.format_exc())
-            scheduler.fail_all(traceback.format_exc().splitlines()[-1])
-            batch = None
-        if batch is not None:
-            checked_idle = False
-        outs = scheduler.collect_outputs()
-        if outs:
-            send.send_pyobj(BatchOut(outs))

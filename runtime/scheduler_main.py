@@ -1,12 +1,24 @@
-"""Entry point of the scheduler process: `python -m plait.runtime.scheduler_main ARGS.pkl`.
+"""The scheduler process: its entry point (`python -m plait.runtime.scheduler_main ARGS.pkl`) and its
+event loop over ZMQ (receive messages, step the Scheduler, send outputs; block only when idle).
 
 The Engine writes (server_args, model_path, addresses) to a pickle file in its private temp folder
 and starts this module in a fresh interpreter.
 """
 
+import logging
 import os
 import pickle
 import sys
+import traceback
+
+import torch
+import zmq
+
+from .io_struct import BatchOut
+from .scheduler import Scheduler
+from .server_args import ServerArgs
+
+logger = logging.getLogger("plait.scheduler")
 
 
 def main() -> None:
@@ -24,9 +36,62 @@ def main() -> None:
                 os._exit(0)
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    from .scheduler import run_scheduler_process
-
     run_scheduler_process(server_args, model_path, to_sched, from_sched, ready_addr)
+
+
+def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_addr: str) -> None:
+    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if server_args.num_threads:
+        torch.set_num_threads(server_args.num_threads)
+    ctx = zmq.Context()
+    ready = ctx.socket(zmq.PUSH)
+    ready.connect(ready_addr)
+    try:
+        scheduler = Scheduler(server_args, model_path)
+    except Exception as e:
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        ready.send_pyobj(("error", f"{type(e).__name__}: {e}"))
+        ready.close(linger=2000)
+        return
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(in_addr)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(out_addr)
+    ready.send_pyobj(("ready", scheduler.info()))
+    ready.close(linger=2000)
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    checked_idle = True
+    while True:
+        idle = scheduler.is_idle()
+        if idle and not checked_idle:
+            scheduler._check_integrity()
+            checked_idle = True
+        # Block only when there is nothing to do (grammar compiles are polled every 5 ms).
+        timeout = None if idle else 0
+        if scheduler.grammar_pending and not scheduler.running and not scheduler.waiting:
+            timeout = 5
+        events = dict(poller.poll(timeout))
+        while events.get(recv):
+            msg = recv.recv_pyobj()
+            if msg is None:  # shutdown
+                return
+            reply = scheduler.handle_message(msg)
+            if reply is not None:
+                send.send_pyobj(reply)
+            events = dict(poller.poll(0))
+        try:
+            batch = scheduler.step()
+        except Exception:
+            logger.error("step failed:\n%s", traceback.format_exc())
+            scheduler.fail_all(traceback.format_exc().splitlines()[-1])
+            batch = None
+        if batch is not None:
+            checked_idle = False
+        outs = scheduler.collect_outputs()
+        if outs:
+            send.send_pyobj(BatchOut(outs))
 
 
 if __name__ == "__main__":
