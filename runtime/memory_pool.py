@@ -36,7 +36,12 @@ class ReqToTokenPool:
 
 
 class TokenAllocator:
-    """Free-list allocator of kv slots 1..num_slots (slot 0 is the dummy)."""
+    """Free-list allocator of kv slots 1..num_slots (slot 0 is the dummy).
+
+    NOTE: freed slots are kept in a list of runs and merged into the main free tensor only when an
+    allocation needs them. Concatenating on every free would copy the whole free list (millions of
+    slots for a small model on a large GPU) each time a request finishes.
+    """
 
     def __init__(self, num_slots: int, device: str):
         self.num_slots = num_slots
@@ -45,22 +50,37 @@ class TokenAllocator:
 
     def clear(self) -> None:
         self._free = torch.arange(1, self.num_slots + 1, dtype=torch.int64, device="cpu")
+        self._released: list[torch.Tensor] = []  # freed runs not yet merged into _free
+        self._released_count = 0
 
     def available(self) -> int:
-        return int(self._free.numel())
+        return int(self._free.numel()) + self._released_count
 
     def alloc(self, n: int) -> Optional[torch.Tensor]:
         if n > self._free.numel():
-            return None
+            if n > self.available():
+                return None
+            self._merge_released()
         out, self._free = self._free[:n], self._free[n:]
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._free = torch.cat([self._free, slots.to("cpu", torch.int64)])
+            self._released.append(slots.to("cpu", torch.int64))
+            self._released_count += int(slots.numel())
+
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot, as one int64 tensor (for integrity checks)."""
+        self._merge_released()
+        return self._free
 
     def free_slot_set(self) -> set[int]:
-        return set(self._free.tolist())
+        return set(self.free_slots().tolist())
+
+    def _merge_released(self) -> None:
+        if self._released:
+            self._free = torch.cat([self._free, *self._released])
+            self._released, self._released_count = [], 0
 
 
 class KVPool:

@@ -85,8 +85,11 @@ class PrefixCache(ABC):
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
 
-    def check_integrity(self, num_private: int = 0) -> None:
-        """Raise AssertionError unless free + evictable + protected + private == total slots."""
+    def check_integrity(self, num_private: int = 0, full: bool = True) -> None:
+        """Raise AssertionError unless free + evictable + protected + private == total slots.
+
+        `full=False` asks only for this count (cheap: the scheduler runs it whenever it goes idle);
+        subclasses check their structures too when `full`."""
         a = self.allocator
         total = a.available() + self.evictable_size() + self.protected_size() + num_private
         if total != a.num_slots:

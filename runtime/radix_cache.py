@@ -217,8 +217,10 @@ class RadixCache(PrefixCache):
 
     # ---- checks and introspection --------------------------------------------------------------
 
-    def check_integrity(self, num_private: int = 0) -> None:
+    def check_integrity(self, num_private: int = 0, full: bool = True) -> None:
         super().check_integrity(num_private)
+        if not full:
+            return
         _require(not self.root.key and self.root.parent is None and self.root.lock_ref == 0,
                  "root must have an empty key, no parent and no locks")
         evictable = protected = 0
@@ -245,15 +247,18 @@ class RadixCache(PrefixCache):
         _require(evictable == self._evictable and protected == self._protected,
                  f"size counters drifted: evictable {self._evictable} (tree says {evictable}), "
                  f"protected {self._protected} (tree says {protected})")
-        tree_slots = torch.cat(slot_runs).tolist() if slot_runs else []
-        tree_set = set(tree_slots)
-        free_set = self.allocator.free_slot_set()
-        _require(len(tree_set) == len(tree_slots), "a kv slot appears twice in the tree")
-        _require(len(free_set) == self.allocator.available(), "a kv slot is twice on the free list")
-        _require(not (tree_set & free_set),
-                 f"kv slots both cached and free: {sorted(tree_set & free_set)[:8]}")
-        _require(all(1 <= s <= self.allocator.num_slots for s in tree_set),
-                 "a cached kv slot is outside 1..num_slots")
+        # NOTE: counted with tensor ops: a set of Python ints over millions of free slots takes seconds.
+        tree_slots = torch.cat(slot_runs) if slot_runs else torch.empty(0, dtype=torch.int64)
+        free_slots = self.allocator.free_slots()
+        n = self.allocator.num_slots
+        _require(bool(((tree_slots >= 1) & (tree_slots <= n)).all()), "a cached kv slot is outside 1..num_slots")
+        _require(bool(((free_slots >= 1) & (free_slots <= n)).all()), "a free kv slot is outside 1..num_slots")
+        in_tree = torch.bincount(tree_slots, minlength=n + 1)
+        in_free = torch.bincount(free_slots, minlength=n + 1)
+        _require(int(in_tree.max()) <= 1, "a kv slot appears twice in the tree")
+        _require(int(in_free.max()) <= 1, "a kv slot is twice on the free list")
+        both = ((in_tree > 0) & (in_free > 0)).nonzero().flatten()
+        _require(both.numel() == 0, f"kv slots both cached and free: {both[:8].tolist()}")
 
     def dump(self) -> list[tuple[int, tuple, tuple, int]]:
         """Depth-first `(depth, key, slots, lock_ref)` per node, children in key order (for tests)."""

@@ -597,12 +597,12 @@ class Scheduler:
             self.outputs.emit_final(r)
             self.reqs_by_rid.pop(r.rid, None)
 
-    def _check_integrity(self) -> None:
+    def _check_integrity(self, full: bool = True) -> None:
         private = 0
         for r in self.running + self.jump_queue + ([self.chunked_req] if self.chunked_req else []):
             private += r.kv_len - r.cache_len + (r.inflight_slot is not None)
         try:
-            self.cache.check_integrity(num_private=private)
+            self.cache.check_integrity(num_private=private, full=full)
             self.last_integrity_error = None
         except AssertionError as e:
             self.last_integrity_error = str(e)

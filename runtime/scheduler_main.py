@@ -66,7 +66,7 @@ def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str
     while True:
         idle = scheduler.is_idle()
         if idle and not checked_idle:
-            scheduler._check_integrity()
+            scheduler._check_integrity(full=False)  # the slot count only: O(1), unlike the tree walk
             checked_idle = True
         # Block only when there is nothing to do (grammar compiles are polled every 5 ms).
         timeout = None if idle else 0

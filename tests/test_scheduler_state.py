@@ -48,6 +48,21 @@ def test_allocator_free_list_exact():
     assert 0 not in a.free_slot_set()  # slot 0 is the dummy, never handed out
 
 
+def test_allocator_reuses_freed_runs_only_when_needed():
+    a = TokenAllocator(6, "cpu")
+    first = a.alloc(4)  # [1..4]
+    a.free(first[:2])
+    a.free(first[3:])
+    assert a.available() == 5
+    assert a.alloc(2).tolist() == [5, 6]  # never-used slots go first
+    assert a.available() == 3
+    got = a.alloc(3)  # now the freed runs are needed: each comes back exactly once
+    assert sorted(got.tolist()) == [1, 2, 4] and a.available() == 0
+    assert a.alloc(1) is None
+    a.free(got)
+    assert a.free_slot_set() == {1, 2, 4} and a.available() == 3
+
+
 def test_no_sharing_cache_returns_every_slot():
     a = TokenAllocator(10, "cpu")
     c = NoSharingCache(a)
