@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 # Default KV capacity on the CPU, in tokens, when max_total_tokens is not given.
 CPU_DEFAULT_KV_TOKENS = 65536
+# Upper bound of the automatic GPU sizing. A tiny model on a large GPU would otherwise get hundreds
+# of millions of slots: the host-side free list and integrity checks grow with it for no use.
+GPU_MAX_AUTO_KV_TOKENS = 1 << 24
 
 
 @dataclass
@@ -94,7 +97,7 @@ class ModelRunner:
             budget = total * sa.mem_fraction_static - used
             if budget <= 0:
                 raise RuntimeError(f"no GPU memory left for the KV cache (mem_fraction_static={sa.mem_fraction_static})")
-            return int(budget // per_token)
+            return int(min(budget // per_token, GPU_MAX_AUTO_KV_TOKENS))
         return CPU_DEFAULT_KV_TOKENS
 
     # ------------------------------------------------------------------ forward
