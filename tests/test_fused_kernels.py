@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from plait.runtime.memory_pool import KVPool
 from plait.runtime.model_config import ModelConfig
 from plait.runtime.models.layers import (RMSNorm, RotaryEmbedding, SiluAndMul, rms_norm_torch, rotary_torch,
                                          set_use_triton, silu_and_mul, silu_and_mul_torch)
@@ -169,6 +170,33 @@ def test_rotary_in_place_matches_torch(dtype, heads, kv_heads, head_dim):
     assert_close_ulps(k, ref_k, ulps)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (6, 3, 80)])
+def test_rotary_and_store_kv_writes_rotated_k_and_v_into_the_cache(dtype, heads, kv_heads, head_dim):
+    rope = RotaryEmbedding(head_dim, 300, 10000.0, None)
+    qkv, q, k, v = qkv_views(5, heads, kv_heads, head_dim, dtype, seed=2)
+    positions = torch.tensor([0, 299, 150, 7, 7])
+    loc = torch.tensor([3, 9, 1, 4, 6])
+    ref_q, ref_k = rotary_torch(positions, q, k, rope.cos_cache, rope.sin_cache)
+    k_before, v_before = k.clone(), v.clone()
+    k_cache = torch.full((10, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full((10, kv_heads, head_dim), float("nan"), dtype=dtype)
+    out_q = kernels().rotary_and_store_kv(q, k, v, positions, rope.cos_cache, rope.sin_cache, k_cache, v_cache, loc)
+    ulps = {torch.float32: 4, torch.float16: 0, torch.bfloat16: 1}[dtype]
+    assert out_q is q
+    assert_close_ulps(q, ref_q, ulps)
+    assert_close_ulps(k_cache[loc], ref_k, ulps)
+    assert torch.equal(v_cache[loc], v_before)
+    assert torch.equal(k, k_before)  # k itself is left unrotated: only the cache gets the rotated copy
+    untouched = torch.ones(10, dtype=torch.bool)
+    untouched[loc] = False
+    assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
+    with pytest.raises(ValueError, match="loc"):
+        kernels().rotary_and_store_kv(q, k, v, positions, rope.cos_cache, rope.sin_cache, k_cache, v_cache, loc[:2])
+    with pytest.raises(ValueError, match="cache"):
+        kernels().rotary_and_store_kv(q, k, v, positions, rope.cos_cache, rope.sin_cache, k_cache[:, :1], v_cache, loc)
+
+
 def test_rotary_llama3_scaling_and_int32_positions():
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -224,10 +252,14 @@ def test_bad_input_names_the_problem():
 # ---------------------------------------------------------------- whole decoder
 
 class _CausalAttention:
-    """Single-sequence causal attention over the step's tokens only: enough to run the decoder stack."""
+    """Single-sequence causal attention over the step's tokens only: enough to run the decoder stack.
+    With kv_stored (the fused rotary+store path) it reads this step's K/V back from the pool."""
 
-    def forward(self, q, k, v, spec, fb):
+    def forward(self, q, k, v, spec, fb, kv_stored=False):
         # q (T, H, D), k/v (T, Hkv, D) -> (T, H * D)
+        if kv_stored:
+            k = fb.kv_pool.k_buffer[spec.layer_id][fb.out_cache_loc]
+            v = fb.kv_pool.v_buffer[spec.layer_id][fb.out_cache_loc]
         rep = spec.num_heads // spec.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -257,7 +289,10 @@ def _tiny_model(arch: str, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
 def _hidden_both_ways(model, device):
     ids = torch.tensor([5, 17, 99, 3, 64, 2], device=device)
     positions = torch.tensor([0, 1, 2, 3, 4, 5], device=device)
-    fb = types.SimpleNamespace(attn_backend=_CausalAttention())
+    cfg = model.config
+    pool = KVPool(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
+    fb = types.SimpleNamespace(attn_backend=_CausalAttention(), kv_pool=pool,
+                               out_cache_loc=torch.tensor([9, 2, 4, 11, 1, 6], device=device))
     with torch.no_grad():
         set_use_triton(model, False)
         ref = model(ids, positions, fb)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -31,9 +32,11 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Build `fb.attn_metadata` once per step (before the model runs)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                fb: ForwardBatch) -> torch.Tensor:
-        fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                layer: AttentionLayerSpec, fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
+        # kv_stored: the caller already wrote this step's K/V into the pool (a fused rotary+store kernel).
+        if not kv_stored:
+            fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         if fb.forward_mode.is_decode():
             return self.forward_decode(q, layer, fb)
         return self.forward_extend(q, layer, fb)

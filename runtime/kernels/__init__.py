@@ -7,7 +7,8 @@ no host sync, so all of them can be captured in a CUDA graph.
 """
 
 from .activation import silu_and_mul
+from .gemv import gemv
 from .rmsnorm import fused_add_rmsnorm, rmsnorm
-from .rotary import rotary_inplace
+from .rotary import rotary_and_store_kv, rotary_inplace
 
-__all__ = ["fused_add_rmsnorm", "rmsnorm", "rotary_inplace", "silu_and_mul"]
+__all__ = ["fused_add_rmsnorm", "gemv", "rmsnorm", "rotary_and_store_kv", "rotary_inplace", "silu_and_mul"]

@@ -10,6 +10,10 @@ q (T, H, D) and k (T, Hkv, D) may be strided views (e.g. slices of a fused QKV o
 has unit stride; they are overwritten. One program per token handles all of its q and k heads, so the
 cos/sin row is read once. Positions must lie in [0, cos_cache.shape[0]): they are not checked, because
 checking would need a host sync and the launch must be capturable in a CUDA graph.
+
+`rotary_and_store_kv` is the same kernel with the KV-cache write folded in: it rotates q in place and
+writes the rotated k, and v, straight into the cache slots of each token, so a layer's rotary and its
+cache store cost one launch (at decode batch 1 a launch costs more than the work).
 """
 
 from __future__ import annotations
@@ -22,25 +26,40 @@ from .launch import check_device, next_power_of_2
 
 
 @triton.jit
-def _rotate_heads(X, token, stride_t, stride_h, num_heads, cos, sin, offs_half, half_mask,
+def _rotate_heads(Src, Dst, stride_sh, stride_dh, num_heads, cos, sin, offs_half, half_mask,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    # Src/Dst point at one token's row; Dst may be Src (in place: each element is loaded and stored
+    # by the same thread, so no barrier is needed).
     heads = tl.arange(0, BLOCK_H)  # (BH,)
     mask = (heads < num_heads)[:, None] & half_mask[None, :]  # (BH, BHALF)
-    ptr1 = X + token * stride_t + heads[:, None] * stride_h + offs_half[None, :]
-    x1 = tl.load(ptr1, mask=mask, other=0.0)
-    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
+    src = Src + heads[:, None] * stride_sh + offs_half[None, :]
+    dst = Dst + heads[:, None] * stride_dh + offs_half[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
-    tl.store(ptr1, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(ptr1 + HALF, (b * cos + a * sin).to(x2.dtype), mask=mask)
+    tl.store(dst, (a * cos - b * sin).to(x1.dtype), mask=mask)
+    tl.store(dst + HALF, (b * cos + a * sin).to(x2.dtype), mask=mask)
+
+
+@triton.jit
+def _copy_heads(Src, Dst, stride_sh, stride_dh, num_heads, offs_half, half_mask,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)  # (BH,)
+    mask = (heads < num_heads)[:, None] & half_mask[None, :]  # (BH, BHALF)
+    src = Src + heads[:, None] * stride_sh + offs_half[None, :]
+    dst = Dst + heads[:, None] * stride_dh + offs_half[None, :]
+    tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    Q, K, Positions, Cos, Sin,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
+    Q, K, Positions, Cos, Sin, V, KCache, VCache, Loc,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_vt, stride_vh, stride_ct, stride_ch,
     num_q_heads, num_k_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
@@ -48,13 +67,52 @@ def _rotary_kernel(
     half_mask = offs_half < HALF
     cos = tl.load(Cos + pos * stride_cos + offs_half, mask=half_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(Sin + pos * stride_cos + offs_half, mask=half_mask, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(Q, token, stride_qt, stride_qh, num_q_heads, cos, sin, offs_half, half_mask, HALF, BLOCK_HQ)
-    _rotate_heads(K, token, stride_kt, stride_kh, num_k_heads, cos, sin, offs_half, half_mask, HALF, BLOCK_HK)
+    q_row = Q + token * stride_qt
+    _rotate_heads(q_row, q_row, stride_qh, stride_qh, num_q_heads, cos, sin, offs_half, half_mask, HALF, BLOCK_HQ)
+    k_row = K + token * stride_kt
+    if STORE_KV:
+        # The rotated K goes straight into the cache (K itself is left as it was), V is copied beside it.
+        slot = tl.load(Loc + token).to(tl.int64)
+        _rotate_heads(k_row, KCache + slot * stride_ct, stride_kh, stride_ch, num_k_heads, cos, sin, offs_half,
+                      half_mask, HALF, BLOCK_HK)
+        _copy_heads(V + token * stride_vt, VCache + slot * stride_ct, stride_vh, stride_ch, num_k_heads, offs_half,
+                    half_mask, HALF, BLOCK_HK)
+    else:
+        _rotate_heads(k_row, k_row, stride_kh, stride_kh, num_k_heads, cos, sin, offs_half, half_mask, HALF,
+                      BLOCK_HK)
 
 
 def rotary_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
                    sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (T, H, D) and k (T, Hkv, D) in place by positions (T,); returns (q, k)."""
+    _check(q, k, positions, cos_cache, sin_cache)
+    _launch(q, k, positions, cos_cache, sin_cache, None, None, None, None)
+    return q, k
+
+
+def rotary_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos_cache: torch.Tensor, sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    """Rotate q in place and write rotated k and plain v (T, Hkv, D) into k_cache/v_cache (S, Hkv, D) at
+    slots loc (T,), in one launch: a layer's rotary and KV-cache store are one kernel, not three.
+    Returns q; k is left unrotated. Slots are not bounds-checked (that would need a host sync)."""
+    _check(q, k, positions, cos_cache, sin_cache)
+    check_device("rotary_and_store_kv", q, v, k_cache, v_cache, loc)
+    if v.shape != k.shape or v.stride(2) != 1:
+        raise ValueError(f"v must be shaped like k {tuple(k.shape)} with unit stride on head_dim, got {tuple(v.shape)}")
+    if (k_cache.dim() != 3 or k_cache.shape[1:] != k.shape[1:] or v_cache.shape != k_cache.shape
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1):
+        raise ValueError(f"k/v caches must both be (slots, {k.shape[1]}, {k.shape[2]}) with the same strides, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
+        raise ValueError(f"cache dtype {k_cache.dtype} differs from k/v dtype {k.dtype}")
+    if loc.shape != (q.shape[0],):
+        raise ValueError(f"loc must be ({q.shape[0]},), got {tuple(loc.shape)}")
+    _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc)
+    return q
+
+
+def _check(q, k, positions, cos_cache, sin_cache) -> None:
     check_device("rotary", q, k, positions, cos_cache, sin_cache)
     if q.dim() != 3 or k.dim() != 3 or positions.dim() != 1:
         raise ValueError(f"rotary expects q (T, H, D), k (T, Hkv, D), positions (T,); got "
@@ -73,13 +131,22 @@ def rotary_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, co
         raise ValueError("rotary rotates in place: q and k need unit stride on head_dim")
     if positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int32 or int64, got {positions.dtype}")
-    cos_cache, sin_cache = cos_cache.contiguous(), sin_cache.contiguous()
+    if not (cos_cache.is_contiguous() and sin_cache.is_contiguous()):
+        raise ValueError("cos/sin caches must be contiguous")
+
+
+def _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc) -> None:
+    tokens, _, head_dim = q.shape
     if tokens == 0:
-        return q, k
+        return
+    store = v is not None
+    half = head_dim // 2
+    v_ = v if store else k  # unused when not storing: any tensor with k's strides
+    kc, vc, lc = (k_cache, v_cache, loc) if store else (k, k, positions)
     _rotary_kernel[(tokens,)](
-        q, k, positions, cos_cache, sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0),
+        q, k, positions, cos_cache, sin_cache, v_, kc, vc, lc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0), v_.stride(0), v_.stride(1),
+        kc.stride(0), kc.stride(1),
         q.shape[1], k.shape[1],
         HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_HQ=next_power_of_2(q.shape[1]),
-        BLOCK_HK=next_power_of_2(k.shape[1]), num_warps=4)
-    return q, k
+        BLOCK_HK=next_power_of_2(k.shape[1]), STORE_KV=store, num_warps=4)

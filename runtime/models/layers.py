@@ -137,6 +137,16 @@ class RotaryEmbedding(nn.Module):
             return _kernels().rotary_inplace(q, k, positions, self.cos_cache, self.sin_cache)
         return rotary_torch(positions, q, k, self.cos_cache, self.sin_cache)
 
+    def fuses_kv_store(self, q: torch.Tensor) -> bool:
+        """Whether `rotate_and_store_kv` is available for this tensor (the fused Triton path)."""
+        return _wants_triton(q, self.use_triton)
+
+    def rotate_and_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+        """Rotate q (returned) and write rotated k and v into the caches at `loc`, in one launch."""
+        return _kernels().rotary_and_store_kv(q, k, v, positions, self.cos_cache, self.sin_cache, k_cache,
+                                              v_cache, loc)
+
 
 def rotary_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
                  sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,8 +39,16 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = fb.attn_backend.forward(q, k, v, self.spec, fb)  # (T, H * D)
+        layer = self.spec.layer_id
+        if self.rotary.fuses_kv_store(q) and fb.kv_pool.k_buffer[layer].dtype == k.dtype:
+            # NOTE: one launch instead of three (rotary, K store, V store): at decode batch 1 each
+            # launch costs more than its work.
+            q = self.rotary.rotate_and_store_kv(positions, q, k, v, fb.kv_pool.k_buffer[layer],
+                                                fb.kv_pool.v_buffer[layer], fb.out_cache_loc)
+            o = fb.attn_backend.forward(q, None, None, self.spec, fb, kv_stored=True)  # (T, H * D)
+        else:
+            q, k = self.rotary(positions, q, k)
+            o = fb.attn_backend.forward(q, k, v, self.spec, fb)
         return self.o_proj(o)
 
 

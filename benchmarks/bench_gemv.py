@@ -1,0 +1,158 @@
+"""Decode-time linear layers at batch 1-8: the Triton skinny matmul (runtime/kernels/gemv.py) against
+torch.matmul (cuBLAS), on the weight shapes of Llama-3.1-8B and Llama-3.2-1B.
+
+Per shape: a sweep of tile configs, each timed as CUDA-graph replays over 8 distinct weight copies
+(so the 60 MB L2 never holds the next weight), reported as achieved read bandwidth. Then the whole
+weight-only decode step (every layer's four matrices + the LM head, the real model's bytes) with
+cuBLAS and with the best config per shape: the physical limit of a decode step that ANCHORS quotes.
+
+    python benchmarks/bench_gemv.py --model llama-3.1-8b --rows 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from gpu_ceilings import copy_bandwidth  # noqa: E402
+
+SHAPES = {  # name -> (hidden, intermediate, layers, q heads, kv heads, head_dim, vocab)
+    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128, 128256),
+    "llama-3.2-1b": (2048, 8192, 16, 32, 8, 64, 128256),
+}
+
+
+def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
+    h, inter, _, qh, kvh, d, vocab = SHAPES[model]
+    return {"qkv": ((qh + 2 * kvh) * d, h), "o": (qh * d, h), "gate_up": (2 * inter, h), "down": (h, inter),
+            "lm_head": (vocab, h)}
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Median seconds of one fn() call, from CUDA-graph replays of `reps` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3 / reps)
+    return statistics.median(times[2:])
+
+
+def configs():
+    from plait.runtime.kernels.gemv import GemvConfig
+
+    for bn, bk, w, st in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4)):
+        yield GemvConfig(bn, bk, w, st)
+
+
+def main() -> None:
+    from plait.runtime.kernels.gemv import gemv
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1])
+    ap.add_argument("--copies", type=int, default=8)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"GPU {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
+    result = {"model": args.model, "copy_bandwidth": bw, "shapes": {}, "step": {}}
+    best = {}
+    for rows in args.rows:
+        for name, (n, k) in layer_shapes(args.model).items():
+            ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(args.copies)]
+            x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+            ref = (x.double() @ ws[0].double().T)
+            nbytes = n * k * 2
+
+            def cublas():
+                for w in ws:
+                    torch.matmul(x, w.t())
+
+            t_cublas = graph_time(cublas, reps=2) / len(ws)
+            sweep = []
+            for cfg in configs():
+                y = gemv(x, ws[0], config=cfg)
+                err = float((y.double() - ref).norm() / ref.norm())
+                if not err < 1e-2:
+                    print(f"  {name} {cfg} WRONG rel err {err:.2e}")
+                    continue
+
+                def triton_fn(cfg=cfg):
+                    for w in ws:
+                        gemv(x, w, config=cfg)
+
+                sweep.append((graph_time(triton_fn, reps=2) / len(ws), cfg))
+            sweep.sort(key=lambda p: p[0])
+            t_best, cfg_best = sweep[0]
+            best[(rows, name)] = cfg_best
+            result["shapes"][f"{name}/m{rows}"] = {
+                "n": n, "k": k, "cublas_us": t_cublas * 1e6, "cublas_tb_s": nbytes / t_cublas / 1e12,
+                "triton_us": t_best * 1e6, "triton_tb_s": nbytes / t_best / 1e12, "config": vars(cfg_best),
+                "top5": [(t * 1e6, vars(c)) for t, c in sweep[:5]]}
+            print(f"m={rows} {name:8s} ({n:6d}x{k:5d}) cuBLAS {t_cublas * 1e6:8.1f} us {nbytes / t_cublas / 1e12:5.2f} TB/s"
+                  f" | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best}", flush=True)
+            ws = None  # free before the next shape
+            torch.cuda.empty_cache()
+        # The whole weight-only decode step, the real model's bytes (every layer its own weights).
+        h, inter, layers, *_ = SHAPES[args.model]
+        shapes = layer_shapes(args.model)
+        weights = [[torch.randn(*shapes[nm], dtype=torch.bfloat16, device="cuda") * 0.02
+                    for nm in ("qkv", "o", "gate_up", "down")] for _ in range(layers)]
+        head = torch.randn(*shapes["lm_head"], dtype=torch.bfloat16, device="cuda") * 0.02
+        total_bytes = sum(w.numel() * 2 for ws in weights for w in ws) + head.numel() * 2
+        xs = {nm: torch.randn(rows, shapes[nm][1], dtype=torch.bfloat16, device="cuda")
+              for nm in ("qkv", "o", "gate_up", "down", "lm_head")}
+
+        def step(use_triton: bool):
+            def run():
+                for ws in weights:
+                    for nm, w in zip(("qkv", "o", "gate_up", "down"), ws):
+                        if use_triton:
+                            gemv(xs[nm], w, config=best[(rows, nm)])
+                        else:
+                            torch.matmul(xs[nm], w.t())
+                if use_triton:
+                    gemv(xs["lm_head"], head, config=best[(rows, "lm_head")])
+                else:
+                    torch.matmul(xs["lm_head"], head.t())
+            return run
+
+        t_c = graph_time(step(False), reps=3)
+        t_t = graph_time(step(True), reps=3)
+        floor = total_bytes / bw
+        result["step"][f"m{rows}"] = {"bytes": total_bytes, "cublas_ms": t_c * 1e3, "triton_ms": t_t * 1e3,
+                                      "floor_ms": floor * 1e3}
+        print(f"weight-only step m={rows}: cuBLAS {t_c * 1e3:.3f} ms ({rows / t_c:.0f} tok/s, {floor / t_c:.1%} of floor)"
+              f"  triton {t_t * 1e3:.3f} ms ({rows / t_t:.0f} tok/s, {floor / t_t:.1%})  floor {floor * 1e3:.3f} ms",
+              flush=True)
+        weights = head = None
+        torch.cuda.empty_cache()
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"bench_gemv_{args.model}.json"), "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()

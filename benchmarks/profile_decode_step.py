@@ -1,0 +1,100 @@
+"""Where a decode step's time goes: GPU time per kernel (torch.profiler over eager steps) next to the
+CUDA-graph step time, for one batch size and context length.
+
+The difference between the graph step and the sum of kernel times is the launch gaps between kernels
+inside the graph; the per-kernel table says which ops are worth fusing or rewriting.
+
+    python benchmarks/profile_decode_step.py --model llama-3.1-8b --batch-size 1 --context 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> None:
+    from plait.runtime.forward_batch import ForwardMode
+    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.schedule_batch import Req, ScheduleBatch
+    from plait.runtime.server_args import ServerArgs
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    bs, ctx = args.batch_size, args.context
+    sa = ServerArgs(model_path=args.model, load_format="dummy", max_total_tokens=bs * (ctx + 64) + 64,
+                    max_running_requests=bs, cuda_graph_max_bs=bs, context_length=ctx + 80)
+    mr = ModelRunner(sa, args.model)
+    gen = torch.Generator().manual_seed(0)
+    reqs = []
+    for i in range(bs):
+        r = Req(f"r{i}", torch.randint(100, 30000, (ctx,), generator=gen).tolist(),
+                SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True))
+        r.req_pool_idx = mr.req_to_token_pool.alloc()
+        reqs.append(r)
+    out = mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [ctx] * bs, mr.allocator.alloc(bs * ctx)))
+    for r, tok in zip(reqs, out.next_token_ids):
+        r.output_ids, r.kv_len = [tok], ctx
+
+    def decode_step():
+        o = mr.run(ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(bs)))
+        for r, tok in zip(reqs, o.next_token_ids):
+            r.output_ids.append(tok)
+            r.kv_len += 1
+
+    # 1) graph step time (the path the engine uses), measured on the device.
+    graph_ms = []
+    for _ in range(args.steps + 3):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        decode_step()
+        e.record()
+        torch.cuda.synchronize()
+        graph_ms.append(s.elapsed_time(e))
+    graph = statistics.median(graph_ms[3:])
+
+    # 2) eager steps under the profiler: GPU time per kernel name.
+    runner, mr.graph_runner = mr.graph_runner, None
+    for _ in range(2):
+        decode_step()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            decode_step()
+        torch.cuda.synchronize()
+    mr.graph_runner = runner
+    per_name = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            rec = per_name[ev.name[:90]]
+            rec[0] += ev.device_time / args.steps  # us per step
+            rec[1] += 1
+    total = sum(v[0] for v in per_name.values())
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    print(f"{args.model} bs={bs} ctx={ctx}: graph step {graph:.3f} ms; eager kernels sum {total / 1e3:.3f} ms "
+          f"in {sum(v[1] for v in per_name.values()) // args.steps} kernels/step")
+    for name, (us, count) in rows[:22]:
+        print(f"  {us:9.1f} us/step  {count // args.steps:4d}x  {us / max(1, count // args.steps):7.2f} us each  {name}")
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"profile_decode_{args.model}_bs{bs}.json"), "w") as f:
+        json.dump({"graph_step_ms": graph, "kernel_sum_ms": total / 1e3,
+                   "kernels": [(n, us, c // args.steps) for n, (us, c) in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Skinny matmul y = x @ W^T for a handful of rows (decode at small batch), bandwidth-bound.
+
+With M <= 8 rows of x, a linear layer reads every weight once and does two FLOPs per weight per row,
+so its time is the weight bytes over memory bandwidth. Each program owns BLOCK_N output columns (rows
+of W) and walks the whole K axis, so W is read exactly once, in long contiguous runs, and no partial
+sums leave the program (no split-K reduction, no atomics, no extra launch). Products are accumulated
+in float32 and rounded to the output dtype once.
+
+W is (N, K) with unit stride on K (nn.Linear's layout); x is (M, K) with unit stride on K.
+`gemv_config` holds the tile shape; `pick_gemv_config` is the default choice per (N, K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import check_device, next_power_of_2
+
+MAX_ROWS = 8  # above this the tensor-core GEMM of the matmul library is the better tool
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    offs_m = tl.arange(0, BLOCK_M)  # (BM,)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1) row starts
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BN, BK)
+        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BM, BK)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def pick_gemv_config(n: int, k: int) -> GemvConfig:
+    """Default tiles; benchmarks/bench_gemv.py sweeps the alternatives on the GPU."""
+    return GemvConfig()
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         config: Optional[GemvConfig] = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in x's dtype, for 1 <= M <= MAX_ROWS."""
+    check_device("gemv", x, weight, bias)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv expects x (M, K) and weight (N, K); got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv handles 1..{MAX_ROWS} rows, got {m}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("gemv needs unit stride on K for x and weight")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be ({n},), got {tuple(bias.shape)}")
+    cfg = config or pick_gemv_config(n, k)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=max(1, next_power_of_2(m)), BLOCK_N=cfg.block_n,
+        BLOCK_K=min(cfg.block_k, next_power_of_2(k)), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y

@@ -1,0 +1,58 @@
+"""The skinny-matmul kernel (runtime/kernels/gemv.py) against float64 matmul: CPU interpreter at small
+sizes, the GPU at the real decode shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+def gemv_module():
+    import importlib
+
+    return importlib.import_module("plait.runtime.kernels.gemv")  # after conftest chose the interpreter
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(40, 100), (64, 256), (7, 1030)])
+def test_gemv_matches_float64(rows, n, k):
+    g = gemv_module()
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    for cfg in (g.GemvConfig(), g.GemvConfig(block_n=16, block_k=64, num_warps=2, num_stages=2)):
+        y = g.gemv(x, w, b, cfg)
+        assert y.shape == (rows, n) and not torch.isnan(y).any()
+        assert rel_err(y, x.double() @ w.double().T + b.double()) < 1e-6
+    assert rel_err(g.gemv(x, w), x.double() @ w.double().T) < 1e-6
+
+
+def test_gemv_strided_rows_and_bad_input():
+    g = gemv_module()
+    base = torch.randn(4, 300)
+    x = base[:, :128]  # rows with a stride of 300: a view like a slice of a fused output
+    w = torch.randn(32, 128)
+    assert rel_err(g.gemv(x, w), x.double() @ w.double().T) < 1e-6
+    with pytest.raises(ValueError, match="rows"):
+        g.gemv(torch.randn(9, 128), w)
+    with pytest.raises(ValueError, match="weight"):
+        g.gemv(torch.randn(1, 64), w)
+    with pytest.raises(ValueError, match="unit stride"):
+        g.gemv(torch.randn(128, 2).t(), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (128256, 2048)])
+def test_gpu_gemv_bf16_real_shapes(rows, n, k):
+    g = gemv_module()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    y = g.gemv(x, w)
+    assert rel_err(y, x.double() @ w.double().T) < 1e-2
