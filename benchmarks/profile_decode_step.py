@@ -79,9 +79,10 @@ def main() -> None:
     mr.graph_runner = runner
     per_name = collections.defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+        us = ev.time_range.elapsed_us()
+        if ev.device_type == torch.autograd.DeviceType.CUDA and us > 0:
             rec = per_name[ev.name[:90]]
-            rec[0] += ev.device_time / args.steps  # us per step
+            rec[0] += us / args.steps  # us per step
             rec[1] += 1
     total = sum(v[0] for v in per_name.values())
     rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
