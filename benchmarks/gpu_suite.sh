@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of issue 7, in the order they are run on the device machine.
-#   bash benchmarks/gpu_suite.sh tests|one_batch|offline|serving ...
+#   bash benchmarks/gpu_suite.sh tests|one_batch|offline|rounds|serving ...
 # Packages missing on that machine (pyzmq, fastapi, ...) travel as wheels in .whl/ (see the device
 # README); the shared workload file travels in .shared/bench/. Results land in $OUT (else benchmarks/out).
 set -uo pipefail
@@ -31,6 +31,10 @@ for step in "$@"; do
         timeout 420 python3 benchmarks/bench_offline.py --model $m --workload offline 2>&1 \
           | grep -E "^plait|^transformers|roofline"
       done ;;
+    rounds)
+      # Prefix-sharing streams (fewshot, multiturn, tree), radix cache on then off, vs vLLM's figures.
+      timeout 280 python3 benchmarks/bench_rounds.py --model llama-3.1-8b 2>&1 | tee "$OUT/bench_rounds.log" \
+        | grep -E "^cache|^stream|^fewshot|^multiturn|^tree|^target|^saved|Error|error" ;;
     serving)
       python3 -m plait.runtime.server --model-path llama-3.2-1b --load-format dummy --port 30123 \
         > "$OUT/server.log" 2>&1 &
