@@ -1,0 +1,304 @@
+"""Host (CPU, Python) time per scheduler step at large batch, with a tiny model whose forward is negligible.
+
+At batch 256-512 a decode step of a 1B model takes ~4 ms on an H200; everything the scheduler does in
+Python around it (building the batch, uploads, reading sampled tokens, stop checks, detokenization,
+radix inserts, output messages) must stay well under that for the GPU to stay busy. This bench makes
+that host work visible:
+
+1. In-process: the real `Scheduler` stepped directly (as tests/test_scheduler_state.py does) on a tiny
+   random Llama (hidden 64, 2 layers, vocabulary `--vocab`) with the embedded SmolLM2's tokenizer, so
+   detokenization costs what it costs with a real model (`--no-tokenizer` mirrors the GPU benchmarks'
+   dummy weights: token ids only). The model forward, logits, greedy argmax and attention metadata
+   are timed separately and subtracted: host ms = step ms - forward ms. Each step also pays for pickling its output message, as the scheduler process does.
+   Decode steps are bucketed by batch size; a cProfile (top 25, cumulative) covers a window of
+   decode steps at the largest batch.
+2. End to end: an `Engine` (scheduler process + tokenizer manager + ZMQ) runs the same workload;
+   with this model its output tokens/s is the host-bound throughput.
+
+    .venv/bin/python benchmarks/bench_host_overhead.py                   # CPU, both parts (~2-4 min)
+    .venv/bin/python benchmarks/bench_host_overhead.py --device cuda     # on a GPU: the real overlap path
+
+On the CPU the overlap schedule is forced on (the GPU's code path; on the CPU its forward simply runs
+synchronously) unless `--no-overlap`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pickle
+import platform
+import pstats
+import random
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUCKETS = ((1, 64), (65, 128), (129, 256), (257, 384), (385, 512))
+
+
+def save(name: str, result: dict) -> None:
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "out")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"saved {path}")
+
+
+def make_tiny_model(folder: str, with_tokenizer: bool, vocab: int) -> str:
+    """A config-only Llama (dummy weights at load) + optionally the default model's tokenizer."""
+    tok_src = None
+    if with_tokenizer:
+        from plait.runtime.default_model import default_model_path
+
+        tok_src = default_model_path()
+        # NOTE: a model vocabulary smaller than the tokenizer's is fine: every id below it decodes.
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tok_src, name), os.path.join(folder, name))
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=vocab,
+               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True,
+               bos_token_id=1, eos_token_id=2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
+def make_workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    spec = [(rng.randint(100, 1000), rng.randint(50, 300)) for _ in range(n)]
+    return [([rng.randrange(100, vocab) for _ in range(n_in)], n_out) for n_in, n_out in spec]
+
+
+def sampling(n_out: int) -> dict:
+    return {"max_new_tokens": n_out, "ignore_eos": True, "temperature": 0}
+
+
+class DeviceTimer:
+    """Times the device-side work of a step (model forward, logits, attention metadata) so it can be
+    subtracted from the step's wall time. On a GPU these calls return at launch: the timer then
+    measures launch cost only, which is host work anyway."""
+
+    def __init__(self, model_runner):
+        self.seconds = 0.0
+        self.profiler = None  # a cProfile.Profile while one is collecting
+        mr = model_runner
+        model, backend = mr.model, mr.attn_backend
+        timer = self
+
+        class TimedModel:
+            def __call__(self, *a, **k):
+                return timer.timed(model, *a, **k)
+
+            def compute_logits(self, *a, **k):
+                return timer.timed(model.compute_logits, *a, **k)
+
+            def __getattr__(self, name):
+                return getattr(model, name)
+
+        init = backend.init_forward_metadata
+
+        def timed_init(fb):
+            return timer.timed(init, fb)
+
+        argmax = torch.argmax
+
+        def timed_argmax(*a, **k):
+            return timer.timed(argmax, *a, **k)
+
+        self._restore = lambda: None
+        if mr.device != "cuda":  # on the GPU, leave graph capture and replay untouched
+            mr.model = TimedModel()
+            backend.init_forward_metadata = timed_init
+            # NOTE: the greedy argmax over the logits is device work on a GPU: not host time.
+            torch.argmax = timed_argmax
+            self._restore = lambda: setattr(torch, "argmax", argmax)
+
+    def restore(self) -> None:
+        self._restore()
+
+    def timed(self, fn, *a, **k):
+        # NOTE: the profiler (when on) pauses here too, so its table shows host work only.
+        if self.profiler is not None:
+            self.profiler.disable()
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            self.seconds += time.perf_counter() - t
+            if self.profiler is not None:
+                self.profiler.enable()
+
+    def take(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+
+def bucket_of(bs: int) -> str:
+    for lo, hi in BUCKETS:
+        if lo <= bs <= hi:
+            return f"{lo}-{hi}"
+    return f">{BUCKETS[-1][1]}"
+
+
+def run_in_process(args, model_dir: str, reqs) -> dict:
+    from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.server_args import ServerArgs
+
+    sa = ServerArgs(model_path=model_dir, load_format="dummy", device=args.device,
+                    max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
+                    disable_overlap_schedule=args.no_overlap)
+    s = Scheduler(sa, model_dir)
+    if args.device == "cpu":
+        s.overlap = not args.no_overlap  # exercise the GPU's overlap code path (synchronous here)
+    timer = DeviceTimer(s.model_runner)
+    for i, (ids, n_out) in enumerate(reqs):
+        s.handle_message(TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=SamplingParams(**sampling(n_out))))
+
+    steps = []  # (mode, batch size, step seconds, device seconds)
+    profiler = cProfile.Profile()
+    profiled = 0
+    finished = 0
+    t_start = time.perf_counter()
+    while not s.is_idle():
+        big = len(s.running) >= min(args.profile_at, args.max_running_requests)
+        profiling = big and profiled < args.profile_steps
+        timer.take()
+        if profiling:
+            timer.profiler = profiler
+            profiler.enable()
+        t = time.perf_counter()
+        batch = s.step()
+        outs = s.collect_outputs()
+        if outs:
+            pickle.dumps(BatchOut(outs), protocol=pickle.HIGHEST_PROTOCOL)  # what send_pyobj does
+        dt = time.perf_counter() - t
+        if profiling:
+            profiler.disable()
+            timer.profiler = None
+            profiled += 1
+        finished += sum(o.finished_reason is not None for o in outs)
+        if batch is not None:
+            steps.append((batch.mode.name, len(batch.reqs), dt, timer.take()))
+    wall = time.perf_counter() - t_start
+    timer.restore()
+    s._check_integrity()
+    assert s.last_integrity_error is None, s.last_integrity_error
+    assert finished == len(reqs), (finished, len(reqs))
+
+    out_tokens = sum(n for _, n in reqs)
+    device_s = sum(d for *_, d in steps)
+    by_bucket: dict[str, dict] = {}
+    for lo, hi in BUCKETS:
+        rows = [(dt, dev) for mode, bs, dt, dev in steps if mode == "DECODE" and lo <= bs <= hi]
+        if not rows:
+            continue
+        by_bucket[f"{lo}-{hi}"] = {
+            "decode_steps": len(rows),
+            "host_ms_median": 1e3 * statistics.median(dt - dev for dt, dev in rows),
+            "forward_ms_median": 1e3 * statistics.median(dev for _, dev in rows),
+            "step_ms_median": 1e3 * statistics.median(dt for dt, _ in rows),
+        }
+    prefill = [(dt, dev) for mode, _, dt, dev in steps if mode == "EXTEND"]
+    stream = io.StringIO()
+    if profiled:
+        pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(25)
+    return {
+        "overlap": s.overlap, "steps": len(steps), "wall_s": wall, "device_s": device_s,
+        "output_tok_s": out_tokens / wall, "host_only_output_tok_s": out_tokens / max(wall - device_s, 1e-9),
+        "decode": by_bucket,
+        "prefill": {"steps": len(prefill), "host_ms_median": 1e3 * statistics.median(dt - d for dt, d in prefill)}
+        if prefill else {},
+        "profile_steps": profiled, "profile_top25": stream.getvalue(),
+    }
+
+
+def run_engine(args, model_dir: str, reqs) -> dict:
+    from plait.runtime import Engine
+
+    with Engine(model_path=model_dir, load_format="dummy", device=args.device, num_threads=args.threads,
+                max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
+                log_level="warning") as eng:
+        eng.generate(input_ids=[r[0] for r in reqs[:4]], sampling_params=sampling(4))  # warm-up
+        eng.flush_cache()
+        t = time.perf_counter()
+        outs = eng.generate(input_ids=[r[0] for r in reqs], sampling_params=[sampling(n) for _, n in reqs])
+        dt = time.perf_counter() - t
+        assert eng.check_integrity()
+    out_tokens = sum(len(o["output_ids"]) for o in outs)
+    assert all(len(o["output_ids"]) == n for o, (_, n) in zip(outs, reqs))
+    return {"seconds": dt, "output_tokens": out_tokens, "output_tok_s": out_tokens / dt}
+
+
+def print_table(res: dict) -> None:
+    ip = res.get("in_process")
+    if ip:
+        print(f"\nin-process scheduler ({'overlap' if ip['overlap'] else 'plain'} path), {ip['steps']} steps, "
+              f"{ip['wall_s']:.1f} s wall, {ip['device_s']:.1f} s forward")
+        print(f"{'decode batch':>13} {'steps':>6} {'host ms':>8} {'fwd ms':>7} {'step ms':>8} {'host us/req':>11}")
+        for name, b in ip["decode"].items():
+            hi = int(name.split("-")[1])
+            print(f"{name:>13} {b['decode_steps']:>6} {b['host_ms_median']:>8.2f} {b['forward_ms_median']:>7.2f} "
+                  f"{b['step_ms_median']:>8.2f} {1e3 * b['host_ms_median'] / hi:>11.1f}")
+        if ip["prefill"]:
+            print(f"{'prefill':>13} {ip['prefill']['steps']:>6} {ip['prefill']['host_ms_median']:>8.2f}")
+        print(f"in-process: {ip['output_tok_s']:.0f} out tok/s; host work only: {ip['host_only_output_tok_s']:.0f}")
+    e = res.get("engine")
+    if e:
+        print(f"Engine.generate end to end: {e['output_tokens']} tokens in {e['seconds']:.1f} s = "
+              f"{e['output_tok_s']:.0f} out tok/s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--num-requests", type=int, default=600)
+    p.add_argument("--max-running-requests", type=int, default=512)
+    p.add_argument("--max-total-tokens", type=int, default=800_000)
+    p.add_argument("--no-tokenizer", action="store_true", help="token ids only (as the GPU dummy-weight runs)")
+    p.add_argument("--vocab", type=int, default=8192,
+                   help="model vocabulary (host work does not depend on it; the CPU forward does)")
+    p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--skip-in-process", action="store_true")
+    p.add_argument("--profile-at", type=int, default=400, help="profile decode steps at >= this many running")
+    p.add_argument("--profile-steps", type=int, default=40)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    p.add_argument("--tag", default="", help="suffix of the saved JSON name")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    folder = tempfile.mkdtemp(prefix="plait-tiny-")
+    try:
+        model_dir = make_tiny_model(folder, not args.no_tokenizer, args.vocab)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        reqs = make_workload(args.num_requests, vocab)
+        res = {"bench": "host_overhead", "device": args.device, "machine": platform.node(),
+               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+               "tokenizer": not args.no_tokenizer, "vocab": vocab, "requests": len(reqs),
+               "input_tokens": sum(len(i) for i, _ in reqs), "output_tokens": sum(n for _, n in reqs),
+               "max_running_requests": args.max_running_requests, "torch_threads": args.threads}
+        if not args.skip_in_process:
+            res["in_process"] = run_in_process(args, model_dir, reqs)
+            print(res["in_process"]["profile_top25"])
+        if not args.skip_engine:
+            res["engine"] = run_engine(args, model_dir, reqs)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print_table(res)
+    save(f"bench_host_overhead_{args.device}{'_notok' if args.no_tokenizer else ''}{args.tag}", res)
+
+
+if __name__ == "__main__":
+    main()
