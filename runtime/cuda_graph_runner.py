@@ -4,7 +4,8 @@ Graphs are captured at start-up for bucketed batch sizes up to `cuda_graph_max_b
 input buffers. A decode batch of n requests replays the smallest bucket >= n: the real rows are
 copied into the static buffers and the padding rows write their K/V to the dummy slot 0. The
 attention backend prepares its own static metadata through its capture/replay hooks. The graph
-ends with the logits, so a replay is the whole forward of a decode step. Batches larger
+ends with the logits and their argmax (greedy tokens), so a replay is the whole forward of a decode
+step and a greedy batch needs no launch after it. Batches larger
 than the biggest bucket run eagerly.
 """
 
@@ -16,6 +17,7 @@ import logging
 import torch
 
 from .forward_batch import ForwardBatch, ForwardMode
+from .sampler import greedy_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         mr.attn_backend.init_cuda_graph_state(self.max_bs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> (logits, greedy ids)
         self.pool = None
         self._capture_all()
 
@@ -74,14 +76,16 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
-    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.mr.model(fb.input_ids, fb.positions, fb)  # (bs, hidden)
-        return self.mr.model.compute_logits(hidden)  # (bs, vocab) float32
+        logits = self.mr.model.compute_logits(hidden)  # (bs, vocab) float32
+        return logits, greedy_tokens(logits)  # (bs, vocab), (bs,)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
 
-    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+    def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the captured step for fb's requests: (logits (n, vocab), greedy token ids (n,))."""
         n = fb.batch_size
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         if bs != n:  # padding rows: token 0 at position 0, K/V into the dummy slot, no keys read
@@ -96,6 +100,10 @@ class CudaGraphRunner:
         self.seq_lens[:n].copy_(fb.seq_lens, non_blocking=True)
         self.out_cache_loc[:n].copy_(fb.out_cache_loc, non_blocking=True)
         static = self._static_batch(bs)
+        # Host lengths of the padded batch: backends that plan on the host (flashinfer) need them, and
+        # reading them back from the device would cost a sync per step.
+        static.seq_lens_cpu = list(fb.seq_lens_cpu) + [0] * (bs - n)
         self.mr.attn_backend.init_forward_metadata_replay_cuda_graph(static)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]  # (n, vocab) logits
+        logits, greedy = self.outputs[bs]
+        return logits[:n], greedy[:n]

@@ -19,7 +19,7 @@ from .forward_batch import ForwardBatch
 from .memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from .model_config import ModelConfig
 from .model_loader import load_model, load_model_config
-from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, sample
+from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sample
 from .schedule_batch import Req, ScheduleBatch
 from .server_args import ServerArgs
 
@@ -105,9 +105,9 @@ class ModelRunner:
     def run(self, batch: ScheduleBatch) -> StepOutput:
         fb, sample_rows, sampling_reqs, input_lp_rows = self._build_forward_batch(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
-            # Decode: the graph computes the logits of every row too (one row per request).
-            logits = self.graph_runner.replay(fb)  # (B, vocab) float32
-            return self._sample(batch, None, sample_rows, sampling_reqs, input_lp_rows, logits)
+            # Decode: the graph computes the logits of every row too (one row per request), and their argmax.
+            logits, greedy = self.graph_runner.replay(fb)  # (B, vocab) float32, (B,)
+            return self._sample(batch, None, sample_rows, sampling_reqs, input_lp_rows, logits, greedy)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
         return self._sample(batch, hidden, sample_rows, sampling_reqs, input_lp_rows)
@@ -124,14 +124,15 @@ class ModelRunner:
         """
         fb, _, _, _ = self._build_forward_batch(batch, ahead=1 if prev is not None else 0,
                                                 input_ids=prev.next_ids if prev is not None else None)
+        greedy = None
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
-            logits = self.graph_runner.replay(fb)
+            logits, greedy = self.graph_runner.replay(fb)
         else:
             self.attn_backend.init_forward_metadata(fb)
             logits = self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
         reqs = batch.reqs
         if all(_plain_greedy(r) for r in reqs):
-            next_ids = torch.argmax(logits, dim=-1)
+            next_ids = greedy if greedy is not None else greedy_tokens(logits)
         else:
             info = SamplingBatchInfo.from_reqs(reqs, logits.shape[1], logits.device)
             apply_logit_adjustments(logits, reqs, info)
@@ -241,7 +242,8 @@ class ModelRunner:
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = pre_t, ext_t, start_t
         return fb, sample_rows, sampling_reqs, input_lp_rows
 
-    def _sample(self, batch, hidden, sample_rows, sampling_reqs, input_lp_rows, logits=None) -> StepOutput:
+    def _sample(self, batch, hidden, sample_rows, sampling_reqs, input_lp_rows, logits=None,
+                greedy=None) -> StepOutput:
         reqs = batch.reqs
         out = StepOutput(next_token_ids=[None] * len(reqs), output_logprobs=[None] * len(reqs),
                          input_logprobs=[[] for _ in reqs])
@@ -268,7 +270,7 @@ class ModelRunner:
         raw_logits = logits.clone() if any(want_lp) else None
         if all(_plain_greedy(r) for r in s_reqs):
             # NOTE: the common case pays for no sampling tensors (each is a host-to-device copy).
-            next_ids = torch.argmax(logits, dim=-1)
+            next_ids = greedy if greedy is not None else greedy_tokens(logits)
         else:
             info = SamplingBatchInfo.from_reqs(s_reqs, logits.shape[1], logits.device)
             apply_logit_adjustments(logits, s_reqs, info)

@@ -355,7 +355,7 @@ def test_gpu_qk_norm_and_rotary_bf16_real_sizes():
     kernels().rotary_inplace(q, k, positions, rope.cos_cache, rope.sin_cache)
     assert torch.equal(v, v_before)
     for out, ref in ((q, ref_q), (k, ref_k)):
-        assert_close_ulps(out, ref, 1)  # FMA contraction may move a value across a rounding boundary
+        assert_close_ulps(out, ref, 2)  # FMA contraction can cross a rounding (and binade) boundary
         assert _mismatch_fraction(out, ref) < 0.01
 
 

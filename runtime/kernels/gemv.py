@@ -56,13 +56,17 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
 
 
 def pick_gemv_config(n: int, k: int) -> GemvConfig:
-    """Default tiles; benchmarks/bench_gemv.py sweeps the alternatives on the GPU."""
-    return GemvConfig()
+    """Tiles by shape, from benchmarks/bench_gemv.py's sweep on an H200 (one row, bf16, Llama-3.1-8B
+    shapes): long K runs per load everywhere; narrow tiles when N is small, so every SM gets work;
+    deeper pipelining when each program walks a long K or the matrix is huge."""
+    block_n = 4 if n <= 4096 else 8 if n <= 32768 else 16
+    stages = 2 if (n <= 4096 and k <= 4096) else 4
+    return GemvConfig(block_n=block_n, block_k=1024, num_warps=4, num_stages=stages)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         config: Optional[GemvConfig] = None) -> torch.Tensor:
-    """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in x's dtype, for 1 <= M <= MAX_ROWS."""
+         config: Optional[GemvConfig] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS."""
     check_device("gemv", x, weight, bias)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv expects x (M, K) and weight (N, K); got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -75,7 +79,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be ({n},), got {tuple(bias.shape)}")
     cfg = config or pick_gemv_config(n, k)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(1, next_power_of_2(m)), BLOCK_N=cfg.block_n,

@@ -36,6 +36,23 @@ def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
     return x.is_cuda if use_triton is None else use_triton
 
 
+# Rows up to which a CUDA linear layer takes the Triton skinny matmul instead of cuBLAS. One row is
+# measured (benchmarks/bench_gemv.py): faster on the QKV, O and LM-head shapes, slower on the MLP's.
+SKINNY_MATMUL_ROWS = 1
+
+
+def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """x @ layer.weight^T (+ layer.bias), optionally cast to out_dtype; `layer` is an nn.Linear, or an
+    nn.Embedding used as a tied LM head. A decode step's single row on CUDA runs the Triton skinny
+    matmul, which reads the weight once without cuBLAS's split-K reduction launch."""
+    bias = getattr(layer, "bias", None)
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MATMUL_ROWS and x.stride(-1) == 1 \
+            and layer.weight.dtype in (torch.bfloat16, torch.float16):
+        return _kernels().gemv(x, layer.weight, bias, out_dtype=out_dtype)
+    y = F.linear(x, layer.weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    residual: Optional[torch.Tensor] = None):
     """Reference RMSNorm (optionally of x + residual): returns out, or (out, x + residual)."""

@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
 from ..model_config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from .layers import RMSNorm, RotaryEmbedding, SiluAndMul, skinny_linear
 
 
 class Attention(nn.Module):
@@ -32,7 +32,7 @@ class Attention(nn.Module):
                                        self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # (T, q + 2kv)
+        qkv = skinny_linear(x, self.qkv_proj)  # (T, q + 2kv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -49,7 +49,7 @@ class Attention(nn.Module):
         else:
             q, k = self.rotary(positions, q, k)
             o = fb.attn_backend.forward(q, k, v, self.spec, fb)
-        return self.o_proj(o)
+        return skinny_linear(o, self.o_proj)
 
 
 class MLP(nn.Module):
@@ -103,8 +103,8 @@ class LlamaForCausalLM(nn.Module):
         return h  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, w.t()).float()  # (N, vocab)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head  # both hold a (vocab, hidden) weight
+        return skinny_linear(hidden, head, out_dtype=torch.float32)  # (N, vocab)
 
     # ---- weights ----
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
