@@ -1,0 +1,81 @@
+"""Pick the split-KV decode defaults: every (min_split_len, max_kv_splits, target_programs, block_n)
+combination on the decode shapes that matter, timed as CUDA-graph replays (a decode layer's
+attention is a few microseconds: launch gaps would swamp a plain timer), against the KV bytes read.
+
+    python benchmarks/sweep_decode_attention.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention_kernels import make_pools  # noqa: E402
+
+from plait.runtime.attention.triton_ops import DecodeConfig, decode_attention  # noqa: E402
+
+SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}
+CASES = [(1, 576), (8, 576), (64, 576), (256, 576), (1, 4096), (32, 4096)]
+
+
+def _key(cfg: DecodeConfig) -> tuple:
+    return (cfg.block_n, cfg.max_kv_splits, cfg.min_split_len, cfg.target_programs)
+
+
+def main() -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = DecodeConfig(target_programs=4 * sms)
+    configs = [DecodeConfig(block_n=bn, max_kv_splits=ms, min_split_len=ml, target_programs=t * sms)
+               for bn, ms, ml, t in itertools.product((32, 64), (16, 32, 64), (32, 64, 128, 256), (4, 8))]
+    rows = []
+    per_case: list[dict] = []  # per case: config key -> us
+    for shape, (heads, kv_heads, head_dim) in SHAPES.items():
+        for bs, ctx in CASES:
+            kv, r2t = make_pools([ctx] * bs, kv_heads, head_dim)
+            q = torch.randn(bs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty_like(q)
+            req, sl = torch.arange(bs, device="cuda"), torch.full((bs,), ctx, device="cuda")
+            kv_bytes = 2 * bs * ctx * kv_heads * head_dim * 2
+            results = []
+            for cfg in [default] + configs:
+                def fn(cfg=cfg):
+                    decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], out, r2t.req_to_token, req, sl, 0.1, cfg)
+                try:
+                    us = do_bench_cudagraph(fn, rep=20) * 1e3
+                except Exception as exc:  # a config that does not compile
+                    print(f"  {cfg} failed: {exc!r}"[:160])
+                    continue
+                results.append((us, cfg))
+            per_case.append({_key(c): u for u, c in results[1:]})
+            base_us = results[0][0]
+            results_sorted = sorted(results[1:], key=lambda r: r[0])
+            best_us, best = results_sorted[0]
+            rows.append({"shape": shape, "bs": bs, "ctx": ctx, "default_us": base_us, "best_us": best_us,
+                         "best": vars(best), "kv_gb_s_best": kv_bytes / best_us / 1e3,
+                         "top5": [(u, vars(c)) for u, c in results_sorted[:5]]})
+            print(f"{shape} bs={bs:4d} ctx={ctx:5d}: default {base_us:7.1f} us  best {best_us:7.1f} us "
+                  f"({kv_bytes / best_us / 1e3:6.0f} GB/s) bn={best.block_n} splits<={best.max_kv_splits} "
+                  f"min_len={best.min_split_len} programs={best.target_programs // sms}xSM", flush=True)
+            kv = r2t = None  # free before the next case
+    # One config for every case: the smallest mean slowdown against each case's own best.
+    keys = set.intersection(*(set(c) for c in per_case))
+    slowdown = {k: sum(c[k] / min(c.values()) for c in per_case) / len(per_case) for k in keys}
+    ranked = sorted(slowdown.items(), key=lambda kv: kv[1])
+    for k, v in ranked[:5]:
+        print(f"overall: block_n={k[0]} max_kv_splits={k[1]} min_split_len={k[2]} target_programs={k[3] // sms}xSM "
+              f"-> {v:.3f}x the per-case best on average")
+    rows.append({"overall": [(list(k), v) for k, v in ranked[:10]]})
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "sweep_decode_attention.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
