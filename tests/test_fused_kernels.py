@@ -355,7 +355,9 @@ def test_gpu_qk_norm_and_rotary_bf16_real_sizes():
     kernels().rotary_inplace(q, k, positions, rope.cos_cache, rope.sin_cache)
     assert torch.equal(v, v_before)
     for out, ref in ((q, ref_q), (k, ref_k)):
-        assert_close_ulps(out, ref, 2)  # FMA contraction can cross a rounding (and binade) boundary
+        # NOTE: not ulps of the result: x1*c - x2*s can cancel to a small value whose error is an ulp of
+        # the (larger) products, and FMA contraction moves that. Bound it by an ulp of the input scale.
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -5)
         assert _mismatch_fraction(out, ref) < 0.01
 
 

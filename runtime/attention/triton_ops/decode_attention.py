@@ -32,11 +32,14 @@ _LOG2E = 1.4426950408889634
 class DecodeConfig:
     """Launch parameters of the split-KV decode (GPU defaults; tests shrink them to exercise splits)."""
 
-    block_n: int = 64  # KV tokens per inner-loop iteration
-    max_kv_splits: int = 32  # upper bound on splits per request (sizes the partial-output scratch)
-    # NOTE: short: at batch 1 a 576-token context in 256-token splits ran 3 programs per KV head, each
-    # looping serially, and took 12.6 us per layer on an H200 (the KV read alone is ~0.5 us).
-    min_split_len: int = 64  # do not split a sequence into pieces shorter than this
+    # Defaults from benchmarks/sweep_decode_attention.py on an H200 (bf16, head_dim 64 and 128, batch
+    # 1-256, context 576 and 4096): the config with the smallest mean slowdown against each case's own
+    # best (1.06x). Short splits matter most at small batch: at batch 1 a 576-token context cut into
+    # 256-token splits ran 3 programs per KV head, each looping serially (12.6 us per layer, where the
+    # KV read alone is ~0.5 us); small KV tiles pay off at large batch.
+    block_n: int = 32  # KV tokens per inner-loop iteration
+    max_kv_splits: int = 64  # upper bound on splits per request (sizes the partial-output scratch)
+    min_split_len: int = 32  # do not split a sequence into pieces shorter than this
     target_programs: int = 4 * 132  # stage-1 programs worth launching (about 4 waves on an H200)
     num_warps: int = 4
     num_stages: int = 2
