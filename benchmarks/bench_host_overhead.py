@@ -8,14 +8,16 @@ that host work visible:
 1. In-process: the real `Scheduler` stepped directly (as tests/test_scheduler_state.py does) on a tiny
    random Llama (hidden 64, 2 layers, vocabulary `--vocab`) with the embedded SmolLM2's tokenizer, so
    detokenization costs what it costs with a real model (`--no-tokenizer` mirrors the GPU benchmarks'
-   dummy weights: token ids only). The model forward, logits, greedy argmax and attention metadata
-   are timed separately and subtracted: host ms = step ms - forward ms. Each step also pays for pickling its output message, as the scheduler process does.
-   Decode steps are bucketed by batch size; a cProfile (top 25, cumulative) covers a window of
-   decode steps at the largest batch.
+   dummy weights: token ids only). On the CPU the transformer layers are replaced by random hidden
+   states (see DeviceTimer; `--real-forward` runs them). The forward, logits, greedy argmax and
+   attention metadata are timed and subtracted: host ms = step ms - forward ms. Each step also pays
+   for pickling its output message, as the scheduler process does. Decode steps are bucketed by batch
+   size ("pipelined": the step launched the next one before processing its own results); a cProfile
+   (top 25, cumulative) covers decode steps at a large batch.
 2. End to end: an `Engine` (scheduler process + tokenizer manager + ZMQ) runs the same workload;
    with this model its output tokens/s is the host-bound throughput.
 
-    .venv/bin/python benchmarks/bench_host_overhead.py                   # CPU, both parts (~2-4 min)
+    .venv/bin/python benchmarks/bench_host_overhead.py                   # CPU, both parts (~1-2 min)
     .venv/bin/python benchmarks/bench_host_overhead.py --device cuda     # on a GPU: the real overlap path
 
 On the CPU the overlap schedule is forced on (the GPU's code path; on the CPU its forward simply runs
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -83,20 +86,33 @@ def sampling(n_out: int) -> dict:
 
 
 class DeviceTimer:
-    """Times the device-side work of a step (model forward, logits, attention metadata) so it can be
-    subtracted from the step's wall time. On a GPU these calls return at launch: the timer then
-    measures launch cost only, which is host work anyway."""
+    """Times the device-side work of a step (model forward, logits, attention metadata, greedy argmax)
+    so it can be subtracted from the step's wall time. On a GPU nothing is replaced: those calls return
+    at launch, and with this model the step is host work anyway.
 
-    def __init__(self, model_runner):
+    With `stub=True` (the CPU default) the transformer layers and the attention metadata are skipped
+    and the forward returns seeded random hidden states (the logits, and so the sampled tokens, stay
+    varied). NOTE: the real CPU forward at batch 512 streams ~100 MB of KV per step through the
+    caches, which then makes the host work after it look slower than it is on a GPU machine.
+    """
+
+    def __init__(self, model_runner, stub: bool):
         self.seconds = 0.0
         self.profiler = None  # a cProfile.Profile while one is collecting
         mr = model_runner
         model, backend = mr.model, mr.attn_backend
         timer = self
+        gen = torch.Generator().manual_seed(0)
+        hidden_size = mr.model_config.hidden_size
+
+        def random_hidden(input_ids, positions, fb):
+            return torch.randn(input_ids.shape[0], hidden_size, generator=gen)  # (T, hidden)
+
+        forward = random_hidden if stub else model
 
         class TimedModel:
             def __call__(self, *a, **k):
-                return timer.timed(model, *a, **k)
+                return timer.timed(forward, *a, **k)
 
             def compute_logits(self, *a, **k):
                 return timer.timed(model.compute_logits, *a, **k)
@@ -104,7 +120,7 @@ class DeviceTimer:
             def __getattr__(self, name):
                 return getattr(model, name)
 
-        init = backend.init_forward_metadata
+        init = (lambda fb: None) if stub else backend.init_forward_metadata
 
         def timed_init(fb):
             return timer.timed(init, fb)
@@ -115,7 +131,7 @@ class DeviceTimer:
             return timer.timed(argmax, *a, **k)
 
         self._restore = lambda: None
-        if mr.device != "cuda":  # on the GPU, leave graph capture and replay untouched
+        if mr.device != "cuda":
             mr.model = TimedModel()
             backend.init_forward_metadata = timed_init
             # NOTE: the greedy argmax over the logits is device work on a GPU: not host time.
@@ -142,39 +158,61 @@ class DeviceTimer:
         return s
 
 
-def bucket_of(bs: int) -> str:
-    for lo, hi in BUCKETS:
-        if lo <= bs <= hi:
-            return f"{lo}-{hi}"
-    return f">{BUCKETS[-1][1]}"
+class GcClock:
+    """Seconds spent in the garbage collector (gc callbacks) since the last `take`."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def run_in_process(args, model_dir: str, reqs) -> dict:
     from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
     from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler import Scheduler
+    from plait.runtime import scheduler_main
     from plait.runtime.server_args import ServerArgs
 
     sa = ServerArgs(model_path=model_dir, load_format="dummy", device=args.device,
                     max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens,
                     disable_overlap_schedule=args.no_overlap)
     s = Scheduler(sa, model_dir)
+    # As the scheduler process does after start-up (absent in older versions, kept comparable).
+    getattr(scheduler_main, "freeze_startup_heap", lambda: None)()
     if args.device == "cpu":
         s.overlap = not args.no_overlap  # exercise the GPU's overlap code path (synchronous here)
-    timer = DeviceTimer(s.model_runner)
+    timer = DeviceTimer(s.model_runner, stub=args.device == "cpu" and not args.real_forward)
     for i, (ids, n_out) in enumerate(reqs):
-        s.handle_message(TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=SamplingParams(**sampling(n_out))))
+        s.handle_message(TokenizedGenerateReq(rid=f"r{i}", input_ids=ids,
+                                              sampling_params=SamplingParams(**sampling(n_out))))
 
-    steps = []  # (mode, batch size, step seconds, device seconds)
-    profiler = cProfile.Profile()
+    steps = []  # (mode, batch size, step seconds, device seconds, pipelined)
+    gc_s = []  # garbage-collection seconds per step
+    gc_clock = GcClock()
+    stats = None  # merged cProfile stats of decode steps at a large batch
     profiled = 0
     finished = 0
     t_start = time.perf_counter()
     while not s.is_idle():
         big = len(s.running) >= min(args.profile_at, args.max_running_requests)
-        profiling = big and profiled < args.profile_steps
+        profiler = cProfile.Profile() if big and profiled < args.profile_steps else None
         timer.take()
-        if profiling:
+        gc_clock.take()
+        if profiler is not None:
             timer.profiler = profiler
             profiler.enable()
         t = time.perf_counter()
@@ -183,43 +221,58 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
         if outs:
             pickle.dumps(BatchOut(outs), protocol=pickle.HIGHEST_PROTOCOL)  # what send_pyobj does
         dt = time.perf_counter() - t
-        if profiling:
+        if profiler is not None:
             profiler.disable()
             timer.profiler = None
-            profiled += 1
+            if batch is not None and batch.mode.is_decode():
+                profiled += 1
+                if stats is None:
+                    stats = pstats.Stats(profiler, stream=io.StringIO())
+                else:
+                    stats.add(profiler)
         finished += sum(o.finished_reason is not None for o in outs)
         if batch is not None:
-            steps.append((batch.mode.name, len(batch.reqs), dt, timer.take()))
+            # pipelined: this step launched the next decode before processing its own results
+            steps.append((batch.mode.name, len(batch.reqs), dt, timer.take(), s.pending is not None))
+            gc_s.append(gc_clock.take())
     wall = time.perf_counter() - t_start
     timer.restore()
+    gc_clock.stop()
     s._check_integrity()
     assert s.last_integrity_error is None, s.last_integrity_error
     assert finished == len(reqs), (finished, len(reqs))
 
     out_tokens = sum(n for _, n in reqs)
-    device_s = sum(d for *_, d in steps)
+    device_s = sum(d for _, _, _, d, _ in steps)
     by_bucket: dict[str, dict] = {}
     for lo, hi in BUCKETS:
-        rows = [(dt, dev) for mode, bs, dt, dev in steps if mode == "DECODE" and lo <= bs <= hi]
+        rows = [(dt, dev, pipe) for mode, bs, dt, dev, pipe in steps if mode == "DECODE" and lo <= bs <= hi]
+        gcs = [g for (mode, bs, *_), g in zip(steps, gc_s) if mode == "DECODE" and lo <= bs <= hi]
         if not rows:
             continue
         by_bucket[f"{lo}-{hi}"] = {
             "decode_steps": len(rows),
-            "host_ms_median": 1e3 * statistics.median(dt - dev for dt, dev in rows),
-            "forward_ms_median": 1e3 * statistics.median(dev for _, dev in rows),
-            "step_ms_median": 1e3 * statistics.median(dt for dt, _ in rows),
+            "pipelined_steps": sum(pipe for *_, pipe in rows),
+            "host_ms_median": 1e3 * statistics.median(dt - dev for dt, dev, _ in rows),
+            "forward_ms_median": 1e3 * statistics.median(dev for _, dev, _ in rows),
+            "step_ms_median": 1e3 * statistics.median(dt for dt, _, _ in rows),
+            "gc_ms_mean": 1e3 * statistics.mean(gcs),
         }
-    prefill = [(dt, dev) for mode, _, dt, dev in steps if mode == "EXTEND"]
+    prefill = [(dt, dev) for mode, _, dt, dev, _ in steps if mode == "EXTEND"]
     stream = io.StringIO()
-    if profiled:
-        pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(25)
+    if stats is not None:
+        stats.stream = stream
+        stats.sort_stats("cumulative").print_stats(25)
     return {
-        "overlap": s.overlap, "steps": len(steps), "wall_s": wall, "device_s": device_s,
+        "overlap": s.overlap, "stub_forward": args.device == "cpu" and not args.real_forward,
+        "steps": len(steps), "wall_s": wall, "device_s": device_s,
         "output_tok_s": out_tokens / wall, "host_only_output_tok_s": out_tokens / max(wall - device_s, 1e-9),
         "decode": by_bucket,
         "prefill": {"steps": len(prefill), "host_ms_median": 1e3 * statistics.median(dt - d for dt, d in prefill)}
         if prefill else {},
         "profile_steps": profiled, "profile_top25": stream.getvalue(),
+        # every step: (mode, batch size, host ms, forward ms, pipelined)
+        "step_rows": [(m, bs, round(1e3 * (dt - dev), 3), round(1e3 * dev, 3), pipe) for m, bs, dt, dev, pipe in steps],
     }
 
 
@@ -245,11 +298,13 @@ def print_table(res: dict) -> None:
     if ip:
         print(f"\nin-process scheduler ({'overlap' if ip['overlap'] else 'plain'} path), {ip['steps']} steps, "
               f"{ip['wall_s']:.1f} s wall, {ip['device_s']:.1f} s forward")
-        print(f"{'decode batch':>13} {'steps':>6} {'host ms':>8} {'fwd ms':>7} {'step ms':>8} {'host us/req':>11}")
+        print(f"{'decode batch':>13} {'steps':>6} {'pipelined':>9} {'host ms':>8} {'fwd ms':>7} {'step ms':>8} "
+              f"{'gc ms':>6} {'host us/req':>11}")
         for name, b in ip["decode"].items():
             hi = int(name.split("-")[1])
-            print(f"{name:>13} {b['decode_steps']:>6} {b['host_ms_median']:>8.2f} {b['forward_ms_median']:>7.2f} "
-                  f"{b['step_ms_median']:>8.2f} {1e3 * b['host_ms_median'] / hi:>11.1f}")
+            print(f"{name:>13} {b['decode_steps']:>6} {b['pipelined_steps']:>9} {b['host_ms_median']:>8.2f} "
+                  f"{b['forward_ms_median']:>7.2f} {b['step_ms_median']:>8.2f} {b['gc_ms_mean']:>6.2f} "
+                  f"{1e3 * b['host_ms_median'] / hi:>11.1f}")
         if ip["prefill"]:
             print(f"{'prefill':>13} {ip['prefill']['steps']:>6} {ip['prefill']['host_ms_median']:>8.2f}")
         print(f"in-process: {ip['output_tok_s']:.0f} out tok/s; host work only: {ip['host_only_output_tok_s']:.0f}")
@@ -269,6 +324,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192,
                    help="model vocabulary (host work does not depend on it; the CPU forward does)")
     p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--real-forward", action="store_true",
+                   help="CPU in-process: run the real tiny forward instead of random hidden states")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-in-process", action="store_true")
     p.add_argument("--profile-at", type=int, default=400, help="profile decode steps at >= this many running")

@@ -2,7 +2,8 @@
 
 `check_finish` runs after every sampled token: it feeds the incremental detokenizer, then checks stop
 token ids / EOS, stop strings, stop regexes, grammar termination, max_new_tokens and the context
-length. `collect` turns the requests' progress into `ReqOutput` deltas: streaming requests every
+length (`check_finish_many`: the same for a whole step's requests, detokenized in one call).
+`collect` turns the requests' progress into `ReqOutput` deltas: streaming requests every
 `stream_interval` tokens, the others once, when they finish.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .detokenizer import find_stop_regex, find_stop_string
+from .detokenizer import find_stop_regex, find_stop_string, step_many
 from .io_struct import ReqOutput
 from .schedule_batch import FinishReason, Req
 
@@ -22,16 +23,32 @@ class OutputBuilder:
         self.pending: list[ReqOutput] = []
 
     def check_finish(self, r: Req, context_len: int) -> None:
-        tok = r.output_ids[-1]
-        sp = r.sampling_params
-        if tok in r.stop_token_ids and len(r.output_ids) >= sp.min_new_tokens:
-            # Like SGLang, the stop token stays in output_ids but its text is trimmed (unless
-            # no_stop_trim): a stop id that is an ordinary token must not leak into the text.
-            if sp.no_stop_trim:
-                r.detok.step([tok])
-            r.finished_reason = FinishReason("stop", matched=tok)
+        self.check_finish_many([r], context_len)
+
+    def check_finish_many(self, reqs: list[Req], context_len: int) -> None:
+        """`check_finish` for requests that each just got one token, with one batched detokenization."""
+        to_decode = []
+        for r in reqs:
+            tok = r.output_ids[-1]
+            sp = r.sampling_params
+            if tok in r.stop_token_ids and len(r.output_ids) >= sp.min_new_tokens:
+                # Like SGLang, the stop token stays in output_ids but its text is trimmed (unless
+                # no_stop_trim): a stop id that is an ordinary token must not leak into the text.
+                r.finished_reason = FinishReason("stop", matched=tok)
+                if sp.no_stop_trim:
+                    to_decode.append(r)
+            else:
+                to_decode.append(r)
+        if not to_decode:
             return
-        delta = r.detok.step([tok])
+        deltas = step_many([r.detok for r in to_decode], [r.output_ids[-1] for r in to_decode])
+        for r, delta in zip(to_decode, deltas):
+            if r.finished_reason is None:
+                self._check_text_and_length(r, delta, context_len)
+
+    @staticmethod
+    def _check_text_and_length(r: Req, delta: str, context_len: int) -> None:
+        sp = r.sampling_params
         stops = sp.stop_strs
         if stops and delta:
             hit = find_stop_string(r.detok.text, len(delta), stops)
@@ -55,7 +72,7 @@ class OutputBuilder:
         if sp.max_new_tokens is not None and len(r.output_ids) >= sp.max_new_tokens:
             r.finished_reason = FinishReason("length", length=len(r.output_ids))
             return
-        if r.seq_len >= context_len:
+        if len(r.origin_input_ids) + len(r.output_ids) >= context_len:
             r.finished_reason = FinishReason("length", length=len(r.output_ids))
 
     # ------------------------------------------------------------------ messages

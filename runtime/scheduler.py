@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .detokenizer import TextDecoder
 from .io_struct import (AbortReq, ControlReply, ControlReq, ReqOutput, SchedulerInfo,
                         TokenizedGenerateReq)
 from .forward_batch import ForwardMode
@@ -36,12 +37,15 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 # A waiting request that shares at least this many not-yet-cached tokens with one being prefilled
 # waits one step, then hits the cache instead of computing the same prefix again.
 IN_BATCH_DEDUP_MIN_TOKENS = 32
+# What `_process_result` does with a request once the step's stop checks ran.
+_ABORTED, _NO_TOKEN, _TOKEN = range(3)
 
 
 class Scheduler:
     def __init__(self, server_args: ServerArgs, model_path: str):
         self.server_args = server_args
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
+        self.text_decoder = TextDecoder.of(self.tokenizer)  # shared by every request's detokenizer
         self.model_runner = ModelRunner(server_args, model_path, grammar_hook=self._apply_grammar)
         mr = self.model_runner
         self.allocator = mr.allocator
@@ -99,7 +103,7 @@ class Scheduler:
         req = Req(m.rid, m.input_ids, m.sampling_params, return_logprob=m.return_logprob,
                   logprob_start_len=m.logprob_start_len, top_logprobs_num=m.top_logprobs_num,
                   return_text_in_logprobs=m.return_text_in_logprobs, stream=m.stream,
-                  tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, group=m.group)
+                  tokenizer=self.text_decoder, eos_token_ids=self.eos_token_ids, group=m.group)
         if m.sampling_params.seed is not None:
             req.generator = torch.Generator(device=self.model_runner.device).manual_seed(m.sampling_params.seed)
         self.reqs_by_rid[req.rid] = req
@@ -480,62 +484,83 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
     def _process_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
-        step_slots = batch.out_cache_loc.tolist() if batch.mode.is_decode() else None
+        """Commit a step: tokens appended, stops checked (one batched detokenization for the whole
+        step), then, in batch order, prefix-cache inserts, finished requests released, jumps queued."""
+        extend = batch.mode.is_extend()
+        step_slots = None if extend else batch.out_cache_loc.tolist()
+        staged: list[tuple[Req, int]] = []  # (request, what to do after the stop checks), batch order
+        to_check: list[Req] = []
+        n_tokens = 0
+        next_ids, out_lps = out.next_token_ids, out.output_logprobs
         for i, r in enumerate(batch.reqs):
-            if r.finished and r.req_pool_idx is None:
+            if r.finished_reason is not None and r.req_pool_idx is None:
                 continue  # released already (overlap: the extra step of a finished request)
-            if step_slots is not None and r.inflight_slot == step_slots[i]:
-                r.inflight_slot = None  # this step's slot is committed below (kv_len += 1)
-            if batch.mode.is_extend():
+            if extend:
                 r.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
                 for pos, lp, tok, top in out.input_logprobs[i]:
                     r.input_token_logprobs.append((lp, tok))
                     r.input_top_logprobs.append(top)
                     r.input_logprob_next = pos + 1
             else:
+                if r.inflight_slot == step_slots[i]:
+                    r.inflight_slot = None  # this step's slot is committed here (kv_len += 1)
                 r.kv_len += 1
-            if r.finished:  # aborted mid-step
-                self._finish_running(r)
+            if r.finished_reason is not None:  # aborted mid-step
+                staged.append((r, _ABORTED))
                 continue
-            tok = out.next_token_ids[i]
+            tok = next_ids[i]
             if tok is None:
-                if r.kv_len < len(r.fill_ids):  # chunk mid-way
+                staged.append((r, _NO_TOKEN))
+                continue
+            if r.first_token_time is None:
+                r.first_token_time = time.monotonic()
+            r.output_ids.append(tok)
+            n_tokens += 1
+            if out_lps[i] is not None:
+                lp, top = out_lps[i]
+                r.output_token_logprobs.append((lp, tok))
+                r.output_top_logprobs.append(top)
+            # A token the grammar rejects gets an abort reason from accept(); it keeps it.
+            if r.grammar is None or self.grammar_manager.accept(r, tok):
+                to_check.append(r)
+            staged.append((r, _TOKEN))
+        self.stats["generation_tokens"] += n_tokens
+        self.outputs.check_finish_many(to_check, self.model_runner.context_len)
+        changed = False
+        for r, what in staged:
+            if what == _ABORTED:
+                self._finish_running(r)
+                changed = True
+            elif what == _NO_TOKEN:
+                if r.kv_len < len(r.origin_input_ids) + len(r.output_ids):  # chunk mid-way
                     self._insert_progress(r)
                     r.is_chunked = True
                     self.chunked_req = r
                 elif r.prefill_only:
                     r.finished_reason = FinishReason("length", length=0)
                     self._finish_running(r)
-                continue
-            if batch.mode.is_extend():
-                r.is_chunked = False
-                self._insert_progress(r)
-            if r.first_token_time is None:
-                r.first_token_time = time.monotonic()
-            r.output_ids.append(tok)
-            self.stats["generation_tokens"] += 1
-            if out.output_logprobs[i] is not None:
-                lp, top = out.output_logprobs[i]
-                r.output_token_logprobs.append((lp, tok))
-                r.output_top_logprobs.append(top)
-            if r.grammar is not None and not self.grammar_manager.accept(r, tok):
-                pass  # the grammar rejected the token: accept() set an abort reason; keep it
+                    changed = True
             else:
-                self.outputs.check_finish(r, self.model_runner.context_len)
-            if r.finished:
-                self._finish_running(r)
-            elif r.grammar is not None and self.grammar_manager.jump_forward(r) is not None:
-                # The grammar forced text: its tokens were appended; prefill them next step instead of
-                # decoding them one by one (unless they used up max_new_tokens).
-                if r.remaining_new_tokens() == 0:
-                    r.finished_reason = FinishReason("length", length=len(r.output_ids))
+                if extend:
+                    r.is_chunked = False
+                    self._insert_progress(r)
+                if r.finished_reason is not None:
                     self._finish_running(r)
-                else:
-                    self.jump_queue.append(r)
-            elif batch.mode.is_extend():
-                self.running.append(r)
-        jumped = set(map(id, self.jump_queue))
-        self.running = [r for r in self.running if not r.finished and id(r) not in jumped]
+                    changed = True
+                elif r.grammar is not None and self.grammar_manager.jump_forward(r) is not None:
+                    # The grammar forced text: its tokens were appended; prefill them next step instead
+                    # of decoding them one by one (unless they used up max_new_tokens).
+                    if r.remaining_new_tokens() == 0:
+                        r.finished_reason = FinishReason("length", length=len(r.output_ids))
+                        self._finish_running(r)
+                    else:
+                        self.jump_queue.append(r)
+                    changed = True
+                elif extend:
+                    self.running.append(r)
+        if changed:
+            jumped = set(map(id, self.jump_queue))
+            self.running = [r for r in self.running if r.finished_reason is None and id(r) not in jumped]
 
     def _insert_progress(self, r: Req) -> None:
         ids = r.fill_ids[:r.kv_len]

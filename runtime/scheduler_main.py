@@ -5,6 +5,7 @@ The Engine writes (server_args, model_path, addresses) to a pickle file in its p
 and starts this module in a fresh interpreter.
 """
 
+import gc
 import logging
 import os
 import pickle
@@ -54,6 +55,7 @@ def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str
         ready.send_pyobj(("error", f"{type(e).__name__}: {e}"))
         ready.close(linger=2000)
         return
+    freeze_startup_heap()
     recv = ctx.socket(zmq.PULL)
     recv.bind(in_addr)
     send = ctx.socket(zmq.PUSH)
@@ -92,6 +94,18 @@ def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str
         outs = scheduler.collect_outputs()
         if outs:
             send.send_pyobj(BatchOut(outs))
+
+
+def freeze_startup_heap() -> None:
+    """Move everything allocated so far (torch, transformers, the model) out of the GC's reach.
+
+    NOTE: the interpreter holds a few hundred thousand long-lived objects after start-up; every full
+    collection walks them all. The per-step garbage of a large decode batch triggers collections
+    often enough that, unfrozen, they cost several ms per step at batch 512. Frozen objects are
+    never collected, which is right for what lives as long as the process.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 if __name__ == "__main__":

@@ -178,3 +178,67 @@ def test_max_new_tokens_finishes_with_length(default_tokenizer):
     feed(builder, r, default_tokenizer.encode("one two three four five six"))
     assert len(r.output_ids) == 4
     assert r.finished_reason.to_json() == {"type": "length", "length": 4}
+
+
+# ---------------------------------------------------------------------- batched detokenization
+def test_text_decoder_matches_tokenizer_decode(default_tokenizer):
+    from plait.runtime.detokenizer import TextDecoder
+
+    dec = TextDecoder(default_tokenizer)
+    assert dec._rust is not None  # the fast path is really taken for this tokenizer
+    seqs = [default_tokenizer.encode(t) for t in MULTIBYTE_TEXTS] + [[default_tokenizer.eos_token_id, 42], []]
+    seqs += [ids[i:i + 2] for ids in seqs[:1] for i in range(len(ids))]  # windows that split characters
+    for skip in (True, False):
+        want = [default_tokenizer.decode(s, skip_special_tokens=skip) for s in seqs]
+        assert dec.decode_many(seqs, skip) == want
+        assert [dec.decode(s, skip) for s in seqs] == want
+
+
+def test_step_many_equals_stepping_each_detokenizer(default_tokenizer):
+    from plait.runtime.detokenizer import TextDecoder, step_many
+
+    streams = [default_tokenizer.encode(t) for t in MULTIBYTE_TEXTS]
+    eos = default_tokenizer.eos_token_id
+    streams.append(default_tokenizer.encode("Hi") + [eos] + default_tokenizer.encode(" 🚀 x"))
+    length = min(map(len, streams))
+    dec = TextDecoder(default_tokenizer)
+    # Mixed settings in one batch: a shared decoder, a raw tokenizer, both skip flags, and no tokenizer.
+    make = [lambda: IncrementalDetokenizer(dec, True), lambda: IncrementalDetokenizer(default_tokenizer, False),
+            lambda: IncrementalDetokenizer(dec, False), lambda: IncrementalDetokenizer(None)]
+    one = [make[i % len(make)]() for i in range(len(streams))]
+    many = [make[i % len(make)]() for i in range(len(streams))]
+    for pos in range(length):
+        want = [d.step([s[pos]]) for d, s in zip(one, streams)]
+        assert step_many(many, [s[pos] for s in streams]) == want
+    for a, b in zip(one, many):
+        assert (a.text, a.ids, a.prefix_offset, a.read_offset) == (b.text, b.ids, b.prefix_offset, b.read_offset)
+        assert a.flush() == b.flush()
+    assert any("\ufffd" in default_tokenizer.decode([t]) for s in streams for t in s[:length])
+
+
+def test_check_finish_many_equals_one_request_at_a_time(default_tokenizer):
+    text = "The answer is 42 🚀 and the rest is never reached."
+    ids = default_tokenizer.encode(text)
+    params = [{"stop": "is 42"}, {"stop": "🚀", "no_stop_trim": True}, {"stop_token_ids": [ids[3]]},
+              {"stop_token_ids": [ids[3]], "no_stop_trim": True}, {"max_new_tokens": 5}, {"stop_regex": r"\d+ "},
+              {}]
+
+    def run(batched: bool):
+        builder = OutputBuilder(default_tokenizer, stream_interval=1)
+        reqs = [make_req(default_tokenizer, **p) for p in params]
+        for t in ids:
+            live = [r for r in reqs if not r.finished]
+            for r in live:
+                r.output_ids.append(t)
+            if batched:
+                builder.check_finish_many(live, CONTEXT_LEN)
+            else:
+                for r in live:
+                    builder.check_finish(r, CONTEXT_LEN)
+        for r in reqs:
+            if r.finished:
+                builder.emit_final(r)
+        return [(r.output_ids, r.finished_reason, r.final_text, r.detok.text) for r in reqs]
+
+    assert run(batched=True) == run(batched=False)
+    assert all(reason is not None for _, reason, _, _ in run(batched=True)[:-1])
