@@ -71,7 +71,11 @@ def load_tokenizer(path: str):
     """The model's Hugging Face tokenizer, or None (dummy weights from a bare config: token ids only)."""
     from transformers import AutoTokenizer
 
+    if path in BUILTIN_SHAPES:
+        return None  # a built-in shape name is no tokenizer's home
     try:
-        return AutoTokenizer.from_pretrained(path)
+        # NOTE: local files only: a name that is not a folder must not send the process to the Hub
+        # (offline machines wait out its retries: ~50 s per load).
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception:
         return None
