@@ -87,3 +87,23 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids=()) -> 
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0, eos_token_id=list(eos_ids) or None)
     return out[0, len(prompt_ids):].tolist()
+
+
+def near_tie_report(hf, prompts: list[list[int]], outputs: list[list[int]]) -> tuple[float, float]:
+    """Score greedy outputs under a transformers model's own logits, step by step (teacher forcing):
+    (fraction of steps where ours is its argmax, worst gap between its top logit and ours relative to
+    its logit spread). Used for bf16, where kernels round differently and a sequence may take the
+    other branch of a near-tie: each step is judged on its own."""
+    steps = exact = 0
+    worst = 0.0
+    for p, out in zip(prompts, outputs):
+        ids = torch.tensor([p + out], device=hf.device)
+        with torch.no_grad():
+            logits = hf(ids).logits[0, len(p) - 1:len(p) - 1 + len(out)].float()  # (n, vocab)
+        chosen = logits.gather(1, torch.tensor(out, device=hf.device)[:, None]).squeeze(1)
+        top = logits.max(dim=1).values
+        gap = (top - chosen) / (top - logits.median(dim=1).values)
+        worst = max(worst, gap.max().item())
+        exact += int((gap == 0).sum())
+        steps += len(out)
+    return exact / steps, worst

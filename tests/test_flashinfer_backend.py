@@ -22,7 +22,7 @@ from plait.runtime.attention.torch_native import TorchNativeAttnBackend
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
 from plait.runtime.memory_pool import KVPool, ReqToTokenPool
 
-from conftest import make_random_model
+from conftest import make_random_model, near_tie_report
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 needs_flashinfer = pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
@@ -234,6 +234,13 @@ def test_engine_greedy_matches_torch_native(tmp_path):
             outs[backend] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
             assert eng.check_integrity()
     agree = sum(a == b for a, b in zip(outs["flashinfer"], outs["torch_native"])) / len(prompts)
-    print("flashinfer/torch_native greedy agreement", agree)
-    # bf16: rounding differs between kernels, so a near-tie may flip a token on a few prompts.
-    assert agree >= 0.8
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+    for backend, out in outs.items():
+        exact, worst_gap = near_tie_report(hf, prompts, out)
+        print(f"{backend}: {exact:.1%} of steps are transformers' argmax, worst gap {worst_gap:.3f}; "
+              f"sequences equal to the other backend's {agree:.2f}")
+        # bf16: kernels round differently, so a sequence may take the other branch of a near-tie; every
+        # step must still be transformers' choice or a near-tie under its own logits.
+        assert exact >= 0.9 and worst_gap < 0.05
