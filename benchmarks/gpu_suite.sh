@@ -41,6 +41,9 @@ for step in "$@"; do
       srv=$!
       for i in $(seq 1 180); do curl -sf localhost:30123/health >/dev/null && break; sleep 1; done
       for rate in 16 64 inf; do
+        # Each rate starts cold: the prompts repeat across rates (one seed), so a warm radix cache would
+        # turn later rates' prefills into hits.
+        curl -sf -X POST localhost:30123/flush_cache >/dev/null || echo "flush_cache failed"
         timeout 200 python3 benchmarks/bench_serving.py --port 30123 --backend plait --dataset random \
           --num-prompts 400 --random-input-len 512 --random-output-len 128 --request-rate $rate \
           --vocab-size 30000 --output-file "$OUT/bench_serving_gpu_rate_$rate.json" --tag "H200 llama-3.2-1b dummy" 2>&1 \
