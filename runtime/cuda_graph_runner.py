@@ -31,7 +31,7 @@ class CudaGraphRunner:
     def __init__(self, model_runner):
         self.mr = model_runner
         mr = model_runner
-        max_bs = min(mr.server_args.cuda_graph_max_bs, mr.max_running_requests)
+        max_bs = min(mr.server_args.cuda_graph_max_bs or mr.max_running_requests, mr.max_running_requests)
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         dev = mr.device

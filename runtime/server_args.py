@@ -46,7 +46,9 @@ class ServerArgs:
     # Execution
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 256
+    # None: graphs for every batch size the scheduler can run (max_running_requests, at most 1024).
+    # Eager decode steps above the largest graph cost ~2 ms of Python launches each at the 1B shape.
+    cuda_graph_max_bs: Optional[int] = None
     disable_overlap_schedule: bool = False
     num_threads: Optional[int] = None  # CPU torch threads in the scheduler process
 
@@ -75,6 +77,8 @@ class ServerArgs:
         for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size",
                      "page_size", "stream_interval", "cuda_graph_max_bs"):
             v = getattr(self, name)
+            if v is None and name == "cuda_graph_max_bs":
+                continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
