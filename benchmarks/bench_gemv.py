@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -22,6 +21,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_common import save  # noqa: E402
 from gpu_ceilings import copy_bandwidth  # noqa: E402
 
 SHAPES = {  # name -> (hidden, intermediate, layers, q heads, kv heads, head_dim, vocab)
@@ -148,10 +148,7 @@ def main() -> None:
               flush=True)
         weights = head = None
         torch.cuda.empty_cache()
-    out_dir = os.environ.get("OUT") or os.path.join(HERE, "out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"bench_gemv_{args.model}.json"), "w") as f:
-        json.dump(result, f, indent=2, default=str)
+    save(f"bench_gemv_{args.model}", result)
 
 
 if __name__ == "__main__":

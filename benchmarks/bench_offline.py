@@ -18,12 +18,12 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 
 import torch
 
-from gpu_ceilings import copy_bandwidth, matmul_flops  # noqa: E402 (benchmarks/ is on sys.path)
+from bench_common import load_workload_module, save  # noqa: E402 (benchmarks/ is on sys.path)
+from gpu_ceilings import copy_bandwidth, matmul_flops  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORDS = ("the of and to in is was he for it with as his on be at by had are but from or have an they which "
@@ -37,15 +37,6 @@ WORDS = ("the of and to in is was he for it with as his on be at by had are but 
 def cpu_prompts(n: int = 32, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 400))) for _ in range(n)]
-
-
-def save(name: str, result: dict) -> None:
-    out_dir = os.environ.get("OUT") or os.path.join(HERE, "out")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"saved {path}")
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -97,11 +88,7 @@ def run_cpu(args) -> dict:
 
 # ---------------------------------------------------------------------------------------------- GPU
 def load_workload(name: str):
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "shared", "bench"))
-    sys.path.insert(0, os.path.join(HERE, "..", ".shared", "bench"))  # a copy carried to the GPU machine
-    import workload  # noqa: E402
-
-    return workload.make(name)
+    return load_workload_module().make(name)
 
 
 def roofline_seconds(reqs, weight_bytes: int, kv_bytes_per_token: int, bw: float, max_bs: int,

@@ -11,14 +11,14 @@ token attended to — over the device-to-device copy bandwidth measured in the s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 
-from gpu_ceilings import copy_bandwidth, matmul_flops  # noqa: E402 (benchmarks/ is on sys.path)
+from gpu_ceilings import copy_bandwidth  # noqa: E402 (benchmarks/ is on sys.path)
+from bench_common import save  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -127,7 +127,7 @@ def run_transformers(args) -> list[dict]:
         rows.append({"batch_size": bs, "prefill_s": t1, "decode_step_ms": step * 1e3, "decode_tok_s": bs / step})
         print(f"transformers bs={bs:4d} prefill {t1 * 1e3:8.1f} ms  decode step {step * 1e3:7.3f} ms  "
               f"{bs / step:8.0f} tok/s", flush=True)
-    del model
+    model = None  # free the GPU memory before the next run
     torch.cuda.empty_cache()
     return rows
 
@@ -152,12 +152,7 @@ def main() -> None:
               "cuda_graph": not args.disable_cuda_graph, "plait": rows}
     if not args.skip_transformers:
         result["transformers"] = run_transformers(args)
-    out_dir = os.environ.get("OUT") or os.path.join(HERE, "out")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"bench_one_batch_{args.model}{'_nograph' if args.disable_cuda_graph else ''}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print("saved", path)
+    save(f"bench_one_batch_{args.model}{'_nograph' if args.disable_cuda_graph else ''}", result)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,12 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 
 import torch
+
+from bench_common import load_workload_module, save  # noqa: E402 (benchmarks/ is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STREAMS = ("fewshot", "multiturn", "tree")
@@ -42,26 +43,6 @@ TINY_CONFIG = dict(architectures=["LlamaForCausalLM"], hidden_size=128, intermed
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    vocab_size=30016, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-
-
-def load_workload_module():
-    """shared/bench/workload.py beside the repo, or the copy carried to the GPU machine (.shared/)."""
-    for folder in (os.path.join(HERE, "..", "..", "shared", "bench"), os.path.join(HERE, "..", ".shared", "bench")):
-        if os.path.isfile(os.path.join(folder, "workload.py")):
-            sys.path.insert(0, os.path.abspath(folder))
-            import workload  # noqa: E402
-
-            return workload
-    raise FileNotFoundError("workload.py not found in ../shared/bench (beside the repo) or .shared/bench (inside it)")
-
-
-def save(name: str, result: dict) -> None:
-    out_dir = os.environ.get("OUT") or os.path.join(HERE, "out")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"saved {path}")
 
 
 # ------------------------------------------------------------------------------------- the streams

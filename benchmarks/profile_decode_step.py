@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 
 import torch
+
+from bench_common import save  # noqa: E402 (benchmarks/ is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,11 +91,8 @@ def main() -> None:
           f"in {sum(v[1] for v in per_name.values()) // args.steps} kernels/step")
     for name, (us, count) in rows[:22]:
         print(f"  {us:9.1f} us/step  {count // args.steps:4d}x  {us / max(1, count // args.steps):7.2f} us each  {name}")
-    out_dir = os.environ.get("OUT") or os.path.join(HERE, "out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"profile_decode_{args.model}_bs{bs}.json"), "w") as f:
-        json.dump({"graph_step_ms": graph, "kernel_sum_ms": total / 1e3,
-                   "kernels": [(n, us, c // args.steps) for n, (us, c) in rows]}, f, indent=1)
+    save(f"profile_decode_{args.model}_bs{bs}", {"graph_step_ms": graph, "kernel_sum_ms": total / 1e3,
+                                                "kernels": [(n, us, c // args.steps) for n, (us, c) in rows]})
 
 
 if __name__ == "__main__":

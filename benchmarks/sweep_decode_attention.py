@@ -8,7 +8,6 @@ attention is a few microseconds: launch gaps would swamp a plain timer), against
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 
@@ -17,6 +16,7 @@ from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention_kernels import make_pools  # noqa: E402
+from bench_common import save  # noqa: E402
 
 from plait.runtime.attention.triton_ops import DecodeConfig, decode_attention  # noqa: E402
 
@@ -71,10 +71,7 @@ def main() -> None:
         print(f"overall: block_n={k[0]} max_kv_splits={k[1]} min_split_len={k[2]} target_programs={k[3] // sms}xSM "
               f"-> {v:.3f}x the per-case best on average")
     rows.append({"overall": [(list(k), v) for k, v in ranked[:10]]})
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "sweep_decode_attention.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    save("sweep_decode_attention", rows)
 
 
 if __name__ == "__main__":
