@@ -47,6 +47,15 @@ class ControlReply:
 
 
 @dataclass
+class DeferredText:
+    """The scheduler did not decode this request's text (nobody reads it before the end): the
+    receiver decodes the first `num_ids` output ids incrementally, exactly as the scheduler would."""
+
+    num_ids: int
+    skip_special_tokens: bool
+
+
+@dataclass
 class ReqOutput:
     """What one request produced since the last message (deltas), plus its running totals."""
 
@@ -64,6 +73,8 @@ class ReqOutput:
     output_top_logprobs: list = field(default_factory=list)
     # Final text replaces the accumulated one when stop trimming cut part of it.
     final_text: Optional[str] = None
+    # Set on the final output of a request whose text is decoded by the receiver.
+    deferred_text: Optional[DeferredText] = None
 
 
 @dataclass

@@ -149,7 +149,8 @@ class ModelRunner:
         if pending.event is not None:
             pending.event.synchronize()
         ids = pending.host.tolist()
-        return StepOutput(next_token_ids=ids, output_logprobs=[None] * len(ids), input_logprobs=[[] for _ in ids])
+        # A decode step computes no prompt logprobs: input_logprobs stays empty (read for EXTEND only).
+        return StepOutput(next_token_ids=ids, output_logprobs=[None] * len(ids))
 
     def _next_host_buffer(self, n: int) -> torch.Tensor:
         # Two pinned buffers used in turn: at most two decode steps are in flight.
@@ -166,8 +167,8 @@ class ModelRunner:
                 and sp.presence_penalty == 0 and sp.repetition_penalty == 1.0
                 and len(r.output_ids) >= sp.min_new_tokens)
 
-    def _upload(self, rows: list) -> torch.Tensor:
-        """k equally long int lists → a (k, n) int64 device tensor with one host-to-device copy."""
+    def _upload(self, rows) -> torch.Tensor:
+        """k equally long int lists (or a (k, n) array) → a (k, n) int64 device tensor, one copy."""
         host = torch.from_numpy(np.asarray(rows, dtype=np.int64))
         if self.device == "cpu":
             return host
@@ -193,32 +194,21 @@ class ModelRunner:
         sample_rows: list[int] = []  # row in hidden (T,) per sampling request
         sampling_reqs: list[int] = []  # index into batch.reqs
         input_lp_rows: list[tuple[int, int, int]] = []  # (req index, row, prompt position of the predicted token)
-        loc = batch.out_cache_loc.tolist()
-        pool_idx = [r.req_pool_idx for r in reqs]
         if batch.mode.is_decode():
-            seq_lens = [r.seq_len + ahead for r in reqs]
-            if input_ids is None:
-                ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs]
-            else:
-                ids = [0] * len(reqs)  # placeholder: the tokens are on the device already
-            positions = [s - 1 for s in seq_lens]
-            dev = self._upload([ids, positions, pool_idx, seq_lens, loc])  # (5, B)
-            ids_t, pos_t, pool_t, seq_t, loc_t = dev
+            # NOTE: numpy rows, not per-request lists: a pipelined step reuses the previous step's lengths.
+            rows = batch.decode_host_rows(ahead, with_input_ids=input_ids is None)  # (5, B)
+            ids_t, pos_t, pool_t, seq_t, loc_t = self._upload(rows)
             input_ids = ids_t if input_ids is None else input_ids
             token_rows = pool_t
+            seq_lens = batch.seq_lens_host.tolist()
             sample_rows = list(range(len(reqs)))
-            sampling_reqs = list(range(len(reqs)))
+            sampling_reqs = sample_rows
         else:
-            ids, positions, seq_lens, token_rows_l, starts = [], [], [], [], []
+            token_host, req_host = batch.extend_host_rows()  # (4, T), (5, B)
+            seq_lens = req_host[1].tolist()
             offset = 0
             for i, (r, pre, ext) in enumerate(zip(reqs, batch.prefix_lens, batch.extend_lens)):
-                fill = r.fill_ids
-                ids.extend(fill[pre:pre + ext])
-                positions.extend(range(pre, pre + ext))
-                token_rows_l.extend([r.req_pool_idx] * ext)
-                seq_lens.append(pre + ext)
-                starts.append(offset)
-                if pre + ext == len(fill) and not r.prefill_only:
+                if pre + ext == r.seq_len and not r.prefill_only:
                     sample_rows.append(offset + ext - 1)
                     sampling_reqs.append(i)
                 if r.needs_input_logprobs():
@@ -227,9 +217,8 @@ class ModelRunner:
                     for pos in range(first, min(pre + ext, prompt_len)):
                         input_lp_rows.append((i, offset + (pos - 1 - pre), pos))
                 offset += ext
-            input_ids, pos_t, loc_t, token_rows = self._upload([ids, positions, loc, token_rows_l])  # (4, T)
-            pool_t, seq_t, pre_t, ext_t, start_t = self._upload(
-                [pool_idx, seq_lens, list(batch.prefix_lens), list(batch.extend_lens), starts])  # (5, B)
+            input_ids, pos_t, loc_t, token_rows = self._upload(token_host)  # (4, T)
+            pool_t, seq_t, pre_t, ext_t, start_t = self._upload(req_host)  # (5, B)
         # The new tokens' kv slots go into req_to_token here, on the device, in one indexed write.
         self.req_to_token_pool.req_to_token[token_rows, pos_t] = loc_t.to(torch.int32)
         fb = ForwardBatch(

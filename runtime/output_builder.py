@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .detokenizer import find_stop_regex, find_stop_string, step_many
-from .io_struct import ReqOutput
+from .io_struct import DeferredText, ReqOutput
 from .schedule_batch import FinishReason, Req
 
 
@@ -27,30 +27,38 @@ class OutputBuilder:
 
     def check_finish_many(self, reqs: list[Req], context_len: int) -> None:
         """`check_finish` for requests that each just got one token, with one batched detokenization."""
-        to_decode = []
+        to_decode, tokens = [], []
         for r in reqs:
             tok = r.output_ids[-1]
-            sp = r.sampling_params
-            if tok in r.stop_token_ids and len(r.output_ids) >= sp.min_new_tokens:
+            if tok in r.stop_token_ids and len(r.output_ids) >= r.sampling_params.min_new_tokens:
                 # Like SGLang, the stop token stays in output_ids but its text is trimmed (unless
                 # no_stop_trim): a stop id that is an ordinary token must not leak into the text.
                 r.finished_reason = FinishReason("stop", matched=tok)
-                if sp.no_stop_trim:
-                    to_decode.append(r)
-            else:
-                to_decode.append(r)
+                if not r.sampling_params.no_stop_trim:
+                    continue
+            to_decode.append(r)
+            tokens.append(tok)
         if not to_decode:
             return
-        deltas = step_many([r.detok for r in to_decode], [r.output_ids[-1] for r in to_decode])
+        deltas = step_many([r.detok for r in to_decode], tokens)
         for r, delta in zip(to_decode, deltas):
-            if r.finished_reason is None:
-                self._check_text_and_length(r, delta, context_len)
+            if r.finished_reason is not None:
+                continue
+            if r.checks_text and delta and self._check_text(r, delta):
+                continue
+            if r.grammar is not None and r.grammar.is_terminated():
+                r.finished_reason = FinishReason("stop", matched=None)
+                continue
+            n = len(r.output_ids)
+            if n >= r.max_new_tokens or len(r.origin_input_ids) + n >= context_len:
+                r.finished_reason = FinishReason("length", length=n)
 
     @staticmethod
-    def _check_text_and_length(r: Req, delta: str, context_len: int) -> None:
+    def _check_text(r: Req, delta: str) -> bool:
+        """Stop strings, then stop regexes, over the text decoded so far; True when one matched."""
         sp = r.sampling_params
         stops = sp.stop_strs
-        if stops and delta:
+        if stops:
             hit = find_stop_string(r.detok.text, len(delta), stops)
             if hit is not None:
                 idx, s = hit
@@ -58,22 +66,15 @@ class OutputBuilder:
                 # NOTE: the last token may run past the stop string; no_stop_trim keeps the stop
                 # string itself but not what follows it (SGLang).
                 r.final_text = r.detok.text[:idx + len(s)] if sp.no_stop_trim else r.detok.text[:idx]
-                return
-        if r.stop_regexes and delta:
+                return True
+        if r.stop_regexes:
             hit = find_stop_regex(r.detok.text, r.stop_regexes)
             if hit is not None:
                 start, end, s = hit
                 r.finished_reason = FinishReason("stop", matched=s)
                 r.final_text = r.detok.text[:end] if sp.no_stop_trim else r.detok.text[:start]
-                return
-        if r.grammar is not None and r.grammar.is_terminated():
-            r.finished_reason = FinishReason("stop", matched=None)
-            return
-        if sp.max_new_tokens is not None and len(r.output_ids) >= sp.max_new_tokens:
-            r.finished_reason = FinishReason("length", length=len(r.output_ids))
-            return
-        if len(r.origin_input_ids) + len(r.output_ids) >= context_len:
-            r.finished_reason = FinishReason("length", length=len(r.output_ids))
+                return True
+        return False
 
     # ------------------------------------------------------------------ messages
     def emit_final(self, r: Req) -> None:
@@ -82,6 +83,8 @@ class OutputBuilder:
         out = self._delta(r, text, final=True)
         out.finished_reason = r.finished_reason.to_json()
         out.final_text = text
+        if r.defer_text:
+            out.deferred_text = DeferredText(len(r.detok.ids), r.detok.skip_special_tokens)
         self.pending.append(out)
 
     def collect(self, live: list[Req]) -> list[ReqOutput]:

@@ -7,11 +7,14 @@ pool: `req_to_token[req_pool_idx, :kv_len]`. Of those, the first `cache_len` bel
 
 from __future__ import annotations
 
+import itertools
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .detokenizer import IncrementalDetokenizer
@@ -38,7 +41,7 @@ class Req:
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, *,
                  return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
                  return_text_in_logprobs: bool = False, stream: bool = False, tokenizer=None,
-                 eos_token_ids: tuple[int, ...] = (), group: Optional[str] = None):
+                 eos_token_ids: tuple[int, ...] = (), group: Optional[str] = None, defer_text: bool = False):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params
@@ -59,7 +62,16 @@ class Req:
             self.stop_token_ids |= set(eos_token_ids)
         self.eos_token_ids = set(eos_token_ids)
         self.stop_regexes = [re.compile(p) for p in sampling_params.stop_regexes]
-        self.detok = IncrementalDetokenizer(tokenizer, sampling_params.skip_special_tokens)
+        # Per-token stop checks read these, not sampling_params (set once: the params do not change).
+        self.checks_text = bool(sampling_params.stop_strs or self.stop_regexes)
+        max_new = sampling_params.max_new_tokens
+        self.max_new_tokens = sys.maxsize if max_new is None else max_new
+        # With `defer_text`, text nobody reads while the request runs (not streamed, no stop strings or
+        # regexes, no grammar) is decoded by the receiver of the final output instead: the detokenizer
+        # here only collects the ids it would have decoded (see io_struct.DeferredText).
+        self.defer_text = (defer_text and tokenizer is not None and not stream and not self.checks_text
+                           and sampling_params.grammar_key is None)
+        self.detok = IncrementalDetokenizer(None if self.defer_text else tokenizer, sampling_params.skip_special_tokens)
         self.sent_text_len = 0  # characters of detok.text already sent to the caller
         self.sent_ids = 0
         self.final_text: Optional[str] = None  # text after stop trimming, once finished
@@ -131,8 +143,63 @@ class ScheduleBatch:
     reqs: list[Req]
     prefix_lens: list[int] = field(default_factory=list)  # kv already in the pool (EXTEND)
     extend_lens: list[int] = field(default_factory=list)  # new tokens this step (EXTEND)
-    out_cache_loc: Optional[torch.Tensor] = None  # (T,) kv slots allocated for the new tokens
+    out_cache_loc: Optional[torch.Tensor] = None  # (T,) kv slots allocated for the new tokens (host)
+    # DECODE: (B,) int64 kv lengths including this step's token, and request rows; set when the step
+    # is built (once), or derived from the previous step by `next_decode`.
+    seq_lens_host: Optional[np.ndarray] = None
+    req_pool_host: Optional[np.ndarray] = None
 
     @property
     def batch_size(self) -> int:
         return len(self.reqs)
+
+    def decode_host_rows(self, ahead: int, with_input_ids: bool) -> np.ndarray:
+        """(5, B) int64: input ids, positions, req_pool_indices, seq_lens, out_cache_loc of a decode step.
+
+        `ahead`: the requests are that many tokens further along than their CPU state says (overlap).
+        Without `with_input_ids` the ids row is 0 (the caller has them on the device).
+        """
+        reqs, n = self.reqs, len(self.reqs)
+        if self.seq_lens_host is None:
+            self.seq_lens_host = np.fromiter((len(r.origin_input_ids) + len(r.output_ids) for r in reqs),
+                                             np.int64, n) + ahead
+            self.req_pool_host = np.fromiter((r.req_pool_idx for r in reqs), np.int64, n)
+        rows = np.empty((5, n), dtype=np.int64)
+        if with_input_ids:
+            rows[0] = np.fromiter((r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs),
+                                  np.int64, n)
+        else:
+            rows[0] = 0
+        rows[1] = self.seq_lens_host - 1
+        rows[2] = self.req_pool_host
+        rows[3] = self.seq_lens_host
+        rows[4] = self.out_cache_loc.cpu().numpy()
+        return rows
+
+    def extend_host_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """EXTEND: (4, T) int64 per new token (input id, position, out_cache_loc, req_pool_index) and
+        (5, B) per request (req_pool_index, seq_len, prefix_len, extend_len, first row in T)."""
+        reqs = self.reqs
+        pre = np.asarray(self.prefix_lens, dtype=np.int64)  # (B,)
+        ext = np.asarray(self.extend_lens, dtype=np.int64)  # (B,)
+        pool = np.fromiter((r.req_pool_idx for r in reqs), np.int64, len(reqs))  # (B,)
+        starts = np.cumsum(ext) - ext  # (B,)
+        total = int(ext.sum())
+        tokens = np.empty((4, total), dtype=np.int64)
+        new_ids = itertools.chain.from_iterable(
+            r.origin_input_ids[p:p + e] if p + e <= len(r.origin_input_ids) else r.fill_ids[p:p + e]
+            for r, p, e in zip(reqs, self.prefix_lens, self.extend_lens))
+        tokens[0] = np.fromiter(new_ids, np.int64, total)
+        tokens[1] = np.arange(total, dtype=np.int64) + np.repeat(pre - starts, ext)  # pre + (row - start)
+        tokens[2] = self.out_cache_loc.cpu().numpy()
+        tokens[3] = np.repeat(pool, ext)
+        return tokens, np.stack([pool, pre + ext, pre, ext, starts])
+
+    def next_decode(self, out_cache_loc: torch.Tensor) -> "ScheduleBatch":
+        """The decode step after this one for the same requests, launched before this one's results
+        are read (overlap): every request is one token further, so its host rows follow from ours."""
+        nxt = ScheduleBatch(ForwardMode.DECODE, self.reqs, out_cache_loc=out_cache_loc)
+        if self.seq_lens_host is not None:
+            nxt.seq_lens_host = self.seq_lens_host + 1
+            nxt.req_pool_host = self.req_pool_host
+        return nxt

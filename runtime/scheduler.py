@@ -103,7 +103,8 @@ class Scheduler:
         req = Req(m.rid, m.input_ids, m.sampling_params, return_logprob=m.return_logprob,
                   logprob_start_len=m.logprob_start_len, top_logprobs_num=m.top_logprobs_num,
                   return_text_in_logprobs=m.return_text_in_logprobs, stream=m.stream,
-                  tokenizer=self.text_decoder, eos_token_ids=self.eos_token_ids, group=m.group)
+                  tokenizer=self.text_decoder, eos_token_ids=self.eos_token_ids, group=m.group,
+                  defer_text=True)  # the tokenizer manager decodes text nobody reads before the end
         if m.sampling_params.seed is not None:
             req.generator = torch.Generator(device=self.model_runner.device).manual_seed(m.sampling_params.seed)
         self.reqs_by_rid[req.rid] = req
@@ -269,7 +270,7 @@ class Scheduler:
         if self._can_pipeline(batch):
             loc = self._alloc(len(batch.reqs))
             if loc is not None:
-                nxt = ScheduleBatch(ForwardMode.DECODE, batch.reqs, out_cache_loc=loc)
+                nxt = batch.next_decode(loc)
                 for r, slot in zip(batch.reqs, loc.tolist()):
                     r.inflight_slot = slot
                 self.pending = (nxt, self.model_runner.launch_decode(nxt, prev=handle))
@@ -282,8 +283,13 @@ class Scheduler:
         # Waiting requests that could be admitted get their prefill first (one step later otherwise).
         if self.waiting and len(self.running) < self.model_runner.max_running_requests:
             return False
+        # NOTE: every request of `batch` passed `can_overlap` when it was first launched, and that stays
+        # true (its inputs are fixed per request, or, as min_new_tokens, only grow more permissive).
         limit = self.model_runner.context_len - 1
-        return all(not r.finished and r.seq_len < limit and self.model_runner.can_overlap(r) for r in batch.reqs)
+        if batch.seq_lens_host is not None:  # = each request's length now (the token then in flight is in)
+            return (int(batch.seq_lens_host.max()) < limit
+                    and all(r.finished_reason is None for r in batch.reqs))
+        return all(r.finished_reason is None and r.seq_len < limit for r in batch.reqs)
 
     def _sweep_aborted(self) -> None:
         """Release running requests aborted since the last step (they may not be in the next batch)."""
@@ -489,45 +495,52 @@ class Scheduler:
         """Commit a step: tokens appended, stops checked (one batched detokenization for the whole
         step), then, in batch order, prefix-cache inserts, finished requests released, jumps queued."""
         extend = batch.mode.is_extend()
-        step_slots = None if extend else batch.out_cache_loc.tolist()
+        reqs = batch.reqs
+        step_slots = batch.out_cache_loc.tolist() if not extend else [None] * len(reqs)
         staged: list[tuple[Req, int]] = []  # (request, what to do after the stop checks), batch order
         to_check: list[Req] = []
         n_tokens = 0
-        next_ids, out_lps = out.next_token_ids, out.output_logprobs
-        for i, r in enumerate(batch.reqs):
+        now = None
+        for i, (r, tok, lps, slot) in enumerate(zip(reqs, out.next_token_ids, out.output_logprobs, step_slots)):
             if r.finished_reason is not None and r.req_pool_idx is None:
                 continue  # released already (overlap: the extra step of a finished request)
             if extend:
                 r.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
-                for pos, lp, tok, top in out.input_logprobs[i]:
-                    r.input_token_logprobs.append((lp, tok))
+                for pos, lp, in_tok, top in out.input_logprobs[i]:
+                    r.input_token_logprobs.append((lp, in_tok))
                     r.input_top_logprobs.append(top)
                     r.input_logprob_next = pos + 1
             else:
-                if r.inflight_slot == step_slots[i]:
+                if r.inflight_slot == slot:
                     r.inflight_slot = None  # this step's slot is committed here (kv_len += 1)
                 r.kv_len += 1
             if r.finished_reason is not None:  # aborted mid-step
                 staged.append((r, _ABORTED))
                 continue
-            tok = next_ids[i]
             if tok is None:
                 staged.append((r, _NO_TOKEN))
                 continue
             if r.first_token_time is None:
-                r.first_token_time = time.monotonic()
+                r.first_token_time = now = now or time.monotonic()
             r.output_ids.append(tok)
             n_tokens += 1
-            if out_lps[i] is not None:
-                lp, top = out_lps[i]
+            if lps is not None:
+                lp, top = lps
                 r.output_token_logprobs.append((lp, tok))
                 r.output_top_logprobs.append(top)
+            if r.grammar is None:
+                to_check.append(r)
+                if extend:
+                    staged.append((r, _TOKEN))
+                continue
             # A token the grammar rejects gets an abort reason from accept(); it keeps it.
-            if r.grammar is None or self.grammar_manager.accept(r, tok):
+            if self.grammar_manager.accept(r, tok):
                 to_check.append(r)
             staged.append((r, _TOKEN))
         self.stats["generation_tokens"] += n_tokens
         self.outputs.check_finish_many(to_check, self.model_runner.context_len)
+        if not extend:  # plain decode requests were not staged: only those that finished need work
+            staged = self._merge_finished(reqs, staged, to_check)
         changed = False
         for r, what in staged:
             if what == _ABORTED:
@@ -563,6 +576,21 @@ class Scheduler:
         if changed:
             jumped = set(map(id, self.jump_queue))
             self.running = [r for r in self.running if r.finished_reason is None and id(r) not in jumped]
+
+    @staticmethod
+    def _merge_finished(reqs: list[Req], staged: list[tuple[Req, int]],
+                        checked: list[Req]) -> list[tuple[Req, int]]:
+        """`staged` plus the checked requests that just finished (without a grammar), in batch order
+        (the order finished requests are released in, and so inserted into the prefix cache)."""
+        done = {id(r) for r in checked if r.finished_reason is not None and r.grammar is None}
+        if not done:
+            return staged
+        if not staged:
+            return [(r, _TOKEN) for r in reqs if id(r) in done]
+        order = {id(r): i for i, r in enumerate(reqs)}
+        merged = staged + [(r, _TOKEN) for r in reqs if id(r) in done]
+        merged.sort(key=lambda item: order[id(item[0])])
+        return merged
 
     def _insert_progress(self, r: Req) -> None:
         ids = r.fill_ids[:r.kv_len]
@@ -609,8 +637,11 @@ class Scheduler:
 
     def fail_all(self, message: str) -> None:
         """A step raised: abort every request with the error instead of dying (best-effort cleanup)."""
-        reqs = (self.running + self.waiting + self.grammar_pending + self.jump_queue
-                + ([self.chunked_req] if self.chunked_req else []))
+        # NOTE: every live request is in reqs_by_rid, including those of a prefill batch that raised
+        # (admitted: no longer waiting, not yet running); without them their callers would wait forever.
+        queued = (self.running + self.waiting + self.grammar_pending + self.jump_queue
+                  + ([self.chunked_req] if self.chunked_req else []))
+        reqs = list({id(r): r for r in queued + list(self.reqs_by_rid.values())}.values())
         self.running, self.waiting, self.grammar_pending, self.chunked_req = [], [], [], None
         self.jump_queue = []
         self.pending = None

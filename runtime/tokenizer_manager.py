@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 import zmq
 import zmq.asyncio
 
+from .detokenizer import TextDecoder, decode_as_stepped
 from .io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo,
                         TokenizedGenerateReq)
 from .sampling_params import SamplingParams
@@ -93,6 +94,7 @@ class TokenizerManager:
         self.recv_sock = self.context.socket(zmq.PULL)
         self.recv_sock.bind(recv_addr)
         self.is_scheduler_alive = is_scheduler_alive
+        self.text_decoder = TextDecoder.of(tokenizer)
         self.states: dict[str, _ReqState] = {}
         self.control_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -203,6 +205,7 @@ class TokenizerManager:
         while True:
             msg = await self.recv_sock.recv_pyobj()
             if isinstance(msg, BatchOut):
+                self._decode_deferred_text(msg.outputs)
                 for o in msg.outputs:
                     st = self.states.get(o.rid)
                     if st is not None:
@@ -211,6 +214,20 @@ class TokenizerManager:
                 fut = self.control_calls.pop(msg.call_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+
+    def _decode_deferred_text(self, outputs: list[ReqOutput]) -> None:
+        """Fill in the final text of requests whose text the scheduler left to us (DeferredText).
+
+        NOTE: decoding here, in the caller's process, takes it off the scheduler's step, where it
+        cost about as much as the rest of the per-request work at large batch."""
+        todo = [(o, st) for o in outputs if o.deferred_text is not None and o.deferred_text.num_ids
+                and (st := self.states.get(o.rid)) is not None]
+        if not todo:
+            return
+        seqs = [(st.output_ids + o.new_ids)[:o.deferred_text.num_ids] for o, st in todo]
+        texts = decode_as_stepped(self.text_decoder, seqs, [o.deferred_text.skip_special_tokens for o, _ in todo])
+        for (o, _), text in zip(todo, texts):
+            o.final_text = text
 
     async def _watchdog(self) -> None:
         while True:

@@ -9,7 +9,7 @@ import pytest
 from plait.runtime.detokenizer import IncrementalDetokenizer, find_stop_regex, find_stop_string
 from plait.runtime.output_builder import OutputBuilder
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.schedule_batch import Req
+from plait.runtime.schedule_batch import FinishReason, Req
 
 MULTIBYTE_TEXTS = [
     "Café naïve — 日本語のテキスト 🚀🎉 emoji 👩‍👩‍👧 done. Ünïcödé ✓ 中文",
@@ -242,3 +242,48 @@ def test_check_finish_many_equals_one_request_at_a_time(default_tokenizer):
 
     assert run(batched=True) == run(batched=False)
     assert all(reason is not None for _, reason, _, _ in run(batched=True)[:-1])
+
+
+@pytest.mark.parametrize("params", [{}, {"stop_token_ids": "third"}, {"stop_token_ids": "third", "no_stop_trim": True},
+                                    {"max_new_tokens": 4}, {"skip_special_tokens": False}])
+def test_deferred_text_decoded_by_the_receiver_equals_the_schedulers(default_tokenizer, params):
+    """A request nobody reads text from until the end leaves decoding to the tokenizer manager: what
+    it decodes from (output ids, DeferredText) equals the text the scheduler would have sent."""
+    from plait.runtime.detokenizer import TextDecoder, decode_as_stepped
+
+    ids = (default_tokenizer.encode("Café 🚀 alpha") + [default_tokenizer.eos_token_id]
+           + default_tokenizer.encode(" beta 日本 gamma"))
+    if params.get("stop_token_ids") == "third":
+        params = {**params, "stop_token_ids": [ids[2]]}
+
+    def final(defer: bool):
+        sp = SamplingParams.from_dict({"max_new_tokens": 200, "ignore_eos": True, **params})
+        r = Req("r", [1, 2], sp, tokenizer=TextDecoder(default_tokenizer), defer_text=defer)
+        builder = OutputBuilder(default_tokenizer, stream_interval=1)
+        for t in ids:
+            r.output_ids.append(t)
+            builder.check_finish(r, CONTEXT_LEN)
+            if r.finished:
+                break
+        if not r.finished:
+            r.finished_reason = FinishReason("length", length=len(r.output_ids))
+        builder.emit_final(r)
+        (out,) = builder.collect([])
+        return r, out
+
+    r, out = final(defer=True)
+    assert r.defer_text and out.deferred_text is not None
+    ref_r, ref = final(defer=False)
+    assert ref.deferred_text is None and ref.final_text != ""
+    text = decode_as_stepped(TextDecoder(default_tokenizer), [out.new_ids[:out.deferred_text.num_ids]],
+                             [out.deferred_text.skip_special_tokens])[0]
+    assert (out.new_ids, out.finished_reason, text) == (ref.new_ids, ref.finished_reason, ref.final_text)
+
+
+def test_text_is_decoded_in_the_scheduler_when_it_is_read_early(default_tokenizer):
+    from plait.runtime.detokenizer import TextDecoder
+
+    dec = TextDecoder(default_tokenizer)
+    for params, stream in (({"stop": "x"}, False), ({"stop_regex": "x+"}, False), ({}, True)):
+        r = Req("r", [1], SamplingParams.from_dict(params), tokenizer=dec, stream=stream, defer_text=True)
+        assert not r.defer_text and r.detok.decoder is dec

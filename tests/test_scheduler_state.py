@@ -178,15 +178,17 @@ def test_chunked_prefill_under_memory_pressure_loses_nothing(random_models, disa
     assert outs[64] == outs[4096]
 
 
-def test_overlap_schedule_gives_identical_outputs_and_frees_everything(random_models):
+@pytest.mark.parametrize("max_running", [256, 2])
+def test_overlap_schedule_gives_identical_outputs_and_frees_everything(random_models, max_running):
     # Overlap scheduling launches decode step i+1 before reading step i back; requests finishing at
     # step i get one discarded extra step. On the CPU the launch is synchronous, but the bookkeeping
     # (device-side input tokens, in-flight slots, late finishes, aborts) is the same as on a GPU.
+    # With max_running 2 the pipeline keeps breaking for admissions (waiting requests, full batch).
     prompts = [list(range(2, 2 + n)) for n in (5, 17, 4, 9, 22, 3)]
     lengths = [3, 11, 7, 1, 12, 5]
     results = {}
     for overlap in (False, True):
-        s = make_scheduler(random_models["llama"], max_total_tokens=512)
+        s = make_scheduler(random_models["llama"], max_total_tokens=512, max_running_requests=max_running)
         s.overlap = overlap
         for i, (p, n) in enumerate(zip(prompts, lengths)):
             submit(s, f"r{i}", p, max_new_tokens=n, temperature=0, ignore_eos=True)
@@ -215,6 +217,27 @@ def test_overlap_abort_mid_flight_frees_slots(random_models):
     assert finals["a"].finished_reason["type"] == "abort"
     assert len(finals["b"].new_ids) == 40
     assert s.allocator.available() == 256
+
+
+def test_a_failed_prefill_step_aborts_its_requests_too(random_models):
+    # The requests of a prefill batch that raises are neither waiting nor running yet: fail_all must
+    # still give them a final output, or their callers wait forever.
+    s = make_scheduler(random_models["llama"], max_total_tokens=256)
+    submit(s, "a", [3, 4, 5], max_new_tokens=4, temperature=0)
+    submit(s, "b", [6, 7], max_new_tokens=4, temperature=0)
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    s.model_runner.model.forward = broken_forward
+    with pytest.raises(RuntimeError):
+        s.step()
+    s.fail_all("RuntimeError: device lost")
+    finals = {o.rid: o for o in s.collect_outputs()}
+    assert set(finals) == {"a", "b"}
+    assert all(o.finished_reason == {"type": "abort", "message": "internal error: RuntimeError: device lost"}
+               for o in finals.values())
+    assert s.is_idle()
 
 
 def test_in_batch_prefix_dedup_prefills_a_shared_prefix_once(random_models):
