@@ -148,6 +148,9 @@ class ScheduleBatch:
     # is built (once), or derived from the previous step by `next_decode`.
     seq_lens_host: Optional[np.ndarray] = None
     req_pool_host: Optional[np.ndarray] = None
+    # Where this step's new tokens' kv slots go, once the step is built: (req slots, positions, kv
+    # slots), each (T,) int64 on the host (the device table and its host copy get the same writes).
+    kv_writes: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
 
     @property
     def batch_size(self) -> int:
@@ -174,6 +177,7 @@ class ScheduleBatch:
         rows[2] = self.req_pool_host
         rows[3] = self.seq_lens_host
         rows[4] = self.out_cache_loc.cpu().numpy()
+        self.kv_writes = (rows[2], rows[1], rows[4])
         return rows
 
     def extend_host_rows(self) -> tuple[np.ndarray, np.ndarray]:
@@ -193,6 +197,7 @@ class ScheduleBatch:
         tokens[1] = np.arange(total, dtype=np.int64) + np.repeat(pre - starts, ext)  # pre + (row - start)
         tokens[2] = self.out_cache_loc.cpu().numpy()
         tokens[3] = np.repeat(pool, ext)
+        self.kv_writes = (tokens[3], tokens[1], tokens[2])
         return tokens, np.stack([pool, pre + ext, pre, ext, starts])
 
     def next_decode(self, out_cache_loc: torch.Tensor) -> "ScheduleBatch":

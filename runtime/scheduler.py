@@ -19,6 +19,7 @@ from .detokenizer import TextDecoder
 from .io_struct import (AbortReq, ControlReply, ControlReq, ReqOutput, SchedulerInfo,
                         TokenizedGenerateReq)
 from .forward_batch import ForwardMode
+from .host_kv_table import HostReqToToken
 from .model_loader import load_tokenizer
 from .model_runner import ModelRunner, StepOutput
 from .prefix_cache import NoSharingCache, PrefixCache
@@ -50,6 +51,7 @@ class Scheduler:
         mr = self.model_runner
         self.allocator = mr.allocator
         self.req_to_token = mr.req_to_token_pool
+        self.req_to_token_host = HostReqToToken(self.req_to_token.size, self.req_to_token.max_context_len)
         self.cache: PrefixCache = self._make_cache()
         self.eos_token_ids = tuple(mr.model_config.eos_token_ids)
         self.waiting: list[Req] = []
@@ -252,8 +254,10 @@ class Scheduler:
             return None
         if self.overlap and batch.mode.is_decode() and all(map(self.model_runner.can_overlap, batch.reqs)):
             self.pending = (batch, self.model_runner.launch_decode(batch))
+            self.req_to_token_host.write_tokens(batch.kv_writes)
             return batch
         out = self.model_runner.run(batch)
+        self.req_to_token_host.write_tokens(batch.kv_writes)
         self._process_result(batch, out)
         return batch
 
@@ -274,6 +278,7 @@ class Scheduler:
                 for r, slot in zip(batch.reqs, loc.tolist()):
                     r.inflight_slot = slot
                 self.pending = (nxt, self.model_runner.launch_decode(nxt, prev=handle))
+                self.req_to_token_host.write_tokens(nxt.kv_writes)
         self._process_result(batch, self.model_runner.resolve(handle))
         return batch
 
@@ -435,6 +440,7 @@ class Scheduler:
         r.req_pool_idx = self.req_to_token.alloc()
         if match.num_tokens:
             self.req_to_token.write(r.req_pool_idx, 0, match.kv_indices)
+            self.req_to_token_host.write(r.req_pool_idx, 0, match.kv_indices)
         self.cache.inc_lock(match.node)
         r.last_node = match.node
         r.kv_len = r.cache_len = match.num_tokens
@@ -594,10 +600,11 @@ class Scheduler:
 
     def _insert_progress(self, r: Req) -> None:
         ids = r.fill_ids[:r.kv_len]
-        kv = self.req_to_token.req_to_token[r.req_pool_idx, :r.kv_len].to(torch.int64)
+        kv = self.req_to_token_host.read(r.req_pool_idx, r.kv_len)
         new_kv, node = self.cache.cache_unfinished_req(ids, kv, r.last_node)
         if new_kv.numel():
             self.req_to_token.write(r.req_pool_idx, 0, new_kv)
+            self.req_to_token_host.write(r.req_pool_idx, 0, new_kv)
         r.last_node = node
         r.cache_len = r.kv_len
 
@@ -605,7 +612,8 @@ class Scheduler:
         """Give the request's KV back: the computed part to the cache, the rest to the allocator."""
         if r.req_pool_idx is None:
             return
-        kv = self.req_to_token.req_to_token[r.req_pool_idx, :r.kv_len].to(torch.int64).cpu()
+        # NOTE: the host copy, not the device table: a device read would wait for the step in flight.
+        kv = self.req_to_token_host.read(r.req_pool_idx, r.kv_len)
         self.cache.cache_finished_req(r.fill_ids[:r.kv_len], kv, r.last_node)
         self.req_to_token.free(r.req_pool_idx)
         r.req_pool_idx = None

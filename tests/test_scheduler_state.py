@@ -26,10 +26,20 @@ def submit(s: Scheduler, rid: str, ids: list[int], **sp) -> None:
     s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=SamplingParams(**sp)))
 
 
+def assert_host_table_matches(s: Scheduler) -> None:
+    """The scheduler reads KV slots from its host copy of req_to_token: it must equal the real one."""
+    live = s.running + s.jump_queue + ([s.chunked_req] if s.chunked_req else [])
+    for r in live:
+        if r.req_pool_idx is not None:
+            host = s.req_to_token_host.table[r.req_pool_idx, :r.kv_len].tolist()
+            assert host == s.req_to_token.req_to_token[r.req_pool_idx, :r.kv_len].tolist(), r.rid
+
+
 def run_until_idle(s: Scheduler, max_steps: int = 1000) -> dict:
     finals = {}
     for _ in range(max_steps):
         s.step()
+        assert_host_table_matches(s)
         for o in s.collect_outputs():
             if o.finished_reason is not None:
                 finals[o.rid] = o
