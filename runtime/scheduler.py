@@ -2,7 +2,8 @@
 
 Each loop: take new messages → build the next batch (a prefill batch when requests wait and fit, else a
 decode batch of every running request; retract when KV runs short) → run it → process the results
-(append tokens, detokenize, check stops, insert into the prefix cache) → stream outputs back.
+(append tokens, detokenize, check stops, insert into the prefix cache: scheduler_results.py) → stream
+outputs back.
 When idle it verifies the KV slot accounting.
 """
 
@@ -16,15 +17,15 @@ from typing import Any, Optional
 import torch
 
 from .detokenizer import TextDecoder
-from .io_struct import (AbortReq, ControlReply, ControlReq, ReqOutput, SchedulerInfo,
-                        TokenizedGenerateReq)
+from .io_struct import AbortReq, ControlReply, ControlReq, SchedulerInfo, TokenizedGenerateReq
 from .forward_batch import ForwardMode
 from .host_kv_table import HostReqToToken
 from .model_loader import load_tokenizer
-from .model_runner import ModelRunner, StepOutput
+from .model_runner import ModelRunner
 from .prefix_cache import NoSharingCache, PrefixCache
 from .schedule_batch import FinishReason, Req, ScheduleBatch
 from .schedule_policy import PrefillBudget, order_waiting_queue
+from .scheduler_results import StepResultsMixin
 from .server_args import ServerArgs
 from .output_builder import OutputBuilder
 
@@ -38,11 +39,9 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 # A waiting request that shares at least this many not-yet-cached tokens with one being prefilled
 # waits one step, then hits the cache instead of computing the same prefix again.
 IN_BATCH_DEDUP_MIN_TOKENS = 32
-# What `_process_result` does with a request once the step's stop checks ran.
-_ABORTED, _NO_TOKEN, _TOKEN = range(3)
 
 
-class Scheduler:
+class Scheduler(StepResultsMixin):
     def __init__(self, server_args: ServerArgs, model_path: str):
         self.server_args = server_args
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
@@ -495,173 +494,6 @@ class Scheduler:
         self.stats["num_retractions"] += 1
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         logger.info("retracted %s (%d output tokens) for lack of KV memory", victim.rid, len(victim.output_ids))
-
-    # ------------------------------------------------------------------ results
-    def _process_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
-        """Commit a step: tokens appended, stops checked (one batched detokenization for the whole
-        step), then, in batch order, prefix-cache inserts, finished requests released, jumps queued."""
-        extend = batch.mode.is_extend()
-        reqs = batch.reqs
-        step_slots = batch.out_cache_loc.tolist() if not extend else [None] * len(reqs)
-        staged: list[tuple[Req, int]] = []  # (request, what to do after the stop checks), batch order
-        to_check: list[Req] = []
-        n_tokens = 0
-        now = None
-        for i, (r, tok, lps, slot) in enumerate(zip(reqs, out.next_token_ids, out.output_logprobs, step_slots)):
-            if r.finished_reason is not None and r.req_pool_idx is None:
-                continue  # released already (overlap: the extra step of a finished request)
-            if extend:
-                r.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
-                for pos, lp, in_tok, top in out.input_logprobs[i]:
-                    r.input_token_logprobs.append((lp, in_tok))
-                    r.input_top_logprobs.append(top)
-                    r.input_logprob_next = pos + 1
-            else:
-                if r.inflight_slot == slot:
-                    r.inflight_slot = None  # this step's slot is committed here (kv_len += 1)
-                r.kv_len += 1
-            if r.finished_reason is not None:  # aborted mid-step
-                staged.append((r, _ABORTED))
-                continue
-            if tok is None:
-                staged.append((r, _NO_TOKEN))
-                continue
-            if r.first_token_time is None:
-                r.first_token_time = now = now or time.monotonic()
-            r.output_ids.append(tok)
-            n_tokens += 1
-            if lps is not None:
-                lp, top = lps
-                r.output_token_logprobs.append((lp, tok))
-                r.output_top_logprobs.append(top)
-            if r.grammar is None:
-                to_check.append(r)
-                if extend:
-                    staged.append((r, _TOKEN))
-                continue
-            # A token the grammar rejects gets an abort reason from accept(); it keeps it.
-            if self.grammar_manager.accept(r, tok):
-                to_check.append(r)
-            staged.append((r, _TOKEN))
-        self.stats["generation_tokens"] += n_tokens
-        self.outputs.check_finish_many(to_check, self.model_runner.context_len)
-        if not extend:  # plain decode requests were not staged: only those that finished need work
-            staged = self._merge_finished(reqs, staged, to_check)
-        changed = False
-        for r, what in staged:
-            if what == _ABORTED:
-                self._finish_running(r)
-                changed = True
-            elif what == _NO_TOKEN:
-                if r.kv_len < len(r.origin_input_ids) + len(r.output_ids):  # chunk mid-way
-                    self._insert_progress(r)
-                    r.is_chunked = True
-                    self.chunked_req = r
-                elif r.prefill_only:
-                    r.finished_reason = FinishReason("length", length=0)
-                    self._finish_running(r)
-                    changed = True
-            else:
-                if extend:
-                    r.is_chunked = False
-                    self._insert_progress(r)
-                if r.finished_reason is not None:
-                    self._finish_running(r)
-                    changed = True
-                elif r.grammar is not None and self.grammar_manager.jump_forward(r) is not None:
-                    # The grammar forced text: its tokens were appended; prefill them next step instead
-                    # of decoding them one by one (unless they used up max_new_tokens).
-                    if r.remaining_new_tokens() == 0:
-                        r.finished_reason = FinishReason("length", length=len(r.output_ids))
-                        self._finish_running(r)
-                    else:
-                        self.jump_queue.append(r)
-                    changed = True
-                elif extend:
-                    self.running.append(r)
-        if changed:
-            jumped = set(map(id, self.jump_queue))
-            self.running = [r for r in self.running if r.finished_reason is None and id(r) not in jumped]
-
-    @staticmethod
-    def _merge_finished(reqs: list[Req], staged: list[tuple[Req, int]],
-                        checked: list[Req]) -> list[tuple[Req, int]]:
-        """`staged` plus the checked requests that just finished (without a grammar), in batch order
-        (the order finished requests are released in, and so inserted into the prefix cache)."""
-        done = {id(r) for r in checked if r.finished_reason is not None and r.grammar is None}
-        if not done:
-            return staged
-        if not staged:
-            return [(r, _TOKEN) for r in reqs if id(r) in done]
-        order = {id(r): i for i, r in enumerate(reqs)}
-        merged = staged + [(r, _TOKEN) for r in reqs if id(r) in done]
-        merged.sort(key=lambda item: order[id(item[0])])
-        return merged
-
-    def _insert_progress(self, r: Req) -> None:
-        ids = r.fill_ids[:r.kv_len]
-        kv = self.req_to_token_host.read(r.req_pool_idx, r.kv_len)
-        new_kv, node = self.cache.cache_unfinished_req(ids, kv, r.last_node)
-        if new_kv.numel():
-            self.req_to_token.write(r.req_pool_idx, 0, new_kv)
-            self.req_to_token_host.write(r.req_pool_idx, 0, new_kv)
-        r.last_node = node
-        r.cache_len = r.kv_len
-
-    def _release(self, r: Req) -> None:
-        """Give the request's KV back: the computed part to the cache, the rest to the allocator."""
-        if r.req_pool_idx is None:
-            return
-        # NOTE: the host copy, not the device table: a device read would wait for the step in flight.
-        kv = self.req_to_token_host.read(r.req_pool_idx, r.kv_len)
-        self.cache.cache_finished_req(r.fill_ids[:r.kv_len], kv, r.last_node)
-        self.req_to_token.free(r.req_pool_idx)
-        r.req_pool_idx = None
-        r.last_node = None
-
-    def _finish_running(self, r: Req) -> None:
-        if r.inflight_slot is not None:  # overlap: a step computed past the end; its slot is unused
-            self.allocator.free(torch.tensor([r.inflight_slot]))
-            r.inflight_slot = None
-        self._release(r)
-        if self.chunked_req is r:
-            self.chunked_req = None
-        self.outputs.emit_final(r)
-        self.reqs_by_rid.pop(r.rid, None)
-        self.stats["num_finished"] += 1
-
-    def _finish_now(self, r: Req, reason: FinishReason, release: bool = False) -> None:
-        r.finished_reason = reason
-        if release:
-            self._release(r)
-        self.outputs.emit_final(r)
-        self.reqs_by_rid.pop(r.rid, None)
-
-    def collect_outputs(self) -> list[ReqOutput]:
-        live = self.running + self.jump_queue
-        if self.chunked_req is not None:
-            live.append(self.chunked_req)
-        return self.outputs.collect(live)
-
-    def fail_all(self, message: str) -> None:
-        """A step raised: abort every request with the error instead of dying (best-effort cleanup)."""
-        # NOTE: every live request is in reqs_by_rid, including those of a prefill batch that raised
-        # (admitted: no longer waiting, not yet running); without them their callers would wait forever.
-        queued = (self.running + self.waiting + self.grammar_pending + self.jump_queue
-                  + ([self.chunked_req] if self.chunked_req else []))
-        reqs = list({id(r): r for r in queued + list(self.reqs_by_rid.values())}.values())
-        self.running, self.waiting, self.grammar_pending, self.chunked_req = [], [], [], None
-        self.jump_queue = []
-        self.pending = None
-        for r in reqs:
-            if r.finished_reason is None or r.finished_reason.type != "abort":
-                r.finished_reason = FinishReason("abort", message=f"internal error: {message}")
-            try:
-                self._release(r)
-            except Exception:
-                pass
-            self.outputs.emit_final(r)
-            self.reqs_by_rid.pop(r.rid, None)
 
     def _check_integrity(self, full: bool = True) -> None:
         private = 0
