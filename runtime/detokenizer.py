@@ -136,14 +136,16 @@ def step_many(detoks: list[IncrementalDetokenizer], tokens: list[int]) -> list[s
 
 def decode_as_stepped(decoder, seqs: list[list[int]], skip_special_tokens: list[bool]) -> list[str]:
     """Per id list: the text an IncrementalDetokenizer ends with when fed the ids one at a time, then
-    flushed (what the scheduler would have produced). Batched across the lists, one position at a time."""
-    detoks = [IncrementalDetokenizer(decoder, skip) for skip in skip_special_tokens]
-    for pos in range(max(map(len, seqs), default=0)):
-        live = [i for i, ids in enumerate(seqs) if len(ids) > pos]
-        step_many([detoks[i] for i in live], [seqs[i][pos] for i in live])
-    for d in detoks:
+    flushed (what the scheduler would have produced). `decoder`: a tokenizer or a TextDecoder."""
+    decoder = TextDecoder.of(decoder)
+    texts = []
+    for ids, skip in zip(seqs, skip_special_tokens):
+        d = IncrementalDetokenizer(decoder, skip)
+        for t in ids:
+            d.step([t])
         d.flush()
-    return [d.text for d in detoks]
+        texts.append(d.text)
+    return texts
 
 
 def find_stop_string(text: str, delta_len: int, stops: list[str]) -> Optional[tuple[int, str]]:

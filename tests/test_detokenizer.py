@@ -287,3 +287,28 @@ def test_text_is_decoded_in_the_scheduler_when_it_is_read_early(default_tokenize
     for params, stream in (({"stop": "x"}, False), ({"stop_regex": "x+"}, False), ({}, True)):
         r = Req("r", [1], SamplingParams.from_dict(params), tokenizer=dec, stream=stream, defer_text=True)
         assert not r.defer_text and r.detok.decoder is dec
+
+
+def test_decode_as_stepped_equals_stepping_one_token_at_a_time(default_tokenizer):
+    import random
+
+    from plait.runtime.detokenizer import TextDecoder, decode_as_stepped
+
+    eos = default_tokenizer.eos_token_id
+    seqs = [default_tokenizer.encode(t) for t in MULTIBYTE_TEXTS]
+    seqs.append(default_tokenizer.encode("ok 🚀")[:-1])  # ends inside a character: flush emits the rest
+    seqs.append([eos] + default_tokenizer.encode("👩‍👩‍👧 x") + [eos, eos])
+    rng = random.Random(0)
+    seqs += [[rng.randrange(0, default_tokenizer.vocab_size) for _ in range(60)] for _ in range(4)]
+    seqs.append([])
+    dec = TextDecoder(default_tokenizer)
+    for skip in (True, False):
+        want = []
+        for ids in seqs:
+            d = IncrementalDetokenizer(default_tokenizer, skip)
+            for t in ids:
+                d.step([t])
+            d.flush()
+            want.append(d.text)
+        assert decode_as_stepped(dec, seqs, [skip] * len(seqs)) == want
+        assert decode_as_stepped(default_tokenizer, seqs, [skip] * len(seqs)) == want
