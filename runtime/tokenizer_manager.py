@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from .io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput,
                         TokenizedGenerateReq)
 from .sampling_params import SamplingParams
 from .server_args import ServerArgs
+
+logger = logging.getLogger("plait.tokenizer_manager")
 
 
 @dataclass
@@ -225,7 +228,11 @@ class TokenizerManager:
         if not todo:
             return
         seqs = [(st.output_ids + o.new_ids)[:o.deferred_text.num_ids] for o, st in todo]
-        texts = decode_as_stepped(self.text_decoder, seqs, [o.deferred_text.skip_special_tokens for o, _ in todo])
+        try:
+            texts = decode_as_stepped(self.text_decoder, seqs, [o.deferred_text.skip_special_tokens for o, _ in todo])
+        except Exception:  # never let a decode error stop the routing of outputs (callers would hang)
+            logger.exception("decoding the text of %d finished requests failed", len(todo))
+            texts = [""] * len(todo)
         for (o, _), text in zip(todo, texts):
             o.final_text = text
 
