@@ -135,7 +135,7 @@ class Req:
         self.num_retractions += 1
 
 
-@dataclass
+@dataclass(eq=False)
 class ScheduleBatch:
     """The requests of one forward step and how many new tokens each contributes."""
 
@@ -145,9 +145,10 @@ class ScheduleBatch:
     extend_lens: list[int] = field(default_factory=list)  # new tokens this step (EXTEND)
     out_cache_loc: Optional[torch.Tensor] = None  # (T,) kv slots allocated for the new tokens (host)
     # DECODE: (B,) int64 kv lengths including this step's token, and request rows; set when the step
-    # is built (once), or derived from the previous step by `next_decode`.
+    # is built, or derived from the previous step by `next_decode` (then not recomputed).
     seq_lens_host: Optional[np.ndarray] = None
     req_pool_host: Optional[np.ndarray] = None
+    derived_rows: bool = False
     # Where this step's new tokens' kv slots go, once the step is built: (req slots, positions, kv
     # slots), each (T,) int64 on the host (the device table and its host copy get the same writes).
     kv_writes: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
@@ -163,7 +164,7 @@ class ScheduleBatch:
         Without `with_input_ids` the ids row is 0 (the caller has them on the device).
         """
         reqs, n = self.reqs, len(self.reqs)
-        if self.seq_lens_host is None:
+        if not self.derived_rows:  # from the requests' CPU state (again if a caller reuses the batch)
             self.seq_lens_host = np.fromiter((len(r.origin_input_ids) + len(r.output_ids) for r in reqs),
                                              np.int64, n) + ahead
             self.req_pool_host = np.fromiter((r.req_pool_idx for r in reqs), np.int64, n)
@@ -207,4 +208,5 @@ class ScheduleBatch:
         if self.seq_lens_host is not None:
             nxt.seq_lens_host = self.seq_lens_host + 1
             nxt.req_pool_host = self.req_pool_host
+            nxt.derived_rows = True
         return nxt
