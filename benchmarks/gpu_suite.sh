@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of issue 7, in the order they are run on the device machine.
-#   bash benchmarks/gpu_suite.sh tests|one_batch|offline|rounds|serving ...
+#   bash benchmarks/gpu_suite.sh tests|profile|sweeps|one_batch|offline|rounds|serving ...
 # Packages missing on that machine (pyzmq, fastapi, ...) travel as wheels in .whl/ (see the device
 # README); the shared workload file travels in .shared/bench/. Results land in $OUT (else benchmarks/out).
+# To run exactly a commit (helpers' uncommitted edits travel with the working tree otherwise):
+#   here:  mkdir -p .snap && git archive --format=tar HEAD | gzip > .snap/plait.tgz   (.snap is git-ignored)
+#   there: mkdir -p /tmp/p && tar xzf .snap/plait.tgz -C /tmp/p && cp -r .whl .shared /tmp/p/ && cd /tmp/p && ...
+#   carry [".whl", ".shared", ".snap"]; flashinfer: also ".fi" and benchmarks/gpu_flashinfer_check.sh.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/out}"; mkdir -p "$OUT"
@@ -14,9 +18,16 @@ python3 -c "import plait" 2>/dev/null || python3 -m pip install -q --no-deps --n
 for step in "$@"; do
   case "$step" in
     tests)
-      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 \
-        tests/test_triton_attention.py tests/test_fused_kernels.py tests/test_gpu_correctness.py -s 2>&1 \
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 tests/test_triton_attention.py \
+        tests/test_fused_kernels.py tests/test_gemv_kernel.py tests/test_gpu_correctness.py -s 2>&1 \
         | grep -vE "Warning|warn\(|^\s*$" | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    profile)  # GPU time per kernel of a batch-1 decode step, next to the graph step
+      for m in llama-3.1-8b llama-3.2-1b; do
+        timeout 120 python3 benchmarks/profile_decode_step.py --model $m 2>&1 | grep -E "graph|us/step" | head -14
+      done ;;
+    sweeps)  # the tile choices: split-KV decode defaults, skinny matmul vs cuBLAS
+      timeout 200 python3 benchmarks/sweep_decode_attention.py 2>&1 | grep -E "^8b|^1b|overall"
+      timeout 200 python3 benchmarks/bench_gemv.py --model llama-3.1-8b 2>&1 | grep -E "^m=|step" ;;
     fused)
       timeout 120 python3 benchmarks/bench_fused_kernels.py --quick 2>&1 | tail -25 ;;
     one_batch_8b|one_batch_1b|one_batch)
