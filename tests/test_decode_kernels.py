@@ -1,4 +1,5 @@
-"""The skinny-matmul kernel (runtime/kernels/gemv.py) against float64 matmul: CPU interpreter at small
+"""The decode-time kernels that replace library calls: the skinny matmul (runtime/kernels/gemv.py) against
+float64 matmul, and the greedy argmax (argmax.py) against torch.argmax. CPU interpreter at small
 sizes, the GPU at the real decode shapes."""
 
 from __future__ import annotations
@@ -56,3 +57,43 @@ def test_gpu_gemv_bf16_real_shapes(rows, n, k):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     y = g.gemv(x, w)
     assert rel_err(y, x.double() @ w.double().T) < 1e-2
+
+
+# ---------------------------------------------------------------- greedy argmax (runtime/kernels/argmax.py)
+
+def argmax_rows():
+    import importlib
+
+    return importlib.import_module("plait.runtime.kernels.argmax").argmax_rows
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 10), (3, 4096), (2, 4097), (4, 9000)])
+def test_argmax_rows_matches_torch(rows, vocab):
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))
+    assert torch.equal(argmax_rows()(x), x.argmax(-1))
+
+
+def test_argmax_rows_ties_go_to_the_first_index_across_chunks_and_bf16():
+    x = torch.zeros(3, 9000)
+    x[0, 5000] = x[0, 8000] = 1.0  # a tie in two different 4096-wide chunks
+    x[1, :] = float("-inf")  # nothing finite: index 0, like torch
+    x[2, 4095] = x[2, 4096] = 2.0  # a tie across a chunk boundary
+    assert argmax_rows()(x).tolist() == [5000, 0, 4095] == x.argmax(-1).tolist()
+    y = torch.randn(2, 5000).to(torch.bfloat16)
+    y[:, 7] = y[:, 4100] = 100.0
+    assert argmax_rows()(y).tolist() == [7, 7]
+    with pytest.raises(ValueError, match="unit stride"):
+        argmax_rows()(torch.randn(8, 2).t())
+
+
+def test_greedy_tokens_uses_torch_on_the_cpu():
+    from plait.runtime.sampler import greedy_tokens
+
+    x = torch.randn(5, 300)
+    assert torch.equal(greedy_tokens(x), x.argmax(-1))
+
+
+@pytest.mark.gpu
+def test_gpu_argmax_rows_real_vocab():
+    x = torch.randn(256, 128256, device="cuda")
+    assert torch.equal(argmax_rows()(x), x.argmax(-1))
