@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -106,3 +110,27 @@ def near_tie_report(hf, prompts: list[list[int]], outputs: list[list[int]]) -> t
         exact += int((gap == 0).sum())
         steps += len(out)
     return exact / steps, worst
+
+
+@contextlib.contextmanager
+def http_server_in_thread(engine):
+    """The real HTTP app (uvicorn, a real socket on a free port) over `engine`, in a thread: yields its URL."""
+    import uvicorn
+
+    from plait.runtime.server.http_server import create_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the HTTP server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -8,13 +8,12 @@ and a few tokens per gen keep it short.
 
 import json
 import math
-import socket
-import threading
-import time
 
 import pytest
 
 import plait as sgl
+
+from conftest import http_server_in_thread
 
 
 @pytest.fixture(scope="module")
@@ -26,24 +25,8 @@ def engine_runtime():
 
 @pytest.fixture(scope="module")
 def http_url(engine_runtime):
-    import uvicorn
-
-    from plait.runtime.server.http_server import create_app
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine_runtime.engine), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "the HTTP server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with http_server_in_thread(engine_runtime.engine) as url:
+        yield url
 
 
 @pytest.fixture(scope="module", params=["colocated", "http"])

@@ -7,7 +7,6 @@ that same Engine. Greedy decoding and a few tokens per gen keep it short.
 """
 
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -16,6 +15,8 @@ import pytest
 import requests
 
 import plait as sgl
+
+from conftest import http_server_in_thread
 from plait.backend.base import BaseBackend
 from plait.backend.engine_backend import EngineBackend
 from plait.batch_plan import find_shared_segments
@@ -274,24 +275,8 @@ def runtime():
 
 @pytest.fixture(scope="module")
 def http_url(runtime):
-    import uvicorn
-
-    from plait.runtime.server.http_server import create_app
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(runtime.engine), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "the HTTP server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with http_server_in_thread(runtime.engine) as url:
+        yield url
 
 
 def protected(runtime) -> int:
