@@ -12,8 +12,9 @@ that host work visible:
    transformer layers are replaced by random hidden states (see DeviceTimer; `--real-forward` runs
    them); the forward, logits, greedy argmax and attention metadata are timed and subtracted: host ms
    = step ms - forward ms. Each step also pays for pickling its output message, as the scheduler
-   process does. Decode steps are bucketed by batch size ("pipelined": the step launched the next one
-   before processing its own results); a cProfile (top 25, cumulative) covers decode steps at a large
+   process does. Decode steps are bucketed by batch size ("overlapped": the step launched the next one
+   before processing its own results; a "drain" processed one without launching the next, so a GPU
+   would idle meanwhile); a cProfile (top 25, cumulative) covers decode steps at a large
    batch.
 2. End to end: an `Engine` (scheduler process + tokenizer manager + ZMQ) runs the same workload. On a
    GPU its output tokens/s is the host-bound throughput; on the CPU the real tiny forward (attention
@@ -40,6 +41,7 @@ import pstats
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -91,6 +93,19 @@ def make_workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], in
     rng = random.Random(seed)
     spec = [(rng.randint(100, 1000), rng.randint(50, 300)) for _ in range(n)]
     return [([rng.randrange(100, vocab) for _ in range(n_in)], n_out) for n_in, n_out in spec]
+
+
+def shared_workload(name: str, vocab: int) -> list[tuple[list[int], int]]:
+    """The fixed GPU workloads of shared/bench/workload.py (as bench_offline.py loads them), with ids
+    folded into [100, vocab).
+
+    NOTE: the ids themselves cost nothing on the host; a small vocabulary keeps the (B, vocab) logits of
+    the CPU forward from flushing the caches the host work then runs in."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "shared", "bench"))
+    sys.path.insert(0, os.path.join(HERE, "..", ".shared", "bench"))  # a copy carried to the GPU machine
+    import workload  # noqa: E402
+
+    return [([100 + (t - 100) % (vocab - 100) for t in ids], n) for ids, n in workload.make(name)]
 
 
 def sampling(n_out: int) -> dict:
@@ -170,6 +185,14 @@ class DeviceTimer:
         return s
 
 
+def step_kind(in_flight_before: bool, in_flight_after) -> str:
+    """overlapped: processed a step while the next one ran; drain: processed one with nothing launched
+    after it (the device idles meanwhile); launch: only launched one; sync: ran and processed one."""
+    if in_flight_before:
+        return "overlapped" if in_flight_after is not None else "drain"
+    return "launch" if in_flight_after is not None else "sync"
+
+
 class GcClock:
     """Seconds spent in the garbage collector (gc callbacks) since the last `take`."""
 
@@ -211,7 +234,7 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
         s.handle_message(TokenizedGenerateReq(rid=f"r{i}", input_ids=ids,
                                               sampling_params=SamplingParams(**sampling(n_out))))
 
-    steps = []  # (mode, batch size, step seconds, device seconds, pipelined)
+    steps = []  # (mode, batch size, step seconds, device seconds, kind: see step_kind)
     gc_s = []  # garbage-collection seconds per step
     gc_clock = GcClock()
     stats = None  # merged cProfile stats of decode steps at a large batch
@@ -226,6 +249,7 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
         if profiler is not None:
             timer.profiler = profiler
             profiler.enable()
+        in_flight = s.pending is not None
         t = time.perf_counter()
         batch = s.step()
         outs = s.collect_outputs()
@@ -243,8 +267,7 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
                     stats.add(profiler)
         finished += sum(o.finished_reason is not None for o in outs)
         if batch is not None:
-            # pipelined: this step launched the next decode before processing its own results
-            steps.append((batch.mode.name, len(batch.reqs), dt, timer.take(), s.pending is not None))
+            steps.append((batch.mode.name, len(batch.reqs), dt, timer.take(), step_kind(in_flight, s.pending)))
             gc_s.append(gc_clock.take())
     wall = time.perf_counter() - t_start
     timer.restore()
@@ -257,13 +280,13 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
     device_s = sum(d for _, _, _, d, _ in steps)
     by_bucket: dict[str, dict] = {}
     for lo, hi in BUCKETS:
-        rows = [(dt, dev, pipe) for mode, bs, dt, dev, pipe in steps if mode == "DECODE" and lo <= bs <= hi]
+        rows = [(dt, dev, kind) for mode, bs, dt, dev, kind in steps if mode == "DECODE" and lo <= bs <= hi]
         gcs = [g for (mode, bs, *_), g in zip(steps, gc_s) if mode == "DECODE" and lo <= bs <= hi]
         if not rows:
             continue
         by_bucket[f"{lo}-{hi}"] = {
             "decode_steps": len(rows),
-            "pipelined_steps": sum(pipe for *_, pipe in rows),
+            "overlapped_steps": sum(kind == "overlapped" for *_, kind in rows),
             "host_ms_median": 1e3 * statistics.median(dt - dev for dt, dev, _ in rows),
             "forward_ms_median": 1e3 * statistics.median(dev for _, dev, _ in rows),
             "step_ms_median": 1e3 * statistics.median(dt for dt, _, _ in rows),
@@ -277,13 +300,15 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
     return {
         "overlap": s.overlap, "stub_forward": args.device == "cpu" and not args.real_forward,
         "steps": len(steps), "wall_s": wall, "device_s": device_s,
+        "step_kinds": {k: sum(kind == k for *_, kind in steps) for k in ("overlapped", "drain", "launch", "sync")},
         "output_tok_s": out_tokens / wall, "host_only_output_tok_s": out_tokens / max(wall - device_s, 1e-9),
         "decode": by_bucket,
         "prefill": {"steps": len(prefill), "host_ms_median": 1e3 * statistics.median(dt - d for dt, d in prefill)}
         if prefill else {},
         "profile_steps": profiled, "profile_top25": stream.getvalue(),
-        # every step: (mode, batch size, host ms, forward ms, pipelined)
-        "step_rows": [(m, bs, round(1e3 * (dt - dev), 3), round(1e3 * dev, 3), pipe) for m, bs, dt, dev, pipe in steps],
+        # every step: (mode, batch size, host ms, forward ms, kind)
+        "step_rows": [(m, bs, round(1e3 * (dt - dev), 3), round(1e3 * dev, 3), kind)
+                      for m, bs, dt, dev, kind in steps],
     }
 
 
@@ -308,15 +333,17 @@ def print_table(res: dict) -> None:
     if ip:
         print(f"\nin-process scheduler ({'overlap' if ip['overlap'] else 'plain'} path), {ip['steps']} steps, "
               f"{ip['wall_s']:.1f} s wall, {ip['device_s']:.1f} s forward")
-        print(f"{'decode batch':>13} {'steps':>6} {'pipelined':>9} {'host ms':>8} {'fwd ms':>7} {'step ms':>8} "
+        print(f"{'decode batch':>13} {'steps':>6} {'overlapped':>10} {'host ms':>8} {'fwd ms':>7} {'step ms':>8} "
               f"{'gc ms':>6} {'host us/req':>11}")
         for name, b in ip["decode"].items():
             hi = int(name.split("-")[1])
-            print(f"{name:>13} {b['decode_steps']:>6} {b['pipelined_steps']:>9} {b['host_ms_median']:>8.2f} "
+            print(f"{name:>13} {b['decode_steps']:>6} {b['overlapped_steps']:>10} {b['host_ms_median']:>8.2f} "
                   f"{b['forward_ms_median']:>7.2f} {b['step_ms_median']:>8.2f} {b['gc_ms_mean']:>6.2f} "
                   f"{1e3 * b['host_ms_median'] / hi:>11.1f}")
         if ip["prefill"]:
             print(f"{'prefill':>13} {ip['prefill']['steps']:>6} {ip['prefill']['host_ms_median']:>8.2f}")
+        kinds = ", ".join(f"{k} {n}" for k, n in ip["step_kinds"].items())
+        print(f"steps: {kinds}")
         print(f"in-process: {ip['output_tok_s']:.0f} out tok/s; host work only: {ip['host_only_output_tok_s']:.0f}")
     e = res.get("engine")
     if e:
@@ -327,6 +354,8 @@ def print_table(res: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--workload", default="mixed", choices=["mixed", "offline"],
+                   help="mixed: --num-requests of input 100-1000, output 50-300; offline: bench_offline's 1,000")
     p.add_argument("--num-requests", type=int, default=600)
     p.add_argument("--max-running-requests", type=int, default=512)
     p.add_argument("--max-total-tokens", type=int, default=800_000)
@@ -355,11 +384,10 @@ def main() -> None:
             args.no_tokenizer = True
     folder = tempfile.mkdtemp(prefix="plait-tiny-")
     try:
-        model_dir = make_tiny_model(folder, not args.no_tokenizer, args.vocab, 64 if args.device == "cuda" else 16)
-        with open(os.path.join(model_dir, "config.json")) as f:
-            vocab = json.load(f)["vocab_size"]
-        reqs = make_workload(args.num_requests, vocab)
-        res = {"bench": "host_overhead", "device": args.device, "machine": platform.node(),
+        vocab = args.vocab
+        model_dir = make_tiny_model(folder, not args.no_tokenizer, vocab, 64 if args.device == "cuda" else 16)
+        reqs = make_workload(args.num_requests, vocab) if args.workload == "mixed" else shared_workload(args.workload, vocab)
+        res = {"bench": "host_overhead", "workload": args.workload, "device": args.device, "machine": platform.node(),
                "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                "tokenizer": not args.no_tokenizer, "vocab": vocab, "requests": len(reqs),
                "input_tokens": sum(len(i) for i, _ in reqs), "output_tokens": sum(n for _, n in reqs),
@@ -372,7 +400,8 @@ def main() -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print_table(res)
-    save(f"bench_host_overhead_{args.device}{'_notok' if args.no_tokenizer else ''}{args.tag}", res)
+    name = f"{args.device}{'' if args.workload == 'mixed' else '_' + args.workload}{'_notok' if args.no_tokenizer else ''}"
+    save(f"bench_host_overhead_{name}{args.tag}", res)
 
 
 if __name__ == "__main__":

@@ -196,9 +196,13 @@ class ModelRunner:
         input_lp_rows: list[tuple[int, int, int]] = []  # (req index, row, prompt position of the predicted token)
         if batch.mode.is_decode():
             # NOTE: numpy rows, not per-request lists: a pipelined step reuses the previous step's lengths.
-            rows = batch.decode_host_rows(ahead, with_input_ids=input_ids is None)  # (5, B)
-            ids_t, pos_t, pool_t, seq_t, loc_t = self._upload(rows)
-            input_ids = ids_t if input_ids is None else input_ids
+            rows = batch.decode_host_rows(ahead, with_input_ids=input_ids is None)  # (5 or 6, B)
+            dev = self._upload(rows)
+            ids_t, pos_t, pool_t, seq_t, loc_t = dev[:5]
+            if input_ids is None:
+                input_ids = ids_t
+            elif batch.prev_rows is not None:  # the previous step's samples of the requests that go on
+                input_ids = input_ids.index_select(0, dev[5])
             token_rows = pool_t
             seq_lens = batch.seq_lens_host.tolist()
             sample_rows = list(range(len(reqs)))

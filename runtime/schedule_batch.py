@@ -149,6 +149,9 @@ class ScheduleBatch:
     seq_lens_host: Optional[np.ndarray] = None
     req_pool_host: Optional[np.ndarray] = None
     derived_rows: bool = False
+    # A step derived by `next_decode` from a subset of the previous step's requests: (B,) int64 rows
+    # of the previous step whose sampled tokens are this step's input ids (None: all, in order).
+    prev_rows: Optional[np.ndarray] = None
     # Where this step's new tokens' kv slots go, once the step is built: (req slots, positions, kv
     # slots), each (T,) int64 on the host (the device table and its host copy get the same writes).
     kv_writes: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
@@ -158,7 +161,8 @@ class ScheduleBatch:
         return len(self.reqs)
 
     def decode_host_rows(self, ahead: int, with_input_ids: bool) -> np.ndarray:
-        """(5, B) int64: input ids, positions, req_pool_indices, seq_lens, out_cache_loc of a decode step.
+        """(5, B) int64: input ids, positions, req_pool_indices, seq_lens, out_cache_loc of a decode step;
+        (6, B) with `prev_rows` as the last row.
 
         `ahead`: the requests are that many tokens further along than their CPU state says (overlap).
         Without `with_input_ids` the ids row is 0 (the caller has them on the device).
@@ -168,7 +172,7 @@ class ScheduleBatch:
             self.seq_lens_host = np.fromiter((len(r.origin_input_ids) + len(r.output_ids) for r in reqs),
                                              np.int64, n) + ahead
             self.req_pool_host = np.fromiter((r.req_pool_idx for r in reqs), np.int64, n)
-        rows = np.empty((5, n), dtype=np.int64)
+        rows = np.empty((5 if self.prev_rows is None else 6, n), dtype=np.int64)
         if with_input_ids:
             rows[0] = np.fromiter((r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs),
                                   np.int64, n)
@@ -178,6 +182,8 @@ class ScheduleBatch:
         rows[2] = self.req_pool_host
         rows[3] = self.seq_lens_host
         rows[4] = self.out_cache_loc.cpu().numpy()
+        if self.prev_rows is not None:
+            rows[5] = self.prev_rows
         self.kv_writes = (rows[2], rows[1], rows[4])
         return rows
 
@@ -201,12 +207,18 @@ class ScheduleBatch:
         self.kv_writes = (tokens[3], tokens[1], tokens[2])
         return tokens, np.stack([pool, pre + ext, pre, ext, starts])
 
-    def next_decode(self, out_cache_loc: torch.Tensor) -> "ScheduleBatch":
-        """The decode step after this one for the same requests, launched before this one's results
-        are read (overlap): every request is one token further, so its host rows follow from ours."""
-        nxt = ScheduleBatch(ForwardMode.DECODE, self.reqs, out_cache_loc=out_cache_loc)
+    def next_decode(self, out_cache_loc: torch.Tensor, keep: Optional[list[int]] = None) -> "ScheduleBatch":
+        """The decode step after this one, launched before this one's results are read (overlap), for
+        the requests of rows `keep` (default: all): each is one token further, so its host rows
+        follow from ours, and its input id is this step's sampled token (on the device)."""
+        if keep is None or len(keep) == len(self.reqs):
+            nxt = ScheduleBatch(ForwardMode.DECODE, self.reqs, out_cache_loc=out_cache_loc)
+            rows = None
+        else:
+            nxt = ScheduleBatch(ForwardMode.DECODE, [self.reqs[j] for j in keep], out_cache_loc=out_cache_loc)
+            rows = nxt.prev_rows = np.asarray(keep, dtype=np.int64)
         if self.seq_lens_host is not None:
-            nxt.seq_lens_host = self.seq_lens_host + 1
-            nxt.req_pool_host = self.req_pool_host
+            nxt.seq_lens_host = (self.seq_lens_host if rows is None else self.seq_lens_host[rows]) + 1
+            nxt.req_pool_host = self.req_pool_host if rows is None else self.req_pool_host[rows]
             nxt.derived_rows = True
         return nxt

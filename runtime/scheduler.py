@@ -266,34 +266,41 @@ class Scheduler(StepResultsMixin):
 
         While the GPU computes step i+1 (its input tokens are step i's samples, read on the device), the
         CPU reads step i's tokens, checks stops and streams outputs. A request that finishes at step i
-        got one extra token computed in step i+1: it is dropped and its slot freed.
+        got one extra token computed in step i+1: it is dropped and its slot freed; step i+2 goes on
+        without it.
         """
         batch, handle = self.pending
         self.pending = None
-        if self._can_pipeline(batch):
-            loc = self._alloc(len(batch.reqs))
+        keep = self._pipeline_rows(batch)
+        if keep is not None:
+            loc = self._alloc(len(keep))
             if loc is not None:
-                nxt = batch.next_decode(loc)
-                for r, slot in zip(batch.reqs, loc.tolist()):
+                nxt = batch.next_decode(loc, keep)
+                for r, slot in zip(nxt.reqs, loc.tolist()):
                     r.inflight_slot = slot
                 self.pending = (nxt, self.model_runner.launch_decode(nxt, prev=handle))
                 self.req_to_token_host.write_tokens(nxt.kv_writes)
         self._process_result(batch, self.model_runner.resolve(handle))
         return batch
 
-    def _can_pipeline(self, batch: ScheduleBatch) -> bool:
+    def _pipeline_rows(self, batch: ScheduleBatch) -> Optional[list[int]]:
+        """The rows of `batch` whose requests go on into a decode step launched now, before `batch`'s
+        results are read; None when that step must wait (the requests that finished while `batch`
+        was in flight are left out: they were released already)."""
         if self.grammar_pending or self.chunked_req is not None:
-            return False
+            return None
         # Waiting requests that could be admitted get their prefill first (one step later otherwise).
         if self.waiting and len(self.running) < self.model_runner.max_running_requests:
-            return False
+            return None
         # NOTE: every request of `batch` passed `can_overlap` when it was first launched, and that stays
         # true (its inputs are fixed per request, or, as min_new_tokens, only grow more permissive).
-        limit = self.model_runner.context_len - 1
-        if batch.seq_lens_host is not None:  # = each request's length now (the token then in flight is in)
-            return (int(batch.seq_lens_host.max()) < limit
-                    and all(r.finished_reason is None for r in batch.reqs))
-        return all(r.finished_reason is None and r.seq_len < limit for r in batch.reqs)
+        keep = [j for j, r in enumerate(batch.reqs) if r.finished_reason is None]
+        if not keep:
+            return None
+        # batch.seq_lens_host = each request's length now (the token then in flight is counted).
+        if int(batch.seq_lens_host[keep].max()) >= self.model_runner.context_len - 1:
+            return None
+        return keep
 
     def _sweep_aborted(self) -> None:
         """Release running requests aborted since the last step (they may not be in the next batch)."""

@@ -106,6 +106,10 @@ def test_host_rows_of_extend_and_decode_steps_exact():
     # Overlap: the next step is launched before this one's tokens are read; it derives its rows.
     nxt = dec.next_decode(torch.tensor([60, 61]))
     assert nxt.decode_host_rows(ahead=1, with_input_ids=False).tolist() == [[0, 0], [5, 4], [3, 5], [6, 5], [60, 61]]
+    # `a` finished meanwhile: the step after goes on with `b` alone, whose input is row 1's sample.
+    last = nxt.next_decode(torch.tensor([70]), keep=[1])
+    assert last.reqs == [b]
+    assert last.decode_host_rows(ahead=1, with_input_ids=False).tolist() == [[0], [5], [5], [6], [70], [1]]
 
 
 def test_prefill_then_decode_exact_state(random_models):
