@@ -12,9 +12,9 @@ that host work visible:
    transformer layers are replaced by random hidden states (see DeviceTimer; `--real-forward` runs
    them); the forward, logits, greedy argmax and attention metadata are timed and subtracted: host ms
    = step ms - forward ms. Each step also pays for pickling its output message, as the scheduler
-   process does. Decode steps are bucketed by batch size ("overlapped": the step launched the next one
-   before processing its own results; a "drain" processed one without launching the next, so a GPU
-   would idle meanwhile); a cProfile (top 25, cumulative) covers decode steps at a large
+   process does. Decode steps are bucketed by batch size; host ms is the median over "overlapped"
+   steps (each launches the next decode step, then processes the one in flight: the steady state).
+   A "drain" processes one without launching the next (a GPU would idle meanwhile); a cProfile (top 25, cumulative) covers decode steps at a large
    batch.
 2. End to end: an `Engine` (scheduler process + tokenizer manager + ZMQ) runs the same workload. On a
    GPU its output tokens/s is the host-bound throughput; on the CPU the real tiny forward (attention
@@ -279,18 +279,24 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
     out_tokens = sum(n for _, n in reqs)
     device_s = sum(d for _, _, _, d, _ in steps)
     by_bucket: dict[str, dict] = {}
+    overlapped_only = any(kind == "overlapped" for *_, kind in steps)
     for lo, hi in BUCKETS:
-        rows = [(dt, dev, kind) for mode, bs, dt, dev, kind in steps if mode == "DECODE" and lo <= bs <= hi]
-        gcs = [g for (mode, bs, *_), g in zip(steps, gc_s) if mode == "DECODE" and lo <= bs <= hi]
+        # NOTE: medians over overlapped steps only (launch one + process one: the steady state); the
+        # other kinds do half of that work each, and their share changes with the schedule.
+        in_bucket = [(mode == "DECODE" and lo <= bs <= hi, kind) for mode, bs, *_, kind in steps]
+        rows = [(dt, dev, kind) for (ok, _), (_, _, dt, dev, kind) in zip(in_bucket, steps) if ok]
+        gcs = [g for (ok, kind), g in zip(in_bucket, gc_s) if ok and kind == "overlapped"]
+        decode_steps, overlapped = len(rows), sum(kind == "overlapped" for *_, kind in rows)
+        rows = [row for row in rows if row[2] == "overlapped"] if overlapped_only else rows
         if not rows:
             continue
         by_bucket[f"{lo}-{hi}"] = {
-            "decode_steps": len(rows),
-            "overlapped_steps": sum(kind == "overlapped" for *_, kind in rows),
+            "decode_steps": decode_steps,
+            "overlapped_steps": overlapped,
             "host_ms_median": 1e3 * statistics.median(dt - dev for dt, dev, _ in rows),
             "forward_ms_median": 1e3 * statistics.median(dev for _, dev, _ in rows),
             "step_ms_median": 1e3 * statistics.median(dt for dt, _, _ in rows),
-            "gc_ms_mean": 1e3 * statistics.mean(gcs),
+            "gc_ms_mean": 1e3 * statistics.mean(gcs) if gcs else 0.0,
         }
     prefill = [(dt, dev) for mode, _, dt, dev, _ in steps if mode == "EXTEND"]
     stream = io.StringIO()
