@@ -41,23 +41,14 @@ import pstats
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench_common import load_workload_module, save  # noqa: E402 (benchmarks/ is on sys.path)
+
 BUCKETS = ((1, 64), (65, 128), (129, 256), (257, 384), (385, 512))
-
-
-def save(name: str, result: dict) -> None:
-    out_dir = os.environ.get("OUT") or os.path.join(HERE, "out")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"saved {path}")
 
 
 def make_tiny_model(folder: str, with_tokenizer: bool, vocab: int, head_dim: int = 16) -> str:
@@ -101,10 +92,7 @@ def shared_workload(name: str, vocab: int) -> list[tuple[list[int], int]]:
 
     NOTE: the ids themselves cost nothing on the host; a small vocabulary keeps the (B, vocab) logits of
     the CPU forward from flushing the caches the host work then runs in."""
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "shared", "bench"))
-    sys.path.insert(0, os.path.join(HERE, "..", ".shared", "bench"))  # a copy carried to the GPU machine
-    import workload  # noqa: E402
-
+    workload = load_workload_module()
     return [([100 + (t - 100) % (vocab - 100) for t in ids], n) for ids, n in workload.make(name)]
 
 
