@@ -310,6 +310,16 @@ def test_decoder_forward_fused_equals_torch(arch):
     assert torch.allclose(fused, ref, rtol=1e-5, atol=1e-5), (fused - ref).abs().max()
 
 
+def test_model_without_layers_is_the_normed_embedding():
+    cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=32, intermediate_size=64, num_hidden_layers=0,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=50)
+    model = LlamaForCausalLM(cfg, max_position=64).eval()
+    ids = torch.tensor([3, 7, 1])
+    with torch.no_grad():
+        out = model(ids, torch.arange(3), types.SimpleNamespace())
+        assert torch.allclose(out, rms_norm_torch(model.embed_tokens(ids), model.norm.weight, cfg.rms_norm_eps))
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 
 gpu = pytest.mark.gpu

@@ -99,6 +99,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, fb)
+        if residual is None:  # a model with no layers
+            return self.norm(h)
         h, _ = self.norm(h, residual)
         return h  # (T, hidden)
 
