@@ -117,9 +117,10 @@ class ModelRunner:
     def launch_decode(self, batch: ScheduleBatch, prev: Optional["PendingDecode"] = None) -> "PendingDecode":
         """Start a decode step without waiting for it (overlap scheduling).
 
-        With `prev` (the step still in flight for the same requests, in the same order), the input tokens
-        are prev's sampled tokens, read on the device, and each request is one token further along than
-        its CPU-side state says. Only for requests `can_overlap` accepts (no logprobs, grammar or
+        With `prev` (the step still in flight), the input tokens are prev's sampled tokens, read on the
+        device, and each request is one token further along than its CPU-side state says. prev's
+        requests may be a superset of the batch's (some finished meanwhile): `batch.prev_rows` names the
+        rows of prev that go on, gathered in `_build_forward_batch`. Only for requests `can_overlap` accepts (no logprobs, grammar or
         penalties: those need the previous token on the host).
         """
         fb, _, _, _ = self._build_forward_batch(batch, ahead=1 if prev is not None else 0,
