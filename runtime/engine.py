@@ -267,63 +267,47 @@ class Engine:
         req = self._single_stream_req(groups, batch)
         caller_loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        tm = self.tokenizer_manager
-
-        async def pump():
-            try:
-                state = await tm.submit(req)
-                async for chunk in tm.stream(state):
-                    caller_loop.call_soon_threadsafe(q.put_nowait, ("chunk", chunk))
-                caller_loop.call_soon_threadsafe(q.put_nowait, ("end", None))
-            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
-                caller_loop.call_soon_threadsafe(q.put_nowait, ("error", e))
-
-        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        fut = self._pump_stream(req, lambda msg: caller_loop.call_soon_threadsafe(q.put_nowait, msg))
         try:
-            while True:
-                kind, item = await q.get()
-                if kind == "chunk":
-                    yield item
-                elif kind == "error":
-                    raise item
-                else:
-                    return
+            while (chunk := _unpack(await q.get())) is not _END:
+                yield chunk
         finally:
-            if not fut.done():  # consumer left early (e.g. a client disconnect): abort in the scheduler
-                fut.cancel()
-                self.abort(req.rid)
+            self._stop_pump(fut, req)
 
     def _stream_sync(self, groups, batch) -> Iterator[dict]:
         req = self._single_stream_req(groups, batch)
         q: queue.Queue = queue.Queue()
+
+        def gen():
+            fut = self._pump_stream(req, q.put)
+            try:
+                while (chunk := _unpack(q.get())) is not _END:
+                    yield chunk
+            finally:
+                self._stop_pump(fut, req)
+
+        return gen()
+
+    def _pump_stream(self, req, put):
+        """Run one request on the engine's loop, handing ("chunk", c) ... ("end", None) or ("error", e)
+        to `put` (which must be safe to call from that loop's thread)."""
         tm = self.tokenizer_manager
 
         async def pump():
             try:
                 state = await tm.submit(req)
                 async for chunk in tm.stream(state):
-                    q.put(("chunk", chunk))
-                q.put(("end", None))
-            except BaseException as e:  # noqa: BLE001
-                q.put(("error", e))
+                    put(("chunk", chunk))
+                put(("end", None))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                put(("error", e))
 
-        def gen():
-            fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
-            try:
-                while True:
-                    kind, item = q.get()
-                    if kind == "chunk":
-                        yield item
-                    elif kind == "error":
-                        raise item
-                    else:
-                        return
-            finally:
-                if not fut.done():
-                    fut.cancel()
-                    self.abort(req.rid)
+        return asyncio.run_coroutine_threadsafe(pump(), self._loop)
 
-        return gen()
+    def _stop_pump(self, fut, req) -> None:
+        if not fut.done():  # the consumer left early (e.g. a client disconnect): abort in the scheduler
+            fut.cancel()
+            self.abort(req.rid)
 
     # ------------------------------------------------------------------ prefix hints
     def _prefix_ids(self, prefix) -> list[int]:
@@ -447,4 +431,16 @@ def _launch_scheduler(server_args: ServerArgs, model_path: str, to_sched: str, f
     return subprocess.Popen([sys.executable, "-m", "plait.runtime.scheduler_main", spec], close_fds=True)
 
 
+_END = object()  # the stream is over
+
+
+def _unpack(msg: tuple):
+    """A pump message -> the chunk, _END, or raises the error it carries."""
+    kind, item = msg
+    if kind == "error":
+        raise item
+    return item if kind == "chunk" else _END
+
+
 __all__ = ["Engine", "OverloadedError"]
+
