@@ -23,18 +23,16 @@ from typing import Any, Iterable, Optional
 from .gen_params import RunDefaults, resolve_gen
 from .graph import MAIN_BRANCH
 from .graph_builder import GraphBuilder, collect_requests
+from .executor_pins import ExecutorPinsMixin
 from .pins import ProgramPins
 from .ir import (SglCommitLazy, SglConcateAndAppend, SglConstantText, SglExpr, SglExprList, SglGen,
                  SglImage, SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin,
-                 SglVarScopeEnd, as_expr)
+                 SglVarScopeEnd, as_expr, flatten)
 
 logger = logging.getLogger(__name__)
 
-# A program state shorter than this is cheaper to prefill again than to keep pinned between gens.
-MIN_STATE_PIN_CHARS = 256
 
-
-class StreamExecutor:
+class StreamExecutor(ExecutorPinsMixin):
     def __init__(self, backend: Any, arguments: dict, default_sampling_para: RunDefaults,
                  chat_template: Any = None, stream: bool = False, use_thread: bool = True) -> None:
         self.sid = uuid.uuid4().hex
@@ -102,7 +100,7 @@ class StreamExecutor:
 
     def _check_roles(self, expr: SglExpr) -> None:
         role = self._submitted_role
-        for node in _flatten(expr):
+        for node in flatten(expr):
             if isinstance(node, SglRoleBegin):
                 if role is not None:
                     raise ValueError(
@@ -187,14 +185,6 @@ class StreamExecutor:
             child.images_ = list(self.images_)
         return children
 
-    def pin_fork_prefix(self) -> Any:
-        """Keep the text the branches of a fork share cached until join (a pin ticket, or None)."""
-        return self.pins.pin(self.text_) if self.pins is not None else None
-
-    def release_pin(self, ticket: Any) -> None:
-        if self.pins is not None:
-            self.pins.unpin(ticket)
-
     def record_join(self, states: list, mode: str) -> None:
         """The branches of one of this state's forks were joined (gather_variable)."""
         self._record_join([state.stream_executor for state in states], mode)
@@ -222,37 +212,6 @@ class StreamExecutor:
             self.backend.end_program(self)
         except Exception:  # a backend's bookkeeping must not hide the program's own result
             logger.exception("releasing the program's runtime resources failed")
-
-    def _release_pins(self, wait: bool = True) -> None:
-        if self.pins is None:
-            return
-        if self.is_root:  # the program is over: every pin it and its forks hold
-            self.pins.release_all(wait=wait)
-        else:
-            self.pins.drop_state_pin(self.branch)
-
-    def _maybe_pin_state(self) -> None:
-        """After a request: keep this state cached until its next request, when that pays."""
-        if self.pins is None:
-            return
-        if len(self.text_) >= MIN_STATE_PIN_CHARS and self._will_extend():
-            self.pins.move_state_pin(self.branch, self.text_)
-        else:
-            self.pins.drop_state_pin(self.branch)
-
-    def _will_extend(self) -> bool:
-        """Whether another request will follow on this state: one is queued already, or the program
-        body is still running (it may be reading this result to decide what to send next)."""
-        if not self.use_thread:
-            return not self._ended
-        with self.queue.mutex:
-            pending = list(self.queue.queue)
-        for expr in pending:
-            if expr is None:
-                return False
-            if any(isinstance(n, (SglGen, SglSelect, SglConcateAndAppend)) for n in _flatten(expr)):
-                return True
-        return not self._ended
 
     def __del__(self) -> None:
         try:
@@ -419,7 +378,7 @@ class StreamExecutor:
 
     def _init_var_event(self, expr: SglExpr) -> list[threading.Event]:
         created = []
-        for node in _flatten(expr):
+        for node in flatten(expr):
             if isinstance(node, (SglGen, SglSelect, SglVarScopeBegin)) and node.name is not None:
                 event = threading.Event()
                 self.variable_event[node.name] = event
@@ -428,11 +387,3 @@ class StreamExecutor:
                     self.stream_var_event[node.name] = threading.Event()
                     created.append(self.stream_var_event[node.name])
         return created
-
-
-def _flatten(expr: SglExpr) -> Iterable[SglExpr]:
-    if isinstance(expr, SglExprList):
-        for child in expr.expr_list:
-            yield from _flatten(child)
-    else:
-        yield expr

@@ -8,7 +8,7 @@ programs that import them keep working.
 from __future__ import annotations
 
 import itertools
-from typing import Any, List, Optional
+from typing import Any, Iterable, List, Optional
 
 # dtype= regexes (SGLang's values: programs compare against them).
 REGEX_INT = r"[-+]?[0-9]+[ \n]*"
@@ -243,3 +243,12 @@ class SglJoin(SglExpr):
 
     def __repr__(self) -> str:
         return f"Join({len(self.states)} states, {self.mode})"
+
+
+def flatten(expr: SglExpr) -> Iterable[SglExpr]:
+    """The leaf expressions of an expression (lists expanded, in order)."""
+    if isinstance(expr, SglExprList):
+        for child in expr.expr_list:
+            yield from flatten(child)
+    else:
+        yield expr
