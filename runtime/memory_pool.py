@@ -1,6 +1,7 @@
 """Two-level paged KV memory.
 
-- `ReqToTokenPool`: `req_to_token[req_slot, position] -> kv_slot` (int32), one row per running request.
+- `ReqToTokenPool`: `req_to_token[req_slot, position] -> kv_slot` (int32), one row per running request,
+  on the device for the attention kernels and mirrored on the host for the scheduler.
 - `KVPool`: K and V per layer, indexed by kv slot; shape (num_slots, num_kv_heads, head_dim).
 - `TokenAllocator`: the free list of kv slots.
 
@@ -12,14 +13,24 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 
 class ReqToTokenPool:
+    """The table on the device, and a host mirror that gets every write (`write`, `write_step`).
+
+    NOTE: the scheduler reads slots (`read`) from the mirror only: reading the device table is a
+    device-to-host copy that waits for every queued step, including the decode step that overlap
+    scheduling launched ahead, so the host work after it would overlap nothing. np.zeros maps pages
+    lazily: rows sized for the full context cost only what is used.
+    """
+
     def __init__(self, size: int, max_context_len: int, device: str):
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.host = np.zeros((size, max_context_len), dtype=np.int32)
         self._free = list(range(size))
 
     def alloc(self) -> Optional[int]:
@@ -32,7 +43,21 @@ class ReqToTokenPool:
         return len(self._free)
 
     def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
+        """kv_slots (n,) at positions start..start+n of one request, in both tables."""
         self.req_to_token[slot, start:start + len(kv_slots)] = kv_slots.to(torch.int32)
+        self.host[slot, start:start + len(kv_slots)] = kv_slots.cpu().numpy()
+
+    def write_step(self, device_rows: tuple, host_rows: tuple) -> None:
+        """A step's new tokens, (req slots, positions, kv slots) each (T,): one indexed write per
+        table, from the same values (already uploaded, and still on the host)."""
+        slots, positions, kv = device_rows
+        self.req_to_token[slots, positions] = kv.to(torch.int32)
+        slots, positions, kv = host_rows
+        self.host[slots, positions] = kv
+
+    def read(self, slot: int, n: int) -> torch.Tensor:
+        """(n,) int64 kv slots of positions 0..n of one request, from the host mirror (no sync)."""
+        return torch.from_numpy(self.host[slot, :n].astype(np.int64))
 
 
 class TokenAllocator:

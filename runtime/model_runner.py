@@ -224,9 +224,9 @@ class ModelRunner:
                 offset += ext
             input_ids, pos_t, loc_t, token_rows = self._upload(token_host)  # (4, T)
             pool_t, seq_t, pre_t, ext_t, start_t = self._upload(req_host)  # (5, B)
-        # The new tokens' kv slots go into req_to_token here, on the device, in one indexed write (the
-        # scheduler's host copy gets the same write from batch.kv_writes).
-        self.req_to_token_pool.req_to_token[token_rows, pos_t] = loc_t.to(torch.int32)
+        # The new tokens' kv slots go into req_to_token here: one indexed write on the device, and the
+        # same values from the host rows into its host mirror.
+        self.req_to_token_pool.write_step((token_rows, pos_t, loc_t), batch.kv_writes)
         fb = ForwardBatch(
             forward_mode=batch.mode, batch_size=len(reqs), input_ids=input_ids, positions=pos_t,
             req_pool_indices=pool_t, seq_lens=seq_t, out_cache_loc=loc_t, seq_lens_cpu=seq_lens,

@@ -19,7 +19,6 @@ import torch
 from .detokenizer import TextDecoder
 from .io_struct import AbortReq, ControlReply, ControlReq, SchedulerInfo, TokenizedGenerateReq
 from .forward_batch import ForwardMode
-from .host_kv_table import HostReqToToken
 from .model_loader import load_tokenizer
 from .model_runner import ModelRunner
 from .prefix_cache import NoSharingCache, PrefixCache
@@ -50,7 +49,6 @@ class Scheduler(StepResultsMixin):
         mr = self.model_runner
         self.allocator = mr.allocator
         self.req_to_token = mr.req_to_token_pool
-        self.req_to_token_host = HostReqToToken(self.req_to_token.size, self.req_to_token.max_context_len)
         self.cache: PrefixCache = self._make_cache()
         self.eos_token_ids = tuple(mr.model_config.eos_token_ids)
         self.waiting: list[Req] = []
@@ -253,10 +251,8 @@ class Scheduler(StepResultsMixin):
             return None
         if self.overlap and batch.mode.is_decode() and all(map(self.model_runner.can_overlap, batch.reqs)):
             self.pending = (batch, self.model_runner.launch_decode(batch))
-            self.req_to_token_host.write_tokens(batch.kv_writes)
             return batch
         out = self.model_runner.run(batch)
-        self.req_to_token_host.write_tokens(batch.kv_writes)
         self._process_result(batch, out)
         return batch
 
@@ -279,7 +275,6 @@ class Scheduler(StepResultsMixin):
                 for r, slot in zip(nxt.reqs, loc.tolist()):
                     r.inflight_slot = slot
                 self.pending = (nxt, self.model_runner.launch_decode(nxt, prev=handle))
-                self.req_to_token_host.write_tokens(nxt.kv_writes)
         self._process_result(batch, self.model_runner.resolve(handle))
         return batch
 
@@ -446,7 +441,6 @@ class Scheduler(StepResultsMixin):
         r.req_pool_idx = self.req_to_token.alloc()
         if match.num_tokens:
             self.req_to_token.write(r.req_pool_idx, 0, match.kv_indices)
-            self.req_to_token_host.write(r.req_pool_idx, 0, match.kv_indices)
         self.cache.inc_lock(match.node)
         r.last_node = match.node
         r.kv_len = r.cache_len = match.num_tokens

@@ -3,7 +3,7 @@ detokenization per step), prefix-cache inserts, finished requests released, outp
 
 A mixin of `Scheduler` (scheduler.py), separate because it is one concept: what happens after the
 model ran. It uses the scheduler's queues (`running`, `jump_queue`, `chunked_req`, ...), its memory
-(`cache`, `allocator`, `req_to_token`, `req_to_token_host`) and its `outputs` (OutputBuilder).
+(`cache`, `allocator`, `req_to_token`) and its `outputs` (OutputBuilder).
 """
 
 from __future__ import annotations
@@ -124,11 +124,10 @@ class StepResultsMixin:
 
     def _insert_progress(self, r: Req) -> None:
         ids = r.fill_ids[:r.kv_len]
-        kv = self.req_to_token_host.read(r.req_pool_idx, r.kv_len)
+        kv = self.req_to_token.read(r.req_pool_idx, r.kv_len)
         new_kv, node = self.cache.cache_unfinished_req(ids, kv, r.last_node)
         if new_kv.numel():
             self.req_to_token.write(r.req_pool_idx, 0, new_kv)
-            self.req_to_token_host.write(r.req_pool_idx, 0, new_kv)
         r.last_node = node
         r.cache_len = r.kv_len
 
@@ -136,8 +135,8 @@ class StepResultsMixin:
         """Give the request's KV back: the computed part to the cache, the rest to the allocator."""
         if r.req_pool_idx is None:
             return
-        # NOTE: the host copy, not the device table: a device read would wait for the step in flight.
-        kv = self.req_to_token_host.read(r.req_pool_idx, r.kv_len)
+        # NOTE: read from the host mirror: a device read would wait for the step in flight.
+        kv = self.req_to_token.read(r.req_pool_idx, r.kv_len)
         self.cache.cache_finished_req(r.fill_ids[:r.kv_len], kv, r.last_node)
         self.req_to_token.free(r.req_pool_idx)
         r.req_pool_idx = None

@@ -31,7 +31,7 @@ def assert_host_table_matches(s: Scheduler) -> None:
     live = s.running + s.jump_queue + ([s.chunked_req] if s.chunked_req else [])
     for r in live:
         if r.req_pool_idx is not None:
-            host = s.req_to_token_host.table[r.req_pool_idx, :r.kv_len].tolist()
+            host = s.req_to_token.host[r.req_pool_idx, :r.kv_len].tolist()
             assert host == s.req_to_token.req_to_token[r.req_pool_idx, :r.kv_len].tolist(), r.rid
 
 
