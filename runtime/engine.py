@@ -23,6 +23,7 @@ import threading
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from .io_struct import SchedulerInfo, TokenizedGenerateReq
+from .request_builder import build_requests
 from .model_loader import load_tokenizer
 from .sampling_params import SamplingParams
 from .server_args import ServerArgs
@@ -120,74 +121,6 @@ class Engine:
         return self.info.context_len
 
     # ------------------------------------------------------------------ generate
-    def _build_requests(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                        top_logprobs_num, return_text_in_logprobs, stream, rid, group=None):
-        """Normalize SGLang-style inputs into (list of TokenizedGenerateReq, is_batch, n-groups)."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt (text) and input_ids")
-        tm = self.tokenizer_manager
-        if prompt is not None:
-            if isinstance(prompt, str):
-                batch, ids_list = False, [tm.tokenize(prompt)] if prompt else [[]]
-            elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-                if not prompt:
-                    raise ValueError("prompt is an empty list")
-                batch, ids_list = True, [tm.tokenize(p) if p else [] for p in prompt]
-            else:
-                raise ValueError("prompt must be a string or a list of strings")
-        else:
-            if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
-                batch, ids_list = True, [list(x) for x in input_ids]
-            elif isinstance(input_ids, list):
-                batch, ids_list = False, [list(input_ids)]
-            else:
-                raise ValueError("input_ids must be a list of ints or a list of lists of ints")
-        size = len(ids_list)
-
-        def per_item(value, name):
-            if isinstance(value, list) and batch:
-                if len(value) != size:
-                    raise ValueError(f"{name} has {len(value)} entries for a batch of {size}")
-                return value
-            return [value] * size
-
-        sps = per_item(sampling_params, "sampling_params")
-        lps = per_item(return_logprob, "return_logprob")
-        starts = per_item(logprob_start_len, "logprob_start_len")
-        tops = per_item(top_logprobs_num, "top_logprobs_num")
-        texts = per_item(return_text_in_logprobs, "return_text_in_logprobs")
-        if batch and isinstance(rid, list):
-            if len(rid) != size:
-                raise ValueError(f"rid has {len(rid)} entries for a batch of {size}")
-            rids = rid
-        elif batch and isinstance(rid, str):
-            rids = [f"{rid}_{i}" for i in range(size)]
-        else:
-            rids = [rid] * size
-        if not all(r is None or isinstance(r, str) for r in rids):
-            raise ValueError("rid must be a string (or a list of strings for a batch)")
-        groups = []
-        for i in range(size):
-            sp = SamplingParams.from_dict(sps[i])
-            warnings = tm.validate(ids_list[i], sp, starts[i], tops[i])
-            base_rid = rids[i] or new_rid()
-            members = []
-            for k in range(sp.n):
-                sub = SamplingParams.from_dict({**sp.to_dict(), "n": 1})
-                if sp.seed is not None and k:
-                    sub.seed = sp.seed + k
-                members.append(TokenizedGenerateReq(
-                    rid=base_rid if sp.n == 1 else f"{base_rid}_{k}", input_ids=ids_list[i], sampling_params=sub,
-                    return_logprob=bool(lps[i]), logprob_start_len=-1 if starts[i] is None else starts[i],
-                    top_logprobs_num=tops[i] or 0, return_text_in_logprobs=bool(texts[i]), stream=stream,
-                    group=group or (base_rid if sp.n > 1 else None), grammar_warnings=warnings))
-            groups.append(members)
-        all_rids = [m.rid for members in groups for m in members]
-        if len(set(all_rids)) != len(all_rids):
-            dup = next(r for r in all_rids if all_rids.count(r) > 1)
-            raise ValueError(f"duplicate request id {dup!r}")
-        return groups, batch
-
     async def _generate_async(self, groups, batch: bool):
         tm = self.tokenizer_manager
         submitted = []
@@ -232,7 +165,7 @@ class Engine:
                  logprob_start_len: Union[int, list[int], None] = None,
                  top_logprobs_num: Union[int, list[int], None] = None,
                  return_text_in_logprobs: bool = False, stream: bool = False, rid=None, group=None):
-        groups, batch = self._build_requests(prompt, sampling_params, input_ids, return_logprob,
+        groups, batch = build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, return_logprob,
                                              logprob_start_len, top_logprobs_num, return_text_in_logprobs,
                                              stream, rid, group)
         if stream:
@@ -249,7 +182,7 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=False,
                              stream: bool = False, rid=None, group=None):
-        groups, batch = self._build_requests(prompt, sampling_params, input_ids, return_logprob,
+        groups, batch = build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, return_logprob,
                                              logprob_start_len, top_logprobs_num, return_text_in_logprobs,
                                              stream, rid, group)
         if stream:
