@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from .memory_pool import TokenAllocator
+from .radix_checks import check_tree
 from .prefix_cache import MatchResult, PrefixCache
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -219,46 +220,8 @@ class RadixCache(PrefixCache):
 
     def check_integrity(self, num_private: int = 0, full: bool = True) -> None:
         super().check_integrity(num_private)
-        if not full:
-            return
-        _require(not self.root.key and self.root.parent is None and self.root.lock_ref == 0,
-                 "root must have an empty key, no parent and no locks")
-        evictable = protected = 0
-        slot_runs = []
-        for node in self._iter_nodes():
-            for ck, child in node.children.items():
-                where = f"node {child!r} (key starts {child.key[:8]})"
-                _require(child.parent is node, f"{where}: parent pointer does not match")
-                _require(len(child.key) > 0 and len(child.key) % self.page_size == 0,
-                         f"{where}: key length {len(child.key)} is not a positive multiple of "
-                         f"page_size {self.page_size}")
-                _require(ck == self._child_key(child.key, 0), f"{where}: stored under child key {ck}")
-                _require(child.value.dtype == torch.int64 and child.value.shape == (len(child.key),),
-                         f"{where}: value {child.value.dtype} {tuple(child.value.shape)} does not "
-                         "match its key")
-                _require(child.lock_ref >= 0, f"{where}: negative lock_ref {child.lock_ref}")
-                _require(node is self.root or child.lock_ref <= node.lock_ref,
-                         f"{where}: lock_ref {child.lock_ref} exceeds its parent's {node.lock_ref}")
-                if child.lock_ref:
-                    protected += len(child.key)
-                else:
-                    evictable += len(child.key)
-                slot_runs.append(child.value)
-        _require(evictable == self._evictable and protected == self._protected,
-                 f"size counters drifted: evictable {self._evictable} (tree says {evictable}), "
-                 f"protected {self._protected} (tree says {protected})")
-        # NOTE: counted with tensor ops: a set of Python ints over millions of free slots takes seconds.
-        tree_slots = torch.cat(slot_runs) if slot_runs else torch.empty(0, dtype=torch.int64)
-        free_slots = self.allocator.free_slots()
-        n = self.allocator.num_slots
-        _require(bool(((tree_slots >= 1) & (tree_slots <= n)).all()), "a cached kv slot is outside 1..num_slots")
-        _require(bool(((free_slots >= 1) & (free_slots <= n)).all()), "a free kv slot is outside 1..num_slots")
-        in_tree = torch.bincount(tree_slots, minlength=n + 1)
-        in_free = torch.bincount(free_slots, minlength=n + 1)
-        _require(int(in_tree.max()) <= 1, "a kv slot appears twice in the tree")
-        _require(int(in_free.max()) <= 1, "a kv slot is twice on the free list")
-        both = ((in_tree > 0) & (in_free > 0)).nonzero().flatten()
-        _require(both.numel() == 0, f"kv slots both cached and free: {both[:8].tolist()}")
+        if full:
+            check_tree(self)
 
     def dump(self) -> list[tuple[int, tuple, tuple, int]]:
         """Depth-first `(depth, key, slots, lock_ref)` per node, children in key order (for tests)."""
@@ -397,9 +360,3 @@ class RadixCache(PrefixCache):
             raise ValueError(f"kv_indices has {kv.numel()} slots but token_ids has {len(key)} tokens; "
                              "they must correspond one to one")
         return key, kv
-
-
-def _require(cond: bool, message: str) -> None:
-    # Explicit raise, not `assert`: integrity checks must survive `python -O`.
-    if not cond:
-        raise AssertionError(message)
