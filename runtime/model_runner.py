@@ -39,6 +39,9 @@ class PendingDecode:
     next_ids: torch.Tensor  # (B,) int64 on the device
     host: torch.Tensor  # (B,) pinned host copy, valid once `event` completes
     event: Optional["torch.cuda.Event"]  # None on the CPU
+    # Every request plain greedy: stays true along a chain of launched steps (their requests are a
+    # subset of the first step's, and a request's sampling settings do not change), so it is computed once.
+    plain_greedy: bool = False
 
 
 @dataclass
@@ -120,8 +123,8 @@ class ModelRunner:
         With `prev` (the step still in flight), the input tokens are prev's sampled tokens, read on the
         device, and each request is one token further along than its CPU-side state says. prev's
         requests may be a superset of the batch's (some finished meanwhile): `batch.prev_rows` names the
-        rows of prev that go on, gathered in `_build_forward_batch`. Only for requests `can_overlap` accepts (no logprobs, grammar or
-        penalties: those need the previous token on the host).
+        rows of prev that go on, gathered in `_build_forward_batch`. Only for requests `can_overlap`
+        accepts (no logprobs, grammar or penalties: those need the previous token on the host).
         """
         fb, _, _, _ = self._build_forward_batch(batch, ahead=1 if prev is not None else 0,
                                                 input_ids=prev.next_ids if prev is not None else None)
@@ -132,19 +135,20 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(fb)
             logits = self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
         reqs = batch.reqs
-        if all(_plain_greedy(r) for r in reqs):
+        plain_greedy = prev.plain_greedy if prev is not None else all(_plain_greedy(r) for r in reqs)
+        if plain_greedy:
             next_ids = greedy if greedy is not None else greedy_tokens(logits)
         else:
             info = SamplingBatchInfo.from_reqs(reqs, logits.shape[1], logits.device)
             apply_logit_adjustments(logits, reqs, info)
             next_ids = sample(logits, reqs, info)
         if self.device != "cuda":  # CPU: nothing runs asynchronously; kept so the logic is testable here
-            return PendingDecode(next_ids, next_ids, None)
+            return PendingDecode(next_ids, next_ids, None, plain_greedy)
         host = self._next_host_buffer(len(reqs))
         host.copy_(next_ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return PendingDecode(next_ids, host, event)
+        return PendingDecode(next_ids, host, event, plain_greedy)
 
     def resolve(self, pending: "PendingDecode") -> StepOutput:
         if pending.event is not None:
