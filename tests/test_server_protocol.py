@@ -235,6 +235,11 @@ def test_cli_every_server_arg_is_a_flag():
         parse_server_args(["--schedule-policy", "random"])
     with pytest.raises(SystemExit):
         parse_server_args(["--port", "eighty"])
+    # Graphs for every batch the scheduler can run unless capped; a cap must be a positive int.
+    assert ServerArgs().cuda_graph_max_bs is None
+    assert parse_server_args(["--cuda-graph-max-bs", "64"]).cuda_graph_max_bs == 64
+    with pytest.raises(SystemExit):
+        parse_server_args(["--cuda-graph-max-bs", "0"])
 
 
 # ---------------------------------------------------------------- HTTP layer, before the Engine
