@@ -34,3 +34,42 @@ def load_workload_module():
 
             return workload
     raise FileNotFoundError("workload.py not found in ../shared/bench (beside the repo) or .shared/bench (inside it)")
+
+
+def parse_engine_args(items: list[str]) -> dict:
+    """`--engine-arg KEY=VALUE` items → Engine keyword arguments (values parsed as JSON when they are)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-arg wants KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def step_breakdown(before: dict, after: dict, seconds: float) -> dict:
+    """Where a run's time went, from two `get_stats()` snapshots (engine started with
+    enable_step_timing=True): per kind of step, how many, mean rows, wall and device seconds; and the
+    share of the run's wall time the device was busy (the rest it waited on the host)."""
+    b, a = before["steps"], after["steps"]
+    out = {"decode_restarts": a["decode_restarts"] - b["decode_restarts"]}
+    busy = 0.0
+    for kind in ("prefill", "decode"):
+        d = {k: a[kind][k] - b[kind][k] for k in a[kind]}
+        d["mean_rows"] = d["rows"] / max(1, d["steps"])
+        out[kind] = d
+        busy += d["device_s"]
+    out["device_busy_fraction"] = busy / seconds if a.get("device_timing") else None
+    return out
+
+
+def format_breakdown(s: dict) -> str:
+    p, d = s["prefill"], s["decode"]
+    busy = s["device_busy_fraction"]
+    return (f"steps: prefill {p['steps']} ({p['tokens']} tokens, {p['mean_rows']:.1f} reqs each, wall {p['wall_s']:.2f} s, "
+            f"device {p['device_s']:.2f} s) | decode {d['steps']} (mean batch {d['mean_rows']:.1f}, wall {d['wall_s']:.2f} s, "
+            f"device {d['device_s']:.2f} s, pipeline restarts {s['decode_restarts']}) | device busy "
+            + (f"{busy:.1%}" if busy is not None else "n/a"))

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench_common import load_workload_module, save  # noqa: E402 (benchmarks/ is on sys.path)
+from bench_common import format_breakdown, load_workload_module, parse_engine_args, save, step_breakdown  # noqa: E402 (benchmarks/ is on sys.path)
 from gpu_ceilings import copy_bandwidth, matmul_flops  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,17 +115,21 @@ def run_gpu(args) -> dict:
               "output_tokens": sum(o for _, o in reqs), "copy_bandwidth_GBps": bw / 1e9}
     print(json.dumps(result))
     with Engine(model_path=args.model, load_format="dummy", max_running_requests=args.max_running_requests,
-                disable_cuda_graph=args.disable_cuda_graph, attention_backend=args.attention_backend) as eng:
+                disable_cuda_graph=args.disable_cuda_graph, attention_backend=args.attention_backend,
+                enable_step_timing=True, **parse_engine_args(args.engine_arg)) as eng:
         weight_bytes = None
         eng.generate(input_ids=[r[0] for r in reqs[:4]], sampling_params={"max_new_tokens": 8, "ignore_eos": True,
                                                                            "temperature": 0})
         eng.flush_cache()
+        before = eng.get_stats()
         t = time.perf_counter()
         outs = eng.generate(input_ids=[r[0] for r in reqs],
                             sampling_params=[{"max_new_tokens": o, "ignore_eos": True, "temperature": 0}
                                              for _, o in reqs])
         dt = time.perf_counter() - t
         info = eng.get_server_info()
+        steps = step_breakdown(before, info, dt)
+        print(format_breakdown(steps))
     out_toks = sum(len(o["output_ids"]) for o in outs)
     exact = all(len(o["output_ids"]) == n for o, (_, n) in zip(outs, reqs))
     n_params = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
@@ -139,7 +143,8 @@ def run_gpu(args) -> dict:
     lb = roofline_seconds(reqs, weight_bytes, kv_tok, bw, args.max_running_requests, n_params, flops)
     result["plait"] = {"seconds": dt, "output_tok_s": out_toks / dt,
                        "total_tok_s": (out_toks + result["input_tokens"]) / dt, "exact_lengths": exact,
-                       "max_total_tokens": info.get("max_total_tokens"), "retractions": info.get("num_retractions")}
+                       "max_total_tokens": info.get("max_total_tokens"), "retractions": info.get("num_retractions"),
+                       "steps": steps, "engine_args": parse_engine_args(args.engine_arg)}
     result["roofline"] = {"seconds": lb, "output_tok_s": out_toks / lb, "plait_fraction": lb / dt}
     print(f"plait: {out_toks / dt:.0f} out tok/s, {(out_toks + result['input_tokens']) / dt:.0f} total tok/s "
           f"({dt:.1f} s); roofline {out_toks / lb:.0f} out tok/s; exact lengths: {exact}")
@@ -183,6 +188,8 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other ServerArgs field for the Engine (GPU), e.g. --engine-arg chunked_prefill_size=4096")
     p.add_argument("--hf-batch-size", type=int, default=64)
     args = p.parse_args()
     if args.model is None:

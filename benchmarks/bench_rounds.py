@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from bench_common import load_workload_module, save  # noqa: E402 (benchmarks/ is on sys.path)
+from bench_common import format_breakdown, load_workload_module, parse_engine_args, save, step_breakdown  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STREAMS = ("fewshot", "multiturn", "tree")
@@ -140,12 +140,14 @@ def run_engine(args, engine_kwargs: dict, workload, streams: dict, radix: bool) 
             res = run_stream(eng, workload, rounds)
             after = eng.get_stats()
             res["retractions"] = after["num_retractions"] - before["num_retractions"]
+            res["steps"] = step_breakdown(before, after, res["seconds"])
             res["integrity_ok"] = eng.check_integrity()
             results[name] = res
             print(f"cache {label:3s} {name:9s} {res['seconds']:7.2f} s  rounds "
                   f"{' '.join(f'{s:.2f}' for s in res['per_round_s'])}  cached {res['cached_ratio']:.1%} "
                   f"(ideal {res['ideal_cached_ratio']:.1%})  {res['output_tok_s']:.0f} out tok/s  "
                   f"exact {res['exact_lengths']}  retractions {res['retractions']}", flush=True)
+            print(f"cache {label:3s} {name:9s} {format_breakdown(res['steps'])}", flush=True)
         info = eng.get_server_info()
         results["max_total_tokens"] = info.get("max_total_tokens")
     return results
@@ -167,17 +169,11 @@ def engine_kwargs_for(args, tmp: str) -> tuple[dict, str]:
         raise ValueError(f"--model {args.model!r} is neither 'tiny', a built-in shape "
                          f"({', '.join(sorted(BUILTIN_SHAPES))}) nor a model folder")
     kwargs = dict(model_path=path, load_format=load_format, max_running_requests=args.max_running_requests,
-                  attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph)
+                  attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
+                  enable_step_timing=True)
     if args.num_threads:
         kwargs["num_threads"] = args.num_threads
-    for item in args.engine_arg:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--engine-arg wants KEY=VALUE, got {item!r}")
-        try:
-            kwargs[key] = json.loads(value)
-        except json.JSONDecodeError:
-            kwargs[key] = value
+    kwargs.update(parse_engine_args(args.engine_arg))
     return kwargs, label
 
 

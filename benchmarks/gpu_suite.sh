@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of issue 7, in the order they are run on the device machine.
 #   bash benchmarks/gpu_suite.sh tests|profile|sweeps|one_batch|offline|rounds|serving ...
+# OFFLINE_ARGS / ROUNDS_ARGS add flags to those steps (e.g. ROUNDS_ARGS=--skip-off, OFFLINE_ARGS="--skip-transformers").
 # Packages missing on that machine (pyzmq, fastapi, ...) travel as wheels in .whl/ (see the device
 # README); the shared workload file travels in .shared/bench/. Results land in $OUT (else benchmarks/out).
 # To run exactly a commit (helpers' uncommitted edits travel with the working tree otherwise):
@@ -39,12 +40,12 @@ for step in "$@"; do
       done ;;
     offline)
       for m in llama-3.2-1b llama-3.1-8b; do
-        timeout 420 python3 benchmarks/bench_offline.py --model $m --workload offline 2>&1 \
-          | grep -E "^plait|^transformers|roofline"
+        timeout 420 python3 benchmarks/bench_offline.py --model $m --workload offline ${OFFLINE_ARGS:-} 2>&1 \
+          | grep -E "^plait|^transformers|roofline|^steps|Error"
       done ;;
     rounds)
       # Prefix-sharing streams (fewshot, multiturn, tree), radix cache on then off, vs vLLM's figures.
-      timeout 280 python3 benchmarks/bench_rounds.py --model llama-3.1-8b 2>&1 | tee "$OUT/bench_rounds.log" \
+      timeout 280 python3 benchmarks/bench_rounds.py --model llama-3.1-8b ${ROUNDS_ARGS:-} 2>&1 | tee "$OUT/bench_rounds.log" \
         | grep -E "^cache|^stream|^fewshot|^multiturn|^tree|^target|^saved|Error|error" ;;
     serving)
       python3 -m plait.runtime.server --model-path llama-3.2-1b --load-format dummy --port 30123 \

@@ -26,6 +26,7 @@ from .schedule_batch import FinishReason, Req, ScheduleBatch
 from .scheduler_prefill import PrefillAdmissionMixin
 from .scheduler_results import StepResultsMixin
 from .server_args import ServerArgs
+from .step_timer import StepTimer
 from .output_builder import OutputBuilder
 
 logger = logging.getLogger("plait.scheduler")
@@ -60,6 +61,7 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "num_retractions": 0,
                       "num_finished": 0, "integrity_errors": 0}
         self.last_integrity_error: Optional[str] = None
+        self.timer = StepTimer(server_args.enable_step_timing)
         # Overlap scheduling (GPU): a decode step in flight, launched but not yet read back.
         self.overlap = not server_args.disable_overlap_schedule and self.model_runner.device == "cuda"
         self.pending: Optional[tuple[ScheduleBatch, Any]] = None
@@ -225,6 +227,7 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
             "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
             "last_integrity_error": self.last_integrity_error,
             **(dict(self.grammar_manager.stats) if self.grammar_manager is not None else {}),
+            "steps": self.timer.report(),
         }
 
     # ------------------------------------------------------------------ batching
@@ -234,8 +237,9 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
 
     def step(self) -> Optional[ScheduleBatch]:
         """Build, run and process one batch. Returns the batch (None when nothing could run)."""
+        t0 = time.perf_counter()
         if self.pending is not None:
-            return self._step_overlapped()
+            return self._step_overlapped(t0)
         if self.pin_expiry:
             self._expire_pins()
         if self.grammar_pending:
@@ -246,15 +250,28 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
             batch = self._get_decode_batch()
         if batch is None:
             return None
+        kind = "prefill" if batch.mode.is_extend() else "decode"
+        started = self.timer.begin()
         if self.overlap and batch.mode.is_decode() and all(map(self.model_runner.can_overlap, batch.reqs)):
             self.pending = (batch, self.model_runner.launch_decode(batch))
+            self.timer.launched(kind, started)
+            self.timer.decode_restarts += 1
+            self._count(batch, t0)
             return batch
         out = self.model_runner.run(batch)
+        self.timer.launched(kind, started)
         self._process_result(batch, out)
+        self._count(batch, t0)
         return batch
 
+    def _count(self, batch: ScheduleBatch, t0: float) -> None:
+        if batch.mode.is_extend():
+            self.timer.count("prefill", len(batch.reqs), sum(batch.extend_lens), time.perf_counter() - t0)
+        else:
+            self.timer.count("decode", len(batch.reqs), len(batch.reqs), time.perf_counter() - t0)
+
     # ------------------------------------------------------------------ overlap
-    def _step_overlapped(self) -> ScheduleBatch:
+    def _step_overlapped(self, t0: float) -> ScheduleBatch:
         """Launch the next decode step on the device, then process the one in flight.
 
         While the GPU computes step i+1 (its input tokens are step i's samples, read on the device), the
@@ -265,14 +282,21 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
         batch, handle = self.pending
         self.pending = None
         keep = self._pipeline_rows(batch)
+        nxt, started = None, None
         if keep is not None:
             loc = self._alloc(len(keep))
             if loc is not None:
                 nxt = batch.next_decode(loc, keep)
                 for r, slot in zip(nxt.reqs, loc.tolist()):
                     r.inflight_slot = slot
+                started = self.timer.begin()
                 self.pending = (nxt, self.model_runner.launch_decode(nxt, prev=handle))
+                self.timer.launched("decode", started)
         self._process_result(batch, self.model_runner.resolve(handle))
+        if nxt is not None:
+            self._count(nxt, t0)
+        else:  # the last step of a pipeline: read back, nothing launched
+            self.timer.totals["decode"]["wall_s"] += time.perf_counter() - t0
         return batch
 
     def _pipeline_rows(self, batch: ScheduleBatch) -> Optional[list[int]]:

@@ -51,6 +51,8 @@ class ServerArgs:
     cuda_graph_max_bs: Optional[int] = None
     disable_overlap_schedule: bool = False
     num_threads: Optional[int] = None  # CPU torch threads in the scheduler process
+    # Device time per step from CUDA events, reported by get_stats under "steps" (for benchmarks).
+    enable_step_timing: bool = False
 
     # Constrained decoding
     grammar_backend: str = "xgrammar"

