@@ -102,55 +102,61 @@ def roofline_seconds(reqs, weight_bytes: int, kv_bytes_per_token: int, bw: float
     return (steps * weight_bytes + kv) / bw + prefill
 
 
-def run_gpu(args) -> dict:
+def run_gpu(args) -> list[dict]:
+    """Each workload of --workload in turn on one Engine; one result dict per workload."""
     from plait.runtime import Engine
     from plait.runtime.memory_pool import KVPool
     from plait.runtime.model_config import BUILTIN_SHAPES, ModelConfig
 
-    reqs = load_workload(args.workload)
     cfg = ModelConfig.from_dict(BUILTIN_SHAPES[args.model])
-    bw = copy_bandwidth()
-    result = {"bench": f"offline-gpu-{args.workload}", "model": args.model, "gpu": torch.cuda.get_device_name(),
-              "requests": len(reqs), "input_tokens": sum(len(i) for i, _ in reqs),
-              "output_tokens": sum(o for _, o in reqs), "copy_bandwidth_GBps": bw / 1e9}
-    print(json.dumps(result))
-    with Engine(model_path=args.model, load_format="dummy", max_running_requests=args.max_running_requests,
-                disable_cuda_graph=args.disable_cuda_graph, attention_backend=args.attention_backend,
-                enable_step_timing=True, **parse_engine_args(args.engine_arg)) as eng:
-        weight_bytes = None
-        eng.generate(input_ids=[r[0] for r in reqs[:4]], sampling_params={"max_new_tokens": 8, "ignore_eos": True,
-                                                                           "temperature": 0})
-        eng.flush_cache()
-        before = eng.get_stats()
-        t = time.perf_counter()
-        outs = eng.generate(input_ids=[r[0] for r in reqs],
-                            sampling_params=[{"max_new_tokens": o, "ignore_eos": True, "temperature": 0}
-                                             for _, o in reqs])
-        dt = time.perf_counter() - t
-        info = eng.get_server_info()
-        steps = step_breakdown(before, info, dt)
-        print(format_breakdown(steps))
-    out_toks = sum(len(o["output_ids"]) for o in outs)
-    exact = all(len(o["output_ids"]) == n for o, (_, n) in zip(outs, reqs))
     n_params = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
                 + cfg.num_hidden_layers * (cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
                                            * cfg.head_dim + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
                                            + 3 * cfg.hidden_size * cfg.intermediate_size))
     weight_bytes = 2 * n_params
     kv_tok = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16)
-    flops = matmul_flops()
-    result["matmul_TFLOPs"] = flops / 1e12
-    lb = roofline_seconds(reqs, weight_bytes, kv_tok, bw, args.max_running_requests, n_params, flops)
-    result["plait"] = {"seconds": dt, "output_tok_s": out_toks / dt,
-                       "total_tok_s": (out_toks + result["input_tokens"]) / dt, "exact_lengths": exact,
-                       "max_total_tokens": info.get("max_total_tokens"), "retractions": info.get("num_retractions"),
-                       "steps": steps, "engine_args": parse_engine_args(args.engine_arg)}
-    result["roofline"] = {"seconds": lb, "output_tok_s": out_toks / lb, "plait_fraction": lb / dt}
-    print(f"plait: {out_toks / dt:.0f} out tok/s, {(out_toks + result['input_tokens']) / dt:.0f} total tok/s "
-          f"({dt:.1f} s); roofline {out_toks / lb:.0f} out tok/s; exact lengths: {exact}")
+    bw, flops = copy_bandwidth(), matmul_flops()
+    engine_args = parse_engine_args(args.engine_arg)
+    results = []
+    with Engine(model_path=args.model, load_format="dummy", max_running_requests=args.max_running_requests,
+                disable_cuda_graph=args.disable_cuda_graph, attention_backend=args.attention_backend,
+                enable_step_timing=True, **engine_args) as eng:
+        eng.generate(input_ids=[[100 + i] * (16 + i) for i in range(4)],
+                     sampling_params={"max_new_tokens": 8, "ignore_eos": True, "temperature": 0})
+        for workload in args.workload:
+            reqs = load_workload(workload)
+            result = {"bench": f"offline-gpu-{workload}", "model": args.model, "gpu": torch.cuda.get_device_name(),
+                      "requests": len(reqs), "input_tokens": sum(len(i) for i, _ in reqs),
+                      "output_tokens": sum(o for _, o in reqs), "copy_bandwidth_GBps": bw / 1e9,
+                      "matmul_TFLOPs": flops / 1e12}
+            print(json.dumps(result))
+            eng.flush_cache()
+            before = eng.get_stats()
+            t = time.perf_counter()
+            outs = eng.generate(input_ids=[r[0] for r in reqs],
+                                sampling_params=[{"max_new_tokens": o, "ignore_eos": True, "temperature": 0}
+                                                 for _, o in reqs])
+            dt = time.perf_counter() - t
+            info = eng.get_server_info()
+            steps = step_breakdown(before, info, dt)
+            print(format_breakdown(steps))
+            out_toks = sum(len(o["output_ids"]) for o in outs)
+            exact = all(len(o["output_ids"]) == n for o, (_, n) in zip(outs, reqs))
+            lb = roofline_seconds(reqs, weight_bytes, kv_tok, bw, args.max_running_requests, n_params, flops)
+            result["plait"] = {"seconds": dt, "output_tok_s": out_toks / dt,
+                               "total_tok_s": (out_toks + result["input_tokens"]) / dt, "exact_lengths": exact,
+                               "max_total_tokens": info.get("max_total_tokens"),
+                               "retractions": info.get("num_retractions"), "steps": steps,
+                               "max_running_requests": args.max_running_requests, "engine_args": engine_args}
+            result["roofline"] = {"seconds": lb, "output_tok_s": out_toks / lb, "plait_fraction": lb / dt}
+            print(f"plait {workload}: {out_toks / dt:.0f} out tok/s, {(out_toks + result['input_tokens']) / dt:.0f} "
+                  f"total tok/s ({dt:.2f} s); roofline {out_toks / lb:.0f} out tok/s; exact lengths: {exact}")
+            results.append(result)
     if not args.skip_transformers:
-        result["transformers"] = run_transformers_gpu(cfg, args)
-    return result
+        hf = run_transformers_gpu(cfg, args)
+        for r in results:
+            r["transformers"] = hf
+    return results
 
 
 def run_transformers_gpu(cfg, args) -> dict:
@@ -181,7 +187,8 @@ def run_transformers_gpu(cfg, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="built-in dummy shape (GPU); default: the embedded model on CPU")
-    p.add_argument("--workload", default="offline", choices=["offline", "batch64", "single"])
+    p.add_argument("--workload", nargs="+", default=["offline"], choices=["offline", "batch64", "single"],
+                   help="GPU: one or more of the shared workloads, run in turn on one engine")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-running-requests", type=int, default=512)
@@ -196,8 +203,8 @@ def main() -> None:
         res = run_cpu(args)
         save("bench_offline_cpu", res)
     else:
-        res = run_gpu(args)
-        save(f"bench_offline_{args.model}_{args.workload}", res)
+        for res in run_gpu(args):
+            save(f"bench_offline_{args.model}_{res['bench'].removeprefix('offline-gpu-')}", res)
 
 
 if __name__ == "__main__":

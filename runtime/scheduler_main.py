@@ -64,6 +64,23 @@ def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str
     ready.close(linger=2000)
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
+    profile_path = os.environ.get("PLAIT_SCHEDULER_PROFILE")
+    if profile_path:  # diagnosing host time on a device machine: cProfile of the whole loop, dumped at shutdown
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            _serve(scheduler, poller, recv, send)
+        finally:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
+        return
+    _serve(scheduler, poller, recv, send)
+
+
+def _serve(scheduler: Scheduler, poller, recv, send) -> None:
+    """The loop: receive messages, step, send outputs; returns at shutdown."""
     checked_idle = True
     while True:
         idle = scheduler.is_idle()
