@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the small per-layer ops (RMSNorm(+residual), rotary, SiLU-and-mul).
+"""Fused Triton kernels for the small per-layer ops (RMSNorm(+residual), rotary, SiLU-and-mul), and the
+one-row decode matmuls (plain, or with the norm / SiLU-and-mul before them folded in).
 
 They run on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1, for tests). Importing this
 package imports triton; `runtime/models/layers.py` imports it only when a fused op is actually used,
@@ -8,7 +9,9 @@ no host sync, so all of them can be captured in a CUDA graph.
 
 from .activation import silu_and_mul
 from .gemv import gemv
+from .gemv_fused import gemv_row, rmsnorm_gemv, silu_mul_gemv
 from .rmsnorm import fused_add_rmsnorm, rmsnorm
 from .rotary import rotary_and_store_kv, rotary_inplace
 
-__all__ = ["fused_add_rmsnorm", "gemv", "rmsnorm", "rotary_and_store_kv", "rotary_inplace", "silu_and_mul"]
+__all__ = ["fused_add_rmsnorm", "gemv", "gemv_row", "rmsnorm", "rmsnorm_gemv", "rotary_and_store_kv", "rotary_inplace",
+           "silu_and_mul", "silu_mul_gemv"]

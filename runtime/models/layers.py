@@ -53,6 +53,39 @@ def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.d
     return y if out_dtype is None else y.to(out_dtype)
 
 
+# The one-row decode path (a batch-1 decode step on CUDA): each RMSNorm runs inside the matmul after it
+# and SiLU-and-mul inside the down projection (runtime/kernels/gemv_fused.py), which removes 3-4 of a
+# layer's ~11 launches. FUSE_NORM_INTO_GATE_UP = False keeps the post-attention norm as its own kernel
+# before cuBLAS's gate_up, for if cuBLAS streams that (largest) matrix faster than the fused kernel
+# saves in launches (benchmarks/bench_fused_gemv.py measures both).
+FUSE_NORM_INTO_GATE_UP = True
+
+
+def fuses_decode_row(x: torch.Tensor, weight: torch.Tensor, use_triton: Optional[bool]) -> bool:
+    """Whether x (T, K) takes the fused one-row kernels: exactly one row, half-precision weights of x's
+    dtype, and the Triton path chosen (`use_triton` as for the other layers: None = CUDA tensors)."""
+    return (_wants_triton(x, use_triton) and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
+            and weight.dtype in (torch.bfloat16, torch.float16))
+
+
+def norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm: "RMSNorm", layer: nn.Module,
+                out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row: layer(norm(x + residual)) in one launch -> (out (1, N), new residual (1, K)). residual
+    None (the first layer) normalises x alone and returns x as the residual. `layer` as in skinny_linear."""
+    return _kernels().rmsnorm_gemv(x, residual, norm.weight, norm.eps, layer.weight, getattr(layer, "bias", None),
+                                   out_dtype=out_dtype)
+
+
+def silu_linear(gate_up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """One row: layer(silu_and_mul(gate_up)) in one launch; gate_up (1, 2I) -> (1, N)."""
+    return _kernels().silu_mul_gemv(gate_up, layer.weight, layer.bias)
+
+
+def row_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """One row: layer(x) with the same kernel family as norm_linear / silu_linear (x (1, K) -> (1, N))."""
+    return _kernels().gemv_row(x, layer.weight, layer.bias)
+
+
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    residual: Optional[torch.Tensor] = None):
     """Reference RMSNorm (optionally of x + residual): returns out, or (out, x + residual)."""

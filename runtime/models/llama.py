@@ -1,12 +1,13 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window).
 
 Qwen2/2.5/3 reuse this module with flags (`attention_bias`, `qk_norm`); see qwen.py.
-Q/K/V and gate/up projections are fused at load time (one matmul each).
+Q/K/V and gate/up projections are fused at load time (one matmul each). A batch-1 decode step (one row,
+on CUDA) runs each norm and SiLU-and-mul inside the matmul after it: `DecoderLayer._forward_one_row`.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -14,7 +15,9 @@ import torch.nn as nn
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
 from ..model_config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding, SiluAndMul, skinny_linear
+from . import layers
+from .layers import (RMSNorm, RotaryEmbedding, SiluAndMul, fuses_decode_row, norm_linear, row_linear, silu_linear,
+                     skinny_linear)
 
 
 class Attention(nn.Module):
@@ -33,6 +36,10 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = skinny_linear(x, self.qkv_proj)  # (T, q + 2kv)
+        return skinny_linear(self.attend(positions, qkv, fb), self.o_proj)  # (T, hidden)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """qkv (T, q + 2kv) -> attention output (T, H * D), before o_proj; stores this step's K/V."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -49,7 +56,7 @@ class Attention(nn.Module):
         else:
             q, k = self.rotary(positions, q, k)
             o = fb.attn_backend.forward(q, k, v, self.spec, fb)
-        return skinny_linear(o, self.o_proj)
+        return o
 
 
 class MLP(nn.Module):
@@ -72,6 +79,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, h, residual, fb):
+        if fuses_decode_row(h, self.mlp.down_proj.weight, self.input_layernorm.use_triton):
+            return self._forward_one_row(positions, h, residual, fb)
         # NOTE: on CUDA the norms add h into `residual` in place (fused kernel); residual starts as this
         # step's embedding output, a fresh buffer that nothing else reads.
         if residual is None:
@@ -82,6 +91,20 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(positions, h, fb)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def _forward_one_row(self, positions, h, residual, fb):
+        # A batch-1 decode step: the norms run inside the matmuls after them and SiLU-and-mul inside the
+        # down projection (runtime/kernels/gemv_fused.py), 7 launches a layer instead of 10-11. The
+        # residual sums go to new buffers; nothing is updated in place.
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = norm_linear(h, residual, self.input_layernorm, attn.qkv_proj)  # (1, q + 2kv), (1, hidden)
+        h = row_linear(attn.attend(positions, qkv, fb), attn.o_proj)  # (1, hidden)
+        if layers.FUSE_NORM_INTO_GATE_UP:
+            gate_up, residual = norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+        else:
+            h, residual = self.post_attention_layernorm(h, residual)
+            gate_up = mlp.gate_up_proj(h)  # (1, 2 * inter)
+        return silu_linear(gate_up, mlp.down_proj), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,18 +118,35 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # (T, hidden)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(positions, h, residual, fb)
+        h, residual = self._decoder(input_ids, positions, fb)
         if residual is None:  # a model with no layers
             return self.norm(h)
         h, _ = self.norm(h, residual)
         return h  # (T, hidden)
 
+    def _decoder(self, input_ids, positions, fb) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Embedding and every layer: (the last layer's output, the residual stream before it; None
+        without layers), both (T, hidden), the final norm still to apply."""
+        h = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, fb)
+        return h, residual
+
+    def _head(self) -> nn.Module:
+        return self.embed_tokens if self.lm_head is None else self.lm_head  # both hold a (vocab, hidden) weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head  # both hold a (vocab, hidden) weight
-        return skinny_linear(hidden, head, out_dtype=torch.float32)  # (N, vocab)
+        return skinny_linear(hidden, self._head(), out_dtype=torch.float32)  # (N, vocab)
+
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """compute_logits(forward(...)) (T, vocab) float32, for callers that need no hidden states (the
+        decode CUDA graph): on the one-row path the final norm runs inside the LM head's matmul."""
+        h, residual = self._decoder(input_ids, positions, fb)
+        head = self._head()
+        if residual is not None and fuses_decode_row(h, head.weight, self.norm.use_triton):
+            return norm_linear(h, residual, self.norm, head, out_dtype=torch.float32)[0]
+        return self.compute_logits(self.norm(h) if residual is None else self.norm(h, residual)[0])
 
     # ---- weights ----
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

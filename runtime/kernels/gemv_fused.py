@@ -1,0 +1,279 @@
+"""One-row skinny matmuls with the small op before them folded in: y = op(x) @ W^T, one launch each.
+
+At batch 1 a decode step is bound by weight bandwidth plus ~1-3 us of gap and ramp per kernel, and the
+ops between the matmuls (add + RMSNorm, SiLU-and-mul) move almost no bytes. So each program of the
+matmul recomputes the op for the K values it multiplies (the row is at most a few tens of KB and comes
+from L2 after the first program touched it), then streams its BLOCK_N rows of W as gemv.py does. Per
+layer, add+RMSNorm -> QKV, add+RMSNorm -> gate_up and SiLU-and-mul -> down are one launch each (down
+was three: activation, cuBLAS, its split-K reduce).
+
+Prologues (the PROLOGUE constexpr), numerics step for step those of the unfused kernels:
+- PLAIN: a = x.
+- ADD_RMSNORM (as rmsnorm.py): s = (x + residual) rounded to x.dtype (s = x without a residual);
+  a = norm_w * (float32(s) / sqrt(mean(s^2) + eps)).to(x.dtype), rounded to x.dtype. Every program
+  sums the squares over the whole row; program 0 alone writes s into a *new* residual buffer (never in
+  place: the other programs are still reading the old one).
+- SILU_MUL (as activation.py): x = [gate | up] (1, 2K); a = (silu(gate).to(dtype) * up).to(dtype).
+Products with W are accumulated in float32 and rounded to the output dtype once.
+
+Two loop shapes (`FusedGemvConfig.resident`):
+- K loop (like gemv.py): each program walks K in BLOCK_K chunks for its BLOCK_N rows; ADD_RMSNORM reads
+  the row twice (sum of squares, then the matmul).
+- resident row (K <= MAX_RESIDENT_K): the whole activation row lives in registers, computed once; the
+  program walks its BLOCK_N rows of W SUB_N at a time, each a full-K run.
+
+Programmatic dependent launch (Hopper; opt in with PLAIT_PDL=1): the kernel is launched so that it may
+start while the previous kernel finishes; it loads its first weight tile (never written by anyone),
+then waits for the previous kernel before touching activations or writing anything, and lets the next
+kernel launch as soon as all its programs are running.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import pick_gemv_config
+from .launch import check_device, interpreter_enabled, next_power_of_2
+
+PLAIN = tl.constexpr(0)
+ADD_RMSNORM = tl.constexpr(1)
+SILU_MUL = tl.constexpr(2)
+
+MAX_RESIDENT_K = 8192  # widest row the resident-row kernel holds in registers
+
+
+@dataclass(frozen=True)
+class FusedGemvConfig:
+    block_n: int = 8  # rows of W per program
+    block_k: int = 1024  # K loop: columns per step
+    num_warps: int = 4
+    num_stages: int = 3
+    resident: bool = False  # resident-row loop instead of the K loop
+    sub_n: int = 2  # resident row: rows of W per step (full K each)
+
+
+@triton.jit
+def _residual_sum(X, Residual, offs_k, k_mask, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual) at offs_k, rounded to x's dtype exactly like torch's `x + residual`."""
+    x = tl.load(X + offs_k, mask=k_mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(Residual + offs_k, mask=k_mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _inv_rms(sum_sq, eps, K: tl.constexpr):
+    # NOTE: div_rn/sqrt_rn, not `/` and rsqrt (approximate PTX), as in rmsnorm.py. (1,) -> (1,)
+    mean_sq = tl.div_rn(sum_sq, tl.full((1,), K, tl.float32))
+    return tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
+
+
+@triton.jit
+def _normalize(s, NormW, offs_k, k_mask, inv_rms):
+    """RMSNorm output for the columns of s (1, BK): rounded to s's dtype before and after the weight."""
+    normed = (s.to(tl.float32) * inv_rms[:, None]).to(s.dtype)
+    nw = tl.load(NormW + offs_k, mask=k_mask, other=0.0)
+    return (nw.to(tl.float32) * normed.to(tl.float32)).to(s.dtype)
+
+
+@triton.jit
+def _activation(X, Residual, NormW, offs_k, k_mask, inv_rms,
+                K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The matmul's input at columns offs_k (1, BK), as float32 holding values of x's dtype."""
+    if PROLOGUE == ADD_RMSNORM:
+        a = _normalize(_residual_sum(X, Residual, offs_k, k_mask, HAS_RESIDUAL), NormW, offs_k, k_mask, inv_rms)
+    elif PROLOGUE == SILU_MUL:
+        gate = tl.load(X + offs_k, mask=k_mask, other=0.0)
+        up = tl.load(X + K + offs_k, mask=k_mask, other=0.0)
+        g = gate.to(tl.float32)
+        # NOTE: tl.exp as in activation.py (fast exp2-based; its few-ulp error vanishes in the rounding).
+        act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
+        a = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    else:
+        a = tl.load(X + offs_k, mask=k_mask, other=0.0)
+    return a.to(tl.float32)
+
+
+@triton.jit
+def _store_rows(Y, B, rows, acc, N, HAS_BIAS: tl.constexpr):
+    mask = rows < N
+    if HAS_BIAS:
+        acc += tl.load(B + rows, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fused_gemv_kloop_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, stride_wn, eps,
+                             K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    w_rows = W + rows.to(tl.int64)[:, None] * stride_wn  # (BN, 1) row starts
+    n_mask = (rows < N)[:, None]  # (BN, 1)
+    cols = tl.arange(0, BLOCK_K)[None, :]  # (1, BK)
+    # NOTE: the first weight tile is loaded before waiting on the previous kernel (PDL): W never depends on it.
+    w = tl.load(w_rows + cols, mask=n_mask & (cols < K), other=0.0)  # (BN, BK)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if PROLOGUE == ADD_RMSNORM:
+        sum_sq = tl.zeros((1, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + cols
+            k_mask = offs_k < K
+            s = _residual_sum(X, Residual, offs_k, k_mask, HAS_RESIDUAL)  # (1, BK)
+            if HAS_RESIDUAL:
+                if pid == 0:
+                    tl.store(ResidualOut + offs_k, s, mask=k_mask)
+            h = s.to(tl.float32)
+            sum_sq += h * h
+        inv_rms = _inv_rms(tl.sum(sum_sq, axis=1), eps, K)  # (1,)
+    else:
+        inv_rms = tl.full((1,), 1.0, tl.float32)
+    a = _activation(X, Residual, NormW, cols, cols < K, inv_rms, K, PROLOGUE, HAS_RESIDUAL)  # (1, BK)
+    acc = tl.sum(a * w.to(tl.float32), axis=1)  # (BN,)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        offs_k = k0 + cols
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k, mask=n_mask & k_mask, other=0.0)
+        a = _activation(X, Residual, NormW, offs_k, k_mask, inv_rms, K, PROLOGUE, HAS_RESIDUAL)
+        acc += tl.sum(a * w.to(tl.float32), axis=1)
+    _store_rows(Y, B, rows, acc, N, HAS_BIAS)
+
+
+@triton.jit
+def _fused_gemv_resident_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, stride_wn, eps,
+                                K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SUB_N: tl.constexpr,
+                                K_POW2: tl.constexpr, USE_PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, K_POW2)[None, :]  # (1, KP): the whole row
+    k_mask = cols < K
+    sub = tl.arange(0, SUB_N)  # (SN,)
+    row0 = pid * BLOCK_N
+    rows = row0 + sub
+    w = tl.load(W + rows.to(tl.int64)[:, None] * stride_wn + cols, mask=(rows < N)[:, None] & k_mask,
+                other=0.0)  # (SN, KP), loaded before the PDL wait like the K loop's first tile
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if PROLOGUE == ADD_RMSNORM:
+        s = _residual_sum(X, Residual, cols, k_mask, HAS_RESIDUAL)  # (1, KP), read once
+        if HAS_RESIDUAL:
+            if pid == 0:
+                tl.store(ResidualOut + cols, s, mask=k_mask)
+        h = s.to(tl.float32)
+        a = _normalize(s, NormW, cols, k_mask, _inv_rms(tl.sum(h * h, axis=1), eps, K)).to(tl.float32)
+    else:
+        a = _activation(X, Residual, NormW, cols, k_mask, tl.full((1,), 1.0, tl.float32), K, PROLOGUE,
+                        HAS_RESIDUAL)  # (1, KP)
+    _store_rows(Y, B, rows, tl.sum(a * w.to(tl.float32), axis=1), N, HAS_BIAS)
+    for n0 in range(SUB_N, BLOCK_N, SUB_N):
+        rows = row0 + n0 + sub
+        w = tl.load(W + rows.to(tl.int64)[:, None] * stride_wn + cols, mask=(rows < N)[:, None] & k_mask,
+                    other=0.0)  # (SN, KP)
+        _store_rows(Y, B, rows, tl.sum(a * w.to(tl.float32), axis=1), N, HAS_BIAS)
+
+
+def pick_fused_gemv_config(prologue: int, n: int, k: int) -> FusedGemvConfig:
+    """Default tiles. PLAIT: gemv.py's measured choice. The prologues read the activation row once per
+    program (twice for the K loop's RMSNorm), so they take wider row blocks: fewer programs, less L2
+    traffic per weight byte. NOTE: untuned guesses until benchmarks/bench_fused_gemv.py --sweep runs."""
+    base = pick_gemv_config(n, k)
+    if prologue == PLAIN:
+        return FusedGemvConfig(base.block_n, base.block_k, base.num_warps, base.num_stages)
+    block_n = min(16, 2 * base.block_n)
+    return FusedGemvConfig(block_n, 16384 // block_n, base.num_warps, base.num_stages)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """PLAIT_PDL=1 and a Hopper-or-newer GPU (read per call, so one process can compare both)."""
+    return (os.environ.get("PLAIT_PDL") == "1" and device.type == "cuda" and not interpreter_enabled()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _check_row(op: str, name: str, t: torch.Tensor, k: int) -> None:
+    if t.dim() != 2 or t.shape[0] != 1 or t.shape[1] != k:
+        raise ValueError(f"{op}: {name} must be one row (1, {k}), got {tuple(t.shape)}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{op}: {name} needs unit stride on its last dim")
+
+
+def _launch(op: str, prologue: int, x: torch.Tensor, k: int, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            residual: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor], eps: float,
+            out_dtype: Optional[torch.dtype], config: Optional[FusedGemvConfig]) -> tuple[torch.Tensor, torch.Tensor]:
+    check_device(op, x, weight, bias, residual, norm_weight)
+    if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"{op}: weight must be (N, {k}) with unit stride on K, got {tuple(weight.shape)}")
+    n = weight.shape[0]
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"{op}: bias must be ({n},), got {tuple(bias.shape)}")
+    cfg = config or pick_fused_gemv_config(prologue, n, k)
+    if cfg.resident and next_power_of_2(k) > MAX_RESIDENT_K:
+        raise ValueError(f"{op}: the resident-row kernel holds rows up to {MAX_RESIDENT_K}, got K={k}")
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    pdl = pdl_enabled(x.device)
+    args = (x, residual if residual is not None else x, residual_out,
+            norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight, y,
+            n, weight.stride(0), eps)
+    flags = dict(K=k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+                 BLOCK_N=cfg.block_n, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if pdl:
+        flags["launch_pdl"] = True
+    grid = (triton.cdiv(n, cfg.block_n),)
+    if cfg.resident:
+        _fused_gemv_resident_kernel[grid](*args, SUB_N=min(cfg.sub_n, cfg.block_n), K_POW2=next_power_of_2(k),
+                                          **flags)
+    else:
+        _fused_gemv_kloop_kernel[grid](*args, BLOCK_K=min(cfg.block_k, next_power_of_2(k)), **flags)
+    return y, residual_out
+
+
+def rmsnorm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                 weight: torch.Tensor, bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                 config: Optional[FusedGemvConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(x + residual) (1, K) @ weight (N, K)^T (+ bias) -> (y (1, N), new residual (1, K)).
+
+    residual None (a model's first norm) normalises x alone and returns x itself as the residual.
+    The residual sum goes to a new tensor; `residual` is left alone."""
+    op = "rmsnorm_gemv"
+    k = x.shape[-1] if x.dim() else 0
+    _check_row(op, "x", x, k)
+    if residual is not None:
+        _check_row(op, "residual", residual, k)
+        if residual.dtype != x.dtype:
+            raise ValueError(f"{op}: residual dtype {residual.dtype} differs from x's {x.dtype}")
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
+        raise ValueError(f"{op}: norm weight must be contiguous ({k},) in {x.dtype}, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
+    return _launch(op, ADD_RMSNORM.value, x, k, weight, bias, residual, norm_weight, eps, out_dtype, config)
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  config: Optional[FusedGemvConfig] = None) -> torch.Tensor:
+    """(silu(gate) * up) (1, K) @ weight (N, K)^T (+ bias) -> (1, N), with gate_up = [gate | up] (1, 2K)."""
+    op = "silu_mul_gemv"
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        raise ValueError(f"{op}: gate_up must be (1, 2K), got {tuple(gate_up.shape)}")
+    k = gate_up.shape[-1] // 2
+    _check_row(op, "gate_up", gate_up, 2 * k)
+    return _launch(op, SILU_MUL.value, gate_up, k, weight, bias, None, None, 0.0, None, config)[0]
+
+
+def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             out_dtype: Optional[torch.dtype] = None, config: Optional[FusedGemvConfig] = None) -> torch.Tensor:
+    """x (1, K) @ weight (N, K)^T (+ bias) -> (1, N): gemv.py's one-row matmul in this family, so a chain
+    of one-row matmuls can use programmatic dependent launch throughout."""
+    op = "gemv_row"
+    k = x.shape[-1] if x.dim() else 0
+    _check_row(op, "x", x, k)
+    return _launch(op, PLAIN.value, x, k, weight, bias, None, None, 0.0, out_dtype, config)[0]
