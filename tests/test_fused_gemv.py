@@ -165,22 +165,31 @@ class _OneTokenAttention:
         return v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1).reshape(1, -1)
 
 
-def _tiny_model(arch: str) -> LlamaForCausalLM:
-    cfg = ModelConfig(architecture=arch, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-                      qk_norm=arch == "Qwen3ForCausalLM", attention_bias=arch == "Qwen2ForCausalLM",
-                      tie_word_embeddings=arch == "Qwen2ForCausalLM")
+def _tiny_model(arch: str, dtype=torch.float16, device="cpu", scale=0.3, **shape) -> LlamaForCausalLM:
+    dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=128) | shape
+    cfg = ModelConfig(architecture=arch, qk_norm=arch == "Qwen3ForCausalLM", attention_bias=arch == "Qwen2ForCausalLM",
+                      tie_word_embeddings=arch == "Qwen2ForCausalLM", **dims)
     torch.manual_seed(0)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)  # as model_loader builds it: the rotary caches stay float32
+    torch.set_default_dtype(dtype)  # as model_loader builds it: the rotary caches stay float32
     try:
-        model = LlamaForCausalLM(cfg, max_position=64)
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, max_position=64)
     finally:
         torch.set_default_dtype(old)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if "norm" in name else 0.3)
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if "norm" in name else scale)
     return model.eval()
+
+
+def _one_token_batch(model: LlamaForCausalLM, device="cpu"):
+    cfg = model.config
+    pool = KVPool(8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
+    fb = types.SimpleNamespace(attn_backend=_OneTokenAttention(), kv_pool=pool,
+                               out_cache_loc=torch.tensor([3], device=device))
+    return torch.tensor([17], device=device), torch.tensor([0], device=device), fb
 
 
 def _counting(monkeypatch, names):
@@ -206,9 +215,7 @@ def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch):
     monkeypatch.setattr(layers, "FUSE_NORM_INTO_GATE_UP", fuse_gate_up)
     model = _tiny_model(arch)
     cfg = model.config
-    pool = KVPool(8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float16, "cpu")
-    fb = types.SimpleNamespace(attn_backend=_OneTokenAttention(), kv_pool=pool, out_cache_loc=torch.tensor([3]))
-    ids, positions = torch.tensor([17]), torch.tensor([0])
+    ids, positions, fb = _one_token_batch(model)
     calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row"])
     with torch.no_grad():
         set_use_triton(model, False)
@@ -310,3 +317,20 @@ def test_gpu_fused_chain_in_cuda_graph_pdl(pdl, monkeypatch):
         ref, ref_res = reference()
         assert torch.equal(out_res, ref_res)
         assert rel_err(out, ref) < 2e-2
+
+
+@gpu
+def test_gpu_decoder_one_row_path_8b_layer_shapes():
+    # Two layers of the 8B shape in bf16: the fused one-row path against the torch path on the GPU.
+    model = _tiny_model("LlamaForCausalLM", torch.bfloat16, "cuda", scale=0.02, hidden_size=4096,
+                        intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        vocab_size=128256)
+    ids, positions, fb = _one_token_batch(model, "cuda")
+    with torch.no_grad():
+        set_use_triton(model, False)
+        ref = model.compute_logits(model(ids, positions, fb))
+        set_use_triton(model, None)  # CUDA tensors: the Triton kernels, fused at one row
+        hidden = model(ids, positions, fb)
+        logits = model.forward_logits(ids, positions, fb)
+    assert rel_err(logits, ref) < 1e-2
+    assert rel_err(model.compute_logits(hidden), logits) < 1e-2

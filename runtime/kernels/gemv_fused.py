@@ -125,14 +125,14 @@ def _fused_gemv_kloop_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, stride
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if PROLOGUE == ADD_RMSNORM:
+        is_first = (cols * 0 + pid) == 0  # (1, BK): program 0 writes the residual (a mask, not a branch)
         sum_sq = tl.zeros((1, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + cols
-            k_mask = offs_k < K
-            s = _residual_sum(X, Residual, offs_k, k_mask, HAS_RESIDUAL)  # (1, BK)
+            ks = k0 + cols  # (1, BK)
+            ks_mask = ks < K
+            s = _residual_sum(X, Residual, ks, ks_mask, HAS_RESIDUAL)  # (1, BK)
             if HAS_RESIDUAL:
-                if pid == 0:
-                    tl.store(ResidualOut + offs_k, s, mask=k_mask)
+                tl.store(ResidualOut + ks, s, mask=ks_mask & is_first)
             h = s.to(tl.float32)
             sum_sq += h * h
         inv_rms = _inv_rms(tl.sum(sum_sq, axis=1), eps, K)  # (1,)
@@ -140,12 +140,13 @@ def _fused_gemv_kloop_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, stride
         inv_rms = tl.full((1,), 1.0, tl.float32)
     a = _activation(X, Residual, NormW, cols, cols < K, inv_rms, K, PROLOGUE, HAS_RESIDUAL)  # (1, BK)
     acc = tl.sum(a * w.to(tl.float32), axis=1)  # (BN,)
+    # NOTE: fresh names in the loop (w_k, a_k): reassigning w or a would carry whole tiles as loop state.
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        offs_k = k0 + cols
-        k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k, mask=n_mask & k_mask, other=0.0)
-        a = _activation(X, Residual, NormW, offs_k, k_mask, inv_rms, K, PROLOGUE, HAS_RESIDUAL)
-        acc += tl.sum(a * w.to(tl.float32), axis=1)
+        kk = k0 + cols  # (1, BK)
+        kk_mask = kk < K
+        w_k = tl.load(w_rows + kk, mask=n_mask & kk_mask, other=0.0)  # (BN, BK)
+        a_k = _activation(X, Residual, NormW, kk, kk_mask, inv_rms, K, PROLOGUE, HAS_RESIDUAL)
+        acc += tl.sum(a_k * w_k.to(tl.float32), axis=1)
     _store_rows(Y, B, rows, acc, N, HAS_BIAS)
 
 
@@ -168,8 +169,7 @@ def _fused_gemv_resident_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, str
     if PROLOGUE == ADD_RMSNORM:
         s = _residual_sum(X, Residual, cols, k_mask, HAS_RESIDUAL)  # (1, KP), read once
         if HAS_RESIDUAL:
-            if pid == 0:
-                tl.store(ResidualOut + cols, s, mask=k_mask)
+            tl.store(ResidualOut + cols, s, mask=k_mask & ((cols * 0 + pid) == 0))  # program 0 only
         h = s.to(tl.float32)
         a = _normalize(s, NormW, cols, k_mask, _inv_rms(tl.sum(h * h, axis=1), eps, K)).to(tl.float32)
     else:
@@ -177,21 +177,23 @@ def _fused_gemv_resident_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, str
                         HAS_RESIDUAL)  # (1, KP)
     _store_rows(Y, B, rows, tl.sum(a * w.to(tl.float32), axis=1), N, HAS_BIAS)
     for n0 in range(SUB_N, BLOCK_N, SUB_N):
-        rows = row0 + n0 + sub
-        w = tl.load(W + rows.to(tl.int64)[:, None] * stride_wn + cols, mask=(rows < N)[:, None] & k_mask,
-                    other=0.0)  # (SN, KP)
-        _store_rows(Y, B, rows, tl.sum(a * w.to(tl.float32), axis=1), N, HAS_BIAS)
+        rows_n = row0 + n0 + sub  # (SN,)
+        w_n = tl.load(W + rows_n.to(tl.int64)[:, None] * stride_wn + cols, mask=(rows_n < N)[:, None] & k_mask,
+                      other=0.0)  # (SN, KP)
+        _store_rows(Y, B, rows_n, tl.sum(a * w_n.to(tl.float32), axis=1), N, HAS_BIAS)
 
 
 def pick_fused_gemv_config(prologue: int, n: int, k: int) -> FusedGemvConfig:
-    """Default tiles. PLAIT: gemv.py's measured choice. The prologues read the activation row once per
+    """Default tiles. PLAIN: gemv.py's measured choice. The prologues read the activation row once per
     program (twice for the K loop's RMSNorm), so they take wider row blocks: fewer programs, less L2
     traffic per weight byte. NOTE: untuned guesses until benchmarks/bench_fused_gemv.py --sweep runs."""
     base = pick_gemv_config(n, k)
     if prologue == PLAIN:
         return FusedGemvConfig(base.block_n, base.block_k, base.num_warps, base.num_stages)
     block_n = min(16, 2 * base.block_n)
-    return FusedGemvConfig(block_n, 16384 // block_n, base.num_warps, base.num_stages)
+    # 16K-element tiles, 3 stages: two programs fit an SM's shared memory, so one streams weights while
+    # the other is in its prologue.
+    return FusedGemvConfig(block_n, 16384 // block_n, num_warps=4, num_stages=3)
 
 
 def pdl_enabled(device: torch.device) -> bool:
