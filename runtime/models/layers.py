@@ -7,7 +7,8 @@ Each op has two implementations with one numerics contract (see runtime/kernels/
   batches a decode step is bound by the number of kernel launches, not by memory (the torch RMSNorm
   alone is ~8 elementwise kernels, rotary ~10, SiLU-and-mul 3).
 `use_triton` overrides the choice: None = by device, True = always (CPU only under TRITON_INTERPRET=1,
-for tests), False = always torch.
+for tests), False = always torch. At exactly one row (a batch-1 decode step) the Triton path goes one
+step further: `norm_linear` / `silu_linear` run the norm or SiLU-and-mul inside the matmul after it.
 
 The fused paths update in place where the torch ones return new tensors: `RMSNorm(x, residual)`
 adds x into `residual`, and `RotaryEmbedding` rotates the q and k it is given. Callers use the
@@ -64,8 +65,8 @@ FUSE_NORM_INTO_GATE_UP = True
 def fuses_decode_row(x: torch.Tensor, weight: torch.Tensor, use_triton: Optional[bool]) -> bool:
     """Whether x (T, K) takes the fused one-row kernels: exactly one row, half-precision weights of x's
     dtype, and the Triton path chosen (`use_triton` as for the other layers: None = CUDA tensors)."""
-    return (_wants_triton(x, use_triton) and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
-            and weight.dtype in (torch.bfloat16, torch.float16))
+    return (_wants_triton(x, use_triton) and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+            and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16))
 
 
 def norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm: "RMSNorm", layer: nn.Module,
