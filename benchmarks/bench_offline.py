@@ -142,12 +142,13 @@ def run_gpu(args) -> list[dict]:
             print(format_breakdown(steps))
             out_toks = sum(len(o["output_ids"]) for o in outs)
             exact = all(len(o["output_ids"]) == n for o, (_, n) in zip(outs, reqs))
-            lb = roofline_seconds(reqs, weight_bytes, kv_tok, bw, args.max_running_requests, n_params, flops)
+            max_bs = info["max_running_requests"]  # the engine's resolved value
+            lb = roofline_seconds(reqs, weight_bytes, kv_tok, bw, max_bs, n_params, flops)
             result["plait"] = {"seconds": dt, "output_tok_s": out_toks / dt,
                                "total_tok_s": (out_toks + result["input_tokens"]) / dt, "exact_lengths": exact,
                                "max_total_tokens": info.get("max_total_tokens"),
                                "retractions": info.get("num_retractions"), "steps": steps,
-                               "max_running_requests": args.max_running_requests, "engine_args": engine_args}
+                               "max_running_requests": max_bs, "engine_args": engine_args}
             result["roofline"] = {"seconds": lb, "output_tok_s": out_toks / lb, "plait_fraction": lb / dt}
             print(f"plait {workload}: {out_toks / dt:.0f} out tok/s, {(out_toks + result['input_tokens']) / dt:.0f} "
                   f"total tok/s ({dt:.2f} s); roofline {out_toks / lb:.0f} out tok/s; exact lengths: {exact}")
@@ -191,7 +192,7 @@ def main() -> None:
                    help="GPU: one or more of the shared workloads, run in turn on one engine")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-running-requests", type=int, default=512)
+    p.add_argument("--max-running-requests", type=int, default=None, help="default: the engine's choice")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")

@@ -192,7 +192,7 @@ def main() -> None:
                    help="shrink the streams: this fraction of conversations/requests, tokens and output "
                         "lengths (default 1 on a GPU, 0.1 on the CPU)")
     p.add_argument("--streams", nargs="+", default=list(STREAMS), choices=STREAMS)
-    p.add_argument("--max-running-requests", type=int, default=512)
+    p.add_argument("--max-running-requests", type=int, default=None, help="default: the engine's choice")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--num-threads", type=int, default=None if cuda else 1, help="CPU threads of the scheduler")

@@ -30,6 +30,9 @@ CPU_DEFAULT_KV_TOKENS = 65536
 # Upper bound of the automatic GPU sizing. A tiny model on a large GPU would otherwise get hundreds
 # of millions of slots: the host-side free list and integrity checks grow with it for no use.
 GPU_MAX_AUTO_KV_TOKENS = 1 << 24
+# Requests decoded together when max_running_requests is not set (see default_max_running_requests).
+CPU_DEFAULT_RUNNING_REQUESTS = 256
+GPU_MAX_AUTO_RUNNING_REQUESTS = 1024
 
 
 @dataclass
@@ -73,7 +76,8 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
 
         self.max_total_tokens = self._size_kv_pool()
-        self.max_running_requests = server_args.max_running_requests
+        self.max_running_requests = server_args.max_running_requests or default_max_running_requests(
+            self.device, self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
         self.kv_pool = KVPool(self.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
                               cfg.head_dim, self.dtype, self.device)
@@ -290,6 +294,16 @@ class ModelRunner:
                 top = list(zip(top_v[j][:k], top_i[j][:k])) if (k and top_v is not None) else None
                 out.output_logprobs[i] = (chosen[j], top)
         return out
+
+
+def default_max_running_requests(device: str, max_total_tokens: int) -> int:
+    """CPU: 256 (a step's cost grows with the batch: larger batches only add latency). GPU: 1,024, so a
+    decode step's matmuls run at a batch where the tensor cores are busy, but no more requests than
+    the KV pool holds at 128 tokens each (a small pool would otherwise retract all the time); the
+    per-request table rows cost (context_len + 8) * 4 bytes each on the device and on the host."""
+    if device != "cuda":
+        return CPU_DEFAULT_RUNNING_REQUESTS
+    return max(1, min(GPU_MAX_AUTO_RUNNING_REQUESTS, max_total_tokens // 128))
 
 
 def _plain_greedy(r: Req) -> bool:

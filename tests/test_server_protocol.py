@@ -242,6 +242,19 @@ def test_cli_every_server_arg_is_a_flag():
         parse_server_args(["--cuda-graph-max-bs", "0"])
 
 
+def test_max_running_requests_default_depends_on_the_device_and_pool():
+    from plait.runtime.model_runner import default_max_running_requests
+
+    assert ServerArgs().max_running_requests is None
+    assert parse_server_args(["--max-running-requests", "8"]).max_running_requests == 8
+    with pytest.raises(SystemExit):
+        parse_server_args(["--max-running-requests", "0"])
+    assert default_max_running_requests("cpu", 10**6) == 256
+    assert default_max_running_requests("cuda", 841_265) == 1024  # the 8B shape on an H200
+    assert default_max_running_requests("cuda", 12_800) == 100  # a small pool: 128 tokens a request
+    assert default_max_running_requests("cuda", 10) == 1
+
+
 # ---------------------------------------------------------------- HTTP layer, before the Engine
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,9 @@ class ServerContext:
         metrics = ServerMetrics(name)
         limit = None
         if server_args.max_queued_requests is not None:
-            limit = server_args.max_running_requests + server_args.max_queued_requests
+            info = getattr(engine, "info", None)  # the scheduler's resolved value (None: chosen by device)
+            running = getattr(info, "max_running_requests", None) or server_args.max_running_requests or 256
+            limit = running + server_args.max_queued_requests
         return cls(engine=engine, server_args=server_args, model_name=name,
                    accepted_model_names=frozenset(accepted), context_len=context_len,
                    vocab_size=vocab_size, metrics=metrics, admission=AdmissionControl(limit, metrics))
