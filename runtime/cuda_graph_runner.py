@@ -77,8 +77,9 @@ class CudaGraphRunner:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
     def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.mr.model(fb.input_ids, fb.positions, fb)  # (bs, hidden)
-        logits = self.mr.model.compute_logits(hidden)  # (bs, vocab) float32
+        # NOTE: forward_logits, not forward + compute_logits: at batch 1 the final norm then runs inside
+        # the LM head's matmul (one launch fewer per step).
+        logits = self.mr.model.forward_logits(fb.input_ids, fb.positions, fb)  # (bs, vocab) float32
         return logits, greedy_tokens(logits)  # (bs, vocab), (bs,)
 
     def can_run(self, fb: ForwardBatch) -> bool:
