@@ -182,17 +182,21 @@ class ModelRunner:
         if self.device == "cpu":
             return host
         k, n = host.shape
+        # NOTE: rows padded to an even length, so every row of the result starts 16-byte aligned. Triton
+        # compiles a kernel variant per pointer alignment: with odd n (a batch of one request: rows 8
+        # bytes apart) a prefill would need variants that the start-up warm-up did not compile.
+        width = n + (n & 1)
         # NOTE: a ring of pinned staging buffers, each reused only after its last copy completed: with
         # overlap scheduling the next step's inputs are written while this step's copy may be pending.
         slot = self._staging_pos = (self._staging_pos + 1) % len(self._staging)
         buf, done = self._staging[slot]
         if done is not None:
             done.synchronize()
-        if buf is None or buf.numel() < k * n:
-            buf = torch.empty(max(k * n, 1 << 16), dtype=torch.int64, pin_memory=True)
-        staging = buf[:k * n].view(k, n)
-        staging.copy_(host)
-        dev = staging.to(self.device, non_blocking=True)
+        if buf is None or buf.numel() < k * width:
+            buf = torch.empty(max(k * width, 1 << 16), dtype=torch.int64, pin_memory=True)
+        staging = buf[:k * width].view(k, width)
+        staging[:, :n].copy_(host)
+        dev = staging.to(self.device, non_blocking=True)[:, :n]
         done = torch.cuda.Event()
         done.record()
         self._staging[slot] = (buf, done)

@@ -27,6 +27,7 @@ from .scheduler_prefill import PrefillAdmissionMixin
 from .scheduler_results import StepResultsMixin
 from .server_args import ServerArgs
 from .step_timer import StepTimer
+from .warmup import warm_up_prefill
 from .output_builder import OutputBuilder
 
 logger = logging.getLogger("plait.scheduler")
@@ -45,6 +46,8 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
         self.text_decoder = TextDecoder.of(self.tokenizer)  # shared by every request's detokenizer
         self.model_runner = ModelRunner(server_args, model_path, grammar_hook=self._apply_grammar)
         mr = self.model_runner
+        if mr.device == "cuda":
+            warm_up_prefill(mr)
         self.allocator = mr.allocator
         self.req_to_token = mr.req_to_token_pool
         self.cache: PrefixCache = self._make_cache()

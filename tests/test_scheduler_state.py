@@ -317,3 +317,22 @@ def test_pins_with_a_ttl_expire(random_models):
     assert s.cache.protected_size() == 0
     s._check_integrity()
     assert s.last_integrity_error is None
+
+
+def test_prefill_warm_up_runs_and_gives_every_slot_back(random_models):
+    from plait.runtime.warmup import WARMUP_PROMPT_TOKENS, warm_up_prefill
+
+    s = make_scheduler(random_models["llama"], max_total_tokens=512, max_running_requests=4)
+    slots, rows = s.allocator.available(), s.req_to_token.available()
+    calls = []
+    run = s.model_runner.run
+    s.model_runner.run = lambda batch: calls.append((batch.prefix_lens, batch.extend_lens)) or run(batch)
+    warm_up_prefill(s.model_runner)
+    # Both prompts whole, then the second over a cached prefix of half its length.
+    half = WARMUP_PROMPT_TOKENS[1] // 2
+    assert calls == [([0, 0], list(WARMUP_PROMPT_TOKENS)), ([half], [WARMUP_PROMPT_TOKENS[1] - half])]
+    assert (s.allocator.available(), s.req_to_token.available()) == (slots, rows)
+    # A pool too small for it (a test setup) is left alone.
+    small = make_scheduler(random_models["llama"], max_total_tokens=64, max_running_requests=4)
+    small.model_runner.run = lambda batch: pytest.fail("warm-up ran on a 64-slot pool")
+    warm_up_prefill(small.model_runner)

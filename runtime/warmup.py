@@ -1,0 +1,48 @@
+"""A prefill run once at start-up on the GPU, so the first user request does not pay for first use.
+
+The decode path is exercised by CUDA-graph capture; nothing runs a prefill before the first request.
+That request would otherwise wait while Triton compiles the prefill kernels (extend attention, the
+rotary+store and norm variants a token batch takes) and cuBLAS loads its kernels for large row counts:
+seconds on a fresh machine (Triton's on-disk cache makes later starts cheap). Two requests of unequal
+length, the second with a cached prefix, cover both extend cases; their slots are released after.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .forward_batch import ForwardMode
+from .sampling_params import SamplingParams
+from .schedule_batch import Req, ScheduleBatch
+
+logger = logging.getLogger("plait.warmup")
+
+# Long enough for the multi-tile paths of the extend kernel; short enough to cost nothing.
+WARMUP_PROMPT_TOKENS = (160, 96)
+
+
+def warm_up_prefill(model_runner) -> None:
+    mr = model_runner
+    need = sum(WARMUP_PROMPT_TOKENS)
+    if mr.allocator.available() < need or mr.req_to_token_pool.available() < len(WARMUP_PROMPT_TOKENS):
+        return  # a pool this small is a test setup: nothing to warm
+    t = time.perf_counter()
+    lens, prefix = WARMUP_PROMPT_TOKENS, WARMUP_PROMPT_TOKENS[1] // 2
+    vocab = mr.vocab_size
+    reqs = [Req(f"warmup{i}", [1 + (7 * j) % (vocab - 1) for j in range(n)],
+                SamplingParams(max_new_tokens=1, temperature=0)) for i, n in enumerate(lens)]
+    rows = [mr.req_to_token_pool.alloc() for _ in reqs]
+    for r, row in zip(reqs, rows):
+        r.req_pool_idx = row
+    slots = mr.allocator.alloc(need)
+    try:
+        # First both prompts whole, then the second one again over a cached prefix of its first half.
+        mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [0, 0], list(lens), slots))
+        mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs[1:], [prefix], [lens[1] - prefix],
+                             slots[lens[0] + prefix:need]))
+    finally:
+        mr.allocator.free(slots)
+        for row in rows:
+            mr.req_to_token_pool.free(row)
+    logger.info("prefill warm-up took %.2f s", time.perf_counter() - t)
