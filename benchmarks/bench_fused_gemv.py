@@ -5,10 +5,11 @@ the weight shapes of Llama-3.1-8B and Llama-3.2-1B, bf16, all CUDA-graph replaye
    ran before (add+RMSNorm kernel + skinny matmul or cuBLAS; SiLU-and-mul kernel + cuBLAS down) against
    the one fused launch.
 2. The layer chain as the one-row path runs it (every layer its own weights: the real model's bytes;
-   attention and rotary left out): unfused, fused, fused with gate_up's norm kept apart (cuBLAS gate_up),
-   and both fused ones with programmatic dependent launch (PLAIT_PDL=1). Per layer, per step, against
-   the weight-only memory floor; PDL's output is checked to be bit-identical to the plain launch's.
---sweep: tile configs per fused op, fastest first (feeds pick_fused_gemv_config).
+   attention and rotary left out): unfused (the default decode path), fused, fused with gate_up's norm
+   kept apart (cuBLAS gate_up), and each of those with programmatic dependent launch (PLAIT_PDL=1: the
+   Triton skinny matmuls only, in the unfused chain). Per layer, per step, against the weight-only memory
+   floor; PDL's output is checked to be bit-identical to the plain launch's.
+--sweep: tile configs per fused op, fastest first (pick_fused_gemv_config takes gemv.py's tiles).
 
     python benchmarks/bench_fused_gemv.py                                  # both shapes, parts 1-2
     python benchmarks/bench_fused_gemv.py --sweep --model llama-3.1-8b     # + the config sweep
@@ -44,15 +45,13 @@ def dims(model: str) -> dict:
 
 
 def op_cases(model: str):
-    """name -> (N, K, prologue, unfused launches, fused launches) of one decode step's one-row matmuls."""
-    from plait.runtime.kernels import gemv_fused as f
-
+    """name -> (N, K, unfused launches, fused launches) of one decode step's one-row matmuls."""
     m = dims(model)
-    return {"norm->qkv": (m["qkv"], m["hidden"], f.ADD_RMSNORM.value, 2, 1),
-            "o": (m["hidden"], m["q"], f.PLAIN.value, 1, 1),
-            "norm->gate_up": (2 * m["inter"], m["hidden"], f.ADD_RMSNORM.value, 2, 1),
-            "silu->down": (m["hidden"], m["inter"], f.SILU_MUL.value, 3, 1),  # + cuBLAS's split-K reduce
-            "norm->lm_head": (m["vocab"], m["hidden"], f.ADD_RMSNORM.value, 2, 1)}
+    return {"norm->qkv": (m["qkv"], m["hidden"], 2, 1),
+            "o": (m["hidden"], m["q"], 1, 1),
+            "norm->gate_up": (2 * m["inter"], m["hidden"], 2, 1),
+            "silu->down": (m["hidden"], m["inter"], 3, 1),  # + cuBLAS's split-K reduce
+            "norm->lm_head": (m["vocab"], m["hidden"], 2, 1)}
 
 
 def op_fns(name: str, n: int, k: int, copies: int):
@@ -83,7 +82,7 @@ def op_fns(name: str, n: int, k: int, copies: int):
     return unfused, fused, n * k * 2
 
 
-def sweep_configs(k: int, prologue: int):
+def sweep_configs(k: int):
     from plait.runtime.kernels.gemv_fused import MAX_RESIDENT_K, FusedGemvConfig, next_power_of_2
 
     for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (512, 1024, 2048, 4096), (4, 8), (2, 4)):
@@ -98,18 +97,20 @@ def part_ops(model: str, copies: int, sweep: bool, result: dict) -> None:
     from plait.runtime.kernels.gemv_fused import pick_fused_gemv_config
 
     print(f"\n{model}: one-row ops, {copies} weight copies in turn (us per call; TB/s of weight reads)")
-    print(f"  {'op':14s} {'N x K':>14s} {'unfused':>9s} {'fused':>9s} {'saved':>8s} {'fused TB/s':>10s}  launches")
-    for name, (n, k, prologue, l_unf, l_fus) in op_cases(model).items():
+    print(f"  {'op':14s} {'N x K':>14s} {'unfused':>9s} {'fused':>9s} {'saved':>8s} {'unf. TB/s':>9s} "
+          f"{'fused TB/s':>10s}  launches")
+    for name, (n, k, l_unf, l_fus) in op_cases(model).items():
         unfused, fused, nbytes = op_fns(name, n, k, copies)
         t_u = graph_time(unfused, reps=2) / copies
         t_f = graph_time(fused, reps=2) / copies
-        rec = {"n": n, "k": k, "unfused_us": t_u * 1e6, "fused_us": t_f * 1e6, "fused_tb_s": nbytes / t_f / 1e12,
-               "config": vars(pick_fused_gemv_config(prologue, n, k)), "launches": [l_unf, l_fus]}
+        rec = {"n": n, "k": k, "unfused_us": t_u * 1e6, "fused_us": t_f * 1e6, "unfused_tb_s": nbytes / t_u / 1e12,
+               "fused_tb_s": nbytes / t_f / 1e12, "config": vars(pick_fused_gemv_config(n, k)),
+               "launches": [l_unf, l_fus]}
         print(f"  {name:14s} {n:6d} x {k:5d} {t_u * 1e6:9.2f} {t_f * 1e6:9.2f} {(t_u - t_f) * 1e6:8.2f}"
-              f" {nbytes / t_f / 1e12:10.2f}  {l_unf} -> {l_fus}", flush=True)
+              f" {nbytes / t_u / 1e12:9.2f} {nbytes / t_f / 1e12:10.2f}  {l_unf} -> {l_fus}", flush=True)
         if sweep:
             start, timed = time.time(), []
-            for cfg in sweep_configs(k, prologue):
+            for cfg in sweep_configs(k):
                 try:
                     timed.append((graph_time(lambda cfg=cfg: fused(cfg), reps=2) / copies, cfg))
                 except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
@@ -163,7 +164,7 @@ def part_chain(model: str, bw: float, result: dict) -> None:
             return kn.rmsnorm_gemv(hs, res, final_norm, EPS, head, out_dtype=torch.float32)[0]
         return run
 
-    variants = {"unfused": (unfused, False), "fused": (fused(True), False),
+    variants = {"unfused": (unfused, False), "unfused + PDL": (unfused, True), "fused": (fused(True), False),
                 "fused, gate_up norm apart": (fused(False), False), "fused + PDL": (fused(True), True),
                 "fused + PDL, gate_up norm apart": (fused(False), True)}
     floor = nbytes / bw
@@ -186,7 +187,8 @@ def part_chain(model: str, bw: float, result: dict) -> None:
             err = float((out.double() - ref.double()).norm() / ref.double().norm())
             rec[name]["rel_err_vs_unfused"] = err
             print(f"  {name:32s} logits rel err vs unfused {err:.2e}")
-    for plain, pdl in (("fused", "fused + PDL"), ("fused, gate_up norm apart", "fused + PDL, gate_up norm apart")):
+    for plain, pdl in (("unfused", "unfused + PDL"), ("fused", "fused + PDL"),
+                       ("fused, gate_up norm apart", "fused + PDL, gate_up norm apart")):
         if plain in outs and pdl in outs:
             same = bool(torch.equal(outs[plain], outs[pdl]))
             rec[pdl]["identical_to_plain_launch"] = same

@@ -59,6 +59,39 @@ def test_gpu_gemv_bf16_real_shapes(rows, n, k):
     assert rel_err(y, x.double() @ w.double().T) < 1e-2
 
 
+@pytest.mark.gpu
+def test_gpu_gemv_pdl_chain_in_cuda_graph(monkeypatch):
+    # PLAIT_PDL=1: each skinny matmul may start while the kernel before it finishes, so a missing wait
+    # would read a stale x. Replayed with new inputs, the chain must equal the plain launches bit for bit
+    # (the two builds differ only in the wait and launch-dependents instructions).
+    g = gemv_module()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * scale
+
+    x, w_qkv, w_o, w_head = rand(1, 4096), rand(6144, 4096, scale=0.02), rand(4096, 4096, scale=0.02), \
+        rand(32000, 4096, scale=0.02)
+
+    def chain():
+        o = g.gemv(g.gemv(x, w_qkv)[:, :4096], w_o)  # (1, 4096): PDL kernel after PDL kernel
+        return g.gemv(o * 2, w_head, out_dtype=torch.float32)  # after a plain torch kernel
+
+    monkeypatch.setenv("PLAIT_PDL", "1")
+    assert g.pdl_enabled(x.device) == (torch.cuda.get_device_capability(x.device)[0] >= 9)
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        x.normal_(generator=gen)
+        graph.replay()
+        monkeypatch.setenv("PLAIT_PDL", "0")
+        ref = chain()
+        monkeypatch.setenv("PLAIT_PDL", "1")
+        assert torch.equal(out, ref)
+
+
 # ---------------------------------------------------------------- greedy argmax (runtime/kernels/argmax.py)
 
 def argmax_rows():

@@ -10,6 +10,7 @@ the `gpu` tests run the real Llama-3.1-8B shapes and the PDL launch inside a CUD
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -48,12 +49,12 @@ def configs():
     return [None, f.FusedGemvConfig(block_n=4, block_k=64), f.FusedGemvConfig(block_n=8, resident=True, sub_n=2)]
 
 
-def unfused_gemv(act: torch.Tensor, w: torch.Tensor, b, cfg, prologue: int) -> torch.Tensor:
+def unfused_gemv(act: torch.Tensor, w: torch.Tensor, b, cfg) -> torch.Tensor:
     """gemv.py's kernel over the same K chunks as the fused kernel with `cfg`: in the interpreter the two
     then sum in the same order, so the results must be equal bit for bit."""
     f = fused()
     k = w.shape[1]
-    cfg = cfg or f.pick_fused_gemv_config(prologue, w.shape[0], k)
+    cfg = cfg or f.pick_fused_gemv_config(w.shape[0], k)
     k_pow2 = f.next_power_of_2(k)
     block_k = k_pow2 if cfg.resident else min(cfg.block_k, k_pow2)
     from plait.runtime.kernels.gemv import GemvConfig
@@ -86,8 +87,9 @@ def test_rmsnorm_gemv_matches_unfused(dtype, n, k, with_residual):
         tri_act, tri_res = k_.rmsnorm(x, norm_w, EPS), x
     for cfg in configs():
         y, res = k_.rmsnorm_gemv(x, res_in, norm_w, EPS, w, b, config=cfg)
-        tri = unfused_gemv(tri_act, w, b, cfg, fused().ADD_RMSNORM.value)
-        if cfg is not None and not cfg.resident:  # several K chunks: the sum of squares in another order
+        tri = unfused_gemv(tri_act, w, b, cfg)
+        used = cfg or fused().pick_fused_gemv_config(n, k)
+        if not used.resident and used.block_k < k:  # several K chunks: the sum of squares in another order
             assert rel_err(y, tri) < (1e-6 if dtype == torch.float32 else 1e-2)
         else:  # the whole row in one chunk, like rmsnorm.py
             assert torch.equal(y, tri)
@@ -113,7 +115,7 @@ def test_silu_mul_gemv_matches_unfused(dtype, n, inter):
     for cfg in configs():
         y = kernels().silu_mul_gemv(gate_up, w, config=cfg)
         assert y.shape == (1, n) and y.dtype == dtype
-        assert torch.equal(y, unfused_gemv(act, w, None, cfg, fused().SILU_MUL.value))
+        assert torch.equal(y, unfused_gemv(act, w, None, cfg))
         assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
@@ -212,6 +214,7 @@ def _counting(monkeypatch, names):
 def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch):
     # float16: the interpreter rounds it like torch, so the fused path must agree closely with the torch
     # reference path (which the CPU uses, and which tests/test_correctness_vs_hf.py pins to transformers).
+    monkeypatch.setattr(layers, "FUSED_DECODE_ROW", True)  # opt-in path (PLAIT_FUSED_DECODE_ROW=1)
     monkeypatch.setattr(layers, "FUSE_NORM_INTO_GATE_UP", fuse_gate_up)
     model = _tiny_model(arch)
     cfg = model.config
@@ -234,6 +237,7 @@ def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch):
 
 
 def test_decoder_takes_the_unfused_path_for_several_rows_and_float32(monkeypatch):
+    monkeypatch.setattr(layers, "FUSED_DECODE_ROW", True)
     calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row"])
     x = torch.randn(2, 8, dtype=torch.float16)
     w16 = torch.randn(4, 8, dtype=torch.float16)
@@ -241,7 +245,55 @@ def test_decoder_takes_the_unfused_path_for_several_rows_and_float32(monkeypatch
     assert not layers.fuses_decode_row(x[:1].float(), w16.float(), True)  # float32 weights
     assert not layers.fuses_decode_row(x[:1], w16, None)  # CPU tensors, device choice: torch
     assert layers.fuses_decode_row(x[:1], w16, True)
+    monkeypatch.setattr(layers, "FUSED_DECODE_ROW", False)
+    assert not layers.fuses_decode_row(x[:1], w16, True)  # switched off: never
     assert sum(calls.values()) == 0
+
+
+def test_default_decode_step_is_the_unfused_path(monkeypatch):
+    # The fused one-row path measured slower on an H200, so it is opt-in: off unless PLAIT_FUSED_DECODE_ROW=1.
+    assert layers.fused_decode_row_switch({}) is False
+    assert layers.fused_decode_row_switch({"PLAIT_FUSED_DECODE_ROW": "0"}) is False
+    assert layers.fused_decode_row_switch({"PLAIT_FUSED_DECODE_ROW": "1"}) is True
+    assert layers.FUSED_DECODE_ROW == layers.fused_decode_row_switch(os.environ)  # how the module reads it
+    assert layers.FUSE_NORM_INTO_GATE_UP is False  # on the fused path, gate_up's norm apart measured faster
+    monkeypatch.setattr(layers, "FUSED_DECODE_ROW", layers.fused_decode_row_switch({}))
+    model = _tiny_model("LlamaForCausalLM")
+    ids, positions, fb = _one_token_batch(model)
+    calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row", "fused_add_rmsnorm"])
+    with torch.no_grad():
+        set_use_triton(model, False)
+        ref_logits = model.compute_logits(model(ids, positions, fb))
+        set_use_triton(model, True)  # the Triton kernels, as on CUDA, at one row
+        hidden = model(ids, positions, fb)
+        logits = model.forward_logits(ids, positions, fb)
+    assert calls["rmsnorm_gemv"] == calls["silu_mul_gemv"] == calls["gemv_row"] == 0
+    # 2 norms a layer (the first layer's first has no residual) + the final norm, in each of two forwards
+    assert calls["fused_add_rmsnorm"] == 2 * (2 * model.config.num_hidden_layers - 1 + 1)
+    # forward_logits is the final norm, then compute_logits: the same kernels as forward + compute_logits
+    assert torch.equal(logits, model.compute_logits(hidden))
+    assert rel_err(logits, ref_logits) < 1e-3 and torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+
+
+def test_fused_gemv_default_tiles_are_gemv_py_measured_ones():
+    from plait.runtime.kernels.gemv import pick_gemv_config
+
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (37, 200)]:
+        base, cfg = pick_gemv_config(n, k), fused().pick_fused_gemv_config(n, k)
+        assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == \
+            (base.block_n, base.block_k, base.num_warps, base.num_stages)
+        assert not cfg.resident  # gemv.py's K loop
+
+
+def test_pdl_stays_off_without_a_hopper_gpu(monkeypatch):
+    # PLAIT_PDL=1 on a machine without one (here the interpreter): both kernel families launch plainly.
+    monkeypatch.setenv("PLAIT_PDL", "1")
+    from plait.runtime.kernels.gemv import pdl_enabled
+
+    assert not pdl_enabled(torch.device("cpu"))
+    x, _, _, w, b = _inputs(9, 40, torch.float32, seed=6)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert rel_err(kernels().gemv(x, w, b), ref) < 1e-6 and rel_err(kernels().gemv_row(x, w, b), ref) < 1e-6
 
 
 # ---------------------------------------------------------------- GPU, real sizes
@@ -296,36 +348,43 @@ def test_gpu_fused_chain_in_cuda_graph_pdl(pdl, monkeypatch):
         rand(28672, 4096, scale=0.02), rand(4096, 14336, scale=0.02)
 
     def chain():
-        qkv, res = k_.rmsnorm_gemv(h, residual, n1, EPS, w_qkv)
+        qkv, res1 = k_.rmsnorm_gemv(h, residual, n1, EPS, w_qkv)
         o = k_.gemv_row(qkv[:, :4096], w_o)
-        gate_up, res = k_.rmsnorm_gemv(o, res, n2, EPS, w_gu)
-        return k_.silu_mul_gemv(gate_up, w_down), res
+        gate_up, res2 = k_.rmsnorm_gemv(o, res1, n2, EPS, w_gu)
+        return k_.silu_mul_gemv(gate_up, w_down), res1, o, res2
 
     def reference():
-        a, res = rms_norm_torch(h, n1, EPS, residual)
+        a, res1 = rms_norm_torch(h, n1, EPS, residual)
         o = F.linear(F.linear(a, w_qkv)[:, :4096], w_o)
-        a, res = rms_norm_torch(o, n2, EPS, res)
-        return F.linear(silu_and_mul_torch(F.linear(a, w_gu)), w_down), res
+        a, res2 = rms_norm_torch(o, n2, EPS, res1)
+        return F.linear(silu_and_mul_torch(F.linear(a, w_gu)), w_down), res2
 
     chain()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, out_res = chain()
+        out, out_res1, out_o, out_res2 = chain()
     for _ in range(3):
         h.normal_(generator=g), residual.normal_(generator=g)
         graph.replay()
-        ref, ref_res = reference()
-        assert torch.equal(out_res, ref_res)
+        ref, ref_res2 = reference()
+        # Exact where both sides add the same bf16 values (a float32 sum rounded once): the first residual
+        # from the inputs, the second from the chain's own o. A kernel that ran before its input was
+        # written (a missing PDL wait) would break these.
+        assert torch.equal(out_res1, h + residual)
+        assert torch.equal(out_res2, out_o + out_res1)
+        # o itself differs from F.linear's in rounding (another summation order), and so does all after it.
+        assert rel_err(out_res2, ref_res2) < 1e-2
         assert rel_err(out, ref) < 2e-2
 
 
 @gpu
-def test_gpu_decoder_one_row_path_8b_layer_shapes():
+def test_gpu_decoder_one_row_path_8b_layer_shapes(monkeypatch):
     # Two layers of the 8B shape in bf16: the fused one-row path against the torch path on the GPU.
     model = _tiny_model("LlamaForCausalLM", torch.bfloat16, "cuda", scale=0.02, hidden_size=4096,
                         intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                         vocab_size=128256)
     ids, positions, fb = _one_token_batch(model, "cuda")
+    monkeypatch.setattr(layers, "FUSED_DECODE_ROW", True)  # the opt-in path
     with torch.no_grad():
         set_use_triton(model, False)
         ref = model.compute_logits(model(ids, positions, fb))

@@ -8,10 +8,16 @@ in float32 and rounded to the output dtype once.
 
 W is (N, K) with unit stride on K (nn.Linear's layout); x is (M, K) with unit stride on K.
 `gemv_config` holds the tile shape; `pick_gemv_config` is the default choice per (N, K).
+
+Programmatic dependent launch (Hopper; opt in with PLAIT_PDL=1, as gemv_fused.py): the kernel may be
+launched while the previous kernel finishes; each program waits for it before its first load (x may be
+the previous kernel's output) and lets the next kernel launch once all programs are running. What it
+saves is the launch gap, not the first weight tile's latency (the loop is left as measured).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, next_power_of_2
+from .launch import check_device, interpreter_enabled, next_power_of_2
 
 MAX_ROWS = 8  # above this the tensor-core GEMM of the matmul library is the better tool
 
@@ -34,7 +40,13 @@ class GemvConfig:
 
 @triton.jit
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    if USE_PDL:
+        # NOTE: before any load: x may be the previous kernel's output. The next kernel's own wait
+        # covers this one's whole run, so letting it launch now is safe.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     offs_m = tl.arange(0, BLOCK_M)  # (BM,)
@@ -64,6 +76,12 @@ def pick_gemv_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=1024, num_warps=4, num_stages=stages)
 
 
+def pdl_enabled(device: torch.device) -> bool:
+    """PLAIT_PDL=1 and a Hopper-or-newer GPU (read per call, so one process can compare both)."""
+    return (os.environ.get("PLAIT_PDL") == "1" and device.type == "cuda" and not interpreter_enabled()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
          config: Optional[GemvConfig] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS."""
@@ -80,8 +98,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         raise ValueError(f"bias must be ({n},), got {tuple(bias.shape)}")
     cfg = config or pick_gemv_config(n, k)
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    pdl = pdl_enabled(x.device)
+    launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(1, next_power_of_2(m)), BLOCK_N=cfg.block_n,
-        BLOCK_K=min(cfg.block_k, next_power_of_2(k)), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=min(cfg.block_k, next_power_of_2(k)), USE_PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch)
     return y

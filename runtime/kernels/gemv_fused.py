@@ -17,20 +17,20 @@ Prologues (the PROLOGUE constexpr), numerics step for step those of the unfused 
 Products with W are accumulated in float32 and rounded to the output dtype once.
 
 Two loop shapes (`FusedGemvConfig.resident`):
-- K loop (like gemv.py): each program walks K in BLOCK_K chunks for its BLOCK_N rows; ADD_RMSNORM reads
-  the row twice (sum of squares, then the matmul).
+- K loop (like gemv.py, and the default, with gemv.py's measured tiles): each program walks K in BLOCK_K
+  chunks for its BLOCK_N rows; ADD_RMSNORM reads the row twice (sum of squares, then the matmul).
 - resident row (K <= MAX_RESIDENT_K): the whole activation row lives in registers, computed once; the
   program walks its BLOCK_N rows of W SUB_N at a time, each a full-K run.
 
-Programmatic dependent launch (Hopper; opt in with PLAIT_PDL=1): the kernel is launched so that it may
-start while the previous kernel finishes; it loads its first weight tile (never written by anyone),
-then waits for the previous kernel before touching activations or writing anything, and lets the next
-kernel launch as soon as all its programs are running.
+Programmatic dependent launch (Hopper; opt in with PLAIT_PDL=1, read by gemv.py's `pdl_enabled`): the
+kernel is launched so that it may start while the previous kernel finishes; it waits for the previous
+kernel before touching activations or writing anything (the K loop before any load, as gemv.py; the
+resident row after loading its first rows of W, which nobody writes), and lets the next kernel launch
+as soon as all its programs are running.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import pick_gemv_config
-from .launch import check_device, interpreter_enabled, next_power_of_2
+from .gemv import pdl_enabled, pick_gemv_config
+from .launch import check_device, next_power_of_2
 
 PLAIN = tl.constexpr(0)
 ADD_RMSNORM = tl.constexpr(1)
@@ -114,16 +114,17 @@ def _fused_gemv_kloop_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, stride
                              K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              USE_PDL: tl.constexpr):
+    if USE_PDL:
+        # NOTE: before any load, as in gemv.py. Loading the first weight tile before the wait hides its
+        # latency, but the tile then stays live through the sum of squares: norm->LM head took 106
+        # registers a thread instead of 72 (sm_90 build), fewer programs per SM for a bandwidth-bound loop.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     w_rows = W + rows.to(tl.int64)[:, None] * stride_wn  # (BN, 1) row starts
     n_mask = (rows < N)[:, None]  # (BN, 1)
     cols = tl.arange(0, BLOCK_K)[None, :]  # (1, BK)
-    # NOTE: the first weight tile is loaded before waiting on the previous kernel (PDL): W never depends on it.
-    w = tl.load(w_rows + cols, mask=n_mask & (cols < K), other=0.0)  # (BN, BK)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     if PROLOGUE == ADD_RMSNORM:
         is_first = (cols * 0 + pid) == 0  # (1, BK): program 0 writes the residual (a mask, not a branch)
         sum_sq = tl.zeros((1, BLOCK_K), dtype=tl.float32)
@@ -138,15 +139,13 @@ def _fused_gemv_kloop_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, stride
         inv_rms = _inv_rms(tl.sum(sum_sq, axis=1), eps, K)  # (1,)
     else:
         inv_rms = tl.full((1,), 1.0, tl.float32)
-    a = _activation(X, Residual, NormW, cols, cols < K, inv_rms, K, PROLOGUE, HAS_RESIDUAL)  # (1, BK)
-    acc = tl.sum(a * w.to(tl.float32), axis=1)  # (BN,)
-    # NOTE: fresh names in the loop (w_k, a_k): reassigning w or a would carry whole tiles as loop state.
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # gemv.py's loop: one weight tile and its activations per step
         kk = k0 + cols  # (1, BK)
         kk_mask = kk < K
-        w_k = tl.load(w_rows + kk, mask=n_mask & kk_mask, other=0.0)  # (BN, BK)
-        a_k = _activation(X, Residual, NormW, kk, kk_mask, inv_rms, K, PROLOGUE, HAS_RESIDUAL)
-        acc += tl.sum(a_k * w_k.to(tl.float32), axis=1)
+        w = tl.load(w_rows + kk, mask=n_mask & kk_mask, other=0.0)  # (BN, BK)
+        a = _activation(X, Residual, NormW, kk, kk_mask, inv_rms, K, PROLOGUE, HAS_RESIDUAL)  # (1, BK)
+        acc += tl.sum(a * w.to(tl.float32), axis=1)  # (BN,)
     _store_rows(Y, B, rows, acc, N, HAS_BIAS)
 
 
@@ -183,23 +182,14 @@ def _fused_gemv_resident_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, str
         _store_rows(Y, B, rows_n, tl.sum(a * w_n.to(tl.float32), axis=1), N, HAS_BIAS)
 
 
-def pick_fused_gemv_config(prologue: int, n: int, k: int) -> FusedGemvConfig:
-    """Default tiles. PLAIN: gemv.py's measured choice. The prologues read the activation row once per
-    program (twice for the K loop's RMSNorm), so they take wider row blocks: fewer programs, less L2
-    traffic per weight byte. NOTE: untuned guesses until benchmarks/bench_fused_gemv.py --sweep runs."""
+def pick_fused_gemv_config(n: int, k: int) -> FusedGemvConfig:
+    """Default tiles for every prologue: gemv.py's choice for the same (N, K) (block_n, block_k, warps,
+    stages, and its K loop rather than the resident row), because those were swept on an H200.
+    NOTE: the first guess for the prologues (twice the rows per program, 3 stages: fewer programs
+    re-reading the activation row) lost bandwidth there: norm->QKV 2.64 TB/s and norm->LM head 4.09
+    where gemv.py's kernel with its own tiles reaches 3.21 and 4.48 (bench_fused_gemv.py; --sweep to retune)."""
     base = pick_gemv_config(n, k)
-    if prologue == PLAIN:
-        return FusedGemvConfig(base.block_n, base.block_k, base.num_warps, base.num_stages)
-    block_n = min(16, 2 * base.block_n)
-    # 16K-element tiles, 3 stages: two programs fit an SM's shared memory, so one streams weights while
-    # the other is in its prologue.
-    return FusedGemvConfig(block_n, 16384 // block_n, num_warps=4, num_stages=3)
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """PLAIT_PDL=1 and a Hopper-or-newer GPU (read per call, so one process can compare both)."""
-    return (os.environ.get("PLAIT_PDL") == "1" and device.type == "cuda" and not interpreter_enabled()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return FusedGemvConfig(base.block_n, base.block_k, base.num_warps, base.num_stages, resident=False)
 
 
 def _check_row(op: str, name: str, t: torch.Tensor, k: int) -> None:
@@ -218,7 +208,7 @@ def _launch(op: str, prologue: int, x: torch.Tensor, k: int, weight: torch.Tenso
     n = weight.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"{op}: bias must be ({n},), got {tuple(bias.shape)}")
-    cfg = config or pick_fused_gemv_config(prologue, n, k)
+    cfg = config or pick_fused_gemv_config(n, k)
     if cfg.resident and next_power_of_2(k) > MAX_RESIDENT_K:
         raise ValueError(f"{op}: the resident-row kernel holds rows up to {MAX_RESIDENT_K}, got K={k}")
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)

@@ -7,8 +7,9 @@ Each op has two implementations with one numerics contract (see runtime/kernels/
   batches a decode step is bound by the number of kernel launches, not by memory (the torch RMSNorm
   alone is ~8 elementwise kernels, rotary ~10, SiLU-and-mul 3).
 `use_triton` overrides the choice: None = by device, True = always (CPU only under TRITON_INTERPRET=1,
-for tests), False = always torch. At exactly one row (a batch-1 decode step) the Triton path goes one
-step further: `norm_linear` / `silu_linear` run the norm or SiLU-and-mul inside the matmul after it.
+for tests), False = always torch. At exactly one row (a batch-1 decode step) the Triton path can go one
+step further, opt in (PLAIT_FUSED_DECODE_ROW=1, see FUSED_DECODE_ROW): `norm_linear` / `silu_linear` run
+the norm or SiLU-and-mul inside the matmul after it.
 
 The fused paths update in place where the torch ones return new tensors: `RMSNorm(x, residual)`
 adds x into `residual`, and `RotaryEmbedding` rotates the q and k it is given. Callers use the
@@ -18,7 +19,8 @@ returned tensors and must not rely on the inputs being left alone (or being chan
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import os
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -54,19 +56,34 @@ def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.d
     return y if out_dtype is None else y.to(out_dtype)
 
 
+def fused_decode_row_switch(environ: Mapping[str, str]) -> bool:
+    """The one-row decode path's switch as an environment sets it: on only with PLAIT_FUSED_DECODE_ROW=1."""
+    return environ.get("PLAIT_FUSED_DECODE_ROW") == "1"
+
+
 # The one-row decode path (a batch-1 decode step on CUDA): each RMSNorm runs inside the matmul after it
 # and SiLU-and-mul inside the down projection (runtime/kernels/gemv_fused.py), which removes 3-4 of a
-# layer's ~11 launches. FUSE_NORM_INTO_GATE_UP = False keeps the post-attention norm as its own kernel
-# before cuBLAS's gate_up, for if cuBLAS streams that (largest) matrix faster than the fused kernel
-# saves in launches (benchmarks/bench_fused_gemv.py measures both).
-FUSE_NORM_INTO_GATE_UP = True
+# layer's ~11 launches. OFF by default (read once, at import): measured on an H200 (Llama-3.1-8B shape,
+# bf16, benchmarks/bench_fused_gemv.py and bench_one_batch), the launches it saves are worth less than the
+# weight bandwidth the fused kernels lose:
+# - batch-1 decode step: 4.772 ms unfused, 5.087 ms fused, 5.139 ms fused with PLAIT_PDL=1;
+# - per op, unfused -> fused (us): norm->qkv 18.43 -> 19.07, o 12.43 -> 11.95, norm->gate_up 59.70 -> 65.74,
+#   silu->down 34.29 -> 35.51, norm->lm_head 241.97 -> 256.63 (those fused tiles were guesses; they now
+#   mirror gemv.py's measured ones, so re-measure before turning this on);
+# - layer chain without attention (ms/step): unfused 4.321, fused 4.418, fused with gate_up's norm apart
+#   4.323, fused + PDL 4.219, fused + PDL with gate_up's norm apart 4.214.
+# FUSE_NORM_INTO_GATE_UP (on the fused path): False keeps the post-attention norm as its own kernel before
+# cuBLAS's gate_up, which streams that (largest) matrix faster than the fused kernel (measured above).
+FUSED_DECODE_ROW = fused_decode_row_switch(os.environ)
+FUSE_NORM_INTO_GATE_UP = False
 
 
 def fuses_decode_row(x: torch.Tensor, weight: torch.Tensor, use_triton: Optional[bool]) -> bool:
-    """Whether x (T, K) takes the fused one-row kernels: exactly one row, half-precision weights of x's
-    dtype, and the Triton path chosen (`use_triton` as for the other layers: None = CUDA tensors)."""
-    return (_wants_triton(x, use_triton) and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
-            and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16))
+    """Whether x (T, K) takes the fused one-row kernels: the path switched on (FUSED_DECODE_ROW), exactly
+    one row, half-precision weights of x's dtype, and the Triton path chosen (`use_triton` as for the
+    other layers: None = CUDA tensors)."""
+    return (FUSED_DECODE_ROW and _wants_triton(x, use_triton) and x.dim() == 2 and x.shape[0] == 1
+            and x.stride(-1) == 1 and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16))
 
 
 def norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm: "RMSNorm", layer: nn.Module,

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window).
 
 Qwen2/2.5/3 reuse this module with flags (`attention_bias`, `qk_norm`); see qwen.py.
-Q/K/V and gate/up projections are fused at load time (one matmul each). A batch-1 decode step (one row,
-on CUDA) runs each norm and SiLU-and-mul inside the matmul after it: `DecoderLayer._forward_one_row`.
+Q/K/V and gate/up projections are fused at load time (one matmul each). Opt in (PLAIT_FUSED_DECODE_ROW=1,
+off by default: measured slower, see layers.FUSED_DECODE_ROW), a batch-1 decode step (one row, on CUDA)
+runs each norm and SiLU-and-mul inside the matmul after it: `DecoderLayer._forward_one_row`.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """compute_logits(forward(...)) (T, vocab) float32, for callers that need no hidden states (the
-        decode CUDA graph): on the one-row path the final norm runs inside the LM head's matmul."""
+        decode CUDA graph): on the one-row path (when switched on) the final norm runs inside the LM head's
+        matmul; otherwise it is the norm, then compute_logits."""
         h, residual = self._decoder(input_ids, positions, fb)
         head = self._head()
         if residual is not None and fuses_decode_row(h, head.weight, self.norm.use_triton):
