@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from .forward_batch import ForwardMode
 from .schedule_batch import Req, ScheduleBatch
 from .schedule_policy import PrefillBudget, order_waiting_queue
@@ -72,6 +74,7 @@ class PrefillAdmissionMixin:
             self.jump_queue = []
         self.waiting = order_waiting_queue(sa.schedule_policy, self.waiting, self.cache)
         admitted = []
+        prefix_rows: list[tuple[int, torch.Tensor]] = []  # (req slot, cached prefix kv slots), written at once
         in_flight: list[list[int]] = []  # token ids being prefilled in this step
         for r in self.waiting:
             if len(self.running) + len(reqs) >= self.model_runner.max_running_requests or free_req_slots == 0:
@@ -94,6 +97,8 @@ class PrefillAdmissionMixin:
                 break
             evictable_before = self.cache.evictable_size()
             self._assign_slot_and_prefix(r, match)
+            if match.num_tokens:
+                prefix_rows.append((r.req_pool_idx, match.kv_indices))
             # Locking the matched prefix turned some evictable slots into protected ones.
             budget.rem_memory -= evictable_before - self.cache.evictable_size()
             free_req_slots -= 1
@@ -103,6 +108,7 @@ class PrefillAdmissionMixin:
             in_flight.append(r.fill_ids[:pre + take])
             if take < ext:
                 break
+        self.req_to_token.write_rows(prefix_rows)
         if admitted:
             ids = set(map(id, admitted))
             self.waiting = [r for r in self.waiting if id(r) not in ids]
@@ -150,9 +156,9 @@ class PrefillAdmissionMixin:
         return r.fill_ids[:limit]
 
     def _assign_slot_and_prefix(self, r: Req, match) -> None:
+        """The request's table row and its lock on the cached prefix (the caller writes the prefix's
+        slots into the row: one table write for the whole batch)."""
         r.req_pool_idx = self.req_to_token.alloc()
-        if match.num_tokens:
-            self.req_to_token.write(r.req_pool_idx, 0, match.kv_indices)
         self.cache.inc_lock(match.node)
         r.last_node = match.node
         r.kv_len = r.cache_len = match.num_tokens

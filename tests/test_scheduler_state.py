@@ -336,3 +336,13 @@ def test_prefill_warm_up_runs_and_gives_every_slot_back(random_models):
     small = make_scheduler(random_models["llama"], max_total_tokens=64, max_running_requests=4)
     small.model_runner.run = lambda batch: pytest.fail("warm-up ran on a 64-slot pool")
     warm_up_prefill(small.model_runner)
+
+
+def test_req_to_token_write_rows_updates_both_tables():
+    from plait.runtime.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(4, 16, "cpu")
+    pool.write_rows([(1, torch.tensor([7, 8, 9])), (3, torch.tensor([5])), (2, torch.tensor([], dtype=torch.int64))])
+    assert pool.req_to_token[1, :4].tolist() == [7, 8, 9, 0] and pool.req_to_token[3, :2].tolist() == [5, 0]
+    assert (pool.host == pool.req_to_token.numpy()).all()
+    pool.write_rows([])  # nothing to write is fine
