@@ -9,6 +9,11 @@ One query token per request attends over its whole sequence, whose K/V live in t
   log-sum-exp (base 2).
 - Stage 2 (grid: batch x query head): merges the splits by their log-sum-exps.
 
+With shared-prefix ("cascade") attention (`prefix_attention.py`), a grouped request's prefix was already
+attended by the prefix kernel: stage 1 then covers only its suffix, from `req_info[b, 0]`, and stage 2
+merges the `req_info[b, 2]` prefix partials (from slot `req_info[b, 1]`) with the splits. Both are
+constexpr switches: the plain decode compiles to exactly the kernels it had without them.
+
 Splitting the KV axis is what keeps the GPU busy when the batch is small (a batch of one has only
 `num_kv_heads` programs otherwise). The number of splits per request is computed *inside* the kernels
 from `seq_lens` and a host-side cap that depends only on the batch size, so there is no per-step
@@ -20,6 +25,7 @@ Empty requests (seq_len == 0, e.g. CUDA-graph padding) produce an all-zero outpu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -64,8 +70,18 @@ def _num_splits(seq_len, split_cap, MIN_SPLIT_LEN: tl.constexpr):
 
 
 @triton.jit
+def _kv_begin(ReqInfo, b, HAS_PREFIX: tl.constexpr):
+    # First KV position the split-KV stages cover: the suffix after the group's shared prefix.
+    if HAS_PREFIX:
+        begin = tl.load(ReqInfo + b * 3).to(tl.int32)
+    else:
+        begin = b * 0  # an int32 zero, folded away
+    return begin
+
+
+@triton.jit
 def _decode_stage1_kernel(
-    Q, K_buf, V_buf, ReqToToken, ReqPoolIndices, SeqLens,
+    Q, K_buf, V_buf, ReqToToken, ReqPoolIndices, SeqLens, ReqInfo,
     PartialO, PartialLse,
     sm_scale_log2, split_cap,
     stride_qb, stride_qh,
@@ -75,15 +91,18 @@ def _decode_stage1_kernel(
     stride_plb, stride_plh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    num_splits = _num_splits(seq_len, split_cap, MIN_SPLIT_LEN)
-    split_len = tl.cdiv(seq_len, num_splits)
-    kv_start = split * split_len
+    kv_begin = _kv_begin(ReqInfo, b, HAS_PREFIX)
+    suffix_len = tl.maximum(seq_len - kv_begin, 0)
+    num_splits = _num_splits(suffix_len, split_cap, MIN_SPLIT_LEN)
+    split_len = tl.cdiv(suffix_len, num_splits)
+    kv_start = kv_begin + split * split_len
     kv_end = tl.minimum(kv_start + split_len, seq_len)
 
     if kv_start < kv_end:
@@ -129,37 +148,64 @@ def _decode_stage1_kernel(
 @triton.jit
 def _decode_stage2_kernel(
     PartialO, PartialLse, SeqLens, Out,
+    ReqInfo, PrefixO, PrefixLse,
     split_cap,
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     stride_ob, stride_oh,
+    stride_xos, stride_xoh, stride_xls,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    num_splits = _num_splits(seq_len, split_cap, MIN_SPLIT_LEN)
-    split_len = tl.cdiv(seq_len, num_splits)
+    suffix_len = tl.maximum(seq_len - _kv_begin(ReqInfo, b, HAS_PREFIX), 0)
+    num_splits = _num_splits(suffix_len, split_cap, MIN_SPLIT_LEN)
+    split_len = tl.cdiv(suffix_len, num_splits)
     offs_s = tl.arange(0, BLOCK_S)
     # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
     # wrote nothing there, so it must be masked here by its start, not just by num_splits.
-    s_mask = (offs_s < num_splits) & (offs_s * split_len < seq_len)
+    s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
 
     lse = tl.load(PartialLse + b * stride_plb + head * stride_plh + offs_s,
                   mask=s_mask, other=float("-inf"))  # (BLOCK_S,)
     lse_max = tl.max(lse, 0)
+    if HAS_PREFIX:
+        p_slot = tl.load(ReqInfo + b * 3 + 1)
+        offs_p = tl.arange(0, BLOCK_P)
+        p_mask = offs_p < tl.load(ReqInfo + b * 3 + 2)
+        lse_p = tl.load(PrefixLse + (p_slot + offs_p) * stride_xls + head,
+                        mask=p_mask, other=float("-inf"))  # (BLOCK_P,)
+        lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
     # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.exp2(lse - lse_max)  # (BLOCK_S,) 0 for masked splits
     o = tl.load(PartialO + b * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
                 mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
     w_sum = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
+    acc = tl.sum(o * w[:, None], 0)  # (BLOCK_D,)
+    if HAS_PREFIX:
+        w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
+        o_p = tl.load(PrefixO + (p_slot + offs_p)[:, None] * stride_xos + head * stride_xoh + offs_d[None, :],
+                      mask=p_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_P, BLOCK_D)
+        w_sum += tl.sum(w_p, 0)
+        acc += tl.sum(o_p * w_p[:, None], 0)
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
     tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+@dataclass
+class PrefixPartials:
+    """What the shared-prefix kernel left for the split-KV decode to merge (see prefix_attention.py)."""
+
+    req_info: torch.Tensor  # (B, 3) int32: suffix start, first prefix partial slot, prefix partials
+    partial_o: torch.Tensor  # (slots, H, D) fp32
+    partial_lse: torch.Tensor  # (slots, H) fp32
+    max_partials: int  # most prefix partials one request has (sizes stage 2's merge)
 
 
 def decode_scratch_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -184,6 +230,8 @@ def decode_attention(
     sm_scale: float,
     cfg: DecodeConfig,
     scratch: torch.Tensor | None = None,  # flat fp32, >= decode_scratch_numel(...) elements
+    prefix: Optional[PrefixPartials] = None,  # shared-prefix partials to merge; stage 1 starts after them
+    before_merge: Optional[Callable[[], None]] = None,  # called between the stages (a stream join)
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -206,9 +254,15 @@ def decode_attention(
     # rows cost tensor-core time only, which decode (memory-bound) has to spare.
     block_h = max(16, triton.next_power_of_2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if prefix is not None and prefix.req_info.shape[0] < batch:
+        raise ValueError(f"req_info has {prefix.req_info.shape[0]} rows for a batch of {batch}")
+    # Unused pointers when there is no prefix (the constexpr switch removes every access).
+    req_info = prefix.req_info if prefix is not None else seq_lens
+    prefix_o = prefix.partial_o if prefix is not None else partial_o
+    prefix_lse = prefix.partial_lse if prefix is not None else partial_lse
 
     _decode_stage1_kernel[(batch, num_kv_heads, split_cap)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, req_info,
         partial_o, partial_lse,
         sm_scale * _LOG2E, split_cap,
         q.stride(0), q.stride(1),
@@ -218,16 +272,22 @@ def decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=precision,
+        HAS_PREFIX=prefix is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if before_merge is not None:
+        before_merge()
     _decode_stage2_kernel[(batch, num_heads)](
         partial_o, partial_lse, seq_lens, out,
+        req_info, prefix_o, prefix_lse,
         split_cap,
         partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
+        prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(cfg.max_kv_splits),
-        MIN_SPLIT_LEN=cfg.min_split_len,
+        MIN_SPLIT_LEN=cfg.min_split_len, HAS_PREFIX=prefix is not None,
+        BLOCK_P=triton.next_power_of_2(max(1, prefix.max_partials if prefix is not None else 1)),
         num_warps=4 if block_d >= 128 else 2,
     )
     return out
