@@ -104,6 +104,7 @@ class CudaGraphRunner:
         # Host lengths of the padded batch: backends that plan on the host (flashinfer) need them, and
         # reading them back from the device would cost a sync per step.
         static.seq_lens_cpu = list(fb.seq_lens_cpu) + [0] * (bs - n)
+        static.req_pool_indices_cpu = fb.req_pool_indices_cpu  # the n real rows (shared-prefix grouping)
         self.mr.attn_backend.init_forward_metadata_replay_cuda_graph(static)
         self.graphs[bs].replay()
         logits, greedy = self.outputs[bs]

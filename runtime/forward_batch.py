@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ class ForwardBatch:
     req_to_token_pool: "ReqToTokenPool"
     kv_pool: "KVPool"
     attn_backend: "AttentionBackend"
+    # DECODE: (B,) int64 host copy of req_pool_indices (the step's host rows; None when not built from
+    # them). The triton backend's shared-prefix grouping reads req_to_token's host mirror at these rows.
+    req_pool_indices_cpu: Optional[np.ndarray] = None
 
     # EXTEND only (for DECODE: prefix = seq_len - 1, extend = 1)
     extend_prefix_lens: Optional[torch.Tensor] = None  # (B,) int64

@@ -243,6 +243,8 @@ class ModelRunner:
             forward_mode=batch.mode, batch_size=len(reqs), input_ids=input_ids, positions=pos_t,
             req_pool_indices=pool_t, seq_lens=seq_t, out_cache_loc=loc_t, seq_lens_cpu=seq_lens,
             req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+        if batch.mode.is_decode():
+            fb.req_pool_indices_cpu = rows[2]  # (B,) host rows, for the shared-prefix grouping
         if batch.mode.is_extend():
             fb.extend_prefix_lens_cpu = list(batch.prefix_lens)
             fb.extend_seq_lens_cpu = list(batch.extend_lens)

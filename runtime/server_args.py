@@ -52,6 +52,9 @@ class ServerArgs:
     # Eager decode steps above the largest graph cost ~2 ms of Python launches each at the 1B shape.
     cuda_graph_max_bs: Optional[int] = None
     disable_overlap_schedule: bool = False
+    # Triton decode attention reads a prefix that several running requests share once per tile of
+    # them instead of once per request (shared-prefix "cascade" attention); this turns it off.
+    disable_cascade_attention: bool = False
     num_threads: Optional[int] = None  # CPU torch threads in the scheduler process
     # Device time per step from CUDA events, reported by get_stats under "steps" (for benchmarks).
     enable_step_timing: bool = False

@@ -18,7 +18,14 @@ CUDA-graph contract (decode only):
   into its own static buffers; entries `n..bs` become empty requests (seq_len 0: zero output, no KV
   read). Padding entries the caller supplies itself may use seq_len 0, or seq_len 1 with any valid
   `req_to_token` row (row 0); their `out_cache_loc` must be the dummy slot 0.
-- Nothing in the decode path syncs with the host, so replay only needs the two copies above.
+- Nothing in the decode path syncs with the host, so replay only needs the two copies above (and,
+  for graphs with the cascade kernels, one copy of the step's prefix-group tables).
+
+Shared-prefix ("cascade") decode (`triton_cascade.py`, off with `disable_cascade_attention`): when
+requests of a decode batch share a prefix of KV slots (radix cache hits), the prefix is attended once
+per tile of members and the split-KV decode covers only each request's suffix. It needs the batch's
+rows on the host: `fb.req_pool_indices_cpu` (without it, decode is plain) and the host mirror of
+req_to_token. EXTEND steps reset its cached grouping (they are what rewrites rows' prefixes).
 """
 
 from __future__ import annotations
@@ -31,13 +38,17 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from .base import AttentionBackend, AttentionLayerSpec
-from .triton_ops import DecodeConfig, ExtendConfig, decode_attention, decode_scratch_numel, extend_attention
+from .cascade_plan import CascadeConfig
+from .triton_cascade import CascadeStep, TritonCascade
+from .triton_ops import (DecodeConfig, ExtendConfig, PrefixConfig, decode_attention, decode_scratch_numel,
+                         extend_attention)
 
 
 @dataclass
 class TritonDecodeMetadata:
     req_pool_indices: torch.Tensor  # (B,) rows of req_to_token
     seq_lens: torch.Tensor  # (B,) tokens to attend over, including the new one; 0 = padding
+    cascade: Optional[CascadeStep] = None  # shared-prefix tables of this step, when it uses them
 
 
 @dataclass
@@ -60,7 +71,8 @@ class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, model_runner, decode_config: Optional[DecodeConfig] = None,
-                 extend_config: Optional[ExtendConfig] = None):
+                 extend_config: Optional[ExtendConfig] = None, cascade_config: Optional[CascadeConfig] = None,
+                 prefix_config: Optional[PrefixConfig] = None):
         self.device = torch.device(model_runner.device)
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton attention backend needs a CUDA device, not {self.device.type!r} "
@@ -72,12 +84,22 @@ class TritonAttnBackend(AttentionBackend):
         self._scratch_max_bs = 0  # batch size the scratch is (or will be) sized for
         self._graph_req_pool_indices: Optional[torch.Tensor] = None  # (max_bs,) static
         self._graph_seq_lens: Optional[torch.Tensor] = None  # (max_bs,) static
+        server_args = getattr(model_runner, "server_args", None)
+        self._cascade_on = not getattr(server_args, "disable_cascade_attention", False)
+        self._cascade_config = cascade_config or CascadeConfig()
+        sms = _num_sms(self.device)
+        self._prefix_config = prefix_config or PrefixConfig(num_programs=2 * sms, target_programs=4 * sms)
+        self._cascade: Optional[TritonCascade] = None  # built once the head shape is known
 
     # ---- per-step metadata ----
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode():
-            fb.attn_metadata = TritonDecodeMetadata(fb.req_pool_indices, fb.seq_lens)
+            cascade = self._cascade_state()
+            step = cascade.eager_step(fb) if cascade is not None else None
+            fb.attn_metadata = TritonDecodeMetadata(fb.req_pool_indices, fb.seq_lens, step)
             return
+        if self._cascade is not None:
+            self._cascade.invalidate()  # this step rewrites rows' prefixes
         if fb.extend_seq_lens_cpu is None or fb.extend_prefix_lens_cpu is None:
             raise ValueError("an EXTEND ForwardBatch needs extend_seq_lens_cpu and extend_prefix_lens_cpu")
         extend_lens = fb.extend_seq_lens
@@ -109,12 +131,25 @@ class TritonAttnBackend(AttentionBackend):
         batch = md.seq_lens.shape[0]
         q = q.view(batch, layer.num_heads, layer.head_dim)  # (B, H, D)
         out = torch.empty(batch, layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
-        decode_attention(
-            q, fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id],
-            out.view(q.shape), fb.req_to_token_pool.req_to_token, md.req_pool_indices, md.seq_lens,
-            layer.scaling, self.decode_config,
-            scratch=self._decode_scratch(batch, layer.num_heads, layer.num_kv_heads, layer.head_dim))
+        k_buffer, v_buffer = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
+        r2t = fb.req_to_token_pool.req_to_token
+        scratch = self._decode_scratch(batch, layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        prefix, join = None, None
+        # NOTE: a layer of another head shape than the one the cascade tables were sized for (none
+        # in our models) runs the plain decode, which ignores the tables and is still exact.
+        if md.cascade is not None and _HeadShape(layer.num_heads, layer.num_kv_heads, layer.head_dim) == self.head_shape:
+            join = self._cascade.launch_prefix(md.cascade, q, k_buffer, v_buffer, r2t, layer.scaling)
+            prefix = self._cascade.prefix_partials(md.cascade)
+        decode_attention(q, k_buffer, v_buffer, out.view(q.shape), r2t, md.req_pool_indices, md.seq_lens,
+                         layer.scaling, self.decode_config, scratch=scratch, prefix=prefix, before_merge=join)
         return out  # (B, H * D)
+
+    def _cascade_state(self) -> Optional[TritonCascade]:
+        if self._cascade is None and self._cascade_on and self.head_shape is not None:
+            hs = self.head_shape
+            self._cascade = TritonCascade(self.device, self._cascade_config, self._prefix_config,
+                                          hs.num_heads, hs.num_kv_heads, hs.head_dim)
+        return self._cascade
 
     def _decode_scratch(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[torch.Tensor]:
         shape = _HeadShape(num_heads, num_kv_heads, head_dim)
@@ -151,14 +186,17 @@ class TritonAttnBackend(AttentionBackend):
             self._scratch_max_bs = max_bs
             if self.head_shape is not None:
                 self._allocate_scratch(max_bs)
+        cascade = self._cascade_state()
+        if cascade is not None:
+            cascade.init_graph_state(max_bs)
 
     def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
-        fb.attn_metadata = self._load_graph_inputs(fb)
+        fb.attn_metadata = self._load_graph_inputs(fb, capture=True)
 
     def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
-        fb.attn_metadata = self._load_graph_inputs(fb)
+        fb.attn_metadata = self._load_graph_inputs(fb, capture=False)
 
-    def _load_graph_inputs(self, fb: ForwardBatch) -> TritonDecodeMetadata:
+    def _load_graph_inputs(self, fb: ForwardBatch, capture: bool) -> TritonDecodeMetadata:
         if self._graph_seq_lens is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing or replaying a graph")
         if not fb.forward_mode.is_decode():
@@ -173,7 +211,10 @@ class TritonAttnBackend(AttentionBackend):
         if n < bs:
             req[n:].zero_()
             seq[n:].zero_()  # empty requests: no KV read, zero output
-        return TritonDecodeMetadata(req, seq)
+        step = None
+        if self._cascade is not None and self._cascade.graph_batch(bs):
+            step = self._cascade.graph_step(fb, capture=capture)
+        return TritonDecodeMetadata(req, seq, step)
 
 
 def _num_sms(device: torch.device) -> int:

@@ -1,0 +1,394 @@
+"""Shared-prefix ("cascade") decode attention: grouping, plans, kernels, CUDA-graph hooks.
+
+Kernels run in Triton's interpreter on a machine without CUDA (tiny shapes and tiles, so every
+tile, split and mask path runs) against the torch_native backend over the same paged pools. Tests
+marked `gpu` run the compiled kernels at real sizes and an engine end to end (`pytest -m gpu`).
+"""
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    # NOTE: as in test_triton_attention.py: the interpreter must be chosen before triton is imported.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        for _name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")
+                      or m.startswith("plait.runtime.attention.triton")]:
+            if not _name.startswith("triton._C"):
+                del sys.modules[_name]
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import types  # noqa: E402
+
+import pytest  # noqa: E402
+
+from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
+from plait.runtime.attention.cascade_plan import CascadeConfig, CascadePlanner, build_plan  # noqa: E402
+from plait.runtime.attention.prefix_groups import PrefixGroup, find_prefix_groups  # noqa: E402
+from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
+from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from plait.runtime.attention.triton_ops import (DecodeConfig, PrefixConfig, PrefixPartials,  # noqa: E402
+                                                decode_attention, prefix_attention, split_prefix_scratch)
+from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from plait.runtime.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
+
+torch.set_num_threads(1)
+HAS_CUDA = torch.cuda.is_available()
+
+# Tiny tiles: 16-row tiles (4 members at GQA 4), 16-token KV blocks, prefixes split every 16 tokens,
+# 5 persistent programs.
+TINY_DECODE = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=64)
+TINY_PREFIX = PrefixConfig(block_m=16, block_n=16, min_split_len=16, max_splits=4, target_programs=32,
+                           num_programs=5)  # a persistent program takes several items
+EAGER_CASCADE = CascadeConfig(min_prefix_len=8, min_saved_tokens=0, min_batch_size=2)
+
+
+class _SharedCase:
+    """A paged pool where groups of requests hold the same slots for their prefix, as the radix cache
+    leaves them, plus requests of their own; batch order shuffled, slots and rows scattered."""
+
+    def __init__(self, heads, kv_heads, head_dim, groups, solo, dtype=torch.float32, device="cpu", seed=0):
+        # groups: [(prefix_len, [seq_len of each member])]; solo: [seq_len]
+        g = torch.Generator().manual_seed(seed)
+        self.layer = AttentionLayerSpec(layer_id=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                        scaling=head_dim ** -0.5)
+        lens, prefixes = [], []
+        for p, members in groups:
+            lens += members
+            prefixes += [p] * len(members)
+        lens += solo
+        prefixes += [0] * len(solo)
+        owned = sum(s - p for s, p in zip(lens, prefixes)) + sum(p for p, _ in groups)
+        self.kv_pool = KVPool(owned + 5, 1, kv_heads, head_dim, dtype, device)
+        for buf in self.kv_pool.k_buffer + self.kv_pool.v_buffer:
+            buf.copy_(torch.randn(buf.shape, generator=g).to(dtype))
+        self.r2t_pool = ReqToTokenPool(len(lens) + 4, max(lens) + 8, device)
+        self.r2t_pool.host[:] = torch.randint(1, owned, self.r2t_pool.host.shape, generator=g).numpy()  # stale junk
+        slots = (torch.randperm(owned, generator=g) + 1).tolist()
+        rows = torch.randperm(self.r2t_pool.size, generator=g)[:len(lens)].tolist()
+        shared, k = {}, 0
+        for i, (s, p) in enumerate(zip(lens, prefixes)):
+            key = (i, p) if p == 0 else next(j for j, (gp, _) in enumerate(groups) if gp == p)
+            if p and key not in shared:
+                shared[key], k = slots[k:k + p], k + p
+            own, k = slots[k:k + s - p], k + s - p
+            self.r2t_pool.write(rows[i], 0, torch.tensor((shared[key] if p else []) + own, device=device))
+        order = torch.randperm(len(lens), generator=g).tolist()
+        self.rows = [rows[i] for i in order]
+        self.seq_lens = [lens[i] for i in order]
+        self.prefixes = [prefixes[i] for i in order]
+        self.dtype, self.device, self.g = dtype, device, g
+
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.g).to(self.device, self.dtype)
+
+    def forward_batch(self, backend, rows=None, seq_lens=None, batch_size=None, host_rows=True):
+        rows = self.rows if rows is None else rows
+        seq_lens = self.seq_lens if seq_lens is None else seq_lens
+        dev = self.device
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=batch_size or len(rows),
+            input_ids=torch.zeros(len(rows), dtype=torch.int64, device=dev),
+            positions=torch.tensor([max(s - 1, 0) for s in seq_lens], device=dev),
+            req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.tensor(seq_lens, device=dev),
+            out_cache_loc=torch.zeros(len(rows), dtype=torch.int64, device=dev), seq_lens_cpu=list(seq_lens),
+            req_to_token_pool=self.r2t_pool, kv_pool=self.kv_pool, attn_backend=backend,
+            req_pool_indices_cpu=np.asarray(rows, dtype=np.int64) if host_rows else None)
+
+
+def _runner(device="cpu", heads=None, kv_heads=None, head_dim=None, disable=False):
+    cfg = types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    return types.SimpleNamespace(device=device, model_config=cfg if heads else None,
+                                 server_args=types.SimpleNamespace(disable_cascade_attention=disable))
+
+
+def _triton(case, cascade=EAGER_CASCADE, prefix=TINY_PREFIX, decode=TINY_DECODE, disable=False):
+    lay = case.layer
+    return TritonAttnBackend(_runner(case.device, lay.num_heads, lay.num_kv_heads, lay.head_dim, disable),
+                             decode_config=decode, cascade_config=cascade, prefix_config=prefix)
+
+
+def _reference(case, q, rows=None, seq_lens=None):
+    native = TorchNativeAttnBackend(types.SimpleNamespace(device=case.device))
+    fb = case.forward_batch(native, rows, seq_lens)
+    native.init_forward_metadata(fb)
+    return native.forward_decode(q, case.layer, fb)
+
+
+def _decode(backend, case, q, **kw):
+    fb = case.forward_batch(backend, **kw)
+    backend.init_forward_metadata(fb)
+    return fb.attn_metadata, backend.forward_decode(q, case.layer, fb)
+
+
+# ---------------------------------------------------------------- grouping (host)
+
+def _table(rows_slots, width=64):
+    """Host req_to_token rows from lists of slots; stale junk (slot 999) past each list."""
+    t = np.full((len(rows_slots) + 1, width), 999, dtype=np.int32)
+    for r, s in enumerate(rows_slots):
+        t[r + 1, :len(s)] = s
+    return t
+
+
+def test_groups_by_document_not_by_a_shared_header():
+    hdr = [1, 2, 3]  # a chat header every request shares (the first slot alone would group them all)
+    doc_a, doc_b = list(range(10, 40)), list(range(40, 70))
+    rows = [hdr + doc_a + [100], hdr + doc_b + [101], hdr + doc_a + [102, 103], hdr + doc_b + [104],
+            hdr + doc_a + [105], hdr + [106, 107]]
+    t = _table(rows)
+    lens = np.array([len(r) for r in rows]) - 1  # the last slot is the request's new token
+    groups = find_prefix_groups(t, np.arange(1, 7), lens, min_prefix_len=8)
+    assert [(g.prefix_len, g.members.tolist()) for g in groups] == [(33, [0, 2, 4]), (33, [1, 3])]
+    # With one request per document the header is all there is to share: (6 - 1) * 3 tokens.
+    groups = find_prefix_groups(t, np.arange(1, 7), lens, min_prefix_len=2)
+    assert [(g.prefix_len, g.members.tolist()) for g in groups] == [(33, [0, 2, 4]), (33, [1, 3])]
+    one_each = _table([hdr + doc_a + [100], hdr + doc_b + [101], hdr + [102, 103]])
+    groups = find_prefix_groups(one_each, np.arange(1, 4), np.array([33, 33, 4]), min_prefix_len=2)
+    assert [(g.prefix_len, g.members.tolist()) for g in groups] == [(3, [0, 1, 2])]
+
+
+def test_a_parent_group_beats_small_subgroups():
+    base = list(range(100, 150))  # 50 tokens shared by all six
+    rows = [base + [1, 2, 3, 4] + [200 + i] for i in range(2)] + [base + [5, 6] + [300 + i] for i in range(4)]
+    lens = np.array([len(r) - 1 for r in rows])
+    groups = find_prefix_groups(_table(rows), np.arange(1, 7), lens, min_prefix_len=8)
+    # All six over 50 tokens saves 250; the subgroups 1 * 54 + 3 * 52 = 210.
+    assert [(g.prefix_len, g.members.tolist()) for g in groups] == [(50, list(range(6)))]
+
+
+def test_lengths_bound_the_prefix_and_stale_slots_never_match():
+    rows = [list(range(1, 31)), list(range(1, 31)), list(range(1, 13))]  # identical slots, shorter third
+    t = _table(rows)  # past each row's length: the same junk in every row
+    groups = find_prefix_groups(t, np.arange(1, 4), np.array([30, 30, 12]), min_prefix_len=4)
+    assert [(g.prefix_len, g.members.tolist()) for g in groups] == [(30, [0, 1])]  # 1 * 30 > 2 * 12
+    groups = find_prefix_groups(t, np.arange(1, 4), np.array([15, 18, 12]), min_prefix_len=4)
+    assert [(g.prefix_len, g.members.tolist()) for g in groups] == [(12, [0, 1, 2])]  # 2 * 12 > 1 * 15
+    assert find_prefix_groups(t, np.arange(1, 4), np.array([30, 30, 12]), min_prefix_len=31) == []
+    assert find_prefix_groups(_table([[1, 2, 3], [4, 5, 6]]), np.array([1, 2]), np.array([3, 3]), 1) == []
+    with pytest.raises(ValueError, match="min_group_size"):
+        find_prefix_groups(t, np.arange(1, 4), np.array([30, 30, 12]), 4, min_group_size=1)
+
+
+def test_plan_tables_cover_each_tile_and_split_once():
+    groups = [PrefixGroup(100, np.array([0, 2, 3, 5, 6, 7, 9])), PrefixGroup(17, np.array([1, 4]))]
+    rows = np.arange(20, 30)
+    planner = CascadePlanner(CascadeConfig(min_batch_size=2), TINY_PREFIX, 8, 2)  # GQA 4: 4 members per tile
+    layout = planner.layout(12)
+    plan = build_plan(groups, rows, layout, planner.members_per_tile, planner.target_work, TINY_PREFIX)
+    t = layout.views(torch.from_numpy(plan.packed))
+    g = t.groups[:2].numpy()
+    # member_start, count, prefix, row, split_len, splits, slot_base
+    assert g[:, :4].tolist() == [[0, 7, 100, 20], [7, 2, 17, 21]]
+    split_len, splits = g[:, 4], g[:, 5]
+    assert all(sl % TINY_PREFIX.block_n == 0 for sl in split_len)
+    assert all((s - 1) * sl < p <= s * sl for s, sl, p in zip(splits, split_len, [100, 17]))  # none empty
+    assert splits.tolist() == [4, 1]  # 16 work items wanted; 17 tokens is one 16+ split only
+    work = t.work[:int(t.work_len)].numpy().tolist()
+    expected = sorted((0, tile, s) for tile in range(2) for s in range(4)) + [(1, 0, 0)]
+    assert sorted(map(tuple, work)) == expected and plan.num_work == len(work) <= layout.max_work
+    info = t.req_info.numpy()
+    assert info[[8, 10, 11], :].tolist() == [[0, 0, 0]] * 3  # ungrouped and padding rows
+    assert info[[0, 2, 9], 0].tolist() == [100, 100, 100] and info[[1, 4], 0].tolist() == [17, 17]
+    used = sorted(s for b in range(10) for s in range(info[b, 1], info[b, 1] + info[b, 2]) if info[b, 2])
+    assert used == list(range(plan.num_partials)) == list(range(7 * 4 + 2))
+    # A partial budget makes the splits fewer rather than overflowing the static scratch.
+    tight = build_plan(groups, rows, layout, planner.members_per_tile, planner.target_work, TINY_PREFIX, 12)
+    assert tight.num_partials <= 12
+
+
+def test_planner_reuses_groups_while_requests_stay():
+    rows_slots = [list(range(1, 41)) + [100 + i] for i in range(4)] + [list(range(200, 230))]
+    t = _table(rows_slots)
+    planner = CascadePlanner(CascadeConfig(min_prefix_len=8, min_saved_tokens=0, min_batch_size=2),
+                             TINY_PREFIX, 4, 4)
+    rows, lens = np.array([1, 2, 3, 4, 5]), np.array([41, 41, 41, 41, 30])
+    p1 = planner.plan(t, rows, lens, planner.layout(8))
+    assert [(g.prefix_len, g.members.tolist()) for g in p1.groups] == [(40, [0, 1, 2, 3])]
+    assert planner.plan(t, rows, lens + 1, planner.layout(8)) is p1  # next step: same plan object
+    # Two requests finished: the group shrinks without reading the table again (junk there now).
+    t[1:, :] = 7
+    p2 = planner.plan(t, np.array([5, 2, 4]), np.array([31, 42, 42]), planner.layout(8))
+    assert [(g.prefix_len, g.members.tolist()) for g in p2.groups] == [(40, [1, 2])]
+    assert planner.recomputes == 1
+    assert planner.plan(t, np.array([5, 4]), np.array([32, 43]), planner.layout(8)) is None  # group of one
+    # A row the cached groups never saw, or an EXTEND step: found again from the table.
+    t = _table(rows_slots)
+    p3 = planner.plan(t, np.array([1, 2, 3]), np.array([41, 41, 41]), planner.layout(8))
+    assert planner.recomputes == 2 and [g.members.tolist() for g in p3.groups] == [[0, 1, 2]]
+    planner.invalidate()
+    planner.plan(t, np.array([1, 2, 3]), np.array([41, 41, 41]), planner.layout(8))
+    assert planner.recomputes == 3
+    # Below the batch's savings threshold: no plan.
+    strict = CascadePlanner(CascadeConfig(min_prefix_len=8, min_saved_tokens=200), TINY_PREFIX, 4, 4)
+    assert strict.plan(t, rows, lens, strict.layout(8)) is None
+
+
+# ---------------------------------------------------------------- kernels (interpreter on CPU)
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,groups,solo", [
+    # GQA 4, head_dim 64: a 6-member group (two 4-member tiles) over a 37-token prefix (3 splits, the
+    # last partial), a pair over 20, a suffix of just the new token, two requests of their own.
+    (8, 2, 64, [(37, [38, 40, 60, 39, 45, 41]), (20, [21, 30])], [9, 50]),
+    (4, 4, 128, [(33, [34, 36, 50])], [5]),  # MHA (GQA 1), head_dim 128: 16 members per tile
+    (8, 1, 64, [(17, [18, 19, 40])], [30, 2]),  # GQA 8: 2 members per tile
+    (9, 3, 64, [(24, [25, 30, 26, 27, 28])], [10]),  # GQA 3 (SmolLM2-135M): a tile of 5 members, 15 rows
+])
+def test_eager_cascade_matches_torch_native(heads, kv_heads, head_dim, groups, solo):
+    case = _SharedCase(heads, kv_heads, head_dim, groups, solo)
+    q = case.randn(len(case.rows), heads, head_dim)
+    backend = _triton(case)
+    md, got = _decode(backend, case, q)
+    assert md.cascade is not None and md.cascade.plan.num_work > 0  # the cascade path ran
+    assert sorted(g.prefix_len for g in md.cascade.plan.groups) == sorted(p for p, _ in groups)
+    torch.testing.assert_close(got, _reference(case, q), atol=2e-5, rtol=1e-4)
+
+
+def test_cascade_off_without_host_rows_or_when_disabled():
+    case = _SharedCase(8, 2, 64, [(20, [21, 25, 30])], [7])
+    q = case.randn(4, 8, 64)
+    ref = _reference(case, q)
+    for backend, kw in [(_triton(case), {"host_rows": False}), (_triton(case, disable=True), {}),
+                        (_triton(case, cascade=CascadeConfig(min_prefix_len=8, min_saved_tokens=0,
+                                                             min_batch_size=5)), {})]:
+        md, got = _decode(backend, case, q, **kw)
+        assert md.cascade is None
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_kernels_with_an_empty_suffix_and_padding_rows():
+    # A member whose whole sequence is the shared prefix (no suffix: stage 1 writes nothing for it),
+    # a 1-token suffix, and a padding row (seq_len 0) that must come out zero.
+    case = _SharedCase(8, 2, 64, [(30, [30, 31, 45])], [12])
+    n = len(case.rows)
+    rows, lens = case.rows + [0], case.seq_lens + [0]
+    q = case.randn(n + 1, 8, 64)
+    members = np.array([i for i in range(n) if case.prefixes[i]])
+    planner = CascadePlanner(EAGER_CASCADE, TINY_PREFIX, 8, 2)
+    layout = planner.layout(n + 1)
+    plan = build_plan([PrefixGroup(30, members)], np.asarray(rows), layout, planner.members_per_tile,
+                      planner.target_work, TINY_PREFIX)
+    tables = layout.views(torch.from_numpy(plan.packed))
+    scratch = torch.empty(plan.num_partials * 8 * 65)
+    o, lse = split_prefix_scratch(scratch, plan.num_partials, 8, 64)
+    k, v, r2t = case.kv_pool.k_buffer[0], case.kv_pool.v_buffer[0], case.r2t_pool.req_to_token
+    prefix_attention(q, k, v, r2t, tables, o, lse, case.layer.scaling, TINY_PREFIX)
+    out = torch.empty_like(q)
+    decode_attention(q, k, v, out, r2t, torch.tensor(rows), torch.tensor(lens), case.layer.scaling, TINY_DECODE,
+                     prefix=PrefixPartials(tables.req_info, o, lse, TINY_PREFIX.max_splits))
+    torch.testing.assert_close(out[:n], _reference(case, q[:n]).view(n, 8, 64), atol=2e-5, rtol=1e-4)
+    assert torch.count_nonzero(out[n]) == 0
+
+
+def test_cuda_graph_hooks_carry_the_step_tables():
+    case = _SharedCase(8, 2, 32, [(24, [25, 30, 27]), (40, [41, 44])], [6, 19])
+    lay = case.layer
+    backend = _triton(case, cascade=CascadeConfig(min_prefix_len=8, min_saved_tokens=0, min_batch_size=4))
+    backend.init_cuda_graph_state(max_bs=8)
+    q = case.randn(8, lay.num_heads, lay.head_dim)
+
+    def step(rows, lens, hook, batch_size=8):
+        fb = case.forward_batch(backend, rows=rows, seq_lens=lens, batch_size=batch_size)
+        hook(fb)
+        return fb.attn_metadata, backend.forward_decode(q[:batch_size], lay, fb)
+
+    md0, _ = step(case.rows, case.seq_lens, backend.init_forward_metadata_capture_cuda_graph)
+    assert md0.cascade is not None and md0.cascade.plan is None  # captured with empty tables
+    assert int(md0.cascade.tables.work_len) == 0
+    replay = backend.init_forward_metadata_replay_cuda_graph
+    n = len(case.rows)
+    md1, out1 = step(case.rows, case.seq_lens, replay)
+    assert md1.cascade.plan is not None and len(md1.cascade.plan.groups) == 2
+    assert md1.cascade.tables.work_len.data_ptr() == md0.cascade.tables.work_len.data_ptr()  # static storage
+    torch.testing.assert_close(out1[:n], _reference(case, q[:n]), atol=2e-5, rtol=1e-4)
+    assert torch.count_nonzero(out1[n:]) == 0  # padding rows
+    # Next step, same requests one token further: the tables are not uploaded again.
+    uploaded = backend._cascade._uploaded
+    lens2 = [s + 1 for s in case.seq_lens]
+    for i, (r, s) in enumerate(zip(case.rows, lens2)):  # the new tokens' slots (any valid slot)
+        case.r2t_pool.write(r, s - 1, torch.tensor([1 + i]))
+    md2, out2 = step(case.rows, lens2, replay)
+    assert backend._cascade._uploaded is uploaded
+    torch.testing.assert_close(out2[:n], _reference(case, q[:n], seq_lens=lens2), atol=2e-5, rtol=1e-4)
+    # Requests without sharing at the same batch size: the tables say "no group", output still exact.
+    solo = [i for i in range(n) if not case.prefixes[i]]
+    rows3, lens3 = [case.rows[i] for i in solo] * 2, [case.seq_lens[i] for i in solo] * 2
+    md3, out3 = step(rows3, lens3, replay)
+    assert md3.cascade.plan is None and int(md3.cascade.tables.work_len) == 0
+    torch.testing.assert_close(out3[:4], _reference(case, q[:4], rows=rows3, seq_lens=lens3), atol=2e-5, rtol=1e-4)
+    # Below min_batch_size the graph has no cascade kernels at all (batch 1 keeps its step).
+    md4, _ = step(case.rows[:2], case.seq_lens[:2], backend.init_forward_metadata_capture_cuda_graph, 2)
+    assert md4.cascade is None
+
+
+def test_bad_prefix_config_is_rejected():
+    with pytest.raises(ValueError, match="block_m"):
+        PrefixConfig(block_m=48)
+    with pytest.raises(ValueError, match="min_batch_size"):
+        CascadeConfig(min_batch_size=1)
+
+
+# ---------------------------------------------------------------- GPU, real sizes (pytest -m gpu)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_cascade_real_sizes(head_dim):
+    case = _SharedCase(32, 8, head_dim, [(2000, [2001 + i % 70 for i in range(40)]), (700, [701, 900, 1500])],
+                       [4000, 1, 300], dtype=torch.bfloat16, device="cuda")
+    q = case.randn(len(case.rows), 32, head_dim)
+    backend = TritonAttnBackend(_runner("cuda", 32, 8, head_dim),
+                                cascade_config=CascadeConfig(min_batch_size=2))
+    md, got = _decode(backend, case, q)
+    assert md.cascade is not None and len(md.cascade.plan.groups) == 2
+    torch.testing.assert_close(got.float(), _reference(case, q).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cascade_in_a_cuda_graph():
+    case = _SharedCase(32, 8, 128, [(1500, [1501 + 3 * i for i in range(30)])], [800, 20],
+                       dtype=torch.bfloat16, device="cuda")
+    lay = case.layer
+    backend = TritonAttnBackend(_runner("cuda", 32, 8, 128))
+    backend.init_cuda_graph_state(max_bs=48)
+    q = case.randn(48, 32, 128)
+    fb = case.forward_batch(backend, batch_size=48)
+    backend.init_forward_metadata_capture_cuda_graph(fb)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward_decode(q, lay, fb)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward_decode(q, lay, fb)
+    n = len(case.rows)
+    for rows, lens in [(case.rows, case.seq_lens), (case.rows[::-1][:20], case.seq_lens[::-1][:20]),
+                       (case.rows[-2:], case.seq_lens[-2:])]:
+        fb = case.forward_batch(backend, rows=rows, seq_lens=lens, batch_size=48)
+        backend.init_forward_metadata_replay_cuda_graph(fb)
+        graph.replay()
+        m = len(rows)
+        ref = _reference(case, q[:m], rows=rows, seq_lens=lens)
+        torch.testing.assert_close(out[:m].float(), ref.float(), atol=2e-2, rtol=2e-2)
+        assert torch.count_nonzero(out[m:]) == 0
+    assert n == 32
+
+
+@pytest.mark.gpu
+def test_gpu_engine_greedy_outputs_same_with_and_without_cascade():
+    from plait.runtime import Engine
+
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(100, 20000, (400,), generator=g).tolist()
+    prompts = [shared + torch.randint(100, 20000, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 40, (40,), generator=g)]
+    sp = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    outs = []
+    for disable in (False, True):
+        with Engine(attention_backend="triton", dtype="float32", disable_cascade_attention=disable) as eng:
+            eng.generate(input_ids=shared + [5], sampling_params={"max_new_tokens": 1})  # the prefix, cached
+            outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)])
+            assert eng.check_integrity()
+    assert outs[0] == outs[1]
