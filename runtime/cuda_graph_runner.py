@@ -3,7 +3,9 @@
 Graphs are captured at start-up for bucketed batch sizes up to `cuda_graph_max_bs`, over static
 input buffers. A decode batch of n requests replays the smallest bucket >= n: the real rows are
 copied into the static buffers and the padding rows write their K/V to the dummy slot 0. The
-attention backend prepares its own static metadata through its capture/replay hooks. The graph
+attention backend prepares its own static metadata through its capture/replay hooks (the triton
+backend's graphs of batch >= 16 also carry its shared-prefix tables, which it fills from the host rows
+in `req_pool_indices_cpu` at each replay). The graph
 ends with the logits and their argmax (greedy tokens), so a replay is the whole forward of a decode
 step and a greedy batch needs no launch after it. Batches larger
 than the biggest bucket run eagerly.

@@ -377,18 +377,23 @@ def test_gpu_cascade_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-def test_gpu_engine_greedy_outputs_same_with_and_without_cascade():
+def test_gpu_engine_greedy_outputs_same_with_and_without_cascade(tmp_path):
+    from conftest import make_random_model
     from plait.runtime import Engine
 
+    model = make_random_model(str(tmp_path / "llama"), "llama", seed=5)  # 4 heads / 2 KV heads, head_dim 16
     g = torch.Generator().manual_seed(11)
-    shared = torch.randint(100, 20000, (400,), generator=g).tolist()
-    prompts = [shared + torch.randint(100, 20000, (int(n),), generator=g).tolist()
+    shared = torch.randint(2, 256, (300,), generator=g).tolist()
+    prompts = [shared + torch.randint(2, 256, (int(n),), generator=g).tolist()
                for n in torch.randint(3, 40, (40,), generator=g)]
     sp = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     outs = []
     for disable in (False, True):
-        with Engine(attention_backend="triton", dtype="float32", disable_cascade_attention=disable) as eng:
-            eng.generate(input_ids=shared + [5], sampling_params={"max_new_tokens": 1})  # the prefix, cached
+        with Engine(model_path=model, attention_backend="triton", dtype="float32",
+                    disable_cascade_attention=disable) as eng:
+            # The prefix goes into the radix cache first, so the batch's 40 requests share its slots and
+            # decode as one group (graph bucket 48 >= min_batch_size) with the cascade on.
+            eng.generate(input_ids=shared + [5], sampling_params={"max_new_tokens": 1})
             outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)])
             assert eng.check_integrity()
     assert outs[0] == outs[1]

@@ -108,6 +108,7 @@ class CascadePlan:
     num_work: int
     num_partials: int  # prefix partial slots written
     saved_tokens: int
+    partial_slots: Optional[int]  # the bound it was planned under (None: none)
 
 
 class CascadePlanner:
@@ -144,8 +145,8 @@ class CascadePlanner:
         if partial_slots is not None and partial_slots < layout.batch_size:
             raise ValueError(f"partial_slots {partial_slots} < batch size {layout.batch_size}")
         last = self._plan
-        if (last is not None and last.layout == layout and self._rows is not None
-                and len(rows) == len(self._rows) and np.array_equal(rows, self._rows)):
+        if (last is not None and last.layout == layout and last.partial_slots == partial_slots
+                and self._rows is not None and len(rows) == len(self._rows) and np.array_equal(rows, self._rows)):
             return last
         groups = self._groups_for(table, rows, seq_lens)
         self._plan = None
@@ -230,4 +231,4 @@ def build_plan(groups: list[PrefixGroup], rows: np.ndarray, layout: CascadeLayou
     work[:, 1] = k // splits[g_of]
     work[:, 2] = k % splits[g_of]
     return CascadePlan(groups, layout, packed, num_work, int(slot_count.sum()),
-                       int(sum(g.saved_tokens for g in groups)))
+                       int(sum(g.saved_tokens for g in groups)), partial_slots)

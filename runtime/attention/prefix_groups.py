@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_FIRST_CHUNK = 16  # columns compared first: unrelated requests usually differ at once
-_MAX_CHUNK = 4096
+# Columns compared per gather: about this many table entries (a few small gathers cost more in
+# numpy's per-call overhead than one larger one), at least _FIRST_CHUNK columns, growing 4x a round.
+_GATHER_ENTRIES = 16384
+_FIRST_CHUNK = 16
 
 
 @dataclass
@@ -85,7 +87,7 @@ def find_prefix_groups(table: np.ndarray, rows: np.ndarray, lens: np.ndarray, mi
 def _common_extent(table: np.ndarray, rows: np.ndarray, lens: np.ndarray, d: int) -> int:
     """First position >= d where the rows disagree, or the shortest one ends (all agree before d)."""
     limit = int(lens.min())
-    chunk = _FIRST_CHUNK
+    chunk = max(_FIRST_CHUNK, _GATHER_ENTRIES // len(rows))
     while d < limit:
         end = min(d + chunk, limit)
         block = table[rows, d:end]  # (k, end - d)
@@ -93,7 +95,7 @@ def _common_extent(table: np.ndarray, rows: np.ndarray, lens: np.ndarray, d: int
         if differs.any():
             return d + int(np.argmax(differs))
         d = end
-        chunk = min(chunk * 4, _MAX_CHUNK)
+        chunk *= 4
     return limit
 
 
