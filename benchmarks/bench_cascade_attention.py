@@ -7,7 +7,8 @@ Cases (batch, shared prefix, suffix after it incl. the new token) model the pref
 - fewshot (256, 2000, 60): one prefix shared by every request;
 - tree (320, 1000, 150): 20 roots of 1,000 tokens, 16 requests each;
 - long (64, 4000, 100): one long document, few requests;
-- none (256, 0, 600): nothing shared (the cascade graph must cost what the plain one does).
+- none (256, 0, 600), none16 (16, 0, 600): nothing shared, at a large batch and at the smallest one
+  whose graph carries the cascade kernels (it must cost what the plain graph does).
 Suffixes vary by +-25% around the given length. Each case checks the cascade output against the
 plain one, and times the host side: finding the groups (after a prefill), the cached plan of a
 repeated step, and the whole replay hook.
@@ -34,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import save  # noqa: E402
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
-from plait.runtime.attention.cascade_plan import CascadeConfig  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_ops import PrefixConfig  # noqa: E402
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -43,7 +43,7 @@ from plait.runtime.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE, DEV = torch.bfloat16, "cuda"
 CASES = {"fewshot": (256, 2000, 60, 1), "tree": (320, 1000, 150, 20), "long": (64, 4000, 100, 1),
-         "none": (256, 0, 600, 0)}  # name: (batch, prefix, suffix, groups)
+         "none": (256, 0, 600, 0), "none16": (16, 0, 600, 0)}  # name: (batch, prefix, suffix, groups)
 
 
 def build_case(batch, prefix, suffix, groups, layers, seed=0):
@@ -210,12 +210,12 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time prefix-kernel tile configs")
     ap.add_argument("--quick", action="store_true", help="fewshot and none only")
     args = ap.parse_args()
-    names = ["fewshot", "none"] if args.quick else list(CASES)
+    names = ["fewshot", "none", "none16"] if args.quick else list(CASES)
     rows = [run_case(name, args.layers) for name in names]
-    print(f"\n{torch.cuda.get_device_name(0)}, Llama-3.1-8B shape ({HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, bf16), "
-          f"CUDA graphs of {args.layers} layers")
-    print(f"{'case':8s} {'batch':>5s} {'prefix':>6s} {'suffix':>6s} {'plain us':>9s} {'cascade us':>10s} {'speedup':>7s} "
-          f"{'step -ms':>8s} {'diff':>7s} {'group us':>8s} {'cached us':>9s} {'-1 req us':>9s}")
+    print(f"\n{torch.cuda.get_device_name(0)}, Llama-3.1-8B shape ({HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, "
+          f"bf16), CUDA graphs of {args.layers} layers")
+    print(f"{'case':8s} {'batch':>5s} {'prefix':>6s} {'suffix':>6s} {'plain us':>9s} {'cascade us':>10s} "
+          f"{'speedup':>7s} {'step -ms':>8s} {'diff':>7s} {'group us':>8s} {'cached us':>9s} {'-1 req us':>9s}")
     for r in rows:
         print(f"{r['case']:8s} {r['batch']:5d} {r['prefix']:6d} {r['suffix']:6d} {r['plain_us_per_layer']:9.1f} "
               f"{r['cascade_us_per_layer']:10.1f} {r['speedup']:6.2f}x {r['step_saving_ms_32_layers']:8.2f} "

@@ -137,7 +137,8 @@ class TritonAttnBackend(AttentionBackend):
         prefix, join = None, None
         # NOTE: a layer of another head shape than the one the cascade tables were sized for (none
         # in our models) runs the plain decode, which ignores the tables and is still exact.
-        if md.cascade is not None and _HeadShape(layer.num_heads, layer.num_kv_heads, layer.head_dim) == self.head_shape:
+        shape = _HeadShape(layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        if md.cascade is not None and shape == self.head_shape:
             join = self._cascade.launch_prefix(md.cascade, q, k_buffer, v_buffer, r2t, layer.scaling)
             prefix = self._cascade.prefix_partials(md.cascade)
         decode_attention(q, k_buffer, v_buffer, out.view(q.shape), r2t, md.req_pool_indices, md.seq_lens,
