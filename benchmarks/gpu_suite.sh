@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of issue 7, in the order they are run on the device machine.
-#   bash benchmarks/gpu_suite.sh tests|profile|sweeps|one_batch|offline|rounds|serving ...
+#   bash benchmarks/gpu_suite.sh tests|profile|sweeps|cascade|one_batch|offline|rounds|serving ...
 # OFFLINE_ARGS / ROUNDS_ARGS add flags to those steps (e.g. ROUNDS_ARGS=--skip-off, OFFLINE_ARGS="--skip-transformers").
 # Packages missing on that machine (pyzmq, fastapi, ...) travel as wheels in .whl/ (see the device
 # README); the shared workload file travels in .shared/bench/. Results land in $OUT (else benchmarks/out).
@@ -19,8 +19,9 @@ python3 -c "import plait" 2>/dev/null || python3 -m pip install -q --no-deps --n
 for step in "$@"; do
   case "$step" in
     tests)
-      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 tests/test_triton_attention.py \
-        tests/test_fused_kernels.py tests/test_decode_kernels.py tests/test_gpu_correctness.py -s 2>&1 \
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 tests/test_triton_attention.py \
+        tests/test_fused_kernels.py tests/test_decode_kernels.py tests/test_fused_gemv.py tests/test_cascade_attention.py \
+        tests/test_gpu_correctness.py -s 2>&1 \
         | grep -vE "Warning|warn\(|^\s*$" | tee "$OUT/gpu_tests.log" | tail -15 ;;
     profile)  # GPU time per kernel of a batch-1 decode step, next to the graph step
       for m in llama-3.1-8b llama-3.2-1b; do
@@ -29,6 +30,8 @@ for step in "$@"; do
     sweeps)  # the tile choices: split-KV decode defaults, skinny matmul vs cuBLAS
       timeout 200 python3 benchmarks/sweep_decode_attention.py 2>&1 | grep -E "^8b|^1b|overall"
       timeout 200 python3 benchmarks/bench_gemv.py --model llama-3.1-8b 2>&1 | grep -E "^m=|step" ;;
+    cascade)  # shared-prefix decode attention vs the plain split-KV kernel, one layer, graphs
+      timeout 300 python3 benchmarks/bench_cascade_attention.py ${CASCADE_ARGS:---quick} 2>&1 | tail -20 ;;
     fused)
       timeout 120 python3 benchmarks/bench_fused_kernels.py --quick 2>&1 | tail -25 ;;
     one_batch_8b|one_batch_1b|one_batch)
@@ -39,7 +42,7 @@ for step in "$@"; do
           --hf-batch-sizes 1 32 2>&1 | grep -E "plait|transformers|GPU"
       done ;;
     offline)
-      for m in llama-3.2-1b llama-3.1-8b; do
+      for m in ${OFFLINE_MODELS:-llama-3.2-1b llama-3.1-8b}; do
         timeout 420 python3 benchmarks/bench_offline.py --model $m --workload offline ${OFFLINE_ARGS:-} 2>&1 \
           | grep -E "^plait|^transformers|roofline|^steps|Error"
       done ;;
