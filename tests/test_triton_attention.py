@@ -175,6 +175,23 @@ def test_decode_with_an_empty_last_split():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_decode_with_one_split_writes_the_output_from_stage_one():
+    # target_programs 1: one split per request, so stage 1 writes the output and stage 2 is skipped.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=2, target_programs=1)
+    assert cfg.split_cap(3, 2) == 1
+    case = _Case(8, 2, 32, [20, 3, 40], [1, 1, 1])
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    # A padding request (seq_len 0) gets a zero output, not what the buffer held.
+    q = case.randn(3, 8, 32)
+    out = torch.full((3, 8, 32), float("nan"))
+    seq = torch.tensor(case.seq_lens)
+    seq[1] = 0
+    decode_attention(q, case.kv_pool.k_buffer[1], case.kv_pool.v_buffer[1], out, case.r2t_pool.req_to_token,
+                     torch.tensor(case.rows), seq, 32 ** -0.5, cfg)
+    assert torch.equal(out[1], torch.zeros(8, 32)) and not out.isnan().any()
+
+
 def test_cuda_graph_hooks_pad_and_reuse_static_buffers():
     case = _Case(8, 2, 32, [10, 24, 3, 40, 5], [1] * 5)
     layer = case.layer
