@@ -3,18 +3,31 @@
 Graphs are captured at start-up for bucketed batch sizes up to `cuda_graph_max_bs`, over static
 input buffers. A decode batch of n requests replays the smallest bucket >= n: the real rows are
 copied into the static buffers and the padding rows write their K/V to the dummy slot 0. The
-attention backend prepares its own static metadata through its capture/replay hooks (the triton
-backend's graphs of batch >= 16 also carry its shared-prefix tables, which it fills from the host rows
-in `req_pool_indices_cpu` at each replay). The graph
+attention backend prepares its own static metadata through its capture/replay hooks. The graph
 ends with the logits and their argmax (greedy tokens), so a replay is the whole forward of a decode
-step and a greedy batch needs no launch after it. Batches larger
-than the biggest bucket run eagerly.
+step and a greedy batch needs no launch after it. Batches larger than the biggest bucket run eagerly.
+
+Variants: a backend may capture a second graph per batch size (optional hooks `has_cascade_graph(bs)`
+and `decode_uses_cascade(fb)`; the triton backend's shared-prefix kernels, batch >= 16, with their
+tables filled from the host rows in `req_pool_indices_cpu` at each replay). A step replays that graph
+only when the backend says its batch shares a prefix; every other step replays the plain graph, the
+kernels of a backend without cascade (with nothing grouped the cascade kernels cost ~10% more).
+
+Memory: every graph writes its logits into the first bs rows of ONE (max_bs, vocab) float32 buffer,
+allocated outside the graph pool. A graph output allocated inside the pool would stay alive, so each
+graph would keep its own (bs, vocab) logits (~9 GB summed over the buckets up to 1,024 at a 128k
+vocabulary); this way all a graph keeps is its (bs,) greedy ids, and its temporaries (the bf16 matmul
+output among them) return to the shared pool for the next capture. Largest first, so later captures
+fit into the memory the first one freed. A replay's outputs are valid until the next replay of any
+graph (stream order covers everything enqueued before it, as with one graph).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +40,12 @@ logger = logging.getLogger(__name__)
 def capture_batch_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
     return [s for s in sizes if s <= max_bs] or [1]
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch_size: int
+    cascade: bool  # captured with the backend's shared-prefix kernels
 
 
 class CudaGraphRunner:
@@ -42,10 +61,17 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        mr.attn_backend.init_cuda_graph_state(self.max_bs)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> (logits, greedy ids)
+        self.logits = torch.empty(self.max_bs, mr.vocab_size, dtype=torch.float32, device=dev)  # every graph's
+        backend = mr.attn_backend
+        backend.init_cuda_graph_state(self.max_bs)
+        has_cascade = getattr(backend, "has_cascade_graph", None)  # optional hook (triton backend)
+        self.cascade_sizes = frozenset(bs for bs in self.batch_sizes if has_cascade is not None and has_cascade(bs))
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.greedy: dict[GraphKey, torch.Tensor] = {}  # (bs,) int64 greedy ids, each graph's own
         self.pool = None
+        self.capture_seconds = 0.0
+        self.plain_replays = 0
+        self.cascade_replays = 0
         self._capture_all()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -56,39 +82,66 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:bs], out_cache_loc=self.out_cache_loc[:bs], seq_lens_cpu=[1] * bs,
             req_to_token_pool=mr.req_to_token_pool, kv_pool=mr.kv_pool, attn_backend=mr.attn_backend)
 
+    def graph_keys(self) -> list[GraphKey]:
+        """Every graph to capture, largest batch first (later captures reuse the memory it freed)."""
+        return [GraphKey(bs, cascade) for bs in reversed(self.batch_sizes)
+                for cascade in ((False, True) if bs in self.cascade_sizes else (False,))]
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        start = time.perf_counter()
+        reserved = torch.cuda.memory_reserved()
         stream = torch.cuda.Stream()
         self.seq_lens.fill_(1)
-        for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory pool
-            fb = self._static_batch(bs)
-            self.mr.attn_backend.init_forward_metadata_capture_cuda_graph(fb)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
-                    self._forward(fb)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self._forward(fb)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
+        for key in self.graph_keys():
+            self._capture(key, stream)
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+        self.capture_seconds = time.perf_counter() - start
+        cascade = sorted(self.cascade_sizes)
+        logger.info("captured %d decode CUDA graphs in %.1f s: %d plain (batch %s), %d with cascade attention "
+                    "(batch %s); logits buffer %.0f MiB, device memory reserved +%.0f MiB",
+                    len(self.graphs), self.capture_seconds, len(self.batch_sizes), _span(self.batch_sizes),
+                    len(cascade), _span(cascade), self.logits.numel() * 4 / 2**20,
+                    (torch.cuda.memory_reserved() - reserved) / 2**20)
 
-    def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _capture(self, key: GraphKey, stream: torch.cuda.Stream) -> None:
+        fb = self._static_batch(key.batch_size)
+        self._init_metadata(fb, key.cascade, capture=True)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
+                self._forward(fb)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            greedy = self._forward(fb)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[key] = graph
+        self.greedy[key] = greedy
+
+    def _init_metadata(self, fb: ForwardBatch, cascade: bool, capture: bool) -> None:
+        backend = self.mr.attn_backend
+        hook = (backend.init_forward_metadata_capture_cuda_graph if capture
+                else backend.init_forward_metadata_replay_cuda_graph)
+        if fb.batch_size in self.cascade_sizes:
+            hook(fb, cascade=cascade)  # two variants of this batch size: say which one
+        else:
+            hook(fb)
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        logits = self.logits[:fb.batch_size]  # (bs, vocab) float32: the first rows of the shared buffer
         # NOTE: forward_logits, not forward + compute_logits: at batch 1 the final norm then runs inside
-        # the LM head's matmul (one launch fewer per step).
-        logits = self.mr.model.forward_logits(fb.input_ids, fb.positions, fb)  # (bs, vocab) float32
-        return logits, greedy_tokens(logits)  # (bs, vocab), (bs,)
+        # the LM head's matmul (one launch fewer per step, when the one-row path is on).
+        self.mr.model.forward_logits(fb.input_ids, fb.positions, fb, out=logits)
+        return greedy_tokens(logits)  # (bs,)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
 
     def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the captured step for fb's requests: (logits (n, vocab), greedy token ids (n,))."""
+        """Run the captured step for fb's requests: (logits (n, vocab), greedy token ids (n,)), views of
+        static buffers that the next replay overwrites."""
         n = fb.batch_size
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         if bs != n:  # padding rows: token 0 at position 0, K/V into the dummy slot, no keys read
@@ -107,7 +160,15 @@ class CudaGraphRunner:
         # reading them back from the device would cost a sync per step.
         static.seq_lens_cpu = list(fb.seq_lens_cpu) + [0] * (bs - n)
         static.req_pool_indices_cpu = fb.req_pool_indices_cpu  # the n real rows (shared-prefix grouping)
-        self.mr.attn_backend.init_forward_metadata_replay_cuda_graph(static)
-        self.graphs[bs].replay()
-        logits, greedy = self.outputs[bs]
-        return logits[:n], greedy[:n]
+        key = GraphKey(bs, bs in self.cascade_sizes and self.mr.attn_backend.decode_uses_cascade(static))
+        self._init_metadata(static, key.cascade, capture=False)
+        self.graphs[key].replay()
+        if key.cascade:
+            self.cascade_replays += 1
+        else:
+            self.plain_replays += 1
+        return self.logits[:n], self.greedy[key][:n]
+
+
+def _span(sizes: list[int]) -> str:
+    return f"{sizes[0]}..{sizes[-1]}" if sizes else "none"

@@ -323,6 +323,57 @@ def test_cuda_graph_hooks_carry_the_step_tables():
     assert md4.cascade is None
 
 
+def test_graph_variants_plain_and_cascade():
+    # Batch sizes >= min_batch_size get two graphs: the plain one must be exactly the decode of a backend
+    # without cascade, and a step asks for the cascade one only when it has a group.
+    case = _SharedCase(8, 2, 32, [(24, [25, 30, 27]), (40, [41, 44])], [6, 19])
+    lay, n = case.layer, len(case.rows)
+    config = CascadeConfig(min_prefix_len=8, min_saved_tokens=0, min_batch_size=4)
+    backend = _triton(case, cascade=config)
+    backend.init_cuda_graph_state(max_bs=8)
+    assert [bs for bs in (1, 2, 4, 8, 9) if backend.has_cascade_graph(bs)] == [4, 8]
+    q = case.randn(8, lay.num_heads, lay.head_dim)
+
+    def step(be, hook, batch_size=8, **kw):
+        fb = case.forward_batch(be, rows=kw.pop("rows", None), seq_lens=kw.pop("seq_lens", None),
+                                batch_size=batch_size, host_rows=kw.pop("host_rows", True))
+        hook(fb, **kw)
+        return fb.attn_metadata, be.forward_decode(q[:batch_size], lay, fb)
+
+    md, _ = step(backend, backend.init_forward_metadata_capture_cuda_graph, cascade=False)
+    assert md.cascade is None  # the plain graph is captured without any cascade table
+    md, _ = step(backend, backend.init_forward_metadata_capture_cuda_graph, cascade=True)
+    assert md.cascade is not None and int(md.cascade.tables.work_len) == 0
+    # The shared batch: the query plans once; the replay hook reuses that plan.
+    fb = case.forward_batch(backend, batch_size=8)
+    assert backend.decode_uses_cascade(fb)
+    recomputes, plan = backend._cascade.planner.recomputes, backend._cascade.planner._plan
+    md, out = step(backend, backend.init_forward_metadata_replay_cuda_graph, cascade=True)
+    assert md.cascade.plan is plan and backend._cascade.planner.recomputes == recomputes
+    torch.testing.assert_close(out[:n], _reference(case, q[:n]), atol=2e-5, rtol=1e-4)
+    # The plain variant of the same batch: bit for bit what a backend with cascade disabled computes.
+    disabled = _triton(case, cascade=config, disable=True)
+    disabled.init_cuda_graph_state(max_bs=8)
+    _, ref = step(disabled, disabled.init_forward_metadata_replay_cuda_graph)
+    md, out = step(backend, backend.init_forward_metadata_replay_cuda_graph, cascade=False)
+    assert md.cascade is None and torch.equal(out, ref)
+    # No group, no host rows, or a batch size without the variant: the plain graph.
+    solo = [i for i in range(n) if not case.prefixes[i]]
+    rows, lens = [case.rows[i] for i in solo] * 2, [case.seq_lens[i] for i in solo] * 2
+    assert not backend.decode_uses_cascade(case.forward_batch(backend, rows=rows, seq_lens=lens, batch_size=8))
+    assert not backend.decode_uses_cascade(case.forward_batch(backend, batch_size=8, host_rows=False))
+    assert not backend.decode_uses_cascade(case.forward_batch(backend, rows=case.rows[:2],
+                                                              seq_lens=case.seq_lens[:2], batch_size=2))
+    with pytest.raises(ValueError, match="no decode graph with the cascade kernels"):
+        step(backend, backend.init_forward_metadata_replay_cuda_graph, batch_size=2, rows=case.rows[:2],
+             seq_lens=case.seq_lens[:2], cascade=True)
+    # disable_cascade_attention: no variant at any size.
+    assert not any(disabled.has_cascade_graph(bs) for bs in (1, 4, 8))
+    assert not disabled.decode_uses_cascade(case.forward_batch(disabled, batch_size=8))
+    with pytest.raises(ValueError, match="no decode graph with the cascade kernels"):
+        step(disabled, disabled.init_forward_metadata_capture_cuda_graph, cascade=True)
+
+
 def test_bad_prefix_config_is_rejected():
     with pytest.raises(ValueError, match="block_m"):
         PrefixConfig(block_m=48)

@@ -12,7 +12,7 @@ What the backend reads from `model_runner` (all optional except `device`):
 
 CUDA-graph contract (decode only):
 - `init_cuda_graph_state(max_bs)` once, before any capture.
-- `init_forward_metadata_capture_cuda_graph(fb)` / `..._replay_cuda_graph(fb)` with
+- `init_forward_metadata_capture_cuda_graph(fb, cascade)` / `..._replay_cuda_graph(fb, cascade)` with
   `fb.batch_size` = the captured (padded) batch size `bs <= max_bs`, and `fb.req_pool_indices` /
   `fb.seq_lens` holding either `bs` entries or only the real `n <= bs` ones. The backend copies them
   into its own static buffers; entries `n..bs` become empty requests (seq_len 0: zero output, no KV
@@ -20,6 +20,11 @@ CUDA-graph contract (decode only):
   `req_to_token` row (row 0); their `out_cache_loc` must be the dummy slot 0.
 - Nothing in the decode path syncs with the host, so replay only needs the two copies above (and,
   for graphs with the cascade kernels, one copy of the step's prefix-group tables).
+- Two variants per batch size where `has_cascade_graph(bs)` (cascade on, bs >= its min_batch_size):
+  `cascade=False`, the plain split-KV decode (exactly the kernels of a backend without cascade), and
+  `cascade=True`, the cascade kernels. A step should replay the cascade one only when
+  `decode_uses_cascade(fb)` (its batch has a prefix group): with nothing grouped they cost ~10% more.
+  `cascade=None` (the default) means the cascade variant wherever there is one.
 
 Shared-prefix ("cascade") decode (`triton_cascade.py`, off with `disable_cascade_attention`): when
 requests of a decode batch share a prefix of KV slots (radix cache hits), the prefix is attended once
@@ -191,13 +196,23 @@ class TritonAttnBackend(AttentionBackend):
         if cascade is not None:
             cascade.init_graph_state(max_bs)
 
-    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
-        fb.attn_metadata = self._load_graph_inputs(fb, capture=True)
+    def has_cascade_graph(self, bs: int) -> bool:
+        """Whether decode graphs of batch `bs` also come with the cascade kernels (`cascade=True`)."""
+        return self._cascade is not None and self._cascade.graph_batch(bs)
 
-    def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
-        fb.attn_metadata = self._load_graph_inputs(fb, capture=False)
+    def decode_uses_cascade(self, fb: ForwardBatch) -> bool:
+        """Whether this graph step (fb.batch_size: the padded size) should replay the cascade variant:
+        there is one and the step's plan groups at least one prefix. Plans on the host (cached while
+        the batch's requests stay; the replay hook then reuses the plan)."""
+        return self.has_cascade_graph(fb.batch_size) and self._cascade.graph_plan(fb) is not None
 
-    def _load_graph_inputs(self, fb: ForwardBatch, capture: bool) -> TritonDecodeMetadata:
+    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch, cascade: Optional[bool] = None) -> None:
+        fb.attn_metadata = self._load_graph_inputs(fb, capture=True, cascade=cascade)
+
+    def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch, cascade: Optional[bool] = None) -> None:
+        fb.attn_metadata = self._load_graph_inputs(fb, capture=False, cascade=cascade)
+
+    def _load_graph_inputs(self, fb: ForwardBatch, capture: bool, cascade: Optional[bool]) -> TritonDecodeMetadata:
         if self._graph_seq_lens is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing or replaying a graph")
         if not fb.forward_mode.is_decode():
@@ -206,15 +221,18 @@ class TritonAttnBackend(AttentionBackend):
         n = fb.seq_lens.shape[0]
         if bs > max_bs or n > bs or fb.req_pool_indices.shape[0] != n:
             raise ValueError(f"graph batch of {n} requests padded to {bs} does not fit max_bs {max_bs}")
+        available = self.has_cascade_graph(bs)
+        if cascade and not available:
+            raise ValueError(f"no decode graph with the cascade kernels for batch {bs} (cascade attention "
+                             "disabled, or the batch is below its min_batch_size or above max_bs)")
         req, seq = self._graph_req_pool_indices[:bs], self._graph_seq_lens[:bs]
         req[:n].copy_(fb.req_pool_indices, non_blocking=True)
         seq[:n].copy_(fb.seq_lens, non_blocking=True)
         if n < bs:
             req[n:].zero_()
             seq[n:].zero_()  # empty requests: no KV read, zero output
-        step = None
-        if self._cascade is not None and self._cascade.graph_batch(bs):
-            step = self._cascade.graph_step(fb, capture=capture)
+        # The plain variant carries no tables at all: decode_attention then runs the pre-cascade kernels.
+        step = self._cascade.graph_step(fb, capture=capture) if available and cascade is not False else None
         return TritonDecodeMetadata(req, seq, step)
 
 

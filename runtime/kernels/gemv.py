@@ -83,9 +83,12 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         config: Optional[GemvConfig] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS."""
-    check_device("gemv", x, weight, bias)
+         config: Optional[GemvConfig] = None, out_dtype: Optional[torch.dtype] = None,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS.
+    With `out` ((M, N), unit stride on N, any row stride; its dtype is the output dtype) the kernel
+    writes there and returns it: e.g. a CUDA graph's logits buffer, with no copy after."""
+    check_device("gemv", x, weight, bias, out)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv expects x (M, K) and weight (N, K); got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, k = x.shape
@@ -97,7 +100,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be ({n},), got {tuple(bias.shape)}")
     cfg = config or pick_gemv_config(n, k)
-    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.stride(1) != 1 or (out_dtype is not None and out.dtype != out_dtype):
+        raise ValueError(f"gemv out must be ({m}, {n}) with unit stride on N (and out_dtype {out_dtype} if "
+                         f"given); got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    else:
+        y = out
     pdl = pdl_enabled(x.device)
     launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](

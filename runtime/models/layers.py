@@ -44,16 +44,37 @@ def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
 SKINNY_MATMUL_ROWS = 1
 
 
-def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.dtype] = None,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ layer.weight^T (+ layer.bias), optionally cast to out_dtype; `layer` is an nn.Linear, or an
     nn.Embedding used as a tied LM head. A decode step's single row on CUDA runs the Triton skinny
-    matmul, which reads the weight once without cuBLAS's split-K reduction launch."""
-    bias = getattr(layer, "bias", None)
+    matmul, which reads the weight once without cuBLAS's split-K reduction launch.
+
+    `out` ((*x.shape[:-1], N); its dtype is the output dtype): the result is written there and returned,
+    at no extra pass: the skinny matmul writes it directly, the matmul library's bf16 result is cast
+    into it (the cast the path without `out` makes anyway). A CUDA graph's shared logits buffer."""
+    bias, weight = getattr(layer, "bias", None), layer.weight
+    if out is not None:
+        _check_linear_out(out, x, weight, out_dtype)
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MATMUL_ROWS and x.stride(-1) == 1 \
-            and layer.weight.dtype in (torch.bfloat16, torch.float16):
-        return _kernels().gemv(x, layer.weight, bias, out_dtype=out_dtype)
-    y = F.linear(x, layer.weight, bias)
-    return y if out_dtype is None else y.to(out_dtype)
+            and weight.dtype in (torch.bfloat16, torch.float16):
+        return _kernels().gemv(x, weight, bias, out_dtype=out_dtype, out=out)
+    if out is None:
+        y = F.linear(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
+    if x.dim() == 2 and x.dtype == weight.dtype == out.dtype:
+        # No cast to make: the matmul F.linear runs for 2-D input, writing `out` itself.
+        return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
+    return out.copy_(F.linear(x, weight, bias))
+
+
+def _check_linear_out(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      out_dtype: Optional[torch.dtype]) -> None:
+    shape = (*x.shape[:-1], weight.shape[0])
+    if tuple(out.shape) != shape or out.device != x.device or (out_dtype is not None and out.dtype != out_dtype):
+        raise ValueError(f"linear out must be {shape} on {x.device}"
+                         f"{'' if out_dtype is None else ' of ' + str(out_dtype)}; got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
 
 
 def fused_decode_row_switch(environ: Mapping[str, str]) -> bool:

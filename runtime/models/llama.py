@@ -137,18 +137,29 @@ class LlamaForCausalLM(nn.Module):
     def _head(self) -> nn.Module:
         return self.embed_tokens if self.lm_head is None else self.lm_head  # both hold a (vocab, hidden) weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(hidden, self._head(), out_dtype=torch.float32)  # (N, vocab)
+    def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden (N, hidden) -> logits (N, vocab) float32, written into `out` ((N, vocab) float32) when
+        given (the decode CUDA graphs' shared logits buffer) at no extra pass."""
+        if out is not None and out.dtype != torch.float32:
+            raise ValueError(f"logits out must be float32, got {out.dtype}")
+        return skinny_linear(hidden, self._head(), out_dtype=torch.float32, out=out)  # (N, vocab)
 
-    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """compute_logits(forward(...)) (T, vocab) float32, for callers that need no hidden states (the
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """compute_logits(forward(...), out) (T, vocab) float32, for callers that need no hidden states (the
         decode CUDA graph): on the one-row path (when switched on) the final norm runs inside the LM head's
         matmul; otherwise it is the norm, then compute_logits."""
         h, residual = self._decoder(input_ids, positions, fb)
         head = self._head()
         if residual is not None and fuses_decode_row(h, head.weight, self.norm.use_triton):
-            return norm_linear(h, residual, self.norm, head, out_dtype=torch.float32)[0]
-        return self.compute_logits(self.norm(h) if residual is None else self.norm(h, residual)[0])
+            logits = norm_linear(h, residual, self.norm, head, out_dtype=torch.float32)[0]  # (1, vocab)
+            if out is None:
+                return logits
+            if out.dtype != torch.float32 or out.shape != logits.shape:
+                raise ValueError(f"logits out must be float32 {tuple(logits.shape)}, got {out.dtype} "
+                                 f"{tuple(out.shape)}")
+            return out.copy_(logits)  # NOTE: the fused kernel takes no `out`; one row, opt-in path
+        return self.compute_logits(self.norm(h) if residual is None else self.norm(h, residual)[0], out=out)
 
     # ---- weights ----
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
