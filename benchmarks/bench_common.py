@@ -63,6 +63,8 @@ def step_breakdown(before: dict, after: dict, seconds: float) -> dict:
         out[kind] = d
         busy += d["device_s"]
     out["device_busy_fraction"] = busy / seconds if a.get("device_timing") else None
+    hb, ha = b.get("host_phases", {}), a.get("host_phases", {})
+    out["host_phases"] = {k: ha[k] - hb.get(k, 0.0) for k in ha}
     return out
 
 
@@ -72,4 +74,5 @@ def format_breakdown(s: dict) -> str:
     return (f"steps: prefill {p['steps']} ({p['tokens']} tokens, {p['mean_rows']:.1f} reqs each, wall {p['wall_s']:.2f} s, "
             f"device {p['device_s']:.2f} s) | decode {d['steps']} (mean batch {d['mean_rows']:.1f}, wall {d['wall_s']:.2f} s, "
             f"device {d['device_s']:.2f} s, pipeline restarts {s['decode_restarts']}) | device busy "
-            + (f"{busy:.1%}" if busy is not None else "n/a"))
+            + (f"{busy:.1%}" if busy is not None else "n/a")
+            + "".join(f" | host {k} {v:.3f} s" for k, v in s.get("host_phases", {}).items()))

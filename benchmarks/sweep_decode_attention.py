@@ -21,7 +21,8 @@ from bench_common import save  # noqa: E402
 from plait.runtime.attention.triton_ops import DecodeConfig, decode_attention  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}
-CASES = [(1, 576), (8, 576), (64, 576), (256, 576), (1, 4096), (32, 4096)]
+# Batch 512 x 700 is the offline run's decode step; 64 x 770 multiturn's; 256 x 2,000 a long-context batch.
+CASES = [(1, 576), (8, 576), (64, 770), (256, 576), (512, 700), (256, 2000), (1, 4096), (32, 4096)]
 
 
 def _key(cfg: DecodeConfig) -> tuple:
@@ -32,7 +33,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     default = DecodeConfig(target_programs=4 * sms)
     configs = [DecodeConfig(block_n=bn, max_kv_splits=ms, min_split_len=ml, target_programs=t * sms)
-               for bn, ms, ml, t in itertools.product((32, 64), (16, 32, 64), (32, 64, 128, 256), (4, 8))]
+               for bn, ms, ml, t in itertools.product((32, 64), (64,), (32, 64, 128, 256), (4, 8, 16, 32, 64))]
     rows = []
     per_case: list[dict] = []  # per case: config key -> us
     for shape, (heads, kv_heads, head_dim) in SHAPES.items():

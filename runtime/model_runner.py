@@ -116,8 +116,12 @@ class ModelRunner:
             logits, greedy = self.graph_runner.replay(fb)  # (B, vocab) float32, (B,)
             return self._sample(batch, None, sample_rows, sampling_reqs, input_lp_rows, logits, greedy)
         self.attn_backend.init_forward_metadata(fb)
+        # NOTE: the rows to sample are uploaded before the forward is queued: an upload from a Python list
+        # after it waits for the whole forward (a pageable copy syncs the stream), and only then could
+        # the LM head and the sampling be queued.
+        rows = self._upload([sample_rows])[0] if sample_rows else None
         hidden = self.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
-        return self._sample(batch, hidden, sample_rows, sampling_reqs, input_lp_rows)
+        return self._sample(batch, hidden, sample_rows, sampling_reqs, input_lp_rows, sample_rows_t=rows)
 
     # ------------------------------------------------------------------ overlapped decode
     @torch.inference_mode()
@@ -252,7 +256,7 @@ class ModelRunner:
         return fb, sample_rows, sampling_reqs, input_lp_rows
 
     def _sample(self, batch, hidden, sample_rows, sampling_reqs, input_lp_rows, logits=None,
-                greedy=None) -> StepOutput:
+                greedy=None, sample_rows_t=None) -> StepOutput:
         reqs = batch.reqs
         out = StepOutput(next_token_ids=[None] * len(reqs), output_logprobs=[None] * len(reqs),
                          input_logprobs=[[] for _ in reqs])
@@ -273,7 +277,7 @@ class ModelRunner:
             return out
         s_reqs = [reqs[i] for i in sampling_reqs]
         if logits is None:
-            rows = torch.tensor(sample_rows, device=hidden.device)
+            rows = sample_rows_t if sample_rows_t is not None else torch.tensor(sample_rows, device=hidden.device)
             logits = self.model.compute_logits(hidden[rows])  # (B, V)
         want_lp = [r.return_logprob for r in s_reqs]
         raw_logits = logits.clone() if any(want_lp) else None

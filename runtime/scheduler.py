@@ -251,6 +251,7 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
         batch = self._get_prefill_batch()
         if batch is None:
             batch = self._get_decode_batch()
+        self.timer.phase("admit", time.perf_counter() - t0)
         if batch is None:
             return None
         kind = "prefill" if batch.mode.is_extend() else "decode"
@@ -263,7 +264,9 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
             return batch
         out = self.model_runner.run(batch)
         self.timer.launched(kind, started)
+        t_read = time.perf_counter()
         self._process_result(batch, out)
+        self.timer.phase("results", time.perf_counter() - t_read)
         self._count(batch, t0)
         return batch
 
@@ -295,7 +298,9 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
                 started = self.timer.begin()
                 self.pending = (nxt, self.model_runner.launch_decode(nxt, prev=handle))
                 self.timer.launched("decode", started)
+        t_read = time.perf_counter()
         self._process_result(batch, self.model_runner.resolve(handle))
+        self.timer.phase("results", time.perf_counter() - t_read)
         if nxt is not None:
             self._count(nxt, t0)
         else:  # the last step of a pipeline: read back, nothing launched

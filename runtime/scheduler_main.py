@@ -10,6 +10,7 @@ import logging
 import os
 import pickle
 import sys
+import time
 import traceback
 
 import torch
@@ -92,6 +93,7 @@ def _serve(scheduler: Scheduler, poller, recv, send) -> None:
         if scheduler.grammar_pending and not scheduler.running and not scheduler.waiting:
             timeout = 5
         events = dict(poller.poll(timeout))
+        t_in = time.perf_counter()
         while events.get(recv):
             msg = recv.recv_pyobj()
             if msg is None:  # shutdown
@@ -100,6 +102,7 @@ def _serve(scheduler: Scheduler, poller, recv, send) -> None:
             if reply is not None:
                 send.send_pyobj(reply)
             events = dict(poller.poll(0))
+        scheduler.timer.phase("intake", time.perf_counter() - t_in)
         try:
             batch = scheduler.step()
         except Exception:
@@ -108,9 +111,11 @@ def _serve(scheduler: Scheduler, poller, recv, send) -> None:
             batch = None
         if batch is not None:
             checked_idle = False
+        t_out = time.perf_counter()
         outs = scheduler.collect_outputs()
         if outs:
             send.send_pyobj(BatchOut(outs))
+        scheduler.timer.phase("outputs", time.perf_counter() - t_out)
 
 
 def freeze_startup_heap() -> None:

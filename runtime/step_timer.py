@@ -22,6 +22,10 @@ class StepTimer:
         self.totals = {k: {"steps": 0, "rows": 0, "tokens": 0, "wall_s": 0.0, "device_s": 0.0} for k in KINDS}
         # Decode steps launched while the previous one had already been read back (the pipeline restarted).
         self.decode_restarts = 0
+        # Host seconds by phase, whatever the step kind: admitting a prefill batch ("admit"), reading back
+        # and processing a step's results ("results"), taking in requests ("intake") and sending outputs
+        # ("outputs"). Next to the device time they say which host work the GPU waited for.
+        self.phases = {"admit": 0.0, "results": 0.0, "intake": 0.0, "outputs": 0.0}
         self._open: deque = deque()  # (kind, start event, end event), oldest first, not yet read
 
     def begin(self) -> Optional[tuple]:
@@ -48,6 +52,9 @@ class StepTimer:
         t["tokens"] += tokens
         t["wall_s"] += wall_s
 
+    def phase(self, name: str, seconds: float) -> None:
+        self.phases[name] += seconds
+
     def _drain(self, block: bool) -> None:
         # NOTE: events complete in stream order, so the oldest open one is the first to check.
         while self._open:
@@ -63,5 +70,6 @@ class StepTimer:
         self._drain(block=True)
         out = {k: dict(v) for k, v in self.totals.items()}
         out["decode_restarts"] = self.decode_restarts
+        out["host_phases"] = dict(self.phases)
         out["device_timing"] = self.device_timing
         return out

@@ -455,3 +455,7 @@ def test_step_stats_count_prefill_and_decode_steps(eng):
     assert dec["rows"] == dec["tokens"] == 6 and 3 <= dec["steps"] <= 6
     assert after["decode"]["wall_s"] > before["decode"]["wall_s"]
     assert after["device_timing"] is False  # CPU: no CUDA events
+    # Host time by phase: a request came in, a batch was admitted, results were read, outputs sent.
+    grew = {k: after["host_phases"][k] - before["host_phases"][k] for k in after["host_phases"]}
+    assert set(grew) == {"admit", "results", "intake", "outputs"}
+    assert all(v > 0 for v in grew.values()), grew

@@ -133,6 +133,9 @@ def _extend_both(case, extend_config=TINY_EXTEND):
     (8, 1, 16, [16, 40], [16, 3]),  # GQA 8, prefix and extend on block boundaries
     (4, 1, 80, [21], [20]),  # head_dim 80 (padded to 128 in the kernel)
     (9, 3, 64, [4], [11]),  # GQA 3 (SmolLM2-135M's shape): a group that is not a power of two
+    (16, 1, 16, [5, 0], [7, 9]),  # GQA 16 = the tile's 16 rows: one new token per tile
+    (32, 1, 16, [3], [4]),  # GQA 32 > block_m: the tile grows to hold one token's whole group
+    (8, 2, 32, [40, 40, 40], [6, 3, 5]),  # a shared-prefix shape: short extends after a long prefix
 ])
 def test_extend_matches_torch_native(heads, kv_heads, head_dim, prefix_lens, extend_lens):
     case = _Case(heads, kv_heads, head_dim, prefix_lens, extend_lens)

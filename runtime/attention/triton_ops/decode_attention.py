@@ -7,7 +7,7 @@ One query token per request attends over its whole sequence, whose K/V live in t
   query heads that share that KV head (GQA grouping), so every K/V row is read from memory once per
   group instead of once per query head. It writes the split's normalised partial output and its
   log-sum-exp (base 2).
-- Stage 2 (grid: batch x query head): merges the splits by their log-sum-exps. With one split per request
+- Stage 2 (grid: batch): merges each request's splits, all its query heads at once, by their log-sum-exps. With one split per request
   and nothing to merge, stage 1 writes the output itself and stage 2 is not launched.
 
 With shared-prefix ("cascade") attention (`prefix_attention.py`), a grouped request's prefix was already
@@ -167,48 +167,60 @@ def _decode_stage2_kernel(
     stride_plb, stride_plh,
     stride_ob, stride_oh,
     stride_xos, stride_xoh, stride_xls,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_P: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    # One program per request, all its query heads at once: a (heads x head_dim) tile per split.
+    # NOTE: a program per (request, head) moved 2 KB each; at batch 512 that was 16k tiny programs and
+    # 52 us per layer, mostly block scheduling, for ~20 MB of partials.
     b = tl.program_id(0)
-    head = tl.program_id(1)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     suffix_len = tl.maximum(seq_len - _kv_begin(ReqInfo, b, HAS_PREFIX), 0)
     num_splits = _num_splits(suffix_len, split_cap, MIN_SPLIT_LEN)
     split_len = tl.cdiv(suffix_len, num_splits)
+    offs_h = tl.arange(0, BLOCK_HQ)
+    h_mask = offs_h < NUM_HEADS
     offs_s = tl.arange(0, BLOCK_S)
     # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
     # wrote nothing there, so it must be masked here by its start, not just by num_splits.
     s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
+    hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
 
-    lse = tl.load(PartialLse + b * stride_plb + head * stride_plh + offs_s,
-                  mask=s_mask, other=float("-inf"))  # (BLOCK_S,)
-    lse_max = tl.max(lse, 0)
+    lse = tl.load(PartialLse + b * stride_plb + offs_h[:, None] * stride_plh + offs_s[None, :],
+                  mask=h_mask[:, None] & s_mask[None, :], other=float("-inf"))  # (BLOCK_HQ, BLOCK_S)
+    lse_max = tl.max(lse, 1)  # (BLOCK_HQ,)
     if HAS_PREFIX:
         p_slot = tl.load(ReqInfo + b * 3 + 1)
+        n_prefix = tl.load(ReqInfo + b * 3 + 2)
         offs_p = tl.arange(0, BLOCK_P)
-        p_mask = offs_p < tl.load(ReqInfo + b * 3 + 2)
-        lse_p = tl.load(PrefixLse + (p_slot + offs_p) * stride_xls + head,
-                        mask=p_mask, other=float("-inf"))  # (BLOCK_P,)
-        lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
+        lse_p = tl.load(PrefixLse + (p_slot + offs_p)[None, :] * stride_xls + offs_h[:, None],
+                        mask=h_mask[:, None] & (offs_p < n_prefix)[None, :], other=float("-inf"))
+        lse_max = tl.maximum(lse_max, tl.max(lse_p, 1))
     # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # (BLOCK_S,) 0 for masked splits
-    o = tl.load(PartialO + b * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
-    w_sum = tl.sum(w, 0)
-    acc = tl.sum(o * w[:, None], 0)  # (BLOCK_D,)
+    w = tl.exp2(lse - lse_max[:, None])  # (BLOCK_HQ, BLOCK_S), 0 for masked splits
+    w_sum = tl.sum(w, 1)
+    acc = tl.zeros([BLOCK_HQ, BLOCK_D], dtype=tl.float32)
+    # The splits stage 1 wrote (not the empty last one; the scratch there is stale, maybe NaN).
+    n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
+    for s in range(0, n_written):
+        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)  # (BLOCK_HQ,) this split's weight
+        o = tl.load(PartialO + b * stride_pob + offs_h[:, None] * stride_poh + s * stride_pos + offs_d[None, :],
+                    mask=hd_mask, other=0.0)
+        acc += o * w_s[:, None]
     if HAS_PREFIX:
-        w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
-        o_p = tl.load(PrefixO + (p_slot + offs_p)[:, None] * stride_xos + head * stride_xoh + offs_d[None, :],
-                      mask=p_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_P, BLOCK_D)
-        w_sum += tl.sum(w_p, 0)
-        acc += tl.sum(o_p * w_p[:, None], 0)
-    out = acc / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
-    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+        w_p = tl.exp2(lse_p - lse_max[:, None])  # (BLOCK_HQ, BLOCK_P)
+        w_sum += tl.sum(w_p, 1)
+        for j in range(0, n_prefix):
+            w_j = tl.sum(tl.where(offs_p[None, :] == j, w_p, 0.0), 1)
+            o = tl.load(PrefixO + (p_slot + j) * stride_xos + offs_h[:, None] * stride_xoh + offs_d[None, :],
+                        mask=hd_mask, other=0.0)
+            acc += o * w_j[:, None]
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    tl.store(Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=hd_mask)
 
 
 @dataclass
@@ -297,7 +309,7 @@ def decode_attention(
         before_merge()
     if direct:
         return out
-    _decode_stage2_kernel[(batch, num_heads)](
+    _decode_stage2_kernel[(batch,)](
         partial_o, partial_lse, seq_lens, out,
         req_info, prefix_o, prefix_lse,
         split_cap,
@@ -305,10 +317,13 @@ def decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
         prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(cfg.max_kv_splits),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_D=block_d,
+        # NOTE: no request has more splits than split_cap, which depends on the batch size only, so a
+        # captured graph's constexpr stays right for any sequence lengths.
+        BLOCK_S=triton.next_power_of_2(split_cap),
         MIN_SPLIT_LEN=cfg.min_split_len, HAS_PREFIX=prefix is not None,
         BLOCK_P=triton.next_power_of_2(max(1, prefix.max_partials if prefix is not None else 1)),
-        num_warps=4 if block_d >= 128 else 2,
+        num_warps=4,
     )
     return out
 
