@@ -30,13 +30,19 @@ def _key(cfg: DecodeConfig) -> tuple:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    shapes = ap.parse_args().shapes
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     default = DecodeConfig(target_programs=4 * sms)
     configs = [DecodeConfig(block_n=bn, max_kv_splits=ms, min_split_len=ml, target_programs=t * sms)
                for bn, ms, ml, t in itertools.product((32, 64), (64,), (32, 64, 128, 256), (4, 8, 16, 32, 64))]
     rows = []
     per_case: list[dict] = []  # per case: config key -> us
-    for shape, (heads, kv_heads, head_dim) in SHAPES.items():
+    for shape in shapes:
+        heads, kv_heads, head_dim = SHAPES[shape]
         for bs, ctx in CASES:
             kv, r2t = make_pools([ctx] * bs, kv_heads, head_dim)
             q = torch.randn(bs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
