@@ -30,7 +30,8 @@ import pytest  # noqa: E402
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from plait.runtime.attention.triton_ops import DecodeConfig, ExtendConfig, decode_attention  # noqa: E402
+from plait.runtime.attention.triton_ops import (DecodeConfig, ExtendConfig, decode_attention,  # noqa: E402
+                                                default_decode_policy)
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from plait.runtime.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
@@ -193,6 +194,29 @@ def test_decode_with_one_split_writes_the_output_from_stage_one():
     decode_attention(q, case.kv_pool.k_buffer[1], case.kv_pool.v_buffer[1], out, case.r2t_pool.req_to_token,
                      torch.tensor(case.rows), seq, 32 ** -0.5, cfg)
     assert torch.equal(out[1], torch.zeros(8, 32)) and not out.isnan().any()
+
+
+def test_min_splits_floor_splits_a_full_batch_and_stage_two_merges_them():
+    # target_programs 1 alone would give one split per request; min_splits 2 keeps two (the wave
+    # quantization fix for large batches), so stage 2 runs, over requests of 1 to 40 tokens.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=1, min_splits=2)
+    assert cfg.split_cap(512, 8) == 2
+    case = _Case(8, 2, 32, [20, 0, 39, 8], [1, 1, 1, 1])
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_default_decode_policy_picks_tiles_by_batch_size():
+    policy = default_decode_policy(132)
+    small, large = policy.for_batch(1), policy.for_batch(512)
+    assert policy.for_batch(16) is small and policy.for_batch(17) is large
+    assert small.block_n == 64 and small.min_split_len == 128  # few long programs per request
+    assert large.block_n == 32 and large.split_cap(512, 8) == 2  # at least two splits when the batch is full
+    assert large.split_cap(64, 8) == 2 and small.split_cap(1, 8) == 64
+    # The backend's default follows the policy; an explicit config serves every batch size.
+    backend = TritonAttnBackend(_runner("cpu"))
+    assert backend.decode_policy.for_batch(300).min_splits == 2
+    assert TritonAttnBackend(_runner("cpu"), decode_config=TINY_DECODE).decode_policy.for_batch(300) is TINY_DECODE
 
 
 def test_cuda_graph_hooks_pad_and_reuse_static_buffers():

@@ -45,8 +45,8 @@ from ..forward_batch import ForwardBatch
 from .base import AttentionBackend, AttentionLayerSpec
 from .cascade_plan import CascadeConfig
 from .triton_cascade import CascadeStep, TritonCascade
-from .triton_ops import (DecodeConfig, ExtendConfig, PrefixConfig, decode_attention, decode_scratch_numel,
-                         extend_attention)
+from .triton_ops import (DecodeConfig, DecodePolicy, ExtendConfig, PrefixConfig, decode_attention,
+                         decode_scratch_numel, default_decode_policy, extend_attention)
 
 
 @dataclass
@@ -82,7 +82,9 @@ class TritonAttnBackend(AttentionBackend):
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton attention backend needs a CUDA device, not {self.device.type!r} "
                              "(use attention_backend='torch_native'; TRITON_INTERPRET=1 runs it slowly on CPU)")
-        self.decode_config = decode_config or DecodeConfig(target_programs=4 * _num_sms(self.device))
+        # An explicit config (tests, sweeps) serves every batch size; the default picks by batch size.
+        self.decode_policy = (DecodePolicy(decode_config, decode_config) if decode_config is not None
+                              else default_decode_policy(_num_sms(self.device)))
         self.extend_config = extend_config  # None: picked per head_dim by the kernel module
         self.head_shape = _read_head_shape(model_runner)
         self._scratch: Optional[torch.Tensor] = None  # flat fp32 decode scratch; fixed once graphs are on
@@ -147,7 +149,8 @@ class TritonAttnBackend(AttentionBackend):
             join = self._cascade.launch_prefix(md.cascade, q, k_buffer, v_buffer, r2t, layer.scaling)
             prefix = self._cascade.prefix_partials(md.cascade)
         decode_attention(q, k_buffer, v_buffer, out.view(q.shape), r2t, md.req_pool_indices, md.seq_lens,
-                         layer.scaling, self.decode_config, scratch=scratch, prefix=prefix, before_merge=join)
+                         layer.scaling, self.decode_policy.for_batch(batch), scratch=scratch, prefix=prefix,
+                         before_merge=join)
         return out  # (B, H * D)
 
     def _cascade_state(self) -> Optional[TritonCascade]:
@@ -174,8 +177,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def _allocate_scratch(self, max_bs: int) -> None:
         hs = self.head_shape
-        numel = max(decode_scratch_numel(bs, hs.num_heads, hs.num_kv_heads, hs.head_dim, self.decode_config)
-                    for bs in range(1, max_bs + 1))
+        numel = max(decode_scratch_numel(bs, hs.num_heads, hs.num_kv_heads, hs.head_dim,
+                                         self.decode_policy.for_batch(bs)) for bs in range(1, max_bs + 1))
         self._scratch = torch.empty(numel, dtype=torch.float32, device=self.device)
         self._scratch_max_bs = max_bs
 

@@ -1,10 +1,11 @@
 """Triton attention kernels over the paged KV pool (used by `triton_backend.py`)."""
 
-from .decode_attention import DecodeConfig, PrefixPartials, decode_attention, decode_scratch_numel
+from .decode_attention import (DecodeConfig, DecodePolicy, PrefixPartials, decode_attention, decode_scratch_numel,
+                               default_decode_policy)
 from .extend_attention import ExtendConfig, default_extend_config, extend_attention
 from .prefix_attention import (PrefixConfig, PrefixTables, prefix_attention, prefix_partial_numel,
                                split_prefix_scratch)
 
-__all__ = ["DecodeConfig", "ExtendConfig", "PrefixConfig", "PrefixPartials", "PrefixTables", "decode_attention",
+__all__ = ["DecodeConfig", "DecodePolicy", "default_decode_policy", "ExtendConfig", "PrefixConfig", "PrefixPartials", "PrefixTables", "decode_attention",
            "decode_scratch_numel", "default_extend_config", "extend_attention", "prefix_attention",
            "prefix_partial_numel", "split_prefix_scratch"]

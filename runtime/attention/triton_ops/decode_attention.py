@@ -50,17 +50,46 @@ class DecodeConfig:
     target_programs: int = 4 * 132  # stage-1 programs worth launching (about 4 waves on an H200)
     num_warps: int = 4
     num_stages: int = 2
+    # A floor on the split cap. At batch 512 x 8 KV heads one split per request already makes 4,096
+    # programs, but of equal length they run in ~3.1 waves of the GPU's resident programs, and the last,
+    # mostly empty wave costs a whole one: 411 us per layer (700-token contexts), 382 with two splits.
+    min_splits: int = 1
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
-        if self.max_kv_splits < 1 or self.min_split_len < 1 or self.target_programs < 1:
-            raise ValueError("max_kv_splits, min_split_len and target_programs must be >= 1")
+        if min(self.max_kv_splits, self.min_split_len, self.target_programs, self.min_splits) < 1:
+            raise ValueError("max_kv_splits, min_split_len, target_programs and min_splits must be >= 1")
 
     def split_cap(self, batch_size: int, num_kv_heads: int) -> int:
         """Most splits a request of this batch may use: enough programs to fill the GPU, no more."""
         want = -(-self.target_programs // max(1, batch_size * num_kv_heads))
-        return max(1, min(self.max_kv_splits, want))
+        return max(1, min(self.max_kv_splits, max(want, self.min_splits)))
+
+
+@dataclass(frozen=True)
+class DecodePolicy:
+    """The DecodeConfig each decode batch size runs with: a batch of a few requests is latency-bound
+    (few, long programs: larger KV tiles and splits pay), a large one bandwidth-bound (many programs:
+    small tiles, and enough splits to even out the waves). The choice depends on the batch size
+    only, so a captured CUDA graph keeps its kernels right for any sequence lengths."""
+
+    small: DecodeConfig
+    large: DecodeConfig
+    small_max_batch: int = 16
+
+    def for_batch(self, batch_size: int) -> DecodeConfig:
+        return self.small if batch_size <= self.small_max_batch else self.large
+
+
+def default_decode_policy(num_sms: int) -> DecodePolicy:
+    # NOTE: from benchmarks/sweep_decode_attention.py on an H200 (8B heads, bf16, us per layer; old
+    # single default -> these): batch 1 x 576 16.5 -> ~11.5, batch 1 x 4,096 47.7 -> ~25, batch 8 x 576
+    # 14.6 -> ~13.1, batch 64 x 770 60.0 (unchanged), batch 256 x 576 195.9 -> 161, batch 256 x 2,000
+    # 666 -> 518, batch 512 x 700 411 -> 384.
+    return DecodePolicy(
+        small=DecodeConfig(block_n=64, min_split_len=128, target_programs=8 * num_sms),
+        large=DecodeConfig(block_n=32, min_split_len=32, target_programs=4 * num_sms, min_splits=2))
 
 
 @triton.jit
