@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
                 del sys.modules[_name]
     os.environ["TRITON_INTERPRET"] = "1"
 
+import dataclasses  # noqa: E402
 import types  # noqa: E402
 
 import pytest  # noqa: E402
@@ -236,10 +237,11 @@ def test_planner_reuses_groups_while_requests_stay():
     (8, 1, 64, [(17, [18, 19, 40])], [30, 2]),  # GQA 8: 2 members per tile
     (9, 3, 64, [(24, [25, 30, 26, 27, 28])], [10]),  # GQA 3 (SmolLM2-135M): a tile of 5 members, 15 rows
 ])
-def test_eager_cascade_matches_torch_native(heads, kv_heads, head_dim, groups, solo):
+@pytest.mark.parametrize("merge_per_head", [False, True])  # stage 2 per request / per (request, head)
+def test_eager_cascade_matches_torch_native(heads, kv_heads, head_dim, groups, solo, merge_per_head):
     case = _SharedCase(heads, kv_heads, head_dim, groups, solo)
     q = case.randn(len(case.rows), heads, head_dim)
-    backend = _triton(case)
+    backend = _triton(case, decode=dataclasses.replace(TINY_DECODE, merge_per_head=merge_per_head))
     md, got = _decode(backend, case, q)
     assert md.cascade is not None and md.cascade.plan.num_work > 0  # the cascade path ran
     assert sorted(g.prefix_len for g in md.cascade.plan.groups) == sorted(p for p, _ in groups)

@@ -171,10 +171,24 @@ def test_decode_matches_torch_native(heads, kv_heads, head_dim, seq_lens):
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
-def test_decode_with_an_empty_last_split():
+@pytest.mark.parametrize("merge_per_head", [False, True])
+def test_decode_with_an_empty_last_split(merge_per_head):
     # seq_len 9 in 4 splits of cdiv(9, 4) = 3 tokens: the 4th split is empty and must be ignored.
-    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=2, target_programs=64)
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=2, target_programs=64,
+                       merge_per_head=merge_per_head)
     case = _Case(4, 4, 32, [8, 12], [1, 1])
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,seq_lens", [
+    (8, 2, 128, [33, 5, 70]),  # GQA 4, up to 4 splits
+    (9, 3, 64, [40, 3]),  # GQA 3
+])
+def test_decode_merge_per_head_matches_torch_native(heads, kv_heads, head_dim, seq_lens):
+    # The small-batch stage 2 (one program per request and head) against the reference.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=64, merge_per_head=True)
+    case = _Case(heads, kv_heads, head_dim, [s - 1 for s in seq_lens], [1] * len(seq_lens))
     got, ref = _decode_both(case, decode_config=cfg)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
@@ -210,8 +224,8 @@ def test_default_decode_policy_picks_tiles_by_batch_size():
     policy = default_decode_policy(132)
     small, large = policy.for_batch(1), policy.for_batch(512)
     assert policy.for_batch(16) is small and policy.for_batch(17) is large
-    assert small.block_n == 64 and small.min_split_len == 128  # few long programs per request
-    assert large.block_n == 32 and large.split_cap(512, 8) == 2  # at least two splits when the batch is full
+    assert small.merge_per_head and not large.merge_per_head  # a batch of one merges over its 32 heads
+    assert large.split_cap(512, 8) == 2  # at least two splits when the batch is full
     assert large.split_cap(64, 8) == 2 and small.split_cap(1, 8) == 64
     # The backend's default follows the policy; an explicit config serves every batch size.
     backend = TritonAttnBackend(_runner("cpu"))

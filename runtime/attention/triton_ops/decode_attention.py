@@ -54,6 +54,9 @@ class DecodeConfig:
     # programs, but of equal length they run in ~3.1 waves of the GPU's resident programs, and the last,
     # mostly empty wave costs a whole one: 411 us per layer (700-token contexts), 382 with two splits.
     min_splits: int = 1
+    # Stage 2 with one program per (request, head) instead of per request: a small batch has too few
+    # requests to spread the merge over (batch 1: one program, looping over its splits).
+    merge_per_head: bool = False
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -83,13 +86,13 @@ class DecodePolicy:
 
 
 def default_decode_policy(num_sms: int) -> DecodePolicy:
-    # NOTE: from benchmarks/sweep_decode_attention.py on an H200 (8B heads, bf16, us per layer; old
-    # single default -> these): batch 1 x 576 16.5 -> ~11.5, batch 1 x 4,096 47.7 -> ~25, batch 8 x 576
-    # 14.6 -> ~13.1, batch 64 x 770 60.0 (unchanged), batch 256 x 576 195.9 -> 161, batch 256 x 2,000
-    # 666 -> 518, batch 512 x 700 411 -> 384.
+    # NOTE: from benchmarks/sweep_decode_attention.py on an H200 (8B heads, bf16, us per layer, old
+    # single default -> large): batch 64 x 770 60.0 -> 60.0, batch 256 x 576 195.9 -> 161.3, batch
+    # 256 x 2,000 666 -> 518, batch 512 x 700 411 -> 384. Small batches keep the tiles they had (the
+    # session-2 sweep's defaults, measured in the full step: 8B batch 1 4.77 ms) and the per-head merge.
     return DecodePolicy(
-        small=DecodeConfig(block_n=64, min_split_len=128, target_programs=8 * num_sms),
-        large=DecodeConfig(block_n=32, min_split_len=32, target_programs=4 * num_sms, min_splits=2))
+        small=DecodeConfig(target_programs=4 * num_sms, merge_per_head=True),
+        large=DecodeConfig(target_programs=4 * num_sms, min_splits=2))
 
 
 @triton.jit
@@ -252,6 +255,61 @@ def _decode_stage2_kernel(
              mask=hd_mask)
 
 
+@triton.jit
+def _decode_stage2_per_head_kernel(
+    PartialO, PartialLse, SeqLens, Out,
+    ReqInfo, PrefixO, PrefixLse,
+    split_cap,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    stride_ob, stride_oh,
+    stride_xos, stride_xoh, stride_xls,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    # One program per (request, query head), all splits in one load: the latency-bound small batches'
+    # merge (a batch of one has 32 of these programs, where the per-request merge has one).
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    suffix_len = tl.maximum(seq_len - _kv_begin(ReqInfo, b, HAS_PREFIX), 0)
+    num_splits = _num_splits(suffix_len, split_cap, MIN_SPLIT_LEN)
+    split_len = tl.cdiv(suffix_len, num_splits)
+    offs_s = tl.arange(0, BLOCK_S)
+    # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
+    # wrote nothing there, so it must be masked here by its start, not just by num_splits.
+    s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    lse = tl.load(PartialLse + b * stride_plb + head * stride_plh + offs_s,
+                  mask=s_mask, other=float("-inf"))  # (BLOCK_S,)
+    lse_max = tl.max(lse, 0)
+    if HAS_PREFIX:
+        p_slot = tl.load(ReqInfo + b * 3 + 1)
+        offs_p = tl.arange(0, BLOCK_P)
+        p_mask = offs_p < tl.load(ReqInfo + b * 3 + 2)
+        lse_p = tl.load(PrefixLse + (p_slot + offs_p) * stride_xls + head,
+                        mask=p_mask, other=float("-inf"))  # (BLOCK_P,)
+        lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
+    # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # (BLOCK_S,) 0 for masked splits
+    o = tl.load(PartialO + b * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
+    w_sum = tl.sum(w, 0)
+    acc = tl.sum(o * w[:, None], 0)  # (BLOCK_D,)
+    if HAS_PREFIX:
+        w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
+        o_p = tl.load(PrefixO + (p_slot + offs_p)[:, None] * stride_xos + head * stride_xoh + offs_d[None, :],
+                      mask=p_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_P, BLOCK_D)
+        w_sum += tl.sum(w_p, 0)
+        acc += tl.sum(o_p * w_p[:, None], 0)
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
+    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
 @dataclass
 class PrefixPartials:
     """What the shared-prefix kernel left for the split-KV decode to merge (see prefix_attention.py)."""
@@ -338,6 +396,24 @@ def decode_attention(
         before_merge()
     if direct:
         return out
+    block_p = triton.next_power_of_2(max(1, prefix.max_partials if prefix is not None else 1))
+    # NOTE: no request has more splits than split_cap, which depends on the batch size only, so a
+    # captured graph's constexpr BLOCK_S stays right for any sequence lengths.
+    block_s = triton.next_power_of_2(split_cap)
+    if cfg.merge_per_head:
+        _decode_stage2_per_head_kernel[(batch, num_heads)](
+            partial_o, partial_lse, seq_lens, out,
+            req_info, prefix_o, prefix_lse,
+            split_cap,
+            partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            out.stride(0), out.stride(1),
+            prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s,
+            MIN_SPLIT_LEN=cfg.min_split_len, HAS_PREFIX=prefix is not None, BLOCK_P=block_p,
+            num_warps=4 if block_d >= 128 else 2,
+        )
+        return out
     _decode_stage2_kernel[(batch,)](
         partial_o, partial_lse, seq_lens, out,
         req_info, prefix_o, prefix_lse,
@@ -347,11 +423,7 @@ def decode_attention(
         out.stride(0), out.stride(1),
         prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_D=block_d,
-        # NOTE: no request has more splits than split_cap, which depends on the batch size only, so a
-        # captured graph's constexpr stays right for any sequence lengths.
-        BLOCK_S=triton.next_power_of_2(split_cap),
-        MIN_SPLIT_LEN=cfg.min_split_len, HAS_PREFIX=prefix is not None,
-        BLOCK_P=triton.next_power_of_2(max(1, prefix.max_partials if prefix is not None else 1)),
+        BLOCK_S=block_s, MIN_SPLIT_LEN=cfg.min_split_len, HAS_PREFIX=prefix is not None, BLOCK_P=block_p,
         num_warps=4,
     )
     return out
