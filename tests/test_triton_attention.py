@@ -223,7 +223,7 @@ def test_min_splits_floor_splits_a_full_batch_and_stage_two_merges_them():
 def test_default_decode_policy_picks_tiles_by_batch_size():
     policy = default_decode_policy(132)
     small, large = policy.for_batch(1), policy.for_batch(512)
-    assert policy.for_batch(16) is small and policy.for_batch(17) is large
+    assert policy.for_batch(32) is small and policy.for_batch(33) is large
     assert small.merge_per_head and not large.merge_per_head  # a batch of one merges over its 32 heads
     assert large.split_cap(512, 8) == 2  # at least two splits when the batch is full
     assert large.split_cap(64, 8) == 2 and small.split_cap(1, 8) == 64

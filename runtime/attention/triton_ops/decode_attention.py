@@ -73,13 +73,15 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class DecodePolicy:
     """The DecodeConfig each decode batch size runs with: a batch of a few requests is latency-bound
-    (few, long programs: larger KV tiles and splits pay), a large one bandwidth-bound (many programs:
-    small tiles, and enough splits to even out the waves). The choice depends on the batch size
-    only, so a captured CUDA graph keeps its kernels right for any sequence lengths."""
+    (its merge must be spread over heads: a program per request would loop over its splits alone), a
+    large one bandwidth-bound (enough splits to even out the waves, one merge program per request).
+    The choice depends on the batch size only, so a captured CUDA graph keeps its kernels right for
+    any sequence lengths. The boundary (32) is where batch x heads merge programs stop being cheaper
+    than batch programs looping over ~3 splits each."""
 
     small: DecodeConfig
     large: DecodeConfig
-    small_max_batch: int = 16
+    small_max_batch: int = 32
 
     def for_batch(self, batch_size: int) -> DecodeConfig:
         return self.small if batch_size <= self.small_max_batch else self.large
