@@ -193,6 +193,15 @@ def _decode_stage1_kernel(
 
 
 @triton.jit
+def _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr):
+    # Stage 2's view of request b: the KV length stage 1 covered, its split count and split length.
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    suffix_len = tl.maximum(seq_len - _kv_begin(ReqInfo, b, HAS_PREFIX), 0)
+    num_splits = _num_splits(suffix_len, split_cap, MIN_SPLIT_LEN)
+    return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits)
+
+
+@triton.jit
 def _decode_stage2_kernel(
     PartialO, PartialLse, SeqLens, Out,
     ReqInfo, PrefixO, PrefixLse,
@@ -209,10 +218,7 @@ def _decode_stage2_kernel(
     # 52 us per layer, mostly block scheduling, for ~20 MB of partials.
     b = tl.program_id(0)
 
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    suffix_len = tl.maximum(seq_len - _kv_begin(ReqInfo, b, HAS_PREFIX), 0)
-    num_splits = _num_splits(suffix_len, split_cap, MIN_SPLIT_LEN)
-    split_len = tl.cdiv(suffix_len, num_splits)
+    suffix_len, num_splits, split_len = _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX)
     offs_h = tl.arange(0, BLOCK_HQ)
     h_mask = offs_h < NUM_HEADS
     offs_s = tl.arange(0, BLOCK_S)
@@ -274,10 +280,7 @@ def _decode_stage2_per_head_kernel(
     b = tl.program_id(0)
     head = tl.program_id(1)
 
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    suffix_len = tl.maximum(seq_len - _kv_begin(ReqInfo, b, HAS_PREFIX), 0)
-    num_splits = _num_splits(suffix_len, split_cap, MIN_SPLIT_LEN)
-    split_len = tl.cdiv(suffix_len, num_splits)
+    suffix_len, num_splits, split_len = _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX)
     offs_s = tl.arange(0, BLOCK_S)
     # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
     # wrote nothing there, so it must be masked here by its start, not just by num_splits.
@@ -402,32 +405,17 @@ def decode_attention(
     # NOTE: no request has more splits than split_cap, which depends on the batch size only, so a
     # captured graph's constexpr BLOCK_S stays right for any sequence lengths.
     block_s = triton.next_power_of_2(split_cap)
-    if cfg.merge_per_head:
-        _decode_stage2_per_head_kernel[(batch, num_heads)](
-            partial_o, partial_lse, seq_lens, out,
-            req_info, prefix_o, prefix_lse,
-            split_cap,
+    args = (partial_o, partial_lse, seq_lens, out, req_info, prefix_o, prefix_lse, split_cap,
             partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1),
-            out.stride(0), out.stride(1),
-            prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s,
-            MIN_SPLIT_LEN=cfg.min_split_len, HAS_PREFIX=prefix is not None, BLOCK_P=block_p,
-            num_warps=4 if block_d >= 128 else 2,
-        )
-        return out
-    _decode_stage2_kernel[(batch,)](
-        partial_o, partial_lse, seq_lens, out,
-        req_info, prefix_o, prefix_lse,
-        split_cap,
-        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
-        out.stride(0), out.stride(1),
-        prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_D=block_d,
-        BLOCK_S=block_s, MIN_SPLIT_LEN=cfg.min_split_len, HAS_PREFIX=prefix is not None, BLOCK_P=block_p,
-        num_warps=4,
-    )
+            partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
+            prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0))
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, MIN_SPLIT_LEN=cfg.min_split_len,
+                  HAS_PREFIX=prefix is not None, BLOCK_P=block_p)
+    if cfg.merge_per_head:
+        _decode_stage2_per_head_kernel[(batch, num_heads)](*args, **consts, num_warps=4 if block_d >= 128 else 2)
+    else:
+        _decode_stage2_kernel[(batch,)](*args, NUM_HEADS=num_heads, BLOCK_HQ=triton.next_power_of_2(num_heads),
+                                        **consts, num_warps=4)
     return out
 
 
