@@ -27,8 +27,9 @@ for step in "$@"; do
       for m in llama-3.1-8b llama-3.2-1b; do
         timeout 120 python3 benchmarks/profile_decode_step.py --model $m 2>&1 | grep -E "graph|us/step" | head -14
       done ;;
-    sweeps)  # the tile choices: split-KV decode defaults, skinny matmul vs cuBLAS
-      timeout 200 python3 benchmarks/sweep_decode_attention.py 2>&1 | grep -E "^8b|^1b|overall"
+    sweeps)  # the tile choices: split-KV decode policy, extend tiles, skinny matmul vs cuBLAS
+      timeout 330 python3 benchmarks/sweep_decode_attention.py --shapes 8b 2>&1 | grep -E "^8b|^1b|overall"
+      timeout 150 python3 benchmarks/sweep_extend_attention.py 2>&1 | grep -vE "failed|[Ww]arn"
       timeout 200 python3 benchmarks/bench_gemv.py --model llama-3.1-8b 2>&1 | grep -E "^m=|step" ;;
     cascade)  # shared-prefix decode attention vs the plain split-KV kernel, one layer, graphs
       timeout 300 python3 benchmarks/bench_cascade_attention.py ${CASCADE_ARGS:---quick} 2>&1 | tail -20 ;;
