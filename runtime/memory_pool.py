@@ -49,23 +49,30 @@ class ReqToTokenPool:
 
     def write_rows(self, items: list[tuple[int, torch.Tensor]]) -> None:
         """Several requests' kv_slots from position 0 (cached prefixes at admission): per-row host
-        writes, and one indexed write on the device for all of them.
+        writes, and one upload + one indexed write on the device for all of them.
 
         NOTE: one `write` per request was one pageable host-to-device copy each, and such a copy waits
         for the device: admitting 256 requests that share a 2,000-token prefix cost ~50 ms of host time.
+        The upload is int32 slots plus each row's (req slot, length, start); the (row, position) index
+        pairs are expanded on the device: 1.3 MB instead of 7.8 MB for 163 rows of 2,000.
         """
         if not items:
             return
-        rows, positions, kv = [], [], []
-        for slot, kv_slots in items:
-            host = kv_slots.cpu().numpy()
+        hosts = [kv_slots.cpu().numpy() for _, kv_slots in items]
+        for (slot, _), host in zip(items, hosts):
             self.host[slot, :len(host)] = host
-            rows.append(np.full(len(host), slot, dtype=np.int64))
-            positions.append(np.arange(len(host), dtype=np.int64))
-            kv.append(host.astype(np.int64))
-        packed = torch.from_numpy(np.stack([np.concatenate(rows), np.concatenate(positions), np.concatenate(kv)]))
-        packed = packed.to(self.req_to_token.device)  # (3, n): one copy
-        self.req_to_token[packed[0], packed[1]] = packed[2].to(torch.int32)
+        lens = np.fromiter(map(len, hosts), dtype=np.int64, count=len(hosts))
+        n, k = int(lens.sum()), len(hosts)
+        starts = np.cumsum(lens) - lens
+        packed = np.concatenate(hosts + [np.fromiter((s for s, _ in items), dtype=np.int64, count=k), lens, starts])
+        packed = torch.from_numpy(packed.astype(np.int32)).to(self.req_to_token.device)  # one copy
+        kv, slots, starts_t = packed[:n], packed[n:n + k].long(), packed[n + 2 * k:].long()
+        lens_t = packed[n + k:n + 2 * k].long()
+        # NOTE: output_size keeps repeat_interleave from reading the total back (a sync).
+        rows = torch.repeat_interleave(slots, lens_t, output_size=n)
+        row_starts = torch.repeat_interleave(starts_t, lens_t, output_size=n)
+        positions = torch.arange(n, device=packed.device) - row_starts
+        self.req_to_token[rows, positions] = kv
 
     def write_step(self, device_rows: tuple, host_rows: tuple) -> None:
         """A step's new tokens, (req slots, positions, kv slots) each (T,): one indexed write per

@@ -6,6 +6,7 @@ from .extend_attention import ExtendConfig, default_extend_config, extend_attent
 from .prefix_attention import (PrefixConfig, PrefixTables, prefix_attention, prefix_partial_numel,
                                split_prefix_scratch)
 
-__all__ = ["DecodeConfig", "DecodePolicy", "default_decode_policy", "ExtendConfig", "PrefixConfig", "PrefixPartials", "PrefixTables", "decode_attention",
+__all__ = ["DecodeConfig", "DecodePolicy", "default_decode_policy",
+           "ExtendConfig", "PrefixConfig", "PrefixPartials", "PrefixTables", "decode_attention",
            "decode_scratch_numel", "default_extend_config", "extend_attention", "prefix_attention",
            "prefix_partial_numel", "split_prefix_scratch"]

@@ -7,7 +7,8 @@ One query token per request attends over its whole sequence, whose K/V live in t
   query heads that share that KV head (GQA grouping), so every K/V row is read from memory once per
   group instead of once per query head. It writes the split's normalised partial output and its
   log-sum-exp (base 2).
-- Stage 2 (grid: batch): merges each request's splits, all its query heads at once, by their log-sum-exps. With one split per request
+- Stage 2: merges each request's splits by their log-sum-exps (grid: batch, all query heads of a
+  request in one program; small batches: batch x query head, see DecodePolicy). With one split per request
   and nothing to merge, stage 1 writes the output itself and stage 2 is not launched.
 
 With shared-prefix ("cascade") attention (`prefix_attention.py`), a grouped request's prefix was already
