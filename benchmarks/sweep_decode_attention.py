@@ -7,6 +7,7 @@ attention is a few microseconds: launch gaps would swamp a plain timer), against
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import sys
@@ -30,8 +31,6 @@ def _key(cfg: DecodeConfig) -> tuple:
 
 
 def main() -> None:
-    import argparse
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     shapes = ap.parse_args().shapes

@@ -277,8 +277,7 @@ class ModelRunner:
             return out
         s_reqs = [reqs[i] for i in sampling_reqs]
         if logits is None:
-            rows = sample_rows_t if sample_rows_t is not None else torch.tensor(sample_rows, device=hidden.device)
-            logits = self.model.compute_logits(hidden[rows])  # (B, V)
+            logits = self.model.compute_logits(hidden[sample_rows_t])  # (B, V); rows uploaded by run()
         want_lp = [r.return_logprob for r in s_reqs]
         raw_logits = logits.clone() if any(want_lp) else None
         if all(_plain_greedy(r) for r in s_reqs):
