@@ -1,6 +1,10 @@
 """One static batch through the ModelRunner (no scheduler, no IPC): prefill latency and per-step decode
 latency at several batch sizes, next to the memory floor of each decode step.
 
+Decode is timed two ways: a step alone (build, launch, read the tokens back: one host sync per step)
+and pipelined as the engine runs it (overlap scheduling: step i+1 launched from step i's tokens on the
+device before step i's are read), which hides the host's part of the step.
+
 The floor of a decode step is the bytes it must read — every weight once, plus the K/V of every
 token attended to — over the device-to-device copy bandwidth measured in the same run. transformers
 `generate` runs the same shapes in the same run for comparison.
@@ -39,6 +43,7 @@ def timed(fn, reps: int = 1) -> float:
 
 
 def run_plait(args, bw: float) -> list[dict]:
+    from plait.runtime.cuda_graph_runner import CudaGraphRunner
     from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.memory_pool import KVPool
     from plait.runtime.model_runner import ModelRunner
@@ -51,56 +56,111 @@ def run_plait(args, bw: float) -> list[dict]:
     sa = ServerArgs(model_path=args.model, load_format="dummy", max_total_tokens=total,
                     max_running_requests=max_bs, cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
                     attention_backend=args.attention_backend, context_length=args.input_len + args.output_len + 16)
+    _set_env(args.variants[0])
     mr = ModelRunner(sa, args.model)
     cfg = mr.model_config
     wbytes = weight_bytes(mr.model)
     kv_tok = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, mr.dtype)
     rows = []
-    gen = torch.Generator().manual_seed(0)
-    for bs in args.batch_sizes:
-        reqs = []
-        for i in range(bs):
-            ids = torch.randint(100, 30000, (args.input_len,), generator=gen).tolist()
-            r = Req(f"r{i}", ids, SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True))
-            r.req_pool_idx = mr.req_to_token_pool.alloc()
-            reqs.append(r)
-        loc = mr.allocator.alloc(bs * args.input_len)
-        batch = ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [args.input_len] * bs, loc)
+    for vi, variant in enumerate(args.variants):
+        if vi:  # the kernels read their switches at capture time: capture the graphs again
+            _set_env(variant)
+            mr.graph_runner = None
+            torch.cuda.empty_cache()
+            if not args.disable_cuda_graph:
+                mr.graph_runner = CudaGraphRunner(mr)
+        gen = torch.Generator().manual_seed(0)
+        for bs in args.batch_sizes:
+            reqs = _new_requests(mr, bs, args, gen, Req, SamplingParams)
+            loc = mr.allocator.alloc(bs * args.input_len)
+            batch = ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [args.input_len] * bs, loc)
 
-        def prefill():
-            return mr.run(batch)
+            def prefill():
+                return mr.run(batch)
 
-        prefill()  # warm-up (Triton compiles)
-        t_prefill = timed(prefill)
-        out = prefill()
-        for r, tok in zip(reqs, out.next_token_ids):
-            r.output_ids = [tok]
-            r.kv_len = args.input_len
-        step_times = []
-        for step in range(args.output_len - 1):
-            dloc = mr.allocator.alloc(bs)
-            dbatch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=dloc)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            o = mr.run(dbatch)  # includes the one host sync that reads the sampled tokens
-            step_times.append(time.perf_counter() - t)
-            for r, tok in zip(reqs, o.next_token_ids):
-                r.output_ids.append(tok)
-                r.kv_len += 1
-        decode = statistics.median(step_times[5:])
-        mean_ctx = args.input_len + args.output_len / 2
-        floor = (wbytes + bs * mean_ctx * kv_tok) / bw
-        rows.append({"batch_size": bs, "prefill_s": t_prefill, "prefill_tok_s": bs * args.input_len / t_prefill,
-                     "decode_step_ms": decode * 1e3, "decode_tok_s": bs / decode, "floor_ms": floor * 1e3,
-                     "floor_fraction": floor / decode})
-        print(f"plait bs={bs:4d} prefill {t_prefill * 1e3:8.1f} ms  decode step {decode * 1e3:7.3f} ms  "
-              f"floor {floor * 1e3:7.3f} ms  ({floor / decode:5.1%} of floor speed)  {bs / decode:8.0f} tok/s",
-              flush=True)
-        for r in reqs:
-            kv = mr.req_to_token_pool.req_to_token[r.req_pool_idx, :r.kv_len + 1].long().cpu()
-            mr.allocator.free(kv)
-            mr.req_to_token_pool.free(r.req_pool_idx)
+            prefill()  # warm-up (Triton compiles)
+            t_prefill = timed(prefill)
+            out = prefill()
+            for r, tok in zip(reqs, out.next_token_ids):
+                r.output_ids = [tok]
+                r.kv_len = args.input_len
+            half = (args.output_len - 1) // 2
+            sync_step = _sync_steps(mr, reqs, half, ScheduleBatch, ForwardMode)
+            piped_step = _pipelined_steps(mr, reqs, args.output_len - 1 - half, ScheduleBatch, ForwardMode)
+            mean_ctx = args.input_len + args.output_len / 2
+            floor = (wbytes + bs * mean_ctx * kv_tok) / bw
+            rows.append({"variant": variant, "batch_size": bs, "prefill_s": t_prefill,
+                         "prefill_tok_s": bs * args.input_len / t_prefill,
+                         "decode_step_ms": sync_step * 1e3, "decode_tok_s": bs / sync_step,
+                         "pipelined_step_ms": piped_step * 1e3, "pipelined_tok_s": bs / piped_step,
+                         "floor_ms": floor * 1e3, "floor_fraction": floor / sync_step,
+                         "pipelined_floor_fraction": floor / piped_step})
+            print(f"plait [{variant or 'defaults'}] bs={bs:4d} prefill {t_prefill * 1e3:8.1f} ms  decode step "
+                  f"{sync_step * 1e3:7.3f} ms ({floor / sync_step:5.1%} of floor), pipelined {piped_step * 1e3:7.3f} ms "
+                  f"({floor / piped_step:5.1%})  floor {floor * 1e3:7.3f} ms  {bs / piped_step:8.0f} tok/s", flush=True)
+            for r in reqs:
+                kv = mr.req_to_token_pool.req_to_token[r.req_pool_idx, :r.kv_len + 1].long().cpu()
+                mr.allocator.free(kv)
+                mr.req_to_token_pool.free(r.req_pool_idx)
     return rows, wbytes, kv_tok
+
+
+def _set_env(variant: str) -> None:
+    """"NAME=value,NAME=value" (e.g. "PLAIT_PDL=0") into os.environ; "" leaves the environment as it is."""
+    for item in filter(None, variant.split(",")):
+        name, _, value = item.partition("=")
+        os.environ[name.strip()] = value.strip()
+
+
+def _new_requests(mr, bs, args, gen, Req, SamplingParams) -> list:
+    reqs = []
+    for i in range(bs):
+        ids = torch.randint(100, 30000, (args.input_len,), generator=gen).tolist()
+        r = Req(f"r{i}", ids, SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True))
+        r.req_pool_idx = mr.req_to_token_pool.alloc()
+        reqs.append(r)
+    return reqs
+
+
+def _sync_steps(mr, reqs, steps: int, ScheduleBatch, ForwardMode) -> float:
+    """Median seconds of a decode step run alone: build, launch, read the tokens back (one host sync)."""
+    times = []
+    for _ in range(steps):
+        dbatch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(len(reqs)))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        o = mr.run(dbatch)
+        times.append(time.perf_counter() - t)
+        for r, tok in zip(reqs, o.next_token_ids):
+            r.output_ids.append(tok)
+            r.kv_len += 1
+    return statistics.median(times[min(5, steps - 1):])
+
+
+def _pipelined_steps(mr, reqs, steps: int, ScheduleBatch, ForwardMode) -> float:
+    """Seconds per decode step as the engine runs them (overlap scheduling): step i+1 is launched with
+    step i's sampled tokens as its input, on the device, before step i's tokens are read back."""
+    batch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(len(reqs)))
+    pending = mr.launch_decode(batch)
+    warm = min(5, (steps - 1) // 2)  # steps before the clock starts
+    t0 = None
+    for i in range(steps - 1):
+        if i == warm:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        nxt = batch.next_decode(mr.allocator.alloc(len(reqs)))
+        nxt_pending = mr.launch_decode(nxt, prev=pending)
+        out = mr.resolve(pending)
+        for r, tok in zip(reqs, out.next_token_ids):
+            r.output_ids.append(tok)
+            r.kv_len += 1
+        batch, pending = nxt, nxt_pending
+    out = mr.resolve(pending)
+    elapsed = time.perf_counter() - t0
+    for r, tok in zip(reqs, out.next_token_ids):
+        r.output_ids.append(tok)
+        r.kv_len += 1
+    return elapsed / (steps - 1 - warm)
 
 
 def run_transformers(args) -> list[dict]:
@@ -142,6 +202,9 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--variants", nargs="+", default=[""],
+                   help='environment settings to compare in one process, each "NAME=value,NAME=value" '
+                        '(e.g. PLAIT_PDL=0 PLAIT_PDL=1); the decode graphs are captured again for each')
     args = p.parse_args()
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

@@ -13,11 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, next_power_of_2
+from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_then_release
 
 
 @triton.jit
-def _silu_and_mul_kernel(GateUp, Out, inter, stride_in, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(GateUp, Out, inter, stride_in, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
     mask = cols < inter
@@ -46,5 +47,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, next_power_of_2(inter))
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-        x, out, inter, x.stride(0), inter, BLOCK=block, num_warps=4)
+        x, out, inter, x.stride(0), inter, BLOCK=block, num_warps=4, **pdl_launch_args(x.device))
     return out

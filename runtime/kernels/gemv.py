@@ -9,15 +9,13 @@ in float32 and rounded to the output dtype once.
 W is (N, K) with unit stride on K (nn.Linear's layout); x is (M, K) with unit stride on K.
 `gemv_config` holds the tile shape; `pick_gemv_config` is the default choice per (N, K).
 
-Programmatic dependent launch (Hopper; opt in with PLAIT_PDL=1, as gemv_fused.py): the kernel may be
-launched while the previous kernel finishes; each program waits for it before its first load (x may be
-the previous kernel's output) and lets the next kernel launch once all programs are running. What it
-saves is the launch gap, not the first weight tile's latency (the loop is left as measured).
+Programmatic dependent launch (see launch.py): the kernel may be launched while the previous kernel
+finishes. Each program loads its first weight tile before it waits (weights are constant, so that load
+may overlap the previous kernel's tail), then waits for it before loading x, which may be its output.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, interpreter_enabled, next_power_of_2
+from .launch import check_device, next_power_of_2, pdl_enabled, pdl_launch_args, pdl_wait_then_release  # noqa: F401 (pdl_enabled: re-exported)
 
 MAX_ROWS = 8  # above this the tensor-core GEMM of the matmul library is the better tool
 
@@ -42,11 +40,6 @@ class GemvConfig:
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_PDL: tl.constexpr):
-    if USE_PDL:
-        # NOTE: before any load: x may be the previous kernel's output. The next kernel's own wait
-        # covers this one's whole run, so letting it launch now is safe.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     offs_m = tl.arange(0, BLOCK_M)  # (BM,)
@@ -54,7 +47,18 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     m_mask = offs_m < M
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1) row starts
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    if USE_PDL:
+        # The first K tile is peeled off the loop: its weights load before the wait.
+        offs_k = tl.arange(0, BLOCK_K)  # (BK,)
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BN, BK)
+        pdl_wait_then_release(USE_PDL)
+        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BM, BK)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
+        k_first = BLOCK_K
+    for k0 in range(k_first, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BN, BK)
@@ -74,12 +78,6 @@ def pick_gemv_config(n: int, k: int) -> GemvConfig:
     block_n = 4 if n <= 4096 else 8 if n <= 32768 else 16
     stages = 2 if (n <= 4096 and k <= 4096) else 4
     return GemvConfig(block_n=block_n, block_k=1024, num_warps=4, num_stages=stages)
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """PLAIT_PDL=1 and a Hopper-or-newer GPU (read per call, so one process can compare both)."""
-    return (os.environ.get("PLAIT_PDL") == "1" and device.type == "cuda" and not interpreter_enabled()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -107,11 +105,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
                          f"given); got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
     else:
         y = out
-    pdl = pdl_enabled(x.device)
-    launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(1, next_power_of_2(m)), BLOCK_N=cfg.block_n,
-        BLOCK_K=min(cfg.block_k, next_power_of_2(k)), USE_PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch)
+        BLOCK_K=min(cfg.block_k, next_power_of_2(k)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch_args(x.device))
     return y

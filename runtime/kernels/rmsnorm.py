@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, next_power_of_2
+from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_then_release
 
 # NOTE: one tile must hold a whole row (the reduction is not looped); 64K fp32 values already spill
 # registers badly, and no supported model is wider than 8192.
@@ -39,7 +39,9 @@ def _rmsnorm_kernel(
     n_rows, heads, eps,
     stride_xm, stride_xn, stride_rm, stride_rn,
     DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait_then_release(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (R,)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     row_mask = rows < n_rows
@@ -111,5 +113,6 @@ def _launch(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
     res = residual if residual is not None else x
     _rmsnorm_kernel[(triton.cdiv(n_rows, block_rows),)](
         x, res, weight, out, n_rows, heads, eps, *row_strides(x), *row_strides(res),
-        DIM=dim, HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=num_warps)
+        DIM=dim, HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=num_warps,
+        **pdl_launch_args(x.device))
     return out

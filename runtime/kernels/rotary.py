@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, next_power_of_2
+from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_then_release
 
 
 @triton.jit
@@ -59,8 +59,9 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_vt, stride_vh, stride_ct, stride_ch,
     num_q_heads, num_k_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    STORE_KV: tl.constexpr,
+    STORE_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait_then_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
     offs_half = tl.arange(0, BLOCK_HALF)  # (BHALF,)
@@ -149,4 +150,4 @@ def _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc) -> 
         kc.stride(0), kc.stride(1),
         q.shape[1], k.shape[1],
         HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_HQ=next_power_of_2(q.shape[1]),
-        BLOCK_HK=next_power_of_2(k.shape[1]), STORE_KV=store, num_warps=4)
+        BLOCK_HK=next_power_of_2(k.shape[1]), STORE_KV=store, num_warps=4, **pdl_launch_args(q.device))

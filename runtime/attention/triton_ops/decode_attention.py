@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...kernels.launch import pdl_launch_args, pdl_wait_then_release
 from .decode_config import DecodeConfig, decode_scratch_numel
 
 _LOG2E = 1.4426950408889634
@@ -69,8 +70,9 @@ def _decode_stage1_kernel(
     stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait_then_release(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,7 +156,9 @@ def _decode_stage2_kernel(
     stride_xos, stride_xoh, stride_xls,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait_then_release(USE_PDL)
     # One program per request, all its query heads at once: a (heads x head_dim) tile per split.
     # NOTE: a program per (request, head) moved 2 KB each; at batch 512 that was 16k tiny programs and
     # 52 us per layer, mostly block scheduling, for ~20 MB of partials.
@@ -215,8 +219,9 @@ def _decode_stage2_per_head_kernel(
     stride_ob, stride_oh,
     stride_xos, stride_xoh, stride_xls,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_P: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait_then_release(USE_PDL)
     # One program per (request, query head), all splits in one load: the latency-bound small batches'
     # merge (a batch of one has 32 of these programs, where the per-request merge has one).
     b = tl.program_id(0)
@@ -313,6 +318,9 @@ def decode_attention(
     # heads on an H200) and no prefix partials to merge, stage 1 writes the output and stage 2 is not
     # launched. At batch 512 it had cost 52 us per layer (1.7 ms of a 27 ms 8B step) for a copy.
     direct = split_cap == 1 and prefix is None
+    # NOTE: no programmatic launch with a shared prefix: stage 2 then also waits for the prefix kernel on
+    # another stream (`before_merge`), a dependency PDL's same-stream handshake does not cover.
+    pdl = pdl_launch_args(q.device) if prefix is None else {"USE_PDL": False}
     _decode_stage1_kernel[(batch, num_kv_heads, split_cap)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, req_info,
         partial_o, partial_lse, out,
@@ -326,7 +334,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=precision,
         HAS_PREFIX=prefix is not None, DIRECT_OUT=direct,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if before_merge is not None:
         before_merge()
@@ -341,7 +349,7 @@ def decode_attention(
             partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
             prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0))
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, MIN_SPLIT_LEN=cfg.min_split_len,
-                  HAS_PREFIX=prefix is not None, BLOCK_P=block_p)
+                  HAS_PREFIX=prefix is not None, BLOCK_P=block_p, **pdl)
     if cfg.merge_per_head:
         _decode_stage2_per_head_kernel[(batch, num_heads)](*args, **consts, num_warps=4 if block_d >= 128 else 2)
     else:
