@@ -1,0 +1,174 @@
+"""Scheduler host time for a few-shot round whose shared prefix is already cached (CPU, tiny model).
+
+The `fewshot` stream on an H200 (256 requests = one shared 2,000-token prefix + 50 unique tokens, 16
+output tokens each) keeps the device only ~70% busy: per round the scheduler spends tens of ms in
+Python admitting the prefill batches (radix match, allocation, req_to_token rows), taking in the
+requests and processing results, and every one of those ms is wall time. This bench reproduces that
+host work with the real `Scheduler` stepped in-process (as tests/test_scheduler_state.py does) on a
+tiny random Llama whose forward is replaced by random hidden states (bench_host_overhead.DeviceTimer),
+token ids only (no tokenizer), as the GPU benchmarks run.
+
+Each round: flush the cache, run one warm request (the shared prefix + its own 50 tokens) to the end
+so the prefix is cached, then the 256 requests, each message pickled as the tokenizer manager sends it.
+Host ms per round, by the scheduler's phases (`get_stats()["steps"]["host_phases"]`):
+  intake   unpickling the 256 messages + `handle_message` (as scheduler_main's loop does)
+  admit    building batches (`_get_prefill_batch` / `_get_decode_batch`)
+  results  `_process_result` (tokens, stop checks, radix inserts, releases)
+  outputs  `collect_outputs` + pickling the `BatchOut` (what send_pyobj does)
+  run      the rest of `ModelRunner.run` (ForwardBatch, host rows, table writes) minus the stubbed forward
+Medians over `--rounds` rounds; `--profile` prints a cProfile (tottime) of the timed rounds.
+
+    .venv/bin/python benchmarks/bench_admission.py                 # ~20 s on this CPU
+    .venv/bin/python benchmarks/bench_admission.py --profile 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pickle
+import platform
+import pstats
+import random
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from bench_common import save  # noqa: E402 (benchmarks/ is on sys.path)
+from bench_host_overhead import DeviceTimer, GcClock, make_tiny_model  # noqa: E402
+
+PHASES = ("intake", "admit", "results", "outputs", "run")
+
+
+def make_round(rng: random.Random, shared: list[int], n: int, unique: int, vocab: int) -> list[list[int]]:
+    return [shared + [rng.randrange(100, vocab) for _ in range(unique)] for _ in range(n)]
+
+
+def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_prefix: str,
+              profiler=None) -> dict:
+    """Submit `prompts` (pickled messages, as over ZMQ) and step until idle; host seconds per phase."""
+    from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
+    from plait.runtime.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=n_out, ignore_eos=True, temperature=0)
+    wire = [pickle.dumps(TokenizedGenerateReq(rid=f"{rid_prefix}{i}", input_ids=ids, sampling_params=sp),
+                         protocol=pickle.HIGHEST_PROTOCOL) for i, ids in enumerate(prompts)]
+    before = dict(s.timer.phases)
+    gc_clock = GcClock()
+    finished_before = s.stats["num_finished"]
+    timer.take()
+    if profiler is not None:
+        timer.profiler = profiler
+        profiler.enable()
+    t0 = time.perf_counter()
+    for msg in wire:  # NOTE: scheduler_main receives one message per request: recv_pyobj + handle_message
+        s.handle_message(pickle.loads(msg))
+    intake = time.perf_counter() - t0
+    outputs = stepped = 0.0
+    finished = steps = 0
+    while not s.is_idle():
+        t = time.perf_counter()
+        s.step()
+        t_out = time.perf_counter()
+        outs = s.collect_outputs()
+        if outs:
+            pickle.dumps(BatchOut(outs), protocol=pickle.HIGHEST_PROTOCOL)
+        outputs += time.perf_counter() - t_out
+        stepped += t_out - t
+        finished += sum(o.finished_reason is not None for o in outs)
+        steps += 1
+    wall = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
+        timer.profiler = None
+    assert finished == len(prompts), (finished, len(prompts))
+    assert s.stats["num_finished"] == finished_before + finished, "a request was aborted"  # not served
+    device = timer.take()
+    gc_s = gc_clock.take()
+    gc_clock.stop()
+    admit = s.timer.phases["admit"] - before["admit"]
+    results = s.timer.phases["results"] - before["results"]
+    return {"intake": intake, "admit": admit, "results": results, "outputs": outputs,
+            "run": stepped - admit - results - device, "forward_stub": device, "gc": gc_s, "wall": wall, "steps": steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--prefix", type=int, default=2000, help="shared prefix tokens")
+    p.add_argument("--unique", type=int, default=50, help="unique tokens per request")
+    p.add_argument("--output", type=int, default=16, help="output tokens per request")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--max-running-requests", type=int, default=512)
+    p.add_argument("--max-total-tokens", type=int, default=400_000)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions by tottime")
+    p.add_argument("--tag", default="", help="suffix of the saved JSON name")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    from plait.runtime import scheduler_main
+    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.server_args import ServerArgs
+
+    folder = tempfile.mkdtemp(prefix="plait-tiny-")
+    try:
+        model_dir = make_tiny_model(folder, with_tokenizer=False, vocab=args.vocab)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["max_position_embeddings"] = 4096  # the prompts are 2,050 tokens long
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        sa = ServerArgs(model_path=model_dir, load_format="dummy", device="cpu",
+                        max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens)
+        s = Scheduler(sa, model_dir)
+        scheduler_main.freeze_startup_heap()  # as the scheduler process does after start-up
+        s.overlap = True  # the GPU's decode path (synchronous on the CPU)
+        timer = DeviceTimer(s.model_runner, stub=True)
+        rng = random.Random(0)
+        shared = [rng.randrange(100, args.vocab) for _ in range(args.prefix)]
+        profiler = cProfile.Profile() if args.profile else None
+        rounds = []
+        for k in range(args.rounds + 1):  # round 0 warms up the code paths and is not counted
+            assert s._control("flush_cache", {}) is True
+            run_round(s, timer, make_round(rng, shared, 1, args.unique, args.vocab), args.output, f"w{k}-")
+            res = run_round(s, timer, make_round(rng, shared, args.requests, args.unique, args.vocab),
+                            args.output, f"r{k}-", profiler if k else None)
+            s._check_integrity()
+            assert s.last_integrity_error is None, s.last_integrity_error
+            if k:
+                rounds.append(res)
+            print(f"round {k}: " + "  ".join(f"{n} {1e3 * res[n]:.1f}" for n in PHASES)
+                  + f"  ms (gc {1e3 * res['gc']:.1f}, wall {1e3 * res['wall']:.1f}, {res['steps']} steps)", flush=True)
+        timer.restore()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    med = {n: 1e3 * statistics.median(r[n] for r in rounds) for n in PHASES + ("forward_stub", "gc", "wall")}
+    host = sum(med[n] for n in PHASES)
+    print(f"\nfewshot round on the CPU: {args.requests} x ({args.prefix} shared + {args.unique}) tokens, "
+          f"{args.output} out; medians of {len(rounds)} rounds")
+    print(f"{'phase':>8} {'host ms':>8}")
+    for n in PHASES:
+        print(f"{n:>8} {med[n]:>8.2f}")
+    print(f"{'total':>8} {host:>8.2f}   (stubbed forward {med['forward_stub']:.1f} ms, gc {med['gc']:.1f} ms, wall {med['wall']:.1f} ms)")
+    res = {"bench": "admission", "machine": platform.node(), "requests": args.requests, "prefix": args.prefix,
+           "unique": args.unique, "output": args.output, "rounds": len(rounds),
+           "median_ms": med, "host_ms_total": host,
+           "per_round_ms": [{k: 1e3 * v if k != "steps" else v for k, v in r.items()} for r in rounds]}
+    if profiler is not None:
+        stream = io.StringIO()
+        pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(args.profile)
+        print(stream.getvalue())
+        res["profile"] = stream.getvalue()
+    save(f"bench_admission{args.tag}", res)
+
+
+if __name__ == "__main__":
+    main()
