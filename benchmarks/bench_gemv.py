@@ -61,7 +61,9 @@ def graph_time(fn, reps: int = 20) -> float:
 def configs():
     from plait.runtime.kernels.gemv import GemvConfig
 
-    for bn, bk, w, st in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4)):
+    # NOTE: K tiles up to a whole 4,096 row: a program of a small matrix (QKV, O) walks only 4 tiles of
+    # 1,024, so its loads are few and serial; one long tile puts all of them in flight at once.
+    for bn, bk, w, st in itertools.product((2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8), (1, 2, 4)):
         yield GemvConfig(bn, bk, w, st)
 
 
@@ -72,6 +74,8 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--only", nargs="+", default=None, help="sweep these layers only (qkv o gate_up down lm_head); "
+                    "skips the whole-step timing")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -80,6 +84,8 @@ def main() -> None:
     best = {}
     for rows in args.rows:
         for name, (n, k) in layer_shapes(args.model).items():
+            if args.only and name not in args.only:
+                continue
             ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(args.copies)]
             x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
             ref = (x.double() @ ws[0].double().T)
@@ -114,6 +120,8 @@ def main() -> None:
                   f" | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best}", flush=True)
             ws = None  # free before the next shape
             torch.cuda.empty_cache()
+        if args.only:
+            continue
         # The whole weight-only decode step, the real model's bytes (every layer its own weights).
         h, inter, layers, *_ = SHAPES[args.model]
         shapes = layer_shapes(args.model)

@@ -92,13 +92,11 @@ def test_bfloat16_every_step_is_transformers_choice_or_a_near_tie(model_dir):
 
 
 def test_bfloat16_programmatic_launch_changes_no_token(model_dir, monkeypatch):
-    # PDL (runtime/kernels/launch.py) changes when kernels start, not what they compute: a missing wait
-    # would read a stale input (the previous kernel's output not yet written). With PLAIT_SKINNY_MLP=1 a
-    # one-row step's matmuls are all Triton kernels, so its whole layer chain launches early; the scheduler
+    # PDL (PLAIT_PDL=1, runtime/kernels/launch.py) changes when kernels start, not what they compute: a
+    # missing wait would read a stale input (the previous kernel's output not yet written). The scheduler
     # process inherits the environment. Same kernels either way (only the wait instructions differ), so
-    # bf16 tokens must be identical, batched (cuBLAS matmuls between PDL kernels) and alone (all PDL).
+    # bf16 tokens must be identical, batched and alone (the one-row path: skinny matmuls).
     prompts = _prompts(8)
-    monkeypatch.setenv("PLAIT_SKINNY_MLP", "1")
     runs = {}
     for pdl in ("0", "1"):
         monkeypatch.setenv("PLAIT_PDL", pdl)

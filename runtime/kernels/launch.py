@@ -5,15 +5,19 @@ Programmatic dependent launch (PDL, Hopper and newer): a kernel launched with it
 kernel before it in the stream is still running, once every program of that one has signalled
 (`gdc_launch_dependents`) or exited. Its programs then sit resident on the SMs and wait
 (`gdc_wait`: the previous grid has completed and its writes are visible) instead of being launched
-after it: the launch gap between two kernels (~1 us inside a CUDA graph) disappears, and a kernel may
-do independent work before its wait (the skinny matmul loads its first weight tile: weights are never
-written by a decode step). A batch-1 decode step is ~360 kernels, so the gaps are ~0.3 ms of ~4.8.
+after it, and a kernel may do independent work before its wait (the skinny matmul loads its first
+weight tile: weights are never written by a decode step).
+
+Off by default: measured on an H200 (benchmarks/bench_one_batch.py --variants, 8B shape, decode steps
+pipelined as the engine runs them), it gained nothing at batch 1 (4.577 ms a step without, 4.632 with;
+4.580 with the MLP's matmuls on the skinny matmul too, so that every kernel of the chain took part) and
+cost 6% at batch 8 (4.836 -> 5.142 ms), where PDL kernels sit between cuBLAS matmuls.
 
 Every kernel here that takes `USE_PDL` calls `pdl_wait_then_release` before its first load of data a
 previous kernel may have written. Releasing right after the wait is safe: the next kernel's own wait
 covers this one's whole run. A kernel after a non-PDL one (a cuBLAS matmul, a torch op) simply starts
-when that one ends. Switch: PLAIT_PDL ("0" off, "1" on; default on for compute capability >= 9), read
-per launch so one process can capture graphs both ways and compare them.
+when that one ends. Switch: PLAIT_PDL=1 (on compute capability >= 9), read per launch so one process can
+capture graphs both ways and compare them.
 """
 
 from __future__ import annotations
@@ -56,9 +60,9 @@ def _capability_major(index: int) -> int:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether launches on `device` use programmatic dependent launch: a CUDA device of compute
-    capability >= 9 (not the interpreter), unless PLAIT_PDL=0."""
-    if device.type != "cuda" or interpreter_enabled() or os.environ.get("PLAIT_PDL", "1") == "0":
+    """Whether launches on `device` use programmatic dependent launch: PLAIT_PDL=1 and a CUDA device of
+    compute capability >= 9 (not the interpreter)."""
+    if device.type != "cuda" or interpreter_enabled() or os.environ.get("PLAIT_PDL") != "1":
         return False
     return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 

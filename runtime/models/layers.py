@@ -44,28 +44,20 @@ def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
 SKINNY_MATMUL_ROWS = 1
 
 
-def skinny_mlp_enabled() -> bool:
-    """Whether the MLP's matmuls (gate_up, down) take the skinny matmul too at one row: PLAIT_SKINNY_MLP=1.
-    cuBLAS streams those two large matrices 4-5% faster alone, but a cuBLAS kernel cannot take part in
-    programmatic dependent launch (runtime/kernels/launch.py). Read per call, so a benchmark can compare."""
-    return os.environ.get("PLAIT_SKINNY_MLP") == "1"
-
-
 def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.dtype] = None,
-                  out: Optional[torch.Tensor] = None, mlp: bool = False) -> torch.Tensor:
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ layer.weight^T (+ layer.bias), optionally cast to out_dtype; `layer` is an nn.Linear, or an
     nn.Embedding used as a tied LM head. A decode step's single row on CUDA runs the Triton skinny
     matmul, which reads the weight once without cuBLAS's split-K reduction launch.
 
     `out` ((*x.shape[:-1], N); its dtype is the output dtype): the result is written there and returned,
     at no extra pass: the skinny matmul writes it directly, the matmul library's bf16 result is cast
-    into it (the cast the path without `out` makes anyway). A CUDA graph's shared logits buffer.
-    `mlp`: the layer is an MLP matmul (see skinny_mlp_enabled)."""
+    into it (the cast the path without `out` makes anyway). A CUDA graph's shared logits buffer."""
     bias, weight = getattr(layer, "bias", None), layer.weight
     if out is not None:
         _check_linear_out(out, x, weight, out_dtype)
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MATMUL_ROWS and x.stride(-1) == 1 \
-            and weight.dtype in (torch.bfloat16, torch.float16) and (not mlp or skinny_mlp_enabled()):
+            and weight.dtype in (torch.bfloat16, torch.float16):
         return _kernels().gemv(x, weight, bias, out_dtype=out_dtype, out=out)
     if out is None:
         y = F.linear(x, weight, bias)

@@ -68,8 +68,7 @@ class MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = skinny_linear(x, self.gate_up_proj, mlp=True)  # (T, 2 * inter)
-        return skinny_linear(self.act_fn(gate_up), self.down_proj, mlp=True)  # (T, hidden)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # (T, hidden)
 
 
 class DecoderLayer(nn.Module):
