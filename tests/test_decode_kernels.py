@@ -21,7 +21,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("n,k", [(40, 100), (64, 256), (7, 1030)])
+@pytest.mark.parametrize("n,k", [(40, 100), (64, 256), (7, 1030), (12, 4500)])
 def test_gemv_matches_float64(rows, n, k):
     g = gemv_module()
     gen = torch.Generator().manual_seed(rows * 1000 + n)
