@@ -26,7 +26,8 @@ def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache) -> 
             return waiting
         # A read-only lookup: ranking must not split tree nodes or refresh LRU times.
         peek = getattr(cache, "peek_prefix_len", None) or (lambda ids: cache.match_prefix(ids).num_tokens)
-        scored = [(-peek(r.fill_ids), i, r) for i, r in enumerate(waiting)]
+        # NOTE: a request without outputs is ranked on its prompt list itself (fill_ids is a copy).
+        scored = [(-peek(r.fill_ids if r.output_ids else r.origin_input_ids), i, r) for i, r in enumerate(waiting)]
         scored.sort(key=lambda t: (t[0], t[1]))
         return [r for _, _, r in scored]
     if policy == "dfs-weight":

@@ -15,6 +15,7 @@ import torch
 from .io_struct import ReqOutput
 from .model_runner import StepOutput
 from .schedule_batch import FinishReason, Req, ScheduleBatch
+from .scheduler_prefill import token_prefix
 
 # What `_process_result` does with a request once the step's stop checks ran.
 _ABORTED, _NO_TOKEN, _TOKEN = range(3)
@@ -123,10 +124,12 @@ class StepResultsMixin:
         return merged
 
     def _insert_progress(self, r: Req) -> None:
-        ids = r.fill_ids[:r.kv_len]
+        ids = token_prefix(r, r.kv_len)
         kv = self.req_to_token.read(r.req_pool_idx, r.kv_len)
         new_kv, node = self.cache.cache_unfinished_req(ids, kv, r.last_node)
-        if new_kv.numel():
+        # NOTE: the row changes only where the tree already held a token this request computed too
+        # (rare: prefills of one prefix are deduplicated), so the usual case writes nothing.
+        if not torch.equal(new_kv, kv):
             self.req_to_token.write(r.req_pool_idx, 0, new_kv)
         r.last_node = node
         r.cache_len = r.kv_len
@@ -137,7 +140,7 @@ class StepResultsMixin:
             return
         # NOTE: read from the host mirror: a device read would wait for the step in flight.
         kv = self.req_to_token.read(r.req_pool_idx, r.kv_len)
-        self.cache.cache_finished_req(r.fill_ids[:r.kv_len], kv, r.last_node)
+        self.cache.cache_finished_req(token_prefix(r, r.kv_len), kv, r.last_node)
         self.req_to_token.free(r.req_pool_idx)
         r.req_pool_idx = None
         r.last_node = None

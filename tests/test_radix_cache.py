@@ -460,3 +460,58 @@ def run_random_workload(seed, page_size, num_slots=48, steps=250):
 @pytest.mark.parametrize("seed", range(8))
 def test_random_workload_matches_reference_and_never_leaks(seed, page_size):
     run_random_workload(seed, page_size)
+
+
+def test_insert_resumes_at_the_requests_node_and_touches_its_path():
+    alloc, cache = make()
+    put(cache, [1, 2])
+    m = cache.match_prefix([1, 2])
+    cache.inc_lock(m.node)
+    kv, node = cache.cache_unfinished_req([1, 2, 5], torch.cat([m.kv_indices, alloc.alloc(1)]), m.node)
+    assert kv.tolist() == [1, 2, 3] and node.key == (5,) and node.parent is m.node
+    cache.cache_finished_req([1, 2, 5], kv, node)
+    m = cache.match_prefix([1, 2, 5])
+    cache.inc_lock(m.node)
+    put(cache, [3, 4])  # newer than [1, 2, 5] so far
+    cache.cache_finished_req([1, 2, 5], m.kv_indices, m.node)  # nothing new: only touches its path
+    # That insert counts as an access of [1, 2, 5]: [3, 4] is now the least recently used leaf.
+    assert cache.evict(1) == 2
+    assert cache.dump() == [(0, (1, 2), (1, 2), 0), (1, (5,), (3,), 0)]
+    cache.check_integrity()
+
+
+def test_insert_from_a_node_whose_slots_the_request_did_not_take_frees_them():
+    alloc, cache = make()
+    put(cache, [1, 2, 3, 4])
+    m = cache.match_prefix([1, 2, 3, 4, 5])
+    cache.inc_lock(m.node)
+    mine = alloc.alloc(5)  # slots 5..9: the request computed the cached part again itself
+    kv, node = cache.cache_unfinished_req([1, 2, 3, 4, 5], mine, m.node)
+    assert kv.tolist() == [1, 2, 3, 4, 9]  # the tree's slots replace the duplicates
+    assert {5, 6, 7, 8} <= free_set(cache)
+    cache.check_integrity(num_private=0)
+    cache.cache_finished_req([1, 2, 3, 4, 5], kv, node)
+    cache.check_integrity()
+
+
+def test_match_peeked_reuses_the_walk_and_redoes_a_stale_one():
+    _, cache = make()
+    put(cache, [1, 2, 3, 4])
+    peek = cache.peek_prefix([1, 2, 3, 9])
+    assert peek.num_tokens == 3 and cache.dump() == [(0, (1, 2, 3, 4), (1, 2, 3, 4), 0)]
+    m = cache.match_peeked(peek)
+    assert m.kv_indices.tolist() == [1, 2, 3] and m.node.key == (1, 2, 3)
+    assert cache.dump() == [(0, (1, 2, 3), (1, 2, 3), 0), (1, (4,), (4,), 0)]
+    assert (cache.hit_stats.num_queries, cache.hit_stats.queried_tokens) == (1, 4)
+    # The tree changes shape between the peek and the match: the walk is done again.
+    peek = cache.peek_prefix([1, 2, 5, 6])
+    put(cache, [1, 7])  # splits the edge the peek ended in
+    m = cache.match_peeked(peek)
+    assert m.kv_indices.tolist() == [1, 2] and m.node.key == (2,)
+    assert m.node.parent.key == (1,)
+    cache.check_integrity()
+    # Also after a reset that rebuilt as many edges as before.
+    peek = cache.peek_prefix([1, 7])
+    cache.reset()
+    slots = put(cache, [1, 8])
+    assert cache.match_peeked(peek).kv_indices.tolist() == slots[:1]

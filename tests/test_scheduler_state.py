@@ -346,3 +346,49 @@ def test_req_to_token_write_rows_updates_both_tables():
     assert pool.req_to_token[1, :4].tolist() == [7, 8, 9, 0] and pool.req_to_token[3, :2].tolist() == [5, 0]
     assert (pool.host == pool.req_to_token.numpy()).all()
     pool.write_rows([])  # nothing to write is fine
+
+
+def test_req_to_token_write_rows_uploads_a_shared_prefix_once_per_tensor():
+    from plait.runtime.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(6, 16, "cpu")
+    shared, other = torch.tensor([4, 5, 6, 7]), torch.tensor([9, 10])
+    pool.write_rows([(0, shared), (3, other), (5, shared), (2, shared)])
+    rows = pool.req_to_token
+    assert [rows[i, :5].tolist() for i in (0, 2, 5)] == [[4, 5, 6, 7, 0]] * 3
+    assert rows[3, :3].tolist() == [9, 10, 0] and rows[1].sum() == rows[4].sum() == 0
+    assert (pool.host == rows.numpy()).all()
+
+
+def test_in_flight_prefixes_agree_with_comparing_every_pair():
+    import random
+
+    from plait.runtime import scheduler_prefill
+    from plait.runtime.scheduler_prefill import InFlightPrefixes
+
+    rng = random.Random(0)
+    base = [rng.randrange(3) for _ in range(40)]
+    for max_indexed in (8, 1):  # indexed windows, and the linear scan past the index limit
+        scheduler_prefill.MAX_INDEXED_WINDOWS, saved = max_indexed, scheduler_prefill.MAX_INDEXED_WINDOWS
+        try:
+            flight, seqs = InFlightPrefixes(4), []
+            for _ in range(200):
+                ids = base[:rng.randrange(0, 40)] + [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+                need = rng.randrange(4, 12) if rng.random() < 0.5 else rng.choice((8, 20))
+                if len(ids) >= need:
+                    expect = any(length >= need and other[:need] == ids[:need] for other, length in seqs)
+                    assert flight.shares(ids, need) == expect, (ids, need)
+                length = rng.randrange(1, len(ids) + 1)
+                flight.add(ids, length)
+                seqs.append((ids, length))
+        finally:
+            scheduler_prefill.MAX_INDEXED_WINDOWS = saved
+
+
+def test_token_prefix_is_fill_ids_prefix():
+    from plait.runtime.schedule_batch import Req
+    from plait.runtime.scheduler_prefill import token_prefix
+
+    r = Req("a", [1, 2, 3], SamplingParams())
+    r.output_ids = [4, 5]
+    assert [token_prefix(r, n) for n in (0, 2, 3, 4, 5)] == [r.fill_ids[:n] for n in (0, 2, 3, 4, 5)]
