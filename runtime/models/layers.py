@@ -40,8 +40,8 @@ def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
 
 
 # Rows up to which a CUDA linear layer takes the Triton skinny matmul instead of cuBLAS. One row is
-# measured (benchmarks/bench_gemv.py): faster on the QKV, O, down and LM-head shapes, slower on gate_up
-# (the MLP calls it for down only).
+# measured (benchmarks/bench_gemv.py, the tiles of gemv.pick_gemv_config): faster on every matrix of the
+# Llama-3.1-8B and 3.2-1B shapes.
 SKINNY_MATMUL_ROWS = 1
 
 

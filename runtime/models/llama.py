@@ -68,9 +68,8 @@ class MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: gate_up stays on cuBLAS at every batch size (it streams that largest matrix faster than
-        # the skinny matmul); down takes the skinny matmul at one row (see layers.SKINNY_MATMUL_ROWS).
-        return skinny_linear(self.act_fn(self.gate_up_proj(x)), self.down_proj)  # (T, hidden)
+        gate_up = skinny_linear(x, self.gate_up_proj)  # (T, 2 * inter); one row: the skinny matmul
+        return skinny_linear(self.act_fn(gate_up), self.down_proj)  # (T, hidden)
 
 
 class DecoderLayer(nn.Module):
