@@ -78,7 +78,9 @@ def test_gpu_gemv_pdl_chain_in_cuda_graph(monkeypatch):
         return g.gemv(o * 2, w_head, out_dtype=torch.float32)  # after a plain torch kernel
 
     monkeypatch.setenv("PLAIT_PDL", "1")
-    assert g.pdl_enabled(x.device) == (torch.cuda.get_device_capability(x.device)[0] >= 9)
+    from plait.runtime.kernels.launch import pdl_enabled
+
+    assert pdl_enabled(x.device) == (torch.cuda.get_device_capability(x.device)[0] >= 9)
     chain()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

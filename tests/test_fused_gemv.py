@@ -288,7 +288,7 @@ def test_fused_gemv_default_tiles_are_gemv_py_measured_ones():
 def test_pdl_stays_off_without_a_hopper_gpu(monkeypatch):
     # PLAIT_PDL=1 on a machine without one (here the interpreter): both kernel families launch plainly.
     monkeypatch.setenv("PLAIT_PDL", "1")
-    from plait.runtime.kernels.gemv import pdl_enabled
+    from plait.runtime.kernels.launch import pdl_enabled
 
     assert not pdl_enabled(torch.device("cpu"))
     x, _, _, w, b = _inputs(9, 40, torch.float32, seed=6)

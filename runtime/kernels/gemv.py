@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, next_power_of_2, pdl_enabled, pdl_launch_args, pdl_wait_then_release  # noqa: F401 (pdl_enabled: re-exported)
+from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_then_release
 
 MAX_ROWS = 8  # above this the tensor-core GEMM of the matmul library is the better tool
 

@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import pdl_enabled, pick_gemv_config
-from .launch import check_device, next_power_of_2
+from .gemv import pick_gemv_config
+from .launch import check_device, next_power_of_2, pdl_enabled
 
 PLAIN = tl.constexpr(0)
 ADD_RMSNORM = tl.constexpr(1)
