@@ -72,9 +72,8 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
 
 
 def pick_gemv_config(n: int, k: int) -> GemvConfig:
-    """Tiles by shape, from benchmarks/bench_gemv.py's sweeps on an H200 (one row, bf16, Llama-3.1-8B
-    shapes): long K runs per load everywhere; narrow tiles when N is small, so every SM gets work;
-    deeper pipelining when each program walks a long K or the matrix is huge.
+    """Tiles by shape, from benchmarks/bench_gemv.py's sweeps on an H200 (one row, bf16, the Llama-3.1-8B
+    and 3.2-1B shapes): long K runs per load, and few enough rows a program that every SM gets work.
 
     K <= 4,096 (every matrix but down) takes a whole row per tile: a program then has all its loads in
     flight at once instead of walking 1,024-wide tiles one after another (8B: QKV 15.7 -> 14.8 us, O 12.0
