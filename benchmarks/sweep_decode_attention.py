@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention_kernels import make_pools  # noqa: E402
 from bench_common import save  # noqa: E402
 
-from plait.runtime.attention.triton_ops import DecodeConfig, decode_attention  # noqa: E402
+from plait.runtime.attention.triton_ops import DecodeConfig, decode_attention, default_decode_policy  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}
 # Batch 512 x 700 is the offline run's decode step; 64 x 770 multiturn's; 256 x 2,000 a long-context batch.
@@ -33,8 +33,14 @@ def _key(cfg: DecodeConfig) -> tuple:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    shapes = ap.parse_args().shapes
+    ap.add_argument("--policy-only", action="store_true",
+                    help="time only the engine's config for each case (default_decode_policy): a quick check "
+                         "of a kernel change, no sweep")
+    args = ap.parse_args()
+    shapes = args.shapes
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.policy_only:
+        return policy_only(shapes, sms)
     default = DecodeConfig(target_programs=4 * sms)
     configs = [DecodeConfig(block_n=bn, max_kv_splits=ms, min_split_len=ml, target_programs=t * sms)
                for bn, ms, ml, t in itertools.product((32, 64), (64,), (32, 64, 128, 256), (4, 8, 16, 32, 64))]
@@ -78,6 +84,26 @@ def main() -> None:
               f"-> {v:.3f}x the per-case best on average")
     rows.append({"overall": [(list(k), v) for k, v in ranked[:10]]})
     save("sweep_decode_attention", rows)
+
+
+def policy_only(shapes: list[str], sms: int) -> None:
+    policy = default_decode_policy(sms)
+    rows = []
+    for shape in shapes:
+        heads, kv_heads, head_dim = SHAPES[shape]
+        for bs, ctx in CASES:
+            kv, r2t = make_pools([ctx] * bs, kv_heads, head_dim)
+            q = torch.randn(bs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty_like(q)
+            req, sl = torch.arange(bs, device="cuda"), torch.full((bs,), ctx, device="cuda")
+            kv_bytes = 2 * bs * ctx * kv_heads * head_dim * 2
+            cfg = policy.for_batch(bs)
+            us = do_bench_cudagraph(lambda: decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], out, r2t.req_to_token,
+                                                             req, sl, 0.1, cfg), rep=50) * 1e3
+            rows.append({"shape": shape, "bs": bs, "ctx": ctx, "us": us, "kv_gb_s": kv_bytes / us / 1e3})
+            print(f"{shape} bs={bs:4d} ctx={ctx:5d}: policy {us:7.1f} us ({kv_bytes / us / 1e3:6.0f} GB/s)", flush=True)
+            kv = r2t = None
+    save("sweep_decode_attention_policy", rows)
 
 
 if __name__ == "__main__":

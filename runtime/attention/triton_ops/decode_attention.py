@@ -3,7 +3,7 @@
 One query token per request attends over its whole sequence, whose K/V live in the pool at the slots
 `req_to_token[req_pool_indices[b], 0:seq_lens[b]]`.
 
-- Stage 1 (grid: batch x kv head x split): each program takes one KV split of one request and ALL the
+- Stage 1 (grid: kv head x batch x split): each program takes one KV split of one request and ALL the
   query heads that share that KV head (GQA grouping), so every K/V row is read from memory once per
   group instead of once per query head. It writes the split's normalised partial output and its
   log-sum-exp (base 2).
@@ -73,8 +73,10 @@ def _decode_stage1_kernel(
     HAS_PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait_then_release(USE_PDL)
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # NOTE: the KV head is the grid's fastest axis, so the programs of one request's KV heads are launched
+    # side by side and read the same tokens' K/V rows (heads are adjacent in a row) at the same time.
+    kv_head = tl.program_id(0)
+    b = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -321,7 +323,7 @@ def decode_attention(
     # NOTE: no programmatic launch with a shared prefix: stage 2 then also waits for the prefix kernel on
     # another stream (`before_merge`), a dependency PDL's same-stream handshake does not cover.
     pdl = pdl_launch_args(q.device) if prefix is None else {"USE_PDL": False}
-    _decode_stage1_kernel[(batch, num_kv_heads, split_cap)](
+    _decode_stage1_kernel[(num_kv_heads, batch, split_cap)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, req_info,
         partial_o, partial_lse, out,
         sm_scale * _LOG2E, split_cap,
