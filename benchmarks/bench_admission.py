@@ -51,8 +51,9 @@ def make_round(rng: random.Random, shared: list[int], n: int, unique: int, vocab
 
 
 def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_prefix: str,
-              profiler=None) -> dict:
-    """Submit `prompts` (pickled messages, as over ZMQ) and step until idle; host seconds per phase."""
+              profiler=None, generated: dict | None = None) -> dict:
+    """Submit `prompts` (pickled messages, as over ZMQ) and step until idle; host seconds per phase.
+    With `generated`, each request's output ids are gathered there under its index (outside the timing)."""
     from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
     from plait.runtime.sampling_params import SamplingParams
 
@@ -81,6 +82,9 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
             pickle.dumps(BatchOut(outs), protocol=pickle.HIGHEST_PROTOCOL)
         outputs += time.perf_counter() - t_out
         stepped += t_out - t
+        if generated is not None:
+            for o in outs:
+                generated.setdefault(int(o.rid[len(rid_prefix):]), []).extend(o.new_ids)
         finished += sum(o.finished_reason is not None for o in outs)
         steps += 1
     wall = time.perf_counter() - t0
@@ -98,13 +102,129 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
             "run": stepped - admit - results - device, "forward_stub": device, "gc": gc_s, "wall": wall, "steps": steps}
 
 
+def make_scheduler(folder: str, args):
+    """The real Scheduler on a tiny random Llama (CPU, stubbed forward), GC set up as its process does."""
+    from plait.runtime import scheduler_main
+    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.server_args import ServerArgs
+
+    model_dir = make_tiny_model(folder, with_tokenizer=False, vocab=args.vocab)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = 4096  # the prompts are up to ~2,050 tokens long
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    sa = ServerArgs(model_path=model_dir, load_format="dummy", device="cpu",
+                    max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens)
+    s = Scheduler(sa, model_dir)
+    scheduler_main.freeze_startup_heap()  # as the scheduler process does after start-up
+    s.overlap = True  # the GPU's decode path (synchronous on the CPU)
+    return s
+
+
+def check(s) -> None:
+    s._check_integrity()
+    assert s.last_integrity_error is None, s.last_integrity_error
+
+
+def print_round(name: str, res: dict) -> None:
+    print(f"{name}: " + "  ".join(f"{n} {1e3 * res[n]:.1f}" for n in PHASES)
+          + f"  ms (gc {1e3 * res['gc']:.1f}, wall {1e3 * res['wall']:.1f}, {res['steps']} steps)", flush=True)
+
+
+def medians(rounds: list[dict]) -> dict:
+    return {n: 1e3 * statistics.median(r[n] for r in rounds) for n in PHASES + ("forward_stub", "gc", "wall")}
+
+
+def print_table(med: dict) -> float:
+    host = sum(med[n] for n in PHASES)
+    print(f"{'phase':>8} {'host ms':>8}")
+    for n in PHASES:
+        print(f"{n:>8} {med[n]:>8.2f}")
+    print(f"{'total':>8} {host:>8.2f}   (stubbed forward {med['forward_stub']:.1f} ms, gc {med['gc']:.1f} ms, wall {med['wall']:.1f} ms)")
+    return host
+
+
+def per_round_ms(rounds: list[dict]) -> list[dict]:
+    return [{k: 1e3 * v if k != "steps" else v for k, v in r.items()} for r in rounds]
+
+
+def bench_fewshot(s, timer: DeviceTimer, args, profiler) -> dict:
+    rng = random.Random(0)
+    prefix = 2000 if args.prefix is None else args.prefix
+    unique = 50 if args.unique is None else args.unique
+    output = 16 if args.output is None else args.output
+    shared = [rng.randrange(100, args.vocab) for _ in range(prefix)]
+    rounds = []
+    for k in range(args.rounds + 1):  # round 0 warms up the code paths and is not counted
+        assert s._control("flush_cache", {}) is True
+        run_round(s, timer, make_round(rng, shared, 1, unique, args.vocab), output, f"w{k}-")
+        res = run_round(s, timer, make_round(rng, shared, args.requests, unique, args.vocab),
+                        output, f"r{k}-", profiler if k else None)
+        check(s)
+        if k:
+            rounds.append(res)
+        print_round(f"round {k}", res)
+    med = medians(rounds)
+    print(f"\nfewshot round on the CPU: {args.requests} x ({prefix} shared + {unique}) tokens, "
+          f"{output} out; medians of {len(rounds)} rounds")
+    host = print_table(med)
+    return {"bench": "admission", "machine": platform.node(), "requests": args.requests, "prefix": prefix,
+            "unique": unique, "output": output, "rounds": len(rounds),
+            "median_ms": med, "host_ms_total": host, "per_round_ms": per_round_ms(rounds)}
+
+
+def bench_tree(s, timer: DeviceTimer, args, profiler) -> dict:
+    """The `tree` stream of /work/shared/bench/workload.py at the CPU's vocabulary: round 1 = `roots` x
+    `branches` requests (a unique root prefix + `unique` tokens), round 2 = `branches` children per
+    round-1 request (its whole sequence, generated tokens included, + `unique` tokens), as run_rounds
+    builds them; the cache is flushed before each repetition, so round 1 starts cold."""
+    prefix = 1000 if args.prefix is None else args.prefix
+    unique = 50 if args.unique is None else args.unique
+    output = 64 if args.output is None else args.output
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(100, args.vocab) for _ in range(n)]  # noqa: E731
+    per_round: list[list[dict]] = [[], []]
+    for k in range(args.rounds + 1):  # repetition 0 warms up the code paths and is not counted
+        assert s._control("flush_cache", {}) is True
+        roots = [ids(prefix) for _ in range(args.roots)]
+        r1 = [roots[t] + ids(unique) for t in range(args.roots) for _ in range(args.branches)]
+        out1: dict = {}
+        res1 = run_round(s, timer, r1, output, f"a{k}-", profiler if k else None, generated=out1)
+        check(s)
+        assert all(len(out1[i]) == output for i in range(len(r1))), "round 1: an output of the wrong length"
+        r2 = [r1[i] + out1[i] + ids(unique) for i in range(len(r1)) for _ in range(args.branches)]
+        res2 = run_round(s, timer, r2, output, f"b{k}-", profiler if k else None)
+        check(s)
+        if k:
+            per_round[0].append(res1), per_round[1].append(res2)
+        print_round(f"rep {k} round 1", res1)
+        print_round(f"rep {k} round 2", res2)
+    n1, n2 = args.roots * args.branches, args.roots * args.branches ** 2
+    out = {"bench": "admission_tree", "machine": platform.node(), "roots": args.roots, "branches": args.branches,
+           "prefix": prefix, "unique": unique, "output": output, "rounds": len(per_round[0]), "median_ms": {},
+           "host_ms_total": {}, "per_round_ms": {}}
+    for name, rounds, n in (("round1", per_round[0], n1), ("round2", per_round[1], n2)):
+        med = medians(rounds)
+        print(f"\ntree {name} on the CPU: {n} requests, {output} out; medians of {len(rounds)} repetitions")
+        out["median_ms"][name], out["per_round_ms"][name] = med, per_round_ms(rounds)
+        out["host_ms_total"][name] = print_table(med)
+    both = {n: out["median_ms"]["round1"][n] + out["median_ms"]["round2"][n] for n in PHASES}
+    print("\nboth rounds: " + "  ".join(f"{n} {both[n]:.1f}" for n in PHASES)
+          + f"  total {sum(both.values()):.1f} ms")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--prefix", type=int, default=2000, help="shared prefix tokens")
-    p.add_argument("--unique", type=int, default=50, help="unique tokens per request")
-    p.add_argument("--output", type=int, default=16, help="output tokens per request")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--workload", choices=("fewshot", "tree"), default="fewshot")
+    p.add_argument("--requests", type=int, default=256, help="fewshot: requests per round")
+    p.add_argument("--roots", type=int, default=32, help="tree: distinct roots")
+    p.add_argument("--branches", type=int, default=4, help="tree: children per request and round")
+    p.add_argument("--prefix", type=int, default=None, help="shared prefix / root tokens (2000 fewshot, 1000 tree)")
+    p.add_argument("--unique", type=int, default=None, help="unique tokens per request (50)")
+    p.add_argument("--output", type=int, default=None, help="output tokens per request (16 fewshot, 64 tree)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (tree: repetitions of both rounds)")
     p.add_argument("--max-running-requests", type=int, default=512)
     p.add_argument("--max-total-tokens", type=int, default=400_000)
     p.add_argument("--vocab", type=int, default=8192)
@@ -113,61 +233,24 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    from plait.runtime import scheduler_main
-    from plait.runtime.scheduler import Scheduler
-    from plait.runtime.server_args import ServerArgs
-
     folder = tempfile.mkdtemp(prefix="plait-tiny-")
     try:
-        model_dir = make_tiny_model(folder, with_tokenizer=False, vocab=args.vocab)
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-        cfg["max_position_embeddings"] = 4096  # the prompts are 2,050 tokens long
-        with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        sa = ServerArgs(model_path=model_dir, load_format="dummy", device="cpu",
-                        max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens)
-        s = Scheduler(sa, model_dir)
-        scheduler_main.freeze_startup_heap()  # as the scheduler process does after start-up
-        s.overlap = True  # the GPU's decode path (synchronous on the CPU)
+        s = make_scheduler(folder, args)
         timer = DeviceTimer(s.model_runner, stub=True)
-        rng = random.Random(0)
-        shared = [rng.randrange(100, args.vocab) for _ in range(args.prefix)]
         profiler = cProfile.Profile() if args.profile else None
-        rounds = []
-        for k in range(args.rounds + 1):  # round 0 warms up the code paths and is not counted
-            assert s._control("flush_cache", {}) is True
-            run_round(s, timer, make_round(rng, shared, 1, args.unique, args.vocab), args.output, f"w{k}-")
-            res = run_round(s, timer, make_round(rng, shared, args.requests, args.unique, args.vocab),
-                            args.output, f"r{k}-", profiler if k else None)
-            s._check_integrity()
-            assert s.last_integrity_error is None, s.last_integrity_error
-            if k:
-                rounds.append(res)
-            print(f"round {k}: " + "  ".join(f"{n} {1e3 * res[n]:.1f}" for n in PHASES)
-                  + f"  ms (gc {1e3 * res['gc']:.1f}, wall {1e3 * res['wall']:.1f}, {res['steps']} steps)", flush=True)
+        bench = bench_tree if args.workload == "tree" else bench_fewshot
+        res = bench(s, timer, args, profiler)
         timer.restore()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
-    med = {n: 1e3 * statistics.median(r[n] for r in rounds) for n in PHASES + ("forward_stub", "gc", "wall")}
-    host = sum(med[n] for n in PHASES)
-    print(f"\nfewshot round on the CPU: {args.requests} x ({args.prefix} shared + {args.unique}) tokens, "
-          f"{args.output} out; medians of {len(rounds)} rounds")
-    print(f"{'phase':>8} {'host ms':>8}")
-    for n in PHASES:
-        print(f"{n:>8} {med[n]:>8.2f}")
-    print(f"{'total':>8} {host:>8.2f}   (stubbed forward {med['forward_stub']:.1f} ms, gc {med['gc']:.1f} ms, wall {med['wall']:.1f} ms)")
-    res = {"bench": "admission", "machine": platform.node(), "requests": args.requests, "prefix": args.prefix,
-           "unique": args.unique, "output": args.output, "rounds": len(rounds),
-           "median_ms": med, "host_ms_total": host,
-           "per_round_ms": [{k: 1e3 * v if k != "steps" else v for k, v in r.items()} for r in rounds]}
     if profiler is not None:
         stream = io.StringIO()
         pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(args.profile)
         print(stream.getvalue())
         res["profile"] = stream.getvalue()
-    save(f"bench_admission{args.tag}", res)
+    name = "bench_admission" if args.workload == "fewshot" else "bench_admission_tree"
+    save(f"{name}{args.tag}", res)
 
 
 if __name__ == "__main__":
