@@ -30,6 +30,7 @@ import torch
 
 from .memory_pool import TokenAllocator
 from .radix_checks import check_tree
+from .radix_keys import as_key, checked_pair, key_slice
 from .prefix_cache import MatchResult, PrefixCache
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -111,7 +112,7 @@ class RadixCache(PrefixCache):
     # ---- lookups -------------------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        key = self._as_key(token_ids)
+        key = as_key(token_ids)
         node, child, m, _ = self._walk(key[: self._aligned(len(key))])
         return self._matched(len(key), node, child, m)
 
@@ -120,12 +121,12 @@ class RadixCache(PrefixCache):
 
         For scheduling policies that rank many waiting requests without admitting them.
         """
-        key = self._as_key(token_ids)
+        key = as_key(token_ids)
         return self._walk(key[: self._aligned(len(key))])[3]
 
     def peek_prefix(self, token_ids: Sequence[int]) -> PrefixPeek:
         """`peek_prefix_len`, keeping where the walk ended for `match_peeked`."""
-        key = self._as_key(token_ids)
+        key = as_key(token_ids)
         node, child, m, pos = self._walk(key[: self._aligned(len(key))])
         return PrefixPeek(token_ids, pos, len(key), node, child, m, self._shape)
 
@@ -135,6 +136,16 @@ class RadixCache(PrefixCache):
         if peek.shape != self._shape:
             return self.match_prefix(peek.token_ids)
         return self._matched(peek.queried, peek.node, peek.child, peek.m)
+
+    def peek_prefix_of(self, peek: PrefixPeek, token_ids: Sequence[int]) -> PrefixPeek:
+        """`peek_prefix(token_ids)` for `token_ids` a prefix of `peek.token_ids` (the scheduler ranks
+        whole sequences, then matches all but their last token), reusing the peek's walk when it still
+        holds: the tree's shape is unchanged and its match ended before the prefix's (page-aligned)
+        end, so it stopped on a token both share and the prefix's walk ends at the same place."""
+        n = len(token_ids)
+        if peek.shape != self._shape or n > peek.queried or peek.num_tokens >= self._aligned(n):
+            return self.peek_prefix(token_ids)
+        return PrefixPeek(token_ids, peek.num_tokens, n, peek.node, peek.child, peek.m, peek.shape)
 
     # ---- locking -------------------------------------------------------------------------------
 
@@ -162,7 +173,7 @@ class RadixCache(PrefixCache):
         Only what is already cached can be pinned (prefill it first, e.g. `Engine.cache_prefix`);
         the handle's `num_tokens` says how many tokens that was. Does not count in `hit_stats`.
         """
-        key = self._as_key(token_ids)
+        key = as_key(token_ids)
         node, child, m, _ = self._walk(key[: self._aligned(len(key))])
         node, values = self._commit(node, child, m)
         handle = PinHandle(self._handle(node), sum(len(v) for v in values))
@@ -180,10 +191,10 @@ class RadixCache(PrefixCache):
     # ---- inserting -----------------------------------------------------------------------------
 
     def cache_unfinished_req(self, token_ids, kv_indices, old_node):
-        num, kv = self._checked_pair(token_ids, kv_indices)
+        num, kv = checked_pair(token_ids, kv_indices)
         n = self._aligned(num)
         start, pos = self._resume_point(old_node, kv, n)
-        node, tree_kv = self._insert(self._key_slice(token_ids, pos, n), kv[pos:n], start)
+        node, tree_kv = self._insert(key_slice(token_ids, pos, n), kv[pos:n], start)
         self.inc_lock(self._handle(node))  # lock the new path before releasing the old one
         self.dec_lock(old_node)
         # The path to `start` holds the request's own slots (checked); the unaligned tail (page_size > 1)
@@ -191,10 +202,10 @@ class RadixCache(PrefixCache):
         return torch.cat([kv[:pos], tree_kv, kv[n:]]), self._handle(node)
 
     def cache_finished_req(self, token_ids, kv_indices, old_node) -> None:
-        num, kv = self._checked_pair(token_ids, kv_indices)
+        num, kv = checked_pair(token_ids, kv_indices)
         n = self._aligned(num)
         start, pos = self._resume_point(old_node, kv, n)
-        self._insert(self._key_slice(token_ids, pos, n), kv[pos:n], start)
+        self._insert(key_slice(token_ids, pos, n), kv[pos:n], start)
         self.allocator.free(kv[n:])
         self.dec_lock(old_node)
 
@@ -403,42 +414,3 @@ class RadixCache(PrefixCache):
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
-
-    @staticmethod
-    def _as_key(token_ids: Sequence[int]) -> tuple:
-        if isinstance(token_ids, torch.Tensor):
-            return tuple(token_ids.reshape(-1).tolist())
-        if type(token_ids) in (list, tuple) and (not token_ids or type(token_ids[0]) is int):
-            # NOTE: the scheduler's lists of ints (validated at intake): converting each element
-            # cost ~58 us per 1,000 tokens, paid for every ranked, admitted and finished request.
-            return tuple(token_ids)
-        try:
-            return tuple(int(t) for t in token_ids)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}: {e}")
-
-    def _key_slice(self, token_ids, lo: int, hi: int) -> tuple:
-        """`token_ids[lo:hi]` as a key, converting only that part."""
-        if isinstance(token_ids, torch.Tensor):
-            return self._as_key(token_ids.reshape(-1)[lo:hi])
-        if type(token_ids) in (list, tuple):
-            return self._as_key(token_ids[lo:hi])
-        return self._as_key(token_ids)[lo:hi]
-
-    def _checked_pair(self, token_ids, kv_indices) -> tuple[int, torch.Tensor]:
-        """(number of tokens, kv slots as a flat int64 CPU tensor) after checking that they correspond.
-
-        NOTE: the ids are converted by the caller, only the part it inserts."""
-        if isinstance(token_ids, torch.Tensor):
-            num = token_ids.numel()
-        elif type(token_ids) in (list, tuple):
-            num = len(token_ids)
-        else:
-            num = len(self._as_key(token_ids))
-        if not isinstance(kv_indices, torch.Tensor):
-            raise TypeError(f"kv_indices must be a torch.Tensor, got {type(kv_indices).__name__}")
-        kv = kv_indices.reshape(-1).to("cpu", torch.int64)
-        if kv.numel() != num:
-            raise ValueError(f"kv_indices has {kv.numel()} slots but token_ids has {num} tokens; "
-                             "they must correspond one to one")
-        return num, kv

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .prefix_cache import PrefixCache
 from .schedule_batch import Req
@@ -18,7 +19,10 @@ from .schedule_batch import Req
 LPM_MAX_QUEUE = 128
 
 
-def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache) -> list[Req]:
+def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache,
+                        peeks: Optional[dict] = None) -> list[Req]:
+    """The waiting queue in admission order. With `peeks` (a dict) and a cache that has `peek_prefix`,
+    lpm leaves each ranked request's lookup there under `id(request)` (for `match_peeked`)."""
     if policy == "fcfs" or len(waiting) <= 1:
         return waiting
     if policy == "lpm":
@@ -26,8 +30,16 @@ def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache) -> 
             return waiting
         # A read-only lookup: ranking must not split tree nodes or refresh LRU times.
         peek = getattr(cache, "peek_prefix_len", None) or (lambda ids: cache.match_prefix(ids).num_tokens)
+        if peeks is not None and hasattr(cache, "peek_prefix"):
+            # NOTE: the admission that follows matches most of these requests again; it reuses the walk.
+            def peek(ids, r):
+                found = peeks[id(r)] = cache.peek_prefix(ids)
+                return found.num_tokens
+        else:
+            peek = (lambda ids, r, _peek=peek: _peek(ids))
         # NOTE: a request without outputs is ranked on its prompt list itself (fill_ids is a copy).
-        scored = [(-peek(r.fill_ids if r.output_ids else r.origin_input_ids), i, r) for i, r in enumerate(waiting)]
+        scored = [(-peek(r.fill_ids if r.output_ids else r.origin_input_ids, r), i, r)
+                  for i, r in enumerate(waiting)]
         scored.sort(key=lambda t: (t[0], t[1]))
         return [r for _, _, r in scored]
     if policy == "dfs-weight":

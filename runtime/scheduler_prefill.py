@@ -132,7 +132,8 @@ class PrefillAdmissionMixin:
                 r.reset_for_retract()
                 self.waiting.insert(0, r)
             self.jump_queue = []
-        self.waiting = order_waiting_queue(sa.schedule_policy, self.waiting, self.cache)
+        peeks: dict = {}  # id(request) -> the ranking's lookup of its sequence (lpm), reused by the match
+        self.waiting = order_waiting_queue(sa.schedule_policy, self.waiting, self.cache, peeks)
         admitted = []
         prefix_rows: list[tuple[int, torch.Tensor]] = []  # (req slot, cached prefix kv slots), written at once
         # NOTE: requests that matched the same node pass one tensor, which write_rows uploads once.
@@ -142,7 +143,7 @@ class PrefillAdmissionMixin:
             if len(self.running) + len(reqs) >= self.model_runner.max_running_requests or free_req_slots == 0:
                 break
             matchable = self._matchable_ids(r)
-            match = self._match_unless_in_flight(matchable, in_flight)
+            match = self._match_unless_in_flight(matchable, in_flight, peeks.get(id(r)))
             if match is None:
                 continue  # next step its prefix is in the tree: prefill it once, not twice
             pre = match.num_tokens
@@ -192,13 +193,20 @@ class PrefillAdmissionMixin:
         # NOTE: the model runner writes `loc` into req_to_token on the device (one indexed write).
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix_lens, extend_lens, loc)
 
-    def _match_unless_in_flight(self, ids: list[int], in_flight: InFlightPrefixes) -> Optional[MatchResult]:
+    def _match_unless_in_flight(self, ids: list[int], in_flight: InFlightPrefixes,
+                                ranked=None) -> Optional[MatchResult]:
         """The cached prefix of `ids`, or None when `ids` shares a long uncached prefix with a request
-        already in this prefill batch (it waits a step)."""
-        if not in_flight or self.server_args.disable_radix_cache:
+        already in this prefill batch (it waits a step). `ranked`: the lpm ranking's lookup of the
+        request's whole sequence (`ids` is a prefix of it), reused where it still holds."""
+        if ranked is not None:  # lpm ranked it: the tree is a RadixCache
+            peek = self.cache.peek_prefix_of(ranked, ids)
+        elif not in_flight or self.server_args.disable_radix_cache:
             return self.cache.match_prefix(ids)
-        # NOTE: the peek's walk is reused by the match (nothing changes the tree in between).
-        peek = self.cache.peek_prefix(ids)
+        else:
+            # NOTE: the peek's walk is reused by the match (nothing changes the tree in between).
+            peek = self.cache.peek_prefix(ids)
+        if not in_flight:
+            return self.cache.match_peeked(peek)
         need = peek.num_tokens + IN_BATCH_DEDUP_MIN_TOKENS  # shared tokens that would make it wait
         # NOTE: only the window just past the cached part is looked up; whole prefixes are compared
         # for the sequences that share it.

@@ -515,3 +515,41 @@ def test_match_peeked_reuses_the_walk_and_redoes_a_stale_one():
     cache.reset()
     slots = put(cache, [1, 8])
     assert cache.match_peeked(peek).kv_indices.tolist() == slots[:1]
+
+
+def test_peek_prefix_of_reuses_a_longer_peek_only_where_the_walk_is_the_same():
+    _, cache = make()
+    put(cache, [1, 2, 3, 4])
+    put(cache, [5, 6])
+    for whole, prefix in (([1, 2, 9, 9, 9], [1, 2, 9, 9]),  # stopped mid-edge on a shared token
+                          ([5, 6, 7, 8], [5, 6, 7]),        # stopped at a node, no child for 7
+                          ([1, 2, 3, 4, 5], [1, 2, 3, 4]),  # the prefix ends where the match did
+                          ([1, 2, 3, 4, 5], [1, 2, 3]),     # the prefix ends inside the match
+                          ([8, 8], [8])):
+        peek = cache.peek_prefix(whole)
+        got, fresh = cache.peek_prefix_of(peek, prefix), cache.peek_prefix(prefix)
+        assert (got.num_tokens, got.queried, got.node, got.child, got.m) == \
+               (fresh.num_tokens, fresh.queried, fresh.node, fresh.child, fresh.m), (whole, prefix)
+        assert got.token_ids is prefix
+    # Reused (the same walk's end) only when the match ended before the prefix's end.
+    peek = cache.peek_prefix([1, 2, 9, 9, 9])
+    assert cache.peek_prefix_of(peek, [1, 2, 9, 9]).child is peek.child
+    # A change of shape in between: walked again.
+    peek = cache.peek_prefix([1, 2, 9, 9])
+    put(cache, [1, 7])
+    got = cache.peek_prefix_of(peek, [1, 2, 9])
+    assert (got.num_tokens, got.node.key, got.child.key, got.m) == (2, (1,), (2, 3, 4), 1)
+    m = cache.match_peeked(got)
+    assert m.num_tokens == 2 and m.kv_indices.tolist() == [1, 2]
+    cache.check_integrity()
+
+
+def test_peek_prefix_of_with_pages_agrees_with_a_fresh_peek():
+    _, cache = make(num_slots=64, page_size=2)
+    put(cache, [1, 2, 3, 4, 5, 6])
+    for whole in ([1, 2, 3, 9, 9, 9, 9], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9]):
+        for n in range(len(whole) + 1):
+            peek = cache.peek_prefix(whole)
+            got, fresh = cache.peek_prefix_of(peek, whole[:n]), cache.peek_prefix(whole[:n])
+            assert (got.num_tokens, got.queried, got.node, got.child, got.m) == \
+                   (fresh.num_tokens, fresh.queried, fresh.node, fresh.child, fresh.m), (whole, n)

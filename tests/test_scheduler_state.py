@@ -392,3 +392,29 @@ def test_token_prefix_is_fill_ids_prefix():
     r = Req("a", [1, 2, 3], SamplingParams())
     r.output_ids = [4, 5]
     assert [token_prefix(r, n) for n in (0, 2, 3, 4, 5)] == [r.fill_ids[:n] for n in (0, 2, 3, 4, 5)]
+
+
+def test_lpm_ranked_admission_matches_exactly_what_a_fresh_match_finds(random_models):
+    # The admission reuses the lpm ranking's walk of each whole sequence for its match of all but the
+    # last token; where that walk went as far as the shorter prefix, the prefix is walked again.
+    s = make_scheduler(random_models["llama"], max_total_tokens=1024, schedule_policy="lpm")
+    prompt = list(range(10, 30))  # 20 tokens
+    submit(s, "parent", prompt, max_new_tokens=3, temperature=0, ignore_eos=True)
+    generated = []
+    while not s.is_idle():
+        s.step()
+        generated += [t for o in s.collect_outputs() for t in o.new_ids]
+    full = prompt + generated
+    cached = len(prompt) + 2  # the last generated token's KV was never computed
+    queried_before = s.cache.hit_stats.queried_tokens
+    submit(s, "fork", prompt[:10] + [50, 51, 52], max_new_tokens=1, temperature=0, ignore_eos=True)
+    submit(s, "same", list(prompt), max_new_tokens=1, temperature=0, ignore_eos=True)
+    submit(s, "child", full + [40, 41, 42], max_new_tokens=1, temperature=0, ignore_eos=True)
+    batch = s.step()
+    # lpm order (the longest cached prefix first) and exact cached prefixes.
+    assert list(zip((r.rid for r in batch.reqs), batch.prefix_lens)) == \
+        [("child", cached), ("same", len(prompt) - 1), ("fork", 10)]
+    assert s.cache.hit_stats.queried_tokens - queried_before == (len(full) + 2) + (len(prompt) - 1) + 12
+    run_until_idle(s)
+    s._check_integrity()
+    assert s.last_integrity_error is None
