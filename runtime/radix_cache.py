@@ -70,7 +70,8 @@ class PrefixHitStats:
 @dataclass(eq=False)
 class PrefixPeek:
     """A read-only lookup (`RadixCache.peek_prefix`): how much of `token_ids` is cached, and where the
-    walk ended (`node`, fully matched, then `m` tokens into its child `child`, if any), as of `shape`."""
+    walk ended (`node`, fully matched, then `m` tokens into its child `child`, if any). It stays valid
+    while the tree still ends that walk there (`RadixCache.peek_is_current`)."""
 
     token_ids: Sequence[int]
     num_tokens: int
@@ -78,7 +79,6 @@ class PrefixPeek:
     node: TreeNode
     child: Optional[TreeNode]
     m: int
-    shape: int
 
 
 @dataclass(eq=False)
@@ -97,9 +97,6 @@ class RadixCache(PrefixCache):
         self.allocator = allocator
         self.page_size = page_size
         self.hit_stats = PrefixHitStats()
-        # Bumped whenever an edge is added, split or removed (never reset): a PrefixPeek of an older
-        # shape is stale.
-        self._shape = 0
         self._new_tree()
 
     def _new_tree(self) -> None:
@@ -107,7 +104,6 @@ class RadixCache(PrefixCache):
         self._evictable = 0
         self._protected = 0
         self._clock = 0
-        self._shape += 1
 
     # ---- lookups -------------------------------------------------------------------------------
 
@@ -128,24 +124,44 @@ class RadixCache(PrefixCache):
         """`peek_prefix_len`, keeping where the walk ended for `match_peeked`."""
         key = as_key(token_ids)
         node, child, m, pos = self._walk(key[: self._aligned(len(key))])
-        return PrefixPeek(token_ids, pos, len(key), node, child, m, self._shape)
+        return PrefixPeek(token_ids, pos, len(key), node, child, m)
 
     def match_peeked(self, peek: PrefixPeek) -> MatchResult:
-        """`match_prefix(peek.token_ids)`, without comparing the tokens again when no edge was added,
-        split or removed since the peek (~16 us per 2,000 cached tokens)."""
-        if peek.shape != self._shape:
+        """`match_prefix(peek.token_ids)`, without comparing the tokens again when no edge was added or
+        removed since the peek, nor the edge it ended in split (~16 us per 2,000 cached tokens)."""
+        if not self.peek_is_current(peek):
             return self.match_prefix(peek.token_ids)
         return self._matched(peek.queried, peek.node, peek.child, peek.m)
 
     def peek_prefix_of(self, peek: PrefixPeek, token_ids: Sequence[int]) -> PrefixPeek:
         """`peek_prefix(token_ids)` for `token_ids` a prefix of `peek.token_ids` (the scheduler ranks
         whole sequences, then matches all but their last token), reusing the peek's walk when it still
-        holds: the tree's shape is unchanged and its match ended before the prefix's (page-aligned)
+        holds (`_current`) and its match ended before the prefix's (page-aligned)
         end, so it stopped on a token both share and the prefix's walk ends at the same place."""
         n = len(token_ids)
-        if peek.shape != self._shape or n > peek.queried or peek.num_tokens >= self._aligned(n):
+        if not self.peek_is_current(peek) or n > peek.queried or peek.num_tokens >= self._aligned(n):
             return self.peek_prefix(token_ids)
-        return PrefixPeek(token_ids, peek.num_tokens, n, peek.node, peek.child, peek.m, peek.shape)
+        return PrefixPeek(token_ids, peek.num_tokens, n, peek.node, peek.child, peek.m)
+
+    def peek_is_current(self, peek: PrefixPeek) -> bool:
+        """Would a walk of `peek.token_ids` now end where the peek's did? O(1), whatever changed since.
+
+        NOTE: a path spells the same tokens after any split, and nodes leave the tree leaves first
+        (then `parent` is None) or all at once (`reset`: a new root). So the walk still reaches the
+        peek's node while that is attached; from there it takes the same edge `child` (unless that
+        was split or evicted: its parent changed), or, where the peek found no edge for its next
+        page, it does so again unless an insert added one.
+        """
+        node = peek.node
+        if node is not self.root and node.parent is None:
+            return False
+        if peek.child is not None:
+            return peek.child.parent is node
+        pos = peek.num_tokens
+        if pos + self.page_size > peek.queried:
+            return True  # the walk ended with the ids
+        page = key_slice(peek.token_ids, pos, pos + self.page_size)
+        return node.children.get(self._child_key(page, 0)) is None
 
     # ---- locking -------------------------------------------------------------------------------
 
@@ -224,7 +240,6 @@ class RadixCache(PrefixCache):
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key, 0)]
             leaf.parent = None  # detached: a stale handle to it is now detectably invalid
-            self._shape += 1
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
@@ -345,7 +360,6 @@ class RadixCache(PrefixCache):
             child = node.children.get(self._child_key(key, pos))
             if child is None:
                 leaf = TreeNode(key[pos:], value[pos:].clone(), node, self._clock)
-                self._shape += 1
                 node.children[self._child_key(key, pos)] = leaf
                 self._evictable += len(leaf.key)
                 tree_values.append(leaf.value)
@@ -366,7 +380,6 @@ class RadixCache(PrefixCache):
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut `child`'s edge after `m` tokens; returns the new upper node (child stays below)."""
-        self._shape += 1
         parent = child.parent
         upper = TreeNode(child.key[:m], child.value[:m].clone(), parent, child.last_access)
         # Same locks as the child: every lock through the child goes through the upper half too,
