@@ -81,6 +81,8 @@ class Req:
         self.kv_len = 0
         self.cache_len = 0
         self.last_node: Any = None
+        # lpm: the prefix cache's last lookup of the waiting request's ids, reused while still current.
+        self.rank_peek: Any = None
         self.prefix_len_this_step = 0
         self.extend_len_this_step = 0
         self.is_chunked = False  # mid-way through a chunked prefill

@@ -226,6 +226,7 @@ class PrefillAdmissionMixin:
         """The request's table row and its lock on the cached prefix (the caller writes the prefix's
         slots into the row: one table write for the whole batch)."""
         r.req_pool_idx = self.req_to_token.alloc()
+        r.rank_peek = None  # it holds tree nodes
         self.cache.inc_lock(match.node)
         r.last_node = match.node
         r.kv_len = r.cache_len = match.num_tokens
