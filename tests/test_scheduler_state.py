@@ -418,3 +418,20 @@ def test_lpm_ranked_admission_matches_exactly_what_a_fresh_match_finds(random_mo
     run_until_idle(s)
     s._check_integrity()
     assert s.last_integrity_error is None
+
+
+def test_lpm_ranks_a_waiting_request_again_once_its_prefix_was_cached(random_models):
+    # The ranking keeps each waiting request's lookup between steps; once the first request's prefill
+    # inserted the prefix that a waiting request shares, that request ranks ahead again.
+    s = make_scheduler(random_models["llama"], max_total_tokens=1024, schedule_policy="lpm",
+                       max_prefill_tokens=45, chunked_prefill_size=45)
+    shared, other = list(range(10, 50)), list(range(50, 90))  # 40 tokens each
+    submit(s, "a", shared + [1], max_new_tokens=4, temperature=0, ignore_eos=True)
+    submit(s, "c", other + [3], max_new_tokens=4, temperature=0, ignore_eos=True)
+    submit(s, "b", shared + [2], max_new_tokens=4, temperature=0, ignore_eos=True)
+    first = s.step()
+    assert [r.rid for r in first.reqs] == ["a"]  # nothing cached: arrival order, then the budget
+    second = s.step()
+    assert second.mode.is_extend()
+    assert list(zip((r.rid for r in second.reqs), second.prefix_lens)) == [("b", 40), ("c", 0)]
+    run_until_idle(s)
