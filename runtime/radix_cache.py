@@ -213,6 +213,10 @@ class RadixCache(PrefixCache):
         node, tree_kv = self._insert(key_slice(token_ids, pos, n), kv[pos:n], start)
         self.inc_lock(self._handle(node))  # lock the new path before releasing the old one
         self.dec_lock(old_node)
+        if tree_kv is None:
+            # NOTE: the usual case (no token was already in the tree): the request keeps its own slots,
+            # and gets its tensor back (1-D int64 on the CPU) so a caller can skip comparing.
+            return kv, self._handle(node)
         # The path to `start` holds the request's own slots (checked); the unaligned tail (page_size > 1)
         # stays the request's private memory.
         return torch.cat([kv[:pos], tree_kv, kv[n:]]), self._handle(node)
@@ -222,7 +226,8 @@ class RadixCache(PrefixCache):
         n = self._aligned(num)
         start, pos = self._resume_point(old_node, kv, n)
         self._insert(key_slice(token_ids, pos, n), kv[pos:n], start)
-        self.allocator.free(kv[n:])
+        if n < num:
+            self.allocator.free(kv[n:])
         self.dec_lock(old_node)
 
     # ---- eviction and reset --------------------------------------------------------------------
@@ -342,9 +347,10 @@ class RadixCache(PrefixCache):
         return old_node, pos
 
     def _insert(self, key: tuple, value: torch.Tensor,
-                start: Optional[TreeNode] = None) -> tuple[TreeNode, torch.Tensor]:
+                start: Optional[TreeNode] = None) -> tuple[TreeNode, Optional[torch.Tensor]]:
         """Add `key -> value` below `start` (default: the root); returns the path's last node and the
-        tree's slots for all of `key`. `start` and its ancestors count as accessed.
+        tree's slots for all of `key`, or None where those are `value` itself (no duplicates). `start`
+        and its ancestors count as accessed.
 
         Where the tree already held a token, the caller's slot for it is a duplicate computation:
         it goes back to the allocator and the tree's slot replaces it.
@@ -374,9 +380,11 @@ class RadixCache(PrefixCache):
                 duplicates.append(mine[mine != child.value])
             tree_values.append(child.value)
             node, pos = child, pos + m
+        if not duplicates:
+            return node, None
         for dup in duplicates:
             self.allocator.free(dup)
-        return node, (torch.cat(tree_values) if tree_values else _EMPTY)
+        return node, torch.cat(tree_values)
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut `child`'s edge after `m` tokens; returns the new upper node (child stays below)."""

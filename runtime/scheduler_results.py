@@ -129,7 +129,7 @@ class StepResultsMixin:
         new_kv, node = self.cache.cache_unfinished_req(ids, kv, r.last_node)
         # NOTE: the row changes only where the tree already held a token this request computed too
         # (rare: prefills of one prefix are deduplicated), so the usual case writes nothing.
-        if not torch.equal(new_kv, kv):
+        if new_kv is not kv and not torch.equal(new_kv, kv):
             self.req_to_token.write(r.req_pool_idx, 0, new_kv)
         r.last_node = node
         r.cache_len = r.kv_len

@@ -621,3 +621,22 @@ def test_a_peek_that_found_no_edge_is_stale_once_one_is_inserted():
     peek = cache.peek_prefix([1, 2, 3, 4])
     cache.evict(100)
     assert not cache.peek_is_current(peek) and cache.match_peeked(peek).num_tokens == 0
+
+
+def test_cache_unfinished_req_hands_back_the_requests_own_slots_when_nothing_was_cached():
+    alloc, cache = make()
+    kv = alloc.alloc(4)
+    same, node = cache.cache_unfinished_req([1, 2, 3, 4], kv, None)
+    assert same is kv and node.key == (1, 2, 3, 4)  # the caller can skip comparing
+    # A second request computed the same tokens: it gets the tree's slots, in a new tensor.
+    kv_b = alloc.alloc(5)
+    got, node_b = cache.cache_unfinished_req([1, 2, 3, 4, 5], kv_b, None)
+    assert got is not kv_b and got.tolist() == kv.tolist() + kv_b.tolist()[4:]
+    assert set(kv_b.tolist()[:4]) <= free_set(cache)
+    # A 2-D or int32 tensor is taken too (converted).
+    kv_c = alloc.alloc(2).to(torch.int32).reshape(1, 2)
+    got, node_c = cache.cache_unfinished_req([7, 8], kv_c, None)
+    assert got.dtype == torch.int64 and got.tolist() == kv_c.reshape(-1).tolist()
+    for n in (node, node_b, node_c):
+        cache.dec_lock(n)
+    cache.check_integrity()
