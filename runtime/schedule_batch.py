@@ -41,9 +41,12 @@ class Req:
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, *,
                  return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
                  return_text_in_logprobs: bool = False, stream: bool = False, tokenizer=None,
-                 eos_token_ids: tuple[int, ...] = (), group: Optional[str] = None, defer_text: bool = False):
+                 eos_token_ids: tuple[int, ...] = (), group: Optional[str] = None, defer_text: bool = False,
+                 take_ids: bool = False):
         self.rid = rid
-        self.origin_input_ids = list(input_ids)
+        # NOTE: with `take_ids` the caller hands its list over (the scheduler's freshly unpickled
+        # message): no copy (~3 us per 1,000 ids). Nothing here changes it in place.
+        self.origin_input_ids = input_ids if take_ids and type(input_ids) is list else list(input_ids)
         self.sampling_params = sampling_params
         self.return_logprob = return_logprob
         # Prompt logprobs are wanted from this prompt position on (-1: none, only output logprobs).

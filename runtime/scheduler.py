@@ -88,7 +88,8 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
 
     # ------------------------------------------------------------------ intake
     def handle_message(self, msg: Any) -> Optional[Any]:
-        """Apply one incoming message; returns a reply to send back (control requests) or None."""
+        """Apply one incoming message; returns a reply to send back (control requests) or None.
+        A request's `input_ids` list becomes the request's own (the caller must not change it)."""
         if isinstance(msg, TokenizedGenerateReq):
             self._add_request(msg)
         elif isinstance(msg, AbortReq):
@@ -105,7 +106,8 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
                   logprob_start_len=m.logprob_start_len, top_logprobs_num=m.top_logprobs_num,
                   return_text_in_logprobs=m.return_text_in_logprobs, stream=m.stream,
                   tokenizer=self.text_decoder, eos_token_ids=self.eos_token_ids, group=m.group,
-                  defer_text=True)  # the tokenizer manager decodes text nobody reads before the end
+                  defer_text=True,  # the tokenizer manager decodes text nobody reads before the end
+                  take_ids=True)  # the message is dropped after this
         if m.sampling_params.seed is not None:
             req.generator = torch.Generator(device=self.model_runner.device).manual_seed(m.sampling_params.seed)
         self.reqs_by_rid[req.rid] = req

@@ -435,3 +435,12 @@ def test_lpm_ranks_a_waiting_request_again_once_its_prefix_was_cached(random_mod
     assert second.mode.is_extend()
     assert list(zip((r.rid for r in second.reqs), second.prefix_lens)) == [("b", 40), ("c", 0)]
     run_until_idle(s)
+
+
+def test_intake_takes_the_messages_id_list_over_and_never_changes_it(random_models):
+    s = make_scheduler(random_models["llama"], max_total_tokens=1024)
+    ids = list(range(10, 40))
+    submit(s, "a", ids, max_new_tokens=3, temperature=0, ignore_eos=True)
+    assert s.waiting[0].origin_input_ids is ids  # no copy at intake
+    run_until_idle(s)
+    assert ids == list(range(10, 40))
