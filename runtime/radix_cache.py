@@ -135,9 +135,9 @@ class RadixCache(PrefixCache):
 
     def peek_prefix_of(self, peek: PrefixPeek, token_ids: Sequence[int]) -> PrefixPeek:
         """`peek_prefix(token_ids)` for `token_ids` a prefix of `peek.token_ids` (the scheduler ranks
-        whole sequences, then matches all but their last token), reusing the peek's walk when it still
-        holds (`_current`) and its match ended before the prefix's (page-aligned)
-        end, so it stopped on a token both share and the prefix's walk ends at the same place."""
+        whole sequences, then matches all but their last token), reusing the peek's walk when it is
+        still current and its match ended before the prefix's (page-aligned) end: it stopped on a
+        token both share, so the prefix's walk ends at the same place."""
         n = len(token_ids)
         if not self.peek_is_current(peek) or n > peek.queried or peek.num_tokens >= self._aligned(n):
             return self.peek_prefix(token_ids)
@@ -146,8 +146,8 @@ class RadixCache(PrefixCache):
     def peek_is_current(self, peek: PrefixPeek) -> bool:
         """Would a walk of `peek.token_ids` now end where the peek's did? O(1), whatever changed since.
 
-        NOTE: a path spells the same tokens after any split, and nodes leave the tree leaves first
-        (then `parent` is None) or all at once (`reset`: a new root). So the walk still reaches the
+        NOTE: a path spells the same tokens after any split, edges are never merged or extended, and
+        nodes leave the tree leaves first (then `parent` is None) or all at once (`reset`: a new root). So the walk still reaches the
         peek's node while that is attached; from there it takes the same edge `child` (unless that
         was split or evicted: its parent changed), or, where the peek found no edge for its next
         page, it does so again unless an insert added one.

@@ -22,28 +22,18 @@ LPM_MAX_QUEUE = 128
 def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache,
                         peeks: Optional[dict] = None) -> list[Req]:
     """The waiting queue in admission order. With `peeks` (a dict) and a cache that has `peek_prefix`,
-    lpm leaves each ranked request's lookup there under `id(request)` (for `match_peeked`)."""
+    lpm leaves each ranked request's lookup there under `id(request)` (the admission reuses it)."""
     if policy == "fcfs" or len(waiting) <= 1:
         return waiting
     if policy == "lpm":
         if len(waiting) > LPM_MAX_QUEUE:
             return waiting
         # A read-only lookup: ranking must not split tree nodes or refresh LRU times.
-        peek = getattr(cache, "peek_prefix_len", None) or (lambda ids: cache.match_prefix(ids).num_tokens)
         if peeks is not None and hasattr(cache, "peek_prefix"):
-            # NOTE: every admission step ranks the whole queue (128 requests of ~1,000 tokens: ~1 ms);
-            # a request's last lookup is reused while the tree would still end its walk there, and the
-            # admission that follows reuses the walk too.
-            current = cache.peek_is_current
-
-            def peek(ids, r):
-                found = r.rank_peek
-                if found is None or found.token_ids is not ids or not current(found):
-                    found = r.rank_peek = cache.peek_prefix(ids)
-                peeks[id(r)] = found
-                return found.num_tokens
+            peek = _kept_peeks(cache, peeks)
         else:
-            peek = (lambda ids, r, _peek=peek: _peek(ids))
+            peek_len = getattr(cache, "peek_prefix_len", None) or (lambda ids: cache.match_prefix(ids).num_tokens)
+            peek = (lambda ids, r: peek_len(ids))  # noqa: E731
         # NOTE: a request without outputs is ranked on its prompt list itself (fill_ids is a copy).
         scored = [(-peek(r.fill_ids if r.output_ids else r.origin_input_ids, r), i, r)
                   for i, r in enumerate(waiting)]
@@ -57,6 +47,25 @@ def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache,
             first_seen.setdefault(r.group or r.rid, i)
         return sorted(waiting, key=lambda r: (first_seen[r.group or r.rid], r.fill_ids[:64]))
     raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def _kept_peeks(cache, peeks: dict):
+    """lpm's lookup of a waiting request's ids, as a prefix length: its last lookup (`Req.rank_peek`)
+    while the tree would still end that walk there, else a new one; each also left in `peeks`.
+
+    NOTE: every admission step ranks the whole queue (up to 128 requests of ~1,000 tokens, ~10 us
+    each), and the admission that follows matches most of them again; both reuse these walks.
+    """
+    current = cache.peek_is_current
+
+    def peek(ids, r: Req) -> int:
+        found = r.rank_peek
+        if found is None or found.token_ids is not ids or not current(found):
+            found = r.rank_peek = cache.peek_prefix(ids)
+        peeks[id(r)] = found
+        return found.num_tokens
+
+    return peek
 
 
 @dataclass
