@@ -82,7 +82,7 @@ class ReqToTokenPool:
         n, m = int(lens.sum()), int(blob_lens.sum())
         row_slots = np.fromiter((s for s, _ in items), dtype=np.int64, count=k)
         packed = np.concatenate(blobs + [row_slots, lens, src_starts, np.cumsum(lens) - lens])
-        packed = torch.from_numpy(packed.astype(np.int32)).to(self.req_to_token.device)  # one copy
+        packed = self._upload(packed.astype(np.int32))  # one copy
         kv = packed[:m]
         slots_t, lens_t, src_t, dst_t = (packed[m + i * k:m + (i + 1) * k].long() for i in range(4))
         # NOTE: output_size keeps repeat_interleave from reading the total back (a sync).
@@ -90,6 +90,22 @@ class ReqToTokenPool:
         positions = torch.arange(n, device=packed.device) - torch.repeat_interleave(dst_t, lens_t, output_size=n)
         src = torch.repeat_interleave(src_t, lens_t, output_size=n) + positions  # (n,) into kv
         self.req_to_token[rows, positions] = kv[src]
+
+    def _upload(self, host: np.ndarray) -> torch.Tensor:
+        """A 1-D int32 host array on the table's device, without waiting for the device.
+
+        NOTE: `.to(device)` from pageable memory synchronizes the stream: admission (which calls this
+        once per prefill batch, ~0.6 MB for 512 rows of 128 distinct 1,113-token prefixes) waited for
+        the step in flight, so the host work after it overlapped nothing. From pinned memory the copy
+        is queued; the caching host allocator keeps the pinned block until the copy has run.
+        """
+        t = torch.from_numpy(host)
+        device = self.req_to_token.device
+        if device.type == "cpu":
+            return t
+        staging = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        staging.copy_(t)
+        return staging.to(device, non_blocking=True)
 
     def write_step(self, device_rows: tuple, host_rows: tuple) -> None:
         """A step's new tokens, (req slots, positions, kv slots) each (T,): one indexed write per

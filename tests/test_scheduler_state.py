@@ -360,6 +360,17 @@ def test_req_to_token_write_rows_uploads_a_shared_prefix_once_per_tensor():
     assert (pool.host == rows.numpy()).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned upload path needs a GPU")
+def test_req_to_token_write_rows_on_the_gpu_matches_the_host_mirror():
+    from plait.runtime.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(8, 64, "cuda")
+    shared = torch.arange(1, 41)
+    for round_ in range(3):  # the pinned staging blocks are reused between rounds
+        pool.write_rows([(i, shared + round_) for i in range(4)] + [(5, torch.arange(100, 100 + 7 * round_ + 1))])
+        assert (pool.host == pool.req_to_token.cpu().numpy()).all(), round_
+
+
 def test_in_flight_prefixes_agree_with_comparing_every_pair():
     import random
 
