@@ -26,6 +26,20 @@ SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}
 CASES = [(1, 576), (8, 576), (64, 770), (256, 576), (512, 700), (256, 2000), (1, 4096), (32, 4096)]
 
 
+def decode_case(shape: str, bs: int, ctx: int):
+    """One case: a function running the decode kernel on it with a given config, and the KV bytes it reads."""
+    heads, kv_heads, head_dim = SHAPES[shape]
+    kv, r2t = make_pools([ctx] * bs, kv_heads, head_dim)
+    q = torch.randn(bs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    req, sl = torch.arange(bs, device="cuda"), torch.full((bs,), ctx, device="cuda")
+
+    def run(cfg: DecodeConfig) -> None:
+        decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], out, r2t.req_to_token, req, sl, 0.1, cfg)
+
+    return run, 2 * bs * ctx * kv_heads * head_dim * 2
+
+
 def _key(cfg: DecodeConfig) -> tuple:
     return (cfg.block_n, cfg.max_kv_splits, cfg.min_split_len, cfg.target_programs)
 
@@ -47,19 +61,12 @@ def main() -> None:
     rows = []
     per_case: list[dict] = []  # per case: config key -> us
     for shape in shapes:
-        heads, kv_heads, head_dim = SHAPES[shape]
         for bs, ctx in CASES:
-            kv, r2t = make_pools([ctx] * bs, kv_heads, head_dim)
-            q = torch.randn(bs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-            out = torch.empty_like(q)
-            req, sl = torch.arange(bs, device="cuda"), torch.full((bs,), ctx, device="cuda")
-            kv_bytes = 2 * bs * ctx * kv_heads * head_dim * 2
+            run, kv_bytes = decode_case(shape, bs, ctx)
             results = []
             for cfg in [default] + configs:
-                def fn(cfg=cfg):
-                    decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], out, r2t.req_to_token, req, sl, 0.1, cfg)
                 try:
-                    us = do_bench_cudagraph(fn, rep=20) * 1e3
+                    us = do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20) * 1e3
                 except Exception as exc:  # a config that does not compile
                     print(f"  {cfg} failed: {exc!r}"[:160])
                     continue
@@ -74,7 +81,7 @@ def main() -> None:
             print(f"{shape} bs={bs:4d} ctx={ctx:5d}: default {base_us:7.1f} us  best {best_us:7.1f} us "
                   f"({kv_bytes / best_us / 1e3:6.0f} GB/s) bn={best.block_n} splits<={best.max_kv_splits} "
                   f"min_len={best.min_split_len} programs={best.target_programs // sms}xSM", flush=True)
-            kv = r2t = None  # free before the next case
+            run = None  # free the case's pools before the next one
     # One config for every case: the smallest mean slowdown against each case's own best.
     keys = set.intersection(*(set(c) for c in per_case))
     slowdown = {k: sum(c[k] / min(c.values()) for c in per_case) / len(per_case) for k in keys}
@@ -90,19 +97,13 @@ def policy_only(shapes: list[str], sms: int) -> None:
     policy = default_decode_policy(sms)
     rows = []
     for shape in shapes:
-        heads, kv_heads, head_dim = SHAPES[shape]
         for bs, ctx in CASES:
-            kv, r2t = make_pools([ctx] * bs, kv_heads, head_dim)
-            q = torch.randn(bs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-            out = torch.empty_like(q)
-            req, sl = torch.arange(bs, device="cuda"), torch.full((bs,), ctx, device="cuda")
-            kv_bytes = 2 * bs * ctx * kv_heads * head_dim * 2
+            run, kv_bytes = decode_case(shape, bs, ctx)
             cfg = policy.for_batch(bs)
-            us = do_bench_cudagraph(lambda: decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], out, r2t.req_to_token,
-                                                             req, sl, 0.1, cfg), rep=50) * 1e3
+            us = do_bench_cudagraph(lambda: run(cfg), rep=50) * 1e3
             rows.append({"shape": shape, "bs": bs, "ctx": ctx, "us": us, "kv_gb_s": kv_bytes / us / 1e3})
             print(f"{shape} bs={bs:4d} ctx={ctx:5d}: policy {us:7.1f} us ({kv_bytes / us / 1e3:6.0f} GB/s)", flush=True)
-            kv = r2t = None
+            run = None
     save("sweep_decode_attention_policy", rows)
 
 
