@@ -47,8 +47,7 @@ def run_plait(args, bw: float) -> list[dict]:
     from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.memory_pool import KVPool
     from plait.runtime.model_runner import ModelRunner
-    from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.schedule_batch import Req, ScheduleBatch
+    from plait.runtime.schedule_batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
     max_bs = max(args.batch_sizes)
@@ -71,7 +70,7 @@ def run_plait(args, bw: float) -> list[dict]:
                 mr.graph_runner = CudaGraphRunner(mr)
         gen = torch.Generator().manual_seed(0)
         for bs in args.batch_sizes:
-            reqs = _new_requests(mr, bs, args, gen, Req, SamplingParams)
+            reqs = _new_requests(mr, bs, args, gen)
             loc = mr.allocator.alloc(bs * args.input_len)
             batch = ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [args.input_len] * bs, loc)
 
@@ -85,8 +84,8 @@ def run_plait(args, bw: float) -> list[dict]:
                 r.output_ids = [tok]
                 r.kv_len = args.input_len
             half = (args.output_len - 1) // 2
-            sync_step = _sync_steps(mr, reqs, half, ScheduleBatch, ForwardMode)
-            piped_step = _pipelined_steps(mr, reqs, args.output_len - 1 - half, ScheduleBatch, ForwardMode)
+            sync_step = _sync_steps(mr, reqs, half)
+            piped_step = _pipelined_steps(mr, reqs, args.output_len - 1 - half)
             mean_ctx = args.input_len + args.output_len / 2
             floor = (wbytes + bs * mean_ctx * kv_tok) / bw
             rows.append({"variant": variant, "batch_size": bs, "prefill_s": t_prefill,
@@ -112,7 +111,10 @@ def _set_env(variant: str) -> None:
         os.environ[name.strip()] = value.strip()
 
 
-def _new_requests(mr, bs, args, gen, Req, SamplingParams) -> list:
+def _new_requests(mr, bs, args, gen) -> list:
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.schedule_batch import Req
+
     reqs = []
     for i in range(bs):
         ids = torch.randint(100, 30000, (args.input_len,), generator=gen).tolist()
@@ -122,8 +124,11 @@ def _new_requests(mr, bs, args, gen, Req, SamplingParams) -> list:
     return reqs
 
 
-def _sync_steps(mr, reqs, steps: int, ScheduleBatch, ForwardMode) -> float:
+def _sync_steps(mr, reqs, steps: int) -> float:
     """Median seconds of a decode step run alone: build, launch, read the tokens back (one host sync)."""
+    from plait.runtime.forward_batch import ForwardMode
+    from plait.runtime.schedule_batch import ScheduleBatch
+
     times = []
     for _ in range(steps):
         dbatch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(len(reqs)))
@@ -137,9 +142,12 @@ def _sync_steps(mr, reqs, steps: int, ScheduleBatch, ForwardMode) -> float:
     return statistics.median(times[min(5, steps - 1):])
 
 
-def _pipelined_steps(mr, reqs, steps: int, ScheduleBatch, ForwardMode) -> float:
+def _pipelined_steps(mr, reqs, steps: int) -> float:
     """Seconds per decode step as the engine runs them (overlap scheduling): step i+1 is launched with
     step i's sampled tokens as its input, on the device, before step i's tokens are read back."""
+    from plait.runtime.forward_batch import ForwardMode
+    from plait.runtime.schedule_batch import ScheduleBatch
+
     batch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(len(reqs)))
     pending = mr.launch_decode(batch)
     warm = min(5, (steps - 1) // 2)  # steps before the clock starts
