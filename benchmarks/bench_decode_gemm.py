@@ -1,0 +1,142 @@
+"""Decode-time linear layers at batch 16-128: the tensor-core decode matmul (runtime/kernels/decode_gemm.py)
+against torch.matmul (cuBLAS), on the weight shapes of Llama-3.1-8B / 3.2-1B.
+
+Per (rows, shape): a sweep of tile configs and K splits, each checked against a float64 reference and for
+run-to-run bitwise equality (the split-K reduction must be deterministic), timed as CUDA-graph replays
+over distinct weight copies (so L2 never holds the next weight), reported as achieved read bandwidth.
+Then the whole weight-only decode step (every layer's four matrices + the LM head) with cuBLAS and with
+the best config per shape, next to the copy-bandwidth floor.
+
+    python benchmarks/bench_decode_gemm.py --model llama-3.1-8b --rows 16 32 64 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_common import save  # noqa: E402
+from bench_gemv import SHAPES, graph_time, layer_shapes  # noqa: E402
+from gpu_ceilings import copy_bandwidth  # noqa: E402
+
+SM_COUNT_FALLBACK = 132
+
+
+def configs(n: int, k: int, sms: int):
+    from plait.runtime.kernels.decode_gemm import DecodeGemmConfig
+
+    for (bn, bk), warps, stages in itertools.product(((64, 128), (64, 256), (128, 64), (128, 128), (128, 256)),
+                                                     (4, 8), (3, 4)):
+        tiles = -(-n // bn)
+        k_tiles = -(-k // bk)
+        splits = sorted({s for s in (1, 2, 3, 4, 6, 8) if s <= k_tiles and tiles * s <= 8 * sms})
+        for split in splits:
+            yield DecodeGemmConfig(bn, bk, split, warps, stages)
+
+
+def main() -> None:
+    from plait.runtime.kernels.decode_gemm import SplitKWorkspace, decode_gemm
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--only", nargs="+", default=None, help="sweep these layers only (qkv o gate_up down "
+                    "lm_head); skips the whole-step timing")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count or SM_COUNT_FALLBACK
+    print(f"GPU {torch.cuda.get_device_name()}  {sms} SMs  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    workspace = SplitKWorkspace(torch.device("cuda"))
+    result = {"model": args.model, "copy_bandwidth": bw, "shapes": {}, "step": {}}
+    best = {}
+    shapes = layer_shapes(args.model)
+    for rows in args.rows:
+        for name, (n, k) in shapes.items():
+            if args.only and name not in args.only:
+                continue
+            ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(args.copies)]
+            x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+            ref = x.double() @ ws[0].double().T
+            nbytes = n * k * 2
+
+            def cublas():
+                for w in ws:
+                    torch.matmul(x, w.t())
+
+            t_cublas = graph_time(cublas, reps=2) / len(ws)
+            sweep, failed = [], 0
+            for cfg in configs(n, k, sms):
+                try:
+                    y = decode_gemm(x, ws[0], cfg, workspace)
+                    y2 = decode_gemm(x, ws[0], cfg, workspace)
+                except Exception as e:  # e.g. a tile that does not fit in shared memory
+                    failed += 1
+                    if failed <= 2:
+                        print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                err = float((y.double() - ref).norm() / ref.norm())
+                if not err < 1e-2 or not torch.equal(y, y2):
+                    print(f"  {name} {cfg} WRONG rel err {err:.2e} deterministic {torch.equal(y, y2)}")
+                    continue
+
+                def triton_fn(cfg=cfg):
+                    for w in ws:
+                        decode_gemm(x, w, cfg, workspace)
+
+                sweep.append((graph_time(triton_fn, reps=2) / len(ws), cfg))
+            sweep.sort(key=lambda p: p[0])
+            t_best, cfg_best = sweep[0]
+            best[(rows, name)] = cfg_best
+            result["shapes"][f"{name}/m{rows}"] = {
+                "n": n, "k": k, "cublas_us": t_cublas * 1e6, "cublas_tb_s": nbytes / t_cublas / 1e12,
+                "triton_us": t_best * 1e6, "triton_tb_s": nbytes / t_best / 1e12, "config": vars(cfg_best),
+                "top5": [(t * 1e6, vars(c)) for t, c in sweep[:5]]}
+            print(f"m={rows:3d} {name:8s} ({n:6d}x{k:5d}) cuBLAS {t_cublas * 1e6:8.1f} us {nbytes / t_cublas / 1e12:5.2f}"
+                  f" TB/s | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best}", flush=True)
+            ws = None
+            torch.cuda.empty_cache()
+        if args.only:
+            continue
+        _, _, layers, *_ = SHAPES[args.model]
+        weights = [[torch.randn(*shapes[nm], dtype=torch.bfloat16, device="cuda") * 0.02
+                    for nm in ("qkv", "o", "gate_up", "down")] for _ in range(layers)]
+        head = torch.randn(*shapes["lm_head"], dtype=torch.bfloat16, device="cuda") * 0.02
+        total_bytes = sum(w.numel() * 2 for ws in weights for w in ws) + head.numel() * 2
+        xs = {nm: torch.randn(rows, shapes[nm][1], dtype=torch.bfloat16, device="cuda") for nm in shapes}
+
+        def step(use_triton: bool):
+            def run():
+                for ws in weights:
+                    for nm, w in zip(("qkv", "o", "gate_up", "down"), ws):
+                        if use_triton:
+                            decode_gemm(xs[nm], w, best[(rows, nm)], workspace)
+                        else:
+                            torch.matmul(xs[nm], w.t())
+                if use_triton:
+                    decode_gemm(xs["lm_head"], head, best[(rows, "lm_head")], workspace)
+                else:
+                    torch.matmul(xs["lm_head"], head.t())
+            return run
+
+        t_c = graph_time(step(False), reps=3)
+        t_t = graph_time(step(True), reps=3)
+        floor = total_bytes / bw
+        result["step"][f"m{rows}"] = {"bytes": total_bytes, "cublas_ms": t_c * 1e3, "triton_ms": t_t * 1e3,
+                                      "floor_ms": floor * 1e3}
+        print(f"weight-only step m={rows}: cuBLAS {t_c * 1e3:.3f} ms ({floor / t_c:.1%} of floor)  triton "
+              f"{t_t * 1e3:.3f} ms ({floor / t_t:.1%})  floor {floor * 1e3:.3f} ms", flush=True)
+        weights = head = None
+        torch.cuda.empty_cache()
+    save(f"bench_decode_gemm_{args.model}", result)
+
+
+if __name__ == "__main__":
+    main()
