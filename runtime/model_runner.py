@@ -3,6 +3,8 @@
 `__init__` reads as a recipe: resolve device/dtype → build model and load weights → size the KV pool
 → build the attention backend (→ capture CUDA graphs, on GPU). `run(batch)` turns a ScheduleBatch into
 a ForwardBatch, runs the model, computes the logits rows that are needed, and samples.
+`launch_decode` / `launch_prefill` do the same without waiting for the device (overlap scheduling):
+the sampled ids stay on the device with a pinned host copy that `resolve` reads later.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ class PendingDecode:
 
 
 @dataclass
+class PendingPrefill:
+    """A prefill (EXTEND) step launched but not yet read back (see `ModelRunner.launch_prefill`)."""
+
+    next_ids: torch.Tensor  # (S,) int64 on the device: the tokens of the S requests that sample
+    host: torch.Tensor  # (S,) pinned host copy, valid once `event` completes
+    event: Optional["torch.cuda.Event"]  # None on the CPU
+    sampling_reqs: list[int]  # (S,) index in the batch of each sampled row
+    batch_size: int
+
+
+@dataclass
 class StepOutput:
     # Per request in batch order: the sampled token, or None (chunk mid-way / prefill-only).
     next_token_ids: list[Optional[int]]
@@ -85,8 +98,10 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend(), self)
         self._staging = [(None, None)] * 4  # pinned host buffers for per-step inputs (GPU) + their copy events
         self._staging_pos = 0
-        self._host_ring = None  # pinned buffers receiving sampled tokens of overlapped steps
-        self._ring_pos = 0
+        # Pinned buffers receiving the sampled tokens of overlapped steps: one pair for decode steps, one
+        # for prefill steps (a prefill may be launched while the last decode step's copy is unread).
+        self._host_rings: dict[str, list[torch.Tensor]] = {}
+        self._ring_pos: dict[str, int] = {"decode": 0, "prefill": 0}
         self.graph_runner = None
         if self.device == "cuda" and not server_args.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             from .cuda_graph_runner import CudaGraphRunner
@@ -115,13 +130,17 @@ class ModelRunner:
             # Decode: the graph computes the logits of every row too (one row per request), and their argmax.
             logits, greedy = self.graph_runner.replay(fb)  # (B, vocab) float32, (B,)
             return self._sample(batch, None, sample_rows, sampling_reqs, input_lp_rows, logits, greedy)
+        hidden, rows = self._forward_eager(fb, sample_rows)
+        return self._sample(batch, hidden, sample_rows, sampling_reqs, input_lp_rows, sample_rows_t=rows)
+
+    def _forward_eager(self, fb: ForwardBatch, sample_rows: list[int]):
+        """The model on `fb` without a graph: (T, hidden) states and the (S,) device rows to sample."""
         self.attn_backend.init_forward_metadata(fb)
         # NOTE: the rows to sample are uploaded before the forward is queued: an upload from a Python list
         # after it waits for the whole forward (a pageable copy syncs the stream), and only then could
         # the LM head and the sampling be queued.
         rows = self._upload([sample_rows])[0] if sample_rows else None
-        hidden = self.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
-        return self._sample(batch, hidden, sample_rows, sampling_reqs, input_lp_rows, sample_rows_t=rows)
+        return self.model(fb.input_ids, fb.positions, fb), rows  # (T, hidden), (S,)
 
     # ------------------------------------------------------------------ overlapped decode
     @torch.inference_mode()
@@ -144,34 +163,75 @@ class ModelRunner:
             logits = self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
         reqs = batch.reqs
         plain_greedy = prev.plain_greedy if prev is not None else all(_plain_greedy(r) for r in reqs)
-        if plain_greedy:
-            next_ids = greedy if greedy is not None else greedy_tokens(logits)
-        else:
-            info = SamplingBatchInfo.from_reqs(reqs, logits.shape[1], logits.device)
-            apply_logit_adjustments(logits, reqs, info)
-            next_ids = sample(logits, reqs, info)
-        if self.device != "cuda":  # CPU: nothing runs asynchronously; kept so the logic is testable here
-            return PendingDecode(next_ids, next_ids, None, plain_greedy)
-        host = self._next_host_buffer(len(reqs))
-        host.copy_(next_ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        next_ids = self._sample_on_device(logits, reqs, plain_greedy, greedy)
+        host, event = self._copy_to_host(next_ids, "decode")
         return PendingDecode(next_ids, host, event, plain_greedy)
 
-    def resolve(self, pending: "PendingDecode") -> StepOutput:
+    # ------------------------------------------------------------------ overlapped prefill
+    @torch.inference_mode()
+    def launch_prefill(self, batch: ScheduleBatch) -> PendingPrefill:
+        """Start a prefill (EXTEND) step without waiting for it (overlap scheduling): the sampled tokens
+        stay on the device, with a pinned host copy that `resolve` reads. Only for requests
+        `can_overlap` accepts (no logprobs, so no prompt logprobs either; no grammar or penalties: the
+        sampling needs nothing from the host). On the CPU it runs synchronously, through the same code.
+        """
+        fb, sample_rows, sampling_reqs, input_lp_rows = self._build_forward_batch(batch)
+        if input_lp_rows:
+            raise ValueError("launch_prefill: a request wants prompt logprobs; run() the batch instead")
+        hidden, rows = self._forward_eager(fb, sample_rows)
+        if sample_rows:
+            s_reqs = [batch.reqs[i] for i in sampling_reqs]
+            logits = self.model.compute_logits(hidden[rows])  # (S, V)
+            next_ids = self._sample_on_device(logits, s_reqs, all(_plain_greedy(r) for r in s_reqs))  # (S,)
+        else:  # every request is a chunk mid-way (or prefill-only): nothing to read back
+            next_ids = torch.empty(0, dtype=torch.int64, device=hidden.device)
+        host, event = self._copy_to_host(next_ids, "prefill")
+        return PendingPrefill(next_ids, host, event, sampling_reqs, len(batch.reqs))
+
+    def resolve(self, pending) -> StepOutput:
+        """Wait for a launched step (`PendingDecode` or `PendingPrefill`) and read its tokens."""
         if pending.event is not None:
             pending.event.synchronize()
         ids = pending.host.tolist()
+        if isinstance(pending, PendingPrefill):
+            n = pending.batch_size
+            per_req: list[Optional[int]] = [None] * n  # None: a chunk mid-way or prefill-only
+            for tok, i in zip(ids, pending.sampling_reqs):
+                per_req[i] = tok
+            return StepOutput(next_token_ids=per_req, output_logprobs=[None] * n, input_logprobs=[[] for _ in range(n)])
         # A decode step computes no prompt logprobs: input_logprobs stays empty (read for EXTEND only).
         return StepOutput(next_token_ids=ids, output_logprobs=[None] * len(ids))
 
-    def _next_host_buffer(self, n: int) -> torch.Tensor:
-        # Two pinned buffers used in turn: at most two decode steps are in flight.
-        if self._host_ring is None:
+    def _sample_on_device(self, logits: torch.Tensor, reqs: list[Req], plain_greedy: bool,
+                          greedy: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B,) int64 next ids of logits (B, V), without reading anything back (no grammar here)."""
+        if plain_greedy:
+            return greedy if greedy is not None else greedy_tokens(logits)
+        info = SamplingBatchInfo.from_reqs(reqs, logits.shape[1], logits.device)
+        apply_logit_adjustments(logits, reqs, info)
+        return sample(logits, reqs, info)
+
+    def _copy_to_host(self, ids: torch.Tensor, ring: str):
+        """A pinned host copy of the (n,) sampled ids, queued after the step, and the event marking it
+        done; on the CPU the ids themselves and no event (nothing runs asynchronously)."""
+        if self.device != "cuda":
+            return ids, None
+        host = self._next_host_buffer(ring, ids.shape[0])
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _next_host_buffer(self, ring: str, n: int) -> torch.Tensor:
+        # NOTE: two pinned buffers per kind of step, used in turn: at most two steps of a kind are in
+        # flight (the one being read back and the one just launched), and a prefill and a decode step
+        # never share a buffer, whatever order the scheduler launches them in.
+        bufs = self._host_rings.get(ring)
+        if bufs is None:
             size = self.max_running_requests + 1
-            self._host_ring = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._ring_pos ^= 1
-        return self._host_ring[self._ring_pos][:n]
+            bufs = self._host_rings[ring] = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        pos = self._ring_pos[ring] = self._ring_pos[ring] ^ 1
+        return bufs[pos][:n]
 
     @staticmethod
     def can_overlap(r: Req) -> bool:

@@ -3,7 +3,8 @@
 Each loop: take new messages → build the next batch (a prefill batch when requests wait and fit, else a
 decode batch of every running request; retract when KV runs short) → run it → process the results
 (append tokens, detokenize, check stops, insert into the prefix cache: scheduler_results.py) → stream
-outputs back. Which waiting requests a prefill batch admits is scheduler_prefill.py.
+outputs back. Which waiting requests a prefill batch admits is scheduler_prefill.py; overlap
+scheduling (a step launched before the previous one is read back) is scheduler_pipeline.py.
 When idle it verifies the KV slot accounting.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from typing import Any, Optional
 
@@ -23,6 +25,7 @@ from .model_loader import load_tokenizer
 from .model_runner import ModelRunner
 from .prefix_cache import NoSharingCache, PrefixCache
 from .schedule_batch import FinishReason, Req, ScheduleBatch
+from .scheduler_pipeline import OverlapScheduleMixin
 from .scheduler_prefill import PrefillAdmissionMixin
 from .scheduler_results import StepResultsMixin
 from .server_args import ServerArgs
@@ -39,7 +42,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
+class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin):
     def __init__(self, server_args: ServerArgs, model_path: str):
         self.server_args = server_args
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
@@ -65,9 +68,13 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
                       "num_finished": 0, "integrity_errors": 0}
         self.last_integrity_error: Optional[str] = None
         self.timer = StepTimer(server_args.enable_step_timing)
-        # Overlap scheduling (GPU): a decode step in flight, launched but not yet read back.
+        # Overlap scheduling (GPU; scheduler_pipeline.py): a decode step or a prefill step in flight,
+        # launched but not yet read back (never both). PLAIT_PREFILL_PIPELINE=0 keeps prefills
+        # synchronous (to measure what pipelining them gains).
         self.overlap = not server_args.disable_overlap_schedule and self.model_runner.device == "cuda"
+        self.pipeline_prefills = os.environ.get("PLAIT_PREFILL_PIPELINE", "1") != "0"
         self.pending: Optional[tuple[ScheduleBatch, Any]] = None
+        self.pending_prefill: Optional[tuple[ScheduleBatch, Any]] = None
         self.pins: dict[int, Any] = {}
         self.pin_expiry: dict[int, float] = {}  # pin id -> monotonic deadline (pins made with a ttl)
         self._pin_ids = itertools.count(1)
@@ -238,10 +245,12 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
     # ------------------------------------------------------------------ batching
     def is_idle(self) -> bool:
         return not (self.running or self.waiting or self.chunked_req or self.grammar_pending or self.pending
-                    or self.jump_queue)
+                    or self.pending_prefill or self.jump_queue)
 
     def step(self) -> Optional[ScheduleBatch]:
-        """Build, run and process one batch. Returns the batch (None when nothing could run)."""
+        """Build, run and process one batch. Returns the batch (None when nothing could run).
+        With overlap scheduling a step may launch its batch and process the previous one instead
+        (scheduler_pipeline.py)."""
         t0 = time.perf_counter()
         if self.pending is not None:
             return self._step_overlapped(t0)
@@ -251,82 +260,20 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin):
             self._poll_grammars()
         self._sweep_aborted()
         batch = self._get_prefill_batch()
+        if self.pending_prefill is not None:
+            return self._step_after_prefill(batch, t0)
         if batch is None:
             batch = self._get_decode_batch()
         self.timer.phase("admit", time.perf_counter() - t0)
         if batch is None:
             return None
-        kind = "prefill" if batch.mode.is_extend() else "decode"
-        started = self.timer.begin()
-        if self.overlap and batch.mode.is_decode() and all(map(self.model_runner.can_overlap, batch.reqs)):
-            self.pending = (batch, self.model_runner.launch_decode(batch))
-            self.timer.launched(kind, started)
-            self.timer.decode_restarts += 1
-            self._count(batch, t0)
-            return batch
-        out = self.model_runner.run(batch)
-        self.timer.launched(kind, started)
-        t_read = time.perf_counter()
-        self._process_result(batch, out)
-        self.timer.phase("results", time.perf_counter() - t_read)
-        self._count(batch, t0)
-        return batch
+        return self._launch(batch, t0)
 
     def _count(self, batch: ScheduleBatch, t0: float) -> None:
         if batch.mode.is_extend():
             self.timer.count("prefill", len(batch.reqs), sum(batch.extend_lens), time.perf_counter() - t0)
         else:
             self.timer.count("decode", len(batch.reqs), len(batch.reqs), time.perf_counter() - t0)
-
-    # ------------------------------------------------------------------ overlap
-    def _step_overlapped(self, t0: float) -> ScheduleBatch:
-        """Launch the next decode step on the device, then process the one in flight.
-
-        While the GPU computes step i+1 (its input tokens are step i's samples, read on the device), the
-        CPU reads step i's tokens, checks stops and streams outputs. A request that finishes at step i
-        got one extra token computed in step i+1: it is dropped and its slot freed; step i+2 goes on
-        without it.
-        """
-        batch, handle = self.pending
-        self.pending = None
-        keep = self._pipeline_rows(batch)
-        nxt, started = None, None
-        if keep is not None:
-            loc = self._alloc(len(keep))
-            if loc is not None:
-                nxt = batch.next_decode(loc, keep)
-                for r, slot in zip(nxt.reqs, loc.tolist()):
-                    r.inflight_slot = slot
-                started = self.timer.begin()
-                self.pending = (nxt, self.model_runner.launch_decode(nxt, prev=handle))
-                self.timer.launched("decode", started)
-        t_read = time.perf_counter()
-        self._process_result(batch, self.model_runner.resolve(handle))
-        self.timer.phase("results", time.perf_counter() - t_read)
-        if nxt is not None:
-            self._count(nxt, t0)
-        else:  # the last step of a pipeline: read back, nothing launched
-            self.timer.totals["decode"]["wall_s"] += time.perf_counter() - t0
-        return batch
-
-    def _pipeline_rows(self, batch: ScheduleBatch) -> Optional[list[int]]:
-        """The rows of `batch` whose requests go on into a decode step launched now, before `batch`'s
-        results are read; None when that step must wait (the requests that finished while `batch`
-        was in flight are left out: they were released already)."""
-        if self.grammar_pending or self.chunked_req is not None:
-            return None
-        # Waiting requests that could be admitted get their prefill first (one step later otherwise).
-        if self.waiting and len(self.running) < self.model_runner.max_running_requests:
-            return None
-        # NOTE: every request of `batch` passed `can_overlap` when it was first launched, and that stays
-        # true (its inputs are fixed per request, or, as min_new_tokens, only grow more permissive).
-        keep = [j for j, r in enumerate(batch.reqs) if r.finished_reason is None]
-        if not keep:
-            return None
-        # batch.seq_lens_host = each request's length now (the token then in flight is counted).
-        if int(batch.seq_lens_host[keep].max()) >= self.model_runner.context_len - 1:
-            return None
-        return keep
 
     def _sweep_aborted(self) -> None:
         """Release running requests aborted since the last step (they may not be in the next batch)."""

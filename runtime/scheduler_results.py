@@ -18,13 +18,32 @@ from .schedule_batch import FinishReason, Req, ScheduleBatch
 from .scheduler_prefill import token_prefix
 
 # What `_process_result` does with a request once the step's stop checks ran.
-_ABORTED, _NO_TOKEN, _TOKEN = range(3)
+_ABORTED, _CHUNK, _NO_TOKEN, _TOKEN = range(4)
 
 
 class StepResultsMixin:
-    def _process_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
+    def _commit_launched_prefill(self, batch: ScheduleBatch) -> None:
+        """What `_process_result` would do with a prefill batch that needs no sampled token, done when
+        it is launched ahead (scheduler_pipeline.py): each request's KV length, its computed prefix
+        inserted into the prefix cache, a chunk mid-way made the chunked request, the others running.
+        The tokens, stop checks and releases follow with `_process_result(..., committed=True)`."""
+        for r, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            r.kv_len = pre + ext
+            # NOTE: in the tree now, so the next admission (before this batch is read back) matches
+            # these tokens instead of computing them again; the device writes their KV first.
+            self._insert_progress(r)
+            if r.kv_len < r.seq_len:
+                r.is_chunked = True
+                self.chunked_req = r
+            else:
+                r.is_chunked = False
+                self.running.append(r)  # finished or not: its first token is not read yet
+
+    def _process_result(self, batch: ScheduleBatch, out: StepOutput, committed: bool = False) -> None:
         """Commit a step: tokens appended, stops checked (one batched detokenization for the whole
-        step), then, in batch order, prefix-cache inserts, finished requests released, jumps queued."""
+        step), then, in batch order, prefix-cache inserts, finished requests released, jumps queued.
+        `committed`: a prefill batch whose host-side state `_commit_launched_prefill` set at launch
+        (a later batch may have moved its requests on since: their kv lengths are not touched)."""
         extend = batch.mode.is_extend()
         reqs = batch.reqs
         step_slots = batch.out_cache_loc.tolist() if not extend else [None] * len(reqs)
@@ -36,7 +55,8 @@ class StepResultsMixin:
             if r.finished_reason is not None and r.req_pool_idx is None:
                 continue  # released already (overlap: the extra step of a finished request)
             if extend:
-                r.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
+                if not committed:
+                    r.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
                 for pos, lp, in_tok, top in out.input_logprobs[i]:
                     r.input_token_logprobs.append((lp, in_tok))
                     r.input_top_logprobs.append(top)
@@ -49,7 +69,8 @@ class StepResultsMixin:
                 staged.append((r, _ABORTED))
                 continue
             if tok is None:
-                staged.append((r, _NO_TOKEN))
+                mid_way = batch.prefix_lens[i] + batch.extend_lens[i] < r.seq_len
+                staged.append((r, _CHUNK if mid_way else _NO_TOKEN))
                 continue
             if r.first_token_time is None:
                 r.first_token_time = now = now or time.monotonic()
@@ -77,17 +98,18 @@ class StepResultsMixin:
             if what == _ABORTED:
                 self._finish_running(r)
                 changed = True
-            elif what == _NO_TOKEN:
-                if r.kv_len < len(r.origin_input_ids) + len(r.output_ids):  # chunk mid-way
+            elif what == _CHUNK:
+                if not committed:
                     self._insert_progress(r)
                     r.is_chunked = True
                     self.chunked_req = r
-                elif r.prefill_only:
+            elif what == _NO_TOKEN:
+                if r.prefill_only:
                     r.finished_reason = FinishReason("length", length=0)
                     self._finish_running(r)
                     changed = True
             else:
-                if extend:
+                if extend and not committed:
                     r.is_chunked = False
                     self._insert_progress(r)
                 if r.finished_reason is not None:
@@ -102,7 +124,7 @@ class StepResultsMixin:
                     else:
                         self.jump_queue.append(r)
                     changed = True
-                elif extend:
+                elif extend and not committed:
                     self.running.append(r)
         if changed:
             jumped = set(map(id, self.jump_queue))
@@ -132,7 +154,10 @@ class StepResultsMixin:
         if new_kv is not kv and not torch.equal(new_kv, kv):
             self.req_to_token.write(r.req_pool_idx, 0, new_kv)
         r.last_node = node
-        r.cache_len = r.kv_len
+        # NOTE: the tree holds whole pages only (an unaligned tail stays the request's private memory),
+        # and a cache without sharing holds nothing: all of it is private (the integrity check counts it).
+        sa = self.server_args
+        r.cache_len = 0 if sa.disable_radix_cache else r.kv_len - r.kv_len % sa.page_size
 
     def _release(self, r: Req) -> None:
         """Give the request's KV back: the computed part to the cache, the rest to the allocator."""
@@ -178,7 +203,7 @@ class StepResultsMixin:
         reqs = list({id(r): r for r in queued + list(self.reqs_by_rid.values())}.values())
         self.running, self.waiting, self.grammar_pending, self.chunked_req = [], [], [], None
         self.jump_queue = []
-        self.pending = None
+        self.pending = self.pending_prefill = None
         for r in reqs:
             if r.finished_reason is None or r.finished_reason.type != "abort":
                 r.finished_reason = FinishReason("abort", message=f"internal error: {message}")
