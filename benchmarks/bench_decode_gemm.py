@@ -41,7 +41,7 @@ def configs(n: int, k: int, sms: int):
 
 
 def main() -> None:
-    from plait.runtime.kernels.decode_gemm import SplitKWorkspace, decode_gemm
+    from plait.runtime.kernels.decode_gemm import SplitKWorkspace, decode_gemm, pick_decode_gemm_config
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -54,7 +54,7 @@ def main() -> None:
     bw = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count or SM_COUNT_FALLBACK
     print(f"GPU {torch.cuda.get_device_name()}  {sms} SMs  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    workspace = SplitKWorkspace(torch.device("cuda"))
+    workspace = SplitKWorkspace()
     result = {"model": args.model, "copy_bandwidth": bw, "shapes": {}, "step": {}}
     best = {}
     shapes = layer_shapes(args.model)
@@ -73,7 +73,8 @@ def main() -> None:
 
             t_cublas = graph_time(cublas, reps=2) / len(ws)
             sweep, failed = [], 0
-            for cfg in configs(n, k, sms):
+            default = pick_decode_gemm_config(n, k, rows)
+            for cfg in [default] + [c for c in configs(n, k, sms) if c != default]:
                 try:
                     y = decode_gemm(x, ws[0], cfg, workspace)
                     y2 = decode_gemm(x, ws[0], cfg, workspace)
@@ -92,15 +93,18 @@ def main() -> None:
                         decode_gemm(x, w, cfg, workspace)
 
                 sweep.append((graph_time(triton_fn, reps=2) / len(ws), cfg))
+            t_default = next((t for t, c in sweep if c == default), float("nan"))
             sweep.sort(key=lambda p: p[0])
             t_best, cfg_best = sweep[0]
             best[(rows, name)] = cfg_best
             result["shapes"][f"{name}/m{rows}"] = {
                 "n": n, "k": k, "cublas_us": t_cublas * 1e6, "cublas_tb_s": nbytes / t_cublas / 1e12,
                 "triton_us": t_best * 1e6, "triton_tb_s": nbytes / t_best / 1e12, "config": vars(cfg_best),
+                "default_us": t_default * 1e6, "default_config": vars(default),
                 "top5": [(t * 1e6, vars(c)) for t, c in sweep[:5]]}
             print(f"m={rows:3d} {name:8s} ({n:6d}x{k:5d}) cuBLAS {t_cublas * 1e6:8.1f} us {nbytes / t_cublas / 1e12:5.2f}"
-                  f" TB/s | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best}", flush=True)
+                  f" TB/s | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best} | default "
+                  f"{t_default * 1e6:8.1f} us", flush=True)
             ws = None
             torch.cuda.empty_cache()
         if args.only:

@@ -64,6 +64,10 @@ def load_model(model_path: str, cfg: ModelConfig, load_format: str, dtype: torch
         _fill_dummy(model, seed)
     else:
         model.load_weights(_iter_safetensors(model_path))
+    if torch.device(device).type == "cuda":
+        from .models.layers import share_split_k_workspace
+
+        share_split_k_workspace(model)  # one buffer for the decode matmul's split-K sums, not one per layer
     return model.eval()
 
 

@@ -27,7 +27,7 @@ def test_decode_gemm_matches_float64(rows, n, k, block_k, split):
     m = dg()
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
-    ws = m.SplitKWorkspace(torch.device("cpu"))
+    ws = m.SplitKWorkspace()
     cfg = m.DecodeGemmConfig(block_n=64, block_k=block_k, split_k=split)
     y1 = m.decode_gemm(x, w, cfg, ws)
     y2 = m.decode_gemm(x, w, cfg, ws)
@@ -37,12 +37,26 @@ def test_decode_gemm_matches_float64(rows, n, k, block_k, split):
     assert int(ws.counters.abs().sum()) == 0  # every tile's last program put its counter back
 
 
+def test_decode_gemm_bias_and_default_config():
+    m = dg()
+    gen = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(6, 4096, generator=gen), torch.randn(96, 4096, generator=gen), torch.randn(96, generator=gen)
+    cfg = m.pick_decode_gemm_config(96, 4096, 6)
+    assert cfg.split_k > 1  # 2 tiles of 64 rows: K is split so that more programs stream W
+    ws = m.SplitKWorkspace()
+    assert rel_err(m.decode_gemm(x, w, workspace=ws, bias=b), x.double() @ w.double().T + b.double()) < 1e-6
+    unsplit = m.DecodeGemmConfig(block_n=64, block_k=256)
+    assert rel_err(m.decode_gemm(x, w, unsplit, bias=b), x.double() @ w.double().T + b.double()) < 1e-6
+    with pytest.raises(ValueError, match="bias"):
+        m.decode_gemm(x, w, unsplit, bias=torch.randn(95))
+
+
 def test_decode_gemm_output_buffer_and_bad_input():
     m = dg()
     x, w = torch.randn(5, 64), torch.randn(70, 64)
     out = torch.full((5, 70), float("nan"))
     cfg = m.DecodeGemmConfig(block_n=64, block_k=32, split_k=2)
-    assert m.decode_gemm(x, w, cfg, m.SplitKWorkspace(torch.device("cpu")), out=out) is out
+    assert m.decode_gemm(x, w, cfg, m.SplitKWorkspace(), out=out) is out
     assert rel_err(out, x.double() @ w.double().T) < 1e-6
     with pytest.raises(ValueError, match="SplitKWorkspace"):
         m.decode_gemm(x, w, cfg)
@@ -55,16 +69,40 @@ def test_decode_gemm_output_buffer_and_bad_input():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [16, 64, 100])
-@pytest.mark.parametrize("n,k,split", [(6144, 4096, 4), (4096, 14336, 8), (28672, 4096, 1), (128256, 4096, 1)])
-def test_gpu_decode_gemm_bf16_real_shapes(rows, n, k, split):
+@pytest.mark.parametrize("rows", [2, 16, 33, 64])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (3072, 2048),
+                                 (2048, 8192)])
+def test_gpu_decode_gemm_bf16_real_shapes(rows, n, k):
     m = dg()
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    ws = m.SplitKWorkspace(x.device)
-    cfg = m.DecodeGemmConfig(block_n=128, block_k=128, split_k=split)
-    y = m.decode_gemm(x, w, cfg, ws)
-    assert rel_err(y, x.double() @ w.double().T) < 1e-2
-    assert torch.equal(y, m.decode_gemm(x, w, cfg, ws))
-    assert int(ws.counters.abs().sum()) == 0
+    ws = m.SplitKWorkspace()
+    for cfg in (None, m.DecodeGemmConfig(block_n=128, block_k=64, split_k=4)):  # the default, a forced split
+        y = m.decode_gemm(x, w, cfg, ws)
+        assert rel_err(y, x.double() @ w.double().T) < 1e-2
+        assert torch.equal(y, m.decode_gemm(x, w, cfg, ws))
+        assert int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_model_linears_take_decode_gemm_for_a_few_rows(monkeypatch):
+    from plait.runtime.models.layers import DECODE_GEMM_ROWS, share_split_k_workspace, skinny_linear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 6144, bias=True), torch.nn.Linear(14336, 4096, bias=False),
+                                torch.nn.Embedding(128256, 4096)).to("cuda", torch.bfloat16)
+    share_split_k_workspace(model)
+    shared = model[0].split_k_workspace
+    assert model[1].split_k_workspace is shared and model[2].split_k_workspace is shared
+    for rows in (2, 9, DECODE_GEMM_ROWS, 64):
+        for layer in model:
+            x = torch.randn(rows, layer.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ layer.weight.double().T + (layer.bias.double() if getattr(layer, "bias", None)
+                                                           is not None else 0)
+            y = skinny_linear(x, layer, out_dtype=torch.float32)
+            assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-2
+            monkeypatch.setenv("PLAIT_DECODE_GEMM", "0")  # the matmul library: same values within rounding
+            assert rel_err(skinny_linear(x, layer, out_dtype=torch.float32), ref) < 1e-2
+            monkeypatch.delenv("PLAIT_DECODE_GEMM")
+    assert shared.counters is not None and int(shared.counters.abs().sum()) == 0  # the split-K path ran

@@ -3,7 +3,9 @@
 At batch 16-64 a decode step's linear layers are still bound by reading the weights (64 rows make 64
 FLOPs per weight byte, under the H200's ~200 FLOP/byte ridge), but the skinny matmul (gemv.py) does its
 products on the CUDA cores and is too slow there, while the matmul library's tiles are built for large M.
-Here the roles are swapped: W's rows are the tensor-core M axis (BLOCK_N of them, >= 64 so Hopper's
+Measured (bench_decode_gemm.py, 8B, weight-only step of every layer's matrices + LM head): 4 rows
+3.80 ms against cuBLAS's 4.02, 16 rows 3.92 / 4.15, 32 rows 3.96 / 4.15; at 64 rows only the LM head
+still gains (256 / 283 us), at 128 cuBLAS is faster everywhere. Here the roles are swapped: W's rows are the tensor-core M axis (BLOCK_N of them, >= 64 so Hopper's
 warpgroup MMA applies) and x's few rows are the narrow N axis (BLOCK_M, padded to >= 16), so a tile
 computes y^T = W_tile @ x^T.
 
@@ -38,25 +40,28 @@ class DecodeGemmConfig:
 
 
 class SplitKWorkspace:
-    """Float32 partial sums and per-tile arrival counters for split-K launches on one device. The
-    counters are zero between launches (the last program of each tile resets its own), so one workspace
-    serves every launch of a stream, CUDA-graph replays included. Grows only outside graph capture."""
+    """Float32 partial sums and per-tile arrival counters for split-K launches, on the device of the
+    launches that use it (allocated on first use). The counters are zero between launches (the last
+    program of each tile resets its own), so one workspace serves every launch of a stream, one after
+    another, CUDA-graph replays included. It grows to the largest launch it has seen: the engine's eager
+    warm-up runs each batch size before its graph is captured, so nothing grows inside a capture."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.partials = torch.empty(0, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+    def __init__(self):
+        self.partials: Optional[torch.Tensor] = None
+        self.counters: Optional[torch.Tensor] = None
 
-    def reserve(self, partial_elems: int, tiles: int) -> None:
-        if self.partials.numel() < partial_elems:
-            self.partials = torch.empty(partial_elems, dtype=torch.float32, device=self.device)
-        if self.counters.numel() < tiles:
-            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+    def reserve(self, device: torch.device, partial_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.partials is None or self.partials.device != device or self.partials.numel() < partial_elems:
+            self.partials = torch.empty(partial_elems, dtype=torch.float32, device=device)
+        if self.counters is None or self.counters.device != device or self.counters.numel() < tiles:
+            self.counters = torch.zeros(tiles, dtype=torch.int32, device=device)
+        return self.partials, self.counters
 
 
 @triton.jit
-def _decode_gemm_kernel(X, W, Y, Partials, Counters, M, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
-                        SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _decode_gemm_kernel(X, W, B, Y, Partials, Counters, M, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
+                        SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     # NOTE: SPLIT_K is a runtime value (one compiled kernel serves every split of a tile shape).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -78,6 +83,8 @@ def _decode_gemm_kernel(X, W, Y, Partials, Counters, M, N, K, stride_xm, stride_
     y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]  # (BN, BM)
     y_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=y_mask)
     else:
         # Partials laid out (tile, split, BN, BM): one tile's splits are contiguous.
@@ -92,20 +99,40 @@ def _decode_gemm_kernel(X, W, Y, Partials, Counters, M, N, K, stride_xm, stride_
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(SPLIT_K):  # fixed order: deterministic sums
                 total += tl.load(tile_base + s * (BLOCK_N * BLOCK_M) + inner, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(Counters + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-MAX_ROWS = 128  # the x tile is BLOCK_M wide; above this the matmul library's own tiles are right
+MAX_ROWS = 64  # the x tile is BLOCK_M wide; above this the matmul library's own tiles are right (measured)
 
 
-def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: DecodeGemmConfig,
+def pick_decode_gemm_config(n: int, k: int, rows: int) -> DecodeGemmConfig:
+    """Tiles by shape, from benchmarks/bench_decode_gemm.py's sweeps on an H200 (bf16, Llama-3.1-8B shapes,
+    4-64 rows; us against cuBLAS at 16 rows): wide matrices (gate_up, the LM head) take 128-row tiles of
+    128-wide K steps, one program per tile (gate_up 57.6 vs 58.2, LM head 242 vs 254); the others 64-row
+    tiles of 256-wide K steps, 4 stages (QKV 15.5 vs 16.1, O 12.0 vs 13.7). A program keeps ~128 KB of W
+    in flight, so even 64 programs on 132 SMs stream near full bandwidth (O: 64 tiles unsplit beat 128
+    split ones); K is split only when the tiles are fewer than 64 (the 1B shapes) or K is long (down:
+    two halves of 7,168, 32.3 vs 33.8)."""
+    if n >= 16384:
+        return DecodeGemmConfig(block_n=128, block_k=128, split_k=1, num_warps=4,
+                                num_stages=3 if rows <= 16 else 4)
+    tiles = triton.cdiv(n, 64)
+    split = max(triton.cdiv(64, tiles), 2 if k > 8192 else 1)
+    # NOTE: above 32 rows the x tile doubles; 256-wide K steps would need 256 KB of shared memory.
+    return DecodeGemmConfig(block_n=64, block_k=256 if rows <= 32 else 128, split_k=min(split, max(1, k // 512)),
+                            num_warps=4, num_stages=4)
+
+
+def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: Optional[DecodeGemmConfig] = None,
                 workspace: Optional[SplitKWorkspace] = None, out_dtype: Optional[torch.dtype] = None,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x (M, K) @ weight (N, K)^T -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS. A config with
-    split_k > 1 needs a `workspace` (SplitKWorkspace on x's device). With `out` ((M, N), unit stride on N)
-    the kernel writes there and returns it."""
-    check_device("decode_gemm", x, weight, out)
+                out: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS.
+    config: default pick_decode_gemm_config. A split_k > 1 needs a `workspace` (SplitKWorkspace). With
+    `out` ((M, N), unit stride on N) the kernel writes there and returns it."""
+    check_device("decode_gemm", x, weight, out, bias)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"decode_gemm expects x (M, K) and weight (N, K); got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -115,6 +142,9 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: DecodeGemmConfig,
         raise ValueError(f"decode_gemm handles 1..{MAX_ROWS} rows, got {m}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("decode_gemm needs unit stride on K for x and weight")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"decode_gemm bias must be ({n},), got {tuple(bias.shape)}")
+    config = config or pick_decode_gemm_config(n, k, m)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     elif tuple(out.shape) != (m, n) or out.stride(1) != 1:
@@ -129,12 +159,11 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: DecodeGemmConfig,
     if split > 1 and workspace is None:
         raise ValueError("decode_gemm with split_k > 1 needs a SplitKWorkspace")
     if workspace is not None:  # also unsplit: the same pointer types, one compiled kernel
-        workspace.reserve(max(1, tiles * split * config.block_n * block_m) if split > 1 else 1, max(1, tiles))
-        partials, counters = workspace.partials, workspace.counters
+        partials, counters = workspace.reserve(x.device, tiles * split * config.block_n * block_m, tiles)
     else:
         partials, counters = out, out  # never touched when unsplit
     _decode_gemm_kernel[(tiles, split)](
-        x, weight, out, partials, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        split, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -43,23 +43,42 @@ def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
 # measured (benchmarks/bench_gemv.py, the tiles of gemv.pick_gemv_config): faster on every matrix of the
 # Llama-3.1-8B and 3.2-1B shapes.
 SKINNY_MATMUL_ROWS = 1
+# Rows up to which it takes the tensor-core decode matmul (runtime/kernels/decode_gemm.py) instead, and
+# up to which a wide matrix (N >= WIDE_MATRIX_N: the LM head) does. Measured on an H200 (8B, weight-only
+# step, bench_decode_gemm.py): 4-32 rows 4-6% faster than cuBLAS over all matrices; at 64 rows only the
+# LM head gains (256 vs 283 us); at 128 cuBLAS wins.
+# PLAIT_DECODE_GEMM=0 sends those rows to cuBLAS (read at each call, so that bench_one_batch --variants
+# can compare both in one process; only 2-64-row calls read it, and those run inside CUDA graphs).
+DECODE_GEMM_ROWS = 32
+DECODE_GEMM_ROWS_WIDE = 64
+WIDE_MATRIX_N = 65536
 
 
 def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.dtype] = None,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ layer.weight^T (+ layer.bias), optionally cast to out_dtype; `layer` is an nn.Linear, or an
-    nn.Embedding used as a tied LM head. A decode step's single row on CUDA runs the Triton skinny
-    matmul, which reads the weight once without cuBLAS's split-K reduction launch.
+    nn.Embedding used as a tied LM head. On CUDA, a decode step's few rows take a Triton matmul that
+    streams the weight once: the skinny matmul for one row, the tensor-core decode matmul up to
+    DECODE_GEMM_ROWS (its split-K workspace is `layer.split_k_workspace`, shared by a model's layers
+    through share_split_k_workspace, else made on first use).
 
     `out` ((*x.shape[:-1], N); its dtype is the output dtype): the result is written there and returned,
-    at no extra pass: the skinny matmul writes it directly, the matmul library's bf16 result is cast
+    at no extra pass: the Triton matmuls write it directly, the matmul library's bf16 result is cast
     into it (the cast the path without `out` makes anyway). A CUDA graph's shared logits buffer."""
     bias, weight = getattr(layer, "bias", None), layer.weight
     if out is not None:
         _check_linear_out(out, x, weight, out_dtype)
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MATMUL_ROWS and x.stride(-1) == 1 \
-            and weight.dtype in (torch.bfloat16, torch.float16):
-        return _kernels().gemv(x, weight, bias, out_dtype=out_dtype, out=out)
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if x.is_cuda and rows and x.stride(-1) == 1 and weight.dtype in (torch.bfloat16, torch.float16) \
+            and x.dtype == weight.dtype:
+        if rows <= SKINNY_MATMUL_ROWS:
+            return _kernels().gemv(x, weight, bias, out_dtype=out_dtype, out=out)
+        if rows <= (DECODE_GEMM_ROWS_WIDE if weight.shape[0] >= WIDE_MATRIX_N else DECODE_GEMM_ROWS) \
+                and os.environ.get("PLAIT_DECODE_GEMM") != "0":
+            workspace = getattr(layer, "split_k_workspace", None)
+            if workspace is None:
+                workspace = layer.split_k_workspace = _kernels().SplitKWorkspace()
+            return _kernels().decode_gemm(x, weight, workspace=workspace, out_dtype=out_dtype, out=out, bias=bias)
     if out is None:
         y = F.linear(x, weight, bias)
         return y if out_dtype is None else y.to(out_dtype)
@@ -67,6 +86,19 @@ def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.d
         # No cast to make: the matmul F.linear runs for 2-D input, writing `out` itself.
         return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
     return out.copy_(F.linear(x, weight, bias))
+
+
+def share_split_k_workspace(model: nn.Module) -> None:
+    """Give every linear layer of `model` (and its embedding, a tied LM head) one shared split-K workspace
+    for the decode matmul: its launches run one after another on one stream, so one buffer serves all,
+    instead of one per layer (8B: 32 x 2 MB)."""
+    from ..kernels.decode_gemm import SplitKWorkspace  # NOTE: no triton import at model build on the CPU
+
+    workspace = None
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            workspace = workspace or SplitKWorkspace()
+            module.split_k_workspace = workspace
 
 
 def _check_linear_out(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
