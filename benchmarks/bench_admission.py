@@ -18,8 +18,17 @@ Host ms per round, by the scheduler's phases (`get_stats()["steps"]["host_phases
   run      the rest of `ModelRunner.run` (ForwardBatch, host rows, table writes) minus the stubbed forward
 Medians over `--rounds` rounds; `--profile` prints a cProfile (tottime) of the timed rounds.
 
+Nothing runs asynchronously on the CPU, so the host work above is all wall time here. `--sim-device`
+adds a modeled GPU (`SimulatedDevice`): each launched step keeps it busy for a time from a cost model
+(defaults: an H200 running llama-3.1-8b, fitted to bench_rounds' prefill and decode device seconds),
+after the step before it, and reading a step back waits for its end (as the event synchronize does).
+The stubbed forward's own CPU time is taken off the clock (it is device work on a GPU). The device's
+busy share of the wall time then shows how much host work overlap scheduling hides;
+`--compare-pipeline` runs the rounds with prefill pipelining off, then on (scheduler_pipeline.py).
+
     .venv/bin/python benchmarks/bench_admission.py                 # ~20 s on this CPU
     .venv/bin/python benchmarks/bench_admission.py --profile 30
+    .venv/bin/python benchmarks/bench_admission.py --workload tree --sim-device --compare-pipeline
 """
 
 from __future__ import annotations
@@ -46,14 +55,95 @@ from bench_host_overhead import DeviceTimer, GcClock, make_tiny_model  # noqa: E
 PHASES = ("intake", "admit", "results", "outputs", "run")
 
 
+class SimulatedDevice:
+    """A modeled GPU behind the model runner of a CPU scheduler: a step occupies the device from its
+    launch (or when the step before it ends) for `cost(batch)` seconds; `resolve` (and `run`, which
+    reads back at once) waits until the step's end. Times are on a clock that leaves out the stubbed
+    forward's CPU time (`DeviceTimer.timed`), which a GPU host does not spend."""
+
+    def __init__(self, model_runner, device_timer: DeviceTimer, prefill_us_per_token: float, step_ms: float,
+                 decode_us_per_row: float):
+        self.prefill_s_per_token = prefill_us_per_token * 1e-6
+        self.step_s = step_ms * 1e-3
+        self.decode_s_per_row = decode_us_per_row * 1e-6
+        self.busy = 0.0  # device seconds since the last `take`
+        self.waited = {"resolve": 0.0, "run": 0.0}  # host seconds spent waiting for it, since `take`
+        self._free_at = 0.0
+        self._stub = 0.0  # CPU seconds spent in stubbed device work, left off the clock
+        self._ends: dict = {}  # id(handle) -> (handle, end of its step)
+        timed = device_timer.timed
+
+        def timed_off_the_clock(fn, *a, **k):
+            t = time.perf_counter()
+            try:
+                return timed(fn, *a, **k)
+            finally:
+                self._stub += time.perf_counter() - t
+
+        device_timer.timed = timed_off_the_clock
+        mr = model_runner
+        run, launch_prefill, launch_decode, resolve = mr.run, mr.launch_prefill, mr.launch_decode, mr.resolve
+
+        def sim_run(batch):
+            end = self._occupy(batch)
+            out = run(batch)
+            self._wait(end, "run")
+            return out
+
+        def launched(launch):
+            def sim_launch(batch, *a, **k):
+                end = self._occupy(batch)
+                handle = launch(batch, *a, **k)
+                self._ends[id(handle)] = (handle, end)
+                return handle
+            return sim_launch
+
+        def sim_resolve(handle):
+            self._wait(self._ends.pop(id(handle))[1], "resolve")
+            return resolve(handle)
+
+        # NOTE: instance attributes shadow the methods; the scheduler calls these.
+        mr.run, mr.resolve = sim_run, sim_resolve
+        mr.launch_prefill, mr.launch_decode = launched(launch_prefill), launched(launch_decode)
+
+    def cost(self, batch) -> float:
+        if batch.mode.is_extend():
+            return self.step_s + self.prefill_s_per_token * sum(batch.extend_lens)
+        return self.step_s + self.decode_s_per_row * len(batch.reqs)
+
+    def now(self) -> float:
+        return time.perf_counter() - self._stub
+
+    def _occupy(self, batch) -> float:
+        start = max(self.now(), self._free_at)
+        dur = self.cost(batch)
+        self._free_at = start + dur
+        self.busy += dur
+        return self._free_at
+
+    def _wait(self, end: float, where: str) -> None:
+        t = time.perf_counter()
+        left = end - self.now()
+        if left > 0:
+            time.sleep(left)
+        self.waited[where] += time.perf_counter() - t
+
+    def take(self) -> tuple[float, dict]:
+        """(device busy seconds, host seconds waiting for it in resolve / run) since the last take."""
+        busy, waited = self.busy, self.waited
+        self.busy, self.waited = 0.0, {"resolve": 0.0, "run": 0.0}
+        return busy, waited
+
+
 def make_round(rng: random.Random, shared: list[int], n: int, unique: int, vocab: int) -> list[list[int]]:
     return [shared + [rng.randrange(100, vocab) for _ in range(unique)] for _ in range(n)]
 
 
 def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_prefix: str,
-              profiler=None, generated: dict | None = None) -> dict:
+              profiler=None, generated: dict | None = None, sim: SimulatedDevice | None = None) -> dict:
     """Submit `prompts` (pickled messages, as over ZMQ) and step until idle; host seconds per phase.
-    With `generated`, each request's output ids are gathered there under its index (outside the timing)."""
+    With `generated`, each request's output ids are gathered there under its index (outside the timing).
+    With `sim`, also the modeled device's busy seconds and the wall time without the stubbed forward."""
     from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
     from plait.runtime.sampling_params import SamplingParams
 
@@ -64,6 +154,8 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
     gc_clock = GcClock()
     finished_before = s.stats["num_finished"]
     timer.take()
+    if sim is not None:
+        sim.take()
     if profiler is not None:
         timer.profiler = profiler
         profiler.enable()
@@ -98,8 +190,19 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
     gc_clock.stop()
     admit = s.timer.phases["admit"] - before["admit"]
     results = s.timer.phases["results"] - before["results"]
-    return {"intake": intake, "admit": admit, "results": results, "outputs": outputs,
-            "run": stepped - admit - results - device, "forward_stub": device, "gc": gc_s, "wall": wall, "steps": steps}
+    res = {"intake": intake, "admit": admit, "results": results, "outputs": outputs,
+           "run": stepped - admit - results - device, "forward_stub": device, "gc": gc_s, "wall": wall, "steps": steps}
+    if sim is not None:
+        # NOTE: the phases stay host work: waiting for the modeled device while reading a step back
+        # (inside "results") or running one synchronously (inside "run") is taken out of them. The
+        # wall time that counts leaves out the stubbed forward's CPU time.
+        busy, waited = sim.take()
+        res["results"] -= waited["resolve"]
+        res["run"] -= waited["run"]
+        res["sim_device"], res["sim_wait"] = busy, waited["resolve"] + waited["run"]
+        res["sim_wall"] = wall - device
+        res["sim_idle"] = res["sim_wall"] - busy
+    return res
 
 
 def make_scheduler(folder: str, args):
@@ -127,13 +230,19 @@ def check(s) -> None:
     assert s.last_integrity_error is None, s.last_integrity_error
 
 
+SIM_KEYS = ("sim_device", "sim_wait", "sim_wall", "sim_idle")
+
+
 def print_round(name: str, res: dict) -> None:
+    sim = (f", device {1e3 * res['sim_device']:.1f} of {1e3 * res['sim_wall']:.1f} ms busy"
+           if "sim_device" in res else "")
     print(f"{name}: " + "  ".join(f"{n} {1e3 * res[n]:.1f}" for n in PHASES)
-          + f"  ms (gc {1e3 * res['gc']:.1f}, wall {1e3 * res['wall']:.1f}, {res['steps']} steps)", flush=True)
+          + f"  ms (gc {1e3 * res['gc']:.1f}, wall {1e3 * res['wall']:.1f}, {res['steps']} steps{sim})", flush=True)
 
 
 def medians(rounds: list[dict]) -> dict:
-    return {n: 1e3 * statistics.median(r[n] for r in rounds) for n in PHASES + ("forward_stub", "gc", "wall")}
+    keys = PHASES + ("forward_stub", "gc", "wall") + (SIM_KEYS if "sim_device" in rounds[0] else ())
+    return {n: 1e3 * statistics.median(r[n] for r in rounds) for n in keys}
 
 
 def print_table(med: dict) -> float:
@@ -142,6 +251,9 @@ def print_table(med: dict) -> float:
     for n in PHASES:
         print(f"{n:>8} {med[n]:>8.2f}")
     print(f"{'total':>8} {host:>8.2f}   (stubbed forward {med['forward_stub']:.1f} ms, gc {med['gc']:.1f} ms, wall {med['wall']:.1f} ms)")
+    if "sim_device" in med:
+        print(f"modeled device: busy {med['sim_device']:.1f} of {med['sim_wall']:.1f} ms "
+              f"({100 * med['sim_device'] / med['sim_wall']:.1f}%), idle {med['sim_idle']:.1f} ms")
     return host
 
 
@@ -149,7 +261,7 @@ def per_round_ms(rounds: list[dict]) -> list[dict]:
     return [{k: 1e3 * v if k != "steps" else v for k, v in r.items()} for r in rounds]
 
 
-def bench_fewshot(s, timer: DeviceTimer, args, profiler) -> dict:
+def bench_fewshot(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | None = None) -> dict:
     rng = random.Random(0)
     prefix = 2000 if args.prefix is None else args.prefix
     unique = 50 if args.unique is None else args.unique
@@ -158,9 +270,9 @@ def bench_fewshot(s, timer: DeviceTimer, args, profiler) -> dict:
     rounds = []
     for k in range(args.rounds + 1):  # round 0 warms up the code paths and is not counted
         assert s._control("flush_cache", {}) is True
-        run_round(s, timer, make_round(rng, shared, 1, unique, args.vocab), output, f"w{k}-")
+        run_round(s, timer, make_round(rng, shared, 1, unique, args.vocab), output, f"w{k}-", sim=sim)
         res = run_round(s, timer, make_round(rng, shared, args.requests, unique, args.vocab),
-                        output, f"r{k}-", profiler if k else None)
+                        output, f"r{k}-", profiler if k else None, sim=sim)
         check(s)
         if k:
             rounds.append(res)
@@ -174,7 +286,7 @@ def bench_fewshot(s, timer: DeviceTimer, args, profiler) -> dict:
             "median_ms": med, "host_ms_total": host, "per_round_ms": per_round_ms(rounds)}
 
 
-def bench_tree(s, timer: DeviceTimer, args, profiler) -> dict:
+def bench_tree(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | None = None) -> dict:
     """The `tree` stream of /work/shared/bench/workload.py at the CPU's vocabulary: round 1 = `roots` x
     `branches` requests (a unique root prefix + `unique` tokens), round 2 = `branches` children per
     round-1 request (its whole sequence, generated tokens included, + `unique` tokens), as run_rounds
@@ -190,11 +302,11 @@ def bench_tree(s, timer: DeviceTimer, args, profiler) -> dict:
         roots = [ids(prefix) for _ in range(args.roots)]
         r1 = [roots[t] + ids(unique) for t in range(args.roots) for _ in range(args.branches)]
         out1: dict = {}
-        res1 = run_round(s, timer, r1, output, f"a{k}-", profiler if k else None, generated=out1)
+        res1 = run_round(s, timer, r1, output, f"a{k}-", profiler if k else None, generated=out1, sim=sim)
         check(s)
         assert all(len(out1[i]) == output for i in range(len(r1))), "round 1: an output of the wrong length"
         r2 = [r1[i] + out1[i] + ids(unique) for i in range(len(r1)) for _ in range(args.branches)]
-        res2 = run_round(s, timer, r2, output, f"b{k}-", profiler if k else None)
+        res2 = run_round(s, timer, r2, output, f"b{k}-", profiler if k else None, sim=sim)
         check(s)
         if k:
             per_round[0].append(res1), per_round[1].append(res2)
@@ -212,7 +324,18 @@ def bench_tree(s, timer: DeviceTimer, args, profiler) -> dict:
     both = {n: out["median_ms"]["round1"][n] + out["median_ms"]["round2"][n] for n in PHASES}
     print("\nboth rounds: " + "  ".join(f"{n} {both[n]:.1f}" for n in PHASES)
           + f"  total {sum(both.values()):.1f} ms")
+    if sim is not None:
+        dev, wall = (sum(out["median_ms"][r][k] for r in ("round1", "round2")) for k in ("sim_device", "sim_wall"))
+        print(f"modeled device, both rounds: busy {dev:.1f} of {wall:.1f} ms ({100 * dev / wall:.1f}%)")
     return out
+
+
+def device_summary(res: dict) -> dict:
+    """Both workloads' rounds summed: modeled device busy ms, wall ms (without the stub), host ms."""
+    med = res["median_ms"]
+    meds = [med] if "sim_device" in med else list(med.values())
+    return {k: sum(m[k] for m in meds) for k in ("sim_device", "sim_wall", "sim_idle")} | {
+        "host": sum(m[n] for m in meds for n in PHASES)}
 
 
 def main() -> None:
@@ -230,7 +353,16 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions by tottime")
     p.add_argument("--tag", default="", help="suffix of the saved JSON name")
+    p.add_argument("--sim-device", action="store_true", help="a modeled GPU behind the stubbed forward")
+    p.add_argument("--sim-prefill-us-per-token", type=float, default=25.0,
+                   help="modeled prefill time per new token (H200, llama-3.1-8b: ~25 us)")
+    p.add_argument("--sim-decode-us-per-row", type=float, default=33.0, help="modeled decode time per request")
+    p.add_argument("--sim-step-ms", type=float, default=3.0, help="modeled fixed time of every step")
+    p.add_argument("--compare-pipeline", action="store_true",
+                   help="run the rounds with prefill pipelining off, then on (implies --sim-device)")
     args = p.parse_args()
+    if args.compare_pipeline:
+        args.sim_device = True
     torch.set_num_threads(1)
 
     folder = tempfile.mkdtemp(prefix="plait-tiny-")
@@ -238,8 +370,23 @@ def main() -> None:
         s = make_scheduler(folder, args)
         timer = DeviceTimer(s.model_runner, stub=True)
         profiler = cProfile.Profile() if args.profile else None
+        sim = (SimulatedDevice(s.model_runner, timer, args.sim_prefill_us_per_token, args.sim_step_ms,
+                               args.sim_decode_us_per_row) if args.sim_device else None)
         bench = bench_tree if args.workload == "tree" else bench_fewshot
-        res = bench(s, timer, args, profiler)
+        if args.compare_pipeline:
+            res = {"bench": f"{'admission_tree' if args.workload == 'tree' else 'admission'}_pipeline"}
+            for on in (False, True):
+                s.pipeline_prefills = on
+                print(f"\n=== prefill pipelining {'on' if on else 'off'} ===")
+                res[f"pipeline_{'on' if on else 'off'}"] = bench(s, timer, args, profiler, sim)
+            print(f"\n{args.workload} with a modeled device, medians (ms; tree: both rounds)")
+            print(f"{'prefills':>9} {'host':>8} {'wall':>8} {'device':>8} {'idle':>8} {'busy':>6}")
+            for key in ("pipeline_off", "pipeline_on"):
+                d = res[key]["device_summary"] = device_summary(res[key])
+                print(f"{key[9:]:>9} {d['host']:>8.1f} {d['sim_wall']:>8.1f} {d['sim_device']:>8.1f} "
+                      f"{d['sim_idle']:>8.1f} {100 * d['sim_device'] / d['sim_wall']:>5.1f}%")
+        else:
+            res = bench(s, timer, args, profiler, sim)
         timer.restore()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -250,6 +397,8 @@ def main() -> None:
         print(stream.getvalue())
         res["profile"] = stream.getvalue()
     name = "bench_admission" if args.workload == "fewshot" else "bench_admission_tree"
+    if args.compare_pipeline:
+        name += "_pipeline"
     save(f"{name}{args.tag}", res)
 
 

@@ -43,9 +43,7 @@ class OverlapScheduleMixin:
             for r, slot in zip(batch.reqs, batch.out_cache_loc.tolist()):
                 r.inflight_slot = slot
         elif self._can_pipeline_prefill(batch):
-            self.pending_prefill = (batch, mr.launch_prefill(batch))
-            self.timer.launched(kind, started)
-            self._commit_launched_prefill(batch)
+            self._launch_prefill(batch, started)
         else:
             out = mr.run(batch)
             self.timer.launched(kind, started)
@@ -80,11 +78,9 @@ class OverlapScheduleMixin:
         self.timer.phase("admit", time.perf_counter() - t0)
         started = self.timer.begin()
         if self._can_pipeline_prefill(batch):
-            self.pending_prefill = (batch, self.model_runner.launch_prefill(batch))
-            self.timer.launched("prefill", started)
             # NOTE: committed before `prev` is processed, as `prev` was before this batch's admission;
             # the running list keeps launch order, which is the order processing would give.
-            self._commit_launched_prefill(batch)
+            self._launch_prefill(batch, started)
             self._read_prefill(prev, handle)
         else:  # this batch must be read back at once: `prev` first (it comes first on the device too)
             out = self.model_runner.run(batch)
@@ -95,6 +91,15 @@ class OverlapScheduleMixin:
             self.timer.phase("results", time.perf_counter() - t_read)
         self._count(batch, t0)
         return batch
+
+    def _launch_prefill(self, batch: ScheduleBatch, started) -> None:
+        """Launch a prefill batch, leave it in flight, and commit what its results change on the host
+        without its sampled tokens (timed as result processing)."""
+        self.pending_prefill = (batch, self.model_runner.launch_prefill(batch))
+        self.timer.launched("prefill", started)
+        t_commit = time.perf_counter()
+        self._commit_launched_prefill(batch)
+        self.timer.phase("results", time.perf_counter() - t_commit)
 
     def _read_prefill(self, batch: ScheduleBatch, handle) -> None:
         t_read = time.perf_counter()
