@@ -371,3 +371,27 @@ def test_grammar_requests_are_not_pipelined(default_model_path):
     assert finals["g"].finished_reason["type"] in ("stop", "length")
     text = tok.decode(finals["g"].new_ids)
     assert text[:3].isdigit(), text
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_pipelined_prefills_match_synchronous_steps(random_models):
+    # The real asynchronous path (pinned host copies, events, stream order of the KV writes against the
+    # next batch's reads): overlap scheduling on (the default) against disable_overlap_schedule.
+    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.server_args import ServerArgs
+
+    path = random_models["llama"]
+    reqs = fewshot_requests(random.Random(0), 24)
+    results = {}
+    for disable in (True, False):
+        s = Scheduler(ServerArgs(model_path=path, device="cuda", dtype="float32", max_total_tokens=4096,
+                                 max_prefill_tokens=64, disable_overlap_schedule=disable), path)
+        assert s.overlap is not disable
+        for rid, ids, sp in reqs:
+            submit(s, rid, ids, **sp)
+        finals, back_to_back = drive(s)
+        assert (back_to_back > 0) is not disable
+        assert_all_freed(s, 4096)
+        results[disable] = (summary(finals), s.stats["cached_tokens"])
+    assert results[False] == results[True]
+    assert results[False][1] == 23 * 48

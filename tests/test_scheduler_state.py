@@ -40,6 +40,8 @@ def run_until_idle(s: Scheduler, max_steps: int = 1000) -> dict:
     for _ in range(max_steps):
         s.step()
         assert_host_table_matches(s)
+        s._check_integrity()  # the KV slot accounting holds after every step, a step in flight or not
+        assert s.last_integrity_error is None, s.last_integrity_error
         for o in s.collect_outputs():
             if o.finished_reason is not None:
                 finals[o.rid] = o
