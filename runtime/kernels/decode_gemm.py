@@ -115,16 +115,18 @@ def pick_decode_gemm_config(n: int, k: int, rows: int) -> DecodeGemmConfig:
     tiles of 256-wide K steps, 4 stages (QKV 15.5 vs 16.1, O 12.0 vs 13.7). A program keeps ~128 KB of W
     in flight, so even 64 programs on 132 SMs stream near full bandwidth (O: 64 tiles unsplit beat 128
     split ones); K is split in two when long (down: halves of 7,168, 32.3 vs 33.8). Fewer than 64 tiles
-    (the 1B shapes, 8 rows) split K into ~128 programs: O 5.2 vs 5.7, down 12.3 vs 13.8 (QKV stays
-    ~0.3 us behind cuBLAS)."""
+    (the 1B shapes, 8 rows) split K into up to ~128 programs: O 5.2 vs 5.7, down 12.3 vs 13.8 (QKV, split
+    in two, stays 0.3-1 us behind cuBLAS; the 1B step gains ~1-2% at 8-16 rows, nothing at 32)."""
     if n >= 16384:
         return DecodeGemmConfig(block_n=128, block_k=128, split_k=1, num_warps=4,
                                 num_stages=3 if rows <= 16 else 4)
     tiles = triton.cdiv(n, 64)
     if tiles >= 64:
         split, stages = (2 if k > 8192 else 1), 4
-    else:  # few, short tiles (the 1B shapes: O 32 tiles of 2,048, down 32 of 8,192): ~128 programs
-        split, stages = triton.cdiv(128, tiles), 3
+    else:  # few, short tiles (the 1B shapes: O 32 tiles of 2,048, down 32 of 8,192): up to ~128 programs
+        # NOTE: a power of two, so K's tiles divide evenly (1B QKV split 3 over 8 tiles: 9.4 us, split 2: 7.1).
+        split = 1 << (triton.cdiv(128, tiles).bit_length() - 1)
+        stages = 3 if split >= 4 else 4
     # NOTE: above 32 rows the x tile doubles; 256-wide K steps would need 256 KB of shared memory.
     return DecodeGemmConfig(block_n=64, block_k=256 if rows <= 32 else 128, split_k=min(split, max(1, k // 512)),
                             num_warps=4, num_stages=stages)
