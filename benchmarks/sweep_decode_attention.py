@@ -8,6 +8,7 @@ attention is a few microseconds: launch gaps would swamp a plain timer), against
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -47,14 +48,23 @@ def _key(cfg: DecodeConfig) -> tuple:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--launch", action="store_true",
+                    help="around the engine's config for each case, sweep the launch parameters the main sweep "
+                         "keeps fixed (num_warps, num_stages) with block_n")
+    ap.add_argument("--cases", nargs="+", default=None, metavar="BATCHxCONTEXT",
+                    help="only these cases, e.g. 64x770 512x700 (default: all of CASES)")
     ap.add_argument("--policy-only", action="store_true",
                     help="time only the engine's config for each case (default_decode_policy): a quick check "
                          "of a kernel change, no sweep")
     args = ap.parse_args()
     shapes = args.shapes
+    if args.cases:
+        CASES[:] = [tuple(int(v) for v in c.lower().split("x")) for c in args.cases]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.policy_only:
         return policy_only(shapes, sms)
+    if args.launch:
+        return launch_sweep(shapes, sms)
     default = DecodeConfig(target_programs=4 * sms)
     configs = [DecodeConfig(block_n=bn, max_kv_splits=ms, min_split_len=ml, target_programs=t * sms)
                for bn, ms, ml, t in itertools.product((32, 64), (64,), (32, 64, 128, 256), (4, 8, 16, 32, 64))]
@@ -91,6 +101,33 @@ def main() -> None:
               f"-> {v:.3f}x the per-case best on average")
     rows.append({"overall": [(list(k), v) for k, v in ranked[:10]]})
     save("sweep_decode_attention", rows)
+
+
+def launch_sweep(shapes: list[str], sms: int) -> None:
+    policy = default_decode_policy(sms)
+    rows = []
+    for shape in shapes:
+        for bs, ctx in CASES:
+            run, kv_bytes = decode_case(shape, bs, ctx)
+            base = policy.for_batch(bs)
+            results = []
+            for bn, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3, 4)):
+                cfg = dataclasses.replace(base, block_n=bn, num_warps=warps, num_stages=stages)
+                try:
+                    results.append((do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20) * 1e3, cfg))
+                except Exception as exc:  # a config that does not compile
+                    print(f"  {cfg} failed: {exc!r}"[:160])
+            base_us = do_bench_cudagraph(lambda: run(base), rep=50) * 1e3
+            results.sort(key=lambda r: r[0])
+            best_us, best = results[0]
+            rows.append({"shape": shape, "bs": bs, "ctx": ctx, "policy_us": base_us, "best_us": best_us,
+                         "best": vars(best), "top5": [(u, vars(c)) for u, c in results[:5]]})
+            print(f"{shape} bs={bs:4d} ctx={ctx:5d}: policy {base_us:7.1f} us ({kv_bytes / base_us / 1e3:5.0f} GB/s, "
+                  f"bn={base.block_n} w={base.num_warps} st={base.num_stages})  best {best_us:7.1f} us "
+                  f"({kv_bytes / best_us / 1e3:5.0f} GB/s) bn={best.block_n} w={best.num_warps} st={best.num_stages}",
+                  flush=True)
+            run = None
+    save("sweep_decode_attention_launch", rows)
 
 
 def policy_only(shapes: list[str], sms: int) -> None:
