@@ -30,8 +30,8 @@ import pytest  # noqa: E402
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from plait.runtime.attention.triton_ops import (DecodeConfig, ExtendConfig, decode_attention,  # noqa: E402
-                                                default_decode_policy)
+from plait.runtime.attention.triton_ops import (DecodeConfig, DecodePolicy, ExtendConfig,  # noqa: E402
+                                                decode_attention, default_decode_policy)
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from plait.runtime.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
@@ -220,13 +220,25 @@ def test_min_splits_floor_splits_a_full_batch_and_stage_two_merges_them():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_decode_with_the_large_batch_tiles_matches_torch_native():
+    # The policy's tiles above 256 requests (64-token KV tiles, 3 stages, >= 2 splits), at small sizes.
+    cfg = default_decode_policy(132).for_batch(512)
+    cfg = DecodeConfig(block_n=cfg.block_n, num_stages=cfg.num_stages, min_splits=cfg.min_splits,
+                       max_kv_splits=4, min_split_len=8, target_programs=8)
+    case = _Case(8, 2, 64, [199, 64, 5, 130], [1] * 4)
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_default_decode_policy_picks_tiles_by_batch_size():
     policy = default_decode_policy(132)
-    small, large = policy.for_batch(1), policy.for_batch(512)
-    assert policy.for_batch(32) is small and policy.for_batch(33) is large
+    small, large, huge = policy.for_batch(1), policy.for_batch(256), policy.for_batch(512)
+    assert policy.for_batch(32) is small and policy.for_batch(33) is large and policy.for_batch(257) is huge
     assert small.merge_per_head and not large.merge_per_head  # a batch of one merges over its 32 heads
-    assert large.split_cap(512, 8) == 2  # at least two splits when the batch is full
+    assert huge.split_cap(512, 8) == 2  # at least two splits when the batch is full
+    assert (huge.block_n, large.block_n) == (64, 32)  # longer KV tiles above 256 requests
     assert large.split_cap(64, 8) == 2 and small.split_cap(1, 8) == 64
+    assert DecodePolicy(small, large).for_batch(1000) is large  # without a huge tier
     # The backend's default follows the policy; an explicit config serves every batch size.
     backend = TritonAttnBackend(_runner("cpu"))
     assert backend.decode_policy.for_batch(300).min_splits == 2
@@ -314,6 +326,16 @@ def test_gpu_extend_real_sizes(head_dim, dtype):
 def test_gpu_decode_real_sizes(head_dim):
     lens = [4096, 1, 4000, 17, 2048, 300, 1024, 4095]
     case = _Case(32, 8, head_dim, [s - 1 for s in lens], [1] * len(lens), dtype=torch.bfloat16, device="cuda")
+    got, ref = _decode_both(case, decode_config=None)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_large_batch_takes_the_large_batch_tiles():
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(1, 900, (300,), generator=gen).tolist()  # 300 requests: above 256
+    case = _Case(32, 8, 128, [s - 1 for s in lens], [1] * len(lens), dtype=torch.bfloat16, device="cuda")
     got, ref = _decode_both(case, decode_config=None)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 

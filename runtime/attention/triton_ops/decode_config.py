@@ -8,6 +8,7 @@ choice depends on the batch size only, so a captured CUDA graph stays valid for 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,21 @@ class DecodePolicy:
     large one bandwidth-bound (enough splits to even out the waves, one merge program per request).
     The choice depends on the batch size only, so a captured CUDA graph keeps its kernels right for
     any sequence lengths. The boundary (32) is where batch x heads merge programs stop being cheaper
-    than batch programs looping over ~3 splits each."""
+    than batch programs looping over ~3 splits each. `huge` (optional) serves batches above
+    `large_max_batch`."""
 
     small: DecodeConfig
     large: DecodeConfig
     small_max_batch: int = 32
+    huge: Optional[DecodeConfig] = None
+    large_max_batch: int = 256
 
     def for_batch(self, batch_size: int) -> DecodeConfig:
-        return self.small if batch_size <= self.small_max_batch else self.large
+        if batch_size <= self.small_max_batch:
+            return self.small
+        if self.huge is not None and batch_size > self.large_max_batch:
+            return self.huge
+        return self.large
 
 
 def default_decode_policy(num_sms: int) -> DecodePolicy:
@@ -67,9 +75,13 @@ def default_decode_policy(num_sms: int) -> DecodePolicy:
     # single default -> large): batch 64 x 770 60.0 -> 60.0, batch 256 x 576 195.9 -> 161.3, batch
     # 256 x 2,000 666 -> 518, batch 512 x 700 411 -> 384. Small batches keep the tiles they had (the
     # session-2 sweep's defaults, measured in the full step: 8B batch 1 4.77 ms) and the per-head merge.
+    # Above 256 requests (the offline run's first few hundred steps), 64-token KV tiles with 3 stages
+    # (sweep_decode_attention.py --launch): batch 512 x 700 367.2 -> 357.5 us; at 256 x 576 they are
+    # 0.5% slower (158.5 against 157.7), at 64 x 770 and 1 x 576 the policy's tiles stay the best.
     return DecodePolicy(
         small=DecodeConfig(target_programs=4 * num_sms, merge_per_head=True),
-        large=DecodeConfig(target_programs=4 * num_sms, min_splits=2))
+        large=DecodeConfig(target_programs=4 * num_sms, min_splits=2),
+        huge=DecodeConfig(target_programs=4 * num_sms, min_splits=2, block_n=64, num_stages=3))
 
 
 def decode_scratch_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
