@@ -106,3 +106,19 @@ def test_gpu_model_linears_take_decode_gemm_for_a_few_rows(monkeypatch):
             assert rel_err(skinny_linear(x, layer, out_dtype=torch.float32), ref) < 1e-2
             monkeypatch.delenv("PLAIT_DECODE_GEMM")
     assert shared.counters is not None and int(shared.counters.abs().sum()) == 0  # the split-K path ran
+
+
+def test_split_k_workspace_grows_without_freeing_what_earlier_launches_hold():
+    # A CUDA graph captured before the workspace grew holds the old buffers' addresses: they must stay
+    # allocated (and the old counters zero) after the growth.
+    m = dg()
+    ws = m.SplitKWorkspace()
+    x, w = torch.randn(4, 256), torch.randn(96, 256)
+    cfg = m.DecodeGemmConfig(block_n=64, block_k=32, split_k=2)
+    m.decode_gemm(x, w, cfg, ws)
+    old_partials, old_counters = ws.partials, ws.counters
+    big = m.decode_gemm(torch.randn(40, 256), torch.randn(300, 256), m.DecodeGemmConfig(block_n=64, block_k=32,
+                                                                                          split_k=4), ws)
+    assert ws.partials.numel() > old_partials.numel() and ws.counters.numel() > old_counters.numel()
+    assert any(t is old_partials for t in ws._outgrown) and any(t is old_counters for t in ws._outgrown)
+    assert int(old_counters.abs().sum()) == 0 and big.shape == (40, 300)

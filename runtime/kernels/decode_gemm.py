@@ -43,17 +43,25 @@ class SplitKWorkspace:
     """Float32 partial sums and per-tile arrival counters for split-K launches, on the device of the
     launches that use it (allocated on first use). The counters are zero between launches (the last
     program of each tile resets its own), so one workspace serves every launch of a stream, one after
-    another, CUDA-graph replays included. It grows to the largest launch it has seen: the engine's eager
-    warm-up runs each batch size before its graph is captured, so nothing grows inside a capture."""
+    another, CUDA-graph replays included.
+
+    It grows to the largest launch it has seen. A buffer it outgrows is kept, never freed: a CUDA graph
+    captured before the growth holds its address (e.g. graphs up to batch 8, then an eager step at
+    batch 20 that needs more partials) and must still find its own zeroed counters and scratch there."""
 
     def __init__(self):
         self.partials: Optional[torch.Tensor] = None
         self.counters: Optional[torch.Tensor] = None
+        self._outgrown: list[torch.Tensor] = []
 
     def reserve(self, device: torch.device, partial_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.partials is None or self.partials.device != device or self.partials.numel() < partial_elems:
+            if self.partials is not None:
+                self._outgrown.append(self.partials)
             self.partials = torch.empty(partial_elems, dtype=torch.float32, device=device)
         if self.counters is None or self.counters.device != device or self.counters.numel() < tiles:
+            if self.counters is not None:
+                self._outgrown.append(self.counters)
             self.counters = torch.zeros(tiles, dtype=torch.int32, device=device)
         return self.partials, self.counters
 
