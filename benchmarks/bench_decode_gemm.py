@@ -12,7 +12,6 @@ the best config per shape, next to the copy-bandwidth floor.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import sys
@@ -22,7 +21,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_common import save  # noqa: E402
-from bench_gemv import SHAPES, graph_time, layer_shapes  # noqa: E402
+from bench_gemv import graph_time, layer_shapes, matmul_bench_args, weight_only_step_time  # noqa: E402
 from gpu_ceilings import copy_bandwidth  # noqa: E402
 
 SM_COUNT_FALLBACK = 132
@@ -43,13 +42,7 @@ def configs(n: int, k: int, sms: int):
 def main() -> None:
     from plait.runtime.kernels.decode_gemm import SplitKWorkspace, decode_gemm, pick_decode_gemm_config
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
-    ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128])
-    ap.add_argument("--copies", type=int, default=4)
-    ap.add_argument("--only", nargs="+", default=None, help="sweep these layers only (qkv o gate_up down "
-                    "lm_head); skips the whole-step timing")
-    args = ap.parse_args()
+    args = matmul_bench_args(rows=[16, 32, 64, 128], copies=4).parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count or SM_COUNT_FALLBACK
@@ -109,36 +102,14 @@ def main() -> None:
             torch.cuda.empty_cache()
         if args.only:
             continue
-        _, _, layers, *_ = SHAPES[args.model]
-        weights = [[torch.randn(*shapes[nm], dtype=torch.bfloat16, device="cuda") * 0.02
-                    for nm in ("qkv", "o", "gate_up", "down")] for _ in range(layers)]
-        head = torch.randn(*shapes["lm_head"], dtype=torch.bfloat16, device="cuda") * 0.02
-        total_bytes = sum(w.numel() * 2 for ws in weights for w in ws) + head.numel() * 2
-        xs = {nm: torch.randn(rows, shapes[nm][1], dtype=torch.bfloat16, device="cuda") for nm in shapes}
-
-        def step(use_triton: bool):
-            def run():
-                for ws in weights:
-                    for nm, w in zip(("qkv", "o", "gate_up", "down"), ws):
-                        if use_triton:
-                            decode_gemm(xs[nm], w, best[(rows, nm)], workspace)
-                        else:
-                            torch.matmul(xs[nm], w.t())
-                if use_triton:
-                    decode_gemm(xs["lm_head"], head, best[(rows, "lm_head")], workspace)
-                else:
-                    torch.matmul(xs["lm_head"], head.t())
-            return run
-
-        t_c = graph_time(step(False), reps=3)
-        t_t = graph_time(step(True), reps=3)
+        t_c, total_bytes = weight_only_step_time(args.model, rows, lambda nm, x, w: torch.matmul(x, w.t()))
+        t_t, _ = weight_only_step_time(args.model, rows,
+                                       lambda nm, x, w: decode_gemm(x, w, best[(rows, nm)], workspace))
         floor = total_bytes / bw
         result["step"][f"m{rows}"] = {"bytes": total_bytes, "cublas_ms": t_c * 1e3, "triton_ms": t_t * 1e3,
                                       "floor_ms": floor * 1e3}
         print(f"weight-only step m={rows}: cuBLAS {t_c * 1e3:.3f} ms ({floor / t_c:.1%} of floor)  triton "
               f"{t_t * 1e3:.3f} ms ({floor / t_t:.1%})  floor {floor * 1e3:.3f} ms", flush=True)
-        weights = head = None
-        torch.cuda.empty_cache()
     save(f"bench_decode_gemm_{args.model}", result)
 
 

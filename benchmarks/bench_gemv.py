@@ -58,6 +58,43 @@ def graph_time(fn, reps: int = 20) -> float:
     return statistics.median(times[2:])
 
 
+def matmul_bench_args(rows: list[int], copies: int) -> argparse.ArgumentParser:
+    """The command line of the per-layer matmul benchmarks (this one and bench_decode_gemm.py)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--rows", type=int, nargs="+", default=rows)
+    ap.add_argument("--copies", type=int, default=copies, help="weight copies cycled through, so L2 never "
+                    "holds the next one")
+    ap.add_argument("--only", nargs="+", default=None, help="sweep these layers only (qkv o gate_up down lm_head); "
+                    "skips the whole-step timing")
+    return ap
+
+
+def weight_only_step_time(model: str, rows: int, matmul) -> tuple[float, int]:
+    """(seconds, weight bytes) of the whole weight-only decode step of `model` at `rows` rows: every
+    layer's QKV, O, gate_up and down (each layer its own weights, the real model's bytes) and the LM head,
+    as `matmul(layer name, x, w)` runs each, timed as CUDA-graph replays."""
+    _, _, layers, *_ = SHAPES[model]
+    shapes = layer_shapes(model)
+    names = ("qkv", "o", "gate_up", "down")
+    weights = [[torch.randn(*shapes[nm], dtype=torch.bfloat16, device="cuda") * 0.02 for nm in names]
+               for _ in range(layers)]
+    head = torch.randn(*shapes["lm_head"], dtype=torch.bfloat16, device="cuda") * 0.02
+    total_bytes = sum(w.numel() * 2 for ws in weights for w in ws) + head.numel() * 2
+    xs = {nm: torch.randn(rows, shapes[nm][1], dtype=torch.bfloat16, device="cuda") for nm in shapes}
+
+    def run():
+        for ws in weights:
+            for nm, w in zip(names, ws):
+                matmul(nm, xs[nm], w)
+        matmul("lm_head", xs["lm_head"], head)
+
+    seconds = graph_time(run, reps=3)
+    weights = head = None
+    torch.cuda.empty_cache()
+    return seconds, total_bytes
+
+
 def configs():
     from plait.runtime.kernels.gemv import GemvConfig
 
@@ -70,13 +107,7 @@ def configs():
 def main() -> None:
     from plait.runtime.kernels.gemv import gemv
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
-    ap.add_argument("--rows", type=int, nargs="+", default=[1])
-    ap.add_argument("--copies", type=int, default=8)
-    ap.add_argument("--only", nargs="+", default=None, help="sweep these layers only (qkv o gate_up down lm_head); "
-                    "skips the whole-step timing")
-    args = ap.parse_args()
+    args = matmul_bench_args(rows=[1], copies=8).parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
@@ -122,40 +153,14 @@ def main() -> None:
             torch.cuda.empty_cache()
         if args.only:
             continue
-        # The whole weight-only decode step, the real model's bytes (every layer its own weights).
-        h, inter, layers, *_ = SHAPES[args.model]
-        shapes = layer_shapes(args.model)
-        weights = [[torch.randn(*shapes[nm], dtype=torch.bfloat16, device="cuda") * 0.02
-                    for nm in ("qkv", "o", "gate_up", "down")] for _ in range(layers)]
-        head = torch.randn(*shapes["lm_head"], dtype=torch.bfloat16, device="cuda") * 0.02
-        total_bytes = sum(w.numel() * 2 for ws in weights for w in ws) + head.numel() * 2
-        xs = {nm: torch.randn(rows, shapes[nm][1], dtype=torch.bfloat16, device="cuda")
-              for nm in ("qkv", "o", "gate_up", "down", "lm_head")}
-
-        def step(use_triton: bool):
-            def run():
-                for ws in weights:
-                    for nm, w in zip(("qkv", "o", "gate_up", "down"), ws):
-                        if use_triton:
-                            gemv(xs[nm], w, config=best[(rows, nm)])
-                        else:
-                            torch.matmul(xs[nm], w.t())
-                if use_triton:
-                    gemv(xs["lm_head"], head, config=best[(rows, "lm_head")])
-                else:
-                    torch.matmul(xs["lm_head"], head.t())
-            return run
-
-        t_c = graph_time(step(False), reps=3)
-        t_t = graph_time(step(True), reps=3)
+        t_c, total_bytes = weight_only_step_time(args.model, rows, lambda nm, x, w: torch.matmul(x, w.t()))
+        t_t, _ = weight_only_step_time(args.model, rows, lambda nm, x, w: gemv(x, w, config=best[(rows, nm)]))
         floor = total_bytes / bw
         result["step"][f"m{rows}"] = {"bytes": total_bytes, "cublas_ms": t_c * 1e3, "triton_ms": t_t * 1e3,
                                       "floor_ms": floor * 1e3}
         print(f"weight-only step m={rows}: cuBLAS {t_c * 1e3:.3f} ms ({rows / t_c:.0f} tok/s, {floor / t_c:.1%} of floor)"
               f"  triton {t_t * 1e3:.3f} ms ({rows / t_t:.0f} tok/s, {floor / t_t:.1%})  floor {floor * 1e3:.3f} ms",
               flush=True)
-        weights = head = None
-        torch.cuda.empty_cache()
     save(f"bench_gemv_{args.model}", result)
 
 

@@ -41,6 +41,16 @@ def decode_case(shape: str, bs: int, ctx: int):
     return run, 2 * bs * ctx * kv_heads * head_dim * 2
 
 
+def each_case(shapes: list[str]):
+    """(shape, batch, context, run, KV bytes) for every case of CASES on every shape, one case's pools
+    alive at a time (the caller drops `run` before asking for the next)."""
+    for shape in shapes:
+        for bs, ctx in CASES:
+            run, kv_bytes = decode_case(shape, bs, ctx)
+            yield shape, bs, ctx, run, kv_bytes
+            del run
+
+
 def _key(cfg: DecodeConfig) -> tuple:
     return (cfg.block_n, cfg.max_kv_splits, cfg.min_split_len, cfg.target_programs)
 
@@ -70,28 +80,26 @@ def main() -> None:
                for bn, ms, ml, t in itertools.product((32, 64), (64,), (32, 64, 128, 256), (4, 8, 16, 32, 64))]
     rows = []
     per_case: list[dict] = []  # per case: config key -> us
-    for shape in shapes:
-        for bs, ctx in CASES:
-            run, kv_bytes = decode_case(shape, bs, ctx)
-            results = []
-            for cfg in [default] + configs:
-                try:
-                    us = do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20) * 1e3
-                except Exception as exc:  # a config that does not compile
-                    print(f"  {cfg} failed: {exc!r}"[:160])
-                    continue
-                results.append((us, cfg))
-            per_case.append({_key(c): u for u, c in results[1:]})
-            base_us = results[0][0]
-            results_sorted = sorted(results[1:], key=lambda r: r[0])
-            best_us, best = results_sorted[0]
-            rows.append({"shape": shape, "bs": bs, "ctx": ctx, "default_us": base_us, "best_us": best_us,
-                         "best": vars(best), "kv_gb_s_best": kv_bytes / best_us / 1e3,
-                         "top5": [(u, vars(c)) for u, c in results_sorted[:5]]})
-            print(f"{shape} bs={bs:4d} ctx={ctx:5d}: default {base_us:7.1f} us  best {best_us:7.1f} us "
-                  f"({kv_bytes / best_us / 1e3:6.0f} GB/s) bn={best.block_n} splits<={best.max_kv_splits} "
-                  f"min_len={best.min_split_len} programs={best.target_programs // sms}xSM", flush=True)
-            run = None  # free the case's pools before the next one
+    for shape, bs, ctx, run, kv_bytes in each_case(shapes):
+        results = []
+        for cfg in [default] + configs:
+            try:
+                us = do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20) * 1e3
+            except Exception as exc:  # a config that does not compile
+                print(f"  {cfg} failed: {exc!r}"[:160])
+                continue
+            results.append((us, cfg))
+        per_case.append({_key(c): u for u, c in results[1:]})
+        base_us = results[0][0]
+        results_sorted = sorted(results[1:], key=lambda r: r[0])
+        best_us, best = results_sorted[0]
+        rows.append({"shape": shape, "bs": bs, "ctx": ctx, "default_us": base_us, "best_us": best_us,
+                     "best": vars(best), "kv_gb_s_best": kv_bytes / best_us / 1e3,
+                     "top5": [(u, vars(c)) for u, c in results_sorted[:5]]})
+        print(f"{shape} bs={bs:4d} ctx={ctx:5d}: default {base_us:7.1f} us  best {best_us:7.1f} us "
+              f"({kv_bytes / best_us / 1e3:6.0f} GB/s) bn={best.block_n} splits<={best.max_kv_splits} "
+              f"min_len={best.min_split_len} programs={best.target_programs // sms}xSM", flush=True)
+        run = None  # free the case's pools before the next one
     # One config for every case: the smallest mean slowdown against each case's own best.
     keys = set.intersection(*(set(c) for c in per_case))
     slowdown = {k: sum(c[k] / min(c.values()) for c in per_case) / len(per_case) for k in keys}
@@ -106,41 +114,37 @@ def main() -> None:
 def launch_sweep(shapes: list[str], sms: int) -> None:
     policy = default_decode_policy(sms)
     rows = []
-    for shape in shapes:
-        for bs, ctx in CASES:
-            run, kv_bytes = decode_case(shape, bs, ctx)
-            base = policy.for_batch(bs)
-            results = []
-            for bn, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3, 4)):
-                cfg = dataclasses.replace(base, block_n=bn, num_warps=warps, num_stages=stages)
-                try:
-                    results.append((do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20) * 1e3, cfg))
-                except Exception as exc:  # a config that does not compile
-                    print(f"  {cfg} failed: {exc!r}"[:160])
-            base_us = do_bench_cudagraph(lambda: run(base), rep=50) * 1e3
-            results.sort(key=lambda r: r[0])
-            best_us, best = results[0]
-            rows.append({"shape": shape, "bs": bs, "ctx": ctx, "policy_us": base_us, "best_us": best_us,
-                         "best": vars(best), "top5": [(u, vars(c)) for u, c in results[:5]]})
-            print(f"{shape} bs={bs:4d} ctx={ctx:5d}: policy {base_us:7.1f} us ({kv_bytes / base_us / 1e3:5.0f} GB/s, "
-                  f"bn={base.block_n} w={base.num_warps} st={base.num_stages})  best {best_us:7.1f} us "
-                  f"({kv_bytes / best_us / 1e3:5.0f} GB/s) bn={best.block_n} w={best.num_warps} st={best.num_stages}",
-                  flush=True)
-            run = None
+    for shape, bs, ctx, run, kv_bytes in each_case(shapes):
+        base = policy.for_batch(bs)
+        results = []
+        for bn, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3, 4)):
+            cfg = dataclasses.replace(base, block_n=bn, num_warps=warps, num_stages=stages)
+            try:
+                results.append((do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20) * 1e3, cfg))
+            except Exception as exc:  # a config that does not compile
+                print(f"  {cfg} failed: {exc!r}"[:160])
+        base_us = do_bench_cudagraph(lambda: run(base), rep=50) * 1e3
+        results.sort(key=lambda r: r[0])
+        best_us, best = results[0]
+        rows.append({"shape": shape, "bs": bs, "ctx": ctx, "policy_us": base_us, "best_us": best_us,
+                     "best": vars(best), "top5": [(u, vars(c)) for u, c in results[:5]]})
+        print(f"{shape} bs={bs:4d} ctx={ctx:5d}: policy {base_us:7.1f} us ({kv_bytes / base_us / 1e3:5.0f} GB/s, "
+              f"bn={base.block_n} w={base.num_warps} st={base.num_stages})  best {best_us:7.1f} us "
+              f"({kv_bytes / best_us / 1e3:5.0f} GB/s) bn={best.block_n} w={best.num_warps} st={best.num_stages}",
+              flush=True)
+        run = None
     save("sweep_decode_attention_launch", rows)
 
 
 def policy_only(shapes: list[str], sms: int) -> None:
     policy = default_decode_policy(sms)
     rows = []
-    for shape in shapes:
-        for bs, ctx in CASES:
-            run, kv_bytes = decode_case(shape, bs, ctx)
-            cfg = policy.for_batch(bs)
-            us = do_bench_cudagraph(lambda: run(cfg), rep=50) * 1e3
-            rows.append({"shape": shape, "bs": bs, "ctx": ctx, "us": us, "kv_gb_s": kv_bytes / us / 1e3})
-            print(f"{shape} bs={bs:4d} ctx={ctx:5d}: policy {us:7.1f} us ({kv_bytes / us / 1e3:6.0f} GB/s)", flush=True)
-            run = None
+    for shape, bs, ctx, run, kv_bytes in each_case(shapes):
+        cfg = policy.for_batch(bs)
+        us = do_bench_cudagraph(lambda: run(cfg), rep=50) * 1e3
+        rows.append({"shape": shape, "bs": bs, "ctx": ctx, "us": us, "kv_gb_s": kv_bytes / us / 1e3})
+        print(f"{shape} bs={bs:4d} ctx={ctx:5d}: policy {us:7.1f} us ({kv_bytes / us / 1e3:6.0f} GB/s)", flush=True)
+        run = None
     save("sweep_decode_attention_policy", rows)
 
 

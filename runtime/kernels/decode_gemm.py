@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, next_power_of_2
+from .launch import linear_operands, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -146,24 +146,8 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: Optional[DecodeGe
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS.
     config: default pick_decode_gemm_config. A split_k > 1 needs a `workspace` (SplitKWorkspace). With
     `out` ((M, N), unit stride on N) the kernel writes there and returns it."""
-    check_device("decode_gemm", x, weight, out, bias)
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"decode_gemm expects x (M, K) and weight (N, K); got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    m, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"decode_gemm handles 1..{MAX_ROWS} rows, got {m}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("decode_gemm needs unit stride on K for x and weight")
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"decode_gemm bias must be ({n},), got {tuple(bias.shape)}")
+    m, n, k, out = linear_operands("decode_gemm", x, weight, bias, out, out_dtype, MAX_ROWS)
     config = config or pick_decode_gemm_config(n, k, m)
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.stride(1) != 1:
-        raise ValueError(f"decode_gemm out must be ({m}, {n}) with unit stride on N; got {tuple(out.shape)} "
-                         f"with strides {out.stride()}")
     block_m = max(16, next_power_of_2(m))
     tiles = triton.cdiv(n, config.block_n)
     k_tiles = triton.cdiv(k, config.block_k)
@@ -173,11 +157,13 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: Optional[DecodeGe
     if split > 1 and workspace is None:
         raise ValueError("decode_gemm with split_k > 1 needs a SplitKWorkspace")
     if workspace is not None:  # also unsplit: the same pointer types, one compiled kernel
-        partials, counters = workspace.reserve(x.device, tiles * split * config.block_n * block_m, tiles)
+        partial_elems = tiles * split * config.block_n * block_m if split > 1 else 1
+        partials, counters = workspace.reserve(x.device, partial_elems, tiles)
     else:
         partials, counters = out, out  # never touched when unsplit
     _decode_gemm_kernel[(tiles, split)](
-        x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), k_per_split, split,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

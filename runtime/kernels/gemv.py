@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_then_release
+from .launch import linear_operands, next_power_of_2, pdl_launch_args, pdl_wait_then_release
 
 MAX_ROWS = 8  # above this the tensor-core GEMM of the matmul library is the better tool
 
@@ -93,25 +93,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS.
     With `out` ((M, N), unit stride on N, any row stride; its dtype is the output dtype) the kernel
     writes there and returns it: e.g. a CUDA graph's logits buffer, with no copy after."""
-    check_device("gemv", x, weight, bias, out)
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv expects x (M, K) and weight (N, K); got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"gemv handles 1..{MAX_ROWS} rows, got {m}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("gemv needs unit stride on K for x and weight")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be ({n},), got {tuple(bias.shape)}")
+    m, n, k, y = linear_operands("gemv", x, weight, bias, out, out_dtype, MAX_ROWS)
     cfg = config or pick_gemv_config(n, k)
-    if out is None:
-        y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.stride(1) != 1 or (out_dtype is not None and out.dtype != out_dtype):
-        raise ValueError(f"gemv out must be ({m}, {n}) with unit stride on N (and out_dtype {out_dtype} if "
-                         f"given); got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
-    else:
-        y = out
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(1, next_power_of_2(m)), BLOCK_N=cfg.block_n,

@@ -50,6 +50,31 @@ def check_device(op: str, *tensors: Optional[torch.Tensor]) -> None:
         raise ValueError(f"{op}: unsupported device {device}")
 
 
+def linear_operands(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    out: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], max_rows: int):
+    """The checks every Triton matmul wrapper makes on y = x (M, K) @ weight (N, K)^T (+ bias (N,)):
+    devices, shapes, 1 <= M <= max_rows, unit stride on K; and its output, `out` if given ((M, N), unit
+    stride on N, of out_dtype if that is given), else a new (M, N) tensor of out_dtype (default x's).
+    Returns (m, n, k, y)."""
+    check_device(op, x, weight, bias, out)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{op} expects x (M, K) and weight (N, K); got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= max_rows:
+        raise ValueError(f"{op} handles 1..{max_rows} rows, got {m}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{op} needs unit stride on K for x and weight")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"{op} bias must be ({n},), got {tuple(bias.shape)}")
+    if out is None:
+        return m, n, k, torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if tuple(out.shape) != (m, n) or out.stride(1) != 1 or (out_dtype is not None and out.dtype != out_dtype):
+        raise ValueError(f"{op} out must be ({m}, {n}) with unit stride on N (and out_dtype {out_dtype} if "
+                         f"given); got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    return m, n, k, out
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
