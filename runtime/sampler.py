@@ -36,14 +36,16 @@ class SamplingBatchInfo:
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: str) -> "SamplingBatchInfo":
         sps = [r.sampling_params for r in reqs]
         greedy = [sp.is_greedy for sp in sps]
-        temps = [1.0 if g else float(sp.temperature) for sp, g in zip(sps, greedy)]
         top_ks = [vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size) for sp in sps]
+        # One (B, 5) upload for the per-row parameters (top_k as a float32 is exact below 2^24).
+        params = _upload([[1.0 if g else float(sp.temperature), float(sp.top_p), float(sp.min_p), float(k), float(g)]
+                          for sp, g, k in zip(sps, greedy, top_ks)], torch.float32, device).view(len(sps), 5)
         return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1),
-            top_ps=torch.tensor([float(sp.top_p) for sp in sps], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor([float(sp.min_p) for sp in sps], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperatures=params[:, 0:1],
+            top_ps=params[:, 1],
+            top_ks=params[:, 3].long(),
+            min_ps=params[:, 2],
+            greedy=params[:, 4].bool(),
             all_greedy=all(greedy),
             need_top_p=any(sp.top_p < 1.0 for sp, g in zip(sps, greedy) if not g),
             need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
@@ -55,6 +57,16 @@ class SamplingBatchInfo:
             has_grammar=any(r.grammar is not None for r in reqs),
             has_seed=any(sp.seed is not None and not g for sp, g in zip(sps, greedy)),
         )
+
+
+def _upload(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list as a tensor on `device`. On CUDA through pinned memory, without blocking: a copy from
+    pageable memory makes the host wait for everything queued before it, so an overlapped step's
+    launch would wait for the step in flight to finish."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -71,28 +83,32 @@ def apply_logit_adjustments(logits: torch.Tensor, reqs: list[Req], info: Samplin
     """In place on logits (B, V): bias, penalties, and EOS/stop-token bans before min_new_tokens."""
     vocab = logits.shape[1]
     if info.need_logit_bias:
+        # One upload for every biased (row, token) pair: this runs in overlapped steps too.
+        rows, ids, vals = [], [], []
         for i, r in enumerate(reqs):
-            bias = r.sampling_params.logit_bias
-            if bias:
-                ids = torch.tensor(list(bias.keys()), dtype=torch.int64, device=logits.device)
-                vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-                logits[i].index_add_(0, ids, vals)
+            for tok, val in (r.sampling_params.logit_bias or {}).items():
+                rows.append(i)
+                ids.append(int(tok))
+                vals.append(float(val))
+        if rows:
+            logits.index_put_((_upload(rows, torch.int64, logits.device), _upload(ids, torch.int64, logits.device)),
+                              _upload(vals, torch.float32, logits.device).to(logits.dtype), accumulate=True)
     if info.need_penalties:
         for i, r in enumerate(reqs):
             sp = r.sampling_params
             if sp.frequency_penalty or sp.presence_penalty:
                 if r.output_ids:
-                    out = torch.tensor(r.output_ids, dtype=torch.int64, device=logits.device)
+                    out = _upload(r.output_ids, torch.int64, logits.device)
                     counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
                     logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
             if sp.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.fill_ids)), dtype=torch.int64, device=logits.device)
+                seen = _upload(sorted(set(r.fill_ids)), torch.int64, logits.device)
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
     if info.need_min_tokens:
         for i, r in enumerate(reqs):
             if len(r.output_ids) < r.sampling_params.min_new_tokens and r.stop_token_ids:
-                ban = torch.tensor(sorted(r.stop_token_ids), dtype=torch.int64, device=logits.device)
+                ban = _upload(sorted(r.stop_token_ids), torch.int64, logits.device)
                 logits[i, ban] = float("-inf")
 
 
@@ -124,12 +140,15 @@ def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> torch.Tensor:
+    """One token per row of probs (B, V) in proportion to it: argmax of probs / q with q ~ Exp(1), what
+    torch.multinomial(probs, 1) computes from the same random numbers (the same tokens for the same
+    generator state), without its host-side check of the probabilities (a device sync in every step)."""
     if not info.has_seed:
-        return torch.multinomial(probs, 1).squeeze(1)
+        return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
     out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     for i, r in enumerate(reqs):
         gen: Optional[torch.Generator] = r.generator
-        out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+        out[i] = (probs[i] / torch.empty_like(probs[i]).exponential_(generator=gen)).argmax()
     return out
 
 

@@ -257,3 +257,29 @@ def test_seeded_row_is_independent_of_its_batch_neighbours():
     neighbour = make_req(temperature=0.7, top_k=3)  # unseeded: uses the global generator
     got = [draw(logits.repeat(2, 1), [neighbour, seeded])[1].item() for _ in range(10)]
     assert got == expected
+
+
+def test_draws_are_the_tokens_torch_multinomial_gives_for_the_same_random_numbers():
+    # The sampler draws argmax(p / q), q ~ Exp(1), without torch.multinomial's host-side check (a device
+    # sync): for the same generator state it must pick exactly multinomial's tokens, seeded or not.
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    reqs = [make_req(temperature=0.8) for _ in range(6)]
+    probs = torch.softmax(logits / 0.8, dim=-1)
+    torch.manual_seed(11)
+    expected = torch.multinomial(probs, 1).squeeze(1)
+    torch.manual_seed(11)
+    assert torch.equal(draw(logits, reqs), expected)
+    seeded = [make_req(temperature=0.8, seed=100 + i) for i in range(6)]
+    expected = [torch.multinomial(probs[i], 1, generator=torch.Generator().manual_seed(100 + i)).item()
+                for i in range(6)]
+    assert draw(logits, seeded).tolist() == expected
+
+
+def test_batch_parameters_come_from_one_upload_with_exact_values():
+    reqs = [make_req(temperature=0.5, top_k=3, top_p=0.9, min_p=0.05), make_req(temperature=0.0),
+            make_req(temperature=1.3, top_k=-1)]
+    info = SamplingBatchInfo.from_reqs(reqs, VOCAB, "cpu")
+    assert info.temperatures.shape == (3, 1) and info.temperatures[:, 0].tolist() == [0.5, 1.0, pytest.approx(1.3)]
+    assert info.top_ks.dtype == torch.int64 and info.top_ks.tolist() == [3, VOCAB, VOCAB]
+    assert info.greedy.dtype == torch.bool and info.greedy.tolist() == [False, True, False]
+    assert info.top_ps.tolist() == [pytest.approx(0.9), 1.0, 1.0] and info.min_ps[0].item() == pytest.approx(0.05)
