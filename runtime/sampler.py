@@ -140,9 +140,10 @@ def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> torch.Tensor:
-    """One token per row of probs (B, V) in proportion to it: argmax of probs / q with q ~ Exp(1), what
-    torch.multinomial(probs, 1) computes from the same random numbers (the same tokens for the same
-    generator state), without its host-side check of the probabilities (a device sync in every step)."""
+    """One token per row of probs (B, V) in proportion to it: argmax of probs / q with q ~ Exp(1), the
+    way torch.multinomial(probs, 1) draws one sample (on the CPU the very same tokens for the same
+    generator state: a test checks it), without its host-side check of the probabilities, which is a
+    device sync in every sampled step."""
     if not info.has_seed:
         return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
     out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
