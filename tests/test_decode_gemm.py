@@ -122,3 +122,33 @@ def test_split_k_workspace_grows_without_freeing_what_earlier_launches_hold():
     assert ws.partials.numel() > old_partials.numel() and ws.counters.numel() > old_counters.numel()
     assert any(t is old_partials for t in ws._outgrown) and any(t is old_counters for t in ws._outgrown)
     assert int(old_counters.abs().sum()) == 0 and big.shape == (40, 300)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_captured_before_the_workspace_grew_still_replays_right():
+    # Graphs up to 8 rows, then an eager step of 20 rows grows the shared workspace: replaying the
+    # 8-row graph afterwards must still find its own (zeroed) counters and scratch.
+    from plait.runtime.models.layers import share_split_k_workspace, skinny_linear
+
+    torch.manual_seed(0)
+    down = torch.nn.Linear(14336, 4096, bias=False).to("cuda", torch.bfloat16)  # split-K at <= 32 rows
+    share_split_k_workspace(down)
+    x8 = torch.randn(8, 14336, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        skinny_linear(x8, down)  # warm-up outside the capture, as the engine's graph runner does
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y8 = skinny_linear(x8, down)
+    before = down.split_k_workspace.partials
+    x20 = torch.randn(20, 14336, device="cuda", dtype=torch.bfloat16)
+    y20 = skinny_linear(x20, down)  # eager, 32-row tiles: more partial sums than the 8-row graph needed
+    assert down.split_k_workspace.partials is not before
+    assert rel_err(y20, x20.double() @ down.weight.double().T) < 1e-2
+    for _ in range(3):
+        x8.copy_(torch.randn_like(x8))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y8, x8.double() @ down.weight.double().T) < 1e-2
