@@ -21,7 +21,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_common import save  # noqa: E402
-from bench_gemv import graph_time, layer_shapes, matmul_bench_args, weight_only_step_time  # noqa: E402
+from bench_gemv import graph_time, layer_shapes, matmul_bench_args, sweep_record, weight_only_step_time  # noqa: E402
 from gpu_ceilings import copy_bandwidth  # noqa: E402
 
 SM_COUNT_FALLBACK = 132
@@ -87,14 +87,11 @@ def main() -> None:
 
                 sweep.append((graph_time(triton_fn, reps=2) / len(ws), cfg))
             t_default = next((t for t, c in sweep if c == default), float("nan"))
-            sweep.sort(key=lambda p: p[0])
+            record = sweep_record(n, k, t_cublas, sweep)
             t_best, cfg_best = sweep[0]
             best[(rows, name)] = cfg_best
-            result["shapes"][f"{name}/m{rows}"] = {
-                "n": n, "k": k, "cublas_us": t_cublas * 1e6, "cublas_tb_s": nbytes / t_cublas / 1e12,
-                "triton_us": t_best * 1e6, "triton_tb_s": nbytes / t_best / 1e12, "config": vars(cfg_best),
-                "default_us": t_default * 1e6, "default_config": vars(default),
-                "top5": [(t * 1e6, vars(c)) for t, c in sweep[:5]]}
+            result["shapes"][f"{name}/m{rows}"] = {**record, "default_us": t_default * 1e6,
+                                                   "default_config": vars(default)}
             print(f"m={rows:3d} {name:8s} ({n:6d}x{k:5d}) cuBLAS {t_cublas * 1e6:8.1f} us {nbytes / t_cublas / 1e12:5.2f}"
                   f" TB/s | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best} | default "
                   f"{t_default * 1e6:8.1f} us", flush=True)

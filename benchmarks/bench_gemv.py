@@ -58,6 +58,17 @@ def graph_time(fn, reps: int = 20) -> float:
     return statistics.median(times[2:])
 
 
+def sweep_record(n: int, k: int, t_cublas: float, sweep: list) -> dict:
+    """One shape's result: cuBLAS against the best of `sweep` ((seconds, config) pairs, sorted here in
+    place, fastest first), with the five fastest configs."""
+    sweep.sort(key=lambda p: p[0])
+    t_best, cfg_best = sweep[0]
+    nbytes = n * k * 2
+    return {"n": n, "k": k, "cublas_us": t_cublas * 1e6, "cublas_tb_s": nbytes / t_cublas / 1e12,
+            "triton_us": t_best * 1e6, "triton_tb_s": nbytes / t_best / 1e12, "config": vars(cfg_best),
+            "top5": [(t * 1e6, vars(c)) for t, c in sweep[:5]]}
+
+
 def matmul_bench_args(rows: list[int], copies: int) -> argparse.ArgumentParser:
     """The command line of the per-layer matmul benchmarks (this one and bench_decode_gemm.py)."""
     ap = argparse.ArgumentParser()
@@ -140,13 +151,10 @@ def main() -> None:
                         gemv(x, w, config=cfg)
 
                 sweep.append((graph_time(triton_fn, reps=2) / len(ws), cfg))
-            sweep.sort(key=lambda p: p[0])
+            record = sweep_record(n, k, t_cublas, sweep)
             t_best, cfg_best = sweep[0]
             best[(rows, name)] = cfg_best
-            result["shapes"][f"{name}/m{rows}"] = {
-                "n": n, "k": k, "cublas_us": t_cublas * 1e6, "cublas_tb_s": nbytes / t_cublas / 1e12,
-                "triton_us": t_best * 1e6, "triton_tb_s": nbytes / t_best / 1e12, "config": vars(cfg_best),
-                "top5": [(t * 1e6, vars(c)) for t, c in sweep[:5]]}
+            result["shapes"][f"{name}/m{rows}"] = record
             print(f"m={rows} {name:8s} ({n:6d}x{k:5d}) cuBLAS {t_cublas * 1e6:8.1f} us {nbytes / t_cublas / 1e12:5.2f} TB/s"
                   f" | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best}", flush=True)
             ws = None  # free before the next shape
