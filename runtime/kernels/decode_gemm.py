@@ -1,13 +1,13 @@
-"""Decode matmul y = x @ W^T for 9..64-odd rows: tensor cores, weights streamed once, deterministic split-K.
+"""Decode matmul y = x @ W^T for 2-64 rows: tensor cores, weights streamed once, deterministic split-K.
 
-At batch 16-64 a decode step's linear layers are still bound by reading the weights (64 rows make 64
+At batch 2-64 a decode step's linear layers are still bound by reading the weights (64 rows make 64
 FLOPs per weight byte, under the H200's ~200 FLOP/byte ridge), but the skinny matmul (gemv.py) does its
-products on the CUDA cores and is too slow there, while the matmul library's tiles are built for large M.
-Measured (bench_decode_gemm.py, 8B, weight-only step of every layer's matrices + LM head): 4 rows
-3.80 ms against cuBLAS's 4.02, 16 rows 3.92 / 4.15, 32 rows 3.96 / 4.15; at 64 rows only the LM head
-still gains (256 / 283 us), at 128 cuBLAS is faster everywhere. Here the roles are swapped: W's rows are the tensor-core M axis (BLOCK_N of them, >= 64 so Hopper's
-warpgroup MMA applies) and x's few rows are the narrow N axis (BLOCK_M, padded to >= 16), so a tile
-computes y^T = W_tile @ x^T.
+products on the CUDA cores and only pays at one row, while the matmul library's tiles are built for
+large M. Here the roles are swapped: W's rows are the tensor-core M axis (BLOCK_N of them, >= 64 so
+Hopper's warpgroup MMA applies) and x's few rows the narrow N axis (BLOCK_M, padded to >= 16), so a
+tile computes y^T = W_tile @ x^T. Measured (bench_decode_gemm.py, 8B, weight-only step of every layer's
+matrices + LM head): 4 rows 3.80 ms against cuBLAS's 4.02, 16 rows 3.92 / 4.15, 32 rows 3.96 / 4.15;
+at 64 rows only the LM head still gains (256 / 283 us), at 128 cuBLAS is faster everywhere.
 
 Small matrices (8B's O and down: 4,096 output rows) give only 32-64 tiles of W rows, fewer than the
 132 SMs; SPLIT_K programs share a tile's K axis. Each writes its float32 partial sum to a workspace and
