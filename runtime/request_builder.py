@@ -65,7 +65,8 @@ def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, ret
         base_rid = rids[i] or new_rid()
         members = []
         for k in range(sp.n):
-            sub = SamplingParams.from_dict({**sp.to_dict(), "n": 1})
+            # One request per sample; with n == 1 the parameters are already the one request's own.
+            sub = sp if sp.n == 1 else SamplingParams.from_dict({**sp.to_dict(), "n": 1})
             if sp.seed is not None and k:
                 sub.seed = sp.seed + k
             members.append(TokenizedGenerateReq(
