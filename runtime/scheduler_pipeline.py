@@ -8,7 +8,7 @@ the host works. Two pipelines, never both in flight at once:
 - Prefill: while prefill i computes, the next prefill batch is admitted and launched, and only then
   prefill i is read back and processed (`_step_after_prefill`). What a prefill's results change on
   the host without its sampled tokens (each request's kv length, its prefix in the radix tree, the
-  chunked request, the running list) is committed at launch (`_commit_launched_prefill`), so the
+  chunked request, the running list) is committed at launch (`_commit_prefill`, which a prefill run synchronously gets too), so the
   admission of prefill i+1 sees prefill i as if it had been processed: its requests count as running
   (their KV reserve), and its prefixes are in the tree (a request the in-batch dedup held back hits
   them instead of computing them again). The device writes prefill i's KV before any later kernel
@@ -48,6 +48,8 @@ class OverlapScheduleMixin:
             out = mr.run(batch)
             self.timer.launched(kind, started)
             t_read = time.perf_counter()
+            if batch.mode.is_extend():
+                self._commit_prefill(batch)
             self._process_result(batch, out)
             self.timer.phase("results", time.perf_counter() - t_read)
         self._count(batch, t0)
@@ -87,6 +89,7 @@ class OverlapScheduleMixin:
             self.timer.launched("prefill", started)
             self._read_prefill(prev, handle)
             t_read = time.perf_counter()
+            self._commit_prefill(batch)
             self._process_result(batch, out)
             self.timer.phase("results", time.perf_counter() - t_read)
         self._count(batch, t0)
@@ -98,12 +101,12 @@ class OverlapScheduleMixin:
         self.pending_prefill = (batch, self.model_runner.launch_prefill(batch))
         self.timer.launched("prefill", started)
         t_commit = time.perf_counter()
-        self._commit_launched_prefill(batch)
+        self._commit_prefill(batch)
         self.timer.phase("results", time.perf_counter() - t_commit)
 
     def _read_prefill(self, batch: ScheduleBatch, handle) -> None:
         t_read = time.perf_counter()
-        self._process_result(batch, self.model_runner.resolve(handle), committed=True)
+        self._process_result(batch, self.model_runner.resolve(handle))
         self.timer.phase("results", time.perf_counter() - t_read)
 
     # ------------------------------------------------------------------ decode pipeline

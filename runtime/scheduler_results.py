@@ -18,19 +18,19 @@ from .schedule_batch import FinishReason, Req, ScheduleBatch
 from .scheduler_prefill import token_prefix
 
 # What `_process_result` does with a request once the step's stop checks ran.
-_ABORTED, _CHUNK, _NO_TOKEN, _TOKEN = range(4)
+_ABORTED, _NO_TOKEN, _TOKEN = range(3)
 
 
 class StepResultsMixin:
-    def _commit_launched_prefill(self, batch: ScheduleBatch) -> None:
-        """What `_process_result` would do with a prefill batch that needs no sampled token, done when
-        it is launched ahead (scheduler_pipeline.py): each request's KV length, its computed prefix
-        inserted into the prefix cache, a chunk mid-way made the chunked request, the others running.
-        The tokens, stop checks and releases follow with `_process_result(..., committed=True)`."""
+    def _commit_prefill(self, batch: ScheduleBatch) -> None:
+        """What a prefill batch changes on the host without its sampled tokens: each request's KV
+        length, its computed prefix inserted into the prefix cache, a chunk mid-way made the chunked
+        request, the others running. Done when the batch is launched (scheduler_pipeline.py; a batch
+        launched ahead is committed before the next admission, which then matches these tokens instead
+        of computing them again: the device writes their KV first), before `_process_result` reads the
+        tokens, checks stops and releases."""
         for r, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             r.kv_len = pre + ext
-            # NOTE: in the tree now, so the next admission (before this batch is read back) matches
-            # these tokens instead of computing them again; the device writes their KV first.
             self._insert_progress(r)
             if r.kv_len < r.seq_len:
                 r.is_chunked = True
@@ -39,11 +39,11 @@ class StepResultsMixin:
                 r.is_chunked = False
                 self.running.append(r)  # finished or not: its first token is not read yet
 
-    def _process_result(self, batch: ScheduleBatch, out: StepOutput, committed: bool = False) -> None:
+    def _process_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
         """Commit a step: tokens appended, stops checked (one batched detokenization for the whole
-        step), then, in batch order, prefix-cache inserts, finished requests released, jumps queued.
-        `committed`: a prefill batch whose host-side state `_commit_launched_prefill` set at launch
-        (a later batch may have moved its requests on since: their kv lengths are not touched)."""
+        step), then, in batch order, finished requests released, jumps queued. A prefill batch was
+        committed (`_commit_prefill`) when it was launched; a later batch may have moved its requests
+        on since, so their kv lengths are not touched here."""
         extend = batch.mode.is_extend()
         reqs = batch.reqs
         step_slots = batch.out_cache_loc.tolist() if not extend else [None] * len(reqs)
@@ -55,8 +55,6 @@ class StepResultsMixin:
             if r.finished_reason is not None and r.req_pool_idx is None:
                 continue  # released already (overlap: the extra step of a finished request)
             if extend:
-                if not committed:
-                    r.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
                 for pos, lp, in_tok, top in out.input_logprobs[i]:
                     r.input_token_logprobs.append((lp, in_tok))
                     r.input_top_logprobs.append(top)
@@ -68,9 +66,9 @@ class StepResultsMixin:
             if r.finished_reason is not None:  # aborted mid-step
                 staged.append((r, _ABORTED))
                 continue
-            if tok is None:
-                mid_way = batch.prefix_lens[i] + batch.extend_lens[i] < r.seq_len
-                staged.append((r, _CHUNK if mid_way else _NO_TOKEN))
+            if tok is None:  # a chunk mid-way (`_commit_prefill` made it the chunked request) or prefill-only
+                if batch.prefix_lens[i] + batch.extend_lens[i] == r.seq_len:
+                    staged.append((r, _NO_TOKEN))
                 continue
             if r.first_token_time is None:
                 r.first_token_time = now = now or time.monotonic()
@@ -98,20 +96,12 @@ class StepResultsMixin:
             if what == _ABORTED:
                 self._finish_running(r)
                 changed = True
-            elif what == _CHUNK:
-                if not committed:
-                    self._insert_progress(r)
-                    r.is_chunked = True
-                    self.chunked_req = r
             elif what == _NO_TOKEN:
                 if r.prefill_only:
                     r.finished_reason = FinishReason("length", length=0)
                     self._finish_running(r)
                     changed = True
             else:
-                if extend and not committed:
-                    r.is_chunked = False
-                    self._insert_progress(r)
                 if r.finished_reason is not None:
                     self._finish_running(r)
                     changed = True
@@ -124,8 +114,6 @@ class StepResultsMixin:
                     else:
                         self.jump_queue.append(r)
                     changed = True
-                elif extend and not committed:
-                    self.running.append(r)
         if changed:
             jumped = set(map(id, self.jump_queue))
             self.running = [r for r in self.running if r.finished_reason is None and id(r) not in jumped]
