@@ -51,6 +51,17 @@ def each_case(shapes: list[str]):
             del run
 
 
+def timed_configs(run, configs: list[DecodeConfig]) -> list[tuple[float, DecodeConfig]]:
+    """(us per call, config) for each config that compiles, in the order given."""
+    results = []
+    for cfg in configs:
+        try:
+            results.append((do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20) * 1e3, cfg))
+        except Exception as exc:  # a config that does not compile
+            print(f"  {cfg} failed: {exc!r}"[:160])
+    return results
+
+
 def _key(cfg: DecodeConfig) -> tuple:
     return (cfg.block_n, cfg.max_kv_splits, cfg.min_split_len, cfg.target_programs)
 
@@ -81,14 +92,7 @@ def main() -> None:
     rows = []
     per_case: list[dict] = []  # per case: config key -> us
     for shape, bs, ctx, run, kv_bytes in each_case(shapes):
-        results = []
-        for cfg in [default] + configs:
-            try:
-                us = do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20) * 1e3
-            except Exception as exc:  # a config that does not compile
-                print(f"  {cfg} failed: {exc!r}"[:160])
-                continue
-            results.append((us, cfg))
+        results = timed_configs(run, [default] + configs)
         per_case.append({_key(c): u for u, c in results[1:]})
         base_us = results[0][0]
         results_sorted = sorted(results[1:], key=lambda r: r[0])
@@ -116,13 +120,8 @@ def launch_sweep(shapes: list[str], sms: int) -> None:
     rows = []
     for shape, bs, ctx, run, kv_bytes in each_case(shapes):
         base = policy.for_batch(bs)
-        results = []
-        for bn, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3, 4)):
-            cfg = dataclasses.replace(base, block_n=bn, num_warps=warps, num_stages=stages)
-            try:
-                results.append((do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20) * 1e3, cfg))
-            except Exception as exc:  # a config that does not compile
-                print(f"  {cfg} failed: {exc!r}"[:160])
+        results = timed_configs(run, [dataclasses.replace(base, block_n=bn, num_warps=warps, num_stages=stages)
+                                      for bn, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3, 4))])
         base_us = do_bench_cudagraph(lambda: run(base), rep=50) * 1e3
         results.sort(key=lambda r: r[0])
         best_us, best = results[0]
