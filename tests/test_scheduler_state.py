@@ -1,4 +1,5 @@
-"""Scheduler and KV-memory logic with exact-state assertions, in-process, on a tiny random model.
+"""Scheduler logic with exact-state assertions, in-process, on a tiny random model (the KV-memory
+primitives it stands on: test_kv_memory.py).
 
 No subprocess: the Scheduler is driven message by message and step by step, and its pools are
 inspected directly.
@@ -7,11 +8,8 @@ inspected directly.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from plait.runtime.io_struct import AbortReq, ControlReq, TokenizedGenerateReq
-from plait.runtime.memory_pool import TokenAllocator
-from plait.runtime.prefix_cache import NoSharingCache
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
@@ -48,70 +46,6 @@ def run_until_idle(s: Scheduler, max_steps: int = 1000) -> dict:
         if s.is_idle():
             return finals
     raise AssertionError("scheduler did not go idle")
-
-
-def test_allocator_free_list_exact():
-    a = TokenAllocator(8, "cpu")
-    x = a.alloc(3)
-    assert x.tolist() == [1, 2, 3] and a.available() == 5
-    assert a.alloc(6) is None and a.available() == 5
-    a.free(torch.tensor([2]))
-    assert a.free_slot_set() == {2, 4, 5, 6, 7, 8}
-    assert 0 not in a.free_slot_set()  # slot 0 is the dummy, never handed out
-
-
-def test_allocator_reuses_freed_runs_only_when_needed():
-    a = TokenAllocator(6, "cpu")
-    first = a.alloc(4)  # [1..4]
-    a.free(first[:2])
-    a.free(first[3:])
-    assert a.available() == 5
-    assert a.alloc(2).tolist() == [5, 6]  # never-used slots go first
-    assert a.available() == 3
-    got = a.alloc(3)  # now the freed runs are needed: each comes back exactly once
-    assert sorted(got.tolist()) == [1, 2, 4] and a.available() == 0
-    assert a.alloc(1) is None
-    a.free(got)
-    assert a.free_slot_set() == {1, 2, 4} and a.available() == 3
-
-
-def test_no_sharing_cache_returns_every_slot():
-    a = TokenAllocator(10, "cpu")
-    c = NoSharingCache(a)
-    kv = a.alloc(4)
-    assert c.match_prefix([1, 2, 3]).num_tokens == 0
-    c.check_integrity(num_private=4)
-    c.cache_finished_req([1, 2, 3, 4], kv, None)
-    c.check_integrity()
-    assert a.available() == 10
-
-
-def test_host_rows_of_extend_and_decode_steps_exact():
-    from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.schedule_batch import Req, ScheduleBatch
-
-    a = Req("a", [10, 11, 12, 13], SamplingParams())
-    b = Req("b", [20, 21], SamplingParams())
-    b.output_ids = [22, 23]  # a retracted request: its outputs are prefilled again
-    a.req_pool_idx, b.req_pool_idx = 3, 5
-    ext = ScheduleBatch(ForwardMode.EXTEND, [a, b], [1, 0], [3, 4], torch.tensor([7, 8, 9, 40, 41, 42, 43]))
-    tokens, per_req = ext.extend_host_rows()
-    assert tokens.tolist() == [[11, 12, 13, 20, 21, 22, 23], [1, 2, 3, 0, 1, 2, 3], [7, 8, 9, 40, 41, 42, 43],
-                               [3, 3, 3, 5, 5, 5, 5]]
-    assert per_req.tolist() == [[3, 5], [4, 4], [1, 0], [3, 4], [0, 3]]
-    assert [x.tolist() for x in ext.kv_writes] == [[3, 3, 3, 5, 5, 5, 5], [1, 2, 3, 0, 1, 2, 3],
-                                                  [7, 8, 9, 40, 41, 42, 43]]
-    a.output_ids = [14]
-    dec = ScheduleBatch(ForwardMode.DECODE, [a, b], out_cache_loc=torch.tensor([50, 51]))
-    rows = dec.decode_host_rows(ahead=0, with_input_ids=True)
-    assert rows.tolist() == [[14, 23], [4, 3], [3, 5], [5, 4], [50, 51]]
-    # Overlap: the next step is launched before this one's tokens are read; it derives its rows.
-    nxt = dec.next_decode(torch.tensor([60, 61]))
-    assert nxt.decode_host_rows(ahead=1, with_input_ids=False).tolist() == [[0, 0], [5, 4], [3, 5], [6, 5], [60, 61]]
-    # `a` finished meanwhile: the step after goes on with `b` alone, whose input is row 1's sample.
-    last = nxt.next_decode(torch.tensor([70]), keep=[1])
-    assert last.reqs == [b]
-    assert last.decode_host_rows(ahead=1, with_input_ids=False).tolist() == [[0], [5], [5], [6], [70], [1]]
 
 
 def test_prefill_then_decode_exact_state(random_models):
@@ -338,39 +272,6 @@ def test_prefill_warm_up_runs_and_gives_every_slot_back(random_models):
     small = make_scheduler(random_models["llama"], max_total_tokens=64, max_running_requests=4)
     small.model_runner.run = lambda batch: pytest.fail("warm-up ran on a 64-slot pool")
     warm_up_prefill(small.model_runner)
-
-
-def test_req_to_token_write_rows_updates_both_tables():
-    from plait.runtime.memory_pool import ReqToTokenPool
-
-    pool = ReqToTokenPool(4, 16, "cpu")
-    pool.write_rows([(1, torch.tensor([7, 8, 9])), (3, torch.tensor([5])), (2, torch.tensor([], dtype=torch.int64))])
-    assert pool.req_to_token[1, :4].tolist() == [7, 8, 9, 0] and pool.req_to_token[3, :2].tolist() == [5, 0]
-    assert (pool.host == pool.req_to_token.numpy()).all()
-    pool.write_rows([])  # nothing to write is fine
-
-
-def test_req_to_token_write_rows_uploads_a_shared_prefix_once_per_tensor():
-    from plait.runtime.memory_pool import ReqToTokenPool
-
-    pool = ReqToTokenPool(6, 16, "cpu")
-    shared, other = torch.tensor([4, 5, 6, 7]), torch.tensor([9, 10])
-    pool.write_rows([(0, shared), (3, other), (5, shared), (2, shared)])
-    rows = pool.req_to_token
-    assert [rows[i, :5].tolist() for i in (0, 2, 5)] == [[4, 5, 6, 7, 0]] * 3
-    assert rows[3, :3].tolist() == [9, 10, 0] and rows[1].sum() == rows[4].sum() == 0
-    assert (pool.host == rows.numpy()).all()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned upload path needs a GPU")
-def test_req_to_token_write_rows_on_the_gpu_matches_the_host_mirror():
-    from plait.runtime.memory_pool import ReqToTokenPool
-
-    pool = ReqToTokenPool(8, 64, "cuda")
-    shared = torch.arange(1, 41)
-    for round_ in range(3):  # the pinned staging blocks are reused between rounds
-        pool.write_rows([(i, shared + round_) for i in range(4)] + [(5, torch.arange(100, 100 + 7 * round_ + 1))])
-        assert (pool.host == pool.req_to_token.cpu().numpy()).all(), round_
 
 
 def test_in_flight_prefixes_agree_with_comparing_every_pair():
