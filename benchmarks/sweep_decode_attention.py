@@ -72,6 +72,9 @@ def main() -> None:
     ap.add_argument("--launch", action="store_true",
                     help="around the engine's config for each case, sweep the launch parameters the main sweep "
                          "keeps fixed (num_warps, num_stages) with block_n")
+    ap.add_argument("--pack", action="store_true",
+                    help="around the engine's config for each case, sweep KV heads per stage-1 program (1, 2, 4) "
+                         "with block_n, num_warps, num_stages and target_programs")
     ap.add_argument("--cases", nargs="+", default=None, metavar="BATCHxCONTEXT",
                     help="only these cases, e.g. 64x770 512x700 (default: all of CASES)")
     ap.add_argument("--policy-only", action="store_true",
@@ -85,7 +88,15 @@ def main() -> None:
     if args.policy_only:
         return policy_only(shapes, sms)
     if args.launch:
-        return launch_sweep(shapes, sms)
+        return launch_sweep(shapes, sms, lambda base: [
+            dataclasses.replace(base, block_n=bn, num_warps=warps, num_stages=stages)
+            for bn, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3, 4))], "launch")
+    if args.pack:
+        return launch_sweep(shapes, sms, lambda base: [
+            dataclasses.replace(base, kv_heads_per_program=hpp, block_n=bn, num_warps=warps, num_stages=stages,
+                                target_programs=t * sms, min_splits=1)
+            for hpp, bn, warps, stages, t in itertools.product((1, 2, 4), (16, 32), (4, 8), (2, 3), (2, 4, 8))],
+            "pack")
     default = DecodeConfig(target_programs=4 * sms)
     configs = [DecodeConfig(block_n=bn, max_kv_splits=ms, min_split_len=ml, target_programs=t * sms)
                for bn, ms, ml, t in itertools.product((32, 64), (64,), (32, 64, 128, 256), (4, 8, 16, 32, 64))]
@@ -115,13 +126,13 @@ def main() -> None:
     save("sweep_decode_attention", rows)
 
 
-def launch_sweep(shapes: list[str], sms: int) -> None:
+def launch_sweep(shapes: list[str], sms: int, variants, name: str) -> None:
+    """Per case, the policy's config against `variants(policy config)`."""
     policy = default_decode_policy(sms)
     rows = []
     for shape, bs, ctx, run, kv_bytes in each_case(shapes):
         base = policy.for_batch(bs)
-        results = timed_configs(run, [dataclasses.replace(base, block_n=bn, num_warps=warps, num_stages=stages)
-                                      for bn, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3, 4))])
+        results = timed_configs(run, variants(base))
         base_us = do_bench_cudagraph(lambda: run(base), rep=50) * 1e3
         results.sort(key=lambda r: r[0])
         best_us, best = results[0]
@@ -129,10 +140,10 @@ def launch_sweep(shapes: list[str], sms: int) -> None:
                      "best": vars(best), "top5": [(u, vars(c)) for u, c in results[:5]]})
         print(f"{shape} bs={bs:4d} ctx={ctx:5d}: policy {base_us:7.1f} us ({kv_bytes / base_us / 1e3:5.0f} GB/s, "
               f"bn={base.block_n} w={base.num_warps} st={base.num_stages})  best {best_us:7.1f} us "
-              f"({kv_bytes / best_us / 1e3:5.0f} GB/s) bn={best.block_n} w={best.num_warps} st={best.num_stages}",
-              flush=True)
+              f"({kv_bytes / best_us / 1e3:5.0f} GB/s) bn={best.block_n} w={best.num_warps} st={best.num_stages} "
+              f"heads/program={best.kv_heads_per_program} programs={best.target_programs // sms}xSM", flush=True)
         run = None
-    save("sweep_decode_attention_launch", rows)
+    save(f"sweep_decode_attention_{name}", rows)
 
 
 def policy_only(shapes: list[str], sms: int) -> None:

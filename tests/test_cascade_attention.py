@@ -237,11 +237,13 @@ def test_planner_reuses_groups_while_requests_stay():
     (8, 1, 64, [(17, [18, 19, 40])], [30, 2]),  # GQA 8: 2 members per tile
     (9, 3, 64, [(24, [25, 30, 26, 27, 28])], [10]),  # GQA 3 (SmolLM2-135M): a tile of 5 members, 15 rows
 ])
-@pytest.mark.parametrize("merge_per_head", [False, True])  # stage 2 per request / per (request, head)
-def test_eager_cascade_matches_torch_native(heads, kv_heads, head_dim, groups, solo, merge_per_head):
+@pytest.mark.parametrize("merge_per_head,hpp", [(False, 1), (True, 1), (False, 2)])  # stage 2 per request /
+# per (request, head); the suffix's stage 1 with two KV heads a program (where the model's heads allow)
+def test_eager_cascade_matches_torch_native(heads, kv_heads, head_dim, groups, solo, merge_per_head, hpp):
     case = _SharedCase(heads, kv_heads, head_dim, groups, solo)
     q = case.randn(len(case.rows), heads, head_dim)
-    backend = _triton(case, decode=dataclasses.replace(TINY_DECODE, merge_per_head=merge_per_head))
+    backend = _triton(case, decode=dataclasses.replace(TINY_DECODE, merge_per_head=merge_per_head,
+                                                       kv_heads_per_program=hpp))
     md, got = _decode(backend, case, q)
     assert md.cascade is not None and md.cascade.plan.num_work > 0  # the cascade path ran
     assert sorted(g.prefix_len for g in md.cascade.plan.groups) == sorted(p for p, _ in groups)

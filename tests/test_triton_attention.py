@@ -5,6 +5,7 @@ before triton is imported) at tiny shapes with tiny tiles, so every loop, split 
 Tests marked `gpu` run the compiled kernels at real model sizes (`pytest -m gpu`).
 """
 
+import dataclasses
 import os
 import sys
 
@@ -221,27 +222,52 @@ def test_min_splits_floor_splits_a_full_batch_and_stage_two_merges_them():
 
 
 def test_decode_with_the_large_batch_tiles_matches_torch_native():
-    # The policy's tiles above 256 requests (64-token KV tiles, 3 stages, >= 2 splits), at small sizes.
-    cfg = default_decode_policy(132).for_batch(512)
-    cfg = DecodeConfig(block_n=cfg.block_n, num_stages=cfg.num_stages, min_splits=cfg.min_splits,
-                       max_kv_splits=4, min_split_len=8, target_programs=8)
+    # The policy's tiles above 32 requests (two KV heads a program, 3 stages), at small sizes.
+    cfg = default_decode_policy(132).for_batch(64)
+    cfg = dataclasses.replace(cfg, max_kv_splits=4, min_split_len=8, target_programs=8)
     case = _Case(8, 2, 64, [199, 64, 5, 130], [1] * 4)
     got, ref = _decode_both(case, decode_config=cfg)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,hpp,seq_lens", [
+    (16, 4, 32, 2, [33, 5, 70, 1]),  # GQA 4: two heads fill the 16 rows
+    (16, 4, 32, 4, [33, 5, 70, 1]),  # four heads: 16 rows, 128 packed columns
+    (8, 8, 64, 4, [20, 9]),  # MHA: 4 rows padded to 16
+    (12, 6, 48, 2, [40, 3, 17]),  # head_dim 48 padded to 64 per head; 3 programs of 2 heads
+    (9, 3, 64, 2, [40, 3]),  # 3 KV heads: 2 does not divide them, so 1 a program
+    (14, 2, 64, 2, [25, 60]),  # GQA 7 (Qwen2.5-0.5B): 14 rows
+])
+@pytest.mark.parametrize("merge_per_head", [False, True])
+def test_decode_with_several_kv_heads_a_program_matches_torch_native(heads, kv_heads, head_dim, hpp, seq_lens,
+                                                                    merge_per_head):
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=16, kv_heads_per_program=hpp,
+                       merge_per_head=merge_per_head)
+    case = _Case(heads, kv_heads, head_dim, [s - 1 for s in seq_lens], [1] * len(seq_lens))
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_kv_heads_per_program_divides_the_model_heads_and_sets_the_split_cap():
+    cfg = DecodeConfig(kv_heads_per_program=4, target_programs=64)
+    assert [cfg.heads_per_program(n) for n in (8, 4, 6, 3, 1)] == [4, 4, 2, 1, 1]
+    # 8 KV heads at 4 a program: a batch of 4 has 8 programs per split, so 8 splits reach 64 programs.
+    assert cfg.split_cap(4, 8) == 8 and DecodeConfig(target_programs=64).split_cap(4, 8) == 2
+    with pytest.raises(ValueError, match="kv_heads_per_program"):
+        DecodeConfig(kv_heads_per_program=3)
+
+
 def test_default_decode_policy_picks_tiles_by_batch_size():
     policy = default_decode_policy(132)
-    small, large, huge = policy.for_batch(1), policy.for_batch(256), policy.for_batch(512)
-    assert policy.for_batch(32) is small and policy.for_batch(33) is large and policy.for_batch(257) is huge
+    small, large = policy.for_batch(1), policy.for_batch(256)
+    assert policy.for_batch(32) is small and policy.for_batch(33) is large and policy.for_batch(1000) is large
     assert small.merge_per_head and not large.merge_per_head  # a batch of one merges over its 32 heads
-    assert huge.split_cap(512, 8) == 2  # at least two splits when the batch is full
-    assert (huge.block_n, large.block_n) == (64, 32)  # longer KV tiles above 256 requests
-    assert large.split_cap(64, 8) == 2 and small.split_cap(1, 8) == 64
-    assert DecodePolicy(small, large).for_batch(1000) is large  # without a huge tier
+    assert (small.kv_heads_per_program, large.kv_heads_per_program) == (1, 2)
+    assert large.split_cap(64, 8) == 2 and large.split_cap(512, 8) == 1 and small.split_cap(1, 8) == 64
+    assert DecodePolicy(small, large, small_max_batch=8).for_batch(9) is large
     # The backend's default follows the policy; an explicit config serves every batch size.
     backend = TritonAttnBackend(_runner("cpu"))
-    assert backend.decode_policy.for_batch(300).min_splits == 2
+    assert backend.decode_policy.for_batch(300).kv_heads_per_program == 2
     assert TritonAttnBackend(_runner("cpu"), decode_config=TINY_DECODE).decode_policy.for_batch(300) is TINY_DECODE
 
 
@@ -334,7 +360,7 @@ def test_gpu_decode_real_sizes(head_dim):
 @needs_cuda
 def test_gpu_decode_large_batch_takes_the_large_batch_tiles():
     gen = torch.Generator().manual_seed(3)
-    lens = torch.randint(1, 900, (300,), generator=gen).tolist()  # 300 requests: above 256
+    lens = torch.randint(1, 900, (300,), generator=gen).tolist()  # 300 requests: two KV heads a program
     case = _Case(32, 8, 128, [s - 1 for s in lens], [1] * len(lens), dtype=torch.bfloat16, device="cuda")
     got, ref = _decode_both(case, decode_config=None)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)

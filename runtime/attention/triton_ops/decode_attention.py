@@ -3,10 +3,10 @@
 One query token per request attends over its whole sequence, whose K/V live in the pool at the slots
 `req_to_token[req_pool_indices[b], 0:seq_lens[b]]`.
 
-- Stage 1 (grid: kv head x batch x split): each program takes one KV split of one request and ALL the
-  query heads that share that KV head (GQA grouping), so every K/V row is read from memory once per
-  group instead of once per query head. It writes the split's normalised partial output and its
-  log-sum-exp (base 2).
+- Stage 1 (grid: kv-head group x batch x split): each program takes one KV split of one request, one
+  or more adjacent KV heads (`DecodeConfig.kv_heads_per_program`) and ALL the query heads that share
+  them (GQA grouping), so every K/V row is read from memory once per group instead of once per query
+  head. It writes the split's normalised partial output and its log-sum-exp (base 2).
 - Stage 2: merges each request's splits by their log-sum-exps (grid: batch, all query heads of a
   request in one program; small batches: batch x query head, see `DecodePolicy` in decode_config.py).
   With one split per request and nothing to merge, stage 1 writes the output itself and stage 2 is not
@@ -68,14 +68,14 @@ def _decode_stage1_kernel(
     stride_pob, stride_poh, stride_pos,
     stride_plb, stride_plh,
     stride_ob, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, HPP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait_then_release(USE_PDL)
-    # NOTE: the KV head is the grid's fastest axis, so the programs of one request's KV heads are launched
-    # side by side and read the same tokens' K/V rows (heads are adjacent in a row) at the same time.
-    kv_head = tl.program_id(0)
+    # NOTE: the KV-head group is the grid's fastest axis, so the programs of one request's KV heads are
+    # launched side by side and read the same tokens' K/V rows (heads are adjacent in a row) at the same time.
+    kv_group = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -87,55 +87,61 @@ def _decode_stage1_kernel(
     kv_start = kv_begin + split * split_len
     kv_end = tl.minimum(kv_start + split_len, seq_len)
 
+    # The program reads HPP adjacent KV heads as one (BLOCK_N, HPP * BLOCK_D) tile, and its rows are their
+    # query heads (head h's GROUP heads are rows h * GROUP ...). q is block-diagonal over those columns: a
+    # row holds its own head's query and zeros elsewhere, so q @ k^T gives each row its own head's scores
+    # and p @ v fills its own head's columns (the other columns are discarded).
+    rows = tl.arange(0, BLOCK_R)
+    heads = kv_group * (HPP * GROUP) + rows  # (BLOCK_R,) query heads
+    r_mask = rows < HPP * GROUP
+    cols = tl.arange(0, HPP * BLOCK_D)
+    col_head = cols // BLOCK_D  # which of the HPP KV heads a column belongs to
+    col_d = cols % BLOCK_D
+    own = r_mask[:, None] & (col_head[None, :] == (rows // GROUP)[:, None]) & (col_d < HEAD_DIM)[None, :]
+
     if kv_start < kv_end:
         req = tl.load(ReqPoolIndices + b).to(tl.int64)
-        offs_h = tl.arange(0, BLOCK_H)
-        heads = kv_head * GROUP + offs_h  # (BLOCK_H,) query heads of this KV head
-        h_mask = offs_h < GROUP
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
+        kv_heads = kv_group * HPP + col_head  # (HPP * BLOCK_D,)
+        k_cols = kv_heads * stride_kh + col_d
+        v_cols = kv_heads * stride_vh + col_d
+        c_mask = col_d < HEAD_DIM
         offs_n = tl.arange(0, BLOCK_N)
 
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_H, BLOCK_D)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + col_d[None, :],
+                    mask=own, other=0.0)  # (BLOCK_R, HPP * BLOCK_D)
 
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, HPP * BLOCK_D], dtype=tl.float32)
         for n_start in range(kv_start, kv_end, BLOCK_N):
             kv_pos = n_start + offs_n  # (BLOCK_N,)
             n_mask = kv_pos < kv_end
             slots = tl.load(ReqToToken + req * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(K_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                        mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # (BLOCK_H, BLOCK_N)
+            kv_mask = n_mask[:, None] & c_mask[None, :]
+            k = tl.load(K_buf + slots[:, None] * stride_ks + k_cols[None, :],
+                        mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, HPP * BLOCK_D)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # (BLOCK_R, BLOCK_N)
             s = tl.where(n_mask[None, :], s, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                        mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(V_buf + slots[:, None] * stride_vs + v_cols[None, :],
+                        mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, HPP * BLOCK_D)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-        out_mask = h_mask[:, None] & d_mask[None, :]
         if DIRECT_OUT:  # the only split: this is the output (what stage 2 would compute from it, bit for bit)
-            tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+            tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
+                     (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=own)
         else:
             tl.store(PartialO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
-                     + offs_d[None, :], acc / l_i[:, None], mask=out_mask)
-            tl.store(PartialLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=h_mask)
+                     + col_d[None, :], acc / l_i[:, None], mask=own)
+            tl.store(PartialLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=r_mask)
     elif DIRECT_OUT:  # an empty (padding) request: zero output, as stage 2 gives it
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        heads = kv_head * GROUP + offs_h
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 tl.zeros([BLOCK_H, BLOCK_D], dtype=Out.dtype.element_ty),
-                 mask=(offs_h < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
+                 tl.zeros([BLOCK_R, HPP * BLOCK_D], dtype=Out.dtype.element_ty), mask=own)
 
 
 @triton.jit
@@ -304,10 +310,11 @@ def decode_attention(
     partial_o = scratch[:n_o].view(batch, num_heads, split_cap, head_dim)
     partial_lse = scratch[n_o:need].view(batch, num_heads, split_cap)
     group = num_heads // num_kv_heads
+    hpp = cfg.heads_per_program(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    # NOTE: tl.dot needs M >= 16 on the GPU; a group of 1..16 heads is padded to 16 rows. The extra
-    # rows cost tensor-core time only, which decode (memory-bound) has to spare.
-    block_h = max(16, triton.next_power_of_2(group))
+    # NOTE: tl.dot needs M >= 16 on the GPU; the query heads of a program's KV heads are padded to 16
+    # rows. The extra rows cost tensor-core time only, which decode (memory-bound) has to spare.
+    block_r = max(16, triton.next_power_of_2(group * hpp))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if prefix is not None and prefix.req_info.shape[0] < batch:
         raise ValueError(f"req_info has {prefix.req_info.shape[0]} rows for a batch of {batch}")
@@ -323,7 +330,7 @@ def decode_attention(
     # NOTE: no programmatic launch with a shared prefix: stage 2 then also waits for the prefix kernel on
     # another stream (`before_merge`), a dependency PDL's same-stream handshake does not cover.
     pdl = pdl_launch_args(q.device) if prefix is None else {"USE_PDL": False}
-    _decode_stage1_kernel[(num_kv_heads, batch, split_cap)](
+    _decode_stage1_kernel[(num_kv_heads // hpp, batch, split_cap)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, req_info,
         partial_o, partial_lse, out,
         sm_scale * _LOG2E, split_cap,
@@ -333,7 +340,7 @@ def decode_attention(
         partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+        GROUP=group, HPP=hpp, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r,
         BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=precision,
         HAS_PREFIX=prefix is not None, DIRECT_OUT=direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,

@@ -8,7 +8,6 @@ choice depends on the batch size only, so a captured CUDA graph stays valid for 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -33,16 +32,34 @@ class DecodeConfig:
     # Stage 2 with one program per (request, head) instead of per request: a small batch has too few
     # requests to spread the merge over (batch 1: one program, looping over its splits).
     merge_per_head: bool = False
+    # KV heads one stage-1 program reads side by side (a power of two; fewer where the model's KV heads
+    # are not a multiple). Their query heads fill the tile rows, which a single GQA group of 4 pads to 16
+    # anyway, so 2 heads cost no extra tensor-core work, and each token's K/V read is one contiguous run
+    # of 2 x head_dim elements with half the slot-index loads. Measured on an H200 (8B heads, us per
+    # layer, 1 -> 2 heads): batch 64 x 770 60.2 -> 58.8, 256 x 576 159.8 -> 145.3, 512 x 700 363.2 ->
+    # 340.3, 32 x 4,096 153.1 -> 135.6; batch 1 x 576 6.3 -> 6.8 (half the programs), so small batches keep 1.
+    kv_heads_per_program: int = 1
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
         if min(self.max_kv_splits, self.min_split_len, self.target_programs, self.min_splits) < 1:
             raise ValueError("max_kv_splits, min_split_len, target_programs and min_splits must be >= 1")
+        hpp = self.kv_heads_per_program
+        if hpp < 1 or hpp & (hpp - 1):
+            raise ValueError(f"kv_heads_per_program must be a power of two >= 1, got {hpp}")
+
+    def heads_per_program(self, num_kv_heads: int) -> int:
+        """KV heads one stage-1 program takes: kv_heads_per_program, halved until it divides the model's."""
+        hpp = self.kv_heads_per_program
+        while num_kv_heads % hpp:
+            hpp //= 2
+        return hpp
 
     def split_cap(self, batch_size: int, num_kv_heads: int) -> int:
         """Most splits a request of this batch may use: enough programs to fill the GPU, no more."""
-        want = -(-self.target_programs // max(1, batch_size * num_kv_heads))
+        programs_per_split = batch_size * (num_kv_heads // self.heads_per_program(num_kv_heads))
+        want = -(-self.target_programs // max(1, programs_per_split))
         return max(1, min(self.max_kv_splits, max(want, self.min_splits)))
 
 
@@ -50,38 +67,32 @@ class DecodeConfig:
 class DecodePolicy:
     """The DecodeConfig each decode batch size runs with: a batch of a few requests is latency-bound
     (its merge must be spread over heads: a program per request would loop over its splits alone), a
-    large one bandwidth-bound (enough splits to even out the waves, one merge program per request).
+    large one bandwidth-bound (programs reading two KV heads, one merge program per request).
     The choice depends on the batch size only, so a captured CUDA graph keeps its kernels right for
     any sequence lengths. The boundary (32) is where batch x heads merge programs stop being cheaper
-    than batch programs looping over ~3 splits each. `huge` (optional) serves batches above
-    `large_max_batch`."""
+    than batch programs looping over ~3 splits each."""
 
     small: DecodeConfig
     large: DecodeConfig
     small_max_batch: int = 32
-    huge: Optional[DecodeConfig] = None
-    large_max_batch: int = 256
 
     def for_batch(self, batch_size: int) -> DecodeConfig:
-        if batch_size <= self.small_max_batch:
-            return self.small
-        if self.huge is not None and batch_size > self.large_max_batch:
-            return self.huge
-        return self.large
+        return self.small if batch_size <= self.small_max_batch else self.large
 
 
 def default_decode_policy(num_sms: int) -> DecodePolicy:
-    # NOTE: from benchmarks/sweep_decode_attention.py on an H200 (8B heads, bf16, us per layer, old
-    # single default -> large): batch 64 x 770 60.0 -> 60.0, batch 256 x 576 195.9 -> 161.3, batch
-    # 256 x 2,000 666 -> 518, batch 512 x 700 411 -> 384. Small batches keep the tiles they had (the
-    # session-2 sweep's defaults, measured in the full step: 8B batch 1 4.77 ms) and the per-head merge.
-    # Above 256 requests (the offline run's first few hundred steps), 64-token KV tiles with 3 stages
-    # (sweep_decode_attention.py --launch): batch 512 x 700 367.2 -> 357.5 us; at 256 x 576 they are
-    # 0.5% slower (158.5 against 157.7), at 64 x 770 and 1 x 576 the policy's tiles stay the best.
+    # NOTE: from benchmarks/sweep_decode_attention.py on an H200 (8B heads, bf16, us per layer). Small
+    # batches keep the session-2 sweep's tiles (measured in the full step: 8B batch 1 4.77 ms) and the
+    # per-head merge. Above 32 requests a program reads two KV heads (sweep_decode_attention.py --pack:
+    # heads per program x block_n x warps x stages x target programs; the best for every case was 2 heads,
+    # 32-token tiles, 4 warps, 3 stages, ~2 programs per SM): batch 64 x 770 60.2 -> 58.8, 64 x 1,000
+    # 72.7 -> 70.8, 256 x 576 159.8 -> 145.3, 512 x 700 363.2 -> 340.3. With half the programs per
+    # request, one split per request already fills the GPU from batch ~66 on: the earlier floor of two
+    # splits (a fix for the wave quantization of 4,096 one-head programs at batch 512) and the separate
+    # tier above 256 requests (64-token tiles, 357.5 us there) are no longer needed.
     return DecodePolicy(
         small=DecodeConfig(target_programs=4 * num_sms, merge_per_head=True),
-        large=DecodeConfig(target_programs=4 * num_sms, min_splits=2),
-        huge=DecodeConfig(target_programs=4 * num_sms, min_splits=2, block_n=64, num_stages=3))
+        large=DecodeConfig(target_programs=2 * num_sms, kv_heads_per_program=2, num_stages=3))
 
 
 def decode_scratch_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
