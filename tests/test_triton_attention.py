@@ -259,12 +259,15 @@ def test_kv_heads_per_program_divides_the_model_heads_and_sets_the_split_cap():
 
 def test_default_decode_policy_picks_tiles_by_batch_size():
     policy = default_decode_policy(132)
-    small, large = policy.for_batch(1), policy.for_batch(256)
-    assert policy.for_batch(32) is small and policy.for_batch(33) is large and policy.for_batch(1000) is large
-    assert small.merge_per_head and not large.merge_per_head  # a batch of one merges over its 32 heads
+    tiny, small, large = policy.for_batch(1), policy.for_batch(8), policy.for_batch(256)
+    assert policy.for_batch(4) is tiny and policy.for_batch(5) is small and policy.for_batch(32) is small
+    assert policy.for_batch(33) is large and policy.for_batch(1000) is large
+    assert tiny.merge_per_head and small.merge_per_head and not large.merge_per_head  # batch 1: 32 head merges
+    assert (tiny.num_stages, small.num_stages, large.num_stages) == (2, 3, 3)
     assert (small.kv_heads_per_program, large.kv_heads_per_program) == (1, 2)
-    assert large.split_cap(64, 8) == 2 and large.split_cap(512, 8) == 1 and small.split_cap(1, 8) == 64
-    assert DecodePolicy(small, large, small_max_batch=8).for_batch(9) is large
+    assert large.split_cap(64, 8) == 2 and large.split_cap(512, 8) == 1 and tiny.split_cap(1, 8) == 64
+    uniform = DecodePolicy.uniform(small)
+    assert uniform.for_batch(1) is small and uniform.for_batch(4096) is small
     # The backend's default follows the policy; an explicit config serves every batch size.
     backend = TritonAttnBackend(_runner("cpu"))
     assert backend.decode_policy.for_batch(300).kv_heads_per_program == 2

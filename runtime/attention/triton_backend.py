@@ -83,7 +83,7 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"the triton attention backend needs a CUDA device, not {self.device.type!r} "
                              "(use attention_backend='torch_native'; TRITON_INTERPRET=1 runs it slowly on CPU)")
         # An explicit config (tests, sweeps) serves every batch size; the default picks by batch size.
-        self.decode_policy = (DecodePolicy(decode_config, decode_config) if decode_config is not None
+        self.decode_policy = (DecodePolicy.uniform(decode_config) if decode_config is not None
                               else default_decode_policy(_num_sms(self.device)))
         self.extend_config = extend_config  # None: picked per head_dim by the kernel module
         self.head_shape = _read_head_shape(model_runner)

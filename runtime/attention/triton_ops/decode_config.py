@@ -7,6 +7,7 @@ choice depends on the batch size only, so a captured CUDA graph stays valid for 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -69,30 +70,46 @@ class DecodePolicy:
     (its merge must be spread over heads: a program per request would loop over its splits alone), a
     large one bandwidth-bound (programs reading two KV heads, one merge program per request).
     The choice depends on the batch size only, so a captured CUDA graph keeps its kernels right for
-    any sequence lengths. The boundary (32) is where batch x heads merge programs stop being cheaper
-    than batch programs looping over ~3 splits each."""
+    any sequence lengths.
 
-    small: DecodeConfig
-    large: DecodeConfig
-    small_max_batch: int = 32
+    `tiers` are (largest batch size, config) pairs in ascending order; `largest` serves every batch
+    above the last tier."""
+
+    tiers: tuple[tuple[int, DecodeConfig], ...]
+    largest: DecodeConfig
+
+    @classmethod
+    def uniform(cls, cfg: DecodeConfig) -> "DecodePolicy":
+        """One config for every batch size (tests, sweeps)."""
+        return cls((), cfg)
 
     def for_batch(self, batch_size: int) -> DecodeConfig:
-        return self.small if batch_size <= self.small_max_batch else self.large
+        for max_batch, cfg in self.tiers:
+            if batch_size <= max_batch:
+                return cfg
+        return self.largest
 
 
 def default_decode_policy(num_sms: int) -> DecodePolicy:
-    # NOTE: from benchmarks/sweep_decode_attention.py on an H200 (8B heads, bf16, us per layer). Small
-    # batches keep the session-2 sweep's tiles (measured in the full step: 8B batch 1 4.77 ms) and the
-    # per-head merge. Above 32 requests a program reads two KV heads (sweep_decode_attention.py --pack:
-    # heads per program x block_n x warps x stages x target programs; the best for every case was 2 heads,
-    # 32-token tiles, 4 warps, 3 stages, ~2 programs per SM): batch 64 x 770 60.2 -> 58.8, 64 x 1,000
-    # 72.7 -> 70.8, 256 x 576 159.8 -> 145.3, 512 x 700 363.2 -> 340.3. With half the programs per
-    # request, one split per request already fills the GPU from batch ~66 on: the earlier floor of two
-    # splits (a fix for the wave quantization of 4,096 one-head programs at batch 512) and the separate
-    # tier above 256 requests (64-token tiles, 357.5 us there) are no longer needed.
+    # NOTE: from benchmarks/sweep_decode_attention.py on an H200 (8B heads, bf16, us per layer).
+    # - Up to 32 requests, one KV head a program and the per-head merge (the session-2 sweep's tiles,
+    #   measured in the full step: 8B batch 1 4.77 ms). The boundary (32) is where batch x heads merge
+    #   programs stop being cheaper than batch programs looping over ~3 splits each.
+    # - Up to 4 requests, 2 pipeline stages; from 5 to 32, 3 (--pack and a stages A/B, us per layer,
+    #   2 -> 3 stages): 1 x 576 6.2 -> 6.3, 1 x 4,096 9.7 -> 10.1, 4 x 1,000 10.3 -> 10.9; 8 x 576 10.0
+    #   either way, 8 x 2,000 29.1 -> 25.0, 32 x 576 30.9 -> 28.4, 16 x 2,000 48.3 -> 40.7, 32 x 4,096
+    #   151.6 -> 130.9. (Two heads a program lost here: batch 1 x 576 6.3 -> 6.8, and no case gained.)
+    # - Above 32 requests a program reads two KV heads (--pack: heads per program x block_n x warps x
+    #   stages x target programs; the best for every case was 2 heads, 32-token tiles, 4 warps, 3 stages,
+    #   ~2 programs per SM): batch 64 x 770 60.2 -> 58.8, 64 x 1,000 72.7 -> 70.8, 256 x 576 159.8 ->
+    #   145.3, 512 x 700 363.2 -> 340.3. With half the programs per request, one split per request
+    #   already fills the GPU from batch ~66 on: the earlier floor of two splits (a fix for the wave
+    #   quantization of 4,096 one-head programs at batch 512) and the separate tier above 256 requests
+    #   (64-token tiles, 357.5 us there) are no longer needed.
+    latency = DecodeConfig(target_programs=4 * num_sms, merge_per_head=True)
     return DecodePolicy(
-        small=DecodeConfig(target_programs=4 * num_sms, merge_per_head=True),
-        large=DecodeConfig(target_programs=2 * num_sms, kv_heads_per_program=2, num_stages=3))
+        tiers=((4, latency), (32, dataclasses.replace(latency, num_stages=3))),
+        largest=DecodeConfig(target_programs=2 * num_sms, kv_heads_per_program=2, num_stages=3))
 
 
 def decode_scratch_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
