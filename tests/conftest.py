@@ -77,6 +77,31 @@ def make_random_model(folder: str, arch: str, seed: int = 0) -> str:
     return folder
 
 
+def tiny_llama_model(arch: str, dtype=torch.float16, device="cpu", scale=0.3, **shape):
+    """plait's own LlamaForCausalLM (any of its architectures) at a tiny shape (overridable by keyword),
+    random weights: norms ~1, the rest N(0, scale). Built as model_loader builds it (default dtype and
+    device set), so the rotary caches stay float32."""
+    from plait.runtime.model_config import ModelConfig
+    from plait.runtime.models.llama import LlamaForCausalLM
+
+    dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=128) | shape
+    cfg = ModelConfig(architecture=arch, qk_norm=arch == "Qwen3ForCausalLM", attention_bias=arch == "Qwen2ForCausalLM",
+                      tie_word_embeddings=arch == "Qwen2ForCausalLM", **dims)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, max_position=64)
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if "norm" in name else scale)
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def random_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("random_models")

@@ -13,6 +13,8 @@ from plait.runtime.model_config import ModelConfig
 from plait.runtime.models.layers import rms_norm_torch, set_use_triton
 from plait.runtime.models.llama import LlamaForCausalLM
 
+from conftest import tiny_llama_model
+
 torch.set_num_threads(1)
 
 
@@ -30,25 +32,6 @@ class _CausalAttention:
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                            is_causal=True, scale=spec.scaling)  # (H, T, D)
         return o.transpose(0, 1).reshape(q.shape[0], -1)
-
-
-def _tiny_model(arch: str, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    cfg = ModelConfig(architecture=arch, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-                      qk_norm=arch == "Qwen3ForCausalLM")
-    torch.manual_seed(0)
-    # Built like model_loader does (default dtype + device), so the rotary caches stay float32.
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_position=256)
-    finally:
-        torch.set_default_dtype(old)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if "norm" in name else 0.3)
-    return model.eval()
 
 
 def _hidden_both_ways(model, device):
@@ -70,7 +53,7 @@ def _hidden_both_ways(model, device):
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_decoder_forward_fused_equals_torch(arch):
     # Every norm (with the in-place residual chain), rotary and activation of a real decoder stack.
-    model = _tiny_model(arch, torch.float32, "cpu")
+    model = tiny_llama_model(arch, torch.float32, "cpu")
     fused, ref = _hidden_both_ways(model, "cpu")
     assert torch.allclose(fused, ref, rtol=1e-5, atol=1e-5), (fused - ref).abs().max()
 
@@ -90,6 +73,6 @@ def test_model_without_layers_is_the_normed_embedding():
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_gpu_decoder_forward_fused_close_to_torch(arch):
-    model = _tiny_model(arch, torch.bfloat16, "cuda")
+    model = tiny_llama_model(arch, torch.bfloat16, "cuda")
     fused, ref = _hidden_both_ways(model, "cuda")
     assert torch.allclose(fused.float(), ref.float(), rtol=0.05, atol=0.05)

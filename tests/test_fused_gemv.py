@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from plait.runtime.memory_pool import KVPool
-from plait.runtime.model_config import ModelConfig
 from plait.runtime.models import layers
 from plait.runtime.models.layers import rms_norm_torch, set_use_triton, silu_and_mul_torch
 from plait.runtime.models.llama import LlamaForCausalLM
+
+from conftest import tiny_llama_model
 
 torch.set_num_threads(1)
 
@@ -167,25 +168,6 @@ class _OneTokenAttention:
         return v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1).reshape(1, -1)
 
 
-def _tiny_model(arch: str, dtype=torch.float16, device="cpu", scale=0.3, **shape) -> LlamaForCausalLM:
-    dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=128) | shape
-    cfg = ModelConfig(architecture=arch, qk_norm=arch == "Qwen3ForCausalLM", attention_bias=arch == "Qwen2ForCausalLM",
-                      tie_word_embeddings=arch == "Qwen2ForCausalLM", **dims)
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # as model_loader builds it: the rotary caches stay float32
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_position=64)
-    finally:
-        torch.set_default_dtype(old)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if "norm" in name else scale)
-    return model.eval()
-
-
 def _one_token_batch(model: LlamaForCausalLM, device="cpu"):
     cfg = model.config
     pool = KVPool(8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
@@ -216,7 +198,7 @@ def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch):
     # reference path (which the CPU uses, and which tests/test_correctness_vs_hf.py pins to transformers).
     monkeypatch.setattr(layers, "FUSED_DECODE_ROW", True)  # opt-in path (PLAIT_FUSED_DECODE_ROW=1)
     monkeypatch.setattr(layers, "FUSE_NORM_INTO_GATE_UP", fuse_gate_up)
-    model = _tiny_model(arch)
+    model = tiny_llama_model(arch)
     cfg = model.config
     ids, positions, fb = _one_token_batch(model)
     calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row"])
@@ -258,7 +240,7 @@ def test_default_decode_step_is_the_unfused_path(monkeypatch):
     assert layers.FUSED_DECODE_ROW == layers.fused_decode_row_switch(os.environ)  # how the module reads it
     assert layers.FUSE_NORM_INTO_GATE_UP is False  # on the fused path, gate_up's norm apart measured faster
     monkeypatch.setattr(layers, "FUSED_DECODE_ROW", layers.fused_decode_row_switch({}))
-    model = _tiny_model("LlamaForCausalLM")
+    model = tiny_llama_model("LlamaForCausalLM")
     ids, positions, fb = _one_token_batch(model)
     calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row", "fused_add_rmsnorm"])
     with torch.no_grad():
@@ -380,7 +362,7 @@ def test_gpu_fused_chain_in_cuda_graph_pdl(pdl, monkeypatch):
 @gpu
 def test_gpu_decoder_one_row_path_8b_layer_shapes(monkeypatch):
     # Two layers of the 8B shape in bf16: the fused one-row path against the torch path on the GPU.
-    model = _tiny_model("LlamaForCausalLM", torch.bfloat16, "cuda", scale=0.02, hidden_size=4096,
+    model = tiny_llama_model("LlamaForCausalLM", torch.bfloat16, "cuda", scale=0.02, hidden_size=4096,
                         intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                         vocab_size=128256)
     ids, positions, fb = _one_token_batch(model, "cuda")
