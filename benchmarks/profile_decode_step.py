@@ -66,33 +66,58 @@ def main() -> None:
         graph_ms.append(s.elapsed_time(e))
     graph = statistics.median(graph_ms[3:])
 
-    # 2) eager steps under the profiler: GPU time per kernel name.
+    # 2) steps under the profiler, eager and then as graph replays (CUPTI reports a replayed graph's
+    # kernels one by one): GPU time per kernel name, and the device span from a step's first kernel to
+    # its last, which the event-timed step above exceeds by the host's preparation of the step.
     runner, mr.graph_runner = mr.graph_runner, None
-    for _ in range(2):
-        decode_step()
-    torch.cuda.synchronize()
+    eager_rows, eager_total, _ = profile_kernels(decode_step, args.steps)
+    mr.graph_runner = runner
+    graph_rows, graph_total, graph_span = profile_kernels(decode_step, args.steps)
+    kernels_per_step = sum(c for _, _, c in eager_rows)
+    print(f"{args.model} bs={bs} ctx={ctx}: event-timed graph step {graph:.3f} ms; graph replay: kernels "
+          f"{graph_total / 1e3:.3f} ms over a {graph_span / 1e3:.3f} ms device span; eager kernels sum "
+          f"{eager_total / 1e3:.3f} ms in {kernels_per_step} kernels/step")
+    graph_by_name = {name: us for name, us, _ in graph_rows}
+    print(f"  {'eager':>9} {'graph':>9} us/step  calls  name")
+    for name, us, count in eager_rows[:22]:
+        print(f"  {us:9.1f} {graph_by_name.get(name, 0.0):9.1f}          {count:4d}x  {name}")
+    save(f"profile_decode_{args.model}_bs{bs}", {
+        "graph_step_ms": graph, "graph_kernel_sum_ms": graph_total / 1e3, "graph_span_ms": graph_span / 1e3,
+        "kernel_sum_ms": eager_total / 1e3, "kernels": eager_rows, "graph_kernels": graph_rows})
+
+
+def profile_kernels(step, steps: int):
+    """([(kernel name, us per step, calls per step)], kernel us per step, mean device span of a step in us)."""
     from torch.profiler import ProfilerActivity, profile
 
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    spans = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            decode_step()
-        torch.cuda.synchronize()
-    mr.graph_runner = runner
+        for _ in range(steps):
+            step()
+            torch.cuda.synchronize()  # steps apart, so each one's span can be told from the next
     per_name = collections.defaultdict(lambda: [0.0, 0])
+    kernels = []
     for ev in prof.events():
         us = ev.time_range.elapsed_us()
         if ev.device_type == torch.autograd.DeviceType.CUDA and us > 0:
             rec = per_name[ev.name[:90]]
-            rec[0] += us / args.steps  # us per step
+            rec[0] += us / steps
             rec[1] += 1
-    total = sum(v[0] for v in per_name.values())
-    rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
-    print(f"{args.model} bs={bs} ctx={ctx}: graph step {graph:.3f} ms; eager kernels sum {total / 1e3:.3f} ms "
-          f"in {sum(v[1] for v in per_name.values()) // args.steps} kernels/step")
-    for name, (us, count) in rows[:22]:
-        print(f"  {us:9.1f} us/step  {count // args.steps:4d}x  {us / max(1, count // args.steps):7.2f} us each  {name}")
-    save(f"profile_decode_{args.model}_bs{bs}", {"graph_step_ms": graph, "kernel_sum_ms": total / 1e3,
-                                                "kernels": [(n, us, c // args.steps) for n, (us, c) in rows]})
+            kernels.append((ev.time_range.start, ev.time_range.end))
+    kernels.sort()
+    # a gap longer than 1 ms between kernels is the host synchronizing between two steps
+    start, end = kernels[0]
+    for s, e in kernels[1:]:
+        if s - end > 1000:
+            spans.append(end - start)
+            start = s
+        end = max(end, e)
+    spans.append(end - start)
+    rows = sorted(((n, us, c // steps) for n, (us, c) in per_name.items()), key=lambda r: -r[1])
+    return rows, sum(r[1] for r in rows), statistics.median(spans)
 
 
 if __name__ == "__main__":
