@@ -33,21 +33,33 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--ragged", type=float, default=0.0, metavar="SPREAD",
+                    help="contexts drawn uniformly from context x [1 - SPREAD, 1 + SPREAD] (same mean)")
+    ap.add_argument("--scatter", action="store_true",
+                    help="kv slots in random order, as a long-running pool's free list hands them out, "
+                         "instead of one contiguous run per request")
     args = ap.parse_args()
     bs, ctx = args.batch_size, args.context
-    sa = ServerArgs(model_path=args.model, load_format="dummy", max_total_tokens=bs * (ctx + 64) + 64,
-                    max_running_requests=bs, cuda_graph_max_bs=bs, context_length=ctx + 80)
-    mr = ModelRunner(sa, args.model)
     gen = torch.Generator().manual_seed(0)
+    spread = int(ctx * args.ragged)
+    lens = (torch.randint(ctx - spread, ctx + spread + 1, (bs,), generator=gen).tolist() if spread
+            else [ctx] * bs)
+    longest = max(lens)
+    sa = ServerArgs(model_path=args.model, load_format="dummy", max_total_tokens=sum(lens) + 64 * bs + 64,
+                    max_running_requests=bs, cuda_graph_max_bs=bs, context_length=longest + 80)
+    mr = ModelRunner(sa, args.model)
     reqs = []
     for i in range(bs):
-        r = Req(f"r{i}", torch.randint(100, 30000, (ctx,), generator=gen).tolist(),
+        r = Req(f"r{i}", torch.randint(100, 30000, (lens[i],), generator=gen).tolist(),
                 SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True))
         r.req_pool_idx = mr.req_to_token_pool.alloc()
         reqs.append(r)
-    out = mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [ctx] * bs, mr.allocator.alloc(bs * ctx)))
-    for r, tok in zip(reqs, out.next_token_ids):
-        r.output_ids, r.kv_len = [tok], ctx
+    slots = mr.allocator.alloc(sum(lens))
+    if args.scatter:
+        slots = slots[torch.randperm(slots.numel(), generator=gen)]
+    out = mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, lens, slots))
+    for r, n, tok in zip(reqs, lens, out.next_token_ids):
+        r.output_ids, r.kv_len = [tok], n
 
     def decode_step():
         o = mr.run(ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(bs)))
@@ -74,7 +86,8 @@ def main() -> None:
     mr.graph_runner = runner
     graph_rows, graph_total, graph_span = profile_kernels(decode_step, args.steps)
     kernels_per_step = sum(c for _, _, c in eager_rows)
-    print(f"{args.model} bs={bs} ctx={ctx}: event-timed graph step {graph:.3f} ms; graph replay: kernels "
+    layout = f"{'ragged +-' + str(spread) if spread else 'uniform'}, {'scattered' if args.scatter else 'contiguous'}"
+    print(f"{args.model} bs={bs} ctx={ctx} ({layout}): event-timed graph step {graph:.3f} ms; graph replay: kernels "
           f"{graph_total / 1e3:.3f} ms over a {graph_span / 1e3:.3f} ms device span; eager kernels sum "
           f"{eager_total / 1e3:.3f} ms in {kernels_per_step} kernels/step")
     graph_by_name = {name: us for name, us, _ in graph_rows}
