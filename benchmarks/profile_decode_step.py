@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--scatter", action="store_true",
                     help="kv slots in random order, as a long-running pool's free list hands them out, "
                          "instead of one contiguous run per request")
+    ap.add_argument("--trace", default=None, help="write the graph replays' Chrome trace (kernel timeline) here")
     args = ap.parse_args()
     bs, ctx = args.batch_size, args.context
     gen = torch.Generator().manual_seed(0)
@@ -84,7 +85,7 @@ def main() -> None:
     runner, mr.graph_runner = mr.graph_runner, None
     eager_rows, eager_total, _ = profile_kernels(decode_step, args.steps)
     mr.graph_runner = runner
-    graph_rows, graph_total, graph_span = profile_kernels(decode_step, args.steps)
+    graph_rows, graph_total, graph_span = profile_kernels(decode_step, args.steps, args.trace)
     kernels_per_step = sum(c for _, _, c in eager_rows)
     layout = f"{'ragged +-' + str(spread) if spread else 'uniform'}, {'scattered' if args.scatter else 'contiguous'}"
     print(f"{args.model} bs={bs} ctx={ctx} ({layout}): event-timed graph step {graph:.3f} ms; graph replay: kernels "
@@ -99,7 +100,7 @@ def main() -> None:
         "kernel_sum_ms": eager_total / 1e3, "kernels": eager_rows, "graph_kernels": graph_rows})
 
 
-def profile_kernels(step, steps: int):
+def profile_kernels(step, steps: int, trace_path=None):
     """([(kernel name, us per step, calls per step)], kernel us per step, mean device span of a step in us)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,6 +112,8 @@ def profile_kernels(step, steps: int):
         for _ in range(steps):
             step()
             torch.cuda.synchronize()  # steps apart, so each one's span can be told from the next
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
     per_name = collections.defaultdict(lambda: [0.0, 0])
     kernels = []
     for ev in prof.events():
