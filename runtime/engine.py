@@ -338,8 +338,10 @@ class Engine:
         self._cleanup_process()
 
     def _cleanup_process(self) -> None:
+        # A scheduler asked for a kernel trace (PLAIT_SCHEDULER_TRACE) writes it at shutdown: give it time.
+        patience = 300 if os.environ.get("PLAIT_SCHEDULER_TRACE") else 10
         try:
-            self._proc.wait(timeout=10)
+            self._proc.wait(timeout=patience)
         except subprocess.TimeoutExpired:
             self._proc.terminate()
             try:

@@ -77,6 +77,17 @@ def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str
             profiler.disable()
             profiler.dump_stats(profile_path)
         return
+    trace_path = os.environ.get("PLAIT_SCHEDULER_TRACE")
+    if trace_path:  # diagnosing device time: every CUDA kernel and copy of the run, as a Chrome trace at shutdown
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            try:
+                _serve(scheduler, poller, recv, send)
+            finally:
+                torch.cuda.synchronize()
+        prof.export_chrome_trace(trace_path)
+        return
     _serve(scheduler, poller, recv, send)
 
 
