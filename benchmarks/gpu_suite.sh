@@ -2,6 +2,7 @@
 # The GPU checks and benchmarks of issue 7, in the order they are run on the device machine.
 #   bash benchmarks/gpu_suite.sh tests|profile|sweeps|cascade|one_batch|offline|rounds|serving ...
 # OFFLINE_ARGS / ROUNDS_ARGS add flags to those steps (e.g. ROUNDS_ARGS=--skip-off, OFFLINE_ARGS="--skip-transformers").
+# SERVING_MODEL / SERVING_RATES / SERVING_PROMPTS pick the serving step's shape, request rates and prompt count.
 # Packages missing on that machine (pyzmq, fastapi, ...) travel as wheels in .whl/ (see the device
 # README); the shared workload file travels in .shared/bench/. Results land in $OUT (else benchmarks/out).
 # To run exactly a commit (helpers' uncommitted edits travel with the working tree otherwise):
@@ -52,17 +53,18 @@ for step in "$@"; do
       timeout 280 python3 benchmarks/bench_rounds.py --model llama-3.1-8b ${ROUNDS_ARGS:-} 2>&1 | tee "$OUT/bench_rounds.log" \
         | grep -E "^cache|^stream|^fewshot|^multiturn|^tree|^target|^saved|Error|error" ;;
     serving)
-      python3 -m plait.runtime.server --model-path llama-3.2-1b --load-format dummy --port 30123 \
+      model=${SERVING_MODEL:-llama-3.2-1b}
+      python3 -m plait.runtime.server --model-path $model --load-format dummy --port 30123 \
         > "$OUT/server.log" 2>&1 &
       srv=$!
       for i in $(seq 1 180); do curl -sf localhost:30123/health >/dev/null && break; sleep 1; done
-      for rate in 16 64 inf; do
+      for rate in ${SERVING_RATES:-16 64 inf}; do
         # Each rate starts cold: the prompts repeat across rates (one seed), so a warm radix cache would
         # turn later rates' prefills into hits.
         curl -sf -X POST localhost:30123/flush_cache >/dev/null || echo "flush_cache failed"
         timeout 200 python3 benchmarks/bench_serving.py --port 30123 --backend plait --dataset random \
-          --num-prompts 400 --random-input-len 512 --random-output-len 128 --request-rate $rate \
-          --vocab-size 30000 --output-file "$OUT/bench_serving_gpu_rate_$rate.json" --tag "H200 llama-3.2-1b dummy" 2>&1 \
+          --num-prompts ${SERVING_PROMPTS:-400} --random-input-len 512 --random-output-len 128 --request-rate $rate \
+          --vocab-size 30000 --output-file "$OUT/bench_serving_gpu_${model}_rate_$rate.json" --tag "H200 $model dummy" 2>&1 \
           | grep -vE "^\s*$" | tail -12
       done
       kill $srv ;;
