@@ -85,7 +85,8 @@ def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str
             try:
                 _serve(scheduler, poller, recv, send)
             finally:
-                torch.cuda.synchronize()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
         prof.export_chrome_trace(trace_path)
         return
     _serve(scheduler, poller, recv, send)
