@@ -14,13 +14,7 @@ import re
 from typing import Any, Optional
 
 from .base import ANY_JSON, BACKEND_NAMES, check_key
-
-try:  # Python >= 3.11 keeps the parser here; it is the only way to see a regex's structure.
-    import re._parser as _sre_parse  # type: ignore[import-not-found]
-    from re import _constants as _sre_const  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - Python 3.10
-    import sre_constants as _sre_const  # type: ignore[no-redef]
-    import sre_parse as _sre_parse  # type: ignore[no-redef]
+from .regex_canonical import canonical_regex
 
 
 def validate_constraint(kind: str, text: str, backend_name: str = "xgrammar") -> list[str]:
@@ -65,67 +59,12 @@ def parse_json_schema(text: str) -> Optional[Any]:
 
 
 # ---- regex ----
-_UNSUPPORTED_REGEX_NODES = {
-    "ASSERT": "a lookahead/lookbehind assertion",
-    "ASSERT_NOT": "a negative lookahead/lookbehind assertion",
-    "GROUPREF": "a backreference",
-    "GROUPREF_EXISTS": "a conditional group",
-    "ATOMIC_GROUP": "an atomic group",
-    "POSSESSIVE_REPEAT": "a possessive quantifier",
-}
-
-
 def normalize_regex(pattern: str) -> str:
-    """Check a regex and return it without a leading `^` / trailing `$` (output is always a fullmatch).
+    """The regex a backend should enforce for a user's Python regex (always a full match).
 
-    Raises ValueError for syntax errors and for constructs no finite-automaton backend can
-    enforce (lookaround, backreferences, conditionals, anchors or word boundaries mid-pattern)."""
-    try:
-        parsed = _sre_parse.parse(pattern)
-    except re.error as e:
-        raise ValueError(f"regex {_short(pattern)} is invalid: {e}") from None
-    items = list(parsed)
-    start = 1 if items and _is_anchor(items[0], "AT_BEGINNING") else 0
-    end = len(items) - 1 if len(items) > start and _is_anchor(items[-1], "AT_END") else len(items)
-    _check_nodes(items[start:end], pattern)
-    stripped = pattern
-    if start:
-        stripped = stripped[1:]
-    if end < len(items):
-        stripped = stripped[:-1]
-    return stripped
-
-
-def _is_anchor(item: Any, name: str) -> bool:
-    op, arg = item
-    return str(op) == "AT" and str(arg) == name
-
-
-def _check_nodes(items: Any, pattern: str) -> None:
-    for op, arg in items:
-        op_name = str(op)
-        if op_name in _UNSUPPORTED_REGEX_NODES:
-            raise ValueError(f"regex {_short(pattern)} uses {_UNSUPPORTED_REGEX_NODES[op_name]}, "
-                             "which constrained decoding cannot enforce")
-        if op_name == "AT":
-            raise ValueError(f"regex {_short(pattern)} uses an anchor or word boundary ({arg}) inside "
-                             "the pattern; only a leading ^ and a trailing $ are allowed")
-        for child in _children(op_name, arg):
-            _check_nodes(child, pattern)
-
-
-def _children(op_name: str, arg: Any) -> list:
-    if op_name == "SUBPATTERN":
-        return [arg[-1]]
-    if op_name in ("MAX_REPEAT", "MIN_REPEAT"):
-        return [arg[2]]
-    if op_name == "BRANCH":
-        return list(arg[1])
-    return []
-
-
-def _short(text: str, limit: int = 60) -> str:
-    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
+    See regex_canonical.py: the pattern is re-spelled in a dialect both backends read as Python
+    does; ValueError for syntax errors and constructs no finite automaton can enforce."""
+    return canonical_regex(pattern)
 
 
 def clean_backend_error(exc: BaseException) -> str:

@@ -1,0 +1,63 @@
+"""Regressions from the constraint trial: schemas, regexes and grammars a user brings (real model).
+
+Each test pins a failure found by running user-style constraints through `Engine.generate` on the
+default model (SmolLM2-135M-Instruct, greedy): outputs are checked the way a user checks them
+(`re.fullmatch`, `jsonschema` Draft 2020-12), and bad input must raise a clear ValueError while
+the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from plait.runtime import Engine
+
+
+@pytest.fixture(scope="module")
+def eng():
+    with Engine(num_threads=1, max_total_tokens=4096) as engine:
+        yield engine
+
+
+def chat(eng, text: str) -> str:
+    return eng.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
+
+def greedy(max_new_tokens: int, **constraint) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, **constraint}
+
+
+def still_serving(eng) -> bool:
+    return eng.generate("Hi", greedy(2))["meta_info"]["completion_tokens"] == 2
+
+
+# ---- regexes: Python semantics, whatever the backend's own dialect ----
+def test_regex_dot_never_matches_a_newline(eng):
+    """xgrammar's `.` matched "\\n"; the model wrote 'Answer: \\nA helpful...' (no re.fullmatch)."""
+    pattern = r"Answer: .{1,20}"
+    out = eng.generate(chat(eng, f"Answer in the format {pattern}: give an example."),
+                       greedy(32, regex=pattern))
+    assert re.fullmatch(pattern, out["text"]), out["text"]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_regex_named_groups_inline_flags_and_open_lower_bound(eng):
+    """xgrammar refused `(?P<name>...)`, `(?i:...)` and `{,n}` ('Group modifier flag is not supported')."""
+    cases = [(r"(?P<answer>(?i:yes|no))", "Is the sky blue? Answer YES or NO."),
+             (r"(?P<year>\d{4})-(?P<month>0[1-9]|1[0-2])", "Give a year and month like 2024-05."),
+             (r"[0-9]{,3} apples", "How many apples? Answer like '12 apples'.")]
+    outs = eng.generate([chat(eng, q) for _, q in cases], [greedy(12, regex=p) for p, _ in cases])
+    for out, (pattern, _) in zip(outs, cases):
+        assert re.fullmatch(pattern, out["text"]), (pattern, out["text"])
+
+
+def test_regex_posix_class_is_refused_clearly(eng):
+    """Python reads "[[:alpha:]]" as a set then ']' (and only warns); the backends read it otherwise."""
+    with pytest.raises(ValueError, match=re.escape("POSIX classes such as [[:alpha:]]")):
+        eng.generate("Hi", greedy(4, regex="[[:alpha:]]+"))
+    assert still_serving(eng)
