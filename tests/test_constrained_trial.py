@@ -61,3 +61,13 @@ def test_regex_posix_class_is_refused_clearly(eng):
     with pytest.raises(ValueError, match=re.escape("POSIX classes such as [[:alpha:]]")):
         eng.generate("Hi", greedy(4, regex="[[:alpha:]]+"))
     assert still_serving(eng)
+
+
+# ---- grammars that compile but accept nothing ----
+@pytest.mark.parametrize("ebnf", ["root ::= root", 'root ::= item\nitem ::= item "x"'])
+def test_grammar_with_an_empty_language_is_a_clear_error(eng, ebnf):
+    """Such a grammar compiled, then the request died at step one: "token 0 violates the grammar"."""
+    out = eng.generate("Hi", greedy(8, ebnf=ebnf))
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "matches no text at all" in reason["message"], reason
+    assert still_serving(eng)

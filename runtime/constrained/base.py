@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .bitmask import bitmask_width
 from .vocab import TokenizerVocab, build_tokenizer_vocab
 
 GRAMMAR_KINDS = ("json", "json_ws", "regex", "ebnf")
@@ -188,7 +189,9 @@ class GrammarBackend(ABC):
         """Compile on the calling thread, bypassing the cache and the timeout (tests, benchmarks)."""
         kind, text = check_key(key)
         warnings = self.validate(kind, text)
-        return self._compile(kind, text, warnings)
+        compiled = self._compile(kind, text, warnings)
+        _check_not_empty(compiled, self.vocab_size)
+        return compiled
 
     def get_or_compile(self, key: GrammarKey) -> "Future[CompiledGrammar]":
         """A future of the compiled grammar; cached by key, compiled on the thread pool."""
@@ -252,6 +255,20 @@ class GrammarBackend(ABC):
 
     def shutdown(self) -> None:
         self._pool.shutdown(self.num_threads)
+
+
+def _check_not_empty(compiled: CompiledGrammar, vocab_size: int) -> None:
+    """Raise ValueError if the grammar allows no first token, not even a stop token.
+
+    NOTE: such a grammar (e.g. EBNF `root ::= root`) compiles fine; without this check the
+    request would be aborted at its first step with "token 0 violates the request's grammar"."""
+    bitmask = torch.full((1, bitmask_width(vocab_size)), -1, dtype=torch.int32)  # (1, W), unpinned
+    compiled.new_matcher().fill_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        kind, text = compiled.key
+        snippet = text if len(text) <= 80 else text[:77] + "..."
+        raise GrammarCompileError(f"the {kind} constraint {snippet!r} matches no text at all (for "
+                                  "example a rule that only refers to itself)")
 
 
 def create_grammar_backend(name: str, tokenizer: Any, vocab_size: Optional[int] = None,
