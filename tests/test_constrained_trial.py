@@ -71,3 +71,46 @@ def test_grammar_with_an_empty_language_is_a_clear_error(eng, ebnf):
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "matches no text at all" in reason["message"], reason
     assert still_serving(eng)
+
+
+# ---- JSON schemas composed with allOf / $ref siblings ----
+PET_API = {"$defs": {
+    "Pet": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+            "required": ["name"]},
+    "Dog": {"allOf": [{"$ref": "#/$defs/Pet"},
+                      {"type": "object", "properties": {"good": {"type": "boolean"}},
+                       "required": ["good"]}]}},
+    "$ref": "#/$defs/Dog"}
+MIXIN = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}},
+                    "required": ["a"]},
+                   {"type": "object", "properties": {"b": {"type": "string", "maxLength": 4}},
+                    "required": ["b"]}]}
+
+
+def test_all_of_schemas_are_enforced(eng):
+    """Neither backend enforces allOf: xgrammar generated any JSON, and the model wrote the schema
+    itself back ('{"allOf":[{"type":"object",...'). The branches are now merged into one schema."""
+    schemas = [PET_API, MIXIN]
+    prompts = [chat(eng, f"Reply with one JSON value that fits this JSON schema: {json.dumps(s)}")
+               for s in schemas]
+    outs = eng.generate(prompts, [greedy(40, json_schema=json.dumps(s)) for s in schemas])
+    for out, schema in zip(outs, schemas):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        jsonschema.Draft202012Validator(schema).validate(json.loads(out["text"]))
+        assert "grammar_warnings" not in out["meta_info"], out["meta_info"]["grammar_warnings"]
+
+
+def test_all_of_merge_refuses_what_it_cannot_merge_exactly():
+    """Unsafe merges keep the allOf (and its 'not enforced' warning) instead of loosening it."""
+    from plait.runtime.constrained.schema_merge import merge_all_of
+
+    closed = {"allOf": [{"properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+                        {"properties": {"b": {"type": "integer"}}}]}
+    patterns = {"allOf": [{"type": "string", "pattern": "^a"}, {"type": "string", "pattern": "b$"}]}
+    cycle = {"$defs": {"N": {"allOf": [{"$ref": "#/$defs/N"}]}}, "$ref": "#/$defs/N"}
+    for schema in (closed, patterns, cycle):
+        assert merge_all_of(schema) == schema
+    bounds = {"allOf": [{"type": "number", "minimum": 0, "maximum": 100},
+                        {"type": "integer", "minimum": 10, "exclusiveMaximum": 50}]}
+    assert merge_all_of(bounds) == {"type": "integer", "minimum": 10, "maximum": 100,
+                                    "exclusiveMaximum": 50}

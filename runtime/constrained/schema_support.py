@@ -12,10 +12,11 @@ are not reported.
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
+
+from .schema_merge import merge_all_of
 
 # Keywords that assert something about an instance (JSON Schema 2020-12 plus older drafts' names).
 ASSERTION_KEYWORDS = frozenset({
@@ -139,10 +140,12 @@ def tighten_schema(schema: Any) -> Any:
       unevaluatedProperties or sibling applicators) gets `additionalProperties: false`: small
       models otherwise invent keys. Skipped where `required` or `minProperties` would then be
       unsatisfiable, and for allOf branches, whose siblings may declare the other keys.
+    - `allOf` (and `$ref` with siblings) is folded into one schema where that is exact
+      (schema_merge.py): neither backend enforces allOf.
     - A `required` name missing from `properties` is added there (with the additionalProperties
       schema, or `{}`), so that backends which only emit declared properties still emit it.
     """
-    schema = copy.deepcopy(schema)
+    schema = merge_all_of(schema)
     for path, node in list(walk_schema(schema)):
         props = node.get("properties")
         required = node.get("required")

@@ -15,6 +15,7 @@ import torch
 import xgrammar as xgr
 
 from .base import ANY_JSON, CompiledGrammar, GrammarBackend, GrammarMatcher, GrammarKey
+from .schema_merge import merge_all_of
 from .schema_support import tighten_schema, unenforced_features
 from .validation import clean_backend_error, normalize_regex, parse_json_schema
 from .vocab import TokenizerVocab
@@ -48,7 +49,7 @@ def validate_for_xgrammar(kind: str, text: str) -> list[str]:
     warnings: list[str] = []
     if kind in ("json", "json_ws"):
         schema = parse_json_schema(text)
-        warnings = unenforced_features(schema, "xgrammar") if schema is not None else []
+        warnings = unenforced_features(merge_all_of(schema), "xgrammar") if schema is not None else []
     _to_grammar(kind, text)
     return warnings
 
