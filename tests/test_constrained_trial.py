@@ -114,3 +114,12 @@ def test_all_of_merge_refuses_what_it_cannot_merge_exactly():
                         {"type": "integer", "minimum": 10, "exclusiveMaximum": 50}]}
     assert merge_all_of(bounds) == {"type": "integer", "minimum": 10, "maximum": 100,
                                     "exclusiveMaximum": 50}
+
+
+def test_outlines_accepts_boolean_true_subschemas():
+    """outlines-core refused `true` ("Unsupported JSON Schema structure true"), at the root or nested."""
+    from plait.runtime.constrained import validate_constraint
+
+    for schema in (True, {"type": "object", "properties": {"a": True}, "required": ["a"]},
+                   {"type": "array", "items": True, "maxItems": 2}):
+        assert validate_constraint("json", json.dumps(schema), "outlines") == []

@@ -28,6 +28,12 @@ MAX_ENUM_RANGE = 1000
 _SCALAR_TYPES = ("string", "number", "boolean", "null")
 _WHITESPACE = r"[ \t\n\r]*"
 _MAX_ROLLBACK = 64
+# Where a subschema may be the boolean `true` (see `_true_as_empty`).
+_SUBSCHEMA_KEYS = ("items", "contains", "propertyNames", "not", "if", "then", "else",
+                   "additionalItems", "unevaluatedItems")
+_SUBSCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions",
+                       "dependentSchemas")
+_SUBSCHEMA_LIST_KEYS = ("prefixItems", "allOf", "anyOf", "oneOf")
 
 
 def _to_regex(kind: str, text: str) -> tuple[str, list[str]]:
@@ -63,7 +69,7 @@ def prepare_schema_for_outlines(schema: Any) -> Any:
     - An integer with both bounds and at most `MAX_ENUM_RANGE` values becomes an enum: outlines
       ignores minimum/maximum.
     """
-    schema = tighten_schema(schema)
+    schema = tighten_schema(_true_as_empty(schema))
     for path, node in list(walk_schema(schema)):
         if path != "/" and not any(k in ASSERTION_KEYWORDS for k in node):
             node["type"] = list(_SCALAR_TYPES)
@@ -72,6 +78,26 @@ def prepare_schema_for_outlines(schema: Any) -> Any:
             for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
                 node.pop(key, None)
             node["enum"] = values
+    return schema
+
+
+def _true_as_empty(schema: Any) -> Any:
+    """The boolean subschema `true` spelled `{}`: outlines refuses the boolean form.
+
+    NOTE: `additionalProperties: true` is left alone; outlines reads it as "declared properties
+    only", and `{}` there would invite arbitrary extra keys."""
+    if schema is True:
+        return {}
+    for _, node in list(walk_schema(schema)):
+        for key in _SUBSCHEMA_KEYS:
+            if node.get(key) is True:
+                node[key] = {}
+        for key in _SUBSCHEMA_MAP_KEYS:
+            if isinstance(node.get(key), dict):
+                node[key] = {k: {} if v is True else v for k, v in node[key].items()}
+        for key in _SUBSCHEMA_LIST_KEYS:
+            if isinstance(node.get(key), list):
+                node[key] = [{} if v is True else v for v in node[key]]
     return schema
 
 
