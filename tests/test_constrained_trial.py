@@ -123,3 +123,32 @@ def test_outlines_accepts_boolean_true_subschemas():
     for schema in (True, {"type": "object", "properties": {"a": True}, "required": ["a"]},
                    {"type": "array", "items": True, "maxItems": 2}):
         assert validate_constraint("json", json.dumps(schema), "outlines") == []
+
+
+# ---- string patterns are matched against the string's JSON text ----
+def test_pattern_with_a_literal_quote_yields_valid_json(eng):
+    """Both backends put a pattern's '"' into the output raw: '{"quote":""Hi""}' (invalid JSON)."""
+    schema = {"type": "object", "properties": {"quote": {"type": "string",
+                                                         "pattern": '^"[A-Za-z ]{1,12}"$'}},
+              "required": ["quote"]}
+    out = eng.generate(chat(eng, "Give a short quotation in double quotes, as JSON."),
+                       greedy(24, json_schema=json.dumps(schema)))
+    jsonschema.Draft202012Validator(schema).validate(json.loads(out["text"]))
+
+
+def test_outlines_pattern_dot_never_writes_a_raw_quote(eng):
+    """outlines let '.' in a pattern match a raw '"', so '^x.$' accepted the text '"x""'."""
+    from plait.runtime.constrained import create_grammar_backend
+
+    backend = create_grammar_backend("outlines", eng.tokenizer)
+    try:
+        compiled = backend.compile_sync(
+            ("json", json.dumps({"type": "string", "pattern": "^x.$"})))
+        for text, ok in (('"x""', False), ('"xa"', True)):
+            matcher = compiled.new_matcher()
+            ids = eng.tokenizer.encode(text, add_special_tokens=False)
+            accepted = all(matcher.accept_token(t) for t in ids) and matcher.accept_token(
+                eng.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+            assert accepted == ok, text
+    finally:
+        backend.shutdown()

@@ -47,6 +47,11 @@ _CATEGORIES = {
 _META = set(r".^$*+?{}[]\|()")
 _CLASS_META = set(r"\]^-[")
 _NAMED_ESCAPES = {"\n": r"\n", "\t": r"\t", "\r": r"\r", "\f": r"\f", "\v": r"\v"}
+# JSON-body mode: characters a JSON string never holds raw, as set text and as code ranges.
+_JSON_RAW_UNSAFE = '"\\\\\\x00-\\x1f'
+_JSON_UNSAFE_RANGES = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
+_NEGATIVE = {"CATEGORY_NOT_DIGIT": "CATEGORY_DIGIT", "CATEGORY_NOT_SPACE": "CATEGORY_SPACE",
+             "CATEGORY_NOT_WORD": "CATEGORY_WORD"}
 # Nodes written as one atom (a quantifier may follow them directly).
 _ATOMS = ("LITERAL", "NOT_LITERAL", "ANY", "IN", "BRANCH", "SUBPATTERN")
 _IGNORECASE = _sre_const.SRE_FLAG_IGNORECASE
@@ -85,8 +90,11 @@ def _is_anchor(item: Any, names: tuple[str, ...]) -> bool:
 class _Writer:
     """Writes a parsed pattern back as text; `flags` are the ones in force at each node."""
 
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, json_body: bool = False) -> None:
         self.pattern = pattern
+        # True: the pattern is matched against a JSON string's text between its quotes, so '"',
+        # '\\' and control characters appear escaped and never raw (see json_string_pattern).
+        self.json_body = json_body
 
     def fail(self, what: str) -> ValueError:
         return ValueError(f"regex {_short(self.pattern)} uses {what}, which constrained decoding "
@@ -102,8 +110,11 @@ class _Writer:
         if name == "LITERAL":
             return self.literal(arg, flags)
         if name == "NOT_LITERAL":
-            return "[^" + "".join(_class_char(c) for c in _cases(chr(arg), flags)) + "]"
+            excluded = "".join(_class_char(c) for c in _cases(chr(arg), flags))
+            return "[^" + excluded + (_JSON_RAW_UNSAFE if self.json_body else "") + "]"
         if name == "ANY":
+            if self.json_body:  # any raw JSON string character (escapes left out: narrower)
+                return "[^" + _JSON_RAW_UNSAFE + "]"
             return r"[\s\S]" if flags & _DOTALL else r"[^\n]"
         if name == "IN":
             return self.char_set(arg, flags)
@@ -133,26 +144,63 @@ class _Writer:
 
     def literal(self, code: int, flags: int) -> str:
         variants = _cases(chr(code), flags)
+        if self.json_body and any(_json_unsafe(ord(c)) for c in variants):
+            return "(" + "|".join(_json_escaped(c) for c in variants) + ")"
         if len(variants) == 1:
             return _plain_char(variants[0])
         return "[" + "".join(_class_char(c) for c in variants) + "]"
 
     def char_set(self, members: Any, flags: int) -> str:
-        negate = False
+        negate = any(str(op) == "NEGATE" for op, _ in members)
+        if self.json_body and not negate and len(members) == 1 and str(members[0][1]) in _NEGATIVE:
+            # "\S" alone: a negated set of its complement, which can exclude the unsafe raws.
+            negate, members = True, [(members[0][0], _NEGATIVE[str(members[0][1])])]
         parts: list[str] = []
+        escaped: list[str] = []  # JSON-body mode: set members that only appear escaped
         for op, arg in members:
             name = str(op)
             if name == "NEGATE":
-                negate = True
-            elif name == "LITERAL":
-                parts.extend(_class_char(c) for c in _cases(chr(arg), flags))
+                continue
+            if name == "LITERAL":
+                for c in _cases(chr(arg), flags):
+                    if self.json_body and not negate and _json_unsafe(ord(c)):
+                        escaped.append(_json_escaped(c))
+                    else:
+                        parts.append(_class_char(c))
             elif name == "RANGE":
-                parts.extend(self.range_parts(arg[0], arg[1], flags, negate))
+                for low, high in self.safe_ranges(arg[0], arg[1], negate):
+                    parts.extend(self.range_parts(low, high, flags, negate))
+                if self.json_body and not negate:  # '"' and '\\' stay reachable, escaped
+                    escaped.extend(_json_escaped(c) for c in '"\\' if arg[0] <= ord(c) <= arg[1])
             elif name == "CATEGORY":
-                parts.append(_CATEGORIES[str(arg)])
+                parts.append(self.category(str(arg), negate))
             else:
                 raise self.fail(f"the set member {name}")
-        return "[" + ("^" if negate else "") + "".join(parts) + "]"
+        if negate:
+            return "[^" + "".join(parts) + (_JSON_RAW_UNSAFE if self.json_body else "") + "]"
+        alternatives = (["[" + "".join(parts) + "]"] if parts else []) + escaped
+        return alternatives[0] if len(alternatives) == 1 else "(" + "|".join(alternatives) + ")"
+
+    def safe_ranges(self, low: int, high: int, negated: bool) -> list[tuple[int, int]]:
+        """The range minus the characters a JSON string never holds raw (positive sets only)."""
+        if not self.json_body or negated:
+            return [(low, high)]
+        pieces = []
+        for gap_low, gap_high in _JSON_UNSAFE_RANGES:
+            if low < gap_low:
+                pieces.append((low, min(high, gap_low - 1)))
+            low = max(low, gap_high + 1)
+        if low <= high:
+            pieces.append((low, high))
+        return [(a, b) for a, b in pieces if a <= b]
+
+    def category(self, name: str, negated: bool) -> str:
+        if self.json_body and not negated:
+            if name in _NEGATIVE:
+                raise self.fail(f"{_CATEGORIES[name]} mixed with other members of a set")
+            if name == "CATEGORY_SPACE":
+                return " "  # the raw whitespace a JSON string may hold (narrower than \\s)
+        return _CATEGORIES[name]
 
     def range_parts(self, low: int, high: int, flags: int, negated: bool) -> list[str]:
         parts = [_class_char(chr(low)) + "-" + _class_char(chr(high))]
@@ -167,6 +215,41 @@ class _Writer:
             if lo <= hi:
                 parts.append(_class_char(chr(lo + shift)) + "-" + _class_char(chr(hi + shift)))
         return parts
+
+
+def json_string_pattern(pattern: str) -> str:
+    """`canonical_regex` for a JSON schema `pattern`, matched against the string's JSON text.
+
+    Both backends match a pattern against the characters between the quotes as written, so a
+    raw '"' in the pattern produced invalid JSON ('"a"b"') and outlines let '.' write a raw '"'.
+    Here '"', '\\' and control characters are written escaped; `.` and negated sets never
+    produce them raw."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        try:
+            parsed = _sre_parse.parse(pattern)
+        except (re.error, FutureWarning) as e:
+            raise ValueError(f"pattern {_short(pattern)} is invalid: {e}") from None
+    items = list(parsed)
+    if items and _is_anchor(items[0], _LEADING_ANCHORS):
+        items = items[1:]
+    if items and _is_anchor(items[-1], _TRAILING_ANCHORS):
+        items = items[:-1]
+    return _Writer(pattern, json_body=True).sequence(items, parsed.state.flags)
+
+
+def _json_unsafe(code: int) -> bool:
+    return code < 0x20 or code in (0x22, 0x5C)
+
+
+def _json_escaped(char: str) -> str:
+    """A regex for the JSON escape of `char` (the text `\\"` for '"', `\\n` for a newline)."""
+    short = {'"': '"', "\\": "\\\\", "\n": "n", "\t": "t", "\r": "r", "\b": "b", "\f": "f"}
+    if char in short:
+        return "\\\\" + short[char]
+    if _json_unsafe(ord(char)):
+        return f"\\\\u{ord(char):04x}"
+    return _plain_char(char)
 
 
 def _cases(char: str, flags: int) -> list[str]:

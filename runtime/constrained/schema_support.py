@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from .regex_canonical import json_string_pattern
 from .schema_merge import merge_all_of
 
 # Keywords that assert something about an instance (JSON Schema 2020-12 plus older drafts' names).
@@ -142,11 +143,18 @@ def tighten_schema(schema: Any) -> Any:
       unsatisfiable, and for allOf branches, whose siblings may declare the other keys.
     - `allOf` (and `$ref` with siblings) is folded into one schema where that is exact
       (schema_merge.py): neither backend enforces allOf.
+    - A string `pattern` is re-spelled for the string's JSON text (regex_canonical.py): a raw
+      '"' in it produced invalid JSON, and outlines let `.` write a raw '"'.
     - A `required` name missing from `properties` is added there (with the additionalProperties
       schema, or `{}`), so that backends which only emit declared properties still emit it.
     """
     schema = merge_all_of(schema)
     for path, node in list(walk_schema(schema)):
+        if isinstance(node.get("pattern"), str):
+            try:
+                node["pattern"] = json_string_pattern(node["pattern"])
+            except ValueError:  # e.g. an anchor mid-pattern: the backend reads it as before
+                pass
         props = node.get("properties")
         required = node.get("required")
         if isinstance(required, list) and (isinstance(props, dict) or node.get("type") == "object"):
