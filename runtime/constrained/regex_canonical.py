@@ -12,6 +12,9 @@ back out using only constructs both backends agree on:
 - the `i` flag (global or scoped) spells out each letter's cases (`[yY][eE][sS]`);
 - a leading `^` / `\\A` and a trailing `$` / `\\Z` are dropped (a constraint is always a full match).
 
+`json_string_pattern` does the same for a JSON schema's string `pattern`, which the backends
+match against the string's JSON text: '"', '\\' and control characters are written escaped.
+
 Every string the rewritten pattern matches is matched by the user's pattern (`re.fullmatch`).
 Constructs no finite automaton can enforce (lookaround, backreferences, conditionals, anchors
 inside the pattern, atomic groups, possessive quantifiers) raise ValueError naming them.
@@ -62,6 +65,12 @@ def canonical_regex(pattern: str) -> str:
     """The backend-neutral full-match form of a Python regex (see the module docstring).
 
     Raises ValueError for syntax errors and for constructs constrained decoding cannot enforce."""
+    items, flags = _parse(pattern)
+    return _Writer(pattern).sequence(items, flags)
+
+
+def _parse(pattern: str) -> tuple[list, int]:
+    """Python's parse of `pattern` without its leading / trailing anchors, and its global flags."""
     with warnings.catch_warnings():
         # NOTE: Python parses "[[:alpha:]]" as the set "[[:alph]" then a literal "]" and only
         # warns; both backends read it differently again. Refuse it instead of guessing.
@@ -79,7 +88,7 @@ def canonical_regex(pattern: str) -> str:
         items = items[1:]
     if items and _is_anchor(items[-1], _TRAILING_ANCHORS):
         items = items[:-1]
-    return _Writer(pattern).sequence(items, parsed.state.flags)
+    return items, parsed.state.flags
 
 
 def _is_anchor(item: Any, names: tuple[str, ...]) -> bool:
@@ -224,18 +233,8 @@ def json_string_pattern(pattern: str) -> str:
     raw '"' in the pattern produced invalid JSON ('"a"b"') and outlines let '.' write a raw '"'.
     Here '"', '\\' and control characters are written escaped; `.` and negated sets never
     produce them raw."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        try:
-            parsed = _sre_parse.parse(pattern)
-        except (re.error, FutureWarning) as e:
-            raise ValueError(f"pattern {_short(pattern)} is invalid: {e}") from None
-    items = list(parsed)
-    if items and _is_anchor(items[0], _LEADING_ANCHORS):
-        items = items[1:]
-    if items and _is_anchor(items[-1], _TRAILING_ANCHORS):
-        items = items[:-1]
-    return _Writer(pattern, json_body=True).sequence(items, parsed.state.flags)
+    items, flags = _parse(pattern)
+    return _Writer(pattern, json_body=True).sequence(items, flags)
 
 
 def _json_unsafe(code: int) -> bool:
