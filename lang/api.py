@@ -11,7 +11,7 @@ from .choices import ChoicesSamplingMethod, token_length_normalized
 from .function import SglFunction
 from .gen_params import GenOverrides
 from .global_config import global_config
-from .ir import SglExpr, SglExprList, SglGen, SglImage, SglRoleBegin, SglRoleEnd, SglSelect, as_expr
+from .ir import SglExpr, SglExprList, SglGen, SglRoleBegin, SglRoleEnd, SglSelect, as_expr
 
 
 def function(func: Optional[Callable] = None, num_api_spec_tokens: Optional[int] = None):
@@ -128,12 +128,17 @@ def select(name: Optional[str] = None, choices: Optional[List[str]] = None, temp
 
 
 def image(expr: Any) -> SglExpr:
-    """Accepted so programs import; executing it raises NotImplementedError (text-only runtime)."""
-    return SglImage(expr)
+    """Importable so SGLang programs load; calling it raises NotImplementedError at once.
+
+    NOTE: raising here, in the program body, makes `run()` raise where the user wrote `image(...)`;
+    a node that only fails on the worker thread left run() returning a half-built state."""
+    raise NotImplementedError("image() is not supported: plait's runtime serves text-only models "
+                              "(no multimodal inputs: images, video)")
 
 
 def video(path: str, num_frames: int) -> SglExpr:
-    raise NotImplementedError("video() is not supported: plait's runtime serves text-only models")
+    raise NotImplementedError("video() is not supported: plait's runtime serves text-only models "
+                              "(no multimodal inputs: images, video)")
 
 
 def _role_common(role: str, expr: Any = None) -> SglExprList:
