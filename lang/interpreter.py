@@ -49,6 +49,7 @@ class StreamExecutor(ExecutorPinsMixin):
         self.output_models: dict[str, Any] = {}  # var name -> Pydantic class (gen(json_schema=Model))
         self.is_finished = False
         self.error_: Optional[BaseException] = None
+        self.unfinished_vars: set[str] = set()  # set by _fail
 
         self.text_ = ""
         self.messages_: list[dict] = []
@@ -248,6 +249,8 @@ class StreamExecutor(ExecutorPinsMixin):
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
+            # The variables the failure cut short: their streams must end in the error, not as if done.
+            self.unfinished_vars = {n for n, e in self.variable_event.items() if not e.is_set()}
             self.error_ = error
             self._failed = True
         for event in list(self.variable_event.values()):

@@ -123,11 +123,14 @@ class ProgramState:
         return name in self.stream_executor.variables
 
     def __repr__(self) -> str:
-        return f"ProgramState({self.text()!r})"
+        # SGLang's exact form: programs slice the text out of str(state) (its cot_decoding example).
+        return f"ProgramState({self.text()})"
 
     # ---- streaming (run(stream=True)) ----
     def text_iter(self, var_name: Optional[str] = None) -> Iterator[str]:
-        """Yield text as it is produced: the whole program's text, or one variable's."""
+        """Yield text as it is produced: the whole program's text, or one variable's. If the program
+        fails before the text (or the variable) is complete, the iterator raises once it has yielded
+        what was produced."""
         exe = self.stream_executor
         if not exe.stream:
             yield self.text() if var_name is None else self.get_var(var_name)
@@ -164,7 +167,8 @@ class ProgramState:
 
 
 def _stream_pieces(exe: StreamExecutor, var_name: Optional[str]) -> Iterator[tuple[str, Any]]:
-    """Yield (new text, meta_info) pieces until the program (or the variable) is complete."""
+    """Yield (new text, meta_info) pieces until the program (or the variable) is complete; then raise
+    if the program failed before that, or finished without ever producing the variable."""
     prev = 0
     if var_name is None:
         event = exe.stream_text_event
@@ -176,11 +180,14 @@ def _stream_pieces(exe: StreamExecutor, var_name: Optional[str]) -> Iterator[tup
             if out:
                 yield out, None
             if exe.is_finished:
+                _raise_if_cut_short(exe, None)
                 return
     # The variable's events exist once its gen() has been submitted; until then poll for them.
     while var_name not in exe.stream_var_event:
         if exe.is_finished:
-            return
+            _raise_if_cut_short(exe, None)  # the program failed before it got to the variable
+            raise KeyError(f"the program finished without producing variable {var_name!r}; it produced "
+                           f"{sorted(map(str, exe.variables))}")
         exe.stream_text_event.wait(0.05)
     event = exe.stream_var_event[var_name]
     while True:
@@ -192,7 +199,21 @@ def _stream_pieces(exe: StreamExecutor, var_name: Optional[str]) -> Iterator[tup
         if out:
             yield out, exe.meta_info.get(var_name)
         if exe.variable_event[var_name].is_set():
+            _raise_if_cut_short(exe, var_name)
             return
+
+
+def _raise_if_cut_short(exe: StreamExecutor, var_name: Optional[str]) -> None:
+    """A stream that ended because the program failed ends in that failure (a streamed program's body
+    runs on its own thread, so nothing else would show the error to the reader)."""
+    error = exe.error_
+    if error is None:
+        return
+    if var_name is not None and var_name not in exe.unfinished_vars and var_name in exe.variables:
+        return  # the variable was complete before the failure
+    what = "the program" if var_name is None else f"variable {var_name!r}"
+    raise RuntimeError(f"streaming stopped: {what} failed before it was complete: "
+                       f"{type(error).__name__}: {error}") from error
 
 
 class ProgramStateGroup:
