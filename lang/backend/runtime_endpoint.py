@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Union
 
 from ..chat_template import ChatTemplate, chat_template_from_tokenizer, get_chat_template
@@ -62,16 +63,31 @@ class RuntimeEndpoint(NativeBackend):
             raise RuntimeError(f"{self.base_url}{path} answered HTTP {res.status_code}: {detail}")
 
     def _get(self, path: str) -> Any:
-        res = self.session.get(self.base_url + path, headers=self._headers(), verify=self.verify,
-                               timeout=self.timeout)
+        with self._reaching(path):
+            res = self.session.get(self.base_url + path, headers=self._headers(), verify=self.verify,
+                                   timeout=self.timeout)
         self._check(res, path)
         return res.json()
 
     def _post(self, path: str, payload: Optional[dict] = None, stream: bool = False) -> Any:
-        res = self.session.post(self.base_url + path, json=payload or {}, headers=self._headers(),
-                                verify=self.verify, stream=stream, timeout=self.timeout)
+        with self._reaching(path):
+            res = self.session.post(self.base_url + path, json=payload or {}, headers=self._headers(),
+                                    verify=self.verify, stream=stream, timeout=self.timeout)
         self._check(res, path)
         return res
+
+    @contextmanager
+    def _reaching(self, path: str) -> Iterator[None]:
+        """Name the server and how to start one when nothing answers (requests' own message is a
+        wall of urllib3 internals); the exception type stays requests' ConnectionError."""
+        import requests
+
+        try:
+            yield
+        except requests.exceptions.ConnectionError as e:
+            raise requests.exceptions.ConnectionError(
+                f"no server answered at {self.base_url}{path}: start one with `python -m plait.runtime.server "
+                f"--port PORT` (or SGLang's launch_server), or check the URL") from e
 
     def _send(self, payload: dict):
         return self._post("/generate", payload).json()
