@@ -1,0 +1,100 @@
+"""SGLang frontend programs, written as SGLang's docs and examples write them (only the import changed),
+on the real default model: each test pins a place where such a program failed or surprised.
+
+One Runtime serves the module, built the way SGLang's quick-start builds it (`tp_size=1`). Outputs
+are a few tokens long; the assertions are about the program's shape and errors, not the model's words.
+"""
+
+import socket
+
+import pytest
+import requests
+
+import plait as sgl
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    # SGLang's local_example_chat.py passes tp_size; plait used to refuse it as an unknown argument.
+    rt = sgl.Runtime(tp_size=1)
+    sgl.set_default_backend(rt)
+    yield rt
+    sgl.set_default_backend(None)
+    rt.shutdown()
+
+
+def test_parallelism_other_than_one_device_is_refused_by_name():
+    with pytest.raises(NotImplementedError, match=r"tp_size=2.*one device"):
+        sgl.Runtime(tp_size=2)
+    with pytest.raises(NotImplementedError, match=r"dp_size=4"):
+        sgl.Runtime(dp_size=4)
+
+
+@sgl.function
+def image_qa(s, image_file, question):
+    s += sgl.user(sgl.image(image_file) + question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=4))
+
+
+def test_image_program_raises_from_run(runtime):
+    # It used to return a state whose text stopped at the user turn, the error only in state.error().
+    with pytest.raises(NotImplementedError, match=r"image\(\) is not supported.*text-only"):
+        image_qa.run(image_file="example_image.png", question="What is in the image?")
+    with pytest.raises(NotImplementedError, match="video"):
+        sgl.video("clip.mp4", num_frames=4)
+
+
+@sgl.function
+def answer_then_fail(s, question):
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=3, temperature=0))
+    if s["answer"] is not None:  # the body reads the answer, then a tool it calls breaks
+        raise ValueError("the tool crashed")
+    s += sgl.user("never sent")
+
+
+def test_stream_ends_in_the_programs_failure(runtime):
+    # A streamed program's body runs on its own thread; its exception used to end text_iter()
+    # silently, as if the program had finished.
+    state = answer_then_fail.run(question="What is the capital of France?", stream=True)
+    pieces = []
+    with pytest.raises(RuntimeError, match="the program failed") as info:
+        for piece in state.text_iter():
+            pieces.append(piece)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "".join(pieces) == state.text()  # everything produced was yielded before the error
+    assert state.text().endswith(state["answer"] + runtime.endpoint.chat_template.role_prefix_and_suffix[
+        "assistant"][1])
+    # The variable itself was complete before the failure: streaming it ends normally.
+    state = answer_then_fail.run(question="What is the capital of France?", stream=True)
+    assert "".join(state.text_iter("answer")) == state["answer"]
+
+
+@sgl.function
+def qa(s, question):
+    s += sgl.system("You are a helpful assistant.")
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=3))
+
+
+def test_streaming_a_variable_the_program_never_makes_names_it(runtime):
+    # A misspelt var_name used to yield nothing and end, like an empty answer.
+    state = qa.run(question="Hi", stream=True)
+    with pytest.raises(KeyError, match=r"'anwser'.*\['answer'\]"):
+        list(state.text_iter(var_name="anwser"))
+
+
+def test_state_prints_as_sglang_does(runtime):
+    # SGLang's cot_decoding example slices the text out of str(state).
+    state = qa.run(question="Hi", temperature=0)
+    text = str(state)[len("ProgramState("):-1]
+    assert text == state.text() and "\n" in text
+
+
+def test_endpoint_without_a_server_says_how_to_start_one():
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(requests.exceptions.ConnectionError, match=r"127\.0\.0\.1:\d+/get_model_info.*"
+                                                                    r"python -m plait\.runtime\.server"):
+        sgl.RuntimeEndpoint(f"http://127.0.0.1:{port}")
