@@ -75,6 +75,7 @@ class _SubStream:
     finished: bool = False
     aborted: bool = False
     released: bool = False
+    counted: bool = False  # its end is in the metrics
     started_at: float = 0.0
     last_token_at: Optional[float] = None
     tokens_seen: int = 0
@@ -140,7 +141,19 @@ class GenerationGroup:
         self._pumps = []
         self._abort_unfinished()
         for sub in self._subs:
+            self._count_abort(sub)
             self._release(sub)
+
+    def _count_abort(self, sub: _SubStream) -> None:
+        """A stream closed before its last chunk (the client went away, the handler failed) still ends
+        a request in the metrics: an abort, with the tokens it got so far."""
+        if sub.counted or sub.iterator is None or not self.log_metrics:
+            return
+        sub.counted = True
+        meta = dict((sub.last or {}).get("meta_info") or {})
+        meta["finish_reason"] = {"type": "abort", "message": "the client disconnected" if self.disconnected
+                                 else "the response ended early"}
+        self.metrics.observe_finished(meta, time.perf_counter() - sub.started_at)
 
     def _release(self, sub: _SubStream) -> None:
         if not sub.released:
@@ -190,7 +203,7 @@ class GenerationGroup:
                     self.metrics.observe_inter_token((now - sub.last_token_at) / new, new)
             sub.tokens_seen, sub.last_token_at = tokens, now
         if meta.get("finish_reason") is not None and not sub.finished:
-            sub.finished = True
+            sub.finished = sub.counted = True
             if self.log_metrics:
                 self.metrics.observe_finished(meta, now - sub.started_at)
 

@@ -40,8 +40,8 @@ class APIError(Exception):
 
 
 def error_body(status_code: int, message: str, param: Optional[str] = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status_code, "server_error"),
-                      "param": param, "code": status_code}}
+    kind = _ERROR_TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status_code}}
 
 
 def error_response(status_code: int, message: str, param: Optional[str] = None) -> JSONResponse:
@@ -62,16 +62,57 @@ def sse_error_event(exc: BaseException) -> str:
     return f"data: {json.dumps(error_body(status_for(exc), message))}\n\n"
 
 
+_SCALAR_TYPE_NAMES = ("str", "int", "float", "bool", "dict")
+
+
+def _is_union_member(part: str) -> bool:
+    """Union members show up in an error's loc as type names ("str", "list[int]")."""
+    return any(ch in part for ch in "[]") or part in _SCALAR_TYPE_NAMES
+
+
+def _loc(error: dict[str, Any]) -> list[str]:
+    return [str(p) for p in error.get("loc", ()) if p != "body"]
+
+
+def _union_error(errors: list[dict[str, Any]], loc: list[str]) -> Optional[tuple[str, Optional[str]]]:
+    """One message for a value that matched no member of a union field (prompt, stop, content).
+
+    Pydantic reports one error per member; the first ("should be a valid string") is misleading
+    when the client sent a list. When exactly one member accepted the value's shape and failed
+    deeper inside, that member's error is the real one; otherwise say what the field accepts.
+    """
+    at = next((i for i, p in enumerate(loc) if _is_union_member(p)), None)
+    if at is None:
+        return None
+    prefix = loc[:at]
+    members: dict[str, bool] = {}  # member type -> did it fail deeper than its own shape?
+    for e in errors:
+        e_loc = _loc(e)
+        if e_loc[:at] == prefix and len(e_loc) > at and _is_union_member(e_loc[at]):
+            members[e_loc[at]] = members.get(e_loc[at], False) or len(e_loc) > at + 1
+    deeper = [m for m, deep in members.items() if deep]
+    if len(deeper) == 1:
+        if deeper[0] == loc[at]:
+            return None  # the first error already is the real one
+        return describe_validation_errors([e for e in errors if _loc(e)[:at + 1] == prefix + deeper])
+    if len(members) < 2:
+        return None
+    names = list(members)
+    expected = ", ".join(names[:-1]) + " or " + names[-1]
+    return f"invalid value for field '{'.'.join(prefix)}': expected {expected}", prefix[0]
+
+
 def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, Optional[str]]:
     """Turn pydantic's error list into one message and the name of the first offending field."""
     first = errors[0]
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return f"malformed JSON body: {ctx.get('error', first.get('msg'))}", None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Union members show up in loc as type names ("list[int]"); they are noise to a client.
-    field_path = [p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "float",
-                                                                                  "bool", "dict")]
+    loc = _loc(first)
+    union = _union_error(errors, loc)
+    if union is not None:
+        return union
+    field_path = [p for p in loc if not _is_union_member(p)]
     msg = str(first.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]

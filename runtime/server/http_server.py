@@ -12,6 +12,7 @@ import json
 import logging
 import secrets
 import time
+import uuid
 from typing import Any, Optional
 
 import uvicorn
@@ -56,6 +57,34 @@ class BearerAuth:
         await send({"type": "http.response.body", "body": body})
 
 
+class RequestIdHeader:
+    """Pure ASGI middleware: every response carries `X-Request-Id`, which clients log and quote (the
+    openai client exposes it as `_request_id`). A client's own X-Request-Id is echoed, as vLLM does;
+    otherwise the id of the response body (`chatcmpl-...`, which the route puts in request.state),
+    else a fresh one, so even an error can be traced."""
+
+    HEADER = b"x-request-id"
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = dict(scope.get("headers") or []).get(self.HEADER)
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                request_id = incoming or str((scope.get("state") or {}).get("request_id")
+                                             or uuid.uuid4().hex).encode()
+                headers = [h for h in message.get("headers") or [] if h[0].lower() != self.HEADER]
+                message = {**message, "headers": headers + [(self.HEADER, request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI:
     server_args = server_args or getattr(engine, "server_args", None) or ServerArgs()
     # strict_content_type=False: a body without a Content-Type header is still read as JSON.
@@ -80,6 +109,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
 
     if server_args.api_key:
         app.add_middleware(BearerAuth, api_key=server_args.api_key)
+    app.add_middleware(RequestIdHeader)  # added last = outermost: a 401 carries the id too
     return app
 
 

@@ -155,6 +155,7 @@ async def completions(req: CompletionRequest, request: Request):
     runs = _engine_calls(prompts, sampling_dict(req, req.max_tokens), ctx, req.rid, logprob_args)
     group = ctx.new_group(request)
     response_id = "cmpl-" + (req.rid or uuid.uuid4().hex)
+    request.state.request_id = response_id  # the X-Request-Id header (http_server.RequestIdHeader)
     created = int(time.time())
     echo_texts = [_prompt_text(p, ctx) if req.echo else "" for p in prompts]
     result = await _results_or_stream(
@@ -195,12 +196,16 @@ async def _completion_events(group: GenerationGroup, req: CompletionRequest, res
         meta = chunk.get("meta_info") or {}
         last_meta[index] = meta
         text = cur.text_delta(chunk)
-        if not cur.role_sent:  # first chunk of this choice: the echoed prompt goes first
+        first = not cur.role_sent
+        if first:  # first chunk of this choice: the echoed prompt goes first
             cur.role_sent = True
             text = echo_texts[index // req.n] + text
         logprobs = None
         if req.logprobs is not None:
             tokens, tops = cur.logprob_delta(meta)
+            if first and req.echo:  # the prompt's logprobs go with the echoed prompt, as without stream
+                tokens = list(meta.get("input_token_logprobs") or []) + tokens
+                tops = list(meta.get("input_top_logprobs") or []) + tops
             logprobs = completion_logprobs(tokens, tops, ctx.tokenizer, cur.text_offset)
             cur.text_offset += sum(len(t) for t in logprobs["tokens"])
         reason = finish_reason(meta)
@@ -251,6 +256,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     runs = _engine_calls([{"input_ids": ids}], sampling_dict(req, max_new), ctx, req.rid, logprob_args)
     group = ctx.new_group(request)
     response_id = "chatcmpl-" + (req.rid or uuid.uuid4().hex)
+    request.state.request_id = response_id  # the X-Request-Id header (http_server.RequestIdHeader)
     created = int(time.time())
     result = await _results_or_stream(group, runs, req.stream,
                                       lambda: _chat_events(group, req, response_id, created, ctx))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
@@ -157,11 +157,21 @@ class _SamplingExtensions(BaseModel):
     ebnf: Optional[str] = None
     rid: Optional[str] = None
 
-    @model_validator(mode="after")
-    def _stop_list(self) -> "_SamplingExtensions":
-        if isinstance(self.stop, list) and len(self.stop) > 16:
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: Optional[Union[str, list[str]]]) -> Optional[Union[str, list[str]]]:
+        if isinstance(stop, list) and len(stop) > 16:
             raise ValueError("stop accepts at most 16 sequences")
-        return self
+        return stop
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, options: Optional[StreamOptions], info: ValidationInfo
+                                    ) -> Optional[StreamOptions]:
+        # OpenAI refuses them on a non-streaming request; ignoring them would hide a client bug.
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
 
 
 class CompletionRequest(_SamplingExtensions):
@@ -174,15 +184,27 @@ class CompletionRequest(_SamplingExtensions):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> "CompletionRequest":
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (server-side best-of ranking is not supported)")
-        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+    # Field validators (not one model validator) so that the error's `param` names the field.
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and len(prompt) == 0:
             raise ValueError("prompt must not be empty")
-        return self
+        return prompt
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: Optional[str]) -> Optional[str]:
+        if suffix:
+            raise ValueError("suffix (fill-in-the-middle) is not supported")
+        return suffix
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if best_of is not None and best_of != info.data.get("n", 1):
+            raise ValueError("best_of must equal n (server-side best-of ranking is not supported)")
+        return best_of
 
 
 class TextContentPart(BaseModel):
@@ -197,19 +219,70 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[TextContentPart]]] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
+    # What the openai client's `message.model_dump()` puts into a history (assistant turns). Tool and
+    # function calls and audio are accepted only empty: without their support they cannot be rendered.
+    tool_calls: Optional[list[Any]] = None
+    function_call: Optional[dict[str, Any]] = None
+    audio: Optional[dict[str, Any]] = None
+    refusal: Optional[str] = None  # an assistant turn that refused: its text when there is no content
+    annotations: Optional[list[Any]] = None  # citations of a turn; nothing to render
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Name the problem with a content part instead of pydantic's union noise."""
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("content must be a string or a list of content parts")
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is None:
+                raise ValueError("each content part must be an object with a 'type'")
+            if kind != "text":
+                raise ValueError(f"content parts of type '{kind}' are not supported (plait serves text-only "
+                                 "models): send parts of type 'text'")
+        return content
+
+    @field_validator("tool_calls", "function_call", "audio")
+    @classmethod
+    def _not_set(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(f"messages with {info.field_name} are not supported: plait does not implement "
+                             f"{'audio' if info.field_name == 'audio' else 'tools'}")
+        return value
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+# The "off" values of the OpenAI fields plait does not implement (storage, tiers, audio, reasoning).
+_OPENAI_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "store": (None, False), "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]), "reasoning_effort": (None,), "audio": (None,), "prediction": (None,),
+    "web_search_options": (None,), "function_call": (None, "none", "auto"),
+}
 
 
 class ChatCompletionRequest(_SamplingExtensions):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # OpenAI fields plait does not implement; accepted only with their "off" value (see below).
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None  # labels stored completions; ignored, as nothing is stored
+    service_tier: Optional[str] = None
+    modalities: Optional[list[str]] = None
+    reasoning_effort: Optional[str] = None
+    audio: Optional[dict[str, Any]] = None
+    prediction: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    functions: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[Union[str, dict[str, Any]]] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
@@ -222,15 +295,47 @@ class ChatCompletionRequest(_SamplingExtensions):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> "ChatCompletionRequest":
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.top_logprobs and not self.logprobs:
+    # Field validators (not one model validator) so that the error's `param` names the field.
+    @field_validator(*_OPENAI_OFF_VALUES)
+    @classmethod
+    def _only_off(cls, value: Any, info: ValidationInfo) -> Any:
+        """Clients and SDK wrappers send some of these on every request, so their "off" value is
+        accepted; any other value is refused by name instead of being ignored."""
+        if value not in _OPENAI_OFF_VALUES[info.field_name]:
+            raise ValueError(f"'{info.field_name}' is not supported by plait")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, tools: Optional[list[dict[str, Any]]], info: ValidationInfo) -> Any:
+        if tools:
+            raise ValueError(f"{info.field_name} are not supported by plait (no function calling); for "
+                             "structured output use response_format json_schema or extra_body regex/ebnf")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_forced_tool(cls, choice: Optional[Union[str, dict[str, Any]]]) -> Any:
+        # "none"/"auto" without tools ask for nothing; "required" or a named function would be a
+        # silent lie if ignored.
+        if choice is not None and choice not in ("none", "auto"):
+            raise ValueError(f"tool_choice {choice!r} needs tools, which plait does not support")
+        return choice
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if top and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs=true")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
+        return top
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _final_is_assistant(cls, flag: bool, info: ValidationInfo) -> bool:
+        messages = info.data.get("messages")
+        if flag and messages and messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs the last message to be from the assistant")
-        return self
+        return flag
 
     @property
     def max_new_tokens(self) -> Optional[int]:

@@ -1,0 +1,234 @@
+"""Regressions from a new user's trial of `plait serve` with the official openai client.
+
+Each test pins a failure the trial found: a response without an X-Request-Id header, a streamed
+echo that dropped the prompt's logprobs, streams cut by the client missing from the metrics, and
+requests for OpenAI features plait does not implement (image parts, tool calls, forced tool_choice,
+stored completions, stream_options without stream) answered with a misleading message or silently
+ignored. One server (a subprocess on a free port, the embedded model) serves the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+STARTUP_DEADLINE_S = 600
+SETTLE_DEADLINE_S = 30
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.server", "--port", str(port),
+                                 "--num-threads", "1"], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + STARTUP_DEADLINE_S
+        try:
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                try:
+                    if requests.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                if time.time() > deadline:
+                    pytest.fail(f"server not healthy after {STARTUP_DEADLINE_S}s:\n{log_path.read_text()[-3000:]}")
+                time.sleep(0.5)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _server_info(url: str) -> dict:
+    return requests.get(url + "/get_server_info", timeout=30).json()
+
+
+def _wait_idle(url: str) -> dict:
+    """Server info once no request is open or running (a leak keeps them non-zero)."""
+    deadline = time.time() + SETTLE_DEADLINE_S
+    while True:
+        info = _server_info(url)
+        if info["num_open_http_requests"] == 0 and info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            return info
+        if time.time() > deadline:
+            pytest.fail(f"requests still open {SETTLE_DEADLINE_S}s later: {info}")
+        time.sleep(0.2)
+
+
+def _finished_requests(url: str) -> dict[str, float]:
+    """plait_requests_total by finish_reason."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "plait_requests_total":
+                counts[sample.labels["finish_reason"]] = sample.value
+    return counts
+
+
+# ---------------------------------------------------------------- request ids
+
+def test_every_response_carries_a_request_id(url, client):
+    raw = client.chat.completions.with_raw_response.create(model="default", messages=USER_HI, max_tokens=1)
+    completion = raw.parse()
+    assert completion._request_id == completion.id  # the openai client reads the x-request-id header
+    r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                      headers={"X-Request-Id": "trace-42"}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"  # the client's own, echoed
+    with pytest.raises(openai.BadRequestError) as info:  # errors are traceable too
+        client.completions.create(model="default", prompt="hi", max_tokens=-1)
+    assert info.value.request_id
+
+
+# ---------------------------------------------------------------- streamed echo logprobs
+
+def test_streamed_echo_has_the_prompt_logprobs_like_the_full_response(client):
+    args = dict(model="default", prompt="Hi there", max_tokens=2, echo=True, logprobs=1, temperature=0)
+    full = client.completions.create(**args).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**args, stream=True)]
+    assert "".join(c.text for c in chunks) == full.text
+    streamed = {key: sum((getattr(c.logprobs, key) for c in chunks), [])
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert streamed["tokens"] == full.logprobs.tokens == ["Hi", " there"] + full.logprobs.tokens[2:]
+    assert streamed["text_offset"] == full.logprobs.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(full.logprobs.token_logprobs)
+    assert streamed["token_logprobs"][0] is None  # nothing predicts the first prompt token
+
+
+# ---------------------------------------------------------------- disconnects and concurrency
+
+def test_a_stream_the_client_drops_is_aborted_and_counted(url, client):
+    before = _finished_requests(url).get("abort", 0.0)
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url + "/v1/completions", json=body) as response:
+            events = 0
+            for line in response.iter_lines():
+                events += line.startswith("data:")
+                if events == 2:
+                    break
+    info = _wait_idle(url)
+    assert info["kv_used_tokens"] == 0 and info["integrity_errors"] == 0
+    assert _finished_requests(url).get("abort", 0.0) == before + 1
+    assert client.completions.create(model="default", prompt="hi", max_tokens=1).choices[0].finish_reason
+
+
+def test_twenty_parallel_streams_each_get_their_usage(url):
+    aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(i: int) -> tuple[int, int, str]:
+        stream = await aclient.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": f"Say {i}"}], max_tokens=3,
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        usage, reason = None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        return usage.completion_tokens, usage.prompt_tokens, reason
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(20)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(all_of_them())
+    assert all(completion >= 1 and prompt > 0 and reason in ("stop", "length")
+               for completion, prompt, reason in results)
+    assert _wait_idle(url)["kv_used_tokens"] == 0
+
+
+# ---------------------------------------------------------------- unsupported features: clear 400s
+
+def _chat(**fields) -> dict:
+    return {"messages": USER_HI, "max_tokens": 1, **fields}
+
+
+REFUSED = [
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+     "messages", "type 'image_url' are not supported"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+     "messages", "missing required field 'messages.0.content.0.text'"),
+    ("/v1/chat/completions", _chat(messages=USER_HI + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "1", "tool_call_id": "c1"}]), "messages", "tool_calls are not supported"),
+    ("/v1/chat/completions", _chat(tool_choice="required"), "tool_choice", "needs tools"),
+    ("/v1/chat/completions", _chat(tool_choice={"type": "function", "function": {"name": "f"}}),
+     "tool_choice", "needs tools"),
+    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+     "tools", "response_format json_schema"),
+    ("/v1/chat/completions", _chat(stream_options={"include_usage": True}), "stream_options",
+     "only allowed when stream is true"),
+    ("/v1/chat/completions", _chat(store=True), "store", "'store' is not supported"),
+    ("/v1/chat/completions", _chat(reasoning_effort="low"), "reasoning_effort", "not supported"),
+    ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt", "expected str, list[str], list[int] or list[list[int]]"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop", "expected str or list[str]"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix", "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of", "best_of must equal n"),
+    ("/v1/completions", {"prompt": []}, "prompt", "must not be empty"),
+]
+
+
+@pytest.mark.parametrize("path, body, param, needle", REFUSED, ids=[f"{c[2]}-{i}" for i, c in enumerate(REFUSED)])
+def test_unsupported_or_malformed_requests_get_a_400_naming_the_field(url, path, body, param, needle):
+    r = requests.post(url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert needle in error["message"], error
+
+
+def test_off_values_of_unsupported_openai_fields_are_accepted(client):
+    # What SDK wrappers send on every request: asks for nothing plait lacks, so it must just work.
+    completion = client.chat.completions.create(
+        model="default", messages=USER_HI, max_tokens=1, store=False, metadata={"team": "a"},
+        service_tier="auto", tool_choice="none", parallel_tool_calls=False)
+    assert completion.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_reply_dumped_back_into_the_history_is_accepted(client):
+    # `message.model_dump()` carries refusal/annotations/audio/function_call/tool_calls as nulls.
+    first = client.chat.completions.create(model="default", messages=USER_HI, max_tokens=2, temperature=0)
+    history = USER_HI + [first.choices[0].message.model_dump(), {"role": "user", "content": "again"}]
+    assert history[1]["tool_calls"] is None and "annotations" in history[1]
+    second = client.chat.completions.create(model="default", messages=history, max_tokens=2, temperature=0)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+def test_wrong_method_is_a_client_error(url):
+    r = requests.get(url + "/v1/chat/completions", timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
