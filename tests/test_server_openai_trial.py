@@ -229,6 +229,18 @@ def test_a_reply_dumped_back_into_the_history_is_accepted(client):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
 
 
-def test_wrong_method_is_a_client_error(url):
+def test_wrong_method_and_unknown_route_say_what_is_served(url):
     r = requests.get(url + "/v1/chat/completions", timeout=30)
-    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert "GET /v1/chat/completions (allowed: POST)" in r.json()["error"]["message"]
+    r = requests.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=30)
+    assert r.status_code == 404 and "no route POST /v1/embeddings" in r.json()["error"]["message"]
+
+
+def test_models_retrieve(client):
+    served = client.models.list().data[0].id
+    assert client.models.retrieve(served).id == served
+    assert client.models.retrieve("default").id == served  # the alias SGLang's examples send
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' does not exist"):
+        client.models.retrieve("gpt-4")

@@ -139,8 +139,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        route = f"{request.method} {request.url.path}"
+        if exc.status_code == 404 and message == "Not Found":
+            message = (f"no route {route}; plait serves the OpenAI routes /v1/models, /v1/completions, "
+                       "/v1/chat/completions and SGLang's native API (/generate, ...)")
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"method not allowed: {route}" + (f" (allowed: {allowed})" if allowed else "")
+        response = error_response(exc.status_code, message)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(OverloadedError)
     async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:

@@ -111,12 +111,24 @@ def _abort_event(meta: dict[str, Any]) -> Optional[str]:
 
 # ---------------------------------------------------------------- /v1/models
 
+def _model_card(ctx: ServerContext) -> dict[str, Any]:
+    return {"id": ctx.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "plait",
+            "root": str(getattr(ctx.engine, "model_path", ctx.model_name)), "max_model_len": ctx.context_len}
+
+
 @router.get("/models")
 async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(get_context(request))]}
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    """The openai client's `models.retrieve(name)`; any name the server accepts (aliases included)."""
     ctx = get_context(request)
-    return {"object": "list", "data": [{
-        "id": ctx.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "plait",
-        "root": str(getattr(ctx.engine, "model_path", ctx.model_name)), "max_model_len": ctx.context_len}]}
+    if model_id not in ctx.accepted_model_names:
+        raise APIError(404, f"model '{model_id}' does not exist; this server serves '{ctx.model_name}'",
+                       param="model")
+    return _model_card(ctx)
 
 
 # ---------------------------------------------------------------- /v1/completions
