@@ -34,7 +34,7 @@ class GenOverrides:
     dtype: Optional[Union[type, str]] = None
 
     @classmethod
-    def from_gen_kwargs(cls, kwargs: Mapping[str, Any]) -> "GenOverrides":
+    def from_gen_kwargs(cls, kwargs: Mapping[str, Any], where: str = "gen()") -> "GenOverrides":
         """Split gen()'s keyword arguments; `None` means 'not set'. Unknown names raise."""
         sampling: dict[str, Any] = {}
         logprob: dict[str, Any] = {}
@@ -53,6 +53,7 @@ class GenOverrides:
                 sampling[name] = value
         if dtype is not None:
             dtype_regex(dtype)  # fail early on an unknown dtype
+        check_settings(sampling, where)
         return cls(sampling=sampling, logprob=logprob, dtype=dtype)
 
 
@@ -79,6 +80,7 @@ class RunDefaults:
             if name in ("stop", "stop_token_ids", "stop_regex") and not value:
                 value = None
             sampling[name] = value
+        check_settings(sampling, "run()")
         return cls(sampling=SamplingParams.from_dict(sampling), logprob=logprob)
 
     @staticmethod
@@ -126,6 +128,20 @@ def resolve_gen(defaults: RunDefaults, overrides: GenOverrides, chat_stop: tuple
     sampling.verify()
     logprob = {**defaults.logprob, **overrides.logprob}
     return ResolvedGen(sampling=sampling, logprob=logprob, dtype=overrides.dtype)
+
+
+def check_settings(sampling: Mapping[str, Any], where: str) -> None:
+    """Raise ValueError, where the program wrote them, for settings no merge can make valid
+    (`temperature=-1`, `top_p=2`, `max_tokens=-1`, ...).
+
+    NOTE: without this, a bad value only failed on the program's worker thread, and run() returned a
+    state whose error() held it. `max_new_tokens` stays unset (no limit) unless given, so a gen's
+    `min_tokens` is not judged against a default limit that run() may raise; resolve_gen checks the
+    merged settings again."""
+    try:
+        SamplingParams.from_dict({"max_new_tokens": None, **sampling}).verify()
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def dtype_regex(dtype: Union[type, str]) -> tuple[str, tuple[str, ...]]:

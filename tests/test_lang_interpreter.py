@@ -260,17 +260,21 @@ def test_exception_in_program_body_surfaces_with_traceback():
     assert "failing" in "".join(traceback.format_tb(info.value.__traceback__))
 
 
+def refuse(prompt):
+    raise ValueError("the backend refused the request")
+
+
 def test_runtime_error_is_reported_by_error_and_reading_the_variable():
-    backend = backend_for()
+    backend = backend_for(reply=refuse)  # fails on the program's worker thread
 
     @sgl.function
-    def bad_params(s):
-        s += "a" + sgl.gen("x", temperature=-1.0)
+    def refused(s):
+        s += "a" + sgl.gen("x")
         s += "after" + sgl.gen("y")
 
-    state = bad_params.run(backend=backend)
+    state = refused.run(backend=backend)
     err = state.error()
-    assert isinstance(err, ValueError) and "temperature" in str(err)
+    assert isinstance(err, ValueError) and "refused" in str(err)
     assert err.__traceback__ is not None
     with pytest.raises(RuntimeError, match="'y' was not produced") as info:
         state["y"]
@@ -279,12 +283,31 @@ def test_runtime_error_is_reported_by_error_and_reading_the_variable():
 
     @sgl.function
     def reads_it(s):
-        s += "a" + sgl.gen("x", temperature=-1.0)
+        s += "a" + sgl.gen("x")
         if s["x"] == "never":
             s += "unreachable"
 
     with pytest.raises(RuntimeError, match="program failed"):
         reads_it.run(backend=backend)
+
+
+def test_bad_sampling_values_raise_where_the_program_writes_them():
+    backend = backend_for()
+
+    @sgl.function
+    def bad_gen(s):
+        s += "a" + sgl.gen("x", temperature=-1.0)
+
+    with pytest.raises(ValueError, match=r"gen\('x'\).*temperature"):
+        bad_gen.run(backend=backend)
+
+    @sgl.function
+    def fine(s):
+        s += "a" + sgl.gen("x", max_tokens=2)
+
+    with pytest.raises(ValueError, match=r"run\(\).*top_p"):
+        fine.run(backend=backend, top_p=2.0)
+    assert fine.run(backend=backend)["x"] == "ok"  # nothing was left behind
 
 
 def test_unknown_variable_is_a_key_error():
