@@ -212,6 +212,32 @@ def test_unsupported_or_malformed_requests_get_a_400_naming_the_field(url, path,
     assert needle in error["message"], error
 
 
+def test_a_seed_out_of_range_is_refused_and_the_server_survives(url, client):
+    # Such a seed used to reach torch.Generator.manual_seed in the scheduler and kill it: every later
+    # request got a 500 and /health a 503.
+    for seed, n in ((10 ** 23, 1), (2 ** 64 - 1, 2), (-(2 ** 63) - 1, 1)):
+        with pytest.raises(openai.BadRequestError, match="seed must be in"):
+            client.chat.completions.create(model="default", messages=USER_HI, max_tokens=1, seed=seed, n=n)
+    r = requests.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1,
+                                                                              "seed": 2 ** 64}}, timeout=60)
+    assert r.status_code == 400 and "seed must be in" in r.json()["error"]["message"]
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+    reply = client.chat.completions.create(model="default", messages=USER_HI, max_tokens=2, seed=2 ** 64 - 2, n=2)
+    assert len(reply.choices) == 2
+
+
+def test_a_logit_bias_that_overflows_float32_is_refused(url, client):
+    # 1e308 is inf in float32: sampling returned token 0 every step instead of the biased token.
+    with pytest.raises(openai.BadRequestError, match=r"logit_bias values must be in \[-100, 100\]"):
+        client.completions.create(model="default", prompt="hi", max_tokens=1, logit_bias={"28": 1e308})
+    r = requests.post(url + "/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 1, "logit_bias": {"28": 1e308}}}, timeout=60)
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]
+    biased = client.completions.create(model="default", prompt="hi", max_tokens=2, temperature=0,
+                                       logit_bias={"28": 100}, logprobs=0)
+    assert biased.choices[0].text == ",," and biased.choices[0].logprobs.tokens == [",", ","]
+
+
 def test_off_values_of_unsupported_openai_fields_are_accepted(client):
     # What SDK wrappers send on every request: asks for nothing plait lacks, so it must just work.
     completion = client.chat.completions.create(

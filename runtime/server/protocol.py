@@ -164,6 +164,15 @@ class _SamplingExtensions(BaseModel):
             raise ValueError("stop accepts at most 16 sequences")
         return stop
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, bias: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        # OpenAI's range. NOTE: a bias of 1e308 is inf in float32 and made sampling return NaN garbage.
+        bad = next(((k, v) for k, v in (bias or {}).items() if not -100.0 <= v <= 100.0), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bad[1]} for token {bad[0]}")
+        return bias
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, options: Optional[StreamOptions], info: ValidationInfo
