@@ -270,7 +270,8 @@ class ModelRunner:
         reqs = batch.reqs
         sample_rows: list[int] = []  # row in hidden (T,) per sampling request
         sampling_reqs: list[int] = []  # index into batch.reqs
-        input_lp_rows: list[tuple[int, int, int]] = []  # (req index, row, prompt position of the predicted token)
+        # (req index, row, prompt position of the predicted token; the prompt's length: the next token)
+        input_lp_rows: list[tuple[int, int, int]] = []
         if batch.mode.is_decode():
             # NOTE: numpy rows, not per-request lists: a pipelined step reuses the previous step's lengths.
             rows = batch.decode_host_rows(ahead, with_input_ids=input_ids is None)  # (5 or 6, B)
@@ -297,6 +298,10 @@ class ModelRunner:
                     first = max(r.logprob_start_len, 1, pre + 1, r.input_logprob_next)
                     for pos in range(first, min(pre + ext, prompt_len)):
                         input_lp_rows.append((i, offset + (pos - 1 - pre), pos))
+                if pre + ext == r.seq_len and r.prefill_only and r.return_logprob and r.top_logprobs_num:
+                    # max_new_tokens=0 with top logprobs: no token, but the next token's distribution (the
+                    # "position" past the prompt; SGLang programs read it, e.g. to branch on the top-k).
+                    input_lp_rows.append((i, offset + ext - 1, len(r.origin_input_ids)))
                 offset += ext
             input_ids, pos_t, loc_t, token_rows = self._upload(token_host)  # (4, T)
             pool_t, seq_t, pre_t, ext_t, start_t = self._upload(req_host)  # (5, B)
@@ -322,7 +327,8 @@ class ModelRunner:
                          input_logprobs=[[] for _ in reqs])
         if input_lp_rows:
             rows = torch.tensor([row for _, row, _ in input_lp_rows], dtype=torch.int64, device=hidden.device)
-            targets = torch.tensor([reqs[i].origin_input_ids[pos] for i, _, pos in input_lp_rows],
+            # (a next-token row has no target: 0 stands in, its logprob is not reported)
+            targets = torch.tensor([_prompt_token(reqs[i], pos) for i, _, pos in input_lp_rows],
                                    dtype=torch.int64, device=hidden.device)
             top_k = max(reqs[i].top_logprobs_num for i, _, _ in input_lp_rows)
             chosen, top_v, top_i = compute_logprobs(self.model.compute_logits(hidden[rows]), targets, top_k)
@@ -332,7 +338,10 @@ class ModelRunner:
             for j, (i, _, pos) in enumerate(input_lp_rows):
                 k = reqs[i].top_logprobs_num
                 top = list(zip(top_v[j][:k], top_i[j][:k])) if (k and top_v is not None) else None
-                out.input_logprobs[i].append((pos, chosen[j], int(targets[j]), top))
+                if pos == len(reqs[i].origin_input_ids):
+                    out.output_logprobs[i] = (None, top)  # the next token's distribution, no token
+                else:
+                    out.input_logprobs[i].append((pos, chosen[j], int(targets[j]), top))
         if not sample_rows:
             return out
         s_reqs = [reqs[i] for i in sampling_reqs]
@@ -373,6 +382,10 @@ def default_max_running_requests(device: str, max_total_tokens: int) -> int:
     if device != "cuda":
         return CPU_DEFAULT_RUNNING_REQUESTS
     return max(1, min(GPU_MAX_AUTO_RUNNING_REQUESTS, max_total_tokens // 128))
+
+
+def _prompt_token(r: Req, pos: int) -> int:
+    return r.origin_input_ids[pos] if pos < len(r.origin_input_ids) else 0
 
 
 def _plain_greedy(r: Req) -> bool:

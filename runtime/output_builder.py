@@ -137,3 +137,6 @@ class OutputBuilder:
             out.output_token_logprobs.append((lp, t, self._tok_text(r, t)))
             out.output_top_logprobs.append(self._top(r, top))
         r.sent_output_logprobs = len(r.output_token_logprobs)
+        if r.prefill_only and r.finished_reason is not None and r.output_top_logprobs and not r.output_token_logprobs:
+            # max_new_tokens=0: no token, but the next token's distribution was asked for (one final output)
+            out.output_top_logprobs.append(self._top(r, r.output_top_logprobs[0]))

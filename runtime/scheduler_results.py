@@ -68,6 +68,8 @@ class StepResultsMixin:
                 continue
             if tok is None:  # a chunk mid-way (`_commit_prefill` made it the chunked request) or prefill-only
                 if batch.prefix_lens[i] + batch.extend_lens[i] == r.seq_len:
+                    if lps is not None:  # prefill-only, top logprobs asked: the next token's distribution
+                        r.output_top_logprobs.append(lps[1])
                     staged.append((r, _NO_TOKEN))
                 continue
             if r.first_token_time is None:

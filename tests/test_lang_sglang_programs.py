@@ -98,3 +98,33 @@ def test_endpoint_without_a_server_says_how_to_start_one():
     with pytest.raises(requests.exceptions.ConnectionError, match=r"127\.0\.0\.1:\d+/get_model_info.*"
                                                                     r"python -m plait\.runtime\.server"):
         sgl.RuntimeEndpoint(f"http://127.0.0.1:{port}")
+
+
+@sgl.function
+def top_k_first_tokens(s, question, k):
+    # The first step of SGLang's cot_decoding example: no token, only the next token's top-k.
+    s += sgl.user("Question: " + question + "\nAnswer:")
+    s += sgl.assistant_begin()
+    step_0 = s.fork(1)[0]
+    step_0 += sgl.gen("get_top_k", max_tokens=0, return_logprob=True, top_logprobs_num=k,
+                      return_text_in_logprobs=True)
+    s["top_k"] = step_0.get_meta_info("get_top_k")["output_top_logprobs"][0]
+
+
+@sgl.function
+def first_token(s, question):
+    s += sgl.user("Question: " + question + "\nAnswer:")
+    s += sgl.assistant_begin()
+    s += sgl.gen("first", max_tokens=1, temperature=0, return_logprob=True, top_logprobs_num=1)
+
+
+def test_max_tokens_zero_gives_the_next_tokens_distribution(runtime):
+    # It used to come back empty (the IndexError cot_decoding hit): a prefill-only request skipped the
+    # last position's logits.
+    state = top_k_first_tokens.run(question="What is 2 + 3?", k=4)
+    top = state["top_k"]
+    assert len(top) == 4 and all(isinstance(text, str) for _, _, text in top)
+    logprobs = [lp for lp, _, _ in top]
+    assert logprobs == sorted(logprobs, reverse=True) and logprobs[0] <= 0.0
+    greedy = first_token.run(question="What is 2 + 3?").get_meta_info("first")
+    assert greedy["output_token_logprobs"][0][1] == top[0][1]  # the greedy token is the top-1
