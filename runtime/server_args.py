@@ -56,6 +56,10 @@ class ServerArgs:
     # them instead of once per request (shared-prefix "cascade" attention); this turns it off.
     disable_cascade_attention: bool = False
     num_threads: Optional[int] = None  # CPU torch threads in the scheduler process
+    # SGLang's tensor / data parallel sizes: a model runs on one device here, so only 1 is accepted
+    # (SGLang's own examples pass tp_size=1).
+    tp_size: int = 1
+    dp_size: int = 1
     # Device time per step from CUDA events, reported by get_stats under "steps" (for benchmarks).
     enable_step_timing: bool = False
 
@@ -96,6 +100,11 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("tp_size", "dp_size"):
+            if getattr(self, name) != 1:
+                raise NotImplementedError(
+                    f"{name}={getattr(self, name)!r}: plait serves a model on one device; tensor and data "
+                    f"parallelism are not supported (leave {name} at 1 or omit it)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
 

@@ -240,6 +240,20 @@ def test_cli_every_server_arg_is_a_flag():
     assert parse_server_args(["--cuda-graph-max-bs", "64"]).cuda_graph_max_bs == 64
     with pytest.raises(SystemExit):
         parse_server_args(["--cuda-graph-max-bs", "0"])
+    # SGLang's parallelism flags: 1 (its examples pass it) is accepted, any other size is a usage error.
+    assert parse_server_args(["--tp-size", "1", "--dp-size", "1"]) == ServerArgs()
+    with pytest.raises(SystemExit):
+        parse_server_args(["--tp-size", "2"])
+    with pytest.raises(NotImplementedError, match="dp_size=2.*one device"):
+        ServerArgs.from_kwargs(dp_size=2)
+
+
+def test_model_path_that_is_not_a_folder_says_what_works():
+    from plait.runtime.model_loader import load_model_config
+
+    with pytest.raises(ValueError, match=r"'HuggingFaceTB/SmolLM2-135M-Instruct' is not a folder.*no hub"
+                                         r".*model_path=None runs the embedded default model.*llama-3.1-8b"):
+        load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct", "auto")
 
 
 def test_max_running_requests_default_depends_on_the_device_and_pool():

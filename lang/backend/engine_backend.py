@@ -94,15 +94,14 @@ class Runtime:
 
     Keyword arguments are ServerArgs fields (model_path=None picks the embedded default model).
     SGLang's launch-only arguments (`launch_timeout`) are accepted and ignored: nothing is launched.
-    SGLang's parallelism sizes (`tp_size`, `dp_size`) are accepted at 1, the one device plait uses;
-    any other size raises NotImplementedError.
+    SGLang's parallelism sizes (`tp_size`, `dp_size`) are ServerArgs fields: 1, the one device plait
+    uses, is accepted; any other size raises NotImplementedError.
     """
 
     def __init__(self, model_path: Optional[str] = None, chat_template: Optional[Union[ChatTemplate, str]] = None,
                  launch_timeout: Optional[float] = None, program_hints: bool = True, **server_args: Any) -> None:
         from plait.runtime import Engine
 
-        _drop_single_device_sizes(server_args)
         self.engine = Engine(model_path=model_path, **server_args)
         self.endpoint = EngineBackend(self.engine, chat_template, program_hints=program_hints)
         # Shut the engine down at exit even if the user forgets; weakref so this keeps nothing alive.
@@ -145,19 +144,6 @@ class Runtime:
 
     async def async_generate(self, prompt: Any = None, sampling_params: Optional[dict] = None, **kwargs: Any):
         return await self._live_engine().async_generate(prompt=prompt, sampling_params=sampling_params, **kwargs)
-
-
-# SGLang's Runtime arguments that size tensor / data parallelism (its examples pass tp_size=1).
-PARALLELISM_SIZES = ("tp_size", "dp_size")
-
-
-def _drop_single_device_sizes(server_args: dict) -> None:
-    for name in PARALLELISM_SIZES:
-        size = server_args.pop(name, 1)
-        if size != 1:
-            raise NotImplementedError(
-                f"Runtime({name}={size!r}): plait's runtime serves a model on one device; tensor and data "
-                f"parallelism are not supported (leave {name} at 1 or omit it)")
 
 
 def _shutdown_if_alive(runtime_ref: "weakref.ref[Runtime]") -> None:
