@@ -253,6 +253,9 @@ INVALID = [
     ("json", "[1, 2]", "must be a JSON object"),
     ("json", '{"type": 5}', "not a valid JSON schema"),
     ("json", '{"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}', "$defs"),
+    # nothing is fetched: a reference to another document would silently allow any JSON there
+    ("json", '{"type": "object", "properties": {"a": {"$ref": "https://example.com/address.json"}}}',
+     "$ref to another document at /properties/a"),
     ("ebnf", "root ::= foo", 'Rule "foo" is not defined'),
     ("ebnf", "root ::= (", "ebnf"),
     ("xml", "<a/>", "grammar kind must be one of"),

@@ -55,7 +55,37 @@ def parse_json_schema(text: str) -> Optional[Any]:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise ValueError(f"json_schema is not a valid JSON schema at {where}: {e.message}") from None
+    check_references_resolve_locally(schema)
     return schema
+
+
+def check_references_resolve_locally(schema: Any) -> None:
+    """Raise ValueError for a `$ref` to another document (a URL or a file): nothing is fetched here, and
+    an unresolved reference would silently allow any JSON at that place.
+
+    A reference is local when it starts with '#' or names (before any '#') an `$id` declared inside this
+    schema (a bundled schema)."""
+    ids, refs = set(), []
+
+    def scan(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$id"), str):
+                ids.add(node["$id"].split("#")[0])
+            if isinstance(node.get("$ref"), str):
+                refs.append((node["$ref"], path or "/"))
+            for key, child in node.items():
+                if key not in ("enum", "const", "default", "examples"):  # values, not schemas
+                    scan(child, f"{path}/{key}")
+        elif isinstance(node, list):
+            for i, child in enumerate(node):
+                scan(child, f"{path}/{i}")
+
+    scan(schema, "")
+    for ref, path in refs:
+        if not ref.startswith("#") and ref.split("#")[0] not in ids:
+            raise ValueError(f"json_schema has a $ref to another document at {path}: {ref!r}. Only references "
+                             f"inside the schema ('#/$defs/...') are resolved; inline the referenced schema "
+                             f"under $defs")
 
 
 # ---- regex ----
