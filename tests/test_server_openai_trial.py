@@ -238,6 +238,19 @@ def test_a_logit_bias_that_overflows_float32_is_refused(url, client):
     assert biased.choices[0].text == ",," and biased.choices[0].logprobs.tokens == [",", ","]
 
 
+@pytest.mark.parametrize("path, body, param, needle", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 1}',
+     "messages", "messages[0].content is not valid Unicode"),
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt", "prompt is not valid Unicode"),
+    ("/generate", '{"text": "a\\ud800b", "sampling_params": {"max_new_tokens": 1}}', "text", "not valid Unicode"),
+], ids=["chat", "completions", "generate"])
+def test_a_lone_surrogate_is_a_400_not_a_500(url, path, body, param, needle):
+    # Valid JSON ("\ud800" escape), but no tokenizer can encode it: it was an internal error.
+    r = requests.post(url + path, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and needle in r.json()["error"]["message"]
+
+
 def test_off_values_of_unsupported_openai_fields_are_accepted(client):
     # What SDK wrappers send on every request: asks for nothing plait lacks, so it must just work.
     completion = client.chat.completions.create(

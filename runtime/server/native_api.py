@@ -63,6 +63,15 @@ def _check_engine_limits(sp: SamplingParams) -> None:
                              f"got {bias}")
 
 
+def check_unicode(text: str, label: str, param: str) -> None:
+    """JSON may escape lone surrogates ("\\ud800"), which no tokenizer can encode (a 500 without this)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{label} is not valid Unicode: {e.reason} (character {e.start})",
+                       param=param) from None
+
+
 def check_prompt_ids(ids: list[int], ctx: ServerContext, field_name: str) -> None:
     if not ids:
         raise APIError(400, f"{field_name} must not be empty", param=field_name)
@@ -118,6 +127,7 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[st
             text = body.text[i] if is_batch else body.text
             if text == "":
                 raise APIError(400, "text must not be empty", param="text")
+            check_unicode(text, "text", "text")
             base["prompt"] = text
         else:
             ids = body.input_ids[i] if is_batch else body.input_ids

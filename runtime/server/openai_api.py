@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, sse_error_event
-from .native_api import (SSE_DONE, check_prompt_ids, check_prompt_length, expand_n, sse_event,
+from .native_api import (SSE_DONE, check_prompt_ids, check_prompt_length, check_unicode, expand_n, sse_event,
                          verified_sampling_params)
 from .openai_responses import (ChoiceCursor, abort_error, chat_logprobs, completion_logprobs, finish_reason,
                                matched_stop, usage)
@@ -146,6 +146,7 @@ def _completion_prompts(req: CompletionRequest, ctx: ServerContext) -> list[dict
         if isinstance(item, str):
             if item == "":
                 raise APIError(400, "prompt must not be empty", param="prompt")
+            check_unicode(item, "prompt", "prompt")
             prompts.append({"prompt": item})
         else:
             check_prompt_ids(item, ctx, "prompt")
@@ -240,6 +241,8 @@ def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServerContext) -> list[int]
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in req.messages]
+    for i, m in enumerate(messages):
+        check_unicode(m["content"], f"messages[{i}].content", "messages")
     kwargs = dict(req.chat_template_kwargs or {})
     if req.continue_final_message:
         kwargs.update(add_generation_prompt=False, continue_final_message=True)
