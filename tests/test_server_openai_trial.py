@@ -126,6 +126,17 @@ def test_streamed_echo_has_the_prompt_logprobs_like_the_full_response(client):
     assert streamed["token_logprobs"][0] is None  # nothing predicts the first prompt token
 
 
+def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client):
+    # vLLM's stream option; plait accepted it and silently sent usage only at the end.
+    chunks = list(client.chat.completions.create(
+        model="default", messages=USER_HI, max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens >= 1
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
 # ---------------------------------------------------------------- disconnects and concurrency
 
 def test_a_stream_the_client_drops_is_aborted_and_counted(url, client):

@@ -104,6 +104,12 @@ def raise_if_aborted(results: list[dict]) -> None:
             raise APIError(*error)
 
 
+def _continuous_usage(req: Union[CompletionRequest, ChatCompletionRequest]) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far."""
+    options = req.stream_options
+    return options is not None and options.include_usage and options.continuous_usage_stats
+
+
 def _abort_event(meta: dict[str, Any]) -> Optional[str]:
     error = abort_error(meta)
     return None if error is None else sse_error_event(APIError(*error))
@@ -204,6 +210,7 @@ async def _completion_events(group: GenerationGroup, req: CompletionRequest, res
     cursors: dict[int, ChoiceCursor] = {}
     last_meta: dict[int, dict] = {}
     head = {"id": response_id, "object": "text_completion", "created": created, "model": ctx.model_name}
+    continuous = _continuous_usage(req)
     async for index, chunk in group.chunks():
         cur = cursors.setdefault(index, ChoiceCursor())
         meta = chunk.get("meta_info") or {}
@@ -223,8 +230,11 @@ async def _completion_events(group: GenerationGroup, req: CompletionRequest, res
             cur.text_offset += sum(len(t) for t in logprobs["tokens"])
         reason = finish_reason(meta)
         if text or reason or logprobs:
-            yield sse_event({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                                  "finish_reason": reason}]})
+            body = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                         "finish_reason": reason}]}
+            if continuous:
+                body["usage"] = usage([meta], [meta])
+            yield sse_event(body)
         if reason == "abort" and (event := _abort_event(meta)):
             yield event
     if req.stream_options is not None and req.stream_options.include_usage:
@@ -298,10 +308,14 @@ async def _chat_events(group: GenerationGroup, req: ChatCompletionRequest, respo
     cursors: dict[int, ChoiceCursor] = {}
     last_meta: dict[int, dict] = {}
     head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
+    continuous = _continuous_usage(req)
+    meta: dict[str, Any] = {}
 
     def event(index: int, delta: dict, reason: Optional[str] = None, logprobs: Any = None) -> str:
-        return sse_event({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                               "finish_reason": reason}]})
+        body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+        if continuous:
+            body["usage"] = usage([meta], [meta])  # the current chunk's choice
+        return sse_event(body)
 
     async for index, chunk in group.chunks():
         cur = cursors.setdefault(index, ChoiceCursor())
