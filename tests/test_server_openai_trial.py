@@ -106,6 +106,8 @@ def test_every_response_carries_a_request_id(url, client):
     r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
                       headers={"X-Request-Id": "trace-42"}, timeout=60)
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"  # the client's own, echoed
+    r = requests.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+    assert r.headers["x-request-id"] == r.json()["meta_info"]["id"]
     with pytest.raises(openai.BadRequestError) as info:  # errors are traceable too
         client.completions.create(model="default", prompt="hi", max_tokens=-1)
     assert info.value.request_id

@@ -170,6 +170,8 @@ async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator
 async def generate(body: GenerateRequest, request: Request):
     ctx = get_context(request)
     runs = native_calls(body, ctx)
+    if len(runs) == 1 and len(runs[0]) == 1:  # X-Request-Id = meta_info.id (http_server.RequestIdHeader)
+        request.state.request_id = runs[0][0]["rid"]
     group = ctx.new_group(request, log_metrics=body.log_metrics)
     await group.start(runs)
     indexed = body.is_batch or len(runs[0]) > 1
