@@ -264,6 +264,22 @@ def test_a_lone_surrogate_is_a_400_not_a_500(url, path, body, param, needle):
     assert r.json()["error"]["param"] == param and needle in r.json()["error"]["message"]
 
 
+def test_strict_schema_with_a_keyword_the_backend_cannot_enforce_is_refused(client):
+    # strict=true promises a matching output; uniqueItems is not enforced, which was silently ignored.
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True}}, "required": ["tags"]}
+
+    def ask(strict: bool):
+        return client.chat.completions.create(
+            model="default", messages=USER_HI, max_tokens=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": strict}})
+
+    with pytest.raises(openai.BadRequestError, match="strict=true, but keyword 'uniqueItems'") as info:
+        ask(strict=True)
+    assert info.value.body["param"] == "response_format"
+    assert ask(strict=False).choices[0].message.content.startswith("{")  # best effort without strict
+
+
 def test_off_values_of_unsupported_openai_fields_are_accepted(client):
     # What SDK wrappers send on every request: asks for nothing plait lacks, so it must just work.
     completion = client.chat.completions.create(

@@ -13,6 +13,8 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ..constrained import validate_constraint
+from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, sse_error_event
 from .native_api import (SSE_DONE, check_prompt_ids, check_prompt_length, check_unicode, expand_n, sse_event,
@@ -59,15 +61,35 @@ def sampling_dict(req: Union[CompletionRequest, ChatCompletionRequest], max_new_
     return params
 
 
-def _engine_calls(prompts: list[dict[str, Any]], params: dict[str, Any], ctx: ServerContext,
-                  rid: Optional[str], logprob_args: dict[str, Any]) -> list[list[dict[str, Any]]]:
+def _engine_calls(req: Union[CompletionRequest, ChatCompletionRequest], prompts: list[dict[str, Any]],
+                  params: dict[str, Any], ctx: ServerContext, logprob_args: dict[str, Any]
+                  ) -> list[list[dict[str, Any]]]:
     """One run of n samples per prompt (see GenerationGroup.start)."""
     sp = verified_sampling_params(params, ctx, label="sampling parameters", param=None)
+    _check_strict_schema(req, sp, ctx)
+    rid = req.rid
     runs = []
     for i, prompt in enumerate(prompts):
         base_rid = rid if rid and len(prompts) == 1 else (f"{rid}-p{i}" if rid else new_rid())
         runs.append(expand_n({**prompt, **logprob_args}, sp, base_rid))
     return runs
+
+
+def _check_strict_schema(req: Union[CompletionRequest, ChatCompletionRequest], sp: SamplingParams,
+                         ctx: ServerContext) -> None:
+    """`strict: true` promises output that matches the schema. Keywords the grammar backend cannot
+    enforce (uniqueItems, format, ...) would break that promise silently, so they are a 400 here, as
+    OpenAI refuses keywords its strict mode does not support; without strict they are best effort."""
+    rf = req.response_format
+    if rf is None or rf.json_schema is None or not rf.json_schema.strict or sp.grammar_key is None:
+        return
+    try:
+        warnings = validate_constraint(*sp.grammar_key, ctx.server_args.grammar_backend)
+    except ValueError as e:
+        raise APIError(400, f"invalid json_schema: {e}", param="response_format") from None
+    if warnings:
+        raise APIError(400, "response_format json_schema has strict=true, but " + "; ".join(warnings)
+                       + " (set strict=false for best effort)", param="response_format")
 
 
 def _default_max_tokens(prompt_len: int, ctx: ServerContext) -> Optional[int]:
@@ -171,7 +193,7 @@ async def completions(req: CompletionRequest, request: Request):
                         "return_text_in_logprobs": True}
         if req.echo:
             logprob_args["logprob_start_len"] = 0
-    runs = _engine_calls(prompts, sampling_dict(req, req.max_tokens), ctx, req.rid, logprob_args)
+    runs = _engine_calls(req, prompts, sampling_dict(req, req.max_tokens), ctx, logprob_args)
     group = ctx.new_group(request)
     response_id = "cmpl-" + (req.rid or uuid.uuid4().hex)
     request.state.request_id = response_id  # the X-Request-Id header (http_server.RequestIdHeader)
@@ -278,7 +300,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.logprobs:
         logprob_args = {"return_logprob": True, "top_logprobs_num": req.top_logprobs or 0,
                         "return_text_in_logprobs": True}
-    runs = _engine_calls([{"input_ids": ids}], sampling_dict(req, max_new), ctx, req.rid, logprob_args)
+    runs = _engine_calls(req, [{"input_ids": ids}], sampling_dict(req, max_new), ctx, logprob_args)
     group = ctx.new_group(request)
     response_id = "chatcmpl-" + (req.rid or uuid.uuid4().hex)
     request.state.request_id = response_id  # the X-Request-Id header (http_server.RequestIdHeader)
