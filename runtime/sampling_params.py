@@ -11,10 +11,12 @@ import dataclasses
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 _GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGIT_BIAS = 1e38  # below float32's largest value (3.4e38)
 
 
 @dataclass
@@ -138,6 +140,10 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int, got {type(self.seed).__name__}")
+        # n samples take seeds seed .. seed + n - 1, each a torch.Generator seed: a 64-bit value.
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (a 64-bit seed for each of "
+                             f"the n={self.n} samples), got {self.seed}")
         for name in ("stop", "stop_regex"):
             v = getattr(self, name)
             if v is None:
@@ -158,8 +164,11 @@ class SamplingParams:
                    if not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size)]
             if bad:
                 raise ValueError(f"logit_bias token id {bad[0]!r} is outside [0, {vocab_size})")
-            if not all(isinstance(b, (int, float)) and math.isfinite(b) for b in self.logit_bias.values()):
-                raise ValueError("logit_bias values must be finite numbers")
+            if not all(isinstance(b, (int, float)) and math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS
+                       for b in self.logit_bias.values()):
+                # (a bias past float32's range is infinite once added to the logits: every draw breaks)
+                raise ValueError(f"logit_bias values must be finite numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}]")
         for pat in self.stop_regexes:
             try:
                 re.compile(pat)

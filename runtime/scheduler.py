@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import time
+import traceback
 from typing import Any, Optional
 
 import torch
@@ -24,6 +25,7 @@ from .forward_batch import ForwardMode
 from .model_loader import load_tokenizer
 from .model_runner import ModelRunner
 from .prefix_cache import NoSharingCache, PrefixCache
+from .sampling_params import SamplingParams
 from .schedule_batch import FinishReason, Req, ScheduleBatch
 from .scheduler_pipeline import OverlapScheduleMixin
 from .scheduler_prefill import PrefillAdmissionMixin
@@ -98,7 +100,11 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin):
         """Apply one incoming message; returns a reply to send back (control requests) or None.
         A request's `input_ids` list becomes the request's own (the caller must not change it)."""
         if isinstance(msg, TokenizedGenerateReq):
-            self._add_request(msg)
+            try:
+                self._add_request(msg)
+            except Exception as e:  # one request the intake checks missed must not take every other one down
+                logger.error("request %s refused:\n%s", msg.rid, traceback.format_exc())
+                self._refuse_request(msg, f"{type(e).__name__}: {e}")
         elif isinstance(msg, AbortReq):
             self._abort(msg.rid)
         elif isinstance(msg, ControlReq):
@@ -129,6 +135,15 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin):
             self.grammar_pending.append(req)
             return
         self.waiting.append(req)
+
+    def _refuse_request(self, m: TokenizedGenerateReq, message: str) -> None:
+        """End a request that failed while being added, before it holds anything, with an abort."""
+        self.reqs_by_rid.pop(m.rid, None)
+        self.waiting = [r for r in self.waiting if r.rid != m.rid]
+        self.grammar_pending = [r for r in self.grammar_pending if r.rid != m.rid]
+        req = Req(m.rid, list(m.input_ids), SamplingParams(max_new_tokens=0), tokenizer=self.text_decoder,
+                  eos_token_ids=self.eos_token_ids, stream=m.stream, defer_text=True)
+        self._finish_now(req, FinishReason("abort", message=f"the scheduler refused the request: {message}"))
 
     def _start_grammar(self, req: Req) -> bool:
         try:

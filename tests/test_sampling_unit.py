@@ -95,6 +95,10 @@ def test_from_dict_converts_json_friendly_values():
     ({"stop_regex": 5}, "stop_regex"),
     ({"logit_bias": {VOCAB + 1: 1.0}}, "logit_bias"),
     ({"logit_bias": {1: float("inf")}}, "logit_bias"),
+    ({"logit_bias": {1: 1e308}}, "logit_bias"),  # finite, but infinite once added to float32 logits
+    ({"seed": 10 ** 23}, "seed"),  # past a 64-bit generator seed: it used to crash the scheduler
+    ({"seed": -(2 ** 63) - 1}, "seed"),
+    ({"seed": 2 ** 64 - 1, "n": 2}, "seed"),  # the second sample's seed would overflow
     ({"ignore_eos": "yes"}, "ignore_eos"),
 ])
 def test_verify_rejects_out_of_range_values_naming_the_field(params, field):

@@ -110,6 +110,20 @@ def test_request_that_can_never_fit_is_rejected(random_models):
     assert s.is_idle()
 
 
+def test_a_request_that_fails_to_be_added_is_aborted_and_the_scheduler_serves_on(random_models):
+    s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=64)
+    # A seed past 64 bits, sent without the tokenizer manager's checks: the generator refuses it.
+    submit(s, "bad", [3, 4, 5], max_new_tokens=2, temperature=1.0, seed=10 ** 23)
+    outs = s.collect_outputs()
+    assert [o.rid for o in outs] == ["bad"] and outs[0].finished_reason["type"] == "abort"
+    assert "refused the request" in outs[0].finished_reason["message"]
+    assert "bad" not in s.reqs_by_rid and not s.waiting
+    submit(s, "good", [3, 4, 5], max_new_tokens=2, temperature=0, ignore_eos=True)
+    finals = run_until_idle(s)
+    assert finals["good"].finished_reason == {"type": "length", "length": 2}
+    assert s.allocator.available() == 64
+
+
 def test_abort_waiting_and_running(random_models):
     s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=64)
     submit(s, "run", [3, 4, 5], max_new_tokens=50, temperature=0, ignore_eos=True)
