@@ -135,6 +135,12 @@ class TokenizerManager:
         ctx = self.info.context_len
         if len(input_ids) >= ctx:
             raise ValueError(f"prompt is too long: {len(input_ids)} tokens, the context length is {ctx}")
+        if sp.max_new_tokens is not None and len(input_ids) + sp.max_new_tokens > ctx:
+            # As SGLang and vLLM do: a limit the context cannot hold is the caller's mistake, not a request
+            # to run until the context is full (max_new_tokens=None asks for that).
+            raise ValueError(f"the request needs up to {len(input_ids) + sp.max_new_tokens} tokens ({len(input_ids)} in "
+                             f"the prompt + max_new_tokens {sp.max_new_tokens}), more than the context length "
+                             f"{ctx}: lower max_new_tokens or shorten the prompt")
         if len(input_ids) + 1 > self.info.max_total_tokens:
             raise ValueError(f"prompt is too long: {len(input_ids)} tokens cannot fit in the KV cache "
                              f"({self.info.max_total_tokens} tokens)")

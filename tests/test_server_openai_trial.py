@@ -225,6 +225,21 @@ def test_unsupported_or_malformed_requests_get_a_400_naming_the_field(url, path,
     assert needle in error["message"], error
 
 
+def test_max_tokens_the_context_cannot_hold_is_a_400(url, client):
+    # It used to run until the context was full (minutes for max_tokens=2**40 on this CPU), as no
+    # OpenAI-compatible server does.
+    with pytest.raises(openai.BadRequestError, match="more than the context length"):
+        client.completions.create(model="default", prompt="hi", max_tokens=10 ** 6)
+    with pytest.raises(openai.BadRequestError, match="more than the context length"):
+        client.chat.completions.create(model="default", messages=USER_HI, max_tokens=2 ** 40)
+    r = requests.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 10 ** 6}},
+                      timeout=60)
+    assert r.status_code == 400 and "more than the context length" in r.json()["error"]["message"]
+    # A limit that fits still works.
+    reply = client.chat.completions.create(model="default", messages=USER_HI, max_tokens=2)
+    assert reply.usage.completion_tokens <= 2
+
+
 def test_a_seed_out_of_range_is_refused_and_the_server_survives(url, client):
     # Such a seed used to reach torch.Generator.manual_seed in the scheduler and kill it: every later
     # request got a 500 and /health a 503.
