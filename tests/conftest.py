@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -159,3 +161,43 @@ def http_server_in_thread(engine):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server_process(log_path, *flags: str, startup_deadline_s: float = 600):
+    """`python -m plait.runtime.server` in a subprocess on a free port, its output in `log_path`: yields
+    its URL once /health answers; fails the test (with the log's tail) if it exits or never gets healthy."""
+    import requests
+
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.server", "--port", str(port), *flags],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + startup_deadline_s
+        try:
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                try:
+                    if requests.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                if time.time() > deadline:
+                    pytest.fail(f"server not healthy after {startup_deadline_s}s:\n{log_path.read_text()[-3000:]}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 
 import openai
 import pytest
 import requests
+from conftest import server_process
 from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key-123"
@@ -30,43 +28,13 @@ LONG = 4000
 IDLE_DEADLINE_S = 30
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "w")
-    cmd = [sys.executable, "-m", "plait.runtime.server", "--port", str(port), "--api-key", API_KEY,
-           "--max-running-requests", "2", "--max-queued-requests", "2", "--num-threads", "1"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + STARTUP_DEADLINE_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_DEADLINE_S}s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
+    with server_process(log_path, "--api-key", API_KEY, "--max-running-requests", "2",
+                        "--max-queued-requests", "2", "--num-threads", "1",
+                        startup_deadline_s=STARTUP_DEADLINE_S) as url:
         yield {"url": url, "log": log_path}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,13 @@ ignored. One server (a subprocess on a free port, the embedded model) serves the
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 import requests
+from conftest import server_process
 from prometheus_client.parser import text_string_to_metric_families
 
 STARTUP_DEADLINE_S = 600
@@ -27,42 +24,11 @@ SETTLE_DEADLINE_S = 30
 USER_HI = [{"role": "user", "content": "hi"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.server", "--port", str(port),
-                                 "--num-threads", "1"], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + STARTUP_DEADLINE_S
-        try:
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-                try:
-                    if requests.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except requests.ConnectionError:
-                    pass
-                if time.time() > deadline:
-                    pytest.fail(f"server not healthy after {STARTUP_DEADLINE_S}s:\n{log_path.read_text()[-3000:]}")
-                time.sleep(0.5)
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with server_process(log_path, "--num-threads", "1", startup_deadline_s=STARTUP_DEADLINE_S) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
