@@ -39,14 +39,16 @@ def new_rid() -> str:
 
 
 class AdmissionControl:
-    """Tracks open generations (by rid); refuses new ones past the limit (None = unlimited)."""
+    """Tracks open generations (rid → its GenerationGroup); refuses new ones past the limit (None =
+    unlimited). /abort_request goes through here, so the group can stop a request that has not reached
+    the Engine yet (an abort sent to the Engine before the request itself is lost)."""
 
     def __init__(self, limit: Optional[int], metrics: ServerMetrics) -> None:
         self.limit = limit
-        self.open_rids: set[str] = set()
+        self.open_rids: dict[str, "GenerationGroup"] = {}
         self._metrics = metrics
 
-    def admit(self, rids: list[str]) -> None:
+    def admit(self, rids: list[str], group: "GenerationGroup") -> None:
         n_open = len(self.open_rids)
         if self.limit is not None and n_open + len(rids) > self.limit:
             self._metrics.observe_rejected()
@@ -55,12 +57,20 @@ class AdmissionControl:
         duplicate = next((r for r in rids if r in self.open_rids), None)
         if duplicate is not None or len(set(rids)) != len(rids):
             raise APIError(400, f"rid {duplicate or rids} is already in use", param="rid")
-        self.open_rids.update(rids)
+        self.open_rids.update(dict.fromkeys(rids, group))
         self._metrics.set_in_flight(len(self.open_rids))
 
     def release(self, rid: str) -> None:
-        self.open_rids.discard(rid)
+        self.open_rids.pop(rid, None)
         self._metrics.set_in_flight(len(self.open_rids))
+
+    def abort(self, rid: str) -> bool:
+        """Abort an open generation through its group; False when no generation with that rid is open."""
+        group = self.open_rids.get(rid)
+        if group is None:
+            return False
+        group.abort_rid(rid)
+        return True
 
 
 @dataclass
@@ -74,6 +84,7 @@ class _SubStream:
     first_token: Optional[asyncio.Event] = None  # set once this leader's prompt is prefilled
     finished: bool = False
     aborted: bool = False
+    submitted: bool = False  # its stream is being read, so the Engine has (or is about to get) the request
     released: bool = False
     counted: bool = False  # its end is in the metrics
     started_at: float = 0.0
@@ -110,7 +121,7 @@ class GenerationGroup:
                 self._subs.append(_SubStream(rid=call["rid"], call=call, leader=leader if j else None))
             if len(run) > 1:
                 self._subs[leader].first_token = asyncio.Event()
-        self.admission.admit([s.rid for s in self._subs])
+        self.admission.admit([s.rid for s in self._subs], self)
         if self.request is not None:
             self._watcher = asyncio.create_task(self._watch_disconnect())
         leaders = [s for s in self._subs if s.leader is None]
@@ -177,16 +188,28 @@ class GenerationGroup:
             logger.info("client disconnected; aborting %s", ", ".join(unfinished))
         self._abort_unfinished()
 
+    def abort_rid(self, rid: str) -> None:
+        for sub in self._subs:
+            if sub.rid == rid:
+                self._abort(sub)
+
     def _abort_unfinished(self) -> None:
         for sub in self._subs:
-            if not (sub.finished or sub.aborted):
-                sub.aborted = True
-                if sub.iterator is None:
-                    continue  # a follower that never reached the Engine
-                try:
-                    self.engine.abort(sub.rid)
-                except Exception:
-                    logger.exception("engine.abort(%s) failed", sub.rid)
+            self._abort(sub)
+
+    def _abort(self, sub: _SubStream) -> None:
+        if sub.finished or sub.aborted:
+            return
+        sub.aborted = True
+        if not sub.submitted:
+            # NOTE: the Engine gets a request when its stream is first read (in _pump); an abort sent
+            # before that would reach the scheduler first and be dropped, and the request would then
+            # run to max_new_tokens for nobody. _pump sees `aborted` and never submits it instead.
+            return
+        try:
+            self.engine.abort(sub.rid)
+        except Exception:
+            logger.exception("engine.abort(%s) failed", sub.rid)
 
     # ---------------------------------------------------------------- outputs
     def _observe(self, sub: _SubStream, chunk: dict) -> None:
@@ -214,10 +237,17 @@ class GenerationGroup:
                 first_token = self._subs[sub.leader].first_token
                 assert first_token is not None
                 await first_token.wait()
-                if sub.aborted:
-                    await queue.put((index, None))
-                    return
-                await self._open(sub)
+                if not sub.aborted:
+                    await self._open(sub)
+            if sub.aborted:  # aborted before the Engine got it: end it here, as the scheduler would
+                chunk = _aborted_before_start(sub)
+                self._observe(sub, chunk)
+                await queue.put((index, chunk))
+                await queue.put((index, None))
+                return
+            # No await between the check above and the first read, which hands the request to the
+            # Engine: an abort from now on reaches the scheduler after the request.
+            sub.submitted = True
             async for chunk in sub.iterator:
                 self._observe(sub, chunk)
                 if sub.first_token is not None:
@@ -259,3 +289,13 @@ class GenerationGroup:
         if missing:
             raise RuntimeError(f"the engine returned no output for {', '.join(missing)}")
         return [s.last for s in self._subs]  # type: ignore[misc]
+
+
+def _aborted_before_start(sub: _SubStream) -> dict:
+    """The final output of a request aborted before the Engine got it (the scheduler's shape)."""
+    ids = sub.call.get("input_ids")
+    started = sub.started_at or time.perf_counter()
+    return {"text": "", "output_ids": [], "meta_info": {
+        "id": sub.rid, "prompt_tokens": len(ids) if ids else 0, "completion_tokens": 0, "cached_tokens": 0,
+        "finish_reason": {"type": "abort", "message": "aborted by the client"},
+        "e2e_latency": time.perf_counter() - started}}

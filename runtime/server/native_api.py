@@ -275,5 +275,6 @@ async def abort_request(body: AbortRequest, request: Request) -> JSONResponse:
     else:
         raise APIError(400, "give 'rid' or 'abort_all': true", param="rid")
     for rid in rids:
-        ctx.engine.abort(rid)
+        if not ctx.admission.abort(rid):  # not open at this server: maybe still in the Engine
+            ctx.engine.abort(rid)
     return JSONResponse({"success": True, "aborted": rids})

@@ -1,0 +1,93 @@
+"""Regressions found by the server soak (benchmarks/soak_server.py): requests that kept running after
+their client gave up. Each test drives a real `python -m plait.runtime.server` subprocess."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from urllib.parse import urlparse
+
+import pytest
+import requests
+
+from conftest import server_process
+
+MAX_NEW = 80  # ignore_eos: a request nobody aborts generates exactly this many tokens
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("soak") / "server.log"
+    with server_process(log, "--num-threads", "1", "--max-total-tokens", "2048") as url:
+        yield url
+
+
+def _info(url: str) -> dict:
+    return requests.get(url + "/get_server_info", timeout=30).json()
+
+
+def _wait_idle(url: str, deadline_s: float = 120) -> dict:
+    """Server info once nothing is open or running (the deadline only guards against a hang)."""
+    deadline = time.time() + deadline_s
+    while True:
+        info = _info(url)
+        if not (info["num_open_http_requests"] or info["num_running_reqs"] or info["num_waiting_reqs"]):
+            return info
+        assert time.time() < deadline, f"server never went idle: {info}"
+        time.sleep(0.2)
+
+
+def _requests_ended(url: str) -> float:
+    """Generation requests the server has ended (any finish reason), from /metrics."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("plait_requests_total{"))
+
+
+def test_client_that_disconnects_at_once_gets_its_request_aborted(server):
+    """A client that sends a request and hangs up at once (a timeout, a killed process) used to have its
+    abort lost: the disconnect was seen before the request reached the scheduler, so it ran to the end."""
+    before = _wait_idle(server)["generation_tokens"]
+    ended = _requests_ended(server)
+    body = json.dumps({"text": "Tell me a long story.", "sampling_params": {
+        "max_new_tokens": MAX_NEW, "ignore_eos": True, "temperature": 0}}).encode()
+    u = urlparse(server)
+    for _ in range(3):
+        with socket.create_connection((u.hostname, u.port)) as sock:
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.time() + 120
+    while _requests_ended(server) < ended + 3:  # all three reached the server and ended
+        assert time.time() < deadline, "the requests never ended"
+        time.sleep(0.2)
+    generated = _wait_idle(server)["generation_tokens"] - before
+    assert generated < 3 * MAX_NEW, f"{generated} tokens generated for 3 clients that had hung up"
+
+
+def test_abort_request_stops_every_sample_of_n(server):
+    """/abort_request on an n > 1 request: samples that had not started yet (they wait for the first
+    one's prefill) used to start afterwards and run to max_new_tokens."""
+    rid = "soak-abort-n"
+    out = {}
+
+    def run():
+        out["r"] = requests.post(server + "/generate", timeout=300, json={
+            "text": "Write a poem about the sea. " * 20, "rid": rid,
+            "sampling_params": {"n": 3, "max_new_tokens": MAX_NEW, "ignore_eos": True}})
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 60
+    while _info(server)["num_open_http_requests"] < 3:
+        assert time.time() < deadline and t.is_alive(), "the request never opened"
+        time.sleep(0.02)
+    aborted = requests.post(server + "/abort_request", json={"rid": rid}, timeout=30).json()["aborted"]
+    assert sorted(aborted) == sorted([rid, f"{rid}-0", f"{rid}-1", f"{rid}-2"])
+    t.join(120)
+    r = out["r"]
+    assert r.status_code == 200, r.text
+    reasons = [o["meta_info"]["finish_reason"]["type"] for o in r.json()]
+    assert reasons == ["abort"] * 3, reasons
+    info = _wait_idle(server)
+    assert info["kv_used_tokens"] == 0 and not info["last_integrity_error"]
