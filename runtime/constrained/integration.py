@@ -44,8 +44,16 @@ class GrammarManager:
         self._bitmask: Optional[torch.Tensor] = None
         # jump_forward_tokens: tokens appended without a decode step; jump_forward_rollback_tokens:
         # sampled tokens replaced by the retokenized forced text (decoded, then dropped).
-        self.stats = {"jump_forward_events": 0, "jump_forward_tokens": 0,
-                      "jump_forward_rollback_tokens": 0}
+        self.counters = {"jump_forward_events": 0, "jump_forward_tokens": 0,
+                         "jump_forward_rollback_tokens": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters plus the compile cache's size, hits and misses (a soak watches the size: each
+        compiled grammar holds its token-mask tables until the LRU drops it)."""
+        cache = self.backend.cache_info()
+        return {**self.counters, "grammar_cache_size": cache["size"], "grammar_cache_hits": cache["hits"],
+                "grammar_cache_misses": cache["misses"]}
 
     # ---- arrival ----
     def request(self, sampling_params: Any) -> "Future[GrammarMatcher]":
@@ -89,9 +97,9 @@ class GrammarManager:
             return None  # forced tokens have no logprobs; keep such requests token by token
         plan = jump_forward(req, self.tokenizer, self._special)
         if plan is not None:
-            self.stats["jump_forward_events"] += 1
-            self.stats["jump_forward_tokens"] += len(plan.append_token_ids)
-            self.stats["jump_forward_rollback_tokens"] += plan.rollback_tokens
+            self.counters["jump_forward_events"] += 1
+            self.counters["jump_forward_tokens"] += len(plan.append_token_ids)
+            self.counters["jump_forward_rollback_tokens"] += plan.rollback_tokens
         return plan
 
 
