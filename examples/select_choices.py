@@ -2,7 +2,7 @@
 
 (Not named select.py: a script of that name would shadow the standard library module `select`.)
 
-    python examples/select_choices.py
+    .venv/bin/python examples/select_choices.py   (or python, with .venv activated)
 """
 
 import plait as sgl

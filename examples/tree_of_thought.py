@@ -1,7 +1,7 @@
 """Tree of thought with fork: branches share the question's prefix (prefilled once) and run
 concurrently; the model then picks the most promising one.
 
-    python examples/tree_of_thought.py
+    .venv/bin/python examples/tree_of_thought.py   (or python, with .venv activated)
 """
 
 import plait as sgl
