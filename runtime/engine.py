@@ -285,14 +285,16 @@ class Engine:
         return self._call(self.tokenizer_manager.control("pin_prefix", token_ids=self._prefix_ids(prefix), ttl=ttl))
 
     def unpin_prefix(self, pin_id: Optional[int]) -> bool:
-        if pin_id is None:
+        """End a pin (`pin_prefix(...)["pin_id"]`). False if there is no such pin, or the engine is shut
+        down: its pins went with it (a program still releasing its pins then must not fail)."""
+        if pin_id is None or self._closed:
             return False
-        return self._call(self.tokenizer_manager.control("unpin_prefix", pin_id=pin_id))
+        return self._call(self.tokenizer_manager.control("unpin_prefix", pin_id=_checked_pin_id(pin_id)))
 
     async def async_unpin_prefix(self, pin_id: Optional[int]) -> bool:
-        if pin_id is None:
+        if pin_id is None or self._closed:
             return False
-        return await self._acall(self.tokenizer_manager.control("unpin_prefix", pin_id=pin_id))
+        return await self._acall(self.tokenizer_manager.control("unpin_prefix", pin_id=_checked_pin_id(pin_id)))
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:
@@ -379,3 +381,10 @@ def _unpack(msg: tuple):
 
 __all__ = ["Engine", "OverloadedError"]
 
+
+def _checked_pin_id(pin_id) -> int:
+    if isinstance(pin_id, dict):
+        raise TypeError("unpin_prefix takes the pin's id: pass pin_prefix(...)['pin_id'], not the whole result")
+    if isinstance(pin_id, bool) or not isinstance(pin_id, int):
+        raise TypeError(f"pin_id must be an int (pin_prefix(...)['pin_id']), got {type(pin_id).__name__}")
+    return pin_id

@@ -434,6 +434,20 @@ def test_program_hints_off_sends_what_sglang_sends(runtime):
     assert protected(runtime) == 0
 
 
+def test_unpin_takes_the_pin_id_and_is_a_no_op_after_shutdown(runtime):
+    pin = runtime.engine.pin_prefix(SYSTEM + "Pinned, then released.")
+    with pytest.raises(TypeError, match=r"pass pin_prefix\(...\)\['pin_id'\]"):
+        runtime.engine.unpin_prefix(pin)
+    assert runtime.engine.unpin_prefix(pin["pin_id"]) is True and protected(runtime) == 0
+    from plait.runtime import Engine
+
+    engine = Engine(num_threads=1)
+    late = engine.pin_prefix("Released after the shutdown.")["pin_id"]
+    engine.shutdown()
+    # a program's worker thread releasing its state pin just after shutdown used to log a failure
+    assert engine.unpin_prefix(late) is False
+
+
 def test_hints_over_http(runtime, http_url):
     prefix = SYSTEM + "Hints over HTTP."
     res = requests.post(http_url + "/generate", json={"text": prefix, "group": "program-1",
