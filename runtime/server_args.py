@@ -142,21 +142,69 @@ class ServerArgs:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = f.default
+            text = CLI_HELP[f.name]
             if f.type in ("bool",) or isinstance(default, bool):
-                parser.add_argument(flag, action="store_true", default=default)
+                parser.add_argument(flag, action="store_true", default=default, help=text)
                 continue
             typ = str
             if isinstance(default, int) or "int" in str(f.type):
                 typ = int
             if isinstance(default, float) or "float" in str(f.type):
                 typ = float
-            kwargs: dict[str, Any] = {"type": typ, "default": default}
+            if default is not None:
+                text += " (default: %(default)s)"
+            kwargs: dict[str, Any] = {"type": typ, "default": default, "help": text}
+            if f.name in CLI_CHOICES:
+                kwargs["choices"] = CLI_CHOICES[f.name]
             if f.name == "model_path":
                 parser.add_argument("--model", dest="model_path", type=str, default=None,
                                     help="alias of --model-path")
-            parser.add_argument(flag, dest=f.name, **kwargs) if f.name != "model_path" else \
-                parser.add_argument(flag, dest=f.name, type=str, default=None)
+            parser.add_argument(flag, dest=f.name, **kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+# `plait serve --help`: one line per setting (docs/server_args.md says more).
+CLI_HELP = {
+    "model_path": "a local Hugging Face folder; omitted: the embedded SmolLM2-135M-Instruct; with "
+                  "--load-format dummy also a built-in shape (llama-3.1-8b, llama-3.2-1b, smollm2-135m)",
+    "tokenizer_path": "a tokenizer folder other than the model's",
+    "load_format": "auto: safetensors from the folder; dummy: random weights at the model's shape",
+    "dtype": "auto: bfloat16 on CUDA, float32 on the CPU",
+    "device": "auto: CUDA when available",
+    "context_length": "longest prompt + output of a request (default: the model's)",
+    "served_model_name": "model name the APIs report (default: the folder's name)",
+    "random_seed": "the runtime's random seed",
+    "max_total_tokens": "tokens the KV cache holds (default: sized from free memory)",
+    "mem_fraction_static": "GPU: share of device memory for weights and KV cache",
+    "page_size": "tokens per KV page",
+    "max_running_requests": "requests decoded together (default: 256 on the CPU, up to 1,024 on a GPU)",
+    "max_prefill_tokens": "prompt tokens one prefill step may take",
+    "chunked_prefill_size": "longer prompts are prefilled in chunks of this many tokens",
+    "schedule_policy": "waiting-queue order: lpm (longest cached prefix first), dfs-weight, fcfs",
+    "disable_radix_cache": "no prefix reuse between requests",
+    "max_queued_requests": "requests that may wait beyond the running ones; past it: 503 (default: unlimited)",
+    "stream_interval": "tokens between two chunks of a streamed response",
+    "attention_backend": "auto: triton on CUDA, torch_native on the CPU; flashinfer needs its package",
+    "disable_cuda_graph": "GPU: run decode steps eagerly",
+    "cuda_graph_max_bs": "GPU: largest decode batch captured as a CUDA graph (default: every size)",
+    "disable_overlap_schedule": "GPU: read each step back before launching the next",
+    "disable_cascade_attention": "GPU: do not read a prefix that running requests share once per tile",
+    "num_threads": "CPU torch threads of the scheduler (default: one per core; 1 is much faster on a "
+                   "machine other processes keep busy)",
+    "tp_size": "tensor parallel size: only 1 (one device)",
+    "dp_size": "data parallel size: only 1 (one device)",
+    "enable_step_timing": "device time per step in get_stats()['steps'] (benchmarks)",
+    "grammar_backend": "backend of regex / JSON schema / EBNF constraints",
+    "disable_jump_forward": "decode every token of a constrained output, even those the grammar fixes",
+    "grammar_compile_timeout": "seconds a grammar may compile before its request fails",
+    "host": "address the server listens on",
+    "port": "port the server listens on",
+    "api_key": "require 'Authorization: Bearer <key>' (/health stays open)",
+    "log_level": "server log level",
+}
+CLI_CHOICES = {"load_format": LOAD_FORMATS, "dtype": DTYPES, "device": ("auto", "cpu", "cuda"),
+               "schedule_policy": SCHEDULE_POLICIES, "attention_backend": ATTENTION_BACKENDS,
+               "grammar_backend": GRAMMAR_BACKENDS}

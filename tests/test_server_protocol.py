@@ -248,6 +248,20 @@ def test_cli_every_server_arg_is_a_flag():
         ServerArgs.from_kwargs(dp_size=2)
 
 
+def test_every_server_flag_explains_itself_in_help(capsys):
+    import dataclasses
+
+    from plait.runtime.cli import build_parser
+    from plait.runtime.server_args import CLI_HELP
+
+    assert set(CLI_HELP) == {f.name for f in dataclasses.fields(ServerArgs)}  # a new setting needs its line
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "waiting-queue order: lpm" in text and "{lpm,dfs-weight,fcfs}" in text
+    assert "(default: 8192)" in text  # chunked_prefill_size
+
+
 def test_model_path_that_is_not_a_folder_says_what_works():
     from plait.runtime.model_loader import load_model_config
 
