@@ -91,3 +91,11 @@ def test_abort_request_stops_every_sample_of_n(server):
     assert reasons == ["abort"] * 3, reasons
     info = _wait_idle(server)
     assert info["kv_used_tokens"] == 0 and not info["last_integrity_error"]
+    # The samples that never started are in the metrics with their real (short) latency, not the time
+    # since the clock's epoch.
+    text = requests.get(server + "/metrics", timeout=30).text
+    count = next(float(ln.split()[-1]) for ln in text.splitlines()
+                 if ln.startswith("plait_e2e_request_latency_seconds_count"))
+    under_300s = next(float(ln.split()[-1]) for ln in text.splitlines()
+                      if ln.startswith("plait_e2e_request_latency_seconds_bucket") and 'le="300.0"' in ln)
+    assert under_300s == count

@@ -240,6 +240,7 @@ class GenerationGroup:
                 if not sub.aborted:
                     await self._open(sub)
             if sub.aborted:  # aborted before the Engine got it: end it here, as the scheduler would
+                sub.started_at = sub.started_at or time.perf_counter()  # a follower never opened
                 chunk = _aborted_before_start(sub)
                 self._observe(sub, chunk)
                 await queue.put((index, chunk))
@@ -294,8 +295,7 @@ class GenerationGroup:
 def _aborted_before_start(sub: _SubStream) -> dict:
     """The final output of a request aborted before the Engine got it (the scheduler's shape)."""
     ids = sub.call.get("input_ids")
-    started = sub.started_at or time.perf_counter()
     return {"text": "", "output_ids": [], "meta_info": {
         "id": sub.rid, "prompt_tokens": len(ids) if ids else 0, "completion_tokens": 0, "cached_tokens": 0,
         "finish_reason": {"type": "abort", "message": "aborted by the client"},
-        "e2e_latency": time.perf_counter() - started}}
+        "e2e_latency": time.perf_counter() - sub.started_at}}
