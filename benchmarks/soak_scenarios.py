@@ -78,6 +78,10 @@ class Soak:
         self.in_flight_lock = threading.Lock()
         self.schema_counter = 0
         self.long_words = args.long_words
+        info = requests.get(url + "/get_server_info", timeout=30).json()
+        self.context_len, kv_tokens = info["context_len"], info["max_total_tokens"]
+        # A prompt that fits the context but not the KV pool exists only when the pool is the smaller.
+        self.kv_overflow_ids = kv_tokens + 1 if kv_tokens + 8 < self.context_len else None
         self.scenarios: list[tuple[str, float, Callable]] = [
             ("native_short", 3, self.native_short), ("native_stream", 2, self.native_stream),
             ("native_batch_n", 1, self.native_batch_n), ("openai_chat", 2, self.openai_chat),
@@ -227,13 +231,15 @@ class Soak:
         return r.json()["meta_info"]["finish_reason"]["type"]  # "abort" unless it had not reached the engine
 
     def bad_request(self, rng):
-        kind = rng.choice(["schema", "context", "kv", "temperature", "regex", "max_tokens", "model", "n"])
+        kinds = ["schema", "context", "temperature", "regex", "max_tokens", "model", "n"]
+        kind = rng.choice(kinds + (["kv"] if self.kv_overflow_ids else []))
         if kind == "schema":
             r = self.post("/generate", {"text": "x", "sampling_params": {"json_schema": '{"type": "nope"}'}})
         elif kind == "context":
-            r = self.post("/v1/completions", {"model": "default", "prompt": "word " * 9000, "max_tokens": 4})
+            r = self.post("/v1/completions", {"model": "default", "prompt": " word" * (self.context_len + 50),
+                                              "max_tokens": 4})
         elif kind == "kv":  # fits the context, not the KV pool (when --max-total-tokens is small)
-            r = self.post("/generate", {"input_ids": [rng.randrange(100, 5000) for _ in range(self.args.kv_overflow_ids)],
+            r = self.post("/generate", {"input_ids": [rng.randrange(100, 5000) for _ in range(self.kv_overflow_ids)],
                                         "sampling_params": {"max_new_tokens": 2}})
         elif kind == "temperature":
             r = self.post("/generate", {"text": "x", "sampling_params": {"temperature": -1}})
@@ -270,8 +276,9 @@ class Soak:
                 with self.in_flight_lock:
                     self.in_flight -= 1
 
-    def idle_check(self, label: str) -> dict:
-        """Pause the workers, wait for the server to go idle, flush the cache; the server info then."""
+    def idle_check(self, label: str, probe: Callable[[], dict] = dict) -> dict:
+        """Pause the workers, wait for the server to go idle, flush the cache; the server info then,
+        with `probe()` (process RSS, fds) taken while the server is still idle."""
         self.paused.set()
         try:
             while self.in_flight:
@@ -285,6 +292,7 @@ class Soak:
             flush = requests.post(self.url + "/flush_cache", timeout=30)
             self.tally.add("flush_cache", "ok" if flush.status_code == 200 else "FAIL", 0.0, flush.text[:200])
             info = requests.get(self.url + "/get_server_info", timeout=30).json()
-            return {"label": label, "flush_status": flush.status_code, **{k: info.get(k) for k in INFO_KEYS}}
+            return {"label": label, "flush_status": flush.status_code, **{k: info.get(k) for k in INFO_KEYS},
+                    **probe()}
         finally:
             self.paused.clear()
