@@ -99,3 +99,14 @@ def test_abort_request_stops_every_sample_of_n(server):
     under_300s = next(float(ln.split()[-1]) for ln in text.splitlines()
                       if ln.startswith("plait_e2e_request_latency_seconds_bucket") and 'le="300.0"' in ln)
     assert under_300s == count
+
+
+def test_grammar_cache_size_is_reported(server):
+    """The soak watches the grammar compile cache fill (each entry holds token-mask tables)."""
+    for k in range(2):
+        schema = {"type": "object", "properties": {f"soak_{k}": {"type": "integer"}}, "required": [f"soak_{k}"]}
+        r = requests.post(server + "/generate", timeout=120, json={
+            "text": "JSON:", "sampling_params": {"max_new_tokens": 1, "json_schema": json.dumps(schema)}})
+        assert r.status_code == 200, r.text
+    info = _info(server)
+    assert info["grammar_cache_size"] >= 2 and info["grammar_cache_misses"] >= 2
