@@ -186,7 +186,8 @@ class Engine:
                                              logprob_start_len, top_logprobs_num, return_text_in_logprobs,
                                              stream, rid, group)
         if stream:
-            self._single_stream_req(groups, batch)  # reject a batch here, not at the first iteration
+            req = self._single_stream_req(groups, batch)  # reject a batch here, not at the first iteration
+            self._expect_stream(req.rid)
             return self._stream_async(groups, batch)
         return await self._acall(self._generate_async(groups, batch))
 
@@ -209,6 +210,7 @@ class Engine:
 
     def _stream_sync(self, groups, batch) -> Iterator[dict]:
         req = self._single_stream_req(groups, batch)
+        self._expect_stream(req.rid)
         q: queue.Queue = queue.Queue()
 
         def gen():
@@ -220,6 +222,11 @@ class Engine:
                 self._stop_pump(fut, req)
 
         return gen()
+
+    def _expect_stream(self, rid: str) -> None:
+        # (queued before any abort the caller sends next: the loop runs callbacks in order)
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self.tokenizer_manager.expect_stream, rid)
 
     def _pump_stream(self, req, put):
         """Run one request on the engine's loop, handing ("chunk", c) ... ("end", None) or ("error", e)

@@ -28,6 +28,15 @@ from .server_args import ServerArgs
 logger = logging.getLogger("plait.tokenizer_manager")
 
 
+UNSTARTED_KEPT = 4096
+
+
+def _keep(rids: dict[str, None], rid: str) -> None:
+    rids[rid] = None
+    while len(rids) > UNSTARTED_KEPT:
+        rids.pop(next(iter(rids)))
+
+
 @dataclass
 class _ReqState:
     rid: str
@@ -45,6 +54,7 @@ class _ReqState:
     output_top_logprobs: list = field(default_factory=list)
     first_token_time: Optional[float] = None
     grammar_warnings: list = field(default_factory=list)
+    group: Optional[str] = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def apply(self, o: ReqOutput) -> None:
@@ -99,6 +109,11 @@ class TokenizerManager:
         self.is_scheduler_alive = is_scheduler_alive
         self.text_decoder = TextDecoder.of(tokenizer)
         self.states: dict[str, _ReqState] = {}
+        # Streamed requests the Engine handed out but has not submitted (a stream starts when it is first
+        # read), and aborts that came for them meanwhile: such a request ends at once when it comes.
+        # Both keep at most UNSTARTED_KEPT rids (a stream never read stays unstarted forever).
+        self.unstarted: dict[str, None] = {}
+        self.early_aborts: dict[str, None] = {}
         self.control_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.dead_reason: Optional[str] = None
@@ -165,8 +180,13 @@ class TokenizerManager:
         if limit is not None and len(self.states) >= limit + self.info.max_running_requests:
             raise OverloadedError(f"too many requests in flight ({len(self.states)}); try again later")
         state = _ReqState(req.rid, len(req.input_ids), req.return_logprob, time.monotonic(),
-                          grammar_warnings=list(req.grammar_warnings))
+                          grammar_warnings=list(req.grammar_warnings), group=req.group)
         self.states[req.rid] = state
+        self.unstarted.pop(req.rid, None)
+        if self.early_aborts.pop(req.rid, False) is None:
+            state.finished_reason = {"type": "abort", "message": "aborted by the client before it started"}
+            state.event.set()
+            return state
         await self.send_sock.send_pyobj(req)
         return state
 
@@ -198,8 +218,18 @@ class TokenizerManager:
             if not finished:  # the consumer went away: stop the work in the scheduler
                 await self.abort(state.rid)
 
+    def expect_stream(self, rid: str) -> None:
+        """A streamed request exists but is submitted only when first read (call on the loop's thread)."""
+        _keep(self.unstarted, rid)
+
     async def abort(self, rid: str) -> None:
-        await self.send_sock.send_pyobj(AbortReq(rid))
+        """Abort request `rid`, or every sample of an n > 1 request (samples `rid`_0, `rid`_1, ... of
+        group `rid`). A stream not read yet ends as soon as it is."""
+        if rid in self.unstarted:
+            _keep(self.early_aborts, rid)
+        samples = [s.rid for s in self.states.values() if s.group == rid and s.rid.startswith(rid + "_")]
+        for r in [rid, *samples]:  # (the scheduler ignores a rid it does not hold)
+            await self.send_sock.send_pyobj(AbortReq(r))
 
     async def control(self, op: str, **args) -> Any:
         call_id = next(self._call_ids)

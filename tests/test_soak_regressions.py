@@ -110,3 +110,36 @@ def test_grammar_cache_size_is_reported(server):
         assert r.status_code == 200, r.text
     info = _info(server)
     assert info["grammar_cache_size"] >= 2 and info["grammar_cache_misses"] >= 2
+
+
+def test_engine_abort_before_a_stream_is_read_and_of_every_sample_of_n():
+    # Engine.abort used to drop an abort for a request not submitted yet (a streamed request starts
+    # when first read: it then ran to the end), and aborting an n > 1 request's rid reached no sample.
+    import threading
+
+    from plait.runtime import Engine
+
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    with Engine(num_threads=1) as engine:
+        stream = engine.generate(prompt="Tell me a story.", sampling_params=params, stream=True, rid="early")
+        engine.abort("early")
+        chunks = list(stream)
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert chunks[-1]["meta_info"]["completion_tokens"] == 0
+
+        out = {}
+        worker = threading.Thread(target=lambda: out.update(result=engine.generate(
+            prompt="Tell me a story.", sampling_params={**params, "temperature": 1.0, "n": 2}, rid="both")))
+        worker.start()
+        deadline = time.time() + 60
+        while engine.get_server_info()["num_running_reqs"] < 2:  # both samples decoding
+            assert time.time() < deadline and worker.is_alive()
+            time.sleep(0.05)
+        engine.abort("both")
+        worker.join(timeout=60)
+        reasons = [o["meta_info"]["finish_reason"]["type"] for o in out["result"]]
+        assert reasons == ["abort", "abort"]
+        assert all(o["meta_info"]["completion_tokens"] < MAX_NEW for o in out["result"])
+        assert engine.check_integrity() is True
+        assert engine.generate(prompt="hi", sampling_params={"max_new_tokens": 2})["meta_info"][
+            "finish_reason"]["type"] == "length"
