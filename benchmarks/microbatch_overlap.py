@@ -172,4 +172,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with torch.inference_mode():
+        main()
