@@ -2,9 +2,9 @@
 
 Each test pins a failure the trial found: a response without an X-Request-Id header, a streamed
 echo that dropped the prompt's logprobs, streams cut by the client missing from the metrics, and
-requests for OpenAI features plait does not implement (image parts, tool calls, forced tool_choice,
-stored completions, stream_options without stream) answered with a misleading message or silently
-ignored. One server (a subprocess on a free port, the embedded model) serves the whole module.
+requests for OpenAI features plait does not implement (image parts, legacy function calls, a forced
+tool_choice without tools, stored completions, stream_options without stream) answered with a
+misleading message or silently ignored. One server (a subprocess on a free port, the embedded model) serves the whole module.
 """
 
 from __future__ import annotations
@@ -161,14 +161,11 @@ REFUSED = [
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
      "messages", "missing required field 'messages.0.content.0.text'"),
     ("/v1/chat/completions", _chat(messages=USER_HI + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "content": "1", "tool_call_id": "c1"}]), "messages", "tool_calls are not supported"),
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]),
+     "messages", "legacy function_call are not supported: send tool_calls"),
     ("/v1/chat/completions", _chat(tool_choice="required"), "tool_choice", "needs tools"),
     ("/v1/chat/completions", _chat(tool_choice={"type": "function", "function": {"name": "f"}}),
-     "tool_choice", "needs tools"),
-    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-     "tools", "response_format json_schema"),
+     "tool_choice", "not among the tools"),
     ("/v1/chat/completions", _chat(stream_options={"include_usage": True}), "stream_options",
      "only allowed when stream is true"),
     ("/v1/chat/completions", _chat(store=True), "store", "'store' is not supported"),

@@ -93,7 +93,7 @@ def test_openai_ranges_and_unsupported_features():
     assert "top_logprobs requires logprobs" in msg
     msg, _ = validation_message(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
                                                         "tools": [{"type": "function"}]})
-    assert "tools are not supported" in msg
+    assert "missing required field 'tools.0.function'" in msg
     msg, _ = validation_message(CompletionRequest, {"prompt": "x", "response_format": {"type": "json_schema"}})
     assert "json_schema.schema" in msg
 

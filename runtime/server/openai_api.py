@@ -6,6 +6,7 @@ numbered prompt-major (`index = prompt * n + sample`), as OpenAI does.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional, Union
@@ -24,6 +25,7 @@ from .openai_responses import (ChoiceCursor, abort_error, chat_logprobs, complet
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .response_format import response_format_to_sampling
 from .server_context import ServerContext, get_context
+from .tool_calls import ToolCallStream, ToolPlan, call_schema, check_tools, plan_for, render_messages
 
 router = APIRouter(prefix="/v1")
 
@@ -271,11 +273,10 @@ def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServerContext) -> list[int]
     tokenizer = ctx.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
-    for i, m in enumerate(messages):
-        check_unicode(m["content"], f"messages[{i}].content", "messages")
-    kwargs = dict(req.chat_template_kwargs or {})
+    for i, m in enumerate(req.messages):
+        check_unicode(m.text(), f"messages[{i}].content", "messages")
+    messages, tool_kwargs = render_messages(req, tokenizer)
+    kwargs = {**(req.chat_template_kwargs or {}), **tool_kwargs}
     if req.continue_final_message:
         kwargs.update(add_generation_prompt=False, continue_final_message=True)
     else:
@@ -294,19 +295,25 @@ def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServerContext) -> list[int]
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     ctx = get_context(request)
     check_model(req, ctx)
+    check_tools(req, ctx.server_args.grammar_backend)
     ids = chat_prompt_ids(req, ctx)
     max_new = req.max_new_tokens if req.max_new_tokens is not None else _default_max_tokens(len(ids), ctx)
     logprob_args: dict[str, Any] = {}
     if req.logprobs:
         logprob_args = {"return_logprob": True, "top_logprobs_num": req.top_logprobs or 0,
                         "return_text_in_logprobs": True}
-    runs = _engine_calls(req, [{"input_ids": ids}], sampling_dict(req, max_new), ctx, logprob_args)
+    params = sampling_dict(req, max_new)
+    forced = call_schema(req)
+    if forced is not None:  # tool_choice required / named: constrained decoding makes the calls
+        params["json_schema"] = json.dumps(forced)
+    runs = _engine_calls(req, [{"input_ids": ids}], params, ctx, logprob_args)
+    tools = plan_for(req)
     group = ctx.new_group(request)
     response_id = "chatcmpl-" + (req.rid or uuid.uuid4().hex)
     request.state.request_id = response_id  # the X-Request-Id header (http_server.RequestIdHeader)
     created = int(time.time())
     result = await _results_or_stream(group, runs, req.stream,
-                                      lambda: _chat_events(group, req, response_id, created, ctx))
+                                      lambda: _chat_events(group, req, response_id, created, ctx, tools))
     if isinstance(result, StreamingResponse):
         return result
     raise_if_aborted(result)
@@ -317,8 +324,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         if req.logprobs:
             logprobs = chat_logprobs(meta.get("output_token_logprobs") or [],
                                      meta.get("output_top_logprobs") or [], ctx.tokenizer)
-        choices.append({"index": index, "message": {"role": "assistant", "content": out.get("text") or ""},
-                        "logprobs": logprobs, "finish_reason": finish_reason(meta),
+        text = out.get("text") or ""
+        message, called = tools.message(text) if tools else ({"role": "assistant", "content": text}, False)
+        choices.append({"index": index, "message": message, "logprobs": logprobs,
+                        "finish_reason": "tool_calls" if called else finish_reason(meta),
                         "matched_stop": matched_stop(meta)})
     metas = [o.get("meta_info") or {} for o in result]
     return {"id": response_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
@@ -326,8 +335,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
 
 async def _chat_events(group: GenerationGroup, req: ChatCompletionRequest, response_id: str, created: int,
-                       ctx: ServerContext) -> AsyncIterator[str]:
+                       ctx: ServerContext, tools: Optional[ToolPlan]) -> AsyncIterator[str]:
     cursors: dict[int, ChoiceCursor] = {}
+    tool_streams: dict[int, ToolCallStream] = {}  # with tools: what each choice may send as content yet
     last_meta: dict[int, dict] = {}
     head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
     continuous = _continuous_usage(req)
@@ -346,7 +356,8 @@ async def _chat_events(group: GenerationGroup, req: ChatCompletionRequest, respo
         if not cur.role_sent:
             cur.role_sent = True
             yield event(index, {"role": "assistant", "content": ""})
-        text = cur.text_delta(chunk)
+        tool_stream = tool_streams.setdefault(index, tools.new_stream()) if tools else None
+        text = tool_stream.content_delta(chunk.get("text") or "") if tool_stream else cur.text_delta(chunk)
         logprobs = None
         if req.logprobs:
             tokens, tops = cur.logprob_delta(meta)
@@ -356,6 +367,13 @@ async def _chat_events(group: GenerationGroup, req: ChatCompletionRequest, respo
         reason = finish_reason(meta)
         if reason is not None and not cur.finished:
             cur.finished = True
+            if tool_stream is not None:  # held text: content, or whole calls in one delta
+                rest, calls = tool_stream.finish(chunk.get("text") or "")
+                if rest:
+                    yield event(index, {"content": rest})
+                if calls:
+                    reason = "tool_calls"
+                    yield event(index, {"tool_calls": calls})
             yield event(index, {}, reason)
             if reason == "abort" and (error := _abort_event(meta)):
                 yield error

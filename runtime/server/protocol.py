@@ -8,11 +8,14 @@ keep the streaming hot path free of model construction.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 # ---------------------------------------------------------------- SGLang native
@@ -222,15 +225,67 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; none = the function takes no arguments
+    strict: Optional[bool] = None  # true: keywords the grammar backend cannot enforce are a 400
+
+    @field_validator("name")
+    @classmethod
+    def _name_shape(cls, name: str) -> str:
+        # OpenAI's rule (plus '.' and ':'): the name goes into prompts and into a JSON-schema `const`.
+        if not _TOOL_NAME.fullmatch(name):
+            raise ValueError(f"tool name {name!r} must be 1-64 characters of a-z, A-Z, 0-9, '_', '-', '.', ':'")
+        return name
+
+
+class Tool(BaseModel):
+    """One entry of `tools`: OpenAI's only tool type is "function"."""
+
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: that function must be called."""
+
+    model_config = _STRICT
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant turn made (`message.tool_calls` sent back in the history)."""
+
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextContentPart]]] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
-    # What the openai client's `message.model_dump()` puts into a history (assistant turns). Tool and
-    # function calls and audio are accepted only empty: without their support they cannot be rendered.
-    tool_calls: Optional[list[Any]] = None
+    # What the openai client's `message.model_dump()` puts into a history (assistant turns). The legacy
+    # function_call and audio are accepted only empty: without their support they cannot be rendered.
+    tool_calls: Optional[list[ToolCall]] = None
     function_call: Optional[dict[str, Any]] = None
     audio: Optional[dict[str, Any]] = None
     refusal: Optional[str] = None  # an assistant turn that refused: its text when there is no content
@@ -253,12 +308,12 @@ class ChatMessage(BaseModel):
                                  "models): send parts of type 'text'")
         return content
 
-    @field_validator("tool_calls", "function_call", "audio")
+    @field_validator("function_call", "audio")
     @classmethod
     def _not_set(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
-            raise ValueError(f"messages with {info.field_name} are not supported: plait does not implement "
-                             f"{'audio' if info.field_name == 'audio' else 'tools'}")
+            raise ValueError("messages with audio are not supported" if info.field_name == "audio" else
+                             "messages with the legacy function_call are not supported: send tool_calls")
         return value
 
     def text(self) -> str:
@@ -296,9 +351,9 @@ class ChatCompletionRequest(_SamplingExtensions):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    # Tools are not implemented; accepted only when empty so that clients that always send them work.
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    # Tool calling (runtime/server/tool_calls.py). tool_choice defaults to "auto" with tools, else "none".
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
     # SGLang extension: continue the last assistant message instead of opening a new one.
     continue_final_message: bool = False
@@ -314,21 +369,46 @@ class ChatCompletionRequest(_SamplingExtensions):
             raise ValueError(f"'{info.field_name}' is not supported by plait")
         return value
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, tools: Optional[list[dict[str, Any]]], info: ValidationInfo) -> Any:
-        if tools:
-            raise ValueError(f"{info.field_name} are not supported by plait (no function calling); for "
-                             "structured output use response_format json_schema or extra_body regex/ebnf")
+    def _no_legacy_functions(cls, functions: Optional[list[dict[str, Any]]]) -> Any:
+        if functions:
+            raise ValueError("the legacy 'functions' field is not supported: send the same definitions as "
+                             "tools=[{\"type\": \"function\", \"function\": ...}]")
+        return functions
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tool_names(cls, tools: Optional[list[Tool]]) -> Optional[list[Tool]]:
+        names = [t.function.name for t in tools or []]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise ValueError(f"two tools are named {duplicate!r}; tool names must be distinct")
         return tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, choice: Any) -> Any:
+        """One message instead of pydantic's union noise."""
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice
+        try:
+            return NamedToolChoice.model_validate(choice)
+        except ValidationError:
+            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                             '"function": {"name": ...}}') from None
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_forced_tool(cls, choice: Optional[Union[str, dict[str, Any]]]) -> Any:
-        # "none"/"auto" without tools ask for nothing; "required" or a named function would be a
-        # silent lie if ignored.
-        if choice is not None and choice not in ("none", "auto"):
-            raise ValueError(f"tool_choice {choice!r} needs tools, which plait does not support")
+    def _tool_choice_needs_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        # "none"/"auto" without tools ask for nothing; "required" or a named function without a tool to
+        # call would be a silent lie if ignored.
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among "
+                             f"the tools ({', '.join(map(repr, names)) or 'none given'})")
         return choice
 
     @field_validator("top_logprobs")
@@ -345,6 +425,13 @@ class ChatCompletionRequest(_SamplingExtensions):
         if flag and messages and messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs the last message to be from the assistant")
         return flag
+
+    @property
+    def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
+        """OpenAI's default: "auto" when tools are given, "none" otherwise."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @property
     def max_new_tokens(self) -> Optional[int]:
