@@ -44,15 +44,14 @@ def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
 # Llama-3.1-8B and 3.2-1B shapes.
 SKINNY_MATMUL_ROWS = 1
 # Rows up to which it takes the tensor-core decode matmul (runtime/kernels/decode_gemm.py) instead, and
-# up to which a wide matrix (N >= WIDE_MATRIX_N: the LM head, 8B's gate_up) does. Measured on an H200 (8B,
-# weight-only step, bench_decode_gemm.py): 4-32 rows 4-6% faster than cuBLAS over all matrices; at 64 rows
-# only the wide ones gain (LM head 256 vs 283 us, gate_up 61.8 vs 64.0; O loses, 14.1 vs 12.6); at 128
-# cuBLAS wins. The 1B shape's gate_up (16,384 wide) was not measured at 64 rows and stays on cuBLAS.
+# up to which a wide matrix (N >= WIDE_MATRIX_N: the LM head) does. Measured on an H200 (8B, weight-only
+# step, bench_decode_gemm.py): 4-32 rows 4-6% faster than cuBLAS over all matrices; at 64 rows only the
+# LM head gains (256 vs 283 us); at 128 cuBLAS wins.
 # PLAIT_DECODE_GEMM=0 sends those rows to cuBLAS (read at each call, so that bench_one_batch --variants
 # can compare both in one process; only 2-64-row calls read it, and those run inside CUDA graphs).
 DECODE_GEMM_ROWS = 32
 DECODE_GEMM_ROWS_WIDE = 64
-WIDE_MATRIX_N = 24576
+WIDE_MATRIX_N = 65536
 
 
 def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.dtype] = None,
