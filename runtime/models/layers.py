@@ -46,7 +46,8 @@ SKINNY_MATMUL_ROWS = 1
 # Rows up to which it takes the tensor-core decode matmul (runtime/kernels/decode_gemm.py) instead, and
 # up to which a wide matrix (N >= WIDE_MATRIX_N: the LM head) does. Measured on an H200 (8B, weight-only
 # step, bench_decode_gemm.py): 4-32 rows 4-6% faster than cuBLAS over all matrices; at 64 rows only the
-# LM head gains (256 vs 283 us); at 128 cuBLAS wins.
+# LM head gains (256 vs 283 us); at 128 cuBLAS wins. gate_up alone gains too at 64 rows (61.8 vs 64.0 us),
+# but taking it made the engine's batch-64 step slower (bench_one_batch: 6.353-6.357 vs 6.318-6.323 ms).
 # PLAIT_DECODE_GEMM=0 sends those rows to cuBLAS (read at each call, so that bench_one_batch --variants
 # can compare both in one process; only 2-64-row calls read it, and those run inside CUDA graphs).
 DECODE_GEMM_ROWS = 32
