@@ -36,7 +36,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Cur
                                          "parameters": TIME_PARAMS}}
 SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-HERMES_CALL = r'Let me check\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "celsius"\}\}</tool_call>'
+HERMES_CALL = (r'Let me check\. <tool_call>\{"name": "get_weather", '
+               r'"arguments": \{"city": "[A-Z][a-z]{2,8}", "unit": "celsius"\}\}</tool_call>')
 
 
 def _request(**fields) -> ChatCompletionRequest:
@@ -116,7 +117,8 @@ def test_call_schema_nests_each_tools_schema_with_its_refs():
             jsonschema.validate(bad, schema)
     single = call_schema(_request(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))
     jsonschema.validate(good[1], single)
-    named = call_schema(_request(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    named = call_schema(_request(tools=[WEATHER, TIME],
+                                 tool_choice={"type": "function", "function": {"name": "get_time"}}))
     jsonschema.validate(good[0], named)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(good[1], named)
@@ -279,10 +281,12 @@ def test_follow_up_turn_with_the_tool_result(client):
 
 
 BAD = [
-    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools", "missing required field 'tools.0.function.name'"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools",
+     "missing required field 'tools.0.function.name'"),
     ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools", "must be 1-64 characters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "a": {"type": "integr"}}}}}]}, "tools", "parameters ('f'): the schema is not a valid JSON schema at properties/a/type"),
+        "a": {"type": "integr"}}}}}]}, "tools",
+     "parameters ('f'): the schema is not a valid JSON schema at properties/a/type"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
      "must describe a JSON object"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",

@@ -275,6 +275,7 @@ class ToolCall(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: Optional[int] = None  # left by clients that assembled the call from stream deltas; unused
 
 
 class ChatMessage(BaseModel):
