@@ -11,6 +11,7 @@ formats it never writes (Llama-3.1, Mistral, fences) are covered by parser tests
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import openai
@@ -20,6 +21,7 @@ from conftest import server_process
 from transformers import AutoTokenizer
 
 from plait.runtime.constrained import validate_constraint
+from plait.runtime.server.openai_api import chat_prompt_ids
 from plait.runtime.server.protocol import ChatCompletionRequest
 from plait.runtime.server.tool_calls import (GENERIC_TOOLS_HOWTO, ToolPlan, call_schema, parse_tool_calls,
                                              render_messages)
@@ -154,8 +156,10 @@ TOOL_TEMPLATE = (  # a Hermes-style template that reads `tools` and renders call
 def test_a_template_that_reads_tools_gets_them_and_the_calls_in_openai_shape(default_model_path):
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)
     tokenizer.chat_template = TOOL_TEMPLATE
-    messages, kwargs = render_messages(_request(messages=HISTORY, tools=[WEATHER]), tokenizer)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    # The route's own prompt builder (it only reads the tokenizer and the context length of the server).
+    ids = chat_prompt_ids(_request(messages=HISTORY, tools=[WEATHER]),
+                          SimpleNamespace(tokenizer=tokenizer, context_len=8192))
+    text = tokenizer.decode(ids)
     assert text.startswith("<tools>get_weather:" + json.dumps(WEATHER_PARAMS))
     assert "<|assistant|><tool_call>get_weather Paris</tool_call>" in text  # arguments handed over as an object
     assert "<|tool|>sunny, 22 C [call_1]" in text

@@ -367,7 +367,7 @@ async def _chat_events(group: GenerationGroup, req: ChatCompletionRequest, respo
         reason = finish_reason(meta)
         if reason is not None and not cur.finished:
             cur.finished = True
-            if tool_stream is not None:  # held text: content, or whole calls in one delta
+            if tool_stream is not None and reason != "abort":  # held text: content, or whole calls
                 rest, calls = tool_stream.finish(chunk.get("text") or "")
                 if rest:
                     yield event(index, {"content": rest})
