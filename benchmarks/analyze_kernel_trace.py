@@ -9,6 +9,10 @@ preparing that step).
 
     PLAIT_SCHEDULER_TRACE=/tmp/t.json python benchmarks/bench_offline.py --model llama-3.1-8b --skip-transformers
     python benchmarks/analyze_kernel_trace.py /tmp/t.json
+
+With --segments MS it also cuts the run at idle gaps longer than MS (the host between a benchmark's rounds,
+or between its warm-up and the timed run) and sums each piece's kernel time by kind (matmul, prefill or
+decode attention, other), with the gaps inside it: where one round of bench_rounds.py goes.
 """
 
 from __future__ import annotations
@@ -43,8 +47,12 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--idle-over-us", type=float, default=20.0, help="gaps longer than this count as idle")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--segments", type=float, default=None, metavar="MS",
+                    help="also report the pieces of the run between idle gaps longer than MS milliseconds")
     args = ap.parse_args()
     kernels = load_kernels(args.trace)
+    if args.segments is not None:
+        print_segments(kernels, args.segments * 1e3)
     busy = collections.Counter()
     gaps = collections.Counter()
     long_gaps = collections.Counter()
@@ -79,6 +87,38 @@ def main() -> None:
     print("device time by kernel:")
     for (ph, name), us in by_kernel.most_common(args.top * 2):
         print(f"  {us / 1e3:9.1f} ms  {ph}: {name}")
+
+
+KINDS = (("_extend_attention", "prefill attention"), ("_decode_stage", "decode attention"), ("gemm", "matmul"),
+         ("nvjet", "matmul"), ("cutlass", "matmul"), ("gemv", "matmul"))
+
+
+def kind_of(name: str) -> str:
+    return next((kind for marker, kind in KINDS if marker in name), "other")
+
+
+def print_segments(kernels: list[tuple[float, float, str]], split_us: float) -> None:
+    """The run cut at idle gaps over split_us: per piece its wall time, kernel time by kind, and its own gaps."""
+    pieces, current, end = [], [kernels[0]], kernels[0][1]
+    for k in kernels[1:]:
+        if k[0] - end > split_us:
+            pieces.append((current, k[0] - end))
+            current = []
+        current.append(k)
+        end = max(end, k[1])
+    pieces.append((current, 0.0))
+    print(f"pieces of the run between idle gaps over {split_us / 1e3:.1f} ms (ms):")
+    for i, (piece, gap_after) in enumerate(pieces):
+        by_kind = collections.Counter()
+        inner_gaps, end = 0.0, piece[0][1]
+        for start, stop, name in piece:
+            by_kind[kind_of(name)] += stop - start
+            inner_gaps += max(0.0, start - end)
+            end = max(end, stop)
+        wall = end - piece[0][0]
+        kinds = "  ".join(f"{kind} {us / 1e3:.1f}" for kind, us in sorted(by_kind.items()))
+        print(f"  {i:3d}: wall {wall / 1e3:8.1f}  kernels {len(piece):6d}  {kinds}  gaps inside {inner_gaps / 1e3:.1f}"
+              f"  then idle {gap_after / 1e3:.1f}")
 
 
 if __name__ == "__main__":
