@@ -3,6 +3,19 @@
 `SamplingBatchInfo` turns the per-request parameters into tensors once per step; `sample()` picks one
 token per row. A batch that is entirely greedy and unconstrained by penalties takes the argmax fast
 path. Requests with a `seed` draw from their own generator, so their output reproduces exactly.
+
+Semantics (pinned against a float64 reference by tests/test_sampling_semantics.py):
+- order: logit_bias, repetition_penalty, frequency/presence penalties, min_new_tokens bans (vLLM's
+  order), grammar mask, then temperature, then top-k / top-p / min-p on the tempered probabilities;
+- repetition_penalty (HF/vLLM): a logit of a token seen in the prompt or the output is divided by the
+  penalty when positive, multiplied by it otherwise; frequency/presence (OpenAI) subtract
+  `f * count + p * (count > 0)` over the output tokens only;
+- temperature <= 1e-6 or top_k == 1 is greedy (argmax of the adjusted logits, first index on ties);
+- top-k, top-p and min-p are applied jointly to the same tempered distribution, as SGLang does: top-p's
+  nucleus is measured on the probabilities before top-k renormalizes them (vLLM and HF renormalize
+  after top-k first; the two differ only when top_k and top_p are both set);
+- top-p keeps the smallest prefix of the sorted probabilities whose mass reaches top_p; min-p keeps
+  tokens with probability >= min_p * the largest.
 """
 
 from __future__ import annotations
@@ -96,15 +109,17 @@ def apply_logit_adjustments(logits: torch.Tensor, reqs: list[Req], info: Samplin
     if info.need_penalties:
         for i, r in enumerate(reqs):
             sp = r.sampling_params
+            # NOTE: the multiplicative penalty first, then the additive ones (vLLM's order): the sign that
+            # picks divide-or-multiply is the logit's own, not one the additive penalties already moved.
+            if sp.repetition_penalty != 1.0:
+                seen = _upload(sorted(set(r.fill_ids)), torch.int64, logits.device)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
             if sp.frequency_penalty or sp.presence_penalty:
                 if r.output_ids:
                     out = _upload(r.output_ids, torch.int64, logits.device)
                     counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
                     logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
-            if sp.repetition_penalty != 1.0:
-                seen = _upload(sorted(set(r.fill_ids)), torch.int64, logits.device)
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
     if info.need_min_tokens:
         for i, r in enumerate(reqs):
             if len(r.output_ids) < r.sampling_params.min_new_tokens and r.stop_token_ids:
@@ -116,11 +131,21 @@ def sample(logits: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> to
     """logits (B, V) float32, already adjusted and masked → next token ids (B,) int64."""
     if info.all_greedy:
         return greedy_tokens(logits)
-    probs = torch.softmax(logits / info.temperatures, dim=-1)  # (B, V)
+    sampled = _draw(sampling_probs(logits, info), reqs, info)
+    return torch.where(info.greedy, greedy_tokens(logits), sampled)
+
+
+def sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """logits (B, V), already adjusted → the (B, V) distribution each sampled row draws from:
+    temperature, then top-k / top-p / min-p, renormalized. (Greedy rows' rows are not meaningful.)"""
+    # NOTE: a logit near float32's limit (a logit_bias up to 1e38) divided by a small temperature
+    # overflows to inf, and softmax turns a row holding inf into NaNs (inf - inf), which the draw reads
+    # as token 0. Clamped to the largest float, that token keeps all the mass, as its bias asks.
+    scaled = (logits / info.temperatures).clamp_(max=torch.finfo(logits.dtype).max)  # (B, V)
+    probs = torch.softmax(scaled, dim=-1)  # (B, V)
     if info.need_top_k or info.need_top_p or info.need_min_p:
         probs = _filter_probs(probs, info)
-    sampled = _draw(probs, reqs, info)
-    return torch.where(info.greedy, greedy_tokens(logits), sampled)
+    return probs
 
 
 def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -131,7 +156,9 @@ def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         keep &= ranks < info.top_ks[:, None]
     if info.need_top_p:
         # Keep a token while the mass strictly before it is below top_p (the first token always stays).
-        keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < info.top_ps[:, None]
+        # NOTE: a float32 cumsum over a large vocabulary reaches 1.0 before its tail, so a top_p = 1 row
+        # (batched with a top_p < 1 one) would lose thousands of tail tokens: those rows skip the test.
+        keep &= ((sorted_p.cumsum(dim=-1) - sorted_p) < info.top_ps[:, None]) | (info.top_ps[:, None] >= 1.0)
     if info.need_min_p:
         keep &= sorted_p >= info.min_ps[:, None] * sorted_p[:, :1]
     sorted_p = sorted_p * keep
@@ -154,7 +181,12 @@ def _draw(probs: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> torc
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int):
-    """Raw-model logprobs of `token_ids` (N,) under logits (N, V); plus top-k (values, ids) if top_k > 0."""
+    """Raw-model logprobs of `token_ids` (N,) under logits (N, V); plus top-k (values, ids) if top_k > 0.
+
+    NOTE: the model runner passes the logits before bias, penalties, grammar mask and temperature:
+    log-softmax of the raw logits, as vLLM's default `raw_logprobs` does (SGLang's default reports the
+    log of the distribution it samples from: after penalties, bias and temperature, top-p renormalized;
+    greedy rows there are the log-softmax of the adjusted logits)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
     if top_k > 0:
