@@ -126,10 +126,26 @@ class SglFunction:
         cache_program(self, backend or global_config.default_backend)
 
     def __call__(self, *args: Any, **kwargs: Any):
+        """Outside a program: run it (`prog(x)` is `prog.run(x)`). Inside a running or traced program:
+        a call that `s += prog(x)` runs on the caller's state (plait.subprogram)."""
+        from .subprogram import inside_a_program
         from .tracer import TracingScope
 
-        scope = TracingScope.get_current_scope()
-        if scope is None:
-            return self.run(*args, **kwargs)
-        kwargs["backend"] = scope.tracer_state.backend
-        return self.trace(*args, **kwargs)
+        if inside_a_program() or TracingScope.get_current_scope() is not None:
+            return self._subprogram_call(args, kwargs)
+        return self.run(*args, **kwargs)
+
+    def _subprogram_call(self, args: Sequence[Any], kwargs: dict):
+        from .subprogram import SglSubprogramCall
+
+        program_kwargs, sampling = self.split_run_kwargs(kwargs)
+        if sampling:
+            raise TypeError(f"{self.__name__}() called inside a program takes only its own parameters "
+                            f"({self.arg_names}); {sorted(sampling)} are sampling settings: set them on "
+                            f"its gen() calls or on the outer program's run()")
+        program_kwargs = {**self._positional_to_kwargs(args, program_kwargs), **self.bind_arguments}
+        try:  # a missing argument fails here, where the call is written, not mid-program
+            inspect.signature(self.func).bind(None, **program_kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.__name__}(): {e}") from None
+        return SglSubprogramCall(self, program_kwargs)

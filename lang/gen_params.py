@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
@@ -95,6 +97,37 @@ class ResolvedGen:
     sampling: SamplingParams
     logprob: dict[str, Any]
     dtype: Optional[Union[type, str]] = None
+
+    def constraint(self) -> Optional[str]:
+        """The kind of grammar the output must match ('json_schema', 'regex', 'ebnf'), or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            if getattr(self.sampling, kind, None):
+                return kind
+        return None
+
+    def cut_short(self, text: Any, meta: Any) -> bool:
+        """True when a constrained output stopped at max_new_tokens short of a match: JSON that does
+        not parse, text the regex does not fullmatch. (EBNF outputs are not checked.)
+
+        NOTE: finish_reason "length" alone does not say it: an output that completes the grammar on
+        its last allowed token also ends with "length"."""
+        kind = self.constraint()
+        if kind not in ("json_schema", "regex"):
+            return False
+        texts = text if isinstance(text, list) else [text]
+        metas = meta if isinstance(meta, list) else [meta]
+        for one_text, info in zip(texts, metas):
+            reason = info.get("finish_reason") if isinstance(info, dict) else None
+            if not (isinstance(reason, dict) and reason.get("type") == "length"):
+                continue
+            if kind == "regex" and re.fullmatch(self.sampling.regex, one_text) is None:
+                return True
+            if kind == "json_schema":
+                try:
+                    json.loads(one_text)
+                except ValueError:
+                    return True
+        return False
 
     def request_sampling_dict(self) -> dict[str, Any]:
         """The `sampling_params` dict for a native /generate request.

@@ -44,6 +44,9 @@ class StreamExecutor(ExecutorPinsMixin):
         self.stream = stream
 
         self.variables: dict[str, Any] = {}
+        # The names this state itself wrote (not inherited from the state it was forked from), in
+        # order: what join() gathers, even when the parent already has a variable of that name.
+        self.own_vars: dict[str, None] = {}
         self.variable_event: dict[str, threading.Event] = {}
         self.meta_info: dict[str, Any] = {}
         self.output_models: dict[str, Any] = {}  # var name -> Pydantic class (gen(json_schema=Model))
@@ -132,6 +135,7 @@ class StreamExecutor(ExecutorPinsMixin):
 
     def set_var(self, name: str, value: Any) -> None:
         self.variables[name] = value
+        self.own_vars[name] = None
 
     def get_meta_info(self, name: str, timeout: Optional[float] = None) -> Any:
         event = self.variable_event.get(name)
@@ -315,10 +319,12 @@ class StreamExecutor(ExecutorPinsMixin):
         if not self.stream:
             comp, meta = self.backend.generate(self, params)
             self.text_ += comp[0] if isinstance(comp, list) else comp
+            self._warn_if_cut_short(name, params, comp, meta)
             self._set_result(name, comp, meta)
             return
         if name is not None:
             self.variables[name] = ""
+            self.own_vars[name] = None
             self.stream_var_event[name].set()
         for piece, meta in self.backend.generate_stream(self, params):
             self.text_ += piece
@@ -328,8 +334,17 @@ class StreamExecutor(ExecutorPinsMixin):
                 self.stream_var_event[name].set()
             self.stream_text_event.set()
         if name is not None:
+            self._warn_if_cut_short(name, params, self.variables[name], self.meta_info.get(name))
             self.variable_event[name].set()
             self.stream_var_event[name].set()
+
+    def _warn_if_cut_short(self, name: Optional[str], params: Any, text: Any, meta: Any) -> None:
+        # NOTE: a truncated constrained output is a normal result (finish_reason "length"), not an
+        # error; but code that json.loads it fails far from the cause, so say where it came from.
+        if params.cut_short(text, meta):
+            logger.warning("gen(%r) stopped at max_tokens=%s before its %s was complete: the value is a "
+                           "prefix of a match, not a match (raise max_tokens)", name,
+                           params.sampling.max_new_tokens, params.constraint())
 
     def _execute_select(self, expr: SglSelect) -> None:
         with collect_requests(self.recorder) as stats:
@@ -344,6 +359,7 @@ class StreamExecutor(ExecutorPinsMixin):
         if name is None:
             return
         self.variables[name] = value
+        self.own_vars[name] = None
         self.meta_info[name] = meta
         self.variable_event[name].set()
         if self.stream_var_event is not None:

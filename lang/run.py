@@ -13,6 +13,7 @@ from .gen_params import RunDefaults
 from .global_config import global_config
 from .interpreter import StreamExecutor
 from .state import ProgramState
+from .subprogram import running_body
 
 # Below this many characters a shared prefix is not worth a separate prefill request.
 MIN_PRECACHE_CHARS = 64
@@ -49,8 +50,13 @@ def _run_body(state: ProgramState, program: Any, args: Sequence[Any], kwargs: di
               capture_errors: bool) -> None:
     executor = state.stream_executor
     try:
-        state.ret_value = program.func(state, *args, **kwargs)
+        with running_body(state):  # other programs called in the body run on this state
+            state.ret_value = program.func(state, *args, **kwargs)
     except Exception as e:
+        if capture_errors and executor.error_ is None:
+            # The failed state is kept for inspection (run_batch, streams): let what the body appended
+            # before the exception run, so its text and variables show how far the program got.
+            executor.sync()
         if executor.error_ is None:
             executor._fail(e)
         if not capture_errors:

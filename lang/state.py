@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from .interpreter import StreamExecutor
+from .subprogram import append_with_calls, contains_call
 from .ir import (SglConcateAndAppend, SglExpr, SglExprList, SglRoleBegin, SglRoleEnd, SglVarScopeBegin,
                  SglVarScopeEnd, as_expr)
 
@@ -22,7 +23,10 @@ class ProgramState:
     def __iadd__(self, other: Any) -> "ProgramState":
         if other is None:
             raise ValueError("tried to append None to the program state")
-        self.stream_executor.submit(other)
+        if isinstance(other, SglExpr) and contains_call(other):
+            append_with_calls(self, other)  # `s += other_program(x)`: its body runs on this state
+        else:
+            self.stream_executor.submit(other)
         return self
 
     def _role_common(self, role: str, expr: Any = None):
@@ -102,9 +106,16 @@ class ProgramState:
 
         text = self.get_var(name)
         model = self.stream_executor.output_models.get(name)
-        if model is not None:
-            return model.model_validate_json(text)
-        return json.loads(text)
+        try:
+            return model.model_validate_json(text) if model is not None else json.loads(text)
+        except ValueError as e:  # JSONDecodeError and pydantic's ValidationError
+            meta = self.get_meta_info(name)
+            reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+            if isinstance(reason, dict) and reason.get("type") == "length":
+                raise ValueError(f"variable {name!r} is not complete JSON: its gen() stopped at max_tokens "
+                                 f"({reason.get('length')} tokens) before the JSON was done; raise max_tokens. "
+                                 f"Text: {text!r}") from e
+            raise
 
     def graph(self):
         """The request graph of this run so far (plait.graph.RequestGraph): the text sent, each
@@ -257,8 +268,9 @@ class ProgramStateGroup:
         return self
 
     def join(self, mode: str = "gather_variable") -> None:
-        """Wait for every branch. 'gather_variable': each variable a branch created becomes a list
-        (one item per branch) on the parent. 'concate_and_append': the branches' new text is
+        """Wait for every branch. 'gather_variable': each variable a branch wrote becomes a list (one
+        item per branch that wrote it) on the parent, replacing what the parent had under that name
+        (a fork in a loop gathers each round's values). 'concate_and_append': the branches' new text is
         appended to the parent's text, in branch order."""
         if mode not in ("gather_variable", "concate_and_append"):
             raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
@@ -275,19 +287,25 @@ class ProgramStateGroup:
             self._release()
 
     def _gather_variables(self) -> None:
+        # NOTE: SGLang gathers only the names the parent did not have before the fork, so the second
+        # round of a fork in a loop silently kept the first round's values; here a branch's own
+        # writes are what is gathered.
         parent = self.src_state.stream_executor
         parent.sync()
-        known = set(parent.variables)
+        values: dict[str, list] = {}
+        metas: dict[str, list] = {}
         for state in self.states:
             child = state.stream_executor
             child.sync()
             if child.error_ is not None:
                 raise RuntimeError("a forked branch failed") from child.error_
-            for name in child.variables:
-                if name in known:
-                    continue
-                parent.variables.setdefault(name, []).append(child.variables[name])
-                parent.meta_info.setdefault(name, []).append(child.meta_info.get(name))
+            for name in child.own_vars:
+                values.setdefault(name, []).append(child.variables[name])
+                metas.setdefault(name, []).append(child.meta_info.get(name))
+        for name, gathered in values.items():
+            parent.variables[name] = gathered
+            parent.meta_info[name] = metas[name]
+            parent.own_vars[name] = None  # a fork of a fork: the outer join gathers these in turn
 
     def _release(self) -> None:
         if self._joined:

@@ -62,6 +62,7 @@ class TracerProgramState(ProgramState):
         self.nodes: list[SglExpr] = []
         self.last_node: Optional[SglExpr] = None
         self.variables: dict[str, Any] = {}
+        self.own_vars: dict[str, None] = {}  # as StreamExecutor.own_vars: what join() gathers
         self.meta_info: dict[str, Any] = {}
         self.messages_: list[dict] = []
         self.cur_role: Optional[str] = None
@@ -159,6 +160,7 @@ class TracerProgramState(ProgramState):
         elif isinstance(expr, SglVarScopeEnd):
             self._scope_starts.pop(expr.name, None)
             self.variables[expr.name] = SglVariable(expr.name, source=self.last_node)
+            self.own_vars[expr.name] = None
         else:
             if self.only_trace_prefix:
                 raise StopTracing()
@@ -166,6 +168,7 @@ class TracerProgramState(ProgramState):
                 kind = "gen" if isinstance(expr, SglGen) else "select"
                 name = expr.name if expr.name is not None else f"{kind}_{len(self.variables)}"
                 self.variables[name] = SglVariable(name, source=expr)
+                self.own_vars[name] = None
             self._append_node(expr)
 
     def _role_begin(self, role: str) -> None:
