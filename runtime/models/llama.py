@@ -28,7 +28,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -182,16 +182,16 @@ class LlamaForCausalLM(nn.Module):
             for part, (fused, idx) in self._STACKED.items():
                 if f".{part}." in name:
                     target = name.replace(part, fused)
+                    if target not in params:
+                        raise ValueError(_unexpected(name, cfg))
                     start, size = offsets[fused][idx]
-                    with torch.no_grad():
-                        params[target].data[start:start + size].copy_(tensor)
+                    _copy_checked(params[target].data[start:start + size], tensor, name)
                     loaded.add(f"{target}#{idx}")
                     break
             else:
                 if name not in params:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                with torch.no_grad():
-                    params[name].data.copy_(tensor)
+                    raise ValueError(_unexpected(name, cfg))
+                _copy_checked(params[name].data, tensor, name)
                 loaded.add(name)
         expected = set()
         for pname in params:
@@ -206,4 +206,30 @@ class LlamaForCausalLM(nn.Module):
                 expected.add(pname)
         missing = sorted(expected - loaded)
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
+            hint = " (config.json says tie_word_embeddings=false, so the checkpoint needs its own lm_head.weight)" \
+                if "lm_head.weight" in missing else ""
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s) that a {cfg.architecture} with this "
+                             f"config.json has, e.g. {[self._checkpoint_name(m) for m in missing[:3]]}{hint}")
+
+
+    def _checkpoint_name(self, loaded_key: str) -> str:
+        """A `loaded` key ('layers.0.self_attn.qkv_proj.weight#1') -> the checkpoint's name for it."""
+        name, _, idx = loaded_key.partition("#")
+        for part, (fused, i) in self._STACKED.items():
+            if idx and f".{fused}." in name and i == int(idx):
+                name = name.replace(fused, part)
+                break
+        return name if name == "lm_head.weight" else "model." + name
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"checkpoint weight {name!r} has shape {tuple(src.shape)} where config.json implies "
+                         f"{tuple(dst.shape)}: the config and the weights are not of the same model")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def _unexpected(name: str, cfg: ModelConfig) -> str:
+    return (f"unexpected weight {name!r} in checkpoint: a {cfg.architecture} with this config.json has no such "
+            f"weight (weights saved by transformers for another architecture or format?)")

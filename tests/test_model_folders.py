@@ -1,0 +1,367 @@
+"""A user's own Hugging Face model folders: the variants save_pretrained writes load and match
+transformers token for token; EOS lists and chat templates from the folder are the ones used; folders
+plait cannot run fail with an error naming the problem and what works.
+
+The folders are tiny random models (hidden 64, 2 layers) written here by transformers, with a small
+byte-level BPE tokenizer trained here by the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import requests
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from plait.runtime import Engine
+from plait.runtime.model_config import ModelConfig
+from plait.runtime.model_loader import load_model, load_model_config, load_tokenizer
+
+from conftest import hf_greedy, http_server_in_thread
+
+VOCAB = 320
+EOS = 2  # "<|im_end|>" in the tokenizer below
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=EOS,
+             # NOTE: a large init makes the logits peaked: no greedy near-ties for float noise to flip
+             initializer_range=0.3)
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GREEDY = {"temperature": 0, "max_new_tokens": 16}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello there, how are you today?",
+              "system user assistant: be brief and kind"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>")
+
+
+def make_folder(folder, model_type: str, dtype=torch.float32, shard=None, tokenizer=None, drop_keys=(),
+                **config) -> str:
+    """save_pretrained of a random `model_type` model (and the tokenizer, when given) into `folder`."""
+    cfg = AutoConfig.for_model(model_type, **(SHAPE | config))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # biases start at zero; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
+    model.to(dtype).save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if drop_keys:
+        edit_json(os.path.join(folder, "config.json"), lambda c: [c.pop(k) for k in drop_keys])
+    return str(folder)
+
+
+def edit_json(file: str, change) -> None:
+    with open(file) as f:
+        data = json.load(f)
+    change(data)
+    with open(file, "w") as f:
+        json.dump(data, f)
+
+
+def random_prompts(n_prompts: int = 3, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 40)[:n_prompts]]
+
+
+# ------------------------------------------------------------------ folders that run
+VARIANTS = {
+    # name: (model_type, save dtype, max_shard_size, config overrides, keys dropped from config.json)
+    "llama-tied-fp32": ("llama", torch.float32, None, dict(tie_word_embeddings=True), ()),
+    "llama3-rope-bf16-sharded": ("llama", torch.bfloat16, "100KB", dict(
+        tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=32)), ()),
+    "llama-attention-bias": ("llama", torch.float32, None, dict(attention_bias=True), ()),
+    "qwen2-fp16-tied": ("qwen2", torch.float16, None, dict(tie_word_embeddings=True), ()),
+    "qwen3-sharded": ("qwen3", torch.float32, "150KB", dict(head_dim=16, tie_word_embeddings=False), ()),
+    "mistral-no-architectures": ("mistral", torch.float32, None, dict(sliding_window=4096), ("architectures",)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_saved_folder_matches_transformers(tmp_path, variant):
+    model_type, dtype, shard, config, drop = VARIANTS[variant]
+    path = make_folder(tmp_path / variant, model_type, dtype, shard, drop_keys=drop, **config)
+    if shard:
+        assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    hf = AutoModelForCausalLM.from_pretrained(make_folder(tmp_path / "ref", model_type, dtype, shard, **config),
+                                              dtype=torch.float32).eval()
+    prompts = random_prompts()
+    expected = [hf_greedy(hf, p, GREEDY["max_new_tokens"], [EOS]) for p in prompts]
+    # Alternate the prefix cache across variants: the second pass then runs on cached prefixes or not.
+    radix_off = list(VARIANTS).index(variant) % 2 == 1
+    with Engine(model_path=path, dtype="float32", disable_radix_cache=radix_off, num_threads=1) as eng:
+        batched = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)]
+        alone = [eng.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
+        assert eng.check_integrity()
+    assert batched == expected
+    assert alone == expected
+
+
+def test_stray_consolidated_file_next_to_an_index_is_not_read(tmp_path):
+    # Mistral's releases ship consolidated.safetensors (their own names) beside the HF shards.
+    path = make_folder(tmp_path / "m", "mistral", shard="100KB")
+    with open(os.path.join(path, "consolidated.safetensors"), "wb") as f:
+        f.write(b"not read")
+    cfg = load_model_config(path, "auto")
+    load_model(path, cfg, "auto", torch.float32, "cpu", max_position=64)
+
+
+# ------------------------------------------------------------------ EOS lists and chat templates
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    """A Llama folder with the BPE tokenizer, its chat template in tokenizer_config.json only (the older
+    layout), and EOS ids in both config.json and a generation_config.json list, chosen from the model's
+    own greedy outputs so each of three prompts stops at a different one."""
+    root = tmp_path_factory.mktemp("chat")
+    tok = build_tokenizer()
+    path = make_folder(root / "llama", "llama", tokenizer=tok)
+    if os.path.exists(os.path.join(path, "chat_template.jinja")):
+        os.remove(os.path.join(path, "chat_template.jinja"))
+    edit_json(os.path.join(path, "tokenizer_config.json"), lambda c: c.update(chat_template=TEMPLATE))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts()
+    free = [hf_greedy(hf, p, 12, []) for p in prompts]
+    stops = [free[0][3], free[1][5], free[2][7]]
+    for i, (out, stop) in enumerate(zip(free, stops)):
+        # each prompt must reach its own stop id before any other: the test's premise
+        first = [out.index(s) if s in out else 99 for s in stops + [EOS]]
+        assert min(first) == first[i], (free, stops)
+    edit_json(os.path.join(path, "config.json"), lambda c: c.update(eos_token_id=[EOS, stops[2]]))
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 0, "eos_token_id": [stops[0], stops[1]]}, f)
+    return path, prompts, stops, hf
+
+
+@pytest.fixture(scope="module")
+def chat_engine(chat_folder):
+    with Engine(model_path=chat_folder[0], num_threads=1, context_length=64) as eng:
+        yield eng
+
+
+def test_generation_stops_at_every_eos_id_of_both_files(chat_folder, chat_engine):
+    _, prompts, stops, hf = chat_folder
+    outs = chat_engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    eos_ids = [EOS, *stops]
+    for out, prompt, stop in zip(outs, prompts, stops):
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert out["output_ids"] == hf_greedy(hf, prompt, GREEDY["max_new_tokens"], eos_ids)
+
+
+def test_chat_template_from_tokenizer_config_is_applied(chat_folder, chat_engine):
+    import plait as sgl
+    from plait.backend.engine_backend import EngineBackend
+
+    tok = load_tokenizer(chat_folder[0])
+    assert tok.chat_template == TEMPLATE
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    expected = chat_engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 6})
+    with http_server_in_thread(chat_engine) as url:
+        name = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        res = requests.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": name, "messages": messages, "max_tokens": 6, "temperature": 0}).json()
+    assert res["usage"]["prompt_tokens"] == len(ids)
+    assert res["choices"][0]["message"]["content"] == expected["text"]
+
+    @sgl.function
+    def chat(s):
+        s += sgl.system("be brief")
+        s += sgl.user("hello there")
+        s += sgl.assistant(sgl.gen("answer", max_tokens=4, temperature=0))
+
+    text = chat.run(backend=EngineBackend(chat_engine)).text()
+    assert text.startswith("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello there<|im_end|>\n"
+                           "<|im_start|>assistant\n")
+
+
+def test_chat_template_jinja_file_is_loaded(tmp_path):
+    folder = tmp_path / "tok"
+    tok = build_tokenizer()
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(folder)
+    assert os.path.isfile(folder / "chat_template.jinja")  # transformers' current layout
+    assert load_tokenizer(str(folder)).chat_template == TEMPLATE
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(chat_engine):
+    with pytest.raises(ValueError, match="prompt is too long: 70 tokens, the context length is 64"):
+        chat_engine.generate(input_ids=list(range(3, 73)), sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="more than the context length 64"):
+        chat_engine.generate(input_ids=list(range(3, 60)), sampling_params=GREEDY)
+
+
+# ------------------------------------------------------------------ context limits
+def test_context_length_above_the_model_limit_is_an_error():
+    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], **SHAPE))
+    assert cfg.resolve_context_length(None) == 256
+    assert cfg.resolve_context_length(100) == 100
+    with pytest.raises(ValueError, match=r"context_length 10000 is above this model's limit of 256 tokens "
+                                         r"\(max_position_embeddings in config.json\)"):
+        cfg.resolve_context_length(10000)
+
+
+def test_sliding_window_shorter_than_the_context_limits_it():
+    # Mistral-7B-v0.1: a 4096 window, 32768 positions. plait runs full attention: exact within the window.
+    cfg = ModelConfig.from_dict(dict(architectures=["MistralForCausalLM"], **SHAPE | dict(
+        max_position_embeddings=32768, sliding_window=4096)))
+    assert cfg.max_position_embeddings == 4096
+    with pytest.raises(ValueError, match="sliding window"):
+        cfg.resolve_context_length(8192)
+    qwen = dict(architectures=["Qwen2ForCausalLM"], **SHAPE | dict(max_position_embeddings=32768,
+                                                                    sliding_window=4096, max_window_layers=28))
+    assert ModelConfig.from_dict(qwen).max_position_embeddings == 32768  # use_sliding_window off
+    assert ModelConfig.from_dict(qwen | dict(use_sliding_window=True, max_window_layers=1)).max_position_embeddings \
+        == 4096
+
+
+# ------------------------------------------------------------------ folders that cannot run
+def write_config(folder, **config) -> str:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+SUPPORTED = r".*plait supports \['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"
+BAD_CONFIGS = {
+    "gpt2": (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=64), r"\['GPT2LMHeadModel'\]" + SUPPORTED),
+    "gemma": (dict(architectures=["GemmaForCausalLM"], **SHAPE), r"\['GemmaForCausalLM'\]" + SUPPORTED),
+    "mixtral": (dict(architectures=["MixtralForCausalLM"], num_local_experts=8, **SHAPE),
+                r"\['MixtralForCausalLM'\].*mixture-of-experts" + SUPPORTED),
+    "llava": (dict(architectures=["LlavaForConditionalGeneration"], text_config={}, vision_config={}),
+              r"\['LlavaForConditionalGeneration'\].*multimodal" + SUPPORTED),
+    "missing-key": (dict(architectures=["LlamaForCausalLM"], hidden_size=64), r"config.json lacks \['intermediate_size'"),
+    "gptq": (dict(architectures=["LlamaForCausalLM"], quantization_config={"quant_method": "gptq"}, **SHAPE),
+             r"quantized checkpoints \(gptq\) are not supported"),
+    "yarn": (dict(architectures=["Qwen2ForCausalLM"], rope_scaling={"type": "yarn", "factor": 4.0}, **SHAPE),
+             r"rope scaling 'yarn' is not supported; plait supports \['default', 'linear', 'llama3'\]"),
+    "gelu": (dict(architectures=["LlamaForCausalLM"], hidden_act="gelu", **SHAPE), r"hidden_act 'gelu' is not supported"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_unsupported_config_is_named(tmp_path, name):
+    config, message = BAD_CONFIGS[name]
+    with pytest.raises(ValueError, match=message):
+        load_model_config(write_config(tmp_path / name, **config), "auto")
+
+
+def test_unreadable_config_files(tmp_path):
+    with pytest.raises(ValueError, match=r"no config.json in model folder .*holds config.json, the weights"):
+        load_model_config(str(tmp_path), "auto")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+        load_model_config(str(tmp_path), "auto")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):  # not blamed on the tokenizer
+        load_tokenizer(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def good_folder(tmp_path_factory):
+    return make_folder(tmp_path_factory.mktemp("good") / "llama", "llama", shard="100KB")
+
+
+def broken_copy(good_folder, tmp_path, change) -> str:
+    path = str(tmp_path / "broken")
+    shutil.copytree(good_folder, path)
+    change(path)
+    return path
+
+
+def _weights(path: str) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def _drop_weights(path):
+    for f in _weights(path):
+        os.remove(os.path.join(path, f))
+    os.remove(os.path.join(path, "model.safetensors.index.json"))
+
+
+def _to_pickle(path):
+    from safetensors.torch import load_file
+
+    state = {k: v for f in _weights(path) for k, v in load_file(os.path.join(path, f)).items()}
+    _drop_weights(path)
+    torch.save(state, os.path.join(path, "pytorch_model.bin"))
+
+
+def _truncate_last_shard(path):
+    file = os.path.join(path, _weights(path)[-1])
+    data = open(file, "rb").read()
+    open(file, "wb").write(data[:len(data) // 2])
+
+
+BROKEN_FOLDERS = {
+    "no-weights": (_drop_weights, r"no weights \(\*.safetensors\) in model folder .*load_format='dummy'"),
+    "pytorch-bin-only": (_to_pickle, r"only \['pytorch_model.bin'\]: plait reads safetensors.*save_pretrained"),
+    "gguf-only": (lambda p: (_drop_weights(p), open(os.path.join(p, "m.gguf"), "wb").close()),
+                  r"only \['m.gguf'\]: plait does not read GGUF.*gguf_file="),
+    "truncated-shard": (_truncate_last_shard, r"model-0000\d-of-0000\d.safetensors is not a readable safetensors file"
+                                              r".*truncated or corrupt"),
+    "missing-shard": (lambda p: os.remove(os.path.join(p, _weights(p)[1])),
+                      r"1 of the \d weight shards that .*index.json lists are not in the folder: "
+                      r"\['model-00002-of-0000\d.safetensors'\]"),
+    "config-of-another-size": (lambda p: edit_json(os.path.join(p, "config.json"), lambda c: c.update(
+        intermediate_size=256)), r"'layers.0.mlp.gate_proj.weight' has shape \(128, 64\) where config.json implies "
+                                 r"\(256, 64\)"),
+    "untied-without-lm-head": (lambda p: edit_json(os.path.join(p, "config.json"), lambda c: c.update(
+        tie_word_embeddings=False)), None),
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN_FOLDERS))
+def test_broken_weights_are_named(good_folder, tmp_path, name):
+    change, message = BROKEN_FOLDERS[name]
+    path = broken_copy(good_folder, tmp_path, change)
+    if message is None:  # the good folder is tied: only an untied config misses lm_head
+        shutil.rmtree(path)
+        path = make_folder(tmp_path / "tied", "llama", tie_word_embeddings=True)
+        edit_json(os.path.join(path, "config.json"), lambda c: c.update(tie_word_embeddings=False))
+        message = r"missing 1 weight\(s\).*\['lm_head.weight'\] \(config.json says tie_word_embeddings=false"
+    cfg = load_model_config(path, "auto")
+    with pytest.raises(ValueError, match=message):
+        load_model(path, cfg, "auto", torch.float32, "cpu", max_position=64)
+
+
+def test_paths_that_are_not_folders(tmp_path):
+    gguf = tmp_path / "SmolLM2.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"is not a folder \(a GGUF file: plait does not read GGUF; convert it"):
+        load_model_config(str(gguf), "auto")
+    with pytest.raises(ValueError, match=r"is not a folder \(nothing exists at that path\).*no hub downloads"):
+        load_model_config(str(tmp_path / "missing"), "auto")
+    with pytest.raises(ValueError, match=r"is not a folder \(nothing exists at that path\)"):
+        load_tokenizer(str(tmp_path / "missing"))  # a mistyped tokenizer_path is not silently no tokenizer
+
+
+def test_tokenizer_missing_or_broken(good_folder, tmp_path, caplog):
+    assert load_tokenizer(good_folder) is None  # ids only, and said so
+    assert "no tokenizer in" in caplog.text and "input_ids" in caplog.text
+    path = broken_copy(good_folder, tmp_path, lambda p: open(os.path.join(p, "tokenizer.json"), "w").write("{}"))
+    with pytest.raises(ValueError, match=r"the tokenizer in .* failed to load"):
+        load_tokenizer(path)
+
+
+def test_engine_reports_an_unsupported_folder(tmp_path):
+    path = write_config(tmp_path / "gemma", architectures=["GemmaForCausalLM"], **SHAPE)
+    with pytest.raises(RuntimeError, match=r"the scheduler failed to start: ValueError: unsupported model "
+                                           r"architecture \['GemmaForCausalLM'\]" + SUPPORTED):
+        Engine(model_path=path, num_threads=1)
