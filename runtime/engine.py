@@ -10,18 +10,17 @@ tokenizer manager's own loop (a background thread) and the results are bridged b
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import pickle
 import subprocess
 import sys
 import os
 import queue
-import shutil
 import tempfile
-import threading
+import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
+from .engine_loop import EngineLoop, release_engine, stop_scheduler_process
 from .io_struct import SchedulerInfo, TokenizedGenerateReq
 from .request_builder import build_requests
 from .model_loader import load_tokenizer
@@ -46,7 +45,6 @@ class Engine:
         else:
             self.model_path = model_path
         self.server_args.model_path = self.model_path
-        self._closed = False
         self._tmpdir = tempfile.mkdtemp(prefix="plait-")
         to_sched = f"ipc://{self._tmpdir}/to_scheduler"
         from_sched = f"ipc://{self._tmpdir}/from_scheduler"
@@ -55,27 +53,29 @@ class Engine:
         # multiprocessing child: spawn would re-import the user's __main__, which breaks scripts that
         # create an Engine at top level without an `if __name__ == "__main__"` guard.
         self._ready_addr = f"ipc://{self._tmpdir}/ready"
-        self._proc = _launch_scheduler(self.server_args, self.model_path, to_sched, from_sched,
-                                       f"ipc://{self._tmpdir}/ready", self._tmpdir)
-        status, payload = self._wait_ready()
-        if status != "ready":
-            self._cleanup_process()
-            raise RuntimeError(f"the scheduler failed to start: {payload}")
-        self.info: SchedulerInfo = payload
-        self.tokenizer = load_tokenizer(self.server_args.tokenizer_path or self.model_path)
-
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="plait-tokenizer-manager", daemon=True)
-        self._thread.start()
+        self._proc = proc = _launch_scheduler(self.server_args, self.model_path, to_sched, from_sched,
+                                              f"ipc://{self._tmpdir}/ready", self._tmpdir)
+        try:
+            status, payload = self._wait_ready()
+            if status != "ready":
+                raise RuntimeError(f"the scheduler failed to start: {payload}")
+            self.info: SchedulerInfo = payload
+            self.tokenizer = load_tokenizer(self.server_args.tokenizer_path or self.model_path)
+            self._bg = EngineLoop("plait-tokenizer-manager")
+        except BaseException:  # (Ctrl-C while loading included) no scheduler process may outlive a failed start
+            stop_scheduler_process(proc, self._tmpdir, patience_s=0)
+            raise
 
         async def make_tm():
+            # (the liveness check must not hold the Engine: a dropped engine is then collected and released)
             tm = TokenizerManager(self.server_args, self.tokenizer, self.info, to_sched, from_sched,
-                                  lambda: self._proc.poll() is None)
+                                  lambda: proc.poll() is None)
             tm.start()
             return tm
 
-        self.tokenizer_manager: TokenizerManager = self._call(make_tm())
-        atexit.register(self.shutdown)
+        self.tokenizer_manager: TokenizerManager = self._bg.call(make_tm())
+        # shutdown() runs it; so does the garbage collector for an engine dropped without one, and interpreter exit.
+        self._release = weakref.finalize(self, release_engine, self._bg, self.tokenizer_manager, proc, self._tmpdir)
         logger.info("engine ready: %s on %s (%s, %s attention, %d KV tokens)", self.model_path, self.info.device,
                     self.info.dtype, self.info.attention_backend, self.info.max_total_tokens)
 
@@ -99,17 +99,11 @@ class Engine:
             ctx.term()
 
     # ------------------------------------------------------------------ bridges
-    def _call(self, coro, timeout: Optional[float] = None):
-        if self._closed:
-            coro.close()
-            raise RuntimeError("the engine is shut down")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+    def _call(self, coro):
+        return self._bg.call(coro)
 
     async def _acall(self, coro):
-        if self._closed:
-            coro.close()
-            raise RuntimeError("the engine is shut down")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return await self._bg.acall(coro)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -165,23 +159,18 @@ class Engine:
                  logprob_start_len: Union[int, list[int], None] = None,
                  top_logprobs_num: Union[int, list[int], None] = None,
                  return_text_in_logprobs: bool = False, stream: bool = False, rid=None, group=None):
+        self._bg.check_open()
         groups, batch = build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, return_logprob,
                                              logprob_start_len, top_logprobs_num, return_text_in_logprobs,
                                              stream, rid, group)
         if stream:
             return self._stream_sync(groups, batch)
-        if self._closed:
-            raise RuntimeError("the engine is shut down")
-        fut = asyncio.run_coroutine_threadsafe(self._generate_async(groups, batch), self._loop)
-        try:
-            return fut.result()
-        except BaseException:
-            fut.cancel()  # e.g. Ctrl-C while waiting: abort the requests instead of letting them run on
-            raise
+        return self._bg.call(self._generate_async(groups, batch))  # (Ctrl-C while waiting aborts the requests)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=False,
                              stream: bool = False, rid=None, group=None):
+        self._bg.check_open()
         groups, batch = build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, return_logprob,
                                              logprob_start_len, top_logprobs_num, return_text_in_logprobs,
                                              stream, rid, group)
@@ -201,7 +190,14 @@ class Engine:
         req = self._single_stream_req(groups, batch)
         caller_loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        fut = self._pump_stream(req, lambda msg: caller_loop.call_soon_threadsafe(q.put_nowait, msg))
+
+        def put(msg) -> None:
+            try:
+                caller_loop.call_soon_threadsafe(q.put_nowait, msg)
+            except RuntimeError:  # a consumer that left may have closed its loop since: nobody to tell
+                pass
+
+        fut = self._pump_stream(req, put)
         try:
             while (chunk := _unpack(await q.get())) is not _END:
                 yield chunk
@@ -225,8 +221,7 @@ class Engine:
 
     def _expect_stream(self, rid: str) -> None:
         # (queued before any abort the caller sends next: the loop runs callbacks in order)
-        if not self._closed:
-            self._loop.call_soon_threadsafe(self.tokenizer_manager.expect_stream, rid)
+        self._bg.call_soon(self.tokenizer_manager.expect_stream, rid)
 
     def _pump_stream(self, req, put):
         """Run one request on the engine's loop, handing ("chunk", c) ... ("end", None) or ("error", e)
@@ -239,10 +234,13 @@ class Engine:
                 async for chunk in tm.stream(state):
                     put(("chunk", chunk))
                 put(("end", None))
-            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            except asyncio.CancelledError:  # the consumer left, or a shutdown gave up waiting for this stream
+                put(("error", RuntimeError("the stream was cancelled (the engine is shutting down)")))
+                raise
+            except Exception as e:  # noqa: BLE001 - forwarded to the consumer
                 put(("error", e))
 
-        return asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        return self._bg.submit(pump())
 
     def _stop_pump(self, fut, req) -> None:
         if not fut.done():  # the consumer left early (e.g. a client disconnect): abort in the scheduler
@@ -294,19 +292,23 @@ class Engine:
     def unpin_prefix(self, pin_id: Optional[int]) -> bool:
         """End a pin (`pin_prefix(...)["pin_id"]`). False if there is no such pin, or the engine is shut
         down: its pins went with it (a program still releasing its pins then must not fail)."""
-        if pin_id is None or self._closed:
+        if pin_id is None or self._bg.closed:
             return False
         return self._call(self.tokenizer_manager.control("unpin_prefix", pin_id=_checked_pin_id(pin_id)))
 
     async def async_unpin_prefix(self, pin_id: Optional[int]) -> bool:
-        if pin_id is None or self._closed:
+        if pin_id is None or self._bg.closed:
             return False
         return await self._acall(self.tokenizer_manager.control("unpin_prefix", pin_id=_checked_pin_id(pin_id)))
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:
-        if not self._closed:
-            asyncio.run_coroutine_threadsafe(self.tokenizer_manager.abort(rid), self._loop)
+        """Stop request `rid` (or every sample of an n > 1 request). Nothing to do once shut down."""
+        if not self._bg.closed:
+            try:
+                self._bg.submit(self.tokenizer_manager.abort(rid))
+            except RuntimeError:  # shut down since the check: every request has ended already
+                pass
 
     def flush_cache(self) -> bool:
         return self._call(self.tokenizer_manager.control("flush_cache"))
@@ -331,34 +333,9 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            async def stop():
-                await self.tokenizer_manager.send_sock.send_pyobj(None)
-                await self.tokenizer_manager.close()
-
-            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
-        except Exception:
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._cleanup_process()
-
-    def _cleanup_process(self) -> None:
-        # A scheduler asked for a kernel trace (PLAIT_SCHEDULER_TRACE) writes it at shutdown: give it time.
-        patience = 300 if os.environ.get("PLAIT_SCHEDULER_TRACE") else 10
-        try:
-            self._proc.wait(timeout=patience)
-        except subprocess.TimeoutExpired:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        """Stop the engine: requests still in flight end with RuntimeError("the engine is shut down"), the
+        scheduler process exits, and later calls raise that error. Safe to call twice, from any thread."""
+        self._release()
 
     def __enter__(self) -> "Engine":
         return self

@@ -31,6 +31,11 @@ class AbortReq:
 
 
 @dataclass
+class ShutdownReq:
+    """The engine is shutting down: the scheduler process stops serving and exits."""
+
+
+@dataclass
 class ControlReq:
     """A request that expects one `ControlReply` with the same `call_id`."""
 

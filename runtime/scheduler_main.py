@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -16,7 +17,7 @@ import traceback
 import torch
 import zmq
 
-from .io_struct import BatchOut
+from .io_struct import BatchOut, ShutdownReq
 from .scheduler import Scheduler
 from .server_args import ServerArgs
 
@@ -26,6 +27,10 @@ logger = logging.getLogger("plait.scheduler")
 def main() -> None:
     with open(sys.argv[1], "rb") as f:
         server_args, model_path, to_sched, from_sched, ready_addr = pickle.load(f)
+    # NOTE: Ctrl-C in a terminal signals the whole process group, this child included. Its life belongs
+    # to the engine (a ShutdownReq, or the parent's exit below): a KeyboardInterrupt here would only
+    # print a second traceback and leave the engine's in-flight requests to the watchdog.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The scheduler must not outlive its engine: exit when the parent process goes away.
     parent = os.getppid()
     import threading
@@ -65,6 +70,17 @@ def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str
     ready.close(linger=2000)
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
+    try:
+        _serve_maybe_profiled(scheduler, poller, recv, send)
+    finally:
+        # NOTE: linger 0: outputs still queued for an engine that has gone can never be delivered, and
+        # the default (wait forever) would hang this process's exit on them.
+        recv.close(linger=0)
+        send.close(linger=0)
+        ctx.term()
+
+
+def _serve_maybe_profiled(scheduler: Scheduler, poller, recv, send) -> None:
     profile_path = os.environ.get("PLAIT_SCHEDULER_PROFILE")
     if profile_path:  # diagnosing host time on a device machine: cProfile of the whole loop, dumped at shutdown
         import cProfile
@@ -108,7 +124,7 @@ def _serve(scheduler: Scheduler, poller, recv, send) -> None:
         t_in = time.perf_counter()
         while events.get(recv):
             msg = recv.recv_pyobj()
-            if msg is None:  # shutdown
+            if isinstance(msg, ShutdownReq):
                 return
             reply = scheduler.handle_message(msg)
             if reply is not None:

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from .detokenizer import TextDecoder, decode_as_stepped
-from .io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo,
+from .io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo, ShutdownReq,
                         TokenizedGenerateReq)
 from .sampling_params import SamplingParams
 from .server_args import ServerArgs
@@ -29,6 +29,7 @@ logger = logging.getLogger("plait.tokenizer_manager")
 
 
 UNSTARTED_KEPT = 4096
+SHUTDOWN_SEND_S = 2.0  # how long the shutdown message may take to leave
 
 
 def _keep(rids: dict[str, None], rid: str) -> None:
@@ -123,10 +124,32 @@ class TokenizerManager:
         """Call on the manager's own loop."""
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._watchdog())]
 
+    @property
+    def own_tasks(self) -> list[asyncio.Task]:
+        return list(self._tasks)
+
+    def fail_all(self, reason: str) -> None:
+        """Nothing more will come from the scheduler: every request and control call in flight ends with
+        RuntimeError(reason), and new ones are refused with it (call on the manager's own loop)."""
+        self.dead_reason = reason
+        for st in list(self.states.values()):
+            st.event.set()
+        for fut in self.control_calls.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(reason))
+
     async def close(self) -> None:
+        """Stop the background tasks, tell the scheduler process to exit, close the sockets."""
         for t in self._tasks:
             t.cancel()
-        self.send_sock.close(linger=0)
+        try:
+            # (bounded: with the scheduler gone a full send queue would block forever)
+            await asyncio.wait_for(self.send_sock.send_pyobj(ShutdownReq()), SHUTDOWN_SEND_S)
+        except (asyncio.TimeoutError, zmq.ZMQError):
+            logger.warning("could not send the shutdown message to the scheduler; it will be terminated")
+        # NOTE: linger, not 0: with 0 the shutdown message queued above can be dropped unsent, and the
+        # scheduler then runs on until the engine gives up waiting and terminates it.
+        self.send_sock.close(linger=int(SHUTDOWN_SEND_S * 1000))
         self.recv_sock.close(linger=0)
         self.context.term()
 
@@ -225,6 +248,8 @@ class TokenizerManager:
     async def abort(self, rid: str) -> None:
         """Abort request `rid`, or every sample of an n > 1 request (samples `rid`_0, `rid`_1, ... of
         group `rid`). A stream not read yet ends as soon as it is."""
+        if self.dead_reason:  # the scheduler holds nothing for us any more (and the sockets may be closed)
+            return
         if rid in self.unstarted:
             _keep(self.early_aborts, rid)
         samples = [s.rid for s in self.states.values() if s.group == rid and s.rid.startswith(rid + "_")]
@@ -232,6 +257,8 @@ class TokenizerManager:
             await self.send_sock.send_pyobj(AbortReq(r))
 
     async def control(self, op: str, **args) -> Any:
+        if self.dead_reason:
+            raise RuntimeError(self.dead_reason)
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.control_calls[call_id] = fut
@@ -278,12 +305,7 @@ class TokenizerManager:
         while True:
             await asyncio.sleep(1.0)
             if not self.is_scheduler_alive():
-                self.dead_reason = "the scheduler process died; see its log above"
-                for st in list(self.states.values()):
-                    st.event.set()
-                for fut in self.control_calls.values():
-                    if not fut.done():
-                        fut.set_exception(RuntimeError(self.dead_reason))
+                self.fail_all("the scheduler process died; see its log above")
                 return
 
 

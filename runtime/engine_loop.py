@@ -1,0 +1,151 @@
+"""The Engine's background side: the asyncio loop (on its own thread) where the tokenizer manager runs,
+the one way callers' work gets onto it, and the shutdown that ends it and the scheduler process.
+
+Shutdown is the delicate part, because callers may be anywhere: blocked in `generate` on another
+thread, awaiting on their own loop, half-way through a stream, or about to call in. Every piece of
+work enters through `submit`/`call_soon` under one lock, so once `closed` is set nothing new reaches
+the loop; the shutdown then fails what is in flight with a clear error, lets it unwind, and only then
+stops the loop. No caller is left waiting on a loop that no longer runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from typing import Any, Callable, Coroutine
+
+from .tokenizer_manager import SHUTDOWN_SEND_S, TokenizerManager
+
+logger = logging.getLogger("plait.engine")
+
+SHUT_DOWN = "the engine is shut down"
+DRAIN_S = 5.0  # how long requests in flight get to unwind (each needs one pass of the loop) before they are cancelled
+
+
+class EngineLoop:
+    """An event loop on a daemon thread, with thread-safe, shutdown-aware bridges onto it."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(SHUT_DOWN)
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Run `coro` on the loop; RuntimeError once the engine is shut down."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RuntimeError(SHUT_DOWN)
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, fn: Callable, *args: Any) -> bool:
+        """Queue `fn(*args)` on the loop (in order with `submit`); False once the engine is shut down."""
+        with self._lock:
+            if self._closed:
+                return False
+            self.loop.call_soon_threadsafe(fn, *args)
+            return True
+
+    def call(self, coro: Coroutine) -> Any:
+        return self.result(self.submit(coro))
+
+    async def acall(self, coro: Coroutine) -> Any:
+        return await self.aresult(self.submit(coro))
+
+    def result(self, fut: concurrent.futures.Future) -> Any:
+        """Block until `fut` is done. The caller's own interruption (Ctrl-C) cancels the work on the loop."""
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:  # cancelled by a shutdown that did not see it unwind in time
+                raise RuntimeError(SHUT_DOWN) from None
+            raise
+        except BaseException:
+            fut.cancel()  # e.g. KeyboardInterrupt while waiting: abort the requests instead of letting them run on
+            raise
+
+    async def aresult(self, fut: concurrent.futures.Future) -> Any:
+        """Await `fut` from another loop. Cancelling the awaiting task cancels the work on our loop."""
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            caller_cancelled = task is not None and getattr(task, "cancelling", lambda: 0)()  # (3.11+)
+            if fut.cancelled() and self._closed and not caller_cancelled:
+                raise RuntimeError(SHUT_DOWN) from None
+            raise
+
+    def close(self, tm: TokenizerManager) -> None:
+        """Fail everything in flight with RuntimeError(SHUT_DOWN), tell the scheduler to exit, stop the loop.
+        Idempotent. Not from the loop's own thread (it waits for the loop)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        fut = asyncio.run_coroutine_threadsafe(_drain(tm), self.loop)
+        try:
+            fut.result(DRAIN_S + SHUTDOWN_SEND_S + 5)
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            logger.exception("the engine's shutdown did not finish cleanly")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()  # its selector and self-pipe: three file descriptors per engine otherwise
+
+
+async def _drain(tm: TokenizerManager) -> None:
+    tm.fail_all(SHUT_DOWN)
+    mine = {asyncio.current_task(), *tm.own_tasks}
+    in_flight = [t for t in asyncio.all_tasks() if t not in mine]
+    if in_flight:
+        _, stuck = await asyncio.wait(in_flight, timeout=DRAIN_S)
+        for t in stuck:
+            t.cancel()
+        if stuck:
+            logger.warning("%d engine tasks did not end at shutdown; cancelled", len(stuck))
+            await asyncio.wait(stuck, timeout=1.0)
+    await tm.close()
+
+
+def stop_scheduler_process(proc: subprocess.Popen, tmpdir: str, patience_s: float) -> None:
+    """Wait up to `patience_s` for the scheduler process to exit by itself, then terminate (and kill) it."""
+    try:
+        proc.wait(timeout=patience_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("the scheduler process (pid %d) did not exit; terminating it", proc.pid)
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def release_engine(loop: EngineLoop, tm: TokenizerManager, proc: subprocess.Popen, tmpdir: str) -> None:
+    """Everything an Engine holds, given back: what `Engine.shutdown()` does, and what runs when an engine
+    is garbage-collected or the interpreter exits without it. Must not refer to the Engine itself."""
+    if loop.in_loop_thread():  # collected on the loop's own thread: it cannot wait for itself there
+        threading.Thread(target=release_engine, args=(loop, tm, proc, tmpdir), daemon=True).start()
+        return
+    loop.close(tm)
+    # A scheduler asked for a kernel trace (PLAIT_SCHEDULER_TRACE) writes it at shutdown: give it time.
+    stop_scheduler_process(proc, tmpdir, 300 if os.environ.get("PLAIT_SCHEDULER_TRACE") else 10)
