@@ -46,6 +46,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # The dtype the checkpoint was saved in ("bfloat16", "float16", "float32"; None when unsaid): dtype
+    # "auto" keeps a float16 checkpoint in float16 on the GPU (its weights may not fit bfloat16's precision).
+    checkpoint_dtype: Optional[str] = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -90,6 +93,7 @@ class ModelConfig:
             qk_norm=family == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            checkpoint_dtype=_checkpoint_dtype(cfg),
             raw=cfg,
         )
 
@@ -233,3 +237,9 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2),
 }
+
+
+def _checkpoint_dtype(cfg: dict[str, Any]) -> Optional[str]:
+    """config.json's torch_dtype (transformers < 5) or dtype (5+), e.g. "bfloat16"; None when absent."""
+    value = cfg.get("torch_dtype") or cfg.get("dtype")
+    return value.removeprefix("torch.") if isinstance(value, str) else None

@@ -74,7 +74,6 @@ class ModelRunner:
     def __init__(self, server_args: ServerArgs, model_path: str, grammar_hook=None):
         self.server_args = server_args
         self.device = server_args.resolved_device()
-        self.dtype = server_args.resolved_dtype()
         self.grammar_hook = grammar_hook
         if self.device == "cuda":
             torch.cuda.set_device(0)
@@ -82,8 +81,8 @@ class ModelRunner:
 
         self.model_config: ModelConfig = load_model_config(model_path, server_args.load_format)
         cfg = self.model_config
-        self.context_len = min(server_args.context_length or cfg.max_position_embeddings,
-                               cfg.max_position_embeddings)
+        self.dtype = server_args.resolved_dtype(cfg.checkpoint_dtype)
+        self.context_len = cfg.resolve_context_length(server_args.context_length)
         self.model = load_model(model_path, cfg, server_args.load_format, self.dtype, self.device,
                                 self.context_len, server_args.random_seed)
         self.vocab_size = cfg.vocab_size

@@ -56,7 +56,11 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin):
         self.allocator = mr.allocator
         self.req_to_token = mr.req_to_token_pool
         self.cache: PrefixCache = self._make_cache()
-        self.eos_token_ids = tuple(mr.model_config.eos_token_ids)
+        # NOTE: the tokenizer's own EOS ends a request too (as in SGLang): a folder whose chat turns end with
+        # a token that config.json and generation_config.json do not list would otherwise run to the limit.
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(sorted(set(mr.model_config.eos_token_ids)
+                                          | ({tokenizer_eos} if isinstance(tokenizer_eos, int) else set())))
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -79,6 +80,11 @@ class ServerArgs:
             if getattr(self, name) not in options:
                 raise ValueError(f"{name} must be one of {list(options)}, got {getattr(self, name)!r}")
 
+        # "~/models/x" as a shell would read it (Python's file functions do not expand "~" themselves).
+        for name in ("model_path", "tokenizer_path"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(self, name, os.path.expanduser(value))
         choice("schedule_policy", SCHEDULE_POLICIES)
         choice("attention_backend", ATTENTION_BACKENDS)
         choice("grammar_backend", GRAMMAR_BACKENDS)
@@ -124,11 +130,15 @@ class ServerArgs:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def resolved_dtype(self):
+    def resolved_dtype(self, checkpoint_dtype: Optional[str] = None):
+        """dtype "auto": float32 on the CPU; on the GPU the checkpoint's float16 when it was saved in
+        float16 (as SGLang and vLLM keep it), else bfloat16."""
         import torch
 
         if self.dtype == "auto":
-            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+            if self.resolved_device() != "cuda":
+                return torch.float32
+            return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
         return getattr(torch, self.dtype)
 
     def resolved_attention_backend(self) -> str:
@@ -172,10 +182,10 @@ CLI_HELP = {
                   "--load-format dummy also a built-in shape (llama-3.1-8b, llama-3.2-1b, smollm2-135m)",
     "tokenizer_path": "a tokenizer folder other than the model's",
     "load_format": "auto: safetensors from the folder; dummy: random weights at the model's shape",
-    "dtype": "auto: bfloat16 on CUDA, float32 on the CPU",
+    "dtype": "auto: on CUDA float16 for a float16 checkpoint, else bfloat16; float32 on the CPU",
     "device": "auto: CUDA when available",
     "context_length": "longest prompt + output of a request (default: the model's)",
-    "served_model_name": "model name the APIs report (default: the folder's name)",
+    "served_model_name": "model name the APIs report (default: the model path as given)",
     "random_seed": "the runtime's random seed",
     "max_total_tokens": "tokens the KV cache holds (default: sized from free memory)",
     "mem_fraction_static": "GPU: share of device memory for weights and KV cache",

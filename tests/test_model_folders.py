@@ -365,3 +365,52 @@ def test_engine_reports_an_unsupported_folder(tmp_path):
     with pytest.raises(RuntimeError, match=r"the scheduler failed to start: ValueError: unsupported model "
                                            r"architecture \['GemmaForCausalLM'\]" + SUPPORTED):
         Engine(model_path=path, num_threads=1)
+
+
+# ------------------------------------------------------------------ what the Engine and server make of a folder
+def test_engine_refuses_a_context_length_above_the_model_limit(chat_folder):
+    with pytest.raises(RuntimeError, match=r"context_length 10000 is above this model's limit of 256 tokens"):
+        Engine(model_path=chat_folder[0], num_threads=1, context_length=10000)
+
+
+def test_the_tokenizer_eos_ends_generation_when_the_configs_do_not_list_it(tmp_path):
+    # config.json names another id as EOS; the tokenizer's own <|im_end|> (2) must still end a request,
+    # as in SGLang. The bias forces 2 at every step: without the stop the output is 2, 2, 2, ...
+    path = make_folder(tmp_path / "llama", "llama", tokenizer=build_tokenizer(), eos_token_id=5)
+    with Engine(model_path=path, num_threads=1, context_length=64) as eng:
+        out = eng.generate(input_ids=[3, 4, 7], sampling_params={**GREEDY, "logit_bias": {str(EOS): 100.0}})
+    assert out["output_ids"] == [EOS]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
+
+
+def test_auto_dtype_keeps_a_float16_checkpoint_in_float16_on_the_gpu():
+    from plait.runtime.server_args import ServerArgs
+
+    assert ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], torch_dtype="float16", **SHAPE)) \
+        .checkpoint_dtype == "float16"
+    assert ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], dtype="bfloat16", **SHAPE)) \
+        .checkpoint_dtype == "bfloat16"
+    gpu, cpu = ServerArgs(device="cuda"), ServerArgs(device="cpu")
+    assert gpu.resolved_dtype("float16") == torch.float16
+    assert gpu.resolved_dtype("bfloat16") == gpu.resolved_dtype("float32") == gpu.resolved_dtype(None) == torch.bfloat16
+    assert cpu.resolved_dtype("float16") == torch.float32
+    assert ServerArgs(device="cuda", dtype="float32").resolved_dtype("float16") == torch.float32
+
+
+def test_a_home_relative_model_path_is_expanded():
+    from plait.runtime.server_args import ServerArgs
+
+    sa = ServerArgs(model_path="~/models/llama", tokenizer_path="~/tok")
+    assert sa.model_path == os.path.expanduser("~/models/llama") and not sa.model_path.startswith("~")
+    assert sa.tokenizer_path == os.path.expanduser("~/tok")
+
+
+def test_requests_may_name_the_model_by_its_folder_name(chat_folder, chat_engine):
+    folder_name = os.path.basename(chat_folder[0])
+    with http_server_in_thread(chat_engine) as url:
+        ok = requests.post(url + "/v1/completions", timeout=60, json={
+            "model": folder_name, "prompt": "hello", "max_tokens": 2, "temperature": 0})
+        missing = requests.post(url + "/v1/completions", timeout=60, json={
+            "model": "not-" + folder_name, "prompt": "hello", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    assert missing.status_code == 404 and "does not exist" in missing.text

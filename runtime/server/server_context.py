@@ -53,7 +53,8 @@ class ServerContext:
         accepted = {name, DEFAULT_MODEL_ALIAS}
         for alias in (server_args.model_path, engine_model_path):
             if alias:
-                accepted.add(str(alias))
+                # The path as given and the folder's own name ("Llama-3.1-8B-Instruct" for a path ending so).
+                accepted.update({str(alias), os.path.basename(str(alias).rstrip("/"))})
         model_config = getattr(engine, "model_config", None)
         hf_config = getattr(model_config, "hf_config", None)
         tokenizer = getattr(engine, "tokenizer", None)
