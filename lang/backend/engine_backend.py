@@ -28,6 +28,7 @@ class EngineBackend(NativeBackend):
         super().__init__(chat_template)
         self.engine = engine
         self.program_hints = program_hints
+        self._shutting_down = False
 
     @staticmethod
     def _model_name_of(engine: Any) -> str:
@@ -75,8 +76,16 @@ class EngineBackend(NativeBackend):
         return PrefixPin(pinned["pin_id"], int(pinned.get("pinned_tokens") or 0))
 
     def unpin_prefix(self, pin: PrefixPin) -> None:
-        if pin is not None and hasattr(self.engine, "unpin_prefix"):
+        if pin is None or not hasattr(self.engine, "unpin_prefix"):
+            return
+        try:
             self.engine.unpin_prefix(pin.pin_id)
+        except RuntimeError:
+            # NOTE: a program that just ended gives its pins back on a pin thread; when the user shuts
+            # the engine down right after reading the last result, that call can be in flight as the
+            # engine stops. Its pins went with the engine: nothing is lost, nothing to report.
+            if not self._shutting_down:
+                raise
 
     # ---- management ----
     def flush_cache(self) -> Any:
@@ -86,6 +95,8 @@ class EngineBackend(NativeBackend):
         return self.engine.get_server_info()
 
     def shutdown(self) -> None:
+        self._shutting_down = True
+        self.pin_service().shutdown()  # pin calls already queued finish against the live engine
         self.engine.shutdown()
 
 
@@ -111,7 +122,7 @@ class Runtime:
     def shutdown(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
-            engine.shutdown()
+            self.endpoint.shutdown()  # the pins first, then the engine
             atexit.unregister(self._atexit)
 
     def __enter__(self) -> "Runtime":
