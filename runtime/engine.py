@@ -191,11 +191,12 @@ class Engine:
         caller_loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
-        def put(msg) -> None:
+        def put(msg) -> bool:
             try:
                 caller_loop.call_soon_threadsafe(q.put_nowait, msg)
-            except RuntimeError:  # a consumer that left may have closed its loop since: nobody to tell
-                pass
+                return True
+            except RuntimeError:  # the consumer's loop is closed (it left without closing the stream)
+                return False
 
         fut = self._pump_stream(req, put)
         try:
@@ -210,7 +211,7 @@ class Engine:
         q: queue.Queue = queue.Queue()
 
         def gen():
-            fut = self._pump_stream(req, q.put)
+            fut = self._pump_stream(req, lambda msg: q.put(msg) or True)
             try:
                 while (chunk := _unpack(q.get())) is not _END:
                     yield chunk
@@ -225,15 +226,19 @@ class Engine:
 
     def _pump_stream(self, req, put):
         """Run one request on the engine's loop, handing ("chunk", c) ... ("end", None) or ("error", e)
-        to `put` (which must be safe to call from that loop's thread)."""
+        to `put` (safe to call from that loop's thread; False when nobody can receive any more)."""
         tm = self.tokenizer_manager
 
         async def pump():
             try:
-                state = await tm.submit(req)
-                async for chunk in tm.stream(state):
-                    put(("chunk", chunk))
-                put(("end", None))
+                chunks = tm.stream(await tm.submit(req))
+                try:
+                    async for chunk in chunks:
+                        if not put(("chunk", chunk)):
+                            return
+                    put(("end", None))
+                finally:
+                    await chunks.aclose()  # now, not whenever it is collected: an unfinished stream aborts its request
             except asyncio.CancelledError:  # the consumer left, or a shutdown gave up waiting for this stream
                 put(("error", RuntimeError("the stream was cancelled (the engine is shutting down)")))
                 raise
