@@ -21,6 +21,7 @@ from fastapi.responses import Response
 
 from ..server_args import ServerArgs
 from .errors import error_body, install_error_handlers
+from .http_guards import BodySizeLimit, json_error_protocol_class
 from .metrics import CONTENT_TYPE
 from .native_api import router as native_router
 from .openai_api import router as openai_router
@@ -109,6 +110,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
 
     if server_args.api_key:
         app.add_middleware(BearerAuth, api_key=server_args.api_key)
+    app.add_middleware(BodySizeLimit)
     app.add_middleware(RequestIdHeader)  # added last = outermost: a 401 carries the id too
     return app
 
@@ -129,6 +131,7 @@ def launch_server(server_args: ServerArgs) -> None:
         ctx: ServerContext = app.state.plait
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level, access_log=server_args.log_level == "debug",
+                                http=json_error_protocol_class(),
                                 timeout_graceful_shutdown=5)
         ready = (f"plait server ready on http://{server_args.host}:{server_args.port} "
                  f"(model {ctx.model_name}, context {ctx.context_len})")

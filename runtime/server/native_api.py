@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, error_response, sse_error_event
-from .protocol import AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
+from .protocol import MAX_N, AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
 from .server_context import ServerContext, get_context
 
 router = APIRouter()
@@ -41,6 +41,9 @@ def verified_sampling_params(params: Optional[dict[str, Any]], ctx: ServerContex
         sp.verify(ctx.vocab_size)  # also the seed's 64-bit range and float32-finite logit biases
     except (ValueError, TypeError) as e:
         raise APIError(400, f"invalid {label}: {e}", param=param) from None
+    if sp.n > MAX_N:
+        # NOTE: n becomes n Engine calls built up front (expand_n): n = 1e30 blocked the event loop forever.
+        raise APIError(400, f"invalid {label}: n must be <= {MAX_N}, got {sp.n}", param=param)
     return sp
 
 
@@ -167,9 +170,10 @@ async def generate(body: GenerateRequest, request: Request):
 
 # ---------------------------------------------------------------- management routes
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
-    """200 while the server can serve; 503 once the scheduler process is gone."""
+    """200 while the server can serve; 503 once the scheduler process is gone. HEAD too: some load
+    balancers probe with it."""
     manager = getattr(get_context(request).engine, "tokenizer_manager", None)
     dead_reason = getattr(manager, "dead_reason", None)
     if dead_reason:
@@ -249,6 +253,7 @@ async def pin_prefix(body: PinPrefixRequest, request: Request) -> dict[str, Any]
         check_prompt_ids(body.input_ids, ctx, "input_ids")
         prefix: Any = body.input_ids
     else:
+        check_unicode(body.text, "text", "text")  # type: ignore[arg-type]
         prefix = body.text
     try:
         # NOTE: pins made over HTTP always expire (PIN_TTL_S): a client may die without unpinning.

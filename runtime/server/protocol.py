@@ -15,6 +15,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
+# Samples per prompt (OpenAI's limit for n). Each is its own Engine request, built up front.
+MAX_N = 64
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
@@ -135,7 +137,7 @@ class _SamplingExtensions(BaseModel):
     model_config = _STRICT
 
     model: Optional[str] = None
-    n: int = Field(default=1, ge=1, le=64)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
