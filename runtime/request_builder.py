@@ -60,8 +60,14 @@ def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, ret
         raise ValueError("rid must be a string (or a list of strings for a batch)")
     groups = []
     for i in range(size):
-        sp = SamplingParams.from_dict(sps[i])
-        warnings = tm.validate(ids_list[i], sp, starts[i], tops[i])
+        try:
+            sp = SamplingParams.from_dict(sps[i])
+            warnings = tm.validate(ids_list[i], sp, starts[i], tops[i])
+        except ValueError as e:
+            if not batch:
+                raise
+            # NOTE: the whole batch is refused (nothing was submitted); the message says which item to fix.
+            raise ValueError(f"batch item {i}: {e}") from None
         base_rid = rids[i] or new_rid()
         members = []
         for k in range(sp.n):
