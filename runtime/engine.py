@@ -299,12 +299,22 @@ class Engine:
         down: its pins went with it (a program still releasing its pins then must not fail)."""
         if pin_id is None or self._bg.closed:
             return False
-        return self._call(self.tokenizer_manager.control("unpin_prefix", pin_id=_checked_pin_id(pin_id)))
+        try:
+            return self._call(self.tokenizer_manager.control("unpin_prefix", pin_id=_checked_pin_id(pin_id)))
+        except RuntimeError:
+            if self._bg.closed:  # shut down during the call: the pin went with the engine
+                return False
+            raise
 
     async def async_unpin_prefix(self, pin_id: Optional[int]) -> bool:
         if pin_id is None or self._bg.closed:
             return False
-        return await self._acall(self.tokenizer_manager.control("unpin_prefix", pin_id=_checked_pin_id(pin_id)))
+        try:
+            return await self._acall(self.tokenizer_manager.control("unpin_prefix", pin_id=_checked_pin_id(pin_id)))
+        except RuntimeError:
+            if self._bg.closed:
+                return False
+            raise
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:
