@@ -126,6 +126,20 @@ def test_a_missing_or_wrong_api_key_is_named(url):
         sgl.RuntimeEndpoint(url, api_key="not-the-key")
 
 
+def test_a_request_the_server_refuses_fails_as_in_process(backend):
+    # The in-process Engine raises ValueError("the request needs up to ... tokens"); over HTTP it was a
+    # RuntimeError holding the whole JSON error body.
+    @sgl.function
+    def too_long(s):
+        s += "Hi" + sgl.gen("x", max_tokens=100_000)
+
+    error = too_long.run(temperature=0).error()
+    assert isinstance(error, ValueError)
+    assert str(error).endswith("/generate answered HTTP 400: the request needs up to 100001 tokens (1 in the prompt"
+                               " + max_new_tokens 100000), more than the context length 8192: lower max_new_tokens"
+                               " or shorten the prompt")
+
+
 def test_a_request_timeout_ends_the_program_with_a_named_timeout(backend, url):
     impatient = sgl.RuntimeEndpoint(url, api_key=API_KEY, timeout=0.5)
     state = story.run(topic="a storm", temperature=0, backend=impatient)

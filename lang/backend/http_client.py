@@ -12,7 +12,7 @@ import http.client
 import socket
 import ssl
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 from urllib.parse import urlparse
 
 # NOTE: run_batch runs up to num_threads programs at once, each with requests in flight, and the pin
@@ -88,12 +88,11 @@ class EndpointHTTP:
             res.close()  # a reader that stops early hangs up, and the server aborts the request
 
     def check(self, res: Any, path: str) -> None:
+        """Raise for a non-200 answer: ValueError for a request the server refused as invalid (HTTP 400,
+        as the in-process Engine raises ValueError for it), RuntimeError otherwise."""
         if res.status_code == 200:
             return
-        try:
-            detail: Union[str, dict] = res.json()
-        except ValueError:
-            detail = res.text
+        detail = error_message(res)
         hint = ""
         if res.status_code == 401:
             hint = (" (the api_key given was refused)" if self.api_key else
@@ -101,7 +100,8 @@ class EndpointHTTP:
         elif res.status_code == 404 and urlparse(self.base_url).path not in ("", "/"):
             hint = (f" (RuntimeEndpoint takes the server's root URL, such as "
                     f"'{urlparse(self.base_url)._replace(path='').geturl()}', not a route)")
-        raise RuntimeError(f"{self.base_url}{path} answered HTTP {res.status_code}{hint}: {detail}")
+        error = ValueError if res.status_code == 400 else RuntimeError
+        raise error(f"{self.base_url}{path} answered HTTP {res.status_code}{hint}: {detail}")
 
     @contextmanager
     def reaching(self, path: str) -> Iterator[None]:
@@ -124,6 +124,24 @@ class EndpointHTTP:
                 raise type(e)(f"the server at {self.base_url} stopped answering during {path} "
                               f"({failure_cause(e)}): it answered before; did it exit or restart?") from e
             raise type(e)(f"no server answered at {url} ({failure_cause(e)}): {START_HINT}") from e
+
+
+def error_message(res: Any) -> str:
+    """The message of an error answer: plait's and OpenAI's {"error": {"message"}}, FastAPI's {"detail"},
+    or the body as text."""
+    try:
+        body = res.json()
+    except ValueError:
+        return res.text
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(error, str):
+            return error
+        if "detail" in body:
+            return str(body["detail"])
+    return str(body)
 
 
 def failure_cause(error: BaseException) -> str:
