@@ -286,6 +286,9 @@ def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServerContext) -> list[int]
     except Exception as e:  # jinja raises TemplateError for e.g. roles the template refuses
         raise APIError(400, f"messages could not be rendered with the chat template: {e}",
                        param="messages") from None
+    # NOTE: the contents are checked above with a better name; tools (descriptions, parameter schemas) and
+    # tool-call arguments reach the prompt too, and a lone surrogate there was a 500 from the tokenizer.
+    check_unicode(text, "the prompt rendered from messages and tools", "messages")
     ids = tokenizer.encode(text, add_special_tokens=False)
     check_prompt_length(len(ids), ctx, "messages")
     return ids
