@@ -42,6 +42,12 @@ BACKEND_NAMES = ("xgrammar", "outlines")
 
 GrammarKey = tuple[str, str]
 
+# The longest constraint text compiled, by kind. NOTE: compile time grows with a regex's or grammar's size
+# (a 100 KB regex took 40 s on xgrammar) and a compile cannot be interrupted: past its timeout it still
+# holds a compile thread. Schemas compile to far smaller grammars than their text; real APIs' schemas
+# stay well under these.
+MAX_CONSTRAINT_CHARS = {"json": 262_144, "json_ws": 262_144, "regex": 65_536, "ebnf": 65_536}
+
 
 class GrammarCompileError(ValueError):
     """A constraint that cannot be compiled (bad syntax, unsupported feature, ...)."""
@@ -60,6 +66,10 @@ def check_key(key: Any) -> GrammarKey:
         raise ValueError(f"grammar kind must be one of {list(GRAMMAR_KINDS)}, got {kind!r}")
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{kind} constraint must be a non-empty string")
+    limit = MAX_CONSTRAINT_CHARS[kind]
+    if len(text) > limit:
+        raise ValueError(f"the {kind} constraint is {len(text):,} characters long, over the {limit:,} plait "
+                         f"compiles; split it or describe the format more compactly")
     return (kind, text)
 
 

@@ -30,6 +30,12 @@ from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
 from .jump_forward import JumpForwardPlan, apply_jump_forward, plan_jump_forward
 
 
+# Compiles run on this many threads. NOTE: a compile cannot be stopped, so one that runs past its timeout
+# keeps its thread until it ends; with a single thread every other request's constraint (a forced tool
+# call included) would queue behind it and time out too.
+COMPILE_THREADS = 4
+
+
 class GrammarManager:
     """Owns the grammar backend and the batch bitmask of one scheduler."""
 
@@ -38,7 +44,7 @@ class GrammarManager:
         self.vocab_size = vocab_size
         self.backend: GrammarBackend = create_grammar_backend(
             server_args.grammar_backend, tokenizer, vocab_size,
-            num_threads=1, compile_timeout=server_args.grammar_compile_timeout)
+            num_threads=COMPILE_THREADS, compile_timeout=server_args.grammar_compile_timeout)
         self.jump_forward_enabled = not server_args.disable_jump_forward
         self._special = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
         self._bitmask: Optional[torch.Tensor] = None
