@@ -19,7 +19,7 @@ import subprocess
 import threading
 from typing import Any, Callable, Coroutine
 
-from .tokenizer_manager import SHUTDOWN_SEND_S, TokenizerManager
+from .tokenizer_manager import SHUTDOWN_SEND_S, EngineUnavailableError, TokenizerManager
 
 logger = logging.getLogger("plait.engine")
 
@@ -46,14 +46,14 @@ class EngineLoop:
 
     def check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(SHUT_DOWN)
+            raise EngineUnavailableError(SHUT_DOWN)
 
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         """Run `coro` on the loop; RuntimeError once the engine is shut down."""
         with self._lock:
             if self._closed:
                 coro.close()
-                raise RuntimeError(SHUT_DOWN)
+                raise EngineUnavailableError(SHUT_DOWN)
             return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call_soon(self, fn: Callable, *args: Any) -> bool:
@@ -76,7 +76,7 @@ class EngineLoop:
             return fut.result()
         except concurrent.futures.CancelledError:
             if self._closed:  # cancelled by a shutdown that did not see it unwind in time
-                raise RuntimeError(SHUT_DOWN) from None
+                raise EngineUnavailableError(SHUT_DOWN) from None
             raise
         except BaseException:
             fut.cancel()  # e.g. KeyboardInterrupt while waiting: abort the requests instead of letting them run on
@@ -90,11 +90,11 @@ class EngineLoop:
             task = asyncio.current_task()
             caller_cancelled = task is not None and getattr(task, "cancelling", lambda: 0)()  # (3.11+)
             if fut.cancelled() and self._closed and not caller_cancelled:
-                raise RuntimeError(SHUT_DOWN) from None
+                raise EngineUnavailableError(SHUT_DOWN) from None
             raise
 
     def close(self, tm: TokenizerManager) -> None:
-        """Fail everything in flight with RuntimeError(SHUT_DOWN), tell the scheduler to exit, stop the loop.
+        """Fail everything in flight with EngineUnavailableError(SHUT_DOWN), tell the scheduler to exit, stop the loop.
         Idempotent. Not from the loop's own thread (it waits for the loop)."""
         with self._lock:
             if self._closed:

@@ -130,13 +130,13 @@ class TokenizerManager:
 
     def fail_all(self, reason: str) -> None:
         """Nothing more will come from the scheduler: every request and control call in flight ends with
-        RuntimeError(reason), and new ones are refused with it (call on the manager's own loop)."""
+        EngineUnavailableError(reason), and new ones are refused with it (call on the manager's own loop)."""
         self.dead_reason = reason
         for st in list(self.states.values()):
             st.event.set()
         for fut in self.control_calls.values():
             if not fut.done():
-                fut.set_exception(RuntimeError(reason))
+                fut.set_exception(EngineUnavailableError(reason))
 
     async def close(self) -> None:
         """Stop the background tasks, tell the scheduler process to exit, close the sockets."""
@@ -196,7 +196,7 @@ class TokenizerManager:
 
     async def submit(self, req: TokenizedGenerateReq) -> _ReqState:
         if self.dead_reason:
-            raise RuntimeError(self.dead_reason)
+            raise EngineUnavailableError(self.dead_reason)
         if req.rid in self.states:
             raise ValueError(f"duplicate request id {req.rid!r}")
         limit = self.server_args.max_queued_requests
@@ -219,7 +219,7 @@ class TokenizerManager:
                 await state.event.wait()
                 state.event.clear()
                 if self.dead_reason and state.finished_reason is None:
-                    raise RuntimeError(self.dead_reason)
+                    raise EngineUnavailableError(self.dead_reason)
             return state.result()
         finally:
             self.states.pop(state.rid, None)
@@ -231,7 +231,7 @@ class TokenizerManager:
                 await state.event.wait()
                 state.event.clear()
                 if self.dead_reason and state.finished_reason is None:
-                    raise RuntimeError(self.dead_reason)
+                    raise EngineUnavailableError(self.dead_reason)
                 yield state.result()
                 if state.finished_reason is not None:
                     finished = True
@@ -258,7 +258,7 @@ class TokenizerManager:
 
     async def control(self, op: str, **args) -> Any:
         if self.dead_reason:
-            raise RuntimeError(self.dead_reason)
+            raise EngineUnavailableError(self.dead_reason)
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.control_calls[call_id] = fut
@@ -307,6 +307,10 @@ class TokenizerManager:
             if not self.is_scheduler_alive():
                 self.fail_all("the scheduler process died; see its log above")
                 return
+
+
+class EngineUnavailableError(RuntimeError):
+    """The scheduler is gone (it died, or the engine was shut down): nothing can be served (HTTP 503)."""
 
 
 class OverloadedError(RuntimeError):

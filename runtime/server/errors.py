@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..tokenizer_manager import OverloadedError
+from ..tokenizer_manager import EngineUnavailableError, OverloadedError
 
 logger = logging.getLogger("plait.server")
 
@@ -51,7 +51,7 @@ def error_response(status_code: int, message: str, param: Optional[str] = None) 
 def status_for(exc: BaseException) -> int:
     if isinstance(exc, APIError):
         return exc.status_code
-    if isinstance(exc, OverloadedError):
+    if isinstance(exc, (OverloadedError, EngineUnavailableError)):
         return 503
     return 400 if isinstance(exc, ValueError) else 500
 
@@ -155,6 +155,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OverloadedError)
     async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
         # The tokenizer manager's own queue limit (it also counts requests of in-process callers).
+        return error_response(503, str(exc))
+
+    @app.exception_handler(EngineUnavailableError)
+    async def _engine_unavailable(_: Request, exc: EngineUnavailableError) -> JSONResponse:
+        # The scheduler died or the engine is shutting down: /health says 503 too; not the request's fault.
         return error_response(503, str(exc))
 
     @app.exception_handler(ValueError)
