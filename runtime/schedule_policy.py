@@ -76,11 +76,12 @@ class PrefillBudget:
     rem_chunk_tokens: int  # chunked_prefill_size left in this step
     rem_memory: float  # free + evictable slots, minus what running requests are expected to decode
 
-    def fits_whole(self, extend_len: int, reserve: float) -> bool:
+    # `locked`: evictable slots that admitting the request protects (its cached prefix, now locked).
+    def fits_whole(self, extend_len: int, reserve: float, locked: int = 0) -> bool:
         return (extend_len <= self.rem_input_tokens and extend_len <= self.rem_chunk_tokens
-                and extend_len + reserve <= self.rem_memory)
+                and extend_len + reserve + locked <= self.rem_memory)
 
-    def take(self, extend_len: int, reserve: float) -> None:
+    def take(self, extend_len: int, reserve: float, locked: int = 0) -> None:
         self.rem_input_tokens -= extend_len
         self.rem_chunk_tokens -= extend_len
-        self.rem_memory -= extend_len + reserve
+        self.rem_memory -= extend_len + reserve + locked

@@ -321,12 +321,21 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin):
         if self.allocator.available() < need:
             self.cache.evict(need - self.allocator.available())
         while self.allocator.available() < len(self.running):
-            if len(self.running) == 1:
+            # NOTE: a half-prefilled request or a jump-forward tail holds KV too, and has generated no
+            # token since (the fewest-outputs victim): it goes first. Left holding its memory, the last
+            # running request was aborted for lack of memory that was not its own fault.
+            if self.chunked_req is not None:
+                self._retract_chunked()
+            elif self.jump_queue:
+                self._retract_jump_tails()
+            elif len(self.running) == 1:
                 victim = self.running[0]
                 self.running = []
-                self._finish_now(victim, FinishReason("abort", message="out of KV memory"), release=True)
+                self._finish_now(victim, FinishReason("abort", message=self._out_of_memory_message(victim)),
+                                 release=True)
                 return None
-            self._retract_one()
+            else:
+                self._retract_one()
             self.cache.evict(max(0, len(self.running) - self.allocator.available()))
         loc = self.allocator.alloc(len(self.running))  # written into req_to_token by the model runner
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
@@ -341,6 +350,32 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin):
         self.waiting.insert(0, r)
         self.stats["num_retractions"] += 1
         logger.info("retracted chunked request %s for lack of KV memory", r.rid)
+
+    def _retract_jump_tails(self) -> None:
+        """Start the requests waiting for their jump-forward tail's prefill over (they hold KV)."""
+        for r in self.jump_queue:
+            self._release(r)
+            r.reset_for_retract()
+            self.waiting.insert(0, r)
+            self.stats["num_retractions"] += 1
+        self.jump_queue = []
+
+    def _out_of_memory_message(self, r: Req) -> str:
+        """Why a request that runs alone cannot go on: its sequence outgrew what the pool can give it."""
+        total, pinned = self.allocator.num_slots, self._pinned_tokens()
+        held = f", {pinned} of them held by pinned prefixes" if pinned else ""
+        return (f"out of KV memory: the request needs {r.seq_len + 1} tokens of KV cache, the pool holds "
+                f"{total}{held} (raise max_total_tokens, or lower max_new_tokens)")
+
+    def _pinned_tokens(self) -> int:
+        """Cached tokens that pins keep locked (their paths may overlap: counted once)."""
+        nodes = {}
+        for handle in self.pins.values():
+            node = getattr(handle, "node", None)
+            while node is not None and node.parent is not None:
+                nodes[id(node)] = len(node.key)
+                node = node.parent
+        return sum(nodes.values())
 
     def _retract_one(self) -> None:
         # The request with the fewest generated tokens loses the least work (ties: the longest prompt

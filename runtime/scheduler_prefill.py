@@ -16,7 +16,7 @@ import torch
 
 from .forward_batch import ForwardMode
 from .prefix_cache import MatchResult
-from .schedule_batch import Req, ScheduleBatch
+from .schedule_batch import FinishReason, Req, ScheduleBatch
 from .schedule_policy import PrefillBudget, order_waiting_queue
 
 # A waiting request that shares at least this many not-yet-cached tokens with one being prefilled
@@ -106,6 +106,11 @@ class PrefillAdmissionMixin:
             if ext <= 0:
                 if self.running:
                     return None  # decode first; finishing (or retracted) requests free memory
+                if not self.jump_queue:
+                    # NOTE: nothing else holds memory: pins hold the rest, and it can never finish
+                    # (retracted, it was admitted again and stopped here again, forever).
+                    self._refuse_for_memory(r)
+                    return None
                 self._retract_chunked()
                 return None
             reqs.append(r), prefix_lens.append(r.kv_len), extend_lens.append(ext)
@@ -139,6 +144,7 @@ class PrefillAdmissionMixin:
         # NOTE: requests that matched the same node pass one tensor, which write_rows uploads once.
         prefix_kv: dict = {}  # matched node -> its kv slots
         in_flight = InFlightPrefixes(IN_BATCH_DEDUP_MIN_TOKENS)  # token ids being prefilled in this step
+        refused = None  # the request that did not fit, if one stopped the admission
         for r in self.waiting:
             if len(self.running) + len(reqs) >= self.model_runner.max_running_requests or free_req_slots == 0:
                 break
@@ -149,23 +155,26 @@ class PrefillAdmissionMixin:
             pre = match.num_tokens
             ext = r.seq_len - pre
             reserve = r.remaining_new_tokens() * self.new_token_ratio
-            if budget.fits_whole(ext, reserve):
-                take = ext
-            elif (not reqs and budget.rem_chunk_tokens > 0
-                  and min(budget.rem_chunk_tokens, budget.rem_input_tokens) + reserve <= budget.rem_memory):
-                take = min(budget.rem_chunk_tokens, budget.rem_input_tokens)  # first request: chunk it
-            else:
-                break
-            if take <= 0:
-                break
+            # NOTE: locking the matched prefix takes its evictable slots out of eviction's reach, so the
+            # budget must see that before the fit check (checked after, a batch whose prefixes locked
+            # every evictable slot could not be allocated: undone and admitted again, forever).
             evictable_before = self.cache.evictable_size()
+            self.cache.inc_lock(match.node)
+            locked = evictable_before - self.cache.evictable_size()
+            # NOTE: with nothing else running or admitted, the reserve protects nobody but this request
+            # (the decode step aborts it if it outgrows the pool); checked against it, a prompt that fits
+            # but whose max_new_tokens would not was never admitted and waited forever.
+            check_reserve = reserve if (self.running or reqs) else 0.0
+            take = self._admitted_tokens(budget, ext, check_reserve, locked, first=not reqs)
+            if take <= 0:
+                self.cache.dec_lock(match.node)
+                refused = r
+                break
             self._assign_slot_and_prefix(r, match)
             if match.num_tokens:
                 prefix_rows.append((r.req_pool_idx, prefix_kv.setdefault(match.node, match.kv_indices)))
-            # Locking the matched prefix turned some evictable slots into protected ones.
-            budget.rem_memory -= evictable_before - self.cache.evictable_size()
             free_req_slots -= 1
-            budget.take(take, reserve)
+            budget.take(take, reserve, locked)
             reqs.append(r), prefix_lens.append(pre), extend_lens.append(take)
             admitted.append(r)
             in_flight.add(r.origin_input_ids if pre + take <= len(r.origin_input_ids) else r.fill_ids, pre + take)
@@ -176,6 +185,11 @@ class PrefillAdmissionMixin:
             ids = set(map(id, admitted))
             self.waiting = [r for r in self.waiting if id(r) not in ids]
         if not reqs:
+            if refused is not None and not (self.running or self.jump_queue or self.pending_prefill):
+                # NOTE: alone it gets every slot that is neither free nor evictable: pins hold them all
+                # (with its own cached prefix). Waiting would never end; an error tells the caller why.
+                self.waiting.remove(refused)
+                self._refuse_for_memory(refused)
             return None
         loc = self._alloc(sum(extend_lens))
         if loc is None:  # the budget overestimated what eviction can free: undo, fall back to decode
@@ -222,12 +236,28 @@ class PrefillAdmissionMixin:
             limit = min(limit, max(r.input_logprob_next - 1, 0))
         return token_prefix(r, limit)
 
+    def _refuse_for_memory(self, r: Req) -> None:
+        """End a request that cannot run even alone (the chunked one, or one taken off the waiting queue)."""
+        if self.chunked_req is r:
+            self.chunked_req = None
+        self._finish_now(r, FinishReason("abort", message=self._out_of_memory_message(r)), release=True)
+
+    @staticmethod
+    def _admitted_tokens(budget: PrefillBudget, ext: int, reserve: float, locked: int, first: bool) -> int:
+        """How many of a request's `ext` new tokens this batch takes: all, a first chunk (the batch's
+        first request only), or 0 (it waits)."""
+        if budget.fits_whole(ext, reserve, locked):
+            return ext
+        chunk = min(budget.rem_chunk_tokens, budget.rem_input_tokens)
+        if first and chunk > 0 and chunk + reserve + locked <= budget.rem_memory:
+            return chunk
+        return 0
+
     def _assign_slot_and_prefix(self, r: Req, match) -> None:
-        """The request's table row and its lock on the cached prefix (the caller writes the prefix's
-        slots into the row: one table write for the whole batch)."""
+        """The request's table row and its cached prefix, which the caller has locked (the caller
+        writes the prefix's slots into the row: one table write for the whole batch)."""
         r.req_pool_idx = self.req_to_token.alloc()
         r.rank_peek = None  # it holds tree nodes
-        self.cache.inc_lock(match.node)
         r.last_node = match.node
         r.kv_len = r.cache_len = match.num_tokens
         if r.num_retractions == 0:
