@@ -130,3 +130,73 @@ def test_a_prompt_that_pins_leave_no_room_for_is_refused_and_others_go_on(random
                                {"type": "length", "length": 3})
     assert s.handle_message(ControlReq(2, "unpin_prefix", {"pin_id": pin["pin_id"]})).result is True
     assert_all_memory_back(s, 64)
+
+
+def _pressure_workload() -> list[tuple[str, str, dict]]:
+    rng = random.Random(0)
+    words = "alpha beta gamma delta river mountain cloud engine paper stone light orange window garden".split()
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    system = "You are a careful assistant. " + text(60)
+    items = []
+    for i in range(18):
+        prompt = system + f" Question {i}: " + text(rng.randrange(3, 12)) if i % 2 else text(rng.randrange(15, 50))
+        sp = {"max_new_tokens": rng.randrange(16, 40), "temperature": 0, "ignore_eos": True}
+        if i % 6 == 1:
+            sp.update(temperature=0.8, seed=i, n=2)  # seeded samples: reproducible under pressure too
+        if i % 6 == 3:
+            sp.update(regex=r"(yes|no) [0-9]{2,3}", ignore_eos=False)
+        items.append((f"r{i}", prompt, sp))
+    items.append(("huge", text(220), {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}))
+    return items
+
+
+def _run_workload(pool: int, items, abort: str = "") -> tuple[dict, dict]:
+    import asyncio
+
+    from plait.runtime import Engine
+
+    async def main(eng):
+        async def one(rid, prompt, sp):
+            return rid, await asyncio.wait_for(eng.async_generate(prompt=prompt, sampling_params=sp, rid=rid), 120)
+
+        tasks = [asyncio.create_task(one(*item)) for item in items]
+        if abort:
+            await asyncio.sleep(1.0)
+            eng.abort(abort)
+        return dict(await asyncio.gather(*tasks))
+
+    with Engine(max_total_tokens=pool, chunked_prefill_size=128, max_prefill_tokens=256) as eng:
+        results = asyncio.run(main(eng))
+        stats = eng.get_stats()
+        assert eng.check_integrity() is True
+        assert eng.flush_cache() is True
+        after = eng.get_stats()
+    assert after["free_tokens"] == pool and after["integrity_errors"] == 0 and after["protected_tokens"] == 0
+    return results, stats
+
+
+def test_embedded_model_under_pressure_matches_a_big_pool_and_frees_everything():
+    # ~19 requests needing ~6x the 320-slot pool: shared prefixes, n=2 seeded samples, regex, one that
+    # outgrows the pool, one aborted mid-way. Every other request's tokens equal the big pool's run.
+    items = _pressure_workload()
+    small, stats = _run_workload(320, items, abort="r4")
+    big, big_stats = _run_workload(8192, items)
+    assert stats["num_retractions"] >= 1 and big_stats["num_retractions"] == 0
+    assert stats["integrity_errors"] == 0
+
+    def ids(res):
+        return [x["output_ids"] for x in res] if isinstance(res, list) else res["output_ids"]
+
+    huge = small["huge"]["meta_info"]["finish_reason"]
+    assert huge["type"] == "abort" and "the pool holds 320" in huge["message"]
+    assert big["huge"]["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+    for rid, _, sp in items:
+        if rid in ("huge", "r4"):
+            continue
+        assert ids(small[rid]) == ids(big[rid]), rid
+        finish = [x["meta_info"]["finish_reason"]["type"] for x in small[rid]] if sp.get("n") else \
+            [small[rid]["meta_info"]["finish_reason"]["type"]]
+        assert "abort" not in finish, (rid, small[rid])
