@@ -184,7 +184,7 @@ def test_embedded_model_under_pressure_matches_a_big_pool_and_frees_everything()
     items = _pressure_workload()
     small, stats = _run_workload(320, items, abort="r4")
     big, big_stats = _run_workload(8192, items)
-    assert stats["num_retractions"] >= 1 and big_stats["num_retractions"] == 0
+    assert stats["num_retractions"] >= 1 and big_stats["num_retractions"] == 0, (stats, big_stats)
     assert stats["integrity_errors"] == 0
 
     def ids(res):
@@ -193,10 +193,13 @@ def test_embedded_model_under_pressure_matches_a_big_pool_and_frees_everything()
     huge = small["huge"]["meta_info"]["finish_reason"]
     assert huge["type"] == "abort" and "the pool holds 320" in huge["message"]
     assert big["huge"]["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+    differ, aborted = [], []
     for rid, _, sp in items:
         if rid in ("huge", "r4"):
             continue
-        assert ids(small[rid]) == ids(big[rid]), rid
-        finish = [x["meta_info"]["finish_reason"]["type"] for x in small[rid]] if sp.get("n") else \
-            [small[rid]["meta_info"]["finish_reason"]["type"]]
-        assert "abort" not in finish, (rid, small[rid])
+        if ids(small[rid]) != ids(big[rid]):
+            differ.append((rid, sp, ids(small[rid]), ids(big[rid])))
+        outs = small[rid] if sp.get("n") else [small[rid]]
+        reasons = [o["meta_info"]["finish_reason"] for o in outs]
+        aborted += [(rid, reason) for reason in reasons if reason["type"] == "abort"]
+    assert not differ and not aborted, (differ, aborted, stats["num_retractions"])
