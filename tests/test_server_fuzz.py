@@ -17,7 +17,6 @@ import json
 import os
 import random
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -433,8 +432,11 @@ def test_absurd_content_length_gets_413_at_once(server):
 
 
 def test_chunked_body_past_the_limit_gets_413():
-    """A chunked body has no declared length: it is counted as it arrives (the server would buffer it all)."""
-    import httpx
+    """A chunked body has no declared length: it is counted as it arrives (the server would buffer it all).
+    The guard wraps a real FastAPI app with a 1,000-byte limit, driven through the ASGI interface the way
+    uvicorn drives it: the body comes in pieces, with no Content-Length."""
+    import asyncio
+
     from fastapi import FastAPI
 
     from plait.runtime.server.errors import install_error_handlers
@@ -449,22 +451,28 @@ def test_chunked_body_past_the_limit_gets_413():
 
     guarded = BodySizeLimit(app, limit=1000)
 
-    async def run() -> list[httpx.Response]:
-        async def chunks(n: int):
-            yield b'{"a": "'
-            for _ in range(n):
-                yield b"x" * 100
-            yield b'"}'
+    async def post_in_pieces(n: int) -> tuple[int, bytes]:
+        pieces = [b'{"a": "', *([b"x" * 100] * n), b'"}']
+        incoming = [{"type": "http.request", "body": p, "more_body": k < len(pieces) - 1} for k, p in enumerate(pieces)]
+        sent: list[dict] = []
 
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded), base_url="http://t") as client:
-            return [await client.post("/echo", content=chunks(n), headers={"Content-Type": "application/json"})
-                    for n in (5, 50)]
+        async def receive() -> dict:
+            return incoming.pop(0) if incoming else {"type": "http.disconnect"}
 
-    import asyncio
+        async def send(message: dict) -> None:
+            sent.append(message)
 
-    small, big = asyncio.run(run())
-    assert small.status_code == 200 and small.json() == {"a": "x" * 500}
-    assert big.status_code == 413 and "limit is 1000 bytes" in big.json()["error"]["message"], big.text
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/echo", "raw_path": b"/echo", "root_path": "", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")],
+                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000)}
+        await guarded(scope, receive, send)
+        status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+        return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+    (small_status, small_body), (big_status, big_body) = [asyncio.run(post_in_pieces(n)) for n in (5, 50)]
+    assert small_status == 200 and json.loads(small_body) == {"a": "x" * 500}
+    assert big_status == 413 and "limit is 1000 bytes" in json.loads(big_body)["error"]["message"], big_body
 
 
 def test_pin_prefix_with_a_lone_surrogate_is_a_400(server):
