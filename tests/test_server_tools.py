@@ -127,6 +127,23 @@ def test_call_schema_nests_each_tools_schema_with_its_refs():
     assert call_schema(_request(tools=[WEATHER])) is None  # auto: nothing forced
 
 
+NO_ARGS = [None, {}, {"type": "object"}, {"type": "object", "properties": {}, "required": []}]
+
+
+@pytest.mark.parametrize("parameters", NO_ARGS, ids=["none", "empty", "object", "no-properties"])
+def test_forced_call_of_a_function_without_parameters_takes_an_empty_object(parameters):
+    tool = {"type": "function", "function": {"name": "get_time", **({} if parameters is None else
+                                                                     {"parameters": parameters})}}
+    schema = call_schema(_request(tools=[tool], tool_choice="required", parallel_tool_calls=False))
+    jsonschema.validate({"name": "get_time", "arguments": {}}, schema)
+    with pytest.raises(jsonschema.ValidationError):  # the backend kept it open: invented keys until max_tokens
+        jsonschema.validate({"name": "get_time", "arguments": {"tz": "UTC"}}, schema)
+    open_ = {"type": "object", "additionalProperties": {"type": "string"}}  # declared open: stays open
+    tool["function"]["parameters"] = open_
+    schema = call_schema(_request(tools=[tool], tool_choice="required", parallel_tool_calls=False))
+    jsonschema.validate({"name": "get_time", "arguments": {"tz": "UTC"}}, schema)
+
+
 HISTORY = ASK + [
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather",
@@ -242,6 +259,29 @@ def test_tool_choice_none_offers_no_tools_and_parses_nothing(client):
     assert json.loads(none.choices[0].message.content)["name"] == "get_weather"
 
 
+def test_required_call_of_a_function_without_parameters_ends_with_empty_arguments(client):
+    clock = {"type": "function", "function": {"name": "get_time", "description": "The current UTC time"}}
+    listing = {"type": "function", "function": {"name": "list_files", "parameters": {"type": "object",
+                                                                                       "properties": {}}}}
+    for tool in (clock, listing):
+        reply = client.chat.completions.create(model="default", messages=ASK, tools=[tool], tool_choice="required",
+                                               max_tokens=30, temperature=0)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+            (tool["function"]["name"], "{}")]
+
+
+def test_forced_tool_choice_with_response_format_makes_the_calls(client):
+    # Agent frameworks send the final answer's response_format on every turn, forced ones included.
+    answer = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+    reply = client.chat.completions.create(model="default", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           response_format=answer, max_tokens=60, temperature=0)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    _check_against_schemas(_calls(reply.choices[0].message))
+
+
 def _collect(stream) -> tuple[str, dict[int, dict], list]:
     content, calls, reasons = "", {}, []
     for chunk in stream:
@@ -298,8 +338,8 @@ BAD = [
     ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools"),
     ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", 'must be "none", "auto", "required" or'),
     ({"tools": [WEATHER, WEATHER]}, "tools", "two tools are named 'get_weather'"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
-     "cannot be combined with response_format"),
+    ({"tools": [WEATHER], "tool_choice": "required", "regex": "[a-z]+"}, "tool_choice",
+     "cannot be combined with regex or ebnf"),
     ({"functions": [{"name": "f"}]}, "functions", "legacy 'functions' field is not supported"),
 ]
 

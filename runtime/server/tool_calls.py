@@ -144,7 +144,7 @@ def _generic_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def check_tools(req: ChatCompletionRequest, backend: str) -> None:
     """400s the request model cannot give: a parameters schema the grammar backend cannot use (checked
     for every tool, as "auto" may still be forced later by a client), unenforceable keywords of a strict
-    tool, and a forcing tool_choice combined with another output constraint."""
+    tool, and a forcing tool_choice combined with regex or ebnf."""
     for i, tool in enumerate(req.tools or []):
         fn = tool.function
         where = f"tools[{i}].function.parameters ('{fn.name}')"
@@ -161,10 +161,11 @@ def check_tools(req: ChatCompletionRequest, backend: str) -> None:
         if warnings and fn.strict:
             raise APIError(400, f"{where} has strict=true, but " + "; ".join(warnings)
                            + " (set strict=false for best effort)", param="tools")
-    if forcing(req) and (req.response_format is not None and req.response_format.type != "text"
-                         or req.regex is not None or req.ebnf is not None):
+    # NOTE: response_format is not refused: it shapes the final answer, and agent frameworks send it on
+    # every turn, forced ones included (as OpenAI and vLLM accept it); a forced turn's output is calls.
+    if forcing(req) and (req.regex is not None or req.ebnf is not None):
         raise APIError(400, "tool_choice 'required' or a named function constrains the output to tool calls; "
-                            "it cannot be combined with response_format, regex or ebnf", param="tool_choice")
+                            "it cannot be combined with regex or ebnf", param="tool_choice")
 
 
 def forcing(req: ChatCompletionRequest) -> bool:
@@ -196,9 +197,27 @@ def call_schema(req: ChatCompletionRequest) -> Optional[dict[str, Any]]:
     return {"$defs": defs, **one}
 
 
+# Keys of a parameters schema that declares no arguments (`{}`, `{"type": "object", "properties": {}}`,
+# MCP's empty input schemas); any other key (additionalProperties, patternProperties, ...) may open it.
+_NO_ARGUMENT_KEYS = frozenset({"type", "properties", "required", "title", "description", "$schema"})
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _arguments_schema(parameters: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The schema forced arguments follow. A function without declared parameters takes `{}` (OpenAI:
+    no parameters = an empty parameter list).
+    NOTE: an object schema without properties admits any object, and the grammar backend leaves it open,
+    so forced calls wrote invented keys until max_tokens (the tiny model never closed the object)."""
+    if parameters is None:
+        return NO_ARGUMENTS
+    if (set(parameters) <= _NO_ARGUMENT_KEYS and not parameters.get("properties")
+            and not parameters.get("required")):
+        return {**parameters, **NO_ARGUMENTS}
+    return parameters
+
+
 def _rebased(parameters: Optional[dict[str, Any]], base: str) -> Any:
-    if parameters is None:  # OpenAI: no parameters = a function without arguments
-        return {"type": "object", "properties": {}}
+    parameters = _arguments_schema(parameters)
 
     def walk(node: Any) -> Any:
         if isinstance(node, list):
