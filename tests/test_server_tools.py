@@ -341,6 +341,7 @@ BAD = [
     ({"tools": [WEATHER], "tool_choice": "required", "regex": "[a-z]+"}, "tool_choice",
      "cannot be combined with regex or ebnf"),
     ({"functions": [{"name": "f"}]}, "functions", "legacy 'functions' field is not supported"),
+    ({"function_call": {"name": "f"}}, "function_call", "send tools and tool_choice="),
 ]
 
 

@@ -369,7 +369,9 @@ class ChatCompletionRequest(_SamplingExtensions):
         """Clients and SDK wrappers send some of these on every request, so their "off" value is
         accepted; any other value is refused by name instead of being ignored."""
         if value not in _OPENAI_OFF_VALUES[info.field_name]:
-            raise ValueError(f"'{info.field_name}' is not supported by plait")
+            hint = (' (legacy): send tools and tool_choice={"type": "function", "function": {"name": ...}}'
+                    if info.field_name == "function_call" else "")
+            raise ValueError(f"'{info.field_name}' is not supported by plait{hint}")
         return value
 
     @field_validator("functions")
