@@ -201,3 +201,20 @@ def server_process(log_path, *flags: str, startup_deadline_s: float = 600):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def server_pid(url: str) -> int:
+    """The `python -m plait.runtime.server --port PORT` process serving `url` (server_process yields only
+    the URL): found by its command line, for tests that kill it or read its /proc."""
+    from urllib.parse import urlparse
+
+    port = str(urlparse(url).port).encode()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:  # the process ended meanwhile
+            continue
+        if b"plait.runtime.server" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port:
+            return int(entry)
+    raise AssertionError(f"no server process listens on port {port!r}")

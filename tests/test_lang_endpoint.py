@@ -11,30 +11,15 @@ import os
 import signal
 import threading
 import time
-from urllib.parse import urlparse
 
 import pytest
 import requests
 
 import plait as sgl
 
-from conftest import free_port, server_process
+from conftest import free_port, server_pid, server_process
 
 API_KEY = "endpoint-trial-key"
-
-
-def server_pid(url: str) -> int:
-    """The server subprocess listening on url's port (conftest's server_process does not expose it)."""
-    port = str(urlparse(url).port).encode()
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"plait.runtime.server" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port:
-            return int(entry)
-    raise AssertionError(f"no server process on port {port!r}")
 
 
 @pytest.fixture(scope="module")

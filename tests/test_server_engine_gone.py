@@ -10,23 +10,12 @@ import time
 
 import requests
 
-from conftest import server_process
+from conftest import server_pid, server_process
 
 
 def child_pids(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]
-
-
-def server_pid(url: str) -> int:
-    # NOTE: the server process is the one listening on url's port; conftest's server_process does not expose
-    # its Popen, so find it among this test process's children by the port in its command line.
-    port = url.rsplit(":", 1)[1]
-    for pid in child_pids(os.getpid()):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if port.encode() in f.read():
-                return pid
-    raise AssertionError(f"no server process for {url}")
 
 
 def test_requests_after_the_scheduler_dies_get_503_not_500(tmp_path):

@@ -25,6 +25,8 @@ from urllib.parse import urlparse
 
 import pytest
 
+from conftest import server_pid
+
 SEED = 20261201
 NUM_CASES = 300
 MAX_NEW = 2  # tokens per generation: the model is slow on the CPU
@@ -347,22 +349,6 @@ def _proc_status(pid: int) -> dict[str, int]:
             if key in ("VmRSS", "Threads"):
                 out[key] = int(value.split()[0])
     return out
-
-
-def server_pid(url: str) -> int:
-    """The `python -m plait.runtime.server --port PORT` process (conftest's server_process hides it)."""
-    port = str(urlparse(url).port).encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"plait.runtime.server" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port:
-            return int(entry)
-    raise AssertionError(f"no server process listens on port {port!r}")
 
 
 def resources(pid: int) -> dict[str, float]:
