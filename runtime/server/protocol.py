@@ -8,16 +8,16 @@ keep the streaming hot path free of model construction.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from .protocol_tools import NamedToolChoice, Tool, ToolCall
+
 _STRICT = ConfigDict(strict=True, extra="forbid")
 # Samples per prompt (OpenAI's limit for n). Each is its own Engine request, built up front.
 MAX_N = 64
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 # ---------------------------------------------------------------- SGLang native
@@ -225,59 +225,6 @@ class TextContentPart(BaseModel):
     model_config = _STRICT
     type: Literal["text"]
     text: str
-
-
-class FunctionDefinition(BaseModel):
-    model_config = _STRICT
-    name: str
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None  # a JSON schema; none = the function takes no arguments
-    strict: Optional[bool] = None  # true: keywords the grammar backend cannot enforce are a 400
-
-    @field_validator("name")
-    @classmethod
-    def _name_shape(cls, name: str) -> str:
-        # OpenAI's rule (plus '.' and ':'): the name goes into prompts and into a JSON-schema `const`.
-        if not _TOOL_NAME.fullmatch(name):
-            raise ValueError(f"tool name {name!r} must be 1-64 characters of a-z, A-Z, 0-9, '_', '-', '.', ':'")
-        return name
-
-
-class Tool(BaseModel):
-    """One entry of `tools`: OpenAI's only tool type is "function"."""
-
-    model_config = _STRICT
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class ToolChoiceFunction(BaseModel):
-    model_config = _STRICT
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    """`tool_choice: {"type": "function", "function": {"name": ...}}`: that function must be called."""
-
-    model_config = _STRICT
-    type: Literal["function"]
-    function: ToolChoiceFunction
-
-
-class FunctionCall(BaseModel):
-    model_config = _STRICT
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(BaseModel):
-    """A call an earlier assistant turn made (`message.tool_calls` sent back in the history)."""
-
-    model_config = _STRICT
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-    index: Optional[int] = None  # left by clients that assembled the call from stream deltas; unused
 
 
 class ChatMessage(BaseModel):

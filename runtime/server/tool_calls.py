@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 from ..constrained import validate_constraint
 from .errors import APIError
-from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from .protocol import ChatCompletionRequest, ChatMessage
+from .protocol_tools import NamedToolChoice, Tool
 
 GENERIC_TOOLS_INTRO = "You can call these tools (functions), given as JSON with their parameters' JSON schema:"
 GENERIC_TOOLS_HOWTO = (
