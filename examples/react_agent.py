@@ -1,6 +1,6 @@
 """A ReAct agent: Thought / Action / Observation steps, with Python tools run between model calls.
 
-    .venv/bin/python examples/react_agent.py        (the embedded SmolLM2-135M on the CPU; ~1 minute)
+    .venv/bin/python examples/react_agent.py        (the embedded SmolLM2-135M on the CPU; 10-40 s)
 
 Each step the model writes a Thought (`gen`, stopped at the end of the line), picks an Action among
 the tool names (`select`: always exactly one of them), and writes the tool's input; then plain Python
