@@ -92,6 +92,11 @@ class StreamExecutor(ExecutorPinsMixin):
         expr = as_expr(expr)
         self._check_roles(expr)
         with self._lock:
+            if self._ended:
+                # NOTE: its worker has exited: queued text would never run, and the next read would wait forever.
+                raise RuntimeError("this program state has ended (a fork's branch after its join, or the state a "
+                                   "finished run returned): it takes no more text; call s.fork() again for "
+                                   "another round")
             events = self._init_var_event(expr)
             if self._failed:
                 for event in events:  # nobody will produce these: wake readers at once

@@ -197,3 +197,24 @@ def test_stream_text_iter_and_async_iter():
     assert items[-1][1]["completion_tokens"] == len("streamed words")
     # without stream=True the iterator yields the finished value once
     assert list(p.run(backend=backend).text_iter("out")) == ["streamed words"]
+
+
+def test_appending_to_a_joined_branch_is_an_error_not_a_hang():
+    # A fork made before a loop and joined in its first round: its branches have ended. Appending to one used
+    # to queue text for a worker that had exited, and the next join waited forever.
+    backend = backend_for(reply=lambda p: "ok")
+    seen = {}
+
+    @sgl.function
+    def rounds(s):
+        forks = s.fork(2)
+        forks += lambda i: f"Branch {i}:" + sgl.gen("x", max_tokens=4)
+        forks.join()
+        try:
+            forks[0] += "again" + sgl.gen("y", max_tokens=4)
+        except RuntimeError as e:
+            seen["error"] = str(e)
+
+    state = rounds.run(backend=backend)
+    assert state.error() is None
+    assert "has ended" in seen["error"] and "call s.fork() again" in seen["error"]
