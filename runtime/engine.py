@@ -43,7 +43,14 @@ class Engine:
         if model_path is None:
             self.model_path = resolve_model_path(None)
         else:
-            self.model_path = model_path
+            self.model_path = self.server_args.model_path  # "~" expanded
+            from .model_config import BUILTIN_SHAPES
+            from .model_loader import check_is_folder
+
+            if not (self.server_args.load_format == "dummy" and self.model_path in BUILTIN_SHAPES):
+                # NOTE: here, before a scheduler process starts only to fail on it (its traceback and the
+                # "did not exit; terminating it" line used to come before the error that matters).
+                check_is_folder(self.model_path)
         self.server_args.model_path = self.model_path
         self._tmpdir = tempfile.mkdtemp(prefix="plait-")
         to_sched = f"ipc://{self._tmpdir}/to_scheduler"

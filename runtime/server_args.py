@@ -98,6 +98,9 @@ class ServerArgs:
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool)
+                                             or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive int (or None: one per core), got {self.num_threads!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
         if self.context_length is not None and self.context_length < 2:

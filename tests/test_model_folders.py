@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 import requests
@@ -414,3 +415,21 @@ def test_requests_may_name_the_model_by_its_folder_name(chat_folder, chat_engine
             "model": "not-" + folder_name, "prompt": "hello", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
     assert missing.status_code == 404 and "does not exist" in missing.text
+
+
+def test_engine_refuses_a_path_that_is_not_a_folder_before_starting_a_scheduler(tmp_path, capfd):
+    # A hub name: the error comes from the caller's process at once, with no scheduler traceback before it.
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"'meta-llama/Llama-3.1-8B-Instruct' is not a folder \(nothing exists"):
+        Engine(model_path="meta-llama/Llama-3.1-8B-Instruct", num_threads=1)
+    assert time.monotonic() - started < 5
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_num_threads_must_be_a_positive_int():
+    from plait.runtime.server_args import ServerArgs
+
+    for bad in (0, -2, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="num_threads must be a positive int"):
+            ServerArgs(num_threads=bad)
+    assert ServerArgs(num_threads=2).num_threads == 2 and ServerArgs().num_threads is None
