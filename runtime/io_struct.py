@@ -80,6 +80,10 @@ class ReqOutput:
     final_text: Optional[str] = None
     # Set on the final output of a request whose text is decoded by the receiver.
     deferred_text: Optional[DeferredText] = None
+    # When the scheduler sampled the request's first token (time.monotonic(): one clock for every process
+    # of the machine). A request that is not streamed sends its ids only at the end, so the receiver's own
+    # clock would put its first token there.
+    first_token_time: Optional[float] = None
 
 
 @dataclass

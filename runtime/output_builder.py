@@ -105,7 +105,7 @@ class OutputBuilder:
         out = ReqOutput(
             rid=r.rid, new_ids=r.output_ids[r.sent_ids:], text_delta=text[r.sent_text_len:],
             finished_reason=None, prompt_tokens=len(r.origin_input_ids), completion_tokens=len(r.output_ids),
-            cached_tokens=r.cached_tokens)
+            cached_tokens=r.cached_tokens, first_token_time=r.first_token_time)
         r.sent_ids = len(r.output_ids)
         r.sent_text_len = len(text)
         if r.return_logprob:

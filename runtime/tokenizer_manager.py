@@ -60,7 +60,7 @@ class _ReqState:
 
     def apply(self, o: ReqOutput) -> None:
         if o.new_ids and self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = o.first_token_time or time.monotonic()
         self.output_ids.extend(o.new_ids)
         self.text += o.text_delta
         if o.final_text is not None:

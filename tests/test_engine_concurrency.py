@@ -252,3 +252,15 @@ def test_ctrl_c_during_a_blocking_generate_exits_cleanly(tmp_path):
     assert proc.returncode == -signal.SIGINT  # KeyboardInterrupt, uncaught
     assert stderr.count("KeyboardInterrupt") == 1, stderr  # the caller's traceback only, not the scheduler's
     wait_until(lambda: process_gone(scheduler_pid), "the scheduler process exits", timeout_s=10)
+
+
+def test_ttft_of_a_request_not_streamed_is_its_first_token_not_its_end(eng):
+    # A request that is not streamed gets its ids in one message at the end; ttft used to be taken when that
+    # message arrived, so it equalled e2e_latency. It is now the scheduler's time of the first token.
+    out = eng.generate("Count from one to twenty:", {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 24
+    assert 0 < meta["ttft"] < meta["e2e_latency"] / 2, meta
+    streamed = list(eng.generate("Count from one to twenty:", {"temperature": 0, "max_new_tokens": 24,
+                                                              "ignore_eos": True}, stream=True))[-1]["meta_info"]
+    assert 0 < streamed["ttft"] < streamed["e2e_latency"] / 2, streamed
