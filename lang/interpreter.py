@@ -25,9 +25,9 @@ from .graph import MAIN_BRANCH
 from .graph_builder import GraphBuilder, collect_requests
 from .executor_pins import ExecutorPinsMixin
 from .pins import ProgramPins
-from .ir import (SglCommitLazy, SglConcateAndAppend, SglConstantText, SglExpr, SglExprList, SglGen,
-                 SglImage, SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin,
-                 SglVarScopeEnd, as_expr, flatten)
+from .ir import (SglCommitLazy, SglConcateAndAppend, SglConstantText, SglExpr, SglExprList, SglGen, SglImage,
+                 SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin, SglVarScopeEnd, as_expr, flatten,
+                 open_role_after)
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class StreamExecutor(ExecutorPinsMixin):
     # ---------------- submission side (program thread) ----------------
     def submit(self, expr: Any) -> None:
         expr = as_expr(expr)
-        self._check_roles(expr)
+        self._submitted_role = open_role_after(self._submitted_role, expr)  # ValueError: roles misnested
         with self._lock:
             if self._ended:
                 # NOTE: its worker has exited: queued text would never run, and the next read would wait forever.
@@ -106,22 +106,6 @@ class StreamExecutor(ExecutorPinsMixin):
                 self.queue.put(expr)
                 return
         self._execute_guarded(expr)
-
-    def _check_roles(self, expr: SglExpr) -> None:
-        role = self._submitted_role
-        for node in flatten(expr):
-            if isinstance(node, SglRoleBegin):
-                if role is not None:
-                    raise ValueError(
-                        f"cannot begin a {node.role!r} turn inside the unfinished {role!r} turn: roles do "
-                        f"not nest; end the {role!r} turn first")
-                role = node.role
-            elif isinstance(node, SglRoleEnd):
-                if role != node.role:
-                    raise ValueError(f"{node.role}_end() without a {node.role!r} turn in progress"
-                                     + (f" (the open turn is {role!r})" if role else ""))
-                role = None
-        self._submitted_role = role
 
     def sync(self) -> None:
         if self.use_thread:

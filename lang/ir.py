@@ -252,3 +252,21 @@ def flatten(expr: SglExpr) -> Iterable[SglExpr]:
             yield from flatten(child)
     else:
         yield expr
+
+
+def open_role_after(role: Optional[str], expr: SglExpr) -> Optional[str]:
+    """The role turn left open after `expr` is appended to a state whose open turn is `role` (None: none).
+    ValueError where turns nest or an end has no matching begin."""
+    for node in flatten(expr):
+        if isinstance(node, SglRoleBegin):
+            if role is not None:
+                raise ValueError(
+                    f"cannot begin a {node.role!r} turn inside the unfinished {role!r} turn: roles do "
+                    f"not nest; end the {role!r} turn first")
+            role = node.role
+        elif isinstance(node, SglRoleEnd):
+            if role != node.role:
+                raise ValueError(f"{node.role}_end() without a {node.role!r} turn in progress"
+                                 + (f" (the open turn is {role!r})" if role else ""))
+            role = None
+    return role
