@@ -218,3 +218,21 @@ def server_pid(url: str) -> int:
         if b"plait.runtime.server" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port:
             return int(entry)
     raise AssertionError(f"no server process listens on port {port!r}")
+
+
+def server_info(url: str) -> dict:
+    import requests
+
+    return requests.get(url + "/get_server_info", timeout=30).json()
+
+
+def wait_server_idle(url: str, deadline_s: float = 120) -> dict:
+    """The server's info once no HTTP request is open and its scheduler has nothing to do (the deadline
+    only guards against a hang)."""
+    deadline = time.time() + deadline_s
+    while True:
+        info = server_info(url)
+        if not (info["num_open_http_requests"] or info["num_running_reqs"] or info["num_waiting_reqs"]):
+            return info
+        assert time.time() < deadline, f"the server never went idle: {info}"
+        time.sleep(0.1)

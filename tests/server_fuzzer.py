@@ -347,21 +347,6 @@ def resources(pid: int) -> dict[str, float]:
     return {"rss_mb": st["VmRSS"] / 1024, "threads": st["Threads"], "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
-def server_info(url: str) -> dict:
-    return raw_request(url, "GET", "/get_server_info").json()
-
-
-def wait_idle(url: str, deadline_s: float = 120) -> dict:
-    """Server info once no HTTP request is open and the scheduler has nothing to do."""
-    deadline = time.time() + deadline_s
-    while True:
-        info = server_info(url)
-        if not (info["num_open_http_requests"] or info["num_running_reqs"] or info["num_waiting_reqs"]):
-            return info
-        assert time.time() < deadline, f"the server never went idle: {info}"
-        time.sleep(0.1)
-
-
 def post_json(url: str, path: str, body: Any, **kw: Any) -> Reply:
     return raw_request(url, "POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"}, **kw)
 

@@ -16,9 +16,9 @@ from urllib.parse import urlparse
 
 import pytest
 
-from conftest import server_pid
+from conftest import server_info, server_pid, wait_server_idle
 from server_fuzzer import (NUM_CASES, SEED, TOOL, VALID_BODIES, Reply, canary, chat_body, post_json, raw_request,
-                           resources, run_cases, server_info, wait_idle)
+                           resources, run_cases)
 
 # ---------------------------------------------------------------- tests
 
@@ -36,7 +36,7 @@ def server(tmp_path_factory):
         threads = [threading.Thread(target=server_info, args=(url,)) for _ in range(40)]
         [t.start() for t in threads]
         [t.join() for t in threads]
-        wait_idle(url)
+        wait_server_idle(url)
         yield {"url": url, "pid": pid, "log": log, "baseline": resources(pid)}
 
 
@@ -137,7 +137,7 @@ def test_half_a_body_then_hang_up(server):
             sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:len(body) // 2]))
     assert canary(url) is None
-    assert wait_idle(url)["num_open_http_requests"] == 0
+    assert wait_server_idle(url)["num_open_http_requests"] == 0
 
 
 @pytest.mark.parametrize("path, body", [
@@ -150,7 +150,7 @@ def test_half_a_body_then_hang_up(server):
 def test_disconnect_mid_stream_frees_everything(server, path, body):
     url = server["url"]
     u = urlparse(url)
-    before = wait_idle(url)["generation_tokens"]
+    before = wait_server_idle(url)["generation_tokens"]
     data = json.dumps(body).encode()
     with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
         sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
@@ -158,7 +158,7 @@ def test_disconnect_mid_stream_frees_everything(server, path, body):
         got = b""
         while got.count(b"data: ") < 3:  # a few events in: the request is decoding
             got += sock.recv(4096)
-    info = wait_idle(url)
+    info = wait_server_idle(url)
     assert info["generation_tokens"] - before < 200, "the abandoned stream ran to max_tokens"
     assert canary(url) is None
 
@@ -208,7 +208,7 @@ def test_fuzz_every_route(server):
 def test_no_leak_and_kv_clean_after_everything(server):
     """Runs last: after all of the above the server is idle, its KV cache whole, its resources flat."""
     url = server["url"]
-    wait_idle(url)
+    wait_server_idle(url)
     flushed = raw_request(url, "POST", "/flush_cache")  # also drops the pins the fuzzer made
     assert flushed.status == 200, flushed
     info = server_info(url)

@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 import pytest
 import requests
 
-from conftest import server_process
+from conftest import server_info, server_process, wait_server_idle
 
 MAX_NEW = 80  # ignore_eos: a request nobody aborts generates exactly this many tokens
 
@@ -24,21 +24,6 @@ def server(tmp_path_factory):
         yield url
 
 
-def _info(url: str) -> dict:
-    return requests.get(url + "/get_server_info", timeout=30).json()
-
-
-def _wait_idle(url: str, deadline_s: float = 120) -> dict:
-    """Server info once nothing is open or running (the deadline only guards against a hang)."""
-    deadline = time.time() + deadline_s
-    while True:
-        info = _info(url)
-        if not (info["num_open_http_requests"] or info["num_running_reqs"] or info["num_waiting_reqs"]):
-            return info
-        assert time.time() < deadline, f"server never went idle: {info}"
-        time.sleep(0.2)
-
-
 def _requests_ended(url: str) -> float:
     """Generation requests the server has ended (any finish reason), from /metrics."""
     text = requests.get(url + "/metrics", timeout=30).text
@@ -48,7 +33,7 @@ def _requests_ended(url: str) -> float:
 def test_client_that_disconnects_at_once_gets_its_request_aborted(server):
     """A client that sends a request and hangs up at once (a timeout, a killed process) used to have its
     abort lost: the disconnect was seen before the request reached the scheduler, so it ran to the end."""
-    before = _wait_idle(server)["generation_tokens"]
+    before = wait_server_idle(server)["generation_tokens"]
     ended = _requests_ended(server)
     body = json.dumps({"text": "Tell me a long story.", "sampling_params": {
         "max_new_tokens": MAX_NEW, "ignore_eos": True, "temperature": 0}}).encode()
@@ -61,7 +46,7 @@ def test_client_that_disconnects_at_once_gets_its_request_aborted(server):
     while _requests_ended(server) < ended + 3:  # all three reached the server and ended
         assert time.time() < deadline, "the requests never ended"
         time.sleep(0.2)
-    generated = _wait_idle(server)["generation_tokens"] - before
+    generated = wait_server_idle(server)["generation_tokens"] - before
     assert generated < 3 * MAX_NEW, f"{generated} tokens generated for 3 clients that had hung up"
 
 
@@ -79,7 +64,7 @@ def test_abort_request_stops_every_sample_of_n(server):
     t = threading.Thread(target=run)
     t.start()
     deadline = time.time() + 60
-    while _info(server)["num_open_http_requests"] < 3:
+    while server_info(server)["num_open_http_requests"] < 3:
         assert time.time() < deadline and t.is_alive(), "the request never opened"
         time.sleep(0.02)
     aborted = requests.post(server + "/abort_request", json={"rid": rid}, timeout=30).json()["aborted"]
@@ -89,7 +74,7 @@ def test_abort_request_stops_every_sample_of_n(server):
     assert r.status_code == 200, r.text
     reasons = [o["meta_info"]["finish_reason"]["type"] for o in r.json()]
     assert reasons == ["abort"] * 3, reasons
-    info = _wait_idle(server)
+    info = wait_server_idle(server)
     assert info["kv_used_tokens"] == 0 and not info["last_integrity_error"]
     # The samples that never started are in the metrics with their real (short) latency, not the time
     # since the clock's epoch.
@@ -108,7 +93,7 @@ def test_grammar_cache_size_is_reported(server):
         r = requests.post(server + "/generate", timeout=120, json={
             "text": "JSON:", "sampling_params": {"max_new_tokens": 1, "json_schema": json.dumps(schema)}})
         assert r.status_code == 200, r.text
-    info = _info(server)
+    info = server_info(server)
     assert info["grammar_cache_size"] >= 2 and info["grammar_cache_misses"] >= 2
 
 
