@@ -16,6 +16,7 @@ the model's output back into `tool_calls`.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -47,8 +48,12 @@ def template_reads_tools(tokenizer: Any) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: transformers picks "tool_use" when tools are given
         template = template.get("tool_use") or template.get("default")
-    if not isinstance(template, str):
-        return False
+    return isinstance(template, str) and _reads_tools(template)
+
+
+@functools.lru_cache(maxsize=8)
+def _reads_tools(template: str) -> bool:
+    # NOTE: cached: every chat request asks, and parsing a long template (Llama-3.1's) costs milliseconds.
     try:
         from jinja2 import Environment, meta
 
