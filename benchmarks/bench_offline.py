@@ -148,10 +148,13 @@ def run_gpu(args) -> list[dict]:
                                "total_tok_s": (out_toks + result["input_tokens"]) / dt, "exact_lengths": exact,
                                "max_total_tokens": info.get("max_total_tokens"),
                                "retractions": info.get("num_retractions"), "steps": steps,
-                               "max_running_requests": max_bs, "engine_args": engine_args}
+                               "max_running_requests": max_bs, "engine_args": engine_args,
+                               "kernel_compiles": info.get("kernel_compiles_after_startup", 0)
+                               - before.get("kernel_compiles_after_startup", 0)}
             result["roofline"] = {"seconds": lb, "output_tok_s": out_toks / lb, "plait_fraction": lb / dt}
             print(f"plait {workload}: {out_toks / dt:.0f} out tok/s, {(out_toks + result['input_tokens']) / dt:.0f} "
-                  f"total tok/s ({dt:.2f} s); roofline {out_toks / lb:.0f} out tok/s; exact lengths: {exact}")
+                  f"total tok/s ({dt:.2f} s); roofline {out_toks / lb:.0f} out tok/s; exact lengths: {exact}; "
+                  f"kernels compiled during the run: {result['plait']['kernel_compiles']}")
             results.append(result)
     if not args.skip_transformers:
         hf = run_transformers_gpu(cfg, args)

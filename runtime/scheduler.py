@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from .compile_watch import CompileWatch
 from .detokenizer import TextDecoder
 from .io_struct import AbortReq, ControlReply, ControlReq, SchedulerInfo, TokenizedGenerateReq
 from .forward_batch import ForwardMode
@@ -80,6 +81,10 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin, K
         self.pins: dict[int, Any] = {}
         self.pin_expiry: dict[int, float] = {}  # pin id -> monotonic deadline (pins made with a ttl)
         self._pin_ids = itertools.count(1)
+        # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
+        self.compile_watch = CompileWatch()
+        if mr.device == "cuda":
+            self.compile_watch.start()
 
     def _make_cache(self) -> PrefixCache:
         if self.server_args.disable_radix_cache:
@@ -254,6 +259,7 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin, K
             "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
             "last_integrity_error": self.last_integrity_error,
             **(dict(self.grammar_manager.stats) if self.grammar_manager is not None else {}),
+            **self.compile_watch.stats(),
             "steps": self.timer.report(),
         }
 
