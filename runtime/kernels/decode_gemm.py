@@ -66,7 +66,11 @@ class SplitKWorkspace:
         return self.partials, self.counters
 
 
-@triton.jit
+# NOTE: M (the row count) is not specialized: Triton would compile one variant for M == 1, one for M a
+# multiple of 16 and one for the rest, per tile shape. Decode batches are padded to graph buckets and
+# compile at capture, but a prefill's LM head takes one row per request (any count up to 64), so a
+# first batch of, say, 27 requests waited ~0.35 s for its compile. M only bounds a mask here.
+@triton.jit(do_not_specialize=["M"])
 def _decode_gemm_kernel(X, W, B, Y, Partials, Counters, M, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
                         SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):

@@ -33,7 +33,9 @@ from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_the
 MAX_ROW = 65536
 
 
-@triton.jit
+# NOTE: n_rows only bounds a mask: not specialized, so that no row count (a prefill's token count, its
+# number of requests) compiles a variant that start-up's warm-up did not (see compile_watch.py).
+@triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_kernel(
     X, Residual, W, Out,
     n_rows, heads, eps,
