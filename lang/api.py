@@ -121,6 +121,11 @@ def select(name: Optional[str] = None, choices: Optional[List[str]] = None, temp
         raise ValueError(f"select({name!r}) needs a non-empty list of choices")
     if not all(isinstance(c, str) for c in choices):
         raise TypeError(f"select({name!r}): every choice must be a str")
+    if "" in choices:
+        # NOTE: an empty choice has no tokens to score; it was scored by whatever the prompt's last
+        # token position gave (-inf after a one-token prompt, the prompt's own last token otherwise).
+        raise ValueError(f"select({name!r}): choice {choices.index('')} is the empty string, which has no "
+                         f"tokens to score; give every choice some text")
     if not isinstance(choices_method, ChoicesSamplingMethod):
         raise TypeError(f"select({name!r}): choices_method must be one of plait's choice methods, "
                         f"got {choices_method!r}")

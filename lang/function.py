@@ -21,8 +21,13 @@ class SglFunction:
         if not spec.args:
             raise TypeError(f"program {func.__name__!r} must take the state as its first parameter, "
                             f"e.g. `def {func.__name__}(s, ...)`")
-        self.arg_names: list[str] = spec.args[1:]
-        self.arg_defaults: Sequence[Any] = spec.defaults or ()
+        # NOTE: keyword-only parameters and *args are the program's too (SGLang passes run()'s extra
+        # positional and keyword arguments straight to the body): `def prog(s, q, *, shots=3)`.
+        self.positional_names: list[str] = spec.args[1:]
+        self.arg_names: list[str] = spec.args[1:] + spec.kwonlyargs  # every name a value may be given by
+        self.arg_defaults: Sequence[Any] = spec.defaults or ()  # of the last positional_names
+        self.var_args_name: Optional[str] = spec.varargs
+        self.takes_var_args = spec.varargs is not None
         self.takes_var_kwargs = spec.varkw is not None
         self.__name__ = getattr(func, "__name__", "program")
         self.__doc__ = func.__doc__
@@ -59,23 +64,33 @@ class SglFunction:
         from .run import run_program
 
         program_kwargs, sampling = self.split_run_kwargs(kwargs)
-        program_kwargs = self._positional_to_kwargs(args, program_kwargs)
+        args, program_kwargs = self._call_arguments(args, program_kwargs)
         defaults = RunDefaults.from_kwargs(sampling)
         backend = backend or global_config.default_backend
-        return run_program(self, backend, (), program_kwargs, defaults, stream, use_thread=use_thread)
+        return run_program(self, backend, args, program_kwargs, defaults, stream, use_thread=use_thread)
 
-    def _positional_to_kwargs(self, args: Sequence[Any], kwargs: dict) -> dict:
-        # Positional values fill the parameters bind() left open, in order.
-        free = [n for n in self.arg_names if n not in self.bind_arguments]
-        if len(args) > len(free):
-            raise TypeError(f"{self.__name__}() takes {len(free)} positional argument(s) ({free}) "
-                            f"but {len(args)} were given")
+    def _call_arguments(self, args: Sequence[Any], kwargs: dict) -> tuple[tuple, dict]:
+        """(positional, keyword) values to call the body with. Positional values fill the positional
+        parameters bind() left open, in order, and become keywords (so run_batch, bind() and tracing
+        see them by name); past those, a body with *args takes the rest, as Python would."""
+        free = [n for n in self.positional_names if n not in self.bind_arguments]
         out = dict(kwargs)
+        if len(args) > len(free):
+            if not self.takes_var_args:
+                raise TypeError(f"{self.__name__}() takes {len(free)} positional argument(s) ({free}) "
+                                f"but {len(args)} were given")
+            # Python fills every positional parameter before *args: none of them may come by name.
+            named = [n for n in self.positional_names if n in out or n in self.bind_arguments]
+            if named:
+                raise TypeError(f"{self.__name__}() got more positional values than {free}, for "
+                                f"*{self.var_args_name}, but {named} by name or bind(): pass those "
+                                f"positionally too")
+            return tuple(args), out
         for name, value in zip(free, args):
             if name in out:
                 raise TypeError(f"{self.__name__}() got multiple values for argument {name!r}")
             out[name] = value
-        return out
+        return (), out
 
     def run_batch(self, batch_kwargs: Sequence[Union[dict, Sequence[Any]]], *, backend: Any = None,
                   num_threads: Union[str, int] = "auto", progress_bar: bool = False,
@@ -99,18 +114,19 @@ class SglFunction:
         if isinstance(item, dict):
             return dict(item)
         if isinstance(item, (list, tuple)):
-            required = len(self.arg_names) - len(self.arg_defaults)
-            if not required <= len(item) <= len(self.arg_names):
+            names = self.positional_names
+            required = len(names) - len(self.arg_defaults)
+            if not required <= len(item) <= len(names):
                 raise TypeError(f"run_batch item {index} has {len(item)} values; {self.__name__}() takes "
-                                f"{required} to {len(self.arg_names)} ({self.arg_names})")
-            return dict(zip(self.arg_names, item))
+                                f"{required} to {len(names)} ({names})")
+            return dict(zip(names, item))
         raise TypeError(f"run_batch item {index} must be a dict or a tuple, got {type(item).__name__}")
 
     def trace(self, *args: Any, backend: Any = None, **kwargs: Any):
         """Record the program's expression graph without running a model (see plait.tracer)."""
         from .tracer import trace_program
 
-        kwargs.update(zip(self.arg_names, args))
+        kwargs.update(zip(self.positional_names, args))
         return trace_program(self, kwargs, backend or global_config.default_backend)
 
     def graph(self, *args: Any, backend: Any = None, **kwargs: Any):
@@ -143,9 +159,10 @@ class SglFunction:
             raise TypeError(f"{self.__name__}() called inside a program takes only its own parameters "
                             f"({self.arg_names}); {sorted(sampling)} are sampling settings: set them on "
                             f"its gen() calls or on the outer program's run()")
-        program_kwargs = {**self._positional_to_kwargs(args, program_kwargs), **self.bind_arguments}
+        args, program_kwargs = self._call_arguments(args, program_kwargs)
+        program_kwargs = {**program_kwargs, **self.bind_arguments}
         try:  # a missing argument fails here, where the call is written, not mid-program
-            inspect.signature(self.func).bind(None, **program_kwargs)
+            inspect.signature(self.func).bind(None, *args, **program_kwargs)
         except TypeError as e:
             raise TypeError(f"{self.__name__}(): {e}") from None
-        return SglSubprogramCall(self, program_kwargs)
+        return SglSubprogramCall(self, program_kwargs, args)

@@ -157,7 +157,8 @@ class StreamExecutor(ExecutorPinsMixin):
             with collect_requests(self.recorder) as prefill:
                 self._execute_guarded(SglCommitLazy())
             if self.error_ is not None:
-                raise RuntimeError("cannot fork: prefilling the shared prefix failed") from self.error_
+                raise RuntimeError(f"cannot fork: prefilling the shared prefix failed: "
+                                   f"{type(self.error_).__name__}: {self.error_}") from self.error_
         _, branches = self.recorder.fork(self.branch, size, stats=prefill)
         children = [StreamExecutor(self.backend, self.arguments, self.default_sampling_para,
                                    self.chat_template, self.stream) for _ in range(size)]

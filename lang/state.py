@@ -102,20 +102,8 @@ class ProgramState:
     def parsed(self, name: str) -> Any:
         """The JSON output of gen(name, json_schema=...) parsed: an instance of the Pydantic model when
         the schema was given as a model class, else the decoded JSON value."""
-        import json
-
-        text = self.get_var(name)
-        model = self.stream_executor.output_models.get(name)
-        try:
-            return model.model_validate_json(text) if model is not None else json.loads(text)
-        except ValueError as e:  # JSONDecodeError and pydantic's ValidationError
-            meta = self.get_meta_info(name)
-            reason = meta.get("finish_reason") if isinstance(meta, dict) else None
-            if isinstance(reason, dict) and reason.get("type") == "length":
-                raise ValueError(f"variable {name!r} is not complete JSON: its gen() stopped at max_tokens "
-                                 f"({reason.get('length')} tokens) before the JSON was done; raise max_tokens. "
-                                 f"Text: {text!r}") from e
-            raise
+        value = self.get_var(name)
+        return _parse_json(name, value, self.stream_executor.output_models.get(name), self.get_meta_info(name))
 
     def graph(self):
         """The request graph of this run so far (plait.graph.RequestGraph): the text sent, each
@@ -131,6 +119,9 @@ class ProgramState:
         self.set_var(name, value)
 
     def __contains__(self, name: str) -> bool:
+        # NOTE: run() returns while the program's gens still run; `"answer" in state` must see what
+        # they will produce, as `state["answer"]` does, not what happens to be done yet.
+        self.stream_executor.sync()
         return name in self.stream_executor.variables
 
     def __repr__(self) -> str:
@@ -177,6 +168,25 @@ class ProgramState:
             pass
 
 
+def _parse_json(name: str, value: Any, model: Any, meta: Any) -> Any:
+    """One JSON output parsed (by `model`, a Pydantic class, when there is one); a list of them (gen(n > 1),
+    or the branches a fork's join gathered) parsed item by item."""
+    import json
+
+    if isinstance(value, list):
+        metas = meta if isinstance(meta, list) else [meta] * len(value)
+        return [_parse_json(name, item, model, item_meta) for item, item_meta in zip(value, metas)]
+    try:
+        return model.model_validate_json(value) if model is not None else json.loads(value)
+    except ValueError as e:  # JSONDecodeError and pydantic's ValidationError
+        reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+        if isinstance(reason, dict) and reason.get("type") == "length":
+            raise ValueError(f"variable {name!r} is not complete JSON: its gen() stopped at max_tokens "
+                             f"({reason.get('length')} tokens) before the JSON was done; raise max_tokens. "
+                             f"Text: {value!r}") from e
+        raise
+
+
 def _stream_pieces(exe: StreamExecutor, var_name: Optional[str]) -> Iterator[tuple[str, Any]]:
     """Yield (new text, meta_info) pieces until the program (or the variable) is complete; then raise
     if the program failed before that, or finished without ever producing the variable."""
@@ -197,6 +207,15 @@ def _stream_pieces(exe: StreamExecutor, var_name: Optional[str]) -> Iterator[tup
     while var_name not in exe.stream_var_event:
         if exe.is_finished:
             _raise_if_cut_short(exe, None)  # the program failed before it got to the variable
+            if var_name in exe.variables:
+                # Not a gen/select of this state (a fork's join gathered it, or the body set it): there
+                # were no pieces to stream, only the value.
+                value = exe.variables[var_name]
+                if not isinstance(value, str):
+                    raise TypeError(f"variable {var_name!r} is a {type(value).__name__} (what a fork's join "
+                                    f"gathers from its branches), not streamed text: read state[{var_name!r}]")
+                yield value, exe.meta_info.get(var_name)
+                return
             raise KeyError(f"the program finished without producing variable {var_name!r}; it produced "
                            f"{sorted(map(str, exe.variables))}")
         exe.stream_text_event.wait(0.05)
@@ -302,6 +321,8 @@ class ProgramStateGroup:
             for name in child.own_vars:
                 values.setdefault(name, []).append(child.variables[name])
                 metas.setdefault(name, []).append(child.meta_info.get(name))
+                if name in child.output_models:  # parsed(name) on the parent parses every branch's
+                    parent.output_models[name] = child.output_models[name]
         for name, gathered in values.items():
             parent.variables[name] = gathered
             parent.meta_info[name] = metas[name]

@@ -46,10 +46,11 @@ _STATE_API = frozenset({"text", "messages", "error", "get_var", "set_var", "get_
 class SglSubprogramCall(SglExpr):
     """`other(x)` written inside a program: the callee and its (already checked) arguments."""
 
-    def __init__(self, program: Any, kwargs: dict):
+    def __init__(self, program: Any, kwargs: dict, args: tuple = ()):
         super().__init__()
         self.program = program
         self.kwargs = kwargs  # the callee's parameters by name, bind() arguments included
+        self.args = args  # only where the callee takes *args: every positional value, in order
         self._separate_run: Optional[Any] = None
 
     def __repr__(self) -> str:
@@ -57,12 +58,12 @@ class SglSubprogramCall(SglExpr):
 
     def inline_into(self, state: Any) -> None:
         """Run the callee's body against `state` (its submissions go to state's stream)."""
-        self.program.func(state, **self.kwargs)
+        self.program.func(state, *self.args, **self.kwargs)
 
     # ---- used as a value instead: a separate run, as calling a program outside one does ----
     def _state(self) -> Any:
         if self._separate_run is None:
-            self._separate_run = self.program.run(**self.kwargs)
+            self._separate_run = self.program.run(*self.args, **self.kwargs)
         return self._separate_run
 
     def __getattr__(self, name: str) -> Any:

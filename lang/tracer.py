@@ -64,6 +64,7 @@ class TracerProgramState(ProgramState):
         self.variables: dict[str, Any] = {}
         self.own_vars: dict[str, None] = {}  # as StreamExecutor.own_vars: what join() gathers
         self.meta_info: dict[str, Any] = {}
+        self.output_models: dict[str, Any] = {}  # as StreamExecutor's: what join() hands the parent
         self.messages_: list[dict] = []
         self.cur_role: Optional[str] = None
         self.error_ = None

@@ -1,0 +1,136 @@
+"""SGLang frontend programs of the kinds users write, that plait's other tests do not: keyword-only and
+*args parameters, `name in state` right after run(), parsed JSON from forks and n samples, streaming a
+variable a join gathered, empty select choices, a fork whose shared prompt is past the context. Each
+test pins a place where such a program failed or gave a wrong answer.
+
+One Runtime (embedded default model, one torch thread) serves the module; outputs are a few tokens.
+"""
+
+import pytest
+from pydantic import BaseModel
+
+import plait as sgl
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    rt = sgl.Runtime(num_threads=1)
+    sgl.set_default_backend(rt)
+    yield rt
+    sgl.set_default_backend(None)
+    rt.shutdown()
+
+
+@sgl.function
+def few_shot(s, question, *, shots=("2+2=4", "3+5=8"), unit=""):
+    for shot in shots:
+        s += shot + "\n"
+    s += question + "=" + sgl.gen("answer", max_tokens=4, stop=["\n", "="], regex=r"[0-9]+", temperature=0) + unit
+
+
+@sgl.function
+def concat(s, head, *items):
+    s += head + ":" + ",".join(items)
+
+
+@sgl.function
+def calls_with_star_args(s):
+    s += concat("h", "a", "b") + ";"
+    s += few_shot("1+1", shots=["1+2=3"], unit="!")
+
+
+def test_keyword_only_parameters_and_star_args_reach_the_body():
+    # SGLang passes run()'s extra positional and keyword arguments straight to the body; plait refused
+    # keyword-only names as "neither a parameter nor a sampling parameter" and extra positionals outright.
+    state = few_shot.run("7+1", shots=["1+1=2"], unit=" apples")
+    assert state.text() == "1+1=2\n7+1=" + state["answer"] + " apples"
+    assert state["answer"].isdigit()
+    assert concat.run("h", "x", "y", "z").text() == "h:x,y,z"
+    assert calls_with_star_args.run().text().startswith("h:a,b;1+2=3\n1+1=")
+    with pytest.raises(TypeError, match=r"\['head'\] by name"):
+        concat.run("x", "y", head="h")
+    states = few_shot.run_batch([{"question": "1+3", "shots": []}, ("2+3",)], temperature=0)
+    assert states[0].text().startswith("1+3=") and states[1].text().startswith("2+2=4\n3+5=8\n2+3=")
+
+
+@sgl.function
+def story(s):
+    s += sgl.user("Tell me a story about a dragon.")
+    s += sgl.assistant(sgl.gen("answer", max_tokens=12, ignore_eos=True))
+
+
+def test_contains_waits_for_the_gen_still_running():
+    # run() returns while the gen runs: `"answer" in state` said False, then state["answer"] existed.
+    state = story.run()
+    assert "answer" in state
+    assert "nothing" not in state
+    assert state.get_meta_info("answer")["completion_tokens"] == 12
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+@sgl.function
+def people(s):
+    s += "A person as JSON: "
+    forks = s.fork(2)
+    forks += sgl.gen("person", json_schema=Person, max_tokens=40, temperature=0)
+    forks.join()
+    s += "Two more: " + sgl.gen("pair", json_schema=Person, max_tokens=40, n=2, temperature=0)
+
+
+def test_parsed_reads_every_branch_and_every_sample():
+    # A join gathers a list, gen(n=2) gives one: parsed() passed the list to json.loads (TypeError), and
+    # the parent did not know the branches' Pydantic model.
+    state = people.run()
+    gathered = state.parsed("person")
+    samples = state.parsed("pair")
+    assert len(gathered) == 2 and all(isinstance(p, Person) for p in gathered)
+    assert len(samples) == 2 and all(isinstance(p, Person) for p in samples)
+
+
+@sgl.function
+def fork_then_summary(s):
+    s += "Topic: tea."
+    forks = s.fork(2)
+    forks += sgl.gen("idea", max_tokens=3)
+    forks.join()
+    s["note"] = "set by the body"
+    s += " Summary:" + sgl.gen("summary", max_tokens=3)
+
+
+def test_streaming_a_variable_that_no_gen_of_the_state_streamed():
+    # A variable the join gathered (or the body set) has no stream; text_iter said the program "finished
+    # without producing variable 'idea'; it produced ['idea', ...]".
+    state = fork_then_summary.run(stream=True)
+    assert "".join(state.text_iter("summary")) == state["summary"]
+    assert list(state.text_iter("note")) == ["set by the body"]
+    with pytest.raises(TypeError, match=r"'idea' is a list.*state\['idea'\]"):
+        list(state.text_iter("idea"))
+
+
+def test_an_empty_select_choice_is_refused_where_written():
+    # It was scored by the prompt's last position: -inf after a one-token prompt, the prompt's own last
+    # token otherwise (so "Pick one: " + select(["", "a"]) picked "").
+    with pytest.raises(ValueError, match=r"choice 1 is the empty string"):
+        sgl.select("x", choices=["a", "", "b"])
+    with pytest.raises(ValueError, match="empty string"):
+        sgl.gen("x", choices=["", "a"])
+
+
+@sgl.function
+def long_fork(s, words):
+    s += "word " * words
+    forks = s.fork(2)
+    forks += sgl.gen("x", max_tokens=2)
+    forks.join()
+
+
+def test_a_fork_past_the_context_names_the_cause_and_the_runtime_keeps_serving():
+    # The error said only "prefilling the shared prefix failed"; the cause was in the chained traceback.
+    with pytest.raises(RuntimeError, match=r"cannot fork: prefilling the shared prefix failed: "
+                                           r"ValueError: prompt is too long: 9001 tokens"):
+        long_fork.run(words=9000)
+    assert len(long_fork.run(words=3)["x"]) == 2
