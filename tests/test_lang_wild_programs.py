@@ -7,6 +7,7 @@ One Runtime (embedded default model, one torch thread) serves the module; output
 """
 
 import pytest
+from conftest import http_server_in_thread
 from pydantic import BaseModel
 
 import plait as sgl
@@ -19,6 +20,12 @@ def runtime():
     yield rt
     sgl.set_default_backend(None)
     rt.shutdown()
+
+
+@pytest.fixture(scope="module")
+def openai_url(runtime):
+    with http_server_in_thread(runtime.engine) as url:  # the real HTTP app over the module's engine
+        yield url + "/v1"
 
 
 @sgl.function
@@ -134,3 +141,28 @@ def test_a_fork_past_the_context_names_the_cause_and_the_runtime_keeps_serving()
                                            r"ValueError: prompt is too long: 9001 tokens"):
         long_fork.run(words=9000)
     assert len(long_fork.run(words=3)["x"]) == 2
+
+
+@sgl.function
+def color_chat(s):
+    s += sgl.user("Name a color.")
+    s += sgl.assistant(sgl.gen("color", max_tokens=3, temperature=0, return_logprob=True, top_logprobs_num=2))
+
+
+@sgl.function
+def sky(s):
+    s += "The sky is" + sgl.gen("rest", max_tokens=3, temperature=0, return_logprob=True, top_logprobs_num=2)
+
+
+@pytest.mark.parametrize("program,is_chat", [(color_chat, True), (sky, False)], ids=["chat", "completion"])
+def test_openai_backend_returns_the_logprobs_a_gen_asks_for(openai_url, program, is_chat):
+    # They were dropped silently: get_meta_info(name) had no output_token_logprobs on the OpenAI backend.
+    backend = sgl.OpenAI("SmolLM2-135M-Instruct", base_url=openai_url, is_chat_model=is_chat)
+    name = "color" if is_chat else "rest"
+    meta = program.run(backend=backend).get_meta_info(name)
+    native = program.run().get_meta_info(name)  # the same greedy request, in process
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(
+        [lp for lp, _, _ in native["output_token_logprobs"]], abs=1e-3)
+    assert all(isinstance(text, str) for _, _, text in meta["output_token_logprobs"])
+    assert [len(top) for top in meta["output_top_logprobs"]] == [2, 2, 2]
+    assert meta["output_top_logprobs"][0][0][0] == pytest.approx(native["output_top_logprobs"][0][0][0], abs=1e-3)

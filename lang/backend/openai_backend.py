@@ -73,8 +73,18 @@ class OpenAI(BaseBackend):
                 "`s += assistant(gen('answer'))`: the API continues a conversation, not arbitrary text")
         return {"messages": list(s.messages_)}
 
+    def _logprob_kwargs(self, params: ResolvedGen) -> dict:
+        """gen(return_logprob=True, top_logprobs_num=k) as the OpenAI API spells it (it has no prompt
+        logprobs for chat models, so logprob_start_len does not apply)."""
+        if not params.logprob.get("return_logprob"):
+            return {}
+        top = int(params.logprob.get("top_logprobs_num") or 0)
+        if self.is_chat_model:
+            return {"logprobs": True, "top_logprobs": top}
+        return {"logprobs": top}
+
     def generate(self, s: Any, params: ResolvedGen):
-        kwargs = {**self._request_kwargs(params), **self._prompt(s)}
+        kwargs = {**self._request_kwargs(params), **self._prompt(s), **self._logprob_kwargs(params)}
         if self.is_chat_model:
             ret = self.client.chat.completions.create(**kwargs)
             texts = [c.message.content or "" for c in ret.choices]
@@ -84,6 +94,11 @@ class OpenAI(BaseBackend):
         metas = [{"id": ret.id, "finish_reason": c.finish_reason,
                   "prompt_tokens": getattr(ret.usage, "prompt_tokens", None),
                   "completion_tokens": getattr(ret.usage, "completion_tokens", None)} for c in ret.choices]
+        if params.logprob.get("return_logprob"):
+            # NOTE: they were dropped silently; get_meta_info(name)["output_token_logprobs"] then failed
+            # far from the gen. The API gives no token ids: entries are (logprob, None, token text).
+            for meta, choice in zip(metas, ret.choices):
+                meta.update(_output_logprobs(choice.logprobs, self.is_chat_model))
         if params.sampling.n > 1:
             return texts, metas
         return texts[0], metas[0]
@@ -123,3 +138,18 @@ class OpenAI(BaseBackend):
         return choices_method(choices=list(choices), normalized_prompt_logprobs=normalized,
                               input_token_logprobs=input_logprobs,
                               output_token_logprobs=[[] for _ in choices])
+
+
+def _output_logprobs(logprobs: Any, is_chat: bool) -> dict:
+    """An OpenAI choice's logprobs in SGLang's meta_info shape: output_token_logprobs (one
+    (logprob, None, token) per token) and output_top_logprobs (a list of those per token)."""
+    if logprobs is None:
+        return {"output_token_logprobs": [], "output_top_logprobs": []}
+    if is_chat:
+        entries = logprobs.content or []
+        tokens = [(e.logprob, None, e.token) for e in entries]
+        tops = [[(t.logprob, None, t.token) for t in e.top_logprobs or []] for e in entries]
+    else:
+        tokens = [(lp, None, tok) for lp, tok in zip(logprobs.token_logprobs, logprobs.tokens)]
+        tops = [[(lp, None, tok) for tok, lp in (top or {}).items()] for top in logprobs.top_logprobs or []]
+    return {"output_token_logprobs": tokens, "output_top_logprobs": tops}
