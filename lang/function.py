@@ -17,19 +17,23 @@ class SglFunction:
         self.func = func
         self.num_api_spec_tokens = num_api_spec_tokens  # accepted for SGLang compatibility
         self.bind_arguments = dict(bind_arguments or {})
-        spec = inspect.getfullargspec(func)
-        if not spec.args:
-            raise TypeError(f"program {func.__name__!r} must take the state as its first parameter, "
-                            f"e.g. `def {func.__name__}(s, ...)`")
-        # NOTE: keyword-only parameters and *args are the program's too (SGLang passes run()'s extra
+        name = getattr(func, "__name__", "program")
+        # NOTE: the signature, not getfullargspec: it follows functools.wraps, so a program under a
+        # decorator of its own (retries, timing) keeps its parameters instead of the wrapper's *args.
+        params = list(inspect.signature(func).parameters.values())
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not positional:
+            raise TypeError(f"program {name!r} must take the state as its first parameter, "
+                            f"e.g. `def {name}(s, ...)`")
+        # Keyword-only parameters and *args are the program's too (SGLang passes run()'s extra
         # positional and keyword arguments straight to the body): `def prog(s, q, *, shots=3)`.
-        self.positional_names: list[str] = spec.args[1:]
-        self.arg_names: list[str] = spec.args[1:] + spec.kwonlyargs  # every name a value may be given by
-        self.arg_defaults: Sequence[Any] = spec.defaults or ()  # of the last positional_names
-        self.var_args_name: Optional[str] = spec.varargs
-        self.takes_var_args = spec.varargs is not None
-        self.takes_var_kwargs = spec.varkw is not None
-        self.__name__ = getattr(func, "__name__", "program")
+        self.positional_names: list[str] = [p.name for p in positional[1:]]
+        self.arg_names: list[str] = self.positional_names + [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+        self.arg_defaults: Sequence[Any] = tuple(p.default for p in positional[1:] if p.default is not p.empty)
+        self.var_args_name: Optional[str] = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
+        self.takes_var_args = self.var_args_name is not None
+        self.takes_var_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+        self.__name__ = name
         self.__doc__ = func.__doc__
 
     def __repr__(self) -> str:

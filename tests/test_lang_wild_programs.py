@@ -6,6 +6,8 @@ test pins a place where such a program failed or gave a wrong answer.
 One Runtime (embedded default model, one torch thread) serves the module; outputs are a few tokens.
 """
 
+import functools
+
 import pytest
 from conftest import http_server_in_thread
 from pydantic import BaseModel
@@ -58,6 +60,32 @@ def test_keyword_only_parameters_and_star_args_reach_the_body():
         concat.run("x", "y", head="h")
     states = few_shot.run_batch([{"question": "1+3", "shots": []}, ("2+3",)], temperature=0)
     assert states[0].text().startswith("1+3=") and states[1].text().startswith("2+2=4\n3+5=8\n2+3=")
+
+
+def counted(func):
+    """A decorator of the user's own, as programs get for retries or timing."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        wrapper.calls += 1
+        return func(*args, **kwargs)
+
+    wrapper.calls = 0
+    return wrapper
+
+
+@sgl.function
+@counted
+def decorated(s, topic, style="plain"):
+    s += topic + " (" + style + "): " + sgl.gen("line", max_tokens=2)
+
+
+def test_a_program_under_a_functools_wraps_decorator_keeps_its_parameters():
+    # Parameters were read with getfullargspec, which sees the wrapper's (*args, **kwargs): the program
+    # was refused as not taking the state, or later as taking no parameters.
+    assert decorated.arg_names == ["topic", "style"]
+    state = decorated.run("tea", style="haiku", temperature=0)
+    assert state.text().startswith("tea (haiku): ") and decorated.func.calls == 1
+    assert [st.text()[:9] for st in decorated.run_batch([("cats",), {"topic": "dogs"}])] == ["cats (pla", "dogs (pla"]
 
 
 @sgl.function
