@@ -140,7 +140,8 @@ def test_select_prefills_prefix_then_scores_all_choices_in_one_request():
     assert state["colour"] == "blue"
     prefill, scoring = backend.engine.requests
     assert prefill["prompt"] == "The sky is " and prefill["sampling_params"] == {"max_new_tokens": 0}
-    assert scoring["prompt"] == ["The sky is red", "The sky is blue", "The sky is green"]
+    # the prefix alone goes last: its last token's id marks where each choice starts
+    assert scoring["prompt"] == ["The sky is red", "The sky is blue", "The sky is green", "The sky is "]
     assert scoring["return_logprob"] and scoring["logprob_start_len"] == len("The sky is ") - 2
     meta = state.get_meta_info("colour")
     assert [len(x) for x in meta["input_token_logprobs"]] == [3, 4, 5]  # the choices' own tokens

@@ -194,3 +194,21 @@ def test_openai_backend_returns_the_logprobs_a_gen_asks_for(openai_url, program,
     assert all(isinstance(text, str) for _, _, text in meta["output_token_logprobs"])
     assert [len(top) for top in meta["output_top_logprobs"]] == [2, 2, 2]
     assert meta["output_top_logprobs"][0][0][0] == pytest.approx(native["output_top_logprobs"][0][0][0], abs=1e-3)
+
+
+@sgl.function
+def japanese_day(s):
+    s += "今日は日"
+    s += sgl.select("day", ["本", "曜日"])
+
+
+def test_select_after_a_character_split_across_tokens_scores_only_the_choices_tokens(runtime):
+    # "日" is two byte tokens; the last one decodes to "\ufffd", so the text check took it for a token
+    # merged with the choice and counted the prompt's own last token in every choice's score.
+    tokenizer = runtime.get_tokenizer()
+    prompt_ids = tokenizer("今日は日").input_ids
+    meta = japanese_day.run().get_meta_info("day")
+    for choice, entries in zip(["本", "曜日"], meta["input_token_logprobs"]):
+        ids = tokenizer("今日は日" + choice).input_ids
+        assert ids[:len(prompt_ids)] == prompt_ids  # the choice does not merge with the prompt here
+        assert [token_id for _, token_id, _ in entries] == ids[len(prompt_ids):]

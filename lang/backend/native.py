@@ -122,15 +122,20 @@ class NativeBackend(BaseBackend):
         # 2. Score every choice in one batched request. Logprobs start one token before the end of
         #    the prefix: the prefix's last token may merge with the choice's first ("A: " + "Paris"
         #    tokenizes as "A:" + " Paris"), and then it belongs to the choice (token healing).
+        #    The prefix itself goes last: its last token's id tells a choice that merged with it from
+        #    one that starts after it (a token's text cannot: a piece of a multi-byte character, as in
+        #    "日" = two tokens, decodes to "\ufffd").
         outs = self._request({
-            "text": [prefix + c for c in choices],
+            "text": [prefix + c for c in choices] + ([prefix] if prefix else []),
             "sampling_params": {**PREFILL_ONLY, "temperature": 0},
             "return_logprob": True,
             "return_text_in_logprobs": True,
             "logprob_start_len": max(prefix_tokens - 2, 0),
             **tags,
         })
-        input_logprobs = [choice_token_logprobs(o["meta_info"], prefix, prefix_tokens) for o in outs]
+        prefix_last_id = outs.pop()["meta_info"]["input_token_logprobs"][-1][1] if prefix else None
+        input_logprobs = [choice_token_logprobs(o["meta_info"], prefix, prefix_tokens, prefix_last_id)
+                          for o in outs]
         output_logprobs = [o["meta_info"].get("output_token_logprobs", []) for o in outs]
         normalized = [mean_logprob(lps) for lps in input_logprobs]
         unconditional = None
@@ -163,12 +168,14 @@ def raise_if_aborted(result: dict) -> None:
         raise RuntimeError(f"the runtime aborted the request: {reason.get('message', 'no reason given')}")
 
 
-def choice_token_logprobs(meta_info: dict, prefix: str, prefix_tokens: int) -> list:
+def choice_token_logprobs(meta_info: dict, prefix: str, prefix_tokens: int,
+                          prefix_last_id: Optional[int] = None) -> list:
     """The (logprob, token_id, text) entries of one choice's tokens.
 
     The entries cover the last positions of prefix+choice, whatever logprob_start_len convention the
     runtime uses; the choice starts at the prefix's last token position (healing) unless that token
-    is still a piece of the prefix, in which case it is dropped.
+    is still the prefix's own last token (`prefix_last_id`; without it, judged by its text), in which
+    case it is dropped.
     """
     entries = list(meta_info["input_token_logprobs"])
     total = meta_info["prompt_tokens"]
@@ -180,8 +187,12 @@ def choice_token_logprobs(meta_info: dict, prefix: str, prefix_tokens: int) -> l
             f"select() needs the last {keep}")
     entries = entries[len(entries) - keep:]
     if prefix_tokens > 0 and entries and len(entries) > 1:
-        first_text = entries[0][2] if len(entries[0]) > 2 else None
-        if first_text is not None and prefix.endswith(first_text):
+        if prefix_last_id is not None:
+            unmerged = entries[0][1] == prefix_last_id
+        else:
+            first_text = entries[0][2] if len(entries[0]) > 2 else None
+            unmerged = first_text is not None and prefix.endswith(first_text)
+        if unmerged:
             entries = entries[1:]
     return entries
 
