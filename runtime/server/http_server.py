@@ -25,6 +25,7 @@ from .http_guards import BodySizeLimit, json_error_protocol_class
 from .metrics import CONTENT_TYPE
 from .native_api import router as native_router
 from .openai_api import router as openai_router
+from .request_encoding import RequestDecompression
 from .server_context import ServerContext, get_context
 
 logger = logging.getLogger("plait.server")
@@ -111,6 +112,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     if server_args.api_key:
         app.add_middleware(BearerAuth, api_key=server_args.api_key)
     app.add_middleware(BodySizeLimit)
+    app.add_middleware(RequestDecompression)  # outside BodySizeLimit, which then counts inflated bytes
     app.add_middleware(RequestIdHeader)  # added last = outermost: a 401 carries the id too
     return app
 

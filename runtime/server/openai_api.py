@@ -41,7 +41,9 @@ _SAMPLING_FIELDS = (
 
 
 def check_model(req: Union[CompletionRequest, ChatCompletionRequest], ctx: ServerContext) -> None:
-    if req.model is not None and req.model not in ctx.accepted_model_names:
+    # NOTE: an empty name means the served model, as in vLLM: wrappers that leave the model setting
+    # unset send "" (the openai client requires the argument).
+    if req.model and req.model not in ctx.accepted_model_names:
         raise APIError(404, f"model '{req.model}' does not exist; this server serves '{ctx.model_name}'",
                        param="model")
 
@@ -326,7 +328,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         logprobs = None
         if req.logprobs:
             logprobs = chat_logprobs(meta.get("output_token_logprobs") or [],
-                                     meta.get("output_top_logprobs") or [], ctx.tokenizer)
+                                     meta.get("output_top_logprobs") or [], ctx.tokenizer, ctx.token_bytes)
         text = out.get("text") or ""
         message, called = tools.message(text) if tools else ({"role": "assistant", "content": text}, False)
         choices.append({"index": index, "message": message, "logprobs": logprobs,
@@ -364,7 +366,7 @@ async def _chat_events(group: GenerationGroup, req: ChatCompletionRequest, respo
         logprobs = None
         if req.logprobs:
             tokens, tops = cur.logprob_delta(meta)
-            logprobs = chat_logprobs(tokens, tops, ctx.tokenizer) if tokens else None
+            logprobs = chat_logprobs(tokens, tops, ctx.tokenizer, ctx.token_bytes) if tokens else None
         if text or logprobs:
             yield event(index, {"content": text}, logprobs=logprobs)
         reason = finish_reason(meta)

@@ -9,7 +9,7 @@ because Engine chunks are cumulative while OpenAI chunks are deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 def finish_reason(meta: dict[str, Any]) -> Optional[str]:
@@ -79,17 +79,20 @@ def completion_logprobs(tokens: list, tops: list, tokenizer: Any, text_offset: i
     return out
 
 
-def chat_logprobs(tokens: list, tops: list, tokenizer: Any) -> dict[str, Any]:
-    """`choices[i].logprobs` of /v1/chat/completions for a slice of token entries."""
+def chat_logprobs(tokens: list, tops: list, tokenizer: Any,
+                  token_bytes: Optional[Callable[[Optional[int], str], bytes]] = None) -> dict[str, Any]:
+    """`choices[i].logprobs` of /v1/chat/completions for a slice of token entries. `token_bytes` gives a
+    token's raw bytes (token_bytes.TokenBytes); without it, those of its text."""
+
+    def item(entry: Any) -> dict[str, Any]:
+        text = _token_text(entry, tokenizer)
+        raw = token_bytes(entry[1], text) if token_bytes is not None else text.encode("utf-8")
+        return {"token": text, "logprob": float(entry[0]), "bytes": list(raw)}
+
     content = []
     for k, entry in enumerate(tokens):
-        text = _token_text(entry, tokenizer)
         top = tops[k] if k < len(tops) and tops[k] is not None else []
-        content.append({
-            "token": text, "logprob": float(entry[0]), "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": (t := _token_text(x, tokenizer)), "logprob": float(x[0]),
-                              "bytes": list(t.encode("utf-8"))} for x in top],
-        })
+        content.append({**item(entry), "top_logprobs": [item(x) for x in top]})
     return {"content": content}
 
 

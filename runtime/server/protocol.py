@@ -8,7 +8,8 @@ keep the streaming hot path free of model construction.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from functools import cache
+from typing import Any, Literal, Optional, Union, get_args
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
@@ -162,6 +163,17 @@ class _SamplingExtensions(BaseModel):
     ebnf: Optional[str] = None
     rid: Optional[str] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI declares n, stream, logprobs, echo, ... nullable, and clients that build a body from
+        optional settings send `"n": null`: it means the default, as in vLLM. Fields typed Optional keep
+        their null, which has a meaning there (max_tokens: the rest of the context)."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = _null_means_default(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, stop: Optional[Union[str, list[str]]]) -> Optional[Union[str, list[str]]]:
@@ -186,6 +198,13 @@ class _SamplingExtensions(BaseModel):
         if options is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return options
+
+
+@cache
+def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` with a default that do not take None."""
+    return frozenset(name for name, f in model.model_fields.items()
+                     if not f.is_required() and type(None) not in get_args(f.annotation))
 
 
 class CompletionRequest(_SamplingExtensions):

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from ..server_args import ServerArgs
 from .engine_client import AdmissionControl, GenerationGroup
 from .metrics import ServerMetrics
+from .token_bytes import TokenBytes
 
 # SGLang's OpenAI examples send model="default"; accept it as an alias of the served model.
 DEFAULT_MODEL_ALIAS = "default"
@@ -41,6 +42,7 @@ class ServerContext:
     vocab_size: Optional[int]
     metrics: ServerMetrics
     admission: AdmissionControl
+    token_bytes: Optional[TokenBytes] = None  # None without a tokenizer
     started_at: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -72,7 +74,8 @@ class ServerContext:
             limit = running + server_args.max_queued_requests
         return cls(engine=engine, server_args=server_args, model_name=name,
                    accepted_model_names=frozenset(accepted), context_len=context_len,
-                   vocab_size=vocab_size, metrics=metrics, admission=AdmissionControl(limit, metrics))
+                   vocab_size=vocab_size, metrics=metrics, admission=AdmissionControl(limit, metrics),
+                   token_bytes=TokenBytes(tokenizer) if tokenizer is not None else None)
 
     @property
     def tokenizer(self) -> Any:
