@@ -78,6 +78,7 @@ class StreamExecutor(ExecutorPinsMixin):
         self._lock = threading.Lock()
         self._failed = False
         self._ended = False
+        self.body_done = threading.Event()  # end(): the body submits nothing more
         self.use_thread = use_thread
         if use_thread:
             self.queue: queue.Queue = queue.Queue()
@@ -196,6 +197,7 @@ class StreamExecutor(ExecutorPinsMixin):
             if self._ended:
                 return
             self._ended = True
+            self.body_done.set()
             idle = not self.use_thread or self.queue.unfinished_tasks == 0
             if self.use_thread:
                 self.queue.put(None)

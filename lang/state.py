@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from .interpreter import StreamExecutor
-from .subprogram import append_with_calls, contains_call
+from .subprogram import append_with_calls, contains_call, inside_a_program
 from .ir import (SglConcateAndAppend, SglExpr, SglExprList, SglRoleBegin, SglRoleEnd, SglVarScopeBegin,
                  SglVarScopeEnd, as_expr)
 
@@ -90,13 +90,22 @@ class ProgramState:
         """The exception that stopped the program (its __traceback__ intact), or None."""
         return self.stream_executor.error()
 
+    def _await_submission(self, name: str) -> None:
+        # NOTE: a streamed run's body keeps running after run() returns; a reader outside it waits for
+        # the body to get to `name` (or end) instead of hearing that no such variable exists.
+        exe = self.stream_executor
+        if getattr(exe, "stream", False) and name not in exe.variable_event and not inside_a_program():
+            exe.body_done.wait()
+
     def get_var(self, name: str) -> Any:
+        self._await_submission(name)
         return self.stream_executor.get_var(name)
 
     def set_var(self, name: str, value: Any) -> None:
         self.stream_executor.set_var(name, value)
 
     def get_meta_info(self, name: str) -> Any:
+        self._await_submission(name)
         return self.stream_executor.get_meta_info(name)
 
     def parsed(self, name: str) -> Any:
@@ -121,6 +130,7 @@ class ProgramState:
     def __contains__(self, name: str) -> bool:
         # NOTE: run() returns while the program's gens still run; `"answer" in state` must see what
         # they will produce, as `state["answer"]` does, not what happens to be done yet.
+        self._await_submission(name)
         self.stream_executor.sync()
         return name in self.stream_executor.variables
 

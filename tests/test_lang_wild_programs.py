@@ -212,3 +212,14 @@ def test_select_after_a_character_split_across_tokens_scores_only_the_choices_to
         ids = tokenizer("今日は日" + choice).input_ids
         assert ids[:len(prompt_ids)] == prompt_ids  # the choice does not merge with the prompt here
         assert [token_id for _, token_id, _ in entries] == ids[len(prompt_ids):]
+
+
+def test_reading_a_streamed_programs_later_variable_waits_for_its_body():
+    # The body of a streamed run goes on after run() returns: reading a variable it had not got to yet
+    # (a join's, a later gen's) raised KeyError "the program has no variable" at once.
+    state = fork_then_summary.run(stream=True)
+    assert len(state["idea"]) == 2
+    state = fork_then_summary.run(stream=True)
+    assert "summary" in state and state.get_meta_info("summary")["completion_tokens"] == 3
+    with pytest.raises(KeyError, match="no variable 'nope'"):
+        state["nope"]
