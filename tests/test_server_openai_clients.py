@@ -117,3 +117,22 @@ def test_an_empty_model_name_is_the_served_model(client):
     assert reply.model == client.models.list().data[0].id
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=USER_HI, max_tokens=1)
+
+
+# ---------------------------------------------------------------- legacy completions logprobs
+
+def test_completion_top_logprobs_always_hold_the_chosen_token(client):
+    # OpenAI: "the API will always return the logprob of the sampled token, so there may be up to
+    # logprobs+1 elements". plait gave None for logprobs=0 (a harness's max(top.values()) crashed) and
+    # left a prompt token out of its own position's dict. The shape lm-eval's loglikelihood sends:
+    prompts = [[504, 3461, 314, 2389], [504, 3461]]
+    for k in (0, 2):
+        reply = client.completions.create(model="default", prompt=prompts, max_tokens=1, temperature=0,
+                                          logprobs=k, echo=True, seed=1234)
+        for choice, prompt in zip(reply.choices, prompts):
+            lp = choice.logprobs
+            assert len(lp.tokens) == len(prompt) + 1 and lp.top_logprobs[0] is None  # nothing predicts it
+            for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+                assert top[token] == logprob and len(top) <= k + 1
+            # greedy: the generated token is the most likely one
+            assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())

@@ -73,7 +73,13 @@ def completion_logprobs(tokens: list, tops: list, tokenizer: Any, text_offset: i
         text = _token_text(entry, tokenizer)
         out["tokens"].append(text)
         out["token_logprobs"].append(None if entry[0] is None else float(entry[0]))
-        out["top_logprobs"].append(_top_dict(tops[k] if k < len(tops) else None, tokenizer))
+        top = _top_dict(tops[k] if k < len(tops) else None, tokenizer)
+        if entry[0] is not None:
+            # OpenAI (and vLLM): the chosen token is always among its position's top_logprobs, so there
+            # are up to logprobs + 1 entries, and logprobs=0 still gives one (harnesses read max(top)).
+            top = top or {}
+            top.setdefault(text, float(entry[0]))
+        out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(text)
     return out
