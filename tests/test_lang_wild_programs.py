@@ -223,3 +223,15 @@ def test_reading_a_streamed_programs_later_variable_waits_for_its_body():
     assert "summary" in state and state.get_meta_info("summary")["completion_tokens"] == 3
     with pytest.raises(KeyError, match="no variable 'nope'"):
         state["nope"]
+
+
+@sgl.function
+def select_first(s):
+    s += sgl.select("word", ["Hello", "Zebra"])
+
+
+def test_a_select_with_no_text_before_it_says_it_cannot_score():
+    # The first token of a prompt has no logprob: "Hello" (one token) scored -inf and "Zebra" (two
+    # tokens, scored on its second) won, whatever the model thought.
+    with pytest.raises(RuntimeError, match=r"cannot score choice 'Hello': with no text before select"):
+        select_first.run()["word"]

@@ -136,6 +136,13 @@ class NativeBackend(BaseBackend):
         prefix_last_id = outs.pop()["meta_info"]["input_token_logprobs"][-1][1] if prefix else None
         input_logprobs = [choice_token_logprobs(o["meta_info"], prefix, prefix_tokens, prefix_last_id)
                           for o in outs]
+        for choice, entries in zip(choices, input_logprobs):
+            if all(entry[0] is None for entry in entries):
+                # NOTE: only without text before the select: the prompt's first token has no logprob, so
+                # a one-token choice scored -inf and any longer choice won, whatever the model thought.
+                raise ValueError(f"select(): the model cannot score choice {choice!r}: with no text before "
+                                 f"select(), a choice's first token has nothing to be predicted from; put "
+                                 f"some text (a question, a role) before it")
         output_logprobs = [o["meta_info"].get("output_token_logprobs", []) for o in outs]
         normalized = [mean_logprob(lps) for lps in input_logprobs]
         unconditional = None
