@@ -136,3 +136,21 @@ def test_completion_top_logprobs_always_hold_the_chosen_token(client):
                 assert top[token] == logprob and len(top) <= k + 1
             # greedy: the generated token is the most likely one
             assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+
+
+# ---------------------------------------------------------------- chat templates
+
+def test_a_chat_template_sent_with_the_request_is_refused_and_cannot_stall_the_server(url, client):
+    # chat_template_kwargs={"chat_template": ...} replaced the model's template. Rendering runs on the
+    # event loop, and nested loops pass Jinja's sandbox: this one held every client (even /health) for
+    # hours. vLLM refuses a request's template unless the operator trusts them.
+    stall = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}hi"
+    with pytest.raises(openai.BadRequestError, match="chat template sent with the request is not accepted") as info:
+        client.chat.completions.create(model="default", messages=USER_HI, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"chat_template": stall}})
+    assert info.value.body["param"] == "chat_template_kwargs"
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+    # Values for the model's own template are still passed on.
+    reply = client.chat.completions.create(model="default", messages=USER_HI, max_tokens=1,
+                                           extra_body={"chat_template_kwargs": {"add_generation_prompt": True}})
+    assert reply.usage.completion_tokens == 1

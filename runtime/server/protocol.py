@@ -397,6 +397,16 @@ class ChatCompletionRequest(_SamplingExtensions):
             raise ValueError("continue_final_message needs the last message to be from the assistant")
         return flag
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_request_template(cls, kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        # NOTE: the template renders on the event loop, and a sandboxed Jinja template still runs nested
+        # loops (100,000 x 100,000 steps): one request's template stalled every client for hours. The
+        # model's own template is trusted; a client's is refused, as vLLM does by default.
+        if kwargs and "chat_template" in kwargs:
+            raise ValueError("a chat template sent with the request is not accepted; the model's own is used")
+        return kwargs
+
     @property
     def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
         """OpenAI's default: "auto" when tools are given, "none" otherwise."""
