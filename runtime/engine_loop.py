@@ -24,6 +24,9 @@ from .tokenizer_manager import SHUTDOWN_SEND_S, EngineUnavailableError, Tokenize
 logger = logging.getLogger("plait.engine")
 
 SHUT_DOWN = "the engine is shut down"
+FORKED = ("this Engine was created in process {owner}; a forked child (pid {pid}) cannot use it: its background "
+          "thread and sockets stay in the parent. Create an Engine in the child, or have the child send its "
+          "requests to one process (e.g. `plait serve`)")
 DRAIN_S = 5.0  # how long requests in flight get to unwind (each needs one pass of the loop) before they are cancelled
 
 
@@ -32,6 +35,7 @@ class EngineLoop:
 
     def __init__(self, name: str):
         self.loop = asyncio.new_event_loop()
+        self.owner_pid = os.getpid()
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
@@ -44,22 +48,30 @@ class EngineLoop:
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
+    def in_owner_process(self) -> bool:
+        return os.getpid() == self.owner_pid
+
     def check_open(self) -> None:
+        if not self.in_owner_process():
+            # NOTE: fork copies the loop object but not its thread: work handed to it would wait forever.
+            raise RuntimeError(FORKED.format(owner=self.owner_pid, pid=os.getpid()))
         if self._closed:
             raise EngineUnavailableError(SHUT_DOWN)
 
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         """Run `coro` on the loop; RuntimeError once the engine is shut down."""
         with self._lock:
-            if self._closed:
+            try:
+                self.check_open()
+            except RuntimeError:
                 coro.close()
-                raise EngineUnavailableError(SHUT_DOWN)
+                raise
             return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call_soon(self, fn: Callable, *args: Any) -> bool:
         """Queue `fn(*args)` on the loop (in order with `submit`); False once the engine is shut down."""
         with self._lock:
-            if self._closed:
+            if self._closed or not self.in_owner_process():
                 return False
             self.loop.call_soon_threadsafe(fn, *args)
             return True
@@ -143,6 +155,10 @@ def stop_scheduler_process(proc: subprocess.Popen, tmpdir: str, patience_s: floa
 def release_engine(loop: EngineLoop, tm: TokenizerManager, proc: subprocess.Popen, tmpdir: str) -> None:
     """Everything an Engine holds, given back: what `Engine.shutdown()` does, and what runs when an engine
     is garbage-collected or the interpreter exits without it. Must not refer to the Engine itself."""
+    if not loop.in_owner_process():
+        # A forked child exiting: the loop, the scheduler process and the socket folder are the parent's,
+        # and still in use there (the child would wait for a loop thread it does not have, then delete them).
+        return
     if loop.in_loop_thread():  # collected on the loop's own thread: it cannot wait for itself there
         threading.Thread(target=release_engine, args=(loop, tm, proc, tmpdir), daemon=True).start()
         return
