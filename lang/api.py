@@ -77,9 +77,12 @@ def gen(
         return select(name, choices, 0.0 if temperature is None else temperature,
                       choices_method or token_length_normalized)
     output_model = None
-    if isinstance(json_schema, type):
-        if not hasattr(json_schema, "model_json_schema"):
-            raise TypeError(f"gen({name!r}): json_schema must be a dict, a JSON string or a Pydantic model class")
+    is_model = isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema")
+    if json_schema is not None and not (is_model or isinstance(json_schema, (dict, str))):
+        # NOTE: any other value (json_schema=5) only failed later, on the program's worker thread.
+        raise TypeError(f"gen({name!r}): json_schema must be a dict, a JSON string or a Pydantic model class, "
+                        f"got {json_schema!r}")
+    if is_model:
         output_model, json_schema = json_schema, json_schema.model_json_schema()
     if regex is not None:
         regex = NAMED_REGEXES.get(regex, regex)
@@ -117,6 +120,8 @@ def _typed_gen(name: Optional[str], max_tokens: Optional[int], dtype: type, kwar
 def select(name: Optional[str] = None, choices: Optional[List[str]] = None, temperature: float = 0.0,
            choices_method: ChoicesSamplingMethod = token_length_normalized) -> SglExpr:
     """Append the choice the model finds most likely (scored by prompt logprobs) into `name`."""
+    if isinstance(choices, str):  # its characters would be the choices
+        raise TypeError(f"select({name!r}): choices must be a list of str, got the str {choices!r}")
     if not choices:
         raise ValueError(f"select({name!r}) needs a non-empty list of choices")
     if not all(isinstance(c, str) for c in choices):

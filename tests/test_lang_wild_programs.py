@@ -153,6 +153,11 @@ def test_an_empty_select_choice_is_refused_where_written():
         sgl.select("x", choices=["a", "", "b"])
     with pytest.raises(ValueError, match="empty string"):
         sgl.gen("x", choices=["", "a"])
+    # A str of choices was taken character by character; json_schema=5 failed later, on the worker.
+    with pytest.raises(TypeError, match=r"choices must be a list of str, got the str 'yes'"):
+        sgl.select("x", choices="yes")
+    with pytest.raises(TypeError, match=r"json_schema must be a dict.*got 5"):
+        sgl.gen("x", json_schema=5)
 
 
 @sgl.function
