@@ -93,7 +93,7 @@ def gen(
     # NOTE: the parameters themselves are the settings (SGLang's signature, kept for positional
     # callers); GenOverrides maps each name onto SamplingParams, so nothing is listed twice.
     settings = dict(locals())
-    for key in ("name", "choices", "choices_method", "output_model"):
+    for key in ("name", "choices", "choices_method", "output_model", "is_model"):
         settings.pop(key)
     expr = SglGen(name, GenOverrides.from_gen_kwargs(settings, where=f"gen({name!r})"))
     expr.output_model = output_model
