@@ -7,6 +7,9 @@ Every check that needs no scheduler happens here, so a bad batch is rejected bef
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Mapping
+
 from .io_struct import TokenizedGenerateReq
 from .sampling_params import SamplingParams
 from .tokenizer_manager import TokenizerManager, new_rid
@@ -28,12 +31,7 @@ def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, ret
         else:
             raise ValueError("prompt must be a string or a list of strings")
     else:
-        if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
-            batch, ids_list = True, [list(x) for x in input_ids]
-        elif isinstance(input_ids, list):
-            batch, ids_list = False, [list(input_ids)]
-        else:
-            raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+        batch, ids_list = _id_lists(input_ids)
     size = len(ids_list)
 
     def per_item(value, name):
@@ -62,7 +60,7 @@ def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, ret
     for i in range(size):
         try:
             sp = SamplingParams.from_dict(sps[i])
-            warnings = tm.validate(ids_list[i], sp, starts[i], tops[i])
+            warnings = tm.validate(ids_list[i], sp, starts[i], tops[i], bool(lps[i]))
         except ValueError as e:
             if not batch:
                 raise
@@ -86,3 +84,28 @@ def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, ret
         dup = next(r for r in all_rids if all_rids.count(r) > 1)
         raise ValueError(f"duplicate request id {dup!r}")
     return groups, batch
+
+
+def _id_lists(input_ids) -> tuple[bool, list[list]]:
+    """(is_batch, one id list per prompt) from one prompt's ids or a batch of them. Lists, tuples, numpy
+    arrays and torch tensors are accepted, with numpy / torch integer scalars as ids (`list(array)`)."""
+    if isinstance(input_ids, Mapping):
+        # NOTE: transformers 5's apply_chat_template(..., tokenize=True) returns a BatchEncoding, not the ids.
+        raise ValueError(f"input_ids must be token ids, got a {type(input_ids).__name__}: pass its ['input_ids']")
+    if hasattr(input_ids, "tolist"):  # a numpy array or a torch tensor
+        input_ids = input_ids.tolist()
+    if not isinstance(input_ids, (list, tuple)):
+        raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+    if input_ids and all(isinstance(x, (list, tuple)) or getattr(x, "ndim", 0) == 1 for x in input_ids):
+        return True, [_ints(x) for x in input_ids]
+    return False, [_ints(input_ids)]
+
+
+def _ints(ids) -> list:
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if all(map(int.__instancecheck__, ids)):
+        return ids
+    try:
+        return [operator.index(t) for t in ids]  # numpy / torch integer scalars
+    except TypeError:
+        return ids  # validate() says what is wrong with them

@@ -161,7 +161,7 @@ class TokenizerManager:
             else self.tokenizer.encode(prompt)
 
     def validate(self, input_ids: list[int], sp: SamplingParams, logprob_start_len: Optional[int],
-                 top_logprobs_num: Optional[int]) -> list[str]:
+                 top_logprobs_num: Optional[int], return_logprob: bool = False) -> list[str]:
         if not input_ids:
             raise ValueError("prompt is empty")
         vocab = self.info.vocab_size
@@ -184,6 +184,10 @@ class TokenizerManager:
                              f"({self.info.max_total_tokens} tokens)")
         if logprob_start_len is not None and (not isinstance(logprob_start_len, int) or logprob_start_len < -1):
             raise ValueError(f"logprob_start_len must be an int >= -1, got {logprob_start_len!r}")
+        if return_logprob and logprob_start_len is not None and logprob_start_len >= len(input_ids):
+            # (SGLang refuses it too: the prompt logprobs asked for would silently be an empty list)
+            raise ValueError(f"logprob_start_len ({logprob_start_len}) must be less than the prompt's "
+                             f"{len(input_ids)} tokens")
         if top_logprobs_num is not None and (not isinstance(top_logprobs_num, int) or top_logprobs_num < 0):
             raise ValueError(f"top_logprobs_num must be an int >= 0, got {top_logprobs_num!r}")
         key = sp.grammar_key

@@ -60,3 +60,43 @@ def test_a_forked_child_gets_a_clear_error_and_leaves_the_parents_engine_alone(e
     assert os.waitstatus_to_exitcode(status) == 0 and time.monotonic() - started < 5
     assert os.path.isdir(eng._tmpdir)
     assert eng.generate("Hi", GREEDY)["meta_info"]["completion_tokens"] == 3
+
+
+# ---------------------------------------------------------------------- prompts as token ids
+def test_token_ids_from_numpy_torch_and_tuples_are_accepted(eng):
+    np = pytest.importorskip("numpy")
+    import torch
+
+    ids = eng.tokenizer.encode("The capital of France is")
+    want = eng.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+    # Before: "input_ids must be ints in [0, 49152)" for in-range numpy ids (list(array)), and
+    # "must be a list" for a tuple or an array.
+    for given in (tuple(ids), np.array(ids), list(np.array(ids)), torch.tensor(ids)):
+        assert eng.generate(input_ids=given, sampling_params=GREEDY)["output_ids"] == want, type(given)
+    batch = eng.generate(input_ids=np.array([ids, ids]), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in batch] == [want, want]
+    batch = eng.generate(input_ids=[np.array(ids), torch.tensor(ids)], sampling_params=GREEDY)
+    assert [o["output_ids"] for o in batch] == [want, want]
+
+
+def test_a_chat_template_batch_encoding_is_refused_with_the_fix(eng):
+    encoded = eng.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True,
+                                                add_generation_prompt=True, return_dict=True)
+    with pytest.raises(ValueError, match=r"got a BatchEncoding: pass its \['input_ids'\]"):
+        eng.generate(input_ids=encoded, sampling_params=GREEDY)
+    out = eng.generate(input_ids=encoded["input_ids"], sampling_params=GREEDY)
+    assert out["meta_info"]["prompt_tokens"] == len(encoded["input_ids"])
+
+
+# ---------------------------------------------------------------------- logprobs
+def test_logprob_start_len_past_the_prompt_is_an_error_not_an_empty_list(eng):
+    ids = eng.tokenizer.encode("The capital of France is")
+    last = eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True, logprob_start_len=len(ids) - 1)
+    assert len(last["meta_info"]["input_token_logprobs"]) == 1
+    for start in (len(ids), len(ids) + 7):
+        # Before: input_token_logprobs == [] without a word (SGLang refuses such a request too).
+        with pytest.raises(ValueError, match=rf"logprob_start_len \({start}\) must be less than the prompt's "
+                                             rf"{len(ids)} tokens"):
+            eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True, logprob_start_len=start)
+    # Without return_logprob the start is not used, as in SGLang.
+    assert eng.generate(input_ids=ids, sampling_params=GREEDY, logprob_start_len=len(ids))["output_ids"]
