@@ -76,14 +76,9 @@ def gen(
     if choices:
         return select(name, choices, 0.0 if temperature is None else temperature,
                       choices_method or token_length_normalized)
-    output_model = None
-    is_model = isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema")
-    if json_schema is not None and not (is_model or isinstance(json_schema, (dict, str))):
-        # NOTE: any other value (json_schema=5) only failed later, on the program's worker thread.
-        raise TypeError(f"gen({name!r}): json_schema must be a dict, a JSON string or a Pydantic model class, "
-                        f"got {json_schema!r}")
-    if is_model:
-        output_model, json_schema = json_schema, json_schema.model_json_schema()
+    output_model = _schema_model(name, json_schema)
+    if output_model is not None:
+        json_schema = output_model.model_json_schema()
     if regex is not None:
         regex = NAMED_REGEXES.get(regex, regex)
         try:
@@ -93,11 +88,23 @@ def gen(
     # NOTE: the parameters themselves are the settings (SGLang's signature, kept for positional
     # callers); GenOverrides maps each name onto SamplingParams, so nothing is listed twice.
     settings = dict(locals())
-    for key in ("name", "choices", "choices_method", "output_model", "is_model"):
+    for key in ("name", "choices", "choices_method", "output_model"):
         settings.pop(key)
     expr = SglGen(name, GenOverrides.from_gen_kwargs(settings, where=f"gen({name!r})"))
     expr.output_model = output_model
     return expr
+
+
+def _schema_model(name: Optional[str], json_schema: Any) -> Optional[type]:
+    """The Pydantic model class `json_schema` is, None for a dict or a JSON string; TypeError otherwise.
+
+    NOTE: any other value (json_schema=5) used to fail only later, on the program's worker thread."""
+    if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
+        return json_schema
+    if json_schema is not None and not isinstance(json_schema, (dict, str)):
+        raise TypeError(f"gen({name!r}): json_schema must be a dict, a JSON string or a Pydantic model class, "
+                        f"got {json_schema!r}")
+    return None
 
 
 def gen_int(name: Optional[str] = None, max_tokens: Optional[int] = None, **kwargs: Any) -> SglExpr:
