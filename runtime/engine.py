@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
-import subprocess
-import sys
-import os
 import queue
 import tempfile
 import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from .engine_loop import EngineLoop, release_engine, stop_scheduler_process
+from .engine_compat import SGLangEngineExtras
+from .engine_loop import EngineLoop, launch_scheduler, release_engine, stop_scheduler_process, wait_scheduler_ready
 from .io_struct import SchedulerInfo, TokenizedGenerateReq
 from .request_builder import build_requests
 from .model_loader import load_tokenizer
@@ -30,10 +27,7 @@ from .tokenizer_manager import OverloadedError, TokenizerManager, new_rid
 
 logger = logging.getLogger("plait.engine")
 
-STARTUP_TIMEOUT_S = 900
-
-
-class Engine:
+class Engine(SGLangEngineExtras):
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
         if "model" in kwargs and model_path is None:
             model_path = kwargs.pop("model")
@@ -51,26 +45,28 @@ class Engine:
                 # NOTE: here, before a scheduler process starts only to fail on it (its traceback and the
                 # "did not exit; terminating it" line used to come before the error that matters).
                 check_is_folder(self.model_path)
+        _check_device(self.server_args.device)
         self.server_args.model_path = self.model_path
         self._tmpdir = tempfile.mkdtemp(prefix="plait-")
         to_sched = f"ipc://{self._tmpdir}/to_scheduler"
         from_sched = f"ipc://{self._tmpdir}/from_scheduler"
 
-        # NOTE: the scheduler runs in a fresh interpreter (`python -m plait.runtime.scheduler_main`), not a
-        # multiprocessing child: spawn would re-import the user's __main__, which breaks scripts that
-        # create an Engine at top level without an `if __name__ == "__main__"` guard.
-        self._ready_addr = f"ipc://{self._tmpdir}/ready"
-        self._proc = proc = _launch_scheduler(self.server_args, self.model_path, to_sched, from_sched,
-                                              f"ipc://{self._tmpdir}/ready", self._tmpdir)
+        ready_addr = f"ipc://{self._tmpdir}/ready"
+        self._proc = proc = launch_scheduler(self.server_args, self.model_path, to_sched, from_sched, ready_addr,
+                                             self._tmpdir)
+        reported = False
         try:
-            status, payload = self._wait_ready()
+            status, payload = wait_scheduler_ready(proc, ready_addr)
             if status != "ready":
+                reported = True
                 raise RuntimeError(f"the scheduler failed to start: {payload}")
             self.info: SchedulerInfo = payload
             self.tokenizer = load_tokenizer(self.server_args.tokenizer_path or self.model_path)
             self._bg = EngineLoop("plait-tokenizer-manager")
         except BaseException:  # (Ctrl-C while loading included) no scheduler process may outlive a failed start
-            stop_scheduler_process(proc, self._tmpdir, patience_s=0)
+            # NOTE: one that reported its error exits by itself: terminating it at once only added a
+            # misleading "did not exit; terminating it" warning after its traceback.
+            stop_scheduler_process(proc, self._tmpdir, patience_s=5 if reported else 0)
             raise
 
         async def make_tm():
@@ -85,25 +81,6 @@ class Engine:
         self._release = weakref.finalize(self, release_engine, self._bg, self.tokenizer_manager, proc, self._tmpdir)
         logger.info("engine ready: %s on %s (%s, %s attention, %d KV tokens)", self.model_path, self.info.device,
                     self.info.dtype, self.info.attention_backend, self.info.max_total_tokens)
-
-    def _wait_ready(self):
-        import zmq
-
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.PULL)
-        sock.bind(self._ready_addr)
-        try:
-            waited = 0.0
-            while waited < STARTUP_TIMEOUT_S:
-                if sock.poll(500):
-                    return sock.recv_pyobj()
-                waited += 0.5
-                if self._proc.poll() is not None:
-                    return ("error", f"scheduler process exited with code {self._proc.returncode}")
-            return ("error", "timed out waiting for the scheduler")
-        finally:
-            sock.close(linger=0)
-            ctx.term()
 
     # ------------------------------------------------------------------ bridges
     def _call(self, coro):
@@ -120,6 +97,10 @@ class Engine:
     @property
     def context_len(self) -> int:
         return self.info.context_len
+
+    def get_tokenizer(self):
+        """The tokenizer requests are encoded with (None for a model without one), as vLLM's LLM has it."""
+        return self.tokenizer
 
     # ------------------------------------------------------------------ generate
     async def _generate_async(self, groups, batch: bool):
@@ -365,13 +346,11 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-
-def _launch_scheduler(server_args: ServerArgs, model_path: str, to_sched: str, from_sched: str,
-                      ready_addr: str, tmpdir: str) -> subprocess.Popen:
-    spec = os.path.join(tmpdir, "scheduler_args.pkl")
-    with open(spec, "wb") as f:
-        pickle.dump((server_args, model_path, to_sched, from_sched, ready_addr), f)
-    return subprocess.Popen([sys.executable, "-m", "plait.runtime.scheduler_main", spec], close_fds=True)
+    def __reduce__(self):
+        # (pickling failed on a thread lock: "cannot pickle '_thread.lock' object" did not say what to do)
+        raise TypeError("an Engine cannot be pickled or sent to another process (its scheduler, thread and "
+                        "sockets belong to this one): create an Engine in each worker process, or share one "
+                        "through `plait serve`")
 
 
 _END = object()  # the stream is over
@@ -394,3 +373,11 @@ def _checked_pin_id(pin_id) -> int:
     if isinstance(pin_id, bool) or not isinstance(pin_id, int):
         raise TypeError(f"pin_id must be an int (pin_prefix(...)['pin_id']), got {type(pin_id).__name__}")
     return pin_id
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # (the scheduler failed on it with an AttributeError deep in torch)
+            raise ValueError("device='cuda' but torch sees no CUDA device here; use device='auto' or 'cpu'")

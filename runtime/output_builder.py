@@ -4,7 +4,7 @@
 token ids / EOS, stop strings, stop regexes, grammar termination, max_new_tokens and the context
 length (`check_finish_many`: the same for a whole step's requests, detokenized in one call).
 `collect` turns the requests' progress into `ReqOutput` deltas: streaming requests every
-`stream_interval` tokens, the others once, when they finish.
+`stream_interval` tokens (the request's own, else the server's), the others once, when they finish.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class OutputBuilder:
         for r in live:
             if not r.stream or r.finished:
                 continue
-            if len(r.output_ids) - r.sent_ids < self.stream_interval and not (r.sent_ids == 0 and r.output_ids):
+            interval = r.sampling_params.stream_interval or self.stream_interval
+            if len(r.output_ids) - r.sent_ids < interval and not (r.sent_ids == 0 and r.output_ids):
                 continue
             text = r.detok.text
             holdback = max((len(s) for s in r.sampling_params.stop_strs), default=1) - 1

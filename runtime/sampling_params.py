@@ -48,6 +48,8 @@ class SamplingParams:
     # Free whitespace inside JSON output (compact by default; small models loop on spaces).
     json_whitespace: bool = False
     custom_params: Optional[dict[str, Any]] = None
+    # Tokens between two chunks of this request's stream (SGLang's per-request field); None: the server's.
+    stream_interval: Optional[int] = None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -105,8 +107,8 @@ class SamplingParams:
             if not isinstance(v, types):
                 raise ValueError(f"{name} must be {types[0].__name__}, got {type(v).__name__}")
 
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
-            check_type(name, (int,), allow_none=(name == "max_new_tokens"))
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "stream_interval"):
+            check_type(name, (int,), allow_none=(name in ("max_new_tokens", "stream_interval")))
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
             check_type(name, (float, int))
@@ -136,6 +138,8 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):

@@ -5,6 +5,7 @@ behaviour that was wrong before. One engine serves the module (default model, a 
 """
 
 import atexit
+import logging
 import multiprocessing
 import os
 import time
@@ -100,3 +101,54 @@ def test_logprob_start_len_past_the_prompt_is_an_error_not_an_empty_list(eng):
             eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True, logprob_start_len=start)
     # Without return_logprob the start is not used, as in SGLang.
     assert eng.generate(input_ids=ids, sampling_params=GREEDY, logprob_start_len=len(ids))["output_ids"]
+
+
+# ---------------------------------------------------------------------- SGLang's API around generate
+def test_stream_interval_per_request(eng):
+    params = {"temperature": 0, "max_new_tokens": 9, "ignore_eos": True, "stream_interval": 4}
+    chunks = list(eng.generate("Once upon a time", params, stream=True))
+    # Before: "unknown sampling parameter(s): stream_interval" (SGLang takes it per request).
+    # The first token comes at once, then every 4 tokens, and the rest at the end.
+    assert [len(c["output_ids"]) for c in chunks] == [1, 5, 9]
+    whole = eng.generate("Once upon a time", {**params, "stream_interval": None})
+    assert chunks[-1]["text"] == whole["text"]
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        eng.generate("Hi", {"stream_interval": 0})
+
+
+def test_sglang_engine_methods_plait_lacks_say_so(eng):
+    # Before: AttributeError, as for a misspelled name.
+    with pytest.raises(NotImplementedError, match=r"Engine.update_weights_from_disk\(\) \(an SGLang Engine method\) "
+                                                  r"is not supported by plait: the weights are loaded once"):
+        eng.update_weights_from_disk("/some/checkpoint")
+    with pytest.raises(NotImplementedError, match="no embeddings"):
+        eng.encode("Hello")
+    with pytest.raises(NotImplementedError, match="PLAIT_SCHEDULER_PROFILE"):
+        eng.start_profile()
+    assert eng.get_tokenizer() is eng.tokenizer
+
+
+def test_an_engine_sent_to_another_process_is_refused_clearly(eng):
+    import pickle
+
+    # Before: "cannot pickle '_thread.lock' object" (e.g. an Engine passed to a multiprocessing pool).
+    with pytest.raises(TypeError, match="an Engine cannot be pickled or sent to another process"):
+        pickle.dumps(eng)
+
+
+# ---------------------------------------------------------------------- start-up failures
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_refused_before_a_scheduler_starts():
+    started = time.monotonic()
+    # Before: the scheduler failed with "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'".
+    with pytest.raises(ValueError, match="device='cuda' but torch sees no CUDA device"):
+        Engine(device="cuda", num_threads=1)
+    assert time.monotonic() - started < 5
+
+
+def test_a_scheduler_that_reports_its_start_error_is_not_terminated(caplog):
+    with caplog.at_level(logging.WARNING, logger="plait.engine"):
+        with pytest.raises(RuntimeError, match="context_length 100000 is above this model's limit"):
+            Engine(context_length=100000, num_threads=1)
+    # Before: it was terminated at once, with a "did not exit; terminating it" warning after its traceback.
+    assert not [r for r in caplog.records if "did not exit" in r.getMessage()]
