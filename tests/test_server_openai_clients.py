@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
+import time
 import zlib
 
 import openai
@@ -154,3 +156,29 @@ def test_a_chat_template_sent_with_the_request_is_refused_and_cannot_stall_the_s
     reply = client.chat.completions.create(model="default", messages=USER_HI, max_tokens=1,
                                            extra_body={"chat_template_kwargs": {"add_generation_prompt": True}})
     assert reply.usage.completion_tokens == 1
+
+
+# ---------------------------------------------------------------- long prompts
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", lambda text: {"prompt": text, "max_tokens": 1}),
+    ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+], ids=["completions", "chat"])
+def test_tokenizing_a_huge_prompt_does_not_hold_up_other_clients(url, path, body):
+    # Tokenizing ran on the event loop: a 48 MB prompt held every client, /health included, for over a
+    # minute before its 400. This one takes seconds to tokenize; /health must answer meanwhile.
+    text = "hello world " * 400_000  # 800,000 tokens, far past the context
+    replies = []
+    big = threading.Thread(target=lambda: replies.append(requests.post(url + path, json=body(text), timeout=300)))
+    big.start()
+    time.sleep(0.3)
+    probes = []
+    while big.is_alive():
+        start = time.perf_counter()
+        assert requests.get(url + "/health", timeout=60).status_code == 200
+        probes.append((time.perf_counter() - start, big.is_alive()))
+        time.sleep(0.1)
+    big.join()
+    assert any(alive for _, alive in probes), "the big request ended before /health was probed"
+    assert max(latency for latency, _ in probes) < 1.0, probes
+    assert replies[0].status_code == 400 and "too long" in replies[0].json()["error"]["message"]

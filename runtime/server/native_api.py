@@ -88,6 +88,23 @@ def expand_n(base: dict[str, Any], sp: SamplingParams, rid: str) -> list[dict[st
     return calls
 
 
+async def tokenize_prompts(runs: list[list[dict[str, Any]]], ctx: ServerContext) -> None:
+    """Replace the text prompts of Engine calls by their token ids, tokenized in a worker thread.
+
+    NOTE: the Engine tokenizes a text prompt in its caller's thread, here the event loop: a 48 MB prompt
+    (the body limit allows 64 MiB) held every client, /health included, for over a minute before it was
+    refused as too long. Fast tokenizers release the GIL, so from a thread the loop keeps serving."""
+    manager = getattr(ctx.engine, "tokenizer_manager", None)
+    texts = {call["prompt"] for run in runs for call in run if isinstance(call.get("prompt"), str)}
+    if not texts or not hasattr(manager, "tokenize"):  # (an Engine stand-in without one: it tokenizes)
+        return
+    ids = await asyncio.to_thread(lambda: {text: manager.tokenize(text) for text in texts})
+    for run in runs:
+        for call in run:
+            if isinstance(call.get("prompt"), str):
+                call["input_ids"] = ids[call.pop("prompt")]
+
+
 def _per_item(value: Any, i: int, batch: int, is_batch: bool, name: str) -> Any:
     if isinstance(value, list):
         if not is_batch:
@@ -154,6 +171,7 @@ async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator
 async def generate(body: GenerateRequest, request: Request):
     ctx = get_context(request)
     runs = native_calls(body, ctx)
+    await tokenize_prompts(runs, ctx)
     if len(runs) == 1 and len(runs[0]) == 1:  # X-Request-Id = meta_info.id (http_server.RequestIdHeader)
         request.state.request_id = runs[0][0]["rid"]
     group = ctx.new_group(request, log_metrics=body.log_metrics)

@@ -6,6 +6,7 @@ numbered prompt-major (`index = prompt * n + sample`), as OpenAI does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -19,7 +20,7 @@ from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, sse_error_event
 from .native_api import (SSE_DONE, check_prompt_ids, check_prompt_length, check_unicode, expand_n, sse_event,
-                         verified_sampling_params)
+                         tokenize_prompts, verified_sampling_params)
 from .openai_responses import (ChoiceCursor, abort_error, chat_logprobs, completion_logprobs, finish_reason,
                                matched_stop, usage)
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -198,6 +199,7 @@ async def completions(req: CompletionRequest, request: Request):
         if req.echo:
             logprob_args["logprob_start_len"] = 0
     runs = _engine_calls(req, prompts, sampling_dict(req, req.max_tokens), ctx, logprob_args)
+    await tokenize_prompts(runs, ctx)
     group = ctx.new_group(request)
     response_id = "cmpl-" + (req.rid or uuid.uuid4().hex)
     request.state.request_id = response_id  # the X-Request-Id header (http_server.RequestIdHeader)
@@ -301,7 +303,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     ctx = get_context(request)
     check_model(req, ctx)
     check_tools(req, ctx.server_args.grammar_backend)
-    ids = chat_prompt_ids(req, ctx)
+    # (in a thread: rendering and tokenizing a long conversation would hold the event loop; see tokenize_prompts)
+    ids = await asyncio.to_thread(chat_prompt_ids, req, ctx)
     max_new = req.max_new_tokens if req.max_new_tokens is not None else _default_max_tokens(len(ids), ctx)
     logprob_args: dict[str, Any] = {}
     if req.logprobs:
