@@ -22,7 +22,8 @@ from plait.runtime.server.native_api import native_calls
 from plait.runtime.server.openai_api import check_model, sampling_dict
 from plait.runtime.server.openai_responses import (ChoiceCursor, chat_logprobs, completion_logprobs,
                                                    finish_reason, usage)
-from plait.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from plait.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from plait.runtime.server.protocol_native import GenerateRequest
 from plait.runtime.server.response_format import response_format_to_sampling
 from plait.runtime.server.server_context import ServerContext
 from plait.runtime.server_args import ServerArgs

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, error_response, sse_error_event
-from .protocol import MAX_N, AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
+from .protocol import MAX_N
+from .protocol_native import AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
 from .server_context import ServerContext, get_context
 
 router = APIRouter()

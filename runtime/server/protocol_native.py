@@ -1,0 +1,91 @@
+"""Request bodies of SGLang's native routes (`/generate`, `/abort_request`) and plait's own (`/pin_prefix`,
+`/unpin_prefix`). Strict like the OpenAI ones in protocol.py: a typo or a wrong type is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+# Fields SGLang's clients send that plait does not implement (multimodal, LoRA, disaggregation, ...).
+# They are accepted only with their "unset" value, so SGLang's bench/clients work unchanged while a
+# request that really needs one of them gets a clear 400 instead of a silent wrong answer.
+SGLANG_UNSUPPORTED_FIELDS = (
+    "image_data", "video_data", "audio_data", "modalities", "lora_path", "lora_id",
+    "return_hidden_states", "custom_logit_processor", "session_params", "bootstrap_host",
+    "bootstrap_port", "bootstrap_room", "data_parallel_rank", "input_embeds", "token_ids_logprob",
+)
+
+
+class GenerateRequest(BaseModel):
+    """POST /generate. Exactly one of `text` / `input_ids`; a list makes it a batch."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    rid: Optional[Union[str, list[str]]] = None
+    return_logprob: Optional[Union[bool, list[bool]]] = None
+    logprob_start_len: Optional[Union[int, list[int]]] = None
+    top_logprobs_num: Optional[Union[int, list[int]]] = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    log_metrics: bool = True
+    # plait's program hint: requests of one program (and its forks) share a group id, which the
+    # `dfs-weight` schedule policy keeps together. SGLang servers ignore the field.
+    group: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check_extras(self) -> "GenerateRequest":
+        for name, value in (self.model_extra or {}).items():
+            if name not in SGLANG_UNSUPPORTED_FIELDS:
+                raise ValueError(f"unknown field '{name}'")
+            if value not in (None, False, [], {}, ""):
+                raise ValueError(f"field '{name}' is not supported by plait")
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of 'text' or 'input_ids' must be given")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    @property
+    def batch_size(self) -> int:
+        if not self.is_batch:
+            return 1
+        return len(self.text if self.text is not None else self.input_ids)
+
+
+class PinPrefixRequest(BaseModel):
+    """POST /pin_prefix (plait only): keep the cached part of a prefix from eviction until unpinned."""
+
+    model_config = _STRICT
+    text: Optional[str] = None
+    input_ids: Optional[list[int]] = None
+
+    @model_validator(mode="after")
+    def _one_prefix(self) -> "PinPrefixRequest":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of 'text' or 'input_ids' must be given")
+        if not (self.text if self.text is not None else self.input_ids):
+            raise ValueError("the prefix to pin must not be empty")
+        return self
+
+
+class UnpinPrefixRequest(BaseModel):
+    model_config = _STRICT
+    pin_id: int
+
+
+class AbortRequest(BaseModel):
+    model_config = _STRICT
+    rid: Optional[str] = None
+    abort_all: bool = False
