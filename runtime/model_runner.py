@@ -295,7 +295,9 @@ class ModelRunner:
                 if r.needs_input_logprobs():
                     prompt_len = len(r.origin_input_ids)
                     first = max(r.logprob_start_len, 1, pre + 1, r.input_logprob_next)
-                    for pos in range(first, min(pre + ext, prompt_len)):
+                    # NOTE: a chunk's last row predicts the next chunk's first prompt token: computed
+                    # here, since the next chunk has no row before it (it was lost at every boundary).
+                    for pos in range(first, min(pre + ext + 1, prompt_len)):
                         input_lp_rows.append((i, offset + (pos - 1 - pre), pos))
                 if pre + ext == r.seq_len and r.prefill_only and r.return_logprob and r.top_logprobs_num:
                     # max_new_tokens=0 with top logprobs: no token, but the next token's distribution (the
