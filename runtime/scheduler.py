@@ -217,9 +217,13 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin, K
                 return {"pin_id": None, "pinned_tokens": 0}
             # NOTE: handles stay here; only an integer id crosses the process boundary. A pin with a
             # ttl expires on its own, so a client that dies without unpinning cannot hold KV forever.
+            # The ttl is checked before the pin is taken: a bad one failed after it, leaving a pin whose
+            # id the caller never got (held until a flush). NaN never expired.
+            ttl = args.get("ttl")
+            if ttl is not None and not float(ttl) > 0:
+                raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
             handle = self.cache.pin(args["token_ids"])
             pin_id = next(self._pin_ids)
-            ttl = args.get("ttl")
             self.pins[pin_id] = handle
             if ttl is not None:
                 self.pin_expiry[pin_id] = time.monotonic() + float(ttl)

@@ -125,3 +125,20 @@ def test_small_pool_chunked_long_prompt_and_aborts_match_an_ample_pool(model, po
         assert small[rid]["reason"] == {"type": "length", "length": sp["max_new_tokens"]}, rid
     assert small["long"]["reason"]["type"] == "abort" and small["r20"]["reason"]["type"] == "abort"
     assert_all_memory_back(s, 80)
+
+
+def test_a_pin_with_a_bad_ttl_is_refused_without_holding_the_prefix(model):
+    # The ttl was read after the pin was taken: a bad one answered an error but left the prefix locked
+    # under an id the caller never saw (until a flush); a NaN ttl never expired.
+    s = make_scheduler(model, max_total_tokens=128)
+    ids = random_ids(random.Random(3), 24)
+    submit(s, "a", ids, max_new_tokens=2, **GREEDY)
+    drive(s)
+    for ttl in ("soon", float("nan"), 0, -1):
+        reply = s.handle_message(ControlReq(1, "pin_prefix", {"token_ids": ids, "ttl": ttl}))
+        assert reply.error is not None and reply.result is None, ttl
+    assert s.pins == {} and s.cache.protected_size() == 0
+    reply = s.handle_message(ControlReq(2, "pin_prefix", {"token_ids": ids, "ttl": 60}))
+    assert reply.result["pinned_tokens"] == 24 and s.cache.protected_size() == 24
+    assert s.handle_message(ControlReq(3, "unpin_prefix", {"pin_id": reply.result["pin_id"]})).result is True
+    assert_all_memory_back(s, 128)
