@@ -19,6 +19,7 @@ import outlines_core as oc
 import torch
 
 from .base import ANY_JSON, CompiledGrammar, GrammarBackend, GrammarKey, GrammarMatcher
+from .regex_canonical import json_string_pattern
 from .schema_support import ASSERTION_KEYWORDS, tighten_schema, unenforced_features, walk_schema
 from .validation import normalize_regex, parse_json_schema
 from .vocab import TokenizerVocab
@@ -34,6 +35,22 @@ _SUBSCHEMA_KEYS = ("items", "contains", "propertyNames", "not", "if", "then", "e
 _SUBSCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions",
                        "dependentSchemas")
 _SUBSCHEMA_LIST_KEYS = ("prefixItems", "allOf", "anyOf", "oneOf")
+# Formats written as a string `pattern` (Python regex; ASCII digits, RFC 3339 times with their offset).
+# NOTE: outlines-core's own regexes broke the JSON: "time" allowed a raw backslash before any character
+# ('"12:00:00\\H"'), "uri" and "email" a raw '"'; its `\d` let in non-ASCII digits ('"१९९९-01-01"');
+# "date-time" and "time" omitted the offset RFC 3339 requires.
+_DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_PATH = r"[A-Za-z0-9._~%!$&'()*+,;=:@/-]"
+_QUERY = r"[A-Za-z0-9._~%!$&'()*+,;=:@/?-]"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMAT_PATTERNS = {
+    "date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}",
+    "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+    "email": r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}",
+    "uri": rf"(https?|ftp)://[A-Za-z0-9.-]+(:[0-9]{{1,5}})?(/{_PATH}*)?(\?{_QUERY}*)?(#{_QUERY}*)?",
+    "ipv4": rf"{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}",
+}
 
 
 def _to_regex(kind: str, text: str) -> tuple[str, list[str]]:
@@ -50,6 +67,7 @@ def _to_regex(kind: str, text: str) -> tuple[str, list[str]]:
     else:
         schema = prepare_schema_for_outlines(schema)
         warnings = unenforced_features(schema, "outlines")
+        _formats_and_patterns_for_outlines(schema)
     try:
         regex = oc.json_schema.build_regex_from_schema(
             json.dumps(schema), "" if kind == "json" else _WHITESPACE, MAX_RECURSION_DEPTH)
@@ -66,19 +84,55 @@ def prepare_schema_for_outlines(schema: Any) -> Any:
     - An empty subschema `{}` (any value) becomes "any scalar": outlines' regex for `{}` lacks a
       group around its alternation, which breaks the enclosing object, and spelling out nested
       containers instead multiplies the DFA past memory. A narrowing: outputs stay valid.
-    - An integer with both bounds and at most `MAX_ENUM_RANGE` values becomes an enum: outlines
-      ignores minimum/maximum.
+    - An integer (or integer-or-null) with both bounds and at most `MAX_ENUM_RANGE` values becomes
+      an enum: outlines ignores minimum/maximum.
+    - A closed object (`additionalProperties: false`) without `properties` gets `properties: {}`.
+    - Enum values are listed longest first; property names are spelled as their JSON text.
     """
     schema = tighten_schema(_true_as_empty(schema))
     for path, node in list(walk_schema(schema)):
         if path != "/" and not any(k in ASSERTION_KEYWORDS for k in node):
             node["type"] = list(_SCALAR_TYPES)
+        if node.get("additionalProperties") is False and "properties" not in node:
+            # NOTE: outlines refused the closed object with no declared properties (the "no
+            # arguments" schema) as "Unsupported JSON Schema structure false".
+            node["properties"] = {}
         values = _bounded_integer_values(node)
         if values is not None:
-            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
                 node.pop(key, None)
-            node["enum"] = values
+            node["enum"] = values + [None] * ("null" in node["type"])
+        if isinstance(node.get("properties"), dict):
+            # NOTE: outlines writes a property name between quotes as it is: 'say "hi"' came out as
+            # the invalid '"say "hi"":true'. Named by their JSON-escaped text, they come out escaped.
+            node["properties"] = {_json_text(k): v for k, v in node["properties"].items()}
+            if isinstance(node.get("required"), list):
+                node["required"] = [_json_text(k) if isinstance(k, str) else k for k in node["required"]]
+        if isinstance(node.get("enum"), list):
+            # NOTE: outlines' DFA matches leftmost-first: in "(1|15|150)" the later values died once
+            # "1" matched, so 0..150 only ever wrote 0-9. Longest first, no value is cut short.
+            node["enum"] = sorted(node["enum"], key=lambda v: -len(json.dumps(v)))
     return schema
+
+
+def _json_text(name: str) -> str:
+    """A property name as written between the quotes of a JSON string."""
+    return json.dumps(name, ensure_ascii=False)[1:-1]
+
+
+def _formats_and_patterns_for_outlines(schema: Any) -> None:
+    """In place, after the warnings are taken: a `format` of `FORMAT_PATTERNS` becomes that pattern, and
+    minLength/maxLength next to a pattern are dropped.
+
+    NOTE: outlines-core keeps the length and silently drops the pattern (or format): '{"type": "string",
+    "format": "email", "maxLength": 30}' allowed any text. The length is the one reported unenforced, as
+    xgrammar drops it."""
+    for _, node in walk_schema(schema):
+        if node.get("format") in FORMAT_PATTERNS and "pattern" not in node:
+            node["pattern"] = json_string_pattern(FORMAT_PATTERNS[node.pop("format")])
+        if "pattern" in node:
+            node.pop("minLength", None)
+            node.pop("maxLength", None)
 
 
 def _true_as_empty(schema: Any) -> Any:
@@ -102,7 +156,8 @@ def _true_as_empty(schema: Any) -> Any:
 
 
 def _bounded_integer_values(node: dict) -> Optional[list[int]]:
-    if node.get("type") != "integer" or "enum" in node or "const" in node:
+    if node.get("type") not in ("integer", ["integer", "null"], ["null", "integer"]) or (
+            "enum" in node or "const" in node):
         return None
     low, high = node.get("minimum"), node.get("maximum")
     if isinstance(node.get("exclusiveMinimum"), (int, float)) and not isinstance(
@@ -118,7 +173,11 @@ def _bounded_integer_values(node: dict) -> Optional[list[int]]:
     low, high = math.ceil(low), math.floor(high)
     if high < low or high - low + 1 > MAX_ENUM_RANGE:
         return None
-    return list(range(low, high + 1))
+    step = node.get("multipleOf")
+    # NOTE: an enum pins the values, so a multipleOf left next to it was neither applied nor reported.
+    if step is not None and not (isinstance(step, int) and not isinstance(step, bool) and step > 0):
+        return None
+    return [v for v in range(low, high + 1) if step is None or v % step == 0]
 
 
 def validate_for_outlines(kind: str, text: str) -> list[str]:
@@ -259,7 +318,11 @@ class OutlinesBackend(GrammarBackend):
         start = time.perf_counter()
         regex, _ = _to_regex(kind, text)
         try:
-            index = oc.Index(regex, self._vocabulary)
+            # NOTE: outlines-core's DFA matches leftmost-first: once an earlier alternative has matched,
+            # the later ones die, so "(cat|cats)" never allowed "cats". Anchoring the end keeps every
+            # alternative alive until the text ends. Not for schemas: it made any-JSON's compile 60x
+            # slower; their enums are ordered instead (see prepare_schema_for_outlines).
+            index = oc.Index(f"({regex})$" if kind == "regex" else regex, self._vocabulary)
         except ValueError as e:
             raise ValueError(f"outlines could not compile the {kind} constraint: "
                              f"{str(e).splitlines()[0]}") from None

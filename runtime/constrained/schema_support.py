@@ -12,6 +12,7 @@ are not reported.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -68,7 +69,7 @@ class BackendSupport:
     integer_bounds: bool  # minimum/maximum on integers
     number_bounds: bool  # minimum/maximum on non-integer numbers
     multiple_of_number: bool
-    length_with_pattern: bool  # minLength/maxLength still enforced when a pattern is present
+    length_with_pattern: bool  # minLength/maxLength still enforced next to a pattern or a known format
 
 
 XGRAMMAR = BackendSupport(
@@ -96,7 +97,7 @@ OUTLINES = BackendSupport(
         "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
     }),
     partial={"oneOf": "is enforced as anyOf (exclusivity is not checked)"},
-    formats=frozenset({"date-time", "date", "time", "uuid", "uri", "email"}),
+    formats=frozenset({"date-time", "date", "time", "uuid", "uri", "email", "ipv4"}),
     # NOTE: outlines emits no bounds at all; outlines_backend rewrites small integer ranges into
     # enums (see `bounded_integer_to_enum`), so only those count as enforced.
     integer_bounds=False, number_bounds=False, multiple_of_number=False, length_with_pattern=False,
@@ -147,9 +148,13 @@ def tighten_schema(schema: Any) -> Any:
       '"' in it produced invalid JSON, and outlines let `.` write a raw '"'.
     - A `required` name missing from `properties` is added there (with the additionalProperties
       schema, or `{}`), so that backends which only emit declared properties still emit it.
+    - An integer's fractional bounds are rounded to the whole bounds they mean (`minimum: 1.5` is
+      `minimum: 2`): xgrammar refused them ("Integer constraint must be a whole number").
     """
     schema = merge_all_of(schema)
     for path, node in list(walk_schema(schema)):
+        if node.get("type") == "integer":
+            _whole_integer_bounds(node)
         if isinstance(node.get("pattern"), str):
             try:
                 node["pattern"] = json_string_pattern(node["pattern"])
@@ -172,6 +177,26 @@ def tighten_schema(schema: Any) -> Any:
             continue
         node["additionalProperties"] = False
     return schema
+
+
+def _whole_integer_bounds(node: dict) -> None:
+    """Replace an integer node's fractional bounds by the inclusive whole bounds they mean."""
+    def fractional(key: str) -> bool:
+        value = node.get(key)
+        return isinstance(value, float) and math.isfinite(value) and not value.is_integer()
+
+    def tighten(key: str, value: int, stricter: Any) -> None:
+        old = node.get(key)
+        node[key] = value if not isinstance(old, (int, float)) or isinstance(old, bool) else stricter(old, value)
+
+    if fractional("minimum"):
+        node["minimum"] = math.ceil(node["minimum"])
+    if fractional("maximum"):
+        node["maximum"] = math.floor(node["maximum"])
+    if fractional("exclusiveMinimum"):
+        tighten("minimum", math.floor(node.pop("exclusiveMinimum")) + 1, max)
+    if fractional("exclusiveMaximum"):
+        tighten("maximum", math.ceil(node.pop("exclusiveMaximum")) - 1, min)
 
 
 def unenforced_features(schema: Any, backend: str) -> list[str]:
@@ -214,9 +239,12 @@ def unenforced_features(schema: Any, backend: str) -> list[str]:
             if typed and declared is None and typed not in inferred:
                 warn(path, f"keyword {keyword!r} without a declared 'type'")
                 continue
-            if keyword in ("minLength", "maxLength") and "pattern" in node and (
-                    not support.length_with_pattern):
-                warn(path, f"keyword {keyword!r} next to 'pattern'")
+            shaped_by = "pattern" if "pattern" in node else (
+                "format" if node.get("format") in support.formats else None)
+            if keyword in ("minLength", "maxLength") and shaped_by and not support.length_with_pattern:
+                # NOTE: xgrammar drops the length next to a format ("format combined with
+                # minLength/maxLength is not supported" on its log only), as next to a pattern.
+                warn(path, f"keyword {keyword!r} next to {shaped_by!r}")
             elif keyword == "format" and isinstance(value, str) and value not in support.formats:
                 warn(path, f"format {value!r}")
             elif keyword in _BOUND_KEYWORDS:

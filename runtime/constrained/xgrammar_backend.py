@@ -8,6 +8,7 @@ keeps small models on the rails and still yields schema-valid output.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Optional
 
@@ -21,6 +22,13 @@ from .validation import clean_backend_error, normalize_regex, parse_json_schema
 from .vocab import TokenizerVocab
 
 _COMPACT = (",", ":")
+# NOTE: xgrammar spells the characters of a string with minLength/maxLength as `[^"\\\r\n]`: a raw
+# control character passed (the output '"a\x01"' is not JSON) and an escape did not. Such rules are
+# respelled as one JSON string character: a printable or non-ASCII one, or an escape (counted as one
+# character, as JSON Schema counts it).
+_LENGTH_BOUNDED_CHAR = re.compile(r'^(\w+_characters ::= )\(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
+_JSON_STRING_CHAR = (r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
+                     r'[A-Fa-f0-9]))))')
 
 
 def _to_grammar(kind: str, text: str) -> xgr.Grammar:
@@ -33,9 +41,11 @@ def _to_grammar(kind: str, text: str) -> xgr.Grammar:
             schema = "{}" if text == ANY_JSON else json.dumps(tighten_schema(json.loads(text)))
             # NOTE: xgrammar's strict_mode drops required-but-undeclared keys and refuses
             # minItems without items; tighten_schema gives the same narrowing without that.
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=any_ws,
-                                                separators=None if any_ws else _COMPACT,
-                                                strict_mode=False)
+            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_ws,
+                                                   separators=None if any_ws else _COMPACT,
+                                                   strict_mode=False)
+            ebnf, count = _LENGTH_BOUNDED_CHAR.subn(lambda m: m.group(1) + _JSON_STRING_CHAR, str(grammar))
+            return xgr.Grammar.from_ebnf(ebnf) if count else grammar
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         return xgr.Grammar.from_ebnf(text)
