@@ -126,7 +126,7 @@ class Req:
         return self.sampling_params.max_new_tokens == 0
 
     def remaining_new_tokens(self) -> int:
-        return max(0, (self.sampling_params.max_new_tokens or 0) - len(self.output_ids))
+        return max(0, self.max_new_tokens - len(self.output_ids))
 
     def needs_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len < len(self.origin_input_ids)

@@ -130,6 +130,10 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin, K
             req.generator = torch.Generator(device=self.model_runner.device).manual_seed(m.sampling_params.seed)
         self.reqs_by_rid[req.rid] = req
         mr = self.model_runner
+        # NOTE: max_new_tokens=None runs until the context is full: that is its budget. The admission
+        # reserve and the "budget used up" check after a jump-forward read it; counted as 0 they
+        # reserved nothing (retraction thrash) and ended a constrained output at its first forced tail.
+        req.max_new_tokens = min(req.max_new_tokens, max(0, mr.context_len - len(req.origin_input_ids)))
         if req.seq_len + 1 > mr.max_total_tokens:
             self._finish_now(req, FinishReason("abort", message=(
                 f"prompt of {req.seq_len} tokens cannot fit in the KV cache ({mr.max_total_tokens} tokens)")))

@@ -7,6 +7,7 @@ accounting checked; outputs compared token for token with an ample pool.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -142,3 +143,43 @@ def test_a_pin_with_a_bad_ttl_is_refused_without_holding_the_prefix(model):
     assert reply.result["pinned_tokens"] == 24 and s.cache.protected_size() == 24
     assert s.handle_message(ControlReq(3, "unpin_prefix", {"pin_id": reply.result["pin_id"]})).result is True
     assert_all_memory_back(s, 128)
+
+
+def test_max_new_tokens_none_reserves_what_is_left_of_the_context(model):
+    # max_new_tokens=None runs to the context's end. Admission counted it as 0 tokens still to come:
+    # all six admitted at once, then retracted over and over (7 retractions, twice the prefill tokens)
+    # where the same requests with the explicit budget retract twice.
+    rng = random.Random(4)
+    prompts = [random_ids(rng, 10) for _ in range(6)]
+    runs = {}
+    for budget in (None, 118):
+        s = make_scheduler(model, max_total_tokens=300, context_length=128)
+        for i, ids in enumerate(prompts):
+            submit(s, f"r{i}", ids, max_new_tokens=budget, **GREEDY)
+        runs[budget] = (drive(s), s.stats["num_retractions"], s.timer.report()["prefill"]["tokens"])
+    (none_out, none_retracts, none_prefill), (out, retracts, prefill) = runs[None], runs[118]
+    assert {r: o["ids"] for r, o in none_out.items()} == {r: o["ids"] for r, o in out.items()}
+    assert all(o["reason"] == {"type": "length", "length": 118} for o in none_out.values())
+    assert retracts >= 1 and (none_retracts, none_prefill) == (retracts, prefill)
+
+
+def test_max_new_tokens_none_with_a_json_schema_is_not_cut_at_the_first_forced_tail(default_model_path):
+    # After a jump-forward (text the grammar forces, appended at once) a request whose budget was used
+    # up ends with "length"; max_new_tokens=None read as a budget of 0, so '{"name":"' was the output.
+    import json
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    s = make_scheduler(default_model_path, max_total_tokens=512)
+    ids = s.tokenizer.encode("Person as JSON: ")
+    for rid, budget in (("none", None), ("64", 64)):
+        s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=SamplingParams(
+            max_new_tokens=budget, temperature=0, json_schema=json.dumps(schema))))
+    for _ in range(200):  # the grammar compiles on a worker thread
+        if not s.grammar_pending:
+            break
+        s._poll_grammars()
+        time.sleep(0.05)
+    out = drive(s)
+    assert out["none"]["ids"] == out["64"]["ids"] and out["none"]["reason"]["type"] == "stop"
+    assert set(json.loads(s.tokenizer.decode(out["none"]["ids"], skip_special_tokens=True))) == {"name", "age"}
