@@ -163,23 +163,29 @@ def test_max_new_tokens_none_reserves_what_is_left_of_the_context(model):
     assert retracts >= 1 and (none_retracts, none_prefill) == (retracts, prefill)
 
 
-def test_max_new_tokens_none_with_a_json_schema_is_not_cut_at_the_first_forced_tail(default_model_path):
+def test_max_new_tokens_none_with_a_json_schema_runs_to_the_context_end_not_past_it(default_model_path):
     # After a jump-forward (text the grammar forces, appended at once) a request whose budget was used
     # up ends with "length"; max_new_tokens=None read as a budget of 0, so '{"name":"' was the output.
+    # And the forced tail itself was not cut to the context: 16 prompt + 62 tokens in a 64 context.
     import json
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
-    s = make_scheduler(default_model_path, max_total_tokens=512)
+    forced = {"type": "string", "enum": [" ".join(["alpha beta gamma delta"] * 15)]}
+    s = make_scheduler(default_model_path, max_total_tokens=512, context_length=64)
     ids = s.tokenizer.encode("Person as JSON: ")
-    for rid, budget in (("none", None), ("64", 64)):
-        s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=SamplingParams(
-            max_new_tokens=budget, temperature=0, json_schema=json.dumps(schema))))
-    for _ in range(200):  # the grammar compiles on a worker thread
+    long_ids = s.tokenizer.encode("Say it: " * 5)
+    for rid, prompt, budget, constraint in (("none", ids, None, schema), ("40", ids, 40, schema),
+                                            ("forced", long_ids, None, forced)):
+        s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=budget, temperature=0, json_schema=json.dumps(constraint))))
+    for _ in range(400):  # the grammars compile on a worker thread
         if not s.grammar_pending:
             break
         s._poll_grammars()
         time.sleep(0.05)
     out = drive(s)
-    assert out["none"]["ids"] == out["64"]["ids"] and out["none"]["reason"]["type"] == "stop"
+    assert out["none"]["ids"] == out["40"]["ids"] and out["none"]["reason"]["type"] == "stop"
     assert set(json.loads(s.tokenizer.decode(out["none"]["ids"], skip_special_tokens=True))) == {"name", "age"}
+    assert len(long_ids) + len(out["forced"]["ids"]) == 64
+    assert out["forced"]["reason"] == {"type": "length", "length": 64 - len(long_ids)}

@@ -151,7 +151,10 @@ def jump_forward(req: Any, tokenizer: Any, special_ids: frozenset = frozenset()
                  ) -> Optional[JumpForwardPlan]:
     """Plan and apply a jump-forward on `req` (output_ids, matcher, detokenizer); None if nothing
     is forced or the budget is spent. Drops at most the last (not yet KV-computed) token."""
-    max_new = req.sampling_params.max_new_tokens
+    # NOTE: the scheduler's Req carries its budget, where max_new_tokens=None is what is left of the
+    # context (set at intake); read from the sampling params, None let a forced tail run past the
+    # context's end. A request-like object without it falls back to the sampling params.
+    max_new = getattr(req, "max_new_tokens", req.sampling_params.max_new_tokens)
     budget = None if max_new is None else max_new - len(req.output_ids)
     if budget is not None and budget <= 0:
         return None
