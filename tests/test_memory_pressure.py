@@ -168,7 +168,9 @@ def _run_workload(pool: int, items, abort: str = "") -> tuple[dict, dict]:
             eng.abort(abort)
         return dict(await asyncio.gather(*tasks))
 
-    with Engine(max_total_tokens=pool, chunked_prefill_size=128, max_prefill_tokens=256) as eng:
+    # NOTE: one torch thread: with one per core, a core taken by anything else makes the threads wait on
+    # each other and the run many times slower (docs/server_args.md), past the per-request timeout.
+    with Engine(max_total_tokens=pool, chunked_prefill_size=128, max_prefill_tokens=256, num_threads=1) as eng:
         results = asyncio.run(main(eng))
         stats = eng.get_stats()
         assert eng.check_integrity() is True
