@@ -140,6 +140,20 @@ def near_tie_report(hf, prompts: list[list[int]], outputs: list[list[int]]) -> t
 
 
 @contextlib.contextmanager
+def default_backend_runtime(**runtime_args):
+    """A colocated DSL Runtime on the default model, set as the default backend while the block runs."""
+    import plait as sgl
+
+    rt = sgl.Runtime(**runtime_args)
+    sgl.set_default_backend(rt)
+    try:
+        yield rt
+    finally:
+        sgl.set_default_backend(None)
+        rt.shutdown()
+
+
+@contextlib.contextmanager
 def http_server_in_thread(engine):
     """The real HTTP app (uvicorn, a real socket on a free port) over `engine`, in a thread: yields its URL."""
     import uvicorn

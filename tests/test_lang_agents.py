@@ -13,14 +13,13 @@ import pytest
 
 import plait as sgl
 
+from conftest import default_backend_runtime
+
 
 @pytest.fixture(scope="module", autouse=True)
 def runtime():
-    rt = sgl.Runtime(num_threads=1)
-    sgl.set_default_backend(rt)
-    yield rt
-    sgl.set_default_backend(None)
-    rt.shutdown()
+    with default_backend_runtime(num_threads=1) as rt:
+        yield rt
 
 
 # ---------------------------------------------------------------- programs calling programs

@@ -12,15 +12,14 @@ import requests
 
 import plait as sgl
 
+from conftest import default_backend_runtime
+
 
 @pytest.fixture(scope="module")
 def runtime():
     # SGLang's local_example_chat.py passes tp_size; plait used to refuse it as an unknown argument.
-    rt = sgl.Runtime(tp_size=1)
-    sgl.set_default_backend(rt)
-    yield rt
-    sgl.set_default_backend(None)
-    rt.shutdown()
+    with default_backend_runtime(tp_size=1) as rt:
+        yield rt
 
 
 def test_parallelism_other_than_one_device_is_refused_by_name():

@@ -9,7 +9,7 @@ One Runtime (embedded default model, one torch thread) serves the module; output
 import functools
 
 import pytest
-from conftest import http_server_in_thread
+from conftest import default_backend_runtime, http_server_in_thread
 from pydantic import BaseModel
 
 import plait as sgl
@@ -17,11 +17,8 @@ import plait as sgl
 
 @pytest.fixture(scope="module", autouse=True)
 def runtime():
-    rt = sgl.Runtime(num_threads=1)
-    sgl.set_default_backend(rt)
-    yield rt
-    sgl.set_default_backend(None)
-    rt.shutdown()
+    with default_backend_runtime(num_threads=1) as rt:
+        yield rt
 
 
 @pytest.fixture(scope="module")
