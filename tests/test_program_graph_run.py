@@ -119,7 +119,8 @@ def test_fork_prefix_is_prefilled_once_pinned_until_join_and_every_request_is_gr
     assert fork.stats.requests == 1 and fork.stats.completion_tokens == 0  # the shared prefix's prefill
     for river in (river0, river1):  # each branch found the whole shared prefix in the cache
         assert river.stats.cached_tokens >= prefix_tokens - 1
-    assert select.stats.requests == 3 and select.stats.cached_tokens > 0  # prefix prefill + one per choice
+    # prefix prefill + one per choice + the prefix again (its last token id marks where each choice starts)
+    assert select.stats.requests == 4 and select.stats.cached_tokens > 0
     assert [n.text for n in (river0, river1)] == state["river"]
     # every request of the program carries its group id, the forks' and the select's included
     groups = {call.get("group") for call in spy.calls}
