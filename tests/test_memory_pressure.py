@@ -159,14 +159,21 @@ def _run_workload(pool: int, items, abort: str = "") -> tuple[dict, dict]:
     from plait.runtime import Engine
 
     async def main(eng):
-        async def one(rid, prompt, sp):
-            return rid, await asyncio.wait_for(eng.async_generate(prompt=prompt, sampling_params=sp, rid=rid), 120)
-
-        tasks = [asyncio.create_task(one(*item)) for item in items]
+        # NOTE: one batch, so that every request reaches the scheduler together: requests sent one by one
+        # arrive spread over its first steps, and then how many it admits at once (whether the pool
+        # overflows and it must retract) depends on the machine's timing.
+        rids, prompts, params = (list(col) for col in zip(*items))
+        batch = asyncio.create_task(asyncio.wait_for(
+            eng.async_generate(prompt=prompts, sampling_params=params, rid=rids), 300))
         if abort:
             await asyncio.sleep(1.0)
             eng.abort(abort)
-        return dict(await asyncio.gather(*tasks))
+        flat, results = list(await batch), {}  # a batch's n samples come back one after another
+        for rid, sp in zip(rids, params):
+            n = sp.get("n", 1)
+            results[rid] = flat[:n] if n > 1 else flat[0]
+            del flat[:n]
+        return results
 
     # NOTE: one torch thread: with one per core, a core taken by anything else makes the threads wait on
     # each other and the run many times slower (docs/server_args.md), past the per-request timeout.
