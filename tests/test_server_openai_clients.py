@@ -18,24 +18,16 @@ import zlib
 import openai
 import pytest
 import requests
-from conftest import server_process, wait_server_idle
+import test_server_openai_trial as trial
+from conftest import wait_server_idle
 
-STARTUP_DEADLINE_S = 600
 USER_HI = [{"role": "user", "content": "hi"}]
 # The embedded model answers this with an emoji whose 4 UTF-8 bytes come in 3 tokens.
 EMOJI = [{"role": "user", "content": "Say 👋"}]
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with server_process(log_path, "--num-threads", "1", startup_deadline_s=STARTUP_DEADLINE_S) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+# The same module-scoped server and client as the first OpenAI trial: pytest starts one for this module too.
+url, client = trial.url, trial.client
 
 
 # ---------------------------------------------------------------- explicit nulls
