@@ -65,12 +65,22 @@ class ServerArgs:
     # GPU: a prefill batch is launched while the previous one still runs (overlap scheduling); this
     # reads each prefill back first (to measure what pipelining them gains).
     disable_prefill_pipeline: bool = False
-    # SGLang's tensor / data parallel sizes: a model runs on one device here, so only 1 is accepted
-    # (SGLang's own examples pass tp_size=1).
-    tp_size: int = 1
-    dp_size: int = 1
     # Device time per step from CUDA events, reported by get_stats under "steps" (for benchmarks).
     enable_step_timing: bool = False
+
+    # Parallelism (runtime/distributed/; SGLang's names): one process per rank, tp_size x pp_size ranks
+    # per model (tensor parallel within a pipeline stage of layers), over nnodes machines; dp_size
+    # replicas of that on this machine, each with its own scheduler and KV cache, behind one engine.
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    # host:port where rank 0 holds the ranks' rendezvous (torch.distributed's TCPStore); needed with
+    # nnodes > 1 (default: a free port on 127.0.0.1).
+    dist_init_addr: Optional[str] = None
+    base_gpu_id: int = 0  # the first GPU of this node's ranks (local rank i on GPU base_gpu_id + i)
+    dist_timeout: int = 600  # seconds the ranks wait for each other at start-up and in one collective
 
     # Constrained decoding
     grammar_backend: str = "xgrammar"
@@ -117,13 +127,42 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        for name in ("tp_size", "dp_size"):
-            if getattr(self, name) != 1:
-                raise NotImplementedError(
-                    f"{name}={getattr(self, name)!r}: plait serves a model on one device; tensor and data "
-                    f"parallelism are not supported (leave {name} at 1 or omit it)")
+        self._check_parallel()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "pp_size", "dp_size", "nnodes", "dist_timeout"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("node_rank", "base_gpu_id"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1:
+            if self.world_size() % self.nnodes:
+                raise ValueError(f"tp_size x pp_size = {self.world_size()} ranks do not split evenly over nnodes "
+                                 f"{self.nnodes} machines")
+            if self.dist_init_addr is None:
+                raise ValueError(f"nnodes {self.nnodes} needs dist_init_addr (host:port of node 0, where rank 0 "
+                                 f"holds the rendezvous; the same on every node)")
+            if self.dp_size > 1:
+                raise ValueError("dp_size > 1 runs replicas on one machine; replicas on several machines go behind "
+                                 "`plait router --worker-urls ...`")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+            if self.dp_size > 1:
+                raise ValueError("dist_init_addr names one model's rendezvous; with dp_size > 1 each replica "
+                                 "picks its own (leave dist_init_addr unset)")
+
+    def world_size(self) -> int:
+        """Ranks (processes) of one model: tp_size x pp_size."""
+        return self.tp_size * self.pp_size
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
@@ -226,8 +265,14 @@ CLI_HELP = {
     "disable_prefill_pipeline": "GPU: read each prefill step back before launching the next",
     "num_threads": "CPU torch threads of the scheduler (default: one per core; 1 is much faster on a "
                    "machine other processes keep busy)",
-    "tp_size": "tensor parallel size: only 1 (one device)",
-    "dp_size": "data parallel size: only 1 (one device)",
+    "tp_size": "tensor parallel ranks per model: each holds its share of every layer's heads and MLP",
+    "pp_size": "pipeline parallel stages per model: each holds a contiguous run of layers",
+    "dp_size": "data parallel replicas on this machine, each its own scheduler and KV cache",
+    "nnodes": "machines one model's ranks run on",
+    "node_rank": "this machine's index among nnodes (0 serves HTTP; the others run their ranks only)",
+    "dist_init_addr": "host:port of node 0's rank rendezvous (needed with nnodes > 1)",
+    "base_gpu_id": "GPU of this node's first rank (local rank i on base_gpu_id + i)",
+    "dist_timeout": "seconds ranks wait for each other at start-up and in one collective",
     "enable_step_timing": "device time per step in get_stats()['steps'] (benchmarks)",
     "grammar_backend": "backend of regex / JSON schema / EBNF constraints",
     "disable_jump_forward": "decode every token of a constrained output, even those the grammar fixes",
