@@ -1,6 +1,6 @@
 """Which kernel paths a model's forward takes, as one engine's settings (ServerArgs) chose them.
 
-The model runner makes a `KernelChoices` from its settings and runs every forward (and every CUDA-graph
+The model runner makes a `KernelChoices` from its settings (`ServerArgs.kernel_choices`) and runs every forward (and every CUDA-graph
 capture) inside `using(choices)`; the layers and kernel wrappers read `current()`. A context variable,
 not a module global read at import: two runners in one process keep their own choices.
 """
@@ -25,8 +25,8 @@ class KernelChoices:
     pdl: bool = False
 
 
-_CURRENT: contextvars.ContextVar[KernelChoices] = contextvars.ContextVar("plait_kernel_choices",
-                                                                          default=KernelChoices())
+DEFAULT = KernelChoices()
+_CURRENT: contextvars.ContextVar[KernelChoices] = contextvars.ContextVar("plait_kernel_choices", default=DEFAULT)
 
 
 def current() -> KernelChoices:

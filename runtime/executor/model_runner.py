@@ -11,7 +11,7 @@ on the device with a pinned host copy that `resolve` reads later. It is the sche
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -102,7 +102,8 @@ class ModelRunner:
         self.kv_pool = KVPool(self.max_total_tokens, self.kv_layers, self.kv_heads, cfg.head_dim, self.dtype,
                               self.device)
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
-        self.attn_backend = create_attention_backend(server_args.resolved_attention_backend(), self)
+        self.attention_backend = server_args.resolved_attention_backend()
+        self.attn_backend = create_attention_backend(self.attention_backend, self)
         self._staging = [(None, None)] * 4  # pinned host buffers for per-step inputs (GPU) + their copy events
         self._staging_pos = 0
         # Pinned buffers receiving the sampled tokens of overlapped steps: one pair for decode steps, one

@@ -105,7 +105,7 @@ class Scheduler:
             max_total_tokens=r.max_total_tokens, context_len=r.context_len, vocab_size=r.vocab_size,
             max_running_requests=r.max_running_requests, device=r.device,
             dtype=str(r.dtype).replace("torch.", ""),
-            attention_backend=self.server_args.resolved_attention_backend(), eos_token_ids=list(self.eos_token_ids))
+            attention_backend=r.attention_backend, eos_token_ids=list(self.eos_token_ids))
 
     # ------------------------------------------------------------------ intake
     def handle_message(self, msg: Any) -> Optional[Any]:
