@@ -206,31 +206,95 @@ class ServerArgs:
     # ---- CLI generated from the fields ----
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default
-            text = CLI_HELP[f.name]
-            if f.type in ("bool",) or isinstance(default, bool):
-                parser.add_argument(flag, action="store_true", default=default, help=text)
-                continue
-            typ = str
-            if isinstance(default, int) or "int" in str(f.type):
-                typ = int
-            if isinstance(default, float) or "float" in str(f.type):
-                typ = float
-            if default is not None:
-                text += " (default: %(default)s)"
-            kwargs: dict[str, Any] = {"type": typ, "default": default, "help": text}
-            if f.name in CLI_CHOICES:
-                kwargs["choices"] = CLI_CHOICES[f.name]
-            if f.name == "model_path":
-                parser.add_argument("--model", dest="model_path", type=str, default=None,
-                                    help="alias of --model-path")
-            parser.add_argument(flag, dest=f.name, **kwargs)
+        parser.add_argument("--model", dest="model_path", type=str, default=None, help="alias of --model-path")
+        add_dataclass_flags(parser, cls, CLI_HELP, CLI_CHOICES)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+ROUTING_POLICIES = ("cache_aware", "round_robin")
+
+
+@dataclass
+class RouterArgs:
+    """`plait router`'s settings (runtime/router/): replicas on several machines behind one address."""
+
+    worker_urls: list[str] = dataclasses.field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: str = "cache_aware"
+    # Cache-aware routing: the longest cached prefix wins while the replicas' loads (requests in flight)
+    # are within balance_abs_threshold of each other or within balance_rel_threshold times; past both,
+    # the least loaded replica. A request no replica holds cache_threshold of goes to the emptiest tree.
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
+    cache_threshold: float = 0.5
+    max_tree_items: int = 1 << 22  # prefix items (characters or token ids) remembered per replica
+    health_check_interval: float = 5.0
+    health_failure_threshold: int = 2  # failed checks in a row that take a replica out
+    request_timeout: float = 600.0  # seconds a replica may take to answer one request
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.worker_urls:
+            raise ValueError("the router needs at least one worker URL (--worker-urls http://host:port ...)")
+        for url in self.worker_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        if len(set(self.worker_urls)) != len(self.worker_urls):
+            raise ValueError(f"worker URLs repeat: {self.worker_urls}")
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"policy must be one of {list(ROUTING_POLICIES)}, got {self.policy!r}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1.0")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        for name in ("max_tree_items", "health_failure_threshold"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("health_check_interval", "request_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        self.worker_urls = [u.rstrip("/") for u in self.worker_urls]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_dataclass_flags(parser, cls, ROUTER_CLI_HELP, {"policy": ROUTING_POLICIES})
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "RouterArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls, help_text: dict[str, str],
+                        choices: dict[str, tuple]) -> None:
+    """One flag per field of dataclass `cls` (`--max-total-tokens` for max_total_tokens): booleans are
+    bare flags, lists take one or more values, the type follows the default."""
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text = help_text[f.name]
+        if f.type in ("bool",) or isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", default=default, help=text)
+            continue
+        if str(f.type).startswith("list"):
+            parser.add_argument(flag, dest=f.name, nargs="+", default=[], required=True, help=text)
+            continue
+        typ = str
+        if isinstance(default, int) or "int" in str(f.type):
+            typ = int
+        if isinstance(default, float) or "float" in str(f.type):
+            typ = float
+        if default is not None:
+            text += " (default: %(default)s)"
+        kwargs: dict[str, Any] = {"type": typ, "default": default, "help": text}
+        if f.name in choices:
+            kwargs["choices"] = choices[f.name]
+        parser.add_argument(flag, dest=f.name, **kwargs)
 
 
 # `plait serve --help`: one line per setting (docs/server_args.md says more).
@@ -281,6 +345,20 @@ CLI_HELP = {
     "port": "port the server listens on",
     "api_key": "require 'Authorization: Bearer <key>' (/health stays open)",
     "log_level": "server log level",
+}
+ROUTER_CLI_HELP = {
+    "worker_urls": "the replicas (each a `plait serve`), e.g. http://10.0.0.1:30000 http://10.0.0.2:30000",
+    "host": "address the router listens on",
+    "port": "port the router listens on",
+    "policy": "cache_aware: the replica most likely to hold the prompt's prefix; round_robin: in turn",
+    "balance_abs_threshold": "cache-aware: in-flight requests by which loads may differ before balancing wins",
+    "balance_rel_threshold": "cache-aware: ratio by which loads may differ before balancing wins",
+    "cache_threshold": "cache-aware: share of a prompt a replica must hold to win it on its prefix",
+    "max_tree_items": "prefix characters (or token ids) remembered per replica",
+    "health_check_interval": "seconds between two /health checks of each replica",
+    "health_failure_threshold": "failed checks in a row that take a replica out",
+    "request_timeout": "seconds a replica may take to answer one request",
+    "log_level": "router log level",
 }
 CLI_CHOICES = {"load_format": LOAD_FORMATS, "dtype": DTYPES, "device": ("auto", "cpu", "cuda"),
                "schedule_policy": SCHEDULE_POLICIES, "attention_backend": ATTENTION_BACKENDS,

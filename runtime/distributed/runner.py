@@ -68,6 +68,7 @@ class GroupRunner:
         self.vocab_size = local.vocab_size
         self.device = local.device
         self.dtype = local.dtype
+        self.attention_backend = local.attention_backend
         self.eos_token_ids = local.eos_token_ids
         self.allocator = local.allocator
         self.req_to_token_pool = local.req_to_token_pool

@@ -24,6 +24,14 @@ def load_model_config(model_path: str, load_format: str) -> ModelConfig:
     return ModelConfig.from_path(model_path)
 
 
+def check_model_splits(model_path: str, server_args) -> None:
+    """ValueError naming the numbers unless the model splits over server_args' tp_size and pp_size."""
+    from ..models.parallel import check_parallel_shape
+
+    check_parallel_shape(load_model_config(model_path, server_args.load_format), server_args.tp_size,
+                         server_args.pp_size)
+
+
 def check_is_folder(path: str) -> None:
     """Raise a ValueError saying what `path` is instead and what works, unless it is a folder."""
     if os.path.isdir(path):

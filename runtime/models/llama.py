@@ -20,14 +20,14 @@ from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
 from .config import ModelConfig
 from . import layers
-from .parallel import (CheckpointRead, ModelParallel, TensorParallel, VocabParallelEmbedding, checkpoint_read,
+from .parallel import (ONE_RANK, CheckpointRead, ModelParallel, TensorParallel, VocabParallelEmbedding, checkpoint_read,
                        shard_heads, vocab_shard)
 from .layers import (RMSNorm, RotaryEmbedding, SiluAndMul, fuses_decode_row, norm_linear, row_linear, silu_linear,
                      skinny_linear)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = TensorParallel()):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = ONE_RANK):
         super().__init__()
         heads = shard_heads(cfg, tp)  # this rank's query and KV heads (all of them on one rank)
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, cfg.head_dim
@@ -69,7 +69,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = ONE_RANK):
         super().__init__()
         inter = cfg.intermediate_size // tp.size  # this rank's columns of gate/up, rows of down
         self.tp = tp
@@ -83,7 +83,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = TensorParallel()):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = ONE_RANK):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, rotary, tp)
         self.mlp = MLP(cfg, tp)

@@ -69,6 +69,9 @@ class TensorParallel:
         return full.contiguous() if out is None else out.copy_(full)
 
 
+ONE_RANK = TensorParallel()  # a model on one rank: every call an identity
+
+
 @dataclass(frozen=True)
 class PipelineStage:
     """This rank's pipeline stage: layers [first_layer, first_layer + num_layers) of `total_layers`."""
