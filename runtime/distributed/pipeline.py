@@ -32,11 +32,12 @@ def split_micro_batches(step: StepInput, n: int) -> list[StepInput]:
     if step.mode.is_decode():
         bounds = np.linspace(0, b, n + 1).round().astype(int)
         return [_decode_part(step, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    ext = step.req_rows[3]  # (B,) new tokens per request
-    ends = np.cumsum(ext)
-    # Request boundaries where the running token count first reaches each 1/n of the total.
-    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, n) / n, side="left") + 1
-    bounds = np.unique(np.concatenate([[0], np.minimum(cuts, b), [b]]))
+    ends = np.cumsum(step.req_rows[3])  # (B,) tokens up to and including each request
+    targets = ends[-1] * np.arange(1, n) / n  # (n - 1,) where the cuts would ideally fall
+    i = np.searchsorted(ends, targets)  # ends[i - 1] < target <= ends[i]
+    below = np.where(i > 0, ends[np.maximum(i - 1, 0)], 0)
+    cuts = np.where(targets - below <= ends[i] - targets, i, i + 1)  # requests before each cut: the nearer end
+    bounds = np.unique(np.concatenate([[0], np.clip(cuts, 0, b), [b]]))
     return [_extend_part(step, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
