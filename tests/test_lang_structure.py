@@ -36,7 +36,7 @@ def package_imports(package_dir: Path, package: str) -> dict[str, set[str]]:
                 targets.update(alias.name for alias in node.names if alias.name in files)
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    base = here.rsplit(".", node.level - 1)[0] if node.level > 1 else here
+                    base = here.rsplit(".", node.level - 1)[0]  # level 1: `here` itself
                     base = f"{base}.{node.module}" if node.module else base
                 else:
                     base = node.module or ""
@@ -50,50 +50,24 @@ def package_imports(package_dir: Path, package: str) -> dict[str, set[str]]:
     return graph
 
 
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules `start` imports, directly or through others (itself only through a cycle)."""
+    seen: set[str] = set()
+    todo = list(graph[start])
+    while todo:  # NOTE: a loop, not recursion: import chains can be long
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph[module])
+    return seen
+
+
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (each a knot of import cycles),
-    every one as a sorted list, sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    knots: list[list[str]] = []
-
-    def visit(root: str) -> None:  # Tarjan's algorithm, iterative: no recursion limit on deep chains
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, successors = work[-1]
-            for succ in successors:
-                if succ not in index:
-                    index[succ] = low[succ] = len(index)
-                    stack.append(succ)
-                    on_stack.add(succ)
-                    work.append((succ, iter(sorted(graph[succ]))))
-                    break
-                if succ in on_stack:
-                    low[node] = min(low[node], index[succ])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    if len(component) > 1:
-                        knots.append(sorted(component))
-
-    for module in sorted(graph):
-        if module not in index:
-            visit(module)
-    return sorted(knots)
+    """The knots of import cycles: each a sorted list of the modules that all reach one another
+    (a strongly connected component of two or more), sorted. Empty for a DAG."""
+    reach = {module: _reachable(graph, module) for module in graph}
+    knots = {tuple(sorted({m} | {other for other in reach[m] if m in reach[other]})) for m in graph if m in reach[m]}
+    return sorted(list(knot) for knot in knots)
 
 
 def test_import_cycles_finds_a_lazy_cycle_and_resolves_relative_imports(tmp_path):
