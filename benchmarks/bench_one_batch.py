@@ -75,7 +75,7 @@ def run_plait(args, bw: float) -> list[dict]:
             batch = ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [args.input_len] * bs, loc)
 
             def prefill():
-                return mr.run(batch)
+                return mr.run(batch.to_step())
 
             prefill()  # warm-up (Triton compiles)
             t_prefill = timed(prefill)
@@ -134,7 +134,7 @@ def _sync_steps(mr, reqs, steps: int) -> float:
         dbatch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(len(reqs)))
         torch.cuda.synchronize()
         t = time.perf_counter()
-        o = mr.run(dbatch)
+        o = mr.run(dbatch.to_step())
         times.append(time.perf_counter() - t)
         for r, tok in zip(reqs, o.next_token_ids):
             r.output_ids.append(tok)
@@ -149,7 +149,7 @@ def _pipelined_steps(mr, reqs, steps: int) -> float:
     from plait.runtime.scheduler.batch import ScheduleBatch
 
     batch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(len(reqs)))
-    pending = mr.launch_decode(batch)
+    pending = mr.launch(batch.to_step())
     warm = min(5, (steps - 1) // 2)  # steps before the clock starts
     t0 = None
     for i in range(steps - 1):
@@ -157,7 +157,7 @@ def _pipelined_steps(mr, reqs, steps: int) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
         nxt = batch.next_decode(mr.allocator.alloc(len(reqs)))
-        nxt_pending = mr.launch_decode(nxt, prev=pending)
+        nxt_pending = mr.launch(nxt.to_step(ahead=1, ids_from_prev=True), prev=pending)
         out = mr.resolve(pending)
         for r, tok in zip(reqs, out.next_token_ids):
             r.output_ids.append(tok)
