@@ -83,7 +83,7 @@ def run_plait(args, bw: float) -> list[dict]:
             t_prefill = timed(prefill)
             out = prefill()
             for r, tok in zip(reqs, out.next_token_ids):
-                r.output_ids = [tok]
+                r.output_ids[:] = [tok]
                 r.kv_len = args.input_len
             half = (args.output_len - 1) // 2
             sync_step = _sync_steps(mr, reqs, half)

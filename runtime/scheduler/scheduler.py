@@ -134,7 +134,7 @@ class Scheduler:
                   defer_text=True,  # the tokenizer manager decodes text nobody reads before the end
                   take_ids=True)  # the message is dropped after this
         if m.sampling_params.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(m.sampling_params.seed)
+            req.set_generator(torch.Generator(device=self.runner.device).manual_seed(m.sampling_params.seed))
         # NOTE: max_new_tokens=None runs until the context is full: that is its budget. The admission
         # reserve and the "budget used up" check after a jump-forward read it.
         context_len = self.runner.context_len
