@@ -69,7 +69,7 @@ class ModelRunner:
         """`parallel`: this rank's place in a model split over ranks (runtime/distributed/); None: one
         device holds the whole model."""
         self.server_args = server_args
-        self.parallel = parallel = parallel or ModelParallel.single()
+        self.parallel = parallel = parallel or ModelParallel(device_index=server_args.base_gpu_id)
         self.tp_size = parallel.tp.size  # (the triton backend sizes its scratch per rank's heads)
         self.device = server_args.resolved_device()
         # Launching a step before the previous one is read back pays only where the device runs
