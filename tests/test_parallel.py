@@ -167,6 +167,16 @@ def test_tp3_with_an_uneven_vocabulary_shard(folders):
         ranks.shutdown()
 
 
+def test_tp2_by_pp2(folders):
+    """Four ranks: two stages of two tensor-parallel ranks each (the first stage's pair computes the
+    LM head's halves while rank 0 samples)."""
+    ranks = Ranks(Engine(folders["llama"], tp_size=2, pp_size=2, **SMALL), expected_children=3)
+    try:
+        assert_matches_hf(ranks.engine, folders["llama"])
+    finally:
+        ranks.shutdown()
+
+
 def test_tp2_over_two_nodes_with_a_replicated_kv_head(folders, tmp_path):
     """nnodes = 2 on one machine: node 0 is this engine (rank 0), node 1 is `plait serve --node-rank 1`
     (rank 1), meeting at --dist-init-addr over loopback, as two machines would."""

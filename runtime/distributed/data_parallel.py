@@ -37,6 +37,7 @@ from ..io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, PinPrefix
                          TokenizedGenerateReq, UnpinPrefixReq)
 from ..router.policy import CacheAwarePolicy
 from ..server_args import ServerArgs
+from .launch import reap
 
 logger = logging.getLogger("plait.data_parallel")
 
@@ -240,17 +241,7 @@ class DataParallelController:
         for sock, proc in zip(self.to_replicas, self.procs):
             if proc.poll() is None:
                 sock.send_pyobj(ShutdownReq())
-        deadline = time.monotonic() + patience_s
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        reap(self.procs, patience_s)
         for sock in [*self.to_replicas, *self.from_replicas]:
             sock.close(linger=0)
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -59,19 +59,30 @@ class LocalRanks:
 
     def stop(self, patience_s: float, terminate: bool = False) -> None:
         """Wait up to `patience_s` for the ranks to exit (after SIGTERM with `terminate`), then kill the rest."""
-        if terminate:
-            for _, proc in self.procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + patience_s
-        for rank, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("rank %d (pid %d) did not exit; killing it", rank, proc.pid)
-                proc.kill()
-                proc.wait()
+        reap([p for _, p in self.procs], patience_s, terminate)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def reap(procs: list[subprocess.Popen], patience_s: float, terminate: bool = False) -> None:
+    """Wait up to `patience_s` for `procs` to exit (after SIGTERM with `terminate`), then SIGTERM what is
+    left and, 5 s later, SIGKILL."""
+    if terminate:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + patience_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            logger.warning("process %d did not exit; killing it", proc.pid)
+            proc.kill()
+            proc.wait()
 
 
 def _store_client(rendezvous: Rendezvous, world_size: int):
@@ -82,9 +93,34 @@ def _store_client(rendezvous: Rendezvous, world_size: int):
                          timeout=timedelta(seconds=10))
 
 
+class PeriodicCheck:
+    """`check()` every `interval_s` on a daemon thread, until `stop()` or until it returns False."""
+
+    def __init__(self, name: str, interval_s: float, check: Callable[[], bool]):
+        self._check = check
+        self._interval = interval_s
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._interval) and self._check():
+            pass
+
+
 class GroupMonitor:
     """Rank 0's watch over the other ranks: its child processes, and the heartbeats of ranks on other
-    nodes. `on_failure(message)` is called once, from the monitor's thread, when one is gone."""
+    nodes. `on_failure(message)` is called once, from the monitor's thread, when one is gone; `stop()`
+    when the group is shut down on purpose (ranks exiting then are no failure)."""
 
     def __init__(self, children: LocalRanks, topology: Topology, rendezvous: Rendezvous,
                  on_failure: Callable[[str], None]):
@@ -95,36 +131,33 @@ class GroupMonitor:
         local = {rank for rank, _ in children.procs} | {0}
         self.remote = [r for r in range(topology.world_size) if r not in local]
         self.started = time.monotonic()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="plait-rank-monitor", daemon=True)
+        self._store = None
+        self._watch = PeriodicCheck("plait-rank-monitor", POLL_S, self._check)
 
     def start(self) -> None:
-        self._thread.start()
+        self._watch.start()
 
     def stop(self) -> None:
-        """The group is being shut down on purpose: ranks exiting now are no failure."""
-        self._stopping.set()
+        self._watch.stop()
 
-    def _watch(self) -> None:
-        store = None
-        while not self._stopping.wait(POLL_S):
-            gone = self.children.exited()
-            if gone is not None and not self._stopping.is_set():
-                rank, proc = gone
-                self.on_failure(f"rank {rank} of {self.topology.world_size} (pid {proc.pid}) exited with code "
-                                f"{proc.returncode}")
-                return
-            if self.remote and time.monotonic() - self.started > HEARTBEAT_TIMEOUT_S:
-                try:
-                    store = store or _store_client(self.rendezvous, self.topology.world_size)
-                    silent = [r for r in self.remote if time.time() - _last_beat(store, r) > HEARTBEAT_TIMEOUT_S]
-                except Exception as e:  # noqa: BLE001 - the store is this process's own: it cannot be gone
-                    logger.warning("rank monitor could not read the heartbeats: %s", e)
-                    continue
-                if silent and not self._stopping.is_set():
-                    self.on_failure(f"rank(s) {silent} on another node sent no heartbeat for "
-                                    f"{HEARTBEAT_TIMEOUT_S:.0f} s")
-                    return
+    def _check(self) -> bool:
+        gone = self.children.exited()
+        if gone is not None and not self._watch.stopping:
+            rank, proc = gone
+            self.on_failure(f"rank {rank} of {self.topology.world_size} (pid {proc.pid}) exited with code "
+                            f"{proc.returncode}")
+            return False
+        if self.remote and time.monotonic() - self.started > HEARTBEAT_TIMEOUT_S:
+            try:
+                self._store = self._store or _store_client(self.rendezvous, self.topology.world_size)
+                silent = [r for r in self.remote if time.time() - _last_beat(self._store, r) > HEARTBEAT_TIMEOUT_S]
+            except Exception as e:  # noqa: BLE001 - the store is this process's own: it cannot be gone
+                logger.warning("rank monitor could not read the heartbeats: %s", e)
+                return True
+            if silent and not self._watch.stopping:
+                self.on_failure(f"rank(s) {silent} on another node sent no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s")
+                return False
+        return True
 
 
 def _last_beat(store, rank: int) -> float:
@@ -135,32 +168,34 @@ def _last_beat(store, rank: int) -> float:
 class RankWatchdog:
     """A non-zero rank's watch over rank 0: exits the process when its parent went away (the scheduler
     process on node 0, the node's launcher elsewhere) or rank 0's store stopped answering; and sends
-    this rank's heartbeats."""
+    this rank's heartbeats. `stop()` once the group stops on purpose (a STOP plan)."""
 
     def __init__(self, rank: int, topology: Topology, rendezvous: Rendezvous):
         self.rank = rank
         self.topology = topology
         self.rendezvous = rendezvous
         self.parent = os.getppid()
-        self._thread = threading.Thread(target=self._watch, name="plait-rank-watchdog", daemon=True)
+        self._store = None
+        self._watch = PeriodicCheck("plait-rank-watchdog", HEARTBEAT_S, self._check)
 
     def start(self) -> None:
-        self._thread.start()
+        self._watch.start()
 
-    def _watch(self) -> None:
-        store = None
-        while True:
-            time.sleep(HEARTBEAT_S)
-            if os.getppid() != self.parent:
-                logger.error("rank %d: its parent process is gone; exiting", self.rank)
+    def stop(self) -> None:
+        self._watch.stop()
+
+    def _check(self) -> bool:
+        if os.getppid() != self.parent:
+            logger.error("rank %d: its parent process is gone; exiting", self.rank)
+            os._exit(1)
+        try:
+            self._store = self._store or _store_client(self.rendezvous, self.topology.world_size)
+            self._store.set(f"plait/alive/{self.rank}", repr(time.time()))
+        except Exception as e:  # noqa: BLE001 - rank 0 (which holds the store) is gone
+            if self._store is not None and not self._watch.stopping:
+                logger.error("rank %d: rank 0 stopped answering (%s); exiting", self.rank, e)
                 os._exit(1)
-            try:
-                store = store or _store_client(self.rendezvous, self.topology.world_size)
-                store.set(f"plait/alive/{self.rank}", repr(time.time()))
-            except Exception as e:  # noqa: BLE001 - rank 0 (which holds the store) is gone
-                if store is not None:
-                    logger.error("rank %d: rank 0 stopped answering (%s); exiting", self.rank, e)
-                    os._exit(1)
+        return True
 
 
 def exit_group(message: str, children: LocalRanks) -> None:

@@ -46,13 +46,15 @@ def serve_rank(server_args: ServerArgs, model_path: str) -> None:
     topology = Topology.of(server_args)
     if world != topology.world_size:
         raise RuntimeError(f"WORLD_SIZE {world} is not tp_size x pp_size = {topology.world_size}")
-    RankWatchdog(rank, topology, rendezvous).start()
+    watchdog = RankWatchdog(rank, topology, rendezvous)
+    watchdog.start()
     cfg = load_model_config(model_path, server_args.load_format)
     ctx = join_group(topology, rank, rendezvous, server_args.resolved_device(), server_args.base_gpu_id,
                      server_args.dist_timeout, cfg.num_hidden_layers)
     runner = ModelRunner(server_args, model_path, ctx.parallel)
     try:
         follow_plans(runner, ctx)
+        watchdog.stop()
     finally:
         ctx.close()
 
