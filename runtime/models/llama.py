@@ -125,19 +125,20 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.parallel = parallel = parallel or ModelParallel.single()
         tp, stage = parallel.tp, parallel.stage
-        # The first pipeline stage embeds and holds the LM head; the last one the final norm.
+        # The first pipeline stage embeds and holds the LM head; the last one the final norm. (Built in
+        # this order whatever the split: dummy weights are drawn in parameter order.)
         self.embed_tokens = None
-        self.lm_head = None
         if stage.is_first:
             self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp.size == 1
                                  else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
-            if not cfg.tie_word_embeddings:
-                self.lm_head = nn.Linear(cfg.hidden_size, vocab_shard(cfg.vocab_size, tp)[1], bias=False)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         # Local layer indices: they index this rank's KV pool (a stage holds its own layers' KV only).
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp)
                                     for i in range(stage.layer_count(cfg.num_hidden_layers)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
+        self.lm_head = None
+        if stage.is_first and not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, vocab_shard(cfg.vocab_size, tp)[1], bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         h, residual = self._decoder(input_ids, positions, fb)
