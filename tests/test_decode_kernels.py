@@ -60,8 +60,8 @@ def test_gpu_gemv_bf16_real_shapes(rows, n, k):
 
 
 @pytest.mark.gpu
-def test_gpu_gemv_pdl_chain_in_cuda_graph(monkeypatch):
-    # PLAIT_PDL=1: each skinny matmul may start while the kernel before it finishes, so a missing wait
+def test_gpu_gemv_pdl_chain_in_cuda_graph():
+    # PDL on: each skinny matmul may start while the kernel before it finishes, so a missing wait
     # would read a stale x. Replayed with new inputs, the chain must equal the plain launches bit for bit
     # (the two builds differ only in the wait and launch-dependents instructions).
     g = gemv_module()
@@ -77,20 +77,19 @@ def test_gpu_gemv_pdl_chain_in_cuda_graph(monkeypatch):
         o = g.gemv(g.gemv(x, w_qkv)[:, :4096], w_o)  # (1, 4096): PDL kernel after PDL kernel
         return g.gemv(o * 2, w_head, out_dtype=torch.float32)  # after a plain torch kernel
 
-    monkeypatch.setenv("PLAIT_PDL", "1")
+    from plait.runtime.kernel_choices import KernelChoices, using
     from plait.runtime.kernels.launch import pdl_enabled
 
-    assert pdl_enabled(x.device) == (torch.cuda.get_device_capability(x.device)[0] >= 9)
-    chain()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    with using(KernelChoices(pdl=True)):
+        assert pdl_enabled(x.device) == (torch.cuda.get_device_capability(x.device)[0] >= 9)
+        chain()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
     for _ in range(3):
         x.normal_(generator=gen)
         graph.replay()
-        monkeypatch.setenv("PLAIT_PDL", "0")
-        ref = chain()
-        monkeypatch.setenv("PLAIT_PDL", "1")
+        ref = chain()  # plain launches (PDL off outside the choices)
         assert torch.equal(out, ref)
 
 

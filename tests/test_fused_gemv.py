@@ -319,11 +319,15 @@ def test_gpu_silu_mul_gemv_bf16_8b_down():
 
 
 @gpu
-@pytest.mark.parametrize("pdl", ["0", "1"])
-def test_gpu_fused_chain_in_cuda_graph_pdl(pdl, monkeypatch):
-    # One layer's one-row matmul chain, captured and replayed with new inputs; with PLAIT_PDL=1 every
-    # kernel may start before the previous one ends, so a missing wait would show as a wrong result.
-    monkeypatch.setenv("PLAIT_PDL", pdl)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_fused_chain_in_cuda_graph_pdl(pdl):
+    # One layer's one-row matmul chain, captured and replayed with new inputs; with PDL on every kernel
+    # may start before the previous one ends, so a missing wait would show as a wrong result.
+    with using(KernelChoices(pdl=pdl)):
+        _fused_chain_in_cuda_graph()
+
+
+def _fused_chain_in_cuda_graph():
     k_ = kernels()
     g = torch.Generator(device="cuda").manual_seed(2)
 

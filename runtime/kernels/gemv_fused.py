@@ -22,7 +22,7 @@ Two loop shapes (`FusedGemvConfig.resident`):
 - resident row (K <= MAX_RESIDENT_K): the whole activation row lives in registers, computed once; the
   program walks its BLOCK_N rows of W SUB_N at a time, each a full-K run.
 
-Programmatic dependent launch (Hopper; opt in with PLAIT_PDL=1, see launch.py's `pdl_enabled`): the
+Programmatic dependent launch (Hopper; opt in with ServerArgs enable_pdl, see launch.py's `pdl_enabled`): the
 kernel is launched so that it may start while the previous kernel finishes; it waits for the previous
 kernel before touching activations or writing anything (the K loop before any load, as gemv.py; the
 resident row after loading its first rows of W, which nobody writes), and lets the next kernel launch
