@@ -370,13 +370,12 @@ def _fused_chain_in_cuda_graph():
 
 
 @gpu
-def test_gpu_decoder_one_row_path_8b_layer_shapes(monkeypatch):
-    # Two layers of the 8B shape in bf16: the fused one-row path against the torch path on the GPU.
+def test_gpu_decoder_one_row_path_8b_layer_shapes(fused_decode_row):
+    # Two layers of the 8B shape in bf16: the fused one-row path (opted in) against the torch path on the GPU.
     model = tiny_llama_model("LlamaForCausalLM", torch.bfloat16, "cuda", scale=0.02, hidden_size=4096,
                         intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                         vocab_size=128256)
     ids, positions, fb = _one_token_batch(model, "cuda")
-    monkeypatch.setattr(layers, "FUSED_DECODE_ROW", True)  # the opt-in path
     with torch.no_grad():
         set_use_triton(model, False)
         ref = model.compute_logits(model(ids, positions, fb))
