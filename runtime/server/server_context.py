@@ -45,6 +45,7 @@ class ServerContext:
     token_bytes: Optional[TokenBytes] = None  # None without a tokenizer
     started_at: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    logged_once: set[str] = field(default_factory=set)  # what protocol_compat.review has logged
 
     @classmethod
     def build(cls, engine: Any, server_args: ServerArgs) -> "ServerContext":
