@@ -11,7 +11,7 @@ token ids only (no tokenizer), as the GPU benchmarks run.
 Each round: flush the cache, run one warm request (the shared prefix + its own 50 tokens) to the end
 so the prefix is cached, then the 256 requests, each message pickled as the tokenizer manager sends it.
 Host ms per round, by the scheduler's phases (`get_stats()["steps"]["host_phases"]`):
-  intake   unpickling the 256 messages + `handle_message` (as scheduler_main's loop does)
+  intake   unpickling the 256 messages + `handle_message` (as the scheduler process loop does)
   admit    building batches (`_get_prefill_batch` / `_get_decode_batch`)
   results  `_process_result` (tokens, stop checks, radix inserts, releases)
   outputs  `collect_outputs` + pickling the `BatchOut` (what send_pyobj does)
@@ -81,7 +81,7 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
         timer.profiler = profiler
         profiler.enable()
     t0 = time.perf_counter()
-    for msg in wire:  # NOTE: scheduler_main receives one message per request: recv_pyobj + handle_message
+    for msg in wire:  # NOTE: the scheduler process receives one message per request: recv_pyobj + handle_message
         s.handle_message(pickle.loads(msg))
     intake = time.perf_counter() - t0
     outputs = stepped = 0.0
@@ -128,8 +128,8 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
 
 def make_scheduler(folder: str, args):
     """The real Scheduler on a tiny random Llama (CPU, stubbed forward), GC set up as its process does."""
-    from plait.runtime import scheduler_main
-    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler import process
+    from plait.runtime.scheduler.scheduler import Scheduler
     from plait.runtime.server_args import ServerArgs
 
     model_dir = make_tiny_model(folder, with_tokenizer=False, vocab=args.vocab)
@@ -141,7 +141,7 @@ def make_scheduler(folder: str, args):
     sa = ServerArgs(model_path=model_dir, load_format="dummy", device="cpu",
                     max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens)
     s = Scheduler(sa, model_dir)
-    scheduler_main.freeze_startup_heap()  # as the scheduler process does after start-up
+    process.freeze_startup_heap()  # as the scheduler process does after start-up
     s.overlap = True  # the GPU's decode path (synchronous on the CPU)
     return s
 

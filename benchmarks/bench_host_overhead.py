@@ -57,7 +57,7 @@ def make_tiny_model(folder: str, with_tokenizer: bool, vocab: int, head_dim: int
     4 query heads of `head_dim` (16 on the CPU; 64 on a GPU, a head size its kernels are tuned for)."""
     tok_src = None
     if with_tokenizer:
-        from plait.runtime.default_model import default_model_path
+        from plait.runtime.models.default_model import default_model_path
 
         tok_src = default_model_path()
         # NOTE: a model vocabulary smaller than the tokenizer's is fine: every id below it decodes.
@@ -206,15 +206,15 @@ class GcClock:
 def run_in_process(args, model_dir: str, reqs) -> dict:
     from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.scheduler import Scheduler
-    from plait.runtime import scheduler_main
+    from plait.runtime.scheduler.scheduler import Scheduler
+    from plait.runtime.scheduler import process
     from plait.runtime.server_args import ServerArgs
 
     sa = ServerArgs(model_path=model_dir, load_format="dummy", device=args.device, **engine_kwargs(args),
                     disable_overlap_schedule=args.no_overlap)
     s = Scheduler(sa, model_dir)
     # As the scheduler process does after start-up (absent in older versions, kept comparable).
-    getattr(scheduler_main, "freeze_startup_heap", lambda: None)()
+    getattr(process, "freeze_startup_heap", lambda: None)()
     if args.device == "cpu":
         s.overlap = not args.no_overlap  # exercise the GPU's overlap code path (synchronous here)
     timer = DeviceTimer(s.model_runner, stub=args.device == "cpu" and not args.real_forward)
@@ -370,7 +370,7 @@ def main() -> None:
 
     if not args.no_tokenizer:
         try:
-            from plait.runtime.default_model import default_model_path
+            from plait.runtime.models.default_model import default_model_path
 
             default_model_path()
         except Exception as e:  # e.g. a GPU machine without the embedded model's package

@@ -43,11 +43,11 @@ def timed(fn, reps: int = 1) -> float:
 
 
 def run_plait(args, bw: float) -> list[dict]:
-    from plait.runtime.cuda_graph_runner import CudaGraphRunner
+    from plait.runtime.executor.cuda_graphs import CudaGraphRunner
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.memory_pool import KVPool
-    from plait.runtime.model_runner import ModelRunner
-    from plait.runtime.schedule_batch import ScheduleBatch
+    from plait.runtime.kvcache.memory_pool import KVPool
+    from plait.runtime.executor.model_runner import ModelRunner
+    from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
     max_bs = max(args.batch_sizes)
@@ -113,7 +113,7 @@ def _set_env(variant: str) -> None:
 
 def _new_requests(mr, bs, args, gen) -> list:
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.schedule_batch import Req
+    from plait.runtime.request import Req
 
     reqs = []
     for i in range(bs):
@@ -127,7 +127,7 @@ def _new_requests(mr, bs, args, gen) -> list:
 def _sync_steps(mr, reqs, steps: int) -> float:
     """Median seconds of a decode step run alone: build, launch, read the tokens back (one host sync)."""
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.schedule_batch import ScheduleBatch
+    from plait.runtime.scheduler.batch import ScheduleBatch
 
     times = []
     for _ in range(steps):
@@ -146,7 +146,7 @@ def _pipelined_steps(mr, reqs, steps: int) -> float:
     """Seconds per decode step as the engine runs them (overlap scheduling): step i+1 is launched with
     step i's sampled tokens as its input, on the device, before step i's tokens are read back."""
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.schedule_batch import ScheduleBatch
+    from plait.runtime.scheduler.batch import ScheduleBatch
 
     batch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(len(reqs)))
     pending = mr.launch_decode(batch)
@@ -174,7 +174,7 @@ def _pipelined_steps(mr, reqs, steps: int) -> float:
 def run_transformers(args) -> list[dict]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from plait.runtime.model_config import BUILTIN_SHAPES
+    from plait.runtime.models.config import BUILTIN_SHAPES
 
     raw = {k: v for k, v in BUILTIN_SHAPES[args.model].items() if k != "architectures"}
     with torch.device("cuda"):

@@ -29,9 +29,10 @@ from bench_common import save  # noqa: E402 (benchmarks/ is on sys.path)
 def main() -> None:
     from plait.runtime.attention import create_attention_backend
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.executor.model_runner import ModelRunner
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.schedule_batch import Req, ScheduleBatch
+    from plait.runtime.request import Req
+    from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
     ap = argparse.ArgumentParser()

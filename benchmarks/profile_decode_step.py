@@ -23,9 +23,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main() -> None:
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.executor.model_runner import ModelRunner
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.schedule_batch import Req, ScheduleBatch
+    from plait.runtime.request import Req
+    from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
     ap = argparse.ArgumentParser()

@@ -16,7 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from .attention.base import AttentionBackend
-    from .memory_pool import KVPool, ReqToTokenPool
+    from .kvcache.memory_pool import KVPool, ReqToTokenPool
 
 
 class ForwardMode(enum.Enum):

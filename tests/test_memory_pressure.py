@@ -13,7 +13,7 @@ import pytest
 
 from plait.runtime.io_struct import AbortReq, ControlReq, TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
 
 

@@ -17,7 +17,8 @@ import torch
 
 from plait.runtime.forward_batch import ForwardMode
 from plait.runtime.io_struct import AbortReq, ControlReq
-from plait.runtime.schedule_batch import Req, ScheduleBatch
+from plait.runtime.request import Req
+from plait.runtime.scheduler.batch import ScheduleBatch
 from plait.runtime.sampling_params import SamplingParams
 
 from test_scheduler_state import assert_host_table_matches, make_scheduler, submit
@@ -350,7 +351,7 @@ def test_grammar_requests_are_not_pipelined(default_model_path):
     # A regex-constrained request needs its mask filled on the host before sampling: its prefill runs
     # synchronously, after the plain request's batch in flight is read back.
     from plait.runtime.io_struct import TokenizedGenerateReq
-    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler.scheduler import Scheduler
     from plait.runtime.server_args import ServerArgs
 
     torch.manual_seed(0)
@@ -379,7 +380,7 @@ def test_grammar_requests_are_not_pipelined(default_model_path):
 def test_on_the_gpu_pipelined_prefills_match_synchronous_steps(random_models):
     # The real asynchronous path (pinned host copies, events, stream order of the KV writes against the
     # next batch's reads): overlap scheduling on (the default) against disable_overlap_schedule.
-    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler.scheduler import Scheduler
     from plait.runtime.server_args import ServerArgs
 
     path = random_models["llama"]

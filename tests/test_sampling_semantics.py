@@ -15,9 +15,9 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from plait.runtime import Engine
-from plait.runtime.sampler import SamplingBatchInfo, apply_logit_adjustments, sample, sampling_probs
+from plait.runtime.executor.sampler import SamplingBatchInfo, apply_logit_adjustments, sample, sampling_probs
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.schedule_batch import Req
+from plait.runtime.request import Req
 
 # Spread out enough that every filter below cuts somewhere different.
 LOGITS = [3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -5.0]

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from plait.runtime.sampler import SamplingBatchInfo, apply_logit_adjustments, sample
+from plait.runtime.executor.sampler import SamplingBatchInfo, apply_logit_adjustments, sample
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.schedule_batch import Req
+from plait.runtime.request import Req
 
 VOCAB = 8
 EOS = 7

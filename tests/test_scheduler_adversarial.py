@@ -13,7 +13,7 @@ import pytest
 
 from plait.runtime.io_struct import AbortReq, ControlReq, TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -81,7 +81,16 @@ def test_prompt_logprobs_are_complete_across_chunk_boundaries(model, chunk):
     for start in (0, 3, 10):
         whole, chunked = results[4096][f"s{start}"], results[chunk][f"s{start}"]
         assert [t for _, t in chunked["in_lp"]] == ids[start:]
-        assert chunked["in_lp"] == whole["in_lp"] and chunked["out_lp"] == whole["out_lp"]
+        assert_same_logprobs(chunked["in_lp"], whole["in_lp"])
+        assert_same_logprobs(chunked["out_lp"], whole["out_lp"])
+
+
+def assert_same_logprobs(got: list, want: list, tol: float = 1e-3) -> None:
+    """The same tokens, and logprobs equal up to float noise: a prompt prefilled in other chunk sizes
+    runs matmuls of other shapes, whose sums round differently in the last bits."""
+    assert [t for _, t in got] == [t for _, t in want]
+    for (a, _), (b, _) in zip(got, want):
+        assert (a is None) == (b is None) and (a is None or abs(a - b) <= tol), (a, b)
 
 
 def _workload(rng: random.Random) -> list[tuple[str, list[int], dict]]:

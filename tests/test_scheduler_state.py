@@ -11,7 +11,7 @@ import pytest
 
 from plait.runtime.io_struct import AbortReq, ControlReq, TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
 
 
@@ -270,7 +270,7 @@ def test_pins_with_a_ttl_expire(random_models):
 
 
 def test_prefill_warm_up_runs_and_gives_every_slot_back(random_models):
-    from plait.runtime.warmup import WARMUP_PROMPT_TOKENS, warm_up_prefill
+    from plait.runtime.executor.warmup import WARMUP_PROMPT_TOKENS, warm_up_prefill
 
     s = make_scheduler(random_models["llama"], max_total_tokens=512, max_running_requests=4)
     slots, rows = s.allocator.available(), s.req_to_token.available()
@@ -291,13 +291,13 @@ def test_prefill_warm_up_runs_and_gives_every_slot_back(random_models):
 def test_in_flight_prefixes_agree_with_comparing_every_pair():
     import random
 
-    from plait.runtime import scheduler_prefill
-    from plait.runtime.scheduler_prefill import InFlightPrefixes
+    from plait.runtime.scheduler import admission
+    from plait.runtime.scheduler.admission import InFlightPrefixes
 
     rng = random.Random(0)
     base = [rng.randrange(3) for _ in range(40)]
     for max_indexed in (8, 1):  # indexed windows, and the linear scan past the index limit
-        scheduler_prefill.MAX_INDEXED_WINDOWS, saved = max_indexed, scheduler_prefill.MAX_INDEXED_WINDOWS
+        admission.MAX_INDEXED_WINDOWS, saved = max_indexed, admission.MAX_INDEXED_WINDOWS
         try:
             flight, seqs = InFlightPrefixes(4), []
             for _ in range(200):
@@ -310,12 +310,12 @@ def test_in_flight_prefixes_agree_with_comparing_every_pair():
                 flight.add(ids, length)
                 seqs.append((ids, length))
         finally:
-            scheduler_prefill.MAX_INDEXED_WINDOWS = saved
+            admission.MAX_INDEXED_WINDOWS = saved
 
 
 def test_token_prefix_is_fill_ids_prefix():
-    from plait.runtime.schedule_batch import Req
-    from plait.runtime.scheduler_prefill import token_prefix
+    from plait.runtime.request import Req
+    from plait.runtime.scheduler.admission import token_prefix
 
     r = Req("a", [1, 2, 3], SamplingParams())
     r.output_ids = [4, 5]

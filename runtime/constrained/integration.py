@@ -88,7 +88,7 @@ class GrammarManager:
         """Advance the request's matcher; a rejected token aborts the request (never silently)."""
         if advance(req, token_id):
             return True
-        from ..schedule_batch import FinishReason
+        from ..request import FinishReason
 
         req.finished_reason = FinishReason(
             "abort", message=f"token {token_id} violates the request's grammar (constraint "

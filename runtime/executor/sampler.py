@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .schedule_batch import Req
+from ..request import Req
 
 
 @dataclass
@@ -86,7 +86,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """(B, V) -> (B,) int64 argmax, first index on ties. On CUDA a two-stage Triton kernel: torch's
     single-block reduction takes ~27 us over a 128k vocabulary, about a layer's worth of small ops."""
     if logits.is_cuda and logits.shape[0] > 0 and logits.stride(-1) == 1:
-        from .kernels.argmax import argmax_rows
+        from ..kernels.argmax import argmax_rows
 
         return argmax_rows(logits)
     return torch.argmax(logits, dim=-1)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward_batch import ForwardBatch, ForwardMode
+from ..forward_batch import ForwardBatch, ForwardMode
 from .sampler import greedy_tokens
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from .schedule_batch import ScheduleBatch
+from .batch import ScheduleBatch
 
 
 class OverlapScheduleMixin:

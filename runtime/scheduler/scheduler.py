@@ -19,23 +19,24 @@ from typing import Any, Optional
 
 import torch
 
-from .compile_watch import CompileWatch
-from .detokenizer import TextDecoder
-from .io_struct import AbortReq, ControlReply, ControlReq, SchedulerInfo, TokenizedGenerateReq
-from .forward_batch import ForwardMode
-from .model_loader import load_tokenizer
-from .model_runner import ModelRunner
-from .prefix_cache import NoSharingCache, PrefixCache
-from .sampling_params import SamplingParams
-from .schedule_batch import FinishReason, Req, ScheduleBatch
-from .scheduler_pipeline import OverlapScheduleMixin
-from .scheduler_prefill import PrefillAdmissionMixin
-from .scheduler_results import StepResultsMixin
-from .scheduler_retract import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY, KVShortageMixin
-from .server_args import ServerArgs
+from ..executor.compile_watch import CompileWatch
+from ..detokenizer import TextDecoder
+from ..io_struct import AbortReq, ControlReply, ControlReq, SchedulerInfo, TokenizedGenerateReq
+from ..forward_batch import ForwardMode
+from ..executor.loader import load_tokenizer
+from ..executor.model_runner import ModelRunner
+from ..kvcache.prefix_cache import NoSharingCache, PrefixCache
+from ..sampling_params import SamplingParams
+from ..request import FinishReason, Req
+from .batch import ScheduleBatch
+from .overlap import OverlapScheduleMixin
+from .admission import PrefillAdmissionMixin
+from .results import StepResultsMixin
+from .retraction import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY, KVShortageMixin
+from ..server_args import ServerArgs
 from .step_timer import StepTimer
-from .warmup import warm_up_prefill
-from .output_builder import OutputBuilder
+from ..executor.warmup import warm_up_prefill
+from .outputs import OutputBuilder
 
 logger = logging.getLogger("plait.scheduler")
 
@@ -89,7 +90,7 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin, K
     def _make_cache(self) -> PrefixCache:
         if self.server_args.disable_radix_cache:
             return NoSharingCache(self.allocator, self.server_args.page_size)
-        from .radix_cache import RadixCache
+        from ..kvcache.radix_cache import RadixCache
 
         return RadixCache(self.allocator, self.server_args.page_size)
 
@@ -157,7 +158,7 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin, K
     def _start_grammar(self, req: Req) -> bool:
         try:
             if self.grammar_manager is None:
-                from .constrained.integration import GrammarManager
+                from ..constrained.integration import GrammarManager
 
                 self.grammar_manager = GrammarManager(self.tokenizer, self.model_runner.vocab_size, self.server_args)
             req.grammar_future = self.grammar_manager.request(req.sampling_params)

@@ -19,11 +19,11 @@ from typing import Any, AsyncIterator, Callable, Optional
 import zmq
 import zmq.asyncio
 
-from .detokenizer import TextDecoder, decode_as_stepped
-from .io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo, ShutdownReq,
+from ..detokenizer import TextDecoder, decode_as_stepped
+from ..io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo, ShutdownReq,
                         TokenizedGenerateReq)
-from .sampling_params import SamplingParams
-from .server_args import ServerArgs
+from ..sampling_params import SamplingParams
+from ..server_args import ServerArgs
 
 logger = logging.getLogger("plait.tokenizer_manager")
 
@@ -192,7 +192,7 @@ class TokenizerManager:
             raise ValueError(f"top_logprobs_num must be an int >= 0, got {top_logprobs_num!r}")
         key = sp.grammar_key
         if key is not None:
-            from .constrained import validate_constraint
+            from ..constrained import validate_constraint
 
             # Schema features the backend cannot enforce come back as warnings for the caller.
             return list(validate_constraint(key[0], key[1], self.server_args.grammar_backend) or [])

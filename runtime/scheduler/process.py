@@ -1,4 +1,4 @@
-"""The scheduler process: its entry point (`python -m plait.runtime.scheduler_main ARGS.pkl`) and its
+"""The scheduler process: its entry point (`python -m plait.runtime.scheduler ARGS.pkl`) and its
 event loop over ZMQ (receive messages, step the Scheduler, send outputs; block only when idle).
 
 The Engine writes (server_args, model_path, addresses) to a pickle file in its private temp folder
@@ -17,9 +17,9 @@ import traceback
 import torch
 import zmq
 
-from .io_struct import BatchOut, ShutdownReq
+from ..io_struct import BatchOut, ShutdownReq
 from .scheduler import Scheduler
-from .server_args import ServerArgs
+from ..server_args import ServerArgs
 
 logger = logging.getLogger("plait.scheduler")
 

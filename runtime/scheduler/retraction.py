@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from .schedule_batch import Req
+from ..request import Req
 
 logger = logging.getLogger("plait.scheduler")
 

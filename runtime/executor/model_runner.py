@@ -16,14 +16,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .attention import create_attention_backend
-from .forward_batch import ForwardBatch
-from .memory_pool import KVPool, ReqToTokenPool, TokenAllocator
-from .model_config import ModelConfig
-from .model_loader import load_model, load_model_config
+from ..attention import create_attention_backend
+from ..forward_batch import ForwardBatch
+from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
+from ..models.config import ModelConfig
+from .loader import load_model, load_model_config
 from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sample
-from .schedule_batch import Req, ScheduleBatch
-from .server_args import ServerArgs
+from ..request import Req
+from ..scheduler.batch import ScheduleBatch
+from ..server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class ModelRunner:
         self._ring_pos: dict[str, int] = {"decode": 0, "prefill": 0}
         self.graph_runner = None
         if self.device == "cuda" and not server_args.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
-            from .cuda_graph_runner import CudaGraphRunner
+            from .cuda_graphs import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self)
 

@@ -16,13 +16,13 @@ import tempfile
 import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from .engine_compat import SGLangEngineExtras
-from .engine_loop import EngineLoop, launch_scheduler, release_engine, stop_scheduler_process, wait_scheduler_ready
-from .io_struct import SchedulerInfo, TokenizedGenerateReq
+from .compat import SGLangEngineExtras
+from .loop import EngineLoop, launch_scheduler, release_engine, stop_scheduler_process, wait_scheduler_ready
+from ..io_struct import SchedulerInfo, TokenizedGenerateReq
 from .request_builder import build_requests
-from .model_loader import load_tokenizer
-from .sampling_params import SamplingParams
-from .server_args import ServerArgs
+from ..executor.loader import load_tokenizer
+from ..sampling_params import SamplingParams
+from ..server_args import ServerArgs
 from .tokenizer_manager import OverloadedError, TokenizerManager, new_rid
 
 logger = logging.getLogger("plait.engine")
@@ -32,14 +32,14 @@ class Engine(SGLangEngineExtras):
         if "model" in kwargs and model_path is None:
             model_path = kwargs.pop("model")
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
-        from .default_model import resolve_model_path
+        from ..models.default_model import resolve_model_path
 
         if model_path is None:
             self.model_path = resolve_model_path(None)
         else:
             self.model_path = self.server_args.model_path  # "~" expanded
-            from .model_config import BUILTIN_SHAPES
-            from .model_loader import check_is_folder
+            from ..models.config import BUILTIN_SHAPES
+            from ..executor.loader import check_is_folder
 
             if not (self.server_args.load_format == "dummy" and self.model_path in BUILTIN_SHAPES):
                 # NOTE: here, before a scheduler process starts only to fail on it (its traceback and the

@@ -12,10 +12,11 @@ import time
 
 import torch
 
-from .io_struct import ReqOutput
-from .model_runner import StepOutput
-from .schedule_batch import FinishReason, Req, ScheduleBatch
-from .scheduler_prefill import token_prefix
+from ..io_struct import ReqOutput
+from ..executor.model_runner import StepOutput
+from ..request import FinishReason, Req
+from .batch import ScheduleBatch
+from .admission import token_prefix
 
 # What `_process_result` does with a request once the step's stop checks ran.
 _ABORTED, _NO_TOKEN, _TOKEN = range(3)

@@ -14,10 +14,11 @@ from typing import Optional
 
 import torch
 
-from .forward_batch import ForwardMode
-from .prefix_cache import MatchResult
-from .schedule_batch import FinishReason, Req, ScheduleBatch
-from .schedule_policy import PrefillBudget, order_waiting_queue
+from ..forward_batch import ForwardMode
+from ..kvcache.prefix_cache import MatchResult
+from ..request import FinishReason, Req
+from .batch import ScheduleBatch
+from .policy import PrefillBudget, order_waiting_queue
 
 # A waiting request that shares at least this many not-yet-cached tokens with one being prefilled
 # waits one step, then hits the cache instead of computing the same prefix again.

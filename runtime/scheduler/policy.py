@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .prefix_cache import PrefixCache
-from .schedule_batch import Req
+from ..kvcache.prefix_cache import PrefixCache
+from ..request import Req
 
 LPM_MAX_QUEUE = 128
 

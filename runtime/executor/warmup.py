@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import time
 
-from .forward_batch import ForwardMode
-from .sampling_params import SamplingParams
-from .schedule_batch import Req, ScheduleBatch
+from ..forward_batch import ForwardMode
+from ..sampling_params import SamplingParams
+from ..request import Req
+from ..scheduler.batch import ScheduleBatch
 
 logger = logging.getLogger("plait.warmup")
 
