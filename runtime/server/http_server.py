@@ -27,6 +27,7 @@ from .native_api import router as native_router
 from .protocol_compat import IGNORED_FIELDS_HEADER
 from .openai_api import router as openai_router
 from .openai_chat import router as chat_router
+from .responses_api import router as responses_router
 from .request_encoding import RequestDecompression
 from .server_context import ServerContext, get_context
 
@@ -118,6 +119,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     app.include_router(native_router)
     app.include_router(openai_router)
     app.include_router(chat_router)
+    app.include_router(responses_router)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -32,9 +32,10 @@ logger = logging.getLogger("plait.server")
 
 IGNORED = "ignored"
 REFUSED_UNLESS_OFF = "refused unless off"
-# The APIs a row belongs to: native /generate, /v1/completions, /v1/chat/completions.
-NATIVE, COMPLETIONS, CHAT = "native", "completions", "chat"
+# The APIs a row belongs to: native /generate, /v1/completions, /v1/chat/completions, /v1/responses.
+NATIVE, COMPLETIONS, CHAT, RESPONSES = "native", "completions", "chat", "responses"
 OPENAI = (COMPLETIONS, CHAT)
+OPENAI_ALL = (COMPLETIONS, CHAT, RESPONSES)
 EVERY_API = (NATIVE, COMPLETIONS, CHAT)
 # The response header that lists the top-level fields a request sent that no API defines.
 IGNORED_FIELDS_HEADER = "x-plait-ignored-fields"
@@ -89,9 +90,9 @@ FIELDS: dict[str, CompatField] = {
     "extra_key": _ignored(EVERY_API, StrOrList, _CACHE_KEY),
     "cache_salt": _ignored(EVERY_API, StrOrList, _CACHE_KEY + " (no per-salt isolation)"),
     "ngram_corpus_id": _ignored(OPENAI, StrOrList, "plait has no n-gram speculative decoding"),
-    "prompt_cache_key": _ignored(OPENAI, str, _CACHE_KEY),
-    "prompt_cache_retention": _ignored(OPENAI, str, "cached prefixes stay until evicted by newer ones"),
-    "prompt_cache_options": _ignored(OPENAI, dict[str, Json], "cached prefixes stay until evicted by newer ones"),
+    "prompt_cache_key": _ignored(OPENAI_ALL, str, _CACHE_KEY),
+    "prompt_cache_retention": _ignored(OPENAI_ALL, str, "cached prefixes stay until evicted by newer ones"),
+    "prompt_cache_options": _ignored(OPENAI_ALL, dict[str, Json], "cached prefixes stay until evicted by newer ones"),
     "session_id": _ignored(EVERY_API, str, "requests of a session share their prefixes in the cache anyway"),
     "conversation_id": _ignored((NATIVE,), str, "requests of a conversation share their prefixes anyway"),
     "request_id": _ignored(OPENAI, str, "the response id is plait's own (send `rid` to choose it)"),
@@ -100,14 +101,19 @@ FIELDS: dict[str, CompatField] = {
     "external_trace_header": _ignored((NATIVE,), dict[str, Json], _TRACE),
     "received_time": _ignored((NATIVE,), float, _TRACE),
     "http_worker_ipc": _ignored((NATIVE,), str, "plait has one HTTP worker"),
-    "background": _ignored((NATIVE,), bool, "the request runs at once"),
     "store": _ignored(OPENAI, bool, _NO_STORAGE),
     "metadata": _ignored(OPENAI, dict[str, Json], _NO_STORAGE),
-    "service_tier": _ignored(OPENAI, str, "plait has one service tier", off=(None, "auto", "default")),
-    "safety_identifier": _ignored(OPENAI, str, "plait does no abuse monitoring"),
-    "moderation": _ignored(OPENAI, dict[str, Json], "plait runs no moderation"),
+    "service_tier": _ignored(OPENAI_ALL, str, "plait has one service tier", off=(None, "auto", "default")),
+    "safety_identifier": _ignored(OPENAI_ALL, str, "plait does no abuse monitoring"),
+    "moderation": _ignored(OPENAI_ALL, dict[str, Json], "plait runs no moderation"),
     "prediction": _ignored(OPENAI, dict[str, Json], "a predicted output only speeds decoding up; the output is the same"),
     "verbosity": _ignored(OPENAI, Literal["low", "medium", "high"], "plait passes no verbosity to the model"),
+    "include": _ignored((RESPONSES,), list[str], _EXTRA_OUTPUT),
+    "top_logprobs": _ignored((RESPONSES,), int, _EXTRA_OUTPUT, off=(None, 0)),
+    "max_tool_calls": _ignored((RESPONSES,), int, "a turn makes the calls its tool_choice allows"),
+    "context_management": _ignored((RESPONSES,), list[Json], "the input is never compacted"),
+    "truncation": _ignored((RESPONSES,), Literal["auto", "disabled"], "an input too long for the context is a 400, "
+                           "never truncated", off=(None, "disabled")),
     "vllm_xargs": _ignored(OPENAI, dict[str, Json], "plait has no custom extensions"),
     "truncation_side": _ignored(OPENAI, Literal["left", "right"], "prompts are never truncated"),
     "media_io_kwargs": _ignored(OPENAI, dict[str, Json], _NO_MM),
@@ -193,6 +199,10 @@ FIELDS: dict[str, CompatField] = {
     "echo": _refused((CHAT,), bool, "chat responses hold the new message only"),
     "chat_template": _refused((CHAT,), str, "a chat template sent with the request is not accepted; the model's "
                                             "own is used"),
+    "background": _refused((NATIVE, RESPONSES), bool, "a response is made while its request waits (or streams)"),
+    "conversation": _refused((RESPONSES,), Union[str, dict[str, Json]], "plait has no Conversations API: send "
+                             "previous_response_id, or the whole input"),
+    "prompt": _refused((RESPONSES,), dict[str, Json], "plait has no stored prompt templates"),
     "web_search_options": _refused((CHAT,), dict[str, Json], "plait has no web search"),
 }
 

@@ -63,23 +63,35 @@ def render_messages(req: ChatCompletionRequest, tokenizer: Any) -> tuple[list[di
         return messages, ({"tools": [t.model_dump(exclude_none=True) for t in offered]} if offered else {})
     messages = _generic_messages(req.messages)
     if offered:
-        prompt = generic_tools_prompt(offered, req.effective_tool_choice)
+        prompt = generic_tools_prompt(offered)
         if messages and messages[0]["role"] == "system":
             messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}
         else:
             messages.insert(0, {"role": "system", "content": prompt})
+        _ask_for_the_call(messages, req.effective_tool_choice)
     return messages, {}
 
 
-def generic_tools_prompt(tools: list[Tool], choice: Any) -> str:
+def _ask_for_the_call(messages: list[dict[str, Any]], choice: Any) -> None:
+    """A forcing tool_choice, said in the last user turn.
+    NOTE: not in the system message, which every turn of a conversation shares: there it made the prompt of an
+    agent's next (unforced) turn differ from the first token on, so nothing of the conversation was reused
+    from the prefix cache."""
+    if choice == "required":
+        ask = "You must call at least one tool now."
+    elif isinstance(choice, NamedToolChoice):
+        ask = f'You must call the tool "{choice.function.name}" now.'
+    else:
+        return
+    last_user = next((m for m in reversed(messages) if m["role"] == "user"), messages[0])
+    last_user["content"] = f"{last_user['content']}\n\n{ask}"
+
+
+def generic_tools_prompt(tools: list[Tool]) -> str:
     lines = [GENERIC_TOOLS_INTRO]
     lines += [json.dumps(t.function.model_dump(exclude={"strict"}, exclude_none=True), ensure_ascii=False)
               for t in tools]
     lines.append(GENERIC_TOOLS_HOWTO)
-    if choice == "required":
-        lines.append("You must call at least one tool now.")
-    elif isinstance(choice, NamedToolChoice):
-        lines.append(f'You must call the tool "{choice.function.name}" now.')
     return "\n".join(lines)
 
 
