@@ -73,6 +73,9 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: Optional[str] = None
+    # CORS: origins whose web pages may call the server ("https://app.example", or "*" for any); none: no
+    # page on another origin can read a response.
+    allowed_origins: Optional[list[str]] = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -116,6 +119,8 @@ class ServerArgs:
                     f"parallelism are not supported (leave {name} at 1 or omit it)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.allowed_origins is not None:
+            self.allowed_origins = _origins(self.allowed_origins)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
@@ -158,6 +163,9 @@ class ServerArgs:
             text = CLI_HELP[f.name]
             if f.type in ("bool",) or isinstance(default, bool):
                 parser.add_argument(flag, action="store_true", default=default, help=text)
+                continue
+            if "list" in str(f.type):
+                parser.add_argument(flag, dest=f.name, nargs="+", default=default, help=text)
                 continue
             typ = str
             if isinstance(default, int) or "int" in str(f.type):
@@ -216,8 +224,30 @@ CLI_HELP = {
     "host": "address the server listens on",
     "port": "port the server listens on",
     "api_key": "require 'Authorization: Bearer <key>' (/health stays open)",
+    "allowed_origins": "CORS: origins whose web pages may call the server (https://app.example ..., or '*'); "
+                       "default: none",
     "log_level": "server log level",
 }
 CLI_CHOICES = {"load_format": LOAD_FORMATS, "dtype": DTYPES, "device": ("auto", "cpu", "cuda"),
                "schedule_policy": SCHEDULE_POLICIES, "attention_backend": ATTENTION_BACKENDS,
                "grammar_backend": GRAMMAR_BACKENDS}
+
+
+def _origins(value: Any) -> list[str]:
+    """`allowed_origins` as a list of origins (a comma-separated string too); ValueError naming a bad one."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"allowed_origins must be a list of origins or '*', got {value!r}")
+    origins = []
+    for item in items:
+        for origin in (item.split(",") if isinstance(item, str) else [item]):
+            origin = origin.strip() if isinstance(origin, str) else origin
+            if origin == "*":
+                origins.append(origin)
+                continue
+            scheme, sep, rest = origin.partition("://") if isinstance(origin, str) else ("", "", "")
+            if not sep or scheme not in ("http", "https") or not rest or "/" in rest.rstrip("/"):
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], such as "
+                                 "https://app.example or http://localhost:3000) or '*'")
+            origins.append(f"{scheme}://{rest.rstrip('/')}")
+    return origins

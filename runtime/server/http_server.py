@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..server_args import ServerArgs
+from .cors import CORS
 from .errors import error_body, install_error_handlers
 from .http_guards import BodySizeLimit, json_error_protocol_class
 from .metrics import CONTENT_TYPE
@@ -133,6 +134,8 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
 
     if server_args.api_key:
         app.add_middleware(BearerAuth, api_key=server_args.api_key)
+    if server_args.allowed_origins:  # outside the auth: a 401 is readable by an allowed page too
+        app.add_middleware(CORS, allowed_origins=server_args.allowed_origins)
     app.add_middleware(BodySizeLimit)
     app.add_middleware(RequestDecompression)  # outside BodySizeLimit, which then counts inflated bytes
     app.add_middleware(ResponseHeaders)  # added last = outermost: a 401 carries the request id too
