@@ -97,7 +97,8 @@ def test_ready_log_health_and_model_info(server):
 def test_api_key_required_everywhere_but_health(server, client):
     routes = [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/get_model_info"), ("GET", "/get_server_info"),
               ("GET", "/health_generate"), ("POST", "/generate"), ("POST", "/flush_cache"),
-              ("POST", "/abort_request"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+              ("POST", "/abort_request"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+              ("POST", "/v1/responses"), ("GET", "/openapi.json")]
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             r = requests.request(method, server["url"] + path, headers=headers, json={}, timeout=30)
@@ -107,7 +108,8 @@ def test_api_key_required_everywhere_but_health(server, client):
     with pytest.raises(openai.AuthenticationError):
         bad_client.models.list()
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
-    assert server_info(server)["api_key"] == "<redacted>"
+    info = server_info(server)
+    assert info["api_key"] == "<redacted>" and info["internal_states"][0]["api_key"] == "<redacted>"
 
 
 # ---------------------------------------------------------------- SGLang native API

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import tempfile
+import time
 import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
@@ -21,6 +22,7 @@ from .loop import (EngineLoop, get_interruptibly, in_background, launch_schedule
                    result_interruptibly, stop_scheduler_process, wait_scheduler_ready)
 from ..io_struct import SchedulerInfo, TokenizedGenerateReq
 from .request_builder import build_requests
+from .server_info import internal_state
 from ..executor.loader import load_tokenizer
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
@@ -30,6 +32,7 @@ logger = logging.getLogger("plait.engine")
 
 class Engine(SGLangEngineExtras):
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
+        started = time.perf_counter()
         if "model" in kwargs and model_path is None:
             model_path = kwargs.pop("model")
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
@@ -83,8 +86,10 @@ class Engine(SGLangEngineExtras):
         self.tokenizer_manager: TokenizerManager = self._bg.call(make_tm())
         # shutdown() runs it; so does the garbage collector for an engine dropped without one, and interpreter exit.
         self._release = weakref.finalize(self, release_engine, self._bg, self.tokenizer_manager, proc, self._tmpdir)
-        logger.info("engine ready: %s on %s (%s, %s attention, %d KV tokens)", self.model_path, self.info.device,
-                    self.info.dtype, self.info.attention_backend, self.info.max_total_tokens)
+        self.startup_s = time.perf_counter() - started  # SGLang's internal_states[0]["startup_time"]
+        logger.info("engine ready in %.1fs: %s on %s (%s, %s attention, %d KV tokens)", self.startup_s,
+                    self.model_path, self.info.device, self.info.dtype, self.info.attention_backend,
+                    self.info.max_total_tokens)
 
     # ------------------------------------------------------------------ bridges
     def _call(self, coro):
@@ -334,9 +339,11 @@ class Engine(SGLangEngineExtras):
         return self._call(self.tokenizer_manager.control("check_integrity"))
 
     def get_server_info(self) -> dict:
+        """Settings, the scheduler's facts and counters, and SGLang's `internal_states` (server_info.py)."""
         import dataclasses
 
-        return {**dataclasses.asdict(self.server_args), **dataclasses.asdict(self.info), **self.get_stats()}
+        info = {**dataclasses.asdict(self.server_args), **dataclasses.asdict(self.info), **self.get_stats()}
+        return {**info, "internal_states": [internal_state(info, self.startup_s)]}
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from ..server_args import ServerArgs
 from .cors import CORS
@@ -25,6 +25,7 @@ from .errors import error_body, install_error_handlers
 from .http_guards import BodySizeLimit, json_error_protocol_class
 from .metrics import CONTENT_TYPE
 from .native_api import router as native_router
+from .openapi_schema import install_openapi
 from .protocol_compat import IGNORED_FIELDS_HEADER
 from .openai_api import router as openai_router
 from .openai_chat import router as chat_router
@@ -111,8 +112,9 @@ def _header_list(names: list[str], limit: int = 20) -> bytes:
 def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI:
     server_args = server_args or getattr(engine, "server_args", None) or ServerArgs()
     # strict_content_type=False: a body without a Content-Type header is still read as JSON.
-    app = FastAPI(title="plait", docs_url=None, redoc_url=None, openapi_url=None,
+    app = FastAPI(title="plait", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   strict_content_type=False)
+    install_openapi(app)
     ctx = ServerContext.build(engine, server_args)
     ctx.started_at = time.time()
     app.state.plait = ctx
@@ -122,7 +124,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     app.include_router(chat_router)
     app.include_router(responses_router)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         c = get_context(request)
         try:

@@ -207,7 +207,7 @@ async def generate(body: GenerateRequest, request: Request):
 
 # ---------------------------------------------------------------- management routes
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+@router.api_route("/health", methods=["GET", "HEAD"], response_class=Response)
 async def health(request: Request) -> Response:
     """200 while the server can serve; 503 once the scheduler process is gone. HEAD too: some load
     balancers probe with it."""
@@ -218,7 +218,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/health_generate")
+@router.get("/health_generate", response_class=Response)
 async def health_generate(request: Request) -> Response:
     """200 once the whole path (tokenizer → scheduler → model → detokenizer) produces a token."""
     ctx = get_context(request)
@@ -262,8 +262,10 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 async def get_server_info(request: Request) -> dict[str, Any]:
     ctx = get_context(request)
     info = await asyncio.to_thread(ctx.engine.get_server_info)
-    if info.get("api_key"):
-        info = {**info, "api_key": "<redacted>"}  # never hand the secret to whoever can read this route
+    if info.get("api_key"):  # never hand the secret to whoever can read this route
+        info = {**info, "api_key": "<redacted>", "internal_states": [
+            {**state, "api_key": "<redacted>"} if state.get("api_key") else state
+            for state in info.get("internal_states") or []]}
     return {**info, "num_open_http_requests": len(ctx.admission.open_rids),
             "uptime_s": round(time.time() - ctx.started_at, 3)}
 
