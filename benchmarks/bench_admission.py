@@ -129,7 +129,7 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
 def make_scheduler(folder: str, args):
     """The real Scheduler on a tiny random Llama (CPU, stubbed forward), GC set up as its process does."""
     from plait.runtime.scheduler import process
-    from plait.runtime.scheduler.scheduler import Scheduler
+    from plait.runtime.scheduler.scheduler import create_scheduler
     from plait.runtime.server_args import ServerArgs
 
     model_dir = make_tiny_model(folder, with_tokenizer=False, vocab=args.vocab)
@@ -140,14 +140,14 @@ def make_scheduler(folder: str, args):
         json.dump(cfg, f)
     sa = ServerArgs(model_path=model_dir, load_format="dummy", device="cpu",
                     max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens)
-    s = Scheduler(sa, model_dir)
+    s = create_scheduler(sa, model_dir)
     process.freeze_startup_heap()  # as the scheduler process does after start-up
-    s.overlap = True  # the GPU's decode path (synchronous on the CPU)
+    s.pipeline.overlap = True  # the GPU's decode path (synchronous on the CPU)
     return s
 
 
 def check(s) -> None:
-    s._check_integrity()
+    s.check_integrity()
     assert s.last_integrity_error is None, s.last_integrity_error
 
 
@@ -182,6 +182,12 @@ def per_round_ms(rounds: list[dict]) -> list[dict]:
     return [{k: 1e3 * v if k != "steps" else v for k, v in r.items()} for r in rounds]
 
 
+def _flush():
+    from plait.runtime.io_struct import FlushCacheReq
+
+    return FlushCacheReq(0)
+
+
 def bench_fewshot(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | None = None) -> dict:
     rng = random.Random(0)
     prefix = 2000 if args.prefix is None else args.prefix
@@ -190,7 +196,7 @@ def bench_fewshot(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | 
     shared = [rng.randrange(100, args.vocab) for _ in range(prefix)]
     rounds = []
     for k in range(args.rounds + 1):  # round 0 warms up the code paths and is not counted
-        assert s._control("flush_cache", {}) is True
+        assert s.control.handle(_flush()) is True
         run_round(s, timer, make_round(rng, shared, 1, unique, args.vocab), output, f"w{k}-", sim=sim)
         res = run_round(s, timer, make_round(rng, shared, args.requests, unique, args.vocab),
                         output, f"r{k}-", profiler if k else None, sim=sim)
@@ -219,7 +225,7 @@ def bench_tree(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | Non
     ids = lambda n: [rng.randrange(100, args.vocab) for _ in range(n)]  # noqa: E731
     per_round: list[list[dict]] = [[], []]
     for k in range(args.rounds + 1):  # repetition 0 warms up the code paths and is not counted
-        assert s._control("flush_cache", {}) is True
+        assert s.control.handle(_flush()) is True
         roots = [ids(prefix) for _ in range(args.roots)]
         r1 = [roots[t] + ids(unique) for t in range(args.roots) for _ in range(args.branches)]
         out1: dict = {}
@@ -289,15 +295,15 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="plait-tiny-")
     try:
         s = make_scheduler(folder, args)
-        timer = DeviceTimer(s.model_runner, stub=True)
+        timer = DeviceTimer(s.runner, stub=True)
         profiler = cProfile.Profile() if args.profile else None
-        sim = (SimulatedDevice(s.model_runner, timer, args.sim_prefill_us_per_token, args.sim_step_ms,
+        sim = (SimulatedDevice(s.runner, timer, args.sim_prefill_us_per_token, args.sim_step_ms,
                                args.sim_decode_us_per_row) if args.sim_device else None)
         bench = bench_tree if args.workload == "tree" else bench_fewshot
         if args.compare_pipeline:
             res = {"bench": f"{'admission_tree' if args.workload == 'tree' else 'admission'}_pipeline"}
             for on in (False, True):
-                s.pipeline_prefills = on
+                s.pipeline.pipeline_prefills = on
                 print(f"\n=== prefill pipelining {'on' if on else 'off'} ===")
                 res[f"pipeline_{'on' if on else 'off'}"] = bench(s, timer, args, profiler, sim)
             print(f"\n{args.workload} with a modeled device, medians (ms; tree: both rounds)")

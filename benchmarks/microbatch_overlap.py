@@ -59,12 +59,12 @@ def main() -> None:
     # The prompts' KV, in chunks of ~32 requests (one prefill of every prompt would hold GBs of activations).
     for lo in range(0, bs, 32):
         chunk, n = reqs[lo:lo + 32], lens[lo:lo + 32]
-        out = mr.run(ScheduleBatch(ForwardMode.EXTEND, chunk, [0] * len(chunk), n, mr.allocator.alloc(sum(n))))
+        out = mr.run(ScheduleBatch(ForwardMode.EXTEND, chunk, [0] * len(chunk), n, mr.allocator.alloc(sum(n))).to_step())
         for r, k, tok in zip(chunk, n, out.next_token_ids):
             r.output_ids, r.kv_len = [tok], k
 
     def decode_batch(rs, backend):
-        fb, _, _, _ = mr._build_forward_batch(ScheduleBatch(ForwardMode.DECODE, rs, out_cache_loc=mr.allocator.alloc(len(rs))))
+        fb = mr._build_forward_batch(ScheduleBatch(ForwardMode.DECODE, rs, out_cache_loc=mr.allocator.alloc(len(rs))).to_step())
         fb.attn_backend = backend
         backend.init_forward_metadata(fb)
         return fb
@@ -167,7 +167,7 @@ def main() -> None:
             gate_up(x_half)
 
     results = {}
-    for rep in range(2):  # twice round, alternating: this machine's clocks drift under load
+    for _ in range(2):  # twice round, alternating: this machine's clocks drift under load
         for name, fn in (("gate_up x8 alone", matmul_alone), ("full", full), ("halves", halves), ("streams", streams), ("pingpong", pingpong)):
             results.setdefault(name, []).append(timed(fn))
         for c in args.carveouts:

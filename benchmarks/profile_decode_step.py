@@ -59,12 +59,12 @@ def main() -> None:
     slots = mr.allocator.alloc(sum(lens))
     if args.scatter:
         slots = slots[torch.randperm(slots.numel(), generator=gen)]
-    out = mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, lens, slots))
+    out = mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, lens, slots).to_step())
     for r, n, tok in zip(reqs, lens, out.next_token_ids):
         r.output_ids, r.kv_len = [tok], n
 
     def decode_step():
-        o = mr.run(ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(bs)))
+        o = mr.run(ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(bs)).to_step())
         for r, tok in zip(reqs, o.next_token_ids):
             r.output_ids.append(tok)
             r.kv_len += 1

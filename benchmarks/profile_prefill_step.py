@@ -49,7 +49,7 @@ def main() -> None:
     if pre:  # the shared prefix, computed once by a request of its own
         first = Req("p", shared + ids(1), SamplingParams(max_new_tokens=1, temperature=0))
         first.req_pool_idx = mr.req_to_token_pool.alloc()
-        mr.run(ScheduleBatch(ForwardMode.EXTEND, [first], [0], [pre], shared_slots))
+        mr.run(ScheduleBatch(ForwardMode.EXTEND, [first], [0], [pre], shared_slots).to_step())
     reqs = []
     for i in range(bs):
         r = Req(f"r{i}", shared + ids(new), SamplingParams(max_new_tokens=1, temperature=0))
@@ -60,7 +60,7 @@ def main() -> None:
     batch_slots = slots[pre:]
 
     def step():
-        mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [pre] * bs, [new] * bs, batch_slots))
+        mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [pre] * bs, [new] * bs, batch_slots).to_step())
 
     step()
     torch.cuda.synchronize()

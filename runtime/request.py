@@ -18,6 +18,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
+from .step import SamplingRow
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Req:
         self.return_text_in_logprobs = return_text_in_logprobs
         self.stream = stream
         self.group = group  # program / fork group id (scheduling hint)
+        # NOTE: never rebound (append, extend, del in place): the sampling row shares this list.
         self.output_ids: list[int] = []
         self.finished_reason: Optional[FinishReason] = None
         self.stop_token_ids = set(sampling_params.stop_token_ids or [])
@@ -101,10 +103,23 @@ class Req:
         self.input_logprob_next = self.logprob_start_len
         self.sent_output_logprobs = 0
 
-        self.generator: Optional[torch.Generator] = None
-        self.grammar: Any = None  # per-request grammar matcher (constrained decoding), or None
+        # What sampling reads (the step runner's view of this request): the parameters, the token lists
+        # (the same list objects), the stop ids, the generator and the grammar matcher.
+        self.sampling = SamplingRow(sampling_params, self.origin_input_ids, self.output_ids, self.stop_token_ids,
+                                    return_logprob, self.top_logprobs_num)
+        self.grammar: Any = None  # per-request grammar matcher (constrained decoding), or None: set_grammar
+        self.grammar_future: Any = None  # the matcher's compile, while it runs
+        self.status: Any = None  # the scheduler's ReqStatus (scheduler/queues.py) while it holds the request
         self.created = time.monotonic()
         self.first_token_time: Optional[float] = None
+
+    def set_grammar(self, matcher: Any) -> None:
+        """The request's grammar matcher, for the scheduler and for sampling."""
+        self.grammar = self.sampling.grammar = matcher
+
+    def set_generator(self, gen: Optional[torch.Generator]) -> None:
+        """A seeded request's own generator (its samples reproduce exactly): sampling draws from it."""
+        self.sampling.generator = gen
 
     # ---- token views ----
     @property

@@ -29,15 +29,15 @@ def make_reqs(n: int, prompt=(1,), output=(), vocab=V, **params) -> list[Req]:
     sp.verify(vocab)
     reqs = [Req(f"r{i}", list(prompt), sp, eos_token_ids=()) for i in range(n)]
     for r in reqs:
-        r.output_ids = list(output)
+        r.output_ids[:] = list(output)
     return reqs
 
 
 def adjusted(rows: torch.Tensor, reqs: list[Req]):
     """(B, V) logits after bias / penalties / bans, as the model runner applies them, and the batch info."""
     rows = rows.clone()
-    info = SamplingBatchInfo.from_reqs(reqs, rows.shape[1], "cpu")
-    apply_logit_adjustments(rows, reqs, info)
+    info = SamplingBatchInfo.from_rows([r.sampling for r in reqs], rows.shape[1], "cpu")
+    apply_logit_adjustments(rows, [r.sampling for r in reqs], info)
     return rows, info
 
 
@@ -83,7 +83,7 @@ def draw_counts(logits, n: int, seed: int = 0, **params) -> torch.Tensor:
     reqs = make_reqs(n, **params)
     rows, info = adjusted(torch.tensor([logits], dtype=torch.float32).repeat(n, 1), reqs)
     torch.manual_seed(seed)
-    return torch.bincount(sample(rows, reqs, info), minlength=len(logits)).double()
+    return torch.bincount(sample(rows, [r.sampling for r in reqs], info), minlength=len(logits)).double()
 
 
 def assert_follows(counts: torch.Tensor, ref: torch.Tensor) -> None:

@@ -21,9 +21,9 @@ def make_req(prompt=(1, 2), output=(), eos=(EOS,), **params) -> Req:
     sp = SamplingParams.from_dict(params)
     sp.verify(VOCAB)
     r = Req("r", list(prompt), sp, eos_token_ids=tuple(eos))
-    r.output_ids = list(output)
+    r.output_ids[:] = list(output)
     if sp.seed is not None:  # as the scheduler does
-        r.generator = torch.Generator().manual_seed(sp.seed)
+        r.set_generator(torch.Generator().manual_seed(sp.seed))
     return r
 
 
@@ -32,14 +32,14 @@ def adjusted(logits, reqs):
     logits = torch.as_tensor(logits, dtype=torch.float32).clone()
     if logits.dim() == 1:
         logits = logits.unsqueeze(0)
-    info = SamplingBatchInfo.from_reqs(reqs, VOCAB, "cpu")
-    apply_logit_adjustments(logits, reqs, info)
+    info = SamplingBatchInfo.from_rows([r.sampling for r in reqs], VOCAB, "cpu")
+    apply_logit_adjustments(logits, [r.sampling for r in reqs], info)
     return logits, info
 
 
 def draw(logits, reqs):
     logits, info = adjusted(logits, reqs)
-    return sample(logits, reqs, info)
+    return sample(logits, [r.sampling for r in reqs], info)
 
 
 def empirical(logits, n=400, **params) -> set[int]:
@@ -229,7 +229,7 @@ def test_min_new_tokens_bans_eos_and_stop_ids_until_reached():
     out, _ = adjusted(base, [r])
     assert out[0, EOS].item() == -math.inf and out[0, 5].item() == -math.inf
     assert draw(base, [r]).item() == 2
-    r.output_ids = [2, 2, 2]  # reached: no more bans
+    r.output_ids[:] = [2, 2, 2]  # reached: no more bans
     assert draw(base, [r]).item() == EOS
 
 
@@ -282,7 +282,7 @@ def test_draws_are_the_tokens_torch_multinomial_gives_for_the_same_random_number
 def test_batch_parameters_come_from_one_upload_with_exact_values():
     reqs = [make_req(temperature=0.5, top_k=3, top_p=0.9, min_p=0.05), make_req(temperature=0.0),
             make_req(temperature=1.3, top_k=-1)]
-    info = SamplingBatchInfo.from_reqs(reqs, VOCAB, "cpu")
+    info = SamplingBatchInfo.from_rows([r.sampling for r in reqs], VOCAB, "cpu")
     assert info.temperatures.shape == (3, 1) and info.temperatures[:, 0].tolist() == [0.5, 1.0, pytest.approx(1.3)]
     assert info.top_ks.dtype == torch.int64 and info.top_ks.tolist() == [3, VOCAB, VOCAB]
     assert info.greedy.dtype == torch.bool and info.greedy.tolist() == [False, True, False]

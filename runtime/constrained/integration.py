@@ -4,7 +4,7 @@ Calls the scheduler makes (runtime/scheduler.py):
 
     manager = GrammarManager(tokenizer, vocab_size, server_args)     # lazily, first grammar request
     req.grammar_future = manager.request(sampling_params)            # on arrival; poll .done()
-    req.grammar = req.grammar_future.result()                        # a per-request GrammarMatcher
+    req.set_grammar(req.grammar_future.result())                     # a per-request GrammarMatcher
                                                                      # (ValueError: abort the request)
     manager.fill_and_apply(logits, reqs)                             # sampler hook, before sampling
     manager.accept(req, token_id)                                    # after appending a sampled token
@@ -26,7 +26,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .base import GrammarBackend, GrammarMatcher, create_grammar_backend
-from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+from .bitmask import apply_token_bitmask_inplace
+from .masker import GrammarMasker
 from .jump_forward import JumpForwardPlan, apply_jump_forward, plan_jump_forward
 
 
@@ -47,7 +48,7 @@ class GrammarManager:
             num_threads=COMPILE_THREADS, compile_timeout=server_args.grammar_compile_timeout)
         self.jump_forward_enabled = not server_args.disable_jump_forward
         self._special = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
-        self._bitmask: Optional[torch.Tensor] = None
+        self._masker = GrammarMasker(self.backend.vocab_size)
         # jump_forward_tokens: tokens appended without a decode step; jump_forward_rollback_tokens:
         # sampled tokens replaced by the retokenized forced text (decoded, then dropped).
         self.counters = {"jump_forward_events": 0, "jump_forward_tokens": 0,
@@ -69,19 +70,7 @@ class GrammarManager:
     # ---- sampling ----
     def fill_and_apply(self, logits: torch.Tensor, reqs: Sequence[Any]) -> None:
         """Mask logits (B, V) in place: row i follows reqs[i].grammar; rows without one untouched."""
-        rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
-        if not rows:
-            return
-        batch, vocab = logits.shape
-        if self._bitmask is None or self._bitmask.shape[0] < batch:
-            self._bitmask = allocate_token_bitmask(max(batch, 8), self.backend.vocab_size)
-        bitmask = self._bitmask[:batch]  # (B, W)
-        for i in rows:
-            if not reqs[i].grammar.is_terminated():
-                reqs[i].grammar.fill_bitmask(bitmask, i)
-            else:  # only reached if a finished request is still batched: allow nothing but stop
-                bitmask[i].zero_()
-        apply_token_bitmask_inplace(logits, bitmask, rows)
+        self._masker.apply(logits, [getattr(r, "grammar", None) for r in reqs])
 
     # ---- after sampling ----
     def accept(self, req: Any, token_id: int) -> bool:

@@ -260,13 +260,14 @@ class TokenizerManager:
         for r in [rid, *samples]:  # (the scheduler ignores a rid it does not hold)
             await self.send_sock.send_pyobj(AbortReq(r))
 
-    async def control(self, op: str, **args) -> Any:
+    async def control(self, kind: type[ControlReq], **fields) -> Any:
+        """Send a control request of type `kind` (io_struct) and wait for its reply's result."""
         if self.dead_reason:
             raise EngineUnavailableError(self.dead_reason)
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.control_calls[call_id] = fut
-        await self.send_sock.send_pyobj(ControlReq(call_id, op, args))
+        await self.send_sock.send_pyobj(kind(call_id, **fields))
         reply: ControlReply = await fut
         if reply.error:
             raise ValueError(reply.error)

@@ -12,6 +12,7 @@ import torch
 
 from ..forward_batch import ForwardMode
 from ..request import Req
+from ..step import LogprobRow, StepInput
 
 
 @dataclass(eq=False)
@@ -66,26 +67,6 @@ class ScheduleBatch:
         self.kv_writes = (rows[2], rows[1], rows[4])
         return rows
 
-    def extend_host_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """EXTEND: (4, T) int64 per new token (input id, position, out_cache_loc, req_pool_index) and
-        (5, B) per request (req_pool_index, seq_len, prefix_len, extend_len, first row in T)."""
-        reqs = self.reqs
-        pre = np.asarray(self.prefix_lens, dtype=np.int64)  # (B,)
-        ext = np.asarray(self.extend_lens, dtype=np.int64)  # (B,)
-        pool = np.fromiter((r.req_pool_idx for r in reqs), np.int64, len(reqs))  # (B,)
-        starts = np.cumsum(ext) - ext  # (B,)
-        total = int(ext.sum())
-        tokens = np.empty((4, total), dtype=np.int64)
-        new_ids = itertools.chain.from_iterable(
-            r.origin_input_ids[p:p + e] if p + e <= len(r.origin_input_ids) else r.fill_ids[p:p + e]
-            for r, p, e in zip(reqs, self.prefix_lens, self.extend_lens))
-        tokens[0] = np.fromiter(new_ids, np.int64, total)
-        tokens[1] = np.arange(total, dtype=np.int64) + np.repeat(pre - starts, ext)  # pre + (row - start)
-        tokens[2] = self.out_cache_loc.cpu().numpy()
-        tokens[3] = np.repeat(pool, ext)
-        self.kv_writes = (tokens[3], tokens[1], tokens[2])
-        return tokens, np.stack([pool, pre + ext, pre, ext, starts])
-
     def next_decode(self, out_cache_loc: torch.Tensor, keep: Optional[list[int]] = None) -> "ScheduleBatch":
         """The decode step after this one, launched before this one's results are read (overlap), for
         the requests of rows `keep` (default: all): each is one token further, so its host rows
@@ -101,3 +82,40 @@ class ScheduleBatch:
             nxt.req_pool_host = self.req_pool_host if rows is None else self.req_pool_host[rows]
             nxt.derived_rows = True
         return nxt
+
+    def to_step(self, ahead: int = 0, ids_from_prev: bool = False) -> StepInput:
+        """The step as plain data for the runner. DECODE: `ahead` tokens further than the requests' host
+        state says, with the input ids taken from the previous step on the device (`ids_from_prev`)."""
+        reqs = self.reqs
+        if self.mode.is_decode():
+            rows = self.decode_host_rows(ahead, with_input_ids=not ids_from_prev)  # (5 or 6, B)
+            everyone = list(range(len(reqs)))
+            return StepInput(self.mode, len(reqs), rows, self.seq_lens_host.tolist(), self.kv_writes,
+                             sample_rows=everyone, sampling_reqs=everyone, sampling=[r.sampling for r in reqs],
+                             ids_from_prev=ids_from_prev, has_prev_rows=self.prev_rows is not None)
+        new_ids = itertools.chain.from_iterable(
+            r.origin_input_ids[p:p + e] if p + e <= len(r.origin_input_ids) else r.fill_ids[p:p + e]
+            for r, p, e in zip(reqs, self.prefix_lens, self.extend_lens))
+        step = StepInput.extend([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens, new_ids,
+                                self.out_cache_loc.cpu().numpy())
+        self.kv_writes = step.kv_writes
+        offset = 0
+        for i, (r, pre, ext) in enumerate(zip(reqs, self.prefix_lens, self.extend_lens)):
+            if pre + ext == r.seq_len and not r.prefill_only:
+                step.sample_rows.append(offset + ext - 1)
+                step.sampling_reqs.append(i)
+                step.sampling.append(r.sampling)
+            if r.needs_input_logprobs():
+                prompt = r.origin_input_ids
+                first = max(r.logprob_start_len, 1, pre + 1, r.input_logprob_next)
+                # NOTE: a chunk's last row predicts the next chunk's first prompt token: computed here,
+                # since the next chunk has no row before it.
+                for pos in range(first, min(pre + ext + 1, len(prompt))):
+                    step.logprob_rows.append(LogprobRow(i, offset + (pos - 1 - pre), pos, prompt[pos], r.top_logprobs_num))
+            if pre + ext == r.seq_len and r.prefill_only and r.return_logprob and r.top_logprobs_num:
+                # max_new_tokens=0 with top logprobs: no token, but the next token's distribution (the
+                # "position" past the prompt; SGLang programs read it, e.g. to branch on the top-k).
+                step.logprob_rows.append(LogprobRow(i, offset + ext - 1, len(r.origin_input_ids), 0,
+                                                    r.top_logprobs_num, next_token=True))
+            offset += ext
+        return step

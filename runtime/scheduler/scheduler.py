@@ -1,105 +1,106 @@
-"""The scheduler process: continuous batching over the paged KV pool.
+"""The scheduler: continuous batching over the paged KV pool, composed of parts that own their state.
 
-Each loop: take new messages → build the next batch (a prefill batch when requests wait and fit, else a
-decode batch of every running request; retract when KV runs short) → run it → process the results
-(append tokens, detokenize, check stops, insert into the prefix cache: scheduler_results.py) → stream
-outputs back. Which waiting requests a prefill batch admits is scheduler_prefill.py; overlap
-scheduling (a step launched before the previous one is read back) is scheduler_pipeline.py.
-When idle it verifies the KV slot accounting.
+Each loop (`step`): expire pins, poll grammar compiles, release aborted requests → build the next batch (a
+prefill batch when requests wait and fit: `PrefillAdmission`; else a decode batch of every running request,
+retracting when KV runs short: `KVShortage`) → run it on the step runner it was handed (`StepPipeline`,
+which may launch it ahead and process the previous one) → commit the results (`StepResults`). Requests
+move between queues only through `RequestQueues`; memory only through the `KVManager`; a request ends only
+through the `Finisher`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import time
 import traceback
 from typing import Any, Optional
 
 import torch
 
-from ..executor.compile_watch import CompileWatch
 from ..detokenizer import TextDecoder
+from ..executor.compile_watch import CompileWatch
 from ..io_struct import AbortReq, ControlReply, ControlReq, SchedulerInfo, TokenizedGenerateReq
-from ..forward_batch import ForwardMode
-from ..executor.loader import load_tokenizer
-from ..executor.model_runner import ModelRunner
 from ..kvcache.prefix_cache import NoSharingCache, PrefixCache
-from ..sampling_params import SamplingParams
+from ..kvcache.radix_cache import RadixCache
 from ..request import FinishReason, Req
-from .batch import ScheduleBatch
-from .overlap import OverlapScheduleMixin
-from .admission import PrefillAdmissionMixin
-from .results import StepResultsMixin
-from .retraction import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY, KVShortageMixin
+from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
-from .step_timer import StepTimer
-from ..executor.warmup import warm_up_prefill
+from .admission import PrefillAdmission
+from .batch import ScheduleBatch
+from .control import ControlHandlers
+from .finish import Finisher
+from .grammars import SchedulerGrammars
+from .kv_manager import KVManager
 from .outputs import OutputBuilder
+from .overlap import StepPipeline
+from .queues import ReqStatus, RequestQueues
+from .results import StepResults
+from .retraction import KVShortage
+from .step_runner import StepRunner
+from .step_timer import StepTimer
 
 logger = logging.getLogger("plait.scheduler")
 
 
+def create_scheduler(server_args: ServerArgs, model_path: str) -> "Scheduler":
+    """The scheduler of one device: the model runner for `model_path`, and the tokenizer."""
+    from ..executor.loader import load_tokenizer
+    from ..executor.model_runner import ModelRunner
 
-class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin, KVShortageMixin):
-    def __init__(self, server_args: ServerArgs, model_path: str):
+    tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
+    return Scheduler(server_args, ModelRunner(server_args, model_path), tokenizer)
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, runner: StepRunner, tokenizer: Any):
         self.server_args = server_args
-        self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
-        self.text_decoder = TextDecoder.of(self.tokenizer)  # shared by every request's detokenizer
-        self.model_runner = ModelRunner(server_args, model_path, grammar_hook=self._apply_grammar)
-        mr = self.model_runner
-        if mr.device == "cuda":
-            warm_up_prefill(mr)
-        self.allocator = mr.allocator
-        self.req_to_token = mr.req_to_token_pool
-        self.cache: PrefixCache = self._make_cache()
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.text_decoder = TextDecoder.of(tokenizer)  # shared by every request's detokenizer
         # NOTE: the tokenizer's own EOS ends a request too (as in SGLang): a folder whose chat turns end with
         # a token that config.json and generation_config.json do not list would otherwise run to the limit.
-        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
-        self.eos_token_ids = tuple(sorted(set(mr.model_config.eos_token_ids)
+        tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
+        self.eos_token_ids = tuple(sorted(set(runner.eos_token_ids)
                                           | ({tokenizer_eos} if isinstance(tokenizer_eos, int) else set())))
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked_req: Optional[Req] = None
-        self.grammar_pending: list[Req] = []
-        self.jump_queue: list[Req] = []  # running requests whose grammar-forced tail needs a prefill
-        self.grammar_manager = None
-        self.reqs_by_rid: dict[str, Req] = {}
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.outputs = OutputBuilder(self.tokenizer, server_args.stream_interval)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "num_retractions": 0,
                       "num_finished": 0, "integrity_errors": 0}
         self.last_integrity_error: Optional[str] = None
         self.timer = StepTimer(server_args.enable_step_timing)
-        # Overlap scheduling (GPU; scheduler_pipeline.py): a decode step or a prefill step in flight,
-        # launched but not yet read back (never both). PLAIT_PREFILL_PIPELINE=0 keeps prefills
-        # synchronous (to measure what pipelining them gains).
-        self.overlap = not server_args.disable_overlap_schedule and self.model_runner.device == "cuda"
-        self.pipeline_prefills = os.environ.get("PLAIT_PREFILL_PIPELINE", "1") != "0"
-        self.pending: Optional[tuple[ScheduleBatch, Any]] = None
-        self.pending_prefill: Optional[tuple[ScheduleBatch, Any]] = None
-        self.pins: dict[int, Any] = {}
-        self.pin_expiry: dict[int, float] = {}  # pin id -> monotonic deadline (pins made with a ttl)
-        self._pin_ids = itertools.count(1)
+        # The parts, each owning its state.
+        self.queues = RequestQueues()
+        self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self._make_cache())
+        self.outputs = OutputBuilder(tokenizer, server_args.stream_interval)
+        self.finisher = Finisher(self.queues, self.kv, self.outputs, self.stats)
+        self.grammars = SchedulerGrammars(tokenizer, runner.vocab_size, server_args, self.queues, self.finisher)
+        self.shortage = KVShortage(self.queues, self.kv, self.finisher, self.stats)
+        self.admission = PrefillAdmission(server_args, self.queues, self.kv, self.shortage,
+                                          runner.max_running_requests, self.stats)
+        self.results = StepResults(self.queues, self.kv, self.outputs, self.finisher, self.grammars,
+                                   runner.context_len, self.stats)
+        # Overlap scheduling (a step in flight, launched but not read back) pays where the runner launches
+        # asynchronously.
+        self.pipeline = StepPipeline(runner, self.queues, self.kv, self.results, self.timer,
+                                     overlap=not server_args.disable_overlap_schedule and runner.supports_overlap,
+                                     pipeline_prefills=not server_args.disable_prefill_pipeline)
+        self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
         # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
         self.compile_watch = CompileWatch()
-        if mr.device == "cuda":
+        if runner.device == "cuda":
             self.compile_watch.start()
 
     def _make_cache(self) -> PrefixCache:
+        allocator, page_size = self.runner.allocator, self.server_args.page_size
         if self.server_args.disable_radix_cache:
-            return NoSharingCache(self.allocator, self.server_args.page_size)
-        from ..kvcache.radix_cache import RadixCache
-
-        return RadixCache(self.allocator, self.server_args.page_size)
+            return NoSharingCache(allocator, page_size)
+        return RadixCache(allocator, page_size)
 
     def info(self) -> SchedulerInfo:
-        mr = self.model_runner
+        r = self.runner
         return SchedulerInfo(
-            max_total_tokens=mr.max_total_tokens, context_len=mr.context_len, vocab_size=mr.vocab_size,
-            max_running_requests=mr.max_running_requests, device=mr.device, dtype=str(mr.dtype).replace("torch.", ""),
-            attention_backend=self.server_args.resolved_attention_backend(), eos_token_ids=list(self.eos_token_ids))
+            max_total_tokens=r.max_total_tokens, context_len=r.context_len, vocab_size=r.vocab_size,
+            max_running_requests=r.max_running_requests, device=r.device,
+            dtype=str(r.dtype).replace("torch.", ""),
+            attention_backend=r.attention_backend, eos_token_ids=list(self.eos_token_ids))
 
     # ------------------------------------------------------------------ intake
     def handle_message(self, msg: Any) -> Optional[Any]:
@@ -115,7 +116,7 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin, K
             self._abort(msg.rid)
         elif isinstance(msg, ControlReq):
             try:
-                return ControlReply(msg.call_id, result=self._control(msg.op, msg.args))
+                return ControlReply(msg.call_id, result=self.control.handle(msg))
             except Exception as e:  # a bad control call must not kill the scheduler
                 return ControlReply(msg.call_id, error=f"{type(e).__name__}: {e}")
         return None
@@ -128,238 +129,121 @@ class Scheduler(PrefillAdmissionMixin, StepResultsMixin, OverlapScheduleMixin, K
                   defer_text=True,  # the tokenizer manager decodes text nobody reads before the end
                   take_ids=True)  # the message is dropped after this
         if m.sampling_params.seed is not None:
-            req.generator = torch.Generator(device=self.model_runner.device).manual_seed(m.sampling_params.seed)
-        self.reqs_by_rid[req.rid] = req
-        mr = self.model_runner
+            req.set_generator(torch.Generator(device=self.runner.device).manual_seed(m.sampling_params.seed))
         # NOTE: max_new_tokens=None runs until the context is full: that is its budget. The admission
-        # reserve and the "budget used up" check after a jump-forward read it; counted as 0 they
-        # reserved nothing (retraction thrash) and ended a constrained output at its first forced tail.
-        req.max_new_tokens = min(req.max_new_tokens, max(0, mr.context_len - len(req.origin_input_ids)))
-        if req.seq_len + 1 > mr.max_total_tokens:
-            self._finish_now(req, FinishReason("abort", message=(
-                f"prompt of {req.seq_len} tokens cannot fit in the KV cache ({mr.max_total_tokens} tokens)")))
+        # reserve and the "budget used up" check after a jump-forward read it.
+        context_len = self.runner.context_len
+        req.max_new_tokens = min(req.max_new_tokens, max(0, context_len - len(req.origin_input_ids)))
+        if req.seq_len + 1 > self.kv.total:
+            self.queues.register(req)
+            self.finisher.end(req, FinishReason("abort", message=(
+                f"prompt of {req.seq_len} tokens cannot fit in the KV cache ({self.kv.total} tokens)")))
             return
-        if m.sampling_params.grammar_key is not None:
-            if not self._start_grammar(req):
+        constrained = m.sampling_params.grammar_key is not None
+        if constrained:
+            self.queues.register(req)
+            if not self.grammars.start(req):
                 return
-            self.grammar_pending.append(req)
-            return
-        self.waiting.append(req)
+        self.queues.add(req, grammar_pending=constrained)
 
     def _refuse_request(self, m: TokenizedGenerateReq, message: str) -> None:
         """End a request that failed while being added, before it holds anything, with an abort."""
-        self.reqs_by_rid.pop(m.rid, None)
-        self.waiting = [r for r in self.waiting if r.rid != m.rid]
-        self.grammar_pending = [r for r in self.grammar_pending if r.rid != m.rid]
+        known = self.queues.get(m.rid)
+        if known is not None and known.status in (ReqStatus.WAITING, ReqStatus.GRAMMAR_PENDING):
+            self.queues.remove(known)
+        self.queues.by_rid.pop(m.rid, None)
         req = Req(m.rid, list(m.input_ids), SamplingParams(max_new_tokens=0), tokenizer=self.text_decoder,
                   eos_token_ids=self.eos_token_ids, stream=m.stream, defer_text=True)
-        self._finish_now(req, FinishReason("abort", message=f"the scheduler refused the request: {message}"))
-
-    def _start_grammar(self, req: Req) -> bool:
-        try:
-            if self.grammar_manager is None:
-                from ..constrained.integration import GrammarManager
-
-                self.grammar_manager = GrammarManager(self.tokenizer, self.model_runner.vocab_size, self.server_args)
-            req.grammar_future = self.grammar_manager.request(req.sampling_params)
-            return True
-        except Exception as e:
-            self._finish_now(req, FinishReason("abort", message=f"constrained decoding unavailable: {e}"))
-            return False
-
-    def _poll_grammars(self) -> None:
-        still = []
-        for req in self.grammar_pending:
-            if req.finished:
-                continue
-            fut = req.grammar_future
-            if not fut.done():
-                still.append(req)
-                continue
-            try:
-                req.grammar = fut.result()
-            except Exception as e:
-                self._finish_now(req, FinishReason("abort", message=f"invalid grammar: {e}"))
-                continue
-            self.waiting.append(req)
-        self.grammar_pending = still
-
-    def _apply_grammar(self, logits: torch.Tensor, reqs: list[Req]) -> None:
-        self.grammar_manager.fill_and_apply(logits, reqs)
+        self.finisher.end(req, FinishReason("abort", message=f"the scheduler refused the request: {message}"))
 
     def _abort(self, rid: str) -> None:
-        req = self.reqs_by_rid.get(rid)
+        req = self.queues.get(rid)
         if req is None or req.finished:
             return
         req.finished_reason = FinishReason("abort", message="aborted by the client")
-        if req in self.waiting:
-            self.waiting.remove(req)
-            self._finish_now(req, req.finished_reason, release=True)
-        elif req in self.grammar_pending:
-            self.grammar_pending.remove(req)
-            self._finish_now(req, req.finished_reason)
-        # Running or chunked requests are released at the end of the current step.
+        if req.status in (ReqStatus.WAITING, ReqStatus.GRAMMAR_PENDING):
+            self.finisher.end(req)
+        # Requests holding KV (running, chunked, jump tails, in a batch) are released at the end of the
+        # current step, or at the next one's sweep.
 
-    def _control(self, op: str, args: dict) -> Any:
-        if op == "flush_cache":
-            if not self.is_idle():
-                return False
-            for handle in self.pins.values():
-                self.cache.unpin(handle)
-            self.pins.clear()
-            self.pin_expiry.clear()
-            self.cache.reset()
-            return True
-        if op == "get_stats":
-            if self.pin_expiry:
-                self._expire_pins()
-            return self.get_stats()
-        if op == "check_integrity":
-            self._check_integrity()
-            return self.last_integrity_error is None
-        if op == "pin_prefix":
-            if not hasattr(self.cache, "pin"):
-                return {"pin_id": None, "pinned_tokens": 0}
-            # NOTE: handles stay here; only an integer id crosses the process boundary. A pin with a
-            # ttl expires on its own, so a client that dies without unpinning cannot hold KV forever.
-            # The ttl is checked before the pin is taken: a bad one failed after it, leaving a pin whose
-            # id the caller never got (held until a flush). NaN never expired.
-            ttl = args.get("ttl")
-            if ttl is not None and not float(ttl) > 0:
-                raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
-            handle = self.cache.pin(args["token_ids"])
-            pin_id = next(self._pin_ids)
-            self.pins[pin_id] = handle
-            if ttl is not None:
-                self.pin_expiry[pin_id] = time.monotonic() + float(ttl)
-            return {"pin_id": pin_id, "pinned_tokens": handle.num_tokens}
-        if op == "unpin_prefix":
-            return self._unpin(args["pin_id"])
-        raise ValueError(f"unknown control op {op!r}")
-
-    def _unpin(self, pin_id: int) -> bool:
-        handle = self.pins.pop(pin_id, None)
-        self.pin_expiry.pop(pin_id, None)
-        if handle is None:
-            return False
-        self.cache.unpin(handle)
-        return True
-
-    def _expire_pins(self) -> None:
-        now = time.monotonic()
-        for pin_id in [p for p, t in self.pin_expiry.items() if t <= now]:
-            logger.info("pin %d expired (its client never unpinned it)", pin_id)
-            self._unpin(pin_id)
-
-    def get_stats(self) -> dict:
-        total = self.allocator.num_slots
-        free = self.allocator.available()
-        evictable = self.cache.evictable_size()
-        return {
-            "num_running_reqs": len(self.running) + len(self.jump_queue) + (1 if self.chunked_req else 0),
-            "num_waiting_reqs": len(self.waiting) + len(self.grammar_pending),
-            "max_total_tokens": total,
-            "free_tokens": free,
-            "evictable_tokens": evictable,
-            "protected_tokens": self.cache.protected_size(),
-            "kv_used_tokens": total - free - evictable,
-            "token_usage": (total - free - evictable) / total,
-            **self.stats,
-            "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
-            "last_integrity_error": self.last_integrity_error,
-            **(dict(self.grammar_manager.stats) if self.grammar_manager is not None else {}),
-            **self.compile_watch.stats(),
-            "steps": self.timer.report(),
-        }
-
-    # ------------------------------------------------------------------ batching
+    # ------------------------------------------------------------------ the loop
     def is_idle(self) -> bool:
-        return not (self.running or self.waiting or self.chunked_req or self.grammar_pending or self.pending
-                    or self.pending_prefill or self.jump_queue)
+        return self.queues.is_idle() and not self.pipeline.in_flight()
 
     def step(self) -> Optional[ScheduleBatch]:
         """Build, run and process one batch. Returns the batch (None when nothing could run).
-        With overlap scheduling a step may launch its batch and process the previous one instead
-        (scheduler_pipeline.py)."""
+        With overlap scheduling a step may launch its batch and process the previous one instead."""
         t0 = time.perf_counter()
-        if self.pending is not None:
-            return self._step_overlapped(t0)
-        if self.pin_expiry:
-            self._expire_pins()
-        if self.grammar_pending:
-            self._poll_grammars()
+        if self.pipeline.pending is not None:
+            return self.pipeline.step_decode_in_flight(t0, self.runner.max_running_requests, self.runner.context_len)
+        self.kv.expire_pins()
+        self.grammars.poll()
         self._sweep_aborted()
-        batch = self._get_prefill_batch()
-        if self.pending_prefill is not None:
-            return self._step_after_prefill(batch, t0)
+        prefill_in_flight = self.pipeline.pending_prefill is not None
+        batch = self.admission.build(prefill_in_flight)
+        if prefill_in_flight:
+            return self.pipeline.step_prefill_in_flight(batch, t0, self.shortage.decode_batch)
         if batch is None:
-            batch = self._get_decode_batch()
+            batch = self.shortage.decode_batch()
         self.timer.phase("admit", time.perf_counter() - t0)
         if batch is None:
             return None
-        return self._launch(batch, t0)
-
-    def _count(self, batch: ScheduleBatch, t0: float) -> None:
-        if batch.mode.is_extend():
-            self.timer.count("prefill", len(batch.reqs), sum(batch.extend_lens), time.perf_counter() - t0)
-        else:
-            self.timer.count("decode", len(batch.reqs), len(batch.reqs), time.perf_counter() - t0)
+        return self.pipeline.launch(batch, t0)
 
     def _sweep_aborted(self) -> None:
-        """Release running requests aborted since the last step (they may not be in the next batch)."""
-        if any(r.finished for r in self.running):
-            for r in [r for r in self.running if r.finished]:
-                self._finish_running(r)
-            self.running = [r for r in self.running if not r.finished]
-        if self.chunked_req is not None and self.chunked_req.finished:
-            self._finish_running(self.chunked_req)
-        if any(r.finished for r in self.jump_queue):
-            for r in [r for r in self.jump_queue if r.finished]:
-                self._finish_running(r)
-            self.jump_queue = [r for r in self.jump_queue if not r.finished]
+        """Release requests holding KV that were aborted since the last step (they may not be in the next
+        batch)."""
+        q = self.queues
+        for r in [r for r in q.holding_kv() if r.finished]:
+            self.finisher.end(r, counted=True)
+        q.drop_from_running()
 
-    def _alloc(self, n: int) -> Optional[torch.Tensor]:
-        loc = self.allocator.alloc(n)
-        if loc is None:
-            self.cache.evict(n - self.allocator.available())
-            loc = self.allocator.alloc(n)
-        return loc
+    def collect_outputs(self):
+        return self.results.collect_outputs()
 
-    def _get_decode_batch(self) -> Optional[ScheduleBatch]:
-        if not self.running:
-            return None
-        need = len(self.running)
-        if self.allocator.available() < need:
-            self.cache.evict(need - self.allocator.available())
-        while self.allocator.available() < len(self.running):
-            # NOTE: a half-prefilled request or a jump-forward tail holds KV too, and has generated no
-            # token since (the fewest-outputs victim): it goes first. Left holding its memory, the last
-            # running request was aborted for lack of memory that was not its own fault.
-            if self.chunked_req is not None:
-                self._retract_chunked()
-            elif self.jump_queue:
-                self._retract_jump_tails()
-            elif len(self.running) == 1:
-                victim = self.running[0]
-                self.running = []
-                self._finish_now(victim, FinishReason("abort", message=self._out_of_memory_message(victim)),
-                                 release=True)
-                return None
-            else:
-                self._retract_one()
-            self.cache.evict(max(0, len(self.running) - self.allocator.available()))
-        loc = self.allocator.alloc(len(self.running))  # written into req_to_token by the model runner
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return ScheduleBatch(ForwardMode.DECODE, list(self.running), out_cache_loc=loc)
+    def fail_all(self, message: str) -> None:
+        """A step raised: abort every request with the error instead of dying (best-effort cleanup)."""
+        # NOTE: every live request is in the queues or `by_rid`, including those of a prefill batch that
+        # raised (admitted: no longer waiting, not yet running); without them their callers would wait forever.
+        reqs = self.queues.clear()
+        self.pipeline.clear()
+        for r in reqs:
+            if r.finished_reason is None or r.finished_reason.type != "abort":
+                r.finished_reason = FinishReason("abort", message=f"internal error: {message}")
+            try:
+                self.kv.release(r)
+            except Exception:
+                pass
+            self.outputs.emit_final(r)
 
-    def _check_integrity(self, full: bool = True) -> None:
-        private = 0
-        for r in self.running + self.jump_queue + ([self.chunked_req] if self.chunked_req else []):
-            private += r.kv_len - r.cache_len + (r.inflight_slot is not None)
+    # ------------------------------------------------------------------ checks and stats
+    def check_integrity(self, full: bool = True) -> bool:
+        """Every live request in exactly one queue, and every KV slot accounted for; the error is kept in
+        `last_integrity_error` (and counted) instead of raised."""
         try:
-            self.cache.check_integrity(num_private=private, full=full)
+            if full:
+                self.queues.check()
+            self.kv.check(self.queues.holding_kv(), full=full)
             self.last_integrity_error = None
         except AssertionError as e:
             self.last_integrity_error = str(e)
             self.stats["integrity_errors"] += 1
-            logger.error("KV integrity check failed: %s", e)
+            logger.error("integrity check failed: %s", e)
+        return self.last_integrity_error is None
+
+    def _full_check(self) -> bool:
+        return self.check_integrity(full=True)
+
+    def get_stats(self) -> dict:
+        q = self.queues
+        return {
+            "num_running_reqs": q.num_running(),
+            "num_waiting_reqs": q.num_waiting(),
+            **self.kv.usage(),
+            **self.stats,
+            "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
+            "last_integrity_error": self.last_integrity_error,
+            **self.grammars.stats(),
+            **self.compile_watch.stats(),
+            "steps": self.timer.report(),
+        }
