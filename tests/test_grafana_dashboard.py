@@ -69,6 +69,17 @@ def test_every_metric_the_dashboard_reads_is_exported():
     # names the scheduler is to report them under).
     text = metrics.render({"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.5, "cache_hit_rate": 0.3,
                            "grammar_cache_hits": 1, "grammar_cache_misses": 1, "grammar_compile_seconds": 0.4,
-                           "jump_forward_tokens": 2, "spec_accept_length": 2.0}).decode()
+                           "jump_forward_tokens": 2, "avg_spec_accept_length": 2.0, "spec_verify_steps": 4,
+                           "spec_accepted_tokens": 8, "spec_draft_tokens": 12}).decode()
     exported = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     assert read - exported == set(), sorted(read - exported)
+
+
+def test_the_json_is_the_build_scripts_output():
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("build_dashboard", os.path.join(os.path.dirname(DASHBOARD), "build_dashboard.py"))
+    module = module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with open(DASHBOARD) as committed:
+        assert json.load(committed) == module.build()

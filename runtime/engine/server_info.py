@@ -14,7 +14,7 @@ out, as SGLang does (bench_serving reads `internal_states[0].get("avg_spec_accep
 | `effective_max_running_requests_per_dp` | `max_running_requests` |
 | `startup_time` (s) | the Engine's start-up, measured by the Engine |
 | `world_size` | 1 (one device) |
-| `avg_spec_accept_length` | `spec_accept_length`, once speculative decoding reports it |
+| `avg_spec_accept_length` | `avg_spec_accept_length`, when speculative decoding ran (`spec_verify_steps` > 0) |
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def internal_state(info: dict[str, Any], startup_s: Optional[float]) -> dict[str
         if info.get(ours) is not None:
             memory[theirs] = round(info[ours] / _GB, 2)
     state["memory_usage"] = memory
-    if info.get("spec_accept_length") is not None:
-        state["avg_spec_accept_length"] = info["spec_accept_length"]
+    if (info.get("spec_verify_steps") or 0) > 0 and info.get("avg_spec_accept_length") is not None:
+        state["avg_spec_accept_length"] = info["avg_spec_accept_length"]
+    else:  # SGLang leaves it out when speculation is off (plait's scheduler reports 0.0 then)
+        state.pop("avg_spec_accept_length", None)
     return state

@@ -37,11 +37,13 @@ _SCHEDULER_COUNTERS = (
     ("plait_jump_forward_tokens", "Tokens a grammar forced, appended without a decode step",
      ("jump_forward_tokens",)),
     ("plait_retractions", "Requests retracted for lack of KV memory", ("num_retractions",)),
+    ("plait_spec_verify_steps", "Speculative verify steps", ("spec_verify_steps",)),
+    ("plait_spec_accepted_tokens", "Tokens accepted by speculative verify steps", ("spec_accepted_tokens",)),
+    ("plait_spec_draft_tokens", "Draft tokens proposed", ("spec_draft_tokens",)),
 )
-_SCHEDULER_GAUGES = (
-    ("plait_spec_accept_length", "Average accepted tokens per speculative step", ("avg_spec_accept_length",
-                                                                                  "spec_accept_length")),
-)
+# (exported only once speculation ran: the scheduler reports 0.0 when it is off)
+_SPEC_ACCEPT_LENGTH = ("plait_spec_accept_length", "Average accepted tokens per speculative verify step",
+                       ("avg_spec_accept_length",))
 
 
 class SchedulerStats:
@@ -55,7 +57,8 @@ class SchedulerStats:
         self._info = info
 
     def collect(self) -> Iterable[Any]:
-        for table, family in ((_SCHEDULER_COUNTERS, CounterMetricFamily), (_SCHEDULER_GAUGES, GaugeMetricFamily)):
+        gauges = (_SPEC_ACCEPT_LENGTH,) if (find_stat(self._info, ("spec_verify_steps",)) or 0) > 0 else ()
+        for table, family in ((_SCHEDULER_COUNTERS, CounterMetricFamily), (gauges, GaugeMetricFamily)):
             for name, doc, keys in table:
                 value = find_stat(self._info, keys)
                 if value is not None:
