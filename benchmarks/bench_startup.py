@@ -59,12 +59,12 @@ profile.enable()
 import torch
 torch.set_num_threads(1)
 from plait.runtime.models.default_model import resolve_model_path
-from plait.runtime.scheduler.scheduler import Scheduler
+from plait.runtime.scheduler.scheduler import create_scheduler
 from plait.runtime.server_args import ServerArgs
 args = ServerArgs.from_kwargs(num_threads=1, **json.loads(__ENGINE_ARGS__))
-Scheduler(args, resolve_model_path(args.model_path))
+create_scheduler(args, resolve_model_path(args.model_path))
 profile.disable()
-print(f"== the scheduler's process, in-process: import + Scheduler() {time.perf_counter() - t:.2f}s")
+print(f"== the scheduler's process, in-process: import + create_scheduler() {time.perf_counter() - t:.2f}s")
 pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
 """
 

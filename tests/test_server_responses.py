@@ -11,7 +11,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from conftest import server_process
+import test_server_clients as clients_module
 from pydantic import BaseModel
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -20,15 +20,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    with server_process(tmp_path_factory.mktemp("responses") / "server.log", "--num-threads", "1") as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+# The clients module's server and client fixtures (module-scoped: this module starts its own server).
+url, client = clients_module.url, clients_module.client
 
 
 def test_text_input_with_instructions_and_usage(client):

@@ -129,6 +129,14 @@ async def _sse(group: GenerationGroup, events: AsyncIterator[str]) -> AsyncItera
     yield SSE_DONE
 
 
+def new_response_id(request: Request, prefix: str, rid: Optional[str]) -> tuple[str, int]:
+    """The response's id (the client's rid when it sent one) and creation time; the id is also the
+    X-Request-Id header (http_server.ResponseHeaders)."""
+    response_id = prefix + (rid or uuid.uuid4().hex)
+    request.state.request_id = response_id
+    return response_id, int(time.time())
+
+
 def raise_if_aborted(results: list[dict]) -> None:
     for out in results:
         error = abort_error(out.get("meta_info") or {})
@@ -210,9 +218,7 @@ async def completions(req: CompletionRequest, request: Request):
     runs = engine_calls(req, prompts, params, ctx, logprob_args)
     await tokenize_prompts(runs, ctx)
     group = ctx.new_group(request)
-    response_id = "cmpl-" + (req.rid or uuid.uuid4().hex)
-    request.state.request_id = response_id  # the X-Request-Id header (http_server.ResponseHeaders)
-    created = int(time.time())
+    response_id, created = new_response_id(request, "cmpl-", req.rid)
     echo_texts = [_prompt_text(p, ctx) if req.echo else "" for p in prompts]
     result = await results_or_stream(
         group, runs, req.stream,

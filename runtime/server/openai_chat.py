@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-import uuid
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
@@ -16,7 +14,7 @@ from .engine_client import GenerationGroup
 from .errors import APIError
 from .native_api import check_prompt_length, check_unicode, sse_event
 from .openai_api import (abort_event, check_model, continuous_usage, default_max_tokens, engine_calls,
-                         raise_if_aborted, results_or_stream, sampling_dict)
+                         new_response_id, raise_if_aborted, results_or_stream, sampling_dict)
 from .openai_outputs import ChoiceCursor, chat_logprobs, finish_reason, matched_stop, usage
 from .protocol import ChatCompletionRequest
 from .protocol_compat import CHAT, review
@@ -89,9 +87,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     check_model(req, ctx)
     runs, tools, _ = await chat_runs(req, ctx)
     group = ctx.new_group(request)
-    response_id = "chatcmpl-" + (req.rid or uuid.uuid4().hex)
-    request.state.request_id = response_id  # the X-Request-Id header (http_server.ResponseHeaders)
-    created = int(time.time())
+    response_id, created = new_response_id(request, "chatcmpl-", req.rid)
     result = await results_or_stream(group, runs, req.stream,
                                       lambda: _chat_events(group, req, response_id, created, ctx, tools))
     if isinstance(result, StreamingResponse):
