@@ -34,9 +34,9 @@ WORDS = ("the of and to in is was he for it with as his on be at by had are but 
          "own see men work long get here between both life being under never day same another know while last").split()
 
 
-def cpu_prompts(n: int = 32, seed: int = 0) -> list[str]:
+def cpu_prompts(n: int = 32, seed: int = 0, max_words: int = 400) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 400))) for _ in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, max_words))) for _ in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------- CPU

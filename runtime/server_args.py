@@ -65,12 +65,22 @@ class ServerArgs:
     # GPU: a prefill batch is launched while the previous one still runs (overlap scheduling); this
     # reads each prefill back first (to measure what pipelining them gains).
     disable_prefill_pipeline: bool = False
-    # SGLang's tensor / data parallel sizes: a model runs on one device here, so only 1 is accepted
-    # (SGLang's own examples pass tp_size=1).
-    tp_size: int = 1
-    dp_size: int = 1
     # Device time per step from CUDA events, reported by get_stats under "steps" (for benchmarks).
     enable_step_timing: bool = False
+
+    # Parallelism (runtime/distributed/; SGLang's names): one process per rank, tp_size x pp_size ranks
+    # per model (tensor parallel within a pipeline stage of layers), over nnodes machines; dp_size
+    # replicas of that on this machine, each with its own scheduler and KV cache, behind one engine.
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    # host:port where rank 0 holds the ranks' rendezvous (torch.distributed's TCPStore); needed with
+    # nnodes > 1 (default: a free port on 127.0.0.1).
+    dist_init_addr: Optional[str] = None
+    base_gpu_id: int = 0  # the first GPU of this node's ranks (local rank i on GPU base_gpu_id + i)
+    dist_timeout: int = 600  # seconds the ranks wait for each other at start-up and in one collective
 
     # Constrained decoding
     grammar_backend: str = "xgrammar"
@@ -120,15 +130,44 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        for name in ("tp_size", "dp_size"):
-            if getattr(self, name) != 1:
-                raise NotImplementedError(
-                    f"{name}={getattr(self, name)!r}: plait serves a model on one device; tensor and data "
-                    f"parallelism are not supported (leave {name} at 1 or omit it)")
+        self._check_parallel()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.allowed_origins is not None:
             self.allowed_origins = _origins(self.allowed_origins)
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "pp_size", "dp_size", "nnodes", "dist_timeout"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("node_rank", "base_gpu_id"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1:
+            if self.world_size() % self.nnodes:
+                raise ValueError(f"tp_size x pp_size = {self.world_size()} ranks do not split evenly over nnodes "
+                                 f"{self.nnodes} machines")
+            if self.dist_init_addr is None:
+                raise ValueError(f"nnodes {self.nnodes} needs dist_init_addr (host:port of node 0, where rank 0 "
+                                 f"holds the rendezvous; the same on every node)")
+            if self.dp_size > 1:
+                raise ValueError("dp_size > 1 runs replicas on one machine; replicas on several machines go behind "
+                                 "`plait router --worker-urls ...`")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+            if self.dp_size > 1:
+                raise ValueError("dist_init_addr names one model's rendezvous; with dp_size > 1 each replica "
+                                 "picks its own (leave dist_init_addr unset)")
+
+    def world_size(self) -> int:
+        """Ranks (processes) of one model: tp_size x pp_size."""
+        return self.tp_size * self.pp_size
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
@@ -172,34 +211,98 @@ class ServerArgs:
     # ---- CLI generated from the fields ----
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default
-            text = CLI_HELP[f.name]
-            if f.type in ("bool",) or isinstance(default, bool):
-                parser.add_argument(flag, action="store_true", default=default, help=text)
-                continue
-            if "list" in str(f.type):
-                parser.add_argument(flag, dest=f.name, nargs="+", default=default, help=text)
-                continue
-            typ = str
-            if isinstance(default, int) or "int" in str(f.type):
-                typ = int
-            if isinstance(default, float) or "float" in str(f.type):
-                typ = float
-            if default is not None:
-                text += " (default: %(default)s)"
-            kwargs: dict[str, Any] = {"type": typ, "default": default, "help": text}
-            if f.name in CLI_CHOICES:
-                kwargs["choices"] = CLI_CHOICES[f.name]
-            if f.name == "model_path":
-                parser.add_argument("--model", dest="model_path", type=str, default=None,
-                                    help="alias of --model-path")
-            parser.add_argument(flag, dest=f.name, **kwargs)
+        parser.add_argument("--model", dest="model_path", type=str, default=None, help="alias of --model-path")
+        add_dataclass_flags(parser, cls, CLI_HELP, CLI_CHOICES)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+ROUTING_POLICIES = ("cache_aware", "round_robin")
+
+
+@dataclass
+class RouterArgs:
+    """`plait router`'s settings (runtime/router/): replicas on several machines behind one address."""
+
+    worker_urls: list[str] = dataclasses.field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: str = "cache_aware"
+    # Cache-aware routing: the longest cached prefix wins while the replicas' loads (requests in flight)
+    # are within balance_abs_threshold of each other or within balance_rel_threshold times; past both,
+    # the least loaded replica. A request no replica holds cache_threshold of goes to the emptiest tree.
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
+    cache_threshold: float = 0.5
+    max_tree_items: int = 1 << 22  # prefix items (characters or token ids) remembered per replica
+    health_check_interval: float = 5.0
+    health_failure_threshold: int = 2  # failed checks in a row that take a replica out
+    request_timeout: float = 600.0  # seconds a replica may take to answer one request
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.worker_urls:
+            raise ValueError("the router needs at least one worker URL (--worker-urls http://host:port ...)")
+        for url in self.worker_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        if len(set(self.worker_urls)) != len(self.worker_urls):
+            raise ValueError(f"worker URLs repeat: {self.worker_urls}")
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"policy must be one of {list(ROUTING_POLICIES)}, got {self.policy!r}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1.0")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        for name in ("max_tree_items", "health_failure_threshold"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("health_check_interval", "request_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        self.worker_urls = [u.rstrip("/") for u in self.worker_urls]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_dataclass_flags(parser, cls, ROUTER_CLI_HELP, {"policy": ROUTING_POLICIES})
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "RouterArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls, help_text: dict[str, str],
+                        choices: dict[str, tuple]) -> None:
+    """One flag per field of dataclass `cls` (`--max-total-tokens` for max_total_tokens): booleans are
+    bare flags, lists take one or more values, the type follows the default."""
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text = help_text[f.name]
+        if f.type in ("bool",) or isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", default=default, help=text)
+            continue
+        if str(f.type).startswith("list"):
+            parser.add_argument(flag, dest=f.name, nargs="+", default=[], required=True, help=text)
+            continue
+        if str(f.type).startswith("Optional[list"):  # (allowed_origins): absent is None
+            parser.add_argument(flag, dest=f.name, nargs="+", default=None, help=text)
+            continue
+        typ = str
+        if isinstance(default, int) or "int" in str(f.type):
+            typ = int
+        if isinstance(default, float) or "float" in str(f.type):
+            typ = float
+        if default is not None:
+            text += " (default: %(default)s)"
+        kwargs: dict[str, Any] = {"type": typ, "default": default, "help": text}
+        if f.name in choices:
+            kwargs["choices"] = choices[f.name]
+        parser.add_argument(flag, dest=f.name, **kwargs)
 
 
 # `plait serve --help`: one line per setting (docs/server_args.md says more).
@@ -234,8 +337,14 @@ CLI_HELP = {
     "disable_prefill_pipeline": "GPU: read each prefill step back before launching the next",
     "num_threads": "CPU torch threads of the scheduler (default: one per core; 1 is much faster on a "
                    "machine other processes keep busy)",
-    "tp_size": "tensor parallel size: only 1 (one device)",
-    "dp_size": "data parallel size: only 1 (one device)",
+    "tp_size": "tensor parallel ranks per model: each holds its share of every layer's heads and MLP",
+    "pp_size": "pipeline parallel stages per model: each holds a contiguous run of layers",
+    "dp_size": "data parallel replicas on this machine, each its own scheduler and KV cache",
+    "nnodes": "machines one model's ranks run on",
+    "node_rank": "this machine's index among nnodes (0 serves HTTP; the others run their ranks only)",
+    "dist_init_addr": "host:port of node 0's rank rendezvous (needed with nnodes > 1)",
+    "base_gpu_id": "GPU of this node's first rank (local rank i on base_gpu_id + i)",
+    "dist_timeout": "seconds ranks wait for each other at start-up and in one collective",
     "enable_step_timing": "device time per step in get_stats()['steps'] (benchmarks)",
     "grammar_backend": "backend of regex / JSON schema / EBNF constraints",
     "disable_jump_forward": "decode every token of a constrained output, even those the grammar fixes",
@@ -246,6 +355,20 @@ CLI_HELP = {
     "allowed_origins": "CORS: origins whose web pages may call the server (https://app.example ..., or '*'); "
                        "default: none",
     "log_level": "server log level",
+}
+ROUTER_CLI_HELP = {
+    "worker_urls": "the replicas (each a `plait serve`), e.g. http://10.0.0.1:30000 http://10.0.0.2:30000",
+    "host": "address the router listens on",
+    "port": "port the router listens on",
+    "policy": "cache_aware: the replica most likely to hold the prompt's prefix; round_robin: in turn",
+    "balance_abs_threshold": "cache-aware: in-flight requests by which loads may differ before balancing wins",
+    "balance_rel_threshold": "cache-aware: ratio by which loads may differ before balancing wins",
+    "cache_threshold": "cache-aware: share of a prompt a replica must hold to win it on its prefix",
+    "max_tree_items": "prefix characters (or token ids) remembered per replica",
+    "health_check_interval": "seconds between two /health checks of each replica",
+    "health_failure_threshold": "failed checks in a row that take a replica out",
+    "request_timeout": "seconds a replica may take to answer one request",
+    "log_level": "router log level",
 }
 CLI_CHOICES = {"load_format": LOAD_FORMATS, "dtype": DTYPES, "device": ("auto", "cpu", "cuda"),
                "schedule_policy": SCHEDULE_POLICIES, "attention_backend": ATTENTION_BACKENDS,

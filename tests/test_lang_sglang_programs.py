@@ -22,11 +22,12 @@ def runtime():
         yield rt
 
 
-def test_parallelism_other_than_one_device_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match=r"tp_size=2.*one device"):
+def test_parallelism_the_model_cannot_split_by_is_refused_naming_the_numbers():
+    # (checked before any process starts: the default model has 9 heads and 30 layers)
+    with pytest.raises(ValueError, match=r"tp_size 2 does not divide the model's num_attention_heads 9"):
         sgl.Runtime(tp_size=2)
-    with pytest.raises(NotImplementedError, match=r"dp_size=4"):
-        sgl.Runtime(dp_size=4)
+    with pytest.raises(ValueError, match=r"pp_size 31 is above the model's num_hidden_layers 30"):
+        sgl.Runtime(pp_size=31)
 
 
 @sgl.function

@@ -226,12 +226,17 @@ def test_cli_every_server_arg_is_a_flag():
     assert parse_server_args(["--cuda-graph-max-bs", "64"]).cuda_graph_max_bs == 64
     with pytest.raises(SystemExit):
         parse_server_args(["--cuda-graph-max-bs", "0"])
-    # SGLang's parallelism flags: 1 (its examples pass it) is accepted, any other size is a usage error.
+    # SGLang's parallelism flags; settings that cannot work together are usage errors naming them.
     assert parse_server_args(["--tp-size", "1", "--dp-size", "1"]) == ServerArgs()
+    assert parse_server_args(["--tp-size", "2", "--pp-size", "2"]).world_size() == 4
     with pytest.raises(SystemExit):
-        parse_server_args(["--tp-size", "2"])
-    with pytest.raises(NotImplementedError, match="dp_size=2.*one device"):
-        ServerArgs.from_kwargs(dp_size=2)
+        parse_server_args(["--tp-size", "0"])
+    with pytest.raises(ValueError, match="nnodes 2 needs dist_init_addr"):
+        ServerArgs.from_kwargs(tp_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank 2 must be below nnodes 2"):
+        ServerArgs.from_kwargs(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="10.0.0.1:5000")
+    with pytest.raises(ValueError, match="do not split evenly over nnodes 2"):
+        ServerArgs.from_kwargs(tp_size=3, nnodes=2, dist_init_addr="10.0.0.1:5000")
 
 
 def test_every_server_flag_explains_itself_in_help(capsys):

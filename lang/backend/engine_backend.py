@@ -105,8 +105,8 @@ class Runtime:
 
     Keyword arguments are ServerArgs fields (model_path=None picks the embedded default model).
     SGLang's launch-only arguments (`launch_timeout`) are accepted and ignored: nothing is launched.
-    SGLang's parallelism sizes (`tp_size`, `dp_size`) are ServerArgs fields: 1, the one device plait
-    uses, is accepted; any other size raises NotImplementedError.
+    SGLang's parallelism sizes (`tp_size`, `pp_size`, `dp_size`) are ServerArgs fields too; a size the
+    model cannot be split by is a ValueError naming the numbers.
     """
 
     def __init__(self, model_path: Optional[str] = None, chat_template: Optional[Union[ChatTemplate, str]] = None,

@@ -51,6 +51,10 @@ class Engine(SGLangEngineExtras):
                 # "did not exit; terminating it" line used to come before the error that matters).
                 check_is_folder(self.model_path)
         _check_device(self.server_args.device)
+        if self.server_args.world_size() > 1:  # a model that cannot split: refused before any process starts
+            from ..executor.loader import check_model_splits
+
+            check_model_splits(self.model_path, self.server_args)
         self.server_args.model_path = self.model_path
         self._tmpdir = tempfile.mkdtemp(prefix="plait-")
         to_sched = f"ipc://{self._tmpdir}/to_scheduler"

@@ -189,7 +189,10 @@ def launch_scheduler(server_args, model_path: str, to_sched: str, from_sched: st
     spec = os.path.join(tmpdir, "scheduler_args.pkl")
     with open(spec, "wb") as f:
         pickle.dump((server_args, model_path, to_sched, from_sched, ready_addr), f)
-    return subprocess.Popen([sys.executable, "-m", "plait.runtime.scheduler", spec], close_fds=True)
+    # dp_size > 1: the data-parallel controller takes the scheduler's place (same arguments, same messages)
+    # and starts the replicas' schedulers (runtime/distributed/data_parallel.py).
+    module = "plait.runtime.distributed.data_parallel" if server_args.dp_size > 1 else "plait.runtime.scheduler"
+    return subprocess.Popen([sys.executable, "-m", module, spec], close_fds=True)
 
 
 def wait_scheduler_ready(proc: subprocess.Popen, ready_addr: str) -> tuple:

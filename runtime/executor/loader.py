@@ -6,12 +6,13 @@ import glob
 import json
 import logging
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from ..models.config import BUILTIN_SHAPES, ModelConfig, read_json
 from ..models import model_class
+from ..models.parallel import ModelParallel, read_slice
 
 logger = logging.getLogger("plait.model_loader")
 
@@ -21,6 +22,14 @@ def load_model_config(model_path: str, load_format: str) -> ModelConfig:
         return ModelConfig.from_dict(BUILTIN_SHAPES[model_path])
     check_is_folder(model_path)
     return ModelConfig.from_path(model_path)
+
+
+def check_model_splits(model_path: str, server_args) -> None:
+    """ValueError naming the numbers unless the model splits over server_args' tp_size and pp_size."""
+    from ..models.parallel import check_parallel_shape
+
+    check_parallel_shape(load_model_config(model_path, server_args.load_format), server_args.tp_size,
+                         server_args.pp_size)
 
 
 def check_is_folder(path: str) -> None:
@@ -98,13 +107,18 @@ def _no_weights_message(model_path: str) -> str:
     return f"{head} (it holds {names[:8]}); load_format='dummy' runs the config with random weights"
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[str], model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(local name, tensor) of what the model's rank holds, read straight from the files: on one device
+    every tensor whole; split over ranks only this rank's slices (`model.checkpoint_read`), so no rank
+    ever reads a tensor, or a layer, that is not its own."""
     from safetensors import safe_open
 
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                read = model.checkpoint_read(name)
+                if read is not None:
+                    yield read.name, read_slice(st, name, read)
 
 
 def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
@@ -124,20 +138,21 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
 
 
 def load_model(model_path: str, cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: str,
-               max_position: int, seed: int = 0) -> torch.nn.Module:
+               max_position: int, seed: int = 0, parallel: Optional[ModelParallel] = None) -> torch.nn.Module:
+    """The model (this rank's shard of it, split over ranks by `parallel`) with its weights."""
     cls = model_class(cfg)
     files = [] if load_format == "dummy" else safetensors_files(model_path)  # checked before the model is built
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(cfg, max_position)
+            model = cls(cfg, max_position, parallel)
     finally:
         torch.set_default_dtype(old)
     if load_format == "dummy":
         _fill_dummy(model, seed)
     else:
-        model.load_weights(_iter_safetensors(files))
+        model.load_weights(_iter_safetensors(files, model))
     if torch.device(device).type == "cuda":
         from ..models.layers import share_split_k_workspace
 

@@ -22,6 +22,7 @@ from ..forward_batch import ForwardBatch
 from ..kernel_choices import using as using_kernels
 from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from ..models.config import ModelConfig
+from ..models.parallel import ModelParallel, shard_heads
 from .loader import load_model, load_model_config
 from .warmup import warm_up_prefill
 from ..server_args import ServerArgs
@@ -64,8 +65,12 @@ class PendingPrefill:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, model_path: str):
+    def __init__(self, server_args: ServerArgs, model_path: str, parallel: Optional[ModelParallel] = None):
+        """`parallel`: this rank's place in a model split over ranks (runtime/distributed/); None: one
+        device holds the whole model."""
         self.server_args = server_args
+        self.parallel = parallel = parallel or ModelParallel(device_index=server_args.base_gpu_id)
+        self.tp_size = parallel.tp.size  # (the triton backend sizes its scratch per rank's heads)
         self.device = server_args.resolved_device()
         # Launching a step before the previous one is read back pays only where the device runs
         # asynchronously; on the CPU a launch runs synchronously.
@@ -74,7 +79,7 @@ class ModelRunner:
         # Every forward and graph capture runs inside this runner's kernel choices (kernel_choices.py).
         self.kernel_choices = server_args.kernel_choices()
         if self.device == "cuda":
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(parallel.device_index)
         torch.manual_seed(server_args.random_seed)
 
         self.model_config: ModelConfig = load_model_config(model_path, server_args.load_format)
@@ -82,16 +87,20 @@ class ModelRunner:
         self.dtype = server_args.resolved_dtype(cfg.checkpoint_dtype)
         self.context_len = cfg.resolve_context_length(server_args.context_length)
         self.model = load_model(model_path, cfg, server_args.load_format, self.dtype, self.device,
-                                self.context_len, server_args.random_seed)
+                                self.context_len, server_args.random_seed, parallel)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = tuple(cfg.eos_token_ids)
 
-        self.max_total_tokens = self._size_kv_pool()
+        # This rank's KV heads and layers; every rank of a split model holds the same slots.
+        self.kv_heads = shard_heads(cfg, parallel.tp).num_kv_heads
+        self.kv_layers = parallel.stage.layer_count(cfg.num_hidden_layers)
+        self.max_total_tokens = parallel.agree_min(self._size_kv_pool())
         self.max_running_requests = server_args.max_running_requests or default_max_running_requests(
             self.device, self.max_total_tokens)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
-        self.kv_pool = KVPool(self.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                              cfg.head_dim, self.dtype, self.device)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device,
+                                                record_writes=parallel.records_table_writes)
+        self.kv_pool = KVPool(self.max_total_tokens, self.kv_layers, self.kv_heads, cfg.head_dim, self.dtype,
+                              self.device)
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
         self.attention_backend = server_args.resolved_attention_backend()
         self.attn_backend = create_attention_backend(self.attention_backend, self)
@@ -114,7 +123,7 @@ class ModelRunner:
         cfg, sa = self.model_config, self.server_args
         if sa.max_total_tokens is not None:
             return sa.max_total_tokens
-        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(self.kv_layers, self.kv_heads, cfg.head_dim, self.dtype)
         if self.device == "cuda":
             free, total = torch.cuda.mem_get_info()
             used = total - free
@@ -156,6 +165,51 @@ class ModelRunner:
         # the LM head and the sampling be queued.
         rows = self._upload([sample_rows])[0] if sample_rows else None
         return self.model(fb.input_ids, fb.positions, fb), rows  # (T, hidden), (S,)
+
+    # ------------------------------------------------------------------ a split model's other ranks
+    @torch.inference_mode()
+    def follow(self, step: StepInput, launched: bool, input_ids: Optional[torch.Tensor] = None) -> None:
+        """A tensor-parallel worker rank's part of a step that rank 0 runs (`run`, or `launch` when
+        `launched`): the same forward and the same logits computations, in the same order, and no
+        sampling. Each of them holds collectives that every rank must reach in turn; rank 0 samples
+        (runtime/distributed/). `input_ids`: the previous step's sampled tokens, when the step takes
+        them from the device (`ids_from_prev`)."""
+        with using_kernels(self.kernel_choices):
+            fb = self._build_forward_batch(step, input_ids=input_ids if step.ids_from_prev else None)
+            if self.graph_runner is not None and self.graph_runner.can_run(fb):
+                self.graph_runner.replay(fb)  # the logits are computed inside the graph
+                return
+            hidden, rows = self._forward_eager(fb, step.sample_rows)
+            self._follow_logits(step, hidden, launched, rows)
+
+    @torch.inference_mode()
+    def follow_logits(self, step: StepInput, hidden: torch.Tensor) -> None:
+        """`follow`'s logits part alone, from hidden states (T, hidden) computed elsewhere (the first
+        pipeline stage's tensor-parallel ranks, while rank 0 runs `sample_hidden`)."""
+        with using_kernels(self.kernel_choices):
+            self._follow_logits(step, hidden, launched=False)
+
+    def _follow_logits(self, step: StepInput, hidden: torch.Tensor, launched: bool,
+                       sample_rows_t: Optional[torch.Tensor] = None) -> None:
+        if step.logprob_rows and not launched:  # as _sample: the prompt logprobs' rows first
+            self.model.compute_logits(hidden[[lr.row for lr in step.logprob_rows]])
+        if step.sample_rows:
+            self.model.compute_logits(hidden[step.sample_rows if sample_rows_t is None else sample_rows_t])
+
+    def forward_batch(self, step: StepInput) -> ForwardBatch:
+        """The step's ForwardBatch with its attention metadata (its new tokens' slots written into the
+        table): for runners that run the model themselves (a pipeline stage)."""
+        fb = self._build_forward_batch(step)
+        self.attn_backend.init_forward_metadata(fb)
+        return fb
+
+    @torch.inference_mode()
+    def sample_hidden(self, step: StepInput, hidden: torch.Tensor) -> StepOutput:
+        """Sample the step from its final hidden states (T, hidden), computed elsewhere (a pipeline's
+        last stage): logits, logprobs and tokens as `run` gives them."""
+        with using_kernels(self.kernel_choices):
+            rows = self._upload([step.sample_rows])[0] if step.sample_rows else None
+            return self._sample(step, hidden, sample_rows_t=rows)
 
     # ------------------------------------------------------------------ overlapped steps
     def _launch_decode(self, step: StepInput, prev: Optional["PendingDecode"]) -> "PendingDecode":

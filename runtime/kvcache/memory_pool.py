@@ -24,14 +24,21 @@ class ReqToTokenPool:
     device-to-host copy that waits for every queued step, including the decode step that overlap
     scheduling launched ahead, so the host work after it would overlap nothing. np.zeros maps pages
     lazily: rows sized for the full context cost only what is used.
+
+    With `record_writes` (rank 0 of a model split over ranks) the writes other than a step's own
+    (`write`, `write_rows`: the scheduler's, at admission and after prefix-cache inserts) are also
+    kept, as plain host data, until `take_writes`: the other ranks `replay_writes` them into their own
+    tables before the next step, so every rank's table holds the same slots. A step's own writes
+    travel with the step (StepInput.kv_writes).
     """
 
-    def __init__(self, size: int, max_context_len: int, device: str):
+    def __init__(self, size: int, max_context_len: int, device: str, record_writes: bool = False):
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
         self.host = np.zeros((size, max_context_len), dtype=np.int32)
         self._free = list(range(size))
+        self._recorded: Optional[list[tuple]] = [] if record_writes else None
 
     def alloc(self) -> Optional[int]:
         return self._free.pop() if self._free else None
@@ -45,7 +52,10 @@ class ReqToTokenPool:
     def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
         """kv_slots (n,) at positions start..start+n of one request, in both tables."""
         self.req_to_token[slot, start:start + len(kv_slots)] = kv_slots.to(torch.int32)
-        self.host[slot, start:start + len(kv_slots)] = kv_slots.cpu().numpy()
+        host = kv_slots.cpu().numpy()
+        self.host[slot, start:start + len(kv_slots)] = host
+        if self._recorded is not None:
+            self._recorded.append(("row", slot, start, host.astype(np.int32)))
 
     def write_rows(self, items: list[tuple[int, torch.Tensor]]) -> None:
         """Several requests' kv_slots from position 0 (cached prefixes at admission): host writes, and
@@ -74,6 +84,8 @@ class ReqToTokenPool:
             row_blob.append(b)
         for host, slots in zip(blobs, slots_of):  # (rows, n) <- (n,): one write per distinct prefix
             self.host[slots if len(slots) > 1 else slots[0], :len(host)] = host
+        if self._recorded is not None:
+            self._recorded.append(("rows", [(host.astype(np.int32), slots) for host, slots in zip(blobs, slots_of)]))
         k = len(items)
         blob_lens = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
         blob_starts = np.cumsum(blob_lens) - blob_lens
@@ -114,6 +126,21 @@ class ReqToTokenPool:
         self.req_to_token[slots, positions] = kv.to(torch.int32)
         slots, positions, kv = host_rows
         self.host[slots, positions] = kv
+
+    def take_writes(self) -> list[tuple]:
+        """The recorded writes since the last call (see the class note), oldest first."""
+        taken, self._recorded = self._recorded, []
+        return taken
+
+    def replay_writes(self, writes: list[tuple]) -> None:
+        """Apply another rank's `take_writes()`, in order, to this table (both copies)."""
+        for write in writes:
+            if write[0] == "row":
+                _, slot, start, host = write
+                self.write(slot, start, torch.from_numpy(host))
+            else:
+                self.write_rows([(slot, kv) for host, slots in write[1] for kv in (torch.from_numpy(host),)
+                                 for slot in slots])
 
     def read(self, slot: int, n: int) -> torch.Tensor:
         """(n,) int64 kv slots of positions 0..n of one request, from the host mirror (no sync)."""

@@ -4,6 +4,9 @@ Qwen2/2.5/3 reuse this module with flags (`attention_bias`, `qk_norm`); see qwen
 Q/K/V and gate/up projections are fused at load time (one matmul each). Opt in (ServerArgs
 `enable_fused_decode_row`, off by default: measured slower, see layers.fuses_decode_row), a batch-1 decode step (one row, on CUDA)
 runs each norm and SiLU-and-mul inside the matmul after it: `DecoderLayer._forward_one_row`.
+
+Split over ranks (models/parallel.py), a model holds its rank's shard: its heads and MLP columns (an
+all-reduce after o_proj and down_proj), its vocabulary rows, its pipeline stage's layers.
 """
 
 from __future__ import annotations
@@ -17,18 +20,23 @@ from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
 from .config import ModelConfig
 from . import layers
+from .parallel import (ONE_RANK, CheckpointRead, ModelParallel, TensorParallel, VocabParallelEmbedding, checkpoint_read,
+                       shard_heads, vocab_shard)
 from .layers import (RMSNorm, RotaryEmbedding, SiluAndMul, fuses_decode_row, norm_linear, row_linear, silu_linear,
                      skinny_linear)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = ONE_RANK):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        heads = shard_heads(cfg, tp)  # this rank's query and KV heads (all of them on one rank)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.tp = tp
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
+        # Row-parallel: the ranks' outputs are summed, so rank 0 alone adds the bias.
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_out_bias and tp.rank == 0)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -37,7 +45,7 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = skinny_linear(x, self.qkv_proj)  # (T, q + 2kv)
-        return skinny_linear(self.attend(positions, qkv, fb), self.o_proj)  # (T, hidden)
+        return self.tp.all_reduce(skinny_linear(self.attend(positions, qkv, fb), self.o_proj))  # (T, hidden)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """qkv (T, q + 2kv) -> attention output (T, H * D), before o_proj; stores this step's K/V."""
@@ -61,22 +69,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = ONE_RANK):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size // tp.size  # this rank's columns of gate/up, rows of down
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = skinny_linear(x, self.gate_up_proj)  # (T, 2 * inter); one row: the skinny matmul
-        return skinny_linear(self.act_fn(gate_up), self.down_proj)  # (T, hidden)
+        return self.tp.all_reduce(skinny_linear(self.act_fn(gate_up), self.down_proj))  # (T, hidden)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = ONE_RANK):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, rotary)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_id, rotary, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -100,24 +110,35 @@ class DecoderLayer(nn.Module):
         # residual sums go to new buffers; nothing is updated in place.
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = norm_linear(h, residual, self.input_layernorm, attn.qkv_proj)  # (1, q + 2kv), (1, hidden)
-        h = row_linear(attn.attend(positions, qkv, fb), attn.o_proj)  # (1, hidden)
+        h = attn.tp.all_reduce(row_linear(attn.attend(positions, qkv, fb), attn.o_proj))  # (1, hidden)
         if layers.FUSE_NORM_INTO_GATE_UP:
             gate_up, residual = norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
         else:
             h, residual = self.post_attention_layernorm(h, residual)
             gate_up = mlp.gate_up_proj(h)  # (1, 2 * inter)
-        return silu_linear(gate_up, mlp.down_proj), residual
+        return mlp.tp.all_reduce(silu_linear(gate_up, mlp.down_proj)), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int):
+    def __init__(self, cfg: ModelConfig, max_position: int, parallel: Optional[ModelParallel] = None):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.parallel = parallel = parallel or ModelParallel.single()
+        tp, stage = parallel.tp, parallel.stage
+        # The first pipeline stage embeds and holds the LM head; the last one the final norm. (Built in
+        # this order whatever the split: dummy weights are drawn in parameter order.)
+        self.embed_tokens = None
+        if stage.is_first:
+            self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp.size == 1
+                                 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Local layer indices: they index this rank's KV pool (a stage holds its own layers' KV only).
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp)
+                                    for i in range(stage.layer_count(cfg.num_hidden_layers)))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
+        self.lm_head = None
+        if stage.is_first and not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, vocab_shard(cfg.vocab_size, tp)[1], bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         h, residual = self._decoder(input_ids, positions, fb)
@@ -126,11 +147,25 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.norm(h, residual)
         return h  # (T, hidden)
 
-    def _decoder(self, input_ids, positions, fb) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Embedding and every layer: (the last layer's output, the residual stream before it; None
-        without layers), both (T, hidden), the final norm still to apply."""
-        h = self.embed_tokens(input_ids)  # (T, hidden)
-        residual = None
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
+                      carried: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A pipeline stage's part: its layers over `carried` ((2, T, hidden): the previous stage's output
+        and residual stream; None on the first stage, which embeds `input_ids`) -> (2, T, hidden) for the
+        next stage, or on the last stage the final normed hidden states (T, hidden)."""
+        h, residual = self._decoder(input_ids, positions, fb, None if carried is None else (carried[0], carried[1]))
+        if self.parallel.stage.is_last:
+            return self.norm(h, residual)[0]
+        return torch.stack([h, residual])
+
+    def _decoder(self, input_ids, positions, fb, carried=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Embedding (or a previous stage's (output, residual): `carried`) and every layer: (the last
+        layer's output, the residual stream before it; None without layers), both (T, hidden), the
+        final norm still to apply."""
+        if carried is None:
+            h = self.embed_tokens(input_ids)  # (T, hidden)
+            residual = None
+        else:
+            h, residual = carried
         for layer in self.layers:
             h, residual = layer(positions, h, residual, fb)
         return h, residual
@@ -143,7 +178,11 @@ class LlamaForCausalLM(nn.Module):
         given (the decode CUDA graphs' shared logits buffer) at no extra pass."""
         if out is not None and out.dtype != torch.float32:
             raise ValueError(f"logits out must be float32, got {out.dtype}")
-        return skinny_linear(hidden, self._head(), out_dtype=torch.float32, out=out)  # (N, vocab)
+        tp = self.parallel.tp
+        if tp.size == 1:
+            return skinny_linear(hidden, self._head(), out_dtype=torch.float32, out=out)  # (N, vocab)
+        local = skinny_linear(hidden, self._head(), out_dtype=torch.float32)  # (N, this rank's vocab rows)
+        return tp.gather_columns(local, self.config.vocab_size, out=out)  # (N, vocab)
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -153,7 +192,8 @@ class LlamaForCausalLM(nn.Module):
         h, residual = self._decoder(input_ids, positions, fb)
         head = self._head()
         if residual is not None and fuses_decode_row(h, head.weight, self.norm.use_triton):
-            logits = norm_linear(h, residual, self.norm, head, out_dtype=torch.float32)[0]  # (1, vocab)
+            logits = norm_linear(h, residual, self.norm, head, out_dtype=torch.float32)[0]  # (1, vocab shard)
+            logits = self.parallel.tp.gather_columns(logits, self.config.vocab_size)  # (1, vocab)
             if out is None:
                 return logits
             if out.dtype != torch.float32 or out.shape != logits.shape:
@@ -166,11 +206,20 @@ class LlamaForCausalLM(nn.Module):
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
+    def checkpoint_read(self, name: str) -> Optional[CheckpointRead]:
+        """What this rank reads of checkpoint tensor `name`: its slice and local name, or None (see
+        models/parallel.py). The loader reads only that; `load_weights` then takes it by its local name."""
+        return checkpoint_read(name, self.config, self.parallel)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up into one matrix each."""
+        """Load HF-named tensors, fusing q/k/v and gate/up into one matrix each. Split over ranks, the
+        tensors are this rank's slices under their local names (`checkpoint_read`)."""
         params = dict(self.named_parameters())
         cfg = self.config
-        q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+        hs = shard_heads(cfg, self.parallel.tp)  # this rank's heads and MLP columns
+        q, kv = hs.num_heads * cfg.head_dim, hs.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size // self.parallel.tp.size
+        vocab_parallel = self.parallel.tp.size > 1
         offsets = {"qkv_proj": [(0, q), (q, kv), (q + kv, kv)], "gate_up_proj": [(0, inter), (inter, inter)]}
         loaded = set()
         for name, tensor in weights:
@@ -191,7 +240,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 if name not in params:
                     raise ValueError(_unexpected(name, cfg))
-                _copy_checked(params[name].data, tensor, name)
+                dst = params[name].data
+                if vocab_parallel and name in ("embed_tokens.weight", "lm_head.weight"):
+                    dst = dst[:tensor.shape[0]]  # the last shard's padding rows: never looked up, logits cut off
+                _copy_checked(dst, tensor, name)
                 loaded.add(name)
         expected = set()
         for pname in params:
@@ -219,6 +271,10 @@ class LlamaForCausalLM(nn.Module):
             if idx and f".{fused}." in name and i == int(idx):
                 name = name.replace(fused, part)
                 break
+        stage = self.parallel.stage
+        if name.startswith("layers.") and stage.num_layers >= 0:  # a stage's local layer index -> the model's
+            layer, _, rest = name[len("layers."):].partition(".")
+            name = f"layers.{int(layer) + stage.first_layer}.{rest}"
         return name if name == "lm_head.weight" else "model." + name
 
 

@@ -43,11 +43,16 @@ logger = logging.getLogger("plait.scheduler")
 
 
 def create_scheduler(server_args: ServerArgs, model_path: str) -> "Scheduler":
-    """The scheduler of one device: the model runner for `model_path`, and the tokenizer."""
+    """The scheduler over the model runner for `model_path` (one device; or rank 0 of a model split
+    over tp_size x pp_size ranks, which starts the other ranks: runtime/distributed/), and the tokenizer."""
     from ..executor.loader import load_tokenizer
     from ..executor.model_runner import ModelRunner
 
     tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
+    if server_args.world_size() > 1:
+        from ..distributed.runner import start_group
+
+        return Scheduler(server_args, start_group(server_args, model_path), tokenizer)
     return Scheduler(server_args, ModelRunner(server_args, model_path), tokenizer)
 
 

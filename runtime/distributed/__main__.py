@@ -1,0 +1,3 @@
+from .worker import main
+
+main()

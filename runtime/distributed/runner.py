@@ -1,0 +1,129 @@
+"""The scheduler's step runner for a model split over ranks: rank 0's side of the group.
+
+`start_group` (in the scheduler process, rank 0) checks that the model splits, starts this node's other
+ranks, joins them and builds rank 0's shard. `GroupRunner` then implements the StepRunner protocol
+(scheduler/step_runner.py): each step is broadcast as a plan (plan.py) and run on rank 0's shard, the
+others following it (worker.py); rank 0 samples, and sends the sampled tokens to the other ranks only
+where a later step reads them on the device (a decode step launched ahead, overlap scheduling).
+
+Any failure inside a step ends the group (launch.exit_group): the ranks would no longer agree on which
+collective comes next. The engine then reports the scheduler gone (503), as for one device.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..executor.loader import load_model_config
+from ..executor.model_runner import ModelRunner
+from ..models.parallel import check_parallel_shape
+from ..server_args import ServerArgs
+from ..step import StepInput, StepOutput
+from .group import RankContext, join_group
+from .launch import STOP_WAIT_S, GroupMonitor, LocalRanks, exit_group
+from .pipeline import StageRunner
+from .plan import LAUNCH, RUN, STOP, StepPlan, broadcast_plan, plan_of
+from .topology import Rendezvous, Topology
+
+logger = logging.getLogger("plait.distributed")
+
+
+def start_group(server_args: ServerArgs, model_path: str) -> "GroupRunner":
+    """Rank 0: the model's shape checked against tp_size / pp_size (a clear error naming the numbers, before
+    any rank starts), this node's other ranks started and joined, rank 0's shard built."""
+    topology = Topology.of(server_args)
+    cfg = load_model_config(model_path, server_args.load_format)
+    check_parallel_shape(cfg, topology.tp_size, topology.pp_size)
+    rendezvous = Rendezvous.of(server_args)
+    children = LocalRanks(server_args, model_path, topology, rendezvous, [r for r in topology.node_ranks() if r])
+    # NOTE: watching from the start: a rank that fails while loading must end the wait for it.
+    monitor = GroupMonitor(children, topology, rendezvous, lambda message: exit_group(message, children))
+    monitor.start()
+    try:
+        ctx = join_group(topology, 0, rendezvous, server_args.resolved_device(), server_args.base_gpu_id,
+                         server_args.dist_timeout, cfg.num_hidden_layers)
+        return GroupRunner(server_args, model_path, ctx, children, monitor)
+    except BaseException:
+        monitor.stop()
+        children.stop(0.0, terminate=True)
+        raise
+
+
+class GroupRunner:
+    def __init__(self, server_args: ServerArgs, model_path: str, ctx: RankContext, children: LocalRanks,
+                 monitor: GroupMonitor):
+        self.ctx = ctx
+        self.children = children
+        self.monitor = monitor
+        self.local = local = ModelRunner(server_args, model_path, ctx.parallel)
+        self.stages = StageRunner(local, ctx) if ctx.topology.pp_size > 1 else None
+        # The StepRunner's sizes and KV memory: rank 0's (every rank holds the same slots).
+        self.max_total_tokens = local.max_total_tokens
+        self.max_running_requests = local.max_running_requests
+        self.context_len = local.context_len
+        self.vocab_size = local.vocab_size
+        self.device = local.device
+        self.dtype = local.dtype
+        self.attention_backend = local.attention_backend
+        self.eos_token_ids = local.eos_token_ids
+        self.allocator = local.allocator
+        self.req_to_token_pool = local.req_to_token_pool
+        self.model_config = local.model_config
+        # NOTE: a pipeline's step is read back within `run` (its micro-batches are in flight inside it).
+        self.supports_overlap = local.supports_overlap and self.stages is None
+        self._closed = False
+        atexit.register(self.close)  # the scheduler process's exit stops the group
+
+    # ------------------------------------------------------------------ StepRunner
+    def run(self, step: StepInput) -> StepOutput:
+        try:
+            self._send(RUN, step)
+            if self.stages is None:
+                return self.local.run(step)
+            hidden = self.stages.forward(step)  # (T, hidden), back from the last stage
+            return self.local.sample_hidden(step, hidden)
+        except BaseException as e:
+            self._fail(e)
+
+    def launch(self, step: StepInput, prev: Optional[Any] = None) -> Any:
+        try:
+            self._send(LAUNCH, step)
+            pending = self.local.launch(step, prev)
+            if step.mode.is_decode():
+                # The next decode step may be launched from these tokens before they are read back: every
+                # rank needs them on its device (a broadcast queued after the sampling, no host sync).
+                dist.broadcast(pending.next_ids, src=0, group=self.ctx.parallel.tp.group)
+            return pending
+        except BaseException as e:
+            self._fail(e)
+
+    def resolve(self, handle: Any) -> StepOutput:
+        try:
+            return self.local.resolve(handle)
+        except BaseException as e:
+            self._fail(e)
+
+    # ------------------------------------------------------------------ the group
+    def _send(self, kind: str, step: StepInput) -> None:
+        broadcast_plan(plan_of(kind, step, self.req_to_token_pool.take_writes()), self.ctx.plan_group)
+
+    def _fail(self, error: BaseException) -> None:
+        logger.exception("a step failed on rank 0 of a split model")
+        exit_group(f"a step failed on rank 0 ({type(error).__name__}: {error})", self.children)
+
+    def close(self) -> None:
+        """Stop every rank (the scheduler is exiting): a STOP plan, then their processes reaped."""
+        if self._closed:
+            return
+        self._closed = True
+        self.monitor.stop()
+        try:
+            broadcast_plan(StepPlan(STOP), self.ctx.plan_group)
+        except Exception as e:  # noqa: BLE001 - a rank already gone: stopped below regardless
+            logger.warning("could not tell every rank to stop: %s", e)
+        self.children.stop(STOP_WAIT_S)
+        self.ctx.close()

@@ -1,0 +1,85 @@
+"""A rank other than 0: its shard of the model, following rank 0's step plans until told to stop.
+
+`python -m plait.runtime.distributed SPEC` with torchrun's environment (topology.py); SPEC is the pickle
+of (server_args, model_path) that the launcher wrote. The rank runs the same forward as rank 0 on its
+shard (ModelRunner.follow: the same collectives in the same order) and never samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..executor.loader import load_model_config
+from ..executor.model_runner import ModelRunner
+from ..server_args import ServerArgs
+from .group import RankContext, join_group
+from .launch import RankWatchdog
+from .pipeline import StageRunner
+from .plan import LAUNCH, STOP, receive_plan
+from .topology import Topology, rank_from_env
+
+logger = logging.getLogger("plait.distributed")
+
+
+def main() -> None:
+    with open(sys.argv[1], "rb") as f:
+        server_args, model_path = pickle.load(f)
+    # NOTE: Ctrl-C reaches the whole process group; this rank's life belongs to rank 0 (a STOP plan, or
+    # the watchdog when rank 0 is gone).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    serve_rank(server_args, model_path)
+
+
+def serve_rank(server_args: ServerArgs, model_path: str) -> None:
+    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if server_args.num_threads:
+        torch.set_num_threads(server_args.num_threads)
+    rendezvous, rank, world, _ = rank_from_env()
+    topology = Topology.of(server_args)
+    if world != topology.world_size:
+        raise RuntimeError(f"WORLD_SIZE {world} is not tp_size x pp_size = {topology.world_size}")
+    watchdog = RankWatchdog(rank, topology, rendezvous)
+    watchdog.start()
+    cfg = load_model_config(model_path, server_args.load_format)
+    ctx = join_group(topology, rank, rendezvous, server_args.resolved_device(), server_args.base_gpu_id,
+                     server_args.dist_timeout, cfg.num_hidden_layers)
+    runner = ModelRunner(server_args, model_path, ctx.parallel)
+    try:
+        follow_plans(runner, ctx)
+        watchdog.stop()
+    finally:
+        ctx.close()
+
+
+def follow_plans(runner: ModelRunner, ctx: RankContext) -> None:
+    """Run rank 0's steps on this rank's shard until a STOP plan."""
+    stages = StageRunner(runner, ctx) if ctx.topology.pp_size > 1 else None
+    last_ids: Optional[torch.Tensor] = None  # the last decode step launched ahead: its tokens (rank 0's)
+    while True:
+        plan = receive_plan(ctx.plan_group)
+        if plan.kind == STOP:
+            return
+        runner.req_to_token_pool.replay_writes(plan.table_writes)
+        step = plan.step
+        if stages is not None:
+            hidden = stages.forward(step)
+            if hidden is not None:  # a first-stage rank: the LM head's share, as rank 0 samples
+                runner.follow_logits(step, hidden)
+            continue
+        launched = plan.kind == LAUNCH
+        runner.follow(step, launched, input_ids=last_ids)
+        if launched and step.mode.is_decode():
+            last_ids = torch.empty(step.batch_size, dtype=torch.int64, device=_device(runner, ctx))
+            dist.broadcast(last_ids, src=0, group=ctx.parallel.tp.group)
+
+
+def _device(runner: ModelRunner, ctx: RankContext) -> torch.device:
+    return torch.device("cuda", ctx.parallel.device_index) if runner.device == "cuda" else torch.device("cpu")
