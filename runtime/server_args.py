@@ -91,6 +91,9 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: Optional[str] = None
+    # CORS: origins whose web pages may call the server ("https://app.example", or "*" for any); none: no
+    # page on another origin can read a response.
+    allowed_origins: Optional[list[str]] = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -130,6 +133,8 @@ class ServerArgs:
         self._check_parallel()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.allowed_origins is not None:
+            self.allowed_origins = _origins(self.allowed_origins)
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "nnodes", "dist_timeout"):
@@ -284,6 +289,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, help_text: dict[st
         if str(f.type).startswith("list"):
             parser.add_argument(flag, dest=f.name, nargs="+", default=[], required=True, help=text)
             continue
+        if str(f.type).startswith("Optional[list"):  # (allowed_origins): absent is None
+            parser.add_argument(flag, dest=f.name, nargs="+", default=None, help=text)
+            continue
         typ = str
         if isinstance(default, int) or "int" in str(f.type):
             typ = int
@@ -344,6 +352,8 @@ CLI_HELP = {
     "host": "address the server listens on",
     "port": "port the server listens on",
     "api_key": "require 'Authorization: Bearer <key>' (/health stays open)",
+    "allowed_origins": "CORS: origins whose web pages may call the server (https://app.example ..., or '*'); "
+                       "default: none",
     "log_level": "server log level",
 }
 ROUTER_CLI_HELP = {
@@ -363,3 +373,23 @@ ROUTER_CLI_HELP = {
 CLI_CHOICES = {"load_format": LOAD_FORMATS, "dtype": DTYPES, "device": ("auto", "cpu", "cuda"),
                "schedule_policy": SCHEDULE_POLICIES, "attention_backend": ATTENTION_BACKENDS,
                "grammar_backend": GRAMMAR_BACKENDS}
+
+
+def _origins(value: Any) -> list[str]:
+    """`allowed_origins` as a list of origins (a comma-separated string too); ValueError naming a bad one."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"allowed_origins must be a list of origins or '*', got {value!r}")
+    origins = []
+    for item in items:
+        for origin in (item.split(",") if isinstance(item, str) else [item]):
+            origin = origin.strip() if isinstance(origin, str) else origin
+            if origin == "*":
+                origins.append(origin)
+                continue
+            scheme, sep, rest = origin.partition("://") if isinstance(origin, str) else ("", "", "")
+            if not sep or scheme not in ("http", "https") or not rest or "/" in rest.rstrip("/"):
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], such as "
+                                 "https://app.example or http://localhost:3000) or '*'")
+            origins.append(f"{scheme}://{rest.rstrip('/')}")
+    return origins

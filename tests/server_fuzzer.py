@@ -298,6 +298,55 @@ def check_reply(case: Case, reply: Reply) -> Optional[str]:
     return None
 
 
+# What a generated body may ask for at most: generation stays a few tokens (the model is slow on the CPU).
+GENERATION_CAPS = {"max_tokens": MAX_NEW, "max_new_tokens": MAX_NEW, "max_completion_tokens": MAX_NEW,
+                   "max_output_tokens": MAX_NEW, "n": 2, "top_logprobs_num": 2, "min_tokens": 1,
+                   "min_new_tokens": 1}
+# The length field each generation route reads (absent, chat generates to the end of the context).
+LENGTH_FIELD = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
+                "/v1/responses": "max_output_tokens"}
+
+
+def cap_generation(path: str, body: Any) -> None:
+    """Cap, in place, the fields of a generated request body that set how much it generates (also inside
+    sampling_params), and set them where absent: a valid max_tokens of 5,000 is slow, not wrong. Values of
+    the wrong type stay (they are what a fuzzer is for)."""
+    if not isinstance(body, dict):
+        return
+    if path in LENGTH_FIELD and "max_completion_tokens" not in body:
+        body.setdefault(LENGTH_FIELD[path], MAX_NEW)
+    params = body.get("sampling_params")
+    if path == "/generate" and params is None:
+        params = body["sampling_params"] = {"max_new_tokens": MAX_NEW}
+    for obj in [body] + (params if isinstance(params, list) else [params]):
+        if not isinstance(obj, dict):
+            continue
+        if obj is not body:
+            obj.setdefault("max_new_tokens", MAX_NEW)
+        for name, cap in GENERATION_CAPS.items():
+            value = obj.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+                obj[name] = cap
+
+
+def error_body_problem(body: Any, status: int, content_type: str, content: bytes) -> Optional[str]:
+    """For a 4xx: what is wrong with its body (None if it is plait's JSON error, and any `param` it names is a
+    field of the request, or one the message says is missing)."""
+    if not 400 <= status < 500:
+        return None
+    try:
+        error = json.loads(content)["error"]
+    except Exception:
+        return f"status {status} without a JSON error body ({content_type}): {content[:300]!r}"
+    if not isinstance(error.get("message"), str) or not error["message"]:
+        return f"empty error message: {content[:300]!r}"
+    param = error.get("param")
+    if (param is not None and isinstance(body, dict) and param not in body and status == 400
+            and f"'{param}'" not in error["message"]):  # (a field that is missing is named in the message)
+        return f"the error's param is {param!r}, which the request does not have: {error['message']}"
+    return None
+
+
 def canary(url: str) -> Optional[str]:
     """A normal request: it must succeed after every case."""
     try:

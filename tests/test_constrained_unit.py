@@ -24,9 +24,19 @@ from plait.runtime.constrained.bitmask import unpack_bitmask
 from plait.runtime.constrained.integration import GrammarManager
 from plait.runtime.constrained.jump_forward import apply_jump_forward, plan_jump_forward
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
-SUITE_DIR = os.path.join(DATA, "json-schema-test-suite", "draft2020-12")
-BENCH_DIR = os.path.join(DATA, "jsonschemabench")
+SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+SAMPLE_DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def corpus(shared: str, sample: str) -> str:
+    """The full corpus in ../shared beside the clone when it is there, else the sample in tests/data (the same
+    files the tests read: a clone alone runs them too)."""
+    full = os.path.join(SHARED_DATA, shared)
+    return full if os.path.isdir(full) else os.path.join(SAMPLE_DATA, sample)
+
+
+SUITE_DIR = os.path.join(corpus("json-schema-test-suite", "json_schema_test_suite_sample"), "draft2020-12")
+BENCH_DIR = corpus("jsonschemabench", "jsonschemabench_cases_sample")
 BACKENDS = ("xgrammar", "outlines")
 PADDED_VOCAB = 49152 + 64  # a model whose lm_head is wider than the tokenizer
 STOP = 2  # <|im_end|>

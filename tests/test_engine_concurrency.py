@@ -254,6 +254,44 @@ def test_ctrl_c_during_a_blocking_generate_exits_cleanly(tmp_path):
     wait_until(lambda: process_gone(scheduler_pid), "the scheduler process exits", timeout_s=10)
 
 
+LATCHED_CTRL_C_SCRIPT = textwrap.dedent("""
+    import signal, threading, time
+    from plait.runtime import Engine
+    eng = Engine(num_threads=1, max_total_tokens=4096)
+
+    def latch_sigint():
+        time.sleep(1.0)
+        # SIGINT handled on this thread: Python's flag is set, but the main thread's wait is not interrupted, as
+        # when Ctrl-C lands on a loaded machine just before the main thread goes to sleep.
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+    for stream in (False, True):
+        latch = threading.Thread(target=latch_sigint, daemon=True)
+        latch.start()
+        try:
+            out = eng.generate("Write a poem", {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True},
+                               stream=stream)
+            if stream:
+                out = list(out)[-1]
+            print("finished", out["meta_info"]["completion_tokens"], flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        latch.join()
+    eng.shutdown()
+""")
+
+
+def test_ctrl_c_latched_before_a_blocking_wait_still_ends_it(tmp_path):
+    # A blocking generate waited on a lock with no timeout: a SIGINT whose handler ran just before (or on another
+    # thread than) that sleep woke nothing, and the KeyboardInterrupt came when the 2,000 tokens were done, a
+    # minute or more later on a loaded machine. A streamed generate waited on its queue the same way.
+    script = tmp_path / "latched_ctrl_c.py"
+    script.write_text(LATCHED_CTRL_C_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["interrupted", "interrupted"], done.stdout
+
+
 def test_ttft_of_a_request_not_streamed_is_its_first_token_not_its_end(eng):
     # A request that is not streamed gets its ids in one message at the end; ttft used to be taken when that
     # message arrived, so it equalled e2e_latency. It is now the scheduler's time of the first token.

@@ -97,7 +97,8 @@ def test_ready_log_health_and_model_info(server):
 def test_api_key_required_everywhere_but_health(server, client):
     routes = [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/get_model_info"), ("GET", "/get_server_info"),
               ("GET", "/health_generate"), ("POST", "/generate"), ("POST", "/flush_cache"),
-              ("POST", "/abort_request"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+              ("POST", "/abort_request"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+              ("POST", "/v1/responses"), ("GET", "/openapi.json")]
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             r = requests.request(method, server["url"] + path, headers=headers, json={}, timeout=30)
@@ -107,7 +108,8 @@ def test_api_key_required_everywhere_but_health(server, client):
     with pytest.raises(openai.AuthenticationError):
         bad_client.models.list()
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
-    assert server_info(server)["api_key"] == "<redacted>"
+    info = server_info(server)
+    assert info["api_key"] == "<redacted>" and info["internal_states"][0]["api_key"] == "<redacted>"
 
 
 # ---------------------------------------------------------------- SGLang native API
@@ -268,7 +270,8 @@ BAD_REQUESTS = [
     ("/generate", {"text": "hi", "sampling_params": {"top_k": 0}}, 400, "sampling_params", "top_k"),
     ("/generate", {"text": "hi", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, 400,
      "sampling_params", "mutually exclusive"),
-    ("/generate", {"text": "hi", "temperature": 0}, 400, None, "unknown field 'temperature'"),
+    ("/generate", {"text": "hi", "temperature": 0}, 400, "temperature", "send it inside sampling_params"),
+    ("/generate", {"text": "hi", "image_data": "x.png"}, 400, "image_data", "plait serves text-only models"),
     ("/generate", {"input_ids": [1, 49152]}, 400, "input_ids", "49152"),
     ("/generate", {"input_ids": TOO_LONG_IDS}, 400, "input_ids", "too long"),
     ("/generate", {"text": "word " * 9000}, 400, None, "too long"),
@@ -283,7 +286,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "prompt"),
     ("/v1/completions", {"prompt": TOO_LONG_IDS}, 400, "prompt", "too long"),
     ("/v1/completions", {"prompt": "hi", "top_k": 0}, 400, None, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "frobnicate": True}, 400, "frobnicate", "frobnicate"),
+    ("/v1/completions", {"prompt": "hi", "lora_path": "adapter"}, 400, "lora_path", "does not load LoRA adapters"),
+    ("/v1/completions", {"prompt": "hi", "priority": "high"}, 400, "priority", "valid integer"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30,

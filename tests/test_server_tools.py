@@ -21,10 +21,10 @@ from conftest import server_process
 from transformers import AutoTokenizer
 
 from plait.runtime.constrained import validate_constraint
-from plait.runtime.server.openai_api import chat_prompt_ids
+from plait.runtime.server.openai_chat import chat_prompt_ids
 from plait.runtime.server.protocol import ChatCompletionRequest
-from plait.runtime.server.tool_calls import (GENERIC_TOOLS_HOWTO, ToolPlan, call_schema, parse_tool_calls,
-                                             render_messages)
+from plait.runtime.server.tool_call_parser import ToolPlan, parse_tool_calls
+from plait.runtime.server.tool_calls import GENERIC_TOOLS_HOWTO, call_schema, render_messages
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"},
                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -95,16 +95,17 @@ def test_stream_sends_text_at_once_and_holds_what_may_be_a_call():
     stream, text, sent = auto.new_stream(), "", []
     for piece in ["Let me", " check. <tool", "_call>", '{"name": "get_time", "arguments": {}}</tool_call>']:
         text += piece
-        sent.append(stream.content_delta(text))
-    assert sent == ["Let me", " check. ", "", ""]
-    rest, calls = stream.finish(text)
-    assert rest == "" and [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_time")]
+        sent.append(stream.update(text))
+    assert [content for content, _ in sent] == ["Let me", " check. ", "", ""]
+    (_, calls), = [s for s in sent if s[1]]
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [(0, "get_time", "{}")]
+    assert stream.finish(text) == ("", []) and stream.sent_calls
 
     stream = auto.new_stream()
-    assert stream.content_delta(" {") == "" and stream.content_delta(' {"a": 1}') == ""
+    assert stream.update(" {") == ("", []) and stream.update(' {"a": 1}') == ("", [])
     assert stream.finish(' {"a": 1}') == (' {"a": 1}', [])  # JSON, but not a call: sent as content at the end
     stream = auto.new_stream()
-    assert stream.content_delta("The <tool") == "The " and stream.content_delta("The <toolbox>") == "<toolbox>"
+    assert stream.update("The <tool")[0] == "The " and stream.update("The <toolbox>")[0] == "<toolbox>"
 
 
 def test_call_schema_nests_each_tools_schema_with_its_refs():

@@ -16,6 +16,7 @@ import concurrent.futures
 import logging
 import os
 import pickle
+import queue
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,43 @@ FORKED = ("this Engine was created in process {owner}; a forked child (pid {pid}
           "requests to one process (e.g. `plait serve`)")
 STARTUP_TIMEOUT_S = 900
 DRAIN_S = 5.0  # how long requests in flight get to unwind (each needs one pass of the loop) before they are cancelled
+WAIT_SLICE_S = 0.25
+
+# NOTE: a wait without a timeout can sleep through Ctrl-C. When SIGINT's C handler runs just before the main
+# thread blocks (between CPython's non-blocking lock try and its sleep, or on another thread), the handler's
+# flag is set but nothing wakes the sleeper: the KeyboardInterrupt came only when the wait ended, a 2,000-token
+# generate later (test_ctrl_c_latched_before_a_blocking_wait_still_ends_it). A caller's blocking waits therefore
+# sleep in slices, between which the interpreter runs a pending handler.
+
+
+def result_interruptibly(fut: concurrent.futures.Future) -> Any:
+    """`fut.result()`, waited for in slices (see the note above)."""
+    while not fut.done():
+        concurrent.futures.wait([fut], timeout=WAIT_SLICE_S)
+    return fut.result()
+
+
+def get_interruptibly(q: queue.Queue) -> Any:
+    """`q.get()`, waited for in slices (see the note above)."""
+    while True:
+        try:
+            return q.get(timeout=WAIT_SLICE_S)
+        except queue.Empty:
+            continue
+
+
+def in_background(fn, *args) -> concurrent.futures.Future:
+    """`fn(*args)` on a daemon thread (one that must not hold up the interpreter's exit if its caller fails)."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="plait-background-load", daemon=True).start()
+    return fut
 
 
 class EngineLoop:
@@ -89,7 +127,7 @@ class EngineLoop:
     def result(self, fut: concurrent.futures.Future) -> Any:
         """Block until `fut` is done. The caller's own interruption (Ctrl-C) cancels the work on the loop."""
         try:
-            return fut.result()
+            return result_interruptibly(fut)
         except concurrent.futures.CancelledError:
             if self._closed:  # cancelled by a shutdown that did not see it unwind in time
                 raise EngineUnavailableError(SHUT_DOWN) from None

@@ -195,6 +195,16 @@ class TokenAllocator:
             self._released, self._released_count = [], 0
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """torch.zeros, for a KV cache. On the CPU the zeros come from calloc (through numpy), whose large blocks are
+    fresh pages the OS zeroes when first touched, so a pool costs nothing until its slots are used.
+    NOTE: torch.zeros wrote every byte at once: 3 GB for the default model's CPU pool took 5-9 s of each start-up."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = int(np.prod(shape)) * dtype.itemsize
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVPool:
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):
@@ -206,8 +216,8 @@ class KVPool:
         self.device = device
         # +1 for the dummy slot 0.
         shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffer = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.v_buffer = [zeroed(shape, dtype, device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -143,7 +143,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         route = f"{request.method} {request.url.path}"
         if exc.status_code == 404 and message == "Not Found":
-            message = (f"no route {route}; plait serves the OpenAI routes /v1/models, /v1/completions, "
+            message = (f"no route {route}; plait serves the OpenAI routes /v1/models, /v1/completions, /v1/responses, "
                        "/v1/chat/completions and SGLang's native API (/generate, ...)")
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")

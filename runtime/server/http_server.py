@@ -17,14 +17,19 @@ from typing import Any, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from ..server_args import ServerArgs
+from .cors import CORS
 from .errors import error_body, install_error_handlers
 from .http_guards import BodySizeLimit, json_error_protocol_class
 from .metrics import CONTENT_TYPE
 from .native_api import router as native_router
+from .openapi_schema import install_openapi
+from .protocol_compat import IGNORED_FIELDS_HEADER
 from .openai_api import router as openai_router
+from .openai_chat import router as chat_router
+from .responses_api import router as responses_router
 from .request_encoding import RequestDecompression
 from .server_context import ServerContext, get_context
 
@@ -59,13 +64,18 @@ class BearerAuth:
         await send({"type": "http.response.body", "body": body})
 
 
-class RequestIdHeader:
-    """Pure ASGI middleware: every response carries `X-Request-Id`, which clients log and quote (the
-    openai client exposes it as `_request_id`). A client's own X-Request-Id is echoed, as vLLM does;
-    otherwise the id of the response body (`chatcmpl-...`, which the route puts in request.state),
-    else a fresh one, so even an error can be traced."""
+class ResponseHeaders:
+    """Pure ASGI middleware for the headers every response may carry:
 
-    HEADER = b"x-request-id"
+    - `X-Request-Id`, which clients log and quote (the openai client exposes it as `_request_id`). A
+      client's own X-Request-Id is echoed, as vLLM does; otherwise the id of the response body
+      (`chatcmpl-...`, which the route puts in request.state), else a fresh one, so even an error can be
+      traced.
+    - `X-Plait-Ignored-Fields`: the request's top-level fields that no API defines, which the route
+      ignored (protocol_compat.review puts them in request.state), so a client can see a typo."""
+
+    REQUEST_ID = b"x-request-id"
+    IGNORED = IGNORED_FIELDS_HEADER.encode()
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -74,32 +84,47 @@ class RequestIdHeader:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        incoming = dict(scope.get("headers") or []).get(self.HEADER)
+        incoming = dict(scope.get("headers") or []).get(self.REQUEST_ID)
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_headers(message: dict) -> None:
             if message["type"] == "http.response.start":
-                request_id = incoming or str((scope.get("state") or {}).get("request_id")
-                                             or uuid.uuid4().hex).encode()
-                headers = [h for h in message.get("headers") or [] if h[0].lower() != self.HEADER]
-                message = {**message, "headers": headers + [(self.HEADER, request_id)]}
+                state = scope.get("state") or {}
+                request_id = incoming or str(state.get("request_id") or uuid.uuid4().hex).encode()
+                headers = [h for h in message.get("headers") or [] if h[0].lower() != self.REQUEST_ID]
+                headers.append((self.REQUEST_ID, request_id))
+                if state.get("ignored_fields"):
+                    headers.append((self.IGNORED, _header_list(state["ignored_fields"])))
+                message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_headers)
+
+
+def _header_list(names: list[str], limit: int = 20) -> bytes:
+    """Field names as one header value: JSON-escaped to printable ASCII (a key may hold any character,
+    a header value may not), at most `limit` of them."""
+    shown = [json.dumps(n)[1:-1] for n in names[:limit]]
+    if len(names) > limit:
+        shown.append(f"... ({len(names) - limit} more)")
+    return ", ".join(shown).encode("ascii")
 
 
 def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI:
     server_args = server_args or getattr(engine, "server_args", None) or ServerArgs()
     # strict_content_type=False: a body without a Content-Type header is still read as JSON.
-    app = FastAPI(title="plait", docs_url=None, redoc_url=None, openapi_url=None,
+    app = FastAPI(title="plait", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   strict_content_type=False)
+    install_openapi(app)
     ctx = ServerContext.build(engine, server_args)
     ctx.started_at = time.time()
     app.state.plait = ctx
     install_error_handlers(app)
     app.include_router(native_router)
     app.include_router(openai_router)
+    app.include_router(chat_router)
+    app.include_router(responses_router)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         c = get_context(request)
         try:
@@ -111,9 +136,11 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
 
     if server_args.api_key:
         app.add_middleware(BearerAuth, api_key=server_args.api_key)
+    if server_args.allowed_origins:  # outside the auth: a 401 is readable by an allowed page too
+        app.add_middleware(CORS, allowed_origins=server_args.allowed_origins)
     app.add_middleware(BodySizeLimit)
     app.add_middleware(RequestDecompression)  # outside BodySizeLimit, which then counts inflated bytes
-    app.add_middleware(RequestIdHeader)  # added last = outermost: a 401 carries the id too
+    app.add_middleware(ResponseHeaders)  # added last = outermost: a 401 carries the request id too
     return app
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Buckets cover a CPU test box (hundreds of ms per token) up to GPU serving (ms per token).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0,
@@ -24,6 +25,46 @@ _KV_USAGE_KEYS = ("kv_cache_usage", "token_usage", "kv_usage", "kv_cache_usage_r
 _HIT_RATE_KEYS = ("cache_hit_rate", "prefix_cache_hit_rate")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# The scheduler's own running totals and gauges, exported as they are at scrape time: metric name (a counter's
+# without its _total), help, the names the Engine may report it under. Absent ones are not exported (a
+# grammar compile time the backend does not report yet, an accept length before speculation exists).
+_SCHEDULER_COUNTERS = (
+    ("plait_grammar_cache_hits", "Constraints served from the grammar cache", ("grammar_cache_hits",)),
+    ("plait_grammar_cache_misses", "Constraints compiled (grammar cache misses)", ("grammar_cache_misses",)),
+    ("plait_grammar_compile_seconds", "Seconds spent compiling grammars", ("grammar_compile_seconds",
+                                                                          "grammar_compile_seconds_total")),
+    ("plait_jump_forward_tokens", "Tokens a grammar forced, appended without a decode step",
+     ("jump_forward_tokens",)),
+    ("plait_retractions", "Requests retracted for lack of KV memory", ("num_retractions",)),
+    ("plait_spec_verify_steps", "Speculative verify steps", ("spec_verify_steps",)),
+    ("plait_spec_accepted_tokens", "Tokens accepted by speculative verify steps", ("spec_accepted_tokens",)),
+    ("plait_spec_draft_tokens", "Draft tokens proposed", ("spec_draft_tokens",)),
+)
+# (exported only once speculation ran: the scheduler reports 0.0 when it is off)
+_SPEC_ACCEPT_LENGTH = ("plait_spec_accept_length", "Average accepted tokens per speculative verify step",
+                       ("avg_spec_accept_length",))
+
+
+class SchedulerStats:
+    """A collector of the scheduler's totals from the last server info handed to `update`."""
+
+    def __init__(self, label: dict[str, str]) -> None:
+        self._label = label
+        self._info: dict[str, Any] = {}
+
+    def update(self, info: dict[str, Any]) -> None:
+        self._info = info
+
+    def collect(self) -> Iterable[Any]:
+        gauges = (_SPEC_ACCEPT_LENGTH,) if (find_stat(self._info, ("spec_verify_steps",)) or 0) > 0 else ()
+        for table, family in ((_SCHEDULER_COUNTERS, CounterMetricFamily), (gauges, GaugeMetricFamily)):
+            for name, doc, keys in table:
+                value = find_stat(self._info, keys)
+                if value is not None:
+                    metric = family(name, doc, labels=list(self._label))
+                    metric.add_metric(list(self._label.values()), value)
+                    yield metric
 
 
 def find_stat(info: dict[str, Any], names: Iterable[str]) -> Optional[float]:
@@ -74,6 +115,8 @@ class ServerMetrics:
         self.e2e = Histogram("plait_e2e_request_latency_seconds", "End-to-end request latency", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
         self._label = {"model_name": model_name}
+        self.scheduler_stats = SchedulerStats(self._label)
+        r.register(self.scheduler_stats)
         self._prompt_total = 0
         self._cached_total = 0
 
@@ -109,6 +152,7 @@ class ServerMetrics:
     # ---- scrape ----
     def render(self, server_info: Optional[dict[str, Any]]) -> bytes:
         info = server_info or {}
+        self.scheduler_stats.update(info)
         for gauge, keys in ((self.running, _RUNNING_KEYS), (self.queued, _QUEUED_KEYS),
                             (self.kv_usage, _KV_USAGE_KEYS)):
             value = find_stat(info, keys)

@@ -18,12 +18,16 @@ from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, error_response, sse_error_event
 from .protocol import MAX_N
+from .protocol_compat import NATIVE, review
 from .protocol_native import AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
 from .server_context import ServerContext, get_context
 
 router = APIRouter()
 
 SSE_DONE = "data: [DONE]\n\n"
+# Top-level fields of a /generate body that belong inside sampling_params (and OpenAI's name for one):
+# ignoring them would silently change the answer.
+MISPLACED_SAMPLING_FIELDS = frozenset(SamplingParams.field_names()) | {"max_tokens"}
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
@@ -38,7 +42,7 @@ def verified_sampling_params(params: Optional[dict[str, Any]], ctx: ServerContex
                              ) -> SamplingParams:
     """Parse and range-check a sampling_params dict; SamplingParams' messages name the field (400)."""
     try:
-        sp = SamplingParams.from_dict(params)
+        sp = SamplingParams.from_dict(_sglang_names(params))
         sp.verify(ctx.vocab_size)  # also the seed's 64-bit range and float32-finite logit biases
     except (ValueError, TypeError) as e:
         raise APIError(400, f"invalid {label}: {e}", param=param) from None
@@ -46,6 +50,19 @@ def verified_sampling_params(params: Optional[dict[str, Any]], ctx: ServerContex
         # NOTE: n becomes n Engine calls built up front (expand_n): n = 1e30 blocked the event loop forever.
         raise APIError(400, f"invalid {label}: n must be <= {MAX_N}, got {sp.n}", param=param)
     return sp
+
+
+def _sglang_names(params: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Current SGLang's `sampling_seed` is plait's `seed`."""
+    if not isinstance(params, dict) or "sampling_seed" not in params:
+        return params
+    params = dict(params)
+    seed = params.pop("sampling_seed")
+    if params.get("seed") is not None and seed is not None and params["seed"] != seed:
+        raise ValueError(f"seed ({params['seed']}) and sampling_seed ({seed}) differ: give one")
+    if seed is not None:
+        params["seed"] = seed
+    return params
 
 
 def check_unicode(text: str, label: str, param: str) -> None:
@@ -171,9 +188,10 @@ async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request):
     ctx = get_context(request)
+    review(body, NATIVE, request, ctx.logged_once, misplaced=MISPLACED_SAMPLING_FIELDS)
     runs = native_calls(body, ctx)
     await tokenize_prompts(runs, ctx)
-    if len(runs) == 1 and len(runs[0]) == 1:  # X-Request-Id = meta_info.id (http_server.RequestIdHeader)
+    if len(runs) == 1 and len(runs[0]) == 1:  # X-Request-Id = meta_info.id (http_server.ResponseHeaders)
         request.state.request_id = runs[0][0]["rid"]
     group = ctx.new_group(request, log_metrics=body.log_metrics)
     await group.start(runs)
@@ -189,7 +207,7 @@ async def generate(body: GenerateRequest, request: Request):
 
 # ---------------------------------------------------------------- management routes
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+@router.api_route("/health", methods=["GET", "HEAD"], response_class=Response)
 async def health(request: Request) -> Response:
     """200 while the server can serve; 503 once the scheduler process is gone. HEAD too: some load
     balancers probe with it."""
@@ -200,7 +218,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/health_generate")
+@router.get("/health_generate", response_class=Response)
 async def health_generate(request: Request) -> Response:
     """200 once the whole path (tokenizer → scheduler → model → detokenizer) produces a token."""
     ctx = get_context(request)
@@ -244,8 +262,10 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 async def get_server_info(request: Request) -> dict[str, Any]:
     ctx = get_context(request)
     info = await asyncio.to_thread(ctx.engine.get_server_info)
-    if info.get("api_key"):
-        info = {**info, "api_key": "<redacted>"}  # never hand the secret to whoever can read this route
+    if info.get("api_key"):  # never hand the secret to whoever can read this route
+        info = {**info, "api_key": "<redacted>", "internal_states": [
+            {**state, "api_key": "<redacted>"} if state.get("api_key") else state
+            for state in info.get("internal_states") or []]}
     return {**info, "num_open_http_requests": len(ctx.admission.open_rids),
             "uptime_s": round(time.time() - ctx.started_at, 3)}
 

@@ -1,4 +1,6 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible routes /v1/models and /v1/completions, and what every OpenAI route shares (model names,
+sampling fields, Engine calls, streaming); /v1/chat/completions is in openai_chat.py, /v1/responses in
+responses_api.py.
 
 Each request becomes a list of Engine calls (prompts × n) run by one `GenerationGroup`; choices are
 numbered prompt-major (`index = prompt * n + sample`), as OpenAI does.
@@ -6,8 +8,6 @@ numbered prompt-major (`index = prompt * n + sample`), as OpenAI does.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional, Union
@@ -19,14 +19,15 @@ from ..constrained import validate_constraint
 from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, sse_error_event
-from .native_api import (SSE_DONE, check_prompt_ids, check_prompt_length, check_unicode, expand_n, sse_event,
+from .native_api import (SSE_DONE, check_prompt_ids, check_unicode, expand_n, sse_event,
                          tokenize_prompts, verified_sampling_params)
-from .openai_responses import (ChoiceCursor, abort_error, chat_logprobs, completion_logprobs, finish_reason,
+from .openai_outputs import (ChoiceCursor, abort_error, completion_logprobs, finish_reason,
                                matched_stop, usage)
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol_compat import COMPLETIONS, review
 from .response_format import response_format_to_sampling
 from .server_context import ServerContext, get_context
-from .tool_calls import ToolCallStream, ToolPlan, call_schema, check_tools, plan_for, render_messages
+from .structured_outputs import structured_outputs_to_sampling
 
 router = APIRouter(prefix="/v1")
 
@@ -37,7 +38,8 @@ _SAMPLING_FIELDS = (
     ("repetition_penalty", "repetition_penalty"), ("min_tokens", "min_new_tokens"), ("stop", "stop"),
     ("stop_token_ids", "stop_token_ids"), ("seed", "seed"), ("regex", "regex"), ("ebnf", "ebnf"),
     ("ignore_eos", "ignore_eos"), ("skip_special_tokens", "skip_special_tokens"),
-    ("no_stop_trim", "no_stop_trim"), ("n", "n"),
+    ("spaces_between_special_tokens", "spaces_between_special_tokens"), ("stop_regex", "stop_regex"),
+    ("stream_interval", "stream_interval"), ("custom_params", "custom_params"), ("n", "n"),
 )
 
 
@@ -56,6 +58,8 @@ def sampling_dict(req: Union[CompletionRequest, ChatCompletionRequest], max_new_
         value = getattr(req, src)
         if value is not None:
             params[dst] = value
+    if req.no_stop_trim or req.include_stop_str_in_output:
+        params["no_stop_trim"] = True
     if req.logit_bias:
         try:
             params["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
@@ -63,10 +67,11 @@ def sampling_dict(req: Union[CompletionRequest, ChatCompletionRequest], max_new_
             raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
                            param="logit_bias") from None
     params.update(response_format_to_sampling(req.response_format))
+    params.update(structured_outputs_to_sampling(req.structured_outputs))
     return params
 
 
-def _engine_calls(req: Union[CompletionRequest, ChatCompletionRequest], prompts: list[dict[str, Any]],
+def engine_calls(req: Union[CompletionRequest, ChatCompletionRequest], prompts: list[dict[str, Any]],
                   params: dict[str, Any], ctx: ServerContext, logprob_args: dict[str, Any]
                   ) -> list[list[dict[str, Any]]]:
     """One run of n samples per prompt (see GenerationGroup.start)."""
@@ -97,11 +102,11 @@ def _check_strict_schema(req: Union[CompletionRequest, ChatCompletionRequest], s
                        + " (set strict=false for best effort)", param="response_format")
 
 
-def _default_max_tokens(prompt_len: int, ctx: ServerContext) -> Optional[int]:
+def default_max_tokens(prompt_len: int, ctx: ServerContext) -> Optional[int]:
     return None if ctx.context_len is None else max(ctx.context_len - prompt_len, 1)
 
 
-async def _results_or_stream(group: GenerationGroup, runs: list[list[dict[str, Any]]], stream: bool,
+async def results_or_stream(group: GenerationGroup, runs: list[list[dict[str, Any]]], stream: bool,
                              events: Callable[[], AsyncIterator[str]]) -> Union[list[dict], StreamingResponse]:
     await group.start(runs)
     if stream:
@@ -124,6 +129,14 @@ async def _sse(group: GenerationGroup, events: AsyncIterator[str]) -> AsyncItera
     yield SSE_DONE
 
 
+def new_response_id(request: Request, prefix: str, rid: Optional[str]) -> tuple[str, int]:
+    """The response's id (the client's rid when it sent one) and creation time; the id is also the
+    X-Request-Id header (http_server.ResponseHeaders)."""
+    response_id = prefix + (rid or uuid.uuid4().hex)
+    request.state.request_id = response_id
+    return response_id, int(time.time())
+
+
 def raise_if_aborted(results: list[dict]) -> None:
     for out in results:
         error = abort_error(out.get("meta_info") or {})
@@ -131,13 +144,13 @@ def raise_if_aborted(results: list[dict]) -> None:
             raise APIError(*error)
 
 
-def _continuous_usage(req: Union[CompletionRequest, ChatCompletionRequest]) -> bool:
+def continuous_usage(req: Union[CompletionRequest, ChatCompletionRequest]) -> bool:
     """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far."""
     options = req.stream_options
     return options is not None and options.include_usage and options.continuous_usage_stats
 
 
-def _abort_event(meta: dict[str, Any]) -> Optional[str]:
+def abort_event(meta: dict[str, Any]) -> Optional[str]:
     error = abort_error(meta)
     return None if error is None else sse_error_event(APIError(*error))
 
@@ -190,6 +203,7 @@ def _completion_prompts(req: CompletionRequest, ctx: ServerContext) -> list[dict
 @router.post("/completions")
 async def completions(req: CompletionRequest, request: Request):
     ctx = get_context(request)
+    review(req, COMPLETIONS, request, ctx.logged_once)
     check_model(req, ctx)
     prompts = _completion_prompts(req, ctx)
     logprob_args: dict[str, Any] = {}
@@ -198,14 +212,15 @@ async def completions(req: CompletionRequest, request: Request):
                         "return_text_in_logprobs": True}
         if req.echo:
             logprob_args["logprob_start_len"] = 0
-    runs = _engine_calls(req, prompts, sampling_dict(req, req.max_tokens), ctx, logprob_args)
+    params = sampling_dict(req, req.max_tokens)
+    if req.json_schema is not None:
+        params["json_schema"] = req.json_schema
+    runs = engine_calls(req, prompts, params, ctx, logprob_args)
     await tokenize_prompts(runs, ctx)
     group = ctx.new_group(request)
-    response_id = "cmpl-" + (req.rid or uuid.uuid4().hex)
-    request.state.request_id = response_id  # the X-Request-Id header (http_server.RequestIdHeader)
-    created = int(time.time())
+    response_id, created = new_response_id(request, "cmpl-", req.rid)
     echo_texts = [_prompt_text(p, ctx) if req.echo else "" for p in prompts]
-    result = await _results_or_stream(
+    result = await results_or_stream(
         group, runs, req.stream,
         lambda: _completion_events(group, req, response_id, created, ctx, echo_texts))
     if isinstance(result, StreamingResponse):
@@ -238,7 +253,7 @@ async def _completion_events(group: GenerationGroup, req: CompletionRequest, res
     cursors: dict[int, ChoiceCursor] = {}
     last_meta: dict[int, dict] = {}
     head = {"id": response_id, "object": "text_completion", "created": created, "model": ctx.model_name}
-    continuous = _continuous_usage(req)
+    continuous = continuous_usage(req)
     async for index, chunk in group.chunks():
         cur = cursors.setdefault(index, ChoiceCursor())
         meta = chunk.get("meta_info") or {}
@@ -263,128 +278,8 @@ async def _completion_events(group: GenerationGroup, req: CompletionRequest, res
             if continuous:
                 body["usage"] = usage([meta], [meta])
             yield sse_event(body)
-        if reason == "abort" and (event := _abort_event(meta)):
+        if reason == "abort" and (event := abort_event(meta)):
             yield event
     if req.stream_options is not None and req.stream_options.include_usage:
         metas = [last_meta[i] for i in sorted(last_meta)]
         yield sse_event({**head, "choices": [], "usage": usage(metas[::req.n], metas)})
-
-
-# ---------------------------------------------------------------- /v1/chat/completions
-
-def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServerContext) -> list[int]:
-    """Render the messages with the model's chat template and tokenize."""
-    tokenizer = ctx.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    for i, m in enumerate(req.messages):
-        check_unicode(m.text(), f"messages[{i}].content", "messages")
-    messages, tool_kwargs = render_messages(req, tokenizer)
-    kwargs = {**(req.chat_template_kwargs or {}), **tool_kwargs}
-    if req.continue_final_message:
-        kwargs.update(add_generation_prompt=False, continue_final_message=True)
-    else:
-        kwargs.setdefault("add_generation_prompt", True)
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    except Exception as e:  # jinja raises TemplateError for e.g. roles the template refuses
-        raise APIError(400, f"messages could not be rendered with the chat template: {e}",
-                       param="messages") from None
-    # NOTE: the contents are checked above with a better name; tools (descriptions, parameter schemas) and
-    # tool-call arguments reach the prompt too, and a lone surrogate there was a 500 from the tokenizer.
-    check_unicode(text, "the prompt rendered from messages and tools", "messages")
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    check_prompt_length(len(ids), ctx, "messages")
-    return ids
-
-
-@router.post("/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, request: Request):
-    ctx = get_context(request)
-    check_model(req, ctx)
-    check_tools(req, ctx.server_args.grammar_backend)
-    # (in a thread: rendering and tokenizing a long conversation would hold the event loop; see tokenize_prompts)
-    ids = await asyncio.to_thread(chat_prompt_ids, req, ctx)
-    max_new = req.max_new_tokens if req.max_new_tokens is not None else _default_max_tokens(len(ids), ctx)
-    logprob_args: dict[str, Any] = {}
-    if req.logprobs:
-        logprob_args = {"return_logprob": True, "top_logprobs_num": req.top_logprobs or 0,
-                        "return_text_in_logprobs": True}
-    params = sampling_dict(req, max_new)
-    forced = call_schema(req)
-    if forced is not None:  # tool_choice required / named: constrained decoding makes the calls
-        params["json_schema"] = json.dumps(forced)
-    runs = _engine_calls(req, [{"input_ids": ids}], params, ctx, logprob_args)
-    tools = plan_for(req)
-    group = ctx.new_group(request)
-    response_id = "chatcmpl-" + (req.rid or uuid.uuid4().hex)
-    request.state.request_id = response_id  # the X-Request-Id header (http_server.RequestIdHeader)
-    created = int(time.time())
-    result = await _results_or_stream(group, runs, req.stream,
-                                      lambda: _chat_events(group, req, response_id, created, ctx, tools))
-    if isinstance(result, StreamingResponse):
-        return result
-    raise_if_aborted(result)
-    choices = []
-    for index, out in enumerate(result):
-        meta = out.get("meta_info") or {}
-        logprobs = None
-        if req.logprobs:
-            logprobs = chat_logprobs(meta.get("output_token_logprobs") or [],
-                                     meta.get("output_top_logprobs") or [], ctx.tokenizer, ctx.token_bytes)
-        text = out.get("text") or ""
-        message, called = tools.message(text) if tools else ({"role": "assistant", "content": text}, False)
-        choices.append({"index": index, "message": message, "logprobs": logprobs,
-                        "finish_reason": "tool_calls" if called else finish_reason(meta),
-                        "matched_stop": matched_stop(meta)})
-    metas = [o.get("meta_info") or {} for o in result]
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
-            "choices": choices, "usage": usage(metas[:1], metas)}
-
-
-async def _chat_events(group: GenerationGroup, req: ChatCompletionRequest, response_id: str, created: int,
-                       ctx: ServerContext, tools: Optional[ToolPlan]) -> AsyncIterator[str]:
-    cursors: dict[int, ChoiceCursor] = {}
-    tool_streams: dict[int, ToolCallStream] = {}  # with tools: what each choice may send as content yet
-    last_meta: dict[int, dict] = {}
-    head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
-    continuous = _continuous_usage(req)
-    meta: dict[str, Any] = {}
-
-    def event(index: int, delta: dict, reason: Optional[str] = None, logprobs: Any = None) -> str:
-        body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
-        if continuous:
-            body["usage"] = usage([meta], [meta])  # the current chunk's choice
-        return sse_event(body)
-
-    async for index, chunk in group.chunks():
-        cur = cursors.setdefault(index, ChoiceCursor())
-        meta = chunk.get("meta_info") or {}
-        last_meta[index] = meta
-        if not cur.role_sent:
-            cur.role_sent = True
-            yield event(index, {"role": "assistant", "content": ""})
-        tool_stream = tool_streams.setdefault(index, tools.new_stream()) if tools else None
-        text = tool_stream.content_delta(chunk.get("text") or "") if tool_stream else cur.text_delta(chunk)
-        logprobs = None
-        if req.logprobs:
-            tokens, tops = cur.logprob_delta(meta)
-            logprobs = chat_logprobs(tokens, tops, ctx.tokenizer, ctx.token_bytes) if tokens else None
-        if text or logprobs:
-            yield event(index, {"content": text}, logprobs=logprobs)
-        reason = finish_reason(meta)
-        if reason is not None and not cur.finished:
-            cur.finished = True
-            if tool_stream is not None and reason != "abort":  # held text: content, or whole calls
-                rest, calls = tool_stream.finish(chunk.get("text") or "")
-                if rest:
-                    yield event(index, {"content": rest})
-                if calls:
-                    reason = "tool_calls"
-                    yield event(index, {"tool_calls": calls})
-            yield event(index, {}, reason)
-            if reason == "abort" and (error := _abort_event(meta)):
-                yield error
-    if req.stream_options is not None and req.stream_options.include_usage:
-        metas = [last_meta[i] for i in sorted(last_meta)]
-        yield sse_event({**head, "choices": [], "usage": usage(metas[:1], metas)})

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI routes (SGLang's native ones are in protocol_native.py).
 
-Models are strict (`"5"` is not an int) and forbid unknown fields, so a typo or a wrong type becomes a
-400 that names the field instead of being silently ignored. Responses are plain dicts built in
-`native_api.py` / `openai_responses.py`: their shapes are fixed by SGLang and OpenAI, and plain dicts
+Models are strict (`"5"` is not an int), so a wrong type becomes a 400 that names the field. Nested objects
+forbid unknown keys; a request body's unknown top-level fields are ignored with a warning and a response
+header, and the fields other servers define are accepted as protocol_compat.py says. Responses are plain dicts built in
+`native_api.py` / `openai_outputs.py`: their shapes are fixed by SGLang and OpenAI, and plain dicts
 keep the streaming hot path free of model construction.
 """
 
@@ -14,9 +15,13 @@ from typing import Any, Literal, Optional, Union, get_args
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from .protocol_compat import CHAT, COMPLETIONS, compat_model
 from .protocol_tools import NamedToolChoice, Tool, ToolCall
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
+# Top-level request bodies: a field no API defines is ignored (with a warning, protocol_compat.review);
+# nested objects stay strict.
+_TOP_LEVEL = ConfigDict(strict=True, extra="allow")
 # Samples per prompt (OpenAI's limit for n). Each is its own Engine request, built up front.
 MAX_N = 64
 
@@ -50,10 +55,27 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class _SamplingExtensions(BaseModel):
-    """SGLang's extra sampling fields on the OpenAI routes (sent through `extra_body`)."""
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one constraint (structured_outputs.py maps it)."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    # `json` shadows a BaseModel attribute, hence the alias.
+    json_: Optional[Union[str, dict[str, Any]]] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = Field(default=None, min_length=1)
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    # Backend knobs of vLLM's; plait's backend has its own defaults.
+    disable_fallback: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = None
+    disable_additional_properties: Optional[bool] = None
+    whitespace_pattern: Optional[str] = None
+
+
+class _SamplingExtensions(BaseModel):
+    """SGLang's and vLLM's extra sampling fields on the OpenAI routes (sent through `extra_body`)."""
+
+    model_config = _TOP_LEVEL
 
     model: Optional[str] = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -80,6 +102,13 @@ class _SamplingExtensions(BaseModel):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     rid: Optional[str] = None
+    stop_regex: Optional[Union[str, list[str]]] = None
+    stream_interval: Optional[int] = Field(default=None, ge=1)
+    custom_params: Optional[dict[str, Any]] = None
+    # vLLM's names
+    include_stop_str_in_output: bool = False  # = no_stop_trim
+    spaces_between_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputs] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -125,10 +154,11 @@ def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
                      if not f.is_required() and type(None) not in get_args(f.annotation))
 
 
-class CompletionRequest(_SamplingExtensions):
+class CompletionRequest(_SamplingExtensions, compat_model(COMPLETIONS)):  # type: ignore[misc]
     """POST /v1/completions."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    json_schema: Optional[str] = None  # SGLang's extension (a schema as JSON text)
     max_tokens: Optional[int] = Field(default=16, ge=0)
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -177,6 +207,9 @@ class ChatMessage(BaseModel):
     audio: Optional[dict[str, Any]] = None
     refusal: Optional[str] = None  # an assistant turn that refused: its text when there is no content
     annotations: Optional[list[Any]] = None  # citations of a turn; nothing to render
+    # A reasoning model's thinking, sent back in the history; templates that read it (Qwen3's) get it.
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -211,27 +244,21 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-# The "off" values of the OpenAI fields plait does not implement (storage, tiers, audio, reasoning).
-_OPENAI_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "store": (None, False), "service_tier": (None, "auto", "default"),
-    "modalities": (None, ["text"]), "reasoning_effort": (None,), "audio": (None,), "prediction": (None,),
-    "web_search_options": (None,), "function_call": (None, "none", "auto"),
-}
+# The "off" values of the legacy function-calling fields (refused otherwise: send tools).
+_LEGACY_OFF_VALUES: dict[str, tuple[Any, ...]] = {"function_call": (None, "none", "auto")}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
-class ChatCompletionRequest(_SamplingExtensions):
+class ChatCompletionRequest(_SamplingExtensions, compat_model(CHAT)):  # type: ignore[misc]
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    # OpenAI fields plait does not implement; accepted only with their "off" value (see below).
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None  # labels stored completions; ignored, as nothing is stored
-    service_tier: Optional[str] = None
-    modalities: Optional[list[str]] = None
-    reasoning_effort: Optional[str] = None
-    audio: Optional[dict[str, Any]] = None
-    prediction: Optional[dict[str, Any]] = None
-    web_search_options: Optional[dict[str, Any]] = None
+    # Passed to the chat template (as vLLM does); "none" also turns a template's enable_thinking off.
+    reasoning_effort: Optional[Union[Literal[REASONING_EFFORTS], float]] = None  # type: ignore[valid-type]
+    # vLLM's template controls
+    add_generation_prompt: bool = True
+    documents: Optional[list[dict[str, Any]]] = None
+    add_special_tokens: bool = False
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -247,15 +274,12 @@ class ChatCompletionRequest(_SamplingExtensions):
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
     # Field validators (not one model validator) so that the error's `param` names the field.
-    @field_validator(*_OPENAI_OFF_VALUES)
+    @field_validator(*_LEGACY_OFF_VALUES)
     @classmethod
     def _only_off(cls, value: Any, info: ValidationInfo) -> Any:
-        """Clients and SDK wrappers send some of these on every request, so their "off" value is
-        accepted; any other value is refused by name instead of being ignored."""
-        if value not in _OPENAI_OFF_VALUES[info.field_name]:
-            hint = (' (legacy): send tools and tool_choice={"type": "function", "function": {"name": ...}}'
-                    if info.field_name == "function_call" else "")
-            raise ValueError(f"'{info.field_name}' is not supported by plait{hint}")
+        if value not in _LEGACY_OFF_VALUES[info.field_name]:
+            raise ValueError(f"'{info.field_name}' is not supported by plait (legacy): send tools and "
+                             'tool_choice={"type": "function", "function": {"name": ...}}')
         return value
 
     @field_validator("functions")

@@ -1,5 +1,5 @@
 """Request bodies of SGLang's native routes (`/generate`, `/abort_request`) and plait's own (`/pin_prefix`,
-`/unpin_prefix`). Strict like the OpenAI ones in protocol.py: a typo or a wrong type is a 400 naming the field.
+`/unpin_prefix`). Strict like the OpenAI ones in protocol.py: a wrong type is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -8,21 +8,14 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from .protocol_compat import NATIVE, compat_model
+
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
 
-# Fields SGLang's clients send that plait does not implement (multimodal, LoRA, disaggregation, ...).
-# They are accepted only with their "unset" value, so SGLang's bench/clients work unchanged while a
-# request that really needs one of them gets a clear 400 instead of a silent wrong answer.
-SGLANG_UNSUPPORTED_FIELDS = (
-    "image_data", "video_data", "audio_data", "modalities", "lora_path", "lora_id",
-    "return_hidden_states", "custom_logit_processor", "session_params", "bootstrap_host",
-    "bootstrap_port", "bootstrap_room", "data_parallel_rank", "input_embeds", "token_ids_logprob",
-)
-
-
-class GenerateRequest(BaseModel):
-    """POST /generate. Exactly one of `text` / `input_ids`; a list makes it a batch."""
+class GenerateRequest(compat_model(NATIVE)):  # type: ignore[misc]
+    """POST /generate. Exactly one of `text` / `input_ids`; a list makes it a batch. The other fields of
+    SGLang's GenerateReqInput are accepted as protocol_compat.py says."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -41,12 +34,7 @@ class GenerateRequest(BaseModel):
     group: Optional[str] = None
 
     @model_validator(mode="after")
-    def _check_extras(self) -> "GenerateRequest":
-        for name, value in (self.model_extra or {}).items():
-            if name not in SGLANG_UNSUPPORTED_FIELDS:
-                raise ValueError(f"unknown field '{name}'")
-            if value not in (None, False, [], {}, ""):
-                raise ValueError(f"field '{name}' is not supported by plait")
+    def _one_prompt(self) -> "GenerateRequest":
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of 'text' or 'input_ids' must be given")
         return self

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from ..server_args import ServerArgs
 from .engine_client import AdmissionControl, GenerationGroup
 from .metrics import ServerMetrics
+from .response_store import ResponseStore
 from .token_bytes import TokenBytes
 
 # SGLang's OpenAI examples send model="default"; accept it as an alias of the served model.
@@ -42,9 +43,11 @@ class ServerContext:
     vocab_size: Optional[int]
     metrics: ServerMetrics
     admission: AdmissionControl
+    responses: ResponseStore  # stored Responses (previous_response_id)
     token_bytes: Optional[TokenBytes] = None  # None without a tokenizer
     started_at: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    logged_once: set[str] = field(default_factory=set)  # what protocol_compat.review has logged
 
     @classmethod
     def build(cls, engine: Any, server_args: ServerArgs) -> "ServerContext":
@@ -75,6 +78,7 @@ class ServerContext:
         return cls(engine=engine, server_args=server_args, model_name=name,
                    accepted_model_names=frozenset(accepted), context_len=context_len,
                    vocab_size=vocab_size, metrics=metrics, admission=AdmissionControl(limit, metrics),
+                   responses=ResponseStore(engine),
                    token_bytes=TokenBytes(tokenizer) if tokenizer is not None else None)
 
     @property

@@ -9,9 +9,7 @@ the model's output back into `tool_calls`.
 - tool_choice "required" / named: the output is constrained by a JSON schema built from the tools'
   parameter schemas (`call_schema`), so the arguments always parse and match. "auto": the output is
   parsed; anything that is not a whole call stays text. "none": no tools offered, nothing parsed.
-- Parsing accepts the generic JSON (one call, a list, or calls one after another), Llama-3.1's
-  `{"name", "parameters"}` (after an optional `<|python_tag|>`), Mistral's `[TOOL_CALLS]` prefix, a
-  ```json fence, and Hermes/Qwen `<tool_call>{...}</tool_call>` blocks after some text.
+- The output is read back into `tool_calls` by tool_call_parser.py (whole, or streamed as OpenAI does).
 """
 
 from __future__ import annotations
@@ -19,26 +17,19 @@ from __future__ import annotations
 import functools
 import json
 import re
-import uuid
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..constrained import validate_constraint
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage
 from .protocol_tools import NamedToolChoice, Tool
+from .tool_call_parser import ToolPlan, arguments_value
 
 GENERIC_TOOLS_INTRO = "You can call these tools (functions), given as JSON with their parameters' JSON schema:"
 GENERIC_TOOLS_HOWTO = (
     'To call a tool, answer with only a JSON object {"name": <tool name>, "arguments": <an object '
     "matching its parameters>}, or a JSON list of such objects to call several tools. Otherwise answer "
     "in plain text.")
-HERMES_OPEN = "<tool_call>"
-_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
-_CALL_PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
-_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
-# How an auto-mode output that is a call begins; a stream holds such text back until it can tell.
-_CALL_OPENERS = ("{", "[", "```", HERMES_OPEN, *_CALL_PREFIXES)
 
 
 # ---------------------------------------------------------------- prompt rendering
@@ -72,23 +63,35 @@ def render_messages(req: ChatCompletionRequest, tokenizer: Any) -> tuple[list[di
         return messages, ({"tools": [t.model_dump(exclude_none=True) for t in offered]} if offered else {})
     messages = _generic_messages(req.messages)
     if offered:
-        prompt = generic_tools_prompt(offered, req.effective_tool_choice)
+        prompt = generic_tools_prompt(offered)
         if messages and messages[0]["role"] == "system":
             messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}
         else:
             messages.insert(0, {"role": "system", "content": prompt})
+        _ask_for_the_call(messages, req.effective_tool_choice)
     return messages, {}
 
 
-def generic_tools_prompt(tools: list[Tool], choice: Any) -> str:
+def _ask_for_the_call(messages: list[dict[str, Any]], choice: Any) -> None:
+    """A forcing tool_choice, said in the last user turn.
+    NOTE: not in the system message, which every turn of a conversation shares: there it made the prompt of an
+    agent's next (unforced) turn differ from the first token on, so nothing of the conversation was reused
+    from the prefix cache."""
+    if choice == "required":
+        ask = "You must call at least one tool now."
+    elif isinstance(choice, NamedToolChoice):
+        ask = f'You must call the tool "{choice.function.name}" now.'
+    else:
+        return
+    last_user = next((m for m in reversed(messages) if m["role"] == "user"), messages[0])
+    last_user["content"] = f"{last_user['content']}\n\n{ask}"
+
+
+def generic_tools_prompt(tools: list[Tool]) -> str:
     lines = [GENERIC_TOOLS_INTRO]
     lines += [json.dumps(t.function.model_dump(exclude={"strict"}, exclude_none=True), ensure_ascii=False)
               for t in tools]
     lines.append(GENERIC_TOOLS_HOWTO)
-    if choice == "required":
-        lines.append("You must call at least one tool now.")
-    elif isinstance(choice, NamedToolChoice):
-        lines.append(f'You must call the tool "{choice.function.name}" now.')
     return "\n".join(lines)
 
 
@@ -96,19 +99,11 @@ def _role(message: ChatMessage) -> str:
     return "system" if message.role == "developer" else message.role
 
 
-def _arguments_value(arguments: str) -> Any:
-    """Arguments as an object for rendering (templates and the generic JSON); text when not JSON."""
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
-
-
 def _native_message(message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": _role(message), "content": message.text()}
     if message.tool_calls:
         out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-            "name": c.function.name, "arguments": _arguments_value(c.function.arguments)}}
+            "name": c.function.name, "arguments": arguments_value(c.function.arguments)}}
             for c in message.tool_calls]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
@@ -136,7 +131,7 @@ def _generic_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             continue
         previous_was_tool = False
         if m.tool_calls:
-            calls = [{"name": c.function.name, "arguments": _arguments_value(c.function.arguments)}
+            calls = [{"name": c.function.name, "arguments": arguments_value(c.function.arguments)}
                      for c in m.tool_calls]
             call_names.update((c.id, c.function.name) for c in m.tool_calls)
             as_json = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
@@ -243,128 +238,12 @@ def _rebased(parameters: Optional[dict[str, Any]], base: str) -> Any:
     return walk(parameters)
 
 
-# ---------------------------------------------------------------- parsing the output
-
-@dataclass(frozen=True)
-class ParsedOutput:
-    """`text[:content_end]` is the text before the calls (all of it when there are none)."""
-
-    content_end: int
-    calls: list[dict[str, Any]]  # OpenAI tool_calls entries (id, type, function{name, arguments})
-
-
-def parse_tool_calls(text: str, names: set[str]) -> ParsedOutput:
-    """The calls in a model's output; all or nothing: a block that does not parse leaves it all text."""
-    start = text.find(HERMES_OPEN)
-    if start >= 0:
-        found = [_calls_in_json(body, names) for body in _HERMES_BLOCK.findall(text, start)]
-        if found and all(found):
-            return ParsedOutput(start, [c for calls in found for c in calls])
-        return ParsedOutput(len(text), [])
-    body = text.strip()
-    for prefix in _CALL_PREFIXES:
-        if body.startswith(prefix):
-            body = body[len(prefix):].strip()
-    fenced = _FENCE.fullmatch(body)
-    calls = _calls_in_json(fenced.group(1) if fenced else body, names)
-    return ParsedOutput(0, calls) if calls else ParsedOutput(len(text), [])
-
-
-def _calls_in_json(body: str, names: set[str]) -> list[dict[str, Any]]:
-    """Calls from JSON text: an object, a list of objects, or objects one after another (separated by
-    whitespace, ',' or ';'). Empty unless every value is a call of an offered tool."""
-    decoder, values, at = json.JSONDecoder(), [], 0
-    while True:
-        while at < len(body) and body[at] in " \t\r\n,;":
-            at += 1
-        if at == len(body):
-            break
-        try:
-            value, at = decoder.raw_decode(body, at)
-        except ValueError:
-            return []
-        values.extend(value if isinstance(value, list) else [value])
-    calls = []
-    for value in values:
-        if not isinstance(value, dict) or value.get("name") not in names:
-            return []
-        arguments = value.get("arguments", value.get("parameters", {}))
-        if isinstance(arguments, str):  # some models send the arguments as JSON text, as OpenAI does
-            arguments = _arguments_value(arguments)
-        if not isinstance(arguments, dict):
-            return []
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
-    return calls
-
-
-# ---------------------------------------------------------------- one request's plan
-
-@dataclass(frozen=True)
-class ToolPlan:
-    """How a request's outputs are read: None from `plan_for` means plain text (no tools, or "none")."""
-
-    names: frozenset[str]
-    forced: bool
-    parallel: bool
-
-    def parse(self, text: str) -> ParsedOutput:
-        parsed = parse_tool_calls(text, set(self.names))
-        if not self.parallel and len(parsed.calls) > 1:  # parallel_tool_calls=false: at most one call
-            return ParsedOutput(parsed.content_end, parsed.calls[:1])
-        return parsed
-
-    def message(self, text: str) -> tuple[dict[str, Any], bool]:
-        """The response's `message` for a whole output, and whether it holds calls."""
-        parsed = self.parse(text)
-        if not parsed.calls:
-            return {"role": "assistant", "content": text}, False
-        content = text[:parsed.content_end].strip() or None
-        return {"role": "assistant", "content": content, "tool_calls": parsed.calls}, True
-
-    def new_stream(self) -> "ToolCallStream":
-        return ToolCallStream(self)
-
-
 def plan_for(req: ChatCompletionRequest) -> Optional[ToolPlan]:
+    """How the outputs are read back (tool_call_parser.py); None: plain text (no tools, or "none")."""
     if not req.tools or req.effective_tool_choice == "none":
         return None
-    return ToolPlan(frozenset(t.function.name for t in req.tools), forcing(req),
-                    req.parallel_tool_calls is not False)
-
-
-@dataclass
-class ToolCallStream:
-    """One streamed choice: text is sent as content as soon as it cannot be the start of a call; text
-    that may be one is held until the output ends, then sent as whole calls (one delta) or as content."""
-
-    plan: ToolPlan
-    sent: int = 0
-
-    def content_delta(self, text: str) -> str:
-        """`text` is the choice's cumulative output; returns the content safe to send now."""
-        hold = self._hold_from(text)
-        delta = text[self.sent:hold] if hold > self.sent else ""
-        self.sent = max(self.sent, hold)
-        return delta
-
-    def finish(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """At the end: the content not sent yet, and the tool_calls delta entries (with their index)."""
-        parsed = self.plan.parse(text)
-        rest = text[self.sent:parsed.content_end]
-        self.sent = len(text)
-        return rest, [{"index": k, **call} for k, call in enumerate(parsed.calls)]
-
-    def _hold_from(self, text: str) -> int:
-        if self.plan.forced:
-            return 0
-        head = text.lstrip()
-        if any(o.startswith(head) or head.startswith(o) for o in _CALL_OPENERS):
-            return 0
-        marker = text.find(HERMES_OPEN)
-        if marker >= 0:
-            return marker
-        for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):  # a marker cut by the chunk's end
-            if text.endswith(HERMES_OPEN[:k]):
-                return len(text) - k
-        return len(text)
+    names = [t.function.name for t in req.tools]
+    choice = req.effective_tool_choice
+    forced_name = (choice.function.name if isinstance(choice, NamedToolChoice)
+                   else names[0] if choice == "required" and len(names) == 1 else None)
+    return ToolPlan(frozenset(names), forcing(req), req.parallel_tool_calls is not False, forced_name)
