@@ -242,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(_unexpected(name, cfg))
                 dst = params[name].data
                 if vocab_parallel and name in ("embed_tokens.weight", "lm_head.weight"):
-                    dst = dst[:tensor.shape[0]]  # the last shard's padding rows: never looked up, logits cut off
+                    dst[tensor.shape[0]:].zero_()  # the last shard's padding rows: never looked up, logits cut off
+                    dst = dst[:tensor.shape[0]]
                 _copy_checked(dst, tensor, name)
                 loaded.add(name)
         expected = set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 import traceback
 from typing import Any, Optional
 
@@ -48,12 +49,17 @@ def create_scheduler(server_args: ServerArgs, model_path: str) -> "Scheduler":
     from ..executor.loader import load_tokenizer
     from ..executor.model_runner import ModelRunner
 
-    tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
-    if server_args.world_size() > 1:
-        from ..distributed.runner import start_group
+    # NOTE: the tokenizer loads on a thread while the model is built (each is seconds of a small model's
+    # start on the CPU, much of it in native code that releases the GIL).
+    with ThreadPoolExecutor(1, thread_name_prefix="plait-tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, server_args.tokenizer_path or model_path)
+        if server_args.world_size() > 1:
+            from ..distributed.runner import start_group
 
-        return Scheduler(server_args, start_group(server_args, model_path), tokenizer)
-    return Scheduler(server_args, ModelRunner(server_args, model_path), tokenizer)
+            runner = start_group(server_args, model_path)
+        else:
+            runner = ModelRunner(server_args, model_path)
+        return Scheduler(server_args, runner, tokenizer.result())
 
 
 class Scheduler:
