@@ -11,6 +11,11 @@ Calls the scheduler makes (runtime/scheduler.py):
     plan = manager.jump_forward(req)                                 # after the stop checks, if the
                                                                      # request is still running
 
+Each matcher is a `RequestGrammar` (request_grammar.py): no repeated JSON keys, and (unless the request
+set `close_within_budget` off) the closing that keeps a cut output valid: `fill_and_apply` tells each
+matcher its budget left (`req.remaining_new_tokens()`), and `accept` ends a request whose budget
+closing has written its last token with finish_reason "length".
+
 `jump_forward` rewrites `req.output_ids` in place (drops at most the just-sampled token, whose KV
 is not computed yet, and appends the forced tokens), advances the matcher and feeds the
 detokenizer; the scheduler then prefills the new tail (`len(req.fill_ids) - req.kv_len` tokens)
@@ -25,15 +30,22 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .base import GrammarBackend, GrammarMatcher, create_grammar_backend
-from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+from .base import JSON_KINDS, GrammarBackend, GrammarMatcher
+from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace, unpack_bitmask
+from .closing import CHOICES
+from .completion import CompletionSearch
+from .factory import create_grammar_backend
 from .jump_forward import JumpForwardPlan, apply_jump_forward, plan_jump_forward
+from .request_grammar import RequestGrammar
+from .token_tables import TokenTables
+from .unique_keys import RepeatedKeyMask
 
 
 # Compiles run on this many threads. NOTE: a compile cannot be stopped, so one that runs past its timeout
 # keeps its thread until it ends; with a single thread every other request's constraint (a forced tool
 # call included) would queue behind it and time out too.
 COMPILE_THREADS = 4
+_EVENT_COUNTERS = {"closed": "grammar_closed_early", "overshoot": "grammar_close_overshoots"}
 
 
 class GrammarManager:
@@ -46,12 +58,18 @@ class GrammarManager:
             server_args.grammar_backend, tokenizer, vocab_size,
             num_threads=COMPILE_THREADS, compile_timeout=server_args.grammar_compile_timeout)
         self.jump_forward_enabled = not server_args.disable_jump_forward
+        self.tables = TokenTables(self.backend.vocab)
+        self.search = CompletionSearch(self.tables)
+        self.keys = RepeatedKeyMask(self.tables)
         self._special = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
         self._bitmask: Optional[torch.Tensor] = None
         # jump_forward_tokens: tokens appended without a decode step; jump_forward_rollback_tokens:
         # sampled tokens replaced by the retokenized forced text (decoded, then dropped).
+        # grammar_closed_early: outputs steered to their shortest completion (budget or loop);
+        # grammar_close_overshoots: outputs whose shortest completion no longer fitted their budget.
         self.counters = {"jump_forward_events": 0, "jump_forward_tokens": 0,
-                         "jump_forward_rollback_tokens": 0}
+                         "jump_forward_rollback_tokens": 0, "grammar_closed_early": 0,
+                         "grammar_close_overshoots": 0}
 
     @property
     def stats(self) -> dict[str, int]:
@@ -64,7 +82,12 @@ class GrammarManager:
     # ---- arrival ----
     def request(self, sampling_params: Any) -> "Future[GrammarMatcher]":
         """A future of a fresh matcher for the request's constraint (compiled once per key)."""
-        return make_request_grammar(self.backend, sampling_params)
+        return make_request_grammar(self.backend, sampling_params, self._wrap)
+
+    def _wrap(self, matcher: GrammarMatcher, sampling_params: Any) -> RequestGrammar:
+        return RequestGrammar(matcher, self.tables, self.search, self.keys,
+                              json_text=sampling_params.grammar_key[0] in JSON_KINDS,
+                              close_within_budget=sampling_params.close_within_budget)
 
     # ---- sampling ----
     def fill_and_apply(self, logits: torch.Tensor, reqs: Sequence[Any]) -> None:
@@ -77,18 +100,41 @@ class GrammarManager:
             self._bitmask = allocate_token_bitmask(max(batch, 8), self.backend.vocab_size)
         bitmask = self._bitmask[:batch]  # (B, W)
         for i in rows:
-            if not reqs[i].grammar.is_terminated():
-                reqs[i].grammar.fill_bitmask(bitmask, i)
+            grammar = reqs[i].grammar
+            if not grammar.is_terminated():
+                left = _budget_left(reqs[i])
+                event = grammar.prepare(left)
+                if event is not None:
+                    self.counters[_EVENT_COUNTERS[event]] += 1
+                grammar.fill_bitmask(bitmask, i)
+                if grammar.choosing():
+                    self._keep_fitting(logits[i], bitmask[i], grammar, left)
             else:  # only reached if a finished request is still batched: allow nothing but stop
                 bitmask[i].zero_()
         apply_token_bitmask_inplace(logits, bitmask, rows)
 
+    def _keep_fitting(self, logits_row: torch.Tensor, mask_row: torch.Tensor, grammar: RequestGrammar,
+                      left: int) -> None:
+        """Near the end of a budget: narrow the row to the likeliest tokens after which a completion fits."""
+        allowed = unpack_bitmask(mask_row.unsqueeze(0), logits_row.shape[0])[0].to(logits_row.device)  # (V,)
+        scores = logits_row.masked_fill(~allowed, float("-inf"))  # (V,)
+        top = scores.topk(min(CHOICES, scores.shape[0]))
+        candidates = [t for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")]
+        keep = grammar.keep_fitting(candidates, left)
+        mask_row.zero_()
+        mask_row |= self.tables.row_of(keep)
+
     # ---- after sampling ----
     def accept(self, req: Any, token_id: int) -> bool:
-        """Advance the request's matcher; a rejected token aborts the request (never silently)."""
-        if advance(req, token_id):
-            return True
+        """Advance the request's matcher; a rejected token aborts the request (never silently).
+
+        After the last token of a budget closing, the request ends with finish_reason "length"."""
         from ..schedule_batch import FinishReason
+
+        if advance(req, token_id):
+            if req.grammar is not None and req.grammar.ends_within_budget():
+                req.finished_reason = FinishReason("length", length=len(req.output_ids))
+            return True
 
         req.finished_reason = FinishReason(
             "abort", message=f"token {token_id} violates the request's grammar (constraint "
@@ -109,10 +155,12 @@ class GrammarManager:
         return plan
 
 
-def make_request_grammar(backend: GrammarBackend, sampling_params: Any
+def make_request_grammar(backend: GrammarBackend, sampling_params: Any, wrap: Any = None
                          ) -> "Optional[Future[GrammarMatcher]]":
     """None for an unconstrained request; else a future resolving to the request's own matcher
-    (with `.warnings`, the constraint features the backend does not enforce) or to ValueError."""
+    (with `.warnings`, the constraint features the backend does not enforce) or to ValueError.
+
+    wrap(matcher, sampling_params): what the request holds instead of the backend's bare matcher."""
     key = sampling_params.grammar_key
     if key is None:
         return None
@@ -127,7 +175,10 @@ def make_request_grammar(backend: GrammarBackend, sampling_params: Any
         compiled = fut.result()
         matcher = compiled.new_matcher()
         matcher.warnings = compiled.warnings
-        matcher_future.set_result(matcher)
+        try:
+            matcher_future.set_result(matcher if wrap is None else wrap(matcher, sampling_params))
+        except Exception as e:  # delivered to the request (an abort naming it), never lost on a thread
+            matcher_future.set_exception(e)
 
     compiled_future.add_done_callback(on_compiled)
     return matcher_future
@@ -140,6 +191,15 @@ def fill_and_apply_masks(logits: torch.Tensor, reqs: Sequence[Any], bitmask: tor
         reqs[i].grammar.fill_bitmask(bitmask, i)
     if rows:
         apply_token_bitmask_inplace(logits, bitmask, rows)
+
+
+def _budget_left(req: Any) -> int:
+    """Tokens the request may still generate, the one about to be sampled included."""
+    remaining = getattr(req, "remaining_new_tokens", None)
+    if remaining is not None:
+        return remaining()
+    max_new = req.sampling_params.max_new_tokens
+    return (1 << 30) if max_new is None else max_new - len(req.output_ids)
 
 
 def advance(req: Any, token_id: int) -> bool:

@@ -1,0 +1,196 @@
+"""Valid within the budget: steer a constrained output to its shortest valid completion in time.
+
+An output cut by max_new_tokens mid-object is text `json.loads` rejects. `BudgetCloser` (one per
+request) keeps an estimate of how many tokens the shortest valid completion needs (completion.py)
+and, before each token is sampled with `left` tokens of budget (that one included):
+
+- slack = left - estimate == 0: close now. The completion's tokens are forced one per step, so the
+  output ends, complete, exactly as the budget runs out (finish_reason "length");
+- slack < 0: no valid completion fits any more (a budget smaller than the schema's smallest value,
+  or one token that opened too much at once): the model's own text is left as it is, and
+  `overshoot` records it;
+- 0 < slack <= GUARD: only tokens after which a completion still fits are allowed. Inside a string
+  (or a number) that is its content (its digits), which leave the completion as it is; anywhere
+  else the model's CHOICES most likely tokens are tried (`fitting`): each is accepted, the
+  completion after it found, and it is rolled back. So a greedy output keeps the model's own
+  token whenever that one fits;
+- a loop (repetition.py): close now, whatever the budget (the output then ends with the grammar's
+  own stop, "stop").
+
+What it costs. Far from the end of the budget nothing is computed. The first estimate is taken
+FIRST_LOOK tokens before the end; from then on it is refreshed every REFRESH tokens, and every token
+once the slack is under NEAR. A refresh first tries the previous completion (what is left of it
+when the model wrote its first bytes, or all of it when the model only added string content or
+digits): a few token steps of the matcher, no search. The search runs only where the structure
+changed (a value ended, a key began). Between refreshes an estimate can grow unseen; GUARD and NEAR
+leave room for that, and `overshoot` records the times it was not enough.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .base import GrammarMatcher
+from .completion import Completion, CompletionSearch
+from .json_scan import IN_KEY, IN_LITERAL, IN_STRING, JsonScanner
+
+FIRST_LOOK = 256
+NEAR = 32
+REFRESH = 16
+GUARD = 8
+CHOICES = 4
+RETRY_AFTER = 4
+
+BUDGET, REPETITION = "budget", "repetition"  # why an output was closed early
+
+
+class BudgetCloser:
+    """Per request: the current estimate, and once closing, the forced tokens."""
+
+    def __init__(self, search: CompletionSearch) -> None:
+        self.search = search
+        self.estimate: Optional[Completion] = None
+        self._estimate_version = -1  # the matcher version the estimate was computed at
+        self._estimate_left = 0  # the budget left then
+        self._estimate_tokens = 0  # tokens the request had accepted then
+        self._retry_left: Optional[int] = None  # after a failed search: no new one before this budget
+        self.plan: Optional[tuple[int, ...]] = None  # forced tokens, once closing
+        self.plan_pos = 0
+        self.reason: Optional[str] = None  # why it closed early (reported in meta_info)
+        # inside the guard: "string" | "digits" (a mask row keeps them) | "choose" (see `fitting`) | None
+        self.restrict: Optional[str] = None
+        self.overshoot = False  # no completion fitted in what was left of the budget: nothing more is tried
+        self.searches = 0
+        self.search_seconds = 0.0
+
+    # ---- state the grammar wrapper reads ----
+    @property
+    def closing(self) -> bool:
+        return self.plan is not None
+
+    def forced_token(self) -> Optional[int]:
+        """The next token of the closing plan (None when not closing or when it is all written)."""
+        if self.plan is None or self.plan_pos >= len(self.plan):
+            return None
+        return self.plan[self.plan_pos]
+
+    @property
+    def plan_done(self) -> bool:
+        return self.plan is not None and self.plan_pos >= len(self.plan)
+
+    def first_token(self) -> Optional[int]:
+        """The first token of the current estimate: always allowed inside the guard."""
+        if self.estimate is None or not self.estimate.token_ids:
+            return None
+        return self.estimate.token_ids[0]
+
+    def on_token(self, token_id: int) -> None:
+        if self.plan is None:
+            return
+        if self.plan_pos < len(self.plan) and self.plan[self.plan_pos] == token_id:
+            self.plan_pos += 1
+        else:  # something other than the plan was accepted (cannot happen through the mask): replan
+            self.plan, self.plan_pos = None, 0
+
+    def on_rollback(self) -> None:
+        if self.plan is not None:
+            self.plan, self.plan_pos = None, 0
+
+    # ---- the decision before each sampled token ----
+    def step(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], version: int,
+             accepted: list[bytes], left: int, looping: bool) -> None:
+        """Decide, with `left` tokens of budget (the next one included), whether to close or restrict.
+
+        version: the matcher's state (changes with every accept and rollback); accepted: the bytes of
+        every token accepted so far."""
+        self.restrict = None
+        if self.plan is not None or self.overshoot or matcher.is_terminated():
+            return
+        if looping:
+            estimate = self._refresh(matcher, scanner, version, accepted, left)
+            if estimate is not None and len(estimate.token_ids) <= left:
+                self._close(REPETITION, estimate, left)
+            return
+        estimate = self._estimate(matcher, scanner, version, accepted, left)
+        if estimate is None or not estimate.token_ids:
+            return  # far from the end, or the grammar may end right here
+        slack = left - len(estimate.token_ids)
+        if slack < 0:
+            self.overshoot = True
+        elif slack == 0:
+            self._close(BUDGET, estimate, left)
+        elif slack <= GUARD:
+            context = scanner.context if scanner is not None else None
+            if context in (IN_STRING, IN_KEY):
+                self.restrict = "string"
+            elif context == IN_LITERAL and scanner.literal[-1:].isdigit():
+                self.restrict = "digits"
+            else:
+                self.restrict = "choose"
+
+    def fitting(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], candidates: list[int],
+                decoded: tuple, left: int) -> list[int]:
+        """Of `candidates` (allowed tokens, likeliest first), those after which a completion fits in the
+        `left - 1` tokens then left; the current completion's first token always fits."""
+        first = self.first_token()
+        keep = [] if first is None else [first]
+        old = self.estimate.text if self.estimate is not None else b""
+        for token in candidates:
+            if token == first or not matcher.accept_token(token):
+                continue
+            data = decoded[token]
+            probe = None
+            if scanner is not None:
+                probe = JsonScanner.from_snapshot(scanner.snapshot())
+                probe.feed(data)
+            found = self.search.find(matcher, probe, _hints(old, data))
+            matcher.rollback(1)
+            if found is not None and len(found.token_ids) <= left - 1:
+                keep.append(token)
+        return keep
+
+    def _estimate(self, matcher, scanner, version, accepted, left) -> Optional[Completion]:
+        if self.estimate is not None and self._estimate_version == version:
+            return self.estimate
+        if left > FIRST_LOOK or (self._retry_left is not None and left > self._retry_left):
+            return None
+        if self.estimate is not None and left - len(self.estimate.token_ids) > NEAR and (
+                self._estimate_left - left < REFRESH):
+            return self.estimate  # stale, but far enough from the end that nothing is decided on it
+        return self._refresh(matcher, scanner, version, accepted, left)
+
+    def _refresh(self, matcher, scanner, version, accepted, left) -> Optional[Completion]:
+        old = self.estimate.text if self.estimate is not None else b""
+        found = self.search.find(matcher, scanner, _hints(old, b"".join(accepted[self._estimate_tokens:])))
+        if found is not None and found.how == "search":
+            self.searches += 1
+            self.search_seconds += found.seconds
+        # NOTE: a search that finds nothing (a grammar too intricate for its node budget) is not
+        # retried on every token: the next try waits RETRY_AFTER tokens.
+        self._retry_left = None if found is not None else left - RETRY_AFTER
+        self.estimate, self._estimate_version = found, version
+        self._estimate_left, self._estimate_tokens = left, len(accepted)
+        return found
+
+    def _close(self, reason: str, estimate: Completion, left: int) -> None:
+        self.plan, self.plan_pos, self.reason = estimate.token_ids, 0, reason
+
+
+_STRUCTURAL = frozenset(b'"{}[],:')
+
+
+def _hints(old: bytes, written: bytes) -> list[bytes]:
+    """Completions to try first, from `old` (the completion before `written` was accepted), shortest
+    first: what is left of it if the model wrote its start; it without its leading content (the model
+    wrote a value's digits or letters of its own: `0, "b": 0}` after the model's "2" is `, "b": 0}`);
+    it whole (the model only added content inside a string)."""
+    if not old:
+        return []
+    hints = []
+    if written and old.startswith(written) and len(old) > len(written):
+        hints.append(old[len(written):])
+    lead = next((i for i, b in enumerate(old) if b in _STRUCTURAL), len(old))
+    if 0 < lead < len(old):
+        hints.append(old[lead:])
+    hints.append(old)
+    return hints

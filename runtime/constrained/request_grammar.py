@@ -1,0 +1,136 @@
+"""One request's grammar: the backend's matcher plus what a grammar alone cannot promise.
+
+`RequestGrammar` is the `GrammarMatcher` the scheduler holds for a constrained request (`req.grammar`).
+It forwards to the backend's matcher and adds, for JSON text (schemas, any-JSON, tool calls):
+- no repeated keys (unique_keys.py), always;
+and for every kind, unless the request turned `close_within_budget` off:
+- valid within the budget (closing.py): before each token the GrammarManager calls
+  `prepare(left)`; closing forces the shortest completion's tokens through the mask;
+- loops cut short (repetition.py): a loop starts the closing at once.
+
+`closed_early` says why the output was closed early ("budget" | "repetition"), for meta_info.
+`ends_within_budget()` is True once a budget closing has written its last token: the request ends
+there with finish_reason "length" (the budget, not the model, ended it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import GrammarMatcher
+from .closing import BUDGET, BudgetCloser
+from .completion import CompletionSearch
+from .json_scan import JsonScanner
+from .repetition import RepetitionWatch
+from .token_tables import TokenTables
+from .unique_keys import RepeatedKeyMask
+
+
+class RequestGrammar(GrammarMatcher):
+    def __init__(self, matcher: GrammarMatcher, tables: TokenTables, search: CompletionSearch,
+                 keys: RepeatedKeyMask, json_text: bool, close_within_budget: bool) -> None:
+        self.inner = matcher
+        self.warnings = matcher.warnings
+        self._tables = tables
+        self._keys = keys
+        self.scanner: Optional[JsonScanner] = JsonScanner() if json_text else None
+        self._snapshots: list[tuple] = []  # the scanner before each accepted token (for rollback)
+        self._accepted: list[bytes] = []  # each accepted token's bytes
+        self._version = 0  # changes with every accept and rollback: identifies the matcher's state
+        self.watch = RepetitionWatch() if close_within_budget else None
+        self.closer = BudgetCloser(search) if close_within_budget else None
+
+    # ---- what the scheduler reads ----
+    @property
+    def closed_early(self) -> Optional[str]:
+        return self.closer.reason if self.closer is not None else None
+
+    def choosing(self) -> bool:
+        """Whether the next token must be one after which a completion still fits (see `keep_fitting`)."""
+        return self.closer is not None and self.closer.restrict == "choose"
+
+    def keep_fitting(self, candidates: list[int], left: int) -> list[int]:
+        """Of `candidates` (allowed tokens, likeliest first), those after which a completion fits."""
+        return self.closer.fitting(self.inner, self.scanner, candidates, self._tables.vocab.decoded, left)
+
+    def ends_within_budget(self) -> bool:
+        return self.closer is not None and self.closer.reason == BUDGET and self.closer.plan_done
+
+    def prepare(self, left: int) -> Optional[str]:
+        """Before the next token is sampled with `left` tokens of budget (that one included). Returns
+        "closed" when this began the closing, "overshoot" when no completion fits any more, else None."""
+        closer = self.closer
+        if closer is None or left < 1 or closer.closing or closer.overshoot:
+            return None
+        closer.step(self.inner, self.scanner, self._version, self._accepted, left, self.watch.looping)
+        return "closed" if closer.closing else "overshoot" if closer.overshoot else None
+
+    # ---- GrammarMatcher ----
+    def accept_token(self, token_id: int) -> bool:
+        if not self.inner.accept_token(token_id):
+            return False
+        data = self._tables.vocab.decoded[token_id] if 0 <= token_id < len(self._tables.vocab.decoded) else b""
+        if self.scanner is not None:
+            self._snapshots.append(self.scanner.snapshot())
+            self.scanner.feed(data)
+        self._accepted.append(data)
+        self._version += 1
+        if self.watch is not None:
+            self.watch.feed(token_id, data)
+            self.closer.on_token(token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        self.inner.rollback(num_tokens)
+        if self.scanner is not None:
+            self.scanner.restore(self._snapshots[-num_tokens])
+            del self._snapshots[-num_tokens:]
+        del self._accepted[-num_tokens:]
+        self._version += 1
+        if self.watch is not None:
+            self.watch.rollback(num_tokens)
+            self.closer.on_rollback()
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    @property
+    def max_rollback(self) -> int:
+        return self.inner.max_rollback
+
+    def jump_forward_string(self) -> Optional[str]:
+        if self.closer is not None and self.closer.closing:
+            return None  # the closing plan is written token by token through the mask
+        return self.inner.jump_forward_string()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        closer = self.closer
+        if closer is not None and closer.closing:
+            bitmask[row].zero_()
+            forced = closer.forced_token()
+            if forced is not None:
+                _allow(bitmask[row], forced)
+            else:  # the plan is written: the grammar's own end
+                bitmask[row] |= self._tables.stops
+            return
+        self.inner.fill_bitmask(bitmask, row)
+        if self.scanner is not None and not self.scanner.broken:
+            self._keys.apply(self.scanner, bitmask[row])
+        if closer is not None and closer.restrict in ("string", "digits"):
+            keep = self._tables.string_safe if closer.restrict == "string" else self._tables.digits
+            first = closer.first_token()
+            bitmask[row] &= keep
+            if first is not None:
+                _allow(bitmask[row], first)
+
+
+def _allow(row: torch.Tensor, token_id: int) -> None:
+    bit = token_id & 31
+    row[token_id >> 5] |= (1 << bit) - (1 << 32) if bit == 31 else (1 << bit)
