@@ -11,7 +11,7 @@ token ids only (no tokenizer), as the GPU benchmarks run.
 Each round: flush the cache, run one warm request (the shared prefix + its own 50 tokens) to the end
 so the prefix is cached, then the 256 requests, each message pickled as the tokenizer manager sends it.
 Host ms per round, by the scheduler's phases (`get_stats()["steps"]["host_phases"]`):
-  intake   unpickling the 256 messages + `handle_message` (as scheduler_main's loop does)
+  intake   unpickling the 256 messages + `handle_message` (as the scheduler process loop does)
   admit    building batches (`_get_prefill_batch` / `_get_decode_batch`)
   results  `_process_result` (tokens, stop checks, radix inserts, releases)
   outputs  `collect_outputs` + pickling the `BatchOut` (what send_pyobj does)
@@ -81,7 +81,7 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
         timer.profiler = profiler
         profiler.enable()
     t0 = time.perf_counter()
-    for msg in wire:  # NOTE: scheduler_main receives one message per request: recv_pyobj + handle_message
+    for msg in wire:  # NOTE: the scheduler process receives one message per request: recv_pyobj + handle_message
         s.handle_message(pickle.loads(msg))
     intake = time.perf_counter() - t0
     outputs = stepped = 0.0
@@ -128,8 +128,8 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
 
 def make_scheduler(folder: str, args):
     """The real Scheduler on a tiny random Llama (CPU, stubbed forward), GC set up as its process does."""
-    from plait.runtime import scheduler_main
-    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler import process
+    from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
     from plait.runtime.server_args import ServerArgs
 
     model_dir = make_tiny_model(folder, with_tokenizer=False, vocab=args.vocab)
@@ -140,14 +140,14 @@ def make_scheduler(folder: str, args):
         json.dump(cfg, f)
     sa = ServerArgs(model_path=model_dir, load_format="dummy", device="cpu",
                     max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens)
-    s = Scheduler(sa, model_dir)
-    scheduler_main.freeze_startup_heap()  # as the scheduler process does after start-up
-    s.overlap = True  # the GPU's decode path (synchronous on the CPU)
+    s = create_scheduler(sa, model_dir)
+    process.freeze_startup_heap()  # as the scheduler process does after start-up
+    s.pipeline.overlap = True  # the GPU's decode path (synchronous on the CPU)
     return s
 
 
 def check(s) -> None:
-    s._check_integrity()
+    s.check_integrity()
     assert s.last_integrity_error is None, s.last_integrity_error
 
 
@@ -190,7 +190,7 @@ def bench_fewshot(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | 
     shared = [rng.randrange(100, args.vocab) for _ in range(prefix)]
     rounds = []
     for k in range(args.rounds + 1):  # round 0 warms up the code paths and is not counted
-        assert s._control("flush_cache", {}) is True
+        assert s.control.handle(FlushCacheReq(0)) is True
         run_round(s, timer, make_round(rng, shared, 1, unique, args.vocab), output, f"w{k}-", sim=sim)
         res = run_round(s, timer, make_round(rng, shared, args.requests, unique, args.vocab),
                         output, f"r{k}-", profiler if k else None, sim=sim)
@@ -219,7 +219,7 @@ def bench_tree(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | Non
     ids = lambda n: [rng.randrange(100, args.vocab) for _ in range(n)]  # noqa: E731
     per_round: list[list[dict]] = [[], []]
     for k in range(args.rounds + 1):  # repetition 0 warms up the code paths and is not counted
-        assert s._control("flush_cache", {}) is True
+        assert s.control.handle(FlushCacheReq(0)) is True
         roots = [ids(prefix) for _ in range(args.roots)]
         r1 = [roots[t] + ids(unique) for t in range(args.roots) for _ in range(args.branches)]
         out1: dict = {}
@@ -289,15 +289,15 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="plait-tiny-")
     try:
         s = make_scheduler(folder, args)
-        timer = DeviceTimer(s.model_runner, stub=True)
+        timer = DeviceTimer(s.runner, stub=True)
         profiler = cProfile.Profile() if args.profile else None
-        sim = (SimulatedDevice(s.model_runner, timer, args.sim_prefill_us_per_token, args.sim_step_ms,
+        sim = (SimulatedDevice(s.runner, timer, args.sim_prefill_us_per_token, args.sim_step_ms,
                                args.sim_decode_us_per_row) if args.sim_device else None)
         bench = bench_tree if args.workload == "tree" else bench_fewshot
         if args.compare_pipeline:
             res = {"bench": f"{'admission_tree' if args.workload == 'tree' else 'admission'}_pipeline"}
             for on in (False, True):
-                s.pipeline_prefills = on
+                s.pipeline.pipeline_prefills = on
                 print(f"\n=== prefill pipelining {'on' if on else 'off'} ===")
                 res[f"pipeline_{'on' if on else 'off'}"] = bench(s, timer, args, profiler, sim)
             print(f"\n{args.workload} with a modeled device, medians (ms; tree: both rounds)")

@@ -36,7 +36,7 @@ from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E4
 from plait.runtime.attention.triton_ops import (DecodeConfig, ExtendConfig, decode_attention,  # noqa: E402
                                                 extend_attention)
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from plait.runtime.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
+from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
 SHAPES = {"llama-3.2-1b": (32, 8, 64), "llama-3.1-8b": (32, 8, 128)}
 DTYPE = torch.bfloat16

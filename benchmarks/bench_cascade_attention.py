@@ -38,7 +38,7 @@ from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_ops import PrefixConfig  # noqa: E402
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from plait.runtime.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
+from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE, DEV = torch.bfloat16, "cuda"

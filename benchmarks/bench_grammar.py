@@ -146,7 +146,7 @@ def reference_loop(n: int, max_new: int) -> dict:
     from plait.runtime.constrained import allocate_token_bitmask, create_grammar_backend
     from plait.runtime.constrained.bitmask import apply_token_bitmask_inplace
     from plait.runtime.constrained.jump_forward import apply_jump_forward, plan_jump_forward
-    from plait.runtime.default_model import default_model_path
+    from plait.runtime.models.default_model import default_model_path
 
     torch.set_num_threads(2)
     path = default_model_path()
@@ -219,7 +219,7 @@ def compile_child(name: str, per_category: int, max_chars: int) -> None:
     from transformers import AutoTokenizer
 
     from plait.runtime.constrained import allocate_token_bitmask, create_grammar_backend
-    from plait.runtime.default_model import default_model_path
+    from plait.runtime.models.default_model import default_model_path
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(default_model_path())

@@ -57,7 +57,7 @@ def make_tiny_model(folder: str, with_tokenizer: bool, vocab: int, head_dim: int
     4 query heads of `head_dim` (16 on the CPU; 64 on a GPU, a head size its kernels are tuned for)."""
     tok_src = None
     if with_tokenizer:
-        from plait.runtime.default_model import default_model_path
+        from plait.runtime.models.default_model import default_model_path
 
         tok_src = default_model_path()
         # NOTE: a model vocabulary smaller than the tokenizer's is fine: every id below it decodes.
@@ -206,18 +206,18 @@ class GcClock:
 def run_in_process(args, model_dir: str, reqs) -> dict:
     from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.scheduler import Scheduler
-    from plait.runtime import scheduler_main
+    from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
+    from plait.runtime.scheduler import process
     from plait.runtime.server_args import ServerArgs
 
     sa = ServerArgs(model_path=model_dir, load_format="dummy", device=args.device, **engine_kwargs(args),
                     disable_overlap_schedule=args.no_overlap)
-    s = Scheduler(sa, model_dir)
+    s = create_scheduler(sa, model_dir)
     # As the scheduler process does after start-up (absent in older versions, kept comparable).
-    getattr(scheduler_main, "freeze_startup_heap", lambda: None)()
+    getattr(process, "freeze_startup_heap", lambda: None)()
     if args.device == "cpu":
-        s.overlap = not args.no_overlap  # exercise the GPU's overlap code path (synchronous here)
-    timer = DeviceTimer(s.model_runner, stub=args.device == "cpu" and not args.real_forward)
+        s.pipeline.overlap = not args.no_overlap  # exercise the GPU's overlap code path (synchronous here)
+    timer = DeviceTimer(s.runner, stub=args.device == "cpu" and not args.real_forward)
     for i, (ids, n_out) in enumerate(reqs):
         s.handle_message(TokenizedGenerateReq(rid=f"r{i}", input_ids=ids,
                                               sampling_params=SamplingParams(**sampling(n_out))))
@@ -230,14 +230,14 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
     finished = 0
     t_start = time.perf_counter()
     while not s.is_idle():
-        big = len(s.running) >= min(args.profile_at, args.max_running_requests)
+        big = len(s.queues.running) >= min(args.profile_at, args.max_running_requests)
         profiler = cProfile.Profile() if big and profiled < args.profile_steps else None
         timer.take()
         gc_clock.take()
         if profiler is not None:
             timer.profiler = profiler
             profiler.enable()
-        in_flight = s.pending is not None
+        in_flight = s.pipeline.pending is not None
         t = time.perf_counter()
         batch = s.step()
         outs = s.collect_outputs()
@@ -255,12 +255,12 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
                     stats.add(profiler)
         finished += sum(o.finished_reason is not None for o in outs)
         if batch is not None:
-            steps.append((batch.mode.name, len(batch.reqs), dt, timer.take(), step_kind(in_flight, s.pending)))
+            steps.append((batch.mode.name, len(batch.reqs), dt, timer.take(), step_kind(in_flight, s.pipeline.pending)))
             gc_s.append(gc_clock.take())
     wall = time.perf_counter() - t_start
     timer.restore()
     gc_clock.stop()
-    s._check_integrity()
+    s.check_integrity()
     assert s.last_integrity_error is None, s.last_integrity_error
     assert finished == len(reqs), (finished, len(reqs))
 
@@ -292,7 +292,7 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
         stats.stream = stream
         stats.sort_stats("cumulative").print_stats(25)
     return {
-        "overlap": s.overlap, "stub_forward": args.device == "cpu" and not args.real_forward,
+        "overlap": s.pipeline.overlap, "stub_forward": args.device == "cpu" and not args.real_forward,
         "steps": len(steps), "wall_s": wall, "device_s": device_s,
         "step_kinds": {k: sum(kind == k for *_, kind in steps) for k in ("overlapped", "drain", "launch", "sync")},
         "output_tok_s": out_tokens / wall, "host_only_output_tok_s": out_tokens / max(wall - device_s, 1e-9),
@@ -370,7 +370,7 @@ def main() -> None:
 
     if not args.no_tokenizer:
         try:
-            from plait.runtime.default_model import default_model_path
+            from plait.runtime.models.default_model import default_model_path
 
             default_model_path()
         except Exception as e:  # e.g. a GPU machine without the embedded model's package

@@ -44,7 +44,7 @@ def run_cpu(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from plait.runtime import Engine
-    from plait.runtime.default_model import default_model_path
+    from plait.runtime.models.default_model import default_model_path
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
@@ -105,8 +105,8 @@ def roofline_seconds(reqs, weight_bytes: int, kv_bytes_per_token: int, bw: float
 def run_gpu(args) -> list[dict]:
     """Each workload of --workload in turn on one Engine; one result dict per workload."""
     from plait.runtime import Engine
-    from plait.runtime.memory_pool import KVPool
-    from plait.runtime.model_config import BUILTIN_SHAPES, ModelConfig
+    from plait.runtime.kvcache.memory_pool import KVPool
+    from plait.runtime.models.config import BUILTIN_SHAPES, ModelConfig
 
     cfg = ModelConfig.from_dict(BUILTIN_SHAPES[args.model])
     n_params = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)

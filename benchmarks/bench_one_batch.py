@@ -43,11 +43,11 @@ def timed(fn, reps: int = 1) -> float:
 
 
 def run_plait(args, bw: float) -> list[dict]:
-    from plait.runtime.cuda_graph_runner import CudaGraphRunner
+    from plait.runtime.executor.cuda_graphs import CudaGraphRunner
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.memory_pool import KVPool
-    from plait.runtime.model_runner import ModelRunner
-    from plait.runtime.schedule_batch import ScheduleBatch
+    from plait.runtime.kvcache.memory_pool import KVPool
+    from plait.runtime.executor.model_runner import ModelRunner
+    from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
     max_bs = max(args.batch_sizes)
@@ -75,7 +75,7 @@ def run_plait(args, bw: float) -> list[dict]:
             batch = ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [args.input_len] * bs, loc)
 
             def prefill():
-                return mr.run(batch)
+                return mr.run(batch.to_step())
 
             prefill()  # warm-up (Triton compiles)
             t_prefill = timed(prefill)
@@ -113,7 +113,7 @@ def _set_env(variant: str) -> None:
 
 def _new_requests(mr, bs, args, gen) -> list:
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.schedule_batch import Req
+    from plait.runtime.request import Req
 
     reqs = []
     for i in range(bs):
@@ -127,14 +127,14 @@ def _new_requests(mr, bs, args, gen) -> list:
 def _sync_steps(mr, reqs, steps: int) -> float:
     """Median seconds of a decode step run alone: build, launch, read the tokens back (one host sync)."""
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.schedule_batch import ScheduleBatch
+    from plait.runtime.scheduler.batch import ScheduleBatch
 
     times = []
     for _ in range(steps):
         dbatch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(len(reqs)))
         torch.cuda.synchronize()
         t = time.perf_counter()
-        o = mr.run(dbatch)
+        o = mr.run(dbatch.to_step())
         times.append(time.perf_counter() - t)
         for r, tok in zip(reqs, o.next_token_ids):
             r.output_ids.append(tok)
@@ -146,10 +146,10 @@ def _pipelined_steps(mr, reqs, steps: int) -> float:
     """Seconds per decode step as the engine runs them (overlap scheduling): step i+1 is launched with
     step i's sampled tokens as its input, on the device, before step i's tokens are read back."""
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.schedule_batch import ScheduleBatch
+    from plait.runtime.scheduler.batch import ScheduleBatch
 
     batch = ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(len(reqs)))
-    pending = mr.launch_decode(batch)
+    pending = mr.launch(batch.to_step())
     warm = min(5, (steps - 1) // 2)  # steps before the clock starts
     t0 = None
     for i in range(steps - 1):
@@ -157,7 +157,7 @@ def _pipelined_steps(mr, reqs, steps: int) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
         nxt = batch.next_decode(mr.allocator.alloc(len(reqs)))
-        nxt_pending = mr.launch_decode(nxt, prev=pending)
+        nxt_pending = mr.launch(nxt.to_step(ahead=1, ids_from_prev=True), prev=pending)
         out = mr.resolve(pending)
         for r, tok in zip(reqs, out.next_token_ids):
             r.output_ids.append(tok)
@@ -174,7 +174,7 @@ def _pipelined_steps(mr, reqs, steps: int) -> float:
 def run_transformers(args) -> list[dict]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from plait.runtime.model_config import BUILTIN_SHAPES
+    from plait.runtime.models.config import BUILTIN_SHAPES
 
     raw = {k: v for k, v in BUILTIN_SHAPES[args.model].items() if k != "architectures"}
     with torch.device("cuda"):

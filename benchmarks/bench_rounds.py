@@ -168,7 +168,7 @@ def run_engine(args, engine_kwargs: dict, workload, streams: dict, radix: bool) 
 
 # ---------------------------------------------------------------------------------------- the run
 def engine_kwargs_for(args, tmp: str) -> tuple[dict, str]:
-    from plait.runtime.model_config import BUILTIN_SHAPES
+    from plait.runtime.models.config import BUILTIN_SHAPES
 
     if args.model == "tiny":
         with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -67,7 +67,7 @@ from plait.runtime.attention.base import AttentionLayerSpec
 from plait.runtime.attention.flashinfer_backend import FlashInferAttnBackend
 from plait.runtime.attention.triton_backend import TritonAttnBackend
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
-from plait.runtime.memory_pool import KVPool, ReqToTokenPool
+from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool
 
 H, HKV, D = 32, 8, 128  # Llama-3.1-8B, one layer
 layer = AttentionLayerSpec(0, H, HKV, D, D ** -0.5)

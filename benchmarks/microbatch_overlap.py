@@ -29,9 +29,10 @@ from bench_common import save  # noqa: E402 (benchmarks/ is on sys.path)
 def main() -> None:
     from plait.runtime.attention import create_attention_backend
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.executor.model_runner import ModelRunner
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.schedule_batch import Req, ScheduleBatch
+    from plait.runtime.request import Req
+    from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
     ap = argparse.ArgumentParser()
@@ -58,12 +59,12 @@ def main() -> None:
     # The prompts' KV, in chunks of ~32 requests (one prefill of every prompt would hold GBs of activations).
     for lo in range(0, bs, 32):
         chunk, n = reqs[lo:lo + 32], lens[lo:lo + 32]
-        out = mr.run(ScheduleBatch(ForwardMode.EXTEND, chunk, [0] * len(chunk), n, mr.allocator.alloc(sum(n))))
+        out = mr.run(ScheduleBatch(ForwardMode.EXTEND, chunk, [0] * len(chunk), n, mr.allocator.alloc(sum(n))).to_step())
         for r, k, tok in zip(chunk, n, out.next_token_ids):
             r.output_ids, r.kv_len = [tok], k
 
     def decode_batch(rs, backend):
-        fb, _, _, _ = mr._build_forward_batch(ScheduleBatch(ForwardMode.DECODE, rs, out_cache_loc=mr.allocator.alloc(len(rs))))
+        fb = mr._build_forward_batch(ScheduleBatch(ForwardMode.DECODE, rs, out_cache_loc=mr.allocator.alloc(len(rs))).to_step())
         fb.attn_backend = backend
         backend.init_forward_metadata(fb)
         return fb

@@ -23,9 +23,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main() -> None:
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.executor.model_runner import ModelRunner
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.schedule_batch import Req, ScheduleBatch
+    from plait.runtime.request import Req
+    from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
     ap = argparse.ArgumentParser()
@@ -58,12 +59,12 @@ def main() -> None:
     slots = mr.allocator.alloc(sum(lens))
     if args.scatter:
         slots = slots[torch.randperm(slots.numel(), generator=gen)]
-    out = mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, lens, slots))
+    out = mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, lens, slots).to_step())
     for r, n, tok in zip(reqs, lens, out.next_token_ids):
         r.output_ids, r.kv_len = [tok], n
 
     def decode_step():
-        o = mr.run(ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(bs)))
+        o = mr.run(ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=mr.allocator.alloc(bs)).to_step())
         for r, tok in zip(reqs, o.next_token_ids):
             r.output_ids.append(tok)
             r.kv_len += 1

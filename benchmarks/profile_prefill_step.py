@@ -23,9 +23,10 @@ from gpu_ceilings import matmul_flops  # noqa: E402
 
 def main() -> None:
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.executor.model_runner import ModelRunner
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.schedule_batch import Req, ScheduleBatch
+    from plait.runtime.request import Req
+    from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
     ap = argparse.ArgumentParser()
@@ -48,7 +49,7 @@ def main() -> None:
     if pre:  # the shared prefix, computed once by a request of its own
         first = Req("p", shared + ids(1), SamplingParams(max_new_tokens=1, temperature=0))
         first.req_pool_idx = mr.req_to_token_pool.alloc()
-        mr.run(ScheduleBatch(ForwardMode.EXTEND, [first], [0], [pre], shared_slots))
+        mr.run(ScheduleBatch(ForwardMode.EXTEND, [first], [0], [pre], shared_slots).to_step())
     reqs = []
     for i in range(bs):
         r = Req(f"r{i}", shared + ids(new), SamplingParams(max_new_tokens=1, temperature=0))
@@ -59,7 +60,7 @@ def main() -> None:
     batch_slots = slots[pre:]
 
     def step():
-        mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [pre] * bs, [new] * bs, batch_slots))
+        mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [pre] * bs, [new] * bs, batch_slots).to_step())
 
     step()
     torch.cuda.synchronize()

@@ -36,21 +36,19 @@ class SimulatedDevice:
 
         device_timer.timed = timed_off_the_clock
         mr = model_runner
-        run, launch_prefill, launch_decode, resolve = mr.run, mr.launch_prefill, mr.launch_decode, mr.resolve
+        run, launch, resolve = mr.run, mr.launch, mr.resolve
 
-        def sim_run(batch):
-            end = self._occupy(batch)
-            out = run(batch)
+        def sim_run(step):
+            end = self._occupy(step)
+            out = run(step)
             self._wait(end, "run")
             return out
 
-        def launched(launch):
-            def sim_launch(batch, *a, **k):
-                end = self._occupy(batch)
-                handle = launch(batch, *a, **k)
-                self._ends[id(handle)] = (handle, end)
-                return handle
-            return sim_launch
+        def sim_launch(step, *a, **k):
+            end = self._occupy(step)
+            handle = launch(step, *a, **k)
+            self._ends[id(handle)] = (handle, end)
+            return handle
 
         def sim_resolve(handle):
             self._wait(self._ends.pop(id(handle))[1], "resolve")
@@ -58,19 +56,19 @@ class SimulatedDevice:
 
         # NOTE: instance attributes shadow the methods; the scheduler calls these.
         mr.run, mr.resolve = sim_run, sim_resolve
-        mr.launch_prefill, mr.launch_decode = launched(launch_prefill), launched(launch_decode)
+        mr.launch = sim_launch
 
-    def cost(self, batch) -> float:
-        if batch.mode.is_extend():
-            return self.step_s + self.prefill_s_per_token * sum(batch.extend_lens)
-        return self.step_s + self.decode_s_per_row * len(batch.reqs)
+    def cost(self, step) -> float:
+        if step.mode.is_extend():
+            return self.step_s + self.prefill_s_per_token * sum(step.extend_lens)
+        return self.step_s + self.decode_s_per_row * step.batch_size
 
     def now(self) -> float:
         return time.perf_counter() - self._stub
 
-    def _occupy(self, batch) -> float:
+    def _occupy(self, step) -> float:
         start = max(self.now(), self._free_at)
-        dur = self.cost(batch)
+        dur = self.cost(step)
         self._free_at = start + dur
         self.busy += dur
         return self._free_at

@@ -65,11 +65,11 @@ def probe(pid: int) -> dict[str, Any]:
 
 
 def scheduler_pid(server_pid: int) -> Optional[int]:
-    """The scheduler is the server's child running plait.runtime.scheduler_main."""
+    """The scheduler is the server's child running plait.runtime.scheduler.process."""
     for kid in child_pids(server_pid):
         try:
             with open(f"/proc/{kid}/cmdline", "rb") as f:
-                if b"scheduler_main" in f.read():
+                if b"plait.runtime.scheduler" in f.read():
                     return kid
         except FileNotFoundError:
             pass

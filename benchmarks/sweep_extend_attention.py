@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import save  # noqa: E402
 
 from plait.runtime.attention.triton_ops import ExtendConfig, default_extend_config, extend_attention  # noqa: E402
-from plait.runtime.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
+from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (name, requests, prefix tokens, new tokens, prefix shared by all requests?)

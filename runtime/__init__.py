@@ -7,7 +7,7 @@ from .server_args import ServerArgs
 def __getattr__(name):
     # Lazy: importing plait.runtime must stay cheap (no torch model code) for the DSL and the CLI.
     if name == "Engine":
-        from .engine import Engine
+        from .engine.engine import Engine
 
         return Engine
     raise AttributeError(name)

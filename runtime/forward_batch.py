@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from .attention.base import AttentionBackend
-    from .memory_pool import KVPool, ReqToTokenPool
+from .kvcache.memory_pool import KVPool, ReqToTokenPool
 
 
 class ForwardMode(enum.Enum):
@@ -40,9 +38,11 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # (B,) int64 total length after this step (prefix + new)
     out_cache_loc: torch.Tensor  # (T,) int64 kv slots the new tokens' K/V are written to
     seq_lens_cpu: list[int]
-    req_to_token_pool: "ReqToTokenPool"
-    kv_pool: "KVPool"
-    attn_backend: "AttentionBackend"
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool
+    # NOTE: the step's attention backend (attention/base.py's AttentionBackend), untyped here: the
+    # backends import ForwardBatch, and a type import back would tie the two modules in a circle.
+    attn_backend: Any
     # DECODE: (B,) int64 host copy of req_pool_indices (the step's host rows; None when not built from
     # them). The triton backend's shared-prefix grouping reads req_to_token's host mirror at these rows.
     req_pool_indices_cpu: Optional[np.ndarray] = None

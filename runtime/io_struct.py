@@ -37,11 +37,37 @@ class ShutdownReq:
 
 @dataclass
 class ControlReq:
-    """A request that expects one `ControlReply` with the same `call_id`."""
+    """A request that expects one `ControlReply` with the same `call_id` (one subclass per operation)."""
 
     call_id: int
-    op: str  # "flush_cache" | "get_stats" | "pin_prefix" | "unpin_prefix" | "check_integrity"
-    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FlushCacheReq(ControlReq):
+    """Drop every cached prefix and pin (refused, False, unless the scheduler is idle)."""
+
+
+@dataclass
+class GetStatsReq(ControlReq):
+    """The scheduler's counters (`Scheduler.get_stats`)."""
+
+
+@dataclass
+class CheckIntegrityReq(ControlReq):
+    """Run the full KV and queue integrity check; True when it holds."""
+
+
+@dataclass
+class PinPrefixReq(ControlReq):
+    """Keep the cached part of `token_ids` cached until unpinned (or `ttl` seconds)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    ttl: Optional[float] = None
+
+
+@dataclass
+class UnpinPrefixReq(ControlReq):
+    pin_id: int = 0
 
 
 @dataclass

@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from plait.runtime.default_model import default_model_path as resolve
+    from plait.runtime.models.default_model import default_model_path as resolve
 
     return resolve()
 
@@ -83,7 +83,7 @@ def tiny_llama_model(arch: str, dtype=torch.float16, device="cpu", scale=0.3, **
     """plait's own LlamaForCausalLM (any of its architectures) at a tiny shape (overridable by keyword),
     random weights: norms ~1, the rest N(0, scale). Built as model_loader builds it (default dtype and
     device set), so the rotary caches stay float32."""
-    from plait.runtime.model_config import ModelConfig
+    from plait.runtime.models.config import ModelConfig
     from plait.runtime.models.llama import LlamaForCausalLM
 
     dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -34,7 +34,7 @@ from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E4
 from plait.runtime.attention.triton_ops import (DecodeConfig, PrefixConfig, PrefixPartials,  # noqa: E402
                                                 decode_attention, prefix_attention, split_prefix_scratch)
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from plait.runtime.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
+from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
 torch.set_num_threads(1)
 HAS_CUDA = torch.cuda.is_available()

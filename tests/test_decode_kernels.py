@@ -122,7 +122,7 @@ def test_argmax_rows_ties_go_to_the_first_index_across_chunks_and_bf16():
 
 
 def test_greedy_tokens_uses_torch_on_the_cpu():
-    from plait.runtime.sampler import greedy_tokens
+    from plait.runtime.executor.sampler import greedy_tokens
 
     x = torch.randn(5, 300)
     assert torch.equal(greedy_tokens(x), x.argmax(-1))

@@ -7,9 +7,9 @@ yields U+FFFD. The detokenizer must hold such text back and never emit it.
 import pytest
 
 from plait.runtime.detokenizer import IncrementalDetokenizer, find_stop_regex, find_stop_string
-from plait.runtime.output_builder import OutputBuilder
+from plait.runtime.scheduler.outputs import OutputBuilder
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.schedule_batch import FinishReason, Req
+from plait.runtime.request import FinishReason, Req
 
 MULTIBYTE_TEXTS = [
     "Café naïve — 日本語のテキスト 🚀🎉 emoji 👩‍👩‍👧 done. Ünïcödé ✓ 中文",

@@ -227,7 +227,7 @@ def test_context_manager_shuts_the_scheduler_down(tmp_path):
 
 
 def test_missing_model_package_error_names_the_install_command(monkeypatch, tmp_path):
-    from plait.runtime import default_model
+    from plait.runtime.models import default_model
 
     real_find_spec = importlib.util.find_spec
 

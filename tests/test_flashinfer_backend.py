@@ -20,7 +20,7 @@ from plait.runtime.attention import create_attention_backend
 from plait.runtime.attention.base import AttentionLayerSpec
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
-from plait.runtime.memory_pool import KVPool, ReqToTokenPool
+from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool
 
 from conftest import make_random_model, near_tie_report
 

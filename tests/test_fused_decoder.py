@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plait.runtime.memory_pool import KVPool
-from plait.runtime.model_config import ModelConfig
+from plait.runtime.kvcache.memory_pool import KVPool
+from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.layers import rms_norm_torch, set_use_triton
 from plait.runtime.models.llama import LlamaForCausalLM
 

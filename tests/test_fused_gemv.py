@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plait.runtime.memory_pool import KVPool
+from plait.runtime.kvcache.memory_pool import KVPool
 from plait.runtime.models import layers
 from plait.runtime.models.layers import rms_norm_torch, set_use_triton, silu_and_mul_torch
 from plait.runtime.models.llama import LlamaForCausalLM

@@ -19,9 +19,9 @@ import torch.nn as nn
 
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
-from plait.runtime.memory_pool import KVPool, ReqToTokenPool
-from plait.runtime.model_config import ModelConfig
-from plait.runtime.model_loader import load_model
+from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool
+from plait.runtime.models.config import ModelConfig
+from plait.runtime.executor.loader import load_model
 from plait.runtime.models.layers import skinny_linear
 
 torch.set_num_threads(1)
@@ -125,7 +125,7 @@ MAX_BS = 256
 
 
 def _model_runner(tmp_path, **server_args):
-    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.executor.model_runner import ModelRunner
     from plait.runtime.server_args import ServerArgs
 
     folder = tmp_path / "model"
@@ -142,7 +142,7 @@ def _model_runner(tmp_path, **server_args):
 
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory):
-    from plait.runtime.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
+    from plait.runtime.executor.cuda_graphs import CudaGraphRunner, capture_batch_sizes
 
     mr = _model_runner(tmp_path_factory.mktemp("variants"), cuda_graph_max_bs=MAX_BS)
     torch.cuda.synchronize()
@@ -225,7 +225,7 @@ def test_gpu_replay_picks_the_cascade_graph_only_for_shared_prefixes(captured):
 
 @pytest.mark.gpu
 def test_gpu_disabled_cascade_captures_plain_graphs_only(tmp_path):
-    from plait.runtime.cuda_graph_runner import CudaGraphRunner
+    from plait.runtime.executor.cuda_graphs import CudaGraphRunner
 
     mr = _model_runner(tmp_path, cuda_graph_max_bs=32, disable_cascade_attention=True)
     runner = CudaGraphRunner(mr)

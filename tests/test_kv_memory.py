@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.runtime.memory_pool import TokenAllocator
-from plait.runtime.prefix_cache import NoSharingCache
+from plait.runtime.kvcache.memory_pool import TokenAllocator
+from plait.runtime.kvcache.prefix_cache import NoSharingCache
 from plait.runtime.sampling_params import SamplingParams
 
 
@@ -49,14 +49,16 @@ def test_no_sharing_cache_returns_every_slot():
 
 def test_host_rows_of_extend_and_decode_steps_exact():
     from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.schedule_batch import Req, ScheduleBatch
+    from plait.runtime.request import Req
+    from plait.runtime.scheduler.batch import ScheduleBatch
 
     a = Req("a", [10, 11, 12, 13], SamplingParams())
     b = Req("b", [20, 21], SamplingParams())
     b.output_ids = [22, 23]  # a retracted request: its outputs are prefilled again
     a.req_pool_idx, b.req_pool_idx = 3, 5
     ext = ScheduleBatch(ForwardMode.EXTEND, [a, b], [1, 0], [3, 4], torch.tensor([7, 8, 9, 40, 41, 42, 43]))
-    tokens, per_req = ext.extend_host_rows()
+    step = ext.to_step()
+    tokens, per_req = step.token_rows, step.req_rows
     assert tokens.tolist() == [[11, 12, 13, 20, 21, 22, 23], [1, 2, 3, 0, 1, 2, 3], [7, 8, 9, 40, 41, 42, 43],
                                [3, 3, 3, 5, 5, 5, 5]]
     assert per_req.tolist() == [[3, 5], [4, 4], [1, 0], [3, 4], [0, 3]]
@@ -76,7 +78,7 @@ def test_host_rows_of_extend_and_decode_steps_exact():
 
 
 def test_req_to_token_write_rows_updates_both_tables():
-    from plait.runtime.memory_pool import ReqToTokenPool
+    from plait.runtime.kvcache.memory_pool import ReqToTokenPool
 
     pool = ReqToTokenPool(4, 16, "cpu")
     pool.write_rows([(1, torch.tensor([7, 8, 9])), (3, torch.tensor([5])), (2, torch.tensor([], dtype=torch.int64))])
@@ -86,7 +88,7 @@ def test_req_to_token_write_rows_updates_both_tables():
 
 
 def test_req_to_token_write_rows_uploads_a_shared_prefix_once_per_tensor():
-    from plait.runtime.memory_pool import ReqToTokenPool
+    from plait.runtime.kvcache.memory_pool import ReqToTokenPool
 
     pool = ReqToTokenPool(6, 16, "cpu")
     shared, other = torch.tensor([4, 5, 6, 7]), torch.tensor([9, 10])
@@ -99,7 +101,7 @@ def test_req_to_token_write_rows_uploads_a_shared_prefix_once_per_tensor():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned upload path needs a GPU")
 def test_req_to_token_write_rows_on_the_gpu_matches_the_host_mirror():
-    from plait.runtime.memory_pool import ReqToTokenPool
+    from plait.runtime.kvcache.memory_pool import ReqToTokenPool
 
     pool = ReqToTokenPool(8, 64, "cuda")
     shared = torch.arange(1, 41)

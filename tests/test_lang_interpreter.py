@@ -20,7 +20,7 @@ def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
     try:
-        from plait.runtime.default_model import default_model_path
+        from plait.runtime.models.default_model import default_model_path
 
         return AutoTokenizer.from_pretrained(default_model_path())
     except Exception:

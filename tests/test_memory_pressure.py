@@ -11,14 +11,14 @@ import random
 
 import pytest
 
-from plait.runtime.io_struct import AbortReq, ControlReq, TokenizedGenerateReq
+from plait.runtime.io_struct import AbortReq, FlushCacheReq, PinPrefixReq, UnpinPrefixReq, TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
 from plait.runtime.server_args import ServerArgs
 
 
 def make_scheduler(path, **kw) -> Scheduler:
-    return Scheduler(ServerArgs(model_path=path, device="cpu", **kw), path)
+    return create_scheduler(ServerArgs(model_path=path, device="cpu", **kw), path)
 
 
 def submit(s: Scheduler, rid: str, ids: list[int], **sp) -> None:
@@ -32,7 +32,7 @@ def run_until_idle(s: Scheduler, max_steps: int = 400) -> dict[str, tuple[list[i
     finals: dict[str, tuple[list[int], dict]] = {}
     for _ in range(max_steps):
         s.step()
-        s._check_integrity()
+        s.check_integrity()
         assert s.last_integrity_error is None, s.last_integrity_error
         for o in s.collect_outputs():
             ids.setdefault(o.rid, []).extend(o.new_ids)
@@ -40,14 +40,14 @@ def run_until_idle(s: Scheduler, max_steps: int = 400) -> dict[str, tuple[list[i
                 finals[o.rid] = (ids[o.rid], o.finished_reason)
         if s.is_idle():
             return finals
-    raise AssertionError(f"no progress: {len(s.running)} running, {len(s.waiting)} waiting, "
+    raise AssertionError(f"no progress: {len(s.queues.running)} running, {len(s.queues.waiting)} waiting, "
                          f"{s.stats['num_retractions']} retractions")
 
 
 def assert_all_memory_back(s: Scheduler, total: int) -> None:
-    assert s.cache.protected_size() == 0
-    assert s.handle_message(ControlReq(0, "flush_cache")).result is True
-    assert s.allocator.available() == total and s.req_to_token.available() == s.req_to_token.size
+    assert s.kv.cache.protected_size() == 0
+    assert s.handle_message(FlushCacheReq(0)).result is True
+    assert s.kv.allocator.available() == total and s.kv.req_to_token.available() == s.kv.req_to_token.size
 
 
 def alone(path, ids: list[int], **sp) -> list[int]:
@@ -68,7 +68,7 @@ def test_locking_cached_prefixes_counts_against_the_admission_budget(random_mode
     prefix = list(range(2, 42))
     submit(s, "warm", prefix, max_new_tokens=0)
     run_until_idle(s)
-    assert s.cache.evictable_size() == 40 and s.allocator.available() == 10
+    assert s.kv.cache.evictable_size() == 40 and s.kv.allocator.available() == 10
     submit(s, "fresh", list(range(100, 108)), max_new_tokens=1, **GREEDY)
     submit(s, "hit", prefix + [200, 201, 202], max_new_tokens=1, **GREEDY)
     finals = run_until_idle(s, max_steps=50)
@@ -119,7 +119,7 @@ def test_a_prompt_that_pins_leave_no_room_for_is_refused_and_others_go_on(random
     pinned = list(range(100, 130))
     submit(s, "warm", pinned, max_new_tokens=0)
     run_until_idle(s)
-    pin = s.handle_message(ControlReq(1, "pin_prefix", {"token_ids": pinned})).result
+    pin = s.handle_message(PinPrefixReq(1, token_ids=pinned)).result
     assert pin["pinned_tokens"] == 30
     submit(s, "big", list(range(2, 42)), max_new_tokens=2, **GREEDY)
     submit(s, "small", pinned + [7, 8], max_new_tokens=3, **GREEDY)
@@ -128,7 +128,7 @@ def test_a_prompt_that_pins_leave_no_room_for_is_refused_and_others_go_on(random
     assert reason["type"] == "abort" and "30 of them held by pinned prefixes" in reason["message"]
     assert finals["small"] == (alone(path, pinned + [7, 8], max_new_tokens=3, **GREEDY),
                                {"type": "length", "length": 3})
-    assert s.handle_message(ControlReq(2, "unpin_prefix", {"pin_id": pin["pin_id"]})).result is True
+    assert s.handle_message(UnpinPrefixReq(2, pin_id=pin["pin_id"])).result is True
     assert_all_memory_back(s, 64)
 
 

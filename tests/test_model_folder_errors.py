@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from plait.runtime import Engine
-from plait.runtime.model_loader import load_model, load_model_config, load_tokenizer
+from plait.runtime.executor.loader import load_model, load_model_config, load_tokenizer
 
 from model_folders import SHAPE, edit_json, make_folder
 

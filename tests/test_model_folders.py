@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from plait.runtime import Engine
-from plait.runtime.model_config import ModelConfig
-from plait.runtime.model_loader import load_model, load_model_config, load_tokenizer
+from plait.runtime.models.config import ModelConfig
+from plait.runtime.executor.loader import load_model, load_model_config, load_tokenizer
 
 from conftest import hf_greedy, http_server_in_thread
 from model_folders import EOS, GREEDY, SHAPE, TEMPLATE, build_tokenizer, edit_json, make_folder, random_prompts

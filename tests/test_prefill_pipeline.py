@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from plait.runtime.forward_batch import ForwardMode
-from plait.runtime.io_struct import AbortReq, ControlReq
-from plait.runtime.schedule_batch import Req, ScheduleBatch
+from plait.runtime.io_struct import AbortReq, FlushCacheReq
+from plait.runtime.request import Req
+from plait.runtime.scheduler.batch import ScheduleBatch
 from plait.runtime.sampling_params import SamplingParams
 
 from test_scheduler_state import assert_host_table_matches, make_scheduler, submit
@@ -28,12 +29,12 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 def scheduler(path, mode: str, **kw):
     s = make_scheduler(path, **kw)
-    s.overlap, s.pipeline_prefills = MODES[mode]
+    s.pipeline.overlap, s.pipeline.pipeline_prefills = MODES[mode]
     return s
 
 
 def check_state(s) -> None:
-    s._check_integrity()
+    s.check_integrity()
     assert s.last_integrity_error is None, s.last_integrity_error
     assert_host_table_matches(s)
 
@@ -43,11 +44,11 @@ def drive(s, max_steps: int = 2000) -> tuple[dict, int]:
     and how many prefill batches were launched while another was still in flight."""
     finals, back_to_back = {}, 0
     for _ in range(max_steps):
-        before = s.pending_prefill
+        before = s.pipeline.pending_prefill
         s.step()
         check_state(s)
-        if before is not None and s.pending_prefill is not None:
-            assert s.pending_prefill[0] is not before[0]
+        if before is not None and s.pipeline.pending_prefill is not None:
+            assert s.pipeline.pending_prefill[0] is not before[0]
             back_to_back += 1
         for o in s.collect_outputs():
             if o.finished_reason is not None:
@@ -58,10 +59,10 @@ def drive(s, max_steps: int = 2000) -> tuple[dict, int]:
 
 
 def assert_all_freed(s, total: int) -> None:
-    assert s.pending is None and s.pending_prefill is None
-    assert s.cache.protected_size() == 0
-    assert s.allocator.available() + s.cache.evictable_size() == total
-    assert s.req_to_token.available() == s.req_to_token.size
+    assert s.pipeline.pending is None and s.pipeline.pending_prefill is None
+    assert s.kv.cache.protected_size() == 0
+    assert s.kv.allocator.available() + s.kv.cache.evictable_size() == total
+    assert s.kv.req_to_token.available() == s.kv.req_to_token.size
 
 
 def summary(finals: dict) -> dict:
@@ -192,16 +193,16 @@ def test_admission_counts_the_prefill_in_flight_as_running(random_models):
     s = scheduler(random_models["llama"], "on", max_total_tokens=120, disable_radix_cache=True)
     submit(s, "a", list(range(2, 12)), max_new_tokens=100, **GREEDY)
     first = s.step()
-    assert first.mode.is_extend() and s.pending_prefill is not None and s.pending_prefill[0] is first
-    assert [r.rid for r in s.running] == ["a"] and s.running[0].output_ids == []  # token not read yet
-    assert s._running_reserve() == pytest.approx(100 * s.new_token_ratio)
+    assert first.mode.is_extend() and s.pipeline.pending_prefill is not None and s.pipeline.pending_prefill[0] is first
+    assert [r.rid for r in s.queues.running] == ["a"] and s.queues.running[0].output_ids == []  # token not read yet
+    assert s.shortage.running_reserve() == pytest.approx(100 * s.shortage.new_token_ratio)
     assert not s.is_idle()
-    assert s.handle_message(ControlReq(1, "flush_cache")).result is False
+    assert s.handle_message(FlushCacheReq(1)).result is False
     submit(s, "b", list(range(20, 60)), max_new_tokens=10, **GREEDY)
     second = s.step()
     assert second.mode.is_decode() and [r.rid for r in second.reqs] == ["a"]  # "a" read back, then decode
-    assert [r.rid for r in s.waiting] == ["b"]
-    assert len(s.running[0].output_ids) == 1
+    assert [r.rid for r in s.queues.waiting] == ["b"]
+    assert len(s.queues.running[0].output_ids) == 1
     check_state(s)
 
 
@@ -213,12 +214,12 @@ def test_prefix_held_back_in_a_batch_hits_the_tree_while_its_batch_is_in_flight(
     for i in range(4):
         submit(s, f"q{i}", shared + [100 + i, 120 + i], max_new_tokens=2, **GREEDY)
     first = s.step()
-    assert [r.rid for r in first.reqs] == ["q0"] and s.pending_prefill[0] is first
-    assert s.cache.peek_prefix_len(shared) == 64  # inserted at launch
+    assert [r.rid for r in first.reqs] == ["q0"] and s.pipeline.pending_prefill[0] is first
+    assert s.kv.cache.peek_prefix_len(shared) == 64  # inserted at launch
     second = s.step()
-    assert s.pending_prefill[0] is second and sorted(r.rid for r in second.reqs) == ["q1", "q2", "q3"]
+    assert s.pipeline.pending_prefill[0] is second and sorted(r.rid for r in second.reqs) == ["q1", "q2", "q3"]
     assert second.prefix_lens == [64, 64, 64] and second.extend_lens == [2, 2, 2]
-    assert len(s.running[0].output_ids) == 1  # q0 was read back after q1..q3 were launched
+    assert len(s.queues.running[0].output_ids) == 1  # q0 was read back after q1..q3 were launched
     drive(s)
     assert s.stats["cached_tokens"] == 3 * 64
 
@@ -241,9 +242,9 @@ def test_aborts_while_a_prefill_is_in_flight(random_models):
     submit(s, "long", prompts["long"], max_new_tokens=6, **GREEDY)
     submit(s, "p1", prompts["p1"], max_new_tokens=6, **GREEDY)
     s.step()  # the first chunk of "long" launched, p0 read back
-    batch = s.pending_prefill[0]
-    assert [r.rid for r in batch.reqs] == ["long"] and batch.extend_lens == [24] and s.chunked_req is batch.reqs[0]
-    assert [r.rid for r in s.running] == ["p0"] and [r.rid for r in s.waiting] == ["p1"]
+    batch = s.pipeline.pending_prefill[0]
+    assert [r.rid for r in batch.reqs] == ["long"] and batch.extend_lens == [24] and s.queues.chunked is batch.reqs[0]
+    assert [r.rid for r in s.queues.running] == ["p0"] and [r.rid for r in s.queues.waiting] == ["p1"]
     submit(s, "w", prompts["w"], max_new_tokens=6, **GREEDY)
     for rid in ("p0", "long", "w"):
         s.handle_message(AbortReq(rid))
@@ -259,7 +260,7 @@ def test_abort_of_a_request_whose_first_token_is_in_flight(random_models):
     s = scheduler(random_models["llama"], "on", max_total_tokens=256)
     submit(s, "x", list(range(2, 40)), max_new_tokens=8, **GREEDY)
     s.step()
-    assert s.pending_prefill is not None
+    assert s.pipeline.pending_prefill is not None
     s.handle_message(AbortReq("x"))
     finals, _ = drive(s)
     assert finals["x"].finished_reason["type"] == "abort" and finals["x"].new_ids == []
@@ -274,10 +275,10 @@ def test_logprob_requests_are_not_pipelined_and_get_their_logprobs(random_models
         s = scheduler(random_models["llama"], mode, max_total_tokens=512)
         submit(s, "plain", list(range(2, 20)), max_new_tokens=3, **GREEDY)
         s.step()
-        assert (s.pending_prefill is not None) == (mode == "on")
+        assert (s.pipeline.pending_prefill is not None) == (mode == "on")
         s.handle_message(_logprob_req("lp", list(range(40, 60))))
         second = s.step()
-        assert [r.rid for r in second.reqs] == ["lp"] and s.pending_prefill is None
+        assert [r.rid for r in second.reqs] == ["lp"] and s.pipeline.pending_prefill is None
         finals, _ = drive(s)
         outs[mode] = {rid: (o.new_ids, o.input_token_logprobs, o.output_token_logprobs) for rid, o in finals.items()}
     assert outs["on"] == outs["off"]
@@ -302,10 +303,10 @@ def test_launch_prefill_resolves_to_what_run_returns(random_models):
                 Req("c", list(range(60, 66)), SamplingParams(max_new_tokens=0))]
         extend = [12, 10, 6]  # "b": a chunk mid-way (no token)
         for r in reqs:
-            r.req_pool_idx = s.req_to_token.alloc()
-        batch = ScheduleBatch(ForwardMode.EXTEND, reqs, [0, 0, 0], extend, s.allocator.alloc(sum(extend)))
-        mr = s.model_runner
-        outs.append(mr.resolve(mr.launch_prefill(batch)) if launch else mr.run(batch))
+            r.req_pool_idx = s.kv.req_to_token.alloc()
+        batch = ScheduleBatch(ForwardMode.EXTEND, reqs, [0, 0, 0], extend, s.kv.allocator.alloc(sum(extend)))
+        mr = s.runner
+        outs.append(mr.resolve(mr.launch(batch.to_step())) if launch else mr.run(batch.to_step()))
     ran, resolved = outs
     assert resolved.next_token_ids == ran.next_token_ids
     assert resolved.next_token_ids[1:] == [None, None] and isinstance(resolved.next_token_ids[0], int)
@@ -315,10 +316,10 @@ def test_launch_prefill_resolves_to_what_run_returns(random_models):
 def test_launch_prefill_refuses_a_batch_that_wants_prompt_logprobs(random_models):
     s = make_scheduler(random_models["llama"], max_total_tokens=64, disable_radix_cache=True)
     r = Req("a", list(range(2, 10)), SamplingParams(max_new_tokens=2), return_logprob=True, logprob_start_len=0)
-    r.req_pool_idx = s.req_to_token.alloc()
-    batch = ScheduleBatch(ForwardMode.EXTEND, [r], [0], [8], s.allocator.alloc(8))
+    r.req_pool_idx = s.kv.req_to_token.alloc()
+    batch = ScheduleBatch(ForwardMode.EXTEND, [r], [0], [8], s.kv.allocator.alloc(8))
     with pytest.raises(ValueError, match="prompt logprobs"):
-        s.model_runner.launch_prefill(batch)
+        s.runner.launch(batch.to_step())
 
 
 def test_sampled_prefills_in_the_pipeline_reproduce_with_seeds(random_models):
@@ -339,36 +340,36 @@ def test_failure_with_a_prefill_in_flight_aborts_everything(random_models):
     s = scheduler(random_models["llama"], "on", max_total_tokens=256)
     submit(s, "a", list(range(2, 12)), max_new_tokens=4, **GREEDY)
     s.step()
-    assert s.pending_prefill is not None
+    assert s.pipeline.pending_prefill is not None
     s.fail_all("RuntimeError: device lost")
     finals = {o.rid: o for o in s.collect_outputs()}
     assert finals["a"].finished_reason["type"] == "abort"
-    assert s.is_idle() and s.pending_prefill is None
+    assert s.is_idle() and s.pipeline.pending_prefill is None
 
 
 def test_grammar_requests_are_not_pipelined(default_model_path):
     # A regex-constrained request needs its mask filled on the host before sampling: its prefill runs
     # synchronously, after the plain request's batch in flight is read back.
     from plait.runtime.io_struct import TokenizedGenerateReq
-    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
     from plait.runtime.server_args import ServerArgs
 
     torch.manual_seed(0)
-    s = Scheduler(ServerArgs(model_path=default_model_path, device="cpu", max_total_tokens=512), default_model_path)
-    s.overlap = True
+    s = create_scheduler(ServerArgs(model_path=default_model_path, device="cpu", max_total_tokens=512), default_model_path)
+    s.pipeline.overlap = True
     tok = s.tokenizer
     submit(s, "plain", tok.encode("Count: one, two,"), max_new_tokens=2, **GREEDY)
     s.step()
-    assert s.pending_prefill is not None
+    assert s.pipeline.pending_prefill is not None
     s.handle_message(TokenizedGenerateReq(rid="g", input_ids=tok.encode("A number:"), sampling_params=SamplingParams(
         max_new_tokens=4, temperature=0, regex="[0-9]{3}")))
     for _ in range(200):  # the grammar compiles on a worker thread
-        if not s.grammar_pending:
+        if not s.queues.grammar_pending:
             break
-        s._poll_grammars()
+        s.grammars.poll()
         time.sleep(0.05)
     second = s.step()
-    assert [r.rid for r in second.reqs] == ["g"] and s.pending_prefill is None
+    assert [r.rid for r in second.reqs] == ["g"] and s.pipeline.pending_prefill is None
     finals, _ = drive(s)
     assert finals["g"].finished_reason["type"] in ("stop", "length")
     text = tok.decode(finals["g"].new_ids)
@@ -379,16 +380,16 @@ def test_grammar_requests_are_not_pipelined(default_model_path):
 def test_on_the_gpu_pipelined_prefills_match_synchronous_steps(random_models):
     # The real asynchronous path (pinned host copies, events, stream order of the KV writes against the
     # next batch's reads): overlap scheduling on (the default) against disable_overlap_schedule.
-    from plait.runtime.scheduler import Scheduler
+    from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
     from plait.runtime.server_args import ServerArgs
 
     path = random_models["llama"]
     reqs = fewshot_requests(random.Random(0), 24)
     results = {}
     for disable in (True, False):
-        s = Scheduler(ServerArgs(model_path=path, device="cuda", dtype="float32", max_total_tokens=4096,
+        s = create_scheduler(ServerArgs(model_path=path, device="cuda", dtype="float32", max_total_tokens=4096,
                                  max_prefill_tokens=64, disable_overlap_schedule=disable), path)
-        assert s.overlap is not disable
+        assert s.pipeline.overlap is not disable
         for rid, ids, sp in reqs:
             submit(s, rid, ids, **sp)
         finals, back_to_back = drive(s)

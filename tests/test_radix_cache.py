@@ -6,8 +6,8 @@ The allocator hands out slots 1, 2, 3, ... in order, so expected kv slots are wr
 import pytest
 import torch
 
-from plait.runtime.memory_pool import TokenAllocator
-from plait.runtime.radix_cache import PinHandle, RadixCache
+from plait.runtime.kvcache.memory_pool import TokenAllocator
+from plait.runtime.kvcache.radix_cache import PinHandle, RadixCache
 
 
 def make(num_slots=32, page_size=1):

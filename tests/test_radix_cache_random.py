@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from plait.runtime.memory_pool import TokenAllocator
-from plait.runtime.radix_cache import RadixCache
+from plait.runtime.kvcache.memory_pool import TokenAllocator
+from plait.runtime.kvcache.radix_cache import RadixCache
 
 
 def tree_contents(cache):

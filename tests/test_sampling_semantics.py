@@ -15,9 +15,9 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Temperatur
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from plait.runtime import Engine
-from plait.runtime.sampler import SamplingBatchInfo, apply_logit_adjustments, sample, sampling_probs
+from plait.runtime.executor.sampler import SamplingBatchInfo, apply_logit_adjustments, sample, sampling_probs
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.schedule_batch import Req
+from plait.runtime.request import Req
 
 # Spread out enough that every filter below cuts somewhere different.
 LOGITS = [3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -5.0]
@@ -36,8 +36,8 @@ def make_reqs(n: int, prompt=(1,), output=(), vocab=V, **params) -> list[Req]:
 def adjusted(rows: torch.Tensor, reqs: list[Req]):
     """(B, V) logits after bias / penalties / bans, as the model runner applies them, and the batch info."""
     rows = rows.clone()
-    info = SamplingBatchInfo.from_reqs(reqs, rows.shape[1], "cpu")
-    apply_logit_adjustments(rows, reqs, info)
+    info = SamplingBatchInfo.from_rows([r.sampling for r in reqs], rows.shape[1], "cpu")
+    apply_logit_adjustments(rows, [r.sampling for r in reqs], info)
     return rows, info
 
 
@@ -83,7 +83,7 @@ def draw_counts(logits, n: int, seed: int = 0, **params) -> torch.Tensor:
     reqs = make_reqs(n, **params)
     rows, info = adjusted(torch.tensor([logits], dtype=torch.float32).repeat(n, 1), reqs)
     torch.manual_seed(seed)
-    return torch.bincount(sample(rows, reqs, info), minlength=len(logits)).double()
+    return torch.bincount(sample(rows, [r.sampling for r in reqs], info), minlength=len(logits)).double()
 
 
 def assert_follows(counts: torch.Tensor, ref: torch.Tensor) -> None:

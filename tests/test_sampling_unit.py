@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from plait.runtime.sampler import SamplingBatchInfo, apply_logit_adjustments, sample
+from plait.runtime.executor.sampler import SamplingBatchInfo, apply_logit_adjustments, sample
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.schedule_batch import Req
+from plait.runtime.request import Req
 
 VOCAB = 8
 EOS = 7
@@ -32,14 +32,14 @@ def adjusted(logits, reqs):
     logits = torch.as_tensor(logits, dtype=torch.float32).clone()
     if logits.dim() == 1:
         logits = logits.unsqueeze(0)
-    info = SamplingBatchInfo.from_reqs(reqs, VOCAB, "cpu")
-    apply_logit_adjustments(logits, reqs, info)
+    info = SamplingBatchInfo.from_rows([r.sampling for r in reqs], VOCAB, "cpu")
+    apply_logit_adjustments(logits, [r.sampling for r in reqs], info)
     return logits, info
 
 
 def draw(logits, reqs):
     logits, info = adjusted(logits, reqs)
-    return sample(logits, reqs, info)
+    return sample(logits, [r.sampling for r in reqs], info)
 
 
 def empirical(logits, n=400, **params) -> set[int]:
@@ -282,7 +282,7 @@ def test_draws_are_the_tokens_torch_multinomial_gives_for_the_same_random_number
 def test_batch_parameters_come_from_one_upload_with_exact_values():
     reqs = [make_req(temperature=0.5, top_k=3, top_p=0.9, min_p=0.05), make_req(temperature=0.0),
             make_req(temperature=1.3, top_k=-1)]
-    info = SamplingBatchInfo.from_reqs(reqs, VOCAB, "cpu")
+    info = SamplingBatchInfo.from_rows([r.sampling for r in reqs], VOCAB, "cpu")
     assert info.temperatures.shape == (3, 1) and info.temperatures[:, 0].tolist() == [0.5, 1.0, pytest.approx(1.3)]
     assert info.top_ks.dtype == torch.int64 and info.top_ks.tolist() == [3, VOCAB, VOCAB]
     assert info.greedy.dtype == torch.bool and info.greedy.tolist() == [False, True, False]

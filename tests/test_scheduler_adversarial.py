@@ -11,16 +11,16 @@ import time
 
 import pytest
 
-from plait.runtime.io_struct import AbortReq, ControlReq, TokenizedGenerateReq
+from plait.runtime.io_struct import AbortReq, FlushCacheReq, PinPrefixReq, UnpinPrefixReq, TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
 from plait.runtime.server_args import ServerArgs
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def make_scheduler(path, **kw) -> Scheduler:
-    return Scheduler(ServerArgs(model_path=path, device="cpu", num_threads=1, **kw), path)
+    return create_scheduler(ServerArgs(model_path=path, device="cpu", num_threads=1, **kw), path)
 
 
 def submit(s: Scheduler, rid: str, ids: list[int], logprob_start: int | None = None, stream=False, **sp) -> None:
@@ -38,7 +38,7 @@ def drive(s: Scheduler, hook=None, max_steps: int = 3000) -> dict:
         if hook is not None:
             hook(s, step)
         s.step()
-        s._check_integrity()
+        s.check_integrity()
         assert s.last_integrity_error is None, s.last_integrity_error
         for o in s.collect_outputs():
             g = got.setdefault(o.rid, {"ids": [], "reason": None, "in_lp": [], "out_lp": []})
@@ -49,12 +49,12 @@ def drive(s: Scheduler, hook=None, max_steps: int = 3000) -> dict:
             g["reason"] = o.finished_reason
         if s.is_idle() and (hook is None or step >= getattr(hook, "until", 0)):
             return got
-    raise AssertionError(f"no progress: {len(s.running)} running, {len(s.waiting)} waiting")
+    raise AssertionError(f"no progress: {len(s.queues.running)} running, {len(s.queues.waiting)} waiting")
 
 
 def assert_all_memory_back(s: Scheduler, total: int) -> None:
-    assert s.handle_message(ControlReq(0, "flush_cache")).result is True
-    assert s.allocator.available() == total and s.req_to_token.available() == s.req_to_token.size
+    assert s.handle_message(FlushCacheReq(0)).result is True
+    assert s.kv.allocator.available() == total and s.kv.req_to_token.available() == s.kv.req_to_token.size
 
 
 def random_ids(rng: random.Random, n: int) -> list[int]:
@@ -81,7 +81,16 @@ def test_prompt_logprobs_are_complete_across_chunk_boundaries(model, chunk):
     for start in (0, 3, 10):
         whole, chunked = results[4096][f"s{start}"], results[chunk][f"s{start}"]
         assert [t for _, t in chunked["in_lp"]] == ids[start:]
-        assert chunked["in_lp"] == whole["in_lp"] and chunked["out_lp"] == whole["out_lp"]
+        assert_same_logprobs(chunked["in_lp"], whole["in_lp"])
+        assert_same_logprobs(chunked["out_lp"], whole["out_lp"])
+
+
+def assert_same_logprobs(got: list, want: list, tol: float = 1e-3) -> None:
+    """The same tokens, and logprobs equal up to float noise: a prompt prefilled in other chunk sizes
+    runs matmuls of other shapes, whose sums round differently in the last bits."""
+    assert [t for _, t in got] == [t for _, t in want]
+    for (a, _), (b, _) in zip(got, want):
+        assert (a is None) == (b is None) and (a is None or abs(a - b) <= tol), (a, b)
 
 
 def _workload(rng: random.Random) -> list[tuple[str, list[int], dict]]:
@@ -136,12 +145,12 @@ def test_a_pin_with_a_bad_ttl_is_refused_without_holding_the_prefix(model):
     submit(s, "a", ids, max_new_tokens=2, **GREEDY)
     drive(s)
     for ttl in ("soon", float("nan"), 0, -1):
-        reply = s.handle_message(ControlReq(1, "pin_prefix", {"token_ids": ids, "ttl": ttl}))
+        reply = s.handle_message(PinPrefixReq(1, token_ids=ids, ttl=ttl))
         assert reply.error is not None and reply.result is None, ttl
-    assert s.pins == {} and s.cache.protected_size() == 0
-    reply = s.handle_message(ControlReq(2, "pin_prefix", {"token_ids": ids, "ttl": 60}))
-    assert reply.result["pinned_tokens"] == 24 and s.cache.protected_size() == 24
-    assert s.handle_message(ControlReq(3, "unpin_prefix", {"pin_id": reply.result["pin_id"]})).result is True
+    assert s.kv.pins == {} and s.kv.cache.protected_size() == 0
+    reply = s.handle_message(PinPrefixReq(2, token_ids=ids, ttl=60))
+    assert reply.result["pinned_tokens"] == 24 and s.kv.cache.protected_size() == 24
+    assert s.handle_message(UnpinPrefixReq(3, pin_id=reply.result["pin_id"])).result is True
     assert_all_memory_back(s, 128)
 
 
@@ -180,9 +189,9 @@ def test_max_new_tokens_none_with_a_json_schema_runs_to_the_context_end_not_past
         s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=SamplingParams(
             max_new_tokens=budget, temperature=0, json_schema=json.dumps(constraint))))
     for _ in range(400):  # the grammars compile on a worker thread
-        if not s.grammar_pending:
+        if not s.queues.grammar_pending:
             break
-        s._poll_grammars()
+        s.grammars.poll()
         time.sleep(0.05)
     out = drive(s)
     assert out["none"]["ids"] == out["40"]["ids"] and out["none"]["reason"]["type"] == "stop"

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from plait.runtime.io_struct import AbortReq, ControlReq, TokenizedGenerateReq
+from plait.runtime.io_struct import AbortReq, FlushCacheReq, GetStatsReq, PinPrefixReq, UnpinPrefixReq, TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
-from plait.runtime.scheduler import Scheduler
+from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
 from plait.runtime.server_args import ServerArgs
 
 
 def make_scheduler(path, **kw) -> Scheduler:
     args = ServerArgs(model_path=path, device="cpu", **kw)
-    return Scheduler(args, path)
+    return create_scheduler(args, path)
 
 
 def submit(s: Scheduler, rid: str, ids: list[int], **sp) -> None:
@@ -26,11 +26,11 @@ def submit(s: Scheduler, rid: str, ids: list[int], **sp) -> None:
 
 def assert_host_table_matches(s: Scheduler) -> None:
     """The scheduler reads KV slots from its host copy of req_to_token: it must equal the real one."""
-    live = s.running + s.jump_queue + ([s.chunked_req] if s.chunked_req else [])
+    live = s.queues.running + s.queues.jump_tails + ([s.queues.chunked] if s.queues.chunked else [])
     for r in live:
         if r.req_pool_idx is not None:
-            host = s.req_to_token.host[r.req_pool_idx, :r.kv_len].tolist()
-            assert host == s.req_to_token.req_to_token[r.req_pool_idx, :r.kv_len].tolist(), r.rid
+            host = s.kv.req_to_token.host[r.req_pool_idx, :r.kv_len].tolist()
+            assert host == s.kv.req_to_token.req_to_token[r.req_pool_idx, :r.kv_len].tolist(), r.rid
 
 
 def run_until_idle(s: Scheduler, max_steps: int = 1000) -> dict:
@@ -38,7 +38,7 @@ def run_until_idle(s: Scheduler, max_steps: int = 1000) -> dict:
     for _ in range(max_steps):
         s.step()
         assert_host_table_matches(s)
-        s._check_integrity()  # the KV slot accounting holds after every step, a step in flight or not
+        s.check_integrity()  # the KV slot accounting holds after every step, a step in flight or not
         assert s.last_integrity_error is None, s.last_integrity_error
         for o in s.collect_outputs():
             if o.finished_reason is not None:
@@ -55,20 +55,20 @@ def test_prefill_then_decode_exact_state(random_models):
     submit(s, "b", [10, 11, 12], max_new_tokens=3, temperature=0, ignore_eos=True)
     batch = s.step()  # one prefill step for both
     assert batch.mode.is_extend() and batch.extend_lens == [5, 3] and batch.prefix_lens == [0, 0]
-    a, b = s.running
+    a, b = s.queues.running
     assert (a.kv_len, b.kv_len) == (5, 3) and len(a.output_ids) == len(b.output_ids) == 1
-    assert s.allocator.available() == 64 - 8
-    rows = s.req_to_token.req_to_token
+    assert s.kv.allocator.available() == 64 - 8
+    rows = s.kv.req_to_token.req_to_token
     assert sorted(rows[a.req_pool_idx, :5].tolist() + rows[b.req_pool_idx, :3].tolist()) == list(range(1, 9))
     batch = s.step()  # decode: one new slot each
-    assert batch.mode.is_decode() and s.allocator.available() == 64 - 10
+    assert batch.mode.is_decode() and s.kv.allocator.available() == 64 - 10
     assert (a.kv_len, b.kv_len) == (6, 4)
     finals = run_until_idle(s)
     assert set(finals) == {"a", "b"}
     assert all(f.finished_reason == {"type": "length", "length": 3} for f in finals.values())
-    assert s.allocator.available() == 64
-    s.cache.check_integrity()
-    assert s.req_to_token.available() == s.req_to_token.size
+    assert s.kv.allocator.available() == 64
+    s.kv.cache.check_integrity()
+    assert s.kv.req_to_token.available() == s.kv.req_to_token.size
 
 
 def test_chunked_prefill_splits_long_prompt(random_models):
@@ -81,7 +81,7 @@ def test_chunked_prefill_splits_long_prompt(random_models):
         sizes.append((b.prefix_lens[0], b.extend_lens[0]))
     assert sizes == [(0, 8), (8, 8), (16, 4)]
     run_until_idle(s)
-    assert s.allocator.available() == 128
+    assert s.kv.allocator.available() == 128
 
 
 def test_retraction_when_kv_runs_out(random_models):
@@ -97,8 +97,8 @@ def test_retraction_when_kv_runs_out(random_models):
     # Identical greedy output after resuming.
     assert {k: v.new_ids for k, v in finals.items()} == {k: v.new_ids for k, v in expected.items()}
     assert all(len(f.new_ids) == 10 for f in finals.values())
-    assert s.allocator.available() == 20
-    s.cache.check_integrity()
+    assert s.kv.allocator.available() == 20
+    s.kv.cache.check_integrity()
 
 
 def test_request_that_can_never_fit_is_rejected(random_models):
@@ -117,11 +117,11 @@ def test_a_request_that_fails_to_be_added_is_aborted_and_the_scheduler_serves_on
     outs = s.collect_outputs()
     assert [o.rid for o in outs] == ["bad"] and outs[0].finished_reason["type"] == "abort"
     assert "refused the request" in outs[0].finished_reason["message"]
-    assert "bad" not in s.reqs_by_rid and not s.waiting
+    assert "bad" not in s.queues.by_rid and not s.queues.waiting
     submit(s, "good", [3, 4, 5], max_new_tokens=2, temperature=0, ignore_eos=True)
     finals = run_until_idle(s)
     assert finals["good"].finished_reason == {"type": "length", "length": 2}
-    assert s.allocator.available() == 64
+    assert s.kv.allocator.available() == 64
 
 
 def test_abort_waiting_and_running(random_models):
@@ -134,17 +134,17 @@ def test_abort_waiting_and_running(random_models):
     finals = run_until_idle(s)
     assert finals["wait"].finished_reason["type"] == "abort"
     assert finals["run"].finished_reason["type"] == "abort"
-    assert s.allocator.available() == 64
+    assert s.kv.allocator.available() == 64
 
 
 def test_flush_cache_refused_while_busy(random_models):
     s = make_scheduler(random_models["llama"], max_total_tokens=64)
     submit(s, "a", [3, 4, 5], max_new_tokens=4, temperature=0, ignore_eos=True)
-    assert s.handle_message(ControlReq(1, "flush_cache")).result is False
+    assert s.handle_message(FlushCacheReq(1)).result is False
     run_until_idle(s)
-    assert s.cache.evictable_size() > 0
-    assert s.handle_message(ControlReq(2, "flush_cache")).result is True
-    assert s.cache.evictable_size() == 0 and s.allocator.available() == 64
+    assert s.kv.cache.evictable_size() > 0
+    assert s.handle_message(FlushCacheReq(2)).result is True
+    assert s.kv.cache.evictable_size() == 0 and s.kv.allocator.available() == 64
 
 
 @pytest.mark.parametrize("disable_radix_cache", [True, False])
@@ -160,7 +160,7 @@ def test_chunked_prefill_under_memory_pressure_loses_nothing(random_models, disa
             submit(s, f"r{i}", p, max_new_tokens=12, temperature=0, ignore_eos=True)
         finals = run_until_idle(s)
         assert sorted(finals) == [f"r{i}" for i in range(5)]
-        s._check_integrity()
+        s.check_integrity()
         assert s.last_integrity_error is None
         outs[total] = {k: v.new_ids for k, v in finals.items()}
     assert outs[64] == outs[4096]
@@ -177,34 +177,34 @@ def test_overlap_schedule_gives_identical_outputs_and_frees_everything(random_mo
     results = {}
     for overlap in (False, True):
         s = make_scheduler(random_models["llama"], max_total_tokens=512, max_running_requests=max_running)
-        s.overlap = overlap
+        s.pipeline.overlap = overlap
         for i, (p, n) in enumerate(zip(prompts, lengths)):
             submit(s, f"r{i}", p, max_new_tokens=n, temperature=0, ignore_eos=True)
         submit(s, "stopper", [7, 8, 9], max_new_tokens=30, temperature=0, stop_token_ids=list(range(2, 256)))
         finals = run_until_idle(s)
-        s._check_integrity()
+        s.check_integrity()
         assert s.last_integrity_error is None
-        assert s.allocator.available() + s.cache.evictable_size() == 512
+        assert s.kv.allocator.available() + s.kv.cache.evictable_size() == 512
         results[overlap] = {k: (v.new_ids, v.finished_reason) for k, v in finals.items()}
         if overlap:
-            assert s.pending is None
+            assert s.pipeline.pending is None
     assert results[True] == results[False]
     assert [len(results[True][f"r{i}"][0]) for i in range(6)] == lengths
 
 
 def test_overlap_abort_mid_flight_frees_slots(random_models):
     s = make_scheduler(random_models["llama"], max_total_tokens=256, disable_radix_cache=True)
-    s.overlap = True
+    s.pipeline.overlap = True
     submit(s, "a", [3, 4, 5], max_new_tokens=40, temperature=0, ignore_eos=True)
     submit(s, "b", [6, 7], max_new_tokens=40, temperature=0, ignore_eos=True)
     for _ in range(4):
         s.step()
-    assert s.pending is not None
+    assert s.pipeline.pending is not None
     s.handle_message(AbortReq("a"))
     finals = run_until_idle(s)
     assert finals["a"].finished_reason["type"] == "abort"
     assert len(finals["b"].new_ids) == 40
-    assert s.allocator.available() == 256
+    assert s.kv.allocator.available() == 256
 
 
 def test_a_failed_prefill_step_aborts_its_requests_too(random_models):
@@ -217,7 +217,7 @@ def test_a_failed_prefill_step_aborts_its_requests_too(random_models):
     def broken_forward(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    s.model_runner.model.forward = broken_forward
+    s.runner.model.forward = broken_forward
     with pytest.raises(RuntimeError):
         s.step()
     s.fail_all("RuntimeError: device lost")
@@ -256,48 +256,48 @@ def test_pins_with_a_ttl_expire(random_models):
     s = make_scheduler(random_models["llama"], max_total_tokens=256)
     submit(s, "a", list(range(2, 40)), max_new_tokens=0)
     run_until_idle(s)
-    pinned = s.handle_message(ControlReq(1, "pin_prefix", {"token_ids": list(range(2, 40)), "ttl": 0.05})).result
-    kept = s.handle_message(ControlReq(2, "pin_prefix", {"token_ids": list(range(2, 40))})).result
-    assert pinned["pinned_tokens"] == 38 and s.cache.protected_size() == 38
+    pinned = s.handle_message(PinPrefixReq(1, token_ids=list(range(2, 40)), ttl=0.05)).result
+    kept = s.handle_message(PinPrefixReq(2, token_ids=list(range(2, 40)))).result
+    assert pinned["pinned_tokens"] == 38 and s.kv.cache.protected_size() == 38
     _time.sleep(0.1)
-    stats = s.handle_message(ControlReq(3, "get_stats")).result
-    assert pinned["pin_id"] not in s.pins and kept["pin_id"] in s.pins
+    stats = s.handle_message(GetStatsReq(3)).result
+    assert pinned["pin_id"] not in s.kv.pins and kept["pin_id"] in s.kv.pins
     assert stats["protected_tokens"] == 38  # the pin without a ttl still holds the prefix
-    assert s.handle_message(ControlReq(4, "unpin_prefix", {"pin_id": kept["pin_id"]})).result is True
-    assert s.cache.protected_size() == 0
-    s._check_integrity()
+    assert s.handle_message(UnpinPrefixReq(4, pin_id=kept["pin_id"])).result is True
+    assert s.kv.cache.protected_size() == 0
+    s.check_integrity()
     assert s.last_integrity_error is None
 
 
 def test_prefill_warm_up_runs_and_gives_every_slot_back(random_models):
-    from plait.runtime.warmup import WARMUP_PROMPT_TOKENS, warm_up_prefill
+    from plait.runtime.executor.warmup import WARMUP_PROMPT_TOKENS, warm_up_prefill
 
     s = make_scheduler(random_models["llama"], max_total_tokens=512, max_running_requests=4)
-    slots, rows = s.allocator.available(), s.req_to_token.available()
+    slots, rows = s.kv.allocator.available(), s.kv.req_to_token.available()
     calls = []
-    run = s.model_runner.run
-    s.model_runner.run = lambda batch: calls.append((batch.prefix_lens, batch.extend_lens)) or run(batch)
-    warm_up_prefill(s.model_runner)
+    run = s.runner.run
+    s.runner.run = lambda batch: calls.append((batch.prefix_lens, batch.extend_lens)) or run(batch)
+    warm_up_prefill(s.runner)
     # Both prompts whole, then the second over a cached prefix of half its length.
     half = WARMUP_PROMPT_TOKENS[1] // 2
     assert calls == [([0, 0], list(WARMUP_PROMPT_TOKENS)), ([half], [WARMUP_PROMPT_TOKENS[1] - half])]
-    assert (s.allocator.available(), s.req_to_token.available()) == (slots, rows)
+    assert (s.kv.allocator.available(), s.kv.req_to_token.available()) == (slots, rows)
     # A pool too small for it (a test setup) is left alone.
     small = make_scheduler(random_models["llama"], max_total_tokens=64, max_running_requests=4)
-    small.model_runner.run = lambda batch: pytest.fail("warm-up ran on a 64-slot pool")
-    warm_up_prefill(small.model_runner)
+    small.runner.run = lambda batch: pytest.fail("warm-up ran on a 64-slot pool")
+    warm_up_prefill(small.runner)
 
 
 def test_in_flight_prefixes_agree_with_comparing_every_pair():
     import random
 
-    from plait.runtime import scheduler_prefill
-    from plait.runtime.scheduler_prefill import InFlightPrefixes
+    from plait.runtime.scheduler import admission
+    from plait.runtime.scheduler.admission import InFlightPrefixes
 
     rng = random.Random(0)
     base = [rng.randrange(3) for _ in range(40)]
     for max_indexed in (8, 1):  # indexed windows, and the linear scan past the index limit
-        scheduler_prefill.MAX_INDEXED_WINDOWS, saved = max_indexed, scheduler_prefill.MAX_INDEXED_WINDOWS
+        admission.MAX_INDEXED_WINDOWS, saved = max_indexed, admission.MAX_INDEXED_WINDOWS
         try:
             flight, seqs = InFlightPrefixes(4), []
             for _ in range(200):
@@ -310,12 +310,12 @@ def test_in_flight_prefixes_agree_with_comparing_every_pair():
                 flight.add(ids, length)
                 seqs.append((ids, length))
         finally:
-            scheduler_prefill.MAX_INDEXED_WINDOWS = saved
+            admission.MAX_INDEXED_WINDOWS = saved
 
 
 def test_token_prefix_is_fill_ids_prefix():
-    from plait.runtime.schedule_batch import Req
-    from plait.runtime.scheduler_prefill import token_prefix
+    from plait.runtime.request import Req
+    from plait.runtime.scheduler.admission import token_prefix
 
     r = Req("a", [1, 2, 3], SamplingParams())
     r.output_ids = [4, 5]
@@ -334,7 +334,7 @@ def test_lpm_ranked_admission_matches_exactly_what_a_fresh_match_finds(random_mo
         generated += [t for o in s.collect_outputs() for t in o.new_ids]
     full = prompt + generated
     cached = len(prompt) + 2  # the last generated token's KV was never computed
-    queried_before = s.cache.hit_stats.queried_tokens
+    queried_before = s.kv.cache.hit_stats.queried_tokens
     submit(s, "fork", prompt[:10] + [50, 51, 52], max_new_tokens=1, temperature=0, ignore_eos=True)
     submit(s, "same", list(prompt), max_new_tokens=1, temperature=0, ignore_eos=True)
     submit(s, "child", full + [40, 41, 42], max_new_tokens=1, temperature=0, ignore_eos=True)
@@ -342,9 +342,9 @@ def test_lpm_ranked_admission_matches_exactly_what_a_fresh_match_finds(random_mo
     # lpm order (the longest cached prefix first) and exact cached prefixes.
     assert list(zip((r.rid for r in batch.reqs), batch.prefix_lens)) == \
         [("child", cached), ("same", len(prompt) - 1), ("fork", 10)]
-    assert s.cache.hit_stats.queried_tokens - queried_before == (len(full) + 2) + (len(prompt) - 1) + 12
+    assert s.kv.cache.hit_stats.queried_tokens - queried_before == (len(full) + 2) + (len(prompt) - 1) + 12
     run_until_idle(s)
-    s._check_integrity()
+    s.check_integrity()
     assert s.last_integrity_error is None
 
 
@@ -369,6 +369,6 @@ def test_intake_takes_the_messages_id_list_over_and_never_changes_it(random_mode
     s = make_scheduler(random_models["llama"], max_total_tokens=1024)
     ids = list(range(10, 40))
     submit(s, "a", ids, max_new_tokens=3, temperature=0, ignore_eos=True)
-    assert s.waiting[0].origin_input_ids is ids  # no copy at intake
+    assert s.queues.waiting[0].origin_input_ids is ids  # no copy at intake
     run_until_idle(s)
     assert ids == list(range(10, 40))

@@ -264,7 +264,7 @@ def test_every_server_flag_explains_itself_in_help(capsys):
 
 
 def test_model_path_that_is_not_a_folder_says_what_works():
-    from plait.runtime.model_loader import load_model_config
+    from plait.runtime.executor.loader import load_model_config
 
     with pytest.raises(ValueError, match=r"'HuggingFaceTB/SmolLM2-135M-Instruct' is not a folder.*no hub"
                                          r".*model_path=None runs the embedded default model.*llama-3.1-8b"):
@@ -272,7 +272,7 @@ def test_model_path_that_is_not_a_folder_says_what_works():
 
 
 def test_max_running_requests_default_depends_on_the_device_and_pool():
-    from plait.runtime.model_runner import default_max_running_requests
+    from plait.runtime.executor.model_runner import default_max_running_requests
 
     assert ServerArgs().max_running_requests is None
     assert parse_server_args(["--max-running-requests", "8"]).max_running_requests == 8

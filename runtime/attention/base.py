@@ -60,3 +60,12 @@ class AttentionBackend(ABC):
 
     def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
         raise NotImplementedError
+
+    # A second graph per batch size, with other kernels (the triton backend's shared-prefix cascade).
+    def has_cascade_graph(self, bs: int) -> bool:
+        """Whether decode graphs of batch `bs` also come in a cascade variant."""
+        return False
+
+    def decode_uses_cascade(self, fb: ForwardBatch) -> bool:
+        """Whether this graph step should replay the cascade variant."""
+        return False

@@ -125,6 +125,8 @@ class GrammarMatcher(ABC):
 
     # Constraint features the backend does not enforce (copied from the CompiledGrammar).
     warnings: tuple[str, ...] = ()
+    # Why the output was closed before the model ended it: "budget" | "repetition" (request_grammar.py).
+    closed_early: Optional[str] = None
 
     @abstractmethod
     def accept_token(self, token_id: int) -> bool:
@@ -143,6 +145,10 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-next-token bits into `bitmask[row]` (int32 CPU tensor, (B, W))."""
+
+    def refine_bitmask(self, logits: torch.Tensor, row: torch.Tensor) -> None:
+        """After `fill_bitmask`: narrow the row's (W,) bits further by its (V,) logits (a matcher that must
+        choose among the model's likeliest tokens, see request_grammar.py). Default: nothing to narrow."""
 
     @property
     def max_rollback(self) -> int:

@@ -12,9 +12,10 @@ Calls the scheduler makes (runtime/scheduler.py):
                                                                      # request is still running
 
 Each matcher is a `RequestGrammar` (request_grammar.py): no repeated JSON keys, and (unless the request
-set `close_within_budget` off) the closing that keeps a cut output valid: `fill_and_apply` tells each
-matcher its budget left (`req.remaining_new_tokens()`), and `accept` ends a request whose budget
-closing has written its last token with finish_reason "length".
+set `close_within_budget` off) the closing that keeps a cut output valid. The masking itself happens in
+the step runner (`GrammarMasker`, masker.py), which sees only matchers; so `accept` and `jump_forward`,
+where the request is known, tell its matcher the budget left (`req.remaining_new_tokens()`), and
+`accept` ends a request whose budget closing has written its last token with finish_reason "length".
 
 `jump_forward` rewrites `req.output_ids` in place (drops at most the just-sampled token, whose KV
 is not computed yet, and appends the forced tokens), advances the matcher and feeds the
@@ -30,12 +31,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..request import FinishReason
 from .base import JSON_KINDS, GrammarBackend, GrammarMatcher
-from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace, unpack_bitmask
-from .closing import CHOICES
+from .bitmask import apply_token_bitmask_inplace
 from .completion import CompletionSearch
 from .factory import create_grammar_backend
 from .jump_forward import JumpForwardPlan, apply_jump_forward, plan_jump_forward
+from .masker import GrammarMasker
 from .request_grammar import RequestGrammar
 from .token_tables import TokenTables
 from .unique_keys import RepeatedKeyMask
@@ -45,7 +47,6 @@ from .unique_keys import RepeatedKeyMask
 # keeps its thread until it ends; with a single thread every other request's constraint (a forced tool
 # call included) would queue behind it and time out too.
 COMPILE_THREADS = 4
-_EVENT_COUNTERS = {"closed": "grammar_closed_early", "overshoot": "grammar_close_overshoots"}
 
 
 class GrammarManager:
@@ -62,7 +63,7 @@ class GrammarManager:
         self.search = CompletionSearch(self.tables)
         self.keys = RepeatedKeyMask(self.tables)
         self._special = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
-        self._bitmask: Optional[torch.Tensor] = None
+        self._masker = GrammarMasker(self.backend.vocab_size)
         # jump_forward_tokens: tokens appended without a decode step; jump_forward_rollback_tokens:
         # sampled tokens replaced by the retokenized forced text (decoded, then dropped).
         # grammar_closed_early: outputs steered to their shortest completion (budget or loop);
@@ -85,55 +86,32 @@ class GrammarManager:
         return make_request_grammar(self.backend, sampling_params, self._wrap)
 
     def _wrap(self, matcher: GrammarMatcher, sampling_params: Any) -> RequestGrammar:
+        # NOTE: the scheduler may clamp max_new_tokens to the context (None: all of it); the budget
+        # accept() reports after the first token corrects this first one.
+        max_new = sampling_params.max_new_tokens
         return RequestGrammar(matcher, self.tables, self.search, self.keys,
                               json_text=sampling_params.grammar_key[0] in JSON_KINDS,
-                              close_within_budget=sampling_params.close_within_budget)
+                              close_within_budget=sampling_params.close_within_budget,
+                              budget_left=None if max_new is None else max_new)
 
     # ---- sampling ----
     def fill_and_apply(self, logits: torch.Tensor, reqs: Sequence[Any]) -> None:
         """Mask logits (B, V) in place: row i follows reqs[i].grammar; rows without one untouched."""
-        rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
-        if not rows:
-            return
-        batch, vocab = logits.shape
-        if self._bitmask is None or self._bitmask.shape[0] < batch:
-            self._bitmask = allocate_token_bitmask(max(batch, 8), self.backend.vocab_size)
-        bitmask = self._bitmask[:batch]  # (B, W)
-        for i in rows:
-            grammar = reqs[i].grammar
-            if not grammar.is_terminated():
-                left = _budget_left(reqs[i])
-                event = grammar.prepare(left)
-                if event is not None:
-                    self.counters[_EVENT_COUNTERS[event]] += 1
-                grammar.fill_bitmask(bitmask, i)
-                if grammar.choosing():
-                    self._keep_fitting(logits[i], bitmask[i], grammar, left)
-            else:  # only reached if a finished request is still batched: allow nothing but stop
-                bitmask[i].zero_()
-        apply_token_bitmask_inplace(logits, bitmask, rows)
-
-    def _keep_fitting(self, logits_row: torch.Tensor, mask_row: torch.Tensor, grammar: RequestGrammar,
-                      left: int) -> None:
-        """Near the end of a budget: narrow the row to the likeliest tokens after which a completion fits."""
-        allowed = unpack_bitmask(mask_row.unsqueeze(0), logits_row.shape[0])[0].to(logits_row.device)  # (V,)
-        scores = logits_row.masked_fill(~allowed, float("-inf"))  # (V,)
-        top = scores.topk(min(CHOICES, scores.shape[0]))
-        candidates = [t for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")]
-        keep = grammar.keep_fitting(candidates, left)
-        mask_row.zero_()
-        mask_row |= self.tables.row_of(keep)
+        self._masker.apply(logits, [getattr(r, "grammar", None) for r in reqs])
 
     # ---- after sampling ----
     def accept(self, req: Any, token_id: int) -> bool:
         """Advance the request's matcher; a rejected token aborts the request (never silently).
 
         After the last token of a budget closing, the request ends with finish_reason "length"."""
-        from ..schedule_batch import FinishReason
-
         if advance(req, token_id):
-            if req.grammar is not None and req.grammar.ends_within_budget():
-                req.finished_reason = FinishReason("length", length=len(req.output_ids))
+            grammar = req.grammar
+            if isinstance(grammar, RequestGrammar):
+                self._count(grammar.take_event())
+                if grammar.ends_within_budget():
+                    req.finished_reason = FinishReason("length", length=len(req.output_ids))
+                else:
+                    grammar.note_budget(_budget_left(req))
             return True
 
         req.finished_reason = FinishReason(
@@ -152,7 +130,15 @@ class GrammarManager:
             self.counters["jump_forward_events"] += 1
             self.counters["jump_forward_tokens"] += len(plan.append_token_ids)
             self.counters["jump_forward_rollback_tokens"] += plan.rollback_tokens
+            if isinstance(req.grammar, RequestGrammar):
+                req.grammar.note_budget(_budget_left(req))
         return plan
+
+    def _count(self, event: Optional[str]) -> None:
+        if event == "closed":
+            self.counters["grammar_closed_early"] += 1
+        elif event == "overshoot":
+            self.counters["grammar_close_overshoots"] += 1
 
 
 def make_request_grammar(backend: GrammarBackend, sampling_params: Any, wrap: Any = None

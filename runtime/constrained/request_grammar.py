@@ -4,8 +4,10 @@
 It forwards to the backend's matcher and adds, for JSON text (schemas, any-JSON, tool calls):
 - no repeated keys (unique_keys.py), always;
 and for every kind, unless the request turned `close_within_budget` off:
-- valid within the budget (closing.py): before each token the GrammarManager calls
-  `prepare(left)`; closing forces the shortest completion's tokens through the mask;
+- valid within the budget (closing.py): the GrammarManager tells it the tokens left after each token
+  (`note_budget`); `fill_bitmask` decides from that whether to close, and closing forces the shortest
+  completion's tokens through the mask; near the end `refine_bitmask` keeps, of the model's likeliest
+  tokens (the row's logits), those after which a completion still fits;
 - loops cut short (repetition.py): a loop starts the closing at once.
 
 `closed_early` says why the output was closed early ("budget" | "repetition"), for meta_info.
@@ -20,7 +22,8 @@ from typing import Optional
 import torch
 
 from .base import GrammarMatcher
-from .closing import BUDGET, BudgetCloser
+from .bitmask import unpack_bitmask
+from .closing import BUDGET, CHOICES, BudgetCloser
 from .completion import CompletionSearch
 from .json_scan import JsonScanner
 from .repetition import RepetitionWatch
@@ -30,7 +33,8 @@ from .unique_keys import RepeatedKeyMask
 
 class RequestGrammar(GrammarMatcher):
     def __init__(self, matcher: GrammarMatcher, tables: TokenTables, search: CompletionSearch,
-                 keys: RepeatedKeyMask, json_text: bool, close_within_budget: bool) -> None:
+                 keys: RepeatedKeyMask, json_text: bool, close_within_budget: bool,
+                 budget_left: Optional[int] = None) -> None:
         self.inner = matcher
         self.warnings = matcher.warnings
         self._tables = tables
@@ -41,31 +45,37 @@ class RequestGrammar(GrammarMatcher):
         self._version = 0  # changes with every accept and rollback: identifies the matcher's state
         self.watch = RepetitionWatch() if close_within_budget else None
         self.closer = BudgetCloser(search) if close_within_budget else None
+        self._budget_left = budget_left  # tokens the request may still generate (None: not known yet)
+        self._event: Optional[str] = None  # "closed" | "overshoot", until taken by the manager
 
     # ---- what the scheduler reads ----
     @property
     def closed_early(self) -> Optional[str]:
         return self.closer.reason if self.closer is not None else None
 
-    def choosing(self) -> bool:
-        """Whether the next token must be one after which a completion still fits (see `keep_fitting`)."""
-        return self.closer is not None and self.closer.restrict == "choose"
+    def note_budget(self, left: int) -> None:
+        """The tokens the request may still generate (after each accepted token and jump-forward)."""
+        self._budget_left = left
 
-    def keep_fitting(self, candidates: list[int], left: int) -> list[int]:
-        """Of `candidates` (allowed tokens, likeliest first), those after which a completion fits."""
-        return self.closer.fitting(self.inner, self.scanner, candidates, self._tables.vocab.decoded, left)
+    def take_event(self) -> Optional[str]:
+        """What the last decision did, once: "closed" (the closing began), "overshoot" (no completion
+        fits the budget any more), or None."""
+        event, self._event = self._event, None
+        return event
 
     def ends_within_budget(self) -> bool:
         return self.closer is not None and self.closer.reason == BUDGET and self.closer.plan_done
 
-    def prepare(self, left: int) -> Optional[str]:
-        """Before the next token is sampled with `left` tokens of budget (that one included). Returns
-        "closed" when this began the closing, "overshoot" when no completion fits any more, else None."""
-        closer = self.closer
-        if closer is None or left < 1 or closer.closing or closer.overshoot:
-            return None
+    def _decide(self) -> None:
+        """Before the next token's mask: whether to close, or to keep only tokens that fit."""
+        closer, left = self.closer, self._budget_left
+        if closer is None or left is None or left < 1 or closer.closing or closer.overshoot:
+            return
         closer.step(self.inner, self.scanner, self._version, self._accepted, left, self.watch.looping)
-        return "closed" if closer.closing else "overshoot" if closer.overshoot else None
+        if closer.closing:
+            self._event = "closed"
+        elif closer.overshoot:
+            self._event = "overshoot"
 
     # ---- GrammarMatcher ----
     def accept_token(self, token_id: int) -> bool:
@@ -111,6 +121,7 @@ class RequestGrammar(GrammarMatcher):
         return self.inner.jump_forward_string()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._decide()
         closer = self.closer
         if closer is not None and closer.closing:
             bitmask[row].zero_()
@@ -129,6 +140,20 @@ class RequestGrammar(GrammarMatcher):
             bitmask[row] &= keep
             if first is not None:
                 _allow(bitmask[row], first)
+
+
+    def refine_bitmask(self, logits: torch.Tensor, row: torch.Tensor) -> None:
+        """Inside the guard (closing.py): of the CHOICES likeliest allowed tokens, keep those after which
+        a completion still fits. logits: (V,) on any device; row: the (W,) bits `fill_bitmask` wrote."""
+        if self.closer is None or self.closer.restrict != "choose":
+            return
+        allowed = unpack_bitmask(row.unsqueeze(0), logits.shape[0])[0].to(logits.device)  # (V,)
+        top = logits.masked_fill(~allowed, float("-inf")).topk(min(CHOICES, logits.shape[0]))
+        candidates = [t for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")]
+        keep = self.closer.fitting(self.inner, self.scanner, candidates, self._tables.vocab.decoded,
+                                   self._budget_left)
+        row.zero_()
+        row |= self._tables.row_of(keep)
 
 
 def _allow(row: torch.Tensor, token_id: int) -> None:

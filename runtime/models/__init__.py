@@ -1,6 +1,6 @@
 """Model registry: config.json's architecture → our PyTorch module."""
 
-from ..model_config import ModelConfig
+from .config import ModelConfig
 
 
 def model_class(cfg: ModelConfig):

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
-from ..model_config import ModelConfig
+from .config import ModelConfig
 from . import layers
 from .layers import (RMSNorm, RotaryEmbedding, SiluAndMul, fuses_decode_row, norm_linear, row_linear, silu_linear,
                      skinny_linear)

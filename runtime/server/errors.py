@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..tokenizer_manager import EngineUnavailableError, OverloadedError
+from ..engine.tokenizer_manager import EngineUnavailableError, OverloadedError
 
 logger = logging.getLogger("plait.server")
 

@@ -123,7 +123,7 @@ def _engine_kwargs(server_args: ServerArgs) -> dict[str, Any]:
 
 def launch_server(server_args: ServerArgs) -> None:
     """Build the Engine, serve until SIGINT/SIGTERM, then shut the Engine down."""
-    from ..engine import Engine
+    from ..engine.engine import Engine
 
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,10 +1,11 @@
 """ModelRunner: owns the model, the KV memory and the attention backend; runs one step.
 
 `__init__` reads as a recipe: resolve device/dtype → build model and load weights → size the KV pool
-→ build the attention backend (→ capture CUDA graphs, on GPU). `run(batch)` turns a ScheduleBatch into
-a ForwardBatch, runs the model, computes the logits rows that are needed, and samples.
-`launch_decode` / `launch_prefill` do the same without waiting for the device (overlap scheduling):
-the sampled ids stay on the device with a pinned host copy that `resolve` reads later.
+→ build the attention backend (→ capture CUDA graphs, on GPU). `run(step)` turns a `StepInput` (plain
+data: step.py) into a ForwardBatch, runs the model, computes the logits rows that are needed, and
+samples. `launch` does the same without waiting for the device (overlap scheduling): the sampled ids stay
+on the device with a pinned host copy that `resolve` reads later. It is the scheduler's step runner
+(scheduler/step_runner.py) and never sees the scheduler's requests.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .attention import create_attention_backend
-from .forward_batch import ForwardBatch
-from .memory_pool import KVPool, ReqToTokenPool, TokenAllocator
-from .model_config import ModelConfig
-from .model_loader import load_model, load_model_config
+from ..attention import create_attention_backend
+from ..forward_batch import ForwardBatch
+from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
+from ..models.config import ModelConfig
+from .loader import load_model, load_model_config
+from .warmup import warm_up_prefill
+from ..server_args import ServerArgs
+from ..step import SamplingRow, StepInput, StepOutput
 from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sample
-from .schedule_batch import Req, ScheduleBatch
-from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +62,14 @@ class PendingPrefill:
     batch_size: int
 
 
-@dataclass
-class StepOutput:
-    # Per request in batch order: the sampled token, or None (chunk mid-way / prefill-only).
-    next_token_ids: list[Optional[int]]
-    # Per request: (logprob, top list or None) for the sampled token, when asked.
-    output_logprobs: list = field(default_factory=list)
-    # Per request: list of (prompt position, logprob, token id, top list or None) computed this step.
-    input_logprobs: list = field(default_factory=list)
-
-
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, model_path: str, grammar_hook=None):
+    def __init__(self, server_args: ServerArgs, model_path: str):
         self.server_args = server_args
         self.device = server_args.resolved_device()
-        self.grammar_hook = grammar_hook
+        # Launching a step before the previous one is read back pays only where the device runs
+        # asynchronously; on the CPU a launch runs synchronously.
+        self.supports_overlap = self.device == "cuda"
+        self._masker = None  # constrained.masker.GrammarMasker, made for the first constrained step
         if self.device == "cuda":
             torch.cuda.set_device(0)
         torch.manual_seed(server_args.random_seed)
@@ -86,6 +81,7 @@ class ModelRunner:
         self.model = load_model(model_path, cfg, server_args.load_format, self.dtype, self.device,
                                 self.context_len, server_args.random_seed)
         self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = tuple(cfg.eos_token_ids)
 
         self.max_total_tokens = self._size_kv_pool()
         self.max_running_requests = server_args.max_running_requests or default_max_running_requests(
@@ -103,9 +99,11 @@ class ModelRunner:
         self._ring_pos: dict[str, int] = {"decode": 0, "prefill": 0}
         self.graph_runner = None
         if self.device == "cuda" and not server_args.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
-            from .cuda_graph_runner import CudaGraphRunner
+            from .cuda_graphs import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self)
+        if self.device == "cuda":
+            warm_up_prefill(self)
 
     def _size_kv_pool(self) -> int:
         cfg, sa = self.model_config, self.server_args
@@ -123,14 +121,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def run(self, batch: ScheduleBatch) -> StepOutput:
-        fb, sample_rows, sampling_reqs, input_lp_rows = self._build_forward_batch(batch)
+    def run(self, step: StepInput) -> StepOutput:
+        fb = self._build_forward_batch(step)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             # Decode: the graph computes the logits of every row too (one row per request), and their argmax.
             logits, greedy = self.graph_runner.replay(fb)  # (B, vocab) float32, (B,)
-            return self._sample(batch, None, sample_rows, sampling_reqs, input_lp_rows, logits, greedy)
-        hidden, rows = self._forward_eager(fb, sample_rows)
-        return self._sample(batch, hidden, sample_rows, sampling_reqs, input_lp_rows, sample_rows_t=rows)
+            return self._sample(step, None, logits, greedy)
+        hidden, rows = self._forward_eager(fb, step.sample_rows)
+        return self._sample(step, hidden, sample_rows_t=rows)
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput, prev=None):
+        """Start a step without waiting for it (overlap scheduling); `resolve` reads it back. Only for
+        steps whose sampling needs nothing from the host (no row `needs_host_sampling`)."""
+        if step.mode.is_decode():
+            return self._launch_decode(step, prev)
+        return self._launch_prefill(step)
 
     def _forward_eager(self, fb: ForwardBatch, sample_rows: list[int]):
         """The model on `fb` without a graph: (T, hidden) states and the (S,) device rows to sample."""
@@ -141,51 +147,38 @@ class ModelRunner:
         rows = self._upload([sample_rows])[0] if sample_rows else None
         return self.model(fb.input_ids, fb.positions, fb), rows  # (T, hidden), (S,)
 
-    # ------------------------------------------------------------------ overlapped decode
-    @torch.inference_mode()
-    def launch_decode(self, batch: ScheduleBatch, prev: Optional["PendingDecode"] = None) -> "PendingDecode":
-        """Start a decode step without waiting for it (overlap scheduling).
-
-        With `prev` (the step still in flight), the input tokens are prev's sampled tokens, read on the
-        device, and each request is one token further along than its CPU-side state says. prev's
-        requests may be a superset of the batch's (some finished meanwhile): `batch.prev_rows` names the
-        rows of prev that go on, gathered in `_build_forward_batch`. Only for requests `can_overlap`
-        accepts (no logprobs, grammar or penalties: those need the previous token on the host).
-        """
-        fb, _, _, _ = self._build_forward_batch(batch, ahead=1 if prev is not None else 0,
-                                                input_ids=prev.next_ids if prev is not None else None)
+    # ------------------------------------------------------------------ overlapped steps
+    def _launch_decode(self, step: StepInput, prev: Optional["PendingDecode"]) -> "PendingDecode":
+        """A decode step. With `prev` (the step still in flight), the input tokens are prev's sampled
+        tokens, read on the device, and each request is one token further along than its host state
+        says (`step.ids_from_prev`); prev's requests may be a superset of the step's (some finished
+        meanwhile): the step's last row names the rows of prev that go on."""
+        fb = self._build_forward_batch(step, input_ids=prev.next_ids if prev is not None else None)
         greedy = None
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             logits, greedy = self.graph_runner.replay(fb)
         else:
             self.attn_backend.init_forward_metadata(fb)
             logits = self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
-        reqs = batch.reqs
-        plain_greedy = prev.plain_greedy if prev is not None else all(_plain_greedy(r) for r in reqs)
-        next_ids = self._sample_on_device(logits, reqs, plain_greedy, greedy)
+        plain_greedy = prev.plain_greedy if prev is not None else all(r.plain_greedy() for r in step.sampling)
+        next_ids = self._sample_on_device(logits, step.sampling, plain_greedy, greedy)
         host, event = self._copy_to_host(next_ids, "decode")
         return PendingDecode(next_ids, host, event, plain_greedy)
 
-    # ------------------------------------------------------------------ overlapped prefill
-    @torch.inference_mode()
-    def launch_prefill(self, batch: ScheduleBatch) -> PendingPrefill:
-        """Start a prefill (EXTEND) step without waiting for it (overlap scheduling): the sampled tokens
-        stay on the device, with a pinned host copy that `resolve` reads. Only for requests
-        `can_overlap` accepts (no logprobs, so no prompt logprobs either; no grammar or penalties: the
-        sampling needs nothing from the host). On the CPU it runs synchronously, through the same code.
-        """
-        fb, sample_rows, sampling_reqs, input_lp_rows = self._build_forward_batch(batch)
-        if input_lp_rows:
-            raise ValueError("launch_prefill: a request wants prompt logprobs; run() the batch instead")
-        hidden, rows = self._forward_eager(fb, sample_rows)
-        if sample_rows:
-            s_reqs = [batch.reqs[i] for i in sampling_reqs]
+    def _launch_prefill(self, step: StepInput) -> PendingPrefill:
+        """A prefill (EXTEND) step: the sampled tokens stay on the device, with a pinned host copy that
+        `resolve` reads. On the CPU it runs synchronously, through the same code."""
+        if step.logprob_rows:
+            raise ValueError("launch: a request wants prompt logprobs; run() the step instead")
+        fb = self._build_forward_batch(step)
+        hidden, rows = self._forward_eager(fb, step.sample_rows)
+        if step.sample_rows:
             logits = self.model.compute_logits(hidden[rows])  # (S, V)
-            next_ids = self._sample_on_device(logits, s_reqs, all(_plain_greedy(r) for r in s_reqs))  # (S,)
+            next_ids = self._sample_on_device(logits, step.sampling, all(r.plain_greedy() for r in step.sampling))
         else:  # every request is a chunk mid-way (or prefill-only): nothing to read back
             next_ids = torch.empty(0, dtype=torch.int64, device=hidden.device)
         host, event = self._copy_to_host(next_ids, "prefill")
-        return PendingPrefill(next_ids, host, event, sampling_reqs, len(batch.reqs))
+        return PendingPrefill(next_ids, host, event, step.sampling_reqs, step.batch_size)
 
     def resolve(self, pending) -> StepOutput:
         """Wait for a launched step (`PendingDecode` or `PendingPrefill`) and read its tokens."""
@@ -201,14 +194,14 @@ class ModelRunner:
         # A decode step computes no prompt logprobs: input_logprobs stays empty (read for EXTEND only).
         return StepOutput(next_token_ids=ids, output_logprobs=[None] * len(ids))
 
-    def _sample_on_device(self, logits: torch.Tensor, reqs: list[Req], plain_greedy: bool,
+    def _sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow], plain_greedy: bool,
                           greedy: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B,) int64 next ids of logits (B, V), without reading anything back (no grammar here)."""
         if plain_greedy:
             return greedy if greedy is not None else greedy_tokens(logits)
-        info = SamplingBatchInfo.from_reqs(reqs, logits.shape[1], logits.device)
-        apply_logit_adjustments(logits, reqs, info)
-        return sample(logits, reqs, info)
+        info = SamplingBatchInfo.from_rows(rows, logits.shape[1], logits.device)
+        apply_logit_adjustments(logits, rows, info)
+        return sample(logits, rows, info)
 
     def _copy_to_host(self, ids: torch.Tensor, ring: str):
         """A pinned host copy of the (n,) sampled ids, queued after the step, and the event marking it
@@ -231,13 +224,6 @@ class ModelRunner:
             bufs = self._host_rings[ring] = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         pos = self._ring_pos[ring] = self._ring_pos[ring] ^ 1
         return bufs[pos][:n]
-
-    @staticmethod
-    def can_overlap(r: Req) -> bool:
-        sp = r.sampling_params
-        return (not r.return_logprob and r.grammar is None and sp.frequency_penalty == 0
-                and sp.presence_penalty == 0 and sp.repetition_penalty == 1.0
-                and len(r.output_ids) >= sp.min_new_tokens)
 
     def _upload(self, rows) -> torch.Tensor:
         """k equally long int lists (or a (k, n) array) → a (k, n) int64 device tensor, one copy."""
@@ -265,114 +251,92 @@ class ModelRunner:
         self._staging[slot] = (buf, done)
         return dev
 
-    def _build_forward_batch(self, batch: ScheduleBatch, ahead: int = 0, input_ids: Optional[torch.Tensor] = None):
-        reqs = batch.reqs
-        sample_rows: list[int] = []  # row in hidden (T,) per sampling request
-        sampling_reqs: list[int] = []  # index into batch.reqs
-        # (req index, row, prompt position of the predicted token; the prompt's length: the next token)
-        input_lp_rows: list[tuple[int, int, int]] = []
-        if batch.mode.is_decode():
-            # NOTE: numpy rows, not per-request lists: a pipelined step reuses the previous step's lengths.
-            rows = batch.decode_host_rows(ahead, with_input_ids=input_ids is None)  # (5 or 6, B)
-            dev = self._upload(rows)
+    def _build_forward_batch(self, step: StepInput, input_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
+        if step.mode.is_decode():
+            dev = self._upload(step.token_rows)  # (5 or 6, B)
             ids_t, pos_t, pool_t, seq_t, loc_t = dev[:5]
             if input_ids is None:
                 input_ids = ids_t
-            elif batch.prev_rows is not None:  # the previous step's samples of the requests that go on
+            elif step.has_prev_rows:  # the previous step's samples of the requests that go on
                 input_ids = input_ids.index_select(0, dev[5])
             token_rows = pool_t
-            seq_lens = batch.seq_lens_host.tolist()
-            sample_rows = list(range(len(reqs)))
-            sampling_reqs = sample_rows
         else:
-            token_host, req_host = batch.extend_host_rows()  # (4, T), (5, B)
-            seq_lens = req_host[1].tolist()
-            offset = 0
-            for i, (r, pre, ext) in enumerate(zip(reqs, batch.prefix_lens, batch.extend_lens)):
-                if pre + ext == r.seq_len and not r.prefill_only:
-                    sample_rows.append(offset + ext - 1)
-                    sampling_reqs.append(i)
-                if r.needs_input_logprobs():
-                    prompt_len = len(r.origin_input_ids)
-                    first = max(r.logprob_start_len, 1, pre + 1, r.input_logprob_next)
-                    # NOTE: a chunk's last row predicts the next chunk's first prompt token: computed
-                    # here, since the next chunk has no row before it (it was lost at every boundary).
-                    for pos in range(first, min(pre + ext + 1, prompt_len)):
-                        input_lp_rows.append((i, offset + (pos - 1 - pre), pos))
-                if pre + ext == r.seq_len and r.prefill_only and r.return_logprob and r.top_logprobs_num:
-                    # max_new_tokens=0 with top logprobs: no token, but the next token's distribution (the
-                    # "position" past the prompt; SGLang programs read it, e.g. to branch on the top-k).
-                    input_lp_rows.append((i, offset + ext - 1, len(r.origin_input_ids)))
-                offset += ext
-            input_ids, pos_t, loc_t, token_rows = self._upload(token_host)  # (4, T)
-            pool_t, seq_t, pre_t, ext_t, start_t = self._upload(req_host)  # (5, B)
+            input_ids, pos_t, loc_t, token_rows = self._upload(step.token_rows)  # (4, T)
+            pool_t, seq_t, pre_t, ext_t, start_t = self._upload(step.req_rows)  # (5, B)
         # The new tokens' kv slots go into req_to_token here: one indexed write on the device, and the
         # same values from the host rows into its host mirror.
-        self.req_to_token_pool.write_step((token_rows, pos_t, loc_t), batch.kv_writes)
+        self.req_to_token_pool.write_step((token_rows, pos_t, loc_t), step.kv_writes)
         fb = ForwardBatch(
-            forward_mode=batch.mode, batch_size=len(reqs), input_ids=input_ids, positions=pos_t,
-            req_pool_indices=pool_t, seq_lens=seq_t, out_cache_loc=loc_t, seq_lens_cpu=seq_lens,
+            forward_mode=step.mode, batch_size=step.batch_size, input_ids=input_ids, positions=pos_t,
+            req_pool_indices=pool_t, seq_lens=seq_t, out_cache_loc=loc_t, seq_lens_cpu=step.seq_lens,
             req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
-        if batch.mode.is_decode():
-            fb.req_pool_indices_cpu = rows[2]  # (B,) host rows, for the shared-prefix grouping
-        if batch.mode.is_extend():
-            fb.extend_prefix_lens_cpu = list(batch.prefix_lens)
-            fb.extend_seq_lens_cpu = list(batch.extend_lens)
+        if step.mode.is_decode():
+            fb.req_pool_indices_cpu = step.token_rows[2]  # (B,) host rows, for the shared-prefix grouping
+        else:
+            fb.extend_prefix_lens_cpu = list(step.prefix_lens)
+            fb.extend_seq_lens_cpu = list(step.extend_lens)
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = pre_t, ext_t, start_t
-        return fb, sample_rows, sampling_reqs, input_lp_rows
+        return fb
 
-    def _sample(self, batch, hidden, sample_rows, sampling_reqs, input_lp_rows, logits=None,
-                greedy=None, sample_rows_t=None) -> StepOutput:
-        reqs = batch.reqs
-        out = StepOutput(next_token_ids=[None] * len(reqs), output_logprobs=[None] * len(reqs),
-                         input_logprobs=[[] for _ in reqs])
-        if input_lp_rows:
-            rows = torch.tensor([row for _, row, _ in input_lp_rows], dtype=torch.int64, device=hidden.device)
-            # (a next-token row has no target: 0 stands in, its logprob is not reported)
-            targets = torch.tensor([_prompt_token(reqs[i], pos) for i, _, pos in input_lp_rows],
-                                   dtype=torch.int64, device=hidden.device)
-            top_k = max(reqs[i].top_logprobs_num for i, _, _ in input_lp_rows)
-            chosen, top_v, top_i = compute_logprobs(self.model.compute_logits(hidden[rows]), targets, top_k)
-            chosen = chosen.tolist()
-            top_v = top_v.tolist() if top_v is not None else None
-            top_i = top_i.tolist() if top_i is not None else None
-            for j, (i, _, pos) in enumerate(input_lp_rows):
-                k = reqs[i].top_logprobs_num
-                top = list(zip(top_v[j][:k], top_i[j][:k])) if (k and top_v is not None) else None
-                if pos == len(reqs[i].origin_input_ids):
-                    out.output_logprobs[i] = (None, top)  # the next token's distribution, no token
-                else:
-                    out.input_logprobs[i].append((pos, chosen[j], int(targets[j]), top))
-        if not sample_rows:
+    def _sample(self, step: StepInput, hidden, logits=None, greedy=None, sample_rows_t=None) -> StepOutput:
+        n = step.batch_size
+        out = StepOutput(next_token_ids=[None] * n, output_logprobs=[None] * n, input_logprobs=[[] for _ in range(n)])
+        if step.logprob_rows:
+            self._prompt_logprobs(step, hidden, out)
+        if not step.sample_rows:
             return out
-        s_reqs = [reqs[i] for i in sampling_reqs]
+        rows = step.sampling
         if logits is None:
-            logits = self.model.compute_logits(hidden[sample_rows_t])  # (B, V); rows uploaded by run()
-        want_lp = [r.return_logprob for r in s_reqs]
+            logits = self.model.compute_logits(hidden[sample_rows_t])  # (S, V); rows uploaded by run()
+        want_lp = [r.return_logprob for r in rows]
         raw_logits = logits.clone() if any(want_lp) else None
-        if all(_plain_greedy(r) for r in s_reqs):
+        if all(r.plain_greedy() for r in rows):
             # NOTE: the common case pays for no sampling tensors (each is a host-to-device copy).
             next_ids = greedy if greedy is not None else greedy_tokens(logits)
         else:
-            info = SamplingBatchInfo.from_reqs(s_reqs, logits.shape[1], logits.device)
-            apply_logit_adjustments(logits, s_reqs, info)
-            if info.has_grammar and self.grammar_hook is not None:
-                self.grammar_hook(logits, s_reqs)
-            next_ids = sample(logits, s_reqs, info)
+            info = SamplingBatchInfo.from_rows(rows, logits.shape[1], logits.device)
+            apply_logit_adjustments(logits, rows, info)
+            if info.has_grammar:
+                self._grammar_masker().apply(logits, [r.grammar for r in rows])
+            next_ids = sample(logits, rows, info)
         if raw_logits is not None:
-            top_k = max(r.top_logprobs_num for r in s_reqs)
+            top_k = max(r.top_logprobs_num for r in rows)
             chosen, top_v, top_i = compute_logprobs(raw_logits, next_ids, top_k)
             chosen = chosen.tolist()
             top_v = top_v.tolist() if top_v is not None else None
             top_i = top_i.tolist() if top_i is not None else None
         next_list = next_ids.tolist()
-        for j, i in enumerate(sampling_reqs):
+        for j, i in enumerate(step.sampling_reqs):
             out.next_token_ids[i] = next_list[j]
             if raw_logits is not None and want_lp[j]:
-                k = reqs[i].top_logprobs_num
+                k = rows[j].top_logprobs_num
                 top = list(zip(top_v[j][:k], top_i[j][:k])) if (k and top_v is not None) else None
                 out.output_logprobs[i] = (chosen[j], top)
         return out
+
+    def _prompt_logprobs(self, step: StepInput, hidden: torch.Tensor, out: StepOutput) -> None:
+        lp_rows = step.logprob_rows
+        rows = torch.tensor([lr.row for lr in lp_rows], dtype=torch.int64, device=hidden.device)
+        # (a next-token row has no target: 0 stands in, its logprob is not reported)
+        targets = torch.tensor([lr.target for lr in lp_rows], dtype=torch.int64, device=hidden.device)
+        top_k = max(lr.top_k for lr in lp_rows)
+        chosen, top_v, top_i = compute_logprobs(self.model.compute_logits(hidden[rows]), targets, top_k)
+        chosen = chosen.tolist()
+        top_v = top_v.tolist() if top_v is not None else None
+        top_i = top_i.tolist() if top_i is not None else None
+        for j, lr in enumerate(lp_rows):
+            top = list(zip(top_v[j][:lr.top_k], top_i[j][:lr.top_k])) if (lr.top_k and top_v is not None) else None
+            if lr.next_token:
+                out.output_logprobs[lr.req] = (None, top)  # the next token's distribution, no token
+            else:
+                out.input_logprobs[lr.req].append((lr.pos, chosen[j], lr.target, top))
+
+    def _grammar_masker(self):
+        if self._masker is None:
+            from ..constrained.masker import GrammarMasker
+
+            self._masker = GrammarMasker(self.vocab_size)
+        return self._masker
 
 
 def default_max_running_requests(device: str, max_total_tokens: int) -> int:
@@ -383,14 +347,3 @@ def default_max_running_requests(device: str, max_total_tokens: int) -> int:
     if device != "cuda":
         return CPU_DEFAULT_RUNNING_REQUESTS
     return max(1, min(GPU_MAX_AUTO_RUNNING_REQUESTS, max_total_tokens // 128))
-
-
-def _prompt_token(r: Req, pos: int) -> int:
-    return r.origin_input_ids[pos] if pos < len(r.origin_input_ids) else 0
-
-
-def _plain_greedy(r: Req) -> bool:
-    sp = r.sampling_params
-    return (sp.is_greedy and r.grammar is None and not sp.logit_bias and sp.frequency_penalty == 0
-            and sp.presence_penalty == 0 and sp.repetition_penalty == 1.0
-            and len(r.output_ids) >= sp.min_new_tokens)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping
 
-from .io_struct import TokenizedGenerateReq
-from .sampling_params import SamplingParams
+from ..io_struct import TokenizedGenerateReq
+from ..sampling_params import SamplingParams
 from .tokenizer_manager import TokenizerManager, new_rid
 
 

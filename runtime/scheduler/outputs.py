@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .detokenizer import find_stop_regex, find_stop_string, step_many
-from .io_struct import DeferredText, ReqOutput
-from .schedule_batch import FinishReason, Req
+from ..detokenizer import find_stop_regex, find_stop_string, step_many
+from ..io_struct import DeferredText, ReqOutput
+from ..request import FinishReason, Req
 
 
 class OutputBuilder:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
-from .forward_batch import ForwardMode
-from .sampling_params import SamplingParams
-from .schedule_batch import Req, ScheduleBatch
+from ..sampling_params import SamplingParams
+from ..step import SamplingRow, StepInput
 
 logger = logging.getLogger("plait.warmup")
 
@@ -30,17 +29,20 @@ def warm_up_prefill(model_runner) -> None:
     t = time.perf_counter()
     lens, prefix = WARMUP_PROMPT_TOKENS, WARMUP_PROMPT_TOKENS[1] // 2
     vocab = mr.vocab_size
-    reqs = [Req(f"warmup{i}", [1 + (7 * j) % (vocab - 1) for j in range(n)],
-                SamplingParams(max_new_tokens=1, temperature=0)) for i, n in enumerate(lens)]
-    rows = [mr.req_to_token_pool.alloc() for _ in reqs]
-    for r, row in zip(reqs, rows):
-        r.req_pool_idx = row
+    prompts = [[1 + (7 * j) % (vocab - 1) for j in range(n)] for n in lens]
+    greedy = SamplingParams(max_new_tokens=1, temperature=0)
+    rows = [mr.req_to_token_pool.alloc() for _ in prompts]
     slots = mr.allocator.alloc(need)
     try:
         # First both prompts whole, then the second one again over a cached prefix of its first half.
-        mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs, [0, 0], list(lens), slots))
-        mr.run(ScheduleBatch(ForwardMode.EXTEND, reqs[1:], [prefix], [lens[1] - prefix],
-                             slots[lens[0] + prefix:need]))
+        whole = StepInput.extend(rows, [0, 0], lens, (t for p in prompts for t in p), slots.numpy())
+        again = StepInput.extend(rows[1:], [prefix], [lens[1] - prefix], prompts[1][prefix:],
+                                 slots[lens[0] + prefix:need].numpy())
+        for step, sampled in ((whole, prompts), (again, prompts[1:])):
+            step.sample_rows = (step.req_rows[4] + step.req_rows[3] - 1).tolist()  # each request's last token
+            step.sampling_reqs = list(range(step.batch_size))
+            step.sampling = [SamplingRow(greedy, p, [], set()) for p in sampled]
+            mr.run(step)
     finally:
         mr.allocator.free(slots)
         for row in rows:

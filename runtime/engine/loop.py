@@ -145,13 +145,13 @@ def launch_scheduler(server_args, model_path: str, to_sched: str, from_sched: st
                      tmpdir: str) -> subprocess.Popen:
     """Start the scheduler process; it reports on `ready_addr` (see `wait_scheduler_ready`).
 
-    NOTE: a fresh interpreter (`python -m plait.runtime.scheduler_main`), not a multiprocessing child:
+    NOTE: a fresh interpreter (`python -m plait.runtime.scheduler`), not a multiprocessing child:
     spawn would re-import the user's __main__, which breaks scripts that create an Engine at top level
     without an `if __name__ == "__main__"` guard."""
     spec = os.path.join(tmpdir, "scheduler_args.pkl")
     with open(spec, "wb") as f:
         pickle.dump((server_args, model_path, to_sched, from_sched, ready_addr), f)
-    return subprocess.Popen([sys.executable, "-m", "plait.runtime.scheduler_main", spec], close_fds=True)
+    return subprocess.Popen([sys.executable, "-m", "plait.runtime.scheduler", spec], close_fds=True)
 
 
 def wait_scheduler_ready(proc: subprocess.Popen, ready_addr: str) -> tuple:

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from .memory_pool import TokenAllocator
+from .prefix_cache import MatchResult, PinHandle, PrefixCache, PrefixHitStats, PrefixPeek
 from .radix_checks import check_tree
 from .radix_keys import as_key, checked_pair, key_slice
-from .radix_peek import RadixPeekMixin
-from .prefix_cache import MatchResult, PrefixCache
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -52,32 +50,7 @@ class TreeNode:
         return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
 
 
-@dataclass
-class PrefixHitStats:
-    """Tokens asked for in `match_prefix` vs tokens found cached; the scheduler reports the rate."""
-
-    num_queries: int = 0
-    queried_tokens: int = 0
-    matched_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.matched_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-    def reset(self) -> None:
-        self.num_queries = self.queried_tokens = self.matched_tokens = 0
-
-
-@dataclass(eq=False)
-class PinHandle:
-    """A locked cached prefix (see `RadixCache.pin`). `num_tokens` is how much of it was cached."""
-
-    node: Optional[TreeNode]
-    num_tokens: int
-    active: bool = True
-
-
-class RadixCache(RadixPeekMixin, PrefixCache):
+class RadixCache(PrefixCache):
     def __init__(self, allocator: TokenAllocator, page_size: int = 1):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -100,12 +73,48 @@ class RadixCache(RadixPeekMixin, PrefixCache):
         return self._matched(len(key), node, child, m)
 
     def peek_prefix_len(self, token_ids: Sequence[int]) -> int:
-        """Length of the cached prefix without splitting, touching LRU times or hit stats.
-
-        For scheduling policies that rank many waiting requests without admitting them.
-        """
         key = as_key(token_ids)
         return self._walk(key[: self._aligned(len(key))])[3]
+
+    # NOTE: every admission step ranks the waiting queue by cached-prefix length (lpm) and then matches
+    # the requests it admits; with ~1,000-2,000-token shared prefixes each walk compares that many
+    # tokens. A peek remembers where its walk ended, and while the tree would still end it there
+    # (`peek_is_current`, O(1)) it becomes a match or the lookup of a prefix of the same ids without
+    # comparing the tokens again.
+    def peek_prefix(self, token_ids: Sequence[int]) -> PrefixPeek:
+        key = as_key(token_ids)
+        node, child, m, pos = self._walk(key[: self._aligned(len(key))])
+        return PrefixPeek(token_ids, pos, len(key), node, child, m)
+
+    def match_peeked(self, peek: PrefixPeek) -> MatchResult:
+        if not self.peek_is_current(peek):
+            return self.match_prefix(peek.token_ids)
+        return self._matched(peek.queried, peek.node, peek.child, peek.m)
+
+    def peek_prefix_of(self, peek: PrefixPeek, token_ids: Sequence[int]) -> PrefixPeek:
+        # The peek's walk is reused when it is still current and its match ended before the prefix's
+        # (page-aligned) end: it stopped on a token both share, so the prefix's walk ends there too.
+        n = len(token_ids)
+        if not self.peek_is_current(peek) or n > peek.queried or peek.num_tokens >= self._aligned(n):
+            return self.peek_prefix(token_ids)
+        return PrefixPeek(token_ids, peek.num_tokens, n, peek.node, peek.child, peek.m)
+
+    def peek_is_current(self, peek: PrefixPeek) -> bool:
+        # NOTE: a path spells the same tokens after any split, edges are never merged or extended, and
+        # nodes leave the tree leaves first (then `parent` is None) or all at once (`reset`: a new root).
+        # So the walk still reaches the peek's node while that is attached; from there it takes the same
+        # edge `child` (unless that was split or evicted: its parent changed), or, where the peek found no
+        # edge for its next page, it does so again unless an insert added one.
+        node = peek.node
+        if node is not self.root and node.parent is None:
+            return False
+        if peek.child is not None:
+            return peek.child.parent is node
+        pos = peek.num_tokens
+        if pos + self.page_size > peek.queried:
+            return True  # the walk ended with the ids
+        page = key_slice(peek.token_ids, pos, pos + self.page_size)
+        return node.children.get(self._child_key(page, 0)) is None
 
     # ---- locking -------------------------------------------------------------------------------
 
@@ -147,6 +156,16 @@ class RadixCache(RadixPeekMixin, PrefixCache):
             raise RuntimeError("unpin: this PinHandle was already released")
         handle.active = False
         self.dec_lock(handle.node)
+
+    def locked_tokens(self, handles) -> int:
+        nodes = {}
+        for handle in handles:
+            for node in self._path_to_root(handle.node):
+                nodes[id(node)] = len(node.key)
+        return sum(nodes.values())
+
+    def cached_len(self, num_tokens: int) -> int:
+        return self._aligned(num_tokens)
 
     # ---- inserting -----------------------------------------------------------------------------
 

@@ -10,8 +10,8 @@ from typing import Iterator
 
 import torch
 
-from .model_config import BUILTIN_SHAPES, ModelConfig, read_json
-from .models import model_class
+from ..models.config import BUILTIN_SHAPES, ModelConfig, read_json
+from ..models import model_class
 
 logger = logging.getLogger("plait.model_loader")
 
@@ -139,7 +139,7 @@ def load_model(model_path: str, cfg: ModelConfig, load_format: str, dtype: torch
     else:
         model.load_weights(_iter_safetensors(files))
     if torch.device(device).type == "cuda":
-        from .models.layers import share_split_k_workspace
+        from ..models.layers import share_split_k_workspace
 
         share_split_k_workspace(model)  # one buffer for the decode matmul's split-K sums, not one per layer
     return model.eval()

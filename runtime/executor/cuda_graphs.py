@@ -7,7 +7,7 @@ attention backend prepares its own static metadata through its capture/replay ho
 ends with the logits and their argmax (greedy tokens), so a replay is the whole forward of a decode
 step and a greedy batch needs no launch after it. Batches larger than the biggest bucket run eagerly.
 
-Variants: a backend may capture a second graph per batch size (optional hooks `has_cascade_graph(bs)`
+Variants: a backend may capture a second graph per batch size (its hooks `has_cascade_graph(bs)`
 and `decode_uses_cascade(fb)`; the triton backend's shared-prefix kernels, batch >= 16, with their
 tables filled from the host rows in `req_pool_indices_cpu` at each replay). A step replays that graph
 only when the backend says its batch shares a prefix; every other step replays the plain graph, the
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward_batch import ForwardBatch, ForwardMode
+from ..forward_batch import ForwardBatch, ForwardMode
 from .sampler import greedy_tokens
 
 logger = logging.getLogger(__name__)
@@ -64,8 +64,7 @@ class CudaGraphRunner:
         self.logits = torch.empty(self.max_bs, mr.vocab_size, dtype=torch.float32, device=dev)  # every graph's
         backend = mr.attn_backend
         backend.init_cuda_graph_state(self.max_bs)
-        has_cascade = getattr(backend, "has_cascade_graph", None)  # optional hook (triton backend)
-        self.cascade_sizes = frozenset(bs for bs in self.batch_sizes if has_cascade is not None and has_cascade(bs))
+        self.cascade_sizes = frozenset(bs for bs in self.batch_sizes if backend.has_cascade_graph(bs))
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.greedy: dict[GraphKey, torch.Tensor] = {}  # (bs,) int64 greedy ids, each graph's own
         self.pool = None

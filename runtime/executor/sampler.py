@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .schedule_batch import Req
+from ..step import SamplingRow
 
 
 @dataclass
@@ -46,8 +46,8 @@ class SamplingBatchInfo:
     has_seed: bool
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: str) -> "SamplingBatchInfo":
-        sps = [r.sampling_params for r in reqs]
+    def from_rows(cls, rows: list[SamplingRow], vocab_size: int, device: str) -> "SamplingBatchInfo":
+        sps = [r.params for r in rows]
         greedy = [sp.is_greedy for sp in sps]
         top_ks = [vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size) for sp in sps]
         # One (B, 5) upload for the per-row parameters (top_k as a float32 is exact below 2^24).
@@ -63,11 +63,10 @@ class SamplingBatchInfo:
             need_top_p=any(sp.top_p < 1.0 for sp, g in zip(sps, greedy) if not g),
             need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
             need_min_p=any(sp.min_p > 0 for sp, g in zip(sps, greedy) if not g),
-            need_penalties=any(sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
-                               for sp in sps),
+            need_penalties=any(r.penalized for r in rows),
             need_logit_bias=any(sp.logit_bias for sp in sps),
-            need_min_tokens=any(len(r.output_ids) < sp.min_new_tokens for r, sp in zip(reqs, sps)),
-            has_grammar=any(r.grammar is not None for r in reqs),
+            need_min_tokens=any(r.min_tokens_pending() for r in rows),
+            has_grammar=any(r.grammar is not None for r in rows),
             has_seed=any(sp.seed is not None and not g for sp, g in zip(sps, greedy)),
         )
 
@@ -86,33 +85,33 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """(B, V) -> (B,) int64 argmax, first index on ties. On CUDA a two-stage Triton kernel: torch's
     single-block reduction takes ~27 us over a 128k vocabulary, about a layer's worth of small ops."""
     if logits.is_cuda and logits.shape[0] > 0 and logits.stride(-1) == 1:
-        from .kernels.argmax import argmax_rows
+        from ..kernels.argmax import argmax_rows
 
         return argmax_rows(logits)
     return torch.argmax(logits, dim=-1)
 
 
-def apply_logit_adjustments(logits: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> None:
+def apply_logit_adjustments(logits: torch.Tensor, rows: list[SamplingRow], info: SamplingBatchInfo) -> None:
     """In place on logits (B, V): bias, penalties, and EOS/stop-token bans before min_new_tokens."""
     vocab = logits.shape[1]
     if info.need_logit_bias:
         # One upload for every biased (row, token) pair: this runs in overlapped steps too.
-        rows, ids, vals = [], [], []
-        for i, r in enumerate(reqs):
-            for tok, val in (r.sampling_params.logit_bias or {}).items():
-                rows.append(i)
+        at, ids, vals = [], [], []
+        for i, r in enumerate(rows):
+            for tok, val in (r.params.logit_bias or {}).items():
+                at.append(i)
                 ids.append(int(tok))
                 vals.append(float(val))
-        if rows:
-            logits.index_put_((_upload(rows, torch.int64, logits.device), _upload(ids, torch.int64, logits.device)),
+        if at:
+            logits.index_put_((_upload(at, torch.int64, logits.device), _upload(ids, torch.int64, logits.device)),
                               _upload(vals, torch.float32, logits.device).to(logits.dtype), accumulate=True)
     if info.need_penalties:
-        for i, r in enumerate(reqs):
-            sp = r.sampling_params
+        for i, r in enumerate(rows):
+            sp = r.params
             # NOTE: the multiplicative penalty first, then the additive ones (vLLM's order): the sign that
             # picks divide-or-multiply is the logit's own, not one the additive penalties already moved.
             if sp.repetition_penalty != 1.0:
-                seen = _upload(sorted(set(r.fill_ids)), torch.int64, logits.device)
+                seen = _upload(sorted(set(r.prompt_ids).union(r.output_ids)), torch.int64, logits.device)
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
             if sp.frequency_penalty or sp.presence_penalty:
@@ -121,17 +120,17 @@ def apply_logit_adjustments(logits: torch.Tensor, reqs: list[Req], info: Samplin
                     counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
                     logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
     if info.need_min_tokens:
-        for i, r in enumerate(reqs):
-            if len(r.output_ids) < r.sampling_params.min_new_tokens and r.stop_token_ids:
+        for i, r in enumerate(rows):
+            if r.min_tokens_pending() and r.stop_token_ids:
                 ban = _upload(sorted(r.stop_token_ids), torch.int64, logits.device)
                 logits[i, ban] = float("-inf")
 
 
-def sample(logits: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> torch.Tensor:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], info: SamplingBatchInfo) -> torch.Tensor:
     """logits (B, V) float32, already adjusted and masked → next token ids (B,) int64."""
     if info.all_greedy:
         return greedy_tokens(logits)
-    sampled = _draw(sampling_probs(logits, info), reqs, info)
+    sampled = _draw(sampling_probs(logits, info), rows, info)
     return torch.where(info.greedy, greedy_tokens(logits), sampled)
 
 
@@ -166,7 +165,7 @@ def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
-def _draw(probs: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> torch.Tensor:
+def _draw(probs: torch.Tensor, rows: list[SamplingRow], info: SamplingBatchInfo) -> torch.Tensor:
     """One token per row of probs (B, V) in proportion to it: argmax of probs / q with q ~ Exp(1), the
     way torch.multinomial(probs, 1) draws one sample (on the CPU the very same tokens for the same
     generator state: a test checks it), without its host-side check of the probabilities, which is a
@@ -174,7 +173,7 @@ def _draw(probs: torch.Tensor, reqs: list[Req], info: SamplingBatchInfo) -> torc
     if not info.has_seed:
         return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
     out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
-    for i, r in enumerate(reqs):
+    for i, r in enumerate(rows):
         gen: Optional[torch.Generator] = r.generator
         out[i] = (probs[i] / torch.empty_like(probs[i]).exponential_(generator=gen)).argmax()
     return out

@@ -16,13 +16,14 @@ import tempfile
 import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from .engine_compat import SGLangEngineExtras
-from .engine_loop import EngineLoop, launch_scheduler, release_engine, stop_scheduler_process, wait_scheduler_ready
-from .io_struct import SchedulerInfo, TokenizedGenerateReq
+from .compat import SGLangEngineExtras
+from .loop import EngineLoop, launch_scheduler, release_engine, stop_scheduler_process, wait_scheduler_ready
+from ..io_struct import (CheckIntegrityReq, FlushCacheReq, GetStatsReq, PinPrefixReq, SchedulerInfo,
+                         TokenizedGenerateReq, UnpinPrefixReq)
 from .request_builder import build_requests
-from .model_loader import load_tokenizer
-from .sampling_params import SamplingParams
-from .server_args import ServerArgs
+from ..executor.loader import load_tokenizer
+from ..sampling_params import SamplingParams
+from ..server_args import ServerArgs
 from .tokenizer_manager import OverloadedError, TokenizerManager, new_rid
 
 logger = logging.getLogger("plait.engine")
@@ -32,14 +33,14 @@ class Engine(SGLangEngineExtras):
         if "model" in kwargs and model_path is None:
             model_path = kwargs.pop("model")
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
-        from .default_model import resolve_model_path
+        from ..models.default_model import resolve_model_path
 
         if model_path is None:
             self.model_path = resolve_model_path(None)
         else:
             self.model_path = self.server_args.model_path  # "~" expanded
-            from .model_config import BUILTIN_SHAPES
-            from .model_loader import check_is_folder
+            from ..models.config import BUILTIN_SHAPES
+            from ..executor.loader import check_is_folder
 
             if not (self.server_args.load_format == "dummy" and self.model_path in BUILTIN_SHAPES):
                 # NOTE: here, before a scheduler process starts only to fail on it (its traceback and the
@@ -270,7 +271,7 @@ class Engine(SGLangEngineExtras):
             raise ValueError(out["meta_info"]["finish_reason"]["message"])
         pin_id = None
         if pin:
-            pin_id = (await self._acall(self.tokenizer_manager.control("pin_prefix", token_ids=ids)))["pin_id"]
+            pin_id = (await self._acall(self.tokenizer_manager.control(PinPrefixReq, token_ids=ids)))["pin_id"]
         return {"prompt_tokens": len(ids), "cached_tokens": out["meta_info"]["cached_tokens"], "pin_id": pin_id}
 
     def pin_prefix(self, prefix: Union[str, list[int]], ttl: Optional[float] = None) -> dict:
@@ -280,7 +281,7 @@ class Engine(SGLangEngineExtras):
         that dies without unpinning cannot hold KV memory forever."""
         if ttl is not None and not ttl > 0:
             raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
-        return self._call(self.tokenizer_manager.control("pin_prefix", token_ids=self._prefix_ids(prefix), ttl=ttl))
+        return self._call(self.tokenizer_manager.control(PinPrefixReq, token_ids=self._prefix_ids(prefix), ttl=ttl))
 
     def unpin_prefix(self, pin_id: Optional[int]) -> bool:
         """End a pin (`pin_prefix(...)["pin_id"]`). False if there is no such pin, or the engine is shut
@@ -288,7 +289,7 @@ class Engine(SGLangEngineExtras):
         if pin_id is None or self._bg.closed:
             return False
         try:
-            return self._call(self.tokenizer_manager.control("unpin_prefix", pin_id=_checked_pin_id(pin_id)))
+            return self._call(self.tokenizer_manager.control(UnpinPrefixReq, pin_id=_checked_pin_id(pin_id)))
         except RuntimeError:
             if self._bg.closed:  # shut down during the call: the pin went with the engine
                 return False
@@ -298,7 +299,7 @@ class Engine(SGLangEngineExtras):
         if pin_id is None or self._bg.closed:
             return False
         try:
-            return await self._acall(self.tokenizer_manager.control("unpin_prefix", pin_id=_checked_pin_id(pin_id)))
+            return await self._acall(self.tokenizer_manager.control(UnpinPrefixReq, pin_id=_checked_pin_id(pin_id)))
         except RuntimeError:
             if self._bg.closed:
                 return False
@@ -314,20 +315,20 @@ class Engine(SGLangEngineExtras):
                 pass
 
     def flush_cache(self) -> bool:
-        return self._call(self.tokenizer_manager.control("flush_cache"))
+        return self._call(self.tokenizer_manager.control(FlushCacheReq))
 
     async def async_flush_cache(self) -> bool:
-        return await self._acall(self.tokenizer_manager.control("flush_cache"))
+        return await self._acall(self.tokenizer_manager.control(FlushCacheReq))
 
     def get_stats(self) -> dict:
-        return self._call(self.tokenizer_manager.control("get_stats"))
+        return self._call(self.tokenizer_manager.control(GetStatsReq))
 
     async def async_get_stats(self) -> dict:
-        return await self._acall(self.tokenizer_manager.control("get_stats"))
+        return await self._acall(self.tokenizer_manager.control(GetStatsReq))
 
     def check_integrity(self) -> bool:
         """True when every KV slot is accounted for (free + cached + in use == total)."""
-        return self._call(self.tokenizer_manager.control("check_integrity"))
+        return self._call(self.tokenizer_manager.control(CheckIntegrityReq))
 
     def get_server_info(self) -> dict:
         import dataclasses

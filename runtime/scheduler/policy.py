@@ -13,27 +13,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .prefix_cache import PrefixCache
-from .schedule_batch import Req
+from ..kvcache.prefix_cache import PrefixCache
+from ..request import Req
 
 LPM_MAX_QUEUE = 128
 
 
 def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache,
                         peeks: Optional[dict] = None) -> list[Req]:
-    """The waiting queue in admission order. With `peeks` (a dict) and a cache that has `peek_prefix`,
-    lpm leaves each ranked request's lookup there under `id(request)` (the admission reuses it)."""
+    """The waiting queue in admission order. With `peeks` (a dict), lpm leaves each ranked request's
+    lookup there under `id(request)` (the admission reuses it)."""
     if policy == "fcfs" or len(waiting) <= 1:
         return waiting
     if policy == "lpm":
         if len(waiting) > LPM_MAX_QUEUE:
             return waiting
         # A read-only lookup: ranking must not split tree nodes or refresh LRU times.
-        if peeks is not None and hasattr(cache, "peek_prefix"):
+        if peeks is not None:
             peek = _kept_peeks(cache, peeks)
         else:
-            peek_len = getattr(cache, "peek_prefix_len", None) or (lambda ids: cache.match_prefix(ids).num_tokens)
-            peek = (lambda ids, r: peek_len(ids))  # noqa: E731
+            peek = (lambda ids, r: cache.peek_prefix_len(ids))  # noqa: E731
         # NOTE: a request without outputs is ranked on its prompt list itself (fill_ids is a copy).
         scored = [(-peek(r.fill_ids if r.output_ids else r.origin_input_ids, r), i, r)
                   for i, r in enumerate(waiting)]

@@ -19,11 +19,11 @@ from typing import Any, AsyncIterator, Callable, Optional
 import zmq
 import zmq.asyncio
 
-from .detokenizer import TextDecoder, decode_as_stepped
-from .io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo, ShutdownReq,
+from ..detokenizer import TextDecoder, decode_as_stepped
+from ..io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo, ShutdownReq,
                         TokenizedGenerateReq)
-from .sampling_params import SamplingParams
-from .server_args import ServerArgs
+from ..sampling_params import SamplingParams
+from ..server_args import ServerArgs
 
 logger = logging.getLogger("plait.tokenizer_manager")
 
@@ -192,7 +192,7 @@ class TokenizerManager:
             raise ValueError(f"top_logprobs_num must be an int >= 0, got {top_logprobs_num!r}")
         key = sp.grammar_key
         if key is not None:
-            from .constrained import validate_constraint
+            from ..constrained import validate_constraint
 
             # Schema features the backend cannot enforce come back as warnings for the caller.
             return list(validate_constraint(key[0], key[1], self.server_args.grammar_backend) or [])
@@ -260,13 +260,14 @@ class TokenizerManager:
         for r in [rid, *samples]:  # (the scheduler ignores a rid it does not hold)
             await self.send_sock.send_pyobj(AbortReq(r))
 
-    async def control(self, op: str, **args) -> Any:
+    async def control(self, kind: type[ControlReq], **fields) -> Any:
+        """Send a control request of type `kind` (io_struct) and wait for its reply's result."""
         if self.dead_reason:
             raise EngineUnavailableError(self.dead_reason)
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.control_calls[call_id] = fut
-        await self.send_sock.send_pyobj(ControlReq(call_id, op, args))
+        await self.send_sock.send_pyobj(kind(call_id, **fields))
         reply: ControlReply = await fut
         if reply.error:
             raise ValueError(reply.error)

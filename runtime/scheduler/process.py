@@ -1,4 +1,4 @@
-"""The scheduler process: its entry point (`python -m plait.runtime.scheduler_main ARGS.pkl`) and its
+"""The scheduler process: its entry point (`python -m plait.runtime.scheduler ARGS.pkl`) and its
 event loop over ZMQ (receive messages, step the Scheduler, send outputs; block only when idle).
 
 The Engine writes (server_args, model_path, addresses) to a pickle file in its private temp folder
@@ -17,9 +17,9 @@ import traceback
 import torch
 import zmq
 
-from .io_struct import BatchOut, ShutdownReq
-from .scheduler import Scheduler
-from .server_args import ServerArgs
+from ..io_struct import BatchOut, ShutdownReq
+from .scheduler import Scheduler, create_scheduler
+from ..server_args import ServerArgs
 
 logger = logging.getLogger("plait.scheduler")
 
@@ -55,7 +55,7 @@ def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str
     ready = ctx.socket(zmq.PUSH)
     ready.connect(ready_addr)
     try:
-        scheduler = Scheduler(server_args, model_path)
+        scheduler = create_scheduler(server_args, model_path)
     except Exception as e:
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         ready.send_pyobj(("error", f"{type(e).__name__}: {e}"))
@@ -114,11 +114,11 @@ def _serve(scheduler: Scheduler, poller, recv, send) -> None:
     while True:
         idle = scheduler.is_idle()
         if idle and not checked_idle:
-            scheduler._check_integrity(full=False)  # the slot count only: O(1), unlike the tree walk
+            scheduler.check_integrity(full=False)  # the slot count only: O(1), unlike the tree walk
             checked_idle = True
         # Block only when there is nothing to do (grammar compiles are polled every 5 ms).
         timeout = None if idle else 0
-        if scheduler.grammar_pending and not scheduler.running and not scheduler.waiting:
+        if scheduler.queues.grammar_pending and not scheduler.queues.running and not scheduler.queues.waiting:
             timeout = 5
         events = dict(poller.poll(timeout))
         t_in = time.perf_counter()

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .memory_pool import TokenAllocator
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -33,14 +35,75 @@ class MatchResult:
         return int(self.kv_indices.numel())
 
 
+@dataclass(eq=False)
+class PrefixPeek:
+    """A read-only lookup (`peek_prefix`): how much of `token_ids` is cached, and where the walk ended
+    (`node`, fully matched, then `m` tokens into its child `child`, if any). It stays valid while the
+    cache would still end that walk there (`peek_is_current`)."""
+
+    token_ids: Sequence[int]
+    num_tokens: int
+    queried: int
+    node: Any = None
+    child: Any = None
+    m: int = 0
+
+
+@dataclass(eq=False)
+class PinHandle:
+    """A locked cached prefix (see `PrefixCache.pin`). `num_tokens` is how much of it was cached."""
+
+    node: Any
+    num_tokens: int
+    active: bool = True
+
+
+@dataclass
+class PrefixHitStats:
+    """Tokens asked for in `match_prefix` vs tokens found cached; the scheduler reports the rate."""
+
+    num_queries: int = 0
+    queried_tokens: int = 0
+    matched_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.matched_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def reset(self) -> None:
+        self.num_queries = self.queried_tokens = self.matched_tokens = 0
+
+
 class PrefixCache(ABC):
-    """Maps token sequences to kv slots. All methods run on the scheduler thread."""
+    """Maps token sequences to kv slots. All methods run on the scheduler thread; this interface is
+    everything the scheduler calls on a cache."""
 
     allocator: TokenAllocator
+    hit_stats: PrefixHitStats
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """Longest cached prefix of `token_ids` (whole pages when page_size > 1). Does not lock."""
+
+    @abstractmethod
+    def peek_prefix(self, token_ids: Sequence[int]) -> PrefixPeek:
+        """How much of `token_ids` is cached, without splitting, touching LRU times or hit stats (for
+        ranking waiting requests); the peek remembers where its walk ended for `match_peeked`."""
+
+    @abstractmethod
+    def peek_is_current(self, peek: PrefixPeek) -> bool:
+        """Would a walk of `peek.token_ids` now end where the peek's did? O(1)."""
+
+    @abstractmethod
+    def match_peeked(self, peek: PrefixPeek) -> MatchResult:
+        """`match_prefix(peek.token_ids)`, reusing the peek's walk while it is current."""
+
+    @abstractmethod
+    def peek_prefix_of(self, peek: PrefixPeek, token_ids: Sequence[int]) -> PrefixPeek:
+        """`peek_prefix(token_ids)` for `token_ids` a prefix of `peek.token_ids`, reusing its walk."""
+
+    def peek_prefix_len(self, token_ids: Sequence[int]) -> int:
+        return self.peek_prefix(token_ids).num_tokens
 
     @abstractmethod
     def inc_lock(self, node: Any) -> None:
@@ -67,6 +130,23 @@ class PrefixCache(ABC):
 
         `kv_indices` covers exactly `token_ids` (tokens whose kv was computed).
         """
+
+    @abstractmethod
+    def pin(self, token_ids: Sequence[int]) -> Optional[PinHandle]:
+        """Lock the cached part of `token_ids` against eviction until `unpin`; None when the cache keeps
+        nothing (no sharing). Only what is already cached can be pinned."""
+
+    @abstractmethod
+    def unpin(self, handle: PinHandle) -> None: ...
+
+    @abstractmethod
+    def locked_tokens(self, handles: Sequence[PinHandle]) -> int:
+        """Cached tokens the handles keep locked (overlapping paths counted once)."""
+
+    @abstractmethod
+    def cached_len(self, num_tokens: int) -> int:
+        """How many of a request's first `num_tokens` computed tokens an insert puts in the cache (the
+        rest stay the request's private memory): whole pages, or none for a cache that shares nothing."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
@@ -104,9 +184,34 @@ class NoSharingCache(PrefixCache):
     def __init__(self, allocator: TokenAllocator, page_size: int = 1):
         self.allocator = allocator
         self.page_size = page_size
+        self.hit_stats = PrefixHitStats()
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        return MatchResult(torch.empty(0, dtype=torch.int64), None)
+        return MatchResult(_EMPTY, None)
+
+    def peek_prefix(self, token_ids: Sequence[int]) -> PrefixPeek:
+        return PrefixPeek(token_ids, 0, len(token_ids))
+
+    def peek_is_current(self, peek: PrefixPeek) -> bool:
+        return True
+
+    def match_peeked(self, peek: PrefixPeek) -> MatchResult:
+        return MatchResult(_EMPTY, None)
+
+    def peek_prefix_of(self, peek: PrefixPeek, token_ids: Sequence[int]) -> PrefixPeek:
+        return PrefixPeek(token_ids, 0, len(token_ids))
+
+    def pin(self, token_ids: Sequence[int]) -> Optional[PinHandle]:
+        return None
+
+    def unpin(self, handle: PinHandle) -> None:
+        raise RuntimeError("unpin: a cache that shares nothing holds no pins")
+
+    def locked_tokens(self, handles: Sequence[PinHandle]) -> int:
+        return 0
+
+    def cached_len(self, num_tokens: int) -> int:
+        return 0
 
     def inc_lock(self, node: Any) -> None:
         pass

@@ -1,0 +1,37 @@
+"""Grammar masks applied to a step's logits: the part the step runner holds.
+
+It sees only each row's grammar matcher (never the scheduler's requests): row i follows matchers[i], a
+row whose matcher is None is untouched. The bitmask is allocated once (grown when a batch is larger)
+and filled on the host by the matchers, then applied in place on the logits' device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+
+
+class GrammarMasker:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._bitmask: Optional[torch.Tensor] = None  # (rows, W) int32 on the host
+
+    def apply(self, logits: torch.Tensor, matchers: Sequence[Any]) -> None:
+        """Mask logits (B, V) in place: row i allows only what matchers[i] accepts next."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        batch = logits.shape[0]
+        if self._bitmask is None or self._bitmask.shape[0] < batch:
+            self._bitmask = allocate_token_bitmask(max(batch, 8), self.vocab_size)
+        bitmask = self._bitmask[:batch]  # (B, W)
+        for i in rows:
+            if not matchers[i].is_terminated():
+                matchers[i].fill_bitmask(bitmask, i)
+                matchers[i].refine_bitmask(logits[i], bitmask[i])
+            else:  # only reached if a finished request is still batched: allow nothing but stop
+                bitmask[i].zero_()
+        apply_token_bitmask_inplace(logits, bitmask, rows)

@@ -1,0 +1,251 @@
+"""The scheduler: continuous batching over the paged KV pool, composed of parts that own their state.
+
+Each loop (`step`): expire pins, poll grammar compiles, release aborted requests → build the next batch (a
+prefill batch when requests wait and fit: `PrefillAdmission`; else a decode batch of every running request,
+retracting when KV runs short: `KVShortage`) → run it on the step runner it was handed (`StepPipeline`,
+which may launch it ahead and process the previous one) → commit the results (`StepResults`). Requests
+move between queues only through `RequestQueues`; memory only through the `KVManager`; a request ends only
+through the `Finisher`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+
+from ..detokenizer import TextDecoder
+from ..executor.compile_watch import CompileWatch
+from ..io_struct import AbortReq, ControlReply, ControlReq, SchedulerInfo, TokenizedGenerateReq
+from ..kvcache.prefix_cache import NoSharingCache, PrefixCache
+from ..kvcache.radix_cache import RadixCache
+from ..request import FinishReason, Req
+from ..sampling_params import SamplingParams
+from ..server_args import ServerArgs
+from .admission import PrefillAdmission
+from .batch import ScheduleBatch
+from .control import ControlHandlers
+from .finish import Finisher
+from .grammars import SchedulerGrammars
+from .kv_manager import KVManager
+from .outputs import OutputBuilder
+from .overlap import StepPipeline
+from .queues import ReqStatus, RequestQueues
+from .results import StepResults
+from .retraction import KVShortage
+from .step_runner import StepRunner
+from .step_timer import StepTimer
+
+logger = logging.getLogger("plait.scheduler")
+
+
+def create_scheduler(server_args: ServerArgs, model_path: str) -> "Scheduler":
+    """The scheduler of one device: the model runner for `model_path`, and the tokenizer."""
+    from ..executor.loader import load_tokenizer
+    from ..executor.model_runner import ModelRunner
+
+    tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
+    return Scheduler(server_args, ModelRunner(server_args, model_path), tokenizer)
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, runner: StepRunner, tokenizer: Any):
+        self.server_args = server_args
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.text_decoder = TextDecoder.of(tokenizer)  # shared by every request's detokenizer
+        # NOTE: the tokenizer's own EOS ends a request too (as in SGLang): a folder whose chat turns end with
+        # a token that config.json and generation_config.json do not list would otherwise run to the limit.
+        tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
+        self.eos_token_ids = tuple(sorted(set(runner.eos_token_ids)
+                                          | ({tokenizer_eos} if isinstance(tokenizer_eos, int) else set())))
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "num_retractions": 0,
+                      "num_finished": 0, "integrity_errors": 0}
+        self.last_integrity_error: Optional[str] = None
+        self.timer = StepTimer(server_args.enable_step_timing)
+        # The parts, each owning its state.
+        self.queues = RequestQueues()
+        self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self._make_cache())
+        self.outputs = OutputBuilder(tokenizer, server_args.stream_interval)
+        self.finisher = Finisher(self.queues, self.kv, self.outputs, self.stats)
+        self.grammars = SchedulerGrammars(tokenizer, runner.vocab_size, server_args, self.queues, self.finisher)
+        self.shortage = KVShortage(self.queues, self.kv, self.finisher, self.stats)
+        self.admission = PrefillAdmission(server_args, self.queues, self.kv, self.shortage,
+                                          runner.max_running_requests, self.stats)
+        self.results = StepResults(self.queues, self.kv, self.outputs, self.finisher, self.grammars,
+                                   runner.context_len, self.stats)
+        # Overlap scheduling (a step in flight, launched but not read back) pays where the runner launches
+        # asynchronously. PLAIT_PREFILL_PIPELINE=0 keeps prefills synchronous (to measure what pipelining
+        # them gains).
+        self.pipeline = StepPipeline(runner, self.queues, self.kv, self.results, self.timer,
+                                     overlap=not server_args.disable_overlap_schedule and runner.supports_overlap,
+                                     pipeline_prefills=os.environ.get("PLAIT_PREFILL_PIPELINE", "1") != "0")
+        self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
+        # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
+        self.compile_watch = CompileWatch()
+        if runner.device == "cuda":
+            self.compile_watch.start()
+
+    def _make_cache(self) -> PrefixCache:
+        allocator, page_size = self.runner.allocator, self.server_args.page_size
+        if self.server_args.disable_radix_cache:
+            return NoSharingCache(allocator, page_size)
+        return RadixCache(allocator, page_size)
+
+    def info(self) -> SchedulerInfo:
+        r = self.runner
+        return SchedulerInfo(
+            max_total_tokens=r.max_total_tokens, context_len=r.context_len, vocab_size=r.vocab_size,
+            max_running_requests=r.max_running_requests, device=r.device,
+            dtype=str(r.dtype).replace("torch.", ""),
+            attention_backend=self.server_args.resolved_attention_backend(), eos_token_ids=list(self.eos_token_ids))
+
+    # ------------------------------------------------------------------ intake
+    def handle_message(self, msg: Any) -> Optional[Any]:
+        """Apply one incoming message; returns a reply to send back (control requests) or None.
+        A request's `input_ids` list becomes the request's own (the caller must not change it)."""
+        if isinstance(msg, TokenizedGenerateReq):
+            try:
+                self._add_request(msg)
+            except Exception as e:  # one request the intake checks missed must not take every other one down
+                logger.error("request %s refused:\n%s", msg.rid, traceback.format_exc())
+                self._refuse_request(msg, f"{type(e).__name__}: {e}")
+        elif isinstance(msg, AbortReq):
+            self._abort(msg.rid)
+        elif isinstance(msg, ControlReq):
+            try:
+                return ControlReply(msg.call_id, result=self.control.handle(msg))
+            except Exception as e:  # a bad control call must not kill the scheduler
+                return ControlReply(msg.call_id, error=f"{type(e).__name__}: {e}")
+        return None
+
+    def _add_request(self, m: TokenizedGenerateReq) -> None:
+        req = Req(m.rid, m.input_ids, m.sampling_params, return_logprob=m.return_logprob,
+                  logprob_start_len=m.logprob_start_len, top_logprobs_num=m.top_logprobs_num,
+                  return_text_in_logprobs=m.return_text_in_logprobs, stream=m.stream,
+                  tokenizer=self.text_decoder, eos_token_ids=self.eos_token_ids, group=m.group,
+                  defer_text=True,  # the tokenizer manager decodes text nobody reads before the end
+                  take_ids=True)  # the message is dropped after this
+        if m.sampling_params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(m.sampling_params.seed)
+        # NOTE: max_new_tokens=None runs until the context is full: that is its budget. The admission
+        # reserve and the "budget used up" check after a jump-forward read it.
+        context_len = self.runner.context_len
+        req.max_new_tokens = min(req.max_new_tokens, max(0, context_len - len(req.origin_input_ids)))
+        if req.seq_len + 1 > self.kv.total:
+            self.queues.register(req)
+            self.finisher.end(req, FinishReason("abort", message=(
+                f"prompt of {req.seq_len} tokens cannot fit in the KV cache ({self.kv.total} tokens)")))
+            return
+        constrained = m.sampling_params.grammar_key is not None
+        if constrained:
+            self.queues.register(req)
+            if not self.grammars.start(req):
+                return
+        self.queues.add(req, grammar_pending=constrained)
+
+    def _refuse_request(self, m: TokenizedGenerateReq, message: str) -> None:
+        """End a request that failed while being added, before it holds anything, with an abort."""
+        known = self.queues.get(m.rid)
+        if known is not None and known.status in (ReqStatus.WAITING, ReqStatus.GRAMMAR_PENDING):
+            self.queues.remove(known)
+        self.queues.by_rid.pop(m.rid, None)
+        req = Req(m.rid, list(m.input_ids), SamplingParams(max_new_tokens=0), tokenizer=self.text_decoder,
+                  eos_token_ids=self.eos_token_ids, stream=m.stream, defer_text=True)
+        self.finisher.end(req, FinishReason("abort", message=f"the scheduler refused the request: {message}"))
+
+    def _abort(self, rid: str) -> None:
+        req = self.queues.get(rid)
+        if req is None or req.finished:
+            return
+        req.finished_reason = FinishReason("abort", message="aborted by the client")
+        if req.status in (ReqStatus.WAITING, ReqStatus.GRAMMAR_PENDING):
+            self.finisher.end(req)
+        # Requests holding KV (running, chunked, jump tails, in a batch) are released at the end of the
+        # current step, or at the next one's sweep.
+
+    # ------------------------------------------------------------------ the loop
+    def is_idle(self) -> bool:
+        return self.queues.is_idle() and not self.pipeline.in_flight()
+
+    def step(self) -> Optional[ScheduleBatch]:
+        """Build, run and process one batch. Returns the batch (None when nothing could run).
+        With overlap scheduling a step may launch its batch and process the previous one instead."""
+        t0 = time.perf_counter()
+        if self.pipeline.pending is not None:
+            return self.pipeline.step_decode_in_flight(t0, self.runner.max_running_requests, self.runner.context_len)
+        self.kv.expire_pins()
+        self.grammars.poll()
+        self._sweep_aborted()
+        prefill_in_flight = self.pipeline.pending_prefill is not None
+        batch = self.admission.build(prefill_in_flight)
+        if prefill_in_flight:
+            return self.pipeline.step_prefill_in_flight(batch, t0, self.shortage.decode_batch)
+        if batch is None:
+            batch = self.shortage.decode_batch()
+        self.timer.phase("admit", time.perf_counter() - t0)
+        if batch is None:
+            return None
+        return self.pipeline.launch(batch, t0)
+
+    def _sweep_aborted(self) -> None:
+        """Release requests holding KV that were aborted since the last step (they may not be in the next
+        batch)."""
+        q = self.queues
+        for r in [r for r in q.holding_kv() if r.finished]:
+            self.finisher.end(r, counted=True)
+        q.drop_from_running()
+
+    def collect_outputs(self):
+        return self.results.collect_outputs()
+
+    def fail_all(self, message: str) -> None:
+        """A step raised: abort every request with the error instead of dying (best-effort cleanup)."""
+        # NOTE: every live request is in the queues or `by_rid`, including those of a prefill batch that
+        # raised (admitted: no longer waiting, not yet running); without them their callers would wait forever.
+        reqs = self.queues.clear()
+        self.pipeline.clear()
+        for r in reqs:
+            if r.finished_reason is None or r.finished_reason.type != "abort":
+                r.finished_reason = FinishReason("abort", message=f"internal error: {message}")
+            try:
+                self.kv.release(r)
+            except Exception:
+                pass
+            self.outputs.emit_final(r)
+
+    # ------------------------------------------------------------------ checks and stats
+    def check_integrity(self, full: bool = True) -> bool:
+        """Every live request in exactly one queue, and every KV slot accounted for; the error is kept in
+        `last_integrity_error` (and counted) instead of raised."""
+        try:
+            if full:
+                self.queues.check()
+            self.kv.check(self.queues.holding_kv(), full=full)
+            self.last_integrity_error = None
+        except AssertionError as e:
+            self.last_integrity_error = str(e)
+            self.stats["integrity_errors"] += 1
+            logger.error("integrity check failed: %s", e)
+        return self.last_integrity_error is None
+
+    def _full_check(self) -> bool:
+        return self.check_integrity(full=True)
+
+    def get_stats(self) -> dict:
+        q = self.queues
+        return {
+            "num_running_reqs": q.num_running(),
+            "num_waiting_reqs": q.num_waiting(),
+            **self.kv.usage(),
+            **self.stats,
+            "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
+            "last_integrity_error": self.last_integrity_error,
+            **self.grammars.stats(),
+            **self.compile_watch.stats(),
+            "steps": self.timer.report(),
+        }

@@ -1,0 +1,88 @@
+"""A step runner with no model, for scheduler tests that assert exact state in milliseconds.
+
+It implements the scheduler's `StepRunner` seam (runtime/scheduler/step_runner.py) over CPU memory of the
+sizes a test asks for, records every `StepInput` it is handed, and answers each sampling row with a
+scripted token: by default `2 + (prompt length + tokens so far) % (vocab - 2)` (deterministic, never the
+EOS id 1), or what `script(row)` returns. A row with a grammar gets the first token its matcher allows
+among the script's preference (the real grammar masker, over fake logits).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from plait.runtime.constrained.masker import GrammarMasker
+from plait.runtime.kvcache.memory_pool import ReqToTokenPool, TokenAllocator
+from plait.runtime.scheduler.scheduler import Scheduler
+from plait.runtime.server_args import ServerArgs
+from plait.runtime.step import SamplingRow, StepInput, StepOutput
+
+EOS = 1
+
+
+def default_script(vocab_size: int) -> Callable[[SamplingRow], int]:
+    return lambda row: 2 + (len(row.prompt_ids) + len(row.output_ids)) % (vocab_size - 2)
+
+
+class FakeRunner:
+    def __init__(self, max_total_tokens: int = 256, max_running_requests: int = 8, context_len: int = 512,
+                 vocab_size: int = 64, script: Optional[Callable[[SamplingRow], int]] = None):
+        self.max_total_tokens = max_total_tokens
+        self.max_running_requests = max_running_requests
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.device = "cpu"
+        self.dtype = torch.float32
+        self.eos_token_ids = (EOS,)
+        self.allocator = TokenAllocator(max_total_tokens, "cpu")
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, "cpu")
+        self.supports_overlap = False
+        self.script = script or default_script(vocab_size)
+        self.steps: list[StepInput] = []
+        self._masker = GrammarMasker(vocab_size)
+
+    def run(self, step: StepInput) -> StepOutput:
+        self.steps.append(step)
+        # The table writes the model runner would do on its device (the scheduler reads the host mirror).
+        rows, positions, slots = step.kv_writes
+        self.req_to_token_pool.write_step((torch.from_numpy(rows), torch.from_numpy(positions),
+                                           torch.from_numpy(slots)), step.kv_writes)
+        n = step.batch_size
+        out = StepOutput([None] * n, [None] * n, [[] for _ in range(n)])
+        for i, row in zip(step.sampling_reqs, step.sampling):
+            out.next_token_ids[i] = self._token(row)
+        for lr in step.logprob_rows:  # a flat "distribution": every token at log(1/V)
+            lp = -float(torch.log(torch.tensor(float(self.vocab_size))))
+            if lr.next_token:
+                out.output_logprobs[lr.req] = (None, [(lp, 2)][:lr.top_k])
+            else:
+                out.input_logprobs[lr.req].append((lr.pos, lp, lr.target, None))
+        for j, i in enumerate(step.sampling_reqs):
+            row = step.sampling[j]
+            if row.return_logprob:
+                out.output_logprobs[i] = (-1.0, None)
+        return out
+
+    def launch(self, step: StepInput, prev=None):
+        return self.run(step)
+
+    def resolve(self, handle) -> StepOutput:
+        return handle
+
+    def _token(self, row: SamplingRow) -> int:
+        want = self.script(row)
+        if row.grammar is None:
+            return want
+        # Fake logits that prefer the scripted token, then lower ids; the grammar removes what it forbids.
+        logits = -torch.arange(self.vocab_size, dtype=torch.float32).unsqueeze(0)
+        logits[0, want] = 1.0
+        self._masker.apply(logits, [row.grammar])
+        return int(logits.argmax())
+
+
+def fake_scheduler(runner: Optional[FakeRunner] = None, tokenizer=None, **server_args) -> Scheduler:
+    """A scheduler driving `runner` (default: a FakeRunner) with `server_args` on top of CPU defaults."""
+    args = ServerArgs(model_path="fake", device="cpu", **server_args)
+    return Scheduler(args, runner or FakeRunner(), tokenizer)

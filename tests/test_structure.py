@@ -1,0 +1,173 @@
+"""The house rules of docs/structure.md, checked on the code: which wing of the runtime may import which
+(the table is read from the doc itself, so the doc and the test cannot drift apart), no import cycles
+anywhere in plait (function-level imports count: a lazy import that closes a circle is still a circle),
+no mixin classes, and a runtime root of a dozen files or fewer."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from collections import defaultdict
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {"plait": "lang", "plait.runtime": "runtime", "plait.grammars": "grammars"}
+GROUND = "ground floor"
+
+
+def package_modules() -> dict[str, str]:
+    """module name -> file, for every module of plait (the package map of setup.py)."""
+    mods = {}
+    for pkg, folder in PACKAGES.items():
+        root = os.path.join(REPO, folder)
+        for dirpath, dirnames, files in os.walk(root):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            rel = os.path.relpath(dirpath, root)
+            parts = [] if rel == "." else rel.split(os.sep)
+            if parts and parts[0] in ("runtime", "grammars") and pkg == "plait":
+                continue  # lang/ holds no other package's folder
+            for f in files:
+                if f.endswith(".py"):
+                    name = ".".join([pkg, *parts] + ([] if f == "__init__.py" else [f[:-3]]))
+                    mods[name] = os.path.join(dirpath, f)
+    return mods
+
+
+def imports_of(name: str, path: str, modules: dict[str, str]) -> set[str]:
+    """The plait modules `name` imports anywhere in its file (module level or inside functions)."""
+    is_pkg = path.endswith("__init__.py")
+    package = name if is_pkg else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from pkg import sub` imports the submodule when there is one
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != name and t.startswith("plait"):
+                out.add(t)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def wing_of(module: str):
+    """The runtime wing a module lives in (its first folder under runtime/), the ground floor for the
+    root's own modules, None outside plait.runtime."""
+    if not module.startswith("plait.runtime"):
+        return None
+    rest = module[len("plait.runtime"):].lstrip(".").split(".")
+    if rest == [""]:
+        return None  # the package itself: its public face (Engine, ServerArgs, SamplingParams), lazily
+    if len(rest) == 1 and os.path.isfile(os.path.join(REPO, "runtime", rest[0] + ".py")):
+        return GROUND
+    return rest[0]
+
+
+def import_rules() -> dict[str, set[str]]:
+    """docs/structure.md's table "| wing | may import |"."""
+    doc = open(os.path.join(REPO, "docs", "structure.md")).read()
+    section = doc.split("## Import rules", 1)[1].split("\n## ", 1)[0]
+    rules = {}
+    for line in section.splitlines():
+        m = re.match(r"\|\s*`?([\w ]+?)/?`?\s*\|\s*([^|]*)\|", line)
+        if not m or m.group(1) in ("wing",) or set(m.group(1)) <= {"-"}:
+            continue
+        allowed = {w.strip().strip("`").rstrip("/") for w in m.group(2).split(",") if w.strip() and w.strip() != "nothing"}
+        rules[m.group(1).strip()] = allowed
+    return rules
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, on, stack, out = {}, {}, set(), [], []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_in_plait():
+    found = cycles(import_graph())
+    assert not found, "import cycles (a concept cut in two): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_every_wing_imports_only_what_the_structure_doc_allows():
+    rules = import_rules()
+    graph = import_graph()
+    wings = {wing_of(m) for m in graph if wing_of(m) is not None}
+    assert wings <= set(rules), f"wings missing from docs/structure.md's import rules: {sorted(wings - set(rules))}"
+    bad = defaultdict(list)
+    for mod, deps in graph.items():
+        src = wing_of(mod)
+        if src is None:
+            continue
+        for dep in deps:
+            dst = wing_of(dep)
+            if dst is None or dst == src:
+                continue
+            if dst not in rules[src]:
+                bad[f"{src} -> {dst}"].append(f"{mod} imports {dep}")
+    assert not bad, "imports the structure doc does not allow:\n" + "\n".join(
+        f"  {edge}: {', '.join(sorted(hits))}" for edge, hits in sorted(bad.items()))
+
+
+@pytest.mark.parametrize("low", ["executor", "models", "attention", "kernels", "kvcache"])
+def test_the_lower_wings_never_import_the_scheduler_or_the_engine(low):
+    rules = import_rules()
+    assert not rules[low] & {"scheduler", "engine", "server"}, f"docs/structure.md lets {low} import {rules[low]}"
+
+
+def test_no_mixin_classes():
+    mixins = []
+    for name, path in package_modules().items():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Mixin"):
+                mixins.append(f"{name}.{node.name}")
+    assert not mixins, f"a class sliced over files shares its state through self: {mixins}"
+
+
+def test_the_runtime_root_holds_a_dozen_files_or_fewer():
+    root = os.path.join(REPO, "runtime")
+    files = sorted(f for f in os.listdir(root) if f.endswith(".py"))
+    assert len(files) <= 12, files
