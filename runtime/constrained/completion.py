@@ -34,9 +34,10 @@ from .json_scan import (AFTER_IN_ARRAY, AFTER_IN_OBJECT, ARRAY_START, BROKEN, CO
 from .token_tables import TokenTables
 
 _VALUE_START = b'0"[{ntf-123456789'
-# The bytes tried first in each context: those that end something, then the shortest content.
+# The bytes tried first in each context: those that end something, then the shortest content. NOTE: '1'
+# before '0' inside strings: a date, time or uuid spelled with ones is a real one (year 0000 is not).
 _FIRST = {
-    IN_STRING: b'"a0', IN_KEY: b'"a0', IN_LITERAL: b'}],0123456789', VALUE: _VALUE_START,
+    IN_STRING: b'"a1', IN_KEY: b'"a1', IN_LITERAL: b"}],", VALUE: _VALUE_START,
     ARRAY_START: b"]" + _VALUE_START, OBJECT_START: b'}"', KEY: b'"', COLON: b":",
     AFTER_IN_OBJECT: b"},", AFTER_IN_ARRAY: b"],",
 }
@@ -52,7 +53,6 @@ class Completion:
     token_ids: tuple[int, ...]  # the tokens spelling it
     how: str  # "done" | "hint" | "closers" | "search"
     nodes: int = 0  # grammar steps the search took
-    seconds: float = 0.0
 
 
 class _OutOfNodes(Exception):
@@ -69,35 +69,56 @@ class CompletionSearch:
         self._scratch = torch.zeros((1, bitmask_width(tables.vocab.vocab_size)), dtype=torch.int32)  # (1, W)
         self._nodes = 0
         self._steps = 0  # tokens accepted on the matcher by the current search, to roll back
+        # How completions were found (reported in the engine's stats): the cheap ways and the searches,
+        # the searches that found none, and the time all of it took.
+        self.stats = {"completion_hints": 0, "completion_closers": 0, "completion_searches": 0,
+                      "completion_not_found": 0, "completion_ms": 0.0}
 
     def find(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner],
              hints: Sequence[bytes] = ()) -> Optional[Completion]:
         """The shortest completion found (see the module docstring), or None. The matcher and the
         scanner are left as they were."""
         start = time.perf_counter()
+        found = self._find(matcher, scanner, hints)
+        self.stats["completion_ms"] += 1000 * (time.perf_counter() - start)
+        key = "completion_not_found" if found is None else {"hint": "completion_hints", "closers": "completion_closers",
+                                                            "search": "completion_searches"}.get(found.how)
+        if key is not None:
+            self.stats[key] += 1
+        return found
+
+    def _find(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner],
+              hints: Sequence[bytes]) -> Optional[Completion]:
         if matcher.is_terminated():
             return None
         if matcher.is_completed():
             return Completion(b"", (), "done")
         for hint in hints:
-            found = self.verify(matcher, hint, "hint")
+            found = self.verify(matcher, hint, "hint", scanner)
             if found is not None:
                 return found
         if scanner is not None and scanner.context != BROKEN:
             closers = scanner.closing_text()
-            found = self.verify(matcher, closers, "closers") if closers else None
+            found = self.verify(matcher, closers, "closers", scanner) if closers else None
             if found is not None:
                 return found
         text = self._search(matcher, scanner)
         if text is None:
             return None
-        found = self.verify(matcher, text, "search")
+        found = self.verify(matcher, text, "search", scanner)
         if found is None:
             return None
-        return Completion(found.text, found.token_ids, "search", self._nodes, time.perf_counter() - start)
+        return Completion(found.text, found.token_ids, "search", self._nodes)
 
-    def verify(self, matcher: GrammarMatcher, text: bytes, how: str) -> Optional[Completion]:
-        """`text` as a completion if the matcher accepts its tokens and may end after them."""
+    def verify(self, matcher: GrammarMatcher, text: bytes, how: str,
+               scanner: Optional[JsonScanner] = None) -> Optional[Completion]:
+        """`text` as a completion if the matcher accepts its tokens and may end after them (and, for JSON
+        text, if it writes no key its object already has)."""
+        if scanner is not None:
+            probe = JsonScanner.from_snapshot(scanner.snapshot())
+            probe.feed(text)
+            if probe.repeated_key or probe.context == BROKEN:
+                return None
         for ids in (self.tables.encode(text), self.tables.spell(text)):
             if ids is not None and _completes(matcher, ids):
                 return Completion(text, tuple(ids), how)
@@ -197,12 +218,35 @@ class CompletionSearch:
         """Bytes to try here, best first: the context's own list, then every other allowed byte."""
         first = _FIRST.get(scan.context, b"") if scan is not None else b""
         yield from first
+        if scan is not None and scan.context == IN_LITERAL:
+            # A number's next digit: those after which it may end first (18, not 100, for minimum 18).
+            digits = self._digits_that_end(m)
+            first += bytes(digits)
+            yield from digits
         m.fill_bitmask(self._scratch, 0)
         words = self._scratch[0].tolist()
         for byte in _ANY:
             token = self.tables.byte_token[byte]
             if token is not None and byte not in first and (words[token >> 5] >> (token & 31)) & 1:
                 yield byte
+
+
+    def _digits_that_end(self, m: GrammarMatcher) -> list[int]:
+        ends, others = [], []
+        for digit in b"0123456789":
+            token = self.tables.byte_token[digit]
+            if token is None or not m.accept_token(token):
+                continue
+            closes = False
+            for closer in b"}],":
+                after = self.tables.byte_token[closer]
+                if after is not None and m.accept_token(after):
+                    m.rollback(1)
+                    closes = True
+                    break
+            m.rollback(1)
+            (ends if closes else others).append(digit)
+        return ends + others
 
 
 def _completes(matcher: GrammarMatcher, ids: Sequence[int]) -> bool:

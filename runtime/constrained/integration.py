@@ -77,8 +77,9 @@ class GrammarManager:
         """Counters plus the compile cache's size, hits and misses (a soak watches the size: each
         compiled grammar holds its token-mask tables until the LRU drops it)."""
         cache = self.backend.cache_info()
-        return {**self.counters, "grammar_cache_size": cache["size"], "grammar_cache_hits": cache["hits"],
-                "grammar_cache_misses": cache["misses"]}
+        return {**self.counters, **self.search.stats, "grammar_repeated_keys_unavoidable": self.keys.unavoidable,
+                "grammar_cache_size": cache["size"],
+                "grammar_cache_hits": cache["hits"], "grammar_cache_misses": cache["misses"]}
 
     # ---- arrival ----
     def request(self, sampling_params: Any) -> "Future[GrammarMatcher]":
@@ -92,7 +93,7 @@ class GrammarManager:
         return RequestGrammar(matcher, self.tables, self.search, self.keys,
                               json_text=sampling_params.grammar_key[0] in JSON_KINDS,
                               close_within_budget=sampling_params.close_within_budget,
-                              budget_left=None if max_new is None else max_new)
+                              greedy=sampling_params.is_greedy, budget_left=max_new)
 
     # ---- sampling ----
     def fill_and_apply(self, logits: torch.Tensor, reqs: Sequence[Any]) -> None:

@@ -183,7 +183,7 @@ class JsonScanner:
         elif c == _QUOTE:
             if self.string == IN_KEY:
                 frame = self.stack[-1]
-                self.repeated_key = self.key in frame[2]
+                self.repeated_key = self.repeated_key or self.key in frame[2]
                 frame[2] = frame[2] | {self.key}
                 frame[1] = COLON
                 self.string = None

@@ -33,7 +33,7 @@ from .unique_keys import RepeatedKeyMask
 
 class RequestGrammar(GrammarMatcher):
     def __init__(self, matcher: GrammarMatcher, tables: TokenTables, search: CompletionSearch,
-                 keys: RepeatedKeyMask, json_text: bool, close_within_budget: bool,
+                 keys: RepeatedKeyMask, json_text: bool, close_within_budget: bool, greedy: bool = False,
                  budget_left: Optional[int] = None) -> None:
         self.inner = matcher
         self.warnings = matcher.warnings
@@ -44,7 +44,7 @@ class RequestGrammar(GrammarMatcher):
         self._accepted: list[bytes] = []  # each accepted token's bytes
         self._version = 0  # changes with every accept and rollback: identifies the matcher's state
         self.watch = RepetitionWatch() if close_within_budget else None
-        self.closer = BudgetCloser(search) if close_within_budget else None
+        self.closer = BudgetCloser(search, greedy) if close_within_budget else None
         self._budget_left = budget_left  # tokens the request may still generate (None: not known yet)
         self._event: Optional[str] = None  # "closed" | "overshoot", until taken by the manager
 
@@ -64,15 +64,17 @@ class RequestGrammar(GrammarMatcher):
         return event
 
     def ends_within_budget(self) -> bool:
-        return self.closer is not None and self.closer.reason == BUDGET and self.closer.plan_done
+        """Whether the budget steered this output and it may end here: it ends ("length")."""
+        return self.closer is not None and self.closer.reason == BUDGET and self.inner.is_completed()
 
     def _decide(self) -> None:
         """Before the next token's mask: whether to close, or to keep only tokens that fit."""
         closer, left = self.closer, self._budget_left
         if closer is None or left is None or left < 1 or closer.closing or closer.overshoot:
             return
+        had_reason = closer.reason is not None
         closer.step(self.inner, self.scanner, self._version, self._accepted, left, self.watch.looping)
-        if closer.closing:
+        if closer.reason is not None and not had_reason:
             self._event = "closed"
         elif closer.overshoot:
             self._event = "overshoot"
@@ -89,7 +91,7 @@ class RequestGrammar(GrammarMatcher):
         self._version += 1
         if self.watch is not None:
             self.watch.feed(token_id, data)
-            self.closer.on_token(token_id)
+            self.closer.on_token(token_id, self._version, len(self._accepted))
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -116,9 +118,15 @@ class RequestGrammar(GrammarMatcher):
         return self.inner.max_rollback
 
     def jump_forward_string(self) -> Optional[str]:
-        if self.closer is not None and self.closer.closing:
-            return None  # the closing plan is written token by token through the mask
-        return self.inner.jump_forward_string()
+        if self.closer is not None and (self.closer.closing or self.closer.choosing):
+            # NOTE: near the end of the budget every token is counted against the completion's; a
+            # jump-forward's own tokenization of forced text took one token more than the completion's
+            # and left it one short. The closing plan, too, is written token by token through the mask.
+            return None
+        forced = self.inner.jump_forward_string()
+        if forced and self.scanner is not None and self._keys.closes_repeated_key(self.scanner, forced.encode()):
+            return None  # left to the mask, which keeps the grammar's row only if nothing else is possible
+        return forced
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._decide()
@@ -133,25 +141,22 @@ class RequestGrammar(GrammarMatcher):
             return
         self.inner.fill_bitmask(bitmask, row)
         if self.scanner is not None and not self.scanner.broken:
-            self._keys.apply(self.scanner, bitmask[row])
-        if closer is not None and closer.restrict in ("string", "digits"):
-            keep = self._tables.string_safe if closer.restrict == "string" else self._tables.digits
-            first = closer.first_token()
-            bitmask[row] &= keep
-            if first is not None:
-                _allow(bitmask[row], first)
+            self._keys.apply(self.scanner, bitmask[row], self.inner)
 
 
     def refine_bitmask(self, logits: torch.Tensor, row: torch.Tensor) -> None:
-        """Inside the guard (closing.py): of the CHOICES likeliest allowed tokens, keep those after which
-        a completion still fits. logits: (V,) on any device; row: the (W,) bits `fill_bitmask` wrote."""
-        if self.closer is None or self.closer.restrict != "choose":
+        """Near the end of the budget (closing.py): of the CHOICES likeliest allowed tokens, keep those
+        after which a completion still fits. logits: (V,) on any device; row: the (W,) bits just filled."""
+        if self.closer is None or not self.closer.choosing or self.closer.closing:
             return
         allowed = unpack_bitmask(row.unsqueeze(0), logits.shape[0])[0].to(logits.device)  # (V,)
         top = logits.masked_fill(~allowed, float("-inf")).topk(min(CHOICES, logits.shape[0]))
         candidates = [t for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")]
+        had_reason = self.closer.reason is not None
         keep = self.closer.fitting(self.inner, self.scanner, candidates, self._tables.vocab.decoded,
                                    self._budget_left)
+        if self.closer.reason is not None and not had_reason:
+            self._event = "closed"
         row.zero_()
         row |= self._tables.row_of(keep)
 

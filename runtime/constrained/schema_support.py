@@ -172,7 +172,8 @@ def tighten_schema(schema: Any) -> Any:
     - A string `pattern` is re-spelled for the string's JSON text (regex_canonical.py): a raw
       '"' in it produced invalid JSON, and outlines let `.` write a raw '"'.
     - A `required` name missing from `properties` is added there (with the additionalProperties
-      schema, or `{}`), so that backends which only emit declared properties still emit it.
+      schema, or `{}`; or, in a closed object, the schema of the one patternProperties pattern that
+      matches it), so that backends which only emit declared properties still emit it.
     - An integer's fractional bounds are rounded to the whole bounds they mean (`minimum: 1.5` is
       `minimum: 2`): xgrammar refused them ("Integer constraint must be a whole number").
     """
@@ -191,8 +192,14 @@ def tighten_schema(schema: Any) -> Any:
             props = node.setdefault("properties", {}) if not isinstance(props, dict) else props
             extra = node.get("additionalProperties", True)
             for name in required:
-                if isinstance(name, str) and name not in props and extra is not False:
+                if not isinstance(name, str) or name in props:
+                    continue
+                if extra is not False:
                     props[name] = extra if isinstance(extra, dict) else {}
+                elif len(_patterns_matching(node, name)) == 1:
+                    # NOTE: a backend enforces `required` among declared properties only: a closed
+                    # object's required "_id" that only a pattern admits was left out ('{"m": 1}').
+                    props[name] = _patterns_matching(node, name)[0]
         if not isinstance(props, dict) or not props:
             continue
         if _ALLOF_BRANCH.search(path) or any(k in node for k in _OPEN_OBJECT_KEYS):
@@ -202,6 +209,31 @@ def tighten_schema(schema: Any) -> Any:
             continue
         node["additionalProperties"] = False
     return schema
+
+
+def _patterns_matching(node: dict, name: str) -> list:
+    """The patternProperties subschemas whose pattern matches the property name."""
+    patterns = node.get("patternProperties")
+    if not isinstance(patterns, dict):
+        return []
+    out = []
+    for pattern, sub in patterns.items():
+        try:
+            if re.search(pattern, name):
+                out.append(sub)
+        except re.error:
+            return []  # a pattern Python cannot read: do not guess
+    return out
+
+
+def _undeclared_required(node: dict) -> list[str]:
+    """Required names of a closed object that neither `properties` nor exactly one pattern declares:
+    no backend makes the output contain them."""
+    required, props = node.get("required"), node.get("properties", {})
+    if not isinstance(required, list) or node.get("additionalProperties", True) is not False:
+        return []
+    props = props if isinstance(props, dict) else {}
+    return [n for n in required if isinstance(n, str) and n not in props and len(_patterns_matching(node, n)) != 1]
 
 
 def _whole_integer_bounds(node: dict) -> None:
@@ -250,6 +282,12 @@ def unenforced_keywords(schema: Any, backend: str) -> list[Unenforced]:
                 continue
             if keyword not in support.enforced:
                 warn(path, keyword, f"keyword {keyword!r}")
+                if keyword == "allOf":
+                    # NOTE: an allOf left unmerged takes its siblings with it: xgrammar wrote two
+                    # properties next to {"allOf": [...], "maxProperties": 1}.
+                    siblings = [k for k in keywords if k not in ("allOf", "type")]
+                    if siblings:
+                        warn(path, siblings[0], f"keywords {siblings} next to allOf")
                 continue
             if keyword == "$ref":
                 if not (isinstance(value, str) and (value == "#" or value.startswith("#/"))):
@@ -257,6 +295,9 @@ def unenforced_keywords(schema: Any, backend: str) -> list[Unenforced]:
                 siblings = [k for k in keywords if k not in ("$ref", "type")]
                 if siblings:
                     warn(path, siblings[0], f"keywords {siblings} next to $ref")
+                continue
+            if keyword == "required" and _undeclared_required(node):
+                warn(path, keyword, f"keyword 'required' ({_undeclared_required(node)} not declared in properties)")
                 continue
             if keyword in _BRANCHING:
                 siblings = [k for k in keywords if k not in (*_BRANCHING, "type", "required",

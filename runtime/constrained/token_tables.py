@@ -4,8 +4,7 @@ up on every step, computed once per grammar backend from its `TokenizerVocab`.
 - `byte_token[b]`: a token spelling exactly the byte b (the search walks the grammar byte by byte).
 - `with_prefix(prefix)`: every token whose bytes start with `prefix` (sorted table, bisect).
 - `multi_quote_ids`: tokens with two or more '"' (the only ones that can open and close a key at once).
-- `string_safe`, `digits`, `stops`: (W,) int32 bitmask rows of the tokens that keep a string open (no
-  quote, backslash or control byte), of all-digit tokens, of the stop tokens.
+- `stops`: the (W,) int32 bitmask row of the stop tokens; `row_of(ids)` any other.
 """
 
 from __future__ import annotations
@@ -36,19 +35,23 @@ class TokenTables:
         for token_id, data in enumerate(decoded):
             if len(data) == 1 and self.byte_token[data[0]] is None:
                 self.byte_token[data[0]] = token_id
+        self._by_bytes: dict[bytes, int] = {}
+        for token_id, data in enumerate(decoded):
+            if data:
+                self._by_bytes.setdefault(data, token_id)
         entries = sorted((data, token_id) for token_id, data in enumerate(decoded) if data)
         self._sorted_bytes = [data for data, _ in entries]
         self._sorted_ids = [token_id for _, token_id in entries]
         self.multi_quote_ids = tuple(i for i, data in enumerate(decoded) if data.count(b'"') >= 2)
-        safe = [i for i, data in enumerate(decoded)
-                if data and b'"' not in data and b"\\" not in data and min(data) >= 0x20]
-        self.string_safe = _row(vocab.vocab_size, safe)
-        self.digits = _row(vocab.vocab_size, [i for i, data in enumerate(decoded) if data and data.isdigit()])
         self.stops = _row(vocab.vocab_size, list(vocab.stop_token_ids))
 
     def row_of(self, ids: list[int]) -> torch.Tensor:
         """(W,) int32 bitmask row with the bits of `ids` set."""
         return _row(self.vocab.vocab_size, ids)
+
+    def token_of(self, data: bytes) -> Optional[int]:
+        """A token spelling exactly `data`, or None."""
+        return self._by_bytes.get(data)
 
     def with_prefix(self, prefix: bytes) -> list[int]:
         """Ids of the tokens whose bytes start with `prefix`."""
