@@ -98,7 +98,8 @@ def gen(
 def _schema_model(name: Optional[str], json_schema: Any) -> Optional[type]:
     """The Pydantic model class `json_schema` is, None for a dict or a JSON string; TypeError otherwise.
 
-    NOTE: any other value (json_schema=5) used to fail only later, on the program's worker thread."""
+    NOTE: checked here, where the gen is written: another value (json_schema=5) found on the program's
+    worker thread would fail far from its cause."""
     if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
         return json_schema
     if json_schema is not None and not isinstance(json_schema, (dict, str)):

@@ -28,6 +28,8 @@ from typing import Any, Optional, Sequence, Union
 
 from .graph import NodeStats, RequestGraph
 from .graph_builder import GraphBuilder
+from .pins import ProgramPins
+from .tracer import extract_prefix_by_tracing
 
 Prefix = Union[str, list[int]]
 
@@ -189,8 +191,6 @@ def _common_text(texts: list[str]) -> str:
 
 def plan_batch(program: Any, backend: Any, batch_arguments: list[dict]) -> BatchPlan:
     """Trace each program with its arguments to its first prompt, and find what the prompts share."""
-    from .tracer import extract_prefix_by_tracing
-
     texts = [extract_prefix_by_tracing(program, backend, arguments) for arguments in batch_arguments]
     token_ids = [backend.tokenize(t) if t else [] for t in texts]
     if texts and all(ids is not None for ids in token_ids):
@@ -205,8 +205,6 @@ class BatchPrefill:
     """Runs a plan against a backend: prefill every segment, pin it until its programs finish."""
 
     def __init__(self, plan: BatchPlan, backend: Any) -> None:
-        from .pins import ProgramPins
-
         self.plan = plan
         self.pins = ProgramPins(backend.pin_service())
         self._lock = threading.Lock()

@@ -7,6 +7,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from .gen_params import RunDefaults
 from .global_config import global_config
+from .run import cache_program, run_program, run_program_batch
+from .subprogram import SglSubprogramCall, inside_a_program
+from .tracer import TracingScope, trace_program
 
 
 class SglFunction:
@@ -65,8 +68,6 @@ class SglFunction:
             **kwargs: Any):
         """Run the program once. Keyword arguments are the program's own, or sampling defaults that
         every gen() inherits unless it sets them (`max_new_tokens=128`, `temperature=1.0`, ...)."""
-        from .run import run_program
-
         program_kwargs, sampling = self.split_run_kwargs(kwargs)
         args, program_kwargs = self._call_arguments(args, program_kwargs)
         defaults = RunDefaults.from_kwargs(sampling)
@@ -102,8 +103,6 @@ class SglFunction:
         """Run the program once per item (a dict of arguments, or a tuple in parameter order).
         Returns the states in input order (a generator of them with generator_style=True); a program
         that fails has its exception in `state.error()` and does not stop the others."""
-        from .run import run_program_batch
-
         if not isinstance(batch_kwargs, (list, tuple)):
             raise TypeError(f"run_batch() needs a list of argument dicts or tuples, got {type(batch_kwargs).__name__}")
         arguments = [self._batch_item_kwargs(i, item) for i, item in enumerate(batch_kwargs)]
@@ -128,36 +127,27 @@ class SglFunction:
 
     def trace(self, *args: Any, backend: Any = None, **kwargs: Any):
         """Record the program's expression graph without running a model (see plait.tracer)."""
-        from .tracer import trace_program
-
         kwargs.update(zip(self.positional_names, args))
         return trace_program(self, kwargs, backend or global_config.default_backend)
 
     def graph(self, *args: Any, backend: Any = None, **kwargs: Any):
         """The program's request graph, by tracing (plait.graph.RequestGraph): text segments, gen and
         select requests, forks and joins, and which requests share which text. Arguments not given
-        stay placeholders. Render it with `.to_dot()`, `.to_html()` or `.save("program.html")`."""
+        stay placeholders. Draw it with plait.graph_render (`save(graph, "program.html")`, `to_dot(graph)`)."""
         return self.trace(*args, backend=backend, **kwargs).graph(self.__name__)
 
     def cache(self, backend: Any = None) -> None:
         """Prefill the text every run of this program starts with."""
-        from .run import cache_program
-
         cache_program(self, backend or global_config.default_backend)
 
     def __call__(self, *args: Any, **kwargs: Any):
         """Outside a program: run it (`prog(x)` is `prog.run(x)`). Inside a running or traced program:
         a call that `s += prog(x)` runs on the caller's state (plait.subprogram)."""
-        from .subprogram import inside_a_program
-        from .tracer import TracingScope
-
         if inside_a_program() or TracingScope.get_current_scope() is not None:
             return self._subprogram_call(args, kwargs)
         return self.run(*args, **kwargs)
 
     def _subprogram_call(self, args: Sequence[Any], kwargs: dict):
-        from .subprogram import SglSubprogramCall
-
         program_kwargs, sampling = self.split_run_kwargs(kwargs)
         if sampling:
             raise TypeError(f"{self.__name__}() called inside a program takes only its own parameters "

@@ -18,7 +18,9 @@ compute once: `sharing()` says which requests share which node.
 
 Graphs come from tracing (`program.graph(...)`, `program.trace().graph()`), from a run
 (`state.graph()`: the text really sent, with per-request `NodeStats`: cached tokens from the runtime's
-`meta_info`, timings), and from run_batch's plan (`plan.to_graph()`), all built with `graph_builder.GraphBuilder`. `graph_render` draws them.
+`meta_info`, timings), and from run_batch's plan (`plan.to_graph()`), all built with
+`graph_builder.GraphBuilder`. A graph is plain data: `graph_render`'s functions draw it
+(`to_dot(graph)`, `to_svg`, `to_html`, `save(graph, path)`).
 """
 
 from __future__ import annotations
@@ -190,25 +192,3 @@ class RequestGraph:
         rate = f"{100 * t.hit_rate:.0f}%" if t.hit_rate is not None else "n/a"
         return (head + f"; runtime requests {t.requests}, prompt tokens {t.prompt_tokens}, cached {t.cached_tokens} "
                 f"({rate}), completion tokens {t.completion_tokens}")
-
-    # ---- rendering (graph_render) ----
-    def to_dot(self) -> str:
-        from .graph_render import to_dot
-
-        return to_dot(self)
-
-    def to_html(self) -> str:
-        from .graph_render import to_html
-
-        return to_html(self)
-
-    def save(self, path: str) -> str:
-        """Write the graph to `path`: .dot/.gv, .html, .svg or .png (PNG and dot-SVG need graphviz)."""
-        from .graph_render import save
-
-        return save(self, path)
-
-    def _repr_html_(self) -> str:  # Jupyter
-        from .graph_render import to_svg
-
-        return to_svg(self)

@@ -12,6 +12,8 @@ from dataclasses import replace
 from typing import Any, Iterable, Iterator, Optional
 
 from .graph import MAIN_BRANCH, GraphEdge, GraphNode, NodeStats, RequestGraph
+from .ir import (SglArgument, SglConcateAndAppend, SglConstantText, SglFork, SglGen, SglJoin, SglSelect,
+                 SglVariable)
 
 
 class GraphBuilder:
@@ -134,9 +136,6 @@ def _branch_index(branch: str) -> int:
 
 def graph_from_trace(tracer: Any, name: str = "program") -> RequestGraph:
     """The request graph of a traced program (a `TracerProgramState`)."""
-    from .ir import (SglArgument, SglConcateAndAppend, SglConstantText, SglFork, SglGen, SglJoin, SglSelect,
-                     SglVariable)
-
     builder = GraphBuilder(name, "trace")
     children_of: dict[int, list[str]] = {}  # id(child tracer state) -> its branch name
 

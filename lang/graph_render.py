@@ -5,6 +5,10 @@ step along the longest path, a column per branch), so a graph can be looked at o
 goes through graphviz's `dot`, when it is installed. Every node shows what it is and the text it adds;
 a request node that ran also shows its runtime stats, with a bar for the share of its prompt tokens
 that came from the prefix cache.
+
+    from plait.graph_render import save, to_svg
+    save(state.graph(), "run.html")                    # .dot/.gv, .html, .svg, .png/.pdf (graphviz)
+    IPython.display.SVG(to_svg(program.graph()))       # in a notebook
 """
 
 from __future__ import annotations

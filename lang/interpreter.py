@@ -23,8 +23,7 @@ from typing import Any, Iterable, Optional
 from .gen_params import RunDefaults, resolve_gen
 from .graph import MAIN_BRANCH
 from .graph_builder import GraphBuilder, collect_requests
-from .executor_pins import ExecutorPinsMixin
-from .pins import ProgramPins
+from .pins import PinTicket, ProgramPins
 from .ir import (SglCommitLazy, SglConcateAndAppend, SglConstantText, SglExpr, SglExprList, SglGen, SglImage,
                  SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin, SglVarScopeEnd, as_expr, flatten,
                  open_role_after)
@@ -32,7 +31,7 @@ from .ir import (SglCommitLazy, SglConcateAndAppend, SglConstantText, SglExpr, S
 logger = logging.getLogger(__name__)
 
 
-class StreamExecutor(ExecutorPinsMixin):
+class StreamExecutor:
     def __init__(self, backend: Any, arguments: dict, default_sampling_para: RunDefaults,
                  chat_template: Any = None, stream: bool = False, use_thread: bool = True) -> None:
         self.sid = uuid.uuid4().hex
@@ -145,7 +144,9 @@ class StreamExecutor(ExecutorPinsMixin):
         self.sync()
         return self.error_
 
-    def fork(self, size: int = 1) -> list["StreamExecutor"]:
+    def fork(self, size: int = 1) -> tuple[list["StreamExecutor"], Optional[PinTicket]]:
+        """`size` executors that continue from this state, and the pin that keeps their shared prefix
+        cached until the caller joins them (None when there is nothing to share or no pins)."""
         size = int(size)
         if size < 1:
             raise ValueError(f"fork size must be >= 1, got {size}")
@@ -160,6 +161,7 @@ class StreamExecutor(ExecutorPinsMixin):
             if self.error_ is not None:
                 raise RuntimeError(f"cannot fork: prefilling the shared prefix failed: "
                                    f"{type(self.error_).__name__}: {self.error_}") from self.error_
+        prefix_pin = self.pins.pin(self.text_) if self.pins is not None and size > 1 else None
         _, branches = self.recorder.fork(self.branch, size, stats=prefill)
         children = [StreamExecutor(self.backend, self.arguments, self.default_sampling_para,
                                    self.chat_template, self.stream) for _ in range(size)]
@@ -179,7 +181,7 @@ class StreamExecutor(ExecutorPinsMixin):
             child._submitted_role = self._submitted_role
             child.fork_start_text_pos = len(self.text_)
             child.images_ = list(self.images_)
-        return children
+        return children, prefix_pin
 
     def record_join(self, states: list, mode: str) -> None:
         """The branches of one of this state's forks were joined (gather_variable)."""
@@ -209,6 +211,14 @@ class StreamExecutor(ExecutorPinsMixin):
             self.backend.end_program(self)
         except Exception:  # a backend's bookkeeping must not hide the program's own result
             logger.exception("releasing the program's runtime resources failed")
+
+    def _release_pins(self, wait: bool = True) -> None:
+        if self.pins is None:
+            return
+        if self.is_root:  # the program is over: every pin it and its forks hold
+            self.pins.release_all(wait=wait)
+        else:
+            self.pins.drop_state_pin(self.branch)
 
     def __del__(self) -> None:
         try:
@@ -301,7 +311,25 @@ class StreamExecutor(ExecutorPinsMixin):
         detail = {k: v for k, v in (("max_new_tokens", expr.overrides.sampling.get("max_new_tokens")),)
                   if v is not None}
         self.recorder.add(self.branch, "gen", self.text_[start:], expr.name, detail, stats)
-        self._maybe_pin_state()
+        self._after_request()
+
+    def _after_request(self) -> None:
+        if self.pins is not None:
+            self.pins.after_request(self.branch, self.text_, self._will_extend())
+
+    def _will_extend(self) -> bool:
+        """Whether another request will follow on this state: one is queued already, or the program
+        body is still running (it may be reading this result to decide what to send next)."""
+        if not self.use_thread:
+            return not self._ended
+        with self.queue.mutex:
+            pending = list(self.queue.queue)
+        for expr in pending:
+            if expr is None:
+                return False
+            if any(isinstance(n, (SglGen, SglSelect, SglConcateAndAppend)) for n in flatten(expr)):
+                return True
+        return not self._ended
 
     def _run_gen(self, expr: SglGen) -> None:
         params = resolve_gen(self.default_sampling_para, expr.overrides, self.chat_template.stop_str)
@@ -345,7 +373,7 @@ class StreamExecutor(ExecutorPinsMixin):
         self.recorder.add(self.branch, "select", decision.decision, expr.name,
                           {"choices": list(expr.choices)}, stats)
         self._set_result(expr.name, decision.decision, decision.meta_info)
-        self._maybe_pin_state()
+        self._after_request()
 
     def _set_result(self, name: Optional[str], value: Any, meta: Any) -> None:
         if name is None:

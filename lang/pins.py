@@ -7,7 +7,7 @@ by every branch. So while a program runs it pins
 
 - each fork's shared prefix, until join (or the program's end);
 - each branch's state after a gen/select, moved forward after the next one, when the state is long
-  enough to be worth keeping and the program will continue (`StreamExecutor._should_pin_state`);
+  enough to be worth keeping and the program will continue (`ProgramPins.after_request`);
 - in run_batch, each shared segment until its last program ends (`batch_plan`).
 
 Pins never make a program wait: the calls run on a small thread pool of the backend, in order per
@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 PIN_BUDGET_FRACTION = 0.25
 PIN_THREADS = 8
+# A program state shorter than this is cheaper to prefill again than to keep pinned between requests.
+MIN_STATE_PIN_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,14 @@ class ProgramPins:
                 self._state_pins[branch] = new
         if old is not None:
             self._enqueue(lambda: self._do_unpin(old))
+
+    def after_request(self, branch: str, text: str, will_extend: bool) -> None:
+        """`branch`'s state is `text` after a gen/select: keep it cached until the branch's next request
+        when one will follow (`will_extend`) and the state is long enough to pay; else let it go."""
+        if will_extend and len(text) >= MIN_STATE_PIN_CHARS:
+            self.move_state_pin(branch, text)
+        else:
+            self.drop_state_pin(branch)
 
     def drop_state_pin(self, branch: str) -> None:
         with self._lock:

@@ -3,7 +3,7 @@ the text every run of a program starts with (`cache_program`)."""
 
 from __future__ import annotations
 
-import multiprocessing
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -14,6 +14,7 @@ from .global_config import global_config
 from .interpreter import StreamExecutor
 from .state import ProgramState
 from .subprogram import running_body
+from .tracer import extract_prefix_by_tracing
 
 # Below this many characters a shared prefix is not worth a separate prefill request.
 MIN_PRECACHE_CHARS = 64
@@ -75,7 +76,7 @@ def run_program_batch(program: Any, backend: Any, batch_arguments: list[dict], d
     if not batch_arguments:
         return iter(()) if generator_style else []
     if num_threads == "auto":
-        num_threads = max(96, multiprocessing.cpu_count() * 16)
+        num_threads = max(96, (os.cpu_count() or 1) * 16)
     if not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"num_threads must be 'auto' or a positive int, got {num_threads!r}")
     num_threads = min(num_threads, len(batch_arguments))
@@ -148,8 +149,6 @@ def _progress_bar(total: int, name: str):
 
 def cache_program(program: Any, backend: Any) -> Optional[str]:
     """Prefill the constant text the program starts with (found by tracing); returns it."""
-    from .tracer import extract_prefix_by_tracing
-
     backend = resolve_backend(backend)
     prefix = extract_prefix_by_tracing(program, backend)
     if prefix and len(prefix) > MIN_PRECACHE_CHARS:

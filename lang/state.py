@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -63,9 +64,8 @@ class ProgramState:
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> "ProgramStateGroup":
         """`size` copies of this state that continue concurrently; the shared text is prefilled once."""
         parent = self.stream_executor
-        executors = parent.fork(size)
-        pin = parent.pin_fork_prefix() if size > 1 else None
-        return ProgramStateGroup([ProgramState(e) for e in executors], self, pin)
+        executors, prefix_pin = parent.fork(size)
+        return ProgramStateGroup([ProgramState(e) for e in executors], self, prefix_pin)
 
     @contextmanager
     def copy(self, position_ids_offset: Any = None) -> Iterator["ProgramState"]:
@@ -117,7 +117,7 @@ class ProgramState:
     def graph(self):
         """The request graph of this run so far (plait.graph.RequestGraph): the text sent, each
         gen/select with the runtime's cached-token counts and timings, forks and joins. Waits for
-        the work submitted so far; render it with `.to_html()` / `.save("run.html")`."""
+        the work submitted so far; draw it with plait.graph_render (`save(graph, "run.html")`)."""
         self.stream_executor.sync()
         return self.stream_executor.recorder.build()
 
@@ -181,8 +181,6 @@ class ProgramState:
 def _parse_json(name: str, value: Any, model: Any, meta: Any) -> Any:
     """One JSON output parsed (by `model`, a Pydantic class, when there is one); a list of them (gen(n > 1),
     or the branches a fork's join gathered) parsed item by item."""
-    import json
-
     if isinstance(value, list):
         metas = meta if isinstance(meta, list) else [meta] * len(value)
         return [_parse_json(name, item, model, item_meta) for item, item_meta in zip(value, metas)]
@@ -344,6 +342,6 @@ class ProgramStateGroup:
         self._joined = True
         for state in self.states:
             state.stream_executor.end()
-        if self._pin is not None:
-            self.src_state.stream_executor.release_pin(self._pin)
+        if self._pin is not None:  # the shared prefix the branches no longer need
+            self.src_state.stream_executor.pins.unpin(self._pin)
             self._pin = None

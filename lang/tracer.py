@@ -16,6 +16,7 @@ import uuid
 from typing import Any, Optional
 
 from .backend.base import BaseBackend
+from .graph_builder import graph_from_trace
 from .ir import (SglArgument, SglConstantText, SglExpr, SglExprList, SglFork, SglGen, SglGetForkItem, SglJoin,
                  SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin, SglVarScopeEnd,
                  as_expr)
@@ -124,10 +125,8 @@ class TracerProgramState(ProgramState):
         self._append_node(SglJoin([getattr(s, "stream_executor", s) for s in states], mode))
 
     def graph(self, name: Optional[str] = None):
-        """The traced program as a request graph (plait.graph.RequestGraph): render it with
-        `.to_dot()`, `.to_html()` or `.save("program.html")`."""
-        from .graph_builder import graph_from_trace
-
+        """The traced program as a request graph (plait.graph.RequestGraph): draw it with
+        plait.graph_render (`save(graph, "program.html")`, `to_dot(graph)`, ...)."""
         return graph_from_trace(self, name or getattr(self, "program_name", "program"))
 
     def flatten_nodes(self) -> list[SglExpr]:

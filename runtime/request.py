@@ -57,7 +57,8 @@ class Req:
         self.return_text_in_logprobs = return_text_in_logprobs
         self.stream = stream
         self.group = group  # program / fork group id (scheduling hint)
-        self._output_ids: list[int] = []
+        # NOTE: never rebound (append, extend, del in place): the sampling row shares this list.
+        self.output_ids: list[int] = []
         self.finished_reason: Optional[FinishReason] = None
         self.stop_token_ids = set(sampling_params.stop_token_ids or [])
         if not sampling_params.ignore_eos:
@@ -104,49 +105,30 @@ class Req:
 
         # What sampling reads (the step runner's view of this request): the parameters, the token lists
         # (the same list objects), the stop ids, the generator and the grammar matcher.
-        self.sampling = SamplingRow(sampling_params, self.origin_input_ids, self._output_ids, self.stop_token_ids,
+        self.sampling = SamplingRow(sampling_params, self.origin_input_ids, self.output_ids, self.stop_token_ids,
                                     return_logprob, self.top_logprobs_num)
+        self.grammar: Any = None  # per-request grammar matcher (constrained decoding), or None: set_grammar
         self.grammar_future: Any = None  # the matcher's compile, while it runs
         self.status: Any = None  # the scheduler's ReqStatus (scheduler/queues.py) while it holds the request
         self.created = time.monotonic()
         self.first_token_time: Optional[float] = None
 
-    @property
-    def output_ids(self) -> list[int]:
-        """The generated tokens (appended in place; sampling reads the same list)."""
-        return self._output_ids
+    def set_grammar(self, matcher: Any) -> None:
+        """The request's grammar matcher, for the scheduler and for sampling."""
+        self.grammar = self.sampling.grammar = matcher
 
-    @output_ids.setter
-    def output_ids(self, ids: list[int]) -> None:
-        self._output_ids = ids
-        self.sampling.output_ids = ids
-
-    @property
-    def grammar(self) -> Any:
-        """The request's grammar matcher (constrained decoding), or None."""
-        return self.sampling.grammar
-
-    @grammar.setter
-    def grammar(self, matcher: Any) -> None:
-        self.sampling.grammar = matcher
-
-    @property
-    def generator(self) -> Optional[torch.Generator]:
-        """The seeded request's own generator (its samples reproduce exactly), or None."""
-        return self.sampling.generator
-
-    @generator.setter
-    def generator(self, gen: Optional[torch.Generator]) -> None:
+    def set_generator(self, gen: Optional[torch.Generator]) -> None:
+        """A seeded request's own generator (its samples reproduce exactly): sampling draws from it."""
         self.sampling.generator = gen
 
     # ---- token views ----
     @property
     def fill_ids(self) -> list[int]:
-        return self.origin_input_ids + self._output_ids
+        return self.origin_input_ids + self.output_ids
 
     @property
     def seq_len(self) -> int:
-        return len(self.origin_input_ids) + len(self._output_ids)
+        return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
     def finished(self) -> bool:
@@ -157,7 +139,7 @@ class Req:
         return self.sampling_params.max_new_tokens == 0
 
     def remaining_new_tokens(self) -> int:
-        return max(0, self.max_new_tokens - len(self._output_ids))
+        return max(0, self.max_new_tokens - len(self.output_ids))
 
     def needs_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len < len(self.origin_input_ids)

@@ -361,7 +361,7 @@ def test_json_layouts_of_both_backends(backends, default_tokenizer, name):
     value = {"a": 1, "b": ["x", "y"], "c": {"d": True}}
     layouts = {"json_natural": json.dumps(value), "json": json.dumps(value, separators=(",", ":")),
                "json_indent": json.dumps(value, indent=2)}
-    for kind, text in layouts.items():
+    for kind in layouts:
         if name == "outlines" and kind == "json_indent":
             with pytest.raises(ValueError, match="cannot lay JSON out with indentation"):
                 backends[name].compile_sync((kind, json.dumps(schema)))

@@ -54,7 +54,7 @@ def test_host_rows_of_extend_and_decode_steps_exact():
 
     a = Req("a", [10, 11, 12, 13], SamplingParams())
     b = Req("b", [20, 21], SamplingParams())
-    b.output_ids = [22, 23]  # a retracted request: its outputs are prefilled again
+    b.output_ids[:] = [22, 23]  # a retracted request: its outputs are prefilled again
     a.req_pool_idx, b.req_pool_idx = 3, 5
     ext = ScheduleBatch(ForwardMode.EXTEND, [a, b], [1, 0], [3, 4], torch.tensor([7, 8, 9, 40, 41, 42, 43]))
     step = ext.to_step()
@@ -64,7 +64,7 @@ def test_host_rows_of_extend_and_decode_steps_exact():
     assert per_req.tolist() == [[3, 5], [4, 4], [1, 0], [3, 4], [0, 3]]
     assert [x.tolist() for x in ext.kv_writes] == [[3, 3, 3, 5, 5, 5, 5], [1, 2, 3, 0, 1, 2, 3],
                                                   [7, 8, 9, 40, 41, 42, 43]]
-    a.output_ids = [14]
+    a.output_ids[:] = [14]
     dec = ScheduleBatch(ForwardMode.DECODE, [a, b], out_cache_loc=torch.tensor([50, 51]))
     rows = dec.decode_host_rows(ahead=0, with_input_ids=True)
     assert rows.tolist() == [[14, 23], [4, 3], [3, 5], [5, 4], [50, 51]]

@@ -14,7 +14,7 @@ import plait as sgl
 from plait.backend.base import BaseBackend
 from plait.backend.engine_backend import EngineBackend
 from plait.batch_plan import find_shared_segments
-from plait.graph_render import dot_available, to_dot, to_html
+from plait.graph_render import dot_available, save, to_dot, to_html
 
 # ---------------------------------------------------------------- programs
 
@@ -153,18 +153,18 @@ def test_rendering_gives_valid_dot_and_a_self_contained_page(program, tmp_path):
     check_dot(to_dot(g), g)
     page = to_html(g)
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page and page.count("<tr>") == len(g.nodes) + 1
-    assert g.save(str(tmp_path / "g.dot")).endswith("g.dot")
+    assert save(g, str(tmp_path / "g.dot")).endswith("g.dot")
     assert (tmp_path / "g.dot").read_text() == to_dot(g)
-    g.save(str(tmp_path / "g.svg"))
+    save(g, str(tmp_path / "g.svg"))
     assert (tmp_path / "g.svg").read_text().startswith("<svg")
     if shutil.which("dot"):
-        g.save(str(tmp_path / "g.png"))
+        save(g, str(tmp_path / "g.png"))
         assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         with pytest.raises(RuntimeError, match="graphviz"):
-            g.save(str(tmp_path / "g.png"))
+            save(g, str(tmp_path / "g.png"))
     with pytest.raises(ValueError, match=".txt"):
-        g.save(str(tmp_path / "g.txt"))
+        save(g, str(tmp_path / "g.txt"))
 
 
 def test_dot_escapes_quotes_backslashes_and_newlines():
@@ -256,3 +256,21 @@ def test_pins_keep_order_give_back_over_budget_and_release_everything():
     pins.release_all(wait=True)
     assert engine.events[-1] == ("unpin", 2) and service.pinned_tokens == 0
     assert pins.pin("more") is None  # the program is over
+
+
+def test_a_state_stays_pinned_only_when_long_enough_and_another_request_follows():
+    from plait.pins import MIN_STATE_PIN_CHARS, ProgramPins
+
+    engine = PinLedgerEngine(pool_tokens=10_000)
+    service = EngineBackend(engine).pin_service()
+    pins = ProgramPins(service)
+    short, long = "x" * (MIN_STATE_PIN_CHARS - 1), "y" * MIN_STATE_PIN_CHARS
+    pins.after_request("main", short, will_extend=True)  # cheaper to prefill again than to keep
+    pins.after_request("main", long, will_extend=True)
+    pins.after_request("f0.0", long + "z", will_extend=True)  # another branch: a pin of its own
+    pins.after_request("main", long + "more", will_extend=False)  # nothing follows on main: its pin goes
+    pins.wait_idle()
+    assert engine.events == [("pin", long), ("pin", long + "z"), ("unpin", 1)]
+    assert service.pinned_tokens == MIN_STATE_PIN_CHARS + 1
+    pins.release_all(wait=True)
+    assert engine.events[-1] == ("unpin", 2) and service.pinned_tokens == 0

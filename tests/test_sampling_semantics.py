@@ -29,7 +29,7 @@ def make_reqs(n: int, prompt=(1,), output=(), vocab=V, **params) -> list[Req]:
     sp.verify(vocab)
     reqs = [Req(f"r{i}", list(prompt), sp, eos_token_ids=()) for i in range(n)]
     for r in reqs:
-        r.output_ids = list(output)
+        r.output_ids[:] = list(output)
     return reqs
 
 

@@ -21,9 +21,9 @@ def make_req(prompt=(1, 2), output=(), eos=(EOS,), **params) -> Req:
     sp = SamplingParams.from_dict(params)
     sp.verify(VOCAB)
     r = Req("r", list(prompt), sp, eos_token_ids=tuple(eos))
-    r.output_ids = list(output)
+    r.output_ids[:] = list(output)
     if sp.seed is not None:  # as the scheduler does
-        r.generator = torch.Generator().manual_seed(sp.seed)
+        r.set_generator(torch.Generator().manual_seed(sp.seed))
     return r
 
 
@@ -229,7 +229,7 @@ def test_min_new_tokens_bans_eos_and_stop_ids_until_reached():
     out, _ = adjusted(base, [r])
     assert out[0, EOS].item() == -math.inf and out[0, 5].item() == -math.inf
     assert draw(base, [r]).item() == 2
-    r.output_ids = [2, 2, 2]  # reached: no more bans
+    r.output_ids[:] = [2, 2, 2]  # reached: no more bans
     assert draw(base, [r]).item() == EOS
 
 

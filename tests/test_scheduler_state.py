@@ -318,7 +318,7 @@ def test_token_prefix_is_fill_ids_prefix():
     from plait.runtime.scheduler.admission import token_prefix
 
     r = Req("a", [1, 2, 3], SamplingParams())
-    r.output_ids = [4, 5]
+    r.output_ids[:] = [4, 5]
     assert [token_prefix(r, n) for n in (0, 2, 3, 4, 5)] == [r.fill_ids[:n] for n in (0, 2, 3, 4, 5)]
 
 

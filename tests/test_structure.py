@@ -17,21 +17,25 @@ PACKAGES = {"plait": "lang", "plait.runtime": "runtime", "plait.grammars": "gram
 GROUND = "ground floor"
 
 
+def modules_of(root: str, package: str) -> dict[str, str]:
+    """module name -> file, for every module under the folder `root` imported as `package`."""
+    mods = {}
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        rel = os.path.relpath(dirpath, root)
+        parts = [] if rel == "." else rel.split(os.sep)
+        for f in files:
+            if f.endswith(".py"):
+                name = ".".join([package, *parts] + ([] if f == "__init__.py" else [f[:-3]]))
+                mods[name] = os.path.join(dirpath, f)
+    return mods
+
+
 def package_modules() -> dict[str, str]:
     """module name -> file, for every module of plait (the package map of setup.py)."""
     mods = {}
     for pkg, folder in PACKAGES.items():
-        root = os.path.join(REPO, folder)
-        for dirpath, dirnames, files in os.walk(root):
-            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-            rel = os.path.relpath(dirpath, root)
-            parts = [] if rel == "." else rel.split(os.sep)
-            if parts and parts[0] in ("runtime", "grammars") and pkg == "plait":
-                continue  # lang/ holds no other package's folder
-            for f in files:
-                if f.endswith(".py"):
-                    name = ".".join([pkg, *parts] + ([] if f == "__init__.py" else [f[:-3]]))
-                    mods[name] = os.path.join(dirpath, f)
+        mods.update(modules_of(os.path.join(REPO, folder), pkg))
     return mods
 
 
@@ -57,13 +61,14 @@ def imports_of(name: str, path: str, modules: dict[str, str]) -> set[str]:
         for t in targets:
             while t and t not in modules:
                 t = t.rpartition(".")[0]
-            if t and t != name and t.startswith("plait"):
+            if t and t != name:
                 out.add(t)
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = package_modules()
+def import_graph(modules: dict[str, str] = None) -> dict[str, set[str]]:
+    """module -> the modules (of `modules`, default: all of plait) it imports anywhere in its source."""
+    modules = modules if modules is not None else package_modules()
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
 
@@ -125,6 +130,31 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def test_the_reader_finds_a_lazy_cycle_and_resolves_relative_imports(tmp_path):
+    # A made-up package: a cycle closed by an import inside a function and one under TYPE_CHECKING,
+    # relative imports from a subpackage, `from . import sub` naming a submodule.
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import A\n")
+    (pkg / "a.py").write_text("from .sub import b\nA = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("import os\n\ndef f():\n    from ..c import C\n    return C\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n")
+    graph = import_graph(modules_of(str(pkg), "pkg"))
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.sub.b"}, "pkg.c": {"pkg.a"}, "pkg.sub": set(),
+                     "pkg.sub.b": {"pkg.c"}}
+    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    (pkg / "c.py").write_text("C = 2\n")
+    assert cycles(import_graph(modules_of(str(pkg), "pkg"))) == []
+
+
+def test_the_real_package_is_read_as_python_resolves_it():
+    graph = import_graph()
+    assert graph["plait.backend.native"] >= {"plait.backend.base", "plait.graph_builder"}
+    assert "plait.graph_render" not in graph["plait.graph"]  # a graph is data; the renderer reads it
+    assert "plait.runtime.engine.engine" in graph["plait.runtime.server.http_server"]
 
 
 def test_no_import_cycles_in_plait():

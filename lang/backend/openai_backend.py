@@ -7,6 +7,7 @@ Chat models receive `s.messages()`, so a gen must open an assistant turn — `s 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -56,8 +57,6 @@ class OpenAI(BaseBackend):
             if getattr(sp, name) != unset:
                 extra["min_tokens" if name == "min_new_tokens" else name] = getattr(sp, name)
         if sp.json_schema is not None:
-            import json
-
             kwargs["response_format"] = {"type": "json_schema",
                                          "json_schema": {"name": "output", "schema": json.loads(sp.json_schema)}}
         if extra:

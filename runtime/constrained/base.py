@@ -149,6 +149,7 @@ class GrammarMatcher(ABC):
     def refine_bitmask(self, logits: torch.Tensor, row: torch.Tensor) -> None:
         """After `fill_bitmask`: narrow the row's (W,) bits further by its (V,) logits (a matcher that must
         choose among the model's likeliest tokens, see request_grammar.py). Default: nothing to narrow."""
+        return None
 
     @property
     def max_rollback(self) -> int:

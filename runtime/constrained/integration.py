@@ -4,7 +4,7 @@ Calls the scheduler makes (runtime/scheduler.py):
 
     manager = GrammarManager(tokenizer, vocab_size, server_args)     # lazily, first grammar request
     req.grammar_future = manager.request(sampling_params)            # on arrival; poll .done()
-    req.grammar = req.grammar_future.result()                        # a per-request GrammarMatcher
+    req.set_grammar(req.grammar_future.result())                     # a per-request GrammarMatcher
                                                                      # (ValueError: abort the request)
     manager.fill_and_apply(logits, reqs)                             # sampler hook, before sampling
     manager.accept(req, token_id)                                    # after appending a sampled token

@@ -52,7 +52,7 @@ class SchedulerGrammars:
                 continue
             req.grammar_future = None
             try:
-                req.grammar = fut.result()
+                req.set_grammar(fut.result())
             except Exception as e:
                 req.finished_reason = FinishReason("abort", message=f"invalid grammar: {e}")
                 failed.append(req)

@@ -11,7 +11,6 @@ through the `Finisher`.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from typing import Any, Optional
@@ -79,11 +78,10 @@ class Scheduler:
         self.results = StepResults(self.queues, self.kv, self.outputs, self.finisher, self.grammars,
                                    runner.context_len, self.stats)
         # Overlap scheduling (a step in flight, launched but not read back) pays where the runner launches
-        # asynchronously. PLAIT_PREFILL_PIPELINE=0 keeps prefills synchronous (to measure what pipelining
-        # them gains).
+        # asynchronously.
         self.pipeline = StepPipeline(runner, self.queues, self.kv, self.results, self.timer,
                                      overlap=not server_args.disable_overlap_schedule and runner.supports_overlap,
-                                     pipeline_prefills=os.environ.get("PLAIT_PREFILL_PIPELINE", "1") != "0")
+                                     pipeline_prefills=not server_args.disable_prefill_pipeline)
         self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
         # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
         self.compile_watch = CompileWatch()
@@ -102,7 +100,7 @@ class Scheduler:
             max_total_tokens=r.max_total_tokens, context_len=r.context_len, vocab_size=r.vocab_size,
             max_running_requests=r.max_running_requests, device=r.device,
             dtype=str(r.dtype).replace("torch.", ""),
-            attention_backend=self.server_args.resolved_attention_backend(), eos_token_ids=list(self.eos_token_ids))
+            attention_backend=r.attention_backend, eos_token_ids=list(self.eos_token_ids))
 
     # ------------------------------------------------------------------ intake
     def handle_message(self, msg: Any) -> Optional[Any]:
@@ -131,7 +129,7 @@ class Scheduler:
                   defer_text=True,  # the tokenizer manager decodes text nobody reads before the end
                   take_ids=True)  # the message is dropped after this
         if m.sampling_params.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(m.sampling_params.seed)
+            req.set_generator(torch.Generator(device=self.runner.device).manual_seed(m.sampling_params.seed))
         # NOTE: max_new_tokens=None runs until the context is full: that is its budget. The admission
         # reserve and the "budget used up" check after a jump-forward read it.
         context_len = self.runner.context_len
