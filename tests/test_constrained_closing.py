@@ -244,8 +244,9 @@ def test_a_model_that_rambles_is_closed_exactly_at_the_budget(manager, default_t
     its last token the budget's last one, and says why."""
     ab = default_tokenizer.encode("ab", add_special_tokens=False)[0]
     schema = {**PERSON, "properties": {**PERSON["properties"], "name": {"type": "string"}}}
-    for budget in (40, 50, 57):  # (past 32 "ab"s in a row the loop watch would close it first)
-        req = fake_request(manager, default_tokenizer, budget, json_schema=json.dumps(schema))
+    for budget, temperature in ((40, 0), (50, 0), (57, 0), (50, 1.0)):  # (past 32 "ab"s the loop watch acts first)
+        # (temperature 1: the sampled path keeps every fitting token of the likeliest few; argmax picks here)
+        req = fake_request(manager, default_tokenizer, budget, json_schema=json.dumps(schema), temperature=temperature)
         text = drive(manager, req, [ab], default_tokenizer)
         assert json.loads(text)["name"].startswith("abab")
         jsonschema.validate(json.loads(text), schema)

@@ -144,39 +144,65 @@ class BudgetCloser:
     def fitting(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], candidates: list[int],
                 decoded: tuple, left: int) -> list[int]:
         """Of `candidates` (allowed tokens, likeliest first), those after which a completion fits in the
-        `left - 1` tokens then left; a greedy request stops at the first. The current completion's
-        first token always fits."""
+        `left - 1` tokens then left; a greedy request stops at the first.
+
+        NOTE: text the grammar forces after a token is appended by jump-forward as the tokenizer spells the
+        token and that text together (jump_forward.py), which may take a token more than the completion's
+        own spelling; the fit counts that spelling."""
         first = self.first_token()
-        keep = [] if first is None else [first]
+        keep = []
         self._after, self._after_left = {}, left
         old = self.estimate.text if self.estimate is not None else b""
-        for token in candidates:
+        tried_first = False
+        for token in [*candidates, *([first] if first is not None and first not in candidates else [])]:
             if token == first:
-                if self.greedy:
-                    break
-                continue
+                tried_first = True
             data = decoded[token]
-            if self._keeps_completion(scanner, data):
-                fits = True
+            if left >= 3 and self._keeps_completion(scanner, data):
+                fits = True  # (room left for what a jump-forward could add after it)
             elif not matcher.accept_token(token):
                 continue
             else:
-                probe = None
-                if scanner is not None:
-                    probe = JsonScanner.from_snapshot(scanner.snapshot())
-                    probe.feed(data)
-                found = self.search.find(matcher, probe, _hints(old, data))
+                fits = self._fits_after(matcher, scanner, data, old, left, token)
                 matcher.rollback(1)
-                fits = found is not None and len(found.token_ids) <= left - 1
-                if found is not None:
-                    self._after[token] = found
             if fits:
                 keep.append(token)
                 if self.greedy:
                     break
         if candidates and candidates[0] not in keep:
             self.reason = self.reason or BUDGET  # the model's own choice did not fit: the budget steers
+        if not keep and tried_first:
+            # Not even the completion's own next token fits with a jump-forward after it: from here the
+            # completion is written token by token as planned (no jump-forward while closing).
+            self._close(BUDGET, self.estimate)
+            keep = [first]
         return keep
+
+    def _fits_after(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], data: bytes, old: bytes,
+                    left: int, token: int) -> bool:
+        """With `token` just accepted on the matcher: whether a completion fits in `left - 1` tokens."""
+        probe = None
+        if scanner is not None:
+            probe = JsonScanner.from_snapshot(scanner.snapshot())
+            probe.feed(data)
+        found = self.search.find(matcher, probe, _hints(old, data))
+        if found is None:
+            return False
+        self._after[token] = found
+        need = 1 + len(found.token_ids)  # this token and the completion after it
+        forced = (matcher.jump_forward_string() or "").encode("utf-8")
+        if forced and found.text.startswith(forced):
+            # What jump-forward will write: this token re-spelled with the forced text (its back-off of
+            # one token), or, where that does not spell it back, the forced text's own tokens after it.
+            tables = self.search.tables
+            rest = found.text[len(forced):]
+            rest_ids = tables.encode(rest) if rest else []
+            together = tables.encode(data + forced) if _whole_utf8(data) else None
+            alone = tables.encode(forced)
+            jumped = len(together) if together is not None else None if alone is None else 1 + len(alone)
+            if jumped is not None and rest_ids is not None:
+                need = max(need, jumped + len(rest_ids))
+        return need <= left
 
     @staticmethod
     def _keeps_completion(scanner: Optional[JsonScanner], data: bytes) -> bool:
@@ -211,6 +237,14 @@ class BudgetCloser:
 
     def _close(self, reason: str, estimate: Completion) -> None:
         self.plan, self.plan_pos, self.reason = estimate.token_ids, 0, reason
+
+
+def _whole_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 _STRUCTURAL = frozenset(b'"{}[],:')

@@ -118,11 +118,8 @@ class RequestGrammar(GrammarMatcher):
         return self.inner.max_rollback
 
     def jump_forward_string(self) -> Optional[str]:
-        if self.closer is not None and (self.closer.closing or self.closer.choosing):
-            # NOTE: near the end of the budget every token is counted against the completion's; a
-            # jump-forward's own tokenization of forced text took one token more than the completion's
-            # and left it one short. The closing plan, too, is written token by token through the mask.
-            return None
+        if self.closer is not None and self.closer.closing:
+            return None  # the closing plan is written token by token through the mask
         forced = self.inner.jump_forward_string()
         if forced and self.scanner is not None and self._keys.closes_repeated_key(self.scanner, forced.encode()):
             return None  # left to the mask, which keeps the grammar's row only if nothing else is possible
