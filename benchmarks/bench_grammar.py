@@ -296,6 +296,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="throughput,jump,compile")
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads of the validity/extraction engines")
+    ap.add_argument("--schema-dir", default="", help="JSONSchemaBench folder for --parts validity (default: "
+                    "../shared/data/jsonschemabench beside the repo, else the in-repo sample)")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
@@ -327,7 +329,7 @@ def main() -> None:
     if "validity" in parts:
         from bench_grammar_validity import part_validity, print_table
 
-        results["validity"] = part_validity(args.per_category, args.max_chars, args.num_threads)
+        results["validity"] = part_validity(args.per_category, args.max_chars, args.num_threads, args.schema_dir)
         print_table(results["validity"])
     if "extraction" in parts:
         from bench_extraction import print_table as print_extraction

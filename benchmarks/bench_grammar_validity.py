@@ -1,7 +1,7 @@
 """Validity over real-world schemas: what share of outputs a user can parse and validate.
 
-JSONSchemaBench (../shared/data/jsonschemabench when it is beside the repo, else the in-repo sample
-tests/data/jsonschemabench_sample), the first --per-category schemas of each category, prompt "Produce a JSON
+JSONSchemaBench (--schema-dir, else ../shared/data/jsonschemabench when it is beside the repo, else the
+in-repo sample tests/data/jsonschemabench_sample), the first --per-category schemas of each category, prompt "Produce a JSON
 object that follows this schema: <schema>", greedy, the default model, all requests of a run in one batch.
 Two settings, back to back in one engine:
 
@@ -33,16 +33,17 @@ SLACK = 12
 PROMPT_CHARS = 4000
 
 
-def load_schemas(per_category: int, max_chars: int) -> tuple[str, list[dict]]:
+def load_schemas(per_category: int, max_chars: int, schema_dir: str = "") -> tuple[str, list[dict]]:
     """(where they came from, records with id, category, schema)."""
-    if os.path.isdir(FULL_SET):
+    folder = schema_dir or FULL_SET
+    if os.path.isdir(folder):
         records = []
-        for fname in sorted(os.listdir(FULL_SET)):
+        for fname in sorted(os.listdir(folder)):
             if fname.endswith(".jsonl"):
-                with open(os.path.join(FULL_SET, fname)) as f:
+                with open(os.path.join(folder, fname)) as f:
                     rows = [json.loads(line) for line in f]
                 records += [r for r in rows if len(json.dumps(r["schema"])) <= max_chars][:per_category]
-        return "jsonschemabench (shared)", records
+        return f"jsonschemabench ({os.path.abspath(folder)})", records
     with open(SAMPLE) as f:
         rows = [json.loads(line) for line in f]
     by_cat: dict = {}
@@ -95,10 +96,10 @@ def check(out: dict, schema: dict) -> str:
     return "reported" if named else "invalid"
 
 
-def part_validity(per_category: int, max_chars: int, num_threads: int) -> dict:
+def part_validity(per_category: int, max_chars: int, num_threads: int, schema_dir: str = "") -> dict:
     from plait.runtime import Engine
 
-    source, records = load_schemas(per_category, max_chars)
+    source, records = load_schemas(per_category, max_chars, schema_dir)
     result: dict = {"source": source, "schemas": len(records), "num_threads": num_threads, "runs": {}}
     with Engine(num_threads=num_threads, max_total_tokens=65536) as eng:
         kept, refused = accepted_schemas(records, eng.tokenizer)
@@ -116,6 +117,8 @@ def part_validity(per_category: int, max_chars: int, num_threads: int) -> dict:
                 start = time.perf_counter()
                 outs = eng.generate(prompts, params)
                 secs = time.perf_counter() - start
+                if label == "before" and budget_name == "384":
+                    outs_before_384 = outs
                 closed = eng.get_stats().get("grammar_closed_early", 0) - closed_before
                 verdicts = [check(o, r["schema"]) for o, r in zip(outs, kept)]
                 total = len(records)
@@ -133,11 +136,65 @@ def part_validity(per_category: int, max_chars: int, num_threads: int) -> dict:
                 }
         stats = eng.get_stats()
         result["engine_stats"] = {k: v for k, v in stats.items() if k.startswith(("grammar", "completion"))}
+        cut_texts = [(r, o["text"]) for r, o in zip(kept, outs_before_384)]
+        result["completion_paths"] = completion_paths(cut_texts, eng.tokenizer)
     return result
+
+
+def completion_paths(cut_texts: list[tuple[dict, str]], tokenizer) -> dict:
+    """The two ways to the shortest completion, measured on the same states (the before/384 outputs cut at
+    a quarter, half and three quarters of their tokens): the JSON closers alone (close the string and the
+    containers, schema-free; no search) and the search over the grammar matcher. How often each finds a
+    valid completion, how long it takes, how many tokens it writes."""
+    from plait.runtime.constrained import create_grammar_backend
+    from plait.runtime.constrained.completion import CompletionSearch
+    from plait.runtime.constrained.json_scan import JsonScanner
+    from plait.runtime.constrained.token_tables import TokenTables
+
+    backend = create_grammar_backend("xgrammar", tokenizer, num_threads=1, compile_timeout=60)
+    search = CompletionSearch(TokenTables(backend.vocab))
+    out = {"states": 0, "closers_valid": 0, "closers_us": [], "closers_tokens": [], "search_valid": 0,
+           "search_us": [], "search_tokens": [], "search_nodes": []}
+    for rec, text in cut_texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        compiled = backend.get_or_compile(("json_natural", json.dumps(rec["schema"]))).result()
+        for frac in (0.25, 0.5, 0.75):
+            matcher, scanner = compiled.new_matcher(), JsonScanner()
+            cut = ids[:max(1, int(len(ids) * frac))]
+            if not all(matcher.accept_token(t) for t in cut) or matcher.is_completed():
+                continue
+            scanner.feed(b"".join(backend.vocab.decoded[t] for t in cut))
+            out["states"] += 1
+            start = time.perf_counter()
+            closers = scanner.closing_text()
+            found = search.verify(matcher, closers, "closers", scanner) if closers else None
+            out["closers_us"].append(1e6 * (time.perf_counter() - start))
+            if found is not None:
+                out["closers_valid"] += 1
+                out["closers_tokens"].append(len(found.token_ids))
+            start = time.perf_counter()
+            found = search.search_only(matcher, None if scanner.broken else scanner)
+            out["search_us"].append(1e6 * (time.perf_counter() - start))
+            if found is not None:
+                out["search_valid"] += 1
+                out["search_tokens"].append(len(found.token_ids))
+                out["search_nodes"].append(found.nodes)
+    backend.shutdown()
+
+    def mean(values):
+        return round(sum(values) / len(values), 1) if values else None
+
+    return {"states": out["states"], "closers_valid": out["closers_valid"], "closers_mean_us": mean(out["closers_us"]),
+            "closers_mean_tokens": mean(out["closers_tokens"]), "search_valid": out["search_valid"],
+            "search_mean_us": mean(out["search_us"]), "search_p90_us": sorted(out["search_us"])[
+                int(0.9 * len(out["search_us"]))] if out["search_us"] else None,
+            "search_mean_tokens": mean(out["search_tokens"]), "search_mean_nodes": mean(out["search_nodes"])}
 
 
 def print_table(result: dict) -> None:
     print(f"{result['source']}: {result['schemas']} schemas, num_threads={result['num_threads']}")
+    print("completion paths:", result.get("completion_paths"))
+    print("engine:", result.get("engine_stats"))
     print(f"{'run':<14} {'valid':>6} {'reported':>9} {'unparsed':>9} {'invalid':>8} {'closed early':>13} "
           f"{'refused':>8} {'mean out tok':>13} {'s':>7}")
     for name, r in result["runs"].items():

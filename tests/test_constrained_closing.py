@@ -197,6 +197,16 @@ def test_repetition_watch_sees_periodic_tails_and_digit_runs():
     for i in range(3 * MIN_SPAN):
         varied.feed(i * 7 % 101, b"ab")
     assert not varied.looping
+    drifting = RepetitionWatch()  # "name" keys one "_name" longer each time: no period, few tokens
+    key, value, sep = [1, 2], [3, 4, 5], [6, 7]
+    stream = []
+    for n in range(1, 12):
+        stream += sep + key * n + [8] + value
+    for i, token in enumerate(stream):
+        drifting.feed(token, b"x")
+        if drifting.looping:
+            break
+    assert drifting.looping and "distinct" in drifting.why and i < 100
 
 
 # ---------------------------------------------------------------- the closing, through the GrammarManager

@@ -13,9 +13,10 @@ slack = left - estimate:
   completion after it found, and rolled back). A greedy request keeps its own token whenever that
   one fits, so its output is unchanged unless the budget forces otherwise; a sampled one draws from
   the fitting ones among its CHOICES likeliest. When the likeliest token does not fit, the output
-  counts as closed early. The completion's own next token always fits. String
-  content inside a string and digits inside a number leave the completion as it is: they fit
-  without a look;
+  counts as closed early. A token the grammar forces text after is counted with that text as
+  jump-forward will spell it. The completion's own next token fits unless that spelling is longer;
+  then the completion is written as planned. String content inside a string and digits inside a
+  number leave the completion as it is: they fit without a look;
 - slack < 0: no valid completion fits any more (a budget smaller than the schema's smallest value,
   or a token that opened too much at once, far from the end, where nothing is checked): the model's
   own text is left as it is, and `overshoot` records it;

@@ -33,7 +33,7 @@ _WHITESPACE = r"[ \t\n\r]*"
 _GAP = "\x00gap\x00"
 # NOTE: the shortest-completion search (completion.py) walks ahead of the request by up to a few hundred
 # bytes and rolls back; the Guide keeps this many states.
-_MAX_ROLLBACK = 512
+_MAX_ROLLBACK = 1024
 # Where a subschema may be the boolean `true` (see `_true_as_empty`).
 _SUBSCHEMA_KEYS = ("items", "contains", "propertyNames", "not", "if", "then", "else",
                    "additionalItems", "unevaluatedItems")

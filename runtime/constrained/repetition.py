@@ -8,15 +8,21 @@ validly long before the budget is spent:
 
 - the last `span` tokens repeat with a period p <= MAX_PERIOD, where span >= max(MIN_SPAN,
   MIN_REPEATS * p): 32 equal tokens, or a 10-token unit four times;
-- more than MAX_DIGITS digits in a row (longer than any integer or identifier worth writing).
+- more than MAX_DIGITS digits in a row (longer than any integer or identifier worth writing);
+- the last WINDOW tokens use at most FEW distinct tokens: a loop that drifts, so no period holds
+  (`"name_name": "x", "name_name_name": "x", ...`, each key a little longer than the last).
 """
 
 from __future__ import annotations
+
+import collections
 
 MAX_PERIOD = 16
 MIN_SPAN = 32
 MIN_REPEATS = 4
 MAX_DIGITS = 32
+WINDOW = 64
+FEW = 8
 
 
 class RepetitionWatch:
@@ -28,6 +34,8 @@ class RepetitionWatch:
         # runs[p]: how many positions in a row (ending at the last token) equal the token p earlier.
         self._runs = [0] * (MAX_PERIOD + 1)
         self._digits = 0
+        self._window: collections.deque = collections.deque()
+        self._counts: collections.Counter = collections.Counter()
         self.looping = False
         self.why = ""
 
@@ -44,8 +52,10 @@ class RepetitionWatch:
         del self._data[len(self._data) - num_tokens:]
         self._runs = [0] * (MAX_PERIOD + 1)
         self._digits = 0
+        self._window.clear()
+        self._counts.clear()
         self.looping = False
-        tail = MAX_PERIOD * MIN_REPEATS + MAX_DIGITS
+        tail = max(MAX_PERIOD * MIN_REPEATS + MAX_DIGITS, WINDOW)
         for i in range(max(0, len(self._tokens) - tail), len(self._tokens)):
             self._step(i)
 
@@ -64,3 +74,12 @@ class RepetitionWatch:
             self._digits = len(data) - len(stripped)
         if self._digits > MAX_DIGITS and not self.looping:
             self.looping, self.why = True, f"{self._digits} digits in a row"
+        self._window.append(token)
+        self._counts[token] += 1
+        if len(self._window) > WINDOW:
+            old = self._window.popleft()
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]
+        if len(self._window) == WINDOW and len(self._counts) <= FEW and not self.looping:
+            self.looping, self.why = True, f"{len(self._counts)} distinct tokens in the last {WINDOW}"
