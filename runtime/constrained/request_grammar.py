@@ -11,8 +11,9 @@ and for every kind, unless the request turned `close_within_budget` off:
 - loops cut short (repetition.py): a loop starts the closing at once.
 
 `closed_early` says why the output was closed early ("budget" | "repetition"), for meta_info.
-`ends_within_budget()` is True once a budget closing has written its last token: the request ends
-there with finish_reason "length" (the budget, not the model, ended it).
+`ends_within_budget()` is True once the budget has steered the output (a closing, or a token of the
+model's that did not fit) and the grammar may end: the request ends there with finish_reason "length"
+(the budget, not the model, ended it).
 """
 
 from __future__ import annotations
