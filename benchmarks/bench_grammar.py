@@ -11,9 +11,15 @@ Three parts (issue 6):
    jump-forward planner, so the saving is measured even before the scheduler hook lands.
 3. compile: compile time and per-token mask-fill time of each backend across JSONSchemaBench
    categories (each backend in its own process under a memory cap: outlines can explode).
+4. validity: valid / reported / closed-early / refused shares and mean output tokens over JSONSchemaBench,
+   before (compact JSON, no closing) and after (the defaults), at 384 tokens and at a tight budget
+   (bench_grammar_validity.py).
+5. extraction: fields right, validity and time of 24 extractions per JSON style, unconstrained included
+   (bench_extraction.py).
 
-    python benchmarks/bench_grammar.py                      # all parts
+    python benchmarks/bench_grammar.py                      # parts 1-3
     python benchmarks/bench_grammar.py --parts compile --per-category 4
+    python benchmarks/bench_grammar.py --parts validity,extraction --per-category 3 --num-threads 1
 
 Prints a summary and writes JSON to benchmarks/out/bench_grammar.json.
 """
@@ -289,6 +295,9 @@ def summarize(cat: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="throughput,jump,compile")
+    ap.add_argument("--num-threads", type=int, default=1, help="torch threads of the validity/extraction engines")
+    ap.add_argument("--schema-dir", default="", help="JSONSchemaBench folder for --parts validity (default: "
+                    "../shared/data/jsonschemabench beside the repo, else the in-repo sample)")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
@@ -317,6 +326,17 @@ def main() -> None:
     if "compile" in parts:
         results["compile"] = part_compile(args.per_category, args.backends.split(","), args.max_chars)
         print(json.dumps({k: v.get("all", v) for k, v in results["compile"].items()}, indent=1))
+    if "validity" in parts:
+        from bench_grammar_validity import part_validity, print_table
+
+        results["validity"] = part_validity(args.per_category, args.max_chars, args.num_threads, args.schema_dir)
+        print_table(results["validity"])
+    if "extraction" in parts:
+        from bench_extraction import print_table as print_extraction
+        from bench_extraction import run as run_extraction
+
+        results["extraction"] = run_extraction(args.num_threads, 96, args.repeats)
+        print_extraction(results["extraction"])
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -110,6 +110,9 @@ class ReqOutput:
     # of the machine). A request that is not streamed sends its ids only at the end, so the receiver's own
     # clock would put its first token there.
     first_token_time: Optional[float] = None
+    # Set on the final output of a constrained request that was steered to its shortest valid completion
+    # ("budget": the tokens left could not finish it along the model's path; "repetition": a loop).
+    closed_early: Optional[str] = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 _GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+_JSON_STYLE_KINDS = {"natural": "json_natural", "compact": "json", "indent": "json_indent"}  # grammar kinds
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGIT_BIAS = 1e38  # below float32's largest value (3.4e38)
 
@@ -45,8 +46,17 @@ class SamplingParams:
     json_schema: Optional[str] = None
     ebnf: Optional[str] = None
     structural_tag: Optional[str] = None
-    # Free whitespace inside JSON output (compact by default; small models loop on spaces).
+    # Free whitespace inside JSON output (small models loop on spaces; json_style is the bounded choice).
     json_whitespace: bool = False
+    # Layout of a json_schema output: "natural" (", " and ": ", as models write JSON), "compact" ("," and
+    # ":") or "indent" (two spaces a level; xgrammar only). None: natural (free whitespace with json_whitespace).
+    json_style: Optional[str] = None
+    # Near max_new_tokens, or in a loop the grammar would let run to it, a constrained output is steered to
+    # its shortest valid completion, so a cut output still parses (runtime/constrained/closing.py).
+    close_within_budget: bool = True
+    # A json_schema with keywords the grammar backend does not enforce exactly is refused (ValueError naming
+    # the keyword and its JSON path) instead of being reported in meta_info.grammar_warnings.
+    strict: bool = False
     custom_params: Optional[dict[str, Any]] = None
     # Tokens between two chunks of this request's stream (SGLang's per-request field); None: the server's.
     stream_interval: Optional[int] = None
@@ -115,8 +125,14 @@ class SamplingParams:
             # NOTE: a NaN passes every range comparison below and would poison the whole batch's softmax.
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_whitespace"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_whitespace",
+                     "close_within_budget", "strict"):
             check_type(name, (bool,))
+        if self.json_style is not None and self.json_style not in _JSON_STYLE_KINDS:
+            raise ValueError(f"json_style must be one of {list(_JSON_STYLE_KINDS)}, got {self.json_style!r}")
+        if self.json_style is not None and self.json_whitespace:
+            raise ValueError(f"json_whitespace (free whitespace) and json_style={self.json_style!r} cannot work "
+                             "together; set one of them")
         if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
@@ -188,7 +204,7 @@ class SamplingParams:
         if self.regex is not None:
             return ("regex", self.regex)
         if self.json_schema is not None:
-            kind = "json_ws" if self.json_whitespace else "json"
+            kind = "json_ws" if self.json_whitespace else _JSON_STYLE_KINDS[self.json_style or "natural"]
             return (kind, self.json_schema)
         if self.ebnf is not None:
             return ("ebnf", self.ebnf)

@@ -386,7 +386,7 @@ def test_grammar_manager_mixed_batch_and_jump_forward(default_tokenizer):
     constrained.grammar = manager.request(constrained.sampling_params).result()
     assert constrained.grammar.warnings == ()
     plan = manager.jump_forward(constrained)
-    assert plan is not None and constrained.detok.text == '{"name":"'
+    assert plan is not None and constrained.detok.text == '{"name": "'  # the default natural style
     logits = torch.randn(2, PADDED_VOCAB)
     before = logits.clone()
     manager.fill_and_apply(logits, [free, constrained])

@@ -12,11 +12,17 @@ Three objects, each with one job:
 - `CompiledGrammar` (shared, immutable): the tokenizer-specific automaton plus `warnings`, the
   schema features the backend does not enforce (never dropped silently).
 - `GrammarMatcher` (one per request, mutable): `accept_token`, `fill_bitmask`, `is_terminated`,
-  `rollback`, `jump_forward_string`.
+  `is_completed`, `rollback`, `jump_forward_string`.
 
-Kinds: "json" (compact JSON for a JSON schema), "json_ws" (JSON schema, free whitespace), "regex",
-"ebnf" (xgrammar only). A JSON kind whose text is `ANY_JSON` ("$$ANY$$") means any JSON value
-(OpenAI `response_format={"type": "json_object"}`).
+Kinds: the JSON kinds name a JSON schema and the layout of its text (`JSON_KINDS`): "json_natural"
+(separators ", " and ": ", the way models write JSON; the default of SamplingParams), "json" (compact:
+"," and ":"), "json_indent" (xgrammar only: two-space indentation), "json_ws" (free whitespace); then
+"regex" and "ebnf" (xgrammar only). A JSON kind whose text is `ANY_JSON` ("$$ANY$$") means any JSON
+value.
+
+Module layering (imports go one way): `vocab`, `bitmask` ← `base` (this interface) ← `schema_text`,
+`schema_support` ← the backends ← `factory` (`create_grammar_backend`) and `validation` (intake
+checks) ← `integration` (the scheduler's side).
 
 Bitmask layout (shared by both backends): int32 tensor (B, ceil(V / 32)); bit j of word w is token
 32 * w + j; 1 = allowed. See `bitmask.py` for allocation and in-place application.
@@ -34,9 +40,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .bitmask import bitmask_width
-from .vocab import TokenizerVocab, build_tokenizer_vocab
+from .vocab import TokenizerVocab
 
-GRAMMAR_KINDS = ("json", "json_ws", "regex", "ebnf")
+JSON_KINDS = ("json", "json_natural", "json_indent", "json_ws")
+GRAMMAR_KINDS = (*JSON_KINDS, "regex", "ebnf")
 ANY_JSON = "$$ANY$$"
 BACKEND_NAMES = ("xgrammar", "outlines")
 
@@ -46,7 +53,7 @@ GrammarKey = tuple[str, str]
 # (a 100 KB regex took 40 s on xgrammar) and a compile cannot be interrupted: past its timeout it still
 # holds a compile thread. Schemas compile to far smaller grammars than their text; real APIs' schemas
 # stay well under these.
-MAX_CONSTRAINT_CHARS = {"json": 262_144, "json_ws": 262_144, "regex": 65_536, "ebnf": 65_536}
+MAX_CONSTRAINT_CHARS = {**{kind: 262_144 for kind in JSON_KINDS}, "regex": 65_536, "ebnf": 65_536}
 
 
 class GrammarCompileError(ValueError):
@@ -118,6 +125,8 @@ class GrammarMatcher(ABC):
 
     # Constraint features the backend does not enforce (copied from the CompiledGrammar).
     warnings: tuple[str, ...] = ()
+    # Why the output was closed before the model ended it: "budget" | "repetition" (request_grammar.py).
+    closed_early: Optional[str] = None
 
     @abstractmethod
     def accept_token(self, token_id: int) -> bool:
@@ -130,8 +139,17 @@ class GrammarMatcher(ABC):
         """True once a stop token was accepted at a point where the grammar may end."""
 
     @abstractmethod
+    def is_completed(self) -> bool:
+        """True where the grammar may end now (a stop token would be accepted), terminated or not."""
+
+    @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-next-token bits into `bitmask[row]` (int32 CPU tensor, (B, W))."""
+
+    def refine_bitmask(self, logits: torch.Tensor, row: torch.Tensor) -> None:
+        """After `fill_bitmask`: narrow the row's (W,) bits further by its (V,) logits (a matcher that must
+        choose among the model's likeliest tokens, see request_grammar.py). Default: nothing to narrow."""
+        return None
 
     @property
     def max_rollback(self) -> int:
@@ -279,23 +297,3 @@ def _check_not_empty(compiled: CompiledGrammar, vocab_size: int) -> None:
         snippet = text if len(text) <= 80 else text[:77] + "..."
         raise GrammarCompileError(f"the {kind} constraint {snippet!r} matches no text at all (for "
                                   "example a rule that only refers to itself)")
-
-
-def create_grammar_backend(name: str, tokenizer: Any, vocab_size: Optional[int] = None,
-                           num_threads: int = 1, compile_timeout: float = 60.0,
-                           stop_token_ids: Optional[Sequence[int]] = None) -> GrammarBackend:
-    """Build the named backend ("xgrammar" | "outlines") for a Hugging Face tokenizer.
-
-    vocab_size: the model's logit width (may exceed the tokenizer's; extra ids are never allowed).
-    stop_token_ids: tokens that end a finished grammar (default: the tokenizer's eos)."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"grammar_backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
-    vocab = build_tokenizer_vocab(tokenizer, vocab_size, stop_token_ids)
-    if name == "xgrammar":
-        from .xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(vocab, num_threads=num_threads, compile_timeout=compile_timeout)
-    from .outlines_backend import OutlinesBackend
-
-    return OutlinesBackend(vocab, num_threads=num_threads, compile_timeout=compile_timeout)
-

@@ -11,6 +11,12 @@ Calls the scheduler makes (runtime/scheduler.py):
     plan = manager.jump_forward(req)                                 # after the stop checks, if the
                                                                      # request is still running
 
+Each matcher is a `RequestGrammar` (request_grammar.py): no repeated JSON keys, and (unless the request
+set `close_within_budget` off) the closing that keeps a cut output valid. The masking itself happens in
+the step runner (`GrammarMasker`, masker.py), which sees only matchers; so `accept` and `jump_forward`,
+where the request is known, tell its matcher the budget left (`req.remaining_new_tokens()`), and
+`accept` ends a request whose budget closing has written its last token with finish_reason "length".
+
 `jump_forward` rewrites `req.output_ids` in place (drops at most the just-sampled token, whose KV
 is not computed yet, and appends the forced tokens), advances the matcher and feeds the
 detokenizer; the scheduler then prefills the new tail (`len(req.fill_ids) - req.kv_len` tokens)
@@ -25,10 +31,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .base import GrammarBackend, GrammarMatcher, create_grammar_backend
+from ..request import FinishReason
+from .base import JSON_KINDS, GrammarBackend, GrammarMatcher
 from .bitmask import apply_token_bitmask_inplace
-from .masker import GrammarMasker
+from .completion import CompletionSearch
+from .factory import create_grammar_backend
 from .jump_forward import JumpForwardPlan, apply_jump_forward, plan_jump_forward
+from .masker import GrammarMasker
+from .request_grammar import RequestGrammar
+from .token_tables import TokenTables
+from .unique_keys import RepeatedKeyMask
 
 
 # Compiles run on this many threads. NOTE: a compile cannot be stopped, so one that runs past its timeout
@@ -47,25 +59,41 @@ class GrammarManager:
             server_args.grammar_backend, tokenizer, vocab_size,
             num_threads=COMPILE_THREADS, compile_timeout=server_args.grammar_compile_timeout)
         self.jump_forward_enabled = not server_args.disable_jump_forward
+        self.tables = TokenTables(self.backend.vocab)
+        self.search = CompletionSearch(self.tables)
+        self.keys = RepeatedKeyMask(self.tables)
         self._special = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
         self._masker = GrammarMasker(self.backend.vocab_size)
         # jump_forward_tokens: tokens appended without a decode step; jump_forward_rollback_tokens:
         # sampled tokens replaced by the retokenized forced text (decoded, then dropped).
+        # grammar_closed_early: outputs steered to their shortest completion (budget or loop);
+        # grammar_close_overshoots: outputs whose shortest completion no longer fitted their budget.
         self.counters = {"jump_forward_events": 0, "jump_forward_tokens": 0,
-                         "jump_forward_rollback_tokens": 0}
+                         "jump_forward_rollback_tokens": 0, "grammar_closed_early": 0,
+                         "grammar_close_overshoots": 0}
 
     @property
     def stats(self) -> dict[str, int]:
         """Counters plus the compile cache's size, hits and misses (a soak watches the size: each
         compiled grammar holds its token-mask tables until the LRU drops it)."""
         cache = self.backend.cache_info()
-        return {**self.counters, "grammar_cache_size": cache["size"], "grammar_cache_hits": cache["hits"],
-                "grammar_cache_misses": cache["misses"]}
+        return {**self.counters, **self.search.stats, "grammar_repeated_keys_unavoidable": self.keys.unavoidable,
+                "grammar_cache_size": cache["size"],
+                "grammar_cache_hits": cache["hits"], "grammar_cache_misses": cache["misses"]}
 
     # ---- arrival ----
     def request(self, sampling_params: Any) -> "Future[GrammarMatcher]":
         """A future of a fresh matcher for the request's constraint (compiled once per key)."""
-        return make_request_grammar(self.backend, sampling_params)
+        return make_request_grammar(self.backend, sampling_params, self._wrap)
+
+    def _wrap(self, matcher: GrammarMatcher, sampling_params: Any) -> RequestGrammar:
+        # NOTE: the scheduler may clamp max_new_tokens to the context (None: all of it); the budget
+        # accept() reports after the first token corrects this first one.
+        max_new = sampling_params.max_new_tokens
+        return RequestGrammar(matcher, self.tables, self.search, self.keys,
+                              json_text=sampling_params.grammar_key[0] in JSON_KINDS,
+                              close_within_budget=sampling_params.close_within_budget,
+                              greedy=sampling_params.is_greedy, budget_left=max_new)
 
     # ---- sampling ----
     def fill_and_apply(self, logits: torch.Tensor, reqs: Sequence[Any]) -> None:
@@ -74,10 +102,18 @@ class GrammarManager:
 
     # ---- after sampling ----
     def accept(self, req: Any, token_id: int) -> bool:
-        """Advance the request's matcher; a rejected token aborts the request (never silently)."""
+        """Advance the request's matcher; a rejected token aborts the request (never silently).
+
+        After the last token of a budget closing, the request ends with finish_reason "length"."""
         if advance(req, token_id):
+            grammar = req.grammar
+            if isinstance(grammar, RequestGrammar):
+                self._count(grammar.take_event())
+                if grammar.ends_within_budget():
+                    req.finished_reason = FinishReason("length", length=len(req.output_ids))
+                else:
+                    grammar.note_budget(_budget_left(req))
             return True
-        from ..request import FinishReason
 
         req.finished_reason = FinishReason(
             "abort", message=f"token {token_id} violates the request's grammar (constraint "
@@ -95,13 +131,23 @@ class GrammarManager:
             self.counters["jump_forward_events"] += 1
             self.counters["jump_forward_tokens"] += len(plan.append_token_ids)
             self.counters["jump_forward_rollback_tokens"] += plan.rollback_tokens
+            if isinstance(req.grammar, RequestGrammar):
+                req.grammar.note_budget(_budget_left(req))
         return plan
 
+    def _count(self, event: Optional[str]) -> None:
+        if event == "closed":
+            self.counters["grammar_closed_early"] += 1
+        elif event == "overshoot":
+            self.counters["grammar_close_overshoots"] += 1
 
-def make_request_grammar(backend: GrammarBackend, sampling_params: Any
+
+def make_request_grammar(backend: GrammarBackend, sampling_params: Any, wrap: Any = None
                          ) -> "Optional[Future[GrammarMatcher]]":
     """None for an unconstrained request; else a future resolving to the request's own matcher
-    (with `.warnings`, the constraint features the backend does not enforce) or to ValueError."""
+    (with `.warnings`, the constraint features the backend does not enforce) or to ValueError.
+
+    wrap(matcher, sampling_params): what the request holds instead of the backend's bare matcher."""
     key = sampling_params.grammar_key
     if key is None:
         return None
@@ -116,7 +162,10 @@ def make_request_grammar(backend: GrammarBackend, sampling_params: Any
         compiled = fut.result()
         matcher = compiled.new_matcher()
         matcher.warnings = compiled.warnings
-        matcher_future.set_result(matcher)
+        try:
+            matcher_future.set_result(matcher if wrap is None else wrap(matcher, sampling_params))
+        except Exception as e:  # delivered to the request (an abort naming it), never lost on a thread
+            matcher_future.set_exception(e)
 
     compiled_future.add_done_callback(on_compiled)
     return matcher_future
@@ -129,6 +178,15 @@ def fill_and_apply_masks(logits: torch.Tensor, reqs: Sequence[Any], bitmask: tor
         reqs[i].grammar.fill_bitmask(bitmask, i)
     if rows:
         apply_token_bitmask_inplace(logits, bitmask, rows)
+
+
+def _budget_left(req: Any) -> int:
+    """Tokens the request may still generate, the one about to be sampled included."""
+    remaining = getattr(req, "remaining_new_tokens", None)
+    if remaining is not None:
+        return remaining()
+    max_new = req.sampling_params.max_new_tokens
+    return (1 << 30) if max_new is None else max_new - len(req.output_ids)
 
 
 def advance(req: Any, token_id: int) -> bool:

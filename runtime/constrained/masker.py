@@ -31,6 +31,7 @@ class GrammarMasker:
         for i in rows:
             if not matchers[i].is_terminated():
                 matchers[i].fill_bitmask(bitmask, i)
+                matchers[i].refine_bitmask(logits[i], bitmask[i])
             else:  # only reached if a finished request is still batched: allow nothing but stop
                 bitmask[i].zero_()
         apply_token_bitmask_inplace(logits, bitmask, rows)

@@ -1,7 +1,7 @@
 """outlines-core backend: regex and JSON schema (no EBNF), via a token-level DFA index.
 
-A JSON schema becomes a regex (compact: no whitespace between tokens; "json_ws" allows
-`[ \\t\\n\\r]*`), then an `Index` over the vocabulary. Compiling walks the whole DFA against the
+A JSON schema becomes a regex laid out by the kind (natural: ", " and ": "; compact: no whitespace;
+"json_ws": `[ \\t\\n\\r]*` between tokens; no indentation), then an `Index` over the vocabulary. Compiling walks the whole DFA against the
 vocabulary, which is slow for large schemas (seconds) but makes per-token masks cheap.
 
 Recursive structures are unrolled to a fixed depth (`MAX_RECURSION_DEPTH`); any-JSON is therefore
@@ -20,15 +20,20 @@ import torch
 
 from .base import CompiledGrammar, GrammarBackend, GrammarKey, GrammarMatcher
 from .regex_canonical import json_string_pattern
-from .schema_support import ASSERTION_KEYWORDS, tighten_schema, unenforced_features, walk_schema
-from .validation import normalize_regex, parse_json_schema
+from .schema_support import ASSERTION_KEYWORDS, Unenforced, tighten_schema, unenforced_keywords, walk_schema
+from .schema_text import normalize_regex, parse_json_schema
 from .vocab import TokenizerVocab
 
 MAX_RECURSION_DEPTH = 3
 MAX_ENUM_RANGE = 1000
 _SCALAR_TYPES = ("string", "number", "boolean", "null")
 _WHITESPACE = r"[ \t\n\r]*"
-_MAX_ROLLBACK = 64
+# outlines-core puts one whitespace pattern between every two JSON tokens; the natural layout is built
+# with this marker there, then each marker is spelled by where it stands (see `_natural_layout`).
+_GAP = "\x00gap\x00"
+# NOTE: the shortest-completion search (completion.py) walks ahead of the request by up to a few hundred
+# bytes and rolls back; the Guide keeps this many states.
+_MAX_ROLLBACK = 1024
 # Where a subschema may be the boolean `true` (see `_true_as_empty`).
 _SUBSCHEMA_KEYS = ("items", "contains", "propertyNames", "not", "if", "then", "else",
                    "additionalItems", "unevaluatedItems")
@@ -60,21 +65,31 @@ def _to_regex(kind: str, text: str) -> tuple[str, list[str]]:
                          "use grammar_backend='xgrammar'")
     if kind == "regex":
         return normalize_regex(text), []
+    if kind == "json_indent":
+        raise ValueError("the outlines grammar backend cannot lay JSON out with indentation (json_style "
+                         "'indent'); use grammar_backend='xgrammar' or another json_style")
     schema = parse_json_schema(text)
     if schema is None:
         schema = {}
         warnings = [f"any-JSON is limited to {MAX_RECURSION_DEPTH} levels of nesting by outlines"]
     else:
         schema = prepare_schema_for_outlines(schema)
-        warnings = unenforced_features(schema, "outlines")
+        warnings = [str(item) for item in unenforced_keywords(schema, "outlines")]
         _formats_and_patterns_for_outlines(schema)
+    gap = {"json": "", "json_ws": _WHITESPACE, "json_natural": _GAP}[kind]
     try:
-        regex = oc.json_schema.build_regex_from_schema(
-            json.dumps(schema), "" if kind == "json" else _WHITESPACE, MAX_RECURSION_DEPTH)
+        regex = oc.json_schema.build_regex_from_schema(json.dumps(schema), gap, MAX_RECURSION_DEPTH)
     except ValueError as e:
         msg = str(e).splitlines()[0].strip()
         raise ValueError(f"invalid json_schema for outlines: {msg}") from None
-    return regex, warnings
+    return (_natural_layout(regex) if kind == "json_natural" else regex), warnings
+
+
+def _natural_layout(regex: str) -> str:
+    """A regex built with `_GAP` between JSON tokens, with ", " after commas, ": " after colons and
+    nothing elsewhere (outlines writes an array's comma without a gap before it)."""
+    regex = regex.replace(f"{_GAP}:{_GAP}", ": ").replace(f"{_GAP},{_GAP}", ", ").replace(f",{_GAP}", ", ")
+    return regex.replace(_GAP, "")
 
 
 def prepare_schema_for_outlines(schema: Any) -> Any:
@@ -185,6 +200,12 @@ def validate_for_outlines(kind: str, text: str) -> list[str]:
     return _to_regex(kind, text)[1]
 
 
+def unenforced_for_outlines(schema_text: str) -> list[Unenforced]:
+    """The keywords of a JSON schema outlines does not enforce exactly (ValueError if it is malformed)."""
+    schema = parse_json_schema(schema_text)
+    return [] if schema is None else unenforced_keywords(prepare_schema_for_outlines(schema), "outlines")
+
+
 class OutlinesMatcher(GrammarMatcher):
     """Wraps an outlines Guide; a stop token accepted in a final state terminates the match."""
 
@@ -213,6 +234,9 @@ class OutlinesMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._terminated
+
+    def is_completed(self) -> bool:
+        return self._terminated or self._guide.is_finished()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         target = bitmask[row]

@@ -1,8 +1,11 @@
 """Which JSON-schema keywords each backend enforces, and a walker that reports the rest.
 
 A backend that accepts a schema but silently drops one of its assertions would produce outputs
-that fail validation; `unenforced_features(schema, backend)` lists every such place as a warning
-("keyword 'uniqueItems' at /properties/tags is not enforced by xgrammar"). The tables below were
+that fail validation; `unenforced_keywords(schema, backend)` lists every such place (an `Unenforced`:
+the keyword, its JSON path, why), and `unenforced_features` the same as warnings ("keyword
+'uniqueItems' at /properties/tags is not enforced by xgrammar; ..."). A `oneOf` whose branches no
+value can match twice (one_of.py) is enforced exactly by the backends' anyOf, so it is not reported;
+a `format` a backend checks by shape only (a regex cannot see that 2024-02-30 is no date) is. The tables below were
 established against the official JSON-Schema test suite (tests/test_constrained_unit.py keeps
 them honest: an invalid instance that a backend accepts must be explained by a warning here).
 
@@ -17,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from .one_of import branches_exclusive
 from .regex_canonical import json_string_pattern
 from .schema_merge import merge_all_of
 
@@ -58,6 +62,23 @@ _VALUE_PINNING = ("enum", "const")
 _BRANCHING = ("anyOf", "oneOf")
 
 
+_CALENDAR = "no calendar check: an impossible date such as 2024-02-30 passes"
+
+
+@dataclass(frozen=True)
+class Unenforced:
+    """One schema keyword a backend does not enforce exactly."""
+
+    keyword: str  # the keyword, as strict mode names it
+    path: str  # JSON pointer of the subschema that holds it ("/" for the root)
+    what: str  # "keyword 'uniqueItems'", "format 'date'", "keywords ['a'] next to $ref", ...
+    reason: str  # "is not enforced", "is checked by shape only (...)", ...
+    backend: str
+
+    def __str__(self) -> str:
+        return f"{self.what} at {self.path} {self.reason} by {self.backend}; outputs may violate it"
+
+
 @dataclass(frozen=True)
 class BackendSupport:
     """What one backend enforces; `partial` maps a keyword to the caveat reported for it."""
@@ -66,6 +87,7 @@ class BackendSupport:
     enforced: frozenset
     partial: dict
     formats: frozenset
+    shape_only_formats: dict  # format -> what its shape lets through (reported)
     integer_bounds: bool  # minimum/maximum on integers
     number_bounds: bool  # minimum/maximum on non-integer numbers
     multiple_of_number: bool
@@ -86,6 +108,8 @@ XGRAMMAR = BackendSupport(
         "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
         "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
     }),
+    shape_only_formats={"date": _CALENDAR, "date-time": _CALENDAR, "ipv4": "octets with leading zeros such as "
+                        "01.2.3.4 pass", "hostname": "labels longer than 63 characters pass"},
     integer_bounds=True, number_bounds=True, multiple_of_number=False, length_with_pattern=False,
 )
 
@@ -98,6 +122,7 @@ OUTLINES = BackendSupport(
     }),
     partial={"oneOf": "is enforced as anyOf (exclusivity is not checked)"},
     formats=frozenset({"date-time", "date", "time", "uuid", "uri", "email", "ipv4"}),
+    shape_only_formats={"date": _CALENDAR, "date-time": _CALENDAR},
     # NOTE: outlines emits no bounds at all; outlines_backend rewrites small integer ranges into
     # enums (see `bounded_integer_to_enum`), so only those count as enforced.
     integer_bounds=False, number_bounds=False, multiple_of_number=False, length_with_pattern=False,
@@ -147,7 +172,8 @@ def tighten_schema(schema: Any) -> Any:
     - A string `pattern` is re-spelled for the string's JSON text (regex_canonical.py): a raw
       '"' in it produced invalid JSON, and outlines let `.` write a raw '"'.
     - A `required` name missing from `properties` is added there (with the additionalProperties
-      schema, or `{}`), so that backends which only emit declared properties still emit it.
+      schema, or `{}`; or, in a closed object, the schema of the one patternProperties pattern that
+      matches it), so that backends which only emit declared properties still emit it.
     - An integer's fractional bounds are rounded to the whole bounds they mean (`minimum: 1.5` is
       `minimum: 2`): xgrammar refused them ("Integer constraint must be a whole number").
     """
@@ -166,8 +192,14 @@ def tighten_schema(schema: Any) -> Any:
             props = node.setdefault("properties", {}) if not isinstance(props, dict) else props
             extra = node.get("additionalProperties", True)
             for name in required:
-                if isinstance(name, str) and name not in props and extra is not False:
+                if not isinstance(name, str) or name in props:
+                    continue
+                if extra is not False:
                     props[name] = extra if isinstance(extra, dict) else {}
+                elif len(_patterns_matching(node, name)) == 1:
+                    # NOTE: a backend enforces `required` among declared properties only: a closed
+                    # object's required "_id" that only a pattern admits was left out ('{"m": 1}').
+                    props[name] = _patterns_matching(node, name)[0]
         if not isinstance(props, dict) or not props:
             continue
         if _ALLOF_BRANCH.search(path) or any(k in node for k in _OPEN_OBJECT_KEYS):
@@ -177,6 +209,31 @@ def tighten_schema(schema: Any) -> Any:
             continue
         node["additionalProperties"] = False
     return schema
+
+
+def _patterns_matching(node: dict, name: str) -> list:
+    """The patternProperties subschemas whose pattern matches the property name."""
+    patterns = node.get("patternProperties")
+    if not isinstance(patterns, dict):
+        return []
+    out = []
+    for pattern, sub in patterns.items():
+        try:
+            if re.search(pattern, name):
+                out.append(sub)
+        except re.error:
+            return []  # a pattern Python cannot read: do not guess
+    return out
+
+
+def _undeclared_required(node: dict) -> list[str]:
+    """Required names of a closed object that neither `properties` nor exactly one pattern declares:
+    no backend makes the output contain them."""
+    required, props = node.get("required"), node.get("properties", {})
+    if not isinstance(required, list) or node.get("additionalProperties", True) is not False:
+        return []
+    props = props if isinstance(props, dict) else {}
+    return [n for n in required if isinstance(n, str) and n not in props and len(_patterns_matching(node, n)) != 1]
 
 
 def _whole_integer_bounds(node: dict) -> None:
@@ -201,11 +258,16 @@ def _whole_integer_bounds(node: dict) -> None:
 
 def unenforced_features(schema: Any, backend: str) -> list[str]:
     """Warnings for every assertion in `schema` that `backend` does not (fully) enforce."""
-    support = BACKENDS[backend]
-    warnings: list[str] = []
+    return [str(item) for item in unenforced_keywords(schema, backend)]
 
-    def warn(path: str, what: str) -> None:
-        warnings.append(f"{what} at {path} is not enforced by {backend}; outputs may violate it")
+
+def unenforced_keywords(schema: Any, backend: str) -> list[Unenforced]:
+    """Every assertion in `schema` that `backend` does not (fully) enforce, in schema order."""
+    support = BACKENDS[backend]
+    found: list[Unenforced] = []
+
+    def warn(path: str, keyword: str, what: str, reason: str = "is not enforced") -> None:
+        found.append(Unenforced(keyword, path, what, reason, backend))
 
     for path, node in walk_schema(schema):
         keywords = [k for k in node if k in ASSERTION_KEYWORDS]
@@ -213,50 +275,63 @@ def unenforced_features(schema: Any, backend: str) -> list[str]:
         inferred = {_TYPE_IMPLYING[k] for k in keywords if k in _TYPE_IMPLYING}
         for keyword in keywords:
             value = node[keyword]
+            if keyword == "oneOf" and isinstance(value, list) and branches_exclusive(value, schema):
+                continue  # no value matches two branches: anyOf enforces it exactly
             if keyword in support.partial:
-                warnings.append(f"keyword {keyword!r} at {path} {support.partial[keyword]} "
-                                f"by {backend}")
+                warn(path, keyword, f"keyword {keyword!r}", support.partial[keyword])
                 continue
             if keyword not in support.enforced:
-                warn(path, f"keyword {keyword!r}")
+                warn(path, keyword, f"keyword {keyword!r}")
+                if keyword == "allOf":
+                    # NOTE: an allOf left unmerged takes its siblings with it: xgrammar wrote two
+                    # properties next to {"allOf": [...], "maxProperties": 1}.
+                    siblings = [k for k in keywords if k not in ("allOf", "type")]
+                    if siblings:
+                        warn(path, siblings[0], f"keywords {siblings} next to allOf")
                 continue
             if keyword == "$ref":
                 if not (isinstance(value, str) and (value == "#" or value.startswith("#/"))):
-                    warn(path, f"non-local $ref {value!r}")
+                    warn(path, keyword, f"non-local $ref {value!r}")
                 siblings = [k for k in keywords if k not in ("$ref", "type")]
                 if siblings:
-                    warn(path, f"keywords {siblings} next to $ref")
+                    warn(path, siblings[0], f"keywords {siblings} next to $ref")
+                continue
+            if keyword == "required" and _undeclared_required(node):
+                warn(path, keyword, f"keyword 'required' ({_undeclared_required(node)} not declared in properties)")
                 continue
             if keyword in _BRANCHING:
                 siblings = [k for k in keywords if k not in (*_BRANCHING, "type", "required",
                                                              "properties")]
                 if siblings:
-                    warn(path, f"keywords {siblings} next to {keyword}")
+                    warn(path, siblings[0], f"keywords {siblings} next to {keyword}")
                 continue
             if any(k in node for k in _VALUE_PINNING) or "$ref" in node:
                 continue  # the pinned values / reference decide; reported above if relevant
             typed = _TYPED_KEYWORDS.get(keyword)
             if typed and declared is None and typed not in inferred:
-                warn(path, f"keyword {keyword!r} without a declared 'type'")
+                warn(path, keyword, f"keyword {keyword!r} without a declared 'type'")
                 continue
             shaped_by = "pattern" if "pattern" in node else (
                 "format" if node.get("format") in support.formats else None)
             if keyword in ("minLength", "maxLength") and shaped_by and not support.length_with_pattern:
                 # NOTE: xgrammar drops the length next to a format ("format combined with
                 # minLength/maxLength is not supported" on its log only), as next to a pattern.
-                warn(path, f"keyword {keyword!r} next to {shaped_by!r}")
+                warn(path, keyword, f"keyword {keyword!r} next to {shaped_by!r}")
             elif keyword == "format" and isinstance(value, str) and value not in support.formats:
-                warn(path, f"format {value!r}")
+                warn(path, keyword, f"format {value!r}")
+            elif keyword == "format" and value in support.shape_only_formats:
+                warn(path, keyword, f"format {value!r}",
+                     f"is checked by shape only ({support.shape_only_formats[value]})")
             elif keyword in _BOUND_KEYWORDS:
                 is_int = declared == "integer"
                 if (is_int and not support.integer_bounds) or (
                         not is_int and not support.number_bounds):
-                    warn(path, f"keyword {keyword!r}")
+                    warn(path, keyword, f"keyword {keyword!r}")
             elif keyword == "multipleOf":
                 exact = declared == "integer" and isinstance(value, int)
                 if not exact and not support.multiple_of_number:
-                    warn(path, f"keyword 'multipleOf' ({value!r} on {declared or 'any'} values)")
-    return warnings
+                    warn(path, keyword, f"keyword 'multipleOf' ({value!r} on {declared or 'any'} values)")
+    return found
 
 
 def _escape(name: str) -> str:

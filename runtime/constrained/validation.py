@@ -1,105 +1,45 @@
 """Cheap, tokenizer-free validation of constraints, for the request-intake path.
 
-`validate_constraint(kind, text, backend_name)` raises `ValueError` naming what is wrong (bad regex,
-malformed JSON schema, bad EBNF, a feature the backend cannot handle at all) and returns a list of
-warnings: schema keywords the backend accepts but does not enforce. Nothing here touches the
-tokenizer, so it is fast enough to run before a request is queued; the backend's compile repeats
-these checks (plus the tokenizer-specific work) and attaches the same warnings to the result.
+`validate_constraint(kind, text, backend_name, strict=False)` raises `ValueError` naming what is wrong
+(bad regex, malformed JSON schema, bad EBNF, a feature the backend cannot handle at all) and returns a
+list of warnings: schema keywords the backend accepts but does not enforce exactly. With `strict`, the
+first such keyword is a `StrictSchemaError` (a ValueError; a 400 over HTTP) naming the keyword and its
+JSON path instead. Nothing here touches the tokenizer, so it is fast enough to run before a request is
+queued; the backend's compile repeats these checks (plus the tokenizer-specific work) and attaches the
+same warnings to the result.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from typing import Any, Optional
-
-from .base import ANY_JSON, BACKEND_NAMES, check_key
-from .regex_canonical import canonical_regex
+from .base import BACKEND_NAMES, JSON_KINDS, check_key
+from .outlines_backend import unenforced_for_outlines, validate_for_outlines
+from .schema_support import Unenforced
+from .xgrammar_backend import unenforced_for_xgrammar, validate_for_xgrammar
 
 
-def validate_constraint(kind: str, text: str, backend_name: str = "xgrammar") -> list[str]:
-    """Raise ValueError if the constraint is invalid for the backend; return its warnings."""
+class StrictSchemaError(ValueError):
+    """A strict request's schema uses a keyword the backend cannot enforce exactly."""
+
+    def __init__(self, item: Unenforced, backend_name: str, more: int) -> None:
+        others = f" (and {more} more)" if more else ""
+        super().__init__(
+            f"strict mode refuses keyword {item.keyword!r} at {item.path}: {item.reason} by {backend_name}, "
+            f"so an output could violate it{others}; drop it from the schema, or turn strict off to generate "
+            f"with it reported in meta_info.grammar_warnings")
+        self.keyword = item.keyword
+        self.path = item.path
+
+
+def validate_constraint(kind: str, text: str, backend_name: str = "xgrammar", strict: bool = False) -> list[str]:
+    """Raise ValueError if the constraint is invalid for the backend; return its warnings.
+
+    strict: a JSON schema keyword the backend does not enforce exactly raises StrictSchemaError."""
     kind, text = check_key((kind, text))
-    if backend_name == "xgrammar":
-        from .xgrammar_backend import validate_for_xgrammar
-
-        return validate_for_xgrammar(kind, text)
-    if backend_name == "outlines":
-        from .outlines_backend import validate_for_outlines
-
-        return validate_for_outlines(kind, text)
-    raise ValueError(f"grammar_backend must be one of {list(BACKEND_NAMES)}, got {backend_name!r}")
-
-
-# ---- JSON schema ----
-def parse_json_schema(text: str) -> Optional[Any]:
-    """Parse and sanity-check a JSON schema text; None means ANY_JSON (any JSON value)."""
-    if text == ANY_JSON:
-        return None
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"json_schema is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-                         ) from None
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"json_schema must be a JSON object (or boolean), got {type(schema).__name__}")
-    if schema is False:
-        raise ValueError("json_schema is `false`: no value can satisfy it")
-    try:
-        import jsonschema  # optional: gives precise messages for malformed schemas
-    except ImportError:
-        return schema
-    try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator
-                                            ).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
-        raise ValueError(f"json_schema is not a valid JSON schema at {where}: {e.message}") from None
-    check_references_resolve_locally(schema)
-    return schema
-
-
-def check_references_resolve_locally(schema: Any) -> None:
-    """Raise ValueError for a `$ref` to another document (a URL or a file): nothing is fetched here, and
-    an unresolved reference would silently allow any JSON at that place.
-
-    A reference is local when it starts with '#' or names (before any '#') an `$id` declared inside this
-    schema (a bundled schema)."""
-    ids, refs = set(), []
-
-    def scan(node: Any, path: str) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("$id"), str):
-                ids.add(node["$id"].split("#")[0])
-            if isinstance(node.get("$ref"), str):
-                refs.append((node["$ref"], path or "/"))
-            for key, child in node.items():
-                if key not in ("enum", "const", "default", "examples"):  # values, not schemas
-                    scan(child, f"{path}/{key}")
-        elif isinstance(node, list):
-            for i, child in enumerate(node):
-                scan(child, f"{path}/{i}")
-
-    scan(schema, "")
-    for ref, path in refs:
-        if not ref.startswith("#") and ref.split("#")[0] not in ids:
-            raise ValueError(f"json_schema has a $ref to another document at {path}: {ref!r}. Only references "
-                             f"inside the schema ('#/$defs/...') are resolved; inline the referenced schema "
-                             f"under $defs")
-
-
-# ---- regex ----
-def normalize_regex(pattern: str) -> str:
-    """The regex a backend should enforce for a user's Python regex (always a full match).
-
-    See regex_canonical.py: the pattern is re-spelled in a dialect both backends read as Python
-    does; ValueError for syntax errors and constructs no finite automaton can enforce."""
-    return canonical_regex(pattern)
-
-
-def clean_backend_error(exc: BaseException) -> str:
-    """Strip C++ log prefixes ("[12:00:00] /project/cpp/x.cc:94: ") from a backend's message."""
-    msg = str(exc).strip()
-    msg = re.sub(r"^\[[0-9:]+\]\s+\S+:\d+:\s*", "", msg)
-    msg = re.sub(r"^Check failed: \(.*?\) is false:\s*", "", msg)
-    return msg.splitlines()[0] if msg else type(exc).__name__
+    if backend_name not in BACKEND_NAMES:
+        raise ValueError(f"grammar_backend must be one of {list(BACKEND_NAMES)}, got {backend_name!r}")
+    validate = validate_for_xgrammar if backend_name == "xgrammar" else validate_for_outlines
+    if strict and kind in JSON_KINDS:
+        unenforced = (unenforced_for_xgrammar if backend_name == "xgrammar" else unenforced_for_outlines)(text)
+        if unenforced:
+            raise StrictSchemaError(unenforced[0], backend_name, len(unenforced) - 1)
+    return validate(kind, text)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import xgrammar as xgr
+
 
 @dataclass(frozen=True)
 class TokenizerVocab:
@@ -45,8 +47,6 @@ def build_tokenizer_vocab(tokenizer: Any, vocab_size: Optional[int] = None,
     tokenizer (padded lm_head) but not fall short of any stop token id.
     stop_token_ids: default `[tokenizer.eos_token_id]`.
     """
-    import xgrammar as xgr
-
     vocab_dict = tokenizer.get_vocab()
     tokenizer_size = max(len(vocab_dict), max(vocab_dict.values()) + 1)
     vocab_size = tokenizer_size if vocab_size is None else int(vocab_size)

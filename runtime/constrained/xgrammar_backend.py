@@ -1,6 +1,7 @@
 """xgrammar backend (the default): JSON schema, regex, EBNF (GBNF dialect) and any-JSON.
 
-JSON output is compact (separators "," and ":") unless the kind is "json_ws". Objects that declare
+JSON text is laid out by the kind (`JSON_LAYOUTS`): natural (", " and ": "), compact, two-space
+indentation, or free whitespace ("json_ws"). Objects that declare
 their properties admit only those, in declared order (see `schema_support.tighten_schema`), which
 keeps small models on the rails and still yields schema-valid output.
 """
@@ -15,13 +16,20 @@ from typing import Optional
 import torch
 import xgrammar as xgr
 
-from .base import ANY_JSON, CompiledGrammar, GrammarBackend, GrammarMatcher, GrammarKey
+from .base import ANY_JSON, JSON_KINDS, CompiledGrammar, GrammarBackend, GrammarKey, GrammarMatcher
 from .schema_merge import merge_all_of
-from .schema_support import tighten_schema, unenforced_features
-from .validation import clean_backend_error, normalize_regex, parse_json_schema
+from .schema_support import Unenforced, tighten_schema, unenforced_keywords
+from .schema_text import clean_backend_error, normalize_regex, parse_json_schema
 from .vocab import TokenizerVocab
 
-_COMPACT = (",", ":")
+# from_json_schema's layout arguments per JSON kind. NOTE: "json_ws" lets the model put any whitespace
+# anywhere, where small models loop on spaces; the other layouts fix every separator.
+JSON_LAYOUTS = {
+    "json_natural": {"any_whitespace": False, "separators": (", ", ": ")},
+    "json": {"any_whitespace": False, "separators": (",", ":")},
+    "json_indent": {"any_whitespace": False, "indent": 2, "separators": (",", ": ")},
+    "json_ws": {"any_whitespace": True},
+}
 # NOTE: xgrammar spells the characters of a string with minLength/maxLength as `[^"\\\r\n]`: a raw
 # control character passed (the output '"a\x01"' is not JSON) and an escape did not. Such rules are
 # respelled as one JSON string character: a printable or non-ASCII one, or an escape (counted as one
@@ -36,32 +44,32 @@ def _to_grammar(kind: str, text: str) -> xgr.Grammar:
     if kind == "regex":
         text = normalize_regex(text)
     try:
-        if kind in ("json", "json_ws"):
-            any_ws = kind == "json_ws"
+        if kind in JSON_KINDS:
             schema = "{}" if text == ANY_JSON else json.dumps(tighten_schema(json.loads(text)))
             # NOTE: xgrammar's strict_mode drops required-but-undeclared keys and refuses
             # minItems without items; tighten_schema gives the same narrowing without that.
-            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_ws,
-                                                   separators=None if any_ws else _COMPACT,
-                                                   strict_mode=False)
+            grammar = xgr.Grammar.from_json_schema(schema, strict_mode=False, **JSON_LAYOUTS[kind])
             ebnf, count = _LENGTH_BOUNDED_CHAR.subn(lambda m: m.group(1) + _JSON_STRING_CHAR, str(grammar))
             return xgr.Grammar.from_ebnf(ebnf) if count else grammar
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         return xgr.Grammar.from_ebnf(text)
     except Exception as e:  # xgrammar raises RuntimeError or its own error types
-        label = {"json": "json_schema", "json_ws": "json_schema"}.get(kind, kind)
+        label = "json_schema" if kind in JSON_KINDS else kind
         raise ValueError(f"invalid {label}: {clean_backend_error(e)}") from None
 
 
 def validate_for_xgrammar(kind: str, text: str) -> list[str]:
     """Raise ValueError if xgrammar cannot handle the constraint; return unenforced-feature warnings."""
-    warnings: list[str] = []
-    if kind in ("json", "json_ws"):
-        schema = parse_json_schema(text)
-        warnings = unenforced_features(merge_all_of(schema), "xgrammar") if schema is not None else []
+    warnings = [str(item) for item in unenforced_for_xgrammar(text)] if kind in JSON_KINDS else []
     _to_grammar(kind, text)
     return warnings
+
+
+def unenforced_for_xgrammar(schema_text: str) -> list[Unenforced]:
+    """The keywords of a JSON schema xgrammar does not enforce exactly (ValueError if it is malformed)."""
+    schema = parse_json_schema(schema_text)
+    return [] if schema is None else unenforced_keywords(merge_all_of(schema), "xgrammar")
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -78,6 +86,9 @@ class XGrammarMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self._matcher.is_terminated() or self._matcher.is_completed()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)

@@ -55,6 +55,7 @@ class _ReqState:
     output_top_logprobs: list = field(default_factory=list)
     first_token_time: Optional[float] = None
     grammar_warnings: list = field(default_factory=list)
+    closed_early: Optional[str] = None
     group: Optional[str] = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -73,6 +74,8 @@ class _ReqState:
         self.output_top_logprobs.extend(o.output_top_logprobs)
         if o.finished_reason is not None:
             self.finished_reason = o.finished_reason
+        if o.closed_early is not None:
+            self.closed_early = o.closed_early
         self.event.set()
 
     def result(self) -> dict[str, Any]:
@@ -88,6 +91,8 @@ class _ReqState:
             meta["ttft"] = self.first_token_time - self.created
         if self.grammar_warnings:
             meta["grammar_warnings"] = list(self.grammar_warnings)
+        if self.closed_early is not None:
+            meta["closed_early"] = self.closed_early
         if self.return_logprob:
             meta["input_token_logprobs"] = list(self.input_token_logprobs)
             meta["input_top_logprobs"] = list(self.input_top_logprobs)
@@ -194,8 +199,10 @@ class TokenizerManager:
         if key is not None:
             from ..constrained import validate_constraint
 
-            # Schema features the backend cannot enforce come back as warnings for the caller.
-            return list(validate_constraint(key[0], key[1], self.server_args.grammar_backend) or [])
+            # Schema features the backend cannot enforce come back as warnings for the caller (with
+            # strict, the first of them is a ValueError naming it).
+            return list(validate_constraint(key[0], key[1], self.server_args.grammar_backend, strict=sp.strict)
+                        or [])
         return []
 
     async def submit(self, req: TokenizedGenerateReq) -> _ReqState:

@@ -83,6 +83,7 @@ class OutputBuilder:
         out = self._delta(r, text, final=True)
         out.finished_reason = r.finished_reason.to_json()
         out.final_text = text
+        out.closed_early = r.grammar.closed_early if r.grammar is not None else None
         if r.defer_text:
             out.deferred_text = DeferredText(len(r.detok.ids), r.detok.skip_special_tokens)
         self.pending.append(out)

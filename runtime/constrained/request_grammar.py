@@ -1,0 +1,164 @@
+"""One request's grammar: the backend's matcher plus what a grammar alone cannot promise.
+
+`RequestGrammar` is the `GrammarMatcher` the scheduler holds for a constrained request (`req.grammar`).
+It forwards to the backend's matcher and adds, for JSON text (schemas, any-JSON, tool calls):
+- no repeated keys (unique_keys.py), always;
+and for every kind, unless the request turned `close_within_budget` off:
+- valid within the budget (closing.py): the GrammarManager tells it the tokens left after each token
+  (`note_budget`); `fill_bitmask` decides from that whether to close, and closing forces the shortest
+  completion's tokens through the mask; near the end `refine_bitmask` keeps, of the model's likeliest
+  tokens (the row's logits), those after which a completion still fits;
+- loops cut short (repetition.py): a loop starts the closing at once.
+
+`closed_early` says why the output was closed early ("budget" | "repetition"), for meta_info.
+`ends_within_budget()` is True once the budget has steered the output (a closing, or a token of the
+model's that did not fit) and the grammar may end: the request ends there with finish_reason "length"
+(the budget, not the model, ended it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import GrammarMatcher
+from .bitmask import unpack_bitmask
+from .closing import BUDGET, CHOICES, BudgetCloser
+from .completion import CompletionSearch
+from .json_scan import JsonScanner
+from .repetition import RepetitionWatch
+from .token_tables import TokenTables
+from .unique_keys import RepeatedKeyMask
+
+
+class RequestGrammar(GrammarMatcher):
+    def __init__(self, matcher: GrammarMatcher, tables: TokenTables, search: CompletionSearch,
+                 keys: RepeatedKeyMask, json_text: bool, close_within_budget: bool, greedy: bool = False,
+                 budget_left: Optional[int] = None) -> None:
+        self.inner = matcher
+        self.warnings = matcher.warnings
+        self._tables = tables
+        self._keys = keys
+        self.scanner: Optional[JsonScanner] = JsonScanner() if json_text else None
+        self._snapshots: list[tuple] = []  # the scanner before each accepted token (for rollback)
+        self._accepted: list[bytes] = []  # each accepted token's bytes
+        self._version = 0  # changes with every accept and rollback: identifies the matcher's state
+        self.watch = RepetitionWatch() if close_within_budget else None
+        self.closer = BudgetCloser(search, greedy) if close_within_budget else None
+        self._budget_left = budget_left  # tokens the request may still generate (None: not known yet)
+        self._event: Optional[str] = None  # "closed" | "overshoot", until taken by the manager
+
+    # ---- what the scheduler reads ----
+    @property
+    def closed_early(self) -> Optional[str]:
+        return self.closer.reason if self.closer is not None else None
+
+    def note_budget(self, left: int) -> None:
+        """The tokens the request may still generate (after each accepted token and jump-forward)."""
+        self._budget_left = left
+
+    def take_event(self) -> Optional[str]:
+        """What the last decision did, once: "closed" (the closing began), "overshoot" (no completion
+        fits the budget any more), or None."""
+        event, self._event = self._event, None
+        return event
+
+    def ends_within_budget(self) -> bool:
+        """Whether the budget steered this output and it may end here: it ends ("length")."""
+        return self.closer is not None and self.closer.reason == BUDGET and self.inner.is_completed()
+
+    def _decide(self) -> None:
+        """Before the next token's mask: whether to close, or to keep only tokens that fit."""
+        closer, left = self.closer, self._budget_left
+        if closer is None or left is None or left < 1 or closer.closing or closer.overshoot:
+            return
+        had_reason = closer.reason is not None
+        closer.step(self.inner, self.scanner, self._version, self._accepted, left, self.watch.looping)
+        if closer.reason is not None and not had_reason:
+            self._event = "closed"
+        elif closer.overshoot:
+            self._event = "overshoot"
+
+    # ---- GrammarMatcher ----
+    def accept_token(self, token_id: int) -> bool:
+        if not self.inner.accept_token(token_id):
+            return False
+        data = self._tables.vocab.decoded[token_id] if 0 <= token_id < len(self._tables.vocab.decoded) else b""
+        if self.scanner is not None:
+            self._snapshots.append(self.scanner.snapshot())
+            self.scanner.feed(data)
+        self._accepted.append(data)
+        self._version += 1
+        if self.watch is not None:
+            self.watch.feed(token_id, data)
+            self.closer.on_token(token_id, self._version, len(self._accepted))
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        self.inner.rollback(num_tokens)
+        if self.scanner is not None:
+            self.scanner.restore(self._snapshots[-num_tokens])
+            del self._snapshots[-num_tokens:]
+        del self._accepted[-num_tokens:]
+        self._version += 1
+        if self.watch is not None:
+            self.watch.rollback(num_tokens)
+            self.closer.on_rollback()
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    @property
+    def max_rollback(self) -> int:
+        return self.inner.max_rollback
+
+    def jump_forward_string(self) -> Optional[str]:
+        if self.closer is not None and self.closer.closing:
+            return None  # the closing plan is written token by token through the mask
+        forced = self.inner.jump_forward_string()
+        if forced and self.scanner is not None and self._keys.closes_repeated_key(self.scanner, forced.encode()):
+            return None  # left to the mask, which keeps the grammar's row only if nothing else is possible
+        return forced
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._decide()
+        closer = self.closer
+        if closer is not None and closer.closing:
+            bitmask[row].zero_()
+            forced = closer.forced_token()
+            if forced is not None:
+                _allow(bitmask[row], forced)
+            else:  # the plan is written: the grammar's own end
+                bitmask[row] |= self._tables.stops
+            return
+        self.inner.fill_bitmask(bitmask, row)
+        if self.scanner is not None and not self.scanner.broken:
+            self._keys.apply(self.scanner, bitmask[row], self.inner)
+
+
+    def refine_bitmask(self, logits: torch.Tensor, row: torch.Tensor) -> None:
+        """Near the end of the budget (closing.py): of the CHOICES likeliest allowed tokens, keep those
+        after which a completion still fits. logits: (V,) on any device; row: the (W,) bits just filled."""
+        if self.closer is None or not self.closer.choosing or self.closer.closing:
+            return
+        allowed = unpack_bitmask(row.unsqueeze(0), logits.shape[0])[0].to(logits.device)  # (V,)
+        top = logits.masked_fill(~allowed, float("-inf")).topk(min(CHOICES, logits.shape[0]))
+        candidates = [t for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")]
+        had_reason = self.closer.reason is not None
+        keep = self.closer.fitting(self.inner, self.scanner, candidates, self._tables.vocab.decoded,
+                                   self._budget_left)
+        if self.closer.reason is not None and not had_reason:
+            self._event = "closed"
+        row.zero_()
+        row |= self._tables.row_of(keep)
+
+
+def _allow(row: torch.Tensor, token_id: int) -> None:
+    bit = token_id & 31
+    row[token_id >> 5] |= (1 << bit) - (1 << 32) if bit == 31 else (1 << bit)
