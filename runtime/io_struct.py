@@ -110,6 +110,11 @@ class ReqOutput:
     # of the machine). A request that is not streamed sends its ids only at the end, so the receiver's own
     # clock would put its first token there.
     first_token_time: Optional[float] = None
+    # Speculative decoding (totals, set while the server speculates): verify steps in which the request had
+    # drafts (SGLang's `spec_verify_ct`), its drafts, and those accepted into its output.
+    spec_verify_ct: Optional[int] = None
+    spec_draft_tokens: Optional[int] = None
+    spec_accepted_tokens: Optional[int] = None
 
 
 @dataclass

@@ -107,6 +107,7 @@ class Req:
         self.sampling = SamplingRow(sampling_params, self.origin_input_ids, self._output_ids, self.stop_token_ids,
                                     return_logprob, self.top_logprobs_num)
         self.grammar_future: Any = None  # the matcher's compile, while it runs
+        self.spec: Any = None  # speculative decoding's state of the request (scheduler/speculation.py), or None
         self.status: Any = None  # the scheduler's ReqStatus (scheduler/queues.py) while it holds the request
         self.created = time.monotonic()
         self.first_token_time: Optional[float] = None

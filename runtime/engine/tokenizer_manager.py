@@ -55,6 +55,7 @@ class _ReqState:
     output_top_logprobs: list = field(default_factory=list)
     first_token_time: Optional[float] = None
     grammar_warnings: list = field(default_factory=list)
+    spec: Optional[dict] = None  # speculative decoding's per-request counters (meta_info)
     group: Optional[str] = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -73,6 +74,9 @@ class _ReqState:
         self.output_top_logprobs.extend(o.output_top_logprobs)
         if o.finished_reason is not None:
             self.finished_reason = o.finished_reason
+        if o.spec_verify_ct is not None:
+            self.spec = {"spec_verify_ct": o.spec_verify_ct, "spec_draft_tokens": o.spec_draft_tokens,
+                         "spec_accepted_tokens": o.spec_accepted_tokens}
         self.event.set()
 
     def result(self) -> dict[str, Any]:
@@ -88,6 +92,8 @@ class _ReqState:
             meta["ttft"] = self.first_token_time - self.created
         if self.grammar_warnings:
             meta["grammar_warnings"] = list(self.grammar_warnings)
+        if self.spec is not None:
+            meta.update(self.spec)
         if self.return_logprob:
             meta["input_token_logprobs"] = list(self.input_token_logprobs)
             meta["input_top_logprobs"] = list(self.input_top_logprobs)

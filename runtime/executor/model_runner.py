@@ -26,6 +26,7 @@ from .warmup import warm_up_prefill
 from ..server_args import ServerArgs
 from ..step import SamplingRow, StepInput, StepOutput
 from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sample
+from .verify import Verifier, set_verify_tree
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class ModelRunner:
                               cfg.head_dim, self.dtype, self.device)
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend(), self)
+        self.verifier = Verifier(self.vocab_size)  # VERIFY steps (speculative decoding)
         self._staging = [(None, None)] * 4  # pinned host buffers for per-step inputs (GPU) + their copy events
         self._staging_pos = 0
         # Pinned buffers receiving the sampled tokens of overlapped steps: one pair for decode steps, one
@@ -122,6 +124,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def run(self, step: StepInput) -> StepOutput:
+        if step.mode.is_verify():
+            return self.run_verify(step)[0]
         fb = self._build_forward_batch(step)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             # Decode: the graph computes the logits of every row too (one row per request), and their argmax.
@@ -131,9 +135,23 @@ class ModelRunner:
         return self._sample(step, hidden, sample_rows_t=rows)
 
     @torch.inference_mode()
+    def run_verify(self, step: StepInput, capture_layers: tuple = ()):
+        """A VERIFY step: (what each request accepted, the nodes' hidden states (T, hidden), the forward
+        batch, with the hidden states of `capture_layers` in fb.captured_hidden)."""
+        fb = self._build_forward_batch(step)
+        if capture_layers:
+            fb.capture_layers, fb.captured_hidden = capture_layers, []
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
+        logits = self.model.compute_logits(hidden)  # (T, V): every node is scored
+        return self.verifier.accept(step, logits), hidden, fb
+
+    @torch.inference_mode()
     def launch(self, step: StepInput, prev=None):
         """Start a step without waiting for it (overlap scheduling); `resolve` reads it back. Only for
-        steps whose sampling needs nothing from the host (no row `needs_host_sampling`)."""
+        steps whose sampling needs nothing from the host (no row `needs_host_sampling`; never VERIFY)."""
+        if step.mode.is_verify():
+            raise ValueError("launch: a VERIFY step is read back at once; run() it")
         if step.mode.is_decode():
             return self._launch_decode(step, prev)
         return self._launch_prefill(step)
@@ -261,11 +279,13 @@ class ModelRunner:
                 input_ids = input_ids.index_select(0, dev[5])
             token_rows = pool_t
         else:
-            input_ids, pos_t, loc_t, token_rows = self._upload(step.token_rows)  # (4, T)
+            uploaded = self._upload(step.token_rows)  # (4, T); VERIFY (5, T): + req_to_token positions
+            input_ids, pos_t, loc_t, token_rows = uploaded[:4]
             pool_t, seq_t, pre_t, ext_t, start_t = self._upload(step.req_rows)  # (5, B)
+        table_pos = uploaded[4] if step.mode.is_verify() else pos_t
         # The new tokens' kv slots go into req_to_token here: one indexed write on the device, and the
         # same values from the host rows into its host mirror.
-        self.req_to_token_pool.write_step((token_rows, pos_t, loc_t), step.kv_writes)
+        self.req_to_token_pool.write_step((token_rows, table_pos, loc_t), step.kv_writes)
         fb = ForwardBatch(
             forward_mode=step.mode, batch_size=step.batch_size, input_ids=input_ids, positions=pos_t,
             req_pool_indices=pool_t, seq_lens=seq_t, out_cache_loc=loc_t, seq_lens_cpu=step.seq_lens,
@@ -276,6 +296,8 @@ class ModelRunner:
             fb.extend_prefix_lens_cpu = list(step.prefix_lens)
             fb.extend_seq_lens_cpu = list(step.extend_lens)
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = pre_t, ext_t, start_t
+        if step.mode.is_verify():
+            set_verify_tree(fb, step, self.device)
         return fb
 
     def _sample(self, step: StepInput, hidden, logits=None, greedy=None, sample_rows_t=None) -> StepOutput:

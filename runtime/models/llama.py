@@ -131,7 +131,10 @@ class LlamaForCausalLM(nn.Module):
         without layers), both (T, hidden), the final norm still to apply."""
         h = self.embed_tokens(input_ids)  # (T, hidden)
         residual = None
-        for layer in self.layers:
+        capture = fb.capture_layers  # a drafter's (EAGLE-3) layers: their inputs are kept
+        for i, layer in enumerate(self.layers):
+            if capture and i in capture:
+                fb.captured_hidden.append(h if residual is None else h + residual)
             h, residual = layer(positions, h, residual, fb)
         return h, residual
 

@@ -2,7 +2,8 @@
 
 Each loop (`step`): expire pins, poll grammar compiles, release aborted requests → build the next batch (a
 prefill batch when requests wait and fit: `PrefillAdmission`; else a decode batch of every running request,
-retracting when KV runs short: `KVShortage`) → run it on the step runner it was handed (`StepPipeline`,
+retracting when KV runs short: `KVShortage`, which `Speculation` makes a VERIFY batch of draft trees when
+requests have drafts) → run it on the step runner it was handed (`StepPipeline`,
 which may launch it ahead and process the previous one) → commit the results (`StepResults`). Requests
 move between queues only through `RequestQueues`; memory only through the `KVManager`; a request ends only
 through the `Finisher`.
@@ -37,6 +38,7 @@ from .overlap import StepPipeline
 from .queues import ReqStatus, RequestQueues
 from .results import StepResults
 from .retraction import KVShortage
+from .speculation import Speculation
 from .step_runner import StepRunner
 from .step_timer import StepTimer
 
@@ -76,14 +78,16 @@ class Scheduler:
         self.shortage = KVShortage(self.queues, self.kv, self.finisher, self.stats)
         self.admission = PrefillAdmission(server_args, self.queues, self.kv, self.shortage,
                                           runner.max_running_requests, self.stats)
+        self.speculation = Speculation(server_args, self.kv, tokenizer, runner.context_len)
         self.results = StepResults(self.queues, self.kv, self.outputs, self.finisher, self.grammars,
-                                   runner.context_len, self.stats)
+                                   runner.context_len, self.stats, self.speculation)
         # Overlap scheduling (a step in flight, launched but not read back) pays where the runner launches
         # asynchronously. PLAIT_PREFILL_PIPELINE=0 keeps prefills synchronous (to measure what pipelining
         # them gains).
         self.pipeline = StepPipeline(runner, self.queues, self.kv, self.results, self.timer,
                                      overlap=not server_args.disable_overlap_schedule and runner.supports_overlap,
-                                     pipeline_prefills=os.environ.get("PLAIT_PREFILL_PIPELINE", "1") != "0")
+                                     pipeline_prefills=os.environ.get("PLAIT_PREFILL_PIPELINE", "1") != "0",
+                                     spec=self.speculation)
         self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
         # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
         self.compile_watch = CompileWatch()
@@ -184,13 +188,18 @@ class Scheduler:
         prefill_in_flight = self.pipeline.pending_prefill is not None
         batch = self.admission.build(prefill_in_flight)
         if prefill_in_flight:
-            return self.pipeline.step_prefill_in_flight(batch, t0, self.shortage.decode_batch)
+            return self.pipeline.step_prefill_in_flight(batch, t0, self._decode_batch)
         if batch is None:
-            batch = self.shortage.decode_batch()
+            batch = self._decode_batch()
         self.timer.phase("admit", time.perf_counter() - t0)
         if batch is None:
             return None
         return self.pipeline.launch(batch, t0)
+
+    def _decode_batch(self) -> Optional[ScheduleBatch]:
+        """One token for every running request, or a VERIFY step of their draft trees."""
+        batch = self.shortage.decode_batch()
+        return self.speculation.upgrade(batch) if batch is not None else None
 
     def _sweep_aborted(self) -> None:
         """Release requests holding KV that were aborted since the last step (they may not be in the next
@@ -246,6 +255,7 @@ class Scheduler:
             "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
             "last_integrity_error": self.last_integrity_error,
             **self.grammars.stats(),
+            **self.speculation.stats(),
             **self.compile_watch.stats(),
             "steps": self.timer.report(),
         }
