@@ -23,6 +23,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra tests
 
 clean:

@@ -129,7 +129,7 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
 def make_scheduler(folder: str, args):
     """The real Scheduler on a tiny random Llama (CPU, stubbed forward), GC set up as its process does."""
     from plait.runtime.scheduler import process
-    from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
+    from plait.runtime.scheduler.scheduler import create_scheduler
     from plait.runtime.server_args import ServerArgs
 
     model_dir = make_tiny_model(folder, with_tokenizer=False, vocab=args.vocab)
@@ -182,6 +182,12 @@ def per_round_ms(rounds: list[dict]) -> list[dict]:
     return [{k: 1e3 * v if k != "steps" else v for k, v in r.items()} for r in rounds]
 
 
+def _flush():
+    from plait.runtime.io_struct import FlushCacheReq
+
+    return FlushCacheReq(0)
+
+
 def bench_fewshot(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | None = None) -> dict:
     rng = random.Random(0)
     prefix = 2000 if args.prefix is None else args.prefix
@@ -190,7 +196,7 @@ def bench_fewshot(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | 
     shared = [rng.randrange(100, args.vocab) for _ in range(prefix)]
     rounds = []
     for k in range(args.rounds + 1):  # round 0 warms up the code paths and is not counted
-        assert s.control.handle(FlushCacheReq(0)) is True
+        assert s.control.handle(_flush()) is True
         run_round(s, timer, make_round(rng, shared, 1, unique, args.vocab), output, f"w{k}-", sim=sim)
         res = run_round(s, timer, make_round(rng, shared, args.requests, unique, args.vocab),
                         output, f"r{k}-", profiler if k else None, sim=sim)
@@ -219,7 +225,7 @@ def bench_tree(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | Non
     ids = lambda n: [rng.randrange(100, args.vocab) for _ in range(n)]  # noqa: E731
     per_round: list[list[dict]] = [[], []]
     for k in range(args.rounds + 1):  # repetition 0 warms up the code paths and is not counted
-        assert s.control.handle(FlushCacheReq(0)) is True
+        assert s.control.handle(_flush()) is True
         roots = [ids(prefix) for _ in range(args.roots)]
         r1 = [roots[t] + ids(unique) for t in range(args.roots) for _ in range(args.branches)]
         out1: dict = {}

@@ -6,7 +6,7 @@ the weight shapes of Llama-3.1-8B and Llama-3.2-1B, bf16, all CUDA-graph replaye
    the one fused launch.
 2. The layer chain as the one-row path runs it (every layer its own weights: the real model's bytes;
    attention and rotary left out): unfused (the default decode path), fused, fused with gate_up's norm
-   kept apart (cuBLAS gate_up), and each of those with programmatic dependent launch (PLAIT_PDL=1: the
+   kept apart (cuBLAS gate_up), and each of those with programmatic dependent launch (the `pdl` kernel choice: the
    Triton skinny matmuls only, in the unfused chain). Per layer, per step, against the weight-only memory
    floor; PDL's output is checked to be bit-identical to the plain launch's.
 --sweep: tile configs per fused op, fastest first (pick_fused_gemv_config takes gemv.py's tiles).
@@ -170,15 +170,15 @@ def part_chain(model: str, bw: float, result: dict) -> None:
     floor = nbytes / bw
     print(f"\n{model}: layer chain x {L} + LM head, attention left out ({nbytes / 1e9:.2f} GB, floor {floor * 1e3:.3f} ms)")
     outs, rec = {}, {}
+    from plait.runtime.kernel_choices import KernelChoices, using
+
     for name, (fn, pdl) in variants.items():
-        os.environ["PLAIT_PDL"] = "1" if pdl else "0"  # read by the kernels' wrappers at capture time
         try:
-            t = graph_time(lambda fn=fn: outs.__setitem__(name, fn()), reps=1)
+            with using(KernelChoices(pdl=pdl)):  # read by the kernels' wrappers at capture time
+                t = graph_time(lambda fn=fn: outs.__setitem__(name, fn()), reps=1)
         except Exception as e:  # e.g. PDL unsupported by this Triton / driver
             print(f"  {name:32s} failed: {type(e).__name__}: {str(e)[:120]}")
             continue
-        finally:
-            os.environ.pop("PLAIT_PDL", None)
         rec[name] = {"step_ms": t * 1e3, "layer_us": (t * 1e6) / L, "floor_fraction": floor / t}
         print(f"  {name:32s} {t * 1e3:7.3f} ms/step {t * 1e6 / L:8.2f} us/layer  {floor / t:6.1%} of floor", flush=True)
     ref = outs.get("unfused")

@@ -206,7 +206,7 @@ class GcClock:
 def run_in_process(args, model_dir: str, reqs) -> dict:
     from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
+    from plait.runtime.scheduler.scheduler import create_scheduler
     from plait.runtime.scheduler import process
     from plait.runtime.server_args import ServerArgs
 

@@ -44,6 +44,7 @@ def timed(fn, reps: int = 1) -> float:
 
 def run_plait(args, bw: float) -> list[dict]:
     from plait.runtime.executor.cuda_graphs import CudaGraphRunner
+    from plait.runtime.kernel_choices import using as using_kernels
     from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.kvcache.memory_pool import KVPool
     from plait.runtime.executor.model_runner import ModelRunner
@@ -55,19 +56,20 @@ def run_plait(args, bw: float) -> list[dict]:
     sa = ServerArgs(model_path=args.model, load_format="dummy", max_total_tokens=total,
                     max_running_requests=max_bs, cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
                     attention_backend=args.attention_backend, context_length=args.input_len + args.output_len + 16)
-    _set_env(args.variants[0])
+    sa = _with_settings(sa, args.variants[0])
     mr = ModelRunner(sa, args.model)
     cfg = mr.model_config
     wbytes = weight_bytes(mr.model)
     kv_tok = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, mr.dtype)
     rows = []
     for vi, variant in enumerate(args.variants):
-        if vi:  # the kernels read their switches at capture time: capture the graphs again
-            _set_env(variant)
+        if vi:  # the kernels read their choices at capture time: capture the graphs again
+            mr.kernel_choices = _with_settings(sa, variant).kernel_choices()
             mr.graph_runner = None
             torch.cuda.empty_cache()
             if not args.disable_cuda_graph:
-                mr.graph_runner = CudaGraphRunner(mr)
+                with using_kernels(mr.kernel_choices):
+                    mr.graph_runner = CudaGraphRunner(mr)
         gen = torch.Generator().manual_seed(0)
         for bs in args.batch_sizes:
             reqs = _new_requests(mr, bs, args, gen)
@@ -104,11 +106,16 @@ def run_plait(args, bw: float) -> list[dict]:
     return rows, wbytes, kv_tok
 
 
-def _set_env(variant: str) -> None:
-    """"NAME=value,NAME=value" (e.g. "PLAIT_PDL=0") into os.environ; "" leaves the environment as it is."""
+def _with_settings(sa, variant: str):
+    """ServerArgs with "NAME=value,NAME=value" (kernel settings, e.g. "enable_pdl=1,disable_decode_gemm=1")
+    applied; "" keeps them as they are."""
+    import dataclasses
+
+    changes = {}
     for item in filter(None, variant.split(",")):
         name, _, value = item.partition("=")
-        os.environ[name.strip()] = value.strip()
+        changes[name.strip()] = value.strip().lower() in ("1", "true", "on", "yes")
+    return dataclasses.replace(sa, **changes)
 
 
 def _new_requests(mr, bs, args, gen) -> list:
@@ -211,8 +218,8 @@ def main() -> None:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--variants", nargs="+", default=[""],
-                   help='environment settings to compare in one process, each "NAME=value,NAME=value" '
-                        '(e.g. PLAIT_PDL=0 PLAIT_PDL=1); the decode graphs are captured again for each')
+                   help='kernel settings to compare in one process, each "NAME=value,NAME=value" of ServerArgs fields '
+                        '(e.g. enable_pdl=0 enable_pdl=1); the decode graphs are captured again for each')
     args = p.parse_args()
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

@@ -60,7 +60,7 @@ def few_shot_mmlu(s, examples, question):
 
 def mmlu_batch(per_subject: int) -> list[dict]:
     batch = []
-    for subject, items in mmlu_subjects().items():
+    for items in mmlu_subjects().values():
         examples = MMLU_HEADER + "".join(mmlu_question(q, o) + " " + a + "\n\n" for q, o, a in items[:5])
         batch += [{"examples": examples, "question": mmlu_question(q, o)} for q, o, _ in items[5: 5 + per_subject]]
     return batch

@@ -167,7 +167,7 @@ def main() -> None:
             gate_up(x_half)
 
     results = {}
-    for rep in range(2):  # twice round, alternating: this machine's clocks drift under load
+    for _ in range(2):  # twice round, alternating: this machine's clocks drift under load
         for name, fn in (("gate_up x8 alone", matmul_alone), ("full", full), ("halves", halves), ("streams", streams), ("pingpong", pingpong)):
             results.setdefault(name, []).append(timed(fn))
         for c in args.carveouts:

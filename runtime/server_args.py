@@ -61,6 +61,14 @@ class ServerArgs:
     # them instead of once per request (shared-prefix "cascade" attention); this turns it off.
     disable_cascade_attention: bool = False
     num_threads: Optional[int] = None  # CPU torch threads in the scheduler process
+    # Kernel paths (runtime/kernel_choices.py), per engine: the decode matmul for 2-64-row decode batches,
+    # the fused one-row path of batch-1 decode steps, programmatic dependent launch (Hopper).
+    disable_decode_gemm: bool = False
+    enable_fused_decode_row: bool = False
+    enable_pdl: bool = False
+    # GPU: a prefill batch is launched while the previous one still runs (overlap scheduling); this
+    # reads each prefill back first (to measure what pipelining them gains).
+    disable_prefill_pipeline: bool = False
     # SGLang's tensor / data parallel sizes: a model runs on one device here, so only 1 is accepted
     # (SGLang's own examples pass tp_size=1).
     tp_size: int = 1
@@ -203,6 +211,13 @@ class ServerArgs:
             raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
+    def kernel_choices(self):
+        """The kernel paths these settings choose (runtime/kernel_choices.py)."""
+        from .kernel_choices import KernelChoices
+
+        return KernelChoices(decode_gemm=not self.disable_decode_gemm, fused_decode_row=self.enable_fused_decode_row,
+                             pdl=self.enable_pdl)
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -282,6 +297,10 @@ CLI_HELP = {
     "cuda_graph_max_bs": "GPU: largest decode batch captured as a CUDA graph (default: every size)",
     "disable_overlap_schedule": "GPU: read each step back before launching the next",
     "disable_cascade_attention": "GPU: do not read a prefix that running requests share once per tile",
+    "disable_decode_gemm": "GPU: decode batches of 2-64 rows use cuBLAS instead of plait's decode matmul",
+    "enable_fused_decode_row": "GPU: batch-1 decode steps fold RMSNorm / SiLU-and-mul into the matmuls (measured slower)",
+    "enable_pdl": "GPU (Hopper): programmatic dependent launch between kernels",
+    "disable_prefill_pipeline": "GPU: read each prefill step back before launching the next",
     "num_threads": "CPU torch threads of the scheduler (default: one per core; 1 is much faster on a "
                    "machine other processes keep busy)",
     "tp_size": "tensor parallel size: only 1 (one device)",

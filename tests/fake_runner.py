@@ -44,6 +44,7 @@ class FakeRunner:
         self.vocab_size = vocab_size
         self.device = "cpu"
         self.dtype = torch.float32
+        self.attention_backend = "none"
         self.eos_token_ids = (EOS,)
         self.allocator = TokenAllocator(max_total_tokens, "cpu")
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, "cpu")

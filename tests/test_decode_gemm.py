@@ -10,6 +10,8 @@ import importlib
 import pytest
 import torch
 
+from plait.runtime.kernel_choices import KernelChoices, using
+
 torch.set_num_threads(1)
 
 
@@ -102,9 +104,8 @@ def test_gpu_model_linears_take_decode_gemm_for_a_few_rows(monkeypatch):
                                                            is not None else 0)
             y = skinny_linear(x, layer, out_dtype=torch.float32)
             assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-2
-            monkeypatch.setenv("PLAIT_DECODE_GEMM", "0")  # the matmul library: same values within rounding
-            assert rel_err(skinny_linear(x, layer, out_dtype=torch.float32), ref) < 1e-2
-            monkeypatch.delenv("PLAIT_DECODE_GEMM")
+            with using(KernelChoices(decode_gemm=False)):  # the matmul library: same values within rounding
+                assert rel_err(skinny_linear(x, layer, out_dtype=torch.float32), ref) < 1e-2
     assert shared.counters is not None and int(shared.counters.abs().sum()) == 0  # the split-K path ran
 
 

@@ -10,13 +10,13 @@ the `gpu` tests run the real Llama-3.1-8B shapes and the PDL launch inside a CUD
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from plait.runtime.kernel_choices import KernelChoices, current as current_choices, using
 from plait.runtime.kvcache.memory_pool import KVPool
 from plait.runtime.models import layers
 from plait.runtime.models.layers import rms_norm_torch, set_use_triton, silu_and_mul_torch
@@ -39,6 +39,13 @@ def fused():
     import importlib
 
     return importlib.import_module("plait.runtime.kernels.gemv_fused")
+
+
+@pytest.fixture
+def fused_decode_row():
+    """The opt-in one-row path on, for the test (as a runner with enable_fused_decode_row runs forwards)."""
+    with using(KernelChoices(fused_decode_row=True)):
+        yield
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -193,10 +200,9 @@ def _counting(monkeypatch, names):
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 @pytest.mark.parametrize("fuse_gate_up", [True, False])
-def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch):
+def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch, fused_decode_row):
     # float16: the interpreter rounds it like torch, so the fused path must agree closely with the torch
     # reference path (which the CPU uses, and which tests/test_correctness_vs_hf.py pins to transformers).
-    monkeypatch.setattr(layers, "FUSED_DECODE_ROW", True)  # opt-in path (PLAIT_FUSED_DECODE_ROW=1)
     monkeypatch.setattr(layers, "FUSE_NORM_INTO_GATE_UP", fuse_gate_up)
     model = tiny_llama_model(arch)
     cfg = model.config
@@ -218,8 +224,7 @@ def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch):
     assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
 
 
-def test_decoder_takes_the_unfused_path_for_several_rows_and_float32(monkeypatch):
-    monkeypatch.setattr(layers, "FUSED_DECODE_ROW", True)
+def test_decoder_takes_the_unfused_path_for_several_rows_and_float32(monkeypatch, fused_decode_row):
     calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row"])
     x = torch.randn(2, 8, dtype=torch.float16)
     w16 = torch.randn(4, 8, dtype=torch.float16)
@@ -227,19 +232,20 @@ def test_decoder_takes_the_unfused_path_for_several_rows_and_float32(monkeypatch
     assert not layers.fuses_decode_row(x[:1].float(), w16.float(), True)  # float32 weights
     assert not layers.fuses_decode_row(x[:1], w16, None)  # CPU tensors, device choice: torch
     assert layers.fuses_decode_row(x[:1], w16, True)
-    monkeypatch.setattr(layers, "FUSED_DECODE_ROW", False)
-    assert not layers.fuses_decode_row(x[:1], w16, True)  # switched off: never
+    with using(KernelChoices(fused_decode_row=False)):
+        assert not layers.fuses_decode_row(x[:1], w16, True)  # switched off: never
     assert sum(calls.values()) == 0
 
 
 def test_default_decode_step_is_the_unfused_path(monkeypatch):
-    # The fused one-row path measured slower on an H200, so it is opt-in: off unless PLAIT_FUSED_DECODE_ROW=1.
-    assert layers.fused_decode_row_switch({}) is False
-    assert layers.fused_decode_row_switch({"PLAIT_FUSED_DECODE_ROW": "0"}) is False
-    assert layers.fused_decode_row_switch({"PLAIT_FUSED_DECODE_ROW": "1"}) is True
-    assert layers.FUSED_DECODE_ROW == layers.fused_decode_row_switch(os.environ)  # how the module reads it
+    # The fused one-row path measured slower on an H200, so it is opt-in: off unless an engine's settings
+    # ask for it (enable_fused_decode_row), and only for that engine's runner.
+    from plait.runtime.server_args import ServerArgs
+
+    assert KernelChoices().fused_decode_row is False and ServerArgs().kernel_choices() == KernelChoices()
+    assert ServerArgs(enable_fused_decode_row=True).kernel_choices().fused_decode_row is True
+    assert current_choices() == KernelChoices()  # what a forward outside any runner reads
     assert layers.FUSE_NORM_INTO_GATE_UP is False  # on the fused path, gate_up's norm apart measured faster
-    monkeypatch.setattr(layers, "FUSED_DECODE_ROW", layers.fused_decode_row_switch({}))
     model = tiny_llama_model("LlamaForCausalLM")
     ids, positions, fb = _one_token_batch(model)
     calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row", "fused_add_rmsnorm"])
@@ -268,11 +274,11 @@ def test_fused_gemv_default_tiles_are_gemv_py_measured_ones():
 
 
 def test_pdl_stays_off_without_a_hopper_gpu(monkeypatch):
-    # PLAIT_PDL=1 on a machine without one (here the interpreter): both kernel families launch plainly.
-    monkeypatch.setenv("PLAIT_PDL", "1")
+    # PDL asked for on a machine without one (here the interpreter): both kernel families launch plainly.
     from plait.runtime.kernels.launch import pdl_enabled
 
-    assert not pdl_enabled(torch.device("cpu"))
+    with using(KernelChoices(pdl=True)):
+        assert not pdl_enabled(torch.device("cpu"))
     x, _, _, w, b = _inputs(9, 40, torch.float32, seed=6)
     ref = F.linear(x.double(), w.double(), b.double())
     assert rel_err(kernels().gemv(x, w, b), ref) < 1e-6 and rel_err(kernels().gemv_row(x, w, b), ref) < 1e-6
@@ -375,3 +381,32 @@ def test_gpu_decoder_one_row_path_8b_layer_shapes(monkeypatch):
         logits = model.forward_logits(ids, positions, fb)
     assert rel_err(logits, ref) < 1e-2
     assert rel_err(model.compute_logits(hidden), logits) < 1e-2
+
+
+def test_two_runners_in_one_process_keep_their_own_kernel_choices(random_models):
+    # The switches are per engine (ServerArgs), not read once at import: each runner runs its forwards
+    # inside its own choices, and nothing leaks out of them.
+    from plait.runtime.executor.model_runner import ModelRunner
+    from plait.runtime.scheduler.batch import ScheduleBatch
+    from plait.runtime.forward_batch import ForwardMode
+    from plait.runtime.request import Req
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.server_args import ServerArgs
+
+    path = random_models["llama"]
+    seen = {}
+    for name, settings in (("plain", {}), ("tuned", {"enable_fused_decode_row": True, "disable_decode_gemm": True})):
+        mr = ModelRunner(ServerArgs(model_path=path, device="cpu", max_total_tokens=64, **settings), path)
+        forward = mr.model.forward
+
+        def spy(*a, name=name, forward=forward, **k):
+            seen[name] = current_choices()
+            return forward(*a, **k)
+
+        mr.model.forward = spy
+        r = Req("r", [3, 4, 5], SamplingParams(max_new_tokens=1, temperature=0))
+        r.req_pool_idx = mr.req_to_token_pool.alloc()
+        mr.run(ScheduleBatch(ForwardMode.EXTEND, [r], [0], [3], mr.allocator.alloc(3)).to_step())
+    assert seen["plain"] == KernelChoices()
+    assert seen["tuned"] == KernelChoices(decode_gemm=False, fused_decode_row=True)
+    assert current_choices() == KernelChoices()

@@ -32,9 +32,10 @@ def _agree(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
-def _generate(model_dir: str, backend: str, graphs: bool, dtype: str, prompts):
+def _generate(model_dir: str, backend: str, graphs: bool, dtype: str, prompts, **settings):
     sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    with Engine(model_path=model_dir, attention_backend=backend, disable_cuda_graph=not graphs, dtype=dtype) as eng:
+    with Engine(model_path=model_dir, attention_backend=backend, disable_cuda_graph=not graphs, dtype=dtype,
+                **settings) as eng:
         batched = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
         # Alone, after the batch: the prompts are in the radix cache now (prefix-hit path, bs-1 graphs).
         alone = [eng.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts[:4]]
@@ -91,17 +92,14 @@ def test_bfloat16_every_step_is_transformers_choice_or_a_near_tie(model_dir):
     assert worst_gap < 0.05
 
 
-def test_bfloat16_programmatic_launch_changes_no_token(model_dir, monkeypatch):
-    # PDL (PLAIT_PDL=1, runtime/kernels/launch.py) changes when kernels start, not what they compute: a
-    # missing wait would read a stale input (the previous kernel's output not yet written). The scheduler
-    # process inherits the environment. Same kernels either way (only the wait instructions differ), so
-    # bf16 tokens must be identical, batched and alone (the one-row path: skinny matmuls).
+def test_bfloat16_programmatic_launch_changes_no_token(model_dir):
+    # PDL (enable_pdl, runtime/kernels/launch.py) changes when kernels start, not what they compute: a
+    # missing wait would read a stale input (the previous kernel's output not yet written). Same kernels
+    # either way (only the wait instructions differ), so bf16 tokens must be identical, batched and alone
+    # (the one-row path: skinny matmuls).
     prompts = _prompts(8)
-    runs = {}
-    for pdl in ("0", "1"):
-        monkeypatch.setenv("PLAIT_PDL", pdl)
-        runs[pdl] = _generate(model_dir, "triton", True, "bfloat16", prompts)
-    assert runs["1"] == runs["0"]
+    runs = {pdl: _generate(model_dir, "triton", True, "bfloat16", prompts, enable_pdl=pdl) for pdl in (False, True)}
+    assert runs[True] == runs[False]
 
 
 def test_prompt_logprobs_close_to_transformers(model_dir):

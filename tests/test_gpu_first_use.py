@@ -22,7 +22,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: the q/k norms (rmsnorm over heads)
 def test_gpu_no_kernel_compiles_after_start_up(random_models, arch):
-    from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
+    from plait.runtime.scheduler.scheduler import create_scheduler
     from plait.runtime.server_args import ServerArgs
 
     path = random_models[arch]

@@ -69,7 +69,7 @@ def pick_capital(s):
 def tool_agent(s, question, max_steps=2):
     """Choose a tool, run it in Python, loop until the model says it is done."""
     s += sgl.user("Question: " + question + "\nUse the calculator tool to compute, then answer.")
-    for step in range(max_steps):
+    for _ in range(max_steps):
         s += sgl.assistant("Next action: " + sgl.select("action", ["calculator", "answer"]))
         if s["action"] == "answer":
             break

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import random
 
-import pytest
 
-from plait.runtime.io_struct import AbortReq, FlushCacheReq, PinPrefixReq, UnpinPrefixReq, TokenizedGenerateReq
+from plait.runtime.io_struct import FlushCacheReq, PinPrefixReq, UnpinPrefixReq, TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
 from plait.runtime.server_args import ServerArgs

@@ -81,7 +81,7 @@ def chat_folder(tmp_path_factory):
     prompts = random_prompts()
     free = [hf_greedy(hf, p, 12, []) for p in prompts]
     stops = [free[0][3], free[1][5], free[2][7]]
-    for i, (out, stop) in enumerate(zip(free, stops)):
+    for i, (out, _stop) in enumerate(zip(free, stops)):
         # each prompt must reach its own stop id before any other: the test's premise
         first = [out.index(s) if s in out else 99 for s in stops + [EOS]]
         assert min(first) == first[i], (free, stops)

@@ -351,7 +351,7 @@ def test_grammar_requests_are_not_pipelined(default_model_path):
     # A regex-constrained request needs its mask filled on the host before sampling: its prefill runs
     # synchronously, after the plain request's batch in flight is read back.
     from plait.runtime.io_struct import TokenizedGenerateReq
-    from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
+    from plait.runtime.scheduler.scheduler import create_scheduler
     from plait.runtime.server_args import ServerArgs
 
     torch.manual_seed(0)
@@ -380,7 +380,7 @@ def test_grammar_requests_are_not_pipelined(default_model_path):
 def test_on_the_gpu_pipelined_prefills_match_synchronous_steps(random_models):
     # The real asynchronous path (pinned host copies, events, stream order of the KV writes against the
     # next batch's reads): overlap scheduling on (the default) against disable_overlap_schedule.
-    from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
+    from plait.runtime.scheduler.scheduler import create_scheduler
     from plait.runtime.server_args import ServerArgs
 
     path = random_models["llama"]

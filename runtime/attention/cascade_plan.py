@@ -198,7 +198,7 @@ def build_plan(groups: list[PrefixGroup], rows: np.ndarray, layout: CascadeLayou
     factor = max(1, target_work // max(1, int(tiles.sum())))
     while True:
         splits = np.minimum(np.minimum(factor, cfg.max_splits), np.maximum(1, prefix // cfg.min_split_len))
-        split_len = -(-(-(-prefix // splits)) // cfg.block_n) * cfg.block_n  # cdiv(P, s) rounded up to BLOCK_N
+        split_len = _cdiv(_cdiv(prefix, splits), cfg.block_n) * cfg.block_n  # cdiv(P, s) rounded up to BLOCK_N
         splits = -(-prefix // split_len)  # no empty split after the rounding
         if partial_slots is None or int((n * splits).sum()) <= partial_slots or factor == 1:
             break
@@ -232,3 +232,8 @@ def build_plan(groups: list[PrefixGroup], rows: np.ndarray, layout: CascadeLayou
     work[:, 2] = k % splits[g_of]
     return CascadePlan(groups, layout, packed, num_work, int(slot_count.sum()),
                        int(sum(g.saved_tokens for g in groups)), partial_slots)
+
+
+def _cdiv(a, b):
+    """Ceiling division (ints or int arrays)."""
+    return -(-a // b)

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .base import GrammarBackend, GrammarMatcher, create_grammar_backend
-from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+from .bitmask import apply_token_bitmask_inplace
 from .masker import GrammarMasker
 from .jump_forward import JumpForwardPlan, apply_jump_forward, plan_jump_forward
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import outlines_core as oc
 import torch
 
-from .base import ANY_JSON, CompiledGrammar, GrammarBackend, GrammarKey, GrammarMatcher
+from .base import CompiledGrammar, GrammarBackend, GrammarKey, GrammarMatcher
 from .regex_canonical import json_string_pattern
 from .schema_support import ASSERTION_KEYWORDS, tighten_schema, unenforced_features, walk_schema
 from .validation import normalize_regex, parse_json_schema

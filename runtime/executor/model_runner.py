@@ -11,7 +11,7 @@ on the device with a pinned host copy that `resolve` reads later. It is the sche
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -19,6 +19,7 @@ import torch
 
 from ..attention import create_attention_backend
 from ..forward_batch import ForwardBatch
+from ..kernel_choices import using as using_kernels
 from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from ..models.config import ModelConfig
 from .loader import load_model, load_model_config
@@ -71,6 +72,8 @@ class ModelRunner:
         # asynchronously; on the CPU a launch runs synchronously.
         self.supports_overlap = self.device == "cuda"
         self._masker = None  # constrained.masker.GrammarMasker, made for the first constrained step
+        # Every forward and graph capture runs inside this runner's kernel choices (kernel_choices.py).
+        self.kernel_choices = server_args.kernel_choices()
         if self.device == "cuda":
             torch.cuda.set_device(0)
         torch.manual_seed(server_args.random_seed)
@@ -91,7 +94,8 @@ class ModelRunner:
         self.kv_pool = KVPool(self.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
                               cfg.head_dim, self.dtype, self.device)
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
-        self.attn_backend = create_attention_backend(server_args.resolved_attention_backend(), self)
+        self.attention_backend = server_args.resolved_attention_backend()
+        self.attn_backend = create_attention_backend(self.attention_backend, self)
         self.verifier = Verifier(self.vocab_size)  # VERIFY steps (speculative decoding)
         self._staging = [(None, None)] * 4  # pinned host buffers for per-step inputs (GPU) + their copy events
         self._staging_pos = 0
@@ -103,7 +107,8 @@ class ModelRunner:
         if self.device == "cuda" and not server_args.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             from .cuda_graphs import CudaGraphRunner
 
-            self.graph_runner = CudaGraphRunner(self)
+            with using_kernels(self.kernel_choices):
+                self.graph_runner = CudaGraphRunner(self)
         if self.device == "cuda":
             warm_up_prefill(self)
 
@@ -124,8 +129,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def run(self, step: StepInput) -> StepOutput:
-        if step.mode.is_verify():
-            return self.run_verify(step)[0]
+        with using_kernels(self.kernel_choices):
+            if step.mode.is_verify():
+                return self._run_verify(step)[0]
+            return self._run(step)
+
+    def _run(self, step: StepInput) -> StepOutput:
         fb = self._build_forward_batch(step)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             # Decode: the graph computes the logits of every row too (one row per request), and their argmax.
@@ -138,6 +147,10 @@ class ModelRunner:
     def run_verify(self, step: StepInput, capture_layers: tuple = ()):
         """A VERIFY step: (what each request accepted, the nodes' hidden states (T, hidden), the forward
         batch, with the hidden states of `capture_layers` in fb.captured_hidden)."""
+        with using_kernels(self.kernel_choices):
+            return self._run_verify(step, capture_layers)
+
+    def _run_verify(self, step: StepInput, capture_layers: tuple = ()):
         fb = self._build_forward_batch(step)
         if capture_layers:
             fb.capture_layers, fb.captured_hidden = capture_layers, []
@@ -152,9 +165,10 @@ class ModelRunner:
         steps whose sampling needs nothing from the host (no row `needs_host_sampling`; never VERIFY)."""
         if step.mode.is_verify():
             raise ValueError("launch: a VERIFY step is read back at once; run() it")
-        if step.mode.is_decode():
-            return self._launch_decode(step, prev)
-        return self._launch_prefill(step)
+        with using_kernels(self.kernel_choices):
+            if step.mode.is_decode():
+                return self._launch_decode(step, prev)
+            return self._launch_prefill(step)
 
     def _forward_eager(self, fb: ForwardBatch, sample_rows: list[int]):
         """The model on `fb` without a graph: (T, hidden) states and the (S,) device rows to sample."""

@@ -16,8 +16,8 @@ cost 6% at batch 8 (4.836 -> 5.142 ms), where PDL kernels sit between cuBLAS mat
 Every kernel here that takes `USE_PDL` calls `pdl_wait_then_release` before its first load of data a
 previous kernel may have written. Releasing right after the wait is safe: the next kernel's own wait
 covers this one's whole run. A kernel after a non-PDL one (a cuBLAS matmul, a torch op) simply starts
-when that one ends. Switch: PLAIT_PDL=1 (on compute capability >= 9), read per launch so one process can
-capture graphs both ways and compare them.
+when that one ends. Switch: the `pdl` kernel choice (kernels/choices.py, ServerArgs `enable_pdl`; on compute
+capability >= 9), read per launch so one process can capture graphs both ways and compare them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from ..kernel_choices import current as current_choices
 
 
 def interpreter_enabled() -> bool:
@@ -85,9 +87,10 @@ def _capability_major(index: int) -> int:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether launches on `device` use programmatic dependent launch: PLAIT_PDL=1 and a CUDA device of
+    """Whether launches on `device` use programmatic dependent launch: the `pdl` kernel choice (ServerArgs
+    enable_pdl) and a CUDA device of
     compute capability >= 9 (not the interpreter)."""
-    if device.type != "cuda" or interpreter_enabled() or os.environ.get("PLAIT_PDL") != "1":
+    if device.type != "cuda" or interpreter_enabled() or not current_choices().pdl:
         return False
     return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 

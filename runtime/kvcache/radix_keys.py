@@ -21,7 +21,7 @@ def as_key(token_ids: Sequence[int]) -> tuple:
     try:
         return tuple(int(t) for t in token_ids)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}: {e}")
+        raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}: {e}") from None
 
 
 def key_slice(token_ids, lo: int, hi: int) -> tuple:

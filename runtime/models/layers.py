@@ -8,8 +8,8 @@ Each op has two implementations with one numerics contract (see runtime/kernels/
   alone is ~8 elementwise kernels, rotary ~10, SiLU-and-mul 3).
 `use_triton` overrides the choice: None = by device, True = always (CPU only under TRITON_INTERPRET=1,
 for tests), False = always torch. At exactly one row (a batch-1 decode step) the Triton path can go one
-step further, opt in (PLAIT_FUSED_DECODE_ROW=1, see FUSED_DECODE_ROW): `norm_linear` / `silu_linear` run
-the norm or SiLU-and-mul inside the matmul after it.
+step further, opt in (the `fused_decode_row` kernel choice: ServerArgs `enable_fused_decode_row`):
+`norm_linear` / `silu_linear` run the norm or SiLU-and-mul inside the matmul after it.
 
 The fused paths update in place where the torch ones return new tensors: `RMSNorm(x, residual)`
 adds x into `residual`, and `RotaryEmbedding` rotates the q and k it is given. Callers use the
@@ -19,12 +19,13 @@ returned tensors and must not rely on the inputs being left alone (or being chan
 from __future__ import annotations
 
 import math
-import os
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..kernel_choices import current as kernel_choices
 
 
 def _kernels():
@@ -44,12 +45,10 @@ def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
 # Llama-3.1-8B and 3.2-1B shapes.
 SKINNY_MATMUL_ROWS = 1
 # Rows up to which it takes the tensor-core decode matmul (runtime/kernels/decode_gemm.py) instead, and
-# up to which a wide matrix (N >= WIDE_MATRIX_N: the LM head) does. Measured on an H200 (8B, weight-only
-# step, bench_decode_gemm.py): 4-32 rows 4-6% faster than cuBLAS over all matrices; at 64 rows only the
-# LM head gains (256 vs 283 us); at 128 cuBLAS wins. gate_up alone gains too at 64 rows (61.8 vs 64.0 us),
-# but taking it made the engine's batch-64 step slower (bench_one_batch: 6.353-6.357 vs 6.318-6.323 ms).
-# PLAIT_DECODE_GEMM=0 sends those rows to cuBLAS (read at each call, so that bench_one_batch --variants
-# can compare both in one process; only 2-64-row calls read it, and those run inside CUDA graphs).
+# up to which a wide matrix (N >= WIDE_MATRIX_N: the LM head) does: where it beat cuBLAS on an H200
+# (benchmarks/RESULTS.md, bench_decode_gemm.py and bench_one_batch.py). The `decode_gemm` kernel choice
+# off (ServerArgs `disable_decode_gemm`) sends those rows to cuBLAS; it is read at each call, so one
+# process can capture graphs both ways (bench_one_batch --variants).
 DECODE_GEMM_ROWS = 32
 DECODE_GEMM_ROWS_WIDE = 64
 WIDE_MATRIX_N = 65536
@@ -75,7 +74,7 @@ def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.d
         if rows <= SKINNY_MATMUL_ROWS:
             return _kernels().gemv(x, weight, bias, out_dtype=out_dtype, out=out)
         if rows <= (DECODE_GEMM_ROWS_WIDE if weight.shape[0] >= WIDE_MATRIX_N else DECODE_GEMM_ROWS) \
-                and os.environ.get("PLAIT_DECODE_GEMM") != "0":
+                and kernel_choices().decode_gemm:
             workspace = getattr(layer, "split_k_workspace", None)
             if workspace is None:
                 workspace = layer.split_k_workspace = _kernels().SplitKWorkspace()
@@ -111,33 +110,21 @@ def _check_linear_out(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                          f"{out.dtype} on {out.device}")
 
 
-def fused_decode_row_switch(environ: Mapping[str, str]) -> bool:
-    """The one-row decode path's switch as an environment sets it: on only with PLAIT_FUSED_DECODE_ROW=1."""
-    return environ.get("PLAIT_FUSED_DECODE_ROW") == "1"
-
-
 # The one-row decode path (a batch-1 decode step on CUDA): each RMSNorm runs inside the matmul after it
 # and SiLU-and-mul inside the down projection (runtime/kernels/gemv_fused.py), which removes 3-4 of a
-# layer's ~11 launches. OFF by default (read once, at import): measured on an H200 (Llama-3.1-8B shape,
-# bf16, benchmarks/bench_fused_gemv.py and bench_one_batch), the launches it saves are worth less than the
-# weight bandwidth the fused kernels lose:
-# - batch-1 decode step: 4.772 ms unfused, 5.087 ms fused, 5.139 ms fused with PLAIT_PDL=1;
-# - per op, unfused -> fused (us): norm->qkv 18.43 -> 19.07, o 12.43 -> 11.95, norm->gate_up 59.70 -> 65.74,
-#   silu->down 34.29 -> 35.51, norm->lm_head 241.97 -> 256.63 (those fused tiles were guesses; they now
-#   mirror gemv.py's measured ones, so re-measure before turning this on);
-# - layer chain without attention (ms/step): unfused 4.321, fused 4.418, fused with gate_up's norm apart
-#   4.323, fused + PDL 4.219, fused + PDL with gate_up's norm apart 4.214.
+# layer's ~11 launches. Off by default: on an H200 the launches it saves were worth less than the weight
+# bandwidth the fused kernels lose (benchmarks/RESULTS.md, bench_fused_gemv.py and bench_one_batch.py;
+# its tiles mirror gemv.py's, so re-measure before turning it on).
 # FUSE_NORM_INTO_GATE_UP (on the fused path): False keeps the post-attention norm as its own kernel before
-# cuBLAS's gate_up, which streams that (largest) matrix faster than the fused kernel (measured above).
-FUSED_DECODE_ROW = fused_decode_row_switch(os.environ)
+# cuBLAS's gate_up, which streams that (largest) matrix faster than the fused kernel.
 FUSE_NORM_INTO_GATE_UP = False
 
 
 def fuses_decode_row(x: torch.Tensor, weight: torch.Tensor, use_triton: Optional[bool]) -> bool:
-    """Whether x (T, K) takes the fused one-row kernels: the path switched on (FUSED_DECODE_ROW), exactly
+    """Whether x (T, K) takes the fused one-row kernels: the path switched on (`fused_decode_row`), exactly
     one row, half-precision weights of x's dtype, and the Triton path chosen (`use_triton` as for the
     other layers: None = CUDA tensors)."""
-    return (FUSED_DECODE_ROW and _wants_triton(x, use_triton) and x.dim() == 2 and x.shape[0] == 1
+    return (kernel_choices().fused_decode_row and _wants_triton(x, use_triton) and x.dim() == 2 and x.shape[0] == 1
             and x.stride(-1) == 1 and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16))
 
 

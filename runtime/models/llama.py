@@ -1,8 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window).
 
 Qwen2/2.5/3 reuse this module with flags (`attention_bias`, `qk_norm`); see qwen.py.
-Q/K/V and gate/up projections are fused at load time (one matmul each). Opt in (PLAIT_FUSED_DECODE_ROW=1,
-off by default: measured slower, see layers.FUSED_DECODE_ROW), a batch-1 decode step (one row, on CUDA)
+Q/K/V and gate/up projections are fused at load time (one matmul each). Opt in (ServerArgs
+`enable_fused_decode_row`, off by default: measured slower, see layers.fuses_decode_row), a batch-1 decode step (one row, on CUDA)
 runs each norm and SiLU-and-mul inside the matmul after it: `DecoderLayer._forward_one_row`.
 """
 

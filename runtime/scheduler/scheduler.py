@@ -12,7 +12,6 @@ through the `Finisher`.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from typing import Any, Optional
@@ -82,11 +81,10 @@ class Scheduler:
         self.results = StepResults(self.queues, self.kv, self.outputs, self.finisher, self.grammars,
                                    runner.context_len, self.stats, self.speculation)
         # Overlap scheduling (a step in flight, launched but not read back) pays where the runner launches
-        # asynchronously. PLAIT_PREFILL_PIPELINE=0 keeps prefills synchronous (to measure what pipelining
-        # them gains).
+        # asynchronously.
         self.pipeline = StepPipeline(runner, self.queues, self.kv, self.results, self.timer,
                                      overlap=not server_args.disable_overlap_schedule and runner.supports_overlap,
-                                     pipeline_prefills=os.environ.get("PLAIT_PREFILL_PIPELINE", "1") != "0",
+                                     pipeline_prefills=not server_args.disable_prefill_pipeline,
                                      spec=self.speculation)
         self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
         # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
@@ -106,7 +104,7 @@ class Scheduler:
             max_total_tokens=r.max_total_tokens, context_len=r.context_len, vocab_size=r.vocab_size,
             max_running_requests=r.max_running_requests, device=r.device,
             dtype=str(r.dtype).replace("torch.", ""),
-            attention_backend=self.server_args.resolved_attention_backend(), eos_token_ids=list(self.eos_token_ids))
+            attention_backend=r.attention_backend, eos_token_ids=list(self.eos_token_ids))
 
     # ------------------------------------------------------------------ intake
     def handle_message(self, msg: Any) -> Optional[Any]:

@@ -23,6 +23,7 @@ class StepRunner(Protocol):
     vocab_size: int
     device: str
     dtype: Any  # of the weights and the KV cache (a torch.dtype)
+    attention_backend: str  # the backend's name, resolved from the settings
     eos_token_ids: tuple[int, ...]
     # The KV memory the scheduler accounts for.
     allocator: TokenAllocator
