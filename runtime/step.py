@@ -131,6 +131,9 @@ class StepInput:
     ids_from_prev: bool = False
     has_prev_rows: bool = False
     draft: Optional[DraftRows] = None  # VERIFY
+    # EXTEND: per request, the token after its new ones when the request has one already (a chunk's next
+    # prompt token), else -1 (it is sampled). An EAGLE head's entries are one token ahead of the target's.
+    following_ids: Optional[list[int]] = None
 
     @property
     def num_tokens(self) -> int:

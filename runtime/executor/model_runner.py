@@ -65,8 +65,10 @@ class PendingPrefill:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, model_path: str):
+    def __init__(self, server_args: ServerArgs, model_path: str, extra_kv_bytes_per_token: int = 0):
+        """`extra_kv_bytes_per_token`: a drafter's KV pool of the same slots (sized together, GPU)."""
         self.server_args = server_args
+        self._extra_kv_bytes = extra_kv_bytes_per_token
         self.device = server_args.resolved_device()
         # Launching a step before the previous one is read back pays only where the device runs
         # asynchronously; on the CPU a launch runs synchronously.
@@ -116,7 +118,8 @@ class ModelRunner:
         cfg, sa = self.model_config, self.server_args
         if sa.max_total_tokens is not None:
             return sa.max_total_tokens
-        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                           self.dtype) + self._extra_kv_bytes
         if self.device == "cuda":
             free, total = torch.cuda.mem_get_info()
             used = total - free
@@ -142,6 +145,17 @@ class ModelRunner:
             return self._sample(step, None, logits, greedy)
         hidden, rows = self._forward_eager(fb, step.sample_rows)
         return self._sample(step, hidden, sample_rows_t=rows)
+
+    @torch.inference_mode()
+    def run_with_hidden(self, step: StepInput, capture_layers: tuple = ()):
+        """A prefill or decode step run eagerly: (its output, the hidden states of all its rows (T, hidden),
+        the forward batch, with the inputs of `capture_layers` in fb.captured_hidden), for a drafter."""
+        with using_kernels(self.kernel_choices):
+            fb = self._build_forward_batch(step)
+            if capture_layers:
+                fb.capture_layers, fb.captured_hidden = capture_layers, []
+            hidden, rows = self._forward_eager(fb, step.sample_rows)
+            return self._sample(step, hidden, sample_rows_t=rows), hidden, fb
 
     @torch.inference_mode()
     def run_verify(self, step: StepInput, capture_layers: tuple = ()):

@@ -136,6 +136,8 @@ class LlamaForCausalLM(nn.Module):
             if capture and i in capture:
                 fb.captured_hidden.append(h if residual is None else h + residual)
             h, residual = layer(positions, h, residual, fb)
+        if capture and len(self.layers) in capture:  # past the last layer: the final norm's input
+            fb.captured_hidden.append(h if residual is None else h + residual)
         return h, residual
 
     def _head(self) -> nn.Module:

@@ -119,6 +119,7 @@ class ScheduleBatch:
         step = StepInput.extend([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens, new_ids,
                                 self.out_cache_loc.cpu().numpy())
         self.kv_writes = step.kv_writes
+        step.following_ids = [_token_at(r, p + e) for r, p, e in zip(reqs, self.prefix_lens, self.extend_lens)]
         offset = 0
         for i, (r, pre, ext) in enumerate(zip(reqs, self.prefix_lens, self.extend_lens)):
             if pre + ext == r.seq_len and not r.prefill_only:
@@ -139,3 +140,11 @@ class ScheduleBatch:
                                                     r.top_logprobs_num, next_token=True))
             offset += ext
         return step
+
+
+def _token_at(r: Req, i: int) -> int:
+    """r.fill_ids[i] without building fill_ids; -1 past the end."""
+    n = len(r.origin_input_ids)
+    if i < n:
+        return r.origin_input_ids[i]
+    return r.output_ids[i - n] if i - n < len(r.output_ids) else -1

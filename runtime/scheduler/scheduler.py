@@ -45,12 +45,13 @@ logger = logging.getLogger("plait.scheduler")
 
 
 def create_scheduler(server_args: ServerArgs, model_path: str) -> "Scheduler":
-    """The scheduler of one device: the model runner for `model_path`, and the tokenizer."""
+    """The scheduler of one device: the model runner for `model_path` (with its drafter, speculating with a
+    draft model or head), and the tokenizer."""
     from ..executor.loader import load_tokenizer
-    from ..executor.model_runner import ModelRunner
+    from ..executor.spec_runner import create_step_runner
 
     tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
-    return Scheduler(server_args, ModelRunner(server_args, model_path), tokenizer)
+    return Scheduler(server_args, create_step_runner(server_args, model_path), tokenizer)
 
 
 class Scheduler:
