@@ -145,3 +145,76 @@ def test_drafters_that_cannot_draft_for_the_target_are_refused_at_start_up(folde
         scheduler(target, speculative_algorithm="EAGLE", speculative_draft_model_path=wide)
     with pytest.raises(ValueError, match="is not a folder"):
         scheduler(target, speculative_algorithm="EAGLE", speculative_draft_model_path=os.path.join(root, "nope"))
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+def test_eagle_lockstep_state_is_the_head_over_the_whole_sequence(kind, folders):
+    """The head's state after a prefill and a verify step (incremental, one token behind the target) equals
+    the head run once over the whole sequence's (next token, feature) pairs: the shift by one, the
+    features of the kept path's nodes and the positions line up."""
+    import numpy as np
+    import torch
+
+    from plait.runtime.attention.torch_native import TorchNativeAttnBackend
+    from plait.runtime.executor.spec_runner import _load_head
+    from plait.runtime.forward_batch import ForwardMode
+    from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool
+    from plait.runtime.models.config import ModelConfig
+    from plait.runtime.speculative.draft_batch import DraftMemory
+    from plait.runtime.speculative.eagle import EagleDrafter
+    from plait.runtime.speculative.eagle_head import HeadConfig
+    from plait.runtime.speculative.tree import DraftTree
+    from plait.runtime.speculative.verify_step import build_verify_step
+    from plait.runtime.step import StepInput, StepOutput, VerifiedTokens
+
+    target_cfg = ModelConfig.from_path(folders["target"])
+    hc = HeadConfig.from_folder(folders[kind.lower()], kind, target_cfg)
+    head = _load_head(hc, folders[kind.lower()], torch.float32, "cpu", 512)
+    head.embed_tokens = torch.nn.Embedding(256, 64)  # a head with its own embedding (the target's is not here)
+    head._target_logits = lambda h: h @ torch.randn(256, 64, generator=torch.Generator().manual_seed(5)).T
+
+    def drafter():
+        pool = KVPool(200, head.num_kv_layers, hc.model.num_key_value_heads, hc.model.head_dim, torch.float32, "cpu")
+        mem = DraftMemory(pool, ReqToTokenPool(4, 128, "cpu"), TorchNativeAttnBackend(type("V", (), {"device": "cpu"})),
+                          150, EagleDrafter.scratch_per_row(3, 1), "cpu")
+        return EagleDrafter(head, mem, 3, 1, 4, 4)
+
+    g = torch.Generator().manual_seed(0)
+    width = 64 if kind == "EAGLE" else 3 * 64
+    prompt, row = [5, 9, 30, 31, 7, 2], 2
+    P = len(prompt)
+
+    def fb_of(features):  # what the target's forward would hand the drafter
+        return type("FB", (), {"captured_hidden": [features[:, i * 64:(i + 1) * 64] for i in range(3)]})()
+
+    def hidden_of(features):
+        return features if kind == "EAGLE" else None
+
+    # incremental: a prefill (sampling token 40), then a verify step whose tree keeps root -> 41 -> 42 (+ bonus 43)
+    d = drafter()
+    feats1 = torch.randn(P, width, generator=g)
+    step = StepInput.extend([row], [0], [P], prompt, np.arange(1, P + 1))
+    d.mem.req_to_token.write_step(tuple(torch.from_numpy(a) for a in step.kv_writes), step.kv_writes)
+    step.sampling_reqs, step.following_ids = [0], [-1]
+    d.observe(step, StepOutput([40]), hidden_of(feats1), fb_of(feats1))
+    tree = DraftTree([40, 41, 50, 42], [-1, 0, 0, 1])  # root 40; 41 -> 42 is the kept path
+    vstep = build_verify_step([row], [P], [tree], np.arange(P + 1, P + 5))
+    d.mem.req_to_token.write_step(tuple(torch.from_numpy(a) for a in vstep.kv_writes), vstep.kv_writes)
+    feats2 = torch.randn(4, width, generator=g)
+    out = StepOutput([43], verified=[VerifiedTokens([41, 42, 43], [1, 3], proposed=3)])
+    d.after_verify(vstep, out, hidden_of(feats2), fb_of(feats2))
+
+    # the whole sequence at once: pairs (x_{t+1}, feature_t) for the prompt, the root 40, 41 and 42
+    ref = drafter()
+    seq_next = prompt[1:] + [40, 41, 42, 43]
+    feats = torch.cat([d.feature(hidden_of(feats1), fb_of(feats1)),  # as the drafter reads the target's layers
+                       d.feature(hidden_of(feats2), fb_of(feats2))[[0, 1, 3]]])  # the kept path: root, 41, 42
+    n = len(seq_next)
+    slots = np.arange(1, n + 1)
+    whole = StepInput.extend([row], [0], [n], seq_next, slots)
+    ref.mem.req_to_token.write_step(tuple(torch.from_numpy(a) for a in whole.kv_writes), whole.kv_writes)
+    dfb = ref.mem.of_step(whole)
+    assert dfb.forward_mode is ForwardMode.EXTEND
+    ref._run(dfb.input_ids, feats, dfb, [n - 1], [row])
+    torch.testing.assert_close(d.next_feature[row], ref.next_feature[row], atol=1e-4, rtol=1e-4)
+    assert d.next_ids[row].tolist() == ref.next_ids[row].tolist()

@@ -31,6 +31,18 @@ def test_ngram_proposes_what_followed_the_longest_suffix_seen_before():
     assert ix.propose([8, 8, 8, 8], 5) == [8]  # the continuation stops at the end of what exists
 
 
+def test_ngram_looks_up_drafts_on_top_of_drafts_without_indexing_them():
+    from plait.runtime.speculative.ngram import TokenView
+
+    ix = NgramIndex(2, 3)
+    prompt, out = [1, 2, 3, 4, 5, 6], [9]
+    tokens = TokenView(prompt, out)
+    assert tokens[2:8] == [3, 4, 5, 6, 9] and tokens[-1] == 9 and len(tokens) == 7
+    assert ix.propose(tokens, 3, extra=[3, 4]) == [5, 6, 9]  # the suffix [3, 4] is a draft
+    out.append(7)
+    assert ix.propose(TokenView(prompt, out), 2) == []  # [9, 7] unseen; the drafts were never indexed
+
+
 def test_ngram_index_starts_over_when_the_tokens_are_rewritten():
     ix = NgramIndex(2, 3)
     assert ix.propose([1, 2, 3, 1, 2], 2) == [3, 1]
@@ -131,7 +143,7 @@ def test_grammar_drafts_are_the_forced_tokens_and_leave_the_matcher_as_it_was(xg
     nums = tok.encode("42}", add_special_tokens=False)
     for t in tok.encode(',"age":', add_special_tokens=False):
         matcher.accept_token(t)
-    assert drafts.propose(matcher, [], 8, extend=lambda ctx, k: nums + [0, 0][:k]) == nums
+    assert drafts.propose(matcher, [], 8, extend=lambda ctx, k, extra: nums + [0, 0][:k]) == nums
 
 
 def test_grammar_masks_down_a_tree_follow_each_path(xgrammar_backend, default_tokenizer):

@@ -27,7 +27,7 @@ from .warmup import warm_up_prefill
 from ..server_args import ServerArgs
 from ..step import SamplingRow, StepInput, StepOutput
 from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sample
-from .verify import Verifier, set_verify_tree
+from .verify import VerifySteps, set_verify_tree
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ModelRunner:
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
         self.attention_backend = server_args.resolved_attention_backend()
         self.attn_backend = create_attention_backend(self.attention_backend, self)
-        self.verifier = Verifier(self.vocab_size)  # VERIFY steps (speculative decoding)
+        self.verify = VerifySteps(self)  # VERIFY steps (speculative decoding)
         self._staging = [(None, None)] * 4  # pinned host buffers for per-step inputs (GPU) + their copy events
         self._staging_pos = 0
         # Pinned buffers receiving the sampled tokens of overlapped steps: one pair for decode steps, one
@@ -134,7 +134,7 @@ class ModelRunner:
     def run(self, step: StepInput) -> StepOutput:
         with using_kernels(self.kernel_choices):
             if step.mode.is_verify():
-                return self._run_verify(step)[0]
+                return self.verify.run(step)[0]
             return self._run(step)
 
     def _run(self, step: StepInput) -> StepOutput:
@@ -162,16 +162,12 @@ class ModelRunner:
         """A VERIFY step: (what each request accepted, the nodes' hidden states (T, hidden), the forward
         batch, with the hidden states of `capture_layers` in fb.captured_hidden)."""
         with using_kernels(self.kernel_choices):
-            return self._run_verify(step, capture_layers)
+            return self.verify.run(step, capture_layers)
 
-    def _run_verify(self, step: StepInput, capture_layers: tuple = ()):
-        fb = self._build_forward_batch(step)
-        if capture_layers:
-            fb.capture_layers, fb.captured_hidden = capture_layers, []
-        self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
-        logits = self.model.compute_logits(hidden)  # (T, V): every node is scored
-        return self.verifier.accept(step, logits), hidden, fb
+    def capture_verify_graphs(self, nodes: int, max_bs: int, capture_layers: tuple = ()) -> None:
+        """CUDA graphs for VERIFY steps of up to `nodes` tokens per request (speculating on a GPU)."""
+        with using_kernels(self.kernel_choices):
+            self.verify.capture_graphs(nodes, max_bs, capture_layers)
 
     @torch.inference_mode()
     def launch(self, step: StepInput, prev=None):

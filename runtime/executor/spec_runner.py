@@ -72,7 +72,10 @@ def create_step_runner(server_args: ServerArgs, model_path: str):
     """The scheduler's step runner: a ModelRunner, with a drafter when the algorithm has one."""
     algo = server_args.speculative_algorithm
     if algo not in ("STANDALONE", "EAGLE", "EAGLE3"):
-        return ModelRunner(server_args, model_path)
+        runner = ModelRunner(server_args, model_path)
+        if algo is not None:
+            _capture_verify_graphs(runner, server_args, ())
+        return runner
     steps, topk, nodes = server_args.speculative_shape()
     draft_path = server_args.speculative_draft_model_path
     if not os.path.isdir(draft_path):
@@ -106,9 +109,17 @@ def create_step_runner(server_args: ServerArgs, model_path: str):
     else:
         model.attach_target(target.model)
         drafter = EagleDrafter(model, memory, steps, topk, nodes, rows)
+    _capture_verify_graphs(target, server_args, drafter.capture_layers)
     logger.info("speculative decoding: %s drafter from %s (steps %d, top-k %d, %d tokens per verify)", algo,
                 draft_path, steps, topk, nodes)
     return SpecRunner(target, drafter)
+
+
+def _capture_verify_graphs(runner: ModelRunner, sa: ServerArgs, capture_layers: tuple) -> None:
+    """On a GPU with decode graphs, verify steps get theirs too (up to the batch size speculation runs at)."""
+    if runner.graph_runner is not None:
+        runner.capture_verify_graphs(sa.speculative_shape()[2], sa.resolved_speculative_disable_by_batch_size(),
+                                     capture_layers)
 
 
 class _BackendView:

@@ -1,5 +1,6 @@
-"""The model runner's VERIFY steps: every node of every request's draft tree scored in one forward,
-then the drafts accepted (speculative/acceptance.py) and the target's logprobs read for what was.
+"""The model runner's VERIFY steps: every node of every request's draft tree scored in one forward (eager,
+or a CUDA graph: verify_graphs.py), then the drafts accepted (speculative/acceptance.py) and the
+target's logprobs read for what was.
 
 The logits of a node are adjusted as a decode step's would be for the same tokens (logit bias, and the
 grammar mask after the node's path: speculative/grammar_drafts.py walks each matcher down its tree and
@@ -23,6 +24,42 @@ from ..speculative.tree import DraftTree
 from ..speculative.verify_step import step_trees
 from ..step import StepInput, StepOutput, VerifiedTokens
 from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sampling_probs
+
+
+class VerifySteps:
+    """The part of the model runner that runs VERIFY steps."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.verifier = Verifier(runner.vocab_size)
+        self.graphs = None  # verify_graphs.VerifyGraphRunner, GPU
+
+    def capture_graphs(self, nodes: int, max_bs: int, capture_layers: tuple) -> None:
+        from .verify_graphs import VerifyGraphRunner
+
+        self.graphs = VerifyGraphRunner(self.runner, nodes, max_bs, capture_layers)
+
+    def run(self, step: StepInput, capture_layers: tuple = ()):
+        """(what each request accepted, the nodes' hidden states (T, hidden), an object whose
+        `captured_hidden` holds the inputs of `capture_layers`)."""
+        mr = self.runner
+        if self.graphs is not None and self.graphs.can_run(step) and capture_layers == self.graphs.capture_layers:
+            logits, hidden, captured = self.graphs.replay(step)
+            return self.verifier.accept(step, logits), hidden, CapturedStates(captured)
+        fb = mr._build_forward_batch(step)
+        if capture_layers:
+            fb.capture_layers, fb.captured_hidden = capture_layers, []
+        mr.attn_backend.init_forward_metadata(fb)
+        hidden = mr.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
+        logits = mr.model.compute_logits(hidden)  # (T, V): every node is scored
+        return self.verifier.accept(step, logits), hidden, fb
+
+
+class CapturedStates:
+    """A graph-replayed verify step's captured layer inputs (what a drafter reads of a ForwardBatch)."""
+
+    def __init__(self, captured_hidden: Optional[list]):
+        self.captured_hidden = captured_hidden
 
 
 class Verifier:

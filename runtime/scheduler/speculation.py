@@ -10,7 +10,9 @@ this part only sizes the tree. A request without drafts is a one-node tree in th
 
 Requests never speculate while their sampling depends on their own tokens beyond what a node's path
 gives: penalties, a pending min_new_tokens, a seed (its samples would no longer reproduce those of a
-run without speculation).
+run without speculation). Above `speculative_disable_by_batch_size` running requests only grammar-forced
+drafts are proposed: a forced token is almost never rejected, so verifying it costs what jump-forward's
+prefill of it would, where a guessed draft costs compute a large batch no longer has to spare.
 
 After the step (`commit_kv`, called by `StepResults` once the stop checks said how many of the accepted
 tokens a request keeps): the kept nodes' slots stay the request's (its table rewritten where a tree's
@@ -31,7 +33,7 @@ from ..request import Req
 from ..server_args import MODEL_DRAFT_ALGORITHMS, ServerArgs
 from ..speculative.adaptive import RequestSpecState
 from ..speculative.grammar_drafts import GrammarDrafts
-from ..speculative.ngram import NgramIndex
+from ..speculative.ngram import NgramIndex, TokenView
 from ..speculative.tree import DraftTree
 from ..step import StepOutput
 from .batch import ScheduleBatch, VerifyPlan
@@ -91,20 +93,25 @@ class Speculation:
     def may_speculate(self, reqs: list[Req]) -> bool:
         """Whether the next step could be a VERIFY (so a decode step must not be launched ahead of it)."""
         s = self.settings
-        if not s.enabled or len(reqs) > s.max_batch:
+        if not s.enabled:
             return False
-        return any(self._eligible(r) and (r.spec is None or r.spec.sit_out == 0) for r in reqs)
+        small = len(reqs) <= s.max_batch
+        return any(self._eligible(r) and (r.spec is None or r.spec.sit_out == 0)
+                   and (small or (self.grammar_drafts is not None and r.grammar is not None)) for r in reqs)
 
     def upgrade(self, batch: ScheduleBatch) -> ScheduleBatch:
         """The decode `batch` as a VERIFY batch of every request's draft tree, when any request has
         drafts and the pool has their slots; else `batch` itself."""
         s = self.settings
-        if not s.enabled or len(batch.reqs) > s.max_batch:
+        if not s.enabled:
+            return batch
+        small = len(batch.reqs) <= s.max_batch
+        if not small and self.grammar_drafts is None:
             return batch
         trees: list[DraftTree] = []
         model_draft: list[bool] = []
         for r in batch.reqs:
-            tree, by_model = self._plan(r)
+            tree, by_model = self._plan(r, small)
             trees.append(tree)
             model_draft.append(by_model)
         extra = sum(t.size - 1 for t in trees)
@@ -142,12 +149,13 @@ class Speculation:
             r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram)
         return r.spec
 
-    def _plan(self, r: Req) -> tuple[DraftTree, bool]:
-        """The request's tree this step (a lone root: no drafts) and whether the runner drafts it."""
+    def _plan(self, r: Req, small: bool) -> tuple[DraftTree, bool]:
+        """The request's tree this step (a lone root: no drafts) and whether the runner drafts it;
+        `small`: the batch is small enough for guessed drafts (prompt lookup, a draft model)."""
         root = r.output_ids[-1]
         lone = DraftTree([root], [-1])
         state = self._state(r)
-        if not self._eligible(r):
+        if not self._eligible(r) or not (small or r.grammar is not None):
             return lone, False
         # Drafts past the request's budget or the context would be thrown away (the target's own next
         # token comes with them): at most remaining - 1, and the tree must fit in the context.
@@ -157,15 +165,15 @@ class Speculation:
             return lone, False
         s = self.settings
         if self.grammar_drafts is not None and r.grammar is not None:
-            extend = state.ngram.propose if state.ngram is not None else None
-            drafts = self.grammar_drafts.propose(r.grammar, r.fill_ids, n, extend)
+            extend = state.ngram.propose if state.ngram is not None and small else None
+            drafts = self.grammar_drafts.propose(r.grammar, TokenView(r.origin_input_ids, r.output_ids), n, extend)
             if drafts:
                 return DraftTree.chain(root, drafts), False
         elif state.ngram is not None:
-            drafts = state.ngram.propose(r.fill_ids, n)
+            drafts = state.ngram.propose(TokenView(r.origin_input_ids, r.output_ids), n)
             if drafts:
                 return DraftTree.chain(root, drafts), False
-        if s.model_drafts:
+        if s.model_drafts and small:
             size = n + 1 if s.chain_only else s.tree_nodes
             if size <= room + 1:
                 return DraftTree.chain(root, [0] * (size - 1)), True

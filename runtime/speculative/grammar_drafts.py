@@ -22,7 +22,7 @@ from .tree import DraftTree
 # Forced strings repeat across the requests of one schema: their encodings are kept (a bounded dict).
 ENCODE_CACHE_SIZE = 4096
 
-Extend = Callable[[list[int], int], list[int]]  # (tokens so far, at most) -> draft tokens
+Extend = Callable[[Sequence[int], int, list[int]], list[int]]  # (committed tokens, at most, drafts so far)
 
 
 class GrammarDrafts:
@@ -31,7 +31,7 @@ class GrammarDrafts:
         self.special = frozenset(special_ids)
         self._encoded: dict[str, tuple[int, ...]] = {}
 
-    def propose(self, matcher: Any, context: list[int], max_drafts: int,
+    def propose(self, matcher: Any, context: Sequence[int], max_drafts: int,
                 extend: Optional[Extend] = None) -> list[int]:
         """A chain of at most `max_drafts` draft tokens after `context` (the request's tokens) that the
         grammar allows: the forced text's tokens, then `extend`'s proposals where nothing is forced."""
@@ -46,7 +46,7 @@ class GrammarDrafts:
                 if forced:
                     cand = list(self._encode(forced)[:room])
                 elif extend is not None:
-                    cand = extend(context + drafts, room)
+                    cand = extend(context, room, drafts)
                 else:
                     cand = []
                 took = 0
