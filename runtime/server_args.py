@@ -186,13 +186,14 @@ class ServerArgs:
 
     def speculative_shape(self) -> tuple[int, int, int]:
         """(num_steps, topk, num_draft_tokens) with the defaults filled in: NGRAM and grammar drafts alone,
-        chains of up to 7 drafts; a draft model or head, chains of 3 (SGLang's example settings). A verify
-        step scores num_draft_tokens tokens of a request: its last committed one and the drafts."""
+        chains of up to 12 drafts (how many a step verifies is the cost model's choice: cost.py); a draft
+        model or head, chains of 3 (SGLang's example settings). A verify step scores num_draft_tokens
+        tokens of a request: its last committed one and the drafts."""
         model = self.speculative_algorithm in MODEL_DRAFT_ALGORITHMS
         topk = self.speculative_eagle_topk or 1
         steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
         if steps is None:
-            steps = (tokens - 1 if tokens is not None and topk == 1 and tokens > 1 else (3 if model else 7))
+            steps = (tokens - 1 if tokens is not None and topk == 1 and tokens > 1 else (3 if model else 12))
         if tokens is None:
             tokens = steps + 1 if topk == 1 else min(1 + topk + (steps - 1) * topk * topk, 2 * steps + 2)
         return steps, topk, tokens
@@ -311,7 +312,7 @@ CLI_HELP = {
     "grammar_compile_timeout": "seconds a grammar may compile before its request fails",
     "speculative_algorithm": "speculative decoding: NGRAM (prompt lookup), STANDALONE (a draft model), EAGLE, EAGLE3",
     "speculative_draft_model_path": "STANDALONE: the draft model's folder (same tokenizer); EAGLE/EAGLE3: the head's folder",
-    "speculative_num_steps": "draft depth (default: 7 for NGRAM, 3 with a draft model)",
+    "speculative_num_steps": "draft depth (default: 12 for NGRAM, 3 with a draft model)",
     "speculative_eagle_topk": "branching of a draft model's tree at each step (1: chains)",
     "speculative_num_draft_tokens": "tokens verified per request and step, the last committed one included",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix looked up in the request's tokens",

@@ -207,7 +207,7 @@ def test_settings_that_cannot_work_are_refused(kw, message):
 
 
 def test_speculative_defaults():
-    assert ServerArgs(speculative_algorithm="ngram").speculative_shape() == (7, 1, 8)
+    assert ServerArgs(speculative_algorithm="ngram").speculative_shape() == (12, 1, 13)
     eagle = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x")
     assert eagle.speculative_algorithm == "EAGLE" and eagle.speculative_shape() == (3, 1, 4)
     tree = ServerArgs(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_num_steps=3,

@@ -74,7 +74,10 @@ class StepPipeline:
         return batch
 
     def _run_now(self, batch: ScheduleBatch, kind: str, started) -> None:
-        out = self.runner.run(batch.to_step())
+        step = batch.to_step()
+        t_run = time.perf_counter()
+        out = self.runner.run(step)
+        self.spec.observe_step(batch, time.perf_counter() - t_run)
         self.timer.launched(kind, started)
         t_read = time.perf_counter()
         if batch.mode.is_extend():

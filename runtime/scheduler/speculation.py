@@ -32,12 +32,20 @@ from ..forward_batch import ForwardMode
 from ..request import Req
 from ..server_args import MODEL_DRAFT_ALGORITHMS, ServerArgs
 from ..speculative.adaptive import RequestSpecState
+from ..speculative.cost import StepCosts, allocate
 from ..speculative.grammar_drafts import GrammarDrafts
 from ..speculative.ngram import NgramIndex, TokenView
 from ..speculative.tree import DraftTree
 from ..step import StepOutput
 from .batch import ScheduleBatch, VerifyPlan
 from .kv_manager import KVManager
+
+
+# The cost model (speculative/cost.py) decides most steps' drafts; every EXPLORE_EVERY-th step verifies what
+# was proposed anyway (the costs of steps it stopped running would never be measured again), and until a
+# plain decode step of the batch's size was measured, every MEASURE_EVERY-th step is one.
+EXPLORE_EVERY = 32
+MEASURE_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,9 @@ class SpecSettings:
     max_drafts: int  # draft tokens per request and step (num_draft_tokens - 1)
     tree_nodes: int  # nodes of a model-drafted tree (num_draft_tokens)
     chain_only: bool  # model drafts are chains (topk 1): their length adapts too
+    # req_to_token positions a drafter writes past a request's sequence while it drafts a tree (its
+    # scratch: the root and each later step's frontier).
+    draft_span: int
     max_batch: int  # no speculation with more running requests
     adaptive: bool
 
@@ -59,6 +70,7 @@ class SpecSettings:
         return cls(ngram=sa.speculative_algorithm == "NGRAM",
                    model_drafts=sa.speculative_algorithm in MODEL_DRAFT_ALGORITHMS, grammar=grammar,
                    max_drafts=tokens - 1, tree_nodes=tokens, chain_only=topk == 1,
+                   draft_span=max(tokens, 1 + topk * (steps - 1)),
                    max_batch=sa.resolved_speculative_disable_by_batch_size(),
                    adaptive=not sa.disable_speculative_adaptive)
 
@@ -76,6 +88,8 @@ class Speculation:
         self.ngram_window = (sa.speculative_ngram_min_match_window_size, sa.speculative_ngram_max_match_window_size)
         special = getattr(tokenizer, "all_special_ids", None) or ()
         self.grammar_drafts = GrammarDrafts(tokenizer, special) if self.settings.grammar and tokenizer else None
+        self.costs = StepCosts()  # seconds per step by its token count, on this device
+        self._decisions = 0  # steps whose drafts the cost model weighed
         # Request-steps verified with at least one draft, drafts proposed, drafts accepted (and kept),
         # VERIFY forward steps.
         self.totals = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
@@ -114,6 +128,12 @@ class Speculation:
             tree, by_model = self._plan(r, small)
             trees.append(tree)
             model_draft.append(by_model)
+        if s.adaptive and any(t.size > 1 for t in trees):
+            self._decisions += 1
+            if not self.costs.measured(len(trees)) and self._decisions % MEASURE_EVERY == 0:
+                return batch  # a plain decode step now and then until its cost is known
+            if self._decisions % EXPLORE_EVERY:  # else: verify what was proposed (costs drift; measure again)
+                trees, model_draft = self._afford(batch.reqs, trees, model_draft)
         extra = sum(t.size - 1 for t in trees)
         if extra == 0:
             return batch
@@ -133,6 +153,28 @@ class Speculation:
         return ScheduleBatch(ForwardMode.VERIFY, batch.reqs, out_cache_loc=torch.from_numpy(slots),
                              verify=VerifyPlan(trees, model_draft))
 
+    def _afford(self, reqs: list[Req], trees: list[DraftTree], model_draft: list[bool]):
+        """The drafts this step's measured costs make worth verifying (cost.allocate): chains are cut, a
+        drafter's top-k tree is kept whole or not at all."""
+        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.accept_rate for r in reqs])
+        out_trees, out_model = [], []
+        for t, by_model, k in zip(trees, model_draft, give):
+            if k == t.size - 1:
+                out_trees.append(t)
+                out_model.append(by_model)
+            elif k == 0 or not t.is_chain():
+                out_trees.append(DraftTree([t.tokens[0]], [-1]))
+                out_model.append(False)
+            else:
+                out_trees.append(DraftTree.chain(t.tokens[0], t.tokens[1:k + 1]))
+                out_model.append(by_model)
+        return out_trees, out_model
+
+    def observe_step(self, batch: ScheduleBatch, seconds: float) -> None:
+        """The runner's time for a decode or verify step that ran synchronously: the cost model's input."""
+        if self.settings.enabled and not batch.mode.is_extend():
+            self.costs.record(len(batch.out_cache_loc), seconds)
+
     def _eligible(self, r: Req) -> bool:
         sp = r.sampling_params
         row = r.sampling
@@ -146,7 +188,8 @@ class Speculation:
         if r.spec is None:
             s = self.settings
             ngram = NgramIndex(*self.ngram_window) if s.ngram else None
-            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram)
+            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram,
+                                      constrained=r.grammar is not None and self.grammar_drafts is not None)
         return r.spec
 
     def _plan(self, r: Req, small: bool) -> tuple[DraftTree, bool]:
@@ -175,7 +218,7 @@ class Speculation:
                 return DraftTree.chain(root, drafts), False
         if s.model_drafts and small:
             size = n + 1 if s.chain_only else s.tree_nodes
-            if size <= room + 1:
+            if size <= room + 1 and r.seq_len + s.draft_span <= self.context_len:
                 return DraftTree.chain(root, [0] * (size - 1)), True
         return lone, False
 

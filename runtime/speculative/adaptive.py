@@ -1,10 +1,13 @@
-"""How many drafts a request proposes next, from what its recent verify steps accepted, and when it
-stops proposing for a while (its acceptance collapsed: every draft costs compute, none pays).
+"""A request's speculation history: how likely its next draft is accepted, how many drafts it may propose
+next, and when it stops proposing for a while (its acceptance collapsed: every draft costs compute,
+none pays).
 
-The length grows back to the maximum, doubling, while every draft is accepted, and drops to one more
-than what was accepted when some are rejected. After `COLLAPSE_STEPS` verify steps in a row that
-accepted nothing the request sits out `backoff` decode steps, doubling up to `MAX_BACKOFF` while it
-keeps failing; one accepted draft resets it.
+The accept rate is a moving count of accepted drafts over drafts that were decided (a chain of k with a
+accepted decides a + 1 of them, or k when all are accepted), from a prior that constrained requests
+(grammar-forced drafts) start higher. It is what cost.allocate weighs drafts by. The length goes back to
+the maximum when every draft is accepted, and drops to one more than what was accepted when some are
+rejected. After `COLLAPSE_STEPS` verify steps in a row that accepted nothing the request sits out
+`backoff` decode steps, doubling up to `MAX_BACKOFF` while it keeps failing; one accepted draft resets it.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from .ngram import NgramIndex
 COLLAPSE_STEPS = 3
 FIRST_BACKOFF = 8
 MAX_BACKOFF = 128
-
+RATE_DECAY = 0.8  # weight of the past in the accept rate at each verify step
+PRIOR = {False: (2.0, 3.0), True: (9.0, 10.0)}  # (accepted, decided): guessed drafts, grammar-forced ones
 
 class RequestSpecState:
     """One request's speculation: its lookup index, its draft length, and its counters (meta_info)."""
 
-    def __init__(self, max_drafts: int, adaptive: bool, ngram: Optional[NgramIndex] = None):
+    def __init__(self, max_drafts: int, adaptive: bool, ngram: Optional[NgramIndex] = None,
+                 constrained: bool = False):
         self.max_drafts = max_drafts
+        self._hits, self._decided = PRIOR[constrained]
         self.adaptive = adaptive
         self.ngram = ngram
         self.draft_len = max_drafts
@@ -33,6 +39,11 @@ class RequestSpecState:
         self.verify_steps = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
+
+    @property
+    def accept_rate(self) -> float:
+        """The chance that this request's next draft is accepted."""
+        return self._hits / self._decided
 
     def allowed_drafts(self) -> int:
         """Drafts this step may propose (0 while sitting out); one decode step counts down the sit-out."""
@@ -47,10 +58,12 @@ class RequestSpecState:
         self.verify_steps += 1
         self.draft_tokens += proposed
         self.accepted_tokens += accepted
+        self._hits = RATE_DECAY * self._hits + accepted
+        self._decided = RATE_DECAY * self._decided + accepted + (accepted < proposed)
         if not self.adaptive:
             return
         if accepted >= proposed:
-            self.draft_len = min(self.max_drafts, 2 * self.draft_len)
+            self.draft_len = self.max_drafts
         else:
             self.draft_len = max(1, accepted + 1)
         if accepted:
