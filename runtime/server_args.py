@@ -156,6 +156,9 @@ class ServerArgs:
         if self.speculative_grammar_drafts not in GRAMMAR_DRAFT_MODES:
             raise ValueError(f"speculative_grammar_drafts must be one of {list(GRAMMAR_DRAFT_MODES)}, "
                              f"got {self.speculative_grammar_drafts!r}")
+        if self.attention_backend == "flashinfer" and (algo is not None or self.speculative_grammar_drafts == "on"):
+            raise ValueError("speculative decoding verifies drafts with the torch_native or triton attention backend "
+                             "(flashinfer has no verify mode): set attention_backend to one of them")
         if algo in MODEL_DRAFT_ALGORITHMS and not self.speculative_draft_model_path:
             what = "a draft model's folder" if algo == "STANDALONE" else f"the {algo} head's folder"
             raise ValueError(f"speculative_algorithm={algo} needs speculative_draft_model_path ({what})")

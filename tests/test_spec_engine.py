@@ -55,3 +55,19 @@ def test_streaming_stop_strings_and_n_samples(engine):
     outs = engine.generate([prompt] * 2, {"max_new_tokens": 16, "temperature": 0.8, "n": 2})
     assert len(outs) == 4 and all(o["meta_info"]["completion_tokens"] > 0 for o in outs)
     assert engine.check_integrity()
+
+
+def test_a_draft_model_of_another_vocabulary_fails_the_engine_start_with_the_reason(random_models, tmp_path):
+    import json
+    import shutil
+
+    from plait.runtime import Engine
+
+    draft = shutil.copytree(random_models["llama"], tmp_path / "draft")
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+    with pytest.raises(RuntimeError, match="the scheduler failed to start.*vocabulary of 300 tokens, the target 256"):
+        Engine(model_path=random_models["llama"], num_threads=1, speculative_algorithm="STANDALONE",
+               speculative_draft_model_path=str(draft))
+    with pytest.raises(ValueError, match="needs speculative_draft_model_path"):
+        Engine(model_path=random_models["llama"], speculative_algorithm="EAGLE3")

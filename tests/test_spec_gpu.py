@@ -76,11 +76,16 @@ def test_a_verify_graph_replay_equals_the_eager_verify_step():
     step = build_verify_step(rows, kv_lens, trees, slots.numpy())
     step.sampling = [None] * 3
     logits_graph, hidden_graph, _ = mr.verify.graphs.replay(step)
-    fb = mr._build_forward_batch(step)
-    mr.attn_backend.init_forward_metadata(fb)
-    hidden = mr.model(fb.input_ids, fb.positions, fb)
+    # NOTE: the runner's staging buffers are inference tensors (made inside its inference_mode steps): the
+    # eager reference step runs in inference mode too, as the runner's own steps do.
+    with torch.inference_mode():
+        fb = mr._build_forward_batch(step)
+        mr.attn_backend.init_forward_metadata(fb)
+        hidden = mr.model(fb.input_ids, fb.positions, fb)
     torch.testing.assert_close(hidden_graph, hidden, atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(logits_graph, mr.model.compute_logits(hidden), atol=2e-3, rtol=2e-3)
+    with torch.inference_mode():
+        logits = mr.model.compute_logits(hidden)
+    torch.testing.assert_close(logits_graph, logits, atol=2e-3, rtol=2e-3)
     mr.allocator.free(slots)
     for r in rows:
         mr.req_to_token_pool.free(r)

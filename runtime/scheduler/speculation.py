@@ -46,6 +46,7 @@ from .kv_manager import KVManager
 # plain decode step of the batch's size was measured, every MEASURE_EVERY-th step is one.
 EXPLORE_EVERY = 32
 MEASURE_EVERY = 8
+MAX_LEARN_TOKENS = 32  # a forced text's tokens are learned from at most this many written after it
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,11 @@ class SpecSettings:
     @classmethod
     def of(cls, sa: ServerArgs) -> "SpecSettings":
         steps, topk, tokens = sa.speculative_shape()
+        # NOTE: flashinfer has no verify mode: "auto" leaves grammar drafts off there (an explicit "on" is
+        # refused at start-up).
         grammar = sa.speculative_grammar_drafts == "on" or (
-            sa.speculative_grammar_drafts == "auto" and not sa.disable_jump_forward)
+            sa.speculative_grammar_drafts == "auto" and not sa.disable_jump_forward
+            and sa.attention_backend != "flashinfer")
         return cls(ngram=sa.speculative_algorithm == "NGRAM",
                    model_drafts=sa.speculative_algorithm in MODEL_DRAFT_ALGORITHMS, grammar=grammar,
                    max_drafts=tokens - 1, tree_nodes=tokens, chain_only=topk == 1,
@@ -187,9 +191,11 @@ class Speculation:
     def _state(self, r: Req) -> RequestSpecState:
         if r.spec is None:
             s = self.settings
-            ngram = NgramIndex(*self.ngram_window) if s.ngram else None
-            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram,
-                                      constrained=r.grammar is not None and self.grammar_drafts is not None)
+            constrained = r.grammar is not None and self.grammar_drafts is not None
+            # NOTE: a constrained request's free values (a name, a number) are mostly copied from its prompt:
+            # grammar drafts continue with prompt lookup where nothing is forced, NGRAM or not.
+            ngram = NgramIndex(*self.ngram_window) if s.ngram or constrained else None
+            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram, constrained=constrained)
         return r.spec
 
     def _plan(self, r: Req, small: bool) -> tuple[DraftTree, bool]:
@@ -208,6 +214,10 @@ class Speculation:
             return lone, False
         s = self.settings
         if self.grammar_drafts is not None and r.grammar is not None:
+            if state.pending_forced is None:
+                forced = r.grammar.jump_forward_string()
+                if forced:
+                    state.pending_forced = (forced, len(r.output_ids))
             extend = state.ngram.propose if state.ngram is not None and small else None
             drafts = self.grammar_drafts.propose(r.grammar, TokenView(r.origin_input_ids, r.output_ids), n, extend)
             if drafts:
@@ -245,7 +255,16 @@ class Speculation:
         if freed:
             self.kv.allocator.free(torch.tensor(freed, dtype=torch.int64))
 
+    def _learn(self, r: Req) -> None:
+        """What the target wrote since the grammar forced a text: the grammar drafts' tokens for it."""
+        forced, start = r.spec.pending_forced
+        written = r.output_ids[start:]
+        if self.grammar_drafts.learn(forced, written) is not None or len(written) > MAX_LEARN_TOKENS:
+            r.spec.pending_forced = None
+
     def _record(self, r: Req, proposed: int, accepted: int) -> None:
+        if r.spec is not None and r.spec.pending_forced is not None:
+            self._learn(r)
         if proposed <= 0:
             return
         self._state(r).record(proposed, accepted)

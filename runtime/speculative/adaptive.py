@@ -32,6 +32,8 @@ class RequestSpecState:
         self.adaptive = adaptive
         self.ngram = ngram
         self.draft_len = max_drafts
+        # (text the grammar forced, output length then) until the target's tokens spelling it are known
+        self.pending_forced: Optional[tuple[str, int]] = None
         self.misses = 0  # verify steps in a row that accepted nothing
         self.sit_out = 0  # decode steps left without drafts
         self.backoff = FIRST_BACKOFF

@@ -7,6 +7,10 @@ the forced text, which can change the output), while the steps they save are jum
 nothing is forced (a free value), another proposer (prompt lookup) may continue the chain; its tokens
 are kept only while the grammar allows them.
 
+A forced text is proposed as the tokens the target wrote it with before, when it did (`learn`: a model
+tokenizes JSON punctuation its own way, `":` then `"` where the tokenizer's encoding of `":"` is one
+token, and a draft the target tokenizes otherwise is rejected), else as the tokenizer encodes it.
+
 Everything here walks the request's own matcher forward and rolls it back before returning
 (`GrammarMatcher.rollback`): the matcher always ends in the state it started in.
 """
@@ -19,7 +23,7 @@ import torch
 
 from .tree import DraftTree
 
-# Forced strings repeat across the requests of one schema: their encodings are kept (a bounded dict).
+# Forced strings repeat across the requests of one schema: their encodings are kept (bounded dicts).
 ENCODE_CACHE_SIZE = 4096
 
 Extend = Callable[[Sequence[int], int, list[int]], list[int]]  # (committed tokens, at most, drafts so far)
@@ -30,6 +34,7 @@ class GrammarDrafts:
         self.tokenizer = tokenizer
         self.special = frozenset(special_ids)
         self._encoded: dict[str, tuple[int, ...]] = {}
+        self._learned: dict[str, tuple[int, ...]] = {}  # forced text -> the tokens the target wrote it as
 
     def propose(self, matcher: Any, context: Sequence[int], max_drafts: int,
                 extend: Optional[Extend] = None) -> list[int]:
@@ -63,7 +68,25 @@ class GrammarDrafts:
             matcher.rollback(len(drafts))
         return drafts
 
+    def learn(self, forced: str, written: Sequence[int]) -> Optional[bool]:
+        """The target wrote `written` (its tokens since `forced` was what the grammar forced): remember
+        the tokens that spell `forced` exactly. True: learned; False: they do not spell it (the target
+        went on past it inside one token); None: not yet known (they spell only part of it so far)."""
+        text = self.tokenizer.decode(list(written))
+        if not text.startswith(forced):
+            return None if forced.startswith(text) else False
+        for j in range(1, len(written) + 1):
+            if self.tokenizer.decode(list(written[:j])) == forced:
+                if len(self._learned) >= ENCODE_CACHE_SIZE:
+                    self._learned.clear()
+                self._learned[forced] = tuple(written[:j])
+                return True
+        return False
+
     def _encode(self, text: str) -> tuple[int, ...]:
+        learned = self._learned.get(text)
+        if learned is not None:
+            return learned
         ids = self._encoded.get(text)
         if ids is None:
             if len(self._encoded) >= ENCODE_CACHE_SIZE:
