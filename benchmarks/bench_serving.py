@@ -244,6 +244,8 @@ def print_summary(args: argparse.Namespace, s: dict[str, Any]) -> None:
     for name, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"),
                         ("e2e_latency_ms", "E2E latency")):
         rows.append((f"{label} median / p99 (ms)", f"{s[f'median_{name}']:.1f} / {s[f'p99_{name}']:.1f}"))
+    if s.get("accept_length"):
+        rows.append(("Accept length (speculative)", f"{s['accept_length']:.2f}"))
     width = max(len(k) for k, _ in rows)
     print("=" * (width + 16))
     for k, v in rows:
@@ -251,6 +253,21 @@ def print_summary(args: argparse.Namespace, s: dict[str, Any]) -> None:
     print("=" * (width + 16))
     for err in s.get("errors", []):
         print("error:", err)
+
+
+def server_accept_length(args: argparse.Namespace) -> Optional[float]:
+    """The server's average speculative accept length (tokens per request-step with drafts), as SGLang's
+    bench_serving reads it from /get_server_info: under internal_states[0] or at the top level; None
+    when the server does not speculate or does not say."""
+    import requests
+
+    try:
+        info = requests.get(args.base_url + "/get_server_info", headers=args.headers, timeout=30).json()
+    except Exception:
+        return None
+    states = info.get("internal_states") or [{}]
+    value = states[0].get("avg_spec_accept_length", info.get("avg_spec_accept_length"))
+    return float(value) if value else None
 
 
 def server_vocab_size(args: argparse.Namespace) -> int:
@@ -305,6 +322,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     requests_ = build_dataset(args, server_vocab_size(args))
     results, duration = asyncio.run(benchmark(args, requests_))
     summary = summarize(results, duration)
+    if args.backend == "plait":
+        summary["accept_length"] = server_accept_length(args)
     print_summary(args, summary)
     out = args.output_file or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "out",

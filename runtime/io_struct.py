@@ -113,6 +113,11 @@ class ReqOutput:
     # Set on the final output of a constrained request that was steered to its shortest valid completion
     # ("budget": the tokens left could not finish it along the model's path; "repetition": a loop).
     closed_early: Optional[str] = None
+    # Speculative decoding (totals, set while the server speculates): verify steps in which the request had
+    # drafts (SGLang's `spec_verify_ct`), its drafts, and those accepted into its output.
+    spec_verify_ct: Optional[int] = None
+    spec_draft_tokens: Optional[int] = None
+    spec_accepted_tokens: Optional[int] = None
 
 
 @dataclass

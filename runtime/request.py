@@ -109,6 +109,7 @@ class Req:
                                     return_logprob, self.top_logprobs_num)
         self.grammar: Any = None  # per-request grammar matcher (constrained decoding), or None: set_grammar
         self.grammar_future: Any = None  # the matcher's compile, while it runs
+        self.spec: Any = None  # speculative decoding's state of the request (scheduler/speculation.py), or None
         self.status: Any = None  # the scheduler's ReqStatus (scheduler/queues.py) while it holds the request
         self.created = time.monotonic()
         self.first_token_time: Optional[float] = None

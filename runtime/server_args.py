@@ -16,6 +16,10 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 GRAMMAR_BACKENDS = ("xgrammar", "outlines")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+# Algorithms whose drafts come from a model (a draft model, an EAGLE head) in the draft model path.
+MODEL_DRAFT_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+GRAMMAR_DRAFT_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -87,6 +91,22 @@ class ServerArgs:
     disable_jump_forward: bool = False
     grammar_compile_timeout: float = 60.0
 
+    # Speculative decoding (SGLang's names; docs/server_args.md says how the pieces fit)
+    speculative_algorithm: Optional[str] = None
+    speculative_draft_model_path: Optional[str] = None
+    # None: per algorithm (see `speculative_shape`).
+    speculative_num_steps: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None
+    speculative_num_draft_tokens: Optional[int] = None
+    speculative_ngram_min_match_window_size: int = 2
+    speculative_ngram_max_match_window_size: int = 10
+    # The tokens a grammar forces, proposed as drafts of constrained requests. auto: on unless
+    # disable_jump_forward (it replaces jump-forward, whose retokenized boundary can change outputs).
+    speculative_grammar_drafts: str = "auto"
+    # None: 8 on the CPU (a verify step's extra tokens cost compute there), 32 on a GPU.
+    speculative_disable_by_batch_size: Optional[int] = None
+    disable_speculative_adaptive: bool = False
+
     # Server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -135,6 +155,7 @@ class ServerArgs:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.allowed_origins is not None:
             self.allowed_origins = _origins(self.allowed_origins)
+        self._check_speculative()
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "nnodes", "dist_timeout"):
@@ -168,6 +189,70 @@ class ServerArgs:
     def world_size(self) -> int:
         """Ranks (processes) of one model: tp_size x pp_size."""
         return self.tp_size * self.pp_size
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is not None:
+            if not isinstance(algo, str) or algo.upper() not in SPECULATIVE_ALGORITHMS:
+                raise ValueError(f"speculative_algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} (or None: "
+                                 f"off), got {algo!r}")
+            self.speculative_algorithm = algo = algo.upper()
+        if self.speculative_grammar_drafts not in GRAMMAR_DRAFT_MODES:
+            raise ValueError(f"speculative_grammar_drafts must be one of {list(GRAMMAR_DRAFT_MODES)}, "
+                             f"got {self.speculative_grammar_drafts!r}")
+        if self.attention_backend == "flashinfer" and (algo is not None or self.speculative_grammar_drafts == "on"):
+            raise ValueError("speculative decoding verifies drafts with the torch_native or triton attention backend "
+                             "(flashinfer has no verify mode): set attention_backend to one of them")
+        if self.world_size() > 1 and (algo is not None or self.speculative_grammar_drafts == "on"):
+            raise ValueError(f"speculative decoding runs on one device: tp_size x pp_size = {self.world_size()} "
+                             "ranks verify no drafts yet (leave speculative_algorithm unset and "
+                             "speculative_grammar_drafts at auto, or use dp_size replicas)")
+        if algo in MODEL_DRAFT_ALGORITHMS and not self.speculative_draft_model_path:
+            what = "a draft model's folder" if algo == "STANDALONE" else f"the {algo} head's folder"
+            raise ValueError(f"speculative_algorithm={algo} needs speculative_draft_model_path ({what})")
+        if self.speculative_draft_model_path and algo not in MODEL_DRAFT_ALGORITHMS:
+            raise ValueError(f"speculative_draft_model_path is set but speculative_algorithm={algo!r} uses no "
+                             f"draft model (set it to one of {list(MODEL_DRAFT_ALGORITHMS)})")
+        for name in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+                     "speculative_disable_by_batch_size", "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_match_window_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+            raise ValueError("speculative_ngram_min_match_window_size "
+                             f"({self.speculative_ngram_min_match_window_size}) is above "
+                             f"speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})")
+        steps, topk, tokens = self.speculative_shape()
+        if topk == 1 and tokens > steps + 1:
+            raise ValueError(f"speculative_num_draft_tokens={tokens} cannot be verified: a chain of "
+                             f"speculative_num_steps={steps} drafts is {steps + 1} tokens with the last committed one")
+        if topk > 1:
+            if algo == "NGRAM":
+                raise ValueError("speculative_eagle_topk > 1 needs a draft model (NGRAM drafts are chains)")
+            candidates = topk + (steps - 1) * topk * topk
+            if tokens - 1 > candidates:
+                raise ValueError(f"speculative_num_draft_tokens={tokens} is more than a tree of speculative_num_steps="
+                                 f"{steps} with speculative_eagle_topk={topk} drafts ({candidates} + 1)")
+
+    def speculative_shape(self) -> tuple[int, int, int]:
+        """(num_steps, topk, num_draft_tokens) with the defaults filled in: NGRAM and grammar drafts alone,
+        chains of up to 12 drafts (how many a step verifies is the cost model's choice: cost.py); a draft
+        model or head, chains of 3 (SGLang's example settings). A verify step scores num_draft_tokens
+        tokens of a request: its last committed one and the drafts."""
+        model = self.speculative_algorithm in MODEL_DRAFT_ALGORITHMS
+        topk = self.speculative_eagle_topk or 1
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is None:
+            steps = (tokens - 1 if tokens is not None and topk == 1 and tokens > 1 else (3 if model else 12))
+        if tokens is None:
+            tokens = steps + 1 if topk == 1 else min(1 + topk + (steps - 1) * topk * topk, 2 * steps + 2)
+        return steps, topk, tokens
+
+    def resolved_speculative_disable_by_batch_size(self) -> int:
+        if self.speculative_disable_by_batch_size is not None:
+            return self.speculative_disable_by_batch_size
+        return 32 if self.resolved_device() == "cuda" else 8
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
@@ -349,6 +434,16 @@ CLI_HELP = {
     "grammar_backend": "backend of regex / JSON schema / EBNF constraints",
     "disable_jump_forward": "decode every token of a constrained output, even those the grammar fixes",
     "grammar_compile_timeout": "seconds a grammar may compile before its request fails",
+    "speculative_algorithm": "speculative decoding: NGRAM (prompt lookup), STANDALONE (a draft model), EAGLE, EAGLE3",
+    "speculative_draft_model_path": "STANDALONE: the draft model's folder (same tokenizer); EAGLE/EAGLE3: the head's folder",
+    "speculative_num_steps": "draft depth (default: 12 for NGRAM, 3 with a draft model)",
+    "speculative_eagle_topk": "branching of a draft model's tree at each step (1: chains)",
+    "speculative_num_draft_tokens": "tokens verified per request and step, the last committed one included",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix looked up in the request's tokens",
+    "speculative_ngram_max_match_window_size": "NGRAM: longest suffix looked up in the request's tokens",
+    "speculative_grammar_drafts": "auto (on unless --disable-jump-forward), on, off: grammar-forced tokens as drafts",
+    "speculative_disable_by_batch_size": "no speculation when more requests run (default: 8 on the CPU, 32 on a GPU)",
+    "disable_speculative_adaptive": "always propose the full draft length (no per-request adaptation or off switch)",
     "host": "address the server listens on",
     "port": "port the server listens on",
     "api_key": "require 'Authorization: Bearer <key>' (/health stays open)",
@@ -372,7 +467,7 @@ ROUTER_CLI_HELP = {
 }
 CLI_CHOICES = {"load_format": LOAD_FORMATS, "dtype": DTYPES, "device": ("auto", "cpu", "cuda"),
                "schedule_policy": SCHEDULE_POLICIES, "attention_backend": ATTENTION_BACKENDS,
-               "grammar_backend": GRAMMAR_BACKENDS}
+               "grammar_backend": GRAMMAR_BACKENDS, "speculative_grammar_drafts": GRAMMAR_DRAFT_MODES}
 
 
 def _origins(value: Any) -> list[str]:

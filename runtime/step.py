@@ -71,6 +71,34 @@ class LogprobRow:
 
 
 @dataclass
+class DraftRows:
+    """VERIFY: each request's draft tree. Request b's nodes are its `extend_lens[b]` rows of the step,
+    node 0 its last committed token (the root), the others draft tokens, each after its parent."""
+
+    parents: np.ndarray  # (T,) int64: each node's parent, as an index among its request's nodes (-1: the root)
+    # (B,): the runner's drafter writes the request's nodes (tokens, parents, positions) before verifying;
+    # the scheduler only sized them (speculative_num_draft_tokens).
+    model_draft: list[bool]
+    # (sum n_b * n_b,) bool, row-major per request: node e sees node c (c an ancestor of e, or e). None:
+    # every tree is a chain.
+    tree_mask: Optional[np.ndarray] = None
+
+    @property
+    def has_model_drafts(self) -> bool:
+        return any(self.model_draft)
+
+
+@dataclass
+class VerifiedTokens:
+    """What a VERIFY step accepted for one request."""
+
+    tokens: list[int]  # the accepted drafts, then the target's own next token (never empty)
+    nodes: list[int]  # the node of each accepted draft (len(tokens) - 1), in order down the tree
+    logprobs: Optional[list] = None  # per token (logprob, top list or None), when asked
+    proposed: int = 0  # draft tokens the request had this step
+
+
+@dataclass
 class StepInput:
     """One forward step, as the runner needs it.
 
@@ -79,6 +107,9 @@ class StepInput:
     the previous step's rows whose sampled ids are this step's input (`prev_rows`) as the last row.
     EXTEND: `token_rows` (4, T) per new token: input id, position, kv slot, request row; `req_rows`
     (5, B) per request: request row, sequence length, cached prefix, new tokens, first row in T.
+    VERIFY: as EXTEND, with a fifth row in `token_rows`: each node's position in req_to_token (its
+    request's prefix + its index among the request's nodes), which differs from its position in the
+    sequence (prefix + its depth) in a tree; `draft` holds the trees. Built by speculative/verify_step.py.
     """
 
     mode: ForwardMode
@@ -99,6 +130,10 @@ class StepInput:
     # `prev_rows` when only some of its requests go on.
     ids_from_prev: bool = False
     has_prev_rows: bool = False
+    draft: Optional[DraftRows] = None  # VERIFY
+    # EXTEND: per request, the token after its new ones when the request has one already (a chunk's next
+    # prompt token), else -1 (it is sampled). An EAGLE head's entries are one token ahead of the target's.
+    following_ids: Optional[list[int]] = None
 
     @property
     def num_tokens(self) -> int:
@@ -133,3 +168,5 @@ class StepOutput:
     output_logprobs: list = field(default_factory=list)
     # Per request: list of (prompt position, logprob, token id, top list or None) computed this step.
     input_logprobs: list = field(default_factory=list)
+    # VERIFY: per request, what was accepted (`next_token_ids` then holds each request's last token).
+    verified: list[VerifiedTokens] = field(default_factory=list)

@@ -5,6 +5,11 @@ sizes a test asks for, records every `StepInput` it is handed, and answers each 
 scripted token: by default `2 + (prompt length + tokens so far) % (vocab - 2)` (deterministic, never the
 EOS id 1), or what `script(row)` returns. A row with a grammar gets the first token its matcher allows
 among the script's preference (the real grammar masker, over fake logits).
+
+VERIFY steps (speculative decoding) go through the real verifier (executor/verify.py) over fake logits
+that prefer, at each node, the script's token for the node's path; a request the runner drafts for gets
+the tree `drafter(row, root, size)` returns (default: a chain of the script's own tokens, every draft
+accepted).
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from typing import Callable, Optional
 import torch
 
 from plait.runtime.constrained.masker import GrammarMasker
+from plait.runtime.executor.verify import Verifier
+from plait.runtime.speculative.tree import DraftTree
+from plait.runtime.speculative.verify_step import refresh_masks, set_tree, step_trees
 from plait.runtime.kvcache.memory_pool import ReqToTokenPool, TokenAllocator
 from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
@@ -28,7 +36,8 @@ def default_script(vocab_size: int) -> Callable[[SamplingRow], int]:
 
 class FakeRunner:
     def __init__(self, max_total_tokens: int = 256, max_running_requests: int = 8, context_len: int = 512,
-                 vocab_size: int = 64, script: Optional[Callable[[SamplingRow], int]] = None):
+                 vocab_size: int = 64, script: Optional[Callable[[SamplingRow], int]] = None,
+                 drafter: Optional[Callable[[SamplingRow, int, int], DraftTree]] = None):
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
         self.context_len = context_len
@@ -41,8 +50,10 @@ class FakeRunner:
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, "cpu")
         self.supports_overlap = False
         self.script = script or default_script(vocab_size)
+        self.drafter = drafter or self._script_chain
         self.steps: list[StepInput] = []
         self._masker = GrammarMasker(vocab_size)
+        self._verifier = Verifier(vocab_size)
 
     def run(self, step: StepInput) -> StepOutput:
         self.steps.append(step)
@@ -50,6 +61,8 @@ class FakeRunner:
         rows, positions, slots = step.kv_writes
         self.req_to_token_pool.write_step((torch.from_numpy(rows), torch.from_numpy(positions),
                                            torch.from_numpy(slots)), step.kv_writes)
+        if step.mode.is_verify():
+            return self._verify(step)
         n = step.batch_size
         out = StepOutput([None] * n, [None] * n, [[] for _ in range(n)])
         for i, row in zip(step.sampling_reqs, step.sampling):
@@ -66,6 +79,34 @@ class FakeRunner:
                 out.output_logprobs[i] = (-1.0, None)
         return out
 
+    def _verify(self, step: StepInput) -> StepOutput:
+        if step.draft.has_model_drafts:
+            for b, by_model in enumerate(step.draft.model_draft):
+                if by_model:
+                    root = int(step.token_rows[0, int(step.req_rows[4, b])])
+                    set_tree(step, b, self.drafter(step.sampling[b], root, step.extend_lens[b]))
+            refresh_masks(step)
+        trees = step_trees(step)
+        logits = torch.empty(step.num_tokens, self.vocab_size)
+        at = 0
+        for row, tree in zip(step.sampling, trees):
+            for node in range(tree.size):
+                logits[at] = self._logits(_PathRow(row, tree.path_tokens(node)))
+                at += 1
+        return self._verifier.accept(step, logits, trees)
+
+    def _script_chain(self, row: SamplingRow, root: int, size: int) -> DraftTree:
+        drafts: list[int] = []
+        for _ in range(size - 1):
+            drafts.append(self.script(_PathRow(row, drafts)))
+        return DraftTree.chain(root, drafts)
+
+    def _logits(self, row) -> torch.Tensor:
+        """(V,) fake logits preferring the script's token, then lower ids."""
+        logits = -torch.arange(self.vocab_size, dtype=torch.float32)
+        logits[self.script(row)] = 1.0
+        return logits
+
     def launch(self, step: StepInput, prev=None):
         return self.run(step)
 
@@ -81,6 +122,16 @@ class FakeRunner:
         logits[0, want] = 1.0
         self._masker.apply(logits, [row.grammar])
         return int(logits.argmax())
+
+
+class _PathRow:
+    """A request's sampling row seen after a draft path: the script reads its tokens so far."""
+
+    def __init__(self, row: SamplingRow, path: list[int]):
+        self.params, self.prompt_ids, self.grammar = row.params, row.prompt_ids, row.grammar
+        self.output_ids = row.output_ids + list(path)
+        self.stop_token_ids, self.generator = row.stop_token_ids, row.generator
+        self.return_logprob, self.top_logprobs_num = row.return_logprob, row.top_logprobs_num
 
 
 def fake_scheduler(runner: Optional[FakeRunner] = None, tokenizer=None, **server_args) -> Scheduler:

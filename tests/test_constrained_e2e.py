@@ -1,6 +1,7 @@
 """Constrained decoding end to end on the real default model (SmolLM2-135M-Instruct, greedy).
 
-Two engines: xgrammar with jump-forward (the defaults) and outlines-core with jump-forward off.
+Two engines: xgrammar with jump-forward (grammar-forced drafts, the default that replaces it, off: they
+are tested in test_spec_greedy.py) and outlines-core with jump-forward off.
 Every output under a constraint must parse and validate; free requests in the same batch must be
 unaffected; invalid constraints raise ValueError and the engine keeps serving.
 """
@@ -26,7 +27,7 @@ PEOPLE = ["Alice is a 30 year old admin.", "Bob, aged 250, is a guest.",
 
 @pytest.fixture(scope="module")
 def engines():
-    with Engine(num_threads=1, max_total_tokens=4096) as xg, \
+    with Engine(num_threads=1, max_total_tokens=4096, speculative_grammar_drafts="off") as xg, \
             Engine(num_threads=1, max_total_tokens=4096, grammar_backend="outlines",
                    disable_jump_forward=True) as ol:
         yield {"xgrammar": xg, "outlines": ol}

@@ -235,7 +235,7 @@ def test_jump_forward_tails_are_prefilled_with_exact_state(default_tokenizer):
     # token the grammar forces the rest of a key; the request waits as a JUMP_TAIL for its prefill.
     vocab = len(default_tokenizer)
     runner = FakeRunner(max_total_tokens=512, vocab_size=vocab, context_len=256)
-    s = fake_scheduler(runner, tokenizer=default_tokenizer)
+    s = fake_scheduler(runner, tokenizer=default_tokenizer, speculative_grammar_drafts="off")  # drafts replace jumps
     schema = '{"type":"object","properties":{"answer_value":{"type":"integer"}},"required":["answer_value"]}'
     prompt = default_tokenizer.encode("Answer:")
     submit(s, "j", prompt, max_new_tokens=24, json_schema=schema)

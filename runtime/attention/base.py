@@ -39,6 +39,8 @@ class AttentionBackend(ABC):
             fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         if fb.forward_mode.is_decode():
             return self.forward_decode(q, layer, fb)
+        if fb.forward_mode.is_verify():
+            return self.forward_verify(q, layer, fb)
         return self.forward_extend(q, layer, fb)
 
     @abstractmethod
@@ -48,6 +50,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         """One query token per request over its whole sequence (K/V already in the pool)."""
+
+    def forward_verify(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        """Draft trees (ForwardMode.VERIFY): each new token over its request's prefix and the tree
+        columns its mask allows (forward_batch.py's tree fields; K/V already in the pool)."""
+        raise NotImplementedError(f"{type(self).__name__} has no verify mode for speculative decoding "
+                                  "(use the torch_native or triton attention backend)")
 
     # ---- CUDA-graph hooks (decode only). Backends without graph support keep the defaults. ----
     supports_cuda_graph: bool = False

@@ -2,7 +2,8 @@
 
 Gathers each request's K/V from the pool through `req_to_token` and runs
 `scaled_dot_product_attention`. Extend runs one request at a time (different prefix and extend
-lengths); decode runs the whole batch at once over K/V padded to the longest sequence.
+lengths); decode runs the whole batch at once over K/V padded to the longest sequence; verify (draft
+trees) too, its queries padded to the largest tree and masked by prefix + tree ancestors.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from .base import AttentionBackend, AttentionLayerSpec
 class _DecodeMetadata:
     kv_index: torch.Tensor  # (B, S_max) int64 kv slots, padded with the dummy slot 0
     mask: torch.Tensor  # (B, 1, 1, S_max) bool, True where a real key exists
+
+
+@dataclass
+class _VerifyMetadata:
+    q_index: torch.Tensor  # (B, E_max) int64 rows of q (the step's new tokens), padded with row 0
+    q_valid: torch.Tensor  # (B, E_max) bool
+    kv_index: torch.Tensor  # (B, S_max) int64 kv slots of prefix + tree, padded with the dummy slot 0
+    mask: torch.Tensor  # (B, 1, E_max, S_max) bool, True where the query sees the key
 
 
 @dataclass
@@ -41,6 +50,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             kv_index = r2t[fb.req_pool_indices, :s_max].long()
             kv_index = torch.where(mask, kv_index, torch.zeros_like(kv_index))
             fb.attn_metadata = _DecodeMetadata(kv_index, mask[:, None, None, :])
+            return
+        if fb.forward_mode.is_verify():
+            fb.attn_metadata = _verify_metadata(fb, self.device)
             return
         kv_indices, masks = [], []
         for i in range(fb.batch_size):
@@ -84,6 +96,50 @@ class TorchNativeAttnBackend(AttentionBackend):
             qb, k, v, attn_mask=md.mask, scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads)  # (B, H, 1, D)
         return o.reshape(q.shape[0], -1)
+
+
+    def forward_verify(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        md: _VerifyMetadata = fb.attn_metadata
+        k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
+        k = _gather(k_buf, md.kv_index).transpose(1, 2).to(q.dtype)  # (B, Hkv, S, D)
+        v = _gather(v_buf, md.kv_index).transpose(1, 2).to(q.dtype)
+        qb = q.view(q.shape[0], layer.num_heads, layer.head_dim)[md.q_index].transpose(1, 2)  # (B, H, E, D)
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=md.mask, scale=layer.scaling,
+                                           enable_gqa=layer.num_heads != layer.num_kv_heads)  # (B, H, E, D)
+        out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
+        out[md.q_index[md.q_valid]] = o.transpose(1, 2)[md.q_valid].reshape(-1, layer.num_heads * layer.head_dim)
+        return out
+
+
+def _verify_metadata(fb: ForwardBatch, device) -> _VerifyMetadata:
+    """Queries padded to the largest tree, keys to the longest prefix + tree; the mask sees the prefix
+    whole and the tree through fb.tree_mask (causal without one: a chain)."""
+    ext_cpu = fb.extend_seq_lens_cpu
+    tree_cpu = fb.tree_lens_cpu or ext_cpu
+    e_max = max(ext_cpu)
+    s_max = max(p + n for p, n in zip(fb.extend_prefix_lens_cpu, tree_cpu))
+    pre, ext = fb.extend_prefix_lens, fb.extend_seq_lens  # (B,) each
+    tree = fb.tree_lens if fb.tree_lens is not None else ext
+    starts = fb.extend_start_loc if fb.extend_start_loc is not None else torch.cumsum(ext, 0) - ext
+    e = torch.arange(e_max, device=device)  # (E,)
+    cols = torch.arange(s_max, device=device)  # (S,)
+    q_valid = e[None, :] < ext[:, None]  # (B, E)
+    q_index = torch.where(q_valid, starts[:, None] + e[None, :], torch.zeros_like(q_valid, dtype=torch.int64))
+    rel = cols[None, :] - pre[:, None]  # (B, S) tree column of each key (< 0: the prefix)
+    in_tree = (rel >= 0) & (rel < tree[:, None])  # (B, S)
+    if fb.tree_mask is None:  # a chain: new token e is tree column tree - ext + e, and sees up to it
+        seen = rel[:, None, :] <= (tree - ext)[:, None, None] + e[None, :, None]  # (B, E, S)
+    else:
+        flat = (fb.tree_mask_offsets[:, None, None] + e[None, :, None] * tree[:, None, None]
+                + rel.clamp(min=0)[:, None, :])  # (B, E, S)
+        ok = in_tree[:, None, :] & q_valid[:, :, None]
+        seen = fb.tree_mask[torch.where(ok, flat, torch.zeros_like(flat))] & ok
+    mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & seen)  # (B, E, S)
+    mask &= q_valid[:, :, None]
+    mask[:, :, 0] |= ~q_valid  # padding queries see one key (no NaN); their output is dropped
+    kv_index = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :s_max].long()  # (B, S)
+    kv_index = torch.where(cols[None, :] < (pre + tree)[:, None], kv_index, torch.zeros_like(kv_index))
+    return _VerifyMetadata(q_index, q_valid, kv_index, mask[:, None])
 
 
 def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ from .base import AttentionBackend, AttentionLayerSpec
 from .cascade_plan import CascadeConfig
 from .triton_cascade import CascadeStep, TritonCascade
 from .triton_ops import (DecodeConfig, DecodePolicy, ExtendConfig, PrefixConfig, decode_attention,
-                         decode_scratch_numel, default_decode_policy, extend_attention)
+                         decode_scratch_numel, default_decode_policy, extend_attention, tree_attention)
 
 
 @dataclass
@@ -63,6 +63,21 @@ class TritonExtendMetadata:
     extend_lens: torch.Tensor  # (B,) new tokens
     extend_start: torch.Tensor  # (B,) row of each request's first new token in q
     max_extend_len: int
+
+
+@dataclass
+class TritonVerifyMetadata:
+    """A VERIFY step's draft trees (see forward_batch.py). Chains run the extend kernel: their new tokens
+    see the prefix and the tree columns before them, as an extend over prefix + tree - new tokens."""
+
+    req_pool_indices: torch.Tensor  # (B,)
+    prefix_lens: torch.Tensor  # (B,) keys every new token sees
+    extend_lens: torch.Tensor  # (B,) new tokens
+    extend_start: torch.Tensor  # (B,)
+    tree_lens: torch.Tensor  # (B,) tree columns, the new tokens last
+    max_extend_len: int
+    tree_mask: Optional[torch.Tensor] = None  # (sum E_b * N_b,) uint8; None: chains
+    mask_offsets: Optional[torch.Tensor] = None  # (B,)
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,9 @@ class TritonAttnBackend(AttentionBackend):
             return
         if self._cascade is not None:
             self._cascade.invalidate()  # this step rewrites rows' prefixes
+        if fb.forward_mode.is_verify():
+            fb.attn_metadata = self._verify_metadata(fb)
+            return
         if fb.extend_seq_lens_cpu is None or fb.extend_prefix_lens_cpu is None:
             raise ValueError("an EXTEND ForwardBatch needs extend_seq_lens_cpu and extend_prefix_lens_cpu")
         extend_lens = fb.extend_seq_lens
@@ -131,6 +149,32 @@ class TritonAttnBackend(AttentionBackend):
             out.view(q.shape), fb.req_to_token_pool.req_to_token,
             md.req_pool_indices, md.prefix_lens, md.extend_lens, md.extend_start, md.max_extend_len,
             layer.scaling, self.extend_config)
+        return out  # (T, H * D)
+
+    def _verify_metadata(self, fb: ForwardBatch) -> TritonVerifyMetadata:
+        ext = fb.extend_seq_lens
+        tree_lens = fb.tree_lens if fb.tree_lens is not None else ext
+        start = fb.extend_start_loc if fb.extend_start_loc is not None else torch.cumsum(ext, 0) - ext
+        max_ext = max(fb.extend_seq_lens_cpu, default=0)
+        if fb.tree_mask is None:  # chains: the extend kernel over the keys before each new token
+            return TritonVerifyMetadata(fb.req_pool_indices, fb.extend_prefix_lens + tree_lens - ext, ext, start,
+                                        tree_lens, max_ext)
+        return TritonVerifyMetadata(fb.req_pool_indices, fb.extend_prefix_lens, ext, start, tree_lens, max_ext,
+                                    fb.tree_mask.to(torch.uint8), fb.tree_mask_offsets)
+
+    def forward_verify(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        md: TritonVerifyMetadata = fb.attn_metadata
+        q = q.view(q.shape[0], layer.num_heads, layer.head_dim)  # (T, H, D)
+        out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
+        k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
+        r2t = fb.req_to_token_pool.req_to_token
+        if md.tree_mask is None:
+            extend_attention(q, k_buf, v_buf, out.view(q.shape), r2t, md.req_pool_indices, md.prefix_lens,
+                             md.extend_lens, md.extend_start, md.max_extend_len, layer.scaling, self.extend_config)
+        else:
+            tree_attention(q, k_buf, v_buf, out.view(q.shape), r2t, md.req_pool_indices, md.prefix_lens,
+                           md.extend_lens, md.extend_start, md.tree_lens, md.tree_mask, md.mask_offsets,
+                           md.max_extend_len, layer.scaling, self.extend_config)
         return out  # (T, H * D)
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:

@@ -56,6 +56,7 @@ class _ReqState:
     first_token_time: Optional[float] = None
     grammar_warnings: list = field(default_factory=list)
     closed_early: Optional[str] = None
+    spec: Optional[dict] = None  # speculative decoding's per-request counters (meta_info)
     group: Optional[str] = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -76,6 +77,9 @@ class _ReqState:
             self.finished_reason = o.finished_reason
         if o.closed_early is not None:
             self.closed_early = o.closed_early
+        if o.spec_verify_ct is not None:
+            self.spec = {"spec_verify_ct": o.spec_verify_ct, "spec_draft_tokens": o.spec_draft_tokens,
+                         "spec_accepted_tokens": o.spec_accepted_tokens}
         self.event.set()
 
     def result(self) -> dict[str, Any]:
@@ -93,6 +97,8 @@ class _ReqState:
             meta["grammar_warnings"] = list(self.grammar_warnings)
         if self.closed_early is not None:
             meta["closed_early"] = self.closed_early
+        if self.spec is not None:
+            meta.update(self.spec)
         if self.return_logprob:
             meta["input_token_logprobs"] = list(self.input_token_logprobs)
             meta["input_top_logprobs"] = list(self.input_top_logprobs)

@@ -28,6 +28,7 @@ from .warmup import warm_up_prefill
 from ..server_args import ServerArgs
 from ..step import SamplingRow, StepInput, StepOutput
 from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sample
+from .verify import VerifySteps, set_verify_tree
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +66,15 @@ class PendingPrefill:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, model_path: str, parallel: Optional[ModelParallel] = None):
+    def __init__(self, server_args: ServerArgs, model_path: str, parallel: Optional[ModelParallel] = None,
+                 extra_kv_bytes_per_token: int = 0):
         """`parallel`: this rank's place in a model split over ranks (runtime/distributed/); None: one
-        device holds the whole model."""
+        device holds the whole model. `extra_kv_bytes_per_token`: a drafter's KV pool of the same slots
+        (sized together, GPU)."""
         self.server_args = server_args
         self.parallel = parallel = parallel or ModelParallel(device_index=server_args.base_gpu_id)
         self.tp_size = parallel.tp.size  # (the triton backend sizes its scratch per rank's heads)
+        self._extra_kv_bytes = extra_kv_bytes_per_token
         self.device = server_args.resolved_device()
         # Launching a step before the previous one is read back pays only where the device runs
         # asynchronously; on the CPU a launch runs synchronously.
@@ -104,6 +108,7 @@ class ModelRunner:
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
         self.attention_backend = server_args.resolved_attention_backend()
         self.attn_backend = create_attention_backend(self.attention_backend, self)
+        self.verify = VerifySteps(self)  # VERIFY steps (speculative decoding)
         self._staging = [(None, None)] * 4  # pinned host buffers for per-step inputs (GPU) + their copy events
         self._staging_pos = 0
         # Pinned buffers receiving the sampled tokens of overlapped steps: one pair for decode steps, one
@@ -123,7 +128,7 @@ class ModelRunner:
         cfg, sa = self.model_config, self.server_args
         if sa.max_total_tokens is not None:
             return sa.max_total_tokens
-        per_token = KVPool.bytes_per_token(self.kv_layers, self.kv_heads, cfg.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(self.kv_layers, self.kv_heads, cfg.head_dim, self.dtype) + self._extra_kv_bytes
         if self.device == "cuda":
             free, total = torch.cuda.mem_get_info()
             used = total - free
@@ -137,6 +142,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: StepInput) -> StepOutput:
         with using_kernels(self.kernel_choices):
+            if step.mode.is_verify():
+                return self.verify.run(step)[0]
             return self._run(step)
 
     def _run(self, step: StepInput) -> StepOutput:
@@ -149,9 +156,34 @@ class ModelRunner:
         return self._sample(step, hidden, sample_rows_t=rows)
 
     @torch.inference_mode()
+    def run_with_hidden(self, step: StepInput, capture_layers: tuple = ()):
+        """A prefill or decode step run eagerly: (its output, the hidden states of all its rows (T, hidden),
+        the forward batch, with the inputs of `capture_layers` in fb.captured_hidden), for a drafter."""
+        with using_kernels(self.kernel_choices):
+            fb = self._build_forward_batch(step)
+            if capture_layers:
+                fb.capture_layers, fb.captured_hidden = capture_layers, []
+            hidden, rows = self._forward_eager(fb, step.sample_rows)
+            return self._sample(step, hidden, sample_rows_t=rows), hidden, fb
+
+    @torch.inference_mode()
+    def run_verify(self, step: StepInput, capture_layers: tuple = ()):
+        """A VERIFY step: (what each request accepted, the nodes' hidden states (T, hidden), the forward
+        batch, with the hidden states of `capture_layers` in fb.captured_hidden)."""
+        with using_kernels(self.kernel_choices):
+            return self.verify.run(step, capture_layers)
+
+    def capture_verify_graphs(self, nodes: int, max_bs: int, capture_layers: tuple = ()) -> None:
+        """CUDA graphs for VERIFY steps of up to `nodes` tokens per request (speculating on a GPU)."""
+        with using_kernels(self.kernel_choices):
+            self.verify.capture_graphs(nodes, max_bs, capture_layers)
+
+    @torch.inference_mode()
     def launch(self, step: StepInput, prev=None):
         """Start a step without waiting for it (overlap scheduling); `resolve` reads it back. Only for
-        steps whose sampling needs nothing from the host (no row `needs_host_sampling`)."""
+        steps whose sampling needs nothing from the host (no row `needs_host_sampling`; never VERIFY)."""
+        if step.mode.is_verify():
+            raise ValueError("launch: a VERIFY step is read back at once; run() it")
         with using_kernels(self.kernel_choices):
             if step.mode.is_decode():
                 return self._launch_decode(step, prev)
@@ -325,11 +357,13 @@ class ModelRunner:
                 input_ids = input_ids.index_select(0, dev[5])
             token_rows = pool_t
         else:
-            input_ids, pos_t, loc_t, token_rows = self._upload(step.token_rows)  # (4, T)
+            uploaded = self._upload(step.token_rows)  # (4, T); VERIFY (5, T): + req_to_token positions
+            input_ids, pos_t, loc_t, token_rows = uploaded[:4]
             pool_t, seq_t, pre_t, ext_t, start_t = self._upload(step.req_rows)  # (5, B)
+        table_pos = uploaded[4] if step.mode.is_verify() else pos_t
         # The new tokens' kv slots go into req_to_token here: one indexed write on the device, and the
         # same values from the host rows into its host mirror.
-        self.req_to_token_pool.write_step((token_rows, pos_t, loc_t), step.kv_writes)
+        self.req_to_token_pool.write_step((token_rows, table_pos, loc_t), step.kv_writes)
         fb = ForwardBatch(
             forward_mode=step.mode, batch_size=step.batch_size, input_ids=input_ids, positions=pos_t,
             req_pool_indices=pool_t, seq_lens=seq_t, out_cache_loc=loc_t, seq_lens_cpu=step.seq_lens,
@@ -340,6 +374,8 @@ class ModelRunner:
             fb.extend_prefix_lens_cpu = list(step.prefix_lens)
             fb.extend_seq_lens_cpu = list(step.extend_lens)
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = pre_t, ext_t, start_t
+        if step.mode.is_verify():
+            set_verify_tree(fb, step, self.device)
         return fb
 
     def _sample(self, step: StepInput, hidden, logits=None, greedy=None, sample_rows_t=None) -> StepOutput:

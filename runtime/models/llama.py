@@ -160,14 +160,20 @@ class LlamaForCausalLM(nn.Module):
     def _decoder(self, input_ids, positions, fb, carried=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Embedding (or a previous stage's (output, residual): `carried`) and every layer: (the last
         layer's output, the residual stream before it; None without layers), both (T, hidden), the
-        final norm still to apply."""
+        final norm still to apply. A drafter's (EAGLE-3) layers, `fb.capture_layers`: their inputs are kept
+        in `fb.captured_hidden` (speculation runs on one device: these are the model's own layer numbers)."""
         if carried is None:
             h = self.embed_tokens(input_ids)  # (T, hidden)
             residual = None
         else:
             h, residual = carried
-        for layer in self.layers:
+        capture = fb.capture_layers
+        for i, layer in enumerate(self.layers):
+            if capture and i in capture:
+                fb.captured_hidden.append(h if residual is None else h + residual)
             h, residual = layer(positions, h, residual, fb)
+        if capture and len(self.layers) in capture:  # past the last layer: the final norm's input
+            fb.captured_hidden.append(h if residual is None else h + residual)
         return h, residual
 
     def _head(self) -> nn.Module:

@@ -12,7 +12,18 @@ import torch
 
 from ..forward_batch import ForwardMode
 from ..request import Req
+from ..speculative.tree import DraftTree
+from ..speculative.verify_step import build_verify_step
 from ..step import LogprobRow, StepInput
+
+
+@dataclass
+class VerifyPlan:
+    """A VERIFY batch's draft trees (one per request, a lone root where it has no drafts), and which of
+    them the runner's drafter fills in (their nodes only sized here)."""
+
+    trees: list[DraftTree]
+    model_draft: list[bool]
 
 
 @dataclass(eq=False)
@@ -35,6 +46,7 @@ class ScheduleBatch:
     # Where this step's new tokens' kv slots go, once the step is built: (req slots, positions, kv
     # slots), each (T,) int64 on the host (the device table and its host copy get the same writes).
     kv_writes: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+    verify: Optional[VerifyPlan] = None  # VERIFY: the trees; out_cache_loc holds every node's slot
 
     @property
     def batch_size(self) -> int:
@@ -87,6 +99,14 @@ class ScheduleBatch:
         """The step as plain data for the runner. DECODE: `ahead` tokens further than the requests' host
         state says, with the input ids taken from the previous step on the device (`ids_from_prev`)."""
         reqs = self.reqs
+        if self.mode.is_verify():
+            step = build_verify_step([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], self.verify.trees,
+                                     self.out_cache_loc.numpy(), self.verify.model_draft)
+            step.sample_rows = []  # every node is scored; the runner reads the trees
+            step.sampling_reqs = list(range(len(reqs)))
+            step.sampling = [r.sampling for r in reqs]
+            self.kv_writes = step.kv_writes
+            return step
         if self.mode.is_decode():
             rows = self.decode_host_rows(ahead, with_input_ids=not ids_from_prev)  # (5 or 6, B)
             everyone = list(range(len(reqs)))
@@ -99,6 +119,7 @@ class ScheduleBatch:
         step = StepInput.extend([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens, new_ids,
                                 self.out_cache_loc.cpu().numpy())
         self.kv_writes = step.kv_writes
+        step.following_ids = [_token_at(r, p + e) for r, p, e in zip(reqs, self.prefix_lens, self.extend_lens)]
         offset = 0
         for i, (r, pre, ext) in enumerate(zip(reqs, self.prefix_lens, self.extend_lens)):
             if pre + ext == r.seq_len and not r.prefill_only:
@@ -119,3 +140,11 @@ class ScheduleBatch:
                                                     r.top_logprobs_num, next_token=True))
             offset += ext
         return step
+
+
+def _token_at(r: Req, i: int) -> int:
+    """r.fill_ids[i] without building fill_ids; -1 past the end."""
+    n = len(r.origin_input_ids)
+    if i < n:
+        return r.origin_input_ids[i]
+    return r.output_ids[i - n] if i - n < len(r.output_ids) else -1

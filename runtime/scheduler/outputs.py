@@ -108,6 +108,10 @@ class OutputBuilder:
             rid=r.rid, new_ids=r.output_ids[r.sent_ids:], text_delta=text[r.sent_text_len:],
             finished_reason=None, prompt_tokens=len(r.origin_input_ids), completion_tokens=len(r.output_ids),
             cached_tokens=r.cached_tokens, first_token_time=r.first_token_time)
+        if r.spec is not None:
+            out.spec_verify_ct = r.spec.verify_steps
+            out.spec_draft_tokens = r.spec.draft_tokens
+            out.spec_accepted_tokens = r.spec.accepted_tokens
         r.sent_ids = len(r.output_ids)
         r.sent_text_len = len(text)
         if r.return_logprob:

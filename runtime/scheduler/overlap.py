@@ -15,7 +15,8 @@ The part that owns what is in flight. Two pipelines, never both in flight at onc
 
 Only steps whose sampling needs nothing from the host are launched ahead (no row
 `needs_host_sampling`: no logprobs, grammar, penalties or pending min_new_tokens); the others run
-synchronously (`runner.run`). On the CPU a launch runs synchronously, but the bookkeeping is the same
+synchronously (`runner.run`). A VERIFY step (speculative decoding) always runs synchronously, and no
+decode step is launched ahead of one that may verify drafts (its drafts depend on the tokens in flight). On the CPU a launch runs synchronously, but the bookkeeping is the same
 as on a GPU (tests set `overlap = True`).
 """
 
@@ -28,13 +29,14 @@ from .batch import ScheduleBatch
 from .kv_manager import KVManager
 from .queues import RequestQueues
 from .results import StepResults
+from .speculation import Speculation
 from .step_runner import StepRunner
 from .step_timer import StepTimer
 
 
 class StepPipeline:
     def __init__(self, runner: StepRunner, queues: RequestQueues, kv: KVManager, results: StepResults,
-                 timer: StepTimer, overlap: bool, pipeline_prefills: bool):
+                 timer: StepTimer, overlap: bool, pipeline_prefills: bool, spec: Speculation):
         self.runner = runner
         self.queues = queues
         self.kv = kv
@@ -42,6 +44,7 @@ class StepPipeline:
         self.timer = timer
         self.overlap = overlap
         self.pipeline_prefills = pipeline_prefills
+        self.spec = spec
         self.pending: Optional[tuple[ScheduleBatch, Any]] = None  # a decode step in flight
         self.pending_prefill: Optional[tuple[ScheduleBatch, Any]] = None  # a prefill step in flight
 
@@ -54,7 +57,7 @@ class StepPipeline:
     # ------------------------------------------------------------------ launching
     def launch(self, batch: ScheduleBatch, t0: float) -> ScheduleBatch:
         """Run `batch` (built, nothing in flight), or launch it and leave it in flight."""
-        kind = "prefill" if batch.mode.is_extend() else "decode"
+        kind = "prefill" if batch.mode.is_extend() else ("verify" if batch.mode.is_verify() else "decode")
         started = self.timer.begin()
         if self.overlap and batch.mode.is_decode() and self._launchable(batch):
             self.pending = (batch, self.runner.launch(batch.to_step()))
@@ -71,7 +74,10 @@ class StepPipeline:
         return batch
 
     def _run_now(self, batch: ScheduleBatch, kind: str, started) -> None:
-        out = self.runner.run(batch.to_step())
+        step = batch.to_step()
+        t_run = time.perf_counter()
+        out = self.runner.run(step)
+        self.spec.observe_step(batch, time.perf_counter() - t_run)
         self.timer.launched(kind, started)
         t_read = time.perf_counter()
         if batch.mode.is_extend():
@@ -86,6 +92,8 @@ class StepPipeline:
     def _count(self, batch: ScheduleBatch, t0: float) -> None:
         if batch.mode.is_extend():
             self.timer.count("prefill", len(batch.reqs), sum(batch.extend_lens), time.perf_counter() - t0)
+        elif batch.mode.is_verify():
+            self.timer.count("verify", len(batch.reqs), len(batch.out_cache_loc), time.perf_counter() - t0)
         else:
             self.timer.count("decode", len(batch.reqs), len(batch.reqs), time.perf_counter() - t0)
 
@@ -188,7 +196,7 @@ class StepPipeline:
         # NOTE: every request of `batch` passed `_launchable` when it was first launched, and that stays
         # true (its inputs are fixed per request, or, as min_new_tokens, only grow more permissive).
         keep = [j for j, r in enumerate(batch.reqs) if r.finished_reason is None]
-        if not keep:
+        if not keep or self.spec.may_speculate([batch.reqs[j] for j in keep]):
             return None
         # batch.seq_lens_host = each request's length now (the token then in flight is counted).
         if int(batch.seq_lens_host[keep].max()) >= context_len - 1:

@@ -5,6 +5,11 @@ A prefill batch is committed in two parts: what it changes without its sampled t
 KV length, its computed prefix in the cache, CHUNKED or RUNNING) when it is launched (`commit_prefill`:
 a batch launched ahead is committed before the next admission, which then matches these tokens instead
 of computing them again), and its tokens when they are read back (`process`).
+
+A VERIFY step (speculative decoding) gives a request several tokens: they are committed one at a time,
+each through the stop checks as a decode step's token would be (one batched detokenization per
+round), so stop strings, EOS and max_new_tokens cut exactly where they would without speculation; the
+speculation part then keeps the KV of what was committed and frees the rest.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from .grammars import SchedulerGrammars
 from .kv_manager import KVManager
 from .outputs import OutputBuilder
 from .queues import RequestQueues
+from .speculation import Speculation
 
 # What `process` does with a request once the step's stop checks ran.
 _ABORTED, _NO_TOKEN, _TOKEN = range(3)
@@ -26,7 +32,7 @@ _ABORTED, _NO_TOKEN, _TOKEN = range(3)
 
 class StepResults:
     def __init__(self, queues: RequestQueues, kv: KVManager, outputs: OutputBuilder, finisher: Finisher,
-                 grammars: SchedulerGrammars, context_len: int, stats: dict):
+                 grammars: SchedulerGrammars, context_len: int, stats: dict, spec: Speculation):
         self.queues = queues
         self.kv = kv
         self.outputs = outputs
@@ -34,6 +40,7 @@ class StepResults:
         self.grammars = grammars
         self.context_len = context_len
         self.stats = stats
+        self.spec = spec
 
     def commit_prefill(self, batch: ScheduleBatch) -> None:
         """What a prefill batch changes on the host without its sampled tokens (see the module doc)."""
@@ -47,6 +54,8 @@ class StepResults:
         """Commit a step: tokens appended, stops checked (one batched detokenization for the whole step),
         then, in batch order, finished requests released, jumps queued. A later batch may have moved a
         prefill's requests on since it was committed, so their kv lengths are not touched here."""
+        if batch.mode.is_verify():
+            return self._process_verify(batch, out)
         extend = batch.mode.is_extend()
         reqs = batch.reqs
         step_slots = batch.out_cache_loc.tolist() if not extend else [None] * len(reqs)
@@ -98,6 +107,35 @@ class StepResults:
             staged = _merge_finished(reqs, staged, to_check)
         self._settle(staged)
 
+    def _process_verify(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        """Commit each request's accepted tokens in rounds (round j: every request still going appends its
+        j-th token, then the stop checks run for all of them at once)."""
+        reqs = batch.reqs
+        tokens = [v.tokens for v in out.verified]
+        committed = [0] * len(reqs)
+        aborted = [r.finished_reason is not None for r in reqs]  # aborted mid-step
+        active = [i for i, a in enumerate(aborted) if not a]
+        j = 0
+        while active:
+            to_check = []
+            for i in active:
+                r, tok = reqs[i], tokens[i][j]
+                r.output_ids.append(tok)
+                committed[i] += 1
+                lps = out.verified[i].logprobs
+                if lps is not None:
+                    r.output_token_logprobs.append((lps[j][0], tok))
+                    r.output_top_logprobs.append(lps[j][1])
+                # A token the grammar rejects gets an abort reason from accept(); it keeps it.
+                if r.grammar is None or self.grammars.accept(r, tok):
+                    to_check.append(r)
+            self.outputs.check_finish_many(to_check, self.context_len)
+            j += 1
+            active = [i for i in active if reqs[i].finished_reason is None and j < len(tokens[i])]
+        self.stats["generation_tokens"] += sum(committed)
+        self.spec.commit_kv(batch, out, committed)
+        self._settle([(r, _ABORTED if a else _TOKEN) for r, a in zip(reqs, aborted)])
+
     def _settle(self, staged: list[tuple[Req, int]]) -> None:
         """In batch order: finished requests released, grammar-forced tails queued for a prefill."""
         changed = False
@@ -113,7 +151,8 @@ class StepResults:
             elif r.finished_reason is not None:
                 self.finisher.end(r, counted=True)
                 changed = True
-            elif r.grammar is not None and self.grammars.jump_forward(r) is not None:
+            elif (r.grammar is not None and not self.spec.replaces_jump_forward(r)
+                  and self.grammars.jump_forward(r) is not None):
                 # The grammar forced text: its tokens were appended; prefill them next step instead of
                 # decoding them one by one (unless they used up max_new_tokens).
                 if r.remaining_new_tokens() == 0:

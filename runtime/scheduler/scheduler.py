@@ -2,7 +2,8 @@
 
 Each loop (`step`): expire pins, poll grammar compiles, release aborted requests → build the next batch (a
 prefill batch when requests wait and fit: `PrefillAdmission`; else a decode batch of every running request,
-retracting when KV runs short: `KVShortage`) → run it on the step runner it was handed (`StepPipeline`,
+retracting when KV runs short: `KVShortage`, which `Speculation` makes a VERIFY batch of draft trees when
+requests have drafts) → run it on the step runner it was handed (`StepPipeline`,
 which may launch it ahead and process the previous one) → commit the results (`StepResults`). Requests
 move between queues only through `RequestQueues`; memory only through the `KVManager`; a request ends only
 through the `Finisher`.
@@ -37,6 +38,7 @@ from .overlap import StepPipeline
 from .queues import ReqStatus, RequestQueues
 from .results import StepResults
 from .retraction import KVShortage
+from .speculation import Speculation
 from .step_runner import StepRunner
 from .step_timer import StepTimer
 
@@ -44,10 +46,11 @@ logger = logging.getLogger("plait.scheduler")
 
 
 def create_scheduler(server_args: ServerArgs, model_path: str) -> "Scheduler":
-    """The scheduler over the model runner for `model_path` (one device; or rank 0 of a model split
-    over tp_size x pp_size ranks, which starts the other ranks: runtime/distributed/), and the tokenizer."""
+    """The scheduler over its step runner for `model_path` (one device, with a drafter when speculating with
+    a draft model or head; or rank 0 of a model split over tp_size x pp_size ranks, which starts the other
+    ranks: runtime/distributed/), and the tokenizer."""
     from ..executor.loader import load_tokenizer
-    from ..executor.model_runner import ModelRunner
+    from ..executor.spec_runner import create_step_runner
 
     # NOTE: the tokenizer loads on a thread while the model is built (each is seconds of a small model's
     # start on the CPU, much of it in native code that releases the GIL).
@@ -58,7 +61,7 @@ def create_scheduler(server_args: ServerArgs, model_path: str) -> "Scheduler":
 
             runner = start_group(server_args, model_path)
         else:
-            runner = ModelRunner(server_args, model_path)
+            runner = create_step_runner(server_args, model_path)
         return Scheduler(server_args, runner, tokenizer.result())
 
 
@@ -86,13 +89,15 @@ class Scheduler:
         self.shortage = KVShortage(self.queues, self.kv, self.finisher, self.stats)
         self.admission = PrefillAdmission(server_args, self.queues, self.kv, self.shortage,
                                           runner.max_running_requests, self.stats)
+        self.speculation = Speculation(server_args, self.kv, tokenizer, runner.context_len)
         self.results = StepResults(self.queues, self.kv, self.outputs, self.finisher, self.grammars,
-                                   runner.context_len, self.stats)
+                                   runner.context_len, self.stats, self.speculation)
         # Overlap scheduling (a step in flight, launched but not read back) pays where the runner launches
         # asynchronously.
         self.pipeline = StepPipeline(runner, self.queues, self.kv, self.results, self.timer,
                                      overlap=not server_args.disable_overlap_schedule and runner.supports_overlap,
-                                     pipeline_prefills=not server_args.disable_prefill_pipeline)
+                                     pipeline_prefills=not server_args.disable_prefill_pipeline,
+                                     spec=self.speculation)
         self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
         # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
         self.compile_watch = CompileWatch()
@@ -193,13 +198,18 @@ class Scheduler:
         prefill_in_flight = self.pipeline.pending_prefill is not None
         batch = self.admission.build(prefill_in_flight)
         if prefill_in_flight:
-            return self.pipeline.step_prefill_in_flight(batch, t0, self.shortage.decode_batch)
+            return self.pipeline.step_prefill_in_flight(batch, t0, self._decode_batch)
         if batch is None:
-            batch = self.shortage.decode_batch()
+            batch = self._decode_batch()
         self.timer.phase("admit", time.perf_counter() - t0)
         if batch is None:
             return None
         return self.pipeline.launch(batch, t0)
+
+    def _decode_batch(self) -> Optional[ScheduleBatch]:
+        """One token for every running request, or a VERIFY step of their draft trees."""
+        batch = self.shortage.decode_batch()
+        return self.speculation.upgrade(batch) if batch is not None else None
 
     def _sweep_aborted(self) -> None:
         """Release requests holding KV that were aborted since the last step (they may not be in the next
@@ -255,6 +265,7 @@ class Scheduler:
             "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
             "last_integrity_error": self.last_integrity_error,
             **self.grammars.stats(),
+            **self.speculation.stats(),
             **self.compile_watch.stats(),
             "steps": self.timer.report(),
         }

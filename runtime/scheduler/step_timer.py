@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-KINDS = ("prefill", "decode")
+KINDS = ("prefill", "decode", "verify")
 
 
 class StepTimer:

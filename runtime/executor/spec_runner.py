@@ -1,0 +1,156 @@
+"""The draft-and-verify step runner: the target's ModelRunner and a drafter (a STANDALONE draft model or an
+EAGLE head), behind the scheduler's StepRunner seam.
+
+Every step runs on the target as usual, then the drafter sees it (its KV in lockstep with the target's:
+speculative/draft_batch.py); a VERIFY step whose requests the scheduler left to the runner is drafted
+first. Steps are never launched ahead (`supports_overlap` False): a drafter's next step reads what the
+one before committed.
+
+`create_step_runner` builds the runner the settings ask for: a plain ModelRunner without a drafter.
+Start-up refuses a draft model or head that cannot draft for the target (another tokenizer or
+vocabulary, another hidden size), with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from ..attention import create_attention_backend
+from ..kvcache.memory_pool import KVPool
+from ..models.config import ModelConfig
+from ..server_args import ServerArgs
+from ..speculative.draft_batch import DraftMemory
+from ..speculative.draft_model import DraftModelDrafter
+from ..speculative.eagle import EagleDrafter
+from ..speculative.eagle_head import EagleHead, HeadConfig
+from ..step import StepInput, StepOutput
+from .loader import _iter_safetensors, load_model, load_model_config, load_tokenizer, safetensors_files
+from .model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class SpecRunner:
+    def __init__(self, target: ModelRunner, drafter: Any):
+        self.target = target
+        self.drafter = drafter
+        t = target
+        self.max_total_tokens, self.max_running_requests = t.max_total_tokens, t.max_running_requests
+        self.context_len, self.vocab_size, self.device, self.dtype = t.context_len, t.vocab_size, t.device, t.dtype
+        self.eos_token_ids, self.attention_backend = t.eos_token_ids, t.attention_backend
+        self.allocator, self.req_to_token_pool = t.allocator, t.req_to_token_pool
+        self.supports_overlap = False
+
+    def run(self, step: StepInput) -> StepOutput:
+        d = self.drafter
+        if step.mode.is_verify():
+            if step.draft.has_model_drafts:
+                d.draft(step)
+            out, hidden, fb = self.target.run_verify(step, d.capture_layers)
+            d.after_verify(step, out, hidden, fb)
+            return out
+        if d.needs_hidden:
+            out, hidden, fb = self.target.run_with_hidden(step, d.capture_layers)
+            d.observe(step, out, hidden, fb)
+            return out
+        out = self.target.run(step)
+        d.observe(step, out)
+        return out
+
+    def launch(self, step: StepInput, prev=None) -> StepOutput:
+        return self.run(step)
+
+    def resolve(self, handle: StepOutput) -> StepOutput:
+        return handle
+
+
+def create_step_runner(server_args: ServerArgs, model_path: str):
+    """The scheduler's step runner: a ModelRunner, with a drafter when the algorithm has one."""
+    algo = server_args.speculative_algorithm
+    if algo not in ("STANDALONE", "EAGLE", "EAGLE3"):
+        runner = ModelRunner(server_args, model_path)
+        if algo is not None:
+            _capture_verify_graphs(runner, server_args, ())
+        return runner
+    steps, topk, nodes = server_args.speculative_shape()
+    draft_path = server_args.speculative_draft_model_path
+    if not os.path.isdir(draft_path):
+        raise ValueError(f"speculative_draft_model_path {draft_path!r} is not a folder")
+    target_cfg = load_model_config(model_path, server_args.load_format)
+    device = server_args.resolved_device()
+    dtype = server_args.resolved_dtype(target_cfg.checkpoint_dtype)
+    context_len = target_cfg.resolve_context_length(server_args.context_length)
+    if algo == "STANDALONE":
+        draft_cfg = load_model_config(draft_path, "auto")
+        _check_same_vocabulary(server_args, model_path, target_cfg, draft_path, draft_cfg)
+        model = load_model(draft_path, draft_cfg, "auto", dtype, device, context_len, server_args.random_seed)
+        kv_shape = (draft_cfg.num_hidden_layers, draft_cfg.num_key_value_heads, draft_cfg.head_dim)
+        scratch = DraftModelDrafter.scratch_per_row(steps, topk)
+    else:
+        hc = HeadConfig.from_folder(draft_path, algo, target_cfg)
+        model = _load_head(hc, draft_path, dtype, device, context_len)
+        draft_cfg = hc.model
+        kv_shape = (model.num_kv_layers, draft_cfg.num_key_value_heads, draft_cfg.head_dim)
+        scratch = EagleDrafter.scratch_per_row(steps, topk)
+    # NOTE: the target sizes its pool after the drafter's weights are loaded, for the two pools' bytes per
+    # token together: the drafter's pool has the target's slots (draft_batch.py).
+    target = ModelRunner(server_args, model_path, extra_kv_bytes_per_token=KVPool.bytes_per_token(*kv_shape, dtype))
+    rows = target.max_running_requests + 1
+    pool = KVPool(target.max_total_tokens + rows * scratch, *kv_shape, dtype, device)
+    view = _BackendView(device, draft_cfg, server_args)
+    memory = DraftMemory(pool, target.req_to_token_pool, create_attention_backend(target.attention_backend, view),
+                         target.max_total_tokens, scratch, device)
+    if algo == "STANDALONE":
+        drafter = DraftModelDrafter(model, memory, steps, topk, nodes)
+    else:
+        model.attach_target(target.model)
+        drafter = EagleDrafter(model, memory, steps, topk, nodes, rows)
+    _capture_verify_graphs(target, server_args, drafter.capture_layers)
+    logger.info("speculative decoding: %s drafter from %s (steps %d, top-k %d, %d tokens per verify)", algo,
+                draft_path, steps, topk, nodes)
+    return SpecRunner(target, drafter)
+
+
+def _capture_verify_graphs(runner: ModelRunner, sa: ServerArgs, capture_layers: tuple) -> None:
+    """On a GPU with decode graphs, verify steps get theirs too (up to the batch size speculation runs at)."""
+    if runner.graph_runner is not None:
+        runner.capture_verify_graphs(sa.speculative_shape()[2], sa.resolved_speculative_disable_by_batch_size(),
+                                     capture_layers)
+
+
+class _BackendView:
+    """What an attention backend reads of its model runner, for the drafter's own backend."""
+
+    def __init__(self, device: str, model_config: ModelConfig, server_args: ServerArgs):
+        self.device, self.model_config, self.server_args = device, model_config, server_args
+
+
+def _check_same_vocabulary(sa: ServerArgs, model_path: str, target: ModelConfig, draft_path: str,
+                           draft: ModelConfig) -> None:
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model in {draft_path!r} has a vocabulary of {draft.vocab_size} tokens, the "
+                         f"target {target.vocab_size}: STANDALONE drafts need the target's tokenizer")
+    draft_tok = load_tokenizer(draft_path)
+    target_tok = load_tokenizer(sa.tokenizer_path or model_path)
+    if draft_tok is None or target_tok is None:
+        return  # token ids only (a built-in shape or a bare folder): the vocabulary sizes agree
+    if draft_tok.get_vocab() != target_tok.get_vocab():
+        raise ValueError(f"the draft model in {draft_path!r} has another tokenizer than the target: its token ids "
+                         f"mean other text, so its drafts would never be accepted")
+
+
+def _load_head(hc: HeadConfig, path: str, dtype: torch.dtype, device: str, context_len: int) -> EagleHead:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            head = EagleHead(hc, context_len)
+    finally:
+        torch.set_default_dtype(old)
+    head.load_weights(_iter_safetensors(safetensors_files(path)), source=path)
+    return head.to(dtype=dtype, device=device).eval()
+

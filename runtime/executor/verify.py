@@ -1,0 +1,159 @@
+"""The model runner's VERIFY steps: every node of every request's draft tree scored in one forward (eager,
+or a CUDA graph: verify_graphs.py), then the drafts accepted (speculative/acceptance.py) and the
+target's logprobs read for what was.
+
+The logits of a node are adjusted as a decode step's would be for the same tokens (logit bias, and the
+grammar mask after the node's path: speculative/grammar_drafts.py walks each matcher down its tree and
+back), then greedy requests take the longest match and sampled ones rejection-sample. Requests with
+penalties, a pending min_new_tokens or a seed never get drafts (scheduler/speculation.py), so nothing
+here depends on a node's depth beyond its grammar state.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..forward_batch import ForwardBatch
+from ..constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+from ..speculative.acceptance import accept_greedy, accept_sampled
+from ..speculative.grammar_drafts import fill_tree_bitmask
+from ..speculative.tree import DraftTree
+from ..speculative.verify_step import step_trees
+from ..step import StepInput, StepOutput, VerifiedTokens
+from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sampling_probs
+
+
+class VerifySteps:
+    """The part of the model runner that runs VERIFY steps."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.verifier = Verifier(runner.vocab_size)
+        self.graphs = None  # verify_graphs.VerifyGraphRunner, GPU
+
+    def capture_graphs(self, nodes: int, max_bs: int, capture_layers: tuple) -> None:
+        from .verify_graphs import VerifyGraphRunner
+
+        self.graphs = VerifyGraphRunner(self.runner, nodes, max_bs, capture_layers)
+
+    def run(self, step: StepInput, capture_layers: tuple = ()):
+        """(what each request accepted, the nodes' hidden states (T, hidden), an object whose
+        `captured_hidden` holds the inputs of `capture_layers`)."""
+        mr = self.runner
+        if self.graphs is not None and self.graphs.can_run(step) and capture_layers == self.graphs.capture_layers:
+            logits, hidden, captured = self.graphs.replay(step)
+            return self.verifier.accept(step, logits), hidden, CapturedStates(captured)
+        fb = mr._build_forward_batch(step)
+        if capture_layers:
+            fb.capture_layers, fb.captured_hidden = capture_layers, []
+        mr.attn_backend.init_forward_metadata(fb)
+        hidden = mr.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
+        logits = mr.model.compute_logits(hidden)  # (T, V): every node is scored
+        return self.verifier.accept(step, logits), hidden, fb
+
+
+class CapturedStates:
+    """A graph-replayed verify step's captured layer inputs (what a drafter reads of a ForwardBatch)."""
+
+    def __init__(self, captured_hidden: Optional[list]):
+        self.captured_hidden = captured_hidden
+
+
+class Verifier:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._bitmask: Optional[torch.Tensor] = None  # (rows, W) int32 on the host
+
+    def accept(self, step: StepInput, logits: torch.Tensor, trees: Optional[list[DraftTree]] = None) -> StepOutput:
+        """logits (T, V) float32 of every node of the step (the raw model's) -> what each request accepted."""
+        trees = trees or step_trees(step)
+        starts = step.req_rows[4].tolist()
+        rows = step.sampling  # per request (every request of a VERIFY step samples)
+        want_lp = [r.return_logprob for r in rows]
+        raw = logits.clone() if any(want_lp) else None
+        node_rows = [r for r, t in zip(rows, trees) for _ in range(t.size)]  # (T,) each node's request row
+        if any(not r.plain_greedy() for r in rows):
+            info = SamplingBatchInfo.from_rows(node_rows, logits.shape[1], logits.device)
+            apply_logit_adjustments(logits, node_rows, info)
+            if info.has_grammar:
+                self._mask(logits, rows, trees, starts)
+        greedy = [b for b, r in enumerate(rows) if r.params.is_greedy]
+        sampled = [b for b, r in enumerate(rows) if not r.params.is_greedy]
+        accepted: list = [None] * len(rows)
+        if greedy:
+            target = greedy_tokens(logits).tolist()  # (T,) every node's argmax (one read back)
+            for b in greedy:
+                s = starts[b]
+                accepted[b] = accept_greedy(trees[b], target[s:s + trees[b].size])
+        if sampled:
+            node_index = torch.tensor([starts[b] + i for b in sampled for i in range(trees[b].size)],
+                                      device=logits.device)
+            sub_rows = [rows[b] for b in sampled for _ in range(trees[b].size)]
+            info = SamplingBatchInfo.from_rows(sub_rows, logits.shape[1], logits.device)
+            probs = sampling_probs(logits.index_select(0, node_index), info)  # (T_s, V)
+            firsts, offset = [], 0
+            for b in sampled:
+                firsts.append(offset)
+                offset += trees[b].size
+            for b, res in zip(sampled, accept_sampled([trees[b] for b in sampled], probs, firsts)):
+                accepted[b] = res
+        out = StepOutput(next_token_ids=[toks[-1] for toks, _ in accepted], output_logprobs=[None] * len(rows),
+                         input_logprobs=[[] for _ in rows])
+        out.verified = [VerifiedTokens(toks, nodes, proposed=t.size - 1) for (toks, nodes), t in zip(accepted, trees)]
+        if raw is not None:
+            self._logprobs(raw, rows, out.verified, starts)
+        return out
+
+    def _mask(self, logits: torch.Tensor, rows, trees: list[DraftTree], starts: list[int]) -> None:
+        total = logits.shape[0]
+        if self._bitmask is None or self._bitmask.shape[0] < total:
+            self._bitmask = allocate_token_bitmask(max(total, 64), self.vocab_size)
+        bitmask = self._bitmask[:total]  # (T, W)
+        masked = []
+        for b, r in enumerate(rows):
+            if r.grammar is None:
+                continue
+            fill_tree_bitmask(r.grammar, trees[b], bitmask, starts[b])
+            masked.extend(range(starts[b], starts[b] + trees[b].size))
+        apply_token_bitmask_inplace(logits, bitmask, masked)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, rows, verified: list[VerifiedTokens], starts: list[int]) -> None:
+        """The raw model's logprob of each committed token at the node before it (as a decode step
+        reports them), for the requests that asked."""
+        want = [b for b, r in enumerate(rows) if r.return_logprob]
+        at, toks = [], []
+        for b in want:
+            path = [0] + verified[b].nodes  # node j predicts tokens[j]
+            at.extend(starts[b] + n for n in path)
+            toks.extend(verified[b].tokens)
+        top_k = max(rows[b].top_logprobs_num for b in want)
+        dev = raw.device
+        chosen, top_v, top_i = compute_logprobs(raw.index_select(0, torch.tensor(at, device=dev)),
+                                                torch.tensor(toks, device=dev), top_k)
+        chosen = chosen.tolist()
+        top_v = top_v.tolist() if top_v is not None else None
+        top_i = top_i.tolist() if top_i is not None else None
+        j = 0
+        for b in want:
+            k = rows[b].top_logprobs_num
+            lps = []
+            for _ in verified[b].tokens:
+                top = list(zip(top_v[j][:k], top_i[j][:k])) if (k and top_v is not None) else None
+                lps.append((chosen[j], top))
+                j += 1
+            verified[b].logprobs = lps
+
+
+def set_verify_tree(fb: ForwardBatch, step: StepInput, device: str) -> None:
+    """A VERIFY step's trees on its forward batch: a target verify's new tokens are its whole trees."""
+    fb.tree_lens, fb.tree_lens_cpu = fb.extend_seq_lens, list(step.extend_lens)
+    mask = step.draft.tree_mask
+    if mask is not None:
+        sizes = np.asarray(step.extend_lens, dtype=np.int64)
+        fb.tree_mask = torch.from_numpy(mask).to(device, non_blocking=True)
+        offsets = np.cumsum(sizes * sizes) - sizes * sizes
+        fb.tree_mask_offsets = torch.from_numpy(offsets).to(device, non_blocking=True)

@@ -1,0 +1,279 @@
+"""Speculative decoding's part of the scheduler: which running requests get drafts this step and how
+many, the VERIFY batch that scores them with everyone else's next token, and what a verify step's
+acceptance changes in KV memory.
+
+`upgrade` turns the decode batch (one slot per running request, allocated by `KVShortage`) into a VERIFY
+batch when at least one request has drafts and the pool has their slots; otherwise the batch stays a
+plain decode. Drafts come from the request's grammar (the forced tokens: speculative/grammar_drafts.py)
+and prompt lookup (NGRAM) here on the host, or from the runner's draft model / EAGLE head, for which
+this part only sizes the tree. A request without drafts is a one-node tree in the same step.
+
+Requests never speculate while their sampling depends on their own tokens beyond what a node's path
+gives: penalties, a pending min_new_tokens, a seed (its samples would no longer reproduce those of a
+run without speculation). Above `speculative_disable_by_batch_size` running requests only grammar-forced
+drafts are proposed: a forced token is almost never rejected, so verifying it costs what jump-forward's
+prefill of it would, where a guessed draft costs compute a large batch no longer has to spare.
+
+After the step (`commit_kv`, called by `StepResults` once the stop checks said how many of the accepted
+tokens a request keeps): the kept nodes' slots stay the request's (its table rewritten where a tree's
+path is not its first nodes), every other node's slot goes back to the allocator: rejected drafts never
+reach the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..forward_batch import ForwardMode
+from ..request import Req
+from ..server_args import MODEL_DRAFT_ALGORITHMS, ServerArgs
+from ..speculative.adaptive import RequestSpecState
+from ..speculative.cost import StepCosts, allocate
+from ..speculative.grammar_drafts import GrammarDrafts
+from ..speculative.ngram import NgramIndex, TokenView
+from ..speculative.tree import DraftTree
+from ..step import StepOutput
+from .batch import ScheduleBatch, VerifyPlan
+from .kv_manager import KVManager
+
+
+# The cost model (speculative/cost.py) decides most steps' drafts; every EXPLORE_EVERY-th step verifies what
+# was proposed anyway (the costs of steps it stopped running would never be measured again), and until a
+# plain decode step of the batch's size was measured, every MEASURE_EVERY-th step is one.
+EXPLORE_EVERY = 32
+MEASURE_EVERY = 8
+MAX_LEARN_TOKENS = 32  # a forced text's tokens are learned from at most this many written after it
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    ngram: bool  # prompt lookup (NGRAM)
+    model_drafts: bool  # the runner drafts (STANDALONE, EAGLE, EAGLE3)
+    grammar: bool  # grammar-forced drafts for constrained requests
+    max_drafts: int  # draft tokens per request and step (num_draft_tokens - 1)
+    tree_nodes: int  # nodes of a model-drafted tree (num_draft_tokens)
+    chain_only: bool  # model drafts are chains (topk 1): their length adapts too
+    # req_to_token positions a drafter writes past a request's sequence while it drafts a tree (its
+    # scratch: the root and each later step's frontier).
+    draft_span: int
+    max_batch: int  # no speculation with more running requests
+    adaptive: bool
+
+    @classmethod
+    def of(cls, sa: ServerArgs) -> "SpecSettings":
+        steps, topk, tokens = sa.speculative_shape()
+        # NOTE: flashinfer has no verify mode, and a model split over ranks verifies no drafts yet: "auto"
+        # leaves grammar drafts off there (an explicit "on" is refused at start-up).
+        grammar = sa.speculative_grammar_drafts == "on" or (
+            sa.speculative_grammar_drafts == "auto" and not sa.disable_jump_forward
+            and sa.attention_backend != "flashinfer" and sa.world_size() == 1)
+        return cls(ngram=sa.speculative_algorithm == "NGRAM",
+                   model_drafts=sa.speculative_algorithm in MODEL_DRAFT_ALGORITHMS, grammar=grammar,
+                   max_drafts=tokens - 1, tree_nodes=tokens, chain_only=topk == 1,
+                   draft_span=max(tokens, 1 + topk * (steps - 1)),
+                   max_batch=sa.resolved_speculative_disable_by_batch_size(),
+                   adaptive=not sa.disable_speculative_adaptive)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ngram or self.model_drafts or self.grammar
+
+
+class Speculation:
+    def __init__(self, server_args: ServerArgs, kv: KVManager, tokenizer: Any, context_len: int):
+        self.settings = SpecSettings.of(server_args)
+        self.kv = kv
+        self.context_len = context_len
+        sa = server_args
+        self.ngram_window = (sa.speculative_ngram_min_match_window_size, sa.speculative_ngram_max_match_window_size)
+        special = getattr(tokenizer, "all_special_ids", None) or ()
+        self.grammar_drafts = GrammarDrafts(tokenizer, special) if self.settings.grammar and tokenizer else None
+        self.costs = StepCosts()  # seconds per step by its token count, on this device
+        self._decisions = 0  # steps whose drafts the cost model weighed
+        # Request-steps verified with at least one draft, drafts proposed, drafts accepted (and kept),
+        # VERIFY forward steps.
+        self.totals = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+                       "spec_verify_batches": 0}
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.enabled
+
+    # ------------------------------------------------------------------ decisions
+    def replaces_jump_forward(self, r: Req) -> bool:
+        """The grammar's forced tokens are this request's drafts: jump-forward must not append them."""
+        return self.grammar_drafts is not None and r.grammar is not None and self._eligible(r)
+
+    def may_speculate(self, reqs: list[Req]) -> bool:
+        """Whether the next step could be a VERIFY (so a decode step must not be launched ahead of it)."""
+        s = self.settings
+        if not s.enabled:
+            return False
+        small = len(reqs) <= s.max_batch
+        return any(self._eligible(r) and (r.spec is None or r.spec.sit_out == 0)
+                   and (small or (self.grammar_drafts is not None and r.grammar is not None)) for r in reqs)
+
+    def upgrade(self, batch: ScheduleBatch) -> ScheduleBatch:
+        """The decode `batch` as a VERIFY batch of every request's draft tree, when any request has
+        drafts and the pool has their slots; else `batch` itself."""
+        s = self.settings
+        if not s.enabled:
+            return batch
+        small = len(batch.reqs) <= s.max_batch
+        if not small and self.grammar_drafts is None:
+            return batch
+        trees: list[DraftTree] = []
+        model_draft: list[bool] = []
+        for r in batch.reqs:
+            tree, by_model = self._plan(r, small)
+            trees.append(tree)
+            model_draft.append(by_model)
+        if s.adaptive and any(t.size > 1 for t in trees):
+            self._decisions += 1
+            if not self.costs.measured(len(trees)) and self._decisions % MEASURE_EVERY == 0:
+                return batch  # a plain decode step now and then until its cost is known
+            if self._decisions % EXPLORE_EVERY:  # else: verify what was proposed (costs drift; measure again)
+                trees, model_draft = self._afford(batch.reqs, trees, model_draft)
+        extra = sum(t.size - 1 for t in trees)
+        if extra == 0:
+            return batch
+        loc = self.kv.alloc(extra)
+        if loc is None:  # no room for drafts this step: decode as usual
+            return batch
+        roots = batch.out_cache_loc.numpy()
+        slots = np.empty(len(roots) + extra, dtype=np.int64)
+        extra_np = loc.numpy()
+        at = used = 0
+        for i, t in enumerate(trees):
+            slots[at] = roots[i]
+            slots[at + 1:at + t.size] = extra_np[used:used + t.size - 1]
+            at += t.size
+            used += t.size - 1
+        self.totals["spec_verify_batches"] += 1
+        return ScheduleBatch(ForwardMode.VERIFY, batch.reqs, out_cache_loc=torch.from_numpy(slots),
+                             verify=VerifyPlan(trees, model_draft))
+
+    def _afford(self, reqs: list[Req], trees: list[DraftTree], model_draft: list[bool]):
+        """The drafts this step's measured costs make worth verifying (cost.allocate): chains are cut, a
+        drafter's top-k tree is kept whole or not at all."""
+        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.accept_rate for r in reqs])
+        out_trees, out_model = [], []
+        for t, by_model, k in zip(trees, model_draft, give):
+            if k == t.size - 1:
+                out_trees.append(t)
+                out_model.append(by_model)
+            elif k == 0 or not t.is_chain():
+                out_trees.append(DraftTree([t.tokens[0]], [-1]))
+                out_model.append(False)
+            else:
+                out_trees.append(DraftTree.chain(t.tokens[0], t.tokens[1:k + 1]))
+                out_model.append(by_model)
+        return out_trees, out_model
+
+    def observe_step(self, batch: ScheduleBatch, seconds: float) -> None:
+        """The runner's time for a decode or verify step that ran synchronously: the cost model's input."""
+        if self.settings.enabled and not batch.mode.is_extend():
+            self.costs.record(len(batch.out_cache_loc), seconds)
+
+    def _eligible(self, r: Req) -> bool:
+        sp = r.sampling_params
+        row = r.sampling
+        if r.finished_reason is not None or row.penalized or row.min_tokens_pending():
+            return False
+        if sp.seed is not None and not sp.is_greedy:
+            return False
+        return r.grammar is None or r.grammar.max_rollback > 0
+
+    def _state(self, r: Req) -> RequestSpecState:
+        if r.spec is None:
+            s = self.settings
+            constrained = r.grammar is not None and self.grammar_drafts is not None
+            # NOTE: a constrained request's free values (a name, a number) are mostly copied from its prompt:
+            # grammar drafts continue with prompt lookup where nothing is forced, NGRAM or not.
+            ngram = NgramIndex(*self.ngram_window) if s.ngram or constrained else None
+            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram, constrained=constrained)
+        return r.spec
+
+    def _plan(self, r: Req, small: bool) -> tuple[DraftTree, bool]:
+        """The request's tree this step (a lone root: no drafts) and whether the runner drafts it;
+        `small`: the batch is small enough for guessed drafts (prompt lookup, a draft model)."""
+        root = r.output_ids[-1]
+        lone = DraftTree([root], [-1])
+        state = self._state(r)
+        if not self._eligible(r) or not (small or r.grammar is not None):
+            return lone, False
+        # Drafts past the request's budget or the context would be thrown away (the target's own next
+        # token comes with them): at most remaining - 1, and the tree must fit in the context.
+        room = min(r.remaining_new_tokens() - 1, self.context_len - r.seq_len)
+        n = min(state.allowed_drafts(), room)
+        if n <= 0:
+            return lone, False
+        s = self.settings
+        if self.grammar_drafts is not None and r.grammar is not None:
+            if state.pending_forced is None:
+                forced = r.grammar.jump_forward_string()
+                if forced:
+                    state.pending_forced = (forced, len(r.output_ids))
+            extend = state.ngram.propose if state.ngram is not None and small else None
+            drafts = self.grammar_drafts.propose(r.grammar, TokenView(r.origin_input_ids, r.output_ids), n, extend)
+            if drafts:
+                return DraftTree.chain(root, drafts), False
+        elif state.ngram is not None:
+            drafts = state.ngram.propose(TokenView(r.origin_input_ids, r.output_ids), n)
+            if drafts:
+                return DraftTree.chain(root, drafts), False
+        if s.model_drafts and small:
+            size = n + 1 if s.chain_only else s.tree_nodes
+            if size <= room + 1 and r.seq_len + s.draft_span <= self.context_len:
+                return DraftTree.chain(root, [0] * (size - 1)), True
+        return lone, False
+
+    # ------------------------------------------------------------------ after the step
+    def commit_kv(self, batch: ScheduleBatch, out: StepOutput, committed: list[int]) -> None:
+        """Request i kept `committed[i]` of its accepted tokens: the slots of its root and of the first
+        committed - 1 accepted drafts hold their KV now (kv_len grows by that many); the others are freed."""
+        slots = batch.out_cache_loc.numpy()
+        table = self.kv.req_to_token
+        freed = []
+        at = 0
+        for r, tree, v, m in zip(batch.reqs, batch.verify.trees, out.verified, committed):
+            n = tree.size
+            seg = slots[at:at + n]
+            at += n
+            kept = max(1, m)  # an aborted request keeps its root's KV, as a decode step's
+            path = [0] + v.nodes[:kept - 1]
+            if path != list(range(kept)):  # a tree's path: its slots move to the positions after the prefix
+                table.write(r.req_pool_idx, r.kv_len, torch.from_numpy(seg[path]))
+            keep = set(path)
+            freed.extend(int(seg[j]) for j in range(n) if j not in keep)
+            r.kv_len += kept
+            self._record(r, v.proposed, min(len(v.nodes), m))
+        if freed:
+            self.kv.allocator.free(torch.tensor(freed, dtype=torch.int64))
+
+    def _learn(self, r: Req) -> None:
+        """What the target wrote since the grammar forced a text: the grammar drafts' tokens for it."""
+        forced, start = r.spec.pending_forced
+        written = r.output_ids[start:]
+        if self.grammar_drafts.learn(forced, written) is not None or len(written) > MAX_LEARN_TOKENS:
+            r.spec.pending_forced = None
+
+    def _record(self, r: Req, proposed: int, accepted: int) -> None:
+        if r.spec is not None and r.spec.pending_forced is not None:
+            self._learn(r)
+        if proposed <= 0:
+            return
+        self._state(r).record(proposed, accepted)
+        t = self.totals
+        t["spec_verify_steps"] += 1
+        t["spec_draft_tokens"] += proposed
+        t["spec_accepted_tokens"] += accepted
+
+    def stats(self) -> dict:
+        t = self.totals
+        steps = t["spec_verify_steps"]
+        return {**t, "avg_spec_accept_length": (t["spec_accepted_tokens"] + steps) / steps if steps else 0.0}

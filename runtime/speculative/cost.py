@@ -1,0 +1,94 @@
+"""Whether drafts pay in this batch, and how many: the step's expected tokens against its measured cost.
+
+A step of T tokens (a decode step: one per request; a verify step: each request's tree) takes `c(T)`
+seconds on this device, measured from the steps run so far (`StepCosts`: a moving average per token
+count). A request whose drafts are each accepted with probability p (its own history) expects
+1 + p + p^2 + ... + p^k tokens from a chain of k drafts. `allocate` orders every draft asked for by its chance of
+being accepted and takes the prefix of that order with the most expected tokens per second, which is
+none when the plain decode step's rate is best. On a GPU a step of a few more tokens costs almost nothing, so
+drafts are given freely; on a CPU, where two rows already cost twice one, only long likely runs are.
+With too few measurements (fewer than MIN_SAMPLES steps, or steps too short to be a device's:
+MIN_STEP_S, a fake runner's) it gives every request what it asks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+MIN_SAMPLES = 2
+MIN_STEP_S = 1e-3
+DECAY = 0.8  # weight of the old average in each new measurement
+
+
+def _bucket(tokens: int) -> int:
+    """Token counts up to 32 on their own; above, powers of two (costs grow slowly there)."""
+    if tokens <= 32:
+        return tokens
+    return 1 << (tokens - 1).bit_length()
+
+
+class StepCosts:
+    def __init__(self) -> None:
+        self._avg: dict[int, float] = {}
+        self._n: dict[int, int] = {}
+
+    def record(self, tokens: int, seconds: float) -> None:
+        if seconds < MIN_STEP_S or tokens <= 0:
+            return
+        b = _bucket(tokens)
+        old = self._avg.get(b)
+        self._avg[b] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        self._n[b] = self._n.get(b, 0) + 1
+
+    def estimate(self, tokens: int) -> Optional[float]:
+        """c(tokens), from the nearest measured counts (linear between them, flat past the largest: a
+        larger step never costs less); None before MIN_SAMPLES steps of any size."""
+        known = sorted(b for b, n in self._n.items() if n >= MIN_SAMPLES)
+        if not known:
+            return None
+        b = _bucket(tokens)
+        if b in self._avg and self._n[b] >= MIN_SAMPLES:
+            return self._avg[b]
+        lower = [k for k in known if k < b]
+        upper = [k for k in known if k > b]
+        if lower and upper:
+            lo, hi = lower[-1], upper[0]
+            return self._avg[lo] + (self._avg[hi] - self._avg[lo]) * (b - lo) / (hi - lo)
+        if lower:  # past the largest measured: grow linearly from the two largest, or stay flat
+            lo = lower[-1]
+            if len(lower) >= 2:
+                prev = lower[-2]
+                slope = max(0.0, (self._avg[lo] - self._avg[prev]) / (lo - prev))
+                return self._avg[lo] + slope * (b - lo)
+            return self._avg[lo]
+        return self._avg[upper[0]]  # below the smallest: no cheaper than it (unknown)
+
+    def measured(self, tokens: int) -> bool:
+        b = _bucket(tokens)
+        return self._n.get(b, 0) >= MIN_SAMPLES
+
+
+def allocate(costs: StepCosts, available: Sequence[int], accept: Sequence[float]) -> list[int]:
+    """Drafts per request (at most available[i]) maximizing the step's expected tokens per second;
+    accept[i]: request i's chance that a draft is accepted. Everything asked when costs are unknown.
+
+    Request i's j-th draft adds accept[i]^j expected tokens. Of the drafts in that order (likeliest first;
+    each request's own in order) the best prefix is taken: costs may flatten as a step grows, so a run
+    of drafts can pay where its first one alone does not."""
+    base = len(available)
+    c_plain = costs.estimate(base)
+    if c_plain is None:
+        return list(available)
+    items = sorted(((accept[i] ** j, j, i) for i in range(base) for j in range(1, available[i] + 1)),
+                   key=lambda t: (-t[0], t[1]))
+    best_m, best_rate = 0, base / c_plain
+    expected = float(base)
+    for m, (gain, _, _) in enumerate(items, 1):
+        expected += gain
+        c = costs.estimate(base + m)
+        if c is not None and expected / c > best_rate:
+            best_m, best_rate = m, expected / c
+    give = [0] * base
+    for _, _, i in items[:best_m]:
+        give[i] += 1
+    return give

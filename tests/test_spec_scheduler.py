@@ -1,0 +1,217 @@
+"""Speculative decoding's scheduler logic, driven by the fake step runner (no model): which steps become
+VERIFY steps, what they hold, what is committed (stop tokens, max_new_tokens, aborts mid-step), the KV
+slots of rejected drafts freed and table rows rewritten for tree paths, retraction, overlap, and the
+per-request adaptation. Outputs with speculation must equal those without, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from fake_runner import EOS, FakeRunner, _PathRow, fake_scheduler
+from plait.runtime.io_struct import AbortReq, FlushCacheReq, TokenizedGenerateReq
+from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.speculative.tree import DraftTree
+
+
+def submit(s, rid: str, ids: list[int], **sp) -> None:
+    sp.setdefault("temperature", 0)
+    sp.setdefault("ignore_eos", True)
+    s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling_params=SamplingParams(**sp)))
+
+
+def drain(s, max_steps: int = 500) -> dict:
+    finals, ids = {}, {}
+    for _ in range(max_steps):
+        s.step()
+        assert s.check_integrity(), s.last_integrity_error
+        for o in s.collect_outputs():
+            ids.setdefault(o.rid, []).extend(o.new_ids)
+            if o.finished_reason is not None:
+                finals[o.rid] = (ids[o.rid], o.finished_reason, o)
+        if s.is_idle():
+            return finals
+    raise AssertionError("the scheduler did not go idle")
+
+
+def all_memory_back(s, total: int) -> bool:
+    return s.handle_message(FlushCacheReq(0)).result is True and s.kv.available() == total
+
+
+def copy_script(row):
+    """The 'model' repeats its prompt over and over: prompt lookup finds every continuation."""
+    return row.prompt_ids[len(row.output_ids) % len(row.prompt_ids)]
+
+
+def run(reqs, runner_kw=None, **server_args):
+    runner = FakeRunner(**(runner_kw or {}))
+    s = fake_scheduler(runner, **server_args)
+    for rid, ids, sp in reqs:
+        submit(s, rid, ids, **sp)
+    finals = drain(s)
+    assert all_memory_back(s, runner.max_total_tokens)
+    return finals, runner, s
+
+
+def outputs(finals) -> dict:
+    return {rid: (ids, reason) for rid, (ids, reason, _) in finals.items()}
+
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def test_ngram_copying_verifies_whole_chains_and_matches_plain_decoding():
+    reqs = [("a", PROMPT, dict(max_new_tokens=20))]
+    off, off_runner, _ = run(reqs, dict(script=copy_script))
+    on, runner, s = run(reqs, dict(script=copy_script), speculative_algorithm="NGRAM",
+                        speculative_num_draft_tokens=5)
+    assert outputs(on) == outputs(off)
+    assert outputs(on)["a"][0] == (PROMPT * 3)[:20]
+    verify = [st for st in runner.steps if st.mode.is_verify()]
+    # The first decode step looks up [.., 12, 5]: 5 follows 12 nowhere yet, so no drafts; from then on
+    # 4 drafts a step, all accepted: 5 tokens per verify step.
+    first = verify[0]
+    assert first.batch_size == 1 and first.extend_lens == [5]
+    assert first.token_rows[0].tolist() == [6, 7, 8, 9, 10]  # the root (last token) and 4 drafts
+    assert first.prefix_lens == [len(PROMPT) + 1]
+    assert first.token_rows[4].tolist() == list(range(9, 14))  # req_to_token positions after the prefix
+    st = s.get_stats()
+    assert st["spec_accepted_tokens"] == st["spec_draft_tokens"] > 0
+    # 5 tokens a step (4 drafts and the target's own), then 3 where max_new_tokens leaves room for 2 drafts.
+    assert [st.extend_lens[0] for st in verify] == [5, 5, 5, 3]
+    assert st["avg_spec_accept_length"] == 18 / 4
+    assert len(runner.steps) < len(off_runner.steps) / 2
+    meta = on["a"][2]
+    assert meta.spec_verify_ct == st["spec_verify_steps"] and meta.spec_accepted_tokens == st["spec_accepted_tokens"]
+
+
+def test_rejected_drafts_free_their_slots_and_outputs_stay_the_targets():
+    # The default script (2 + length % 62) never repeats its prompt's continuations: prompt lookup of a
+    # prompt with repeats proposes drafts the target rejects.
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    reqs = [("a", prompt, dict(max_new_tokens=12)), ("b", PROMPT, dict(max_new_tokens=9))]
+    off, _, _ = run(reqs)
+    on, runner, s = run(reqs, speculative_algorithm="NGRAM", disable_speculative_adaptive=True)
+    assert outputs(on) == outputs(off)
+    st = s.get_stats()
+    assert st["spec_draft_tokens"] > st["spec_accepted_tokens"]
+
+
+@pytest.mark.parametrize("stop_at", [3, 7])
+def test_a_stop_token_among_accepted_drafts_ends_the_request_there(stop_at):
+    def script(row):
+        return EOS if len(row.output_ids) == stop_at else copy_script(row)
+
+    reqs = [("a", PROMPT, dict(max_new_tokens=30, ignore_eos=False))]
+    off, _, _ = run(reqs, dict(script=script))
+    on, _, s = run(reqs, dict(script=script), speculative_algorithm="NGRAM")
+    assert outputs(on) == outputs(off)
+    ids, reason = outputs(on)["a"]
+    assert ids[-1] == EOS and len(ids) == stop_at + 1 and reason["type"] == "stop"
+
+
+def test_max_new_tokens_cuts_the_drafts_and_no_draft_goes_past_it():
+    reqs = [("a", PROMPT, dict(max_new_tokens=6))]
+    on, runner, _ = run(reqs, dict(script=copy_script), speculative_algorithm="NGRAM")
+    assert outputs(on)["a"] == (PROMPT[:6], {"type": "length", "length": 6})
+    for st in runner.steps:
+        if st.mode.is_verify():  # drafts + the target's token never exceed what the request may still emit
+            assert st.prefix_lens[0] + st.extend_lens[0] <= len(PROMPT) + 6
+
+
+def test_runner_drafted_trees_keep_the_accepted_path_and_rewrite_the_table():
+    """A tree whose accepted path is not its first nodes: the path's slots move into the positions after
+    the prefix (host and device table), every other node's slot is freed."""
+    def drafter(row, root, size):
+        good = [copy_script(_PathRow(row, [])), None]
+        good[1] = copy_script(_PathRow(row, [good[0]]))
+        # root -> wrong(0) ; root -> good0 -> wrong ; good0 -> good1 ; padded with wrong leaves
+        tokens = [root, 0, good[0], 0, good[1]]
+        parents = [-1, 0, 0, 2, 2]
+        while len(tokens) < size:
+            tokens.append(1 + len(tokens) % 3 + 40)
+            parents.append(0)
+        return DraftTree(tokens[:size], parents[:size])
+
+    reqs = [("a", PROMPT, dict(max_new_tokens=16)), ("b", list(range(20, 31)), dict(max_new_tokens=11))]
+    off, _, _ = run(reqs, dict(script=copy_script))
+    on, runner, s = run(reqs, dict(script=copy_script, drafter=drafter), speculative_algorithm="STANDALONE",
+                        speculative_draft_model_path="fake", speculative_num_steps=2, speculative_eagle_topk=2,
+                        speculative_num_draft_tokens=6, disable_speculative_adaptive=True)
+    assert outputs(on) == outputs(off)
+    verify = [st for st in runner.steps if st.mode.is_verify()]
+    assert verify and all(st.draft.tree_mask is not None for st in verify)
+    st = s.get_stats()
+    assert st["spec_accepted_tokens"] == 2 * st["spec_verify_steps"]  # good0, good1 every time
+
+
+def test_a_wrong_drafter_backs_off_and_its_request_sits_out():
+    reqs = [("a", PROMPT, dict(max_new_tokens=40))]
+    wrong = lambda row, root, size: DraftTree.chain(root, [0] * (size - 1))  # noqa: E731
+    off, _, _ = run(reqs)
+    on, runner, s = run(reqs, dict(drafter=wrong), speculative_algorithm="STANDALONE",
+                        speculative_draft_model_path="fake")
+    assert outputs(on) == outputs(off)
+    kinds = ["v" if st.mode.is_verify() else ("d" if st.mode.is_decode() else "p") for st in runner.steps]
+    # 3 verify steps that accept nothing, then 8 plain decode steps (the sit-out), then it tries again.
+    assert "".join(kinds).startswith("pvvv" + "d" * 8 + "v")
+    lens = [st.extend_lens[0] for st in runner.steps if st.mode.is_verify()][:3]
+    assert lens == [4, 2, 2]  # 3 drafts, then one more than the accepted (none)
+
+
+def test_speculation_is_off_above_the_batch_size_and_for_penalized_or_seeded_requests():
+    reqs = [(f"r{i}", PROMPT, dict(max_new_tokens=8)) for i in range(3)]
+    _, runner, _ = run(reqs, dict(script=copy_script), speculative_algorithm="NGRAM",
+                       speculative_disable_by_batch_size=2)
+    assert not any(st.mode.is_verify() for st in runner.steps)
+    reqs = [("p", PROMPT, dict(max_new_tokens=8, frequency_penalty=0.5)),
+            ("s", PROMPT, dict(max_new_tokens=8, temperature=0.8, seed=3)),
+            ("m", PROMPT, dict(max_new_tokens=8, min_new_tokens=4))]
+    _, runner, _ = run(reqs, dict(script=copy_script), speculative_algorithm="NGRAM")
+    for st in runner.steps:
+        if st.mode.is_verify():  # only "m", once past its min_new_tokens
+            assert [n for n in st.extend_lens if n > 1] and st.extend_lens[:2] == [1, 1]
+
+
+def test_speculating_and_plain_requests_share_one_verify_step():
+    def script(row):  # "copy" repeats its prompt; "free" counts up (nothing to look up)
+        return copy_script(row) if row.prompt_ids[0] == 5 else 2 + (len(row.output_ids) + 3) % 62
+
+    reqs = [("copy", PROMPT, dict(max_new_tokens=12)), ("free", [40, 41, 42], dict(max_new_tokens=12))]
+    off, _, _ = run(reqs, dict(script=script))
+    on, runner, _ = run(reqs, dict(script=script), speculative_algorithm="NGRAM")
+    assert outputs(on) == outputs(off)
+    mixed = [st for st in runner.steps if st.mode.is_verify() and st.batch_size == 2]
+    assert mixed and any(1 in st.extend_lens for st in mixed)
+
+
+def test_an_abort_mid_verify_releases_everything():
+    runner = FakeRunner(script=copy_script)
+    s = fake_scheduler(runner, speculative_algorithm="NGRAM")
+    submit(s, "a", PROMPT, max_new_tokens=50)
+    submit(s, "b", PROMPT, max_new_tokens=50)
+    for _ in range(3):
+        s.step()
+    s.handle_message(AbortReq("a"))
+    finals = drain(s)
+    assert finals["a"][1]["type"] == "abort" and len(finals["b"][0]) == 50
+    assert all_memory_back(s, runner.max_total_tokens)
+
+
+def test_retraction_under_speculation_loses_nothing():
+    reqs = [(f"r{i}", [5 + i] + PROMPT, dict(max_new_tokens=24)) for i in range(4)]
+    off, _, _ = run(reqs, dict(script=copy_script, max_total_tokens=80))
+    on, _, s = run(reqs, dict(script=copy_script, max_total_tokens=80), speculative_algorithm="NGRAM",
+                   disable_radix_cache=True)
+    assert outputs(on) == outputs(off)
+    assert s.get_stats()["num_retractions"] > 0
+
+
+def test_no_decode_step_is_launched_ahead_of_one_that_may_verify():
+    runner = FakeRunner(script=copy_script)
+    runner.supports_overlap = True
+    s = fake_scheduler(runner, speculative_algorithm="NGRAM")
+    assert s.pipeline.overlap
+    submit(s, "a", PROMPT, max_new_tokens=20)
+    finals = drain(s)
+    assert finals["a"][0] == (PROMPT * 3)[:20]
+    assert s.pipeline.pending is None and sum(st.mode.is_verify() for st in runner.steps) >= 2

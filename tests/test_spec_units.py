@@ -1,0 +1,216 @@
+"""Speculative decoding's pieces on their own: prompt lookup, draft trees, greedy acceptance, rejection
+sampling keeping the target's distribution (many draws, a chi-square bound, a fixed seed), grammar-forced
+drafts and grammar masks down a tree with a real xgrammar matcher (the default model's tokenizer), the
+verify step's rows, and the settings that cannot work refused at start-up."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from plait.runtime.server_args import ServerArgs
+from plait.runtime.speculative.acceptance import accept_greedy, accept_sampled
+from plait.runtime.speculative.grammar_drafts import GrammarDrafts, fill_tree_bitmask
+from plait.runtime.speculative.ngram import NgramIndex
+from plait.runtime.speculative.tree import DraftTree, merge_chains
+from plait.runtime.speculative.verify_step import build_verify_step, step_trees
+
+
+# ---------------------------------------------------------------- prompt lookup
+def test_ngram_proposes_what_followed_the_longest_suffix_seen_before():
+    ix = NgramIndex(2, 4)
+    tokens = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+    assert ix.propose(tokens, 3) == [4, 5, 9]  # [1, 2, 3] was followed by 4, 5, 9
+    tokens.append(7)
+    assert ix.propose(tokens, 3) == []  # [3, 7] and [2, 3, 7]: never seen
+    tokens += [1, 2]
+    assert ix.propose(tokens, 2) == [3, 7]  # the latest occurrence of [1, 2] wins
+    assert ix.propose([8, 8, 8, 8], 5) == [8]  # the continuation stops at the end of what exists
+
+
+def test_ngram_looks_up_drafts_on_top_of_drafts_without_indexing_them():
+    from plait.runtime.speculative.ngram import TokenView
+
+    ix = NgramIndex(2, 3)
+    prompt, out = [1, 2, 3, 4, 5, 6], [9]
+    tokens = TokenView(prompt, out)
+    assert tokens[2:8] == [3, 4, 5, 6, 9] and tokens[-1] == 9 and len(tokens) == 7
+    assert ix.propose(tokens, 3, extra=[3, 4]) == [5, 6, 9]  # the suffix [3, 4] is a draft
+    out.append(7)
+    assert ix.propose(TokenView(prompt, out), 2) == []  # [9, 7] unseen; the drafts were never indexed
+
+
+def test_ngram_index_starts_over_when_the_tokens_are_rewritten():
+    ix = NgramIndex(2, 3)
+    assert ix.propose([1, 2, 3, 1, 2], 2) == [3, 1]
+    # the last token dropped and others appended (as after a jump-forward): no stale continuation
+    assert ix.propose([1, 2, 3, 1, 5, 6, 1, 5], 2) == [6, 1]
+
+
+# ---------------------------------------------------------------- trees and acceptance
+def test_trees_masks_and_merged_chains():
+    tree = merge_chains(9, [[1, 2, 3], [1, 4], [6]], max_nodes=5)
+    assert tree.tokens == [9, 1, 2, 3, 4] and tree.parents == [-1, 0, 1, 2, 1]
+    assert tree.depths().tolist() == [0, 1, 2, 3, 2]
+    assert tree.ancestor_mask()[4].tolist() == [True, True, False, False, True]
+    assert DraftTree.chain(5, [6, 7]).is_chain() and not tree.is_chain()
+    with pytest.raises(ValueError):
+        DraftTree([1, 2], [-1, 1])
+
+
+def test_greedy_acceptance_walks_the_matching_path():
+    tree = DraftTree([9, 1, 2, 3, 4], [-1, 0, 1, 0, 3])  # 9 -> 1 -> 2 ; 9 -> 3 -> 4
+    # the target's argmax after each node: after 9: 3, after 3: 4, after 4: 7
+    assert accept_greedy(tree, [3, 0, 0, 4, 7]) == ([3, 4, 7], [3, 4])
+    assert accept_greedy(tree, [5, 0, 0, 0, 0]) == ([5], [])
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    n = counts.sum()
+    expected = probs * n
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was drawn"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """A tree with two children of the root (one with a child of its own) under synthetic targets: the
+    first token is distributed as the root's target, the second (after each accepted draft) as that
+    draft's target, over 40,000 draws. Bound: chi-square with 5 degrees of freedom below 25.7 (p 1e-4);
+    the seed is fixed, so the test is deterministic."""
+    V = 6
+    g = torch.Generator().manual_seed(1234)
+    p_root = torch.tensor([0.30, 0.05, 0.25, 0.0, 0.15, 0.25])
+    p_after2 = torch.tensor([0.1, 0.5, 0.1, 0.1, 0.1, 0.1])
+    p_after0 = torch.tensor([0.05, 0.05, 0.6, 0.1, 0.1, 0.1])
+    p_after21 = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1])
+    tree = DraftTree([7, 2, 0, 1], [-1, 0, 0, 1])  # root -> 2 -> 1 ; root -> 0
+    rows = torch.stack([p_root, p_after2, p_after0, p_after21])  # (4, V) per node
+    n = 40_000
+    probs = rows.repeat(n, 1)  # (4n, V)
+    torch.manual_seed(99)
+    results = accept_sampled([tree] * n, probs, [4 * i for i in range(n)], generator=g)
+    first = np.bincount([toks[0] for toks, _ in results], minlength=V)
+    assert _chi2(first, p_root.numpy()) < 25.7
+    for tok, p in ((2, p_after2), (0, p_after0)):
+        second = np.bincount([toks[1] for toks, _ in results if toks[0] == tok], minlength=V)
+        assert _chi2(second, p.numpy()) < 25.7
+    third = np.bincount([toks[2] for toks, _ in results if toks[:2] == [2, 1]], minlength=V)
+    assert _chi2(third, p_after21.numpy()) < 25.7
+    # every accepted draft is reported at its node, and the drafts accepted follow the tree
+    for toks, nodes in results:
+        assert [tree.tokens[x] for x in nodes] == toks[:len(nodes)]
+
+
+def test_rejection_sampling_of_a_chain_with_impossible_drafts():
+    p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    tree = DraftTree.chain(3, [3])  # the draft has target probability 0: never accepted
+    out = accept_sampled([tree] * 500, p.repeat(500, 1), [2 * i for i in range(500)],
+                         generator=torch.Generator().manual_seed(0))
+    assert all(nodes == [] and toks[0] in (1, 2) for toks, nodes in out)
+
+
+# ---------------------------------------------------------------- grammars
+@pytest.fixture(scope="module")
+def xgrammar_backend(default_tokenizer):
+    from plait.runtime.constrained import create_grammar_backend
+
+    return create_grammar_backend("xgrammar", default_tokenizer)
+
+
+SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                     "required": ["name", "age"]})
+
+
+def test_grammar_drafts_are_the_forced_tokens_and_leave_the_matcher_as_it_was(xgrammar_backend, default_tokenizer):
+    tok = default_tokenizer
+    matcher = xgrammar_backend.compile_sync(("json", SCHEMA)).new_matcher()
+    drafts = GrammarDrafts(tok, tok.all_special_ids)
+    proposed = drafts.propose(matcher, [], 16)
+    assert tok.decode(proposed) == '{"name":"'
+    # the matcher was rolled back: the same proposal again, and it still accepts the first token
+    assert drafts.propose(matcher, [], 16) == proposed
+    for t in proposed:
+        assert matcher.accept_token(t)
+    value = tok.encode("Ada", add_special_tokens=False) + tok.encode('"', add_special_tokens=False)
+    for t in value:
+        assert matcher.accept_token(t)
+    assert tok.decode(drafts.propose(matcher, [], 16)) == ',"age":'
+    # where nothing is forced, the lookup extends the chain while the grammar allows it
+    nums = tok.encode("42}", add_special_tokens=False)
+    for t in tok.encode(',"age":', add_special_tokens=False):
+        matcher.accept_token(t)
+    assert drafts.propose(matcher, [], 8, extend=lambda ctx, k, extra: nums + [0, 0][:k]) == nums
+
+
+def test_grammar_masks_down_a_tree_follow_each_path(xgrammar_backend, default_tokenizer):
+    from plait.runtime.constrained.bitmask import allocate_token_bitmask, unpack_bitmask
+
+    tok = default_tokenizer
+    compiled = xgrammar_backend.compile_sync(("regex", "(yes|no), (maybe|never)"))
+    matcher = compiled.new_matcher()
+    yes, no = tok.encode("yes", add_special_tokens=False), tok.encode("no", add_special_tokens=False)
+    assert len(yes) == len(no) == 1
+    comma = tok.encode(",", add_special_tokens=False)
+    bad = tok.encode("x", add_special_tokens=False)
+    tree = DraftTree([0, yes[0], no[0], comma[0], bad[0]], [-1, 0, 0, 1, 2])
+    vocab = xgrammar_backend.vocab_size
+    bitmask = allocate_token_bitmask(6, vocab)
+    reachable = fill_tree_bitmask(matcher, tree, bitmask, 1)
+    assert reachable == [True, True, True, True, False]  # "no" then "x" leaves the grammar
+    allowed = unpack_bitmask(bitmask, vocab)
+    assert allowed[1, yes[0]] and allowed[1, no[0]] and not allowed[1, comma[0]]  # the root
+    assert allowed[2, comma[0]] and not allowed[2, yes[0]]  # after "yes"
+    assert allowed[5].all()  # the unreachable node: left open (never accepted: its parent's mask bans it)
+    # the matcher is where it started
+    fresh = compiled.new_matcher()
+    check, ref = allocate_token_bitmask(1, vocab), allocate_token_bitmask(1, vocab)
+    matcher.fill_bitmask(check, 0)
+    fresh.fill_bitmask(ref, 0)
+    assert torch.equal(check, ref)
+
+
+# ---------------------------------------------------------------- verify steps
+def test_a_verify_step_puts_nodes_after_the_prefix_at_their_depth():
+    tree = DraftTree([5, 6, 7, 8], [-1, 0, 0, 2])
+    lone = DraftTree([9], [-1])
+    step = build_verify_step([3, 1], [10, 4], [tree, lone], np.array([11, 12, 13, 14, 15]))
+    assert step.mode.is_verify() and step.extend_lens == [4, 1] and step.prefix_lens == [10, 4]
+    assert step.token_rows[1].tolist() == [10, 11, 11, 12, 4]  # sequence positions: prefix + depth
+    assert step.token_rows[4].tolist() == [10, 11, 12, 13, 4]  # req_to_token positions: prefix + index
+    assert step.kv_writes[1].tolist() == [10, 11, 12, 13, 4] and step.kv_writes[2].tolist() == [11, 12, 13, 14, 15]
+    assert step.seq_lens == [14, 5]
+    assert step.draft.tree_mask.tolist()[:16] == tree.ancestor_mask().reshape(-1).tolist()
+    assert [t.tokens for t in step_trees(step)] == [[5, 6, 7, 8], [9]]
+
+
+# ---------------------------------------------------------------- settings
+@pytest.mark.parametrize("kw, message", [
+    (dict(speculative_algorithm="MEDUSA"), "speculative_algorithm must be one of"),
+    (dict(speculative_algorithm="EAGLE"), "needs speculative_draft_model_path"),
+    (dict(speculative_algorithm="STANDALONE"), "needs speculative_draft_model_path"),
+    (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0), "speculative_num_draft_tokens must be"),
+    (dict(speculative_algorithm="NGRAM", speculative_num_steps=2, speculative_num_draft_tokens=5), "cannot be verified"),
+    (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=2), "needs a draft model"),
+    (dict(speculative_draft_model_path="/x"), "uses no draft model"),
+    (dict(speculative_grammar_drafts="always"), "speculative_grammar_drafts must be one of"),
+    (dict(speculative_algorithm="NGRAM", attention_backend="flashinfer"), "flashinfer has no verify mode"),
+    (dict(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=3), "is above"),
+    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", speculative_num_steps=2,
+          speculative_eagle_topk=2, speculative_num_draft_tokens=9), "is more than a tree"),
+])
+def test_settings_that_cannot_work_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kw)
+
+
+def test_speculative_defaults():
+    assert ServerArgs(speculative_algorithm="ngram").speculative_shape() == (12, 1, 13)
+    eagle = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x")
+    assert eagle.speculative_algorithm == "EAGLE" and eagle.speculative_shape() == (3, 1, 4)
+    tree = ServerArgs(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_num_steps=3,
+                      speculative_eagle_topk=2)
+    assert tree.speculative_shape() == (3, 2, 8)
