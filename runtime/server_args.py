@@ -203,10 +203,13 @@ class ServerArgs:
         if self.attention_backend == "flashinfer" and (algo is not None or self.speculative_grammar_drafts == "on"):
             raise ValueError("speculative decoding verifies drafts with the torch_native or triton attention backend "
                              "(flashinfer has no verify mode): set attention_backend to one of them")
-        if self.world_size() > 1 and (algo is not None or self.speculative_grammar_drafts == "on"):
-            raise ValueError(f"speculative decoding runs on one device: tp_size x pp_size = {self.world_size()} "
-                             "ranks verify no drafts yet (leave speculative_algorithm unset and "
-                             "speculative_grammar_drafts at auto, or use dp_size replicas)")
+        if self.world_size() > 1 and algo in MODEL_DRAFT_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm={algo} runs its drafter on one device: with tp_size x pp_size = "
+                             f"{self.world_size()} ranks only NGRAM and grammar-forced drafts are verified")
+        if self.pp_size > 1 and (algo is not None or self.speculative_grammar_drafts == "on"):
+            raise ValueError(f"speculative decoding does not verify drafts through pipeline stages (pp_size="
+                             f"{self.pp_size}): leave speculative_algorithm unset and speculative_grammar_drafts "
+                             "at auto, or use tp_size")
         if algo in MODEL_DRAFT_ALGORITHMS and not self.speculative_draft_model_path:
             what = "a draft model's folder" if algo == "STANDALONE" else f"the {algo} head's folder"
             raise ValueError(f"speculative_algorithm={algo} needs speculative_draft_model_path ({what})")
@@ -248,6 +251,22 @@ class ServerArgs:
         if tokens is None:
             tokens = steps + 1 if topk == 1 else min(1 + topk + (steps - 1) * topk * topk, 2 * steps + 2)
         return steps, topk, tokens
+
+    def grammar_drafts_enabled(self) -> bool:
+        """Whether a constrained request's forced tokens are proposed as drafts. auto: wherever drafts can be
+        verified (not with flashinfer, which has no verify mode, nor through pipeline stages) and
+        jump-forward is not switched off."""
+        mode = self.speculative_grammar_drafts
+        return mode == "on" or (mode == "auto" and not self.disable_jump_forward
+                                and self.attention_backend != "flashinfer" and self.pp_size == 1)
+
+    def jump_forward_enabled(self) -> bool:
+        """Whether forced text is appended in one step (where grammar drafts do not replace it). Not with
+        pipeline stages under auto: there every constrained token is decoded, so that outputs are one
+        device's (jump-forward's retokenized boundary can change them; grammar drafts never do)."""
+        if self.disable_jump_forward:
+            return False
+        return not (self.speculative_grammar_drafts == "auto" and self.pp_size > 1)
 
     def resolved_speculative_disable_by_batch_size(self) -> int:
         if self.speculative_disable_by_batch_size is not None:

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 import torch
 
+from plait.runtime import ServerArgs
 from plait.runtime.constrained import ANY_JSON, StrictSchemaError, create_grammar_backend, validate_constraint
 from plait.runtime.constrained.bitmask import allocate_token_bitmask, unpack_bitmask
 from plait.runtime.constrained.completion import CompletionSearch
@@ -243,7 +244,7 @@ def drive(manager, req, preferred: list[int], tokenizer, steps: int = 400) -> st
 
 @pytest.fixture(scope="module")
 def manager(default_tokenizer):
-    args = SimpleNamespace(grammar_backend="xgrammar", grammar_compile_timeout=60.0, disable_jump_forward=False)
+    args = ServerArgs(grammar_backend="xgrammar", grammar_compile_timeout=60.0)
     made = GrammarManager(default_tokenizer, VOCAB, args)
     yield made
     made.backend.shutdown()

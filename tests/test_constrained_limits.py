@@ -4,10 +4,10 @@ several compile threads (a compile cannot be stopped, so one past its timeout st
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
+from plait.runtime import ServerArgs
 from plait.runtime.constrained import ANY_JSON, validate_constraint
 from plait.runtime.constrained.base import MAX_CONSTRAINT_CHARS
 from plait.runtime.constrained.integration import COMPILE_THREADS, GrammarManager
@@ -32,7 +32,7 @@ def test_a_slow_compile_does_not_hold_up_the_next_constraint(default_tokenizer):
     # outlines builds the any-JSON automaton in about a second; a one-rule regex takes milliseconds. With one
     # compile thread the regex waited for the whole slow compile (a runaway one: for minutes).
     assert COMPILE_THREADS >= 2
-    args = SimpleNamespace(grammar_backend="outlines", grammar_compile_timeout=120.0, disable_jump_forward=False)
+    args = ServerArgs(grammar_backend="outlines", grammar_compile_timeout=120.0)
     manager = GrammarManager(default_tokenizer, 49152, args)
     try:
         slow = manager.backend.get_or_compile(("json", ANY_JSON))

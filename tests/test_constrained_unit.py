@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from plait.runtime import ServerArgs
 from plait.grammars.library import load_ebnf
 from plait.grammars.regexes import REGEXES, regex
 from plait.runtime.constrained import (ANY_JSON, GrammarCompileTimeout, allocate_token_bitmask,
@@ -377,8 +378,7 @@ def _fake_req(sampling_params: dict, tokenizer):
 
 
 def test_grammar_manager_mixed_batch_and_jump_forward(default_tokenizer):
-    args = SimpleNamespace(grammar_backend="xgrammar", grammar_compile_timeout=30.0,
-                           disable_jump_forward=False, disable_radix_cache=False)
+    args = ServerArgs(grammar_backend="xgrammar", grammar_compile_timeout=30.0)
     manager = GrammarManager(default_tokenizer, PADDED_VOCAB, args)
     constrained = _fake_req({"json_schema": PERSON, "max_new_tokens": 64}, default_tokenizer)
     free = _fake_req({"max_new_tokens": 8}, default_tokenizer)

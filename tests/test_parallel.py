@@ -128,6 +128,19 @@ def test_tp2_gives_what_one_device_gives(llama_engines, one_device_outputs):
     assert info["tp_size"] == 2 and info["max_total_tokens"] == 4096
 
 
+def test_tp2_with_ngram_drafts_gives_what_one_device_gives(folders, one_device_outputs):
+    # Every rank runs the VERIFY steps rank 0 plans (ModelRunner.follow); the regex request's grammar-forced
+    # drafts take the same path. Greedy outputs and logprobs as one device without speculation.
+    ranks = Ranks(Engine(folders["llama"], tp_size=2, speculative_algorithm="NGRAM", **SMALL), expected_children=1)
+    try:
+        got = run_workload(ranks.engine)
+        stats = ranks.engine.get_stats()
+    finally:
+        ranks.shutdown()
+    assert_same_outputs(got, one_device_outputs)
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
+
+
 def test_pp2_gives_what_one_device_gives(folders, one_device_outputs):
     pp = Ranks(Engine(folders["llama"], pp_size=2, **SMALL), expected_children=1)
     try:

@@ -58,7 +58,7 @@ class GrammarManager:
         self.backend: GrammarBackend = create_grammar_backend(
             server_args.grammar_backend, tokenizer, vocab_size,
             num_threads=COMPILE_THREADS, compile_timeout=server_args.grammar_compile_timeout)
-        self.jump_forward_enabled = not server_args.disable_jump_forward
+        self.jump_forward_enabled = server_args.jump_forward_enabled()
         self.tables = TokenTables(self.backend.vocab)
         self.search = CompletionSearch(self.tables)
         self.keys = RepeatedKeyMask(self.tables)

@@ -207,6 +207,11 @@ class ModelRunner:
         (runtime/distributed/). `input_ids`: the previous step's sampled tokens, when the step takes
         them from the device (`ids_from_prev`)."""
         with using_kernels(self.kernel_choices):
+            if step.mode.is_verify():  # every node is scored (VerifySteps.run's eager path: no verify graphs here)
+                fb = self._build_forward_batch(step)
+                self.attn_backend.init_forward_metadata(fb)
+                self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
+                return
             fb = self._build_forward_batch(step, input_ids=input_ids if step.ids_from_prev else None)
             if self.graph_runner is not None and self.graph_runner.can_run(fb):
                 self.graph_runner.replay(fb)  # the logits are computed inside the graph

@@ -66,11 +66,7 @@ class SpecSettings:
     @classmethod
     def of(cls, sa: ServerArgs) -> "SpecSettings":
         steps, topk, tokens = sa.speculative_shape()
-        # NOTE: flashinfer has no verify mode, and a model split over ranks verifies no drafts yet: "auto"
-        # leaves grammar drafts off there (an explicit "on" is refused at start-up).
-        grammar = sa.speculative_grammar_drafts == "on" or (
-            sa.speculative_grammar_drafts == "auto" and not sa.disable_jump_forward
-            and sa.attention_backend != "flashinfer" and sa.world_size() == 1)
+        grammar = sa.grammar_drafts_enabled()  # (an explicit "on" where drafts cannot run is refused at start-up)
         return cls(ngram=sa.speculative_algorithm == "NGRAM",
                    model_drafts=sa.speculative_algorithm in MODEL_DRAFT_ALGORITHMS, grammar=grammar,
                    max_drafts=tokens - 1, tree_nodes=tokens, chain_only=topk == 1,
