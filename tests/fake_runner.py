@@ -46,6 +46,7 @@ class FakeRunner:
         self.dtype = torch.float32
         self.attention_backend = "none"
         self.eos_token_ids = (EOS,)
+        self.memory_bytes = {"kv_cache_bytes": 0, "weight_bytes": 0}  # no model, no device memory
         self.allocator = TokenAllocator(max_total_tokens, "cpu")
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, "cpu")
         self.supports_overlap = False

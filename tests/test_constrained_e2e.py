@@ -117,6 +117,20 @@ def test_jump_forward_on_and_off_give_valid_json(engines):
     assert engines["outlines"].get_stats().get("jump_forward_tokens", 0) == 0
 
 
+
+def test_stats_report_grammar_compile_time_and_device_memory(engines):
+    # What /metrics (plait_grammar_compile_seconds) and /get_server_info's memory_usage read.
+    eng = engines["outlines"]
+    before = eng.get_stats().get("grammar_compile_seconds", 0.0)  # (no grammar manager before the first grammar)
+    eng.generate("Pick a code:", greedy(6, regex=r"[A-F]{3}-[0-9]{2}"))  # a grammar no other test compiles
+    stats = eng.get_stats()
+    assert stats["grammar_compile_seconds"] > before
+    # float32 SmolLM2-135M: ~135M parameters; KV: 30 layers x 3 heads x 64 dims x (K, V) x 4 bytes per slot.
+    assert 4e8 < stats["weight_bytes"] < 7e8
+    # (one slot more than max_total_tokens: slot 0, where padded rows write)
+    assert stats["kv_cache_bytes"] == (stats["max_total_tokens"] + 1) * 30 * 3 * 64 * 2 * 4
+
+
 INVALID = [
     ({"regex": "a(b"}, "regex 'a(b' is invalid"),
     ({"regex": "(?<=x)y"}, "lookahead/lookbehind"),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from abc import ABC, abstractmethod
 import queue
 from concurrent.futures import Future, InvalidStateError
@@ -198,6 +199,7 @@ class GrammarBackend(ABC):
         self._lock = threading.Lock()
         self.cache_hits = 0
         self.cache_misses = 0
+        self.compile_seconds = 0.0  # wall seconds of every compile that ran on the pool (ended or failed)
 
     @property
     def vocab_size(self) -> int:
@@ -235,12 +237,20 @@ class GrammarBackend(ABC):
             self._cache[key] = outer
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        inner = self._pool.submit(self.compile_sync, key)
+        inner = self._pool.submit(self._timed_compile, key)
         timer = threading.Timer(self.compile_timeout, self._on_timeout, args=(key, outer))
         timer.daemon = True
         timer.start()
         inner.add_done_callback(lambda f: self._on_compiled(key, outer, f, timer))
         return outer
+
+    def _timed_compile(self, key: GrammarKey) -> CompiledGrammar:
+        start = time.perf_counter()
+        try:
+            return self.compile_sync(key)
+        finally:
+            with self._lock:
+                self.compile_seconds += time.perf_counter() - start
 
     def _on_timeout(self, key: GrammarKey, outer: Future) -> None:
         kind, text = key
@@ -279,7 +289,8 @@ class GrammarBackend(ABC):
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:
-            return {"hits": self.cache_hits, "misses": self.cache_misses, "size": len(self._cache)}
+            return {"hits": self.cache_hits, "misses": self.cache_misses, "size": len(self._cache),
+                    "compile_seconds": self.compile_seconds}
 
     def shutdown(self) -> None:
         self._pool.shutdown(self.num_threads)

@@ -73,13 +73,14 @@ class GrammarManager:
                          "grammar_close_overshoots": 0}
 
     @property
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Counters plus the compile cache's size, hits and misses (a soak watches the size: each
         compiled grammar holds its token-mask tables until the LRU drops it)."""
         cache = self.backend.cache_info()
         return {**self.counters, **self.search.stats, "grammar_repeated_keys_unavoidable": self.keys.unavoidable,
                 "grammar_cache_size": cache["size"],
-                "grammar_cache_hits": cache["hits"], "grammar_cache_misses": cache["misses"]}
+                "grammar_cache_hits": cache["hits"], "grammar_cache_misses": cache["misses"],
+                "grammar_compile_seconds": round(cache["compile_seconds"], 6)}
 
     # ---- arrival ----
     def request(self, sampling_params: Any) -> "Future[GrammarMatcher]":

@@ -73,6 +73,7 @@ class GroupRunner:
         self.allocator = local.allocator
         self.req_to_token_pool = local.req_to_token_pool
         self.model_config = local.model_config
+        self.memory_bytes = local.memory_bytes  # rank 0's shard (every rank holds as much)
         # NOTE: a pipeline's step is read back within `run` (its micro-batches are in flight inside it).
         self.supports_overlap = local.supports_overlap and self.stages is None
         self._closed = False

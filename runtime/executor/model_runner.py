@@ -106,6 +106,8 @@ class ModelRunner:
         self.kv_pool = KVPool(self.max_total_tokens, self.kv_layers, self.kv_heads, cfg.head_dim, self.dtype,
                               self.device)
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
+        self.memory_bytes = {"kv_cache_bytes": self.kv_pool.nbytes(),
+                             "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
         self.attention_backend = server_args.resolved_attention_backend()
         self.attn_backend = create_attention_backend(self.attention_backend, self)
         self.verify = VerifySteps(self)  # VERIFY steps (speculative decoding)

@@ -44,6 +44,7 @@ class SpecRunner:
         self.eos_token_ids, self.attention_backend = t.eos_token_ids, t.attention_backend
         self.allocator, self.req_to_token_pool = t.allocator, t.req_to_token_pool
         self.supports_overlap = False
+        self.memory_bytes = dict(t.memory_bytes)  # the target's only: a drafter's weights and KV are not counted
 
     def run(self, step: StepInput) -> StepOutput:
         d = self.drafter

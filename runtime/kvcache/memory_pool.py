@@ -219,6 +219,10 @@ class KVPool:
         self.k_buffer = [zeroed(shape, dtype, device) for _ in range(num_layers)]
         self.v_buffer = [zeroed(shape, dtype, device) for _ in range(num_layers)]
 
+    def nbytes(self) -> int:
+        """Bytes the pool's buffers hold (this rank's layers and KV heads)."""
+        return sum(b.numel() * b.element_size() for b in (*self.k_buffer, *self.v_buffer))
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

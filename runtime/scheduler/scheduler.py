@@ -261,6 +261,7 @@ class Scheduler:
             "num_running_reqs": q.num_running(),
             "num_waiting_reqs": q.num_waiting(),
             **self.kv.usage(),
+            **self.runner.memory_bytes,
             **self.stats,
             "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
             "last_integrity_error": self.last_integrity_error,

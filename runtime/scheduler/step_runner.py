@@ -28,6 +28,8 @@ class StepRunner(Protocol):
     # The KV memory the scheduler accounts for.
     allocator: TokenAllocator
     req_to_token_pool: ReqToTokenPool
+    # Bytes of device memory it holds: {"kv_cache_bytes": ..., "weight_bytes": ...} (get_stats reports them).
+    memory_bytes: dict
     # Whether `launch` returns before the device finishes (overlap scheduling pays only then).
     supports_overlap: bool
 
