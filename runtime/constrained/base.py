@@ -31,12 +31,13 @@ Bitmask layout (shared by both backends): int32 tensor (B, ceil(V / 32)); bit j 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
 import queue
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Optional, Sequence
+from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 
@@ -164,6 +165,17 @@ class GrammarMatcher(ABC):
     def jump_forward_string(self) -> Optional[str]:
         """The text the grammar forces next (every valid continuation starts with it), or None."""
         return None
+
+    # ---- speculative decoding (runtime/speculative/) ----
+    def may_draft(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` drafts may be scored ahead of the output with this grammar's masks alone
+        (a matcher that steers by its budget says no near the budget's end). Default: yes."""
+        return True
+
+    def drafting(self) -> ContextManager[None]:
+        """A context for walking the matcher through drafts (states the output may never reach): a
+        matcher that makes decisions as it fills masks (request_grammar.py) makes none inside it."""
+        return contextlib.nullcontext()
 
 
 class CompiledGrammar(ABC):

@@ -18,13 +18,14 @@ model's that did not fit) and the grammar may end: the request ends there with f
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
 from .base import GrammarMatcher
 from .bitmask import unpack_bitmask
-from .closing import BUDGET, CHOICES, BudgetCloser
+from .closing import BUDGET, CHOICES, FIRST_LOOK, NEAR, BudgetCloser
 from .completion import CompletionSearch
 from .json_scan import JsonScanner
 from .repetition import RepetitionWatch
@@ -48,6 +49,7 @@ class RequestGrammar(GrammarMatcher):
         self.closer = BudgetCloser(search, greedy) if close_within_budget else None
         self._budget_left = budget_left  # tokens the request may still generate (None: not known yet)
         self._event: Optional[str] = None  # "closed" | "overshoot", until taken by the manager
+        self._drafting = 0  # inside drafting(): masks are filled with no decision taken
 
     # ---- what the scheduler reads ----
     @property
@@ -126,8 +128,32 @@ class RequestGrammar(GrammarMatcher):
             return None  # left to the mask, which keeps the grammar's row only if nothing else is possible
         return forced
 
+    # ---- speculative decoding ----
+    def may_draft(self, num_tokens: int) -> bool:
+        """Drafts are scored with the plain masks of the states they lead to (no budget decision is taken
+        there: `drafting`), so only while the closer would not act within them: not once it closes or
+        chooses, not before its first estimate near the end, and only while the budget left after the
+        drafts keeps more than NEAR tokens of slack over the estimate (the decisions then wait for the
+        next step's first token, taken at the output's own state)."""
+        closer, left = self.closer, self._budget_left
+        if closer is None:
+            return True
+        if closer.closing or closer.choosing or left is None:
+            return False
+        need = FIRST_LOOK if closer.estimate is None else len(closer.estimate.token_ids) + NEAR
+        return left - num_tokens - 1 > need
+
+    @contextlib.contextmanager
+    def drafting(self) -> Iterator[None]:
+        self._drafting += 1
+        try:
+            yield
+        finally:
+            self._drafting -= 1
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._decide()
+        if not self._drafting:
+            self._decide()
         closer = self.closer
         if closer is not None and closer.closing:
             bitmask[row].zero_()

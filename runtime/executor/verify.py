@@ -117,6 +117,10 @@ class Verifier:
             if r.grammar is None:
                 continue
             fill_tree_bitmask(r.grammar, trees[b], bitmask, starts[b])
+            # The root's row as a decode step's (GrammarMasker): narrowed by its logits where the grammar
+            # steers by the budget (the matcher is back at the root's state). Drafts come only where it
+            # does not steer (GrammarMatcher.may_draft).
+            r.grammar.refine_bitmask(logits[starts[b]], bitmask[starts[b]])
             masked.extend(range(starts[b], starts[b] + trees[b].size))
         apply_token_bitmask_inplace(logits, bitmask, masked)
 

@@ -206,7 +206,7 @@ class Speculation:
         # token comes with them): at most remaining - 1, and the tree must fit in the context.
         room = min(r.remaining_new_tokens() - 1, self.context_len - r.seq_len)
         n = min(state.allowed_drafts(), room)
-        if n <= 0:
+        if n <= 0 or (r.grammar is not None and not r.grammar.may_draft(n)):
             return lone, False
         s = self.settings
         if self.grammar_drafts is not None and r.grammar is not None:

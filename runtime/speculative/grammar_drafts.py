@@ -108,8 +108,11 @@ def fill_tree_bitmask(matcher: Any, tree: DraftTree, bitmask: torch.Tensor, firs
     def fill(node: int, row: int) -> None:
         if matcher.is_terminated():
             bitmask[row].fill_(-1)  # a stop token was accepted: nothing follows it (keeps the row finite)
+        elif node == 0:
+            matcher.fill_bitmask(bitmask, row)  # the output's own state: the matcher's decisions are taken here
         else:
-            matcher.fill_bitmask(bitmask, row)
+            with matcher.drafting():
+                matcher.fill_bitmask(bitmask, row)
 
     def visit(node: int, depth: int) -> None:
         reachable[node] = True
