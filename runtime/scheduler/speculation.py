@@ -51,7 +51,8 @@ MEASURE_EVERY = 8
 # When the cost model gives no drafts to a batch that proposed some, the batch decides nothing for a
 # pause of decode steps (launched ahead, overlapped, as without speculation), doubling while it keeps
 # saying no: a decision needs the previous step read back first, so deciding "no" every step would cost
-# the overlap a plain decode has.
+# the overlap a plain decode has. Without steps launched ahead (a CPU, a drafter's runner, requests
+# sampled on the host) there is no overlap to win: no pause.
 FIRST_PAUSE = 1
 MAX_PAUSE = 64
 MAX_LEARN_TOKENS = 32  # a forced text's tokens are learned from at most this many written after it
@@ -105,6 +106,8 @@ class Speculation:
         self._decisions = 0  # steps whose drafts the cost model weighed
         self._paused = 0  # decode steps left that decide nothing (the cost model said no)
         self._pause_len = FIRST_PAUSE  # the next pause's length
+        # Whether the pipeline launches decode steps ahead: only such a pipeline asks `may_speculate`.
+        self._launches_ahead = False
         # Request-steps verified with at least one draft, drafts proposed, drafts accepted (and kept),
         # VERIFY forward steps.
         self.totals = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
@@ -126,6 +129,7 @@ class Speculation:
         s = self.settings
         if not s.enabled:
             return False
+        self._launches_ahead = True
         if self._paused > 0:
             self._paused -= 1
         else:
@@ -176,7 +180,9 @@ class Speculation:
         if s.adaptive and proposed and not measuring:
             if verified:
                 self._pause_len = FIRST_PAUSE
-            else:  # drafts were proposed, none paid: decide nothing for a while
+            elif self._launches_ahead and not any(r.sampling.needs_host_sampling() for r in batch.reqs):
+                # drafts were proposed, none paid: decide nothing for a while, the decode steps launched
+                # ahead (a pause where they could not be would only lose drafts)
                 self._paused = self._pause_len
                 self._pause_len = min(MAX_PAUSE, 2 * self._pause_len)
         self.costs.decided(rids, verified, len(out.out_cache_loc), now)
