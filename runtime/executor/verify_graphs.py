@@ -10,8 +10,8 @@ T_cap tokens has min(T_cap, max_bs + 1) request slots (a step has at most one re
 dead rows need one).
 
 Graphs by token count, not by batch x nodes: a step pays for the rows it has (a batch whose requests
-mostly have no drafts is few rows), where a fixed `nodes` rows per request made every request pay for
-the longest tree (8B at batch 32: 256 rows, compute-bound, for 64 real ones).
+mostly have no drafts is few rows), not for `nodes` rows per request (8B at batch 32: 256 rows are
+compute-bound, 64 are not).
 
 The graph is the target's forward and its logits for every row (and the hidden states, and the layers a
 drafter reads). The attention backend builds a verify step's metadata from the forward batch's tensors
