@@ -134,17 +134,20 @@ def test_triton_verify_matches_the_reference(name):
 
 def test_triton_tree_kernel_over_a_verify_graphs_padded_layout():
     """What a verify CUDA graph of more tokens than the step's runs (executor/verify_graphs.py): the step's
-    rows first, then dead rows as one more request (prefix 0, each sees only itself, over table columns
-    of the first request's row), then a request slot with no tokens, the grid sized for the whole graph."""
+    rows first, then dead rows as one more request (prefix 0, each sees its first node and itself, over
+    table columns of the first request's row), then a request slot with no tokens, the grid sized for the
+    whole graph. More dead rows than a key tile: a row that sees no key of a tile must stay finite."""
     from plait.runtime.attention.triton_ops import ExtendConfig, tree_attention
 
     case = CASES["verify trees"]
     sizes = [t.size for t in case.trees]
-    T, dead = sum(sizes), 4
+    T, dead = sum(sizes), 2 * TINY["block_n"] + 3
     t_cap = T + dead
     lay = case.layer
     q = torch.cat([case.q, torch.randn(dead, lay.num_heads, lay.head_dim, generator=case.g)])
-    masks = [t.ancestor_mask().reshape(-1) for t in case.trees] + [np.eye(dead, dtype=bool).reshape(-1)]
+    dead_mask = np.eye(dead, dtype=bool)
+    dead_mask[:, 0] = True
+    masks = [t.ancestor_mask().reshape(-1) for t in case.trees] + [dead_mask.reshape(-1)]
     squares = np.array([m.size for m in masks] + [0])
     lens = torch.tensor(sizes + [dead, 0])
     out = torch.full((t_cap, lay.num_heads, lay.head_dim), float("nan"))

@@ -3,8 +3,8 @@
 A verify step of T tokens (B requests, at most `nodes` tree nodes each: speculative_num_draft_tokens)
 replays the graph of the smallest captured token count T_cap >= T. The step's rows are the graph's first
 T rows, in the step's own order (no gather afterwards); the T_cap - T rows after them are dead: token 0
-at position 0, K/V into the dummy slot 0, one more request of their own (prefix 0, each node seeing only
-itself, over table columns of the first request's row: finite values, read only) so no row's attention
+at position 0, K/V into the dummy slot 0, one more request of their own (prefix 0, each node seeing the
+first and itself, over table columns of the first request's row: finite values, read only) so no row's attention
 is left unwritten. Request slots past that have no new tokens: the tree kernel skips them. A graph of
 T_cap tokens has min(T_cap, max_bs + 1) request slots (a step has at most one request per token, and the
 dead rows need one).
@@ -54,7 +54,8 @@ class VerifyGraphRunner:
         self.nodes = nodes
         self.capture_layers = capture_layers
         self.max_bs = max(1, max_bs)
-        self.t_max = self.max_bs * nodes
+        # NOTE: dead rows read table columns up to t_max of a request's row: no more than the table holds.
+        self.t_max = min(self.max_bs * nodes, mr.req_to_token_pool.max_context_len)
         self.token_counts = token_buckets(self.t_max)
         T, B, dev = self.t_max, self.max_bs + 1, mr.device
         self._layout = {f: (i * T, T) for i, f in enumerate(TOKEN_FIELDS)}
@@ -69,7 +70,10 @@ class VerifyGraphRunner:
         self.host_mask = torch.zeros(mask_bytes, dtype=torch.uint8, pin_memory=True)
         self.host_mask_np = self.host_mask.numpy()
         self._uploaded = None  # the event after the last upload (the pinned buffers are reused after it)
-        self._eye = np.eye(T, dtype=np.uint8)
+        # Dead node e sees column 0 and its own (column 0 in every program's first key tile: a row that
+        # saw no key of a tile yet would turn NaN), over a dead request's prefix of 0.
+        self._dead_mask = np.eye(T, dtype=np.uint8)
+        self._dead_mask[:, 0] = 1
         self._tril = [np.tril(np.ones((k, k), dtype=np.uint8)).reshape(-1) for k in range(nodes + 1)]
         self.logits = torch.empty(T, mr.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -135,7 +139,7 @@ class VerifyGraphRunner:
         self.host_np[:] = 0
         for f in ("ext", "tree_lens", "seq"):
             self._host(f)[0] = t_cap
-        self.host_mask_np[:t_cap * t_cap] = self._eye[:t_cap, :t_cap].reshape(-1)
+        self.host_mask_np[:t_cap * t_cap] = self._dead_mask[:t_cap, :t_cap].reshape(-1)
         self._upload(t_cap * t_cap)
 
     def _wait_upload(self) -> None:
@@ -186,12 +190,12 @@ class VerifyGraphRunner:
         real_mask = int(squares.sum())
         mask = step.draft.tree_mask
         self.host_mask_np[:real_mask] = mask if mask is not None else np.concatenate([self._tril[k] for k in sizes])
-        if dead:  # the dead rows' request: each sees itself only
+        if dead:  # the dead rows' request: each sees its first node and itself
             h("rows")[B] = step.req_rows[0, 0]
             h("ext")[B] = h("tree_lens")[B] = dead
             h("starts")[B] = T
             h("offsets")[B] = real_mask
-            self.host_mask_np[real_mask:real_mask + dead * dead] = self._eye[:dead, :dead].reshape(-1)
+            self.host_mask_np[real_mask:real_mask + dead * dead] = self._dead_mask[:dead, :dead].reshape(-1)
         h("seq")[:slots] = h("prefix")[:slots] + h("ext")[:slots]
         self._upload(real_mask + dead * dead)
         # The real nodes' slots into the table (device, and host mirror).
