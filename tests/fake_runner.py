@@ -37,7 +37,8 @@ def default_script(vocab_size: int) -> Callable[[SamplingRow], int]:
 class FakeRunner:
     def __init__(self, max_total_tokens: int = 256, max_running_requests: int = 8, context_len: int = 512,
                  vocab_size: int = 64, script: Optional[Callable[[SamplingRow], int]] = None,
-                 drafter: Optional[Callable[[SamplingRow, int, int], DraftTree]] = None):
+                 drafter: Optional[Callable[[SamplingRow, int, int], DraftTree]] = None,
+                 step_seconds: Optional[Callable[[StepInput], float]] = None):
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
         self.context_len = context_len
@@ -53,11 +54,20 @@ class FakeRunner:
         self.script = script or default_script(vocab_size)
         self.drafter = drafter or self._script_chain
         self.steps: list[StepInput] = []
+        # A device's time: each step advances `clock` by step_seconds(step) (default: no time at all), so
+        # the cost model can be run on the costs a test gives (Speculation.clock = runner.clock).
+        self.step_seconds = step_seconds or (lambda step: 0.0)
+        self.elapsed = 0.0
+        self._in_flight: dict[int, int] = {}  # id(request's output_ids) -> the last decode step's token
         self._masker = GrammarMasker(vocab_size)
         self._verifier = Verifier(vocab_size)
 
+    def clock(self) -> float:
+        return self.elapsed
+
     def run(self, step: StepInput) -> StepOutput:
         self.steps.append(step)
+        self.elapsed += self.step_seconds(step)
         # The table writes the model runner would do on its device (the scheduler reads the host mirror).
         rows, positions, slots = step.kv_writes
         self.req_to_token_pool.write_step((torch.from_numpy(rows), torch.from_numpy(positions),
@@ -67,7 +77,11 @@ class FakeRunner:
         n = step.batch_size
         out = StepOutput([None] * n, [None] * n, [[] for _ in range(n)])
         for i, row in zip(step.sampling_reqs, step.sampling):
+            if step.ids_from_prev:  # launched ahead: the request's host state lacks the token in flight
+                row = _PathRow(row, [self._in_flight[id(row.output_ids)]])
             out.next_token_ids[i] = self._token(row)
+        self._in_flight = {id(row.output_ids): out.next_token_ids[i]
+                           for i, row in zip(step.sampling_reqs, step.sampling)}
         for lr in step.logprob_rows:  # a flat "distribution": every token at log(1/V)
             lp = -float(torch.log(torch.tensor(float(self.vocab_size))))
             if lr.next_token:

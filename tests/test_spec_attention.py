@@ -130,3 +130,31 @@ def test_triton_verify_matches_the_reference(name):
     fb = case.forward_batch(backend)
     out = backend.forward_verify(case.q.clone(), case.layer, fb)
     torch.testing.assert_close(out.double(), case.reference(), atol=1e-4, rtol=1e-4)
+
+
+def test_triton_tree_kernel_over_a_verify_graphs_padded_layout():
+    """What a verify CUDA graph of more tokens than the step's runs (executor/verify_graphs.py): the step's
+    rows first, then dead rows as one more request (prefix 0, each sees its first node and itself, over
+    table columns of the first request's row), then a request slot with no tokens, the grid sized for the
+    whole graph. More dead rows than a key tile: a row that sees no key of a tile must stay finite."""
+    from plait.runtime.attention.triton_ops import ExtendConfig, tree_attention
+
+    case = CASES["verify trees"]
+    sizes = [t.size for t in case.trees]
+    T, dead = sum(sizes), 2 * TINY["block_n"] + 3
+    t_cap = T + dead
+    lay = case.layer
+    q = torch.cat([case.q, torch.randn(dead, lay.num_heads, lay.head_dim, generator=case.g)])
+    dead_mask = np.eye(dead, dtype=bool)
+    dead_mask[:, 0] = True
+    masks = [t.ancestor_mask().reshape(-1) for t in case.trees] + [dead_mask.reshape(-1)]
+    squares = np.array([m.size for m in masks] + [0])
+    lens = torch.tensor(sizes + [dead, 0])
+    out = torch.full((t_cap, lay.num_heads, lay.head_dim), float("nan"))
+    tree_attention(q, case.kv_pool.k_buffer[0], case.kv_pool.v_buffer[0], out, case.r2t.req_to_token,
+                   torch.tensor(case.rows + [case.rows[0], 0]), torch.tensor(case.prefix_lens + [0, 0]), lens,
+                   torch.tensor(np.cumsum([0] + sizes + [dead])[:-1].tolist()), lens,
+                   torch.from_numpy(np.concatenate(masks).astype(np.uint8)),
+                   torch.from_numpy(np.cumsum(squares) - squares), t_cap, lay.scaling, ExtendConfig(**TINY))
+    torch.testing.assert_close(out[:T].reshape(T, -1).double(), case.reference(), atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(out[T:]).all()

@@ -215,3 +215,66 @@ def test_no_decode_step_is_launched_ahead_of_one_that_may_verify():
     finals = drain(s)
     assert finals["a"][0] == (PROMPT * 3)[:20]
     assert s.pipeline.pending is None and sum(st.mode.is_verify() for st in runner.steps) >= 2
+
+
+def never_right_script(row):
+    """The 'model' writes a, b, x1, a, b, x2, ...: after each "a b" prompt lookup proposes the x that came
+    after the last one, and the model always writes a new one: drafts are proposed, none is accepted.
+    Request k (its prompt says k) first writes 5k tokens never seen, so the requests' verify steps and
+    sit-outs fall on different steps."""
+    i = len(row.output_ids) - 5 * (row.prompt_ids[0] - 200)
+    if i < 0:
+        return 150 + i
+    return (3, 4)[i % 3] if i % 3 < 2 else 10 + i // 3
+
+
+def device_seconds(step) -> float:
+    """An H200-like 8B step: 5 ms a decode step, a verify step 1.5x that (a few more ms for more rows)."""
+    if step.mode.is_verify():
+        return 7.5e-3 + 1e-5 * step.num_tokens
+    return 5e-3 if step.mode.is_decode() else 20e-3
+
+
+def timed_decode_steps(reqs, runner_kw, **server_args):
+    """Outputs and decode/verify steps of `reqs` with overlap on, the cost model timing `device_seconds`."""
+    runner = FakeRunner(step_seconds=device_seconds, **runner_kw)
+    runner.supports_overlap = True
+    s = fake_scheduler(runner, **server_args)
+    s.speculation.clock = runner.clock
+    for rid, ids, sp in reqs:
+        submit(s, rid, ids, **sp)
+    finals = drain(s, max_steps=2000)
+    assert all_memory_back(s, runner.max_total_tokens) and not s.pipeline.in_flight()
+    return outputs(finals), [st for st in runner.steps if not st.mode.is_extend()], s
+
+
+def test_drafts_never_accepted_at_batch_8_turn_speculation_off():
+    reqs = [(f"r{i}", [200 + i, 201 + i], dict(max_new_tokens=240)) for i in range(8)]
+    kw = dict(script=never_right_script, vocab_size=256, max_total_tokens=4096)
+    off, plain, _ = timed_decode_steps(reqs, kw)
+    on, steps, s = timed_decode_steps(reqs, kw, speculative_algorithm="NGRAM")
+    assert on == off
+    st = s.get_stats()
+    assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] == 0
+    # Every third step proposes drafts; once both kinds of step are timed the cost model gives them none,
+    # and the batch stops deciding (its decode steps launched ahead) for longer and longer pauses.
+    verify = sum(x.mode.is_verify() for x in steps)
+    assert verify / len(steps) < 0.03, (verify, len(steps))
+    assert sum(map(device_seconds, steps)) / sum(map(device_seconds, plain)) < 1.02
+    assert sum(x.ids_from_prev for x in steps) > 0.9 * len(steps)
+
+
+def test_drafts_that_pay_at_batch_8_keep_being_verified():
+    reqs = [(f"r{i}", [5 + i] + PROMPT, dict(max_new_tokens=120)) for i in range(8)]
+    kw = dict(script=copy_script, max_total_tokens=4096)
+    off, plain, _ = timed_decode_steps(reqs, kw)
+    on, steps, s = timed_decode_steps(reqs, kw, speculative_algorithm="NGRAM")
+    assert on == off
+    assert sum(map(device_seconds, steps)) < 0.5 * sum(map(device_seconds, plain))
+
+
+def test_no_speculative_algorithm_leaves_unconstrained_decoding_overlapped():
+    # Grammar drafts are on by default: requests without a grammar must not hold back the decode pipeline.
+    reqs = [(f"r{i}", [5 + i] + PROMPT, dict(max_new_tokens=30)) for i in range(4)]
+    out, steps, s = timed_decode_steps(reqs, dict(script=copy_script))
+    assert s.speculation.enabled and sum(x.ids_from_prev for x in steps) == len(steps) - 1

@@ -216,3 +216,29 @@ def test_speculative_defaults():
     tree = ServerArgs(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_num_steps=3,
                       speculative_eagle_topk=2)
     assert tree.speculative_shape() == (3, 2, 8)
+
+
+def test_the_cost_model_weighs_drafts_against_the_verify_steps_premium():
+    from plait.runtime.speculative.cost import StepCosts, allocate
+
+    costs = StepCosts()
+    assert allocate(costs, [4] * 8, [0.1] * 8) == [4] * 8  # nothing timed yet: everything asked
+    for _ in range(2):
+        costs.decode.record(8, 5e-3)
+        costs.verify.record(16, 7.5e-3)
+        costs.verify.record(40, 8.0e-3)
+    # A verify step of 9 tokens costs what the smallest timed one does (1.5x the decode step), not 1/8 more:
+    # drafts accepted 1 time in 10 never pay it, drafts accepted 9 in 10 all do.
+    assert allocate(costs, [4] * 8, [0.1] * 8) == [0] * 8
+    assert allocate(costs, [4] * 8, [0.9] * 8) == [4] * 8
+    # Timed between decisions: the step decided for other requests, or interrupted, is not measured.
+    costs.decided(("a",), False, 1, now=0.0)
+    costs.begin(("a", "b"), now=1.0)
+    costs.decided(("a",), True, 3, now=2.0)
+    costs.interrupt()
+    costs.begin(("a",), now=3.0)
+    assert not costs.decode.measured(1) and not costs.verify.measured(3)
+    for t in (4.0, 4.002, 4.004):
+        costs.begin(("a",), now=t)
+        costs.decided(("a",), False, 1, now=t)
+    assert costs.decode.estimate(1) == pytest.approx(2e-3)

@@ -1,16 +1,23 @@
 """CUDA graphs for VERIFY steps (speculative decoding), GPU only.
 
-A verify step of B requests with at most `nodes` tree nodes each (speculative_num_draft_tokens) replays
-the graph of the smallest captured batch >= B, over static buffers laid out `nodes` rows per request:
-request b's real nodes at rows b * nodes ..., then dead nodes (token 0, K/V into the dummy slot 0,
-seeing only their request's root, their table positions pointing at slot 0), then padding requests
-(no new tokens: the tree kernel skips them). The graph is the target's forward and its logits for every
-row (and the hidden states, and the layers a drafter reads); `replay` gathers the real rows back into
-the step's own layout, so the verifier and the drafters read it as they read an eager step.
+A verify step of T tokens (B requests, at most `nodes` tree nodes each: speculative_num_draft_tokens)
+replays the graph of the smallest captured token count T_cap >= T. The step's rows are the graph's first
+T rows, in the step's own order (no gather afterwards); the T_cap - T rows after them are dead: token 0
+at position 0, K/V into the dummy slot 0, one more request of their own (prefix 0, each node seeing the
+first and itself, over table columns of the first request's row: finite values, read only) so no row's attention
+is left unwritten. Request slots past that have no new tokens: the tree kernel skips them. A graph of
+T_cap tokens has min(T_cap, max_bs + 1) request slots (a step has at most one request per token, and the
+dead rows need one).
 
-The attention backend builds a verify step's metadata from the forward batch's tensors only (the triton
-backend: `_verify_metadata`, with a tree mask always given), so static tensors make it graph-safe.
-Not run in this repository's CPU test suite (tests/test_spec_gpu.py, marked gpu).
+Graphs by token count, not by batch x nodes: a step pays for the rows it has (a batch whose requests
+mostly have no drafts is few rows), not for `nodes` rows per request (8B at batch 32: 256 rows are
+compute-bound, 64 are not).
+
+The graph is the target's forward and its logits for every row (and the hidden states, and the layers a
+drafter reads). The attention backend builds a verify step's metadata from the forward batch's tensors
+only (the triton backend: `_verify_metadata`, with a tree mask always given), so static tensors make it
+graph-safe. Every per-step input goes up in one copy from a pinned buffer. Not run in this repository's
+CPU test suite (tests/test_spec_gpu.py, marked gpu).
 """
 
 from __future__ import annotations
@@ -27,7 +34,18 @@ from ..step import StepInput
 
 logger = logging.getLogger(__name__)
 
-BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+# Int64 inputs, in this order in one buffer: per token (T_max each), then per request slot (B_max each).
+TOKEN_FIELDS = ("ids", "pos", "loc", "table_rows", "table_cols")
+REQUEST_FIELDS = ("rows", "prefix", "ext", "starts", "tree_lens", "offsets", "seq")
+
+
+def token_buckets(t_max: int) -> list[int]:
+    """Captured token counts: every count up to 8, then four per doubling, and t_max itself."""
+    out, t = list(range(1, min(8, t_max) + 1)), 8
+    while t < t_max:
+        t = min(t_max, t + t // 4)
+        out.append(t)
+    return out
 
 
 class VerifyGraphRunner:
@@ -35,19 +53,28 @@ class VerifyGraphRunner:
         self.mr = mr
         self.nodes = nodes
         self.capture_layers = capture_layers
-        self.batch_sizes = [s for s in BATCH_SIZES if s <= max_bs] or [1]
-        self.max_bs = self.batch_sizes[-1]
-        T, B, dev = self.max_bs * nodes, self.max_bs, mr.device
-        self.input_ids = torch.zeros(T, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(T, dtype=torch.int64, device=dev)
-        self.out_loc = torch.zeros(T, dtype=torch.int64, device=dev)
-        self.req_rows = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.prefix = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.ext = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.mask = torch.zeros(B * nodes * nodes, dtype=torch.uint8, device=dev)
-        self.starts = torch.arange(B, device=dev) * nodes
-        self.tree_lens = torch.full((B,), nodes, dtype=torch.int64, device=dev)
-        self.offsets = torch.arange(B, device=dev) * nodes * nodes
+        self.max_bs = max(1, max_bs)
+        # NOTE: dead rows read table columns up to t_max of a request's row: no more than the table holds.
+        self.t_max = min(self.max_bs * nodes, mr.req_to_token_pool.max_context_len)
+        self.token_counts = token_buckets(self.t_max)
+        T, B, dev = self.t_max, self.max_bs + 1, mr.device
+        self._layout = {f: (i * T, T) for i, f in enumerate(TOKEN_FIELDS)}
+        base = len(TOKEN_FIELDS) * T
+        self._layout.update({f: (base + i * B, B) for i, f in enumerate(REQUEST_FIELDS)})
+        size = base + len(REQUEST_FIELDS) * B
+        self.args = torch.zeros(size, dtype=torch.int64, device=dev)  # every per-step input
+        self.host_args = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host_args.numpy()
+        mask_bytes = self.max_bs * nodes * nodes + T * T  # the real trees' masks, then the dead rows'
+        self.mask = torch.zeros(mask_bytes, dtype=torch.uint8, device=dev)
+        self.host_mask = torch.zeros(mask_bytes, dtype=torch.uint8, pin_memory=True)
+        self.host_mask_np = self.host_mask.numpy()
+        self._uploaded = None  # the event after the last upload (the pinned buffers are reused after it)
+        # Dead node e sees column 0 and its own (column 0 in every program's first key tile: a row that
+        # saw no key of a tile yet would turn NaN), over a dead request's prefix of 0.
+        self._dead_mask = np.eye(T, dtype=np.uint8)
+        self._dead_mask[:, 0] = 1
+        self._tril = [np.tril(np.ones((k, k), dtype=np.uint8)).reshape(-1) for k in range(nodes + 1)]
         self.logits = torch.empty(T, mr.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
@@ -55,20 +82,34 @@ class VerifyGraphRunner:
         self.pool = None
         start = time.perf_counter()
         self._capture_all()
-        logger.info("captured %d verify CUDA graphs (%d tokens per request, batch %s) in %.1f s", len(self.graphs),
-                    nodes, self.batch_sizes, time.perf_counter() - start)
+        logger.info("captured %d verify CUDA graphs (up to %d tokens per request, %d tokens) in %.1f s",
+                    len(self.graphs), nodes, T, time.perf_counter() - start)
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
-        mr, n = self.mr, self.nodes
-        fb = ForwardBatch(forward_mode=ForwardMode.VERIFY, batch_size=bs, input_ids=self.input_ids[:bs * n],
-                          positions=self.positions[:bs * n], req_pool_indices=self.req_rows[:bs],
-                          seq_lens=self.prefix[:bs] + n, out_cache_loc=self.out_loc[:bs * n],
-                          seq_lens_cpu=[n] * bs, req_to_token_pool=mr.req_to_token_pool, kv_pool=mr.kv_pool,
-                          attn_backend=mr.attn_backend)
-        fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = self.prefix[:bs], self.ext[:bs], self.starts[:bs]
-        fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [0] * bs, [n] * bs
-        fb.tree_lens, fb.tree_lens_cpu = self.tree_lens[:bs], [n] * bs
-        fb.tree_mask, fb.tree_mask_offsets = self.mask[:bs * n * n], self.offsets[:bs]
+    def _view(self, field: str, n: int) -> torch.Tensor:
+        at, _ = self._layout[field]
+        return self.args[at:at + n]
+
+    def _host(self, field: str) -> np.ndarray:
+        at, n = self._layout[field]
+        return self.host_np[at:at + n]
+
+    @staticmethod
+    def request_slots(tokens: int, max_bs: int) -> int:
+        return min(tokens, max_bs + 1)
+
+    def _static_batch(self, t_cap: int) -> ForwardBatch:
+        mr, v = self.mr, self._view
+        bs = self.request_slots(t_cap, self.max_bs)
+        fb = ForwardBatch(forward_mode=ForwardMode.VERIFY, batch_size=bs, input_ids=v("ids", t_cap),
+                          positions=v("pos", t_cap), req_pool_indices=v("rows", bs), seq_lens=v("seq", bs),
+                          out_cache_loc=v("loc", t_cap), seq_lens_cpu=[t_cap] * bs,
+                          req_to_token_pool=mr.req_to_token_pool, kv_pool=mr.kv_pool, attn_backend=mr.attn_backend)
+        fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = v("prefix", bs), v("ext", bs), v("starts", bs)
+        # NOTE: t_cap new tokens per request as far as the kernels' grids go: the dead rows' request may
+        # have up to t_cap - 1 of them.
+        fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = [0] * bs, [t_cap] * bs
+        fb.tree_lens, fb.tree_lens_cpu = v("tree_lens", bs), [t_cap] * bs
+        fb.tree_mask, fb.tree_mask_offsets = self.mask, v("offsets", bs)
         if self.capture_layers:
             fb.capture_layers = self.capture_layers
         return fb
@@ -76,87 +117,90 @@ class VerifyGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         stream = torch.cuda.Stream()
-        self.ext.fill_(self.nodes)
-        for bs in reversed(self.batch_sizes):
-            fb = self._static_batch(bs)
+        for t_cap in reversed(self.token_counts):
+            self._fill_capture_inputs(t_cap)
+            fb = self._static_batch(t_cap)
             self.mr.attn_backend.init_forward_metadata(fb)  # static tensors only: valid for every replay
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(fb, bs)
+                    self._forward(fb, t_cap)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self.hidden[bs], self.captured[bs] = self._forward(fb, bs)
+                self.hidden[t_cap], self.captured[t_cap] = self._forward(fb, t_cap)
             self.pool = self.pool or graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[t_cap] = graph
         torch.cuda.synchronize()
 
-    def _forward(self, fb: ForwardBatch, bs: int):
+    def _fill_capture_inputs(self, t_cap: int) -> None:
+        """Capture-time inputs: every row a dead node of one request (table row 0), as replays' dead rows."""
+        self._wait_upload()
+        self.host_np[:] = 0
+        for f in ("ext", "tree_lens", "seq"):
+            self._host(f)[0] = t_cap
+        self.host_mask_np[:t_cap * t_cap] = self._dead_mask[:t_cap, :t_cap].reshape(-1)
+        self._upload(t_cap * t_cap)
+
+    def _wait_upload(self) -> None:
+        """Before the pinned buffers are written: the last upload from them has finished."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def _upload(self, mask_bytes: int) -> None:
+        """The pinned inputs to their device buffers, one copy each."""
+        self.args.copy_(self.host_args, non_blocking=True)
+        self.mask[:mask_bytes].copy_(self.host_mask[:mask_bytes], non_blocking=True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+
+    def _forward(self, fb: ForwardBatch, t_cap: int):
         fb.captured_hidden = [] if self.capture_layers else None
-        hidden = self.mr.model(fb.input_ids, fb.positions, fb)  # (bs * nodes, hidden)
-        self.mr.model.compute_logits(hidden, out=self.logits[:bs * self.nodes])
+        hidden = self.mr.model(fb.input_ids, fb.positions, fb)  # (t_cap, hidden)
+        self.mr.model.compute_logits(hidden, out=self.logits[:t_cap])
         return hidden, fb.captured_hidden
 
     def can_run(self, step: StepInput) -> bool:
-        return step.batch_size <= self.max_bs and max(step.extend_lens) <= self.nodes
+        return step.batch_size <= self.max_bs and step.num_tokens <= self.t_max \
+            and max(step.extend_lens) <= self.nodes
 
     def replay(self, step: StepInput):
-        """(logits (T, V), hidden (T, hidden), captured layers) in the step's own row order."""
-        n, B = self.nodes, step.batch_size
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
-        sizes = np.asarray(step.extend_lens, dtype=np.int64)
-        starts = step.req_rows[4]
-        ids = np.zeros(bs * n, dtype=np.int64)
-        pos = np.zeros(bs * n, dtype=np.int64)
-        loc = np.zeros(bs * n, dtype=np.int64)
-        mask = np.zeros((bs, n, n), dtype=np.uint8)
-        gather = np.empty(step.num_tokens, dtype=np.int64)  # step row -> graph row
-        dead_rows, dead_cols = [], []
-        for b in range(B):
-            s, k, g = int(starts[b]), int(sizes[b]), b * n
-            ids[g:g + k], pos[g:g + k], loc[g:g + k] = step.token_rows[0, s:s + k], step.token_rows[1, s:s + k], \
-                step.token_rows[2, s:s + k]
-            pos[g + k:g + n] = step.prefix_lens[b] + 1
-            gather[s:s + k] = np.arange(g, g + k)
-            block = _tree_block(step, b, k)
-            mask[b, :k, :k] = block
-            mask[b, k:, 0] = 1  # dead nodes see their root and themselves
-            mask[b, np.arange(k, n), np.arange(k, n)] = 1
-            dead_rows.extend([int(step.req_rows[0, b])] * (n - k))
-            dead_cols.extend(range(step.prefix_lens[b] + k, step.prefix_lens[b] + n))
-        mr = self.mr
-        # The real nodes' slots into the table (device and host), the dead ones' columns to slot 0 (device).
-        rows_t, cols_t, slots_t = (torch.from_numpy(a).to(mr.device, non_blocking=True) for a in step.kv_writes)
-        mr.req_to_token_pool.write_step((rows_t, cols_t, slots_t), step.kv_writes)
-        if dead_rows:
-            dr = torch.tensor(dead_rows, device=mr.device)
-            mr.req_to_token_pool.req_to_token[dr, torch.tensor(dead_cols, device=mr.device)] = 0
-        req = np.zeros((3, bs), dtype=np.int64)
-        req[0, :B] = step.req_rows[0]
-        req[1, :B] = step.prefix_lens
-        req[2, :B] = n
-        host = np.concatenate([ids, pos, loc, req.reshape(-1)])
-        dev = torch.from_numpy(host).to(mr.device, non_blocking=True)
-        T = bs * n
-        self.input_ids[:T].copy_(dev[:T])
-        self.positions[:T].copy_(dev[T:2 * T])
-        self.out_loc[:T].copy_(dev[2 * T:3 * T])
-        self.req_rows[:bs].copy_(dev[3 * T:3 * T + bs])
-        self.prefix[:bs].copy_(dev[3 * T + bs:3 * T + 2 * bs])
-        self.ext[:bs].copy_(dev[3 * T + 2 * bs:3 * T + 3 * bs])
-        self.mask[:T * n].copy_(torch.from_numpy(mask.reshape(-1)).to(mr.device, non_blocking=True))
-        self.graphs[bs].replay()
-        at = torch.from_numpy(gather).to(mr.device, non_blocking=True)
-        captured = [c.index_select(0, at) for c in self.captured[bs]] if self.captured[bs] else None
-        return self.logits.index_select(0, at), self.hidden[bs].index_select(0, at), captured
-
-
-def _tree_block(step: StepInput, b: int, k: int) -> np.ndarray:
-    """(k, k) ancestor mask of request b's tree (a chain's: lower triangular)."""
-    mask = step.draft.tree_mask
-    if mask is None:
-        return np.tril(np.ones((k, k), dtype=np.uint8))
-    sizes = np.asarray(step.extend_lens, dtype=np.int64)
-    off = int((sizes[:b] * sizes[:b]).sum())
-    return mask[off:off + k * k].reshape(k, k).astype(np.uint8)
+        """(logits (T, V), hidden (T, hidden), captured layers) of the step's rows, in its own order
+        (views of the graph's outputs: valid until the next replay)."""
+        T, B = step.num_tokens, step.batch_size
+        t_cap = self.token_counts[bisect.bisect_left(self.token_counts, T)]
+        dead = t_cap - T
+        self._wait_upload()
+        h = self._host
+        sizes = np.asarray(step.extend_lens, dtype=np.int64)  # (B,)
+        squares = sizes * sizes
+        for f, row in (("ids", 0), ("pos", 1), ("loc", 2), ("table_rows", 3), ("table_cols", 4)):
+            a = h(f)
+            a[:T] = step.token_rows[row]
+            a[T:t_cap] = 0
+        slots = self.request_slots(t_cap, self.max_bs)
+        for f in REQUEST_FIELDS:
+            h(f)[:slots] = 0
+        h("rows")[:B] = step.req_rows[0]
+        h("prefix")[:B] = step.prefix_lens
+        h("ext")[:B] = sizes
+        h("tree_lens")[:B] = sizes
+        h("starts")[:B] = step.req_rows[4]
+        h("offsets")[:B] = np.cumsum(squares) - squares
+        real_mask = int(squares.sum())
+        mask = step.draft.tree_mask
+        self.host_mask_np[:real_mask] = mask if mask is not None else np.concatenate([self._tril[k] for k in sizes])
+        if dead:  # the dead rows' request: each sees its first node and itself
+            h("rows")[B] = step.req_rows[0, 0]
+            h("ext")[B] = h("tree_lens")[B] = dead
+            h("starts")[B] = T
+            h("offsets")[B] = real_mask
+            self.host_mask_np[real_mask:real_mask + dead * dead] = self._dead_mask[:dead, :dead].reshape(-1)
+        h("seq")[:slots] = h("prefix")[:slots] + h("ext")[:slots]
+        self._upload(real_mask + dead * dead)
+        # The real nodes' slots into the table (device, and host mirror).
+        v = self._view
+        self.mr.req_to_token_pool.write_step((v("table_rows", T), v("table_cols", T), v("loc", T)), step.kv_writes)
+        self.graphs[t_cap].replay()
+        captured = [c[:T] for c in self.captured[t_cap]] if self.captured[t_cap] else None
+        return self.logits[:T], self.hidden[t_cap][:T], captured

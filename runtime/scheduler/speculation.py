@@ -22,6 +22,7 @@ reach the prefix cache.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +42,19 @@ from .batch import ScheduleBatch, VerifyPlan
 from .kv_manager import KVManager
 
 
-# The cost model (speculative/cost.py) decides most steps' drafts; every EXPLORE_EVERY-th step verifies what
-# was proposed anyway (the costs of steps it stopped running would never be measured again), and until a
-# plain decode step of the batch's size was measured, every MEASURE_EVERY-th step is one.
+# The cost model (speculative/cost.py) decides most steps' drafts; every EXPLORE_EVERY-th decision verifies
+# what was proposed anyway (the costs of steps it stopped running would never be measured again), and one
+# decision later in each such period is a plain decode step (decode costs drift with the sequences too);
+# until a plain decode step of the batch's size was measured, every MEASURE_EVERY-th decision is one.
 EXPLORE_EVERY = 32
 MEASURE_EVERY = 8
+# When the cost model gives no drafts to a batch that proposed some, the batch decides nothing for a
+# pause of decode steps (launched ahead, overlapped, as without speculation), doubling while it keeps
+# saying no: a decision needs the previous step read back first, so deciding "no" every step would cost
+# the overlap a plain decode has. Without steps launched ahead (a CPU, a drafter's runner, requests
+# sampled on the host) there is no overlap to win: no pause.
+FIRST_PAUSE = 1
+MAX_PAUSE = 64
 MAX_LEARN_TOKENS = 32  # a forced text's tokens are learned from at most this many written after it
 
 
@@ -88,8 +97,13 @@ class Speculation:
         self.ngram_window = (sa.speculative_ngram_min_match_window_size, sa.speculative_ngram_max_match_window_size)
         special = getattr(tokenizer, "all_special_ids", None) or ()
         self.grammar_drafts = GrammarDrafts(tokenizer, special) if self.settings.grammar and tokenizer else None
-        self.costs = StepCosts()  # seconds per step by its token count, on this device
+        self.costs = StepCosts()  # seconds per decode / verify step by its token count, on this device
+        self.clock = time.perf_counter  # what steps are timed with (scheduler tests give a fake one)
         self._decisions = 0  # steps whose drafts the cost model weighed
+        self._paused = 0  # decode steps left that decide nothing (the cost model said no)
+        self._pause_len = FIRST_PAUSE  # the next pause's length
+        # Whether the pipeline launches decode steps ahead: only such a pipeline asks `may_speculate`.
+        self._launches_ahead = False
         # Request-steps verified with at least one draft, drafts proposed, drafts accepted (and kept),
         # VERIFY forward steps.
         self.totals = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
@@ -105,13 +119,22 @@ class Speculation:
         return self.grammar_drafts is not None and r.grammar is not None and self._eligible(r)
 
     def may_speculate(self, reqs: list[Req]) -> bool:
-        """Whether the next step could be a VERIFY (so a decode step must not be launched ahead of it)."""
+        """Whether the next step could be a VERIFY (so a decode step must not be launched ahead of it).
+        When not, the decode step launched ahead is decided here: it counts down the batch's pause and
+        the requests' sit-outs (no `upgrade` sees it), and it is not a step the cost model can time."""
         s = self.settings
         if not s.enabled:
             return False
-        small = len(reqs) <= s.max_batch
-        return any(self._eligible(r) and (r.spec is None or r.spec.sit_out == 0)
-                   and (small or (self.grammar_drafts is not None and r.grammar is not None)) for r in reqs)
+        self._launches_ahead = True
+        if self._paused > 0:
+            self._paused -= 1
+        else:
+            small = len(reqs) <= s.max_batch
+            if any(self._may_draft(r, small) for r in reqs):
+                return True
+        self._skip_step(reqs)
+        self.costs.interrupt()
+        return False
 
     def upgrade(self, batch: ScheduleBatch) -> ScheduleBatch:
         """The decode `batch` as a VERIFY batch of every request's draft tree, when any request has
@@ -122,18 +145,48 @@ class Speculation:
         small = len(batch.reqs) <= s.max_batch
         if not small and self.grammar_drafts is None:
             return batch
+        rids = tuple(r.rid for r in batch.reqs)
+        now = self.clock()
+        self.costs.begin(rids, now)
+        if self._paused > 0 or not any(self._may_draft(r, small) for r in batch.reqs):
+            # a pause's step that was not launched ahead (no overlap, or it had to wait), or nobody drafts
+            self._paused = max(0, self._paused - 1)
+            self._skip_step(batch.reqs)
+            self.costs.decided(rids, False, len(rids), now)
+            return batch
         trees: list[DraftTree] = []
         model_draft: list[bool] = []
         for r in batch.reqs:
             tree, by_model = self._plan(r, small)
             trees.append(tree)
             model_draft.append(by_model)
-        if s.adaptive and any(t.size > 1 for t in trees):
+        proposed = any(t.size > 1 for t in trees)
+        measuring = False
+        if s.adaptive and proposed:
             self._decisions += 1
-            if not self.costs.measured(len(trees)) and self._decisions % MEASURE_EVERY == 0:
-                return batch  # a plain decode step now and then until its cost is known
-            if self._decisions % EXPLORE_EVERY:  # else: verify what was proposed (costs drift; measure again)
+            period = self._decisions % EXPLORE_EVERY
+            measuring = period == EXPLORE_EVERY // 2 or (
+                not self.costs.decode.measured(len(trees)) and self._decisions % MEASURE_EVERY == 0)
+            if measuring:  # a plain decode step, timed
+                trees = [DraftTree([t.tokens[0]], [-1]) for t in trees]
+            elif period:  # else: verify what was proposed (costs drift; measure again)
                 trees, model_draft = self._afford(batch.reqs, trees, model_draft)
+        out = self._verify_batch(batch, trees, model_draft)
+        verified = out is not batch
+        if s.adaptive and proposed and not measuring:
+            if verified:
+                self._pause_len = FIRST_PAUSE
+            elif self._launches_ahead and not any(r.sampling.needs_host_sampling() for r in batch.reqs):
+                # drafts were proposed, none paid: decide nothing for a while, the decode steps launched
+                # ahead (a pause where they could not be would only lose drafts)
+                self._paused = self._pause_len
+                self._pause_len = min(MAX_PAUSE, 2 * self._pause_len)
+        self.costs.decided(rids, verified, len(out.out_cache_loc), now)
+        return out
+
+    def _verify_batch(self, batch: ScheduleBatch, trees: list[DraftTree], model_draft: list[bool]) -> ScheduleBatch:
+        """The VERIFY batch of `trees` (their draft slots allocated), or `batch` when no tree has drafts
+        or the pool has no room for them."""
         extra = sum(t.size - 1 for t in trees)
         if extra == 0:
             return batch
@@ -153,6 +206,23 @@ class Speculation:
         return ScheduleBatch(ForwardMode.VERIFY, batch.reqs, out_cache_loc=torch.from_numpy(slots),
                              verify=VerifyPlan(trees, model_draft))
 
+    def _may_draft(self, r: Req, small: bool) -> bool:
+        """Whether `r` could have drafts this step: grammar-forced ones (any batch), guessed ones
+        (prompt lookup, a drafter) in a `small` batch. NOTE: grammar drafts are on by default, so a
+        server without a speculative algorithm gets here too: its unconstrained requests never draft,
+        and must not keep their decode steps from being launched ahead."""
+        if not self._eligible(r) or (r.spec is not None and r.spec.sit_out > 0):
+            return False
+        if self.grammar_drafts is not None and r.grammar is not None:
+            return True
+        return small and (self.settings.ngram or self.settings.model_drafts)
+
+    def _skip_step(self, reqs: list[Req]) -> None:
+        """A decode step decided without drafts: one step of each request's sit-out is served."""
+        for r in reqs:
+            if r.spec is not None:
+                r.spec.skip_step()
+
     def _afford(self, reqs: list[Req], trees: list[DraftTree], model_draft: list[bool]):
         """The drafts this step's measured costs make worth verifying (cost.allocate): chains are cut, a
         drafter's top-k tree is kept whole or not at all."""
@@ -171,9 +241,10 @@ class Speculation:
         return out_trees, out_model
 
     def observe_step(self, batch: ScheduleBatch, seconds: float) -> None:
-        """The runner's time for a decode or verify step that ran synchronously: the cost model's input."""
-        if self.settings.enabled and not batch.mode.is_extend():
-            self.costs.record(len(batch.out_cache_loc), seconds)
+        """A step ran synchronously: a prefill between two decisions makes the time between them no
+        decode or verify step's cost (those are timed between decisions: StepCosts.begin)."""
+        if self.settings.enabled and batch.mode.is_extend():
+            self.costs.interrupt()
 
     def _eligible(self, r: Req) -> bool:
         sp = r.sampling_params

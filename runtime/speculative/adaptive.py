@@ -54,6 +54,11 @@ class RequestSpecState:
             return 0
         return self.draft_len
 
+    def skip_step(self) -> None:
+        """A decode step went by without asking for drafts (the batch paused, or ran ahead)."""
+        if self.sit_out > 0:
+            self.sit_out -= 1
+
     def record(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return

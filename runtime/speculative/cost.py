@@ -1,14 +1,19 @@
 """Whether drafts pay in this batch, and how many: the step's expected tokens against its measured cost.
 
-A step of T tokens (a decode step: one per request; a verify step: each request's tree) takes `c(T)`
-seconds on this device, measured from the steps run so far (`StepCosts`: a moving average per token
-count). A request whose drafts are each accepted with probability p (its own history) expects
-1 + p + p^2 + ... + p^k tokens from a chain of k drafts. `allocate` orders every draft asked for by its chance of
-being accepted and takes the prefix of that order with the most expected tokens per second, which is
-none when the plain decode step's rate is best. On a GPU a step of a few more tokens costs almost nothing, so
-drafts are given freely; on a CPU, where two rows already cost twice one, only long likely runs are.
+A decode step of B requests takes `decode(B)` seconds on this device, a verify step of T tokens (each
+request's tree) `verify(T)`: two curves, because a verify step is not a decode step with more rows. It
+has its own kernels, runs synchronously (no step is launched ahead of it) and carries host work a decode
+step does not, so a verify step of B + 1 tokens costs a fixed premium over a decode step of B, not 1/B
+more. A request whose drafts are each accepted with probability p (its own history) expects
+1 + p + p^2 + ... + p^k tokens from a chain of k drafts. `allocate` orders every draft asked for by its
+chance of being accepted and takes the prefix of that order with the most expected tokens per second,
+which is none when the plain decode step's rate is best.
+
+Costs are wall time between the scheduler's consecutive decisions on the same running requests
+(`StepCosts.begin`): what a step costs the batch, host work included. A step is measured only when
+nothing else ran between (a prefill, or a decode step launched ahead without a decision: `interrupt`).
 With too few measurements (fewer than MIN_SAMPLES steps, or steps too short to be a device's:
-MIN_STEP_S, a fake runner's) it gives every request what it asks.
+MIN_STEP_S, a fake runner's) `allocate` gives every request what it asks.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from typing import Optional, Sequence
 MIN_SAMPLES = 2
 MIN_STEP_S = 1e-3
 DECAY = 0.8  # weight of the old average in each new measurement
+# A step measured this many times its average is not that step alone (a chunk of a prefill launched
+# beside it, a pause of the host): dropped.
+OUTLIER = 3.0
 
 
 def _bucket(tokens: int) -> int:
@@ -27,7 +35,9 @@ def _bucket(tokens: int) -> int:
     return 1 << (tokens - 1).bit_length()
 
 
-class StepCosts:
+class CostCurve:
+    """Seconds per step of one kind by its token count: a moving average per bucket."""
+
     def __init__(self) -> None:
         self._avg: dict[int, float] = {}
         self._n: dict[int, int] = {}
@@ -37,6 +47,8 @@ class StepCosts:
             return
         b = _bucket(tokens)
         old = self._avg.get(b)
+        if old is not None and self._n[b] >= MIN_SAMPLES and seconds > OUTLIER * old:
+            return
         self._avg[b] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
         self._n[b] = self._n.get(b, 0) + 1
 
@@ -68,6 +80,31 @@ class StepCosts:
         return self._n.get(b, 0) >= MIN_SAMPLES
 
 
+class StepCosts:
+    """The decode and verify curves, and the step being timed (its requests, kind, tokens, start)."""
+
+    def __init__(self) -> None:
+        self.decode = CostCurve()
+        self.verify = CostCurve()
+        self._open: Optional[tuple[tuple, bool, int, float]] = None
+
+    def begin(self, rids: tuple, now: float) -> None:
+        """A decision for the requests `rids` starts at `now`: the step decided last, when it was for
+        the same requests and nothing ran since, took `now - its start`."""
+        if self._open is not None and self._open[0] == rids:
+            _, verify, tokens, start = self._open
+            (self.verify if verify else self.decode).record(tokens, now - start)
+        self._open = None
+
+    def decided(self, rids: tuple, verify: bool, tokens: int, now: float) -> None:
+        """The step just decided (started at `now`, when its decision began) is the one timed next."""
+        self._open = (rids, verify, tokens, now)
+
+    def interrupt(self) -> None:
+        """Something other than the decided step ran: the time to the next decision is not its cost."""
+        self._open = None
+
+
 def allocate(costs: StepCosts, available: Sequence[int], accept: Sequence[float]) -> list[int]:
     """Drafts per request (at most available[i]) maximizing the step's expected tokens per second;
     accept[i]: request i's chance that a draft is accepted. Everything asked when costs are unknown.
@@ -76,8 +113,8 @@ def allocate(costs: StepCosts, available: Sequence[int], accept: Sequence[float]
     each request's own in order) the best prefix is taken: costs may flatten as a step grows, so a run
     of drafts can pay where its first one alone does not."""
     base = len(available)
-    c_plain = costs.estimate(base)
-    if c_plain is None:
+    c_plain = costs.decode.estimate(base)
+    if c_plain is None or costs.verify.estimate(base + 1) is None:
         return list(available)
     items = sorted(((accept[i] ** j, j, i) for i in range(base) for j in range(1, available[i] + 1)),
                    key=lambda t: (-t[0], t[1]))
@@ -85,8 +122,8 @@ def allocate(costs: StepCosts, available: Sequence[int], accept: Sequence[float]
     expected = float(base)
     for m, (gain, _, _) in enumerate(items, 1):
         expected += gain
-        c = costs.estimate(base + m)
-        if c is not None and expected / c > best_rate:
+        c = costs.verify.estimate(base + m)
+        if expected / c > best_rate:
             best_m, best_rate = m, expected / c
     give = [0] * base
     for _, _, i in items[:best_m]:
