@@ -168,8 +168,9 @@ class GrammarMatcher(ABC):
 
     # ---- speculative decoding (runtime/speculative/) ----
     def may_draft(self, num_tokens: int) -> bool:
-        """Whether `num_tokens` drafts may be scored ahead of the output with this grammar's masks alone
-        (a matcher that steers by its budget says no near the budget's end). Default: yes."""
+        """Whether `num_tokens` free drafts (not the grammar's own forced text) may be scored ahead of the
+        output with this grammar's masks alone (a matcher that steers by its budget says no near the
+        budget's end). Default: yes."""
         return True
 
     def drafting(self) -> ContextManager[None]:

@@ -130,11 +130,13 @@ class RequestGrammar(GrammarMatcher):
 
     # ---- speculative decoding ----
     def may_draft(self, num_tokens: int) -> bool:
-        """Drafts are scored with the plain masks of the states they lead to (no budget decision is taken
-        there: `drafting`), so only while the closer would not act within them: not once it closes or
-        chooses, not before its first estimate near the end, and only while the budget left after the
-        drafts keeps more than NEAR tokens of slack over the estimate (the decisions then wait for the
-        next step's first token, taken at the output's own state)."""
+        """Whether `num_tokens` free drafts (prompt lookup, a draft model: not the grammar's forced text) may
+        be scored ahead with the plain masks of the states they lead to (no budget decision is taken
+        there: `drafting`): only while the closer would not act within them: not once it closes or
+        chooses, not before its first estimate near the end, and only while the budget left after them
+        keeps more than NEAR tokens of slack over the estimate (the decisions wait for the next step's
+        first token, taken at the output's own state). Forced text needs no such check: every valid
+        completion begins with it, so accepting it leaves the slack as it was."""
         closer, left = self.closer, self._budget_left
         if closer is None:
             return True
