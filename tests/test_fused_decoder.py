@@ -39,7 +39,7 @@ def _hidden_both_ways(model, device):
     positions = torch.tensor([0, 1, 2, 3, 4, 5], device=device)
     cfg = model.config
     pool = KVPool(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
-    fb = types.SimpleNamespace(attn_backend=_CausalAttention(), kv_pool=pool,
+    fb = types.SimpleNamespace(capture_layers=(), attn_backend=_CausalAttention(), kv_pool=pool,
                                out_cache_loc=torch.tensor([9, 2, 4, 11, 1, 6], device=device))
     with torch.no_grad():
         set_use_triton(model, False)
@@ -64,7 +64,7 @@ def test_model_without_layers_is_the_normed_embedding():
     model = LlamaForCausalLM(cfg, max_position=64).eval()
     ids = torch.tensor([3, 7, 1])
     with torch.no_grad():
-        out = model(ids, torch.arange(3), types.SimpleNamespace())
+        out = model(ids, torch.arange(3), types.SimpleNamespace(capture_layers=()))
         assert torch.allclose(out, rms_norm_torch(model.embed_tokens(ids), model.norm.weight, cfg.rms_norm_eps))
 
 

@@ -178,7 +178,7 @@ class _OneTokenAttention:
 def _one_token_batch(model: LlamaForCausalLM, device="cpu"):
     cfg = model.config
     pool = KVPool(8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
-    fb = types.SimpleNamespace(attn_backend=_OneTokenAttention(), kv_pool=pool,
+    fb = types.SimpleNamespace(capture_layers=(), attn_backend=_OneTokenAttention(), kv_pool=pool,
                                out_cache_loc=torch.tensor([3], device=device))
     return torch.tensor([17], device=device), torch.tensor([0], device=device), fb
 

@@ -108,15 +108,19 @@ def _no_weights_message(model_path: str) -> str:
     return f"{head} (it holds {names[:8]}); load_format='dummy' runs the config with random weights"
 
 
-def _iter_safetensors(files: list[str], model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[str], model: Optional[torch.nn.Module] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(local name, tensor) of what the model's rank holds, read straight from the files: on one device
     every tensor whole; split over ranks only this rank's slices (`model.checkpoint_read`), so no rank
-    ever reads a tensor, or a layer, that is not its own."""
+    ever reads a tensor, or a layer, that is not its own. No model (a drafter's head, which names its
+    own tensors): every tensor whole, under its file's name."""
     from safetensors import safe_open
 
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
+                if model is None:
+                    yield name, st.get_tensor(name)
+                    continue
                 read = model.checkpoint_read(name)
                 if read is not None:
                     yield read.name, read_slice(st, name, read)
