@@ -6,8 +6,8 @@ medians over the repeats:
 
 - json: JSON extraction under a 5-field schema (bench_grammar.py's prompts and schema). Modes: plain
   constrained decoding (neither jump-forward nor drafts: the reference), jump-forward (plait's decoding
-  before speculation), grammar-forced drafts (the default now: forced tokens, and prompt lookup where
-  nothing is forced).
+  before speculation, and the default), grammar-forced drafts (`speculative_grammar_drafts="on"`: forced
+  tokens, and prompt lookup where nothing is forced).
 - copy: summarise / quote the context (RAG-like: answers copy sentences of a passage). Modes: off, NGRAM.
 - chat: free chat (little to copy: the overhead when drafts do not pay). Modes: off, NGRAM.
 
@@ -63,7 +63,7 @@ CHATS = ["Write a short story about a cat who learns to swim.", "Explain how a r
 MODES = {
     "plain": dict(disable_jump_forward=True, speculative_grammar_drafts="off"),
     "jump_forward": dict(speculative_grammar_drafts="off"),
-    "grammar_drafts": dict(),  # the defaults
+    "grammar_drafts": dict(speculative_grammar_drafts="on"),
     "ngram": dict(speculative_algorithm="NGRAM"),
 }
 WORKLOADS = {"json": ("plain", ["plain", "jump_forward", "grammar_drafts"]),

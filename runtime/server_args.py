@@ -100,8 +100,8 @@ class ServerArgs:
     speculative_num_draft_tokens: Optional[int] = None
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 10
-    # The tokens a grammar forces, proposed as drafts of constrained requests. auto: on unless
-    # disable_jump_forward (it replaces jump-forward, whose retokenized boundary can change outputs).
+    # The tokens a grammar forces, proposed as drafts of constrained requests (replacing jump-forward):
+    # "on"; "auto" and "off": jump-forward (grammar_drafts_enabled says why).
     speculative_grammar_drafts: str = "auto"
     # None: 8 on the CPU (a verify step's extra tokens cost compute there), 32 on a GPU.
     speculative_disable_by_batch_size: Optional[int] = None
@@ -253,20 +253,15 @@ class ServerArgs:
         return steps, topk, tokens
 
     def grammar_drafts_enabled(self) -> bool:
-        """Whether a constrained request's forced tokens are proposed as drafts. auto: wherever drafts can be
-        verified (not with flashinfer, which has no verify mode, nor through pipeline stages) and
-        jump-forward is not switched off."""
-        mode = self.speculative_grammar_drafts
-        return mode == "on" or (mode == "auto" and not self.disable_jump_forward
-                                and self.attention_backend != "flashinfer" and self.pp_size == 1)
+        """Whether a constrained request's forced tokens are proposed as drafts (outputs exactly plain
+        constrained decoding's) instead of jump-forward. "on" only: "auto" keeps jump-forward, which spells
+        forced text in the tokenizer's own (fewer) tokens, so a tight max_new_tokens still fits it; the
+        drafts follow the model's spelling, token for token as without them."""
+        return self.speculative_grammar_drafts == "on"
 
     def jump_forward_enabled(self) -> bool:
-        """Whether forced text is appended in one step (where grammar drafts do not replace it). Not with
-        pipeline stages under auto: there every constrained token is decoded, so that outputs are one
-        device's (jump-forward's retokenized boundary can change them; grammar drafts never do)."""
-        if self.disable_jump_forward:
-            return False
-        return not (self.speculative_grammar_drafts == "auto" and self.pp_size > 1)
+        """Whether forced text is appended in one step: unless switched off or replaced by grammar drafts."""
+        return not self.disable_jump_forward and not self.grammar_drafts_enabled()
 
     def resolved_speculative_disable_by_batch_size(self) -> int:
         if self.speculative_disable_by_batch_size is not None:
@@ -460,7 +455,8 @@ CLI_HELP = {
     "speculative_num_draft_tokens": "tokens verified per request and step, the last committed one included",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix looked up in the request's tokens",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix looked up in the request's tokens",
-    "speculative_grammar_drafts": "auto (on unless --disable-jump-forward), on, off: grammar-forced tokens as drafts",
+    "speculative_grammar_drafts": "on: grammar-forced tokens as drafts instead of jump-forward (outputs exactly "
+                                  "plain constrained decoding's); auto, off: jump-forward",
     "speculative_disable_by_batch_size": "no speculation when more requests run (default: 8 on the CPU, 32 on a GPU)",
     "disable_speculative_adaptive": "always propose the full draft length (no per-request adaptation or off switch)",
     "host": "address the server listens on",

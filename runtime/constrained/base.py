@@ -167,11 +167,10 @@ class GrammarMatcher(ABC):
         return None
 
     # ---- speculative decoding (runtime/speculative/) ----
-    def may_draft(self, num_tokens: int) -> bool:
-        """Whether `num_tokens` free drafts (not the grammar's own forced text) may be scored ahead of the
-        output with this grammar's masks alone (a matcher that steers by its budget says no near the
-        budget's end). Default: yes."""
-        return True
+    def draft_room(self, num_tokens: int) -> int:
+        """How many of `num_tokens` drafts may be scored ahead of the output with this grammar's masks alone
+        (a matcher that steers by its budget allows fewer near the budget's end). Default: all."""
+        return num_tokens
 
     def drafting(self) -> ContextManager[None]:
         """A context for walking the matcher through drafts (states the output may never reach): a

@@ -50,6 +50,7 @@ class RequestGrammar(GrammarMatcher):
         self._budget_left = budget_left  # tokens the request may still generate (None: not known yet)
         self._event: Optional[str] = None  # "closed" | "overshoot", until taken by the manager
         self._drafting = 0  # inside drafting(): masks are filled with no decision taken
+        self._silent = 0  # the latest accepted tokens that were drafts (the loop watch and closer never saw them)
 
     # ---- what the scheduler reads ----
     @property
@@ -92,7 +93,9 @@ class RequestGrammar(GrammarMatcher):
             self.scanner.feed(data)
         self._accepted.append(data)
         self._version += 1
-        if self.watch is not None:
+        if self._drafting:
+            self._silent += 1  # a draft: the output may never hold it
+        elif self.watch is not None:
             self.watch.feed(token_id, data)
             self.closer.on_token(token_id, self._version, len(self._accepted))
         return True
@@ -106,8 +109,10 @@ class RequestGrammar(GrammarMatcher):
             del self._snapshots[-num_tokens:]
         del self._accepted[-num_tokens:]
         self._version += 1
-        if self.watch is not None:
-            self.watch.rollback(num_tokens)
+        drafts = min(num_tokens, self._silent)
+        self._silent -= drafts
+        if self.watch is not None and num_tokens > drafts:
+            self.watch.rollback(num_tokens - drafts)
             self.closer.on_rollback()
 
     def is_terminated(self) -> bool:
@@ -129,24 +134,24 @@ class RequestGrammar(GrammarMatcher):
         return forced
 
     # ---- speculative decoding ----
-    def may_draft(self, num_tokens: int) -> bool:
-        """Whether `num_tokens` free drafts (prompt lookup, a draft model: not the grammar's forced text) may
-        be scored ahead with the plain masks of the states they lead to (no budget decision is taken
-        there: `drafting`): only while the closer would not act within them: not once it closes or
-        chooses, not before its first estimate near the end, and only while the budget left after them
-        keeps more than NEAR tokens of slack over the estimate (the decisions wait for the next step's
-        first token, taken at the output's own state). Forced text needs no such check: every valid
-        completion begins with it, so accepting it leaves the slack as it was."""
+    def draft_room(self, num_tokens: int) -> int:
+        """How many of `num_tokens` drafts may be scored ahead with the plain masks of the states they lead
+        to (no decision is taken there: `drafting`): as many as keep the closer from acting within them.
+        None once it closes or chooses, none before its first estimate near the end (the next step's
+        root takes it), and only while the slack left after them (budget - drafts - the estimate) stays
+        over NEAR: so a drafted node's token is chosen where plain decoding would not steer either."""
         closer, left = self.closer, self._budget_left
         if closer is None:
-            return True
+            return num_tokens
         if closer.closing or closer.choosing or left is None:
-            return False
+            return 0
         need = FIRST_LOOK if closer.estimate is None else len(closer.estimate.token_ids) + NEAR
-        return left - num_tokens - 1 > need
+        return max(0, min(num_tokens, left - 2 - need))
 
     @contextlib.contextmanager
     def drafting(self) -> Iterator[None]:
+        """Drafts accepted inside are invisible to the loop watch and the budget closer (their estimate is
+        the output's, not a draft's): they see only the tokens the output commits, after verification."""
         self._drafting += 1
         try:
             yield

@@ -277,26 +277,25 @@ class Speculation:
         # token comes with them): at most remaining - 1, and the tree must fit in the context.
         room = min(r.remaining_new_tokens() - 1, self.context_len - r.seq_len)
         n = min(state.allowed_drafts(), room)
+        if r.grammar is not None:
+            n = r.grammar.draft_room(n)  # not where the grammar's budget closer would act within the drafts
         if n <= 0:
             return lone, False
-        # NOTE: a constrained request's forced text may always be drafted; free drafts (prompt lookup, a
-        # draft model) only where the grammar's budget closer would not act within them.
-        free = r.grammar is None or r.grammar.may_draft(n)
         s = self.settings
         if self.grammar_drafts is not None and r.grammar is not None:
             if state.pending_forced is None:
                 forced = r.grammar.jump_forward_string()
                 if forced:
                     state.pending_forced = (forced, len(r.output_ids))
-            extend = state.ngram.propose if state.ngram is not None and small and free else None
+            extend = state.ngram.propose if state.ngram is not None and small else None
             drafts = self.grammar_drafts.propose(r.grammar, TokenView(r.origin_input_ids, r.output_ids), n, extend)
             if drafts:
                 return DraftTree.chain(root, drafts), False
-        elif state.ngram is not None and free:
+        elif state.ngram is not None:
             drafts = state.ngram.propose(TokenView(r.origin_input_ids, r.output_ids), n)
             if drafts:
                 return DraftTree.chain(root, drafts), False
-        if s.model_drafts and small and free:
+        if s.model_drafts and small:
             size = n + 1 if s.chain_only else s.tree_nodes
             if size <= room + 1 and r.seq_len + s.draft_span <= self.context_len:
                 return DraftTree.chain(root, [0] * (size - 1)), True

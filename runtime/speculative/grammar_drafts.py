@@ -44,6 +44,11 @@ class GrammarDrafts:
             return []
         limit = min(max_drafts, matcher.max_rollback)
         drafts: list[int] = []
+        with matcher.drafting():
+            return self._walk(matcher, context, limit, extend, drafts)
+
+    def _walk(self, matcher: Any, context: Sequence[int], limit: int, extend: Optional[Extend],
+              drafts: list[int]) -> list[int]:
         try:
             while len(drafts) < limit and not matcher.is_terminated():
                 forced = matcher.jump_forward_string()
@@ -100,34 +105,42 @@ def fill_tree_bitmask(matcher: Any, tree: DraftTree, bitmask: torch.Tensor, firs
     i's path (the drafts from the root down to it), for every node the grammar allows; returns which
     nodes it allows (a node below a draft the grammar rejects is unreachable: its row is left
     all-allowed, and a masked target can never accept it). The matcher ends where it started."""
-    n = tree.size
-    reachable = [False] * n
+    reachable = [False] * tree.size
     kids = tree.children()
-    depth_budget = matcher.max_rollback
 
     def fill(node: int, row: int) -> None:
         if matcher.is_terminated():
             bitmask[row].fill_(-1)  # a stop token was accepted: nothing follows it (keeps the row finite)
-        elif node == 0:
-            matcher.fill_bitmask(bitmask, row)  # the output's own state: the matcher's decisions are taken here
         else:
-            with matcher.drafting():
-                matcher.fill_bitmask(bitmask, row)
+            matcher.fill_bitmask(bitmask, row)
 
-    def visit(node: int, depth: int) -> None:
-        reachable[node] = True
-        fill(node, first_row + node)
+    # The root's row at the output's own state (the matcher's decisions are taken there); the drafts' rows
+    # inside `drafting` (states the output may never reach).
+    fill(0, first_row)
+    reachable[0] = True
+    with matcher.drafting():
+        _fill_below_root(matcher, tree, bitmask, first_row, reachable, kids, fill)
+    return reachable
+
+
+def _fill_below_root(matcher: Any, tree: DraftTree, bitmask: torch.Tensor, first_row: int, reachable: list[bool],
+                     kids: list[list[int]], fill: Callable[[int, int], None]) -> None:
+    """The rows of every node below the root (the root's row is filled); the matcher ends at the root."""
+    n = tree.size
+    depth_budget = matcher.max_rollback
+
+    def visit(node: int, depth: int) -> None:  # node's row is filled: its children's next
         for c in kids[node]:
             if depth >= depth_budget or matcher.is_terminated() or not matcher.accept_token(tree.tokens[c]):
                 _all_allowed(bitmask, first_row, tree, c, kids)
                 continue
+            reachable[c] = True
+            fill(c, first_row + c)
             visit(c, depth + 1)
             matcher.rollback(1)
 
     if tree.is_chain():  # no recursion for the common case
         accepted = 0
-        fill(0, first_row)
-        reachable[0] = True
         for i in range(1, n):
             if i > depth_budget or matcher.is_terminated() or not matcher.accept_token(tree.tokens[i]):
                 for j in range(i, n):
@@ -137,9 +150,8 @@ def fill_tree_bitmask(matcher: Any, tree: DraftTree, bitmask: torch.Tensor, firs
             reachable[i] = True
             fill(i, first_row + i)
         matcher.rollback(accepted)
-        return reachable
+        return
     visit(0, 0)
-    return reachable
 
 
 def _all_allowed(bitmask: torch.Tensor, first_row: int, tree: DraftTree, node: int, kids: list[list[int]]) -> None:
