@@ -107,10 +107,6 @@ def expand_n(base: dict[str, Any], sp: SamplingParams, options: RequestOptions) 
     return [{**base, "sampling_params": sample, "options": opts} for sample, opts in expand_samples(sp, options)]
 
 
-def call_rid(call: dict[str, Any]) -> str:
-    return call["options"].rid
-
-
 async def tokenize_prompts(runs: list[list[dict[str, Any]]], ctx: ServerContext) -> None:
     """Replace the text prompts of Engine calls by their token ids, tokenized in a worker thread.
 
@@ -190,7 +186,7 @@ async def generate(body: GenerateRequest, request: Request):
     runs = native_calls(body, ctx)
     await tokenize_prompts(runs, ctx)
     if len(runs) == 1 and len(runs[0]) == 1:  # X-Request-Id = meta_info.id (http_server.ResponseHeaders)
-        request.state.request_id = call_rid(runs[0][0])
+        request.state.request_id = runs[0][0]["options"].rid
     group = ctx.new_group(request, log_metrics=body.log_metrics)
     await group.start(runs)
     indexed = body.is_batch or len(runs[0]) > 1
