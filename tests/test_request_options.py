@@ -5,8 +5,10 @@ import dataclasses
 
 import pytest
 
-from plait.runtime import SamplingParams
-from plait.runtime.io_struct import TokenizedGenerateReq
+from plait.runtime import SamplingParams, ServerArgs
+from plait.runtime.engine.request_builder import OPTION_DEFAULTS, build_requests
+from plait.runtime.engine.tokenizer_manager import TokenizerManager
+from plait.runtime.io_struct import SchedulerInfo, TokenizedGenerateReq
 from plait.runtime.request_options import (RequestOptionError, RequestOptions, expand_samples, is_sample_of,
                                            sample_rid)
 
@@ -104,3 +106,58 @@ def test_a_failed_verify_is_not_remembered():
     for _ in range(2):
         with pytest.raises(ValueError, match="stop_token_ids must lie in"):
             sp.verify(10)
+
+
+# ---------------------------------------------------------------- the Engine's request building (no engine)
+
+class _Manager:
+    """What build_requests uses of a TokenizerManager (its real validate), without sockets or a scheduler."""
+
+    info = SchedulerInfo(max_total_tokens=4096, context_len=512, vocab_size=300, max_running_requests=8,
+                         device="cpu", dtype="float32", attention_backend="torch_native", eos_token_ids=[0])
+    server_args = ServerArgs()
+    validate = TokenizerManager.validate
+
+    def tokenize(self, text):
+        return [ord(c) for c in text]
+
+
+def build(prompt=None, sampling_params=None, input_ids=None, options=None, **option_args):
+    return build_requests(_Manager(), prompt, sampling_params, input_ids, {**OPTION_DEFAULTS, **option_args},
+                          options)
+
+
+def test_engine_requests_expand_n_like_the_server():
+    (members,), batch = build("hi", {"n": 2, "seed": 4, "max_new_tokens": 3}, rid="g", return_logprob=True,
+                              top_logprobs_num=2)
+    assert not batch
+    assert [(m.rid, m.sampling_params.seed, m.sampling_params.n, m.group) for m in members] == [
+        ("g-0", 4, 1, "g"), ("g-1", 5, 1, "g")]
+    assert all(m.return_logprob and m.top_logprobs_num == 2 and m.logprob_start_len == -1 for m in members)
+    (one,), _ = build("hi", {"max_new_tokens": 3})
+    assert len(one) == 1 and len(one[0].rid) == 32 and one[0].group is None  # a fresh rid, no group
+
+
+def test_engine_batch_options_per_item_and_batch_rids():
+    groups, batch = build(["ab", "cd"], {"max_new_tokens": 1}, rid="b", return_logprob=[True, False],
+                          logprob_start_len=[0, None], group="prog")
+    assert batch and [g[0].rid for g in groups] == ["b_0", "b_1"]
+    assert [(g[0].return_logprob, g[0].logprob_start_len, g[0].group) for g in groups] == [
+        (True, 0, "prog"), (False, -1, "prog")]
+    with pytest.raises(ValueError, match=r"batch item 1: top_logprobs_num must be an int >= 0, got -1"):
+        build(["ab", "cd"], {"max_new_tokens": 1}, top_logprobs_num=[1, -1])
+    with pytest.raises(ValueError, match=r"logprob_start_len \(2\) must be less than the prompt's 2 tokens"):
+        build("ab", {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=2)
+
+
+def test_engine_takes_one_options_object_instead_of_the_keywords(monkeypatch):
+    checks = []
+    real = SamplingParams._check
+    monkeypatch.setattr(SamplingParams, "_check", lambda self, vocab: checks.append(vocab) or real(self, vocab))
+    sp = SamplingParams(max_new_tokens=2, n=2, seed=1)
+    sp.verify(300)  # as the HTTP server does (native_api.verified_sampling_params) before it calls the Engine
+    (members,), _ = build(input_ids=[5, 6], sampling_params=sp, options=RequestOptions(rid="o", stream=True))
+    assert [(m.rid, m.stream) for m in members] == [("o-0", True), ("o-1", True)]
+    assert checks == [300]  # the Engine did not verify it again
+    with pytest.raises(ValueError, match="options replaces return_logprob, rid: give one or the other"):
+        build(input_ids=[5, 6], sampling_params=sp, options=RequestOptions(rid="o"), return_logprob=True, rid="x")
