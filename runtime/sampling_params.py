@@ -2,7 +2,8 @@
 
 Field names follow SGLang's `sampling_params` dict so that SGLang clients work unchanged.
 `SamplingParams.from_dict` rejects unknown keys and `verify()` rejects out-of-range values with a
-`ValueError` that names the offending field.
+`ValueError` that names the offending field. A SamplingParams is immutable (frozen): a sample of an
+n > 1 request is a new object (`for_sample`), and one that was verified is not verified again.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ _GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
 _JSON_STYLE_KINDS = {"natural": "json_natural", "compact": "json", "indent": "json_indent"}  # grammar kinds
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGIT_BIAS = 1e38  # below float32's largest value (3.4e38)
+_VERIFIED = "_verified_for_vocab"  # instance attribute set by a successful verify()
+_UNVERIFIED = object()
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
     min_new_tokens: int = 0
@@ -71,7 +74,7 @@ class SamplingParams:
         if d is None:
             return cls()
         if isinstance(d, SamplingParams):
-            return dataclasses.replace(d)
+            return d  # (immutable: shared, with its verification)
         if not isinstance(d, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(d).__name__}")
         known = set(cls.field_names())
@@ -88,6 +91,13 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def for_sample(self, k: int) -> "SamplingParams":
+        """Sample k of an n > 1 request: n = 1 and seed + k (verify's seed range covers all n)."""
+        sample = dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + k)
+        if _VERIFIED in self.__dict__:
+            object.__setattr__(sample, _VERIFIED, self.__dict__[_VERIFIED])
+        return sample
 
     @property
     def stop_strs(self) -> list[str]:
@@ -106,7 +116,16 @@ class SamplingParams:
         return self.temperature <= 1e-6 or self.top_k == 1
 
     def verify(self, vocab_size: Optional[int] = None) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise ValueError naming the first invalid field. Once it has passed for a vocabulary size, it
+        returns at once for that size (the object cannot change)."""
+        if self.__dict__.get(_VERIFIED, _UNVERIFIED) == vocab_size:
+            return
+        self._check(vocab_size)
+        # NOTE: the one attribute written after construction: a memo of this check's success, not a field
+        # (from_dict, to_dict, equality and replace never see it).
+        object.__setattr__(self, _VERIFIED, vocab_size)
+
+    def _check(self, vocab_size: Optional[int]) -> None:
 
         def check_type(name: str, types: tuple, allow_none: bool = False) -> None:
             v = getattr(self, name)

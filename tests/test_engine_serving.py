@@ -133,7 +133,7 @@ def test_rids_are_checked(eng):
     outs = eng.generate([FACT, FACT], {"temperature": 0, "max_new_tokens": 1}, rid=["a1", "a2"])
     assert [o["meta_info"]["id"] for o in outs] == ["a1", "a2"]
     n_outs = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 1, "n": 2}, rid="grp")
-    assert [o["meta_info"]["id"] for o in n_outs] == ["grp_0", "grp_1"]
+    assert [o["meta_info"]["id"] for o in n_outs] == ["grp-0", "grp-1"]  # as over HTTP (expand_samples)
     assert eng.generate(FACT, {"temperature": 0, "max_new_tokens": 1}, rid="dup")["meta_info"]["id"] == "dup"
 
 

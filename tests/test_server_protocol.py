@@ -94,11 +94,12 @@ def test_native_batch_expands_n_with_distinct_rids_and_seeds():
     runs = native_calls(body, ctx)
     assert [len(run) for run in runs] == [2, 2]
     calls = [c for run in runs for c in run]
-    assert [c["rid"] for c in calls] == ["r1-0", "r1-1", "r2-0", "r2-1"]
+    assert [c["options"].rid for c in calls] == ["r1-0", "r1-1", "r2-0", "r2-1"]
     assert [c["prompt"] for c in calls] == ["a", "a", "b", "b"]
-    assert [c["sampling_params"]["seed"] for c in calls] == [7, 8, 7, 8]
-    assert all("n" not in c["sampling_params"] for c in calls)
-    assert [c["return_logprob"] for c in calls] == [True, True, False, False]
+    assert [c["sampling_params"].seed for c in calls] == [7, 8, 7, 8]
+    assert all(c["sampling_params"].n == 1 for c in calls)
+    assert [c["options"].return_logprob for c in calls] == [True, True, False, False]
+    assert all(c["options"].stream for c in calls)  # (the server reads every Engine request as a stream)
 
 
 @pytest.mark.parametrize("body, needle, param", [

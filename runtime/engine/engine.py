@@ -25,6 +25,7 @@ from ..io_struct import (CheckIntegrityReq, FlushCacheReq, GetStatsReq, PinPrefi
 from .request_builder import build_requests
 from .server_info import internal_state
 from ..executor.loader import load_tokenizer
+from ..request_options import RequestOptions
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
 from .tokenizer_manager import OverloadedError, TokenizerManager, new_rid
@@ -160,22 +161,27 @@ class Engine(SGLangEngineExtras):
                  return_logprob: Union[bool, list[bool]] = False,
                  logprob_start_len: Union[int, list[int], None] = None,
                  top_logprobs_num: Union[int, list[int], None] = None,
-                 return_text_in_logprobs: bool = False, stream: bool = False, rid=None, group=None):
+                 return_text_in_logprobs: bool = False, stream: bool = False, rid=None, group=None,
+                 options: Optional[RequestOptions] = None):
+        """SGLang's generate. `options` (a RequestOptions) may stand for the keyword arguments after
+        input_ids, as the HTTP server passes them, built and checked once."""
         self._bg.check_open()
-        groups, batch = build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, return_logprob,
-                                             logprob_start_len, top_logprobs_num, return_text_in_logprobs,
-                                             stream, rid, group)
+        groups, batch = build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, dict(
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs, stream=stream, rid=rid, group=group), options)
+        stream = groups[0][0].stream
         if stream:
             return self._stream_sync(groups, batch)
         return self._bg.call(self._generate_async(groups, batch))  # (Ctrl-C while waiting aborts the requests)
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=False,
-                             stream: bool = False, rid=None, group=None):
+                             stream: bool = False, rid=None, group=None, options: Optional[RequestOptions] = None):
         self._bg.check_open()
-        groups, batch = build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, return_logprob,
-                                             logprob_start_len, top_logprobs_num, return_text_in_logprobs,
-                                             stream, rid, group)
+        groups, batch = build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, dict(
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs, stream=stream, rid=rid, group=group), options)
+        stream = groups[0][0].stream
         if stream:
             req = self._single_stream_req(groups, batch)  # reject a batch here, not at the first iteration
             self._expect_stream(req.rid)

@@ -1,24 +1,33 @@
 """SGLang-style `generate` arguments -> the scheduler's requests.
 
-One prompt or a batch (text or token ids), per-item or shared sampling parameters, logprob options
-and request ids become groups of `TokenizedGenerateReq` (a group holds the n samples of one prompt).
-Every check that needs no scheduler happens here, so a bad batch is rejected before anything runs.
+One prompt or a batch (text or token ids), per-item or shared sampling parameters and request options
+(logprobs, stream, rid, group: a `RequestOptions` per prompt) become groups of `TokenizedGenerateReq`
+(a group holds the n samples of one prompt, from `expand_samples`). Every check that needs no
+scheduler happens here, so a bad batch is rejected before anything runs.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
+from typing import Any, Optional
 
 from ..io_struct import TokenizedGenerateReq
+from ..request_options import RequestOptions, expand_samples
 from ..sampling_params import SamplingParams
 from .tokenizer_manager import TokenizerManager, new_rid
 
+# Engine.generate's request options and their defaults; those a batch may give per item.
+OPTION_DEFAULTS: dict[str, Any] = {"return_logprob": False, "logprob_start_len": None, "top_logprobs_num": None,
+                                   "return_text_in_logprobs": False, "stream": False, "rid": None, "group": None}
+_PER_ITEM = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
-def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                   top_logprobs_num, return_text_in_logprobs, stream, rid, group=None):
+
+def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, option_args: dict[str, Any],
+                   options: Optional[RequestOptions] = None):
     """(groups, is_batch): one list of TokenizedGenerateReq per prompt (its n samples); is_batch says
-    whether the caller gave a batch (a list is returned) or one prompt."""
+    whether the caller gave a batch (a list is returned) or one prompt. The options are `options` when
+    given (its rid suffixed `_i` per batch item), else built from `option_args` (Engine.generate's)."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt (text) and input_ids")
     if prompt is not None:
@@ -42,10 +51,38 @@ def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, ret
         return [value] * size
 
     sps = per_item(sampling_params, "sampling_params")
-    lps = per_item(return_logprob, "return_logprob")
-    starts = per_item(logprob_start_len, "logprob_start_len")
-    tops = per_item(top_logprobs_num, "top_logprobs_num")
-    texts = per_item(return_text_in_logprobs, "return_text_in_logprobs")
+    item_args = _item_option_args(option_args, options, size, batch, per_item)
+    groups = []
+    for i in range(size):
+        try:
+            sp = SamplingParams.from_dict(sps[i])
+            opts = RequestOptions.of(**item_args[i]) if options is None else options.with_rid(item_args[i]["rid"])
+            warnings = tm.validate(ids_list[i], sp, opts)
+        except ValueError as e:
+            if not batch:
+                raise
+            # NOTE: the whole batch is refused (nothing was submitted); the message says which item to fix.
+            raise ValueError(f"batch item {i}: {e}") from None
+        if opts.rid is None:
+            opts = opts.with_rid(new_rid())
+        groups.append([TokenizedGenerateReq.of(ids_list[i], s, o, warnings) for s, o in expand_samples(sp, opts)])
+    all_rids = [m.rid for members in groups for m in members]
+    if len(set(all_rids)) != len(all_rids):
+        dup = next(r for r in all_rids if all_rids.count(r) > 1)
+        raise ValueError(f"duplicate request id {dup!r}")
+    return groups, batch
+
+
+def _item_option_args(option_args: dict[str, Any], options: Optional[RequestOptions], size: int, batch: bool,
+                      per_item) -> list[dict[str, Any]]:
+    """Each batch item's RequestOptions.of arguments (with `options` given: only each item's rid)."""
+    if options is not None:
+        given = [k for k, v in option_args.items() if v != OPTION_DEFAULTS[k]]
+        if given:
+            raise ValueError(f"options replaces {', '.join(given)}: give one or the other")
+        option_args = {"rid": options.rid}
+    columns = {k: per_item(option_args[k], k) for k in _PER_ITEM if k in option_args}
+    rid = option_args.get("rid")
     if batch and isinstance(rid, list):
         if len(rid) != size:
             raise ValueError(f"rid has {len(rid)} entries for a batch of {size}")
@@ -54,36 +91,8 @@ def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, ret
         rids = [f"{rid}_{i}" for i in range(size)]
     else:
         rids = [rid] * size
-    if not all(r is None or isinstance(r, str) for r in rids):
-        raise ValueError("rid must be a string (or a list of strings for a batch)")
-    groups = []
-    for i in range(size):
-        try:
-            sp = SamplingParams.from_dict(sps[i])
-            warnings = tm.validate(ids_list[i], sp, starts[i], tops[i], bool(lps[i]))
-        except ValueError as e:
-            if not batch:
-                raise
-            # NOTE: the whole batch is refused (nothing was submitted); the message says which item to fix.
-            raise ValueError(f"batch item {i}: {e}") from None
-        base_rid = rids[i] or new_rid()
-        members = []
-        for k in range(sp.n):
-            # One request per sample; with n == 1 the parameters are already the one request's own.
-            sub = sp if sp.n == 1 else SamplingParams.from_dict({**sp.to_dict(), "n": 1})
-            if sp.seed is not None and k:
-                sub.seed = sp.seed + k
-            members.append(TokenizedGenerateReq(
-                rid=base_rid if sp.n == 1 else f"{base_rid}_{k}", input_ids=ids_list[i], sampling_params=sub,
-                return_logprob=bool(lps[i]), logprob_start_len=-1 if starts[i] is None else starts[i],
-                top_logprobs_num=tops[i] or 0, return_text_in_logprobs=bool(texts[i]), stream=stream,
-                group=group or (base_rid if sp.n > 1 else None), grammar_warnings=warnings))
-        groups.append(members)
-    all_rids = [m.rid for members in groups for m in members]
-    if len(set(all_rids)) != len(all_rids):
-        dup = next(r for r in all_rids if all_rids.count(r) > 1)
-        raise ValueError(f"duplicate request id {dup!r}")
-    return groups, batch
+    shared = {k: option_args[k] for k in ("stream", "group") if k in option_args}
+    return [{**shared, **{k: column[i] for k, column in columns.items()}, "rid": rids[i]} for i in range(size)]
 
 
 def _id_lists(input_ids) -> tuple[bool, list[list]]:

@@ -22,6 +22,7 @@ import zmq.asyncio
 from ..detokenizer import TextDecoder, decode_as_stepped
 from ..io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo, ShutdownReq,
                         TokenizedGenerateReq)
+from ..request_options import RequestOptions, is_sample_of
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
 
@@ -171,8 +172,9 @@ class TokenizerManager:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if _has_bos_in_template(self.tokenizer, prompt) \
             else self.tokenizer.encode(prompt)
 
-    def validate(self, input_ids: list[int], sp: SamplingParams, logprob_start_len: Optional[int],
-                 top_logprobs_num: Optional[int], return_logprob: bool = False) -> list[str]:
+    def validate(self, input_ids: list[int], sp: SamplingParams, options: RequestOptions) -> list[str]:
+        """Check a request against this model (vocabulary, context, KV cache; a SamplingParams verified
+        before is not verified again) -> the constraint's warnings."""
         if not input_ids:
             raise ValueError("prompt is empty")
         vocab = self.info.vocab_size
@@ -193,14 +195,7 @@ class TokenizerManager:
         if len(input_ids) + 1 > self.info.max_total_tokens:
             raise ValueError(f"prompt is too long: {len(input_ids)} tokens cannot fit in the KV cache "
                              f"({self.info.max_total_tokens} tokens)")
-        if logprob_start_len is not None and (not isinstance(logprob_start_len, int) or logprob_start_len < -1):
-            raise ValueError(f"logprob_start_len must be an int >= -1, got {logprob_start_len!r}")
-        if return_logprob and logprob_start_len is not None and logprob_start_len >= len(input_ids):
-            # (SGLang refuses it too: the prompt logprobs asked for would silently be an empty list)
-            raise ValueError(f"logprob_start_len ({logprob_start_len}) must be less than the prompt's "
-                             f"{len(input_ids)} tokens")
-        if top_logprobs_num is not None and (not isinstance(top_logprobs_num, int) or top_logprobs_num < 0):
-            raise ValueError(f"top_logprobs_num must be an int >= 0, got {top_logprobs_num!r}")
+        options.check_prompt(len(input_ids))
         key = sp.grammar_key
         if key is not None:
             from ..constrained import validate_constraint
@@ -263,13 +258,13 @@ class TokenizerManager:
         _keep(self.unstarted, rid)
 
     async def abort(self, rid: str) -> None:
-        """Abort request `rid`, or every sample of an n > 1 request (samples `rid`_0, `rid`_1, ... of
-        group `rid`). A stream not read yet ends as soon as it is."""
+        """Abort request `rid`, or every sample of an n > 1 request (samples `rid`-0, `rid`-1, ... of
+        group `rid`: request_options.expand_samples). A stream not read yet ends as soon as it is."""
         if self.dead_reason:  # the scheduler holds nothing for us any more (and the sockets may be closed)
             return
         if rid in self.unstarted:
             _keep(self.early_aborts, rid)
-        samples = [s.rid for s in self.states.values() if s.group == rid and s.rid.startswith(rid + "_")]
+        samples = [s.rid for s in self.states.values() if s.group == rid and is_sample_of(s.rid, rid)]
         for r in [rid, *samples]:  # (the scheduler ignores a rid it does not hold)
             await self.send_sock.send_pyobj(AbortReq(r))
 

@@ -107,7 +107,8 @@ class GenerationGroup:
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self, runs: list[list[dict[str, Any]]]) -> None:
-        """Hand the calls (kwargs of `Engine.async_generate`, `rid` included) to the Engine.
+        """Hand the calls (kwargs of `Engine.async_generate`: the prompt, a verified SamplingParams and the
+        RequestOptions, streamed) to the Engine.
 
         `runs` groups the calls that share a prompt (the n samples of one prompt). Only the first
         sample of a run starts now; the others start once it has produced its first token, i.e. once
@@ -118,7 +119,7 @@ class GenerationGroup:
         for run in runs:
             leader = len(self._subs)
             for j, call in enumerate(run):
-                self._subs.append(_SubStream(rid=call["rid"], call=call, leader=leader if j else None))
+                self._subs.append(_SubStream(rid=call["options"].rid, call=call, leader=leader if j else None))
             if len(run) > 1:
                 self._subs[leader].first_token = asyncio.Event()
         self.admission.admit([s.rid for s in self._subs], self)
@@ -137,7 +138,7 @@ class GenerationGroup:
 
     async def _open(self, sub: _SubStream) -> None:
         sub.started_at = time.perf_counter()
-        result = self.engine.async_generate(**sub.call, stream=True)
+        result = self.engine.async_generate(**sub.call)  # (its options stream: native_api.request_options)
         if inspect.isawaitable(result):
             result = await result
         sub.iterator = result.__aiter__()

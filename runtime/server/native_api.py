@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..request_options import RequestOptionError, RequestOptions, expand_samples, is_sample_of
 from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, error_response, sse_error_event
@@ -91,19 +92,19 @@ def check_prompt_length(num_tokens: int, ctx: ServerContext, field_name: str) ->
                             f"is {ctx.context_len}", param=field_name)
 
 
-def expand_n(base: dict[str, Any], sp: SamplingParams, rid: str) -> list[dict[str, Any]]:
-    """One Engine call per sample: `n` becomes n calls sharing the prompt (the prefix cache makes the
-    copies cheap). With a seed, copy j uses seed + j so the samples differ yet stay reproducible."""
-    params = {k: v for k, v in sp.to_dict().items() if k != "n"}
-    if sp.n == 1:
-        return [{**base, "sampling_params": params, "rid": rid}]
-    calls = []
-    for j in range(sp.n):
-        p = dict(params)
-        if sp.seed is not None:
-            p["seed"] = sp.seed + j
-        calls.append({**base, "sampling_params": p, "rid": f"{rid}-{j}"})
-    return calls
+def request_options(**fields: Any) -> RequestOptions:
+    """RequestOptions.of for an HTTP request (every call the server makes streams); a bad field is a 400
+    naming it."""
+    try:
+        return RequestOptions.of(stream=True, **fields)
+    except RequestOptionError as e:
+        raise APIError(400, str(e), param=e.field) from None
+
+
+def expand_n(base: dict[str, Any], sp: SamplingParams, options: RequestOptions) -> list[dict[str, Any]]:
+    """One Engine call per sample (request_options.expand_samples: rid-j, seed + j); the prefix cache
+    makes the copies of the prompt cheap. `base` holds the prompt."""
+    return [{**base, "sampling_params": sample, "options": opts} for sample, opts in expand_samples(sp, options)]
 
 
 async def tokenize_prompts(runs: list[list[dict[str, Any]]], ctx: ServerContext) -> None:
@@ -154,19 +155,12 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[st
             base["input_ids"] = ids
         sp = verified_sampling_params(_per_item(body.sampling_params, i, batch, is_batch,
                                                 "sampling_params"), ctx)
-        for name in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
-            value = _per_item(getattr(body, name), i, batch, is_batch, name)
-            if value is not None:
-                base[name] = value
-        top = base.get("top_logprobs_num")
-        if top is not None and top < 0:
-            raise APIError(400, f"top_logprobs_num must be >= 0, got {top}", param="top_logprobs_num")
-        if body.return_text_in_logprobs:
-            base["return_text_in_logprobs"] = True
-        if body.group is not None:
-            base["group"] = body.group
+        fields = {name: _per_item(getattr(body, name), i, batch, is_batch, name)
+                  for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")}
         rid = _per_item(body.rid, i, batch, is_batch, "rid") or new_rid()
-        runs.append(expand_n(base, sp, rid))
+        options = request_options(rid=rid, return_text_in_logprobs=body.return_text_in_logprobs, group=body.group,
+                                  **fields)
+        runs.append(expand_n(base, sp, options))
     return runs
 
 
@@ -192,7 +186,7 @@ async def generate(body: GenerateRequest, request: Request):
     runs = native_calls(body, ctx)
     await tokenize_prompts(runs, ctx)
     if len(runs) == 1 and len(runs[0]) == 1:  # X-Request-Id = meta_info.id (http_server.ResponseHeaders)
-        request.state.request_id = runs[0][0]["rid"]
+        request.state.request_id = runs[0][0]["options"].rid
     group = ctx.new_group(request, log_metrics=body.log_metrics)
     await group.start(runs)
     indexed = body.is_batch or len(runs[0]) > 1
@@ -224,7 +218,7 @@ async def health_generate(request: Request) -> Response:
     ctx = get_context(request)
     group = ctx.new_group(None, log_metrics=False)
     call = {"prompt": "ping", "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "rid": "health-" + new_rid()}
+            "options": request_options(rid="health-" + new_rid())}
     try:
         await asyncio.wait_for(_run_to_end(group, call), timeout=_HEALTH_GENERATE_TIMEOUT_S)
     except APIError:
@@ -315,7 +309,7 @@ async def abort_request(body: AbortRequest, request: Request) -> JSONResponse:
         rids = sorted(ctx.admission.open_rids)
     elif body.rid:
         # n > 1 expands rid into rid-0, rid-1, ...: abort those too.
-        rids = [body.rid] + [r for r in ctx.admission.open_rids if r.startswith(body.rid + "-")]
+        rids = [body.rid] + [r for r in ctx.admission.open_rids if is_sample_of(r, body.rid)]
     else:
         raise APIError(400, "give 'rid' or 'abort_all': true", param="rid")
     for rid in rids:

@@ -19,7 +19,7 @@ from ..constrained import validate_constraint
 from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, sse_error_event
-from .native_api import (SSE_DONE, check_prompt_ids, check_unicode, expand_n, sse_event,
+from .native_api import (SSE_DONE, check_prompt_ids, check_unicode, expand_n, request_options, sse_event,
                          tokenize_prompts, verified_sampling_params)
 from .openai_outputs import (ChoiceCursor, abort_error, completion_logprobs, finish_reason,
                                matched_stop, usage)
@@ -81,7 +81,7 @@ def engine_calls(req: Union[CompletionRequest, ChatCompletionRequest], prompts: 
     runs = []
     for i, prompt in enumerate(prompts):
         base_rid = rid if rid and len(prompts) == 1 else (f"{rid}-p{i}" if rid else new_rid())
-        runs.append(expand_n({**prompt, **logprob_args}, sp, base_rid))
+        runs.append(expand_n(prompt, sp, request_options(rid=base_rid, **logprob_args)))
     return runs
 
 
