@@ -17,7 +17,10 @@ PASSAGE = ("Maple syrup takes about forty litres of sap to make one litre of syr
 def engine():
     from plait.runtime import Engine
 
-    eng = Engine(num_threads=1, max_total_tokens=4096, speculative_algorithm="NGRAM")
+    # NOTE: the cost model off (every proposed draft verified): on this CPU it finds a verify step of a few
+    # tokens too dear for the default model and would verify none; here the stack's handling of drafts is
+    # under test, not that choice (tests/test_spec_scheduler.py tests the choice on a fake runner).
+    eng = Engine(num_threads=1, max_total_tokens=4096, speculative_algorithm="NGRAM", disable_speculative_adaptive=True)
     yield eng
     eng.shutdown()
 
@@ -45,9 +48,10 @@ def test_greedy_output_equals_transformers_and_meta_info_counts_the_drafts(engin
 
 def test_streaming_stop_strings_and_n_samples(engine):
     prompt = chat(engine, f"Repeat this passage word for word: {PASSAGE}")
-    params = {"max_new_tokens": 40, "temperature": 0, "stop": ["freezing"]}
+    # (the default model paraphrases: "The process of making maple syrup is a labor of love and a delicate balance")
+    params = {"max_new_tokens": 40, "temperature": 0, "stop": ["balance"]}
     whole = engine.generate(prompt, params)
-    assert "freezing" not in whole["text"] and whole["meta_info"]["finish_reason"]["matched"] == "freezing"
+    assert "balance" not in whole["text"] and whole["meta_info"]["finish_reason"]["matched"] == "balance"
 
     chunks = list(engine.generate(prompt, params, stream=True))
     assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
