@@ -101,7 +101,7 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 10
     # The tokens a grammar forces, proposed as drafts of constrained requests (replacing jump-forward):
-    # "on"; "auto" and "off": jump-forward (grammar_drafts_enabled says why).
+    # "on"; "auto": with a speculative_algorithm; "off": jump-forward (grammar_drafts_enabled says why).
     speculative_grammar_drafts: str = "auto"
     # None: 8 on the CPU (a verify step's extra tokens cost compute there), 32 on a GPU.
     speculative_disable_by_batch_size: Optional[int] = None
@@ -254,10 +254,12 @@ class ServerArgs:
 
     def grammar_drafts_enabled(self) -> bool:
         """Whether a constrained request's forced tokens are proposed as drafts (outputs exactly plain
-        constrained decoding's) instead of jump-forward. "on" only: "auto" keeps jump-forward, which spells
-        forced text in the tokenizer's own (fewer) tokens, so a tight max_new_tokens still fits it; the
-        drafts follow the model's spelling, token for token as without them."""
-        return self.speculative_grammar_drafts == "on"
+        constrained decoding's) instead of jump-forward. auto: with a speculative algorithm (its verify
+        steps run anyway); without one jump-forward, which spells forced text in the tokenizer's own
+        (fewer) tokens, so a tight max_new_tokens still fits it, where the drafts follow the model's
+        spelling, token for token as without them."""
+        mode = self.speculative_grammar_drafts
+        return mode == "on" or (mode == "auto" and self.speculative_algorithm is not None)
 
     def jump_forward_enabled(self) -> bool:
         """Whether forced text is appended in one step: unless switched off or replaced by grammar drafts."""
@@ -456,7 +458,7 @@ CLI_HELP = {
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix looked up in the request's tokens",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix looked up in the request's tokens",
     "speculative_grammar_drafts": "on: grammar-forced tokens as drafts instead of jump-forward (outputs exactly "
-                                  "plain constrained decoding's); auto, off: jump-forward",
+                                  "plain constrained decoding's); auto: on with --speculative-algorithm; off",
     "speculative_disable_by_batch_size": "no speculation when more requests run (default: 8 on the CPU, 32 on a GPU)",
     "disable_speculative_adaptive": "always propose the full draft length (no per-request adaptation or off switch)",
     "host": "address the server listens on",

@@ -167,9 +167,10 @@ class GrammarMatcher(ABC):
         return None
 
     # ---- speculative decoding (runtime/speculative/) ----
-    def draft_room(self, num_tokens: int) -> int:
+    def draft_room(self, num_tokens: int, free: bool) -> int:
         """How many of `num_tokens` drafts may be scored ahead of the output with this grammar's masks alone
-        (a matcher that steers by its budget allows fewer near the budget's end). Default: all."""
+        (`free`: drafts other than the grammar's forced text; a matcher that steers by its budget allows
+        fewer near the budget's end). Default: all."""
         return num_tokens
 
     def drafting(self) -> ContextManager[None]:

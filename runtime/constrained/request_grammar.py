@@ -134,17 +134,22 @@ class RequestGrammar(GrammarMatcher):
         return forced
 
     # ---- speculative decoding ----
-    def draft_room(self, num_tokens: int) -> int:
+    def draft_room(self, num_tokens: int, free: bool) -> int:
         """How many of `num_tokens` drafts may be scored ahead with the plain masks of the states they lead
-        to (no decision is taken there: `drafting`): as many as keep the closer from acting within them.
-        None once it closes or chooses, none before its first estimate near the end (the next step's
-        root takes it), and only while the slack left after them (budget - drafts - the estimate) stays
-        over NEAR: so a drafted node's token is chosen where plain decoding would not steer either."""
+        to (no decision is taken there: `drafting`), so that every drafted node's token is chosen where
+        plain decoding would not steer either. The decision the next mask takes is taken first, at the
+        output's state: none once the closer closes or chooses. Forced text (`free` False) needs nothing
+        more: every valid completion begins with it, so the slack is the same at each of its nodes. Free
+        drafts (prompt lookup, a draft model) change the slack as they go: only before the closer's first
+        estimate near the end is due, or while the slack left after them stays over NEAR."""
         closer, left = self.closer, self._budget_left
         if closer is None:
             return num_tokens
+        self._decide()
         if closer.closing or closer.choosing or left is None:
             return 0
+        if not free:
+            return num_tokens
         need = FIRST_LOOK if closer.estimate is None else len(closer.estimate.token_ids) + NEAR
         return max(0, min(num_tokens, left - 2 - need))
 

@@ -277,8 +277,12 @@ class Speculation:
         # token comes with them): at most remaining - 1, and the tree must fit in the context.
         room = min(r.remaining_new_tokens() - 1, self.context_len - r.seq_len)
         n = min(state.allowed_drafts(), room)
-        if r.grammar is not None:
-            n = r.grammar.draft_room(n)  # not where the grammar's budget closer would act within the drafts
+        # NOTE: not where the grammar's budget closer would act within the drafts (draft_room).
+        free = n if r.grammar is None else r.grammar.draft_room(n, free=True)
+        if r.grammar is not None and self.grammar_drafts is not None:
+            n = r.grammar.draft_room(n, free=False)
+        else:
+            n = free
         if n <= 0:
             return lone, False
         s = self.settings
@@ -287,7 +291,7 @@ class Speculation:
                 forced = r.grammar.jump_forward_string()
                 if forced:
                     state.pending_forced = (forced, len(r.output_ids))
-            extend = state.ngram.propose if state.ngram is not None and small else None
+            extend = state.ngram.propose if state.ngram is not None and small and free >= n else None
             drafts = self.grammar_drafts.propose(r.grammar, TokenView(r.origin_input_ids, r.output_ids), n, extend)
             if drafts:
                 return DraftTree.chain(root, drafts), False
@@ -295,9 +299,9 @@ class Speculation:
             drafts = state.ngram.propose(TokenView(r.origin_input_ids, r.output_ids), n)
             if drafts:
                 return DraftTree.chain(root, drafts), False
-        if s.model_drafts and small:
-            size = n + 1 if s.chain_only else s.tree_nodes
-            if size <= room + 1 and r.seq_len + s.draft_span <= self.context_len:
+        if s.model_drafts and small and free > 0:
+            size = min(n, free) + 1 if s.chain_only else s.tree_nodes
+            if size - 1 <= free and size <= room + 1 and r.seq_len + s.draft_span <= self.context_len:
                 return DraftTree.chain(root, [0] * (size - 1)), True
         return lone, False
 
