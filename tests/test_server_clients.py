@@ -138,9 +138,10 @@ def test_a_forced_call_cut_by_max_tokens_is_a_call_with_finish_reason_length(cli
     assert choice.finish_reason == "length" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
-    # Cut inside the arguments ('{"city":"Os' or so): the text so far, which parses once the structured-output
-    # issue's closing within the budget lands; today a call that did finish in time parses (below).
-    assert call.function.arguments.startswith('{"city"') and not call.function.arguments.endswith("}")
+    # Cut inside the arguments ('{"city' or so): the text so far comes back as the call's arguments; a call
+    # that did finish in time parses (below).
+    args = call.function.arguments
+    assert args and (args.startswith('{"city"') or '{"city"'.startswith(args)) and not args.endswith("}")
     content, calls, reasons, _ = _assembled(client.chat.completions.create(
         model="default", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=forced, max_tokens=13, temperature=0,
         stream=True))

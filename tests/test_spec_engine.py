@@ -32,9 +32,10 @@ def chat(eng, text: str) -> str:
 
 def test_greedy_output_equals_transformers_and_meta_info_counts_the_drafts(engine, hf_default_model):
     prompt = chat(engine, f"Repeat this passage word for word: {PASSAGE}")
-    out = engine.generate(prompt, {"max_new_tokens": 32, "temperature": 0})
+    # (48 tokens: the default model paraphrases the passage, so prompt lookup finds its matches late)
+    out = engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0})
     ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    assert out["output_ids"] == hf_greedy(hf_default_model, ids, 32, eos_ids=[engine.tokenizer.eos_token_id])
+    assert out["output_ids"] == hf_greedy(hf_default_model, ids, 48, eos_ids=[engine.tokenizer.eos_token_id])
     meta = out["meta_info"]
     assert meta["spec_verify_ct"] > 0 and 0 < meta["spec_accepted_tokens"] <= meta["spec_draft_tokens"]
     # fewer steps than tokens: each verify step gave the accepted drafts and one more

@@ -155,12 +155,15 @@ def test_grammar_drafts_alone_match_plain_constrained_decoding_and_take_fewer_st
     rep = drafts_only.timer.report()
     # one decode step per token without drafts: the outputs' tokens, less the prefills' first ones
     plain_steps = sum(len(reference[rid][0]) - 1 for rid in ("json", "regex"))
-    assert rep["decode"]["steps"] + rep["verify"]["steps"] < 0.8 * plain_steps
+    # (near the end of a budget the closer steers token by token, and no drafts are verified there)
+    assert rep["decode"]["steps"] + rep["verify"]["steps"] < 0.9 * plain_steps
     assert drafts_only.get_stats()["jump_forward_events"] == 0
 
 
 def test_sampled_requests_speculate_and_finish(schedulers, default_tokenizer):
-    spec = speculating(schedulers)
+    # (the cost model off: whether it verifies this one request depends on the step times the module's
+    # earlier tests left it; here rejection sampling's path is under test)
+    spec = schedulers("ngram, every draft", speculative_algorithm="NGRAM", disable_speculative_adaptive=True)
     reqs = [(f"s{i}", chat(default_tokenizer, f"Repeat this passage word for word: {PASSAGE}"),
              dict(max_new_tokens=16, temperature=0.7, top_p=0.9)) for i in range(1)]
     before = spec.get_stats()["spec_verify_steps"]

@@ -274,7 +274,7 @@ def test_drafts_that_pay_at_batch_8_keep_being_verified():
 
 
 def test_no_speculative_algorithm_leaves_unconstrained_decoding_overlapped():
-    # Grammar drafts are on by default: requests without a grammar must not hold back the decode pipeline.
+    # Grammar drafts on: requests without a grammar must not hold back the decode pipeline.
     reqs = [(f"r{i}", [5 + i] + PROMPT, dict(max_new_tokens=30)) for i in range(4)]
-    out, steps, s = timed_decode_steps(reqs, dict(script=copy_script))
+    out, steps, s = timed_decode_steps(reqs, dict(script=copy_script), speculative_grammar_drafts="on")
     assert s.speculation.enabled and sum(x.ids_from_prev for x in steps) == len(steps) - 1
