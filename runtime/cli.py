@@ -71,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return serve_node(server_args, server_args.model_path)
-    from .server import launch_server  # lazy: FastAPI and the Engine load only for `serve`
+    from .server.launch import launch_server  # lazy: the Engine (and FastAPI, beside it) load only for `serve`
 
     launch_server(server_args)
     return 0

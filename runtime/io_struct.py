@@ -148,3 +148,6 @@ class SchedulerInfo:
     dtype: str
     attention_backend: str
     eos_token_ids: list[int]
+    # time.time() when each part of the scheduler process's start-up was done: "imported" (torch and the
+    # scheduler's modules), "model" (built, weights in), "tokenizer" (loaded beside the model), "ready".
+    startup_marks: dict[str, float] = field(default_factory=dict)

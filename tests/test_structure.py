@@ -154,7 +154,7 @@ def test_the_real_package_is_read_as_python_resolves_it():
     graph = import_graph()
     assert graph["plait.backend.native"] >= {"plait.backend.base", "plait.graph_builder"}
     assert "plait.graph_render" not in graph["plait.graph"]  # a graph is data; the renderer reads it
-    assert "plait.runtime.engine.engine" in graph["plait.runtime.server.http_server"]
+    assert "plait.runtime.engine.engine" in graph["plait.runtime.server.launch"]
 
 
 def test_no_import_cycles_in_plait():

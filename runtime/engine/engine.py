@@ -24,7 +24,7 @@ from ..io_struct import (CheckIntegrityReq, FlushCacheReq, GetStatsReq, PinPrefi
                          TokenizedGenerateReq, UnpinPrefixReq)
 from .request_builder import build_requests
 from .server_info import internal_state
-from ..executor.loader import load_tokenizer
+from ..executor.model_files import load_tokenizer
 from ..request_options import RequestOptions
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
@@ -45,7 +45,7 @@ class Engine(SGLangEngineExtras):
         else:
             self.model_path = self.server_args.model_path  # "~" expanded
             from ..models.config import BUILTIN_SHAPES
-            from ..executor.loader import check_is_folder
+            from ..executor.model_files import check_is_folder
 
             if not (self.server_args.load_format == "dummy" and self.model_path in BUILTIN_SHAPES):
                 # NOTE: here, before a scheduler process starts only to fail on it (its traceback and the
@@ -53,7 +53,7 @@ class Engine(SGLangEngineExtras):
                 check_is_folder(self.model_path)
         _check_device(self.server_args.device)
         if self.server_args.world_size() > 1:  # a model that cannot split: refused before any process starts
-            from ..executor.loader import check_model_splits
+            from ..executor.model_files import check_model_splits
 
             check_model_splits(self.model_path, self.server_args)
         self.server_args.model_path = self.model_path
@@ -62,6 +62,7 @@ class Engine(SGLangEngineExtras):
         from_sched = f"ipc://{self._tmpdir}/from_scheduler"
 
         ready_addr = f"ipc://{self._tmpdir}/ready"
+        launched = time.time()
         self._proc = proc = launch_scheduler(self.server_args, self.model_path, to_sched, from_sched, ready_addr,
                                              self._tmpdir)
         # NOTE: loaded while the scheduler process starts (it loads the model and its own tokenizer): one after
@@ -93,9 +94,12 @@ class Engine(SGLangEngineExtras):
         # shutdown() runs it; so does the garbage collector for an engine dropped without one, and interpreter exit.
         self._release = weakref.finalize(self, release_engine, self._bg, self.tokenizer_manager, proc, self._tmpdir)
         self.startup_s = time.perf_counter() - started  # SGLang's internal_states[0]["startup_time"]
-        logger.info("engine ready in %.1fs: %s on %s (%s, %s attention, %d KV tokens)", self.startup_s,
-                    self.model_path, self.info.device, self.info.dtype, self.info.attention_backend,
-                    self.info.max_total_tokens)
+        # Where the start-up went: seconds from the scheduler process's launch to each of its marks.
+        self.startup_phases = {name: round(mark - launched, 3) for name, mark in self.info.startup_marks.items()}
+        logger.info("engine ready in %.1fs: %s on %s (%s, %s attention, %d KV tokens); scheduler process, "
+                    "seconds from its launch: %s", self.startup_s, self.model_path, self.info.device,
+                    self.info.dtype, self.info.attention_backend, self.info.max_total_tokens,
+                    ", ".join(f"{name} {s:.1f}" for name, s in self.startup_phases.items()))
 
     # ------------------------------------------------------------------ bridges
     def _call(self, coro):

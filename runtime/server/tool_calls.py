@@ -19,7 +19,6 @@ import json
 import re
 from typing import Any, Optional
 
-from ..constrained import validate_constraint
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage
 from .protocol_tools import NamedToolChoice, Tool
@@ -154,6 +153,8 @@ def check_tools(req: ChatCompletionRequest, backend: str) -> None:
         if fn.parameters.get("type", "object") != "object":
             raise APIError(400, f"{where} must describe a JSON object (type 'object'): arguments are an "
                                 "object", param="tools")
+        from ..constrained.validation import validate_constraint  # (not at import: server_context.warm_validators)
+
         try:
             warnings = validate_constraint("json", json.dumps(fn.parameters), backend)
         except ValueError as e:
