@@ -55,6 +55,13 @@ MEASURE_EVERY = 8
 # sampled on the host) there is no overlap to win: no pause.
 FIRST_PAUSE = 1
 MAX_PAUSE = 64
+# When no request found a draft to propose (prompt lookup matched nothing), the batch pauses too, for
+# 1, 2, 4 steps while that lasts: each decided step waits for its predecessor's read-back, which is the
+# overlap lost for nothing. Short: a lookup that would match during the pause is lost with it.
+MAX_IDLE_PAUSE = 4
+# A measuring decision on a batch that runs ahead: this many decode steps launched ahead after it, timed
+# (the `ahead` curve: what a pause's steps cost, the alternative to verifying there).
+MEASURE_PAUSE = 4
 MAX_LEARN_TOKENS = 32  # a forced text's tokens are learned from at most this many written after it
 
 
@@ -102,6 +109,7 @@ class Speculation:
         self._decisions = 0  # steps whose drafts the cost model weighed
         self._paused = 0  # decode steps left that decide nothing (the cost model said no)
         self._pause_len = FIRST_PAUSE  # the next pause's length
+        self._idle_pause_len = FIRST_PAUSE  # the next pause's length when nobody proposed drafts
         # Whether the pipeline launches decode steps ahead: only such a pipeline asks `may_speculate`.
         self._launches_ahead = False
         # Request-steps verified with at least one draft, drafts proposed, drafts accepted (and kept),
@@ -131,9 +139,10 @@ class Speculation:
         else:
             small = len(reqs) <= s.max_batch
             if any(self._may_draft(r, small) for r in reqs):
+                self.costs.stop_running_ahead()
                 return True
         self._skip_step(reqs)
-        self.costs.interrupt()
+        self.costs.ran_ahead(tuple(r.rid for r in reqs), self.clock())
         return False
 
     def upgrade(self, batch: ScheduleBatch) -> ScheduleBatch:
@@ -161,26 +170,36 @@ class Speculation:
             trees.append(tree)
             model_draft.append(by_model)
         proposed = any(t.size > 1 for t in trees)
+        # Whether this batch's plain decode steps would be launched ahead (then a pause is the alternative
+        # to verifying, and what it costs is the `ahead` curve's).
+        ahead = self._launches_ahead and not any(r.sampling.needs_host_sampling() for r in batch.reqs)
         measuring = False
         if s.adaptive and proposed:
             self._decisions += 1
             period = self._decisions % EXPLORE_EVERY
+            plain = self.costs.ahead if ahead else self.costs.decode
             measuring = period == EXPLORE_EVERY // 2 or (
-                not self.costs.decode.measured(len(trees)) and self._decisions % MEASURE_EVERY == 0)
-            if measuring:  # a plain decode step, timed
+                not plain.measured(len(trees)) and self._decisions % MEASURE_EVERY == 0)
+            if measuring:  # a plain decode step, timed (and where steps run ahead, the ones after it)
                 trees = [DraftTree([t.tokens[0]], [-1]) for t in trees]
+                if ahead:
+                    self._paused = MEASURE_PAUSE
             elif period:  # else: verify what was proposed (costs drift; measure again)
-                trees, model_draft = self._afford(batch.reqs, trees, model_draft)
+                trees, model_draft = self._afford(batch.reqs, trees, model_draft, ahead)
         out = self._verify_batch(batch, trees, model_draft)
         verified = out is not batch
         if s.adaptive and proposed and not measuring:
+            self._idle_pause_len = FIRST_PAUSE
             if verified:
                 self._pause_len = FIRST_PAUSE
-            elif self._launches_ahead and not any(r.sampling.needs_host_sampling() for r in batch.reqs):
+            elif ahead:
                 # drafts were proposed, none paid: decide nothing for a while, the decode steps launched
                 # ahead (a pause where they could not be would only lose drafts)
                 self._paused = self._pause_len
                 self._pause_len = min(MAX_PAUSE, 2 * self._pause_len)
+        elif s.adaptive and not proposed and ahead and not self._forced_drafts_possible(batch.reqs):
+            self._paused = self._idle_pause_len  # nothing to verify: run ahead a little (MAX_IDLE_PAUSE)
+            self._idle_pause_len = min(MAX_IDLE_PAUSE, 2 * self._idle_pause_len)
         self.costs.decided(rids, verified, len(out.out_cache_loc), now)
         return out
 
@@ -217,16 +236,20 @@ class Speculation:
             return True
         return small and (self.settings.ngram or self.settings.model_drafts)
 
+    def _forced_drafts_possible(self, reqs: list[Req]) -> bool:
+        """Whether a request's grammar may force text at any step (its drafts would be lost to a pause)."""
+        return self.grammar_drafts is not None and any(r.grammar is not None for r in reqs)
+
     def _skip_step(self, reqs: list[Req]) -> None:
         """A decode step decided without drafts: one step of each request's sit-out is served."""
         for r in reqs:
             if r.spec is not None:
                 r.spec.skip_step()
 
-    def _afford(self, reqs: list[Req], trees: list[DraftTree], model_draft: list[bool]):
-        """The drafts this step's measured costs make worth verifying (cost.allocate): chains are cut, a
-        drafter's top-k tree is kept whole or not at all."""
-        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.accept_rate for r in reqs])
+    def _afford(self, reqs: list[Req], trees: list[DraftTree], model_draft: list[bool], ahead: bool):
+        """The drafts this step's measured costs make worth verifying (cost.allocate; `ahead`: the batch
+        would otherwise run ahead): chains are cut, a drafter's top-k tree is kept whole or not at all."""
+        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.accept_rate for r in reqs], ahead)
         out_trees, out_model = [], []
         for t, by_model, k in zip(trees, model_draft, give):
             if k == t.size - 1:
@@ -262,7 +285,10 @@ class Speculation:
             # NOTE: a constrained request's free values (a name, a number) are mostly copied from its prompt:
             # grammar drafts continue with prompt lookup where nothing is forced, NGRAM or not.
             ngram = NgramIndex(*self.ngram_window) if s.ngram or constrained else None
-            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram, constrained=constrained)
+            # (a drafter's chain shortens after a rejection: each draft costs a drafter step; lookup and
+            # forced drafts cost nothing to propose, the cost model cuts them)
+            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram, constrained=constrained,
+                                      shrink=s.model_drafts and not constrained)
         return r.spec
 
     def _plan(self, r: Req, small: bool) -> tuple[DraftTree, bool]:

@@ -6,7 +6,9 @@ The accept rate is a moving count of accepted drafts over drafts that were decid
 accepted decides a + 1 of them, or k when all are accepted), from a prior that constrained requests
 (grammar-forced drafts) start higher. It is what cost.allocate weighs drafts by. The length goes back to
 the maximum when every draft is accepted, and drops to one more than what was accepted when some are
-rejected. After `COLLAPSE_STEPS` verify steps in a row that accepted nothing the request sits out
+rejected, for drafts that cost a drafter's step each (`shrink`: a draft model, an EAGLE head); drafts found
+by lookup or forced by a grammar cost nothing to propose, and cost.allocate cuts what does not pay (a
+lookup's chain after one rejection is no worse a bet than before it: its next match starts afresh). After `COLLAPSE_STEPS` verify steps in a row that accepted nothing the request sits out
 `backoff` decode steps, doubling up to `MAX_BACKOFF` while it keeps failing; one accepted draft resets it.
 """
 
@@ -26,8 +28,9 @@ class RequestSpecState:
     """One request's speculation: its lookup index, its draft length, and its counters (meta_info)."""
 
     def __init__(self, max_drafts: int, adaptive: bool, ngram: Optional[NgramIndex] = None,
-                 constrained: bool = False):
+                 constrained: bool = False, shrink: bool = True):
         self.max_drafts = max_drafts
+        self.shrink = shrink
         self._hits, self._decided = PRIOR[constrained]
         self.adaptive = adaptive
         self.ngram = ngram
@@ -69,7 +72,7 @@ class RequestSpecState:
         self._decided = RATE_DECAY * self._decided + accepted + (accepted < proposed)
         if not self.adaptive:
             return
-        if accepted >= proposed:
+        if accepted >= proposed or not self.shrink:
             self.draft_len = self.max_drafts
         else:
             self.draft_len = max(1, accepted + 1)

@@ -12,6 +12,10 @@ which is none when the plain decode step's rate is best.
 Costs are wall time between the scheduler's consecutive decisions on the same running requests
 (`StepCosts.begin`): what a step costs the batch, host work included. A step is measured only when
 nothing else ran between (a prefill, or a decode step launched ahead without a decision: `interrupt`).
+Where decode steps can be launched ahead of the read-back (a GPU), the alternative to a verify step is
+not the decided decode step measured that way but one launched ahead, its host work hidden behind the
+device's: a third curve, `ahead`, times those (`StepCosts.ran_ahead`, between consecutive launches for the
+same requests), and `allocate` weighs drafts against it when told the batch would run ahead.
 With too few measurements (fewer than MIN_SAMPLES steps, or steps too short to be a device's:
 MIN_STEP_S, a fake runner's) `allocate` gives every request what it asks.
 """
@@ -86,7 +90,9 @@ class StepCosts:
     def __init__(self) -> None:
         self.decode = CostCurve()
         self.verify = CostCurve()
+        self.ahead = CostCurve()  # decode steps launched ahead of the previous one's read-back
         self._open: Optional[tuple[tuple, bool, int, float]] = None
+        self._ahead_open: Optional[tuple[tuple, float]] = None
 
     def begin(self, rids: tuple, now: float) -> None:
         """A decision for the requests `rids` starts at `now`: the step decided last, when it was for
@@ -101,19 +107,35 @@ class StepCosts:
         self._open = (rids, verify, tokens, now)
 
     def interrupt(self) -> None:
-        """Something other than the decided step ran: the time to the next decision is not its cost."""
+        """Something other than the decided step ran: the time to the next decision (or launch) is not its
+        cost."""
         self._open = None
+        self._ahead_open = None
+
+    def ran_ahead(self, rids: tuple, now: float) -> None:
+        """A decode step for `rids` is launched ahead at `now`, undecided: the one launched before it for
+        the same requests took `now - its launch` (the device's pace, host work behind it)."""
+        if self._ahead_open is not None and self._ahead_open[0] == rids:
+            self.ahead.record(len(rids), now - self._ahead_open[1])
+        self._ahead_open = (rids, now)
+        self._open = None  # (and the decided step before it is not timed to the next decision)
+
+    def stop_running_ahead(self) -> None:
+        """The next step waits for a decision: the launches' pace is no longer timed."""
+        self._ahead_open = None
 
 
-def allocate(costs: StepCosts, available: Sequence[int], accept: Sequence[float]) -> list[int]:
+def allocate(costs: StepCosts, available: Sequence[int], accept: Sequence[float], ahead: bool = False) -> list[int]:
     """Drafts per request (at most available[i]) maximizing the step's expected tokens per second;
-    accept[i]: request i's chance that a draft is accepted. Everything asked when costs are unknown.
+    accept[i]: request i's chance that a draft is accepted; `ahead`: without drafts the batch's decode
+    steps would be launched ahead (their cost is the `ahead` curve's, once measured). Everything asked
+    when costs are unknown.
 
     Request i's j-th draft adds accept[i]^j expected tokens. Of the drafts in that order (likeliest first;
     each request's own in order) the best prefix is taken: costs may flatten as a step grows, so a run
     of drafts can pay where its first one alone does not."""
     base = len(available)
-    c_plain = costs.decode.estimate(base)
+    c_plain = costs.ahead.estimate(base) if ahead and costs.ahead.measured(base) else costs.decode.estimate(base)
     if c_plain is None or costs.verify.estimate(base + 1) is None:
         return list(available)
     items = sorted(((accept[i] ** j, j, i) for i in range(base) for j in range(1, available[i] + 1)),
