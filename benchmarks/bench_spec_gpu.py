@@ -234,7 +234,7 @@ def part_overhead(args) -> list[dict]:
                 for bs in args.overhead_batch:
                     before = eng.get_stats()
                     secs = []
-                    for _ in range(3):
+                    for _ in range(args.overhead_runs):
                         eng.flush_cache()
                         t = time.perf_counter()
                         eng.generate(input_ids=prompts[bs], sampling_params=params)
@@ -263,6 +263,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--oracle-batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--overhead-batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--overhead-runs", type=int, default=3, help="runs per batch size and mode (median)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--reps", type=int, default=30)

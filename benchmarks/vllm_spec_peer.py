@@ -9,6 +9,11 @@ at the real shape, three runs per batch size (median). `ngram`: speculative_conf
 "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}. Otherwise vLLM's
 defaults, as ../shared/bench/vllm/vllm_peer.py sets them (bf16, max_model_len 2048, 0.88 of the GPU).
 Prints one 'RESULT {json}' line per batch size, with the accept length where vLLM reports it.
+
+`--plait-weights`: vLLM's dummy weights drawn as plait's are (norms 1, the rest uniform in +-0.02)
+instead of vLLM's uniform +-0.001 everywhere, whose outputs repeat one token (prompt lookup then accepts
+every draft): with plait's distribution the outputs loop as plait's do, so the accept lengths are alike.
+It runs vLLM's engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) to reach its loader.
 """
 
 from __future__ import annotations
@@ -66,16 +71,40 @@ def spec_counters(llm) -> tuple[float, float]:
     return accepted, drafts
 
 
+def use_plait_dummy_weights() -> None:
+    import torch
+    from vllm.model_executor.model_loader import dummy_loader, weight_utils
+
+    def plait_like(model, *args, **kwargs):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif p.is_floating_point():
+                    p.uniform_(-0.02, 0.02, generator=gen if p.is_cuda else None)
+
+    weight_utils.initialize_dummy_weights = plait_like
+    dummy_loader.initialize_dummy_weights = plait_like
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=["off", "ngram"])
     ap.add_argument("--shape", default="llama-8b", choices=list(SHAPES))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--plait-weights", action="store_true")
+    ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.plait_weights:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
     from vllm import LLM, SamplingParams
+
+    if args.plait_weights:
+        use_plait_dummy_weights()
 
     spec = None
     if args.mode == "ngram":
@@ -85,6 +114,7 @@ def main() -> None:
               max_model_len=2048, gpu_memory_utilization=0.88, seed=0, speculative_config=spec,
               disable_log_stats=False)
     print("SETTINGS " + json.dumps({"vllm": vllm.__version__, "shape": args.shape, "mode": args.mode,
+                                    "plait_weights": args.plait_weights,
                                     "speculative_config": spec, "startup_s": round(time.perf_counter() - t0, 1)}),
           flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
@@ -94,7 +124,7 @@ def main() -> None:
     for bs in args.batch:
         before = spec_counters(llm)
         secs = []
-        for _ in range(3):
+        for _ in range(args.runs):
             t = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts[bs]], params, use_tqdm=False)
             secs.append(time.perf_counter() - t)
