@@ -143,7 +143,7 @@ def test_grammar_drafts_are_the_forced_tokens_and_leave_the_matcher_as_it_was(xg
     nums = tok.encode("42}", add_special_tokens=False)
     for t in tok.encode(',"age":', add_special_tokens=False):
         matcher.accept_token(t)
-    assert drafts.propose(matcher, [], 8, extend=lambda ctx, k, extra: nums + [0, 0][:k]) == nums
+    assert drafts.propose(matcher, [], 8, extend=lambda ctx, k, extra, longer: nums + [0, 0][:k]) == nums
 
 
 def test_grammar_masks_down_a_tree_follow_each_path(xgrammar_backend, default_tokenizer):

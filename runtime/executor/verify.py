@@ -118,8 +118,9 @@ class Verifier:
                 continue
             fill_tree_bitmask(r.grammar, trees[b], bitmask, starts[b])
             # The root's row as a decode step's (GrammarMasker): narrowed by its logits where the grammar
-            # steers by the budget (the matcher is back at the root's state). Drafts come only where it
-            # does not steer (GrammarMatcher.draft_room).
+            # steers by the budget (the matcher is back at the root's state). The drafts' rows are plain
+            # masks: where the budget would steer at a draft's node, the commit asks the grammar whether
+            # plain decoding writes that node's token (GrammarMatcher.keeps_verified).
             r.grammar.refine_bitmask(logits[starts[b]], bitmask[starts[b]])
             masked.extend(range(starts[b], starts[b] + trees[b].size))
         apply_token_bitmask_inplace(logits, bitmask, masked)

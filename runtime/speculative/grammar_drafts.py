@@ -26,7 +26,9 @@ from .tree import DraftTree
 # Forced strings repeat across the requests of one schema: their encodings are kept (bounded dicts).
 ENCODE_CACHE_SIZE = 4096
 
-Extend = Callable[[Sequence[int], int, list[int]], list[int]]  # (committed tokens, at most, drafts so far)
+# (committed tokens, at most, drafts so far, longer_than): a lookup whose match is a suffix of more than
+# longer_than tokens (NgramIndex.propose)
+Extend = Callable[[Sequence[int], int, list[int], int], list[int]]
 
 
 class GrammarDrafts:
@@ -49,6 +51,10 @@ class GrammarDrafts:
 
     def _walk(self, matcher: Any, context: Sequence[int], limit: int, extend: Optional[Extend],
               drafts: list[int]) -> list[int]:
+        # NOTE: forced text repeats wherever the schema does (each key is followed by `": "`): a lookup match
+        # on forced drafts alone says nothing about what the model writes next, so it must reach back past
+        # the forced drafts that end the chain into tokens the model chose (or the prompt's).
+        forced_tail = 0
         try:
             while len(drafts) < limit and not matcher.is_terminated():
                 forced = matcher.jump_forward_string()
@@ -56,7 +62,7 @@ class GrammarDrafts:
                 if forced:
                     cand = list(self._encode(forced)[:room])
                 elif extend is not None:
-                    cand = extend(context, room, drafts)
+                    cand = extend(context, room, drafts, forced_tail)
                 else:
                     cand = []
                 took = 0
@@ -67,8 +73,11 @@ class GrammarDrafts:
                     took += 1
                     if matcher.is_terminated():
                         break
-                if took == 0 or (not forced and took < len(cand)):
-                    break  # nothing more to propose, or the lookup left the grammar
+                if took == 0:
+                    break  # nothing more to propose
+                forced_tail = forced_tail + took if forced else 0
+                # (a lookup the grammar cut short goes on with the text the grammar forces there, if any:
+                # the next round looks again, and stops if nothing is forced and the lookup gives nothing new)
         finally:
             matcher.rollback(len(drafts))
         return drafts
