@@ -44,8 +44,10 @@ from .kv_manager import KVManager
 
 # The cost model (speculative/cost.py) decides most steps' drafts; every EXPLORE_EVERY-th decision verifies
 # what was proposed anyway (the costs of steps it stopped running would never be measured again), and one
-# decision later in each such period is a plain decode step (decode costs drift with the sequences too);
-# until a plain decode step of the batch's size was measured, every MEASURE_EVERY-th decision is one.
+# decision later in each such period is a plain decode step (decode costs drift with the sequences too),
+# unless a decode step of the batch's size was timed in the period already (a request with nothing to
+# draft decodes, constrained ones after each free value); until a plain decode step of the batch's size
+# was measured, every MEASURE_EVERY-th decision is one.
 EXPLORE_EVERY = 32
 MEASURE_EVERY = 8
 # When the cost model gives no drafts to a batch that proposed some, the batch decides nothing for a
@@ -100,6 +102,7 @@ class Speculation:
         self.costs = StepCosts()  # seconds per decode / verify step by its token count, on this device
         self.clock = time.perf_counter  # what steps are timed with (scheduler tests give a fake one)
         self._decisions = 0  # steps whose drafts the cost model weighed
+        self._decode_timed: dict[int, int] = {}  # batch size -> self._decisions when a decode step of it was timed
         self._paused = 0  # decode steps left that decide nothing (the cost model said no)
         self._pause_len = FIRST_PAUSE  # the next pause's length
         # Whether the pipeline launches decode steps ahead: only such a pipeline asks `may_speculate`.
@@ -147,7 +150,8 @@ class Speculation:
             return batch
         rids = tuple(r.rid for r in batch.reqs)
         now = self.clock()
-        self.costs.begin(rids, now)
+        if self.costs.begin(rids, now) is False:
+            self._decode_timed[len(rids)] = self._decisions
         if self._paused > 0 or not any(self._may_draft(r, small) for r in batch.reqs):
             # a pause's step that was not launched ahead (no overlap, or it had to wait), or nobody drafts
             self._paused = max(0, self._paused - 1)
@@ -165,7 +169,9 @@ class Speculation:
         if s.adaptive and proposed:
             self._decisions += 1
             period = self._decisions % EXPLORE_EVERY
-            measuring = period == EXPLORE_EVERY // 2 or (
+            timed = self._decode_timed.get(len(trees))
+            stale = timed is None or self._decisions - timed > EXPLORE_EVERY // 2
+            measuring = (period == EXPLORE_EVERY // 2 and stale) or (
                 not self.costs.decode.measured(len(trees)) and self._decisions % MEASURE_EVERY == 0)
             if measuring:  # a plain decode step, timed
                 trees = [DraftTree([t.tokens[0]], [-1]) for t in trees]
@@ -226,7 +232,7 @@ class Speculation:
     def _afford(self, reqs: list[Req], trees: list[DraftTree], model_draft: list[bool]):
         """The drafts this step's measured costs make worth verifying (cost.allocate): chains are cut, a
         drafter's top-k tree is kept whole or not at all."""
-        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.accept_rate for r in reqs])
+        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.chances(t.size - 1) for r, t in zip(reqs, trees)])
         out_trees, out_model = [], []
         for t, by_model, k in zip(trees, model_draft, give):
             if k == t.size - 1:
@@ -262,7 +268,7 @@ class Speculation:
             # NOTE: a constrained request's free values (a name, a number) are mostly copied from its prompt:
             # grammar drafts continue with prompt lookup where nothing is forced, NGRAM or not.
             ngram = NgramIndex(*self.ngram_window) if s.ngram or constrained else None
-            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram, constrained=constrained)
+            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram)
         return r.spec
 
     def _plan(self, r: Req, small: bool) -> tuple[DraftTree, bool]:
@@ -271,6 +277,7 @@ class Speculation:
         root = r.output_ids[-1]
         lone = DraftTree([root], [-1])
         state = self._state(r)
+        state.forced = []
         if not self._eligible(r) or not (small or r.grammar is not None):
             return lone, False
         # Drafts past the request's budget or the context would be thrown away (the target's own next
@@ -292,7 +299,8 @@ class Speculation:
                 if forced:
                     state.pending_forced = (forced, len(r.output_ids))
             extend = state.ngram.propose if state.ngram is not None and small and free >= n else None
-            drafts = self.grammar_drafts.propose(r.grammar, TokenView(r.origin_input_ids, r.output_ids), n, extend)
+            drafts, state.forced = self.grammar_drafts.propose(r.grammar, TokenView(r.origin_input_ids, r.output_ids),
+                                                               n, extend)
             if drafts:
                 return DraftTree.chain(root, drafts), False
         elif state.ngram is not None:

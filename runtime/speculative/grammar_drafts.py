@@ -39,18 +39,21 @@ class GrammarDrafts:
         self._learned: dict[str, tuple[int, ...]] = {}  # forced text -> the tokens the target wrote it as
 
     def propose(self, matcher: Any, context: Sequence[int], max_drafts: int,
-                extend: Optional[Extend] = None) -> list[int]:
+                extend: Optional[Extend] = None) -> tuple[list[int], list[bool]]:
         """A chain of at most `max_drafts` draft tokens after `context` (the request's tokens) that the
-        grammar allows: the forced text's tokens, then `extend`'s proposals where nothing is forced."""
-        if max_drafts <= 0 or matcher.is_terminated():
-            return []
-        limit = min(max_drafts, matcher.max_rollback)
+        grammar allows: the forced text's tokens, then `extend`'s proposals where nothing is forced; and
+        which of them the grammar forced."""
         drafts: list[int] = []
+        forced: list[bool] = []
+        if max_drafts <= 0 or matcher.is_terminated():
+            return drafts, forced
+        limit = min(max_drafts, matcher.max_rollback)
         with matcher.drafting():
-            return self._walk(matcher, context, limit, extend, drafts)
+            self._walk(matcher, context, limit, extend, drafts, forced)
+        return drafts, forced
 
     def _walk(self, matcher: Any, context: Sequence[int], limit: int, extend: Optional[Extend],
-              drafts: list[int]) -> list[int]:
+              drafts: list[int], kinds: list[bool]) -> None:
         # NOTE: forced text repeats wherever the schema does (each key is followed by `": "`): a lookup match
         # on forced drafts alone says nothing about what the model writes next, so it must reach back past
         # the forced drafts that end the chain into tokens the model chose (or the prompt's).
@@ -70,6 +73,7 @@ class GrammarDrafts:
                     if tok in self.special or not matcher.accept_token(tok):
                         break
                     drafts.append(tok)
+                    kinds.append(bool(forced))
                     took += 1
                     if matcher.is_terminated():
                         break
@@ -80,7 +84,6 @@ class GrammarDrafts:
                 # the next round looks again, and stops if nothing is forced and the lookup gives nothing new)
         finally:
             matcher.rollback(len(drafts))
-        return drafts
 
     def learn(self, forced: str, written: Sequence[int]) -> Optional[bool]:
         """The target wrote `written` (its tokens since `forced` was what the grammar forced): remember
