@@ -29,6 +29,7 @@ def test_ngram_proposes_what_followed_the_longest_suffix_seen_before():
     tokens += [1, 2]
     assert ix.propose(tokens, 2) == [3, 7]  # the latest occurrence of [1, 2] wins
     assert ix.propose([8, 8, 8, 8], 5) == [8]  # the continuation stops at the end of what exists
+    assert ix.propose(tokens, 3, longer_than=2) == [] and ix.propose(tokens, 2, longer_than=1) == [3, 7]
 
 
 def test_ngram_looks_up_drafts_on_top_of_drafts_without_indexing_them():
@@ -145,6 +146,20 @@ def test_grammar_drafts_are_the_forced_tokens_and_leave_the_matcher_as_it_was(xg
         matcher.accept_token(t)
     assert drafts.propose(matcher, [], 8, extend=lambda ctx, k, extra, longer: nums + [0, 0][:k]) == (
         nums, [False] * len(nums))
+    # a lookup the grammar cuts short goes on with the text forced after what it kept
+    fresh = xgrammar_backend.compile_sync(("json", SCHEMA)).new_matcher()
+    for t in tok.encode('{"name":"Ada', add_special_tokens=False):
+        assert fresh.accept_token(t)
+    quote, junk = tok.encode('"', add_special_tokens=False), tok.encode(" x", add_special_tokens=False)
+    asked = []
+
+    def lookup(ctx, k, extra, longer):
+        asked.append(longer)
+        return quote + junk
+    got, forced = drafts.propose(fresh, [], 16, extend=lookup)
+    assert tok.decode(got) == '","age":' and forced == [False] + [True] * (len(got) - 1)
+    # (asked again after the forced text: a match must be longer than the forced drafts ending the chain)
+    assert asked == [0, len(got) - 1]
 
 
 def test_grammar_masks_down_a_tree_follow_each_path(xgrammar_backend, default_tokenizer):
