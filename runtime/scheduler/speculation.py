@@ -231,8 +231,12 @@ class Speculation:
 
     def _afford(self, reqs: list[Req], trees: list[DraftTree], model_draft: list[bool]):
         """The drafts this step's measured costs make worth verifying (cost.allocate): chains are cut, a
-        drafter's top-k tree is kept whole or not at all."""
-        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.chances(t.size - 1) for r, t in zip(reqs, trees)])
+        drafter's top-k tree is kept whole or not at all. A chain's forced text before its first guess is
+        always verified (it is what jump-forward would append, whatever the step costs); the guesses
+        after it are weighed on top of it."""
+        fixed = [_leading(r.spec.forced) for r in reqs]
+        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.chances(t.size - 1) for r, t in zip(reqs, trees)],
+                        fixed)
         out_trees, out_model = [], []
         for t, by_model, k in zip(trees, model_draft, give):
             if k == t.size - 1:
@@ -283,27 +287,33 @@ class Speculation:
         # Drafts past the request's budget or the context would be thrown away (the target's own next
         # token comes with them): at most remaining - 1, and the tree must fit in the context.
         room = min(r.remaining_new_tokens() - 1, self.context_len - r.seq_len)
-        n = min(state.allowed_drafts(), room)
-        # NOTE: not where the grammar's budget closer would act within the drafts (draft_room).
-        free = n if r.grammar is None else r.grammar.draft_room(n, free=True)
-        if r.grammar is not None and self.grammar_drafts is not None:
-            n = r.grammar.draft_room(n, free=False)
+        n = min(state.allowed_drafts(), room)  # the adaptive length (0 while sitting out)
+        s = self.settings
+        by_grammar = self.grammar_drafts is not None and r.grammar is not None
+        if by_grammar:
+            # NOTE: the adaptive length and the sit-outs bound guessed drafts only: forced text is what
+            # jump-forward would append, drafted whole (up to the cap) whatever became of earlier guesses.
+            # Not where the grammar's budget closer would act within the drafts (draft_room).
+            chain = r.grammar.draft_room(min(s.max_drafts, room), free=False)
+            if chain > 0:
+                if state.pending_forced is None:
+                    forced = r.grammar.jump_forward_string()
+                    if forced:
+                        state.pending_forced = (forced, len(r.output_ids))
+                lookup = state.ngram is not None and small and r.grammar.draft_room(chain, free=True) >= chain
+                drafts, state.forced = self.grammar_drafts.propose(
+                    r.grammar, TokenView(r.origin_input_ids, r.output_ids), chain,
+                    state.ngram.propose if lookup else None, max_guessed=n)
+                if drafts:
+                    return DraftTree.chain(root, drafts), False
+            free = r.grammar.draft_room(n, free=True)
+            n = min(n, chain)
         else:
+            free = n if r.grammar is None else r.grammar.draft_room(n, free=True)
             n = free
         if n <= 0:
             return lone, False
-        s = self.settings
-        if self.grammar_drafts is not None and r.grammar is not None:
-            if state.pending_forced is None:
-                forced = r.grammar.jump_forward_string()
-                if forced:
-                    state.pending_forced = (forced, len(r.output_ids))
-            extend = state.ngram.propose if state.ngram is not None and small and free >= n else None
-            drafts, state.forced = self.grammar_drafts.propose(r.grammar, TokenView(r.origin_input_ids, r.output_ids),
-                                                               n, extend)
-            if drafts:
-                return DraftTree.chain(root, drafts), False
-        elif state.ngram is not None:
+        if not by_grammar and state.ngram is not None:
             drafts = state.ngram.propose(TokenView(r.origin_input_ids, r.output_ids), n)
             if drafts:
                 return DraftTree.chain(root, drafts), False
@@ -358,3 +368,11 @@ class Speculation:
         t = self.totals
         steps = t["spec_verify_steps"]
         return {**t, "avg_spec_accept_length": (t["spec_accepted_tokens"] + steps) / steps if steps else 0.0}
+
+
+def _leading(forced: list[bool]) -> int:
+    """How many of a chain's drafts the grammar forced before its first guess."""
+    n = 0
+    while n < len(forced) and forced[n]:
+        n += 1
+    return n

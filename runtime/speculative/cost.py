@@ -109,28 +109,32 @@ class StepCosts:
         self._open = None
 
 
-def allocate(costs: StepCosts, available: Sequence[int], chances: Sequence[Sequence[float]]) -> list[int]:
+def allocate(costs: StepCosts, available: Sequence[int], chances: Sequence[Sequence[float]],
+             fixed: Optional[Sequence[int]] = None) -> list[int]:
     """Drafts per request (at most available[i]) maximizing the step's expected tokens per second;
     chances[i][j - 1]: the chance that request i's j-th draft is accepted (it and those before it: not
-    increasing in j). Everything asked when costs are unknown.
+    increasing in j); fixed[i]: request i's first drafts that are verified whatever they cost (grammar-
+    forced text). Everything asked when costs are unknown.
 
     Request i's j-th draft adds chances[i][j - 1] expected tokens. Of the drafts in that order (likeliest
     first; each request's own in order) the best prefix is taken: costs may flatten as a step grows, so a
     run of drafts can pay where its first one alone does not."""
     base = len(available)
+    fixed = [min(f, a) for f, a in zip(fixed, available)] if fixed is not None else [0] * base
     c_plain = costs.decode.estimate(base)
     if c_plain is None or costs.verify.estimate(base + 1) is None:
         return list(available)
-    items = sorted(((chances[i][j - 1], j, i) for i in range(base) for j in range(1, available[i] + 1)),
+    items = sorted(((chances[i][j - 1], j, i) for i in range(base) for j in range(fixed[i] + 1, available[i] + 1)),
                    key=lambda t: (-t[0], t[1]))
-    best_m, best_rate = 0, base / c_plain
-    expected = float(base)
+    taken = sum(fixed)
+    expected = base + sum(sum(chances[i][:fixed[i]]) for i in range(base))
+    best_m, best_rate = 0, base / c_plain if taken == 0 else expected / costs.verify.estimate(base + taken)
     for m, (gain, _, _) in enumerate(items, 1):
         expected += gain
-        c = costs.verify.estimate(base + m)
+        c = costs.verify.estimate(base + taken + m)
         if expected / c > best_rate:
             best_m, best_rate = m, expected / c
-    give = [0] * base
+    give = list(fixed)
     for _, _, i in items[:best_m]:
         give[i] += 1
     return give

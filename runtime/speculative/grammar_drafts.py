@@ -38,21 +38,22 @@ class GrammarDrafts:
         self._encoded: dict[str, tuple[int, ...]] = {}
         self._learned: dict[str, tuple[int, ...]] = {}  # forced text -> the tokens the target wrote it as
 
-    def propose(self, matcher: Any, context: Sequence[int], max_drafts: int,
-                extend: Optional[Extend] = None) -> tuple[list[int], list[bool]]:
+    def propose(self, matcher: Any, context: Sequence[int], max_drafts: int, extend: Optional[Extend] = None,
+                max_guessed: Optional[int] = None) -> tuple[list[int], list[bool]]:
         """A chain of at most `max_drafts` draft tokens after `context` (the request's tokens) that the
-        grammar allows: the forced text's tokens, then `extend`'s proposals where nothing is forced; and
-        which of them the grammar forced."""
+        grammar allows: the forced text's tokens, then `extend`'s proposals (at most `max_guessed` of
+        them) where nothing is forced; and which of them the grammar forced."""
         drafts: list[int] = []
         forced: list[bool] = []
         if max_drafts <= 0 or matcher.is_terminated():
             return drafts, forced
         limit = min(max_drafts, matcher.max_rollback)
         with matcher.drafting():
-            self._walk(matcher, context, limit, extend, drafts, forced)
+            self._walk(matcher, context, limit, extend, max_drafts if max_guessed is None else max_guessed,
+                       drafts, forced)
         return drafts, forced
 
-    def _walk(self, matcher: Any, context: Sequence[int], limit: int, extend: Optional[Extend],
+    def _walk(self, matcher: Any, context: Sequence[int], limit: int, extend: Optional[Extend], guesses: int,
               drafts: list[int], kinds: list[bool]) -> None:
         # NOTE: forced text repeats wherever the schema does (each key is followed by `": "`): a lookup match
         # on forced drafts alone says nothing about what the model writes next, so it must reach back past
@@ -64,8 +65,8 @@ class GrammarDrafts:
                 room = limit - len(drafts)
                 if forced:
                     cand = list(self._encode(forced)[:room])
-                elif extend is not None:
-                    cand = extend(context, room, drafts, forced_tail)
+                elif extend is not None and guesses > 0:
+                    cand = extend(context, min(room, guesses), drafts, forced_tail)
                 else:
                     cand = []
                 took = 0
@@ -80,6 +81,7 @@ class GrammarDrafts:
                 if took == 0:
                     break  # nothing more to propose
                 forced_tail = forced_tail + took if forced else 0
+                guesses -= 0 if forced else took
                 # (a lookup the grammar cut short goes on with the text the grammar forces there, if any:
                 # the next round looks again, and stops if nothing is forced and the lookup gives nothing new)
         finally:
