@@ -319,6 +319,110 @@ def test_regex_output_is_closed_within_the_budget(manager, default_tokenizer):
     assert req.finished_reason.type == "length" and req.grammar.closed_early == "budget"
 
 
+# ---------------------------------------------------------------- the closing under grammar drafts
+def scripted_logits(grammar, scores: torch.Tensor, tokenizer) -> torch.Tensor:
+    """(V,) the scripted model of `drive` at the grammar's state: `scores`, and where text is forced its
+    tokenizer encoding's first token above everything."""
+    logits = scores.clone()
+    forced = grammar.inner.jump_forward_string()
+    if forced:
+        logits[tokenizer.encode(forced, add_special_tokens=False)[0]] = 200.0
+    return logits
+
+
+def finished(req) -> bool:
+    return req.finished_reason is not None or req.grammar.is_terminated() or req.remaining_new_tokens() == 0
+
+
+def plain_greedy(manager, req, scores: torch.Tensor, tokenizer) -> list[int]:
+    """Plain constrained decoding of the scripted model (no jump-forward, no drafts)."""
+    while not finished(req):
+        logits = scripted_logits(req.grammar, scores, tokenizer).unsqueeze(0)  # (1, V)
+        manager.fill_and_apply(logits, [req])
+        token = int(torch.argmax(logits[0]))
+        req.output_ids.append(token)
+        assert manager.accept(req, token)
+    return req.output_ids
+
+
+def drafted_greedy(manager, req, scores: torch.Tensor, tokenizer, guess: int, max_drafts: int = 8):
+    """The same model in verify steps as the scheduler runs grammar drafts (speculation.py, verify.py,
+    results.py): the forced text and then `guess` (the model's favourite, a perfect lookup) as drafts within
+    draft_room, every node scored under its plain mask (the root's refined), the longest match taken and
+    committed through keeps_verified. Returns the output, the steps with drafts while the closer chose, and
+    the commits keeps_verified cut short."""
+    from plait.runtime.constrained.bitmask import apply_token_bitmask_inplace
+    from plait.runtime.speculative.acceptance import accept_greedy
+    from plait.runtime.speculative.grammar_drafts import GrammarDrafts, fill_tree_bitmask
+    from plait.runtime.speculative.tree import DraftTree
+
+    drafter = GrammarDrafts(tokenizer, tokenizer.all_special_ids)
+    choosing_steps = cuts = 0
+    plain_greedy_step(manager, req, scores, tokenizer)  # the prefill's token
+    while not finished(req):
+        g = req.grammar
+        n = g.draft_room(min(max_drafts, req.remaining_new_tokens() - 1), free=False)
+        drafts, _ = drafter.propose(g, req.output_ids, n, extend=lambda ctx, k, extra, longer: [guess] * k)
+        choosing_steps += bool(drafts) and g.closer.choosing
+        tree = DraftTree.chain(req.output_ids[-1], drafts)
+        bitmask = allocate_token_bitmask(tree.size, VOCAB)
+        fill_tree_bitmask(g, tree, bitmask, 0)
+        logits = torch.stack([scripted_logits(g, scores, tokenizer)] + [
+            _scripted_after(g, drafts[:i], scores, tokenizer) for i in range(1, tree.size)])  # (T, V)
+        g.refine_bitmask(logits[0], bitmask[0])
+        apply_token_bitmask_inplace(logits, bitmask, list(range(tree.size)))
+        tokens, _ = accept_greedy(tree, torch.argmax(logits, dim=1).tolist())
+        for j, token in enumerate(tokens):
+            if j and not g.keeps_verified(token):
+                cuts += 1
+                break
+            req.output_ids.append(token)
+            assert manager.accept(req, token)
+            if finished(req):
+                break
+    return req.output_ids, choosing_steps, cuts
+
+
+def plain_greedy_step(manager, req, scores: torch.Tensor, tokenizer) -> None:
+    logits = scripted_logits(req.grammar, scores, tokenizer).unsqueeze(0)
+    manager.fill_and_apply(logits, [req])
+    token = int(torch.argmax(logits[0]))
+    req.output_ids.append(token)
+    assert manager.accept(req, token)
+
+
+def _scripted_after(grammar, drafts: list[int], scores: torch.Tensor, tokenizer) -> torch.Tensor:
+    """The scripted model's logits at the state after `drafts` (the matcher walked there and back)."""
+    with grammar.drafting():
+        for token in drafts:
+            assert grammar.accept_token(token)
+        logits = scripted_logits(grammar, scores, tokenizer)
+        grammar.rollback(len(drafts))
+    return logits
+
+
+def test_greedy_grammar_drafts_near_the_budget_write_plain_decodings_output(manager, default_tokenizer):
+    """A greedy request drafts while the closer chooses (its forced text and the model's own string content):
+    each verified token is kept only where plain decoding's decision at it writes it (keeps_verified), so
+    the output is plain constrained decoding's to the token, closing included, for budgets that close it
+    inside the name, at the forced text between fields, and at the values after it."""
+    ab = default_tokenizer.encode("ab", add_special_tokens=False)[0]
+    schema = json.dumps({**PERSON, "properties": {**PERSON["properties"], "name": {"type": "string"}}})
+    scores = torch.zeros(VOCAB)
+    scores[ab] = 100.0
+    choosing = cuts = 0
+    for budget in (40, 50):
+        want = plain_greedy(manager, fake_request(manager, default_tokenizer, budget, json_schema=schema,
+                                                  temperature=0), scores, default_tokenizer)
+        req = fake_request(manager, default_tokenizer, budget, json_schema=schema, temperature=0)
+        got, chose, cut = drafted_greedy(manager, req, scores, default_tokenizer, guess=ab)
+        assert got == want, budget
+        assert req.grammar.closed_early == "budget"
+        choosing, cuts = choosing + chose, cuts + cut
+    assert choosing > 0  # drafts were verified where the closer chose (not held back to decoding)
+    assert cuts > 0  # and some verified tokens were not plain decoding's there: cut
+
+
 # ---------------------------------------------------------------- honest schemas, strict
 def test_one_of_with_disjoint_branches_is_enforced_exactly():
     obj = lambda **p: {"type": "object", "properties": p, "required": list(p)}  # noqa: E731

@@ -155,8 +155,8 @@ def test_grammar_drafts_alone_match_plain_constrained_decoding_and_take_fewer_st
     rep = drafts_only.timer.report()
     # one decode step per token without drafts: the outputs' tokens, less the prefills' first ones
     plain_steps = sum(len(reference[rid][0]) - 1 for rid in ("json", "regex"))
-    # (near the end of a budget the closer steers token by token, and no drafts are verified there)
-    assert rep["decode"]["steps"] + rep["verify"]["steps"] < 0.9 * plain_steps
+    # (near the end of a budget, where the closer chooses, greedy drafts are verified too: keeps_verified)
+    assert rep["decode"]["steps"] + rep["verify"]["steps"] < 0.6 * plain_steps
     assert drafts_only.get_stats()["jump_forward_events"] == 0
 
 

@@ -29,6 +29,7 @@ def test_ngram_proposes_what_followed_the_longest_suffix_seen_before():
     tokens += [1, 2]
     assert ix.propose(tokens, 2) == [3, 7]  # the latest occurrence of [1, 2] wins
     assert ix.propose([8, 8, 8, 8], 5) == [8]  # the continuation stops at the end of what exists
+    assert ix.propose(tokens, 3, longer_than=2) == [] and ix.propose(tokens, 2, longer_than=1) == [3, 7]
 
 
 def test_ngram_looks_up_drafts_on_top_of_drafts_without_indexing_them():
@@ -129,21 +130,36 @@ def test_grammar_drafts_are_the_forced_tokens_and_leave_the_matcher_as_it_was(xg
     tok = default_tokenizer
     matcher = xgrammar_backend.compile_sync(("json", SCHEMA)).new_matcher()
     drafts = GrammarDrafts(tok, tok.all_special_ids)
-    proposed = drafts.propose(matcher, [], 16)
-    assert tok.decode(proposed) == '{"name":"'
+    proposed, forced = drafts.propose(matcher, [], 16)
+    assert tok.decode(proposed) == '{"name":"' and forced == [True] * len(proposed)
     # the matcher was rolled back: the same proposal again, and it still accepts the first token
-    assert drafts.propose(matcher, [], 16) == proposed
+    assert drafts.propose(matcher, [], 16)[0] == proposed
     for t in proposed:
         assert matcher.accept_token(t)
     value = tok.encode("Ada", add_special_tokens=False) + tok.encode('"', add_special_tokens=False)
     for t in value:
         assert matcher.accept_token(t)
-    assert tok.decode(drafts.propose(matcher, [], 16)) == ',"age":'
+    assert tok.decode(drafts.propose(matcher, [], 16)[0]) == ',"age":'
     # where nothing is forced, the lookup extends the chain while the grammar allows it
     nums = tok.encode("42}", add_special_tokens=False)
     for t in tok.encode(',"age":', add_special_tokens=False):
         matcher.accept_token(t)
-    assert drafts.propose(matcher, [], 8, extend=lambda ctx, k, extra: nums + [0, 0][:k]) == nums
+    assert drafts.propose(matcher, [], 8, extend=lambda ctx, k, extra, longer: nums + [0, 0][:k]) == (
+        nums, [False] * len(nums))
+    # a lookup the grammar cuts short goes on with the text forced after what it kept
+    fresh = xgrammar_backend.compile_sync(("json", SCHEMA)).new_matcher()
+    for t in tok.encode('{"name":"Ada', add_special_tokens=False):
+        assert fresh.accept_token(t)
+    quote, junk = tok.encode('"', add_special_tokens=False), tok.encode(" x", add_special_tokens=False)
+    asked = []
+
+    def lookup(ctx, k, extra, longer):
+        asked.append(longer)
+        return quote + junk
+    got, forced = drafts.propose(fresh, [], 16, extend=lookup)
+    assert tok.decode(got) == '","age":' and forced == [False] + [True] * (len(got) - 1)
+    # (asked again after the forced text: a match must be longer than the forced drafts ending the chain)
+    assert asked == [0, len(got) - 1]
 
 
 def test_grammar_masks_down_a_tree_follow_each_path(xgrammar_backend, default_tokenizer):
@@ -222,15 +238,18 @@ def test_the_cost_model_weighs_drafts_against_the_verify_steps_premium():
     from plait.runtime.speculative.cost import StepCosts, allocate
 
     costs = StepCosts()
-    assert allocate(costs, [4] * 8, [0.1] * 8) == [4] * 8  # nothing timed yet: everything asked
+    def each(p: float) -> list[list[float]]:  # 8 requests whose 4 drafts are each accepted with chance p
+        return [[p ** j for j in range(1, 5)]] * 8
+
+    assert allocate(costs, [4] * 8, each(0.1)) == [4] * 8  # nothing timed yet: everything asked
     for _ in range(2):
         costs.decode.record(8, 5e-3)
         costs.verify.record(16, 7.5e-3)
         costs.verify.record(40, 8.0e-3)
     # A verify step of 9 tokens costs what the smallest timed one does (1.5x the decode step), not 1/8 more:
     # drafts accepted 1 time in 10 never pay it, drafts accepted 9 in 10 all do.
-    assert allocate(costs, [4] * 8, [0.1] * 8) == [0] * 8
-    assert allocate(costs, [4] * 8, [0.9] * 8) == [4] * 8
+    assert allocate(costs, [4] * 8, each(0.1)) == [0] * 8
+    assert allocate(costs, [4] * 8, each(0.9)) == [4] * 8
     # Timed between decisions: the step decided for other requests, or interrupted, is not measured.
     costs.decided(("a",), False, 1, now=0.0)
     costs.begin(("a", "b"), now=1.0)

@@ -173,6 +173,12 @@ class GrammarMatcher(ABC):
         fewer near the budget's end). Default: all."""
         return num_tokens
 
+    def keeps_verified(self, token_id: int) -> bool:
+        """Before a verified draft's target token (the model's likeliest under this state's mask) is
+        committed: whether plain decoding would write it here (a matcher that steers by its budget may
+        not: request_grammar.py). Default: always."""
+        return True
+
     def drafting(self) -> ContextManager[None]:
         """A context for walking the matcher through drafts (states the output may never reach): a
         matcher that makes decisions as it fills masks (request_grammar.py) makes none inside it."""

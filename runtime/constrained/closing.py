@@ -179,6 +179,18 @@ class BudgetCloser:
             keep = [first]
         return keep
 
+    def keeps(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], token: int, decoded: tuple,
+              left: int) -> bool:
+        """Whether a greedy request whose likeliest allowed token is `token` writes it here: `fitting` with
+        `token` first keeps it. When it does, the closer is left as `fitting` leaves it (the completion
+        after `token` known for `on_token`); when not, as it was, for the full choice (its likeliest
+        tokens in order) that the next mask makes from this state."""
+        saved = (self._after, self._after_left, self.reason, self.plan, self.plan_pos)
+        if self.fitting(matcher, scanner, [token], decoded, left)[:1] == [token]:
+            return True
+        self._after, self._after_left, self.reason, self.plan, self.plan_pos = saved
+        return False
+
     def _fits_after(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], data: bytes, old: bytes,
                     left: int, token: int) -> bool:
         """With `token` just accepted on the matcher: whether a completion fits in `left - 1` tokens."""

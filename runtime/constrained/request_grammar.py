@@ -136,22 +136,46 @@ class RequestGrammar(GrammarMatcher):
     # ---- speculative decoding ----
     def draft_room(self, num_tokens: int, free: bool) -> int:
         """How many of `num_tokens` drafts may be scored ahead with the plain masks of the states they lead
-        to (no decision is taken there: `drafting`), so that every drafted node's token is chosen where
-        plain decoding would not steer either. The decision the next mask takes is taken first, at the
-        output's state: none once the closer closes or chooses. Forced text (`free` False) needs nothing
-        more: every valid completion begins with it, so the slack is the same at each of its nodes. Free
-        drafts (prompt lookup, a draft model) change the slack as they go: only before the closer's first
-        estimate near the end is due, or while the slack left after them stays over NEAR."""
+        to (no decision is taken there: `drafting`). The decision the next mask takes is taken first, at
+        the output's state: none while the closer closes. A greedy request may draft all of them: as its
+        verified tokens are committed, `keeps_verified` takes at each of them the decision plain decoding
+        takes there, and the output keeps them only up to the first token that decision would not write.
+        A sampled request's drafts come only where no decision steers: none while the closer chooses;
+        forced text (`free` False) needs nothing more (every valid completion begins with it, so the slack
+        is the same at each of its nodes); free drafts (prompt lookup, a draft model) change the slack as
+        they go: only before the closer's first estimate near the end is due, or while the slack left
+        after them stays over NEAR."""
         closer, left = self.closer, self._budget_left
         if closer is None:
             return num_tokens
         self._decide()
-        if closer.closing or closer.choosing or left is None:
+        if closer.closing or left is None:
+            return 0
+        if closer.greedy:
+            return num_tokens
+        if closer.choosing:
             return 0
         if not free:
             return num_tokens
         need = FIRST_LOOK if closer.estimate is None else len(closer.estimate.token_ids) + NEAR
         return max(0, min(num_tokens, left - 2 - need))
+
+    def keeps_verified(self, token_id: int) -> bool:
+        """Before a verified draft's target token is committed (the model's likeliest token under this
+        state's plain mask): whether plain decoding writes it here. The decision the mask takes is taken
+        first; while closing only the plan's next token is written, while choosing a greedy request keeps
+        its likeliest token if a completion fits after it (BudgetCloser.keeps). A sampled request keeps
+        nothing where a decision steers (its draws there are not plain decoding's)."""
+        closer = self.closer
+        if closer is None:
+            return True
+        self._decide()
+        if closer.closing:
+            return closer.greedy and closer.forced_token() == token_id
+        if not closer.choosing:
+            return True
+        return closer.greedy and closer.keeps(self.inner, self.scanner, token_id, self._tables.vocab.decoded,
+                                              self._budget_left)
 
     @contextlib.contextmanager
     def drafting(self) -> Iterator[None]:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch
-from ..constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace
+from ..constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace, unpack_bitmask
 from ..speculative.acceptance import accept_greedy, accept_sampled
 from ..speculative.grammar_drafts import fill_tree_bitmask
 from ..speculative.tree import DraftTree
@@ -51,8 +51,7 @@ class VerifySteps:
             fb.capture_layers, fb.captured_hidden = capture_layers, []
         mr.attn_backend.init_forward_metadata(fb)
         hidden = mr.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
-        logits = mr.model.compute_logits(hidden)  # (T, V): every node is scored
-        return self.verifier.accept(step, logits), hidden, fb
+        return self.verifier.score(step, hidden, mr.model), hidden, fb
 
 
 class CapturedStates:
@@ -62,13 +61,54 @@ class CapturedStates:
         self.captured_hidden = captured_hidden
 
 
+# On the CPU a node whose grammar allows at most this many tokens is scored on those alone: the LM head's
+# rows for them, where the whole head is a pass over every token's weights (forced text allows a few
+# spellings of itself; the vocabulary is ~50k tokens).
+NARROW_TOKENS = 256
+
+
 class Verifier:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         self._bitmask: Optional[torch.Tensor] = None  # (rows, W) int32 on the host
 
-    def accept(self, step: StepInput, logits: torch.Tensor, trees: Optional[list[DraftTree]] = None) -> StepOutput:
-        """logits (T, V) float32 of every node of the step (the raw model's) -> what each request accepted."""
+    def score(self, step: StepInput, hidden: torch.Tensor, model) -> StepOutput:
+        """What each request accepted, from the nodes' hidden states (T, hidden) and the model's LM head.
+        On the CPU, when every request is greedy (no logprobs, no bias) and one has a grammar, the masks
+        are filled first and a node the grammar allows few tokens at gets logits for those alone (-inf
+        elsewhere, as its mask would make them): its argmax under the mask is the same."""
+        rows = step.sampling
+        if hidden.is_cuda or model.parallel.tp.size != 1 or not any(r.grammar is not None for r in rows) or any(
+                not r.params.is_greedy or r.return_logprob or r.params.logit_bias for r in rows):
+            return self.accept(step, model.compute_logits(hidden))  # (T, V): every node is scored whole
+        trees = step_trees(step)
+        filled = self._fill(rows, trees, step.req_rows[4].tolist(), hidden.shape[0])
+        return self.accept(step, self._narrow_logits(hidden, model, *filled), trees, filled)
+
+    def _narrow_logits(self, hidden: torch.Tensor, model, bitmask: torch.Tensor, masked: list[int]) -> torch.Tensor:
+        """(T, V) float32: whole rows for the nodes without a narrow mask, the allowed tokens' alone else."""
+        total = hidden.shape[0]
+        narrow: dict[int, torch.Tensor] = {}
+        if masked:
+            allowed = unpack_bitmask(bitmask[masked], self.vocab_size)  # (M, V)
+            counts = allowed.sum(dim=1).tolist()
+            for i, row, n in zip(range(len(masked)), masked, counts):
+                if n <= NARROW_TOKENS:
+                    narrow[row] = allowed[i].nonzero().squeeze(1)  # (n,) the allowed token ids
+        whole = [i for i in range(total) if i not in narrow]
+        if not narrow:
+            return model.compute_logits(hidden)
+        logits = torch.full((total, self.vocab_size), float("-inf"), dtype=torch.float32)
+        if whole:
+            logits[whole] = model.compute_logits(hidden[whole])
+        for row, ids in narrow.items():
+            logits[row, ids] = model.token_logits(hidden[row], ids)  # (n,)
+        return logits
+
+    def accept(self, step: StepInput, logits: torch.Tensor, trees: Optional[list[DraftTree]] = None,
+               filled: Optional[tuple[torch.Tensor, list[int]]] = None) -> StepOutput:
+        """logits (T, V) float32 of every node of the step (the raw model's) -> what each request accepted.
+        `filled`: the grammar masks, when `score` filled them already (`_fill`)."""
         trees = trees or step_trees(step)
         starts = step.req_rows[4].tolist()
         rows = step.sampling  # per request (every request of a VERIFY step samples)
@@ -79,7 +119,7 @@ class Verifier:
             info = SamplingBatchInfo.from_rows(node_rows, logits.shape[1], logits.device)
             apply_logit_adjustments(logits, node_rows, info)
             if info.has_grammar:
-                self._mask(logits, rows, trees, starts)
+                self._mask(logits, rows, trees, starts, filled or self._fill(rows, trees, starts, logits.shape[0]))
         greedy = [b for b, r in enumerate(rows) if r.params.is_greedy]
         sampled = [b for b, r in enumerate(rows) if not r.params.is_greedy]
         accepted: list = [None] * len(rows)
@@ -107,8 +147,8 @@ class Verifier:
             self._logprobs(raw, rows, out.verified, starts)
         return out
 
-    def _mask(self, logits: torch.Tensor, rows, trees: list[DraftTree], starts: list[int]) -> None:
-        total = logits.shape[0]
+    def _fill(self, rows, trees: list[DraftTree], starts: list[int], total: int) -> tuple[torch.Tensor, list[int]]:
+        """The (T, W) grammar masks of every node (fill_tree_bitmask) and the rows they apply to."""
         if self._bitmask is None or self._bitmask.shape[0] < total:
             self._bitmask = allocate_token_bitmask(max(total, 64), self.vocab_size)
         bitmask = self._bitmask[:total]  # (T, W)
@@ -117,11 +157,19 @@ class Verifier:
             if r.grammar is None:
                 continue
             fill_tree_bitmask(r.grammar, trees[b], bitmask, starts[b])
-            # The root's row as a decode step's (GrammarMasker): narrowed by its logits where the grammar
-            # steers by the budget (the matcher is back at the root's state). Drafts come only where it
-            # does not steer (GrammarMatcher.draft_room).
-            r.grammar.refine_bitmask(logits[starts[b]], bitmask[starts[b]])
             masked.extend(range(starts[b], starts[b] + trees[b].size))
+        return bitmask, masked
+
+    def _mask(self, logits: torch.Tensor, rows, trees: list[DraftTree], starts: list[int],
+              filled: tuple[torch.Tensor, list[int]]) -> None:
+        bitmask, masked = filled
+        for b, r in enumerate(rows):
+            if r.grammar is not None:
+                # The root's row as a decode step's (GrammarMasker): narrowed by its logits where the grammar
+                # steers by the budget (the matcher is back at the root's state). The drafts' rows are plain
+                # masks: where the budget would steer at a draft's node, the commit asks the grammar whether
+                # plain decoding writes that node's token (GrammarMatcher.keeps_verified).
+                r.grammar.refine_bitmask(logits[starts[b]], bitmask[starts[b]])
         apply_token_bitmask_inplace(logits, bitmask, masked)
 
     @staticmethod

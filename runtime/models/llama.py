@@ -190,6 +190,12 @@ class LlamaForCausalLM(nn.Module):
         local = skinny_linear(hidden, self._head(), out_dtype=torch.float32)  # (N, this rank's vocab rows)
         return tp.gather_columns(local, self.config.vocab_size, out=out)  # (N, vocab)
 
+    def token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """One row's logits at `token_ids` (n,) alone: (n,) float32 from its hidden state (hidden,), through
+        the LM head's rows for those tokens (one device: the whole vocabulary's rows are here at tp 1)."""
+        weight = self._head().weight  # (vocab, hidden)
+        return (weight.index_select(0, token_ids) @ hidden.to(weight.dtype)).float()  # (n,)
+
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """compute_logits(forward(...), out) (T, vocab) float32, for callers that need no hidden states (the

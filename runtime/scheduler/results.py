@@ -109,17 +109,24 @@ class StepResults:
 
     def _process_verify(self, batch: ScheduleBatch, out: StepOutput) -> None:
         """Commit each request's accepted tokens in rounds (round j: every request still going appends its
-        j-th token, then the stop checks run for all of them at once)."""
+        j-th token, then the stop checks run for all of them at once). A token after the first was chosen
+        at a draft's node under the grammar's plain mask: the grammar says first whether plain decoding
+        would write it there (`keeps_verified`: the budget closer's decision); where not, the request
+        keeps what it has and its next step decodes from there."""
         reqs = batch.reqs
         tokens = [v.tokens for v in out.verified]
         committed = [0] * len(reqs)
         aborted = [r.finished_reason is not None for r in reqs]  # aborted mid-step
         active = [i for i, a in enumerate(aborted) if not a]
+        cut: set[int] = set()
         j = 0
         while active:
             to_check = []
             for i in active:
                 r, tok = reqs[i], tokens[i][j]
+                if j and r.grammar is not None and not r.grammar.keeps_verified(tok):
+                    cut.add(i)
+                    continue
                 r.output_ids.append(tok)
                 committed[i] += 1
                 lps = out.verified[i].logprobs
@@ -131,7 +138,7 @@ class StepResults:
                     to_check.append(r)
             self.outputs.check_finish_many(to_check, self.context_len)
             j += 1
-            active = [i for i in active if reqs[i].finished_reason is None and j < len(tokens[i])]
+            active = [i for i in active if reqs[i].finished_reason is None and j < len(tokens[i]) and i not in cut]
         self.stats["generation_tokens"] += sum(committed)
         self.spec.commit_kv(batch, out, committed)
         self._settle([(r, _ABORTED if a else _TOKEN) for r, a in zip(reqs, aborted)])

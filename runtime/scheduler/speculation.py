@@ -44,8 +44,10 @@ from .kv_manager import KVManager
 
 # The cost model (speculative/cost.py) decides most steps' drafts; every EXPLORE_EVERY-th decision verifies
 # what was proposed anyway (the costs of steps it stopped running would never be measured again), and one
-# decision later in each such period is a plain decode step (decode costs drift with the sequences too);
-# until a plain decode step of the batch's size was measured, every MEASURE_EVERY-th decision is one.
+# decision later in each such period is a plain decode step (decode costs drift with the sequences too),
+# unless a decode step of the batch's size was timed in the period already (a request with nothing to
+# draft decodes, constrained ones after each free value); until a plain decode step of the batch's size
+# was measured, every MEASURE_EVERY-th decision is one.
 EXPLORE_EVERY = 32
 MEASURE_EVERY = 8
 # When the cost model gives no drafts to a batch that proposed some, the batch decides nothing for a
@@ -107,6 +109,7 @@ class Speculation:
         self.costs = StepCosts()  # seconds per decode / verify step by its token count, on this device
         self.clock = time.perf_counter  # what steps are timed with (scheduler tests give a fake one)
         self._decisions = 0  # steps whose drafts the cost model weighed
+        self._decode_timed: dict[int, int] = {}  # batch size -> self._decisions when a decode step of it was timed
         self._paused = 0  # decode steps left that decide nothing (the cost model said no)
         self._pause_len = FIRST_PAUSE  # the next pause's length
         self._idle_pause_len = FIRST_PAUSE  # the next pause's length when nobody proposed drafts
@@ -156,7 +159,8 @@ class Speculation:
             return batch
         rids = tuple(r.rid for r in batch.reqs)
         now = self.clock()
-        self.costs.begin(rids, now)
+        if self.costs.begin(rids, now) is False:
+            self._decode_timed[len(rids)] = self._decisions
         if self._paused > 0 or not any(self._may_draft(r, small) for r in batch.reqs):
             # a pause's step that was not launched ahead (no overlap, or it had to wait), or nobody drafts
             self._paused = max(0, self._paused - 1)
@@ -178,7 +182,9 @@ class Speculation:
             self._decisions += 1
             period = self._decisions % EXPLORE_EVERY
             plain = self.costs.ahead if ahead else self.costs.decode
-            measuring = period == EXPLORE_EVERY // 2 or (
+            timed = self._decode_timed.get(len(trees))
+            stale = timed is None or self._decisions - timed > EXPLORE_EVERY // 2
+            measuring = (period == EXPLORE_EVERY // 2 and stale) or (
                 not plain.measured(len(trees)) and self._decisions % MEASURE_EVERY == 0)
             if measuring:  # a plain decode step, timed (and where steps run ahead, the ones after it)
                 trees = [DraftTree([t.tokens[0]], [-1]) for t in trees]
@@ -248,8 +254,12 @@ class Speculation:
 
     def _afford(self, reqs: list[Req], trees: list[DraftTree], model_draft: list[bool], ahead: bool):
         """The drafts this step's measured costs make worth verifying (cost.allocate; `ahead`: the batch
-        would otherwise run ahead): chains are cut, a drafter's top-k tree is kept whole or not at all."""
-        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.accept_rate for r in reqs], ahead)
+        would otherwise run ahead): chains are cut, a drafter's top-k tree is kept whole or not at all. A
+        chain's forced text before its first guess is always verified (it is what jump-forward would append,
+        whatever the step costs); the guesses after it are weighed on top of it."""
+        fixed = [_leading(r.spec.forced) for r in reqs]
+        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.chances(t.size - 1) for r, t in zip(reqs, trees)],
+                        fixed, ahead)
         out_trees, out_model = [], []
         for t, by_model, k in zip(trees, model_draft, give):
             if k == t.size - 1:
@@ -287,8 +297,7 @@ class Speculation:
             ngram = NgramIndex(*self.ngram_window) if s.ngram or constrained else None
             # (a drafter's chain shortens after a rejection: each draft costs a drafter step; lookup and
             # forced drafts cost nothing to propose, the cost model cuts them)
-            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram, constrained=constrained,
-                                      shrink=s.model_drafts and not constrained)
+            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram, shrink=s.model_drafts and not constrained)
         return r.spec
 
     def _plan(self, r: Req, small: bool) -> tuple[DraftTree, bool]:
@@ -297,31 +306,39 @@ class Speculation:
         root = r.output_ids[-1]
         lone = DraftTree([root], [-1])
         state = self._state(r)
+        state.forced = []
         if not self._eligible(r) or not (small or r.grammar is not None):
             return lone, False
         # Drafts past the request's budget or the context would be thrown away (the target's own next
         # token comes with them): at most remaining - 1, and the tree must fit in the context.
         room = min(r.remaining_new_tokens() - 1, self.context_len - r.seq_len)
-        n = min(state.allowed_drafts(), room)
-        # NOTE: not where the grammar's budget closer would act within the drafts (draft_room).
-        free = n if r.grammar is None else r.grammar.draft_room(n, free=True)
-        if r.grammar is not None and self.grammar_drafts is not None:
-            n = r.grammar.draft_room(n, free=False)
+        n = min(state.allowed_drafts(), room)  # the adaptive length (0 while sitting out)
+        s = self.settings
+        by_grammar = self.grammar_drafts is not None and r.grammar is not None
+        if by_grammar:
+            # NOTE: the adaptive length and the sit-outs bound guessed drafts only: forced text is what
+            # jump-forward would append, drafted whole (up to the cap) whatever became of earlier guesses.
+            # Not where the grammar's budget closer would act within the drafts (draft_room).
+            chain = r.grammar.draft_room(min(s.max_drafts, room), free=False)
+            if chain > 0:
+                if state.pending_forced is None:
+                    forced = r.grammar.jump_forward_string()
+                    if forced:
+                        state.pending_forced = (forced, len(r.output_ids))
+                lookup = state.ngram is not None and small and r.grammar.draft_room(chain, free=True) >= chain
+                drafts, state.forced = self.grammar_drafts.propose(
+                    r.grammar, TokenView(r.origin_input_ids, r.output_ids), chain,
+                    state.ngram.propose if lookup else None, max_guessed=n)
+                if drafts:
+                    return DraftTree.chain(root, drafts), False
+            free = r.grammar.draft_room(n, free=True)
+            n = min(n, chain)
         else:
+            free = n if r.grammar is None else r.grammar.draft_room(n, free=True)
             n = free
         if n <= 0:
             return lone, False
-        s = self.settings
-        if self.grammar_drafts is not None and r.grammar is not None:
-            if state.pending_forced is None:
-                forced = r.grammar.jump_forward_string()
-                if forced:
-                    state.pending_forced = (forced, len(r.output_ids))
-            extend = state.ngram.propose if state.ngram is not None and small and free >= n else None
-            drafts = self.grammar_drafts.propose(r.grammar, TokenView(r.origin_input_ids, r.output_ids), n, extend)
-            if drafts:
-                return DraftTree.chain(root, drafts), False
-        elif state.ngram is not None:
+        if not by_grammar and state.ngram is not None:
             drafts = state.ngram.propose(TokenView(r.origin_input_ids, r.output_ids), n)
             if drafts:
                 return DraftTree.chain(root, drafts), False
@@ -376,3 +393,11 @@ class Speculation:
         t = self.totals
         steps = t["spec_verify_steps"]
         return {**t, "avg_spec_accept_length": (t["spec_accepted_tokens"] + steps) / steps if steps else 0.0}
+
+
+def _leading(forced: list[bool]) -> int:
+    """How many of a chain's drafts the grammar forced before its first guess."""
+    n = 0
+    while n < len(forced) and forced[n]:
+        n += 1
+    return n

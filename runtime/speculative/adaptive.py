@@ -1,15 +1,19 @@
-"""A request's speculation history: how likely its next draft is accepted, how many drafts it may propose
+"""A request's speculation history: how likely its next drafts are accepted, how many drafts it may propose
 next, and when it stops proposing for a while (its acceptance collapsed: every draft costs compute,
 none pays).
 
-The accept rate is a moving count of accepted drafts over drafts that were decided (a chain of k with a
-accepted decides a + 1 of them, or k when all are accepted), from a prior that constrained requests
-(grammar-forced drafts) start higher. It is what cost.allocate weighs drafts by. The length goes back to
-the maximum when every draft is accepted, and drops to one more than what was accepted when some are
-rejected, for drafts that cost a drafter's step each (`shrink`: a draft model, an EAGLE head); drafts found
-by lookup or forced by a grammar cost nothing to propose, and cost.allocate cuts what does not pay (a
-lookup's chain after one rejection is no worse a bet than before it: its next match starts afresh). After `COLLAPSE_STEPS` verify steps in a row that accepted nothing the request sits out
-`backoff` decode steps, doubling up to `MAX_BACKOFF` while it keeps failing; one accepted draft resets it.
+Accept rates are kept per kind of draft, grammar-forced and guessed (prompt lookup, a drafter): a forced
+token is rejected only where the model spells the forced text otherwise, a guess far more often, and one
+chain may hold both (forced text, then a lookup's value). Each is a moving count of accepted drafts over
+drafts that were decided (a chain of k with a accepted decides a + 1 of them, or k when all are
+accepted), from a prior. `chances` turns them into each draft's chance of being accepted, which is what
+cost.allocate weighs drafts by. The length goes back to the maximum when every draft is accepted, and
+drops to one more than what was accepted when some are rejected, for drafts that cost a drafter's step
+each (`shrink`: a draft model, an EAGLE head); drafts found by lookup or forced by a grammar cost nothing
+to propose, and cost.allocate cuts what does not pay (a lookup's chain after one rejection is no worse a
+bet than before it: its next match starts afresh). After `COLLAPSE_STEPS` verify steps in a row that
+accepted nothing the request sits out `backoff` decode steps, doubling up to `MAX_BACKOFF` while it keeps
+failing; one accepted draft resets it.
 """
 
 from __future__ import annotations
@@ -24,14 +28,15 @@ MAX_BACKOFF = 128
 RATE_DECAY = 0.8  # weight of the past in the accept rate at each verify step
 PRIOR = {False: (2.0, 3.0), True: (9.0, 10.0)}  # (accepted, decided): guessed drafts, grammar-forced ones
 
+
 class RequestSpecState:
     """One request's speculation: its lookup index, its draft length, and its counters (meta_info)."""
 
-    def __init__(self, max_drafts: int, adaptive: bool, ngram: Optional[NgramIndex] = None,
-                 constrained: bool = False, shrink: bool = True):
+    def __init__(self, max_drafts: int, adaptive: bool, ngram: Optional[NgramIndex] = None, shrink: bool = True):
         self.max_drafts = max_drafts
         self.shrink = shrink
-        self._hits, self._decided = PRIOR[constrained]
+        self._rates = {forced: list(PRIOR[forced]) for forced in (False, True)}  # kind -> [accepted, decided]
+        self.forced: list[bool] = []  # which drafts of this step's chain the grammar forced (the rest: guessed)
         self.adaptive = adaptive
         self.ngram = ngram
         self.draft_len = max_drafts
@@ -45,10 +50,15 @@ class RequestSpecState:
         self.draft_tokens = 0
         self.accepted_tokens = 0
 
-    @property
-    def accept_rate(self) -> float:
-        """The chance that this request's next draft is accepted."""
-        return self._hits / self._decided
+    def chances(self, drafts: int) -> list[float]:
+        """The chance that each of this step's first `drafts` drafts is accepted (it and those before it):
+        by the kinds in `forced`, a draft past them guessed."""
+        rate = {kind: hits / decided for kind, (hits, decided) in self._rates.items()}
+        out, p = [], 1.0
+        for j in range(drafts):
+            p *= rate[j < len(self.forced) and self.forced[j]]
+            out.append(p)
+        return out
 
     def allowed_drafts(self) -> int:
         """Drafts this step may propose (0 while sitting out); one decode step counts down the sit-out."""
@@ -68,8 +78,12 @@ class RequestSpecState:
         self.verify_steps += 1
         self.draft_tokens += proposed
         self.accepted_tokens += accepted
-        self._hits = RATE_DECAY * self._hits + accepted
-        self._decided = RATE_DECAY * self._decided + accepted + (accepted < proposed)
+        kinds = [j < len(self.forced) and self.forced[j] for j in range(min(proposed, accepted + 1))]
+        for kind in set(kinds):  # the rates of the kinds this chain decided
+            hits = sum(1 for k in kinds[:accepted] if k == kind)
+            rate = self._rates[kind]
+            rate[0] = RATE_DECAY * rate[0] + hits
+            rate[1] = RATE_DECAY * rate[1] + sum(1 for k in kinds if k == kind)
         if not self.adaptive:
             return
         if accepted >= proposed or not self.shrink:

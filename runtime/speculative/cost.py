@@ -4,8 +4,8 @@ A decode step of B requests takes `decode(B)` seconds on this device, a verify s
 request's tree) `verify(T)`: two curves, because a verify step is not a decode step with more rows. It
 has its own kernels, runs synchronously (no step is launched ahead of it) and carries host work a decode
 step does not, so a verify step of B + 1 tokens costs a fixed premium over a decode step of B, not 1/B
-more. A request whose drafts are each accepted with probability p (its own history) expects
-1 + p + p^2 + ... + p^k tokens from a chain of k drafts. `allocate` orders every draft asked for by its
+more. A request whose j-th draft is accepted with probability p_j (its history, by kind of draft:
+adaptive.py) expects 1 + p_1 + ... + p_k tokens from a chain of k drafts. `allocate` orders every draft asked for by its
 chance of being accepted and takes the prefix of that order with the most expected tokens per second,
 which is none when the plain decode step's rate is best.
 
@@ -94,13 +94,17 @@ class StepCosts:
         self._open: Optional[tuple[tuple, bool, int, float]] = None
         self._ahead_open: Optional[tuple[tuple, float]] = None
 
-    def begin(self, rids: tuple, now: float) -> None:
+    def begin(self, rids: tuple, now: float) -> Optional[bool]:
         """A decision for the requests `rids` starts at `now`: the step decided last, when it was for
-        the same requests and nothing ran since, took `now - its start`."""
+        the same requests and nothing ran since, took `now - its start`. Returns whether that step was a
+        verify step (None: no step was timed)."""
+        timed = None
         if self._open is not None and self._open[0] == rids:
             _, verify, tokens, start = self._open
             (self.verify if verify else self.decode).record(tokens, now - start)
+            timed = verify
         self._open = None
+        return timed
 
     def decided(self, rids: tuple, verify: bool, tokens: int, now: float) -> None:
         """The step just decided (started at `now`, when its decision began) is the one timed next."""
@@ -125,29 +129,33 @@ class StepCosts:
         self._ahead_open = None
 
 
-def allocate(costs: StepCosts, available: Sequence[int], accept: Sequence[float], ahead: bool = False) -> list[int]:
+def allocate(costs: StepCosts, available: Sequence[int], chances: Sequence[Sequence[float]],
+             fixed: Optional[Sequence[int]] = None, ahead: bool = False) -> list[int]:
     """Drafts per request (at most available[i]) maximizing the step's expected tokens per second;
-    accept[i]: request i's chance that a draft is accepted; `ahead`: without drafts the batch's decode
-    steps would be launched ahead (their cost is the `ahead` curve's, once measured). Everything asked
-    when costs are unknown.
+    chances[i][j - 1]: the chance that request i's j-th draft is accepted (it and those before it: not
+    increasing in j); fixed[i]: request i's first drafts that are verified whatever they cost (grammar-
+    forced text); `ahead`: without drafts the batch's decode steps would be launched ahead (their cost is
+    the `ahead` curve's, once measured). Everything asked when costs are unknown.
 
-    Request i's j-th draft adds accept[i]^j expected tokens. Of the drafts in that order (likeliest first;
-    each request's own in order) the best prefix is taken: costs may flatten as a step grows, so a run
-    of drafts can pay where its first one alone does not."""
+    Request i's j-th draft adds chances[i][j - 1] expected tokens. Of the drafts in that order (likeliest
+    first; each request's own in order) the best prefix is taken: costs may flatten as a step grows, so a
+    run of drafts can pay where its first one alone does not."""
     base = len(available)
+    fixed = [min(f, a) for f, a in zip(fixed, available)] if fixed is not None else [0] * base
     c_plain = costs.ahead.estimate(base) if ahead and costs.ahead.measured(base) else costs.decode.estimate(base)
     if c_plain is None or costs.verify.estimate(base + 1) is None:
         return list(available)
-    items = sorted(((accept[i] ** j, j, i) for i in range(base) for j in range(1, available[i] + 1)),
+    items = sorted(((chances[i][j - 1], j, i) for i in range(base) for j in range(fixed[i] + 1, available[i] + 1)),
                    key=lambda t: (-t[0], t[1]))
-    best_m, best_rate = 0, base / c_plain
-    expected = float(base)
+    taken = sum(fixed)
+    expected = base + sum(sum(chances[i][:fixed[i]]) for i in range(base))
+    best_m, best_rate = 0, base / c_plain if taken == 0 else expected / costs.verify.estimate(base + taken)
     for m, (gain, _, _) in enumerate(items, 1):
         expected += gain
-        c = costs.verify.estimate(base + m)
+        c = costs.verify.estimate(base + taken + m)
         if expected / c > best_rate:
             best_m, best_rate = m, expected / c
-    give = [0] * base
+    give = list(fixed)
     for _, _, i in items[:best_m]:
         give[i] += 1
     return give

@@ -26,7 +26,9 @@ from .tree import DraftTree
 # Forced strings repeat across the requests of one schema: their encodings are kept (bounded dicts).
 ENCODE_CACHE_SIZE = 4096
 
-Extend = Callable[[Sequence[int], int, list[int]], list[int]]  # (committed tokens, at most, drafts so far)
+# (committed tokens, at most, drafts so far, longer_than): a lookup whose match is a suffix of more than
+# longer_than tokens (NgramIndex.propose)
+Extend = Callable[[Sequence[int], int, list[int], int], list[int]]
 
 
 class GrammarDrafts:
@@ -36,27 +38,35 @@ class GrammarDrafts:
         self._encoded: dict[str, tuple[int, ...]] = {}
         self._learned: dict[str, tuple[int, ...]] = {}  # forced text -> the tokens the target wrote it as
 
-    def propose(self, matcher: Any, context: Sequence[int], max_drafts: int,
-                extend: Optional[Extend] = None) -> list[int]:
+    def propose(self, matcher: Any, context: Sequence[int], max_drafts: int, extend: Optional[Extend] = None,
+                max_guessed: Optional[int] = None) -> tuple[list[int], list[bool]]:
         """A chain of at most `max_drafts` draft tokens after `context` (the request's tokens) that the
-        grammar allows: the forced text's tokens, then `extend`'s proposals where nothing is forced."""
-        if max_drafts <= 0 or matcher.is_terminated():
-            return []
-        limit = min(max_drafts, matcher.max_rollback)
+        grammar allows: the forced text's tokens, then `extend`'s proposals (at most `max_guessed` of
+        them) where nothing is forced; and which of them the grammar forced."""
         drafts: list[int] = []
+        forced: list[bool] = []
+        if max_drafts <= 0 or matcher.is_terminated():
+            return drafts, forced
+        limit = min(max_drafts, matcher.max_rollback)
         with matcher.drafting():
-            return self._walk(matcher, context, limit, extend, drafts)
+            self._walk(matcher, context, limit, extend, max_drafts if max_guessed is None else max_guessed,
+                       drafts, forced)
+        return drafts, forced
 
-    def _walk(self, matcher: Any, context: Sequence[int], limit: int, extend: Optional[Extend],
-              drafts: list[int]) -> list[int]:
+    def _walk(self, matcher: Any, context: Sequence[int], limit: int, extend: Optional[Extend], guesses: int,
+              drafts: list[int], kinds: list[bool]) -> None:
+        # NOTE: forced text repeats wherever the schema does (each key is followed by `": "`): a lookup match
+        # on forced drafts alone says nothing about what the model writes next, so it must reach back past
+        # the forced drafts that end the chain into tokens the model chose (or the prompt's).
+        forced_tail = 0
         try:
             while len(drafts) < limit and not matcher.is_terminated():
                 forced = matcher.jump_forward_string()
                 room = limit - len(drafts)
                 if forced:
                     cand = list(self._encode(forced)[:room])
-                elif extend is not None:
-                    cand = extend(context, room, drafts)
+                elif extend is not None and guesses > 0:
+                    cand = extend(context, min(room, guesses), drafts, forced_tail)
                 else:
                     cand = []
                 took = 0
@@ -64,14 +74,18 @@ class GrammarDrafts:
                     if tok in self.special or not matcher.accept_token(tok):
                         break
                     drafts.append(tok)
+                    kinds.append(bool(forced))
                     took += 1
                     if matcher.is_terminated():
                         break
-                if took == 0 or (not forced and took < len(cand)):
-                    break  # nothing more to propose, or the lookup left the grammar
+                if took == 0:
+                    break  # nothing more to propose
+                forced_tail = forced_tail + took if forced else 0
+                guesses -= 0 if forced else took
+                # (a lookup the grammar cut short goes on with the text the grammar forces there, if any:
+                # the next round looks again, and stops if nothing is forced and the lookup gives nothing new)
         finally:
             matcher.rollback(len(drafts))
-        return drafts
 
     def learn(self, forced: str, written: Sequence[int]) -> Optional[bool]:
         """The target wrote `written` (its tokens since `forced` was what the grammar forced): remember

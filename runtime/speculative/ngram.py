@@ -52,15 +52,17 @@ class NgramIndex:
         self._indexed = 0  # tokens[:_indexed] have their n-grams (those with a token after them) indexed
         self._last: tuple = ()  # the last indexed tokens, to notice a rewrite of what was indexed
 
-    def propose(self, tokens: Sequence[int], max_drafts: int, extra: Sequence[int] = ()) -> list[int]:
+    def propose(self, tokens: Sequence[int], max_drafts: int, extra: Sequence[int] = (),
+                longer_than: int = 0) -> list[int]:
         """Up to `max_drafts` tokens that followed the longest suffix of `tokens` + `extra` seen before in
-        `tokens` (the committed ones, indexed here; `extra`: drafts already proposed after them)."""
+        `tokens` (the committed ones, indexed here; `extra`: drafts already proposed after them), a suffix
+        of more than `longer_than` tokens."""
         if max_drafts <= 0 or len(tokens) < self.min_n + 1:
             return []
         self._catch_up(tokens)
         seq = TokenView(tokens, extra) if extra else tokens
         n_seq = len(seq)
-        for n in range(min(self.max_n, n_seq - 1), self.min_n - 1, -1):
+        for n in range(min(self.max_n, n_seq - 1), max(self.min_n, longer_than + 1) - 1, -1):
             start = self._next.get(tuple(seq[n_seq - n:]))
             if start is not None:
                 return list(seq[start:min(start + max_drafts, n_seq)])
