@@ -226,7 +226,11 @@ def test_a_dropped_engine_is_released():
     assert len(os.listdir("/proc/self/fd")) <= fds_before
 
 
+# NOTE: each script first gives SIGINT Python's own handler: a test run launched in the background (`pytest &`)
+# hands its children SIGINT ignored, and a Ctrl-C that is ignored tests nothing.
 CTRL_C_SCRIPT = textwrap.dedent("""
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from plait.runtime import Engine
     eng = Engine(num_threads=1, max_total_tokens=4096)
     print(eng._proc.pid, flush=True)
@@ -256,6 +260,7 @@ def test_ctrl_c_during_a_blocking_generate_exits_cleanly(tmp_path):
 
 LATCHED_CTRL_C_SCRIPT = textwrap.dedent("""
     import signal, threading, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from plait.runtime import Engine
     eng = Engine(num_threads=1, max_total_tokens=4096)
 
