@@ -124,7 +124,8 @@ class _KnownTokenizerClasses:
 
         if type(tokenizer) is not PreTrainedTokenizerFast:  # a class of its own: AutoTokenizer every time
             return
-        entries = self._read()
+        # (folders gone since, a test's temporary ones say, are dropped: the file stays the size of what exists)
+        entries = {folder: stamp for folder, stamp in self._read().items() if os.path.isdir(folder)}
         entries[os.path.realpath(path)] = self._stamp(path)
         try:
             os.makedirs(os.path.dirname(self.file), exist_ok=True)
