@@ -235,15 +235,15 @@ def device_seconds(step) -> float:
     return 5e-3 if step.mode.is_decode() else 20e-3
 
 
-def timed_decode_steps(reqs, runner_kw, **server_args):
-    """Outputs and decode/verify steps of `reqs` with overlap on, the cost model timing `device_seconds`."""
-    runner = FakeRunner(step_seconds=device_seconds, **runner_kw)
+def timed_decode_steps(reqs, runner_kw, step_seconds=device_seconds, **server_args):
+    """Outputs and decode/verify steps of `reqs` with overlap on, the cost model timing `step_seconds`."""
+    runner = FakeRunner(step_seconds=step_seconds, **runner_kw)
     runner.supports_overlap = True
     s = fake_scheduler(runner, **server_args)
     s.speculation.clock = runner.clock
     for rid, ids, sp in reqs:
         submit(s, rid, ids, **sp)
-    finals = drain(s, max_steps=2000)
+    finals = drain(s, max_steps=3000)
     assert all_memory_back(s, runner.max_total_tokens) and not s.pipeline.in_flight()
     return outputs(finals), [st for st in runner.steps if not st.mode.is_extend()], s
 
@@ -303,15 +303,9 @@ def cycle_with_surprises(percent: int):
 
 
 def host_bound_steps(reqs, runner_kw, **server_args):
-    runner = FakeRunner(step_seconds=host_bound_seconds, **runner_kw)
-    runner.supports_overlap = True
-    s = fake_scheduler(runner, **server_args)
-    s.speculation.clock = runner.clock
-    for rid, ids, sp in reqs:
-        submit(s, rid, ids, **sp)
-    finals = drain(s, max_steps=3000)
-    assert all_memory_back(s, runner.max_total_tokens) and not s.pipeline.in_flight()
-    return outputs(finals), sum(host_bound_seconds(st) for st in runner.steps if not st.mode.is_extend())
+    """Outputs of `reqs` and the device time of their decode and verify steps, timed by host_bound_seconds."""
+    out, steps, _ = timed_decode_steps(reqs, runner_kw, host_bound_seconds, **server_args)
+    return out, sum(map(host_bound_seconds, steps))
 
 
 @pytest.mark.parametrize("surprises", [60, 10])
