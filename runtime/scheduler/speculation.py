@@ -23,7 +23,6 @@ reach the prefix cache.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,11 +30,12 @@ import torch
 
 from ..forward_batch import ForwardMode
 from ..request import Req
-from ..server_args import MODEL_DRAFT_ALGORITHMS, ServerArgs
+from ..server_args import ServerArgs
 from ..speculative.adaptive import RequestSpecState
 from ..speculative.cost import StepCosts, allocate
 from ..speculative.grammar_drafts import GrammarDrafts
 from ..speculative.ngram import NgramIndex, TokenView
+from ..speculative.settings import SpecSettings
 from ..speculative.tree import DraftTree
 from ..step import StepOutput
 from .batch import ScheduleBatch, VerifyPlan
@@ -65,36 +65,6 @@ MAX_IDLE_PAUSE = 4
 # (the `ahead` curve: what a pause's steps cost, the alternative to verifying there).
 MEASURE_PAUSE = 4
 MAX_LEARN_TOKENS = 32  # a forced text's tokens are learned from at most this many written after it
-
-
-@dataclass(frozen=True)
-class SpecSettings:
-    ngram: bool  # prompt lookup (NGRAM)
-    model_drafts: bool  # the runner drafts (STANDALONE, EAGLE, EAGLE3)
-    grammar: bool  # grammar-forced drafts for constrained requests
-    max_drafts: int  # draft tokens per request and step (num_draft_tokens - 1)
-    tree_nodes: int  # nodes of a model-drafted tree (num_draft_tokens)
-    chain_only: bool  # model drafts are chains (topk 1): their length adapts too
-    # req_to_token positions a drafter writes past a request's sequence while it drafts a tree (its
-    # scratch: the root and each later step's frontier).
-    draft_span: int
-    max_batch: int  # no speculation with more running requests
-    adaptive: bool
-
-    @classmethod
-    def of(cls, sa: ServerArgs) -> "SpecSettings":
-        steps, topk, tokens = sa.speculative_shape()
-        grammar = sa.grammar_drafts_enabled()  # (an explicit "on" where drafts cannot run is refused at start-up)
-        return cls(ngram=sa.speculative_algorithm == "NGRAM",
-                   model_drafts=sa.speculative_algorithm in MODEL_DRAFT_ALGORITHMS, grammar=grammar,
-                   max_drafts=tokens - 1, tree_nodes=tokens, chain_only=topk == 1,
-                   draft_span=max(tokens, 1 + topk * (steps - 1)),
-                   max_batch=sa.resolved_speculative_disable_by_batch_size(),
-                   adaptive=not sa.disable_speculative_adaptive)
-
-    @property
-    def enabled(self) -> bool:
-        return self.ngram or self.model_drafts or self.grammar
 
 
 class Speculation:
