@@ -124,3 +124,16 @@ def test_the_engine_process_imports_no_torch_on_a_warm_start(tmp_path, monkeypat
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "False", "torch was imported by the engine process"
+
+
+def test_a_corrupt_cache_file_takes_the_long_way_and_is_written_again(tokenizer_folder, monkeypatch, tmp_path):
+    cache = tmp_path / "cache" / "tokenizer_classes.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text('{"half a json')
+    calls = count_auto_loads(monkeypatch)
+    load_tokenizer(tokenizer_folder)
+    assert len(calls) == 1
+    cache.write_text('["not", "a", "dict"]')  # valid JSON of the wrong shape: ignored, rewritten
+    load_tokenizer(tokenizer_folder)
+    load_tokenizer(tokenizer_folder)
+    assert len(calls) == 2
