@@ -244,15 +244,18 @@ def part_overhead(args) -> list[dict]:
                     accepted = st["spec_accepted_tokens"] - before["spec_accepted_tokens"]
                     result[bs][label] = {"tok_s": bs * args.output_len / statistics.median(secs),
                                          "accept_length": (accepted + steps) / steps if steps else 0.0,
-                                         "verify_steps": steps}
+                                         "verify_steps": steps,
+                                         # the speculation guard's measured rates by policy (tok/s) at this size
+                                         "guard": (st.get("spec_guard") or {}).get(bs)}
         for bs in args.overhead_batch:
             off = result[bs]["off"]["tok_s"]
             for label, r in result[bs].items():
                 rows.append({"shape": shape, "batch": bs, "mode": label, "tok_s": round(r["tok_s"], 1),
                              "vs_off": round(r["tok_s"] / off, 3), "accept_length": round(r["accept_length"], 3),
-                             "verify_request_steps": r["verify_steps"]})
+                             "verify_request_steps": r["verify_steps"], "guard": r["guard"]})
                 print(f"overhead {shape} bs={bs:3d} {label:22s} {r['tok_s']:9.1f} tok/s ({r['tok_s'] / off:5.3f} of off, "
-                      f"accept length {r['accept_length']:4.2f}, {r['verify_steps']} request-steps verified)", flush=True)
+                      f"accept length {r['accept_length']:4.2f}, {r['verify_steps']} request-steps verified)"
+                      + (f" guard {r['guard']}" if r["guard"] else ""), flush=True)
     return rows
 
 

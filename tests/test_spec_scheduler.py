@@ -326,3 +326,41 @@ def test_drafts_are_weighed_against_decode_steps_launched_ahead(surprises):
         assert t_on < 1.1 * t_off and t_on < 0.8 * t_every, (t_on / t_off, t_every / t_off)
     else:  # (with chains cut to what was accepted last: 0.97x)
         assert t_on < 0.8 * t_off and t_on < 1.05 * t_every, (t_on / t_off, t_every / t_off)
+
+
+def rounds_of(reqs, runner_kw, rounds: int, **server_args):
+    """Device time of each round of `reqs` (timed by host_bound_seconds) through one scheduler, as a server
+    sees one workload after another, the speculation's measurements carried over; and the scheduler."""
+    runner = FakeRunner(step_seconds=host_bound_seconds, **runner_kw)
+    runner.supports_overlap = True
+    s = fake_scheduler(runner, **server_args)
+    s.speculation.clock = runner.clock
+    times, outs = [], []
+    for k in range(rounds):
+        seen = len(runner.steps)
+        for rid, ids, sp in reqs:
+            submit(s, f"{rid}.{k}", ids, **sp)
+        outs.append({rid.split(".")[0]: v for rid, v in outputs(drain(s, max_steps=3000)).items()})
+        times.append(sum(host_bound_seconds(st) for st in runner.steps[seen:] if not st.mode.is_extend()))
+    assert all_memory_back(s, runner.max_total_tokens)
+    return times, outs, s
+
+
+@pytest.mark.parametrize("surprises", [60, 10])
+def test_speculation_runs_the_policy_that_delivered_most_tokens_per_second(surprises):
+    """The guard's outcome check under the cost model: at 60% surprises speculating delivers less than
+    not (the cost model alone stays 1.07x slower), so after a round of learning the batch runs without
+    guessed drafts, within 2% of off; at 10% drafts pay and it keeps speculating (both speculating
+    policies measured, each well ahead of off)."""
+    reqs = [(f"r{i}", [200 + i, 30 + i, 40 + i], dict(max_new_tokens=240)) for i in range(8)]
+    kw = dict(script=cycle_with_surprises(surprises), vocab_size=256, max_total_tokens=8192)
+    (t_off,), (off,), _ = rounds_of(reqs, kw, 1)
+    times, outs, s = rounds_of(reqs, kw, 3, speculative_algorithm="NGRAM")
+    assert all(o == off for o in outs)
+    guard = s.get_stats()["spec_guard"][8]
+    if surprises == 60:
+        assert guard["best"] == "off" and guard["off"] > guard["weighed"], guard
+        assert times[-1] < 1.02 * t_off, [t / t_off for t in times]
+    else:
+        assert guard["best"] != "off" and min(guard["all"], guard["weighed"]) > 1.1 * guard["off"], guard
+        assert max(times) < 0.78 * t_off, [t / t_off for t in times]

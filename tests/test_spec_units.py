@@ -261,3 +261,56 @@ def test_the_cost_model_weighs_drafts_against_the_verify_steps_premium():
         costs.begin(("a",), now=t)
         costs.decided(("a",), False, 1, now=t)
     assert costs.decode.estimate(1) == pytest.approx(2e-3)
+
+
+
+def _drive(guard, rids, rates, steps):
+    """`steps` steps of the batch `rids`, each 10 ms with a decision before it (as on a CPU); a step run
+    under an arm gains rates[arm] / 100 tokens. Returns the arm of each step."""
+    now, tokens, arms = 0.0, 0.0, []
+    for _ in range(steps):
+        arm = guard.checkpoint(rids, tokens, now)
+        guard.step()
+        arms.append(arm)
+        now += 0.01
+        tokens += rates[arm] * 0.01
+    return arms
+
+
+def test_the_guard_runs_the_policy_that_delivers_most_and_probes_the_others():
+    from plait.runtime.speculative.guard import Arm, SpeculationGuard
+    # Speculating pays (WEIGHED 1500 tok/s against OFF 1000): ALL is tried too, and wins at 2000; the others
+    # are still probed now and then.
+    g = SpeculationGuard()
+    arms = _drive(g, ("a", "b"), {Arm.WEIGHED: 1500, Arm.OFF: 1000, Arm.ALL: 2000}, 2000)
+    r = g.report()[2]
+    assert r == {"weighed": 1500.0, "off": 1000.0, "all": 2000.0, "best": "all"}, r
+    assert arms[-1000:].count(Arm.ALL) > 0.8 * 1000 and len(set(arms[-1000:])) == 3
+    # Drafts do not pay: the batch stops speculating, its OFF stretches growing so that the probes cost
+    # little; ALL is never tried (WEIGHED did not beat OFF).
+    g = SpeculationGuard()
+    arms = _drive(g, ("a", "b"), {Arm.WEIGHED: 900, Arm.OFF: 1000, Arm.ALL: 800}, 2000)
+    r = g.report()[2]
+    assert r == {"weighed": 900.0, "off": 1000.0, "best": "off"}, r
+    assert arms[-1000:].count(Arm.OFF) > 0.9 * 1000 and Arm.WEIGHED in arms[-1000:]
+    assert Arm.ALL not in arms
+
+
+def test_the_guard_counts_only_whole_stretches_of_one_batch():
+    from plait.runtime.speculative.guard import ON_STEPS, Arm, SpeculationGuard
+    g = SpeculationGuard()
+    assert g.checkpoint(("a",), 0, 0.0) is Arm.WEIGHED
+    for _ in range(ON_STEPS):
+        g.step()
+    g.interrupt()  # a prefill ran: the stretch says nothing of the batch's own rate
+    g.checkpoint(("a",), 100, 1.0)
+    for _ in range(ON_STEPS):
+        g.step()
+    g.checkpoint(("a", "b"), 200, 2.0)  # the batch changed: not counted either
+    assert g.report() == {}
+    for _ in range(ON_STEPS - 1):
+        g.step()
+    assert g.checkpoint(("a", "b"), 250, 2.5) is Arm.WEIGHED and g.report() == {}  # not run its length yet
+    g.step()
+    g.checkpoint(("a", "b"), 300, 3.0)
+    assert g.report() == {2: {"weighed": 100.0, "best": None}}

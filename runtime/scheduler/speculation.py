@@ -33,6 +33,7 @@ from ..request import Req
 from ..server_args import ServerArgs
 from ..speculative.adaptive import RequestSpecState
 from ..speculative.cost import StepCosts, allocate
+from ..speculative.guard import Arm, SpeculationGuard
 from ..speculative.grammar_drafts import GrammarDrafts
 from ..speculative.ngram import NgramIndex, TokenView
 from ..speculative.settings import SpecSettings
@@ -77,6 +78,9 @@ class Speculation:
         special = getattr(tokenizer, "all_special_ids", None) or ()
         self.grammar_drafts = GrammarDrafts(tokenizer, special) if self.settings.grammar and tokenizer else None
         self.costs = StepCosts()  # seconds per decode / verify step by its token count, on this device
+        # Whether speculating pays, from the tokens per second it delivered (the cost model's safety net)
+        self.guard = SpeculationGuard() if self.settings.adaptive else None
+        self._arm = Arm.WEIGHED  # the guard's policy for the step being decided
         self.clock = time.perf_counter  # what steps are timed with (scheduler tests give a fake one)
         self._decisions = 0  # steps whose drafts the cost model weighed
         self._decode_timed: dict[int, int] = {}  # batch size -> self._decisions when a decode step of it was timed
@@ -107,15 +111,18 @@ class Speculation:
         if not s.enabled:
             return False
         self._launches_ahead = True
+        rids = tuple(r.rid for r in reqs)
         if self._paused > 0:
             self._paused -= 1
         else:
-            small = len(reqs) <= s.max_batch
+            small = len(reqs) <= s.max_batch and not (self.guard is not None and self.guard.off_now(rids))
             if any(self._may_draft(r, small) for r in reqs):
                 self.costs.stop_running_ahead()
                 return True
         self._skip_step(reqs)
-        self.costs.ran_ahead(tuple(r.rid for r in reqs), self.clock())
+        if self.guard is not None:
+            self.guard.step()
+        self.costs.ran_ahead(rids, self.clock())
         return False
 
     def upgrade(self, batch: ScheduleBatch) -> ScheduleBatch:
@@ -131,6 +138,8 @@ class Speculation:
         now = self.clock()
         if self.costs.begin(rids, now) is False:
             self._decode_timed[len(rids)] = self._decisions
+        small = small and self._guard_allows_guesses(batch.reqs, rids, now)
+        weigh = s.adaptive and self._arm is not Arm.ALL  # (ALL: every proposal verified, no pauses)
         if self._paused > 0 or not any(self._may_draft(r, small) for r in batch.reqs):
             # a pause's step that was not launched ahead (no overlap, or it had to wait), or nobody drafts
             self._paused = max(0, self._paused - 1)
@@ -148,7 +157,7 @@ class Speculation:
         # to verifying, and what it costs is the `ahead` curve's).
         ahead = self._launches_ahead and not any(r.sampling.needs_host_sampling() for r in batch.reqs)
         measuring = False
-        if s.adaptive and proposed:
+        if weigh and proposed:
             self._decisions += 1
             period = self._decisions % EXPLORE_EVERY
             plain = self.costs.ahead if ahead else self.costs.decode
@@ -164,7 +173,7 @@ class Speculation:
                 trees, model_draft = self._afford(batch.reqs, trees, model_draft, ahead)
         out = self._verify_batch(batch, trees, model_draft)
         verified = out is not batch
-        if s.adaptive and proposed and not measuring:
+        if weigh and proposed and not measuring:
             self._idle_pause_len = FIRST_PAUSE
             if verified:
                 self._pause_len = FIRST_PAUSE
@@ -173,11 +182,23 @@ class Speculation:
                 # ahead (a pause where they could not be would only lose drafts)
                 self._paused = self._pause_len
                 self._pause_len = min(MAX_PAUSE, 2 * self._pause_len)
-        elif s.adaptive and not proposed and ahead and not self._forced_drafts_possible(batch.reqs):
+        elif weigh and not proposed and ahead and not self._forced_drafts_possible(batch.reqs):
             self._paused = self._idle_pause_len  # nothing to verify: run ahead a little (MAX_IDLE_PAUSE)
             self._idle_pause_len = min(MAX_IDLE_PAUSE, 2 * self._idle_pause_len)
         self.costs.decided(rids, verified, len(out.out_cache_loc), now)
         return out
+
+    def _guard_allows_guesses(self, reqs: list[Req], rids: tuple, now: float) -> bool:
+        """The guard's checkpoint at this decision (a small batch's): whether guessed drafts run this step.
+        A new policy starts without the cost model's pause left over from the one before."""
+        if self.guard is None:
+            return True
+        arm = self.guard.checkpoint(rids, sum(len(r.output_ids) for r in reqs), now)
+        self.guard.step()
+        if arm is not self._arm:
+            self._arm = arm
+            self._paused = 0
+        return arm is not Arm.OFF
 
     def _verify_batch(self, batch: ScheduleBatch, trees: list[DraftTree], model_draft: list[bool]) -> ScheduleBatch:
         """The VERIFY batch of `trees` (their draft slots allocated), or `batch` when no tree has drafts
@@ -248,6 +269,8 @@ class Speculation:
         decode or verify step's cost (those are timed between decisions: StepCosts.begin)."""
         if self.settings.enabled and batch.mode.is_extend():
             self.costs.interrupt()
+            if self.guard is not None:
+                self.guard.interrupt()
 
     def _eligible(self, r: Req) -> bool:
         sp = r.sampling_params
@@ -362,7 +385,10 @@ class Speculation:
     def stats(self) -> dict:
         t = self.totals
         steps = t["spec_verify_steps"]
-        return {**t, "avg_spec_accept_length": (t["spec_accepted_tokens"] + steps) / steps if steps else 0.0}
+        out = {**t, "avg_spec_accept_length": (t["spec_accepted_tokens"] + steps) / steps if steps else 0.0}
+        if self.guard is not None and self.settings.enabled:
+            out["spec_guard"] = self.guard.report()
+        return out
 
 
 def _leading(forced: list[bool]) -> int:
