@@ -296,21 +296,24 @@ def test_the_guard_runs_the_policy_that_delivers_most_and_probes_the_others():
     assert Arm.ALL not in arms
 
 
-def test_the_guard_counts_only_whole_stretches_of_one_batch():
-    from plait.runtime.speculative.guard import ON_STEPS, Arm, SpeculationGuard
+def test_a_guard_stretch_cut_short_counts_up_to_its_last_decision():
+    from plait.runtime.speculative.guard import Arm, SpeculationGuard
     g = SpeculationGuard()
     assert g.checkpoint(("a",), 0, 0.0) is Arm.WEIGHED
-    for _ in range(ON_STEPS):
+    for k in range(1, 6):
         g.step()
-    g.interrupt()  # a prefill ran: the stretch says nothing of the batch's own rate
-    g.checkpoint(("a",), 100, 1.0)
-    for _ in range(ON_STEPS):
-        g.step()
-    g.checkpoint(("a", "b"), 200, 2.0)  # the batch changed: not counted either
-    assert g.report() == {}
-    for _ in range(ON_STEPS - 1):
-        g.step()
-    assert g.checkpoint(("a", "b"), 250, 2.5) is Arm.WEIGHED and g.report() == {}  # not run its length yet
+        g.checkpoint(("a",), 10 * k, 0.1 * k)
+    g.step()  # the request's last step: it finishes, and the next decision is another batch's
+    assert g.checkpoint(("b",), 0, 1.0) is Arm.OFF  # (the next arm to measure)
+    assert g.report() == {1: {"weighed": 100.0, "best": None}}  # 50 tokens in 0.5 s, to its last decision
     g.step()
-    g.checkpoint(("a", "b"), 300, 3.0)
-    assert g.report() == {2: {"weighed": 100.0, "best": None}}
+    g.interrupt()  # a prefill right after the stretch's first decision: nothing to count
+    assert g.stretches[Arm.WEIGHED] == 1
+    assert g.checkpoint(("b",), 0, 2.0) is Arm.OFF
+    for k in (1, 2):
+        g.step()
+        g.checkpoint(("b",), 30 * k, 2.0 + 0.1 * k)
+    g.step()
+    g.interrupt()  # a prefill mid-stretch
+    # (OFF looks better: both are measured again before it is run)
+    assert g.report() == {1: {"weighed": 100.0, "off": 300.0, "best": None}}

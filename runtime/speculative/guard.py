@@ -9,17 +9,25 @@ later one for the same running requests, its steps all run under one policy (an 
 
 - WEIGHED: the cost model decides each step's drafts (its pauses and measuring steps included);
 - ALL: every proposed draft is verified, no cost model (it wins where the model is too careful); tried
-  only once WEIGHED has beaten OFF by ALL_MARGIN (where speculating does not pay, verifying more will not either);
+  only once WEIGHED has beaten OFF by ALL_MARGIN (where speculating does not pay, verifying more will
+  not either);
 - OFF: no guessed drafts (prompt lookup, a drafter): decode steps launched ahead as without speculation.
   Grammar-forced drafts stay: they are what jump-forward would append.
 
-Its rate is the tokens the requests gained over the seconds it took, the decisions at both ends included
-(at a decision every earlier step has been read back: the counts are exact). Each batch size keeps a
-moving average per arm and runs the best one, probing the others now and then so a change of workload
-is seen: one stretch of another arm after every PROBE_EVERY of the best, or, while OFF is best, after
-each OFF stretch, those growing from FIRST_OFF_STEPS to MAX_OFF_STEPS steps while OFF stays best (the
-probe then costs little of the time). A stretch whose batch changed (a request joined or finished) or
-that a prefill interrupted is not counted.
+A stretch counts the tokens its requests gained and the seconds it took, from its first decision to its
+last (at a decision every earlier step has been read back: the counts are exact). It ends after its
+length in steps, or earlier where the batch changes (a request finished or joined) or a prefill runs:
+then it counts up to its last decision. That matters where requests run one at a time: drafts come in
+bursts (a request copying its prompt writes 60 tokens in 5 steps and ends), and stretches thrown away
+at each request's end would see only the steps between bursts. Each arm's rate is its decayed tokens
+over its decayed seconds, per batch size: a long stretch weighs more than a short one.
+
+Each batch size runs its best arm and probes the others now and then so a change of workload is seen:
+one stretch of another arm after every PROBE_EVERY of the best; while OFF is best, one after each OFF
+stretch, those growing from FIRST_OFF_STEPS to MAX_OFF_STEPS steps (the probes then cost little). OFF
+is run only where it beat the best speculating arm by OFF_MARGIN, both measured MIN_SAMPLES times: a
+mistaken OFF loses all that drafts gain (copying: 1.5x and more), a mistaken speculating arm at most
+what the margin lets through.
 """
 
 from __future__ import annotations
@@ -40,28 +48,63 @@ ON_STEPS = 16  # steps in a stretch of an arm that speculates
 FIRST_OFF_STEPS = 16
 MAX_OFF_STEPS = 256
 PROBE_EVERY = 8
+OFF_MARGIN = 0.03
+MIN_SAMPLES = 2
 ALL_MARGIN = 0.02  # how much WEIGHED must beat OFF by before ALL is tried (a tie is no sign drafts pay)
-DECAY = 0.7  # weight of the old average in each new stretch's rate
+DECAY = 0.7  # weight of an arm's past tokens and seconds at each new stretch of it
+MIN_COUNTED_STEPS = 2  # a stretch cut short counts if this many steps ran before its last decision
+
+
+@dataclass
+class _ArmRecord:
+    tokens: float = 0.0  # decayed sums over the arm's stretches
+    seconds: float = 0.0
+    samples: int = 0  # stretches counted
+    last_run: int = -1  # the batch size's stretch number it was last counted in
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
 
 
 @dataclass
 class _SizeState:
-    """One batch size's record: each arm's average rate (tokens per second) and the probing schedule."""
-    rate: dict = field(default_factory=dict)  # Arm -> tokens per second
-    since_probe: int = 0  # stretches of the best arm since the last probe
-    last_probed: dict = field(default_factory=dict)  # Arm -> stretch number it last ran in
-    stretches: int = 0
+    """One batch size's record per arm and its probing schedule."""
+    arms: dict = field(default_factory=dict)  # Arm -> _ArmRecord, once counted
+    stretches: int = 0  # counted, all arms
+    since_probe: int = 0  # stretches of the best arm begun since the last probe
+    last_started: Optional[Arm] = None  # the arm of the last stretch begun (counted or not)
     off_steps: int = FIRST_OFF_STEPS
 
+    def rate(self, arm: Arm) -> float:
+        return self.arms[arm].rate
+
+    def samples(self, arm: Arm) -> int:
+        return self.arms[arm].samples if arm in self.arms else 0
+
+    def best_on(self) -> Arm:
+        return max((a for a in self.arms if a is not Arm.OFF), key=self.rate)
+
     def best(self) -> Arm:
-        return max(self.rate, key=lambda a: (self.rate[a], a is not Arm.OFF))  # a tie speculates
+        """The speculating arm that delivered most, unless OFF beat it by OFF_MARGIN (each measured
+        MIN_SAMPLES times: one stretch may be a noisy one)."""
+        on = self.best_on()
+        if min(self.samples(Arm.OFF), self.samples(on)) < MIN_SAMPLES:
+            return on
+        return Arm.OFF if self.rate(Arm.OFF) > (1 + OFF_MARGIN) * self.rate(on) else on
 
     def untried(self) -> Optional[Arm]:
-        """The arm to measure first: WEIGHED (today's policy), OFF, then ALL where WEIGHED beat OFF."""
+        """The arm to measure next: WEIGHED (today's policy), OFF, both again where OFF would win (it is
+        run only on MIN_SAMPLES stretches each), then ALL where WEIGHED beat OFF."""
         for arm in (Arm.WEIGHED, Arm.OFF):
-            if arm not in self.rate:
+            if arm not in self.arms:
                 return arm
-        if Arm.ALL not in self.rate and self.rate[Arm.WEIGHED] > (1 + ALL_MARGIN) * self.rate[Arm.OFF]:
+        on = self.best_on()
+        if self.rate(Arm.OFF) > (1 + OFF_MARGIN) * self.rate(on):
+            for arm in (on, Arm.OFF):
+                if self.samples(arm) < MIN_SAMPLES:
+                    return arm
+        if Arm.ALL not in self.arms and self.rate(Arm.WEIGHED) > (1 + ALL_MARGIN) * self.rate(Arm.OFF):
             return Arm.ALL
         return None
 
@@ -70,10 +113,17 @@ class _SizeState:
 class _Stretch:
     rids: tuple
     arm: Arm
-    tokens: int  # the requests' output tokens at its start
+    tokens: int  # the requests' output tokens at its first decision
     start: float
     length: int  # steps it runs
-    steps: int = 0  # steps so far
+    steps: int = 0  # steps launched so far
+    # at its latest decision: the output tokens, the time, the steps launched before it
+    last_tokens: int = 0
+    last_time: float = 0.0
+    last_steps: int = 0
+
+    def done(self) -> bool:
+        return self.steps >= self.length
 
 
 class SpeculationGuard:
@@ -84,14 +134,15 @@ class SpeculationGuard:
 
     def checkpoint(self, rids: tuple, tokens: int, now: float) -> Arm:
         """A decision for the requests `rids`, which hold `tokens` output tokens, starts at `now`: the
-        policy this step runs under (a stretch that ran its length ends here and is counted)."""
+        policy this step runs under (the open stretch is counted where it ends here)."""
         s = self._open
-        if s is not None and s.rids == rids and s.steps < s.length:
-            return s.arm
-        if s is not None and s.rids == rids and now > s.start:
-            self._count(s, (tokens - s.tokens) / (now - s.start))
+        if s is not None and s.rids == rids:
+            s.last_tokens, s.last_time, s.last_steps = tokens, now, s.steps
+            if not s.done():
+                return s.arm
+        self._close()
         arm, length = self._next(len(rids))
-        self._open = _Stretch(rids, arm, tokens, now, length)
+        self._open = _Stretch(rids, arm, tokens, now, length, last_tokens=tokens, last_time=now)
         return arm
 
     def step(self) -> None:
@@ -100,31 +151,45 @@ class SpeculationGuard:
             self._open.steps += 1
 
     def interrupt(self) -> None:
-        """Something other than the batch's own steps ran (a prefill): the open stretch is not counted."""
-        self._open = None
+        """Something other than the batch's own steps ran (a prefill): the open stretch ends at its last
+        decision."""
+        self._close()
 
     def off_now(self, rids: tuple) -> bool:
         """Whether guessed drafts are off for the batch `rids` at this step (an OFF stretch of it is open
         and has steps left: its decode steps may be launched ahead, no decision needed)."""
         s = self._open
-        return s is not None and s.rids == rids and s.arm is Arm.OFF and s.steps < s.length
+        return s is not None and s.rids == rids and s.arm is Arm.OFF and not s.done()
 
-    def _count(self, s: _Stretch, rate: float) -> None:
+    def _close(self) -> None:
+        """Count the open stretch up to its last decision, if steps ran before it."""
+        s, self._open = self._open, None
+        if s is None or s.last_steps < MIN_COUNTED_STEPS or s.last_time <= s.start:
+            return
         st = self._sizes.setdefault(len(s.rids), _SizeState())
-        old = st.rate.get(s.arm)
-        st.rate[s.arm] = rate if old is None else DECAY * old + (1 - DECAY) * rate
+        rec = st.arms.setdefault(s.arm, _ArmRecord())
+        rec.tokens = DECAY * rec.tokens + (s.last_tokens - s.tokens)
+        rec.seconds = DECAY * rec.seconds + (s.last_time - s.start)
+        rec.samples += 1
         st.stretches += 1
-        st.last_probed[s.arm] = st.stretches
+        rec.last_run = st.stretches
         self.stretches[s.arm] += 1
 
     def _next(self, size: int) -> tuple[Arm, int]:
         st = self._sizes.setdefault(size, _SizeState())
+        arm, length = self._choose(st)
+        st.last_started = arm
+        return arm, length
+
+    def _choose(self, st: _SizeState) -> tuple[Arm, int]:
         arm = st.untried()
         if arm is not None:
             return arm, (FIRST_OFF_STEPS if arm is Arm.OFF else ON_STEPS)
         best = st.best()
         if best is Arm.OFF:
-            if self._open is not None and self._open.arm is Arm.OFF:  # an OFF stretch just ended: probe
+            # after each OFF stretch a probe, counted or not: one request at a time, a request's end (or a
+            # prefill) cuts every long OFF stretch short
+            if st.last_started is Arm.OFF:
                 return self._probe(st, best), ON_STEPS
             st.off_steps = min(MAX_OFF_STEPS, 2 * st.off_steps)
             return Arm.OFF, st.off_steps
@@ -138,11 +203,11 @@ class SpeculationGuard:
 
     @staticmethod
     def _probe(st: _SizeState, best: Arm) -> Arm:
-        """The arm other than `best` that ran least recently."""
-        return min((a for a in st.rate if a is not best), key=lambda a: st.last_probed.get(a, -1))
+        """The arm other than `best` that was counted least recently."""
+        return min((a for a in st.arms if a is not best), key=lambda a: st.arms[a].last_run)
 
     def report(self) -> dict:
         """Each batch size's rates by arm (tokens per second) and the arm it runs: for /get_server_info."""
-        return {size: {**{a.value: round(r, 1) for a, r in st.rate.items()},
+        return {size: {**{a.value: round(r.rate, 1) for a, r in st.arms.items()},
                        "best": st.best().value if st.untried() is None else None}
-                for size, st in sorted(self._sizes.items()) if st.rate}
+                for size, st in sorted(self._sizes.items()) if st.arms}
