@@ -264,16 +264,18 @@ def test_the_cost_model_weighs_drafts_against_the_verify_steps_premium():
 
 
 
-def _drive(guard, rids, rates, steps):
+def _drive(guard, rids, rates, steps, shares=None):
     """`steps` steps of the batch `rids`, each 10 ms with a decision before it (as on a CPU); a step run
-    under an arm gains rates[arm] / 100 tokens. Returns the arm of each step."""
-    now, tokens, arms = 0.0, 0.0, []
+    under an arm gains rates[arm] / 100 tokens, shared among the requests equally or as shares[arm] says.
+    Returns the arm of each step."""
+    now, tokens, arms = 0.0, [0.0] * len(rids), []
     for _ in range(steps):
         arm = guard.checkpoint(rids, tokens, now)
         guard.step()
         arms.append(arm)
         now += 0.01
-        tokens += rates[arm] * 0.01
+        share = (shares or {}).get(arm) or [1 / len(rids)] * len(rids)
+        tokens = [t + rates[arm] * 0.01 * f for t, f in zip(tokens, share)]
     return arms
 
 
@@ -287,32 +289,54 @@ def test_the_guard_runs_the_policy_that_delivers_most_and_probes_the_others():
     assert r == {"weighed": 1500.0, "off": 1000.0, "all": 2000.0, "best": "all"}, r
     assert arms[-1000:].count(Arm.ALL) > 0.8 * 1000 and len(set(arms[-1000:])) == 3
     # Drafts do not pay: the batch stops speculating, its OFF stretches growing so that the probes cost
-    # little; ALL is never tried (WEIGHED did not beat OFF).
+    # little.
     g = SpeculationGuard()
     arms = _drive(g, ("a", "b"), {Arm.WEIGHED: 900, Arm.OFF: 1000, Arm.ALL: 800}, 2000)
     r = g.report()[2]
-    assert r == {"weighed": 900.0, "off": 1000.0, "best": "off"}, r
-    assert arms[-1000:].count(Arm.OFF) > 0.9 * 1000 and Arm.WEIGHED in arms[-1000:]
-    assert Arm.ALL not in arms
+    assert r == {"weighed": 900.0, "off": 1000.0, "all": 800.0, "best": "off"}, r
+    assert arms[-1000:].count(Arm.OFF) > 0.9 * 1000 and {Arm.WEIGHED, Arm.ALL} <= set(arms[-1000:])
+    # No draft is ever accepted (each 10 ms step gives each request one token): ALL is not tried.
+    g = SpeculationGuard()
+    arms = _drive(g, ("a", "b"), {Arm.WEIGHED: 196, Arm.OFF: 200, Arm.ALL: 150}, 2000)
+    assert Arm.ALL not in arms and "all" not in g.report()[2]
+    # The cost model too careful (as slow as OFF) where verifying everything pays: ALL is tried.
+    g = SpeculationGuard()
+    arms = _drive(g, ("a",), {Arm.WEIGHED: 1000, Arm.OFF: 1000, Arm.ALL: 1350}, 2000)
+    assert g.report()[1]["best"] == "all" and arms[-1000:].count(Arm.ALL) > 0.8 * 1000
+
+
+def test_the_guard_weighs_a_batch_by_its_requests_own_rates():
+    from plait.runtime.speculative.guard import Arm, SpeculationGuard
+    # Verifying makes every step slower, but one request of four copies its prompt: the batch's tokens per
+    # second go up (1340 against OFF's 1000), its other three requests' go down (180 each against 250).
+    # The harmonic mean counts each request's own rate: 4 / (1/800 + 3/180) = 223 per request, 893 for
+    # the batch, not the sum's 1340: the batch runs OFF.
+    g = SpeculationGuard()
+    share = [800 / 1340] + [180 / 1340] * 3
+    arms = _drive(g, ("a", "b", "c", "d"), {Arm.WEIGHED: 1340, Arm.OFF: 1000, Arm.ALL: 1340}, 3000,
+                  {Arm.ALL: share, Arm.WEIGHED: share})
+    r = g.report()[4]
+    assert r["best"] == "off" and r["all"] == pytest.approx(4 * 4 / (1 / 800 + 3 / 180), rel=1e-3), r
+    assert arms[-1000:].count(Arm.OFF) > 0.9 * 1000
 
 
 def test_a_guard_stretch_cut_short_counts_up_to_its_last_decision():
     from plait.runtime.speculative.guard import Arm, SpeculationGuard
     g = SpeculationGuard()
-    assert g.checkpoint(("a",), 0, 0.0) is Arm.WEIGHED
+    assert g.checkpoint(("a",), (0,), 0.0) is Arm.WEIGHED
     for k in range(1, 6):
         g.step()
-        g.checkpoint(("a",), 10 * k, 0.1 * k)
+        g.checkpoint(("a",), (10 * k,), 0.1 * k)
     g.step()  # the request's last step: it finishes, and the next decision is another batch's
-    assert g.checkpoint(("b",), 0, 1.0) is Arm.OFF  # (the next arm to measure)
+    assert g.checkpoint(("b",), (0,), 1.0) is Arm.OFF  # (the next arm to measure)
     assert g.report() == {1: {"weighed": 100.0, "best": None}}  # 50 tokens in 0.5 s, to its last decision
     g.step()
     g.interrupt()  # a prefill right after the stretch's first decision: nothing to count
     assert g.stretches[Arm.WEIGHED] == 1
-    assert g.checkpoint(("b",), 0, 2.0) is Arm.OFF
+    assert g.checkpoint(("b",), (0,), 2.0) is Arm.OFF
     for k in (1, 2):
         g.step()
-        g.checkpoint(("b",), 30 * k, 2.0 + 0.1 * k)
+        g.checkpoint(("b",), (30 * k,), 2.0 + 0.1 * k)
     g.step()
     g.interrupt()  # a prefill mid-stretch
     # (OFF looks better: both are measured again before it is run)

@@ -193,7 +193,7 @@ class Speculation:
         A new policy starts without the cost model's pause left over from the one before."""
         if self.guard is None:
             return True
-        arm = self.guard.checkpoint(rids, sum(len(r.output_ids) for r in reqs), now)
+        arm = self.guard.checkpoint(rids, [len(r.output_ids) for r in reqs], now)
         self.guard.step()
         if arm is not self._arm:
             self._arm = arm

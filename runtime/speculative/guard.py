@@ -8,14 +8,19 @@ was 7% slower than none. The guard looks only at the outcome. A stretch runs fro
 later one for the same running requests, its steps all run under one policy (an `Arm`):
 
 - WEIGHED: the cost model decides each step's drafts (its pauses and measuring steps included);
-- ALL: every proposed draft is verified, no cost model (it wins where the model is too careful); tried
-  only once WEIGHED has beaten OFF by ALL_MARGIN (where speculating does not pay, verifying more will
-  not either);
+- ALL: every proposed draft is verified, no cost model (it wins where the model is too careful: on an
+  H200 at batch 1 the cost model ran as slowly as OFF where verifying everything was 1.35x faster);
+  tried where drafts were accepted under WEIGHED (where none ever are, verifying more cannot pay; where
+  some are, the cost model may be pausing through more of them, and WEIGHED may be no faster than OFF);
 - OFF: no guessed drafts (prompt lookup, a drafter): decode steps launched ahead as without speculation.
   Grammar-forced drafts stay: they are what jump-forward would append.
 
 A stretch counts the tokens its requests gained and the seconds it took, from its first decision to its
-last (at a decision every earlier step has been read back: the counts are exact). It ends after its
+last (at a decision every earlier step has been read back: the counts are exact). Its rate is the batch
+size times the harmonic mean of its requests' own rates, not their sum: each request's user waits on his
+own tokens, and a batch run to its end waits on its slowest. Drafts accepted by one request (its output
+loops, it copies) while the others accept none raise the sum, yet every request still pays the verify
+steps' cost; the sum then picked verifying at batch 8 on an H200 where it made the batch 5% slower. It ends after its
 length in steps, or earlier where the batch changes (a request finished or joined) or a prefill runs:
 then it counts up to its last decision. That matters where requests run one at a time: drafts come in
 bursts (a request copying its prompt writes 60 tokens in 5 steps and ends), and stretches thrown away
@@ -50,7 +55,6 @@ MAX_OFF_STEPS = 256
 PROBE_EVERY = 8
 OFF_MARGIN = 0.03
 MIN_SAMPLES = 2
-ALL_MARGIN = 0.02  # how much WEIGHED must beat OFF by before ALL is tried (a tie is no sign drafts pay)
 DECAY = 0.7  # weight of an arm's past tokens and seconds at each new stretch of it
 MIN_COUNTED_STEPS = 2  # a stretch cut short counts if this many steps ran before its last decision
 
@@ -59,6 +63,7 @@ MIN_COUNTED_STEPS = 2  # a stretch cut short counts if this many steps ran befor
 class _ArmRecord:
     tokens: float = 0.0  # decayed sums over the arm's stretches
     seconds: float = 0.0
+    accepted: int = 0  # drafts its stretches accepted (tokens beyond one per request and step)
     samples: int = 0  # stretches counted
     last_run: int = -1  # the batch size's stretch number it was last counted in
 
@@ -95,7 +100,7 @@ class _SizeState:
 
     def untried(self) -> Optional[Arm]:
         """The arm to measure next: WEIGHED (today's policy), OFF, both again where OFF would win (it is
-        run only on MIN_SAMPLES stretches each), then ALL where WEIGHED beat OFF."""
+        run only on MIN_SAMPLES stretches each), then ALL where WEIGHED's verify steps accepted drafts."""
         for arm in (Arm.WEIGHED, Arm.OFF):
             if arm not in self.arms:
                 return arm
@@ -104,7 +109,7 @@ class _SizeState:
             for arm in (on, Arm.OFF):
                 if self.samples(arm) < MIN_SAMPLES:
                     return arm
-        if Arm.ALL not in self.arms and self.rate(Arm.WEIGHED) > (1 + ALL_MARGIN) * self.rate(Arm.OFF):
+        if Arm.ALL not in self.arms and self.arms[Arm.WEIGHED].accepted > 0:
             return Arm.ALL
         return None
 
@@ -113,17 +118,30 @@ class _SizeState:
 class _Stretch:
     rids: tuple
     arm: Arm
-    tokens: int  # the requests' output tokens at its first decision
+    tokens: tuple  # each request's output tokens at its first decision
     start: float
     length: int  # steps it runs
     steps: int = 0  # steps launched so far
-    # at its latest decision: the output tokens, the time, the steps launched before it
-    last_tokens: int = 0
+    # at its latest decision: the requests' output tokens, the time, the steps launched before it
+    last_tokens: tuple = ()
     last_time: float = 0.0
     last_steps: int = 0
 
     def done(self) -> bool:
         return self.steps >= self.length
+
+    def gained(self) -> float:
+        """The tokens it delivered to its first and last decision, as the batch size times the harmonic
+        mean of what each request gained (a request that gained nothing makes it 0)."""
+        gains = [b - a for a, b in zip(self.tokens, self.last_tokens)]
+        if min(gains) <= 0:
+            return 0.0
+        return len(gains) ** 2 / sum(1.0 / g for g in gains)
+
+    def accepted(self) -> int:
+        """The drafts accepted to its last decision: every step read back by then gave each request one
+        token and its accepted drafts."""
+        return sum(b - a for a, b in zip(self.tokens, self.last_tokens)) - len(self.rids) * self.last_steps
 
 
 class SpeculationGuard:
@@ -132,9 +150,10 @@ class SpeculationGuard:
         self._open: Optional[_Stretch] = None
         self.stretches = {arm: 0 for arm in ARMS}  # stretches counted, by arm (reported)
 
-    def checkpoint(self, rids: tuple, tokens: int, now: float) -> Arm:
-        """A decision for the requests `rids`, which hold `tokens` output tokens, starts at `now`: the
-        policy this step runs under (the open stretch is counted where it ends here)."""
+    def checkpoint(self, rids: tuple, tokens: tuple, now: float) -> Arm:
+        """A decision for the requests `rids`, which hold `tokens` output tokens each, starts at `now`:
+        the policy this step runs under (the open stretch is counted where it ends here)."""
+        tokens = tuple(tokens)
         s = self._open
         if s is not None and s.rids == rids:
             s.last_tokens, s.last_time, s.last_steps = tokens, now, s.steps
@@ -168,7 +187,8 @@ class SpeculationGuard:
             return
         st = self._sizes.setdefault(len(s.rids), _SizeState())
         rec = st.arms.setdefault(s.arm, _ArmRecord())
-        rec.tokens = DECAY * rec.tokens + (s.last_tokens - s.tokens)
+        rec.tokens = DECAY * rec.tokens + s.gained()
+        rec.accepted += max(0, s.accepted())
         rec.seconds = DECAY * rec.seconds + (s.last_time - s.start)
         rec.samples += 1
         st.stretches += 1
