@@ -289,12 +289,12 @@ def test_the_guard_runs_the_policy_that_delivers_most_and_probes_the_others():
     assert r == {"weighed": 1500.0, "off": 1000.0, "all": 2000.0, "best": "all"}, r
     assert arms[-1000:].count(Arm.ALL) > 0.8 * 1000 and len(set(arms[-1000:])) == 3
     # Drafts do not pay: the batch stops speculating, its OFF stretches growing so that the probes cost
-    # little.
+    # little; ALL is not tried (verifying what the cost model chose was clearly slower than OFF).
     g = SpeculationGuard()
     arms = _drive(g, ("a", "b"), {Arm.WEIGHED: 900, Arm.OFF: 1000, Arm.ALL: 800}, 2000)
     r = g.report()[2]
-    assert r == {"weighed": 900.0, "off": 1000.0, "all": 800.0, "best": "off"}, r
-    assert arms[-1000:].count(Arm.OFF) > 0.9 * 1000 and {Arm.WEIGHED, Arm.ALL} <= set(arms[-1000:])
+    assert r == {"weighed": 900.0, "off": 1000.0, "best": "off"}, r
+    assert arms[-1000:].count(Arm.OFF) > 0.9 * 1000 and Arm.WEIGHED in arms[-1000:] and Arm.ALL not in arms
     # No draft is ever accepted (each 10 ms step gives each request one token): ALL is not tried.
     g = SpeculationGuard()
     arms = _drive(g, ("a", "b"), {Arm.WEIGHED: 196, Arm.OFF: 200, Arm.ALL: 150}, 2000)
@@ -316,7 +316,7 @@ def test_the_guard_weighs_a_batch_by_its_requests_own_rates():
     arms = _drive(g, ("a", "b", "c", "d"), {Arm.WEIGHED: 1340, Arm.OFF: 1000, Arm.ALL: 1340}, 3000,
                   {Arm.ALL: share, Arm.WEIGHED: share})
     r = g.report()[4]
-    assert r["best"] == "off" and r["all"] == pytest.approx(4 * 4 / (1 / 800 + 3 / 180), rel=1e-3), r
+    assert r["best"] == "off" and r["weighed"] == pytest.approx(4 * 4 / (1 / 800 + 3 / 180), rel=1e-3), r
     assert arms[-1000:].count(Arm.OFF) > 0.9 * 1000
 
 

@@ -10,8 +10,10 @@ later one for the same running requests, its steps all run under one policy (an 
 - WEIGHED: the cost model decides each step's drafts (its pauses and measuring steps included);
 - ALL: every proposed draft is verified, no cost model (it wins where the model is too careful: on an
   H200 at batch 1 the cost model ran as slowly as OFF where verifying everything was 1.35x faster);
-  tried where drafts were accepted under WEIGHED (where none ever are, verifying more cannot pay; where
-  some are, the cost model may be pausing through more of them, and WEIGHED may be no faster than OFF);
+  tried where drafts were accepted under WEIGHED and it was no more than ALL_MARGIN slower than OFF
+  (where none are accepted, verifying more cannot pay; where verifying what the cost model chose was
+  clearly slower, verifying everything is slower still; a tie may be the cost model pausing through
+  drafts that pay);
 - OFF: no guessed drafts (prompt lookup, a drafter): decode steps launched ahead as without speculation.
   Grammar-forced drafts stay: they are what jump-forward would append.
 
@@ -55,6 +57,7 @@ MAX_OFF_STEPS = 256
 PROBE_EVERY = 8
 OFF_MARGIN = 0.03
 MIN_SAMPLES = 2
+ALL_MARGIN = 0.03  # ALL is not tried where WEIGHED was this much slower than OFF
 DECAY = 0.7  # weight of an arm's past tokens and seconds at each new stretch of it
 MIN_COUNTED_STEPS = 2  # a stretch cut short counts if this many steps ran before its last decision
 
@@ -100,7 +103,8 @@ class _SizeState:
 
     def untried(self) -> Optional[Arm]:
         """The arm to measure next: WEIGHED (today's policy), OFF, both again where OFF would win (it is
-        run only on MIN_SAMPLES stretches each), then ALL where WEIGHED's verify steps accepted drafts."""
+        run only on MIN_SAMPLES stretches each), then ALL where WEIGHED's verify steps accepted drafts and
+        it was about as fast as OFF or faster."""
         for arm in (Arm.WEIGHED, Arm.OFF):
             if arm not in self.arms:
                 return arm
@@ -109,7 +113,8 @@ class _SizeState:
             for arm in (on, Arm.OFF):
                 if self.samples(arm) < MIN_SAMPLES:
                     return arm
-        if Arm.ALL not in self.arms and self.arms[Arm.WEIGHED].accepted > 0:
+        weighed = self.arms[Arm.WEIGHED]
+        if Arm.ALL not in self.arms and weighed.accepted > 0 and weighed.rate >= (1 - ALL_MARGIN) * self.rate(Arm.OFF):
             return Arm.ALL
         return None
 
