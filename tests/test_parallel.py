@@ -71,6 +71,9 @@ def folders(tmp_path_factory):
                              num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=True),
         # One KV head for 4 query heads: at TP = 2 both ranks hold (a copy of) it.
         "qwen3": make_folder(root / "qwen3", "qwen3", tokenizer=tok, num_key_value_heads=1, head_dim=16),
+        # A draft model for "llama": its tokenizer, another (one-layer) network, so most drafts are wrong.
+        "llama draft": make_folder(root / "llama_draft", "llama", tokenizer=tok, num_hidden_layers=1,
+                                   max_position_embeddings=512),
     }
 
 
@@ -141,6 +144,26 @@ def test_tp2_with_ngram_drafts_gives_what_one_device_gives(folders, one_device_o
         ranks.shutdown()
     assert_same_outputs(got, one_device_outputs)
     assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("draft, shape", [
+    ("llama", {}),  # the target as its own draft: nearly every draft accepted
+    ("llama draft", dict(speculative_eagle_topk=2, speculative_num_steps=3, speculative_num_draft_tokens=6)),
+], ids=["self chain", "other tree"])
+def test_tp2_with_a_draft_model_gives_what_one_device_gives(folders, one_device_outputs, draft, shape):
+    # The draft model runs whole on rank 0 beside its shard; every rank scores the VERIFY steps it drafts.
+    ranks = Ranks(Engine(folders["llama"], tp_size=2, speculative_algorithm="STANDALONE",
+                         speculative_draft_model_path=folders[draft], speculative_grammar_drafts="off", **shape,
+                         **SMALL), expected_children=1)
+    try:
+        got = run_workload(ranks.engine)
+        stats = ranks.engine.get_stats()
+    finally:
+        ranks.shutdown()
+    assert_same_outputs(got, one_device_outputs)
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
+    if draft == "llama":
+        assert stats["spec_accepted_tokens"] > 0.5 * stats["spec_draft_tokens"], stats
 
 
 def test_pp2_gives_what_one_device_gives(folders, one_device_outputs):

@@ -214,7 +214,7 @@ def test_a_verify_step_puts_nodes_after_the_prefix_at_their_depth():
     (dict(speculative_draft_model_path="/x"), "uses no draft model"),
     (dict(speculative_grammar_drafts="always"), "speculative_grammar_drafts must be one of"),
     (dict(speculative_algorithm="NGRAM", attention_backend="flashinfer"), "flashinfer has no verify mode"),
-    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", tp_size=3), "runs its drafter on one device"),
+    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", tp_size=3), "which tp_size x pp_size = 3 ranks split"),
     (dict(speculative_algorithm="NGRAM", pp_size=2), "through pipeline stages"),
     (dict(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=3), "is above"),
     (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", speculative_num_steps=2,

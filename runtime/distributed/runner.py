@@ -32,9 +32,10 @@ from .topology import Rendezvous, Topology
 logger = logging.getLogger("plait.distributed")
 
 
-def start_group(server_args: ServerArgs, model_path: str) -> "GroupRunner":
+def start_group(server_args: ServerArgs, model_path: str, extra_kv_bytes_per_token: int = 0) -> "GroupRunner":
     """Rank 0: the model's shape checked against tp_size / pp_size (a clear error naming the numbers, before
-    any rank starts), this node's other ranks started and joined, rank 0's shard built."""
+    any rank starts), this node's other ranks started and joined, rank 0's shard built (its KV pool sized
+    beside a drafter's of `extra_kv_bytes_per_token`: the ranks agree on the smallest pool)."""
     topology = Topology.of(server_args)
     cfg = load_model_config(model_path, server_args.load_format)
     check_parallel_shape(cfg, topology.tp_size, topology.pp_size)
@@ -46,7 +47,7 @@ def start_group(server_args: ServerArgs, model_path: str) -> "GroupRunner":
     try:
         ctx = join_group(topology, 0, rendezvous, server_args.resolved_device(), server_args.base_gpu_id,
                          server_args.dist_timeout, cfg.num_hidden_layers)
-        return GroupRunner(server_args, model_path, ctx, children, monitor)
+        return GroupRunner(server_args, model_path, ctx, children, monitor, extra_kv_bytes_per_token)
     except BaseException:
         monitor.stop()
         children.stop(0.0, terminate=True)
@@ -55,11 +56,11 @@ def start_group(server_args: ServerArgs, model_path: str) -> "GroupRunner":
 
 class GroupRunner:
     def __init__(self, server_args: ServerArgs, model_path: str, ctx: RankContext, children: LocalRanks,
-                 monitor: GroupMonitor):
+                 monitor: GroupMonitor, extra_kv_bytes_per_token: int = 0):
         self.ctx = ctx
         self.children = children
         self.monitor = monitor
-        self.local = local = ModelRunner(server_args, model_path, ctx.parallel)
+        self.local = local = ModelRunner(server_args, model_path, ctx.parallel, extra_kv_bytes_per_token)
         self.stages = StageRunner(local, ctx) if ctx.topology.pp_size > 1 else None
         # The StepRunner's sizes and KV memory: rank 0's (every rank holds the same slots).
         self.max_total_tokens = local.max_total_tokens
@@ -87,6 +88,15 @@ class GroupRunner:
                 return self.local.run(step)
             hidden = self.stages.forward(step)  # (T, hidden), back from the last stage
             return self.local.sample_hidden(step, hidden)
+        except BaseException as e:
+            self._fail(e)
+
+    def run_verify(self, step: StepInput, capture_layers: tuple = ()):
+        """A VERIFY step for a drafter on rank 0 (ModelRunner.run_verify: its output, the nodes' hidden
+        states, the forward batch); the other ranks score the same nodes (ModelRunner.follow)."""
+        try:
+            self._send(RUN, step)
+            return self.local.run_verify(step, capture_layers)
         except BaseException as e:
             self._fail(e)
 

@@ -9,10 +9,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 from ..models.config import BUILTIN_SHAPES, ModelConfig, read_json
 
 logger = logging.getLogger("plait.model_loader")
+
+# NOTE: one tokenizer load at a time in a process: transformers' lazy module is not safe to import from two
+# threads at once (the scheduler's tokenizer thread and a STANDALONE drafter's vocabulary check both load
+# one at start-up; the second got "cannot import name 'PreTrainedTokenizerFast'").
+_LOADING = threading.Lock()
 
 
 def load_model_config(model_path: str, load_format: str) -> ModelConfig:
@@ -67,6 +73,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def load_tokenizer(path: str):
     """The model's Hugging Face tokenizer, or None: a built-in shape name, or a folder with no tokenizer
     files (token ids only; logged). Tokenizer files that fail to load are an error, not None."""
+    with _LOADING:
+        return _load_tokenizer(path)
+
+
+def _load_tokenizer(path: str):
     if path in BUILTIN_SHAPES:
         return None  # a built-in shape name is no tokenizer's home
     check_is_folder(path)

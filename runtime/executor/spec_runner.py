@@ -6,9 +6,11 @@ speculative/draft_batch.py); a VERIFY step whose requests the scheduler left to 
 first. Steps are never launched ahead (`supports_overlap` False): a drafter's next step reads what the
 one before committed.
 
-`create_step_runner` builds the runner the settings ask for: a plain ModelRunner without a drafter.
-Start-up refuses a draft model or head that cannot draft for the target (another tokenizer or
-vocabulary, another hidden size), with the reason.
+`create_step_runner` builds the runner the settings ask for: a plain ModelRunner without a drafter, or
+rank 0 of a model split over ranks (runtime/distributed/). A STANDALONE draft model runs whole on rank 0
+beside its shard of the target: its drafts are in the VERIFY step rank 0 plans, which every rank scores
+(the other ranks never see the drafter). Start-up refuses a draft model or head that cannot draft for the
+target (another tokenizer or vocabulary, another hidden size), with the reason.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def create_step_runner(server_args: ServerArgs, model_path: str):
     """The scheduler's step runner: a ModelRunner, with a drafter when the algorithm has one."""
     algo = server_args.speculative_algorithm
     if algo not in ("STANDALONE", "EAGLE", "EAGLE3"):
-        runner = ModelRunner(server_args, model_path)
+        runner = _target_runner(server_args, model_path, 0)
         if algo is not None:
             _capture_verify_graphs(runner, server_args, ())
         return runner
@@ -99,7 +101,7 @@ def create_step_runner(server_args: ServerArgs, model_path: str):
         scratch = EagleDrafter.scratch_per_row(steps, topk)
     # NOTE: the target sizes its pool after the drafter's weights are loaded, for the two pools' bytes per
     # token together: the drafter's pool has the target's slots (draft_batch.py).
-    target = ModelRunner(server_args, model_path, extra_kv_bytes_per_token=KVPool.bytes_per_token(*kv_shape, dtype))
+    target = _target_runner(server_args, model_path, KVPool.bytes_per_token(*kv_shape, dtype))
     rows = target.max_running_requests + 1
     pool = KVPool(target.max_total_tokens + rows * scratch, *kv_shape, dtype, device)
     view = _BackendView(device, draft_cfg, server_args)
@@ -116,9 +118,20 @@ def create_step_runner(server_args: ServerArgs, model_path: str):
     return SpecRunner(target, drafter)
 
 
-def _capture_verify_graphs(runner: ModelRunner, sa: ServerArgs, capture_layers: tuple) -> None:
-    """On a GPU with decode graphs, verify steps get theirs too (up to the batch size speculation runs at)."""
-    if runner.graph_runner is not None:
+def _target_runner(server_args: ServerArgs, model_path: str, extra_kv_bytes_per_token: int):
+    """The target's runner: one device's ModelRunner, or rank 0 of the model split over tp_size x pp_size
+    ranks (which starts the others). `extra_kv_bytes_per_token`: a drafter's KV pool of the same slots."""
+    if server_args.world_size() > 1:
+        from ..distributed.runner import start_group
+
+        return start_group(server_args, model_path, extra_kv_bytes_per_token)
+    return ModelRunner(server_args, model_path, extra_kv_bytes_per_token=extra_kv_bytes_per_token)
+
+
+def _capture_verify_graphs(runner: Any, sa: ServerArgs, capture_layers: tuple) -> None:
+    """On a GPU with decode graphs, verify steps get theirs too (up to the batch size speculation runs at).
+    NOTE: not for a split model: its other ranks score verify steps eagerly (ModelRunner.follow)."""
+    if getattr(runner, "graph_runner", None) is not None:
         runner.capture_verify_graphs(sa.speculative_shape()[2], sa.resolved_speculative_disable_by_batch_size(),
                                      capture_layers)
 

@@ -64,12 +64,7 @@ to which this adds when the model and the tokenizer were done."""
 
     with ThreadPoolExecutor(1, thread_name_prefix="plait-tokenizer") as pool:
         tokenizer = pool.submit(timed_tokenizer)
-        if server_args.world_size() > 1:
-            from ..distributed.runner import start_group
-
-            runner = start_group(server_args, model_path)
-        else:
-            runner = create_step_runner(server_args, model_path)
+        runner = create_step_runner(server_args, model_path)
         marks["model"] = time.time()
         scheduler = Scheduler(server_args, runner, tokenizer.result())
     scheduler.startup_marks.update(marks)
