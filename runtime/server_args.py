@@ -203,10 +203,6 @@ class ServerArgs:
         if self.attention_backend == "flashinfer" and (algo is not None or self.speculative_grammar_drafts == "on"):
             raise ValueError("speculative decoding verifies drafts with the torch_native or triton attention backend "
                              "(flashinfer has no verify mode): set attention_backend to one of them")
-        if self.world_size() > 1 and algo in ("EAGLE", "EAGLE3"):
-            raise ValueError(f"speculative_algorithm={algo}: an EAGLE head drafts through the target's embedding and "
-                             f"LM head, which tp_size x pp_size = {self.world_size()} ranks split; with a split model "
-                             "use STANDALONE (a draft model, run whole on rank 0), NGRAM or grammar-forced drafts")
         if self.pp_size > 1 and (algo is not None or self.speculative_grammar_drafts == "on"):
             raise ValueError(f"speculative decoding does not verify drafts through pipeline stages (pp_size="
                              f"{self.pp_size}): leave speculative_algorithm unset and speculative_grammar_drafts "

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import free_port, hf_greedy
 from model_folders import EOS, build_tokenizer, make_folder
+from spec_models import write_eagle_head
 from plait.runtime import Engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -63,7 +64,7 @@ class Ranks:
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel_models")
     tok = build_tokenizer()
-    return {
+    folders = {
         # 4 query heads, 2 KV heads: at TP = 2 each rank 2 + 1.
         "llama": make_folder(root / "llama", "llama", tokenizer=tok, max_position_embeddings=512),
         # 6 heads / 3 KV heads / 192 MLP columns at TP = 3; a vocabulary of 320 = 107 + 107 + 106 rows.
@@ -75,6 +76,9 @@ def folders(tmp_path_factory):
         "llama draft": make_folder(root / "llama_draft", "llama", tokenizer=tok, num_hidden_layers=1,
                                    max_position_embeddings=512),
     }
+    folders["llama eagle"] = write_eagle_head(str(root / "eagle"), folders["llama"], "EAGLE", seed=2)
+    folders["llama eagle3"] = write_eagle_head(str(root / "eagle3"), folders["llama"], "EAGLE3", seed=3, draft_vocab=128)
+    return folders
 
 
 @pytest.fixture(scope="module")
@@ -146,13 +150,16 @@ def test_tp2_with_ngram_drafts_gives_what_one_device_gives(folders, one_device_o
     assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("draft, shape", [
-    ("llama", {}),  # the target as its own draft: nearly every draft accepted
-    ("llama draft", dict(speculative_eagle_topk=2, speculative_num_steps=3, speculative_num_draft_tokens=6)),
-], ids=["self chain", "other tree"])
-def test_tp2_with_a_draft_model_gives_what_one_device_gives(folders, one_device_outputs, draft, shape):
-    # The draft model runs whole on rank 0 beside its shard; every rank scores the VERIFY steps it drafts.
-    ranks = Ranks(Engine(folders["llama"], tp_size=2, speculative_algorithm="STANDALONE",
+@pytest.mark.parametrize("algo, draft, shape", [
+    ("STANDALONE", "llama", {}),  # the target as its own draft: nearly every draft accepted
+    ("STANDALONE", "llama draft", dict(speculative_eagle_topk=2, speculative_num_steps=3, speculative_num_draft_tokens=6)),
+    ("EAGLE", "llama eagle", dict(speculative_eagle_topk=2, speculative_num_steps=2, speculative_num_draft_tokens=4)),
+    ("EAGLE3", "llama eagle3", {}),
+], ids=["standalone self chain", "standalone other tree", "eagle tree", "eagle3 chain"])
+def test_tp2_with_a_drafter_gives_what_one_device_gives(folders, one_device_outputs, algo, draft, shape):
+    # The drafter runs whole on rank 0 beside its shard (an EAGLE head with rank 0's whole copy of the
+    # embedding and LM head); every rank scores the VERIFY steps it drafts.
+    ranks = Ranks(Engine(folders["llama"], tp_size=2, speculative_algorithm=algo,
                          speculative_draft_model_path=folders[draft], speculative_grammar_drafts="off", **shape,
                          **SMALL), expected_children=1)
     try:

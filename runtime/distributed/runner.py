@@ -91,6 +91,15 @@ class GroupRunner:
         except BaseException as e:
             self._fail(e)
 
+    def run_with_hidden(self, step: StepInput, capture_layers: tuple = ()):
+        """A prefill or decode step with the hidden states an EAGLE head reads (ModelRunner.run_with_hidden;
+        every rank holds them whole: the residual stream is all-reduced), the other ranks following."""
+        try:
+            self._send(RUN, step)
+            return self.local.run_with_hidden(step, capture_layers)
+        except BaseException as e:
+            self._fail(e)
+
     def run_verify(self, step: StepInput, capture_layers: tuple = ()):
         """A VERIFY step for a drafter on rank 0 (ModelRunner.run_verify: its output, the nodes' hidden
         states, the forward batch); the other ranks score the same nodes (ModelRunner.follow)."""

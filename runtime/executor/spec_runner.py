@@ -7,10 +7,12 @@ first. Steps are never launched ahead (`supports_overlap` False): a drafter's ne
 one before committed.
 
 `create_step_runner` builds the runner the settings ask for: a plain ModelRunner without a drafter, or
-rank 0 of a model split over ranks (runtime/distributed/). A STANDALONE draft model runs whole on rank 0
-beside its shard of the target: its drafts are in the VERIFY step rank 0 plans, which every rank scores
-(the other ranks never see the drafter). Start-up refuses a draft model or head that cannot draft for the
-target (another tokenizer or vocabulary, another hidden size), with the reason.
+rank 0 of a model split over ranks (runtime/distributed/). With a split target the drafter runs whole on
+rank 0 beside its shard: its drafts are in the VERIFY step rank 0 plans, which every rank scores (the
+other ranks never see the drafter); an EAGLE head reads the target's hidden states, which every rank
+holds whole, and looks up tokens and scores drafts through rank 0's whole copy of the target's embedding
+and LM head (`WholeVocabulary`). Start-up refuses a draft model or head that cannot draft for the target
+(another tokenizer or vocabulary, another hidden size), with the reason.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ def create_step_runner(server_args: ServerArgs, model_path: str):
         scratch = EagleDrafter.scratch_per_row(steps, topk)
     # NOTE: the target sizes its pool after the drafter's weights are loaded, for the two pools' bytes per
     # token together: the drafter's pool has the target's slots (draft_batch.py).
+    # (an EAGLE head beside a split target: rank 0's whole embedding and LM head, read before the pool is sized)
+    whole = (WholeVocabulary.read(model_path, target_cfg, server_args.load_format, dtype, device)
+             if algo != "STANDALONE" and server_args.world_size() > 1 else None)
     target = _target_runner(server_args, model_path, KVPool.bytes_per_token(*kv_shape, dtype))
     rows = target.max_running_requests + 1
     pool = KVPool(target.max_total_tokens + rows * scratch, *kv_shape, dtype, device)
@@ -110,7 +115,7 @@ def create_step_runner(server_args: ServerArgs, model_path: str):
     if algo == "STANDALONE":
         drafter = DraftModelDrafter(model, memory, steps, topk, nodes)
     else:
-        model.attach_target(target.model)
+        model.attach_target(whole or target.model)
         drafter = EagleDrafter(model, memory, steps, topk, nodes, rows)
     _capture_verify_graphs(target, server_args, drafter.capture_layers)
     logger.info("speculative decoding: %s drafter from %s (steps %d, top-k %d, %d tokens per verify)", algo,
@@ -134,6 +139,42 @@ def _capture_verify_graphs(runner: Any, sa: ServerArgs, capture_layers: tuple) -
     if getattr(runner, "graph_runner", None) is not None:
         runner.capture_verify_graphs(sa.speculative_shape()[2], sa.resolved_speculative_disable_by_batch_size(),
                                      capture_layers)
+
+
+class WholeVocabulary:
+    """Rank 0's whole copy of a split target's embedding and LM head, for an EAGLE head beside it. The
+    target's own are split over the ranks: a lookup or a logits row there is a collective that the other
+    ranks, which never draft, would not join."""
+
+    def __init__(self, embedding: torch.Tensor, head: torch.Tensor):
+        self.embed_tokens = torch.nn.Embedding.from_pretrained(embedding, freeze=True)
+        self.head = head  # (vocab, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden.to(self.head.dtype) @ self.head.t()).float()  # (N, vocab) float32
+
+    @classmethod
+    def read(cls, model_path: str, cfg: ModelConfig, load_format: str, dtype: torch.dtype,
+             device: str) -> "WholeVocabulary":
+        """From the target's checkpoint, those two tensors alone (random with dummy weights: the drafts are
+        then guesses, as with any dummy drafter, and verification keeps the output the target's)."""
+        if load_format == "dummy":
+            g = torch.Generator().manual_seed(0)
+            embedding = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02
+            head = embedding if cfg.tie_word_embeddings else torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02
+        else:
+            from safetensors import safe_open
+
+            found = {}
+            for f in safetensors_files(model_path):
+                with safe_open(f, framework="pt") as st:
+                    for name in st.keys():
+                        if name in ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight"):
+                            found[name.removeprefix("model.")] = st.get_tensor(name)
+            embedding = found["embed_tokens.weight"]
+            head = found.get("lm_head.weight", embedding)  # none: tied to the embedding
+        embedding = embedding.to(dtype=dtype, device=device)
+        return cls(embedding, embedding if head is embedding else head.to(dtype=dtype, device=device))
 
 
 class _BackendView:
