@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -73,11 +73,18 @@ class SpecRunner:
         return handle
 
 
-def create_step_runner(server_args: ServerArgs, model_path: str):
-    """The scheduler's step runner: a ModelRunner, with a drafter when the algorithm has one."""
+def create_step_runner(server_args: ServerArgs, model_path: str,
+                       make_target: Optional[Callable[[int], Any]] = None):
+    """The scheduler's step runner: the target's, with a drafter when the algorithm has one.
+    `make_target(extra_kv_bytes_per_token)` builds the target's runner, its KV pool sized beside a
+    drafter's pool of the same slots: one device's ModelRunner by default; the scheduler passes rank 0's
+    of a split model (distributed/runner.py, which starts the other ranks)."""
+    if make_target is None:
+        def make_target(extra: int) -> ModelRunner:
+            return ModelRunner(server_args, model_path, extra_kv_bytes_per_token=extra)
     algo = server_args.speculative_algorithm
     if algo not in ("STANDALONE", "EAGLE", "EAGLE3"):
-        runner = _target_runner(server_args, model_path, 0)
+        runner = make_target(0)
         if algo is not None:
             _capture_verify_graphs(runner, server_args, ())
         return runner
@@ -106,7 +113,7 @@ def create_step_runner(server_args: ServerArgs, model_path: str):
     # (an EAGLE head beside a split target: rank 0's whole embedding and LM head, read before the pool is sized)
     whole = (WholeVocabulary.read(model_path, target_cfg, server_args.load_format, dtype, device)
              if algo != "STANDALONE" and server_args.world_size() > 1 else None)
-    target = _target_runner(server_args, model_path, KVPool.bytes_per_token(*kv_shape, dtype))
+    target = make_target(KVPool.bytes_per_token(*kv_shape, dtype))
     rows = target.max_running_requests + 1
     pool = KVPool(target.max_total_tokens + rows * scratch, *kv_shape, dtype, device)
     view = _BackendView(device, draft_cfg, server_args)
@@ -121,16 +128,6 @@ def create_step_runner(server_args: ServerArgs, model_path: str):
     logger.info("speculative decoding: %s drafter from %s (steps %d, top-k %d, %d tokens per verify)", algo,
                 draft_path, steps, topk, nodes)
     return SpecRunner(target, drafter)
-
-
-def _target_runner(server_args: ServerArgs, model_path: str, extra_kv_bytes_per_token: int):
-    """The target's runner: one device's ModelRunner, or rank 0 of the model split over tp_size x pp_size
-    ranks (which starts the others). `extra_kv_bytes_per_token`: a drafter's KV pool of the same slots."""
-    if server_args.world_size() > 1:
-        from ..distributed.runner import start_group
-
-        return start_group(server_args, model_path, extra_kv_bytes_per_token)
-    return ModelRunner(server_args, model_path, extra_kv_bytes_per_token=extra_kv_bytes_per_token)
 
 
 def _capture_verify_graphs(runner: Any, sa: ServerArgs, capture_layers: tuple) -> None:

@@ -64,11 +64,21 @@ to which this adds when the model and the tokenizer were done."""
 
     with ThreadPoolExecutor(1, thread_name_prefix="plait-tokenizer") as pool:
         tokenizer = pool.submit(timed_tokenizer)
-        runner = create_step_runner(server_args, model_path)
+        runner = create_step_runner(server_args, model_path, _split_target(server_args, model_path))
         marks["model"] = time.time()
         scheduler = Scheduler(server_args, runner, tokenizer.result())
     scheduler.startup_marks.update(marks)
     return scheduler
+
+
+def _split_target(server_args: ServerArgs, model_path: str):
+    """For a model split over tp_size x pp_size ranks: what builds rank 0's runner (starting the other
+    ranks), its KV pool sized beside a drafter's; None on one device."""
+    if server_args.world_size() == 1:
+        return None
+    from ..distributed.runner import start_group
+
+    return lambda extra_kv_bytes_per_token: start_group(server_args, model_path, extra_kv_bytes_per_token)
 
 
 class Scheduler:
