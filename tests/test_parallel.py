@@ -135,33 +135,22 @@ def test_tp2_gives_what_one_device_gives(llama_engines, one_device_outputs):
     assert info["tp_size"] == 2 and info["max_total_tokens"] == 4096
 
 
-def test_tp2_with_ngram_drafts_gives_what_one_device_gives(folders, one_device_outputs):
-    # Every rank runs the VERIFY steps rank 0 plans (ModelRunner.follow). Greedy outputs and logprobs as one
-    # device without speculation; grammar drafts off, so that the regex request jumps forward as there (with
-    # them its output is plain constrained decoding's, which jump-forward's retokenizing can differ from).
-    ranks = Ranks(Engine(folders["llama"], tp_size=2, speculative_algorithm="NGRAM", speculative_grammar_drafts="off",
-                         **SMALL), expected_children=1)
-    try:
-        got = run_workload(ranks.engine)
-        stats = ranks.engine.get_stats()
-    finally:
-        ranks.shutdown()
-    assert_same_outputs(got, one_device_outputs)
-    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
-
-
 @pytest.mark.parametrize("algo, draft, shape", [
+    ("NGRAM", None, {}),
     ("STANDALONE", "llama", {}),  # the target as its own draft: nearly every draft accepted
     ("STANDALONE", "llama draft", dict(speculative_eagle_topk=2, speculative_num_steps=3, speculative_num_draft_tokens=6)),
     ("EAGLE", "llama eagle", dict(speculative_eagle_topk=2, speculative_num_steps=2, speculative_num_draft_tokens=4)),
     ("EAGLE3", "llama eagle3", {}),
-], ids=["standalone self chain", "standalone other tree", "eagle tree", "eagle3 chain"])
-def test_tp2_with_a_drafter_gives_what_one_device_gives(folders, one_device_outputs, algo, draft, shape):
-    # The drafter runs whole on rank 0 beside its shard (an EAGLE head with rank 0's whole copy of the
-    # embedding and LM head); every rank scores the VERIFY steps it drafts.
+], ids=["ngram", "standalone self chain", "standalone other tree", "eagle tree", "eagle3 chain"])
+def test_tp2_with_speculation_gives_what_one_device_gives(folders, one_device_outputs, algo, draft, shape):
+    # Every rank runs the VERIFY steps rank 0 plans (ModelRunner.follow). A drafter runs whole on rank 0
+    # beside its shard (an EAGLE head with rank 0's whole copy of the embedding and LM head). Greedy outputs
+    # and logprobs as one device without speculation; grammar drafts off, so that the regex request jumps
+    # forward as there (with them its output is plain constrained decoding's, which jump-forward's
+    # retokenizing can differ from).
     ranks = Ranks(Engine(folders["llama"], tp_size=2, speculative_algorithm=algo,
-                         speculative_draft_model_path=folders[draft], speculative_grammar_drafts="off", **shape,
-                         **SMALL), expected_children=1)
+                         speculative_draft_model_path=folders[draft] if draft else None,
+                         speculative_grammar_drafts="off", **shape, **SMALL), expected_children=1)
     try:
         got = run_workload(ranks.engine)
         stats = ranks.engine.get_stats()
