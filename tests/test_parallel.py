@@ -233,16 +233,22 @@ def test_tp2_over_two_nodes_with_a_replicated_kv_head(folders, tmp_path):
             node1.wait()
 
 
-def test_default_model_at_tp3(hf_default_model, default_tokenizer):
+@pytest.mark.parametrize("drafts", [False, True], ids=["plain", "standalone draft"])
+def test_default_model_at_tp3(hf_default_model, default_tokenizer, default_model_path, drafts):
+    # Real weights split three ways, alone and with a STANDALONE draft model (the model itself, whole on
+    # rank 0): transformers' greedy tokens either way.
     prompts = ["The capital of France is", "Write a haiku about the sea:", "1, 2, 3, 4,"]
-    ranks = Ranks(Engine(tp_size=3, num_threads=1, max_total_tokens=4096), expected_children=2)
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=default_model_path) if drafts else {}
+    ranks = Ranks(Engine(tp_size=3, num_threads=1, max_total_tokens=4096, **spec), expected_children=2)
     try:
         outs = ranks.engine.generate(prompts, greedy(16))
+        stats = ranks.engine.get_stats()
     finally:
         ranks.shutdown()
     for prompt, out in zip(prompts, outs):
         ids = default_tokenizer.encode(prompt)
         assert out["output_ids"] == hf_greedy(hf_default_model, ids, 16, eos_ids=[default_tokenizer.eos_token_id])
+    assert (stats["spec_accepted_tokens"] > 0) == drafts, stats
 
 
 def test_a_model_that_does_not_split_is_refused_before_any_process_starts(folders):
