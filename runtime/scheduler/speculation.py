@@ -227,16 +227,11 @@ class Speculation:
         (prompt lookup, a drafter) in a `small` batch. NOTE: grammar drafts are on by default, so a
         server without a speculative algorithm gets here too: its unconstrained requests never draft,
         and must not keep their decode steps from being launched ahead."""
-        if not self._eligible(r) or (r.spec is not None and r.spec.sit_out > 0 and not self._verify_all()):
+        if not self._eligible(r) or (r.spec is not None and r.spec.sit_out > 0):
             return False
         if self.grammar_drafts is not None and r.grammar is not None:
             return True
         return small and (self.settings.ngram or self.settings.model_drafts)
-
-    def _verify_all(self) -> bool:
-        """Whether the guard runs the batch verifying every proposal: no request sits out either (its
-        sit-out is the cost model's kind of caution, which ALL is measured without)."""
-        return self.guard is not None and self._arm is Arm.ALL
 
     def _forced_drafts_possible(self, reqs: list[Req]) -> bool:
         """Whether a request's grammar may force text at any step (its drafts would be lost to a pause)."""
@@ -310,7 +305,7 @@ class Speculation:
         # Drafts past the request's budget or the context would be thrown away (the target's own next
         # token comes with them): at most remaining - 1, and the tree must fit in the context.
         room = min(r.remaining_new_tokens() - 1, self.context_len - r.seq_len)
-        n = min(state.allowed_drafts(sit_out=not self._verify_all()), room)  # the adaptive length (0 while sitting out)
+        n = min(state.allowed_drafts(), room)  # the adaptive length (0 while sitting out)
         s = self.settings
         by_grammar = self.grammar_drafts is not None and r.grammar is not None
         if by_grammar:

@@ -60,13 +60,11 @@ class RequestSpecState:
             out.append(p)
         return out
 
-    def allowed_drafts(self, sit_out: bool = True) -> int:
-        """Drafts this step may propose (0 while sitting out, unless not `sit_out`); one decode step counts
-        down the sit-out."""
+    def allowed_drafts(self) -> int:
+        """Drafts this step may propose (0 while sitting out); one decode step counts down the sit-out."""
         if self.sit_out > 0:
             self.sit_out -= 1
-            if sit_out:
-                return 0
+            return 0
         return self.draft_len
 
     def skip_step(self) -> None:
