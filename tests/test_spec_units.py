@@ -342,3 +342,25 @@ def test_a_guard_stretch_cut_short_counts_up_to_its_last_decision():
     g.interrupt()  # a prefill mid-stretch
     # (OFF looks better: both are measured again before it is run)
     assert g.report() == {1: {"weighed": 100.0, "off": 300.0, "best": None}}
+
+
+def test_an_eagle_head_beside_a_split_target_needs_the_targets_embedding(tmp_path):
+    # Rank 0's whole copy of the embedding and LM head is read from the target's checkpoint: one without an
+    # embedding is refused, naming what is missing; a tied one serves as both.
+    from safetensors.torch import save_file
+
+    from plait.runtime.executor.spec_runner import WholeVocabulary
+    from plait.runtime.models.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=16, hidden_size=4,
+                                     intermediate_size=8, num_hidden_layers=1,
+                                     num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=True))
+    save_file({"lm_head.weight": torch.ones(16, 4)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="has no model.embed_tokens.weight"):
+        WholeVocabulary.read(str(tmp_path), cfg, "auto", torch.float32, "cpu")
+    emb = torch.randn(16, 4)
+    save_file({"model.embed_tokens.weight": emb}, str(tmp_path / "model.safetensors"))
+    whole = WholeVocabulary.read(str(tmp_path), cfg, "auto", torch.float32, "cpu")
+    hidden = torch.randn(3, 4)
+    torch.testing.assert_close(whole.compute_logits(hidden), hidden @ emb.t())
+    torch.testing.assert_close(whole.embed_tokens(torch.tensor([2, 5])), emb[[2, 5]])

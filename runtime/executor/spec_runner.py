@@ -168,6 +168,9 @@ class WholeVocabulary:
                     for name in st.keys():
                         if name in ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight"):
                             found[name.removeprefix("model.")] = st.get_tensor(name)
+            if "embed_tokens.weight" not in found:
+                raise ValueError(f"speculative_algorithm EAGLE with tp_size > 1 reads the target's embedding from "
+                                 f"its checkpoint, and {model_path!r} has no model.embed_tokens.weight")
             embedding = found["embed_tokens.weight"]
             head = found.get("lm_head.weight", embedding)  # none: tied to the embedding
         embedding = embedding.to(dtype=dtype, device=device)

@@ -22,11 +22,12 @@ last (at a decision every earlier step has been read back: the counts are exact)
 size times the harmonic mean of its requests' own rates, not their sum: each request's user waits on his
 own tokens, and a batch run to its end waits on its slowest. Drafts accepted by one request (its output
 loops, it copies) while the others accept none raise the sum, yet every request still pays the verify
-steps' cost; the sum then picked verifying at batch 8 on an H200 where it made the batch 5% slower. It ends after its
-length in steps, or earlier where the batch changes (a request finished or joined) or a prefill runs:
-then it counts up to its last decision. That matters where requests run one at a time: drafts come in
-bursts (a request copying its prompt writes 60 tokens in 5 steps and ends), and stretches thrown away
-at each request's end would see only the steps between bursts. Each arm's rate is its decayed tokens
+steps' cost; the sum then picked verifying at batch 8 on an H200 where it made the batch 5% slower.
+
+A stretch ends after its length in steps, or earlier where the batch changes (a request finished or
+joined) or a prefill runs: then it counts up to its last decision. That matters where requests run one
+at a time: drafts come in bursts (a request copying its prompt writes 60 tokens in 5 steps and ends),
+and stretches thrown away at each request's end would see only the steps between bursts. Each arm's rate is its decayed tokens
 over its decayed seconds, per batch size: a long stretch weighs more than a short one.
 
 Each batch size runs its best arm and probes the others now and then so a change of workload is seen:
@@ -135,10 +136,14 @@ class _Stretch:
     def done(self) -> bool:
         return self.steps >= self.length
 
+    def _gains(self) -> list:
+        """Each request's output tokens from its first decision to its last."""
+        return [b - a for a, b in zip(self.tokens, self.last_tokens)]
+
     def gained(self) -> float:
-        """The tokens it delivered to its first and last decision, as the batch size times the harmonic
-        mean of what each request gained (a request that gained nothing makes it 0)."""
-        gains = [b - a for a, b in zip(self.tokens, self.last_tokens)]
+        """The tokens it delivered, as the batch size times the harmonic mean of what each request gained
+        (a request that gained nothing makes it 0)."""
+        gains = self._gains()
         if min(gains) <= 0:
             return 0.0
         return len(gains) ** 2 / sum(1.0 / g for g in gains)
@@ -146,7 +151,7 @@ class _Stretch:
     def accepted(self) -> int:
         """The drafts accepted to its last decision: every step read back by then gave each request one
         token and its accepted drafts."""
-        return sum(b - a for a, b in zip(self.tokens, self.last_tokens)) - len(self.rids) * self.last_steps
+        return sum(self._gains()) - len(self.rids) * self.last_steps
 
 
 class SpeculationGuard:
