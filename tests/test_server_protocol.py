@@ -244,7 +244,7 @@ def test_every_server_flag_explains_itself_in_help(capsys):
     import dataclasses
 
     from plait.runtime.cli import build_parser
-    from plait.runtime.server_args import CLI_HELP
+    from plait.runtime.cli_flags import CLI_HELP
 
     assert set(CLI_HELP) == {f.name for f in dataclasses.fields(ServerArgs)}  # a new setting needs its line
     with pytest.raises(SystemExit):
