@@ -30,8 +30,11 @@ def load_kernels(path: str) -> list[tuple[float, float, str]]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    out = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    out = [
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")
+    ]
     return sorted(out)
 
 
@@ -47,8 +50,13 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--idle-over-us", type=float, default=20.0, help="gaps longer than this count as idle")
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--segments", type=float, default=None, metavar="MS",
-                    help="also report the pieces of the run between idle gaps longer than MS milliseconds")
+    ap.add_argument(
+        "--segments",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="also report the pieces of the run between idle gaps longer than MS milliseconds",
+    )
     args = ap.parse_args()
     kernels = load_kernels(args.trace)
     if args.segments is not None:
@@ -78,9 +86,11 @@ def main() -> None:
     span = kernels[-1][1] - kernels[0][0]
     print(f"{len(kernels)} device events over {span / 1e6:.3f} s")
     for ph in busy:
-        print(f"  {ph:8s} busy {busy[ph] / 1e6:8.3f} s  gaps {gaps[ph] / 1e6:7.3f} s "
-              f"(of which over {args.idle_over_us:.0f} us: "
-              f"{sum(v for k, v in long_gaps.items() if k[0] == ph) / 1e6:.3f} s)")
+        print(
+            f"  {ph:8s} busy {busy[ph] / 1e6:8.3f} s  gaps {gaps[ph] / 1e6:7.3f} s "
+            f"(of which over {args.idle_over_us:.0f} us: "
+            f"{sum(v for k, v in long_gaps.items() if k[0] == ph) / 1e6:.3f} s)"
+        )
     print(f"longest-summed gaps over {args.idle_over_us:.0f} us (phase, kernel before -> kernel after):")
     for key, us in long_gaps.most_common(args.top):
         print(f"  {us / 1e3:9.1f} ms  {long_count[key]:6d}x  {key[0]}: {key[1]} -> {key[2]}")
@@ -89,8 +99,14 @@ def main() -> None:
         print(f"  {us / 1e3:9.1f} ms  {ph}: {name}")
 
 
-KINDS = (("_extend_attention", "prefill attention"), ("_decode_stage", "decode attention"), ("gemm", "matmul"),
-         ("nvjet", "matmul"), ("cutlass", "matmul"), ("gemv", "matmul"))
+KINDS = (
+    ("_extend_attention", "prefill attention"),
+    ("_decode_stage", "decode attention"),
+    ("gemm", "matmul"),
+    ("nvjet", "matmul"),
+    ("cutlass", "matmul"),
+    ("gemv", "matmul"),
+)
 
 
 def kind_of(name: str) -> str:
@@ -117,8 +133,10 @@ def print_segments(kernels: list[tuple[float, float, str]], split_us: float) -> 
             end = max(end, stop)
         wall = end - piece[0][0]
         kinds = "  ".join(f"{kind} {us / 1e3:.1f}" for kind, us in sorted(by_kind.items()))
-        print(f"  {i:3d}: wall {wall / 1e3:8.1f}  kernels {len(piece):6d}  {kinds}  gaps inside {inner_gaps / 1e3:.1f}"
-              f"  then idle {gap_after / 1e3:.1f}")
+        print(
+            f"  {i:3d}: wall {wall / 1e3:8.1f}  kernels {len(piece):6d}  {kinds}  gaps inside {inner_gaps / 1e3:.1f}"
+            f"  then idle {gap_after / 1e3:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ import tempfile
 import time
 
 import torch
-
 from bench_common import save  # noqa: E402 (benchmarks/ is on sys.path)
 from bench_host_overhead import DeviceTimer, GcClock, make_tiny_model  # noqa: E402
 from sim_device import SimulatedDevice  # noqa: E402
@@ -60,8 +59,16 @@ def make_round(rng: random.Random, shared: list[int], n: int, unique: int, vocab
     return [shared + [rng.randrange(100, vocab) for _ in range(unique)] for _ in range(n)]
 
 
-def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_prefix: str,
-              profiler=None, generated: dict | None = None, sim: SimulatedDevice | None = None) -> dict:
+def run_round(
+    s,
+    timer: DeviceTimer,
+    prompts: list[list[int]],
+    n_out: int,
+    rid_prefix: str,
+    profiler=None,
+    generated: dict | None = None,
+    sim: SimulatedDevice | None = None,
+) -> dict:
     """Submit `prompts` (pickled messages, as over ZMQ) and step until idle; host seconds per phase.
     With `generated`, each request's output ids are gathered there under its index (outside the timing).
     With `sim`, also the modeled device's busy seconds and the wall time without the stubbed forward."""
@@ -69,8 +76,13 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
     from plait.runtime.sampling_params import SamplingParams
 
     sp = SamplingParams(max_new_tokens=n_out, ignore_eos=True, temperature=0)
-    wire = [pickle.dumps(TokenizedGenerateReq(rid=f"{rid_prefix}{i}", input_ids=ids, sampling_params=sp),
-                         protocol=pickle.HIGHEST_PROTOCOL) for i, ids in enumerate(prompts)]
+    wire = [
+        pickle.dumps(
+            TokenizedGenerateReq(rid=f"{rid_prefix}{i}", input_ids=ids, sampling_params=sp),
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        for i, ids in enumerate(prompts)
+    ]
     before = dict(s.timer.phases)
     gc_clock = GcClock()
     finished_before = s.stats["num_finished"]
@@ -97,7 +109,7 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
         stepped += t_out - t
         if generated is not None:
             for o in outs:
-                generated.setdefault(int(o.rid[len(rid_prefix):]), []).extend(o.new_ids)
+                generated.setdefault(int(o.rid[len(rid_prefix) :]), []).extend(o.new_ids)
         finished += sum(o.finished_reason is not None for o in outs)
         steps += 1
     wall = time.perf_counter() - t0
@@ -111,8 +123,17 @@ def run_round(s, timer: DeviceTimer, prompts: list[list[int]], n_out: int, rid_p
     gc_clock.stop()
     admit = s.timer.phases["admit"] - before["admit"]
     results = s.timer.phases["results"] - before["results"]
-    res = {"intake": intake, "admit": admit, "results": results, "outputs": outputs,
-           "run": stepped - admit - results - device, "forward_stub": device, "gc": gc_s, "wall": wall, "steps": steps}
+    res = {
+        "intake": intake,
+        "admit": admit,
+        "results": results,
+        "outputs": outputs,
+        "run": stepped - admit - results - device,
+        "forward_stub": device,
+        "gc": gc_s,
+        "wall": wall,
+        "steps": steps,
+    }
     if sim is not None:
         # NOTE: the phases stay host work: waiting for the modeled device while reading a step back
         # (inside "results") or running one synchronously (inside "run") is taken out of them. The
@@ -138,8 +159,13 @@ def make_scheduler(folder: str, args):
     cfg["max_position_embeddings"] = 4096  # the prompts are up to ~2,050 tokens long
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
-    sa = ServerArgs(model_path=model_dir, load_format="dummy", device="cpu",
-                    max_running_requests=args.max_running_requests, max_total_tokens=args.max_total_tokens)
+    sa = ServerArgs(
+        model_path=model_dir,
+        load_format="dummy",
+        device="cpu",
+        max_running_requests=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens,
+    )
     s = create_scheduler(sa, model_dir)
     process.freeze_startup_heap()  # as the scheduler process does after start-up
     s.pipeline.overlap = True  # the GPU's decode path (synchronous on the CPU)
@@ -155,10 +181,15 @@ SIM_KEYS = ("sim_device", "sim_wait", "sim_wall", "sim_idle")
 
 
 def print_round(name: str, res: dict) -> None:
-    sim = (f", device {1e3 * res['sim_device']:.1f} of {1e3 * res['sim_wall']:.1f} ms busy"
-           if "sim_device" in res else "")
-    print(f"{name}: " + "  ".join(f"{n} {1e3 * res[n]:.1f}" for n in PHASES)
-          + f"  ms (gc {1e3 * res['gc']:.1f}, wall {1e3 * res['wall']:.1f}, {res['steps']} steps{sim})", flush=True)
+    sim = (
+        f", device {1e3 * res['sim_device']:.1f} of {1e3 * res['sim_wall']:.1f} ms busy" if "sim_device" in res else ""
+    )
+    print(
+        f"{name}: "
+        + "  ".join(f"{n} {1e3 * res[n]:.1f}" for n in PHASES)
+        + f"  ms (gc {1e3 * res['gc']:.1f}, wall {1e3 * res['wall']:.1f}, {res['steps']} steps{sim})",
+        flush=True,
+    )
 
 
 def medians(rounds: list[dict]) -> dict:
@@ -171,10 +202,15 @@ def print_table(med: dict) -> float:
     print(f"{'phase':>8} {'host ms':>8}")
     for n in PHASES:
         print(f"{n:>8} {med[n]:>8.2f}")
-    print(f"{'total':>8} {host:>8.2f}   (stubbed forward {med['forward_stub']:.1f} ms, gc {med['gc']:.1f} ms, wall {med['wall']:.1f} ms)")
+    print(
+        f"{'total':>8} {host:>8.2f}   (stubbed forward {med['forward_stub']:.1f} ms, gc "
+        f"{med['gc']:.1f} ms, wall {med['wall']:.1f} ms)"
+    )
     if "sim_device" in med:
-        print(f"modeled device: busy {med['sim_device']:.1f} of {med['sim_wall']:.1f} ms "
-              f"({100 * med['sim_device'] / med['sim_wall']:.1f}%), idle {med['sim_idle']:.1f} ms")
+        print(
+            f"modeled device: busy {med['sim_device']:.1f} of {med['sim_wall']:.1f} ms "
+            f"({100 * med['sim_device'] / med['sim_wall']:.1f}%), idle {med['sim_idle']:.1f} ms"
+        )
     return host
 
 
@@ -198,19 +234,37 @@ def bench_fewshot(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | 
     for k in range(args.rounds + 1):  # round 0 warms up the code paths and is not counted
         assert s.control.handle(_flush()) is True
         run_round(s, timer, make_round(rng, shared, 1, unique, args.vocab), output, f"w{k}-", sim=sim)
-        res = run_round(s, timer, make_round(rng, shared, args.requests, unique, args.vocab),
-                        output, f"r{k}-", profiler if k else None, sim=sim)
+        res = run_round(
+            s,
+            timer,
+            make_round(rng, shared, args.requests, unique, args.vocab),
+            output,
+            f"r{k}-",
+            profiler if k else None,
+            sim=sim,
+        )
         check(s)
         if k:
             rounds.append(res)
         print_round(f"round {k}", res)
     med = medians(rounds)
-    print(f"\nfewshot round on the CPU: {args.requests} x ({prefix} shared + {unique}) tokens, "
-          f"{output} out; medians of {len(rounds)} rounds")
+    print(
+        f"\nfewshot round on the CPU: {args.requests} x ({prefix} shared + {unique}) tokens, "
+        f"{output} out; medians of {len(rounds)} rounds"
+    )
     host = print_table(med)
-    return {"bench": "admission", "machine": platform.node(), "requests": args.requests, "prefix": prefix,
-            "unique": unique, "output": output, "rounds": len(rounds),
-            "median_ms": med, "host_ms_total": host, "per_round_ms": per_round_ms(rounds)}
+    return {
+        "bench": "admission",
+        "machine": platform.node(),
+        "requests": args.requests,
+        "prefix": prefix,
+        "unique": unique,
+        "output": output,
+        "rounds": len(rounds),
+        "median_ms": med,
+        "host_ms_total": host,
+        "per_round_ms": per_round_ms(rounds),
+    }
 
 
 def bench_tree(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | None = None) -> dict:
@@ -239,18 +293,27 @@ def bench_tree(s, timer: DeviceTimer, args, profiler, sim: SimulatedDevice | Non
             per_round[0].append(res1), per_round[1].append(res2)
         print_round(f"rep {k} round 1", res1)
         print_round(f"rep {k} round 2", res2)
-    n1, n2 = args.roots * args.branches, args.roots * args.branches ** 2
-    out = {"bench": "admission_tree", "machine": platform.node(), "roots": args.roots, "branches": args.branches,
-           "prefix": prefix, "unique": unique, "output": output, "rounds": len(per_round[0]), "median_ms": {},
-           "host_ms_total": {}, "per_round_ms": {}}
+    n1, n2 = args.roots * args.branches, args.roots * args.branches**2
+    out = {
+        "bench": "admission_tree",
+        "machine": platform.node(),
+        "roots": args.roots,
+        "branches": args.branches,
+        "prefix": prefix,
+        "unique": unique,
+        "output": output,
+        "rounds": len(per_round[0]),
+        "median_ms": {},
+        "host_ms_total": {},
+        "per_round_ms": {},
+    }
     for name, rounds, n in (("round1", per_round[0], n1), ("round2", per_round[1], n2)):
         med = medians(rounds)
         print(f"\ntree {name} on the CPU: {n} requests, {output} out; medians of {len(rounds)} repetitions")
         out["median_ms"][name], out["per_round_ms"][name] = med, per_round_ms(rounds)
         out["host_ms_total"][name] = print_table(med)
     both = {n: out["median_ms"]["round1"][n] + out["median_ms"]["round2"][n] for n in PHASES}
-    print("\nboth rounds: " + "  ".join(f"{n} {both[n]:.1f}" for n in PHASES)
-          + f"  total {sum(both.values()):.1f} ms")
+    print("\nboth rounds: " + "  ".join(f"{n} {both[n]:.1f}" for n in PHASES) + f"  total {sum(both.values()):.1f} ms")
     if sim is not None:
         dev, wall = (sum(out["median_ms"][r][k] for r in ("round1", "round2")) for k in ("sim_device", "sim_wall"))
         print(f"modeled device, both rounds: busy {dev:.1f} of {wall:.1f} ms ({100 * dev / wall:.1f}%)")
@@ -262,7 +325,8 @@ def device_summary(res: dict) -> dict:
     med = res["median_ms"]
     meds = [med] if "sim_device" in med else list(med.values())
     return {k: sum(m[k] for m in meds) for k in ("sim_device", "sim_wall", "sim_idle")} | {
-        "host": sum(m[n] for m in meds for n in PHASES)}
+        "host": sum(m[n] for m in meds for n in PHASES)
+    }
 
 
 def main() -> None:
@@ -281,12 +345,19 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions by tottime")
     p.add_argument("--tag", default="", help="suffix of the saved JSON name")
     p.add_argument("--sim-device", action="store_true", help="a modeled GPU behind the stubbed forward")
-    p.add_argument("--sim-prefill-us-per-token", type=float, default=25.0,
-                   help="modeled prefill time per new token (H200, llama-3.1-8b: ~25 us)")
+    p.add_argument(
+        "--sim-prefill-us-per-token",
+        type=float,
+        default=25.0,
+        help="modeled prefill time per new token (H200, llama-3.1-8b: ~25 us)",
+    )
     p.add_argument("--sim-decode-us-per-row", type=float, default=33.0, help="modeled decode time per request")
     p.add_argument("--sim-step-ms", type=float, default=3.0, help="modeled fixed time of every step")
-    p.add_argument("--compare-pipeline", action="store_true",
-                   help="run the rounds with prefill pipelining off, then on (implies --sim-device)")
+    p.add_argument(
+        "--compare-pipeline",
+        action="store_true",
+        help="run the rounds with prefill pipelining off, then on (implies --sim-device)",
+    )
     args = p.parse_args()
     if args.compare_pipeline:
         args.sim_device = True
@@ -297,8 +368,13 @@ def main() -> None:
         s = make_scheduler(folder, args)
         timer = DeviceTimer(s.runner, stub=True)
         profiler = cProfile.Profile() if args.profile else None
-        sim = (SimulatedDevice(s.runner, timer, args.sim_prefill_us_per_token, args.sim_step_ms,
-                               args.sim_decode_us_per_row) if args.sim_device else None)
+        sim = (
+            SimulatedDevice(
+                s.runner, timer, args.sim_prefill_us_per_token, args.sim_step_ms, args.sim_decode_us_per_row
+            )
+            if args.sim_device
+            else None
+        )
         bench = bench_tree if args.workload == "tree" else bench_fewshot
         if args.compare_pipeline:
             res = {"bench": f"{'admission_tree' if args.workload == 'tree' else 'admission'}_pipeline"}
@@ -310,8 +386,10 @@ def main() -> None:
             print(f"{'prefills':>9} {'host':>8} {'wall':>8} {'device':>8} {'idle':>8} {'busy':>6}")
             for key in ("pipeline_off", "pipeline_on"):
                 d = res[key]["device_summary"] = device_summary(res[key])
-                print(f"{key[9:]:>9} {d['host']:>8.1f} {d['sim_wall']:>8.1f} {d['sim_device']:>8.1f} "
-                      f"{d['sim_idle']:>8.1f} {100 * d['sim_device'] / d['sim_wall']:>5.1f}%")
+                print(
+                    f"{key[9:]:>9} {d['host']:>8.1f} {d['sim_wall']:>8.1f} {d['sim_device']:>8.1f} "
+                    f"{d['sim_idle']:>8.1f} {100 * d['sim_device'] / d['sim_wall']:>5.1f}%"
+                )
         else:
             res = bench(s, timer, args, profiler, sim)
         timer.restore()

@@ -42,8 +42,13 @@ from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool  # noqa: E4
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE, DEV = torch.bfloat16, "cuda"
-CASES = {"fewshot": (256, 2000, 60, 1), "tree": (320, 1000, 150, 20), "long": (64, 4000, 100, 1),
-         "none": (256, 0, 600, 0), "none16": (16, 0, 600, 0)}  # name: (batch, prefix, suffix, groups)
+CASES = {
+    "fewshot": (256, 2000, 60, 1),
+    "tree": (320, 1000, 150, 20),
+    "long": (64, 4000, 100, 1),
+    "none": (256, 0, 600, 0),
+    "none16": (16, 0, 600, 0),
+}  # name: (batch, prefix, suffix, groups)
 
 
 def build_case(batch, prefix, suffix, groups, layers, seed=0):
@@ -60,11 +65,11 @@ def build_case(batch, prefix, suffix, groups, layers, seed=0):
     for buf in kv.k_buffer + kv.v_buffer:
         buf.normal_()
     r2t = ReqToTokenPool(batch + 1, max(seq_lens) + 8, DEV)
-    shared = [slots[g * prefix:(g + 1) * prefix] for g in range(groups)]
+    shared = [slots[g * prefix : (g + 1) * prefix] for g in range(groups)]
     at = prefix * max(groups, 1) if groups else 0
     rows = (rng.permutation(batch) + 1).tolist()
     for i, (row, s) in enumerate(zip(rows, suffixes.tolist())):
-        own = slots[at:at + s]
+        own = slots[at : at + s]
         at += s
         row_slots = np.concatenate([shared[i % groups], own]) if groups else own
         r2t.write(row, 0, torch.from_numpy(row_slots).to(DEV))
@@ -73,19 +78,28 @@ def build_case(batch, prefix, suffix, groups, layers, seed=0):
 
 def make_backend(disable, prefix_config=None):
     cfg = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
-    runner = types.SimpleNamespace(device=DEV, model_config=cfg,
-                                   server_args=types.SimpleNamespace(disable_cascade_attention=disable))
+    runner = types.SimpleNamespace(
+        device=DEV, model_config=cfg, server_args=types.SimpleNamespace(disable_cascade_attention=disable)
+    )
     return TritonAttnBackend(runner, prefix_config=prefix_config)
 
 
 def make_fb(backend, kv, r2t, rows, seq_lens):
     b = len(rows)
     return ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=torch.zeros(b, dtype=torch.long, device=DEV),
-        positions=torch.tensor(seq_lens, device=DEV) - 1, req_pool_indices=torch.tensor(rows, device=DEV),
-        seq_lens=torch.tensor(seq_lens, device=DEV), out_cache_loc=torch.zeros(b, dtype=torch.long, device=DEV),
-        seq_lens_cpu=list(seq_lens), req_to_token_pool=r2t, kv_pool=kv, attn_backend=backend,
-        req_pool_indices_cpu=np.asarray(rows, dtype=np.int64))
+        forward_mode=ForwardMode.DECODE,
+        batch_size=b,
+        input_ids=torch.zeros(b, dtype=torch.long, device=DEV),
+        positions=torch.tensor(seq_lens, device=DEV) - 1,
+        req_pool_indices=torch.tensor(rows, device=DEV),
+        seq_lens=torch.tensor(seq_lens, device=DEV),
+        out_cache_loc=torch.zeros(b, dtype=torch.long, device=DEV),
+        seq_lens_cpu=list(seq_lens),
+        req_to_token_pool=r2t,
+        kv_pool=kv,
+        attn_backend=backend,
+        req_pool_indices_cpu=np.asarray(rows, dtype=np.int64),
+    )
 
 
 def capture(backend, kv, r2t, rows, seq_lens, q, layers):
@@ -94,7 +108,7 @@ def capture(backend, kv, r2t, rows, seq_lens, q, layers):
     backend.init_cuda_graph_state(bs)
     fb = make_fb(backend, kv, r2t, rows, seq_lens)
     backend.init_forward_metadata_capture_cuda_graph(fb)
-    specs = [AttentionLayerSpec(i, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5) for i in range(layers)]
+    specs = [AttentionLayerSpec(i, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5) for i in range(layers)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -149,16 +163,25 @@ def host_times(backend, kv, r2t, rows, seq_lens, reps=50):
         t0 = time.perf_counter()
         backend.init_forward_metadata_replay_cuda_graph(fewer)
         t_sub.append(time.perf_counter() - t0)
-    return {"host_group_us": recompute, "host_replay_cached_us": cached_hook,
-            "host_replay_one_left_us": float(np.median(t_sub)) * 1e6}
+    return {
+        "host_group_us": recompute,
+        "host_replay_cached_us": cached_hook,
+        "host_replay_one_left_us": float(np.median(t_sub)) * 1e6,
+    }
 
 
 def run_case(name, layers, prefix_config=None, with_plain=True):
     batch, prefix, suffix, groups = CASES[name]
     kv, r2t, rows, seq_lens = build_case(batch, prefix, suffix, groups, layers)
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
-    row = {"case": name, "batch": batch, "prefix": prefix, "suffix": suffix, "groups": groups,
-           "mean_context": float(np.mean(seq_lens))}
+    row = {
+        "case": name,
+        "batch": batch,
+        "prefix": prefix,
+        "suffix": suffix,
+        "groups": groups,
+        "mean_context": float(np.mean(seq_lens)),
+    }
     cas = make_backend(False, prefix_config)
     g_cas, outs_cas = capture(cas, kv, r2t, rows, seq_lens, q, layers)
     plan = cas._cascade.planner._plan
@@ -175,8 +198,11 @@ def run_case(name, layers, prefix_config=None, with_plain=True):
         row.update(host_times(cas, kv, r2t, rows, seq_lens))
         del g_plain, outs_plain, plain
     kv_bytes = 2 * sum(seq_lens) * KV_HEADS * HEAD_DIM * DTYPE.itemsize
-    unique = 2 * (prefix * max(groups, 1) + sum(s - prefix for s in seq_lens)) * KV_HEADS * HEAD_DIM * DTYPE.itemsize \
-        if groups else kv_bytes
+    unique = (
+        2 * (prefix * max(groups, 1) + sum(s - prefix for s in seq_lens)) * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+        if groups
+        else kv_bytes
+    )
     row["kv_gb_logical"], row["kv_gb_unique"] = kv_bytes / 1e9, unique / 1e9
     del g_cas, outs_cas, cas, kv, r2t
     torch.cuda.empty_cache()
@@ -185,21 +211,44 @@ def run_case(name, layers, prefix_config=None, with_plain=True):
 
 def sweep(layers):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    configs = [(64, 64, 4, 2, 2), (64, 64, 8, 2, 1), (64, 32, 4, 3, 3), (64, 32, 4, 2, 3), (128, 64, 8, 2, 1),
-               (128, 32, 8, 3, 1), (64, 64, 4, 3, 2), (64, 64, 4, 2, 4)]
+    configs = [
+        (64, 64, 4, 2, 2),
+        (64, 64, 8, 2, 1),
+        (64, 32, 4, 3, 3),
+        (64, 32, 4, 2, 3),
+        (128, 64, 8, 2, 1),
+        (128, 32, 8, 3, 1),
+        (64, 64, 4, 3, 2),
+        (64, 64, 4, 2, 4),
+    ]
     rows = []
     for name in ("fewshot", "tree", "long"):
         for bm, bn, warps, stages, per_sm in configs:
-            cfg = PrefixConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-                               num_programs=per_sm * sms, target_programs=4 * sms)
+            cfg = PrefixConfig(
+                block_m=bm,
+                block_n=bn,
+                num_warps=warps,
+                num_stages=stages,
+                num_programs=per_sm * sms,
+                target_programs=4 * sms,
+            )
             try:
                 r = run_case(name, layers, cfg, with_plain=False)
                 us = r["cascade_us_per_layer"]
             except Exception as exc:  # a config that does not compile (shared memory, registers)
                 us = float("nan")
                 print(f"  {name} {cfg}: {exc!r}"[:200])
-            rows.append({"case": name, "block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages,
-                         "programs_per_sm": per_sm, "cascade_us_per_layer": us})
+            rows.append(
+                {
+                    "case": name,
+                    "block_m": bm,
+                    "block_n": bn,
+                    "num_warps": warps,
+                    "num_stages": stages,
+                    "programs_per_sm": per_sm,
+                    "cascade_us_per_layer": us,
+                }
+            )
             print(f"sweep {name:8s} m{bm} n{bn} w{warps} s{stages} x{per_sm}/SM  {us:8.1f} us/layer")
     return rows
 
@@ -212,18 +261,26 @@ def main():
     args = ap.parse_args()
     names = ["fewshot", "none", "none16"] if args.quick else list(CASES)
     rows = [run_case(name, args.layers) for name in names]
-    print(f"\n{torch.cuda.get_device_name(0)}, Llama-3.1-8B shape ({HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, "
-          f"bf16), CUDA graphs of {args.layers} layers")
-    print(f"{'case':8s} {'batch':>5s} {'prefix':>6s} {'suffix':>6s} {'plain us':>9s} {'cascade us':>10s} "
-          f"{'speedup':>7s} {'step -ms':>8s} {'diff':>7s} {'group us':>8s} {'cached us':>9s} {'-1 req us':>9s}")
+    print(
+        f"\n{torch.cuda.get_device_name(0)}, Llama-3.1-8B shape ({HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, "
+        f"bf16), CUDA graphs of {args.layers} layers"
+    )
+    print(
+        f"{'case':8s} {'batch':>5s} {'prefix':>6s} {'suffix':>6s} {'plain us':>9s} {'cascade us':>10s} "
+        f"{'speedup':>7s} {'step -ms':>8s} {'diff':>7s} {'group us':>8s} {'cached us':>9s} {'-1 req us':>9s}"
+    )
     for r in rows:
-        print(f"{r['case']:8s} {r['batch']:5d} {r['prefix']:6d} {r['suffix']:6d} {r['plain_us_per_layer']:9.1f} "
-              f"{r['cascade_us_per_layer']:10.1f} {r['speedup']:6.2f}x {r['step_saving_ms_32_layers']:8.2f} "
-              f"{r['max_abs_diff']:7.4f} {r['host_group_us']:8.0f} {r['host_replay_cached_us']:9.0f} "
-              f"{r['host_replay_one_left_us']:9.0f}")
-    print("us = microseconds per layer (graph replay); step -ms = saving per 32-layer decode step; group us = host "
-          "time to find the groups (after a prefill); cached us / -1 req us = the replay hook's host time on a "
-          "repeated step / when one request left")
+        print(
+            f"{r['case']:8s} {r['batch']:5d} {r['prefix']:6d} {r['suffix']:6d} {r['plain_us_per_layer']:9.1f} "
+            f"{r['cascade_us_per_layer']:10.1f} {r['speedup']:6.2f}x {r['step_saving_ms_32_layers']:8.2f} "
+            f"{r['max_abs_diff']:7.4f} {r['host_group_us']:8.0f} {r['host_replay_cached_us']:9.0f} "
+            f"{r['host_replay_one_left_us']:9.0f}"
+        )
+    print(
+        "us = microseconds per layer (graph replay); step -ms = saving per 32-layer decode step; group us = host "
+        "time to find the groups (after a prefill); cached us / -1 req us = the replay hook's host time on a "
+        "repeated step / when one request left"
+    )
     result = {"device": torch.cuda.get_device_name(0), "layers": args.layers, "cases": rows}
     if args.sweep:
         result["sweep"] = sweep(args.layers)

@@ -71,8 +71,11 @@ def step_breakdown(before: dict, after: dict, seconds: float) -> dict:
 def format_breakdown(s: dict) -> str:
     p, d = s["prefill"], s["decode"]
     busy = s["device_busy_fraction"]
-    return (f"steps: prefill {p['steps']} ({p['tokens']} tokens, {p['mean_rows']:.1f} reqs each, wall {p['wall_s']:.2f} s, "
-            f"device {p['device_s']:.2f} s) | decode {d['steps']} (mean batch {d['mean_rows']:.1f}, wall {d['wall_s']:.2f} s, "
-            f"device {d['device_s']:.2f} s, pipeline restarts {s['decode_restarts']}) | device busy "
-            + (f"{busy:.1%}" if busy is not None else "n/a")
-            + "".join(f" | host {k} {v:.3f} s" for k, v in s.get("host_phases", {}).items()))
+    return (
+        f"steps: prefill {p['steps']} ({p['tokens']} tokens, {p['mean_rows']:.1f} reqs each, wall {p['wall_s']:.2f} s, "
+        f"device {p['device_s']:.2f} s) | decode {d['steps']} (mean batch {d['mean_rows']:.1f}, wall "
+        f"{d['wall_s']:.2f} s, "
+        f"device {d['device_s']:.2f} s, pipeline restarts {s['decode_restarts']}) | device busy "
+        + (f"{busy:.1%}" if busy is not None else "n/a")
+        + "".join(f" | host {k} {v:.3f} s" for k, v in s.get("host_phases", {}).items())
+    )

@@ -30,8 +30,9 @@ SM_COUNT_FALLBACK = 132
 def configs(n: int, k: int, sms: int):
     from plait.runtime.kernels.decode_gemm import DecodeGemmConfig
 
-    for (bn, bk), warps, stages in itertools.product(((64, 128), (64, 256), (128, 64), (128, 128), (128, 256)),
-                                                     (4, 8), (3, 4)):
+    for (bn, bk), warps, stages in itertools.product(
+        ((64, 128), (64, 256), (128, 64), (128, 128), (128, 256)), (4, 8), (3, 4)
+    ):
         tiles = -(-n // bn)
         k_tiles = -(-k // bk)
         splits = sorted({s for s in (1, 2, 3, 4, 6, 8) if s <= k_tiles and tiles * s <= 8 * sms})
@@ -90,23 +91,37 @@ def main() -> None:
             record = sweep_record(n, k, t_cublas, sweep)
             t_best, cfg_best = sweep[0]
             best[(rows, name)] = cfg_best
-            result["shapes"][f"{name}/m{rows}"] = {**record, "default_us": t_default * 1e6,
-                                                   "default_config": vars(default)}
-            print(f"m={rows:3d} {name:8s} ({n:6d}x{k:5d}) cuBLAS {t_cublas * 1e6:8.1f} us {nbytes / t_cublas / 1e12:5.2f}"
-                  f" TB/s | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best} | default "
-                  f"{t_default * 1e6:8.1f} us", flush=True)
+            result["shapes"][f"{name}/m{rows}"] = {
+                **record,
+                "default_us": t_default * 1e6,
+                "default_config": vars(default),
+            }
+            print(
+                f"m={rows:3d} {name:8s} ({n:6d}x{k:5d}) cuBLAS {t_cublas * 1e6:8.1f} us {nbytes / t_cublas / 1e12:5.2f}"
+                f" TB/s | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best} | default "
+                f"{t_default * 1e6:8.1f} us",
+                flush=True,
+            )
             ws = None
             torch.cuda.empty_cache()
         if args.only:
             continue
         t_c, total_bytes = weight_only_step_time(args.model, rows, lambda nm, x, w: torch.matmul(x, w.t()))
-        t_t, _ = weight_only_step_time(args.model, rows,
-                                       lambda nm, x, w: decode_gemm(x, w, best[(rows, nm)], workspace))
+        t_t, _ = weight_only_step_time(
+            args.model, rows, lambda nm, x, w: decode_gemm(x, w, best[(rows, nm)], workspace)
+        )
         floor = total_bytes / bw
-        result["step"][f"m{rows}"] = {"bytes": total_bytes, "cublas_ms": t_c * 1e3, "triton_ms": t_t * 1e3,
-                                      "floor_ms": floor * 1e3}
-        print(f"weight-only step m={rows}: cuBLAS {t_c * 1e3:.3f} ms ({floor / t_c:.1%} of floor)  triton "
-              f"{t_t * 1e3:.3f} ms ({floor / t_t:.1%})  floor {floor * 1e3:.3f} ms", flush=True)
+        result["step"][f"m{rows}"] = {
+            "bytes": total_bytes,
+            "cublas_ms": t_c * 1e3,
+            "triton_ms": t_t * 1e3,
+            "floor_ms": floor * 1e3,
+        }
+        print(
+            f"weight-only step m={rows}: cuBLAS {t_c * 1e3:.3f} ms ({floor / t_c:.1%} of floor)  triton "
+            f"{t_t * 1e3:.3f} ms ({floor / t_t:.1%})  floor {floor * 1e3:.3f} ms",
+            flush=True,
+        )
     save(f"bench_decode_gemm_{args.model}", result)
 
 

@@ -22,16 +22,23 @@ import re
 import time
 
 from bench_common import save
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"},
-    "kind": {"enum": ["person", "company"]},
-    "age_or_founded": {"type": "integer", "minimum": 0, "maximum": 2100},
-    "city": {"type": "string"},
-    "role_or_industry": {"type": "string"}},
-    "required": ["name", "kind", "age_or_founded", "city", "role_or_industry"]}
-INSTRUCTION = ("Extract these fields from the text as a JSON object: name; kind (person or company); "
-               "age_or_founded (the person's age, or the year the company was founded); city; role_or_industry "
-               "(the person's job, or the company's industry).\n\nText: ")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "kind": {"enum": ["person", "company"]},
+        "age_or_founded": {"type": "integer", "minimum": 0, "maximum": 2100},
+        "city": {"type": "string"},
+        "role_or_industry": {"type": "string"},
+    },
+    "required": ["name", "kind", "age_or_founded", "city", "role_or_industry"],
+}
+INSTRUCTION = (
+    "Extract these fields from the text as a JSON object: name; kind (person or company); "
+    "age_or_founded (the person's age, or the year the company was founded); city; role_or_industry "
+    "(the person's job, or the company's industry).\n\nText: "
+)
 # (text, name, kind, age_or_founded, city, role_or_industry)
 TEXTS = [
     ("Maria Lopez, 34, is a nurse who lives in Valencia.", "Maria Lopez", "person", 34, "Valencia", "nurse"),
@@ -43,41 +50,114 @@ TEXTS = [
     ("Priya Nair, 45, practises as a dentist in Chennai.", "Priya Nair", "person", 45, "Chennai", "dentist"),
     ("Jonas Berg is a 38 year old architect based in Oslo.", "Jonas Berg", "person", 38, "Oslo", "architect"),
     ("Fatima Zahra, 29, is a journalist in Casablanca.", "Fatima Zahra", "person", 29, "Casablanca", "journalist"),
-    ("Carlos Mendes, aged 56, drives a taxi in Lisbon as a taxi driver.", "Carlos Mendes", "person", 56, "Lisbon",
-     "taxi driver"),
+    (
+        "Carlos Mendes, aged 56, drives a taxi in Lisbon as a taxi driver.",
+        "Carlos Mendes",
+        "person",
+        56,
+        "Lisbon",
+        "taxi driver",
+    ),
     ("Grace Kim, 33, is a software engineer in Seoul.", "Grace Kim", "person", 33, "Seoul", "software engineer"),
     ("Pierre Dubois is a 70 year old farmer near Lyon.", "Pierre Dubois", "person", 70, "Lyon", "farmer"),
-    ("Nordwind Energy was founded in 1998 in Bremen and builds wind turbines; it is in the energy industry.",
-     "Nordwind Energy", "company", 1998, "Bremen", "energy"),
-    ("Blue Harbor Foods, a seafood company, was founded in 1972 in Halifax.", "Blue Harbor Foods", "company", 1972,
-     "Halifax", "seafood"),
-    ("Quantis Labs is a biotech company started in 2011 in Basel.", "Quantis Labs", "company", 2011, "Basel",
-     "biotech"),
-    ("Sakura Motors, founded in 1954 in Nagoya, makes cars for the automotive industry.", "Sakura Motors", "company",
-     1954, "Nagoya", "automotive"),
-    ("Pampa Textiles has been weaving cloth in Rosario since it was founded in 1936; it is a textiles firm.",
-     "Pampa Textiles", "company", 1936, "Rosario", "textiles"),
-    ("Kestrel Software, founded in 2005, is a software company from Austin.", "Kestrel Software", "company", 2005,
-     "Austin", "software"),
-    ("Atlas Freight is a logistics company founded in 1989 in Rotterdam.", "Atlas Freight", "company", 1989,
-     "Rotterdam", "logistics"),
+    (
+        "Nordwind Energy was founded in 1998 in Bremen and builds wind turbines; it is in the energy industry.",
+        "Nordwind Energy",
+        "company",
+        1998,
+        "Bremen",
+        "energy",
+    ),
+    (
+        "Blue Harbor Foods, a seafood company, was founded in 1972 in Halifax.",
+        "Blue Harbor Foods",
+        "company",
+        1972,
+        "Halifax",
+        "seafood",
+    ),
+    (
+        "Quantis Labs is a biotech company started in 2011 in Basel.",
+        "Quantis Labs",
+        "company",
+        2011,
+        "Basel",
+        "biotech",
+    ),
+    (
+        "Sakura Motors, founded in 1954 in Nagoya, makes cars for the automotive industry.",
+        "Sakura Motors",
+        "company",
+        1954,
+        "Nagoya",
+        "automotive",
+    ),
+    (
+        "Pampa Textiles has been weaving cloth in Rosario since it was founded in 1936; it is a textiles firm.",
+        "Pampa Textiles",
+        "company",
+        1936,
+        "Rosario",
+        "textiles",
+    ),
+    (
+        "Kestrel Software, founded in 2005, is a software company from Austin.",
+        "Kestrel Software",
+        "company",
+        2005,
+        "Austin",
+        "software",
+    ),
+    (
+        "Atlas Freight is a logistics company founded in 1989 in Rotterdam.",
+        "Atlas Freight",
+        "company",
+        1989,
+        "Rotterdam",
+        "logistics",
+    ),
     ("Verde Bank, founded in 1921 in Milan, works in banking.", "Verde Bank", "company", 1921, "Milan", "banking"),
-    ("Lumen Studios is an animation company set up in 2016 in Montreal.", "Lumen Studios", "company", 2016,
-     "Montreal", "animation"),
-    ("Savanna Telecom was founded in 2001 in Nairobi and works in telecommunications.", "Savanna Telecom", "company",
-     2001, "Nairobi", "telecommunications"),
-    ("Highland Brewing, a brewery founded in 1994, is based in Edinburgh.", "Highland Brewing", "company", 1994,
-     "Edinburgh", "brewery"),
-    ("Orion Aerospace, founded in 1967 in Toulouse, is in the aerospace industry.", "Orion Aerospace", "company", 1967,
-     "Toulouse", "aerospace"),
+    (
+        "Lumen Studios is an animation company set up in 2016 in Montreal.",
+        "Lumen Studios",
+        "company",
+        2016,
+        "Montreal",
+        "animation",
+    ),
+    (
+        "Savanna Telecom was founded in 2001 in Nairobi and works in telecommunications.",
+        "Savanna Telecom",
+        "company",
+        2001,
+        "Nairobi",
+        "telecommunications",
+    ),
+    (
+        "Highland Brewing, a brewery founded in 1994, is based in Edinburgh.",
+        "Highland Brewing",
+        "company",
+        1994,
+        "Edinburgh",
+        "brewery",
+    ),
+    (
+        "Orion Aerospace, founded in 1967 in Toulouse, is in the aerospace industry.",
+        "Orion Aerospace",
+        "company",
+        1967,
+        "Toulouse",
+        "aerospace",
+    ),
 ]
 FIELDS = ("name", "kind", "age_or_founded", "city", "role_or_industry")
 STYLES = ("unconstrained", "compact", "natural", "indent")
 
 
 def chat(tokenizer, text: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION + text}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": INSTRUCTION + text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def params(style: str, max_new: int) -> dict:
@@ -145,7 +225,9 @@ def run(num_threads: int, max_new: int, repeats: int) -> dict:
                 # Load-independent work: decode steps (model-sampled tokens of the batch) and forced tokens
                 # appended by jump-forward.
                 entry["decode_steps"] = after["steps"]["decode"]["steps"] - before["steps"]["decode"]["steps"]
-                entry["jump_forward_tokens"] = after.get("jump_forward_tokens", 0) - before.get("jump_forward_tokens", 0)
+                entry["jump_forward_tokens"] = after.get("jump_forward_tokens", 0) - before.get(
+                    "jump_forward_tokens", 0
+                )
                 entry["runs_s"].append(round(secs, 2))
                 scored = [score(parse(o["text"]), t) for o, t in zip(outs, TEXTS)]
                 entry["fields_right"] = round(sum(r for r, _ in scored) / (len(FIELDS) * len(TEXTS)), 4)
@@ -161,12 +243,16 @@ def run(num_threads: int, max_new: int, repeats: int) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"{'style':<14} {'fields right':>12} {'valid':>6} {'best s':>7} {'out tokens':>10} {'decode steps':>12} "
-          f"{'jumped tokens':>13}")
+    print(
+        f"{'style':<14} {'fields right':>12} {'valid':>6} {'best s':>7} {'out tokens':>10} {'decode steps':>12} "
+        f"{'jumped tokens':>13}"
+    )
     for style in STYLES:
         e = result[style]
-        print(f"{style:<14} {e['fields_right']:>12.1%} {e['schema_valid']:>6.0%} {e['best_s']:>7.2f} "
-              f"{e['output_tokens']:>10} {e['decode_steps']:>12} {e['jump_forward_tokens']:>13}")
+        print(
+            f"{style:<14} {e['fields_right']:>12.1%} {e['schema_valid']:>6.0%} {e['best_s']:>7.2f} "
+            f"{e['output_tokens']:>10} {e['decode_steps']:>12} {e['jump_forward_tokens']:>13}"
+        )
     print("closing:", result.get("engine_stats"))
 
 

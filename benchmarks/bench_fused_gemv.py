@@ -47,11 +47,13 @@ def dims(model: str) -> dict:
 def op_cases(model: str):
     """name -> (N, K, unfused launches, fused launches) of one decode step's one-row matmuls."""
     m = dims(model)
-    return {"norm->qkv": (m["qkv"], m["hidden"], 2, 1),
-            "o": (m["hidden"], m["q"], 1, 1),
-            "norm->gate_up": (2 * m["inter"], m["hidden"], 2, 1),
-            "silu->down": (m["hidden"], m["inter"], 3, 1),  # + cuBLAS's split-K reduce
-            "norm->lm_head": (m["vocab"], m["hidden"], 2, 1)}
+    return {
+        "norm->qkv": (m["qkv"], m["hidden"], 2, 1),
+        "o": (m["hidden"], m["q"], 1, 1),
+        "norm->gate_up": (2 * m["inter"], m["hidden"], 2, 1),
+        "silu->down": (m["hidden"], m["inter"], 3, 1),  # + cuBLAS's split-K reduce
+        "norm->lm_head": (m["vocab"], m["hidden"], 2, 1),
+    }
 
 
 def op_fns(name: str, n: int, k: int, copies: int):
@@ -77,8 +79,9 @@ def op_fns(name: str, n: int, k: int, copies: int):
                 # the pre-fusion path: cuBLAS for gate_up, the Triton skinny matmul for QKV and the LM head
                 torch.matmul(a, w.t()) if name == "norm->gate_up" else kn.gemv(a, w, out_dtype=out_dtype)
 
-        fused = lambda cfg=None: [kn.rmsnorm_gemv(x, residual, nw, EPS, w, out_dtype=out_dtype, config=cfg)  # noqa: E731
-                                  for w in ws]
+        def fused(cfg=None):
+            return [kn.rmsnorm_gemv(x, residual, nw, EPS, w, out_dtype=out_dtype, config=cfg) for w in ws]
+
     return unfused, fused, n * k * 2
 
 
@@ -97,17 +100,29 @@ def part_ops(model: str, copies: int, sweep: bool, result: dict) -> None:
     from plait.runtime.kernels.gemv_fused import pick_fused_gemv_config
 
     print(f"\n{model}: one-row ops, {copies} weight copies in turn (us per call; TB/s of weight reads)")
-    print(f"  {'op':14s} {'N x K':>14s} {'unfused':>9s} {'fused':>9s} {'saved':>8s} {'unf. TB/s':>9s} "
-          f"{'fused TB/s':>10s}  launches")
+    print(
+        f"  {'op':14s} {'N x K':>14s} {'unfused':>9s} {'fused':>9s} {'saved':>8s} {'unf. TB/s':>9s} "
+        f"{'fused TB/s':>10s}  launches"
+    )
     for name, (n, k, l_unf, l_fus) in op_cases(model).items():
         unfused, fused, nbytes = op_fns(name, n, k, copies)
         t_u = graph_time(unfused, reps=2) / copies
         t_f = graph_time(fused, reps=2) / copies
-        rec = {"n": n, "k": k, "unfused_us": t_u * 1e6, "fused_us": t_f * 1e6, "unfused_tb_s": nbytes / t_u / 1e12,
-               "fused_tb_s": nbytes / t_f / 1e12, "config": vars(pick_fused_gemv_config(n, k)),
-               "launches": [l_unf, l_fus]}
-        print(f"  {name:14s} {n:6d} x {k:5d} {t_u * 1e6:9.2f} {t_f * 1e6:9.2f} {(t_u - t_f) * 1e6:8.2f}"
-              f" {nbytes / t_u / 1e12:9.2f} {nbytes / t_f / 1e12:10.2f}  {l_unf} -> {l_fus}", flush=True)
+        rec = {
+            "n": n,
+            "k": k,
+            "unfused_us": t_u * 1e6,
+            "fused_us": t_f * 1e6,
+            "unfused_tb_s": nbytes / t_u / 1e12,
+            "fused_tb_s": nbytes / t_f / 1e12,
+            "config": vars(pick_fused_gemv_config(n, k)),
+            "launches": [l_unf, l_fus],
+        }
+        print(
+            f"  {name:14s} {n:6d} x {k:5d} {t_u * 1e6:9.2f} {t_f * 1e6:9.2f} {(t_u - t_f) * 1e6:8.2f}"
+            f" {nbytes / t_u / 1e12:9.2f} {nbytes / t_f / 1e12:10.2f}  {l_unf} -> {l_fus}",
+            flush=True,
+        )
         if sweep:
             start, timed = time.time(), []
             for cfg in sweep_configs(k):
@@ -129,9 +144,17 @@ def part_chain(model: str, bw: float, result: dict) -> None:
 
     m = dims(model)
     h, q, L = m["hidden"], m["q"], m["layers"]
-    layers = [dict(n1=rand(h, scale=0.1) + 1, n2=rand(h, scale=0.1) + 1, qkv=rand(m["qkv"], h, scale=0.02),
-                   o=rand(h, q, scale=0.02), gate_up=rand(2 * m["inter"], h, scale=0.02),
-                   down=rand(h, m["inter"], scale=0.02)) for _ in range(L)]
+    layers = [
+        dict(
+            n1=rand(h, scale=0.1) + 1,
+            n2=rand(h, scale=0.1) + 1,
+            qkv=rand(m["qkv"], h, scale=0.02),
+            o=rand(h, q, scale=0.02),
+            gate_up=rand(2 * m["inter"], h, scale=0.02),
+            down=rand(h, m["inter"], scale=0.02),
+        )
+        for _ in range(L)
+    ]
     head, final_norm = rand(m["vocab"], h, scale=0.02), rand(h, scale=0.1) + 1
     nbytes = sum(w.numel() * 2 for lw in layers for w in lw.values()) + head.numel() * 2
     x0 = rand(1, h)
@@ -162,13 +185,22 @@ def part_chain(model: str, bw: float, result: dict) -> None:
                     gate_up = torch.matmul(a, lw["gate_up"].t())
                 hs = kn.silu_mul_gemv(gate_up, lw["down"])
             return kn.rmsnorm_gemv(hs, res, final_norm, EPS, head, out_dtype=torch.float32)[0]
+
         return run
 
-    variants = {"unfused": (unfused, False), "unfused + PDL": (unfused, True), "fused": (fused(True), False),
-                "fused, gate_up norm apart": (fused(False), False), "fused + PDL": (fused(True), True),
-                "fused + PDL, gate_up norm apart": (fused(False), True)}
+    variants = {
+        "unfused": (unfused, False),
+        "unfused + PDL": (unfused, True),
+        "fused": (fused(True), False),
+        "fused, gate_up norm apart": (fused(False), False),
+        "fused + PDL": (fused(True), True),
+        "fused + PDL, gate_up norm apart": (fused(False), True),
+    }
     floor = nbytes / bw
-    print(f"\n{model}: layer chain x {L} + LM head, attention left out ({nbytes / 1e9:.2f} GB, floor {floor * 1e3:.3f} ms)")
+    print(
+        f"\n{model}: layer chain x {L} + LM head, attention left out ({nbytes / 1e9:.2f} GB, floor "
+        f"{floor * 1e3:.3f} ms)"
+    )
     outs, rec = {}, {}
     from plait.runtime.kernel_choices import KernelChoices, using
 
@@ -187,8 +219,11 @@ def part_chain(model: str, bw: float, result: dict) -> None:
             err = float((out.double() - ref.double()).norm() / ref.double().norm())
             rec[name]["rel_err_vs_unfused"] = err
             print(f"  {name:32s} logits rel err vs unfused {err:.2e}")
-    for plain, pdl in (("unfused", "unfused + PDL"), ("fused", "fused + PDL"),
-                       ("fused, gate_up norm apart", "fused + PDL, gate_up norm apart")):
+    for plain, pdl in (
+        ("unfused", "unfused + PDL"),
+        ("fused", "fused + PDL"),
+        ("fused, gate_up norm apart", "fused + PDL, gate_up norm apart"),
+    ):
         if plain in outs and pdl in outs:
             same = bool(torch.equal(outs[plain], outs[pdl]))
             rec[pdl]["identical_to_plain_launch"] = same

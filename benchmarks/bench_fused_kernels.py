@@ -38,8 +38,12 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.runtime import kernels  # noqa: E402
-from plait.runtime.models.layers import (RotaryEmbedding, rms_norm_torch, rotary_torch,  # noqa: E402
-                                         silu_and_mul_torch)
+from plait.runtime.models.layers import (
+    RotaryEmbedding,
+    rms_norm_torch,
+    rotary_torch,  # noqa: E402
+    silu_and_mul_torch,
+)
 
 SHAPES = {  # hidden, intermediate, heads, kv heads, head_dim, rope theta
     "llama-3.2-1b": (2048, 8192, 32, 8, 64, 500000.0),
@@ -123,21 +127,32 @@ class Case:
         t_h = tokens * hidden * e
         qk = (tokens * (heads + kv_heads) * head_dim) * e
         self.bytes = {  # minimum traffic of the fused kernel
-            "add_rmsnorm": 4 * t_h, "rmsnorm": 2 * t_h, "qk_norm": 2 * qk, "rotary": 2 * qk,
+            "add_rmsnorm": 4 * t_h,
+            "rmsnorm": 2 * t_h,
+            "qk_norm": 2 * qk,
+            "rotary": 2 * qk,
             "silu_and_mul": 3 * tokens * inter * e,
         }
-        self.bytes["layer_small_ops"] = 2 * self.bytes["add_rmsnorm"] + self.bytes["rotary"] + self.bytes["silu_and_mul"]
+        self.bytes["layer_small_ops"] = (
+            2 * self.bytes["add_rmsnorm"] + self.bytes["rotary"] + self.bytes["silu_and_mul"]
+        )
 
     def ops(self) -> dict[str, tuple[Callable, Callable]]:
         cos, sin = self.rope.cos_cache, self.rope.sin_cache
         ops = {
-            "add_rmsnorm": (lambda: kernels.fused_add_rmsnorm(self.x, self.residual, self.w, EPS)[0],
-                            lambda: rms_norm_torch(self.x, self.w, EPS, self.residual)[0]),
+            "add_rmsnorm": (
+                lambda: kernels.fused_add_rmsnorm(self.x, self.residual, self.w, EPS)[0],
+                lambda: rms_norm_torch(self.x, self.w, EPS, self.residual)[0],
+            ),
             "rmsnorm": (lambda: kernels.rmsnorm(self.x, self.w, EPS), lambda: rms_norm_torch(self.x, self.w, EPS)),
-            "qk_norm": (lambda: (kernels.rmsnorm(self.q, self.head_w, EPS), kernels.rmsnorm(self.k, self.head_w, EPS)),
-                        lambda: (rms_norm_torch(self.q, self.head_w, EPS), rms_norm_torch(self.k, self.head_w, EPS))),
-            "rotary": (lambda: kernels.rotary_inplace(self.q, self.k, self.positions, cos, sin),
-                       lambda: rotary_torch(self.positions, self.q, self.k, cos, sin)),
+            "qk_norm": (
+                lambda: (kernels.rmsnorm(self.q, self.head_w, EPS), kernels.rmsnorm(self.k, self.head_w, EPS)),
+                lambda: (rms_norm_torch(self.q, self.head_w, EPS), rms_norm_torch(self.k, self.head_w, EPS)),
+            ),
+            "rotary": (
+                lambda: kernels.rotary_inplace(self.q, self.k, self.positions, cos, sin),
+                lambda: rotary_torch(self.positions, self.q, self.k, cos, sin),
+            ),
             "silu_and_mul": (lambda: kernels.silu_and_mul(self.gate_up), lambda: silu_and_mul_torch(self.gate_up)),
         }
 
@@ -145,6 +160,7 @@ class Case:
             def run():
                 for name in ("add_rmsnorm", "rotary", "add_rmsnorm", "silu_and_mul"):
                     ops[name][0 if fused else 1]()
+
             return run
 
         ops["layer_small_ops"] = (layer(True), layer(False))
@@ -169,8 +185,12 @@ class Case:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        ).stdout.strip()
     except OSError:
         return "unknown"
 
@@ -185,8 +205,10 @@ def main() -> None:
     token_counts = [1, 64, 4096] if args.quick else [1, 8, 32, 128, 512, 2048, 8192]
     bandwidth = copy_bandwidth_gbs()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bandwidth:.0f} GB/s  commit {git_commit()}")
-    header = (f"{'shape':<14}{'op':<17}{'T':>6}{'graph fused':>12}{'graph torch':>12}{'speedup':>8}"
-              f"{'eager fused':>12}{'eager torch':>12}{'kern f/t':>9}{'GB/s':>7}{'max diff':>10}")
+    header = (
+        f"{'shape':<14}{'op':<17}{'T':>6}{'graph fused':>12}{'graph torch':>12}{'speedup':>8}"
+        f"{'eager fused':>12}{'eager torch':>12}{'kern f/t':>9}{'GB/s':>7}{'max diff':>10}"
+    )
     print(header)
     rows = []
     for shape in SHAPES:
@@ -199,21 +221,50 @@ def main() -> None:
                 e_t = do_bench(ref, warmup=10, rep=50) * 1000.0
                 k_f, k_t = kernels_per_call(fused), kernels_per_call(ref)
                 gbs = case.bytes[op] / (g_f * 1e-6) / 1e9
-                row = dict(shape=shape, op=op, tokens=tokens, graph_us_fused=g_f, graph_us_torch=g_t,
-                           eager_us_fused=e_f, eager_us_torch=e_t, kernels_fused=k_f, kernels_torch=k_t,
-                           bytes=case.bytes[op], fused_gbs=gbs, max_abs_diff=diffs.get(op))
+                row = dict(
+                    shape=shape,
+                    op=op,
+                    tokens=tokens,
+                    graph_us_fused=g_f,
+                    graph_us_torch=g_t,
+                    eager_us_fused=e_f,
+                    eager_us_torch=e_t,
+                    kernels_fused=k_f,
+                    kernels_torch=k_t,
+                    bytes=case.bytes[op],
+                    fused_gbs=gbs,
+                    max_abs_diff=diffs.get(op),
+                )
                 rows.append(row)
                 diff = "" if row["max_abs_diff"] is None else f"{row['max_abs_diff']:.2e}"
-                print(f"{shape:<14}{op:<17}{tokens:>6}{g_f:>12.2f}{g_t:>12.2f}{g_t / g_f:>7.1f}x"
-                      f"{e_f:>12.2f}{e_t:>12.2f}{str(k_f) + '/' + str(k_t):>9}{gbs:>7.0f}{diff:>10}")
+                print(
+                    f"{shape:<14}{op:<17}{tokens:>6}{g_f:>12.2f}{g_t:>12.2f}{g_t / g_f:>7.1f}x"
+                    f"{e_f:>12.2f}{e_t:>12.2f}{str(k_f) + '/' + str(k_t):>9}{gbs:>7.0f}{diff:>10}"
+                )
             del case
             torch.cuda.empty_cache()
-    out = Path(args.out or (Path(os.environ["OUT"]) / "bench_fused_kernels.json" if os.environ.get("OUT")
-                            else Path(__file__).resolve().parent / "out" / "bench_fused_kernels.json"))
+    out = Path(
+        args.out
+        or (
+            Path(os.environ["OUT"]) / "bench_fused_kernels.json"
+            if os.environ.get("OUT")
+            else Path(__file__).resolve().parent / "out" / "bench_fused_kernels.json"
+        )
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                               "commit": git_commit(), "dtype": str(DTYPE), "copy_bandwidth_gbs": bandwidth,
-                               "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "gpu": torch.cuda.get_device_name(),
+                "date": time.strftime("%Y-%m-%d"),
+                "commit": git_commit(),
+                "dtype": str(DTYPE),
+                "copy_bandwidth_gbs": bandwidth,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"# wrote {out}")
 
 

@@ -32,8 +32,13 @@ SHAPES = {  # name -> (hidden, intermediate, layers, q heads, kv heads, head_dim
 
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     h, inter, _, qh, kvh, d, vocab = SHAPES[model]
-    return {"qkv": ((qh + 2 * kvh) * d, h), "o": (qh * d, h), "gate_up": (2 * inter, h), "down": (h, inter),
-            "lm_head": (vocab, h)}
+    return {
+        "qkv": ((qh + 2 * kvh) * d, h),
+        "o": (qh * d, h),
+        "gate_up": (2 * inter, h),
+        "down": (h, inter),
+        "lm_head": (vocab, h),
+    }
 
 
 def graph_time(fn, reps: int = 20) -> float:
@@ -64,9 +69,16 @@ def sweep_record(n: int, k: int, t_cublas: float, sweep: list) -> dict:
     sweep.sort(key=lambda p: p[0])
     t_best, cfg_best = sweep[0]
     nbytes = n * k * 2
-    return {"n": n, "k": k, "cublas_us": t_cublas * 1e6, "cublas_tb_s": nbytes / t_cublas / 1e12,
-            "triton_us": t_best * 1e6, "triton_tb_s": nbytes / t_best / 1e12, "config": vars(cfg_best),
-            "top5": [(t * 1e6, vars(c)) for t, c in sweep[:5]]}
+    return {
+        "n": n,
+        "k": k,
+        "cublas_us": t_cublas * 1e6,
+        "cublas_tb_s": nbytes / t_cublas / 1e12,
+        "triton_us": t_best * 1e6,
+        "triton_tb_s": nbytes / t_best / 1e12,
+        "config": vars(cfg_best),
+        "top5": [(t * 1e6, vars(c)) for t, c in sweep[:5]],
+    }
 
 
 def matmul_bench_args(rows: list[int], copies: int) -> argparse.ArgumentParser:
@@ -74,10 +86,15 @@ def matmul_bench_args(rows: list[int], copies: int) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=rows)
-    ap.add_argument("--copies", type=int, default=copies, help="weight copies cycled through, so L2 never "
-                    "holds the next one")
-    ap.add_argument("--only", nargs="+", default=None, help="sweep these layers only (qkv o gate_up down lm_head); "
-                    "skips the whole-step timing")
+    ap.add_argument(
+        "--copies", type=int, default=copies, help="weight copies cycled through, so L2 never holds the next one"
+    )
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="sweep these layers only (qkv o gate_up down lm_head); skips the whole-step timing",
+    )
     return ap
 
 
@@ -88,8 +105,9 @@ def weight_only_step_time(model: str, rows: int, matmul) -> tuple[float, int]:
     _, _, layers, *_ = SHAPES[model]
     shapes = layer_shapes(model)
     names = ("qkv", "o", "gate_up", "down")
-    weights = [[torch.randn(*shapes[nm], dtype=torch.bfloat16, device="cuda") * 0.02 for nm in names]
-               for _ in range(layers)]
+    weights = [
+        [torch.randn(*shapes[nm], dtype=torch.bfloat16, device="cuda") * 0.02 for nm in names] for _ in range(layers)
+    ]
     head = torch.randn(*shapes["lm_head"], dtype=torch.bfloat16, device="cuda") * 0.02
     total_bytes = sum(w.numel() * 2 for ws in weights for w in ws) + head.numel() * 2
     xs = {nm: torch.randn(rows, shapes[nm][1], dtype=torch.bfloat16, device="cuda") for nm in shapes}
@@ -130,7 +148,7 @@ def main() -> None:
                 continue
             ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(args.copies)]
             x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-            ref = (x.double() @ ws[0].double().T)
+            ref = x.double() @ ws[0].double().T
             nbytes = n * k * 2
 
             def cublas():
@@ -155,8 +173,12 @@ def main() -> None:
             t_best, cfg_best = sweep[0]
             best[(rows, name)] = cfg_best
             result["shapes"][f"{name}/m{rows}"] = record
-            print(f"m={rows} {name:8s} ({n:6d}x{k:5d}) cuBLAS {t_cublas * 1e6:8.1f} us {nbytes / t_cublas / 1e12:5.2f} TB/s"
-                  f" | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best}", flush=True)
+            print(
+                f"m={rows} {name:8s} ({n:6d}x{k:5d}) cuBLAS {t_cublas * 1e6:8.1f} us "
+                f"{nbytes / t_cublas / 1e12:5.2f} TB/s"
+                f" | triton {t_best * 1e6:8.1f} us {nbytes / t_best / 1e12:5.2f} TB/s  {cfg_best}",
+                flush=True,
+            )
             ws = None  # free before the next shape
             torch.cuda.empty_cache()
         if args.only:
@@ -164,11 +186,17 @@ def main() -> None:
         t_c, total_bytes = weight_only_step_time(args.model, rows, lambda nm, x, w: torch.matmul(x, w.t()))
         t_t, _ = weight_only_step_time(args.model, rows, lambda nm, x, w: gemv(x, w, config=best[(rows, nm)]))
         floor = total_bytes / bw
-        result["step"][f"m{rows}"] = {"bytes": total_bytes, "cublas_ms": t_c * 1e3, "triton_ms": t_t * 1e3,
-                                      "floor_ms": floor * 1e3}
-        print(f"weight-only step m={rows}: cuBLAS {t_c * 1e3:.3f} ms ({rows / t_c:.0f} tok/s, {floor / t_c:.1%} of floor)"
-              f"  triton {t_t * 1e3:.3f} ms ({rows / t_t:.0f} tok/s, {floor / t_t:.1%})  floor {floor * 1e3:.3f} ms",
-              flush=True)
+        result["step"][f"m{rows}"] = {
+            "bytes": total_bytes,
+            "cublas_ms": t_c * 1e3,
+            "triton_ms": t_t * 1e3,
+            "floor_ms": floor * 1e3,
+        }
+        print(
+            f"weight-only step m={rows}: cuBLAS {t_c * 1e3:.3f} ms ({rows / t_c:.0f} tok/s, {floor / t_c:.1%} of floor)"
+            f"  triton {t_t * 1e3:.3f} ms ({rows / t_t:.0f} tok/s, {floor / t_t:.1%})  floor {floor * 1e3:.3f} ms",
+            flush=True,
+        )
     save(f"bench_gemv_{args.model}", result)
 
 

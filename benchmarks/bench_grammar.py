@@ -36,12 +36,17 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH_DIR = os.path.join(HERE, "..", "..", "shared", "data", "jsonschemabench")
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 32},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "role": {"enum": ["engineer", "doctor", "teacher", "artist", "pilot"]},
-    "city": {"type": "string", "maxLength": 32},
-    "active": {"type": "boolean"}}, "required": ["name", "age", "role", "city", "active"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 32},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["engineer", "doctor", "teacher", "artist", "pilot"]},
+        "city": {"type": "string", "maxLength": 32},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "city", "active"],
+}
 NAMES = ["Alice", "Bob", "Chen", "Dana", "Eve", "Farid", "Grace", "Hiro"]
 CITIES = ["Paris", "Lima", "Oslo", "Cairo", "Tokyo", "Quito", "Perth", "Rome"]
 ROLES = SCHEMA["properties"]["role"]["enum"]
@@ -50,14 +55,17 @@ ROLES = SCHEMA["properties"]["role"]["enum"]
 def workload(n: int) -> list[str]:
     facts = []
     for i in range(n):
-        facts.append(f"{NAMES[i % 8]} is a {20 + 7 * i % 60} year old {ROLES[i % 5]} from "
-                     f"{CITIES[(3 * i) % 8]}; {'still working' if i % 2 else 'retired'}.")
+        facts.append(
+            f"{NAMES[i % 8]} is a {20 + 7 * i % 60} year old {ROLES[i % 5]} from "
+            f"{CITIES[(3 * i) % 8]}; {'still working' if i % 2 else 'retired'}."
+        )
     return [f"Extract name, age, role, city and active (boolean) as JSON: {f}" for f in facts]
 
 
 def chat(tokenizer, text: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def schema_valid(text: str) -> bool:
@@ -86,9 +94,14 @@ def part_throughput(n: int, max_new: int, repeats: int) -> dict:
         with Engine(num_threads=2, grammar_backend=backend, disable_jump_forward=True) as eng:
             prompts = [chat(eng.tokenizer, p) for p in workload(n)]
             eng.generate(prompts[0], {"max_new_tokens": 2})  # warm-up
-            runs = {"free": {"temperature": 0, "max_new_tokens": max_new},
-                    f"json_schema/{backend}": {"temperature": 0, "max_new_tokens": max_new,
-                                               "json_schema": json.dumps(SCHEMA)}}
+            runs = {
+                "free": {"temperature": 0, "max_new_tokens": max_new},
+                f"json_schema/{backend}": {
+                    "temperature": 0,
+                    "max_new_tokens": max_new,
+                    "json_schema": json.dumps(SCHEMA),
+                },
+            }
             if backend != "xgrammar":
                 runs.pop("free")
             for _ in range(repeats):  # interleaved, so machine load hits both alike
@@ -119,8 +132,10 @@ def part_jump(n: int, max_new: int, repeats: int) -> dict:
     from plait.runtime import Engine
 
     engine: dict = {}
-    with Engine(num_threads=2, disable_jump_forward=True) as off, \
-            Engine(num_threads=2, disable_jump_forward=False) as on:
+    with (
+        Engine(num_threads=2, disable_jump_forward=True) as off,
+        Engine(num_threads=2, disable_jump_forward=False) as on,
+    ):
         prompts = [chat(on.tokenizer, p) for p in workload(n)]
         params = {"temperature": 0, "max_new_tokens": max_new, "json_schema": json.dumps(SCHEMA)}
         for eng in (off, on):
@@ -133,26 +148,29 @@ def part_jump(n: int, max_new: int, repeats: int) -> dict:
                 after = eng.get_stats()
                 if "jump_forward_tokens" not in after:  # the scheduler never built a manager
                     continue
-                delta = {k: after.get(k, 0) - before.get(k, 0) for k in (
-                    "jump_forward_tokens", "jump_forward_rollback_tokens", "jump_forward_events")}
+                delta = {
+                    k: after.get(k, 0) - before.get(k, 0)
+                    for k in ("jump_forward_tokens", "jump_forward_rollback_tokens", "jump_forward_events")
+                }
                 engine[label].update(delta)
                 # Model-sampled tokens: what is in the output and was not forced, plus the
                 # sampled tokens that a retokenized jump replaced.
-                engine[label]["decoded_tokens"] = (engine[label]["output_tokens"]
-                                                   - delta["jump_forward_tokens"]
-                                                   + delta["jump_forward_rollback_tokens"])
+                engine[label]["decoded_tokens"] = (
+                    engine[label]["output_tokens"]
+                    - delta["jump_forward_tokens"]
+                    + delta["jump_forward_rollback_tokens"]
+                )
     return {"engine": finish(engine), "reference_loop": reference_loop(min(n, 8), max_new)}
 
 
 def reference_loop(n: int, max_new: int) -> dict:
     """Batch-1 greedy decoding with a transformers model and the plait grammar machinery."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from plait.runtime.constrained import allocate_token_bitmask, create_grammar_backend
     from plait.runtime.constrained.bitmask import apply_token_bitmask_inplace
     from plait.runtime.constrained.jump_forward import apply_jump_forward, plan_jump_forward
     from plait.runtime.models.default_model import default_model_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(2)
     path = default_model_path()
@@ -187,18 +205,26 @@ def reference_loop(n: int, max_new: int) -> dict:
                     pending = [token]
                     if use_jf and not matcher.is_terminated():
                         plan = plan_jump_forward(matcher, tok, output, max_backoff=1)
-                        if (plan is not None and len(output) + plan.tokens_saved <= max_new
-                                and apply_jump_forward(matcher, plan)):
+                        if (
+                            plan is not None
+                            and len(output) + plan.tokens_saved <= max_new
+                            and apply_jump_forward(matcher, plan)
+                        ):
                             # NOTE: only the just-sampled token (no KV yet) can be dropped.
-                            del output[len(output) - plan.rollback_tokens:]
+                            del output[len(output) - plan.rollback_tokens :]
                             output.extend(plan.append_token_ids)
                             pending = ([] if plan.rollback_tokens else [token]) + list(plan.append_token_ids)
             total += len(output)
             valid += schema_valid(tok.decode(output, skip_special_tokens=True))
         secs, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        out[label] = {"seconds": round(secs, 2), "cpu_seconds": round(cpu, 2),
-                      "output_tokens": total, "decoded_tokens": decoded,
-                      "forward_passes": forwards, "schema_valid": valid / len(prompts)}
+        out[label] = {
+            "seconds": round(secs, 2),
+            "cpu_seconds": round(cpu, 2),
+            "output_tokens": total,
+            "decoded_tokens": decoded,
+            "forward_passes": forwards,
+            "schema_valid": valid / len(prompts),
+        }
     return out
 
 
@@ -206,13 +232,23 @@ def reference_loop(n: int, max_new: int) -> dict:
 def part_compile(per_category: int, backend_names: list[str], max_chars: int) -> dict:
     result = {}
     for name in backend_names:
-        cmd = [sys.executable, __file__, "--compile-child", name, "--per-category",
-               str(per_category if name == "xgrammar" else max(1, per_category // 2)),
-               "--max-chars", str(max_chars if name == "xgrammar" else min(max_chars, 4000))]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--compile-child",
+            name,
+            "--per-category",
+            str(per_category if name == "xgrammar" else max(1, per_category // 2)),
+            "--max-chars",
+            str(max_chars if name == "xgrammar" else min(max_chars, 4000)),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        result[name] = json.loads(lines[-1]) if lines else {
-            "crashed": True, "returncode": proc.returncode, "stderr": proc.stderr[-500:]}
+        result[name] = (
+            json.loads(lines[-1])
+            if lines
+            else {"crashed": True, "returncode": proc.returncode, "stderr": proc.stderr[-500:]}
+        )
     return result
 
 
@@ -222,10 +258,9 @@ def compile_child(name: str, per_category: int, max_chars: int) -> None:
     import torch
 
     resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))
-    from transformers import AutoTokenizer
-
     from plait.runtime.constrained import allocate_token_bitmask, create_grammar_backend
     from plait.runtime.models.default_model import default_model_path
+    from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(default_model_path())
@@ -239,8 +274,7 @@ def compile_child(name: str, per_category: int, max_chars: int) -> None:
         with open(os.path.join(BENCH_DIR, fname)) as f:
             rows = [json.loads(line) for line in f]
         rows = [r for r in rows if len(json.dumps(r["schema"])) <= max_chars][:per_category]
-        cat = {"schemas": len(rows), "errors": 0, "timeouts": 0, "warned": 0, "compile_s": [],
-               "mask_us": []}
+        cat = {"schemas": len(rows), "errors": 0, "timeouts": 0, "warned": 0, "compile_s": [], "mask_us": []}
         for rec in rows:
             start = time.perf_counter()
             try:
@@ -264,12 +298,24 @@ def compile_child(name: str, per_category: int, max_chars: int) -> None:
         all_compile += cat["compile_s"]
         all_mask += cat["mask_us"]
         per_cat[fname[:-6]] = summarize(cat)
-    print(json.dumps({"categories": per_cat, "all": summarize(
-        {"schemas": sum(c["schemas"] for c in per_cat.values()),
-         "errors": sum(c["errors"] for c in per_cat.values()),
-         "timeouts": sum(c["timeouts"] for c in per_cat.values()),
-         "warned": sum(c["warned"] for c in per_cat.values()),
-         "compile_s": all_compile, "mask_us": all_mask})}), flush=True)
+    print(
+        json.dumps(
+            {
+                "categories": per_cat,
+                "all": summarize(
+                    {
+                        "schemas": sum(c["schemas"] for c in per_cat.values()),
+                        "errors": sum(c["errors"] for c in per_cat.values()),
+                        "timeouts": sum(c["timeouts"] for c in per_cat.values()),
+                        "warned": sum(c["warned"] for c in per_cat.values()),
+                        "compile_s": all_compile,
+                        "mask_us": all_mask,
+                    }
+                ),
+            }
+        ),
+        flush=True,
+    )
     os._exit(0)  # a timed-out compile may still run on a daemon thread
 
 
@@ -281,23 +327,31 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(cat: dict) -> dict:
-    return {"schemas": cat["schemas"], "errors": cat["errors"], "timeouts": cat["timeouts"],
-            "warned": cat["warned"],
-            "compile_ms_p50": round(1000 * pct(cat["compile_s"], 0.5), 1),
-            "compile_ms_p90": round(1000 * pct(cat["compile_s"], 0.9), 1),
-            "compile_ms_max": round(1000 * max(cat["compile_s"], default=float("nan")), 1),
-            "mask_us_p50": round(pct(cat["mask_us"], 0.5), 1),
-            "mask_us_p99": round(pct(cat["mask_us"], 0.99), 1),
-            "mask_us_mean": round(statistics.fmean(cat["mask_us"]), 1) if cat["mask_us"] else None,
-            "mask_samples": len(cat["mask_us"])}
+    return {
+        "schemas": cat["schemas"],
+        "errors": cat["errors"],
+        "timeouts": cat["timeouts"],
+        "warned": cat["warned"],
+        "compile_ms_p50": round(1000 * pct(cat["compile_s"], 0.5), 1),
+        "compile_ms_p90": round(1000 * pct(cat["compile_s"], 0.9), 1),
+        "compile_ms_max": round(1000 * max(cat["compile_s"], default=float("nan")), 1),
+        "mask_us_p50": round(pct(cat["mask_us"], 0.5), 1),
+        "mask_us_p99": round(pct(cat["mask_us"], 0.99), 1),
+        "mask_us_mean": round(statistics.fmean(cat["mask_us"]), 1) if cat["mask_us"] else None,
+        "mask_samples": len(cat["mask_us"]),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="throughput,jump,compile")
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads of the validity/extraction engines")
-    ap.add_argument("--schema-dir", default="", help="JSONSchemaBench folder for --parts validity (default: "
-                    "../shared/data/jsonschemabench beside the repo, else the in-repo sample)")
+    ap.add_argument(
+        "--schema-dir",
+        default="",
+        help="JSONSchemaBench folder for --parts validity (default: "
+        "../shared/data/jsonschemabench beside the repo, else the in-repo sample)",
+    )
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
@@ -313,8 +367,9 @@ def main() -> None:
     parts = args.parts.split(",")
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args)}
     try:
-        results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                                           capture_output=True, text=True).stdout.strip()
+        results["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         pass
     if "throughput" in parts:

@@ -1,7 +1,8 @@
 """Validity over real-world schemas: what share of outputs a user can parse and validate.
 
 JSONSchemaBench (--schema-dir, else ../shared/data/jsonschemabench when it is beside the repo, else the
-in-repo sample tests/data/jsonschemabench_sample), the first --per-category schemas of each category, prompt "Produce a JSON
+in-repo sample tests/data/jsonschemabench_sample), the first --per-category schemas of each category, prompt "Produce
+a JSON
 object that follows this schema: <schema>", greedy, the default model, all requests of a run in one batch.
 Two settings, back to back in one engine:
 
@@ -104,14 +105,32 @@ def part_validity(per_category: int, max_chars: int, num_threads: int, schema_di
     with Engine(num_threads=num_threads, max_total_tokens=65536) as eng:
         kept, refused = accepted_schemas(records, eng.tokenizer)
         result["refused"] = refused
-        prompts = [eng.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Produce a JSON object that follows this schema: "
-              + json.dumps(r["schema"])[:PROMPT_CHARS]}], tokenize=False, add_generation_prompt=True) for r in kept]
+        prompts = [
+            eng.tokenizer.apply_chat_template(
+                [
+                    {
+                        "role": "user",
+                        "content": "Produce a JSON object that follows this schema: "
+                        + json.dumps(r["schema"])[:PROMPT_CHARS],
+                    }
+                ],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for r in kept
+        ]
         eng.generate(prompts[0], {"max_new_tokens": 2})  # warm-up
         for budget_name in ("384", "tight"):
             for label, setting in SETTINGS.items():
-                params = [{"temperature": 0, "json_schema": json.dumps(r["schema"]), **setting,
-                           "max_new_tokens": 384 if budget_name == "384" else r["smallest"] + SLACK} for r in kept]
+                params = [
+                    {
+                        "temperature": 0,
+                        "json_schema": json.dumps(r["schema"]),
+                        **setting,
+                        "max_new_tokens": 384 if budget_name == "384" else r["smallest"] + SLACK,
+                    }
+                    for r in kept
+                ]
                 eng.flush_cache()
                 closed_before = eng.get_stats().get("grammar_closed_early", 0)
                 start = time.perf_counter()
@@ -131,8 +150,9 @@ def part_validity(per_category: int, max_chars: int, num_threads: int, schema_di
                     "refused_pct": round(100 * (refused + verdicts.count("refused")) / total, 1),
                     "mean_output_tokens": round(sum(o["meta_info"]["completion_tokens"] for o in outs) / len(outs), 1),
                     "seconds": round(secs, 1),
-                    "failures": [(r["id"], v, o["text"][:160]) for r, v, o in zip(kept, verdicts, outs)
-                                 if v not in ("valid",)],
+                    "failures": [
+                        (r["id"], v, o["text"][:160]) for r, v, o in zip(kept, verdicts, outs) if v not in ("valid",)
+                    ],
                 }
         stats = eng.get_stats()
         result["engine_stats"] = {k: v for k, v in stats.items() if k.startswith(("grammar", "completion"))}
@@ -153,14 +173,22 @@ def completion_paths(cut_texts: list[tuple[dict, str]], tokenizer) -> dict:
 
     backend = create_grammar_backend("xgrammar", tokenizer, num_threads=1, compile_timeout=60)
     search = CompletionSearch(TokenTables(backend.vocab))
-    out = {"states": 0, "closers_valid": 0, "closers_us": [], "closers_tokens": [], "search_valid": 0,
-           "search_us": [], "search_tokens": [], "search_nodes": []}
+    out = {
+        "states": 0,
+        "closers_valid": 0,
+        "closers_us": [],
+        "closers_tokens": [],
+        "search_valid": 0,
+        "search_us": [],
+        "search_tokens": [],
+        "search_nodes": [],
+    }
     for rec, text in cut_texts:
         ids = tokenizer.encode(text, add_special_tokens=False)
         compiled = backend.get_or_compile(("json_natural", json.dumps(rec["schema"]))).result()
         for frac in (0.25, 0.5, 0.75):
             matcher, scanner = compiled.new_matcher(), JsonScanner()
-            cut = ids[:max(1, int(len(ids) * frac))]
+            cut = ids[: max(1, int(len(ids) * frac))]
             if not all(matcher.accept_token(t) for t in cut) or matcher.is_completed():
                 continue
             scanner.feed(b"".join(backend.vocab.decoded[t] for t in cut))
@@ -184,19 +212,29 @@ def completion_paths(cut_texts: list[tuple[dict, str]], tokenizer) -> dict:
     def mean(values):
         return round(sum(values) / len(values), 1) if values else None
 
-    return {"states": out["states"], "closers_valid": out["closers_valid"], "closers_mean_us": mean(out["closers_us"]),
-            "closers_mean_tokens": mean(out["closers_tokens"]), "search_valid": out["search_valid"],
-            "search_mean_us": mean(out["search_us"]), "search_p90_us": sorted(out["search_us"])[
-                int(0.9 * len(out["search_us"]))] if out["search_us"] else None,
-            "search_mean_tokens": mean(out["search_tokens"]), "search_mean_nodes": mean(out["search_nodes"])}
+    return {
+        "states": out["states"],
+        "closers_valid": out["closers_valid"],
+        "closers_mean_us": mean(out["closers_us"]),
+        "closers_mean_tokens": mean(out["closers_tokens"]),
+        "search_valid": out["search_valid"],
+        "search_mean_us": mean(out["search_us"]),
+        "search_p90_us": sorted(out["search_us"])[int(0.9 * len(out["search_us"]))] if out["search_us"] else None,
+        "search_mean_tokens": mean(out["search_tokens"]),
+        "search_mean_nodes": mean(out["search_nodes"]),
+    }
 
 
 def print_table(result: dict) -> None:
     print(f"{result['source']}: {result['schemas']} schemas, num_threads={result['num_threads']}")
     print("completion paths:", result.get("completion_paths"))
     print("engine:", result.get("engine_stats"))
-    print(f"{'run':<14} {'valid':>6} {'reported':>9} {'unparsed':>9} {'invalid':>8} {'closed early':>13} "
-          f"{'refused':>8} {'mean out tok':>13} {'s':>7}")
+    print(
+        f"{'run':<14} {'valid':>6} {'reported':>9} {'unparsed':>9} {'invalid':>8} {'closed early':>13} "
+        f"{'refused':>8} {'mean out tok':>13} {'s':>7}"
+    )
     for name, r in result["runs"].items():
-        print(f"{name:<14} {r['valid_pct']:>5}% {r['reported_pct']:>8}% {r['unparsed_pct']:>8}% {r['invalid_pct']:>7}% "
-              f"{r['closed_early_pct']:>12}% {r['refused_pct']:>7}% {r['mean_output_tokens']:>13} {r['seconds']:>7}")
+        print(
+            f"{name:<14} {r['valid_pct']:>5}% {r['reported_pct']:>8}% {r['unparsed_pct']:>8}% {r['invalid_pct']:>7}% "
+            f"{r['closed_early_pct']:>12}% {r['refused_pct']:>7}% {r['mean_output_tokens']:>13} {r['seconds']:>7}"
+        )

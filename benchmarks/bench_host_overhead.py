@@ -14,7 +14,8 @@ that host work visible:
    = step ms - forward ms. Each step also pays for pickling its output message, as the scheduler
    process does. Decode steps are bucketed by batch size; host ms is the median over "overlapped"
    steps (each launches the next decode step, then processes the one in flight: the steady state).
-   A "drain" processes one without launching the next (a GPU would idle meanwhile); a cProfile (top 25, cumulative) covers decode steps at a large
+   A "drain" processes one without launching the next (a GPU would idle meanwhile); a cProfile (top 25, cumulative)
+   covers decode steps at a large
    batch.
 2. End to end: an `Engine` (scheduler process + tokenizer manager + ZMQ) runs the same workload. On a
    GPU its output tokens/s is the host-bound throughput; on the CPU the real tiny forward (attention
@@ -45,7 +46,6 @@ import tempfile
 import time
 
 import torch
-
 from bench_common import load_workload_module, save  # noqa: E402 (benchmarks/ is on sys.path)
 
 BUCKETS = ((1, 64), (65, 128), (129, 256), (257, 384), (385, 512))
@@ -63,11 +63,23 @@ def make_tiny_model(folder: str, with_tokenizer: bool, vocab: int, head_dim: int
         # NOTE: a model vocabulary smaller than the tokenizer's is fine: every id below it decodes.
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(os.path.join(tok_src, name), os.path.join(folder, name))
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4 * head_dim,
-               intermediate_size=8 * head_dim, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-               head_dim=head_dim, vocab_size=vocab,
-               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True,
-               bos_token_id=1, eos_token_id=2)
+    cfg = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4 * head_dim,
+        intermediate_size=8 * head_dim,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     return folder
@@ -206,12 +218,17 @@ class GcClock:
 def run_in_process(args, model_dir: str, reqs) -> dict:
     from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
     from plait.runtime.sampling_params import SamplingParams
-    from plait.runtime.scheduler.scheduler import create_scheduler
     from plait.runtime.scheduler import process
+    from plait.runtime.scheduler.scheduler import create_scheduler
     from plait.runtime.server_args import ServerArgs
 
-    sa = ServerArgs(model_path=model_dir, load_format="dummy", device=args.device, **engine_kwargs(args),
-                    disable_overlap_schedule=args.no_overlap)
+    sa = ServerArgs(
+        model_path=model_dir,
+        load_format="dummy",
+        device=args.device,
+        **engine_kwargs(args),
+        disable_overlap_schedule=args.no_overlap,
+    )
     s = create_scheduler(sa, model_dir)
     # As the scheduler process does after start-up (absent in older versions, kept comparable).
     getattr(process, "freeze_startup_heap", lambda: None)()
@@ -219,8 +236,9 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
         s.pipeline.overlap = not args.no_overlap  # exercise the GPU's overlap code path (synchronous here)
     timer = DeviceTimer(s.runner, stub=args.device == "cpu" and not args.real_forward)
     for i, (ids, n_out) in enumerate(reqs):
-        s.handle_message(TokenizedGenerateReq(rid=f"r{i}", input_ids=ids,
-                                              sampling_params=SamplingParams(**sampling(n_out))))
+        s.handle_message(
+            TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=SamplingParams(**sampling(n_out)))
+        )
 
     steps = []  # (mode, batch size, step seconds, device seconds, kind: see step_kind)
     gc_s = []  # garbage-collection seconds per step
@@ -292,25 +310,36 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
         stats.stream = stream
         stats.sort_stats("cumulative").print_stats(25)
     return {
-        "overlap": s.pipeline.overlap, "stub_forward": args.device == "cpu" and not args.real_forward,
-        "steps": len(steps), "wall_s": wall, "device_s": device_s,
+        "overlap": s.pipeline.overlap,
+        "stub_forward": args.device == "cpu" and not args.real_forward,
+        "steps": len(steps),
+        "wall_s": wall,
+        "device_s": device_s,
         "step_kinds": {k: sum(kind == k for *_, kind in steps) for k in ("overlapped", "drain", "launch", "sync")},
-        "output_tok_s": out_tokens / wall, "host_only_output_tok_s": out_tokens / max(wall - device_s, 1e-9),
+        "output_tok_s": out_tokens / wall,
+        "host_only_output_tok_s": out_tokens / max(wall - device_s, 1e-9),
         "decode": by_bucket,
         "prefill": {"steps": len(prefill), "host_ms_median": 1e3 * statistics.median(dt - d for dt, d in prefill)}
-        if prefill else {},
-        "profile_steps": profiled, "profile_top25": stream.getvalue(),
+        if prefill
+        else {},
+        "profile_steps": profiled,
+        "profile_top25": stream.getvalue(),
         # every step: (mode, batch size, host ms, forward ms, kind)
-        "step_rows": [(m, bs, round(1e3 * (dt - dev), 3), round(1e3 * dev, 3), kind)
-                      for m, bs, dt, dev, kind in steps],
+        "step_rows": [(m, bs, round(1e3 * (dt - dev), 3), round(1e3 * dev, 3), kind) for m, bs, dt, dev, kind in steps],
     }
 
 
 def run_engine(args, model_dir: str, reqs) -> dict:
     from plait.runtime import Engine
 
-    with Engine(model_path=model_dir, load_format="dummy", device=args.device, num_threads=args.threads,
-                log_level="warning", **engine_kwargs(args)) as eng:
+    with Engine(
+        model_path=model_dir,
+        load_format="dummy",
+        device=args.device,
+        num_threads=args.threads,
+        log_level="warning",
+        **engine_kwargs(args),
+    ) as eng:
         eng.generate(input_ids=[r[0] for r in reqs[:4]], sampling_params=sampling(4))  # warm-up
         eng.flush_cache()
         t = time.perf_counter()
@@ -325,15 +354,21 @@ def run_engine(args, model_dir: str, reqs) -> dict:
 def print_table(res: dict) -> None:
     ip = res.get("in_process")
     if ip:
-        print(f"\nin-process scheduler ({'overlap' if ip['overlap'] else 'plain'} path), {ip['steps']} steps, "
-              f"{ip['wall_s']:.1f} s wall, {ip['device_s']:.1f} s forward")
-        print(f"{'decode batch':>13} {'steps':>6} {'overlapped':>10} {'host ms':>8} {'fwd ms':>7} {'step ms':>8} "
-              f"{'gc ms':>6} {'host us/req':>11}")
+        print(
+            f"\nin-process scheduler ({'overlap' if ip['overlap'] else 'plain'} path), {ip['steps']} steps, "
+            f"{ip['wall_s']:.1f} s wall, {ip['device_s']:.1f} s forward"
+        )
+        print(
+            f"{'decode batch':>13} {'steps':>6} {'overlapped':>10} {'host ms':>8} {'fwd ms':>7} {'step ms':>8} "
+            f"{'gc ms':>6} {'host us/req':>11}"
+        )
         for name, b in ip["decode"].items():
             hi = int(name.split("-")[1])
-            print(f"{name:>13} {b['decode_steps']:>6} {b['overlapped_steps']:>10} {b['host_ms_median']:>8.2f} "
-                  f"{b['forward_ms_median']:>7.2f} {b['step_ms_median']:>8.2f} {b['gc_ms_mean']:>6.2f} "
-                  f"{1e3 * b['host_ms_median'] / hi:>11.1f}")
+            print(
+                f"{name:>13} {b['decode_steps']:>6} {b['overlapped_steps']:>10} {b['host_ms_median']:>8.2f} "
+                f"{b['forward_ms_median']:>7.2f} {b['step_ms_median']:>8.2f} {b['gc_ms_mean']:>6.2f} "
+                f"{1e3 * b['host_ms_median'] / hi:>11.1f}"
+            )
         if ip["prefill"]:
             print(f"{'prefill':>13} {ip['prefill']['steps']:>6} {ip['prefill']['host_ms_median']:>8.2f}")
         kinds = ", ".join(f"{k} {n}" for k, n in ip["step_kinds"].items())
@@ -341,24 +376,37 @@ def print_table(res: dict) -> None:
         print(f"in-process: {ip['output_tok_s']:.0f} out tok/s; host work only: {ip['host_only_output_tok_s']:.0f}")
     e = res.get("engine")
     if e:
-        print(f"Engine.generate end to end: {e['output_tokens']} tokens in {e['seconds']:.1f} s = "
-              f"{e['output_tok_s']:.0f} out tok/s")
+        print(
+            f"Engine.generate end to end: {e['output_tokens']} tokens in {e['seconds']:.1f} s = "
+            f"{e['output_tok_s']:.0f} out tok/s"
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--workload", default="mixed", choices=["mixed", "offline"],
-                   help="mixed: --num-requests of input 100-1000, output 50-300; offline: bench_offline's 1,000")
+    p.add_argument(
+        "--workload",
+        default="mixed",
+        choices=["mixed", "offline"],
+        help="mixed: --num-requests of input 100-1000, output 50-300; offline: bench_offline's 1,000",
+    )
     p.add_argument("--num-requests", type=int, default=600)
     p.add_argument("--max-running-requests", type=int, default=512)
     p.add_argument("--max-total-tokens", type=int, default=800_000)
     p.add_argument("--no-tokenizer", action="store_true", help="token ids only (as the GPU dummy-weight runs)")
-    p.add_argument("--vocab", type=int, default=8192,
-                   help="model vocabulary (host work does not depend on it; the CPU forward does)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=8192,
+        help="model vocabulary (host work does not depend on it; the CPU forward does)",
+    )
     p.add_argument("--no-overlap", action="store_true")
-    p.add_argument("--real-forward", action="store_true",
-                   help="CPU in-process: run the real tiny forward instead of random hidden states")
+    p.add_argument(
+        "--real-forward",
+        action="store_true",
+        help="CPU in-process: run the real tiny forward instead of random hidden states",
+    )
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-in-process", action="store_true")
     p.add_argument("--profile-at", type=int, default=400, help="profile decode steps at >= this many running")
@@ -380,12 +428,25 @@ def main() -> None:
     try:
         vocab = args.vocab
         model_dir = make_tiny_model(folder, not args.no_tokenizer, vocab, 64 if args.device == "cuda" else 16)
-        reqs = make_workload(args.num_requests, vocab) if args.workload == "mixed" else shared_workload(args.workload, vocab)
-        res = {"bench": "host_overhead", "workload": args.workload, "device": args.device, "machine": platform.node(),
-               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-               "tokenizer": not args.no_tokenizer, "vocab": vocab, "requests": len(reqs),
-               "input_tokens": sum(len(i) for i, _ in reqs), "output_tokens": sum(n for _, n in reqs),
-               "max_running_requests": args.max_running_requests, "torch_threads": args.threads}
+        reqs = (
+            make_workload(args.num_requests, vocab)
+            if args.workload == "mixed"
+            else shared_workload(args.workload, vocab)
+        )
+        res = {
+            "bench": "host_overhead",
+            "workload": args.workload,
+            "device": args.device,
+            "machine": platform.node(),
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "tokenizer": not args.no_tokenizer,
+            "vocab": vocab,
+            "requests": len(reqs),
+            "input_tokens": sum(len(i) for i, _ in reqs),
+            "output_tokens": sum(n for _, n in reqs),
+            "max_running_requests": args.max_running_requests,
+            "torch_threads": args.threads,
+        }
         if not args.skip_in_process:
             res["in_process"] = run_in_process(args, model_dir, reqs)
             print(res["in_process"]["profile_top25"])
@@ -394,7 +455,9 @@ def main() -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print_table(res)
-    name = f"{args.device}{'' if args.workload == 'mixed' else '_' + args.workload}{'_notok' if args.no_tokenizer else ''}"
+    name = (
+        f"{args.device}{'' if args.workload == 'mixed' else '_' + args.workload}{'_notok' if args.no_tokenizer else ''}"
+    )
     save(f"bench_host_overhead_{name}{args.tag}", res)
 
 

@@ -20,9 +20,8 @@ import statistics
 import time
 
 import torch
-
-from gpu_ceilings import copy_bandwidth  # noqa: E402 (benchmarks/ is on sys.path)
 from bench_common import save  # noqa: E402
+from gpu_ceilings import copy_bandwidth  # noqa: E402 (benchmarks/ is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,18 +43,25 @@ def timed(fn, reps: int = 1) -> float:
 
 def run_plait(args, bw: float) -> list[dict]:
     from plait.runtime.executor.cuda_graphs import CudaGraphRunner
-    from plait.runtime.kernel_choices import using as using_kernels
-    from plait.runtime.forward_batch import ForwardMode
-    from plait.runtime.kvcache.memory_pool import KVPool
     from plait.runtime.executor.model_runner import ModelRunner
+    from plait.runtime.forward_batch import ForwardMode
+    from plait.runtime.kernel_choices import using as using_kernels
+    from plait.runtime.kvcache.memory_pool import KVPool
     from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
     max_bs = max(args.batch_sizes)
     total = max_bs * (args.input_len + args.output_len) + 64
-    sa = ServerArgs(model_path=args.model, load_format="dummy", max_total_tokens=total,
-                    max_running_requests=max_bs, cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
-                    attention_backend=args.attention_backend, context_length=args.input_len + args.output_len + 16)
+    sa = ServerArgs(
+        model_path=args.model,
+        load_format="dummy",
+        max_total_tokens=total,
+        max_running_requests=max_bs,
+        cuda_graph_max_bs=max_bs,
+        disable_cuda_graph=args.disable_cuda_graph,
+        attention_backend=args.attention_backend,
+        context_length=args.input_len + args.output_len + 16,
+    )
     sa = _with_settings(sa, args.variants[0])
     mr = ModelRunner(sa, args.model)
     cfg = mr.model_config
@@ -90,17 +96,29 @@ def run_plait(args, bw: float) -> list[dict]:
             piped_step = _pipelined_steps(mr, reqs, args.output_len - 1 - half)
             mean_ctx = args.input_len + args.output_len / 2
             floor = (wbytes + bs * mean_ctx * kv_tok) / bw
-            rows.append({"variant": variant, "batch_size": bs, "prefill_s": t_prefill,
-                         "prefill_tok_s": bs * args.input_len / t_prefill,
-                         "decode_step_ms": sync_step * 1e3, "decode_tok_s": bs / sync_step,
-                         "pipelined_step_ms": piped_step * 1e3, "pipelined_tok_s": bs / piped_step,
-                         "floor_ms": floor * 1e3, "floor_fraction": floor / sync_step,
-                         "pipelined_floor_fraction": floor / piped_step})
-            print(f"plait [{variant or 'defaults'}] bs={bs:4d} prefill {t_prefill * 1e3:8.1f} ms  decode step "
-                  f"{sync_step * 1e3:7.3f} ms ({floor / sync_step:5.1%} of floor), pipelined {piped_step * 1e3:7.3f} ms "
-                  f"({floor / piped_step:5.1%})  floor {floor * 1e3:7.3f} ms  {bs / piped_step:8.0f} tok/s", flush=True)
+            rows.append(
+                {
+                    "variant": variant,
+                    "batch_size": bs,
+                    "prefill_s": t_prefill,
+                    "prefill_tok_s": bs * args.input_len / t_prefill,
+                    "decode_step_ms": sync_step * 1e3,
+                    "decode_tok_s": bs / sync_step,
+                    "pipelined_step_ms": piped_step * 1e3,
+                    "pipelined_tok_s": bs / piped_step,
+                    "floor_ms": floor * 1e3,
+                    "floor_fraction": floor / sync_step,
+                    "pipelined_floor_fraction": floor / piped_step,
+                }
+            )
+            print(
+                f"plait [{variant or 'defaults'}] bs={bs:4d} prefill {t_prefill * 1e3:8.1f} ms  decode step "
+                f"{sync_step * 1e3:7.3f} ms ({floor / sync_step:5.1%} of floor), pipelined {piped_step * 1e3:7.3f} ms "
+                f"({floor / piped_step:5.1%})  floor {floor * 1e3:7.3f} ms  {bs / piped_step:8.0f} tok/s",
+                flush=True,
+            )
             for r in reqs:
-                kv = mr.req_to_token_pool.req_to_token[r.req_pool_idx, :r.kv_len + 1].long().cpu()
+                kv = mr.req_to_token_pool.req_to_token[r.req_pool_idx, : r.kv_len + 1].long().cpu()
                 mr.allocator.free(kv)
                 mr.req_to_token_pool.free(r.req_pool_idx)
     return rows, wbytes, kv_tok
@@ -119,8 +137,8 @@ def _with_settings(sa, variant: str):
 
 
 def _new_requests(mr, bs, args, gen) -> list:
-    from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.request import Req
+    from plait.runtime.sampling_params import SamplingParams
 
     reqs = []
     for i in range(bs):
@@ -146,7 +164,7 @@ def _sync_steps(mr, reqs, steps: int) -> float:
         for r, tok in zip(reqs, o.next_token_ids):
             r.output_ids.append(tok)
             r.kv_len += 1
-    return statistics.median(times[min(5, steps - 1):])
+    return statistics.median(times[min(5, steps - 1) :])
 
 
 def _pipelined_steps(mr, reqs, steps: int) -> float:
@@ -179,9 +197,8 @@ def _pipelined_steps(mr, reqs, steps: int) -> float:
 
 
 def run_transformers(args) -> list[dict]:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from plait.runtime.models.config import BUILTIN_SHAPES
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     raw = {k: v for k, v in BUILTIN_SHAPES[args.model].items() if k != "architectures"}
     with torch.device("cuda"):
@@ -192,16 +209,25 @@ def run_transformers(args) -> list[dict]:
 
         def gen(n):
             with torch.no_grad():
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0)
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
 
         gen(2)
         t1 = timed(lambda: gen(1))
         tn = timed(lambda: gen(args.output_len))
         step = (tn - t1) / (args.output_len - 1)
         rows.append({"batch_size": bs, "prefill_s": t1, "decode_step_ms": step * 1e3, "decode_tok_s": bs / step})
-        print(f"transformers bs={bs:4d} prefill {t1 * 1e3:8.1f} ms  decode step {step * 1e3:7.3f} ms  "
-              f"{bs / step:8.0f} tok/s", flush=True)
+        print(
+            f"transformers bs={bs:4d} prefill {t1 * 1e3:8.1f} ms  decode step {step * 1e3:7.3f} ms  "
+            f"{bs / step:8.0f} tok/s",
+            flush=True,
+        )
     model = None  # free the GPU memory before the next run
     torch.cuda.empty_cache()
     return rows
@@ -217,17 +243,29 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--variants", nargs="+", default=[""],
-                   help='kernel settings to compare in one process, each "NAME=value,NAME=value" of ServerArgs fields '
-                        '(e.g. enable_pdl=0 enable_pdl=1); the decode graphs are captured again for each')
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=[""],
+        help='kernel settings to compare in one process, each "NAME=value,NAME=value" of ServerArgs fields '
+        "(e.g. enable_pdl=0 enable_pdl=1); the decode graphs are captured again for each",
+    )
     args = p.parse_args()
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, wbytes, kv_tok = run_plait(args, bw)
-    result = {"bench": "one_batch", "model": args.model, "gpu": torch.cuda.get_device_name(),
-              "copy_bandwidth_TBps": bw / 1e12, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
-              "input_len": args.input_len, "output_len": args.output_len,
-              "cuda_graph": not args.disable_cuda_graph, "plait": rows}
+    result = {
+        "bench": "one_batch",
+        "model": args.model,
+        "gpu": torch.cuda.get_device_name(),
+        "copy_bandwidth_TBps": bw / 1e12,
+        "weight_bytes": wbytes,
+        "kv_bytes_per_token": kv_tok,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "cuda_graph": not args.disable_cuda_graph,
+        "plait": rows,
+    }
     if not args.skip_transformers:
         result["transformers"] = run_transformers(args)
     save(f"bench_one_batch_{args.model}{'_nograph' if args.disable_cuda_graph else ''}", result)

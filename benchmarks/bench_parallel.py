@@ -42,18 +42,23 @@ DP2_OFFLINE_TARGET = 1.9  # DP = 2 offline throughput / DP = 1's, at least
 
 # ---------------------------------------------------------------------------------------------- CPU: split
 def run_split(args) -> dict:
-    from transformers import AutoTokenizer
-
     from plait.runtime import Engine
     from plait.runtime.models.default_model import default_model_path
+    from transformers import AutoTokenizer
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     ids = [tok.encode(p) for p in cpu_prompts(args.num_prompts, seed=1, max_words=args.max_words)]
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     configs = {"one device": {}, "TP=3": {"tp_size": 3}, "PP=2": {"pp_size": 2}, "DP=2": {"dp_size": 2}}
-    result = {"bench": "parallel-split-cpu", "model": "SmolLM2-135M-Instruct (float32)", "prompts": len(ids),
-              "input_tokens": sum(map(len, ids)), "output_len": args.output_len, "configs": {}}
+    result = {
+        "bench": "parallel-split-cpu",
+        "model": "SmolLM2-135M-Instruct (float32)",
+        "prompts": len(ids),
+        "input_tokens": sum(map(len, ids)),
+        "output_len": args.output_len,
+        "configs": {},
+    }
     reference = None
     for name, extra in configs.items():
         t0 = time.perf_counter()
@@ -70,14 +75,22 @@ def run_split(args) -> dict:
         reference = reference or got
         decode = _step_delta(before, after, "decode")
         prefill = _step_delta(before, after, "prefill")
-        r = {"start_s": start_s, "seconds": dt, "output_tok_s": sum(map(len, got)) / dt,
-             "decode_step_ms": 1e3 * decode["wall_s"] / max(1, decode["steps"]), "decode_steps": decode["steps"],
-             "prefill_s": prefill["wall_s"], "same_as_one_device": sum(a == b for a, b in zip(got, reference)),
-             "same_tokens": _same_token_share(got, reference)}
+        r = {
+            "start_s": start_s,
+            "seconds": dt,
+            "output_tok_s": sum(map(len, got)) / dt,
+            "decode_step_ms": 1e3 * decode["wall_s"] / max(1, decode["steps"]),
+            "decode_steps": decode["steps"],
+            "prefill_s": prefill["wall_s"],
+            "same_as_one_device": sum(a == b for a, b in zip(got, reference)),
+            "same_tokens": _same_token_share(got, reference),
+        }
         result["configs"][name] = r
-        print(f"{name:10s} start {start_s:5.1f} s | {r['output_tok_s']:6.1f} out tok/s ({dt:.1f} s) | decode step "
-              f"{r['decode_step_ms']:6.1f} ms | prefill {r['prefill_s']:.2f} s | outputs equal to one device's: "
-              f"{r['same_as_one_device']}/{len(got)} ({r['same_tokens']:.1%} of tokens)")
+        print(
+            f"{name:10s} start {start_s:5.1f} s | {r['output_tok_s']:6.1f} out tok/s ({dt:.1f} s) | decode step "
+            f"{r['decode_step_ms']:6.1f} ms | prefill {r['prefill_s']:.2f} s | outputs equal to one device's: "
+            f"{r['same_as_one_device']}/{len(got)} ({r['same_tokens']:.1%} of tokens)"
+        )
     base = result["configs"]["one device"]
     for r in result["configs"].values():
         r["throughput_vs_one_device"] = r["output_tok_s"] / base["output_tok_s"]
@@ -101,8 +114,20 @@ def _same_token_share(got: list[list[int]], want: list[list[int]]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- CPU: router
-TOPICS = ("a bank", "a bakery", "a travel agency", "a law firm", "a hospital", "a school", "a bike shop", "a hotel",
-          "an airline", "a museum", "a library", "a garden centre")
+TOPICS = (
+    "a bank",
+    "a bakery",
+    "a travel agency",
+    "a law firm",
+    "a hospital",
+    "a school",
+    "a bike shop",
+    "a hotel",
+    "an airline",
+    "a museum",
+    "a library",
+    "a garden centre",
+)
 
 
 def tenant_system(i: int, words: int) -> str:
@@ -110,7 +135,8 @@ def tenant_system(i: int, words: int) -> str:
     from bench_offline import WORDS
 
     body = " ".join(rng.choice(WORDS) for _ in range(words))
-    return f"<|im_start|>system\nYou are the assistant of {TOPICS[i % len(TOPICS)]} (tenant {i}). Rules: {body}<|im_end|>\n"
+    topic = TOPICS[i % len(TOPICS)]
+    return f"<|im_start|>system\nYou are the assistant of {topic} (tenant {i}). Rules: {body}<|im_end|>\n"
 
 
 def user_turn(text: str) -> str:
@@ -119,8 +145,9 @@ def user_turn(text: str) -> str:
 
 def start(argv: list[str], log: str) -> subprocess.Popen:
     with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return subprocess.Popen(
+            [sys.executable, *argv], stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
 
 
 def wait_healthy(urls: list[str], procs: list[subprocess.Popen], deadline_s: float = 900) -> None:
@@ -184,9 +211,16 @@ def run_tenants(router_url: str, args) -> dict:
             list(pool.map(lambda k: ask(k, f"user {k[1]}, question {turn}: what are your opening hours?"), order))
     dt = time.perf_counter() - t
     n = len(users) * args.turns
-    return {"seconds": dt, "requests": n, "requests_per_s": n / dt, "output_tok_s": totals["out"] / dt,
-            "prompt_tokens": totals["prompt"], "cached_tokens": totals["cached"],
-            "cache_hit_rate": totals["cached"] / max(1, totals["prompt"]), "requests_per_replica": per_replica}
+    return {
+        "seconds": dt,
+        "requests": n,
+        "requests_per_s": n / dt,
+        "output_tok_s": totals["out"] / dt,
+        "prompt_tokens": totals["prompt"],
+        "cached_tokens": totals["cached"],
+        "cache_hit_rate": totals["cached"] / max(1, totals["prompt"]),
+        "requests_per_replica": per_replica,
+    }
 
 
 def run_router(args) -> dict:
@@ -195,20 +229,44 @@ def run_router(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="bench-router-")
     ports = [free_port() for _ in range(args.replicas)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    replicas = [start(["-m", "plait.runtime.server", "--port", str(p), "--num-threads", str(args.num_threads),
-                       "--max-total-tokens", str(args.replica_kv_tokens)], f"{tmp}/replica{i}.log")
-                for i, p in enumerate(ports)]
-    result = {"bench": "parallel-router-cpu", "model": "SmolLM2-135M-Instruct (float32)", "replicas": args.replicas,
-              "tenants": args.tenants, "users_per_tenant": args.users, "turns": args.turns,
-              "system_words": args.system_words, "output_len": args.output_len, "concurrency": args.concurrency,
-              "replica_kv_tokens": args.replica_kv_tokens, "policies": {}}
+    replicas = [
+        start(
+            [
+                "-m",
+                "plait.runtime.server",
+                "--port",
+                str(p),
+                "--num-threads",
+                str(args.num_threads),
+                "--max-total-tokens",
+                str(args.replica_kv_tokens),
+            ],
+            f"{tmp}/replica{i}.log",
+        )
+        for i, p in enumerate(ports)
+    ]
+    result = {
+        "bench": "parallel-router-cpu",
+        "model": "SmolLM2-135M-Instruct (float32)",
+        "replicas": args.replicas,
+        "tenants": args.tenants,
+        "users_per_tenant": args.users,
+        "turns": args.turns,
+        "system_words": args.system_words,
+        "output_len": args.output_len,
+        "concurrency": args.concurrency,
+        "replica_kv_tokens": args.replica_kv_tokens,
+        "policies": {},
+    }
     try:
         wait_healthy(urls, replicas)
         for policy in ("cache_aware", "round_robin"):
             port = free_port()
             router_url = f"http://127.0.0.1:{port}"
-            router = start(["-m", "plait.runtime.router", "--worker-urls", *urls, "--port", str(port), "--policy",
-                            policy], f"{tmp}/router_{policy}.log")
+            router = start(
+                ["-m", "plait.runtime.router", "--worker-urls", *urls, "--port", str(port), "--policy", policy],
+                f"{tmp}/router_{policy}.log",
+            )
             try:
                 wait_healthy([router_url], [router])
                 requests.post(router_url + "/flush_cache", timeout=60).raise_for_status()
@@ -217,9 +275,11 @@ def run_router(args) -> dict:
                 router.terminate()
                 router.wait(timeout=30)
             result["policies"][policy] = r
-            print(f"{policy:12s} {r['requests']} requests in {r['seconds']:.1f} s: {r['requests_per_s']:.2f} req/s, "
-                  f"{r['output_tok_s']:.1f} out tok/s, cache hit rate {r['cache_hit_rate']:.1%} "
-                  f"(per replica: {sorted(r['requests_per_replica'].values())})")
+            print(
+                f"{policy:12s} {r['requests']} requests in {r['seconds']:.1f} s: {r['requests_per_s']:.2f} req/s, "
+                f"{r['output_tok_s']:.1f} out tok/s, cache hit rate {r['cache_hit_rate']:.1%} "
+                f"(per replica: {sorted(r['requests_per_replica'].values())})"
+            )
     finally:
         for proc in replicas:
             proc.terminate()
@@ -227,8 +287,10 @@ def run_router(args) -> dict:
             proc.wait(timeout=60)
     ca, rr = result["policies"]["cache_aware"], result["policies"]["round_robin"]
     result["throughput_ratio"] = ca["output_tok_s"] / rr["output_tok_s"]
-    print(f"cache-aware / round-robin: {result['throughput_ratio']:.2f}x throughput, cache hits "
-          f"{ca['cache_hit_rate']:.1%} vs {rr['cache_hit_rate']:.1%}")
+    print(
+        f"cache-aware / round-robin: {result['throughput_ratio']:.2f}x throughput, cache hits "
+        f"{ca['cache_hit_rate']:.1%} vs {rr['cache_hit_rate']:.1%}"
+    )
     return result
 
 
@@ -240,23 +302,34 @@ def run_gpu(args) -> dict:
     configs = {"TP=1": [], "TP=2": ["tp_size=2"], "DP=2": ["dp_size=2"]}
     out = {"bench": "parallel-gpu", "model": args.model, "workloads": args.workload, "configs": {}}
     for name, engine_args in configs.items():
-        ns = argparse.Namespace(model=args.model, workload=args.workload, max_running_requests=None,
-                                attention_backend="auto", disable_cuda_graph=False, skip_transformers=True,
-                                engine_arg=engine_args + args.engine_arg, hf_batch_size=64)
+        ns = argparse.Namespace(
+            model=args.model,
+            workload=args.workload,
+            max_running_requests=None,
+            attention_backend="auto",
+            disable_cuda_graph=False,
+            skip_transformers=True,
+            engine_arg=engine_args + args.engine_arg,
+            hf_batch_size=64,
+        )
         print(f"---- {name}")
         out["configs"][name] = {r["bench"].removeprefix("offline-gpu-"): r for r in bench_offline.run_gpu(ns)}
     one, tp2, dp2 = (out["configs"][k] for k in ("TP=1", "TP=2", "DP=2"))
     if "single" in args.workload:
         step = {k: _decode_step_ms(c["single"]) for k, c in (("TP=1", one), ("TP=2", tp2))}
         out["tp2_single_step_ratio"] = step["TP=2"] / step["TP=1"]
-        print(f"batch-1 decode step: TP=1 {step['TP=1']:.3f} ms, TP=2 {step['TP=2']:.3f} ms: "
-              f"{out['tp2_single_step_ratio']:.3f}x (target <= {TP2_SINGLE_TARGET})")
+        print(
+            f"batch-1 decode step: TP=1 {step['TP=1']:.3f} ms, TP=2 {step['TP=2']:.3f} ms: "
+            f"{out['tp2_single_step_ratio']:.3f}x (target <= {TP2_SINGLE_TARGET})"
+        )
     if "offline" in args.workload:
         out["dp2_offline_ratio"] = dp2["offline"]["plait"]["output_tok_s"] / one["offline"]["plait"]["output_tok_s"]
         print(f"offline: DP=2 / DP=1 {out['dp2_offline_ratio']:.2f}x (target >= {DP2_OFFLINE_TARGET})")
     for w in args.workload:
-        print(f"{w:8s} out tok/s: " + ", ".join(f"{k} {c[w]['plait']['output_tok_s']:.0f}"
-                                                  for k, c in out["configs"].items()))
+        print(
+            f"{w:8s} out tok/s: "
+            + ", ".join(f"{k} {c[w]['plait']['output_tok_s']:.0f}" for k, c in out["configs"].items())
+        )
     return out
 
 
@@ -270,8 +343,9 @@ def _decode_step_ms(result: dict) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GPU: a built-in dummy shape (llama-3.1-8b); default: the CPU parts")
-    p.add_argument("--workload", nargs="+", default=["single", "batch64", "offline"],
-                   choices=["single", "batch64", "offline"])
+    p.add_argument(
+        "--workload", nargs="+", default=["single", "batch64", "offline"], choices=["single", "batch64", "offline"]
+    )
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="GPU: more Engine settings")
     p.add_argument("--part", choices=["split", "router", "both"], default="both", help="CPU: which part")
     p.add_argument("--num-threads", type=int, default=1, help="CPU torch threads per scheduler / rank")

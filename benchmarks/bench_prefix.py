@@ -41,13 +41,19 @@ def conversation_openers(tokenizer, num_convs: int, context_words: int, seed: in
     out = []
     for i in range(num_convs):
         notes = " ".join(rng.choice(words + topics) for _ in range(context_words))
-        out.append(tokenizer.encode(f"<|im_start|>system\nNotes about the {topics[i % len(topics)]}: "
-                                    f"{notes}<|im_end|>\n"))
+        out.append(
+            tokenizer.encode(f"<|im_start|>system\nNotes about the {topics[i % len(topics)]}: {notes}<|im_end|>\n")
+        )
     return out
 
 
-USER_TURNS = ["Summarize the notes in one sentence.", "What is the main topic?",
-              "Give it a short title.", "Name one detail.", "Say something kind about it."]
+USER_TURNS = [
+    "Summarize the notes in one sentence.",
+    "What is the main topic?",
+    "Give it a short title.",
+    "Name one detail.",
+    "Say something kind about it.",
+]
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], params: dict) -> tuple[list[dict], float]:
@@ -60,11 +66,16 @@ def summarize(outs: list[dict], seconds: float) -> dict:
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"requests": len(outs), "seconds": round(seconds, 3), "prompt_tokens": prompt,
-            "cached_tokens": cached, "completion_tokens": completion,
-            "cache_hit_rate": round(cached / max(1, prompt), 4),
-            "requests_per_s": round(len(outs) / seconds, 4),
-            "tokens_per_s": round((prompt + completion) / seconds, 2)}
+    return {
+        "requests": len(outs),
+        "seconds": round(seconds, 3),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "completion_tokens": completion,
+        "cache_hit_rate": round(cached / max(1, prompt), 4),
+        "requests_per_s": round(len(outs) / seconds, 4),
+        "tokens_per_s": round((prompt + completion) / seconds, 2),
+    }
 
 
 def bench_few_shot(engines: dict, tokenizer, args) -> dict:
@@ -86,8 +97,9 @@ def bench_multi_turn(engines: dict, tokenizer, args) -> dict:
         histories = [list(o) for o in openers]
         all_outs, seconds = [], 0.0
         for turn in range(args.turns):
-            user = tokenizer.encode(f"<|im_start|>user\n{USER_TURNS[turn % len(USER_TURNS)]}<|im_end|>\n"
-                                    "<|im_start|>assistant\n")
+            user = tokenizer.encode(
+                f"<|im_start|>user\n{USER_TURNS[turn % len(USER_TURNS)]}<|im_end|>\n<|im_start|>assistant\n"
+            )
             for h in histories:
                 h += user
             outs, dt = run_batch(eng, histories, params)
@@ -118,14 +130,22 @@ def main() -> None:
     p.add_argument("--context-words", type=int, default=120, help="per-conversation notes in turn 1")
     p.add_argument("--chat-new-tokens", type=int, default=12)
     p.add_argument("--max-total-tokens", type=int, default=16384)
-    p.add_argument("--chunked-prefill-size", type=int, default=512,
-                   help="CPU prefill throughput saturates well below the GPU default of 8192")
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=512,
+        help="CPU prefill throughput saturates well below the GPU default of 8192",
+    )
     p.add_argument("--num-threads", type=int, default=1, help="torch threads in each scheduler process")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "bench_prefix.json"))
     args = p.parse_args()
 
-    common = dict(model_path=args.model_path, num_threads=args.num_threads,
-                  max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size)
+    common = dict(
+        model_path=args.model_path,
+        num_threads=args.num_threads,
+        max_total_tokens=args.max_total_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+    )
     load_before = os.getloadavg()
     started = time.perf_counter()
     with Engine(disable_radix_cache=True, **common) as off, Engine(**common) as on:
@@ -133,18 +153,29 @@ def main() -> None:
         for eng in engines.values():  # warm-up: first-call costs stay out of the numbers
             eng.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 2})
         tokenizer = on.tokenizer
-        workloads = {"few_shot": bench_few_shot(engines, tokenizer, args),
-                     "multi_turn": bench_multi_turn(engines, tokenizer, args)}
+        workloads = {
+            "few_shot": bench_few_shot(engines, tokenizer, args),
+            "multi_turn": bench_multi_turn(engines, tokenizer, args),
+        }
         for eng in engines.values():
             if not eng.check_integrity():
                 raise SystemExit(f"KV integrity check failed: {eng.get_stats()['last_integrity_error']}")
         model = on.model_path
 
-    report = {"bench": "bench_prefix", "model": model, "device": "cpu", "config": vars(args),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "loadavg_before": [round(x, 2) for x in load_before],
-                          "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
-              "wall_seconds": round(time.perf_counter() - started, 1), "workloads": workloads}
+    report = {
+        "bench": "bench_prefix",
+        "model": model,
+        "device": "cpu",
+        "config": vars(args),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "workloads": workloads,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
@@ -153,10 +184,14 @@ def main() -> None:
     for wname, w in workloads.items():
         for side in ("off", "on"):
             r = w[side]
-            print(f"{wname:<11} {side:<5} {r['requests']:>5} {r['seconds']:>8.2f} {r['requests_per_s']:>8.3f} "
-                  f"{r['tokens_per_s']:>9.1f} {r['cache_hit_rate']:>9.1%}")
-        print(f"{'':<11} on/off throughput ratio {w['speedup_on_vs_off']:.2f}x, identical greedy outputs "
-              f"{w['identical_outputs']}")
+            print(
+                f"{wname:<11} {side:<5} {r['requests']:>5} {r['seconds']:>8.2f} {r['requests_per_s']:>8.3f} "
+                f"{r['tokens_per_s']:>9.1f} {r['cache_hit_rate']:>9.1%}"
+            )
+        print(
+            f"{'':<11} on/off throughput ratio {w['speedup_on_vs_off']:.2f}x, identical greedy outputs "
+            f"{w['identical_outputs']}"
+        )
     print(f"saved {args.out}")
 
 

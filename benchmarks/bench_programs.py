@@ -44,7 +44,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_programs_workloads as wl  # noqa: E402
-
 import plait as sgl  # noqa: E402
 
 MODES = ("plait", "hints-off", "radix-off")
@@ -77,8 +76,12 @@ class RunResult:
 
 
 def make_runtimes(args, modes: list[str]) -> dict[str, Any]:
-    common = dict(num_threads=args.num_threads, max_total_tokens=args.max_total_tokens,
-                  chunked_prefill_size=args.chunked_prefill_size, log_level="warning")
+    common = dict(
+        num_threads=args.num_threads,
+        max_total_tokens=args.max_total_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        log_level="warning",
+    )
     settings = {
         "plait": dict(schedule_policy="dfs-weight", program_hints=True),
         "plait-lpm": dict(schedule_policy="lpm", program_hints=True),
@@ -92,8 +95,11 @@ def program_latency(state, batch_started: float) -> float:
     """Seconds from the start of the batch (run_batch's own prefill included) to the end of the
     program's last request, from its run graph."""
     recorder = state.stream_executor.recorder
-    ends = [n.stats.start_s + n.stats.latency_s for n in recorder.build().nodes
-            if n.stats is not None and n.stats.start_s is not None and n.stats.latency_s is not None]
+    ends = [
+        n.stats.start_s + n.stats.latency_s
+        for n in recorder.build().nodes
+        if n.stats is not None and n.stats.start_s is not None and n.stats.latency_s is not None
+    ]
     return recorder.started + max(ends, default=0.0) - batch_started
 
 
@@ -115,12 +121,26 @@ def run_once(workload: wl.Workload, mode: str, runtime: Any) -> RunResult:
     latencies = [program_latency(s, started) for s in states]
     errors = [s.error() for s in states if s.error() is not None]
     return RunResult(
-        workload.name, mode, len(states), wall, (wall, wall), len(states) / wall, delta["generation_tokens"] / wall,
-        statistics.mean(latencies), max(latencies), requests, delta["prompt_tokens"], delta["cached_tokens"],
-        delta["prompt_tokens"] - delta["cached_tokens"], delta["generation_tokens"],
-        delta["cached_tokens"] / max(1, delta["prompt_tokens"]), sum(t.prompt_tokens for t in totals),
-        sum(t.cached_tokens for t in totals), len(errors),
-        [workload.output_of(s) for s in states])
+        workload.name,
+        mode,
+        len(states),
+        wall,
+        (wall, wall),
+        len(states) / wall,
+        delta["generation_tokens"] / wall,
+        statistics.mean(latencies),
+        max(latencies),
+        requests,
+        delta["prompt_tokens"],
+        delta["cached_tokens"],
+        delta["prompt_tokens"] - delta["cached_tokens"],
+        delta["generation_tokens"],
+        delta["cached_tokens"] / max(1, delta["prompt_tokens"]),
+        sum(t.prompt_tokens for t in totals),
+        sum(t.cached_tokens for t in totals),
+        len(errors),
+        [workload.output_of(s) for s in states],
+    )
 
 
 def median_round(runs: list[RunResult]) -> RunResult:
@@ -147,23 +167,35 @@ def ratio_table(results: list[RunResult], modes: list[str]) -> list[dict]:
 
 
 def print_tables(results: list[RunResult], ratios: list[dict], modes: list[str]) -> None:
-    print("\n| workload | mode | programs | wall s, median (min-max) | programs/s | out tok/s | latency mean / max s | "
-          "program requests | hit rate: programs | runtime prompt / cached tok | hit rate: runtime | prefill computed |")
+    print(
+        "\n| workload | mode | programs | wall s, median (min-max) | programs/s | out tok/s | latency mean / max s | "
+        "program requests | hit rate: programs | runtime prompt / cached tok | hit rate: runtime | prefill computed |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         program_hit = r.program_cached_tokens / max(1, r.program_prompt_tokens)
-        print(f"| {r.workload} | {r.mode} | {r.programs} | {r.wall_s:.2f} ({r.wall_spread_s[0]:.2f}-"
-              f"{r.wall_spread_s[1]:.2f}) | {r.programs_per_s:.3f} | "
-              f"{r.output_tok_per_s:.1f} | {r.latency_mean_s:.2f} / {r.latency_max_s:.2f} | {r.runtime_requests} | "
-              f"{100 * program_hit:.1f}% | {r.prompt_tokens} / {r.cached_tokens} | {100 * r.hit_rate:.1f}% | "
-              f"{r.computed_prefill_tokens} |" + (f" {r.errors} errors" if r.errors else ""))
+        print(
+            f"| {r.workload} | {r.mode} | {r.programs} | {r.wall_s:.2f} ({r.wall_spread_s[0]:.2f}-"
+            f"{r.wall_spread_s[1]:.2f}) | {r.programs_per_s:.3f} | "
+            f"{r.output_tok_per_s:.1f} | {r.latency_mean_s:.2f} / {r.latency_max_s:.2f} | {r.runtime_requests} | "
+            f"{100 * program_hit:.1f}% | {r.prompt_tokens} / {r.cached_tokens} | {100 * r.hit_rate:.1f}% | "
+            f"{r.computed_prefill_tokens} |" + (f" {r.errors} errors" if r.errors else "")
+        )
     others = modes[1:]
-    print("\n| workload | " + " | ".join(f"{modes[0]} vs {m}" for m in others)
-          + f" | same outputs as {modes[0]} ({', '.join(others)}) |")
+    print(
+        "\n| workload | "
+        + " | ".join(f"{modes[0]} vs {m}" for m in others)
+        + f" | same outputs as {modes[0]} ({', '.join(others)}) |"
+    )
     print("|---|" + "---|" * (len(others) + 1))
     for row in ratios:
-        print(f"| {row['workload']} | " + " | ".join(f"{row['speedup_vs_' + m]:.2f}x" for m in others) + " | "
-              + ", ".join(f"{row['same_outputs_as_' + m]}/{row['programs']}" for m in others) + " |")
+        print(
+            f"| {row['workload']} | "
+            + " | ".join(f"{row['speedup_vs_' + m]:.2f}x" for m in others)
+            + " | "
+            + ", ".join(f"{row['same_outputs_as_' + m]}/{row['programs']}" for m in others)
+            + " |"
+        )
 
 
 def plot(results: list[RunResult], path_stem: Path, modes: list[str]) -> Path:
@@ -181,8 +213,13 @@ def plot(results: list[RunResult], path_stem: Path, modes: list[str]) -> Path:
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(modes)
     for k, mode in enumerate(modes):
-        ax.bar([i + (k - (len(modes) - 1) / 2) * width for i in range(len(names))], [wall[(n, mode)] for n in names], width,
-               label=mode, color=colors[mode])
+        ax.bar(
+            [i + (k - (len(modes) - 1) / 2) * width for i in range(len(names))],
+            [wall[(n, mode)] for n in names],
+            width,
+            label=mode,
+            color=colors[mode],
+        )
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("wall seconds (lower is better)")
     ax.legend()
@@ -195,19 +232,25 @@ def plot(results: list[RunResult], path_stem: Path, modes: list[str]) -> Path:
 def _plot_svg(names: list[str], wall: dict, colors: dict, out: Path, modes: list[str]) -> Path:
     top = max(wall.values())
     w, h, left, bottom, group = 120 * len(names) + 80, 320, 50, 40, 120
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="Helvetica" '
-             f'font-size="11"><text x="{left}" y="14">wall seconds per workload (lower is better)</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="Helvetica" '
+        f'font-size="11"><text x="{left}" y="14">wall seconds per workload (lower is better)</text>'
+    ]
     for i, name in enumerate(names):
         for k, mode in enumerate(modes):
             value = wall[(name, mode)]
             bh = (h - bottom - 30) * value / top
             x, y = left + i * group + k * 32, h - bottom - bh
-            parts.append(f'<rect x="{x}" y="{y:.1f}" width="28" height="{bh:.1f}" fill="{colors[mode]}"/>'
-                         f'<text x="{x}" y="{y - 3:.1f}" font-size="9">{value:.1f}</text>')
+            parts.append(
+                f'<rect x="{x}" y="{y:.1f}" width="28" height="{bh:.1f}" fill="{colors[mode]}"/>'
+                f'<text x="{x}" y="{y - 3:.1f}" font-size="9">{value:.1f}</text>'
+            )
         parts.append(f'<text x="{left + i * group}" y="{h - bottom + 15}">{name}</text>')
     for k, mode in enumerate(modes):
-        parts.append(f'<rect x="{left + k * 110}" y="{h - 16}" width="10" height="10" fill="{colors[mode]}"/>'
-                     f'<text x="{left + k * 110 + 14}" y="{h - 7}">{mode}</text>')
+        parts.append(
+            f'<rect x="{left + k * 110}" y="{h - 16}" width="10" height="10" fill="{colors[mode]}"/>'
+            f'<text x="{left + k * 110 + 14}" y="{h - 7}">{mode}</text>'
+        )
     parts.append("</svg>")
     out.write_text("\n".join(parts))
     return out
@@ -218,8 +261,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated workloads (default: all)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the batch sizes")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per workload and mode (median reported)")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated, the first is the baseline of the ratios; from {MODES + EXTRA_MODES}")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated, the first is the baseline of the ratios; from {MODES + EXTRA_MODES}",
+    )
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads per scheduler process")
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--chunked-prefill-size", type=int, default=1024)
@@ -249,8 +295,11 @@ def main() -> None:
                 k = (i + r) % len(modes)
                 for mode in modes[k:] + modes[:k]:
                     result = run_once(workload, mode, runtimes[mode])
-                    print(f"{workload.name:10s} {mode:10s} {result.wall_s:7.2f}s  hit {100 * result.hit_rate:5.1f}%  "
-                          f"prefill computed {result.computed_prefill_tokens}", flush=True)
+                    print(
+                        f"{workload.name:10s} {mode:10s} {result.wall_s:7.2f}s  hit {100 * result.hit_rate:5.1f}%  "
+                        f"prefill computed {result.computed_prefill_tokens}",
+                        flush=True,
+                    )
                     rounds.setdefault((workload.name, mode), []).append(result)
         results = [median_round(rounds[(w.name, mode)]) for w in workloads for mode in modes]
     finally:
@@ -260,9 +309,20 @@ def main() -> None:
     print_tables(results, ratios, modes)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "json_regex": json_regex, "cpu_count": os.cpu_count(),
-                               "load_avg": os.getloadavg(), "total_s": time.perf_counter() - started,
-                               "results": [asdict(r) for r in results], "ratios": ratios}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "json_regex": json_regex,
+                "cpu_count": os.cpu_count(),
+                "load_avg": os.getloadavg(),
+                "total_s": time.perf_counter() - started,
+                "results": [asdict(r) for r in results],
+                "ratios": ratios,
+            },
+            indent=1,
+        )
+    )
     print(f"\nwrote {out} and {plot(results, out.with_suffix(''), modes)}; total {time.perf_counter() - started:.0f}s")
 
 

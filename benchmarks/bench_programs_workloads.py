@@ -40,14 +40,31 @@ def mmlu_subjects() -> dict[str, list[tuple[str, list[str], str]]]:
         nums = [a * 7 % 19, b * 11 % 23 + 20, a + b, 3 * a]
         options, letter = rotate(str(max(nums)), [str(x) for x in nums if x != max(nums)][:3] + ["0"] * 3, i)
         subjects["comparison"].append((f"Which is the largest of {', '.join(map(str, nums))}?", options, letter))
-    capitals = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin"),
-                ("Japan", "Tokyo"), ("Egypt", "Cairo"), ("Peru", "Lima"), ("Kenya", "Nairobi"),
-                ("Canada", "Ottawa"), ("Chile", "Santiago"), ("Norway", "Oslo"), ("Greece", "Athens"),
-                ("India", "New Delhi"), ("Cuba", "Havana"), ("Poland", "Warsaw"), ("Ireland", "Dublin"),
-                ("Austria", "Vienna"), ("Sweden", "Stockholm"), ("Portugal", "Lisbon"), ("Russia", "Moscow"),
-                ("Mexico", "Mexico City")]
+    capitals = [
+        ("France", "Paris"),
+        ("Italy", "Rome"),
+        ("Spain", "Madrid"),
+        ("Germany", "Berlin"),
+        ("Japan", "Tokyo"),
+        ("Egypt", "Cairo"),
+        ("Peru", "Lima"),
+        ("Kenya", "Nairobi"),
+        ("Canada", "Ottawa"),
+        ("Chile", "Santiago"),
+        ("Norway", "Oslo"),
+        ("Greece", "Athens"),
+        ("India", "New Delhi"),
+        ("Cuba", "Havana"),
+        ("Poland", "Warsaw"),
+        ("Ireland", "Dublin"),
+        ("Austria", "Vienna"),
+        ("Sweden", "Stockholm"),
+        ("Portugal", "Lisbon"),
+        ("Russia", "Moscow"),
+        ("Mexico", "Mexico City"),
+    ]
     for i, (country, capital) in enumerate(capitals):
-        wrong = [c for _, c in capitals if c != capital][i % 7: i % 7 + 3]
+        wrong = [c for _, c in capitals if c != capital][i % 7 : i % 7 + 3]
         options, letter = rotate(capital, wrong, i)
         subjects["geography"].append((f"What is the capital of {country}?", options, letter))
     return subjects
@@ -62,7 +79,7 @@ def mmlu_batch(per_subject: int) -> list[dict]:
     batch = []
     for items in mmlu_subjects().values():
         examples = MMLU_HEADER + "".join(mmlu_question(q, o) + " " + a + "\n\n" for q, o, a in items[:5])
-        batch += [{"examples": examples, "question": mmlu_question(q, o)} for q, o, _ in items[5: 5 + per_subject]]
+        batch += [{"examples": examples, "question": mmlu_question(q, o)} for q, o, _ in items[5 : 5 + per_subject]]
     return batch
 
 
@@ -72,24 +89,41 @@ HELLASWAG_SHOTS = (
     "A man is standing on a ladder next to a house. He climbs to the roof and starts removing old shingles. "
     "He then nails new shingles in place.\n\n"
     "A woman pours flour and sugar into a bowl. She cracks two eggs over the bowl and whisks everything "
-    "together. She pours the batter into a pan.\n\n")
+    "together. She pours the batter into a pan.\n\n"
+)
 HELLASWAG_ITEMS = [
-    ("A boy kicks a ball across the park. His dog runs after it and", ["brings it back to him.", "starts to sing.",
-                                                                      "reads a newspaper.", "turns into a cat."]),
-    ("A chef slices onions on a cutting board. She adds them to a hot pan and",
-     ["stirs them with a spoon.", "throws the pan out the window.", "paints the ceiling.", "falls asleep."]),
-    ("A cyclist reaches the top of a steep hill. He stops, drinks some water and",
-     ["rides down the other side.", "plants a tree.", "swims across the road.", "opens an umbrella indoors."]),
-    ("A girl opens her school bag and takes out a notebook. She picks up a pencil and",
-     ["starts writing her homework.", "eats the pencil.", "flies to the moon.", "feeds it to the fish."]),
-    ("A man fills a watering can at the tap. He walks into the garden and",
-     ["waters the flowers.", "builds a car.", "sings to the moon.", "fries an egg."]),
-    ("Two friends set up a chess board on a table. They sit down and",
-     ["start the first game.", "climb a mountain.", "wash the dishes.", "drive to the beach."]),
-    ("A woman puts on her running shoes. She opens the door and",
-     ["jogs down the street.", "cooks a turkey.", "plays the piano.", "paints the dog."]),
-    ("A mechanic opens the hood of a car. He looks at the engine and",
-     ["checks the oil level.", "plants tomatoes.", "writes a poem.", "takes a bath."]),
+    (
+        "A boy kicks a ball across the park. His dog runs after it and",
+        ["brings it back to him.", "starts to sing.", "reads a newspaper.", "turns into a cat."],
+    ),
+    (
+        "A chef slices onions on a cutting board. She adds them to a hot pan and",
+        ["stirs them with a spoon.", "throws the pan out the window.", "paints the ceiling.", "falls asleep."],
+    ),
+    (
+        "A cyclist reaches the top of a steep hill. He stops, drinks some water and",
+        ["rides down the other side.", "plants a tree.", "swims across the road.", "opens an umbrella indoors."],
+    ),
+    (
+        "A girl opens her school bag and takes out a notebook. She picks up a pencil and",
+        ["starts writing her homework.", "eats the pencil.", "flies to the moon.", "feeds it to the fish."],
+    ),
+    (
+        "A man fills a watering can at the tap. He walks into the garden and",
+        ["waters the flowers.", "builds a car.", "sings to the moon.", "fries an egg."],
+    ),
+    (
+        "Two friends set up a chess board on a table. They sit down and",
+        ["start the first game.", "climb a mountain.", "wash the dishes.", "drive to the beach."],
+    ),
+    (
+        "A woman puts on her running shoes. She opens the door and",
+        ["jogs down the street.", "cooks a turkey.", "plays the piano.", "paints the dog."],
+    ),
+    (
+        "A mechanic opens the hood of a car. He looks at the engine and",
+        ["checks the oil level.", "plants tomatoes.", "writes a poem.", "takes a bath."],
+    ),
 ]
 
 
@@ -100,6 +134,7 @@ def few_shot_hellaswag(s, context, endings):
 
 
 # ---------------------------------------------------------------- tree of thought (nested forks)
+
 
 @sgl.function
 def tree_of_thought(s, question):
@@ -117,13 +152,16 @@ def tree_of_thought(s, question):
     s += sgl.assistant_end()
 
 
-TOT_QUESTIONS = ["How many legs do three cats and two birds have in total?",
-                 "A train leaves at 3 pm and travels 2 hours. When does it arrive?",
-                 "If a shirt costs 20 dollars and is 25 percent off, what is its price?",
-                 "What is the sum of the first five odd numbers?"]
+TOT_QUESTIONS = [
+    "How many legs do three cats and two birds have in total?",
+    "A train leaves at 3 pm and travels 2 hours. When does it arrive?",
+    "If a shirt costs 20 dollars and is 25 percent off, what is its price?",
+    "What is the sum of the first five odd numbers?",
+]
 
 
 # ---------------------------------------------------------------- skeleton of thought (fork/join)
+
 
 @sgl.function
 def skeleton_of_thought(s, question):
@@ -136,14 +174,20 @@ def skeleton_of_thought(s, question):
     s += "\nSummary:" + sgl.gen("summary", max_tokens=8, stop="\n")
 
 
-SOT_QUESTIONS = ["How can I sleep better?", "How do I start learning to cook?", "How do I save money each month?",
-                 "How can a small team work well together?"]
+SOT_QUESTIONS = [
+    "How can I sleep better?",
+    "How do I start learning to cook?",
+    "How do I save money each month?",
+    "How can a small team work well together?",
+]
 
 
 # ---------------------------------------------------------------- 4-turn chat
 
-CHAT_SYSTEM = ("You are a friendly travel assistant. Keep every answer to one short sentence, suggest "
-               "concrete places, and never ask more than one question back.")
+CHAT_SYSTEM = (
+    "You are a friendly travel assistant. Keep every answer to one short sentence, suggest "
+    "concrete places, and never ask more than one question back."
+)
 
 
 @sgl.function
@@ -159,12 +203,19 @@ CHAT_CONVERSATIONS = [
     ["I like mountains.", "Where in Europe?", "When is the best season?", "What should I pack?"],
     ["I have a weekend in Paris.", "What museum?", "Where to eat cheaply?", "Is the metro easy?"],
     ["I want a beach holiday.", "Somewhere warm in winter?", "Is it family friendly?", "How do I get there?"],
-    ["I am going to Japan in spring.", "Where are the best cherry blossoms?", "How do I travel between cities?",
-     "What souvenir should I bring home?"],
-    ["I want to see the northern lights.", "Which country is best?", "What month should I go?",
-     "What should I wear?"],
-    ["I have three days in London.", "What should I see first?", "Where can I find good food?",
-     "Is a day trip to Oxford worth it?"],
+    [
+        "I am going to Japan in spring.",
+        "Where are the best cherry blossoms?",
+        "How do I travel between cities?",
+        "What souvenir should I bring home?",
+    ],
+    ["I want to see the northern lights.", "Which country is best?", "What month should I go?", "What should I wear?"],
+    [
+        "I have three days in London.",
+        "What should I see first?",
+        "Where can I find good food?",
+        "Is a day trip to Oxford worth it?",
+    ],
     ["I like hiking and wine.", "Which region fits that?", "Where should I stay?", "How long should I stay?"],
 ]
 
@@ -179,8 +230,9 @@ PASSAGES = [
     "Elena Petrova is 63 and runs a bakery in Sofia.",
     "Liam Walsh, 19, studies physics in Dublin.",
 ]
-JSON_INSTRUCTIONS = ("Extract the person's name, city, job and age from the passage as JSON with the keys "
-                     "name, city, job and age.\n\n")
+JSON_INSTRUCTIONS = (
+    "Extract the person's name, city, job and age from the passage as JSON with the keys name, city, job and age.\n\n"
+)
 
 
 def extract_json_program(use_regex: bool):
@@ -205,10 +257,13 @@ REACT_SYSTEM = (
     "calculator: evaluates an arithmetic expression, e.g. 3 * (4 + 5).\n"
     "lookup: returns a short fact about a country or city.\n"
     "finish: gives the final answer.\n"
-    "Format each step as Thought, then Action (one tool), then Input.\n\n")
-FACTS = {"france": "France's capital is Paris; population about 68 million.",
-         "japan": "Japan's capital is Tokyo; population about 124 million.",
-         "paris": "Paris is on the Seine and has about 2 million inhabitants."}
+    "Format each step as Thought, then Action (one tool), then Input.\n\n"
+)
+FACTS = {
+    "france": "France's capital is Paris; population about 68 million.",
+    "japan": "Japan's capital is Tokyo; population about 124 million.",
+    "paris": "Paris is on the Seine and has about 2 million inhabitants.",
+}
 
 
 def run_tool(action: str, tool_input: str) -> str:
@@ -236,12 +291,18 @@ def react_agent(s, question, max_steps=3):
     s += "Answer:" + sgl.gen("answer", max_tokens=8, stop="\n")
 
 
-REACT_QUESTIONS = ["How many people live in France and Japan together?", "What is 17 times 23?",
-                   "Which river flows through Paris?", "What is 144 divided by 12?",
-                   "What is the capital of Japan and how many people live there?", "What is 3 * (4 + 5)?"]
+REACT_QUESTIONS = [
+    "How many people live in France and Japan together?",
+    "What is 17 times 23?",
+    "Which river flows through Paris?",
+    "What is 144 divided by 12?",
+    "What is the capital of Japan and how many people live there?",
+    "What is 3 * (4 + 5)?",
+]
 
 
 # ---------------------------------------------------------------- the registry
+
 
 @dataclass
 class Workload:
@@ -274,16 +335,40 @@ def all_workloads(scale: float = 1.0) -> list[Workload]:
 
     return [
         Workload("mmlu", lambda: mmlu_batch(n(8, 16)), lambda w: few_shot_mmlu, lambda s: s["answer"]),
-        Workload("hellaswag", lambda: [{"context": c, "endings": e} for c, e in HELLASWAG_ITEMS[: n(8, 8)]],
-                 lambda w: few_shot_hellaswag, lambda s: s["ending"]),
-        Workload("tot", lambda: [{"question": q} for q in TOT_QUESTIONS[: n(4, 4)]], lambda w: tree_of_thought,
-                 lambda s: s.text()),
-        Workload("sot", lambda: [{"question": q} for q in SOT_QUESTIONS[: n(4, 4)]], lambda w: skeleton_of_thought,
-                 lambda s: s.text()),
-        Workload("chat", lambda: [{"turns": t} for t in CHAT_CONVERSATIONS[: n(8, 8)]], lambda w: four_turn_chat,
-                 lambda s: s.text()),
-        Workload("json", lambda: [{"passage": p} for p in PASSAGES[: n(6, 6)]],
-                 lambda w: extract_json_program(w.use_regex), lambda s: s["json"]),
-        Workload("react", lambda: [{"question": q} for q in REACT_QUESTIONS[: n(6, 6)]], lambda w: react_agent,
-                 lambda s: s.text()),
+        Workload(
+            "hellaswag",
+            lambda: [{"context": c, "endings": e} for c, e in HELLASWAG_ITEMS[: n(8, 8)]],
+            lambda w: few_shot_hellaswag,
+            lambda s: s["ending"],
+        ),
+        Workload(
+            "tot",
+            lambda: [{"question": q} for q in TOT_QUESTIONS[: n(4, 4)]],
+            lambda w: tree_of_thought,
+            lambda s: s.text(),
+        ),
+        Workload(
+            "sot",
+            lambda: [{"question": q} for q in SOT_QUESTIONS[: n(4, 4)]],
+            lambda w: skeleton_of_thought,
+            lambda s: s.text(),
+        ),
+        Workload(
+            "chat",
+            lambda: [{"turns": t} for t in CHAT_CONVERSATIONS[: n(8, 8)]],
+            lambda w: four_turn_chat,
+            lambda s: s.text(),
+        ),
+        Workload(
+            "json",
+            lambda: [{"passage": p} for p in PASSAGES[: n(6, 6)]],
+            lambda w: extract_json_program(w.use_regex),
+            lambda s: s["json"],
+        ),
+        Workload(
+            "react",
+            lambda: [{"question": q} for q in REACT_QUESTIONS[: n(6, 6)]],
+            lambda w: react_agent,
+            lambda s: s.text(),
+        ),
     ]

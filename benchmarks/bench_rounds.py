@@ -28,21 +28,34 @@ import tempfile
 import time
 
 import torch
-
 from bench_common import format_breakdown, load_workload_module, parse_engine_args, save, step_breakdown  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STREAMS = ("fewshot", "multiturn", "tree")
 # ANCHORS.md: vLLM 0.26.0 on one H200, Llama-3.1-8B shape, dummy bf16 weights (seconds per stream).
-VLLM_8B_SECONDS = {"on": {"fewshot": 0.97, "multiturn": 4.62, "tree": 4.46},
-                   "off": {"fewshot": 13.1, "multiturn": 7.40, "tree": 20.3}}
+VLLM_8B_SECONDS = {
+    "on": {"fewshot": 0.97, "multiturn": 4.62, "tree": 4.46},
+    "off": {"fewshot": 13.1, "multiturn": 7.40, "tree": 20.3},
+}
 TARGET_VS_VLLM = 1.2
 # A tiny Llama for CPU runs: big enough to exercise every code path, small enough to run in seconds.
 # The vocabulary covers the workload's ids (all < workload.VOCAB_HI = 30000).
-TINY_CONFIG = dict(architectures=["LlamaForCausalLM"], hidden_size=128, intermediate_size=256,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                   vocab_size=30016, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
-                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+TINY_CONFIG = dict(
+    architectures=["LlamaForCausalLM"],
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=30016,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 # ------------------------------------------------------------------------------------- the streams
@@ -57,9 +70,12 @@ def scale_rounds(rounds, scale: float, turn_type):
     out = []
     for rnd in rounds:
         roots = [t for t in rnd if t.parent is None]
-        roots = set(t.key for t in roots[:max(1, math.ceil(len(roots) * scale))])
-        small = [turn_type(t.key, t.parent, t.new_ids[::stride], max(1, round(t.output_len * scale)))
-                 for t in rnd if t.key in roots or t.parent in kept]
+        roots = set(t.key for t in roots[: max(1, math.ceil(len(roots) * scale))])
+        small = [
+            turn_type(t.key, t.parent, t.new_ids[::stride], max(1, round(t.output_len * scale)))
+            for t in rnd
+            if t.key in roots or t.parent in kept
+        ]
         kept.update(t.key for t in small)
         out.append(small)
     return out
@@ -98,9 +114,10 @@ def run_stream(eng, workload, rounds) -> dict:
     per_round_cached: list[float] = []
 
     def generate(reqs):
-        outs = eng.generate(input_ids=[list(i) for i, _ in reqs],
-                            sampling_params=[{"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-                                             for _, n in reqs])
+        outs = eng.generate(
+            input_ids=[list(i) for i, _ in reqs],
+            sampling_params=[{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for _, n in reqs],
+        )
         outs = outs if isinstance(outs, list) else [outs]
         hits = [o["meta_info"]["cached_tokens"] for o in outs]
         cached.extend(hits)
@@ -111,10 +128,15 @@ def run_stream(eng, workload, rounds) -> dict:
 
     res = workload.run_rounds(rounds, generate)
     ideal = ideal_cached_tokens(inputs, outputs)
-    res.update(cached_tokens=sum(cached), cached_ratio=sum(cached) / max(1, res["input_tokens"]),
-               ideal_cached_tokens=ideal, ideal_cached_ratio=ideal / max(1, res["input_tokens"]),
-               per_round_cached_ratio=per_round_cached, output_tok_s=res["generated_tokens"] / res["seconds"],
-               total_tok_s=(res["generated_tokens"] + res["input_tokens"]) / res["seconds"])
+    res.update(
+        cached_tokens=sum(cached),
+        cached_ratio=sum(cached) / max(1, res["input_tokens"]),
+        ideal_cached_tokens=ideal,
+        ideal_cached_ratio=ideal / max(1, res["input_tokens"]),
+        per_round_cached_ratio=per_round_cached,
+        output_tok_s=res["generated_tokens"] / res["seconds"],
+        total_tok_s=(res["generated_tokens"] + res["input_tokens"]) / res["seconds"],
+    )
     return res
 
 
@@ -129,9 +151,16 @@ def run_engine(args, engine_kwargs: dict, workload, streams: dict, radix: bool) 
         # at a variety of lengths have all run (and compiled) before anything is timed.
         for name in streams:
             warm = scale_rounds(workload.make_rounds(name, seed=1), 1 / 32, workload.Turn)
-            workload.run_rounds(warm, lambda reqs: [o["output_ids"] for o in eng.generate(
-                input_ids=[i for i, _ in reqs],
-                sampling_params=[{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for _, n in reqs])])
+            workload.run_rounds(
+                warm,
+                lambda reqs: [
+                    o["output_ids"]
+                    for o in eng.generate(
+                        input_ids=[i for i, _ in reqs],
+                        sampling_params=[{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for _, n in reqs],
+                    )
+                ],
+            )
         warmup = time.perf_counter() - t - startup
         print(f"cache {label:3s} engine up in {startup:.1f} s, warm-up {warmup:.1f} s", flush=True)
         results = {"startup_s": startup, "warmup_s": warmup}
@@ -143,24 +172,31 @@ def run_engine(args, engine_kwargs: dict, workload, streams: dict, radix: bool) 
                 res = run_stream(eng, workload, rounds)
                 after = eng.get_stats()
                 res["retractions"] = after["num_retractions"] - before["num_retractions"]
-                res["kernel_compiles"] = (after.get("kernel_compiles_after_startup", 0)
-                                          - before.get("kernel_compiles_after_startup", 0))
+                res["kernel_compiles"] = after.get("kernel_compiles_after_startup", 0) - before.get(
+                    "kernel_compiles_after_startup", 0
+                )
                 res["steps"] = step_breakdown(before, after, res["seconds"])
                 res["integrity_ok"] = eng.check_integrity()
                 if rep == 0:
                     results[name] = res
                 else:
                     results[name].setdefault("repeats", []).append(res)
-                print(f"cache {label:3s} {name:9s}{'' if rep == 0 else f' (pass {rep + 1})'} {res['seconds']:7.2f} s  "
-                      f"rounds {' '.join(f'{s:.2f}' for s in res['per_round_s'])}  cached {res['cached_ratio']:.1%} "
-                      f"(ideal {res['ideal_cached_ratio']:.1%})  {res['output_tok_s']:.0f} out tok/s  "
-                      f"exact {res['exact_lengths']}  retractions {res['retractions']}  "
-                      f"kernel compiles {res['kernel_compiles']}", flush=True)
+                print(
+                    f"cache {label:3s} {name:9s}{'' if rep == 0 else f' (pass {rep + 1})'} {res['seconds']:7.2f} s  "
+                    f"rounds {' '.join(f'{s:.2f}' for s in res['per_round_s'])}  cached {res['cached_ratio']:.1%} "
+                    f"(ideal {res['ideal_cached_ratio']:.1%})  {res['output_tok_s']:.0f} out tok/s  "
+                    f"exact {res['exact_lengths']}  retractions {res['retractions']}  "
+                    f"kernel compiles {res['kernel_compiles']}",
+                    flush=True,
+                )
                 print(f"cache {label:3s} {name:9s} {format_breakdown(res['steps'])}", flush=True)
         results["kernels_compiled_after_startup"] = eng.get_stats().get("kernels_compiled_after_startup", [])
         if results["kernels_compiled_after_startup"]:
-            print(f"cache {label:3s} kernels compiled after start-up: "
-                  f"{', '.join(results['kernels_compiled_after_startup'])}", flush=True)
+            print(
+                f"cache {label:3s} kernels compiled after start-up: "
+                f"{', '.join(results['kernels_compiled_after_startup'])}",
+                flush=True,
+            )
         info = eng.get_server_info()
         results["max_total_tokens"] = info.get("max_total_tokens")
     return results
@@ -179,11 +215,18 @@ def engine_kwargs_for(args, tmp: str) -> tuple[dict, str]:
     elif os.path.isdir(args.model):
         path, label, load_format = args.model, os.path.basename(os.path.normpath(args.model)), args.load_format
     else:
-        raise ValueError(f"--model {args.model!r} is neither 'tiny', a built-in shape "
-                         f"({', '.join(sorted(BUILTIN_SHAPES))}) nor a model folder")
-    kwargs = dict(model_path=path, load_format=load_format, max_running_requests=args.max_running_requests,
-                  attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
-                  enable_step_timing=True)
+        raise ValueError(
+            f"--model {args.model!r} is neither 'tiny', a built-in shape "
+            f"({', '.join(sorted(BUILTIN_SHAPES))}) nor a model folder"
+        )
+    kwargs = dict(
+        model_path=path,
+        load_format=load_format,
+        max_running_requests=args.max_running_requests,
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
+        enable_step_timing=True,
+    )
     if args.num_threads:
         kwargs["num_threads"] = args.num_threads
     kwargs.update(parse_engine_args(args.engine_arg))
@@ -197,23 +240,39 @@ def ratio(a, b):
 def main() -> None:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-3.1-8b" if cuda else "tiny",
-                   help="built-in dummy shape (llama-3.1-8b, llama-3.2-1b, ...), 'tiny' (a random 2-layer "
-                        "Llama for CPU checks) or a model folder; default: llama-3.1-8b on a GPU, else tiny")
+    p.add_argument(
+        "--model",
+        default="llama-3.1-8b" if cuda else "tiny",
+        help="built-in dummy shape (llama-3.1-8b, llama-3.2-1b, ...), 'tiny' (a random 2-layer "
+        "Llama for CPU checks) or a model folder; default: llama-3.1-8b on a GPU, else tiny",
+    )
     p.add_argument("--load-format", default="dummy", choices=["dummy", "auto"], help="for a model folder")
-    p.add_argument("--scale", type=float, default=1.0 if cuda else 0.1,
-                   help="shrink the streams: this fraction of conversations/requests, tokens and output "
-                        "lengths (default 1 on a GPU, 0.1 on the CPU)")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0 if cuda else 0.1,
+        help="shrink the streams: this fraction of conversations/requests, tokens and output "
+        "lengths (default 1 on a GPU, 0.1 on the CPU)",
+    )
     p.add_argument("--streams", nargs="+", default=list(STREAMS), choices=STREAMS)
     p.add_argument("--max-running-requests", type=int, default=None, help="default: the engine's choice")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--num-threads", type=int, default=None if cuda else 1, help="CPU threads of the scheduler")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other ServerArgs field, e.g. --engine-arg chunked_prefill_size=16384")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other ServerArgs field, e.g. --engine-arg chunked_prefill_size=16384",
+    )
     p.add_argument("--skip-off", action="store_true", help="only run with the radix cache on")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run the streams this many times on each engine (the first pass is the one reported)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the streams this many times on each engine (the first pass is the one reported)",
+    )
     args = p.parse_args()
     if not 0.0 < args.scale <= 1.0:
         p.error(f"--scale must be in (0, 1], got {args.scale}")
@@ -222,12 +281,19 @@ def main() -> None:
     streams = {s: scale_rounds(workload.make_rounds(s), args.scale, workload.Turn) for s in args.streams}
     with tempfile.TemporaryDirectory(prefix="bench_rounds_") as tmp:
         engine_kwargs, label = engine_kwargs_for(args, tmp)
-        result = {"bench": "rounds", "model": label, "scale": args.scale,
-                  "device": torch.cuda.get_device_name() if cuda else "cpu",
-                  "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
-                  "engine_args": {k: v for k, v in engine_kwargs.items() if k != "model_path"},
-                  "streams": {s: dict(zip(("requests", "input_tokens", "output_tokens"), workload.rounds_totals(r)),
-                                      rounds=len(r)) for s, r in streams.items()}}
+        result = {
+            "bench": "rounds",
+            "model": label,
+            "scale": args.scale,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": git_commit(),
+            "engine_args": {k: v for k, v in engine_kwargs.items() if k != "model_path"},
+            "streams": {
+                s: dict(zip(("requests", "input_tokens", "output_tokens"), workload.rounds_totals(r)), rounds=len(r))
+                for s, r in streams.items()
+            },
+        }
         print(json.dumps({k: result[k] for k in ("model", "scale", "device", "streams")}), flush=True)
         result["on"] = run_engine(args, engine_kwargs, workload, streams, radix=True)
         if not args.skip_off:
@@ -242,10 +308,14 @@ def summarize(result: dict, streams, compare_to_vllm: bool) -> dict:
     out = {}
     for s in streams:
         on, off = result["on"][s], result.get("off", {}).get(s)
-        row = {"on_s": on["seconds"], "off_s": off["seconds"] if off else None,
-               "cached_ratio_on": on["cached_ratio"], "ideal_cached_ratio": on["ideal_cached_ratio"],
-               "off_over_on": ratio(off and off["seconds"], on["seconds"]),
-               "exact_lengths": on["exact_lengths"] and (off is None or off["exact_lengths"])}
+        row = {
+            "on_s": on["seconds"],
+            "off_s": off["seconds"] if off else None,
+            "cached_ratio_on": on["cached_ratio"],
+            "ideal_cached_ratio": on["ideal_cached_ratio"],
+            "off_over_on": ratio(off and off["seconds"], on["seconds"]),
+            "exact_lengths": on["exact_lengths"] and (off is None or off["exact_lengths"]),
+        }
         if compare_to_vllm:
             row["vllm_on_s"], row["vllm_off_s"] = VLLM_8B_SECONDS["on"][s], VLLM_8B_SECONDS["off"][s]
             row["vllm_over_plait_on"] = ratio(row["vllm_on_s"], row["on_s"])
@@ -265,11 +335,15 @@ def print_table(summary: dict, compare_to_vllm: bool) -> None:
         head += f"{'vLLM on':>9s}{'vLLM/on':>9s}{'vLLM off':>9s}{'vLLM/off':>9s}"
     print(head)
     for s, r in summary.items():
-        line = (f"{s:10s}{fmt(r['on_s'], '8.2f')}{fmt(r['off_s'], '8.2f')}{fmt(r['off_over_on'], '8.2f')}"
-                f"{r['cached_ratio_on']:8.1%}{r['ideal_cached_ratio']:8.1%}")
+        line = (
+            f"{s:10s}{fmt(r['on_s'], '8.2f')}{fmt(r['off_s'], '8.2f')}{fmt(r['off_over_on'], '8.2f')}"
+            f"{r['cached_ratio_on']:8.1%}{r['ideal_cached_ratio']:8.1%}"
+        )
         if compare_to_vllm:
-            line += (f"{r['vllm_on_s']:9.2f}{fmt(r['vllm_over_plait_on'], '9.2f')}"
-                     f"{r['vllm_off_s']:9.2f}{fmt(r['vllm_over_plait_off'], '9.2f')}")
+            line += (
+                f"{r['vllm_on_s']:9.2f}{fmt(r['vllm_over_plait_on'], '9.2f')}"
+                f"{r['vllm_off_s']:9.2f}{fmt(r['vllm_over_plait_off'], '9.2f')}"
+            )
         print(line + ("" if r["exact_lengths"] else "  (output lengths NOT exact)"))
     if compare_to_vllm:
         print(f"target: vLLM/on >= {TARGET_VS_VLLM} (plait {TARGET_VS_VLLM}x faster than vLLM with its prefix cache)")
@@ -279,8 +353,12 @@ def git_commit() -> str | None:
     import subprocess
 
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              timeout=5).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -55,6 +55,7 @@ class RequestResult:
 
 # ---------------------------------------------------------------- datasets
 
+
 def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(_FIRST_ORDINARY_ID, vocab) for _ in range(n)]
 
@@ -67,31 +68,47 @@ def sample_len(rng: random.Random, mean: int, range_ratio: float) -> int:
 def build_dataset(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     if args.dataset == "random":
-        return [BenchRequest(random_ids(rng, sample_len(rng, args.random_input_len, args.random_range_ratio), vocab),
-                             sample_len(rng, args.random_output_len, args.random_range_ratio))
-                for _ in range(args.num_prompts)]
+        return [
+            BenchRequest(
+                random_ids(rng, sample_len(rng, args.random_input_len, args.random_range_ratio), vocab),
+                sample_len(rng, args.random_output_len, args.random_range_ratio),
+            )
+            for _ in range(args.num_prompts)
+        ]
     prefixes = [random_ids(rng, args.shared_prefix_len, vocab) for _ in range(args.num_groups)]
-    requests = [BenchRequest(prefixes[i % args.num_groups] + random_ids(rng, args.question_len, vocab),
-                             sample_len(rng, args.random_output_len, args.random_range_ratio))
-                for i in range(args.num_prompts)]
+    requests = [
+        BenchRequest(
+            prefixes[i % args.num_groups] + random_ids(rng, args.question_len, vocab),
+            sample_len(rng, args.random_output_len, args.random_range_ratio),
+        )
+        for i in range(args.num_prompts)
+    ]
     rng.shuffle(requests)
     return requests
 
 
 # ---------------------------------------------------------------- one streamed request
 
+
 def _payload(args: argparse.Namespace, req: BenchRequest) -> tuple[str, dict[str, Any]]:
     if args.backend == "plait":
-        return "/generate", {"input_ids": req.prompt_ids, "stream": True,
-                             "sampling_params": {"max_new_tokens": req.output_len, "temperature": 0.0,
-                                                 "ignore_eos": True}}
-    return "/v1/completions", {"model": args.model, "prompt": req.prompt_ids, "max_tokens": req.output_len,
-                               "temperature": 0.0, "ignore_eos": True, "stream": True,
-                               "stream_options": {"include_usage": True}}
+        return "/generate", {
+            "input_ids": req.prompt_ids,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True},
+        }
+    return "/v1/completions", {
+        "model": args.model,
+        "prompt": req.prompt_ids,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
-async def run_one(session: aiohttp.ClientSession, args: argparse.Namespace, req: BenchRequest
-                  ) -> RequestResult:
+async def run_one(session: aiohttp.ClientSession, args: argparse.Namespace, req: BenchRequest) -> RequestResult:
     path, payload = _payload(args, req)
     result = RequestResult(prompt_len=len(req.prompt_ids))
     start = last = time.perf_counter()
@@ -105,7 +122,7 @@ async def run_one(session: aiohttp.ClientSession, args: argparse.Namespace, req:
                 line = raw.decode().strip()
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -150,6 +167,7 @@ def _count_tokens(backend: str, chunk: dict[str, Any], so_far: int, result: Requ
 
 # ---------------------------------------------------------------- the run
 
+
 async def arrivals(requests: list[BenchRequest], rate: float, rng: random.Random):
     for i, req in enumerate(requests):
         yield req
@@ -161,7 +179,7 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest]) -> t
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=_TIMEOUT, connector=connector) as session:
-        for req in requests[:args.warmup_requests]:
+        for req in requests[: args.warmup_requests]:
             warm = await run_one(session, args, BenchRequest(req.prompt_ids, min(req.output_len, 4)))
             if not warm.success:
                 sys.exit(f"warmup request failed: {warm.error}")
@@ -175,8 +193,10 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest]) -> t
                 return await run_one(session, args, req)
 
         start = time.perf_counter()
-        tasks = [asyncio.create_task(limited(req))
-                 async for req in arrivals(requests, args.request_rate, random.Random(args.seed + 1))]
+        tasks = [
+            asyncio.create_task(limited(req))
+            async for req in arrivals(requests, args.request_rate, random.Random(args.seed + 1))
+        ]
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
 
@@ -210,8 +230,11 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_len for r in ok)
     summary: dict[str, Any] = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
         "cached_input_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": len(ok) / duration,
         "input_token_throughput": input_tokens / duration,
@@ -230,19 +253,22 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 def print_summary(args: argparse.Namespace, s: dict[str, Any]) -> None:
     rows = [
-        ("Backend", args.backend), ("Dataset", args.dataset), ("Request rate (req/s)", args.request_rate),
+        ("Backend", args.backend),
+        ("Dataset", args.dataset),
+        ("Request rate (req/s)", args.request_rate),
         ("Max concurrency", args.max_concurrency or "none"),
-        ("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
+        ("Successful requests", s["completed"]),
+        ("Failed requests", s["failed"]),
         ("Duration (s)", f"{s['duration_s']:.2f}"),
-        ("Input tokens", s["total_input_tokens"]), ("Cached input tokens", s["cached_input_tokens"]),
+        ("Input tokens", s["total_input_tokens"]),
+        ("Cached input tokens", s["cached_input_tokens"]),
         ("Output tokens", s["total_output_tokens"]),
         ("Request throughput (req/s)", f"{s['request_throughput']:.3f}"),
         ("Input token throughput (tok/s)", f"{s['input_token_throughput']:.1f}"),
         ("Output token throughput (tok/s)", f"{s['output_token_throughput']:.1f}"),
         ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}"),
     ]
-    for name, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"),
-                        ("e2e_latency_ms", "E2E latency")):
+    for name, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2e_latency_ms", "E2E latency")):
         rows.append((f"{label} median / p99 (ms)", f"{s[f'median_{name}']:.1f} / {s[f'p99_{name}']:.1f}"))
     if s.get("accept_length"):
         rows.append(("Accept length (speculative)", f"{s['accept_length']:.2f}"))
@@ -302,7 +328,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson; inf = burst")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--warmup-requests", type=int, default=1)
-    p.add_argument("--flush-cache", action="store_true", help="flush the server's prefix cache after warmup (SGLang/plait /flush_cache)")
+    p.add_argument(
+        "--flush-cache",
+        action="store_true",
+        help="flush the server's prefix cache after warmup (SGLang/plait /flush_cache)",
+    )
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output-file", default=None, help="default benchmarks/out/bench_serving_<...>.json")
@@ -326,15 +356,25 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         summary["accept_length"] = server_accept_length(args)
     print_summary(args, summary)
     out = args.output_file or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "out",
-        f"bench_serving_{args.backend}_{args.dataset}_{args.num_prompts}p_rate{args.request_rate}.json")
+        os.path.dirname(os.path.abspath(__file__)),
+        "out",
+        f"bench_serving_{args.backend}_{args.dataset}_{args.num_prompts}p_rate{args.request_rate}.json",
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k not in ("headers", "api_key")}
     config["request_rate"] = str(args.request_rate)  # JSON has no infinity
     summary = {k: (None if isinstance(v, float) and v != v else v) for k, v in summary.items()}
     with open(out, "w") as f:
-        json.dump({"config": config, "summary": summary, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                   "requests": [asdict(r) for r in results]}, f, indent=1)
+        json.dump(
+            {
+                "config": config,
+                "summary": summary,
+                "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "requests": [asdict(r) for r in results],
+            },
+            f,
+            indent=1,
+        )
     print(f"saved {out}")
     return summary
 

@@ -31,7 +31,8 @@ import sys
 import time
 
 from bench_common import save  # noqa: E402 (benchmarks/ is on sys.path)
-from bench_grammar import SCHEMA, chat, workload as json_prompts  # noqa: E402
+from bench_grammar import SCHEMA, chat  # noqa: E402
+from bench_grammar import workload as json_prompts
 
 PASSAGES = [
     "The old lighthouse on the northern cliff was built in 1871 by a shipwright named Elias Morrow, who carried "
@@ -53,11 +54,19 @@ PASSAGES = [
     "green layer, called a patina, protects the metal underneath from further corrosion. The Statue of "
     "Liberty took about thirty years to turn from shiny brown to the pale green it is today.",
 ]
-TASKS = ["Repeat the passage word for word.", "Quote the passage's first two sentences exactly.",
-         "Summarise the passage, quoting its most important sentence in full."]
-CHATS = ["Write a short story about a cat who learns to swim.", "Explain how a rainbow forms, for a child.",
-         "Give me three ideas for a rainy Sunday afternoon.", "What makes a good cup of tea? Be brief.",
-         "Describe your ideal holiday in a few sentences.", "Write a limerick about a forgetful wizard."]
+TASKS = [
+    "Repeat the passage word for word.",
+    "Quote the passage's first two sentences exactly.",
+    "Summarise the passage, quoting its most important sentence in full.",
+]
+CHATS = [
+    "Write a short story about a cat who learns to swim.",
+    "Explain how a rainbow forms, for a child.",
+    "Give me three ideas for a rainy Sunday afternoon.",
+    "What makes a good cup of tea? Be brief.",
+    "Describe your ideal holiday in a few sentences.",
+    "Write a limerick about a forgetful wizard.",
+]
 
 # Engine settings of each mode (every engine: the default model, greedy requests).
 MODES = {
@@ -66,9 +75,11 @@ MODES = {
     "grammar_drafts": dict(speculative_grammar_drafts="on"),
     "ngram": dict(speculative_algorithm="NGRAM"),
 }
-WORKLOADS = {"json": ("plain", ["plain", "jump_forward", "grammar_drafts"]),
-             "copy": ("jump_forward", ["jump_forward", "ngram"]),
-             "chat": ("jump_forward", ["jump_forward", "ngram"])}
+WORKLOADS = {
+    "json": ("plain", ["plain", "jump_forward", "grammar_drafts"]),
+    "copy": ("jump_forward", ["jump_forward", "ngram"]),
+    "chat": ("jump_forward", ["jump_forward", "ngram"]),
+}
 LABELS = {"jump_forward": "off"}  # for unconstrained workloads the jump-forward engine is plain decoding
 
 
@@ -92,7 +103,7 @@ def run_once(eng, prompts: list[str], params: dict, batch: int) -> tuple[float, 
     start = time.perf_counter()
     outs = []
     for i in range(0, len(prompts), batch):
-        group = prompts[i:i + batch]
+        group = prompts[i : i + batch]
         got = eng.generate(group if batch > 1 else group[0], {**params, "temperature": 0})
         outs.extend(got if isinstance(got, list) else [got])
     secs = time.perf_counter() - start
@@ -115,7 +126,7 @@ def bench_cpu(args) -> dict:
         for rep in range(args.repeats):
             for w in names:
                 modes = WORKLOADS[w][1]
-                for m in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # rotate the order
+                for m in modes[rep % len(modes) :] + modes[: rep % len(modes)]:  # rotate the order
                     secs, outs, accept = run_once(engines[m], *work[w], args.batch)
                     runs[w][m].append((secs, outs, accept))
                     print(f"  rep {rep} {w:5s} {LABELS.get(m, m) if w != 'json' else m:15s} {secs:7.2f} s", flush=True)
@@ -137,22 +148,31 @@ def summarize(runs: dict) -> dict:
             tokens = sum(o["meta_info"]["completion_tokens"] for o in reps[0][1])
             same = [sum(o["output_ids"] == r for o, r in zip(outs, ref_ids)) for _, outs, _ in reps]
             label = m if w == "json" else LABELS.get(m, m)
-            rows[label] = {"median_s": round(secs, 3), "runs_s": [round(s, 3) for s, _, _ in reps],
-                           "output_tokens": tokens, "tok_per_s": round(tokens / secs, 2),
-                           "speedup": round(ref_secs / secs, 3), "accept_length": round(statistics.median(
-                               a for _, _, a in reps), 2), "identical": f"{min(same)}/{len(ref_ids)}"}
+            rows[label] = {
+                "median_s": round(secs, 3),
+                "runs_s": [round(s, 3) for s, _, _ in reps],
+                "output_tokens": tokens,
+                "tok_per_s": round(tokens / secs, 2),
+                "speedup": round(ref_secs / secs, 3),
+                "accept_length": round(statistics.median(a for _, _, a in reps), 2),
+                "identical": f"{min(same)}/{len(ref_ids)}",
+            }
         result[w] = rows
     return result
 
 
 def print_table(result: dict, args) -> None:
-    print(f"\nspeculative decoding, CPU, default model, greedy, num_threads={args.threads}, batch {args.batch}, "
-          f"{args.n} requests, median of {args.repeats} interleaved runs")
+    print(
+        f"\nspeculative decoding, CPU, default model, greedy, num_threads={args.threads}, batch {args.batch}, "
+        f"{args.n} requests, median of {args.repeats} interleaved runs"
+    )
     print(f"{'workload':8s} {'mode':15s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'identical':>10s}")
     for w, rows in result.items():
         for m, r in rows.items():
-            print(f"{w:8s} {m:15s} {r['tok_per_s']:8.2f} {r['speedup']:7.2f}x {r['accept_length']:7.2f} "
-                  f"{r['identical']:>10s}")
+            print(
+                f"{w:8s} {m:15s} {r['tok_per_s']:8.2f} {r['speedup']:7.2f}x {r['accept_length']:7.2f} "
+                f"{r['identical']:>10s}"
+            )
 
 
 def main() -> None:
@@ -171,8 +191,17 @@ def main() -> None:
         return gpu_main()
     result = bench_cpu(args)
     print_table(result, args)
-    save("bench_spec", {"device": "cpu", "threads": args.threads, "batch": args.batch, "n": args.n,
-                        "repeats": args.repeats, "result": result})
+    save(
+        "bench_spec",
+        {
+            "device": "cpu",
+            "threads": args.threads,
+            "batch": args.batch,
+            "n": args.n,
+            "repeats": args.repeats,
+            "result": result,
+        },
+    )
 
 
 if __name__ == "__main__":

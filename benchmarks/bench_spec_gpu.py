@@ -29,7 +29,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-
 from bench_common import save  # noqa: E402
 
 SHAPES = {"8b": "llama-3.1-8b", "1b": "llama-3.2-1b"}
@@ -39,10 +38,18 @@ def _runner(model: str, max_bs: int, tokens: int, nodes: int):
     from plait.runtime.executor.model_runner import ModelRunner
     from plait.runtime.server_args import ServerArgs
 
-    sa = ServerArgs(model_path=model, load_format="dummy", max_total_tokens=max_bs * (tokens + 16) + 1024,
-                    max_running_requests=max_bs, cuda_graph_max_bs=max_bs, speculative_algorithm="NGRAM",
-                    speculative_num_draft_tokens=nodes, speculative_num_steps=nodes - 1,
-                    speculative_disable_by_batch_size=max_bs, context_length=tokens + 64)
+    sa = ServerArgs(
+        model_path=model,
+        load_format="dummy",
+        max_total_tokens=max_bs * (tokens + 16) + 1024,
+        max_running_requests=max_bs,
+        cuda_graph_max_bs=max_bs,
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=nodes,
+        speculative_num_steps=nodes - 1,
+        speculative_disable_by_batch_size=max_bs,
+        context_length=tokens + 64,
+    )
     mr = ModelRunner(sa, model)
     mr.capture_verify_graphs(nodes, max_bs)
     return mr
@@ -52,21 +59,22 @@ class _Batch:
     """B requests prefilled with `input_len` random tokens, their KV bookkept by hand."""
 
     def __init__(self, mr, bs: int, input_len: int, gen: torch.Generator):
-        from plait.runtime.step import SamplingRow, StepInput
         from plait.runtime.sampling_params import SamplingParams
+        from plait.runtime.step import SamplingRow, StepInput
 
         self.mr, self.bs = mr, bs
         self.rows = [mr.req_to_token_pool.alloc() for _ in range(bs)]
         self.kv_lens = [input_len] * bs
-        self.sampling = [SamplingRow(SamplingParams(temperature=0, max_new_tokens=1 << 20), [], [], set())
-                         for _ in range(bs)]
+        self.sampling = [
+            SamplingRow(SamplingParams(temperature=0, max_new_tokens=1 << 20), [], [], set()) for _ in range(bs)
+        ]
         ids = torch.randint(100, min(30000, mr.vocab_size), (bs * input_len,), generator=gen).tolist()
         loc = mr.allocator.alloc(bs * input_len).numpy()
         step = StepInput.extend(self.rows, [0] * bs, [input_len] * bs, ids, loc)
         step.sample_rows = [i * input_len + input_len - 1 for i in range(bs)]
         step.sampling_reqs, step.sampling = list(range(bs)), self.sampling
         self.last = mr.run(step).next_token_ids
-        self.held = [list(loc[i * input_len:(i + 1) * input_len]) for i in range(bs)]
+        self.held = [list(loc[i * input_len : (i + 1) * input_len]) for i in range(bs)]
 
     def decode(self) -> None:
         from plait.runtime.forward_batch import ForwardMode
@@ -75,8 +83,16 @@ class _Batch:
         loc = self.mr.allocator.alloc(self.bs).numpy()
         pre = np.asarray(self.kv_lens, dtype=np.int64)
         rows = np.stack([np.asarray(self.last), pre, np.asarray(self.rows), pre + 1, loc])
-        step = StepInput(ForwardMode.DECODE, self.bs, rows, (pre + 1).tolist(), (rows[2], rows[1], rows[4]),
-                         sample_rows=list(range(self.bs)), sampling_reqs=list(range(self.bs)), sampling=self.sampling)
+        step = StepInput(
+            ForwardMode.DECODE,
+            self.bs,
+            rows,
+            (pre + 1).tolist(),
+            (rows[2], rows[1], rows[4]),
+            sample_rows=list(range(self.bs)),
+            sampling_reqs=list(range(self.bs)),
+            sampling=self.sampling,
+        )
         self.last = self.mr.run(step).next_token_ids
         for i in range(self.bs):
             self.kv_lens[i] += 1
@@ -99,8 +115,8 @@ class _Batch:
         freed, at = [], 0
         for i, t in enumerate(trees):
             k = keep[i] + 1  # the root and the kept drafts hold KV now
-            self.held[i].extend(int(x) for x in loc[at:at + k])
-            freed.extend(int(x) for x in loc[at + k:at + t.size])
+            self.held[i].extend(int(x) for x in loc[at : at + k])
+            freed.extend(int(x) for x in loc[at + k : at + t.size])
             self.kv_lens[i] += k
             at += t.size
         self.mr.allocator.free(torch.tensor(freed, dtype=torch.int64))
@@ -135,10 +151,21 @@ def part_cost(args) -> list[dict]:
             for k in range(2, 9):
                 drafts = [[7] * (k - 1) for _ in range(bs)]
                 verify_ms = _ms(lambda: b.verify(drafts, [0] * bs), args.reps)
-                rows.append({"shape": shape, "batch": bs, "tokens_per_request": k, "decode_ms": round(decode_ms, 3),
-                             "verify_ms": round(verify_ms, 3), "ratio": round(verify_ms / decode_ms, 3)})
-                print(f"cost {shape} bs={bs:3d} k={k} decode {decode_ms:7.3f} ms verify {verify_ms:7.3f} ms "
-                      f"({verify_ms / decode_ms:4.2f}x)", flush=True)
+                rows.append(
+                    {
+                        "shape": shape,
+                        "batch": bs,
+                        "tokens_per_request": k,
+                        "decode_ms": round(decode_ms, 3),
+                        "verify_ms": round(verify_ms, 3),
+                        "ratio": round(verify_ms / decode_ms, 3),
+                    }
+                )
+                print(
+                    f"cost {shape} bs={bs:3d} k={k} decode {decode_ms:7.3f} ms verify {verify_ms:7.3f} ms "
+                    f"({verify_ms / decode_ms:4.2f}x)",
+                    flush=True,
+                )
             b.release()
         del mr
         torch.cuda.empty_cache()
@@ -170,11 +197,23 @@ def part_oracle(args) -> list[dict]:
 
             def report(label: str, p: Optional[float], made: int, steps: int, seconds: float) -> None:
                 tok_s = made / seconds
-                rows.append({"shape": shape, "batch": bs, "case": label, "draft_accept_rate": p,
-                             "accept_length": made / (steps * bs), "tok_s": round(tok_s, 1),
-                             "plain_tok_s": round(plain, 1), "speedup": round(tok_s / plain, 3)})
-                print(f"oracle {shape} bs={bs:3d} {label:10s} accept length {made / (steps * bs):4.2f} "
-                      f"{tok_s:9.1f} tok/s (plain {plain:9.1f}: {tok_s / plain:4.2f}x)", flush=True)
+                rows.append(
+                    {
+                        "shape": shape,
+                        "batch": bs,
+                        "case": label,
+                        "draft_accept_rate": p,
+                        "accept_length": made / (steps * bs),
+                        "tok_s": round(tok_s, 1),
+                        "plain_tok_s": round(plain, 1),
+                        "speedup": round(tok_s / plain, 3),
+                    }
+                )
+                print(
+                    f"oracle {shape} bs={bs:3d} {label:10s} accept length {made / (steps * bs):4.2f} "
+                    f"{tok_s:9.1f} tok/s (plain {plain:9.1f}: {tok_s / plain:4.2f}x)",
+                    flush=True,
+                )
 
             for p in (1.0, 0.8, 0.5, 0.0):
                 b = _Batch(mr, bs, args.input_len, torch.Generator().manual_seed(bs))
@@ -198,7 +237,7 @@ def part_oracle(args) -> list[dict]:
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(steps):
-                drafts = [g[a:a + 4] + [(g[a + 4] + 1) % mr.vocab_size] for g, a in zip(greedy, at)]
+                drafts = [g[a : a + 4] + [(g[a + 4] + 1) % mr.vocab_size] for g, a in zip(greedy, at)]
                 before = list(b.kv_lens)
                 made += b.verify(drafts)
                 at = [a + (k - k0) for a, k, k0 in zip(at, b.kv_lens, before)]
@@ -215,8 +254,11 @@ def part_overhead(args) -> list[dict]:
 
     rows = []
     gen = torch.Generator().manual_seed(1)
-    modes = {"off": {}, "ngram": {"speculative_algorithm": "NGRAM"},
-             "ngram, no adaptation": {"speculative_algorithm": "NGRAM", "disable_speculative_adaptive": True}}
+    modes = {
+        "off": {},
+        "ngram": {"speculative_algorithm": "NGRAM"},
+        "ngram, no adaptation": {"speculative_algorithm": "NGRAM", "disable_speculative_adaptive": True},
+    }
     for shape in args.shapes:
         prompts = {}
         for bs in args.overhead_batch:
@@ -242,20 +284,34 @@ def part_overhead(args) -> list[dict]:
                     st = eng.get_stats()
                     steps = st["spec_verify_steps"] - before["spec_verify_steps"]
                     accepted = st["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-                    result[bs][label] = {"tok_s": bs * args.output_len / statistics.median(secs),
-                                         "accept_length": (accepted + steps) / steps if steps else 0.0,
-                                         "verify_steps": steps,
-                                         # the speculation guard's measured rates by policy (tok/s) at this size
-                                         "guard": (st.get("spec_guard") or {}).get(bs)}
+                    result[bs][label] = {
+                        "tok_s": bs * args.output_len / statistics.median(secs),
+                        "accept_length": (accepted + steps) / steps if steps else 0.0,
+                        "verify_steps": steps,
+                        # the speculation guard's measured rates by policy (tok/s) at this size
+                        "guard": (st.get("spec_guard") or {}).get(bs),
+                    }
         for bs in args.overhead_batch:
             off = result[bs]["off"]["tok_s"]
             for label, r in result[bs].items():
-                rows.append({"shape": shape, "batch": bs, "mode": label, "tok_s": round(r["tok_s"], 1),
-                             "vs_off": round(r["tok_s"] / off, 3), "accept_length": round(r["accept_length"], 3),
-                             "verify_request_steps": r["verify_steps"], "guard": r["guard"]})
-                print(f"overhead {shape} bs={bs:3d} {label:22s} {r['tok_s']:9.1f} tok/s ({r['tok_s'] / off:5.3f} of off, "
-                      f"accept length {r['accept_length']:4.2f}, {r['verify_steps']} request-steps verified)"
-                      + (f" guard {r['guard']}" if r["guard"] else ""), flush=True)
+                rows.append(
+                    {
+                        "shape": shape,
+                        "batch": bs,
+                        "mode": label,
+                        "tok_s": round(r["tok_s"], 1),
+                        "vs_off": round(r["tok_s"] / off, 3),
+                        "accept_length": round(r["accept_length"], 3),
+                        "verify_request_steps": r["verify_steps"],
+                        "guard": r["guard"],
+                    }
+                )
+                print(
+                    f"overhead {shape} bs={bs:3d} {label:22s} {r['tok_s']:9.1f} tok/s ({r['tok_s'] / off:5.3f} of off, "
+                    f"accept length {r['accept_length']:4.2f}, {r['verify_steps']} request-steps verified)"
+                    + (f" guard {r['guard']}" if r["guard"] else ""),
+                    flush=True,
+                )
     return rows
 
 

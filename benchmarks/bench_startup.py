@@ -84,22 +84,37 @@ def main() -> None:
     engine_args = json.loads(args.engine_args)
     if args.profile:
         for code in (PROFILE_ENGINE, PROFILE_SCHEDULER):
-            subprocess.run([sys.executable, "-c", code.replace("__ENGINE_ARGS__", repr(json.dumps(engine_args)))],
-                           check=True)
+            subprocess.run(
+                [sys.executable, "-c", code.replace("__ENGINE_ARGS__", repr(json.dumps(engine_args)))], check=True
+            )
         return
     runs = []
     for i in range(args.runs):
         runs.append(one_run(engine_args))
         r = runs[-1]
-        print(f"run {i}: import {r['import_s']:.2f}s  Engine() {r['engine_s']:.2f}s  ready {r['ready_s']:.2f}s  "
-              f"first token {r['first_token_s']:.2f}s", flush=True)
+        print(
+            f"run {i}: import {r['import_s']:.2f}s  Engine() {r['engine_s']:.2f}s  ready {r['ready_s']:.2f}s  "
+            f"first token {r['first_token_s']:.2f}s",
+            flush=True,
+        )
     warm = runs[1:] or runs
     summary = {key: statistics.median(r[key] for r in warm) for key in runs[0]}
-    print(f"warm median ({len(warm)} runs): ready {summary['ready_s']:.2f}s (import {summary['import_s']:.2f}s, "
-          f"Engine() {summary['engine_s']:.2f}s), first token {summary['first_token_s']:.2f}s")
+    print(
+        f"warm median ({len(warm)} runs): ready {summary['ready_s']:.2f}s (import {summary['import_s']:.2f}s, "
+        f"Engine() {summary['engine_s']:.2f}s), first token {summary['first_token_s']:.2f}s"
+    )
     load = os.getloadavg()
-    save("startup", {"runs": runs, "warm_median": summary, "engine_args": engine_args, "loadavg": load,
-                     "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")})
+    save(
+        "startup",
+        {
+            "runs": runs,
+            "warm_median": summary,
+            "engine_args": engine_args,
+            "loadavg": load,
+            "python": sys.version.split()[0],
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+    )
 
 
 if __name__ == "__main__":

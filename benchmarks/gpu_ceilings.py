@@ -11,7 +11,7 @@ import torch
 
 def copy_bandwidth() -> float:
     """Memory traffic per second of a device-to-device copy (a copy of n bytes moves 2n), median of 10."""
-    x = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     times = []
     for _ in range(13):
@@ -23,7 +23,7 @@ def copy_bandwidth() -> float:
         times.append(s.elapsed_time(e) / 1e3)
     del x, y
     torch.cuda.empty_cache()
-    return 2 * 2 * 1024 ** 3 / statistics.median(times[3:])
+    return 2 * 2 * 1024**3 / statistics.median(times[3:])
 
 
 def matmul_flops() -> float:
@@ -37,4 +37,4 @@ def matmul_flops() -> float:
     for _ in range(10):
         a @ b
     torch.cuda.synchronize()
-    return 10 * 2 * 8192 ** 3 / (time.perf_counter() - t)
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t)

@@ -22,16 +22,15 @@ import argparse
 import statistics
 
 import torch
-
 from bench_common import save  # noqa: E402 (benchmarks/ is on sys.path)
 
 
 def main() -> None:
     from plait.runtime.attention import create_attention_backend
-    from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.executor.model_runner import ModelRunner
-    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.request import Req
+    from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
@@ -47,24 +46,37 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     spread = int(ctx * args.ragged)
     lens = torch.randint(ctx - spread, ctx + spread + 1, (bs,), generator=gen).tolist()
-    sa = ServerArgs(model_path=args.model, load_format="dummy", max_total_tokens=sum(lens) + 64 * bs + 64,
-                    max_running_requests=bs, disable_cuda_graph=True, context_length=max(lens) + 80)
+    sa = ServerArgs(
+        model_path=args.model,
+        load_format="dummy",
+        max_total_tokens=sum(lens) + 64 * bs + 64,
+        max_running_requests=bs,
+        disable_cuda_graph=True,
+        context_length=max(lens) + 80,
+    )
     mr = ModelRunner(sa, args.model)
     reqs = []
     for i in range(bs):
-        r = Req(f"r{i}", torch.randint(100, 30000, (lens[i],), generator=gen).tolist(),
-                SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True))
+        r = Req(
+            f"r{i}",
+            torch.randint(100, 30000, (lens[i],), generator=gen).tolist(),
+            SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True),
+        )
         r.req_pool_idx = mr.req_to_token_pool.alloc()
         reqs.append(r)
     # The prompts' KV, in chunks of ~32 requests (one prefill of every prompt would hold GBs of activations).
     for lo in range(0, bs, 32):
-        chunk, n = reqs[lo:lo + 32], lens[lo:lo + 32]
-        out = mr.run(ScheduleBatch(ForwardMode.EXTEND, chunk, [0] * len(chunk), n, mr.allocator.alloc(sum(n))).to_step())
+        chunk, n = reqs[lo : lo + 32], lens[lo : lo + 32]
+        out = mr.run(
+            ScheduleBatch(ForwardMode.EXTEND, chunk, [0] * len(chunk), n, mr.allocator.alloc(sum(n))).to_step()
+        )
         for r, k, tok in zip(chunk, n, out.next_token_ids):
             r.output_ids, r.kv_len = [tok], k
 
     def decode_batch(rs, backend):
-        fb = mr._build_forward_batch(ScheduleBatch(ForwardMode.DECODE, rs, out_cache_loc=mr.allocator.alloc(len(rs))).to_step())
+        fb = mr._build_forward_batch(
+            ScheduleBatch(ForwardMode.DECODE, rs, out_cache_loc=mr.allocator.alloc(len(rs))).to_step()
+        )
         fb.attn_backend = backend
         backend.init_forward_metadata(fb)
         return fb
@@ -168,12 +180,22 @@ def main() -> None:
 
     results = {}
     for _ in range(2):  # twice round, alternating: this machine's clocks drift under load
-        for name, fn in (("gate_up x8 alone", matmul_alone), ("full", full), ("halves", halves), ("streams", streams), ("pingpong", pingpong)):
+        for name, fn in (
+            ("gate_up x8 alone", matmul_alone),
+            ("full", full),
+            ("halves", halves),
+            ("streams", streams),
+            ("pingpong", pingpong),
+        ):
             results.setdefault(name, []).append(timed(fn))
         for c in args.carveouts:
             torch._C._set_sm_carveout_experimental(c)
-            for name, fn in (("gate_up x8 alone", matmul_alone), ("streams", streams), ("pingpong", pingpong),
-                             ("full", full)):
+            for name, fn in (
+                ("gate_up x8 alone", matmul_alone),
+                ("streams", streams),
+                ("pingpong", pingpong),
+                ("full", full),
+            ):
                 results.setdefault(f"{name} carveout {c}", []).append(timed(fn))
             torch._C._set_sm_carveout_experimental(None)
     base = min(results["full"])

@@ -15,17 +15,16 @@ import os
 import statistics
 
 import torch
-
 from bench_common import save  # noqa: E402 (benchmarks/ is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main() -> None:
-    from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.executor.model_runner import ModelRunner
-    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.request import Req
+    from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
@@ -34,26 +33,42 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--ragged", type=float, default=0.0, metavar="SPREAD",
-                    help="contexts drawn uniformly from context x [1 - SPREAD, 1 + SPREAD] (same mean)")
-    ap.add_argument("--scatter", action="store_true",
-                    help="kv slots in random order, as a long-running pool's free list hands them out, "
-                         "instead of one contiguous run per request")
+    ap.add_argument(
+        "--ragged",
+        type=float,
+        default=0.0,
+        metavar="SPREAD",
+        help="contexts drawn uniformly from context x [1 - SPREAD, 1 + SPREAD] (same mean)",
+    )
+    ap.add_argument(
+        "--scatter",
+        action="store_true",
+        help="kv slots in random order, as a long-running pool's free list hands them out, "
+        "instead of one contiguous run per request",
+    )
     ap.add_argument("--trace", default=None, help="write the graph replays' Chrome trace (kernel timeline) here")
     args = ap.parse_args()
     bs, ctx = args.batch_size, args.context
     gen = torch.Generator().manual_seed(0)
     spread = int(ctx * args.ragged)
-    lens = (torch.randint(ctx - spread, ctx + spread + 1, (bs,), generator=gen).tolist() if spread
-            else [ctx] * bs)
+    lens = torch.randint(ctx - spread, ctx + spread + 1, (bs,), generator=gen).tolist() if spread else [ctx] * bs
     longest = max(lens)
-    sa = ServerArgs(model_path=args.model, load_format="dummy", max_total_tokens=sum(lens) + 64 * bs + 64,
-                    max_running_requests=bs, cuda_graph_max_bs=bs, context_length=longest + 80)
+    sa = ServerArgs(
+        model_path=args.model,
+        load_format="dummy",
+        max_total_tokens=sum(lens) + 64 * bs + 64,
+        max_running_requests=bs,
+        cuda_graph_max_bs=bs,
+        context_length=longest + 80,
+    )
     mr = ModelRunner(sa, args.model)
     reqs = []
     for i in range(bs):
-        r = Req(f"r{i}", torch.randint(100, 30000, (lens[i],), generator=gen).tolist(),
-                SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True))
+        r = Req(
+            f"r{i}",
+            torch.randint(100, 30000, (lens[i],), generator=gen).tolist(),
+            SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True),
+        )
         r.req_pool_idx = mr.req_to_token_pool.alloc()
         reqs.append(r)
     slots = mr.allocator.alloc(sum(lens))
@@ -89,17 +104,27 @@ def main() -> None:
     graph_rows, graph_total, graph_gaps = profile_kernels(decode_step, args.steps, args.trace)
     kernels_per_step = sum(c for _, _, c in eager_rows)
     layout = f"{'ragged +-' + str(spread) if spread else 'uniform'}, {'scattered' if args.scatter else 'contiguous'}"
-    print(f"{args.model} bs={bs} ctx={ctx} ({layout}): event-timed graph step {graph:.3f} ms; graph replay: kernels "
-          f"{graph_total / 1e3:.3f} ms + {graph_gaps / 1e3:.3f} ms of gaps under {SHORT_GAP_US} us between them; "
-          f"eager kernels sum "
-          f"{eager_total / 1e3:.3f} ms in {kernels_per_step} kernels/step")
+    print(
+        f"{args.model} bs={bs} ctx={ctx} ({layout}): event-timed graph step {graph:.3f} ms; graph replay: kernels "
+        f"{graph_total / 1e3:.3f} ms + {graph_gaps / 1e3:.3f} ms of gaps under {SHORT_GAP_US} us between them; "
+        f"eager kernels sum "
+        f"{eager_total / 1e3:.3f} ms in {kernels_per_step} kernels/step"
+    )
     graph_by_name = {name: us for name, us, _ in graph_rows}
     print(f"  {'eager':>9} {'graph':>9} us/step  calls  name")
     for name, us, count in eager_rows[:22]:
         print(f"  {us:9.1f} {graph_by_name.get(name, 0.0):9.1f}          {count:4d}x  {name}")
-    save(f"profile_decode_{args.model}_bs{bs}", {
-        "graph_step_ms": graph, "graph_kernel_sum_ms": graph_total / 1e3, "graph_short_gaps_ms": graph_gaps / 1e3,
-        "kernel_sum_ms": eager_total / 1e3, "kernels": eager_rows, "graph_kernels": graph_rows})
+    save(
+        f"profile_decode_{args.model}_bs{bs}",
+        {
+            "graph_step_ms": graph,
+            "graph_kernel_sum_ms": graph_total / 1e3,
+            "graph_short_gaps_ms": graph_gaps / 1e3,
+            "kernel_sum_ms": eager_total / 1e3,
+            "kernels": eager_rows,
+            "graph_kernels": graph_rows,
+        },
+    )
 
 
 SHORT_GAP_US = 50  # longer gaps between two kernels are the host preparing a step or synchronizing
@@ -136,6 +161,7 @@ def profile_kernels(step, steps: int, trace_path=None):
         end = max(end, e)
     rows = sorted(((n, us, c // steps) for n, (us, c) in per_name.items()), key=lambda r: -r[1])
     return rows, sum(r[1] for r in rows), short_gaps / steps
+
 
 if __name__ == "__main__":
     main()

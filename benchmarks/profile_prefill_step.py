@@ -16,16 +16,15 @@ import statistics
 import time
 
 import torch
-
 from bench_common import save  # noqa: E402 (benchmarks/ is on sys.path)
 from gpu_ceilings import matmul_flops  # noqa: E402
 
 
 def main() -> None:
-    from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.executor.model_runner import ModelRunner
-    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.request import Req
+    from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
@@ -38,8 +37,14 @@ def main() -> None:
     args = ap.parse_args()
     bs, pre, new = args.batch, args.prefix, args.new
     total = pre + bs * new
-    sa = ServerArgs(model_path=args.model, load_format="dummy", max_total_tokens=total + 64,
-                    max_running_requests=bs + 1, disable_cuda_graph=True, context_length=pre + new + 16)
+    sa = ServerArgs(
+        model_path=args.model,
+        load_format="dummy",
+        max_total_tokens=total + 64,
+        max_running_requests=bs + 1,
+        disable_cuda_graph=True,
+        context_length=pre + new + 16,
+    )
     mr = ModelRunner(sa, args.model)
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(100, 30000, (n,), generator=gen).tolist()  # noqa: E731
@@ -84,19 +89,29 @@ def main() -> None:
             rec[1] += 1
     kernel_ms = sum(v[0] for v in per_name.values()) / 1e3
     cfg = mr.model_config
-    n_params = cfg.num_hidden_layers * (cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-                                        * cfg.head_dim + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
-                                        + 3 * cfg.hidden_size * cfg.intermediate_size)
+    n_params = cfg.num_hidden_layers * (
+        cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
     floor_ms = 2 * n_params * bs * new / matmul_flops() * 1e3
     med = statistics.median(wall)
-    print(f"{args.model} prefill of {bs} x {new} new tokens after a shared {pre}-token prefix: step {med:.2f} ms "
-          f"(wall), kernels {kernel_ms:.2f} ms, matmul floor {floor_ms:.2f} ms ({bs * new / med * 1e3:.0f} tok/s)")
+    print(
+        f"{args.model} prefill of {bs} x {new} new tokens after a shared {pre}-token prefix: step {med:.2f} ms "
+        f"(wall), kernels {kernel_ms:.2f} ms, matmul floor {floor_ms:.2f} ms ({bs * new / med * 1e3:.0f} tok/s)"
+    )
     rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
     for name, (us, count) in rows[:14]:
         print(f"  {us:9.1f} us  {count:4d}x  {us / max(1, count):8.2f} us each  {name}")
-    save(f"profile_prefill_{args.model}_b{bs}_p{pre}_n{new}",
-         {"step_ms": med, "kernel_ms": kernel_ms, "matmul_floor_ms": floor_ms,
-          "kernels": [(n, us, c) for n, (us, c) in rows]})
+    save(
+        f"profile_prefill_{args.model}_b{bs}_p{pre}_n{new}",
+        {
+            "step_ms": med,
+            "kernel_ms": kernel_ms,
+            "matmul_floor_ms": floor_ms,
+            "kernels": [(n, us, c) for n, (us, c) in rows],
+        },
+    )
 
 
 if __name__ == "__main__":

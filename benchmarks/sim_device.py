@@ -15,8 +15,14 @@ class SimulatedDevice:
     reads back at once) waits until the step's end. Times are on a clock that leaves out the stubbed
     forward's CPU time (`DeviceTimer.timed`), which a GPU host does not spend."""
 
-    def __init__(self, model_runner, device_timer: DeviceTimer, prefill_us_per_token: float, step_ms: float,
-                 decode_us_per_row: float):
+    def __init__(
+        self,
+        model_runner,
+        device_timer: DeviceTimer,
+        prefill_us_per_token: float,
+        step_ms: float,
+        decode_us_per_row: float,
+    ):
         self.prefill_s_per_token = prefill_us_per_token * 1e-6
         self.step_s = step_ms * 1e-3
         self.decode_s_per_row = decode_us_per_row * 1e-6

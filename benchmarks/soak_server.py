@@ -99,8 +99,10 @@ def sample(url: str, server_pid: Optional[int], sched_pid: Optional[int], t0: fl
         row.update({k: info.get(k) for k in INFO_KEYS})
         row["grammar_cache_size"] = info.get("grammar_cache_size")
         metrics = requests.get(url + "/metrics", timeout=30).text
-        row["finished_by_reason"] = {re.sub(r'.*finish_reason="([^"]*)".*', r"\1", k): v
-                                     for k, v in metric_values(metrics, "plait_requests_total").items()}
+        row["finished_by_reason"] = {
+            re.sub(r'.*finish_reason="([^"]*)".*', r"\1", k): v
+            for k, v in metric_values(metrics, "plait_requests_total").items()
+        }
         row["in_flight_http"] = sum(metric_values(metrics, "plait_num_in_flight_reqs").values())
     except Exception as e:  # noqa: BLE001 - a hung or dead server is what the soak looks for
         row["error"] = f"{type(e).__name__}: {e}"
@@ -132,12 +134,40 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 
 
 def print_table(rows: list[dict], header: bool = True) -> None:
-    cols = [("t_s", 7), ("phase", 8), ("server_rss_mb", 10), ("sched_rss_mb", 10), ("server_fds", 6),
-            ("sched_fds", 6), ("server_threads", 6), ("sched_threads", 6), ("kv_used_tokens", 8),
-            ("evictable_tokens", 8), ("num_running_reqs", 5), ("num_waiting_reqs", 5), ("num_finished", 8),
-            ("integrity_errors", 5), ("grammar_cache_size", 6)]
-    heads = ["t", "phase", "srv MB", "sch MB", "s.fd", "c.fd", "s.thr", "c.thr", "kv used", "evictbl", "run",
-             "wait", "finished", "integ", "gram"]
+    cols = [
+        ("t_s", 7),
+        ("phase", 8),
+        ("server_rss_mb", 10),
+        ("sched_rss_mb", 10),
+        ("server_fds", 6),
+        ("sched_fds", 6),
+        ("server_threads", 6),
+        ("sched_threads", 6),
+        ("kv_used_tokens", 8),
+        ("evictable_tokens", 8),
+        ("num_running_reqs", 5),
+        ("num_waiting_reqs", 5),
+        ("num_finished", 8),
+        ("integrity_errors", 5),
+        ("grammar_cache_size", 6),
+    ]
+    heads = [
+        "t",
+        "phase",
+        "srv MB",
+        "sch MB",
+        "s.fd",
+        "c.fd",
+        "s.thr",
+        "c.thr",
+        "kv used",
+        "evictbl",
+        "run",
+        "wait",
+        "finished",
+        "integ",
+        "gram",
+    ]
     if header:
         print(" ".join(h.rjust(w) for h, (_, w) in zip(heads, cols)))
     for r in rows:
@@ -152,8 +182,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=12.0, help="length of the load phase")
     p.add_argument("--url", help="drive a running server instead of starting one (no RSS/fd probes)")
-    p.add_argument("--server-flag", action="append", default=None,
-                   help="flag for the started server (repeat; default --num-threads 1 --max-total-tokens 3072)")
+    p.add_argument(
+        "--server-flag",
+        action="append",
+        default=None,
+        help="flag for the started server (repeat; default --num-threads 1 --max-total-tokens 3072)",
+    )
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--sample-s", type=float, default=20.0)
     p.add_argument("--idle-every-s", type=float, default=150.0, help="pause, wait idle and flush this often")
@@ -180,6 +214,7 @@ def main() -> int:
     def idle_probe() -> dict:
         row = sample(url, server_pid, sched_pid, t0, "flushed")
         return {k: v for k, v in row.items() if k.endswith(("_rss_mb", "_fds", "_threads")) or k == "t_s"}
+
     try:
         # Warm-up: every scenario once, so lazily loaded code and buffers are in the baseline.
         for k, (name, _, fn) in enumerate(soak.scenarios):
@@ -190,8 +225,10 @@ def main() -> int:
         idle_checks.append(soak.idle_check("warm", idle_probe))
         rows.append(sample(url, server_pid, sched_pid, t0, "warm"))
         deadline = time.time() + args.minutes * 60
-        threads = [threading.Thread(target=soak.worker, args=(args.seed * 1000 + i, deadline), daemon=True)
-                   for i in range(args.workers)]
+        threads = [
+            threading.Thread(target=soak.worker, args=(args.seed * 1000 + i, deadline), daemon=True)
+            for i in range(args.workers)
+        ]
         for t in threads:
             t.start()
         next_idle = time.time() + args.idle_every_s
@@ -229,9 +266,17 @@ def main() -> int:
     print("\nchecks:")
     for name, (ok, detail) in checks.items():
         print(f"  {'PASS' if ok else 'FAIL'} {name}: {detail}")
-    save("soak_server", {"args": vars(args), "samples": rows, "idle_checks": idle_checks,
-                         "outcomes": dict(soak.tally.outcomes), "failures": soak.tally.failures,
-                         "checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()}})
+    save(
+        "soak_server",
+        {
+            "args": vars(args),
+            "samples": rows,
+            "idle_checks": idle_checks,
+            "outcomes": dict(soak.tally.outcomes),
+            "failures": soak.tally.failures,
+            "checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()},
+        },
+    )
     return 0 if all(ok for ok, _ in checks.values()) else 1
 
 
@@ -241,24 +286,33 @@ def evaluate(rows: list[dict], idle_checks: list[dict], tally: Tally) -> dict[st
     last = rows[-1]
     out = {
         "kv_used_0": (end.get("kv_used_tokens") == 0, f"kv_used_tokens {end.get('kv_used_tokens')}"),
-        "integrity_errors_0": (not last.get("integrity_errors") and not last.get("last_integrity_error"),
-                               f"{last.get('integrity_errors')} ({last.get('last_integrity_error')})"),
-        "no_requests_left": (not (last.get("num_running_reqs") or last.get("num_waiting_reqs")
-                                  or last.get("num_open_http_requests")),
-                             f"running {last.get('num_running_reqs')} waiting {last.get('num_waiting_reqs')} "
-                             f"open http {last.get('num_open_http_requests')}"),
-        "flushes_ok": (all(c["flush_status"] == 200 for c in idle_checks),
-                       str([c["flush_status"] for c in idle_checks])),
-        "no_client_failures": (not any(k.endswith(":FAIL") for k in tally.outcomes),
-                               f"{sum(n for k, n in tally.outcomes.items() if k.endswith(':FAIL'))} failed"),
+        "integrity_errors_0": (
+            not last.get("integrity_errors") and not last.get("last_integrity_error"),
+            f"{last.get('integrity_errors')} ({last.get('last_integrity_error')})",
+        ),
+        "no_requests_left": (
+            not (last.get("num_running_reqs") or last.get("num_waiting_reqs") or last.get("num_open_http_requests")),
+            f"running {last.get('num_running_reqs')} waiting {last.get('num_waiting_reqs')} "
+            f"open http {last.get('num_open_http_requests')}",
+        ),
+        "flushes_ok": (
+            all(c["flush_status"] == 200 for c in idle_checks),
+            str([c["flush_status"] for c in idle_checks]),
+        ),
+        "no_client_failures": (
+            not any(k.endswith(":FAIL") for k in tally.outcomes),
+            f"{sum(n for k, n in tally.outcomes.items() if k.endswith(':FAIL'))} failed",
+        ),
     }
     for proc in ("server", "sched"):
         if warm.get(f"{proc}_rss_mb") and last.get(f"{proc}_rss_mb"):
             # NOTE: allocator high-water marks keep some growth after the warm-up; a leak grows with
             # the number of requests, far past this margin over a soak of thousands of requests.
             growth = last[f"{proc}_rss_mb"] - warm[f"{proc}_rss_mb"]
-            out[f"{proc}_rss_back_near_warm"] = (growth < max(150.0, 0.25 * warm[f"{proc}_rss_mb"]),
-                                                 f"{warm[f'{proc}_rss_mb']:.0f} -> {last[f'{proc}_rss_mb']:.0f} MB")
+            out[f"{proc}_rss_back_near_warm"] = (
+                growth < max(150.0, 0.25 * warm[f"{proc}_rss_mb"]),
+                f"{warm[f'{proc}_rss_mb']:.0f} -> {last[f'{proc}_rss_mb']:.0f} MB",
+            )
             fd_growth = last[f"{proc}_fds"] - warm[f"{proc}_fds"]
             out[f"{proc}_fds_stable"] = (fd_growth <= 5, f"{warm[f'{proc}_fds']} -> {last[f'{proc}_fds']}")
         # Growth per request, measured idle and flushed, from the first check under load to the end:
@@ -271,9 +325,11 @@ def evaluate(rows: list[dict], idle_checks: list[dict], tally: Tally) -> dict[st
             # NOTE: idle RSS moves by tens of MB with what malloc keeps from the last long prompt, so
             # a short run's slope is noise: a leak must both grow past that and scale with requests.
             out[f"{proc}_rss_per_1000_requests"] = (
-                growth < 50.0 or per_1000 < 50.0, f"{per_1000:+.1f} MB per 1000 requests ({a['label']} -> {b['label']}: "
-                                 f"{a[f'{proc}_rss_mb']:.0f} -> {b[f'{proc}_rss_mb']:.0f} MB over "
-                                 f"{b['num_finished'] - a['num_finished']} requests)")
+                growth < 50.0 or per_1000 < 50.0,
+                f"{per_1000:+.1f} MB per 1000 requests ({a['label']} -> {b['label']}: "
+                f"{a[f'{proc}_rss_mb']:.0f} -> {b[f'{proc}_rss_mb']:.0f} MB over "
+                f"{b['num_finished'] - a['num_finished']} requests)",
+            )
     return out
 
 

@@ -26,18 +26,41 @@ import tempfile
 import time
 
 SHAPES = {
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
 }
 
 
 def model_dir(shape: str) -> str:
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
-               max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu",
-               torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001, attention_bias=False,
-               mlp_bias=False, **SHAPES[shape])
+    cfg = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        torch_dtype="bfloat16",
+        bos_token_id=128000,
+        eos_token_id=128001,
+        attention_bias=False,
+        mlp_bias=False,
+        **SHAPES[shape],
+    )
     folder = tempfile.mkdtemp(prefix=f"{shape}-")
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -110,17 +133,38 @@ def main() -> None:
     if args.mode == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir(args.shape), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=2048, gpu_memory_utilization=0.88, seed=0, speculative_config=spec,
-              disable_log_stats=False)
-    print("SETTINGS " + json.dumps({"vllm": vllm.__version__, "shape": args.shape, "mode": args.mode,
-                                    "plait_weights": args.plait_weights,
-                                    "speculative_config": spec, "startup_s": round(time.perf_counter() - t0, 1)}),
-          flush=True)
+    llm = LLM(
+        model=model_dir(args.shape),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=2048,
+        gpu_memory_utilization=0.88,
+        seed=0,
+        speculative_config=spec,
+        disable_log_stats=False,
+    )
+    print(
+        "SETTINGS "
+        + json.dumps(
+            {
+                "vllm": vllm.__version__,
+                "shape": args.shape,
+                "mode": args.mode,
+                "plait_weights": args.plait_weights,
+                "speculative_config": spec,
+                "startup_s": round(time.perf_counter() - t0, 1),
+            }
+        ),
+        flush=True,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     prompts = overhead_prompts(args.batch)
-    llm.generate([{"prompt_token_ids": prompts[args.batch[0]][0]}], SamplingParams(max_tokens=8, detokenize=False),
-                 use_tqdm=False)  # warm-up
+    llm.generate(
+        [{"prompt_token_ids": prompts[args.batch[0]][0]}],
+        SamplingParams(max_tokens=8, detokenize=False),
+        use_tqdm=False,
+    )  # warm-up
     for bs in args.batch:
         before = spec_counters(llm)
         secs = []
@@ -130,11 +174,19 @@ def main() -> None:
             secs.append(time.perf_counter() - t)
             assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
         accepted, drafts = (a - b for a, b in zip(spec_counters(llm), before))
-        print("RESULT " + json.dumps({"mode": args.mode, "batch": bs,
-                                      "tok_s": round(bs * args.output_len / statistics.median(secs), 1),
-                                      "runs_s": [round(s, 3) for s in secs],
-                                      "accept_length": round(1 + accepted / drafts, 3) if drafts else None}),
-              flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "mode": args.mode,
+                    "batch": bs,
+                    "tok_s": round(bs * args.output_len / statistics.median(secs), 1),
+                    "runs_s": [round(s, 3) for s in secs],
+                    "accept_length": round(1 + accepted / drafts, 3) if drafts else None,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

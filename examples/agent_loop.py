@@ -1,6 +1,6 @@
 """An agent loop: the model chooses an action, Python runs the tool, the program branches on it.
 
-    .venv/bin/python examples/agent_loop.py   (or python, with .venv activated)
+.venv/bin/python examples/agent_loop.py   (or python, with .venv activated)
 """
 
 import ast
@@ -30,8 +30,10 @@ def calculator(expression: str) -> str:
 
 @sgl.function
 def agent(s, question, max_steps=3):
-    s += sgl.system("You are a math assistant. Write an arithmetic expression for the calculator; when the "
-                    "result answers the question, say so.")
+    s += sgl.system(
+        "You are a math assistant. Write an arithmetic expression for the calculator; when the "
+        "result answers the question, say so."
+    )
     s += sgl.user(question)
     for _ in range(max_steps):
         s += sgl.assistant("Expression: " + sgl.gen("expression", max_tokens=16, stop="\n"))

@@ -10,9 +10,8 @@ class (or a dict / JSON string); `state.parsed(name)` returns the output as an i
 whole output (`plait.grammars.library.load_ebnf("json")` is a shipped one).
 """
 
-from pydantic import BaseModel
-
 import plait as sgl
+from pydantic import BaseModel
 
 
 class Contact(BaseModel):

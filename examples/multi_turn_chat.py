@@ -1,6 +1,6 @@
 """Multi-turn chat: roles as functions and as `with` blocks; `messages()` in OpenAI's format.
 
-    .venv/bin/python examples/multi_turn_chat.py   (or python, with .venv activated)
+.venv/bin/python examples/multi_turn_chat.py   (or python, with .venv activated)
 """
 
 import plait as sgl

@@ -57,12 +57,15 @@ ACTIONS = [*TOOLS, "finish"]
 
 @sgl.function
 def react_header(s, tools):
-    s += ("Answer the question step by step. Each step has a Thought, an Action (one of "
-          + ", ".join(tools) + ", finish) and an Action Input; the tool's result comes back as the "
-          "Observation. Choose finish once the Observation answers the question.\n\n"
-          "Question: What is 3 + 4?\n"
-          "Thought: I need to add the numbers.\nAction: calculator\nAction Input: 3 + 4\nObservation: 7\n"
-          "Thought: The observation answers the question.\nAction: finish\nFinal Answer: 7\n\n")
+    s += (
+        "Answer the question step by step. Each step has a Thought, an Action (one of "
+        + ", ".join(tools)
+        + ", finish) and an Action Input; the tool's result comes back as the "
+        "Observation. Choose finish once the Observation answers the question.\n\n"
+        "Question: What is 3 + 4?\n"
+        "Thought: I need to add the numbers.\nAction: calculator\nAction Input: 3 + 4\nObservation: 7\n"
+        "Thought: The observation answers the question.\nAction: finish\nFinal Answer: 7\n\n"
+    )
 
 
 @sgl.function
@@ -100,10 +103,12 @@ def main() -> None:
             print(f"{question}: failed: {state.error()!r}")
             continue
         check(state)
-        print(state.text()[state.text().index("Question: " + question):])
+        print(state.text()[state.text().index("Question: " + question) :])
         meta = state.get_meta_info("answer")
-        print(f"[final answer: {state['answer']!r}; its prompt: {meta['prompt_tokens']} tokens, "
-              f"{meta['cached_tokens']} from the prefix cache]\n")
+        print(
+            f"[final answer: {state['answer']!r}; its prompt: {meta['prompt_tokens']} tokens, "
+            f"{meta['cached_tokens']} from the prefix cache]\n"
+        )
     runtime.shutdown()
 
 

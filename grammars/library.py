@@ -7,8 +7,7 @@ from importlib import resources
 
 def available_grammars() -> list[str]:
     """Names of the shipped EBNF grammars (file names without `.ebnf`)."""
-    return sorted(p.name[:-5] for p in resources.files(__package__).iterdir()
-                  if p.name.endswith(".ebnf"))
+    return sorted(p.name[:-5] for p in resources.files(__package__).iterdir() if p.name.endswith(".ebnf"))
 
 
 def load_ebnf(name: str) -> str:

@@ -1,26 +1,49 @@
 """plait: SGLang-compatible frontend language for structured LLM programs.
 
-    import plait as sgl
+import plait as sgl
 
-    @sgl.function
-    def qa(s, question):
-        s += sgl.user(question)
-        s += sgl.assistant(sgl.gen("answer", max_tokens=64))
+@sgl.function
+def qa(s, question):
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=64))
 
-    sgl.set_default_backend(sgl.Runtime())      # in-process engine, embedded default model
-    print(qa.run(question="What is 2 + 2?")["answer"])
+sgl.set_default_backend(sgl.Runtime())      # in-process engine, embedded default model
+print(qa.run(question="What is 2 + 2?")["answer"])
 """
 
-from .api import (assistant, assistant_begin, assistant_end, flush_cache, function, gen, gen_int, gen_string,
-                  get_server_info, image, select, set_default_backend, system, system_begin, system_end, user,
-                  user_begin, user_end, video)
+from .api import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    flush_cache,
+    function,
+    gen,
+    gen_int,
+    gen_string,
+    get_server_info,
+    image,
+    select,
+    set_default_backend,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+    video,
+)
 from .backend.base import BaseBackend
 from .backend.engine_backend import EngineBackend, Runtime
 from .backend.openai_backend import OpenAI
 from .backend.runtime_endpoint import RuntimeEndpoint
 from .chat_template import ChatTemplate, chat_template_from_tokenizer, get_chat_template
-from .choices import (ChoicesDecision, ChoicesSamplingMethod, greedy_token_selection, token_length_normalized,
-                      unconditional_likelihood_normalized)
+from .choices import (
+    ChoicesDecision,
+    ChoicesSamplingMethod,
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
 from .function import SglFunction
 from .global_config import global_config
 from .state import ProgramState, ProgramStateGroup
@@ -36,12 +59,43 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "function", "gen", "gen_int", "gen_string", "select", "image", "video",
-    "system", "user", "assistant", "system_begin", "system_end", "user_begin", "user_end",
-    "assistant_begin", "assistant_end", "set_default_backend", "flush_cache", "get_server_info",
-    "global_config", "Runtime", "RuntimeEndpoint", "OpenAI", "Engine", "BaseBackend", "EngineBackend",
-    "ChatTemplate", "get_chat_template", "chat_template_from_tokenizer", "ChoicesDecision",
-    "ChoicesSamplingMethod", "token_length_normalized", "greedy_token_selection",
-    "unconditional_likelihood_normalized", "SglFunction", "ProgramState", "ProgramStateGroup",
-    "SamplingParams", "ServerArgs",
+    "function",
+    "gen",
+    "gen_int",
+    "gen_string",
+    "select",
+    "image",
+    "video",
+    "system",
+    "user",
+    "assistant",
+    "system_begin",
+    "system_end",
+    "user_begin",
+    "user_end",
+    "assistant_begin",
+    "assistant_end",
+    "set_default_backend",
+    "flush_cache",
+    "get_server_info",
+    "global_config",
+    "Runtime",
+    "RuntimeEndpoint",
+    "OpenAI",
+    "Engine",
+    "BaseBackend",
+    "EngineBackend",
+    "ChatTemplate",
+    "get_chat_template",
+    "chat_template_from_tokenizer",
+    "ChoicesDecision",
+    "ChoicesSamplingMethod",
+    "token_length_normalized",
+    "greedy_token_selection",
+    "unconditional_likelihood_normalized",
+    "SglFunction",
+    "ProgramState",
+    "ProgramStateGroup",
+    "SamplingParams",
+    "ServerArgs",
 ]

@@ -74,8 +74,9 @@ def gen(
     `json_schema` takes a dict, a JSON string or a Pydantic model class; with a class,
     `state.parsed(name)` returns the output as an instance of it."""
     if choices:
-        return select(name, choices, 0.0 if temperature is None else temperature,
-                      choices_method or token_length_normalized)
+        return select(
+            name, choices, 0.0 if temperature is None else temperature, choices_method or token_length_normalized
+        )
     output_model = _schema_model(name, json_schema)
     if output_model is not None:
         json_schema = output_model.model_json_schema()
@@ -103,8 +104,9 @@ def _schema_model(name: Optional[str], json_schema: Any) -> Optional[type]:
     if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
         return json_schema
     if json_schema is not None and not isinstance(json_schema, (dict, str)):
-        raise TypeError(f"gen({name!r}): json_schema must be a dict, a JSON string or a Pydantic model class, "
-                        f"got {json_schema!r}")
+        raise TypeError(
+            f"gen({name!r}): json_schema must be a dict, a JSON string or a Pydantic model class, got {json_schema!r}"
+        )
     return None
 
 
@@ -125,8 +127,12 @@ def _typed_gen(name: Optional[str], max_tokens: Optional[int], dtype: type, kwar
     return gen(name, max_tokens, dtype=dtype, **kwargs)
 
 
-def select(name: Optional[str] = None, choices: Optional[List[str]] = None, temperature: float = 0.0,
-           choices_method: ChoicesSamplingMethod = token_length_normalized) -> SglExpr:
+def select(
+    name: Optional[str] = None,
+    choices: Optional[List[str]] = None,
+    temperature: float = 0.0,
+    choices_method: ChoicesSamplingMethod = token_length_normalized,
+) -> SglExpr:
     """Append the choice the model finds most likely (scored by prompt logprobs) into `name`."""
     if isinstance(choices, str):  # its characters would be the choices
         raise TypeError(f"select({name!r}): choices must be a list of str, got the str {choices!r}")
@@ -137,11 +143,14 @@ def select(name: Optional[str] = None, choices: Optional[List[str]] = None, temp
     if "" in choices:
         # NOTE: an empty choice has no tokens to score; it was scored by whatever the prompt's last
         # token position gave (-inf after a one-token prompt, the prompt's own last token otherwise).
-        raise ValueError(f"select({name!r}): choice {choices.index('')} is the empty string, which has no "
-                         f"tokens to score; give every choice some text")
+        raise ValueError(
+            f"select({name!r}): choice {choices.index('')} is the empty string, which has no "
+            f"tokens to score; give every choice some text"
+        )
     if not isinstance(choices_method, ChoicesSamplingMethod):
-        raise TypeError(f"select({name!r}): choices_method must be one of plait's choice methods, "
-                        f"got {choices_method!r}")
+        raise TypeError(
+            f"select({name!r}): choices_method must be one of plait's choice methods, got {choices_method!r}"
+        )
     return SglSelect(name, list(choices), temperature, choices_method)
 
 
@@ -150,13 +159,15 @@ def image(expr: Any) -> SglExpr:
 
     NOTE: raising here, in the program body, makes `run()` raise where the user wrote `image(...)`;
     a node that only fails on the worker thread left run() returning a half-built state."""
-    raise NotImplementedError("image() is not supported: plait's runtime serves text-only models "
-                              "(no multimodal inputs: images, video)")
+    raise NotImplementedError(
+        "image() is not supported: plait's runtime serves text-only models (no multimodal inputs: images, video)"
+    )
 
 
 def video(path: str, num_frames: int) -> SglExpr:
-    raise NotImplementedError("video() is not supported: plait's runtime serves text-only models "
-                              "(no multimodal inputs: images, video)")
+    raise NotImplementedError(
+        "video() is not supported: plait's runtime serves text-only models (no multimodal inputs: images, video)"
+    )
 
 
 def _role_common(role: str, expr: Any = None) -> SglExprList:

@@ -150,8 +150,10 @@ class BatchPlan:
             hit = ""
             if seg.prefill is not None:
                 hit = f", prefilled {seg.prefill.prompt_tokens - seg.prefill.cached_tokens} new tokens"
-            parts.append(f"  segment {seg.id} [{seg.start}:{seg.end}) x{len(seg.members)}"
-                         f"{'' if seg.parent is None else f' under {seg.parent}'}{hit}")
+            parts.append(
+                f"  segment {seg.id} [{seg.start}:{seg.end}) x{len(seg.members)}"
+                f"{'' if seg.parent is None else f' under {seg.parent}'}{hit}"
+            )
         return "\n".join(parts)
 
     def to_graph(self, name: str = "run_batch") -> RequestGraph:
@@ -164,9 +166,13 @@ class BatchPlan:
             branch = f"s{seg.id}"
             if seg.parent is not None:
                 builder.attach(branch, node_of[seg.parent])
-            node_of[seg.id] = builder.add(branch, "text", shared[text_end[seg.parent]:],
-                                          detail={"members": list(seg.members), "span": [seg.start, seg.end],
-                                                  "unit": self.unit}, stats=seg.prefill)
+            node_of[seg.id] = builder.add(
+                branch,
+                "text",
+                shared[text_end[seg.parent] :],
+                detail={"members": list(seg.members), "span": [seg.start, seg.end], "unit": self.unit},
+                stats=seg.prefill,
+            )
             text_end[seg.id] = len(shared)
         deepest = self.deepest_segment()
         for i, text in enumerate(self.texts):
@@ -174,7 +180,7 @@ class BatchPlan:
             seg = deepest.get(i)
             if seg is not None:
                 builder.attach(branch, node_of[seg])
-            builder.add(branch, "program", text[text_end[seg]:], name=f"#{i}", stats=self.leaf_stats.get(i))
+            builder.add(branch, "program", text[text_end[seg] :], name=f"#{i}", stats=self.leaf_stats.get(i))
         return builder.build()
 
 

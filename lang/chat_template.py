@@ -37,16 +37,19 @@ class ChatTemplate:
 
 _BUILTIN = {
     # SGLang's fallback for models it does not know.
-    "default": ChatTemplate("default", {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"),
-                                        "assistant": ("ASSISTANT:", "\n")}),
+    "default": ChatTemplate(
+        "default", {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"), "assistant": ("ASSISTANT:", "\n")}
+    ),
     # No markup: the OpenAI chat backend sends messages(), so the text is only for reading.
     "plain": ChatTemplate("plain", {"system": ("", "\n"), "user": ("", "\n"), "assistant": ("", "\n")}),
-    "chatml": ChatTemplate("chatml", {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ROLES},
-                           stop_str=("<|im_end|>",)),
+    "chatml": ChatTemplate(
+        "chatml", {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ROLES}, stop_str=("<|im_end|>",)
+    ),
     "llama-3-instruct": ChatTemplate(
         "llama-3-instruct",
         {r: (f"<|start_header_id|>{r}<|end_header_id|>\n\n", "<|eot_id|>") for r in ROLES},
-        stop_str=("<|eot_id|>",)),
+        stop_str=("<|eot_id|>",),
+    ),
 }
 
 
@@ -78,8 +81,7 @@ _S, _U, _A, _U2 = "PLAITSYSTEMXQ", "PLAITUSERXQ", "PLAITASSISTANTXQ", "PLAITUSER
 
 def _derive(tokenizer: Any, name: str) -> ChatTemplate:
     def render(messages: list[dict], generation_prompt: bool = False) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     sys_msg = {"role": "system", "content": _S}
     user_msg = {"role": "user", "content": _U}
@@ -112,15 +114,19 @@ def _derive(tokenizer: Any, name: str) -> ChatTemplate:
     before_user = _strip_auto_bos(tokenizer, t_only_user[: t_only_user.index(_U)])
     injected = before_user[: len(before_user) - len(user[0])] if before_user.endswith(user[0]) else ""
     if injected and injected.startswith(system[0]) and injected.endswith(system[1]):
-        default_system = injected[len(system[0]): len(injected) - len(system[1])]
+        default_system = injected[len(system[0]) : len(injected) - len(system[1])]
 
     end_of_turn = assistant[1].strip()
     stop = (end_of_turn,) if end_of_turn else ()
     if not stop and getattr(tokenizer, "eos_token", None):
         stop = (tokenizer.eos_token,)
-    return ChatTemplate(name=name, role_prefix_and_suffix={"system": system, "user": user,
-                                                           "assistant": assistant},
-                        default_system_prompt=default_system, stop_str=stop, source="tokenizer")
+    return ChatTemplate(
+        name=name,
+        role_prefix_and_suffix={"system": system, "user": user, "assistant": assistant},
+        default_system_prompt=default_system,
+        stop_str=stop,
+        source="tokenizer",
+    )
 
 
 def _split(text: str, sentinel: str, what: str) -> tuple[str, str]:
@@ -133,7 +139,7 @@ def _split(text: str, sentinel: str, what: str) -> tuple[str, str]:
 def _after(longer: str, shorter: str, what: str) -> str:
     if not longer.startswith(shorter):
         raise TemplateDerivationError(f"adding a {what} turn rewrites the earlier turns")
-    return longer[len(shorter):]
+    return longer[len(shorter) :]
 
 
 def _strip_auto_bos(tokenizer: Any, text: str) -> str:
@@ -144,5 +150,5 @@ def _strip_auto_bos(tokenizer: Any, text: str) -> str:
     bos_id = getattr(tokenizer, "bos_token_id", None)
     ids = tokenizer("a").input_ids
     if bos_id is not None and ids and ids[0] == bos_id:
-        return text[len(bos):]
+        return text[len(bos) :]
     return text

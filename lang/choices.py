@@ -42,29 +42,44 @@ class ChoicesSamplingMethod(ABC):
         return False
 
     @abstractmethod
-    def __call__(self, *, choices: Sequence[str], normalized_prompt_logprobs: Sequence[float],
-                 input_token_logprobs: Logprobs, output_token_logprobs: Logprobs,
-                 unconditional_token_logprobs: Optional[Logprobs] = None) -> ChoicesDecision:
-        ...
+    def __call__(
+        self,
+        *,
+        choices: Sequence[str],
+        normalized_prompt_logprobs: Sequence[float],
+        input_token_logprobs: Logprobs,
+        output_token_logprobs: Logprobs,
+        unconditional_token_logprobs: Optional[Logprobs] = None,
+    ) -> ChoicesDecision: ...
 
     def __repr__(self) -> str:
         return type(self).__name__
 
 
 def _base_meta(normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs) -> dict:
-    return {"normalized_prompt_logprobs": list(normalized_prompt_logprobs),
-            "input_token_logprobs": input_token_logprobs,
-            "output_token_logprobs": output_token_logprobs}
+    return {
+        "normalized_prompt_logprobs": list(normalized_prompt_logprobs),
+        "input_token_logprobs": input_token_logprobs,
+        "output_token_logprobs": output_token_logprobs,
+    }
 
 
 class TokenLengthNormalized(ChoicesSamplingMethod):
     """Highest mean token logprob: long choices are not punished for their length."""
 
-    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
-                 output_token_logprobs, unconditional_token_logprobs=None) -> ChoicesDecision:
+    def __call__(
+        self,
+        *,
+        choices,
+        normalized_prompt_logprobs,
+        input_token_logprobs,
+        output_token_logprobs,
+        unconditional_token_logprobs=None,
+    ) -> ChoicesDecision:
         best = _argmax_first(normalized_prompt_logprobs)
-        return ChoicesDecision(choices[best], _base_meta(normalized_prompt_logprobs, input_token_logprobs,
-                                                         output_token_logprobs))
+        return ChoicesDecision(
+            choices[best], _base_meta(normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs)
+        )
 
 
 class GreedyTokenSelection(ChoicesSamplingMethod):
@@ -72,8 +87,15 @@ class GreedyTokenSelection(ChoicesSamplingMethod):
     has the highest logprob, until one is left. A choice shorter than the others is padded with
     its own mean logprob, so "Paris" can still beat "Paris, France" when it is better on average."""
 
-    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
-                 output_token_logprobs, unconditional_token_logprobs=None) -> ChoicesDecision:
+    def __call__(
+        self,
+        *,
+        choices,
+        normalized_prompt_logprobs,
+        input_token_logprobs,
+        output_token_logprobs,
+        unconditional_token_logprobs=None,
+    ) -> ChoicesDecision:
         width = max(len(option) for option in input_token_logprobs)
         matrix = []  # (num_choices, width)
         for option in input_token_logprobs:
@@ -99,15 +121,23 @@ class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
     def requires_unconditional_logprobs(self) -> bool:
         return True
 
-    def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
-                 output_token_logprobs, unconditional_token_logprobs=None) -> ChoicesDecision:
+    def __call__(
+        self,
+        *,
+        choices,
+        normalized_prompt_logprobs,
+        input_token_logprobs,
+        output_token_logprobs,
+        unconditional_token_logprobs=None,
+    ) -> ChoicesDecision:
         if unconditional_token_logprobs is None:
             raise ValueError("unconditional_likelihood_normalized needs unconditional token logprobs")
         scores = []
         for cond, uncond in zip(input_token_logprobs, unconditional_token_logprobs):
             if len(cond) != len(uncond):
                 raise ValueError(
-                    f"conditional ({len(cond)}) and unconditional ({len(uncond)}) logprobs differ in length")
+                    f"conditional ({len(cond)}) and unconditional ({len(uncond)}) logprobs differ in length"
+                )
             diffs = [c[0] - (u[0] or 0.0) for c, u in zip(cond, uncond)]
             scores.append(_mean(diffs))
         meta = _base_meta(normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs)

@@ -13,8 +13,9 @@ from .tracer import TracingScope, trace_program
 
 
 class SglFunction:
-    def __init__(self, func: Callable, num_api_spec_tokens: Optional[int] = None,
-                 bind_arguments: Optional[dict] = None):
+    def __init__(
+        self, func: Callable, num_api_spec_tokens: Optional[int] = None, bind_arguments: Optional[dict] = None
+    ):
         if not callable(func):
             raise TypeError(f"@function needs a function, got {type(func).__name__}")
         self.func = func
@@ -26,8 +27,7 @@ class SglFunction:
         params = list(inspect.signature(func).parameters.values())
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if not positional:
-            raise TypeError(f"program {name!r} must take the state as its first parameter, "
-                            f"e.g. `def {name}(s, ...)`")
+            raise TypeError(f"program {name!r} must take the state as its first parameter, e.g. `def {name}(s, ...)`")
         # Keyword-only parameters and *args are the program's too (SGLang passes run()'s extra
         # positional and keyword arguments straight to the body): `def prog(s, q, *, shots=3)`.
         self.positional_names: list[str] = [p.name for p in positional[1:]]
@@ -60,12 +60,13 @@ class SglFunction:
             elif self.takes_var_kwargs:
                 program[key] = value
             else:
-                raise TypeError(f"{self.__name__}() got an unexpected argument {key!r}: it is neither a "
-                                f"parameter of the program ({self.arg_names}) nor a sampling parameter")
+                raise TypeError(
+                    f"{self.__name__}() got an unexpected argument {key!r}: it is neither a "
+                    f"parameter of the program ({self.arg_names}) nor a sampling parameter"
+                )
         return program, sampling
 
-    def run(self, *args: Any, stream: bool = False, backend: Any = None, use_thread: bool = True,
-            **kwargs: Any):
+    def run(self, *args: Any, stream: bool = False, backend: Any = None, use_thread: bool = True, **kwargs: Any):
         """Run the program once. Keyword arguments are the program's own, or sampling defaults that
         every gen() inherits unless it sets them (`max_new_tokens=128`, `temperature=1.0`, ...)."""
         program_kwargs, sampling = self.split_run_kwargs(kwargs)
@@ -82,14 +83,17 @@ class SglFunction:
         out = dict(kwargs)
         if len(args) > len(free):
             if not self.takes_var_args:
-                raise TypeError(f"{self.__name__}() takes {len(free)} positional argument(s) ({free}) "
-                                f"but {len(args)} were given")
+                raise TypeError(
+                    f"{self.__name__}() takes {len(free)} positional argument(s) ({free}) but {len(args)} were given"
+                )
             # Python fills every positional parameter before *args: none of them may come by name.
             named = [n for n in self.positional_names if n in out or n in self.bind_arguments]
             if named:
-                raise TypeError(f"{self.__name__}() got more positional values than {free}, for "
-                                f"*{self.var_args_name}, but {named} by name or bind(): pass those "
-                                f"positionally too")
+                raise TypeError(
+                    f"{self.__name__}() got more positional values than {free}, for "
+                    f"*{self.var_args_name}, but {named} by name or bind(): pass those "
+                    f"positionally too"
+                )
             return tuple(args), out
         for name, value in zip(free, args):
             if name in out:
@@ -97,9 +101,16 @@ class SglFunction:
             out[name] = value
         return (), out
 
-    def run_batch(self, batch_kwargs: Sequence[Union[dict, Sequence[Any]]], *, backend: Any = None,
-                  num_threads: Union[str, int] = "auto", progress_bar: bool = False,
-                  generator_style: bool = False, **sampling: Any):
+    def run_batch(
+        self,
+        batch_kwargs: Sequence[Union[dict, Sequence[Any]]],
+        *,
+        backend: Any = None,
+        num_threads: Union[str, int] = "auto",
+        progress_bar: bool = False,
+        generator_style: bool = False,
+        **sampling: Any,
+    ):
         """Run the program once per item (a dict of arguments, or a tuple in parameter order).
         Returns the states in input order (a generator of them with generator_style=True); a program
         that fails has its exception in `state.error()` and does not stop the others."""
@@ -120,8 +131,10 @@ class SglFunction:
             names = self.positional_names
             required = len(names) - len(self.arg_defaults)
             if not required <= len(item) <= len(names):
-                raise TypeError(f"run_batch item {index} has {len(item)} values; {self.__name__}() takes "
-                                f"{required} to {len(names)} ({names})")
+                raise TypeError(
+                    f"run_batch item {index} has {len(item)} values; {self.__name__}() takes "
+                    f"{required} to {len(names)} ({names})"
+                )
             return dict(zip(names, item))
         raise TypeError(f"run_batch item {index} must be a dict or a tuple, got {type(item).__name__}")
 
@@ -150,9 +163,11 @@ class SglFunction:
     def _subprogram_call(self, args: Sequence[Any], kwargs: dict):
         program_kwargs, sampling = self.split_run_kwargs(kwargs)
         if sampling:
-            raise TypeError(f"{self.__name__}() called inside a program takes only its own parameters "
-                            f"({self.arg_names}); {sorted(sampling)} are sampling settings: set them on "
-                            f"its gen() calls or on the outer program's run()")
+            raise TypeError(
+                f"{self.__name__}() called inside a program takes only its own parameters "
+                f"({self.arg_names}); {sorted(sampling)} are sampling settings: set them on "
+                f"its gen() calls or on the outer program's run()"
+            )
         args, program_kwargs = self._call_arguments(args, program_kwargs)
         program_kwargs = {**program_kwargs, **self.bind_arguments}
         try:  # a missing argument fails here, where the call is written, not mid-program

@@ -144,8 +144,7 @@ class ResolvedGen:
         return out
 
 
-def resolve_gen(defaults: RunDefaults, overrides: GenOverrides, chat_stop: tuple[str, ...] = ()
-                ) -> ResolvedGen:
+def resolve_gen(defaults: RunDefaults, overrides: GenOverrides, chat_stop: tuple[str, ...] = ()) -> ResolvedGen:
     """run() defaults, then gen() overrides, then the dtype's regex and stops, then the chat stops."""
     merged = defaults.sampling.to_dict()
     merged.update(copy.deepcopy(dict(overrides.sampling)))

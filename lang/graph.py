@@ -59,9 +59,12 @@ class NodeStats:
         self.completion_tokens += int(meta.get("completion_tokens") or 0)
 
     def __add__(self, other: "NodeStats") -> "NodeStats":
-        return NodeStats(self.requests + other.requests, self.prompt_tokens + other.prompt_tokens,
-                         self.cached_tokens + other.cached_tokens,
-                         self.completion_tokens + other.completion_tokens)
+        return NodeStats(
+            self.requests + other.requests,
+            self.prompt_tokens + other.prompt_tokens,
+            self.cached_tokens + other.cached_tokens,
+            self.completion_tokens + other.completion_tokens,
+        )
 
 
 @dataclass
@@ -190,5 +193,7 @@ class RequestGraph:
             return head + f", {len(self.shared_segments())} nodes shared by two or more requests"
         t = self.totals()
         rate = f"{100 * t.hit_rate:.0f}%" if t.hit_rate is not None else "n/a"
-        return (head + f"; runtime requests {t.requests}, prompt tokens {t.prompt_tokens}, cached {t.cached_tokens} "
-                f"({rate}), completion tokens {t.completion_tokens}")
+        return (
+            head + f"; runtime requests {t.requests}, prompt tokens {t.prompt_tokens}, cached {t.cached_tokens} "
+            f"({rate}), completion tokens {t.completion_tokens}"
+        )

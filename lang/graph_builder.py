@@ -12,8 +12,7 @@ from dataclasses import replace
 from typing import Any, Iterable, Iterator, Optional
 
 from .graph import MAIN_BRANCH, GraphEdge, GraphNode, NodeStats, RequestGraph
-from .ir import (SglArgument, SglConcateAndAppend, SglConstantText, SglFork, SglGen, SglJoin, SglSelect,
-                 SglVariable)
+from .ir import SglArgument, SglConcateAndAppend, SglConstantText, SglFork, SglGen, SglJoin, SglSelect, SglVariable
 
 
 class GraphBuilder:
@@ -36,8 +35,15 @@ class GraphBuilder:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
-    def add(self, branch: str, kind: str, text: str = "", name: Optional[str] = None,
-            detail: Optional[dict] = None, stats: Optional[NodeStats] = None) -> int:
+    def add(
+        self,
+        branch: str,
+        kind: str,
+        text: str = "",
+        name: Optional[str] = None,
+        detail: Optional[dict] = None,
+        stats: Optional[NodeStats] = None,
+    ) -> int:
         with self._lock:
             return self._add(branch, kind, text, name, detail, stats)
 
@@ -98,11 +104,18 @@ class GraphBuilder:
         with self._lock:
             order = self._program_order()
             new_id = {old: new for new, old in enumerate(order)}
-            nodes = [replace(self._nodes[old], id=new_id[old], detail=dict(self._nodes[old].detail),
-                             stats=replace(self._nodes[old].stats) if self._nodes[old].stats else None)
-                     for old in order]
-            edges = sorted((GraphEdge(new_id[e.src], new_id[e.dst], e.kind) for e in self._edges),
-                           key=lambda e: e.dst)  # stable: a join's edges stay in branch order
+            nodes = [
+                replace(
+                    self._nodes[old],
+                    id=new_id[old],
+                    detail=dict(self._nodes[old].detail),
+                    stats=replace(self._nodes[old].stats) if self._nodes[old].stats else None,
+                )
+                for old in order
+            ]
+            edges = sorted(
+                (GraphEdge(new_id[e.src], new_id[e.dst], e.kind) for e in self._edges), key=lambda e: e.dst
+            )  # stable: a join's edges stay in branch order
             return RequestGraph(self.name, nodes, edges, self.source)
 
     def _program_order(self) -> list[int]:

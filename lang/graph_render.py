@@ -21,15 +21,32 @@ from typing import Optional
 
 from .graph import GraphNode, NodeStats, RequestGraph
 
-FILL = {"text": "#f3f4f6", "arg": "#fef3c7", "var": "#fef3c7", "gen": "#dbeafe", "select": "#ede9fe",
-        "fork": "#e5e7eb", "join": "#e5e7eb", "program": "#dcfce7"}
-DOT_SHAPE = {"text": "box", "arg": "box", "var": "box", "gen": "box", "select": "box",
-             "fork": "invtrapezium", "join": "trapezium", "program": "folder"}
+FILL = {
+    "text": "#f3f4f6",
+    "arg": "#fef3c7",
+    "var": "#fef3c7",
+    "gen": "#dbeafe",
+    "select": "#ede9fe",
+    "fork": "#e5e7eb",
+    "join": "#e5e7eb",
+    "program": "#dcfce7",
+}
+DOT_SHAPE = {
+    "text": "box",
+    "arg": "box",
+    "var": "box",
+    "gen": "box",
+    "select": "box",
+    "fork": "invtrapezium",
+    "join": "trapezium",
+    "program": "folder",
+}
 EXCERPT_CHARS = 36
 BOX_W, BOX_H, GAP_X, GAP_Y, MARGIN = 220, 66, 24, 34, 16
 
 
 # ---------------------------------------------------------------- labels
+
 
 def visible(text: str) -> str:
     """Text with its line breaks and tabs made visible, on one line."""
@@ -79,14 +96,19 @@ def node_lines(graph: RequestGraph, node: GraphNode) -> list[str]:
 
 # ---------------------------------------------------------------- DOT
 
+
 def _dot_str(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def _dot_node(graph: RequestGraph, node: GraphNode) -> str:
-    attrs = {"shape": DOT_SHAPE[node.kind], "style": "rounded,filled" if DOT_SHAPE[node.kind] == "box" else "filled",
-             "fillcolor": FILL[node.kind], "label": "\n".join(node_lines(graph, node)),
-             "tooltip": visible(graph.display_text(node))[:500] or node.kind}
+    attrs = {
+        "shape": DOT_SHAPE[node.kind],
+        "style": "rounded,filled" if DOT_SHAPE[node.kind] == "box" else "filled",
+        "fillcolor": FILL[node.kind],
+        "label": "\n".join(node_lines(graph, node)),
+        "tooltip": visible(graph.display_text(node))[:500] or node.kind,
+    }
     if node.kind in ("arg", "var"):
         attrs["style"] = "rounded,filled,dashed"
     if node.kind in ("gen", "select", "program") and node.stats is not None and node.stats.hit_rate is not None:
@@ -96,9 +118,11 @@ def _dot_node(graph: RequestGraph, node: GraphNode) -> str:
 
 
 def to_dot(graph: RequestGraph) -> str:
-    lines = [f"digraph {_dot_str(graph.name)} {{",
-             '  rankdir=TB; node [fontname="Helvetica", fontsize=10]; edge [fontname="Helvetica", fontsize=9];',
-             f"  label={_dot_str(graph.summary())}; labelloc=t;"]
+    lines = [
+        f"digraph {_dot_str(graph.name)} {{",
+        '  rankdir=TB; node [fontname="Helvetica", fontsize=10]; edge [fontname="Helvetica", fontsize=9];',
+        f"  label={_dot_str(graph.summary())}; labelloc=t;",
+    ]
     by_branch: dict[str, list[GraphNode]] = {}
     for node in graph.nodes:
         by_branch.setdefault(node.branch, []).append(node)
@@ -112,8 +136,10 @@ def to_dot(graph: RequestGraph) -> str:
         indent = "  " * depth
         clustered = graph.source != "batch" and branch in parent_of
         if clustered:
-            lines.append(f"{indent}subgraph {_dot_str('cluster_' + branch)} {{ label={_dot_str(branch)}; "
-                         'style="rounded,dashed"; color="#9ca3af";')
+            lines.append(
+                f"{indent}subgraph {_dot_str('cluster_' + branch)} {{ label={_dot_str(branch)}; "
+                'style="rounded,dashed"; color="#9ca3af";'
+            )
         for node in by_branch[branch]:
             lines.append(f"{indent}  {_dot_node(graph, node)}")
         for child in children.get(branch, []):
@@ -131,6 +157,7 @@ def to_dot(graph: RequestGraph) -> str:
 
 
 # ---------------------------------------------------------------- SVG (own layout)
+
 
 def layout(graph: RequestGraph) -> dict[int, tuple[int, int]]:
     """node id -> (row, column): the row is the longest path from a root (edges always point from
@@ -158,29 +185,37 @@ def to_svg(graph: RequestGraph) -> str:
         r, c = pos[node_id]
         return MARGIN + c * (BOX_W + GAP_X), MARGIN + r * (BOX_H + GAP_Y)
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif" font-size="11">',
-             '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7" '
-             'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#6b7280"/></marker></defs>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif" font-size="11">',
+        '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7" '
+        'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#6b7280"/></marker></defs>',
+    ]
     for e in graph.edges:
         (x1, y1), (x2, y2) = xy(e.src), xy(e.dst)
         dash = {"next": "", "fork": ' stroke-dasharray="6 3"', "join": ' stroke-dasharray="2 3"'}[e.kind]
-        parts.append(f'<line x1="{x1 + BOX_W // 2}" y1="{y1 + BOX_H}" x2="{x2 + BOX_W // 2}" y2="{y2}" '
-                     f'stroke="#6b7280"{dash} marker-end="url(#arrow)"/>')
+        parts.append(
+            f'<line x1="{x1 + BOX_W // 2}" y1="{y1 + BOX_H}" x2="{x2 + BOX_W // 2}" y2="{y2}" '
+            f'stroke="#6b7280"{dash} marker-end="url(#arrow)"/>'
+        )
     for node in graph.nodes:
         x, y = xy(node.id)
         dashed = ' stroke-dasharray="4 2"' if node.kind in ("arg", "var") else ""
         tip = html.escape(visible(graph.display_text(node))[:500] or node.kind)
-        parts.append(f'<g><title>#{node.id} {html.escape(node.branch)}: {tip}</title>'
-                     f'<rect x="{x}" y="{y}" width="{BOX_W}" height="{BOX_H}" rx="6" fill="{FILL[node.kind]}" '
-                     f'stroke="#6b7280"{dashed}/>')
+        parts.append(
+            f"<g><title>#{node.id} {html.escape(node.branch)}: {tip}</title>"
+            f'<rect x="{x}" y="{y}" width="{BOX_W}" height="{BOX_H}" rx="6" fill="{FILL[node.kind]}" '
+            f'stroke="#6b7280"{dashed}/>'
+        )
         for i, line in enumerate(node_lines(graph, node)):
             weight = ' font-weight="bold"' if i == 0 else ""
             parts.append(f'<text x="{x + 8}" y="{y + 16 + 15 * i}"{weight}>{html.escape(line)}</text>')
         if node.stats is not None and node.stats.hit_rate is not None:
             bar = int((BOX_W - 16) * node.stats.hit_rate)
-            parts.append(f'<rect x="{x + 8}" y="{y + BOX_H - 9}" width="{BOX_W - 16}" height="5" fill="#fecaca"/>'
-                         f'<rect x="{x + 8}" y="{y + BOX_H - 9}" width="{bar}" height="5" fill="#16a34a"/>')
+            parts.append(
+                f'<rect x="{x + 8}" y="{y + BOX_H - 9}" width="{BOX_W - 16}" height="5" fill="#fecaca"/>'
+                f'<rect x="{x + 8}" y="{y + BOX_H - 9}" width="{bar}" height="5" fill="#16a34a"/>'
+            )
         parts.append("</g>")
     parts.append("</svg>")
     return "\n".join(parts)
@@ -188,23 +223,46 @@ def to_svg(graph: RequestGraph) -> str:
 
 # ---------------------------------------------------------------- HTML
 
+
 def to_html(graph: RequestGraph) -> str:
     """One self-contained page: the picture, then a table of every node with who shares it."""
     sharing = graph.sharing()
     rows = []
     for node in graph.nodes:
         s = node.stats
-        cells = [str(node.id), node.kind, node.branch, node.name or "",
-                 visible(graph.display_text(node))[:300],
-                 ", ".join(f"#{r}" for r in sharing.get(node.id, [])),
-                 *(("", "", "", "", "") if s is None else
-                   (str(s.prompt_tokens), str(s.cached_tokens),
+        cells = [
+            str(node.id),
+            node.kind,
+            node.branch,
+            node.name or "",
+            visible(graph.display_text(node))[:300],
+            ", ".join(f"#{r}" for r in sharing.get(node.id, [])),
+            *(
+                ("", "", "", "", "")
+                if s is None
+                else (
+                    str(s.prompt_tokens),
+                    str(s.cached_tokens),
                     "" if s.hit_rate is None else f"{100 * s.hit_rate:.0f}%",
                     f"{s.start_s:.2f}" if s.start_s is not None else "",
-                    f"{s.latency_s:.2f}" if s.latency_s is not None else ""))]
+                    f"{s.latency_s:.2f}" if s.latency_s is not None else "",
+                )
+            ),
+        ]
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-    header = ["#", "kind", "branch", "name", "text", "in the prompt of", "prompt tok", "cached tok", "hit",
-              "start s", "latency s"]
+    header = [
+        "#",
+        "kind",
+        "branch",
+        "name",
+        "text",
+        "in the prompt of",
+        "prompt tok",
+        "cached tok",
+        "hit",
+        "start s",
+        "latency s",
+    ]
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(graph.name)} - plait request graph</title>
 <style>
@@ -226,6 +284,7 @@ Under a request, green is the share of its prompt tokens the prefix cache alread
 
 # ---------------------------------------------------------------- files
 
+
 def dot_available() -> bool:
     return shutil.which("dot") is not None
 
@@ -233,8 +292,10 @@ def dot_available() -> bool:
 def render_with_dot(graph: RequestGraph, fmt: str) -> bytes:
     """Run graphviz's `dot` on the graph (fmt: png, svg, pdf, ...)."""
     if not dot_available():
-        raise RuntimeError(f"rendering {fmt.upper()} needs graphviz's `dot` program (e.g. `apt-get install "
-                           "graphviz`); .html, .svg and .dot work without it")
+        raise RuntimeError(
+            f"rendering {fmt.upper()} needs graphviz's `dot` program (e.g. `apt-get install "
+            "graphviz`); .html, .svg and .dot work without it"
+        )
     done = subprocess.run(["dot", f"-T{fmt}"], input=to_dot(graph).encode(), capture_output=True, timeout=120)
     if done.returncode != 0:
         raise RuntimeError(f"dot failed: {done.stderr.decode(errors='replace').strip()}")
@@ -254,6 +315,7 @@ def save(graph: RequestGraph, path: str) -> str:
     elif suffix in (".png", ".pdf"):
         target.write_bytes(render_with_dot(graph, suffix[1:]))
     else:
-        raise ValueError(f"cannot save a graph as {suffix or 'a file without a suffix'!r}: use .dot, .gv, "
-                         ".html, .svg, .png or .pdf")
+        raise ValueError(
+            f"cannot save a graph as {suffix or 'a file without a suffix'!r}: use .dot, .gv, .html, .svg, .png or .pdf"
+        )
     return str(target)

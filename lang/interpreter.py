@@ -23,17 +23,39 @@ from typing import Any, Iterable, Optional
 from .gen_params import RunDefaults, resolve_gen
 from .graph import MAIN_BRANCH
 from .graph_builder import GraphBuilder, collect_requests
+from .ir import (
+    SglCommitLazy,
+    SglConcateAndAppend,
+    SglConstantText,
+    SglExpr,
+    SglExprList,
+    SglGen,
+    SglImage,
+    SglRoleBegin,
+    SglRoleEnd,
+    SglSelect,
+    SglVariable,
+    SglVarScopeBegin,
+    SglVarScopeEnd,
+    as_expr,
+    flatten,
+    open_role_after,
+)
 from .pins import PinTicket, ProgramPins
-from .ir import (SglCommitLazy, SglConcateAndAppend, SglConstantText, SglExpr, SglExprList, SglGen, SglImage,
-                 SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin, SglVarScopeEnd, as_expr, flatten,
-                 open_role_after)
 
 logger = logging.getLogger(__name__)
 
 
 class StreamExecutor:
-    def __init__(self, backend: Any, arguments: dict, default_sampling_para: RunDefaults,
-                 chat_template: Any = None, stream: bool = False, use_thread: bool = True) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        arguments: dict,
+        default_sampling_para: RunDefaults,
+        chat_template: Any = None,
+        stream: bool = False,
+        use_thread: bool = True,
+    ) -> None:
         self.sid = uuid.uuid4().hex
         # Shared by a program and all its forks: requests carry it as a scheduling hint.
         self.program_id = self.sid
@@ -82,8 +104,9 @@ class StreamExecutor:
         if use_thread:
             self.queue: queue.Queue = queue.Queue()
             ctx = contextvars.copy_context()
-            self.worker = threading.Thread(target=ctx.run, args=(self._worker_loop,), daemon=True,
-                                           name=f"plait-program-{self.sid[:8]}")
+            self.worker = threading.Thread(
+                target=ctx.run, args=(self._worker_loop,), daemon=True, name=f"plait-program-{self.sid[:8]}"
+            )
             self.worker.start()
         backend.begin_program(self)
 
@@ -94,9 +117,11 @@ class StreamExecutor:
         with self._lock:
             if self._ended:
                 # NOTE: its worker has exited: queued text would never run, and the next read would wait forever.
-                raise RuntimeError("this program state has ended (a fork's branch after its join, or the state a "
-                                   "finished run returned): it takes no more text; call s.fork() again for "
-                                   "another round")
+                raise RuntimeError(
+                    "this program state has ended (a fork's branch after its join, or the state a "
+                    "finished run returned): it takes no more text; call s.fork() again for "
+                    "another round"
+                )
             events = self._init_var_event(expr)
             if self._failed:
                 for event in events:  # nobody will produce these: wake readers at once
@@ -118,8 +143,10 @@ class StreamExecutor:
         if name in self.variables:
             return self.variables[name]
         if self.error_ is not None:
-            raise RuntimeError(f"variable {name!r} was not produced because the program failed: "
-                               f"{type(self.error_).__name__}: {self.error_}") from self.error_
+            raise RuntimeError(
+                f"variable {name!r} was not produced because the program failed: "
+                f"{type(self.error_).__name__}: {self.error_}"
+            ) from self.error_
         raise KeyError(f"the program has no variable {name!r}; known: {sorted(map(str, self.variables))}")
 
     def set_var(self, name: str, value: Any) -> None:
@@ -159,12 +186,15 @@ class StreamExecutor:
             with collect_requests(self.recorder) as prefill:
                 self._execute_guarded(SglCommitLazy())
             if self.error_ is not None:
-                raise RuntimeError(f"cannot fork: prefilling the shared prefix failed: "
-                                   f"{type(self.error_).__name__}: {self.error_}") from self.error_
+                raise RuntimeError(
+                    f"cannot fork: prefilling the shared prefix failed: {type(self.error_).__name__}: {self.error_}"
+                ) from self.error_
         prefix_pin = self.pins.pin(self.text_) if self.pins is not None and size > 1 else None
         _, branches = self.recorder.fork(self.branch, size, stats=prefill)
-        children = [StreamExecutor(self.backend, self.arguments, self.default_sampling_para,
-                                   self.chat_template, self.stream) for _ in range(size)]
+        children = [
+            StreamExecutor(self.backend, self.arguments, self.default_sampling_para, self.chat_template, self.stream)
+            for _ in range(size)
+        ]
         for child, branch in zip(children, branches):
             child.program_id = self.program_id
             child.recorder = self.recorder
@@ -288,8 +318,9 @@ class StreamExecutor:
         elif isinstance(other, SglVarScopeEnd):
             self._execute_var_scope_end(other.name)
         elif isinstance(other, SglVariable):
-            self._execute_fill(other.source.get_var(other.name) if hasattr(other.source, "get_var")
-                               else self.get_var(other.name))
+            self._execute_fill(
+                other.source.get_var(other.name) if hasattr(other.source, "get_var") else self.get_var(other.name)
+            )
         elif isinstance(other, SglCommitLazy):
             self.backend.commit_lazy_operations(self)
         elif isinstance(other, SglConcateAndAppend):
@@ -308,8 +339,9 @@ class StreamExecutor:
         start = len(self.text_)
         with collect_requests(self.recorder) as stats:
             self._run_gen(expr)
-        detail = {k: v for k, v in (("max_new_tokens", expr.overrides.sampling.get("max_new_tokens")),)
-                  if v is not None}
+        detail = {
+            k: v for k, v in (("max_new_tokens", expr.overrides.sampling.get("max_new_tokens")),) if v is not None
+        }
         self.recorder.add(self.branch, "gen", self.text_[start:], expr.name, detail, stats)
         self._after_request()
 
@@ -362,16 +394,19 @@ class StreamExecutor:
         # NOTE: a truncated constrained output is a normal result (finish_reason "length"), not an
         # error; but code that json.loads it fails far from the cause, so say where it came from.
         if params.cut_short(text, meta):
-            logger.warning("gen(%r) stopped at max_tokens=%s before its %s was complete: the value is a "
-                           "prefix of a match, not a match (raise max_tokens)", name,
-                           params.sampling.max_new_tokens, params.constraint())
+            logger.warning(
+                "gen(%r) stopped at max_tokens=%s before its %s was complete: the value is a "
+                "prefix of a match, not a match (raise max_tokens)",
+                name,
+                params.sampling.max_new_tokens,
+                params.constraint(),
+            )
 
     def _execute_select(self, expr: SglSelect) -> None:
         with collect_requests(self.recorder) as stats:
             decision = self.backend.select(self, expr.choices, expr.temperature, expr.choices_method)
         self.text_ += decision.decision
-        self.recorder.add(self.branch, "select", decision.decision, expr.name,
-                          {"choices": list(expr.choices)}, stats)
+        self.recorder.add(self.branch, "select", decision.decision, expr.name, {"choices": list(expr.choices)}, stats)
         self._set_result(expr.name, decision.decision, decision.meta_info)
         self._after_request()
 
@@ -398,7 +433,7 @@ class StreamExecutor:
         self.cur_role_begin_pos = len(self.text_)
 
     def _execute_role_end(self, role: str) -> None:
-        content = self.text_[self.cur_role_begin_pos:].lstrip()
+        content = self.text_[self.cur_role_begin_pos :].lstrip()
         _, suffix = self.chat_template.get_prefix_and_suffix(role, self.messages_)
         self._execute_fill(suffix)
         self.messages_.append({"role": role, "content": content})
@@ -412,7 +447,7 @@ class StreamExecutor:
         executors = [state.stream_executor for state in states]
         for exe in executors:
             exe.sync()
-            self.text_ += exe.text_[exe.fork_start_text_pos:]  # drawn as the branches, joined
+            self.text_ += exe.text_[exe.fork_start_text_pos :]  # drawn as the branches, joined
         self._record_join(executors, "concate_and_append")
 
     def _init_var_event(self, expr: SglExpr) -> list[threading.Event]:

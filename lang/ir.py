@@ -105,7 +105,8 @@ class SglArgument(SglExpr):
         # dependency on the argument; concatenate with + instead.
         raise TypeError(
             f"cannot put the traced argument {self.name!r} inside an f-string or format(); "
-            f"write `\"text \" + {self.name}` so the tracer can follow it")
+            f'write `"text " + {self.name}` so the tracer can follow it'
+        )
 
     def __len__(self) -> int:
         return len(self.value)
@@ -262,11 +263,14 @@ def open_role_after(role: Optional[str], expr: SglExpr) -> Optional[str]:
             if role is not None:
                 raise ValueError(
                     f"cannot begin a {node.role!r} turn inside the unfinished {role!r} turn: roles do "
-                    f"not nest; end the {role!r} turn first")
+                    f"not nest; end the {role!r} turn first"
+                )
             role = node.role
         elif isinstance(node, SglRoleEnd):
             if role != node.role:
-                raise ValueError(f"{node.role}_end() without a {node.role!r} turn in progress"
-                                 + (f" (the open turn is {role!r})" if role else ""))
+                raise ValueError(
+                    f"{node.role}_end() without a {node.role!r} turn in progress"
+                    + (f" (the open turn is {role!r})" if role else "")
+                )
             role = None
     return role

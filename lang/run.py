@@ -22,15 +22,24 @@ MIN_PRECACHE_CHARS = 64
 
 def resolve_backend(backend: Any) -> Any:
     if backend is None:
-        raise ValueError("no backend to run on: call plait.set_default_backend(plait.Runtime()) "
-                         "or pass backend=... to run()")
+        raise ValueError(
+            "no backend to run on: call plait.set_default_backend(plait.Runtime()) or pass backend=... to run()"
+        )
     # A Runtime (colocated or launched) wraps the backend that does the work.
     return backend.endpoint if hasattr(backend, "endpoint") else backend
 
 
-def run_program(program: Any, backend: Any, args: Sequence[Any], kwargs: dict, defaults: RunDefaults,
-                stream: bool, sync: bool = False, use_thread: bool = True,
-                capture_errors: bool = False) -> ProgramState:
+def run_program(
+    program: Any,
+    backend: Any,
+    args: Sequence[Any],
+    kwargs: dict,
+    defaults: RunDefaults,
+    stream: bool,
+    sync: bool = False,
+    use_thread: bool = True,
+    capture_errors: bool = False,
+) -> ProgramState:
     """Start the program. Without streaming, its body runs here and an exception in it propagates
     (unless capture_errors, used by run_batch, records it in the state instead)."""
     backend = resolve_backend(backend)
@@ -40,15 +49,20 @@ def run_program(program: Any, backend: Any, args: Sequence[Any], kwargs: dict, d
     state = ProgramState(executor)
     if stream:
         # The body must keep submitting while the caller reads the stream, so it gets a thread.
-        threading.Thread(target=_run_body, args=(state, program, args, kwargs, sync, True),
-                         daemon=True, name=f"plait-{program.__name__}").start()
+        threading.Thread(
+            target=_run_body,
+            args=(state, program, args, kwargs, sync, True),
+            daemon=True,
+            name=f"plait-{program.__name__}",
+        ).start()
         return state
     _run_body(state, program, args, kwargs, sync, capture_errors)
     return state
 
 
-def _run_body(state: ProgramState, program: Any, args: Sequence[Any], kwargs: dict, sync: bool,
-              capture_errors: bool) -> None:
+def _run_body(
+    state: ProgramState, program: Any, args: Sequence[Any], kwargs: dict, sync: bool, capture_errors: bool
+) -> None:
     executor = state.stream_executor
     try:
         with running_body(state):  # other programs called in the body run on this state
@@ -70,8 +84,15 @@ def _run_body(state: ProgramState, program: Any, args: Sequence[Any], kwargs: di
         print(state.text())
 
 
-def run_program_batch(program: Any, backend: Any, batch_arguments: list[dict], defaults: RunDefaults,
-                      num_threads: Union[str, int], progress_bar: bool, generator_style: bool = False):
+def run_program_batch(
+    program: Any,
+    backend: Any,
+    batch_arguments: list[dict],
+    defaults: RunDefaults,
+    num_threads: Union[str, int],
+    progress_bar: bool,
+    generator_style: bool = False,
+):
     backend = resolve_backend(backend)
     if not batch_arguments:
         return iter(()) if generator_style else []
@@ -99,8 +120,16 @@ class _BatchRuns:
     """Runs the batch on a thread pool (grouped by shared segment when there is a plan); yields the
     states in input order."""
 
-    def __init__(self, program, backend, batch_arguments, defaults, num_threads, progress_bar,
-                 prefill: Optional[BatchPrefill] = None):
+    def __init__(
+        self,
+        program,
+        backend,
+        batch_arguments,
+        defaults,
+        num_threads,
+        progress_bar,
+        prefill: Optional[BatchPrefill] = None,
+    ):
         self.program = program
         self.backend = backend
         self.batch_arguments = batch_arguments
@@ -111,8 +140,16 @@ class _BatchRuns:
 
     def _run_one(self, index: int) -> ProgramState:
         try:
-            state = run_program(self.program, self.backend, (), self.batch_arguments[index], self.defaults,
-                                stream=False, sync=True, capture_errors=True)
+            state = run_program(
+                self.program,
+                self.backend,
+                (),
+                self.batch_arguments[index],
+                self.defaults,
+                stream=False,
+                sync=True,
+                capture_errors=True,
+            )
         finally:
             if self.prefill is not None:
                 self.prefill.program_done(index)

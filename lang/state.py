@@ -8,9 +8,17 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from .interpreter import StreamExecutor
+from .ir import (
+    SglConcateAndAppend,
+    SglExpr,
+    SglExprList,
+    SglRoleBegin,
+    SglRoleEnd,
+    SglVarScopeBegin,
+    SglVarScopeEnd,
+    as_expr,
+)
 from .subprogram import append_with_calls, contains_call, inside_a_program
-from .ir import (SglConcateAndAppend, SglExpr, SglExprList, SglRoleBegin, SglRoleEnd, SglVarScopeBegin,
-                 SglVarScopeEnd, as_expr)
 
 
 class ProgramState:
@@ -189,9 +197,11 @@ def _parse_json(name: str, value: Any, model: Any, meta: Any) -> Any:
     except ValueError as e:  # JSONDecodeError and pydantic's ValidationError
         reason = meta.get("finish_reason") if isinstance(meta, dict) else None
         if isinstance(reason, dict) and reason.get("type") == "length":
-            raise ValueError(f"variable {name!r} is not complete JSON: its gen() stopped at max_tokens "
-                             f"({reason.get('length')} tokens) before the JSON was done; raise max_tokens. "
-                             f"Text: {value!r}") from e
+            raise ValueError(
+                f"variable {name!r} is not complete JSON: its gen() stopped at max_tokens "
+                f"({reason.get('length')} tokens) before the JSON was done; raise max_tokens. "
+                f"Text: {value!r}"
+            ) from e
         raise
 
 
@@ -220,12 +230,16 @@ def _stream_pieces(exe: StreamExecutor, var_name: Optional[str]) -> Iterator[tup
                 # were no pieces to stream, only the value.
                 value = exe.variables[var_name]
                 if not isinstance(value, str):
-                    raise TypeError(f"variable {var_name!r} is a {type(value).__name__} (what a fork's join "
-                                    f"gathers from its branches), not streamed text: read state[{var_name!r}]")
+                    raise TypeError(
+                        f"variable {var_name!r} is a {type(value).__name__} (what a fork's join "
+                        f"gathers from its branches), not streamed text: read state[{var_name!r}]"
+                    )
                 yield value, exe.meta_info.get(var_name)
                 return
-            raise KeyError(f"the program finished without producing variable {var_name!r}; it produced "
-                           f"{sorted(map(str, exe.variables))}")
+            raise KeyError(
+                f"the program finished without producing variable {var_name!r}; it produced "
+                f"{sorted(map(str, exe.variables))}"
+            )
         exe.stream_text_event.wait(0.05)
     event = exe.stream_var_event[var_name]
     while True:
@@ -250,8 +264,9 @@ def _raise_if_cut_short(exe: StreamExecutor, var_name: Optional[str]) -> None:
     if var_name is not None and var_name not in exe.unfinished_vars and var_name in exe.variables:
         return  # the variable was complete before the failure
     what = "the program" if var_name is None else f"variable {var_name!r}"
-    raise RuntimeError(f"streaming stopped: {what} failed before it was complete: "
-                       f"{type(error).__name__}: {error}") from error
+    raise RuntimeError(
+        f"streaming stopped: {what} failed before it was complete: {type(error).__name__}: {error}"
+    ) from error
 
 
 class ProgramStateGroup:

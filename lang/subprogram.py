@@ -22,7 +22,8 @@ from .ir import SglExpr, SglExprList, flatten
 # tracer). NOTE: a ContextVar, not a global: each program body runs on its own thread (run_batch's
 # pool, a stream's thread), and each sees only its own program.
 _running_state: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar(
-    "plait_running_program_state", default=None)
+    "plait_running_program_state", default=None
+)
 
 
 @contextmanager
@@ -39,8 +40,21 @@ def inside_a_program() -> bool:
     return _running_state.get() is not None
 
 
-_STATE_API = frozenset({"text", "messages", "error", "get_var", "set_var", "get_meta_info", "parsed", "sync",
-                        "graph", "ret_value", "stream_executor"})
+_STATE_API = frozenset(
+    {
+        "text",
+        "messages",
+        "error",
+        "get_var",
+        "set_var",
+        "get_meta_info",
+        "parsed",
+        "sync",
+        "graph",
+        "ret_value",
+        "stream_executor",
+    }
+)
 
 
 class SglSubprogramCall(SglExpr):

@@ -17,9 +17,23 @@ from typing import Any, Optional
 
 from .backend.base import BaseBackend
 from .graph_builder import graph_from_trace
-from .ir import (SglArgument, SglConstantText, SglExpr, SglExprList, SglFork, SglGen, SglGetForkItem, SglJoin,
-                 SglRoleBegin, SglRoleEnd, SglSelect, SglVariable, SglVarScopeBegin, SglVarScopeEnd,
-                 as_expr)
+from .ir import (
+    SglArgument,
+    SglConstantText,
+    SglExpr,
+    SglExprList,
+    SglFork,
+    SglGen,
+    SglGetForkItem,
+    SglJoin,
+    SglRoleBegin,
+    SglRoleEnd,
+    SglSelect,
+    SglVariable,
+    SglVarScopeBegin,
+    SglVarScopeEnd,
+    as_expr,
+)
 from .state import ProgramState, ProgramStateGroup
 
 
@@ -28,7 +42,8 @@ class StopTracing(Exception):
 
 
 _current_scope: contextvars.ContextVar[Optional["TracingScope"]] = contextvars.ContextVar(
-    "plait_tracing_scope", default=None)
+    "plait_tracing_scope", default=None
+)
 
 
 class TracingScope:

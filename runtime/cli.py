@@ -20,13 +20,19 @@ COMMANDS = ("serve", "router")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="plait: structured LLM programs and runtime")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    serve = commands.add_parser("serve", help="launch the HTTP server (SGLang native + OpenAI APIs)",
-                                description="Launch the HTTP server. With no model named, the embedded "
-                                            "default (SmolLM2-135M-Instruct) is served.")
+    serve = commands.add_parser(
+        "serve",
+        help="launch the HTTP server (SGLang native + OpenAI APIs)",
+        description="Launch the HTTP server. With no model named, the embedded "
+        "default (SmolLM2-135M-Instruct) is served.",
+    )
     ServerArgs.add_cli_args(serve)
-    router = commands.add_parser("router", help="route requests over replicas by prefix-cache affinity",
-                                 description="One address in front of several `plait serve` replicas: each request "
-                                             "goes to the replica most likely to hold its prefix in cache.")
+    router = commands.add_parser(
+        "router",
+        help="route requests over replicas by prefix-cache affinity",
+        description="One address in front of several `plait serve` replicas: each request "
+        "goes to the replica most likely to hold its prefix in cache.",
+    )
     RouterArgs.add_cli_args(router)
     return parser
 
@@ -69,7 +75,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         from .distributed.launch import serve_node
 
-        logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         return serve_node(server_args, server_args.model_path)
     from .server.launch import launch_server  # lazy: the Engine (and FastAPI, beside it) load only for `serve`
 

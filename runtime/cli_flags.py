@@ -8,8 +8,9 @@ import dataclasses
 from typing import Any
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls, help_text: dict[str, str],
-                        choices: dict[str, tuple]) -> None:
+def add_dataclass_flags(
+    parser: argparse.ArgumentParser, cls, help_text: dict[str, str], choices: dict[str, tuple]
+) -> None:
     """One flag per field of dataclass `cls` (`--max-total-tokens` for max_total_tokens): booleans are
     bare flags, lists take one or more values, the type follows the default."""
     for f in dataclasses.fields(cls):
@@ -41,7 +42,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, help_text: dict[st
 # `plait serve --help`: one line per setting (docs/server_args.md says more).
 CLI_HELP = {
     "model_path": "a local Hugging Face folder; omitted: the embedded SmolLM2-135M-Instruct; with "
-                  "--load-format dummy also a built-in shape (llama-3.1-8b, llama-3.2-1b, smollm2-135m)",
+    "--load-format dummy also a built-in shape (llama-3.1-8b, llama-3.2-1b, smollm2-135m)",
     "tokenizer_path": "a tokenizer folder other than the model's",
     "load_format": "auto: safetensors from the folder; dummy: random weights at the model's shape",
     "dtype": "auto: on CUDA float16 for a float16 checkpoint, else bfloat16; float32 on the CPU",
@@ -65,11 +66,12 @@ CLI_HELP = {
     "disable_overlap_schedule": "GPU: read each step back before launching the next",
     "disable_cascade_attention": "GPU: do not read a prefix that running requests share once per tile",
     "disable_decode_gemm": "GPU: decode batches of 2-64 rows use cuBLAS instead of plait's decode matmul",
-    "enable_fused_decode_row": "GPU: batch-1 decode steps fold RMSNorm / SiLU-and-mul into the matmuls (measured slower)",
+    "enable_fused_decode_row": "GPU: batch-1 decode steps fold RMSNorm / SiLU-and-mul into the "
+    "matmuls (measured slower)",
     "enable_pdl": "GPU (Hopper): programmatic dependent launch between kernels",
     "disable_prefill_pipeline": "GPU: read each prefill step back before launching the next",
     "num_threads": "CPU torch threads of the scheduler (default: one per core; 1 is much faster on a "
-                   "machine other processes keep busy)",
+    "machine other processes keep busy)",
     "tp_size": "tensor parallel ranks per model: each holds its share of every layer's heads and MLP",
     "pp_size": "pipeline parallel stages per model: each holds a contiguous run of layers",
     "dp_size": "data parallel replicas on this machine, each its own scheduler and KV cache",
@@ -83,21 +85,22 @@ CLI_HELP = {
     "disable_jump_forward": "decode every token of a constrained output, even those the grammar fixes",
     "grammar_compile_timeout": "seconds a grammar may compile before its request fails",
     "speculative_algorithm": "speculative decoding: NGRAM (prompt lookup), STANDALONE (a draft model), EAGLE, EAGLE3",
-    "speculative_draft_model_path": "STANDALONE: the draft model's folder (same tokenizer); EAGLE/EAGLE3: the head's folder",
+    "speculative_draft_model_path": "STANDALONE: the draft model's folder (same tokenizer); "
+    "EAGLE/EAGLE3: the head's folder",
     "speculative_num_steps": "draft depth (default: 12 for NGRAM, 3 with a draft model)",
     "speculative_eagle_topk": "branching of a draft model's tree at each step (1: chains)",
     "speculative_num_draft_tokens": "tokens verified per request and step, the last committed one included",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix looked up in the request's tokens",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix looked up in the request's tokens",
     "speculative_grammar_drafts": "on: grammar-forced tokens as drafts instead of jump-forward (outputs exactly "
-                                  "plain constrained decoding's); auto: on with --speculative-algorithm; off",
+    "plain constrained decoding's); auto: on with --speculative-algorithm; off",
     "speculative_disable_by_batch_size": "no speculation when more requests run (default: 8 on the CPU, 32 on a GPU)",
     "disable_speculative_adaptive": "always propose the full draft length (no per-request adaptation or off switch)",
     "host": "address the server listens on",
     "port": "port the server listens on",
     "api_key": "require 'Authorization: Bearer <key>' (/health stays open)",
     "allowed_origins": "CORS: origins whose web pages may call the server (https://app.example ..., or '*'); "
-                       "default: none",
+    "default: none",
     "log_level": "server log level",
 }
 ROUTER_CLI_HELP = {

@@ -50,8 +50,11 @@ def _exact_rust_tokenizer(tokenizer):
     except ImportError:
         return None
     cls = type(tokenizer)
-    if not (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
-            and cls._decode is TokenizersBackend._decode):
+    if not (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+    ):
         return None
     rust = getattr(tokenizer, "_tokenizer", None)
     if rust is None or not hasattr(rust, "decode_batch"):
@@ -67,8 +70,7 @@ def _exact_rust_tokenizer(tokenizer):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self.decoder = TextDecoder.of(tokenizer)  # a tokenizer or a shared TextDecoder; None: ids only
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
@@ -86,12 +88,13 @@ class IncrementalDetokenizer:
             return ""
         # NOTE: decoding a window with some context before the new ids keeps the leading-space
         # behaviour of sentencepiece/BPE tokenizers right.
-        return self._advance(self._decode(self.ids[self.prefix_offset:self.read_offset]),
-                             self._decode(self.ids[self.prefix_offset:]))
+        return self._advance(
+            self._decode(self.ids[self.prefix_offset : self.read_offset]), self._decode(self.ids[self.prefix_offset :])
+        )
 
     def _advance(self, prefix_text: str, new_text: str) -> str:
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
+            delta = new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             self.text += delta
@@ -102,9 +105,9 @@ class IncrementalDetokenizer:
         """At the end: emit whatever is left, even an incomplete character."""
         if self.decoder is None or self.read_offset == len(self.ids):
             return ""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        delta = new_text[len(prefix_text):]
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        delta = new_text[len(prefix_text) :]
         self.read_offset = len(self.ids)
         self.text += delta
         return delta
@@ -126,8 +129,8 @@ def step_many(detoks: list[IncrementalDetokenizer], tokens: list[int]) -> list[s
         windows = []
         for i in idx:
             d = detoks[i]
-            windows.append(d.ids[d.prefix_offset:d.read_offset])
-            windows.append(d.ids[d.prefix_offset:])
+            windows.append(d.ids[d.prefix_offset : d.read_offset])
+            windows.append(d.ids[d.prefix_offset :])
         texts = detoks[idx[0]].decoder.decode_many(windows, skip)
         for k, i in enumerate(idx):
             deltas[i] = detoks[i]._advance(texts[2 * k], texts[2 * k + 1])

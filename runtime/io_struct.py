@@ -28,14 +28,27 @@ class TokenizedGenerateReq:
     grammar_warnings: list[str] = field(default_factory=list)  # unenforced schema features (reported)
 
     @classmethod
-    def of(cls, input_ids: list[int], sampling_params: SamplingParams, options: RequestOptions,
-           grammar_warnings: Optional[list[str]] = None) -> "TokenizedGenerateReq":
+    def of(
+        cls,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        options: RequestOptions,
+        grammar_warnings: Optional[list[str]] = None,
+    ) -> "TokenizedGenerateReq":
         """The message for a request whose options were built (and checked) as a RequestOptions."""
         assert options.rid is not None, "a request sent to the scheduler has a rid"
-        return cls(rid=options.rid, input_ids=input_ids, sampling_params=sampling_params,
-                   return_logprob=options.return_logprob, logprob_start_len=options.logprob_start_len,
-                   top_logprobs_num=options.top_logprobs_num, return_text_in_logprobs=options.return_text_in_logprobs,
-                   stream=options.stream, group=options.group, grammar_warnings=list(grammar_warnings or []))
+        return cls(
+            rid=options.rid,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            return_logprob=options.return_logprob,
+            logprob_start_len=options.logprob_start_len,
+            top_logprobs_num=options.top_logprobs_num,
+            return_text_in_logprobs=options.return_text_in_logprobs,
+            stream=options.stream,
+            group=options.group,
+            grammar_warnings=list(grammar_warnings or []),
+        )
 
 
 @dataclass

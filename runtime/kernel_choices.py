@@ -1,6 +1,7 @@
 """Which kernel paths a model's forward takes, as one engine's settings (ServerArgs) chose them.
 
-The model runner makes a `KernelChoices` from its settings (`ServerArgs.kernel_choices`) and runs every forward (and every CUDA-graph
+The model runner makes a `KernelChoices` from its settings (`ServerArgs.kernel_choices`) and runs every forward (and
+every CUDA-graph
 capture) inside `using(choices)`; the layers and kernel wrappers read `current()`. A context variable,
 not a module global read at import: two runners in one process keep their own choices.
 """

@@ -37,11 +37,23 @@ class FinishReason:
 
 
 class Req:
-    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, *,
-                 return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 return_text_in_logprobs: bool = False, stream: bool = False, tokenizer=None,
-                 eos_token_ids: tuple[int, ...] = (), group: Optional[str] = None, defer_text: bool = False,
-                 take_ids: bool = False):
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        tokenizer=None,
+        eos_token_ids: tuple[int, ...] = (),
+        group: Optional[str] = None,
+        defer_text: bool = False,
+        take_ids: bool = False,
+    ):
         self.rid = rid
         # NOTE: with `take_ids` the caller hands its list over (the scheduler's freshly unpickled
         # message): no copy (~3 us per 1,000 ids). Nothing here changes it in place.
@@ -72,8 +84,13 @@ class Req:
         # With `defer_text`, text nobody reads while the request runs (not streamed, no stop strings or
         # regexes, no grammar) is decoded by the receiver of the final output instead: the detokenizer
         # here only collects the ids it would have decoded (see io_struct.DeferredText).
-        self.defer_text = (defer_text and tokenizer is not None and not stream and not self.checks_text
-                           and sampling_params.grammar_key is None)
+        self.defer_text = (
+            defer_text
+            and tokenizer is not None
+            and not stream
+            and not self.checks_text
+            and sampling_params.grammar_key is None
+        )
         self.detok = IncrementalDetokenizer(None if self.defer_text else tokenizer, sampling_params.skip_special_tokens)
         self.sent_text_len = 0  # characters of detok.text already sent to the caller
         self.sent_ids = 0
@@ -105,8 +122,14 @@ class Req:
 
         # What sampling reads (the step runner's view of this request): the parameters, the token lists
         # (the same list objects), the stop ids, the generator and the grammar matcher.
-        self.sampling = SamplingRow(sampling_params, self.origin_input_ids, self.output_ids, self.stop_token_ids,
-                                    return_logprob, self.top_logprobs_num)
+        self.sampling = SamplingRow(
+            sampling_params,
+            self.origin_input_ids,
+            self.output_ids,
+            self.stop_token_ids,
+            return_logprob,
+            self.top_logprobs_num,
+        )
         self.grammar: Any = None  # per-request grammar matcher (constrained decoding), or None: set_grammar
         self.grammar_future: Any = None  # the matcher's compile, while it runs
         self.spec: Any = None  # speculative decoding's state of the request (scheduler/speculation.py), or None

@@ -48,21 +48,36 @@ class RequestOptions:
             raise RequestOptionError("top_logprobs_num", f"top_logprobs_num must be an int >= 0, got {top!r}")
 
     @classmethod
-    def of(cls, rid: Optional[str] = None, return_logprob: Any = False, logprob_start_len: Optional[int] = None,
-           top_logprobs_num: Optional[int] = None, return_text_in_logprobs: Any = False, stream: bool = False,
-           group: Optional[str] = None) -> "RequestOptions":
+    def of(
+        cls,
+        rid: Optional[str] = None,
+        return_logprob: Any = False,
+        logprob_start_len: Optional[int] = None,
+        top_logprobs_num: Optional[int] = None,
+        return_text_in_logprobs: Any = False,
+        stream: bool = False,
+        group: Optional[str] = None,
+    ) -> "RequestOptions":
         """From SGLang's `generate` arguments, where None means the default and flags are truthy values."""
-        return cls(rid=rid, return_logprob=bool(return_logprob),
-                   logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-                   top_logprobs_num=top_logprobs_num or 0, return_text_in_logprobs=bool(return_text_in_logprobs),
-                   stream=stream, group=group)
+        return cls(
+            rid=rid,
+            return_logprob=bool(return_logprob),
+            logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+            top_logprobs_num=top_logprobs_num or 0,
+            return_text_in_logprobs=bool(return_text_in_logprobs),
+            stream=stream,
+            group=group,
+        )
 
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """The checks that need the prompt's length."""
         if self.return_logprob and self.logprob_start_len >= num_prompt_tokens:
             # (SGLang refuses it too: the prompt logprobs asked for would silently be an empty list)
-            raise RequestOptionError("logprob_start_len", f"logprob_start_len ({self.logprob_start_len}) must be "
-                                     f"less than the prompt's {num_prompt_tokens} tokens")
+            raise RequestOptionError(
+                "logprob_start_len",
+                f"logprob_start_len ({self.logprob_start_len}) must be "
+                f"less than the prompt's {num_prompt_tokens} tokens",
+            )
 
     def with_rid(self, rid: str) -> "RequestOptions":
         return dataclasses.replace(self, rid=rid)
@@ -77,8 +92,10 @@ def expand_samples(sp: SamplingParams, options: RequestOptions) -> list[tuple[Sa
     if sp.n == 1:
         return [(sp, options)]
     group = options.group or options.rid
-    return [(sp.for_sample(k), dataclasses.replace(options, rid=sample_rid(options.rid, k), group=group))
-            for k in range(sp.n)]
+    return [
+        (sp.for_sample(k), dataclasses.replace(options, rid=sample_rid(options.rid, k), group=group))
+        for k in range(sp.n)
+    ]
 
 
 def sample_rid(rid: str, k: int) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 _GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
 _JSON_STYLE_KINDS = {"natural": "json_natural", "compact": "json", "indent": "json_indent"}  # grammar kinds
-SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGIT_BIAS = 1e38  # below float32's largest value (3.4e38)
 _VERIFIED = "_verified_for_vocab"  # instance attribute set by a successful verify()
 _UNVERIFIED = object()
@@ -138,27 +138,35 @@ class SamplingParams:
 
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "stream_interval"):
             check_type(name, (int,), allow_none=(name in ("max_new_tokens", "stream_interval")))
-        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             check_type(name, (float, int))
             # NOTE: a NaN passes every range comparison below and would poison the whole batch's softmax.
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_whitespace",
-                     "close_within_budget", "strict"):
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "no_stop_trim",
+            "json_whitespace",
+            "close_within_budget",
+            "strict",
+        ):
             check_type(name, (bool,))
         if self.json_style is not None and self.json_style not in _JSON_STYLE_KINDS:
             raise ValueError(f"json_style must be one of {list(_JSON_STYLE_KINDS)}, got {self.json_style!r}")
         if self.json_style is not None and self.json_whitespace:
-            raise ValueError(f"json_whitespace (free whitespace) and json_style={self.json_style!r} cannot work "
-                             "together; set one of them")
+            raise ValueError(
+                f"json_whitespace (free whitespace) and json_style={self.json_style!r} cannot work "
+                "together; set one of them"
+            )
         if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -181,8 +189,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an int, got {type(self.seed).__name__}")
         # n samples take seeds seed .. seed + n - 1, each a torch.Generator seed: a 64-bit value.
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
-            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (a 64-bit seed for each of "
-                             f"the n={self.n} samples), got {self.seed}")
+            raise ValueError(
+                f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (a 64-bit seed for each of "
+                f"the n={self.n} samples), got {self.seed}"
+            )
         for name in ("stop", "stop_regex"):
             v = getattr(self, name)
             if v is None:
@@ -192,22 +202,29 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a non-empty string or a list of non-empty strings, got {v!r}")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
+            ):
                 raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
             if vocab_size is not None and any(t < 0 or t >= vocab_size for t in self.stop_token_ids):
                 raise ValueError(f"stop_token_ids must lie in [0, {vocab_size})")
         if self.logit_bias:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
-            bad = [t for t in self.logit_bias
-                   if not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size)]
+            bad = [
+                t
+                for t in self.logit_bias
+                if not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size)
+            ]
             if bad:
                 raise ValueError(f"logit_bias token id {bad[0]!r} is outside [0, {vocab_size})")
-            if not all(isinstance(b, (int, float)) and math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS
-                       for b in self.logit_bias.values()):
+            if not all(
+                isinstance(b, (int, float)) and math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS
+                for b in self.logit_bias.values()
+            ):
                 # (a bias past float32's range is infinite once added to the logits: every draw breaks)
-                raise ValueError(f"logit_bias values must be finite numbers in [-{MAX_LOGIT_BIAS:g}, "
-                                 f"{MAX_LOGIT_BIAS:g}]")
+                raise ValueError(
+                    f"logit_bias values must be finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+                )
         for pat in self.stop_regexes:
             try:
                 re.compile(pat)

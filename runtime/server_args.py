@@ -134,15 +134,22 @@ class ServerArgs:
         choice("dtype", DTYPES)
         choice("load_format", LOAD_FORMATS)
         choice("device", ("auto", "cpu", "cuda"))
-        for name in ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size",
-                     "page_size", "stream_interval", "cuda_graph_max_bs"):
+        for name in (
+            "max_running_requests",
+            "max_prefill_tokens",
+            "chunked_prefill_size",
+            "page_size",
+            "stream_interval",
+            "cuda_graph_max_bs",
+        ):
             v = getattr(self, name)
             if v is None and name in ("cuda_graph_max_bs", "max_running_requests"):
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool)
-                                             or self.num_threads < 1):
+        if self.num_threads is not None and (
+            not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads < 1
+        ):
             raise ValueError(f"num_threads must be a positive int (or None: one per core), got {self.num_threads!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
@@ -172,21 +179,29 @@ class ServerArgs:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         if self.nnodes > 1:
             if self.world_size() % self.nnodes:
-                raise ValueError(f"tp_size x pp_size = {self.world_size()} ranks do not split evenly over nnodes "
-                                 f"{self.nnodes} machines")
+                raise ValueError(
+                    f"tp_size x pp_size = {self.world_size()} ranks do not split evenly over nnodes "
+                    f"{self.nnodes} machines"
+                )
             if self.dist_init_addr is None:
-                raise ValueError(f"nnodes {self.nnodes} needs dist_init_addr (host:port of node 0, where rank 0 "
-                                 f"holds the rendezvous; the same on every node)")
+                raise ValueError(
+                    f"nnodes {self.nnodes} needs dist_init_addr (host:port of node 0, where rank 0 "
+                    f"holds the rendezvous; the same on every node)"
+                )
             if self.dp_size > 1:
-                raise ValueError("dp_size > 1 runs replicas on one machine; replicas on several machines go behind "
-                                 "`plait router --worker-urls ...`")
+                raise ValueError(
+                    "dp_size > 1 runs replicas on one machine; replicas on several machines go behind "
+                    "`plait router --worker-urls ...`"
+                )
         if self.dist_init_addr is not None:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
             if self.dp_size > 1:
-                raise ValueError("dist_init_addr names one model's rendezvous; with dp_size > 1 each replica "
-                                 "picks its own (leave dist_init_addr unset)")
+                raise ValueError(
+                    "dist_init_addr names one model's rendezvous; with dp_size > 1 each replica "
+                    "picks its own (leave dist_init_addr unset)"
+                )
 
     def world_size(self) -> int:
         """Ranks (processes) of one model: tp_size x pp_size."""
@@ -196,46 +211,66 @@ class ServerArgs:
         algo = self.speculative_algorithm
         if algo is not None:
             if not isinstance(algo, str) or algo.upper() not in SPECULATIVE_ALGORITHMS:
-                raise ValueError(f"speculative_algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} (or None: "
-                                 f"off), got {algo!r}")
+                raise ValueError(
+                    f"speculative_algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} (or None: off), got {algo!r}"
+                )
             self.speculative_algorithm = algo = algo.upper()
         if self.speculative_grammar_drafts not in GRAMMAR_DRAFT_MODES:
-            raise ValueError(f"speculative_grammar_drafts must be one of {list(GRAMMAR_DRAFT_MODES)}, "
-                             f"got {self.speculative_grammar_drafts!r}")
+            raise ValueError(
+                f"speculative_grammar_drafts must be one of {list(GRAMMAR_DRAFT_MODES)}, "
+                f"got {self.speculative_grammar_drafts!r}"
+            )
         if self.attention_backend == "flashinfer" and (algo is not None or self.speculative_grammar_drafts == "on"):
-            raise ValueError("speculative decoding verifies drafts with the torch_native or triton attention backend "
-                             "(flashinfer has no verify mode): set attention_backend to one of them")
+            raise ValueError(
+                "speculative decoding verifies drafts with the torch_native or triton attention backend "
+                "(flashinfer has no verify mode): set attention_backend to one of them"
+            )
         if self.pp_size > 1 and (algo is not None or self.speculative_grammar_drafts == "on"):
-            raise ValueError(f"speculative decoding does not verify drafts through pipeline stages (pp_size="
-                             f"{self.pp_size}): leave speculative_algorithm unset and speculative_grammar_drafts "
-                             "at auto, or use tp_size")
+            raise ValueError(
+                f"speculative decoding does not verify drafts through pipeline stages (pp_size="
+                f"{self.pp_size}): leave speculative_algorithm unset and speculative_grammar_drafts "
+                "at auto, or use tp_size"
+            )
         if algo in MODEL_DRAFT_ALGORITHMS and not self.speculative_draft_model_path:
             what = "a draft model's folder" if algo == "STANDALONE" else f"the {algo} head's folder"
             raise ValueError(f"speculative_algorithm={algo} needs speculative_draft_model_path ({what})")
         if self.speculative_draft_model_path and algo not in MODEL_DRAFT_ALGORITHMS:
-            raise ValueError(f"speculative_draft_model_path is set but speculative_algorithm={algo!r} uses no "
-                             f"draft model (set it to one of {list(MODEL_DRAFT_ALGORITHMS)})")
-        for name in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-                     "speculative_disable_by_batch_size", "speculative_ngram_min_match_window_size",
-                     "speculative_ngram_max_match_window_size"):
+            raise ValueError(
+                f"speculative_draft_model_path is set but speculative_algorithm={algo!r} uses no "
+                f"draft model (set it to one of {list(MODEL_DRAFT_ALGORITHMS)})"
+            )
+        for name in (
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_num_draft_tokens",
+            "speculative_disable_by_batch_size",
+            "speculative_ngram_min_match_window_size",
+            "speculative_ngram_max_match_window_size",
+        ):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
-            raise ValueError("speculative_ngram_min_match_window_size "
-                             f"({self.speculative_ngram_min_match_window_size}) is above "
-                             f"speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})")
+            raise ValueError(
+                "speculative_ngram_min_match_window_size "
+                f"({self.speculative_ngram_min_match_window_size}) is above "
+                f"speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})"
+            )
         steps, topk, tokens = self.speculative_shape()
         if topk == 1 and tokens > steps + 1:
-            raise ValueError(f"speculative_num_draft_tokens={tokens} cannot be verified: a chain of "
-                             f"speculative_num_steps={steps} drafts is {steps + 1} tokens with the last committed one")
+            raise ValueError(
+                f"speculative_num_draft_tokens={tokens} cannot be verified: a chain of "
+                f"speculative_num_steps={steps} drafts is {steps + 1} tokens with the last committed one"
+            )
         if topk > 1:
             if algo == "NGRAM":
                 raise ValueError("speculative_eagle_topk > 1 needs a draft model (NGRAM drafts are chains)")
             candidates = topk + (steps - 1) * topk * topk
             if tokens - 1 > candidates:
-                raise ValueError(f"speculative_num_draft_tokens={tokens} is more than a tree of speculative_num_steps="
-                                 f"{steps} with speculative_eagle_topk={topk} drafts ({candidates} + 1)")
+                raise ValueError(
+                    f"speculative_num_draft_tokens={tokens} is more than a tree of speculative_num_steps="
+                    f"{steps} with speculative_eagle_topk={topk} drafts ({candidates} + 1)"
+                )
 
     def speculative_shape(self) -> tuple[int, int, int]:
         """(num_steps, topk, num_draft_tokens) with the defaults filled in: NGRAM and grammar drafts alone,
@@ -246,7 +281,7 @@ class ServerArgs:
         topk = self.speculative_eagle_topk or 1
         steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
         if steps is None:
-            steps = (tokens - 1 if tokens is not None and topk == 1 and tokens > 1 else (3 if model else 12))
+            steps = tokens - 1 if tokens is not None and topk == 1 and tokens > 1 else (3 if model else 12)
         if tokens is None:
             tokens = steps + 1 if topk == 1 else min(1 + topk + (steps - 1) * topk * topk, 2 * steps + 2)
         return steps, topk, tokens
@@ -282,8 +317,9 @@ class ServerArgs:
         """The kernel paths these settings choose (runtime/kernel_choices.py)."""
         from .kernel_choices import KernelChoices
 
-        return KernelChoices(decode_gemm=not self.disable_decode_gemm, fused_decode_row=self.enable_fused_decode_row,
-                             pdl=self.enable_pdl)
+        return KernelChoices(
+            decode_gemm=not self.disable_decode_gemm, fused_decode_row=self.enable_fused_decode_row, pdl=self.enable_pdl
+        )
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -375,9 +411,15 @@ class RouterArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-CLI_CHOICES = {"load_format": LOAD_FORMATS, "dtype": DTYPES, "device": ("auto", "cpu", "cuda"),
-               "schedule_policy": SCHEDULE_POLICIES, "attention_backend": ATTENTION_BACKENDS,
-               "grammar_backend": GRAMMAR_BACKENDS, "speculative_grammar_drafts": GRAMMAR_DRAFT_MODES}
+CLI_CHOICES = {
+    "load_format": LOAD_FORMATS,
+    "dtype": DTYPES,
+    "device": ("auto", "cpu", "cuda"),
+    "schedule_policy": SCHEDULE_POLICIES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "grammar_backend": GRAMMAR_BACKENDS,
+    "speculative_grammar_drafts": GRAMMAR_DRAFT_MODES,
+}
 
 
 def _origins(value: Any) -> list[str]:
@@ -387,14 +429,16 @@ def _origins(value: Any) -> list[str]:
         raise ValueError(f"allowed_origins must be a list of origins or '*', got {value!r}")
     origins = []
     for item in items:
-        for origin in (item.split(",") if isinstance(item, str) else [item]):
+        for origin in item.split(",") if isinstance(item, str) else [item]:
             origin = origin.strip() if isinstance(origin, str) else origin
             if origin == "*":
                 origins.append(origin)
                 continue
             scheme, sep, rest = origin.partition("://") if isinstance(origin, str) else ("", "", "")
             if not sep or scheme not in ("http", "https") or not rest or "/" in rest.rstrip("/"):
-                raise ValueError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], such as "
-                                 "https://app.example or http://localhost:3000) or '*'")
+                raise ValueError(
+                    f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], such as "
+                    "https://app.example or http://localhost:3000) or '*'"
+                )
             origins.append(f"{scheme}://{rest.rstrip('/')}")
     return origins

@@ -23,11 +23,27 @@ class SamplingRow:
     and min_new_tokens), its stop ids, its seeded generator and its grammar matcher. Made once per
     request; `output_ids` is the request's own list (read here, appended by the scheduler)."""
 
-    __slots__ = ("params", "prompt_ids", "output_ids", "stop_token_ids", "generator", "grammar",
-                 "return_logprob", "top_logprobs_num", "penalized")
+    __slots__ = (
+        "params",
+        "prompt_ids",
+        "output_ids",
+        "stop_token_ids",
+        "generator",
+        "grammar",
+        "return_logprob",
+        "top_logprobs_num",
+        "penalized",
+    )
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                 stop_token_ids: set[int], return_logprob: bool = False, top_logprobs_num: int = 0):
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        stop_token_ids: set[int],
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ):
         self.params = params
         self.prompt_ids = prompt_ids
         self.output_ids = output_ids
@@ -36,8 +52,9 @@ class SamplingRow:
         self.grammar: Any = None  # the request's grammar matcher (constrained decoding), or None
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
-        self.penalized = (params.frequency_penalty != 0 or params.presence_penalty != 0
-                          or params.repetition_penalty != 1.0)
+        self.penalized = (
+            params.frequency_penalty != 0 or params.presence_penalty != 0 or params.repetition_penalty != 1.0
+        )
 
     def min_tokens_pending(self) -> bool:
         """Stop tokens are still banned (fewer than min_new_tokens generated)."""
@@ -47,13 +64,17 @@ class SamplingRow:
         """Sampling this row's next token needs something only the host has after the previous step: its
         logprobs are read back, its grammar advances, its penalties count its tokens, or its stop tokens
         are banned until min_new_tokens. Such a step cannot be launched before the previous one is read."""
-        return (self.return_logprob or self.grammar is not None or self.penalized
-                or self.min_tokens_pending())
+        return self.return_logprob or self.grammar is not None or self.penalized or self.min_tokens_pending()
 
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits: greedy, and nothing adjusts the logits."""
-        return (self.params.is_greedy and self.grammar is None and not self.params.logit_bias
-                and not self.penalized and not self.min_tokens_pending())
+        return (
+            self.params.is_greedy
+            and self.grammar is None
+            and not self.params.logit_bias
+            and not self.penalized
+            and not self.min_tokens_pending()
+        )
 
 
 @dataclass
@@ -140,8 +161,14 @@ class StepInput:
         return int(self.token_rows.shape[1])
 
     @classmethod
-    def extend(cls, req_slots: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
-               new_ids: Iterable[int], out_slots: np.ndarray) -> "StepInput":
+    def extend(
+        cls,
+        req_slots: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        new_ids: Iterable[int],
+        out_slots: np.ndarray,
+    ) -> "StepInput":
         """An EXTEND step: request b has `prefix_lens[b]` tokens in the cache and `extend_lens[b]` new ones
         (`new_ids`, all requests' concatenated), whose K/V go to `out_slots` (T,). No request samples yet
         (the caller adds `sample_rows`, `sampling_reqs`, `sampling`)."""
@@ -156,8 +183,16 @@ class StepInput:
         tokens[2] = out_slots
         tokens[3] = np.repeat(pool, ext)
         req_rows = np.stack([pool, pre + ext, pre, ext, starts])  # (5, B)
-        return cls(ForwardMode.EXTEND, len(pool), tokens, req_rows[1].tolist(), (tokens[3], tokens[1], tokens[2]),
-                   req_rows=req_rows, prefix_lens=list(prefix_lens), extend_lens=list(extend_lens))
+        return cls(
+            ForwardMode.EXTEND,
+            len(pool),
+            tokens,
+            req_rows[1].tolist(),
+            (tokens[3], tokens[1], tokens[2]),
+            req_rows=req_rows,
+            prefix_lens=list(prefix_lens),
+            extend_lens=list(extend_lens),
+        )
 
 
 @dataclass

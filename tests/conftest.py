@@ -55,11 +55,20 @@ def make_random_model(folder: str, arch: str, seed: int = 0) -> str:
     """Write a small random Hugging Face model (config.json + safetensors) for reference tests."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
-                  # NOTE: a large init makes the logits peaked, so greedy decoding has no near-ties
-                  # that float noise could flip.
-                  initializer_range=0.3, bos_token_id=0, eos_token_id=1)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        # NOTE: a large init makes the logits peaked, so greedy decoding has no near-ties
+        # that float noise could flip.
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     if arch == "llama":
         cfg = AutoConfig.for_model("llama", rope_theta=10000.0, tie_word_embeddings=False, **common)
     elif arch == "qwen2":
@@ -86,10 +95,25 @@ def tiny_llama_model(arch: str, dtype=torch.float16, device="cpu", scale=0.3, **
     from plait.runtime.models.config import ModelConfig
     from plait.runtime.models.llama import LlamaForCausalLM
 
-    dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=128) | shape
-    cfg = ModelConfig(architecture=arch, qk_norm=arch == "Qwen3ForCausalLM", attention_bias=arch == "Qwen2ForCausalLM",
-                      tie_word_embeddings=arch == "Qwen2ForCausalLM", **dims)
+    dims = (
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=128,
+        )
+        | shape
+    )
+    cfg = ModelConfig(
+        architecture=arch,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        attention_bias=arch == "Qwen2ForCausalLM",
+        tie_word_embeddings=arch == "Qwen2ForCausalLM",
+        **dims,
+    )
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -114,9 +138,15 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids=()) -> 
     """Greedy continuation with transformers, stopping at EOS like the engine."""
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0, eos_token_id=list(eos_ids) or None)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=list(eos_ids) or None,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def near_tie_report(hf, prompts: list[list[int]], outputs: list[list[int]]) -> tuple[float, float]:
@@ -129,7 +159,7 @@ def near_tie_report(hf, prompts: list[list[int]], outputs: list[list[int]]) -> t
     for p, out in zip(prompts, outputs):
         ids = torch.tensor([p + out], device=hf.device)
         with torch.no_grad():
-            logits = hf(ids).logits[0, len(p) - 1:len(p) - 1 + len(out)].float()  # (n, vocab)
+            logits = hf(ids).logits[0, len(p) - 1 : len(p) - 1 + len(out)].float()  # (n, vocab)
         chosen = logits.gather(1, torch.tensor(out, device=hf.device)[:, None]).squeeze(1)
         top = logits.max(dim=1).values
         gap = (top - chosen) / (top - logits.median(dim=1).values)
@@ -157,7 +187,6 @@ def default_backend_runtime(**runtime_args):
 def http_server_in_thread(engine):
     """The real HTTP app (uvicorn, a real socket on a free port) over `engine`, in a thread: yields its URL."""
     import uvicorn
-
     from plait.runtime.server.http_server import create_app
 
     with socket.socket() as sock:
@@ -191,8 +220,12 @@ def server_process(log_path, *flags: str, startup_deadline_s: float = 600):
 
     port = free_port()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.server", "--port", str(port), *flags],
-                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "plait.runtime.server", "--port", str(port), *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + startup_deadline_s
         try:

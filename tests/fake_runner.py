@@ -17,14 +17,13 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-
 from plait.runtime.constrained.masker import GrammarMasker
 from plait.runtime.executor.verify import Verifier
-from plait.runtime.speculative.tree import DraftTree
-from plait.runtime.speculative.verify_step import refresh_masks, set_tree, step_trees
 from plait.runtime.kvcache.memory_pool import ReqToTokenPool, TokenAllocator
 from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
+from plait.runtime.speculative.tree import DraftTree
+from plait.runtime.speculative.verify_step import refresh_masks, set_tree, step_trees
 from plait.runtime.step import SamplingRow, StepInput, StepOutput
 
 EOS = 1
@@ -35,10 +34,16 @@ def default_script(vocab_size: int) -> Callable[[SamplingRow], int]:
 
 
 class FakeRunner:
-    def __init__(self, max_total_tokens: int = 256, max_running_requests: int = 8, context_len: int = 512,
-                 vocab_size: int = 64, script: Optional[Callable[[SamplingRow], int]] = None,
-                 drafter: Optional[Callable[[SamplingRow, int, int], DraftTree]] = None,
-                 step_seconds: Optional[Callable[[StepInput], float]] = None):
+    def __init__(
+        self,
+        max_total_tokens: int = 256,
+        max_running_requests: int = 8,
+        context_len: int = 512,
+        vocab_size: int = 64,
+        script: Optional[Callable[[SamplingRow], int]] = None,
+        drafter: Optional[Callable[[SamplingRow, int, int], DraftTree]] = None,
+        step_seconds: Optional[Callable[[StepInput], float]] = None,
+    ):
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
         self.context_len = context_len
@@ -70,8 +75,9 @@ class FakeRunner:
         self.elapsed += self.step_seconds(step)
         # The table writes the model runner would do on its device (the scheduler reads the host mirror).
         rows, positions, slots = step.kv_writes
-        self.req_to_token_pool.write_step((torch.from_numpy(rows), torch.from_numpy(positions),
-                                           torch.from_numpy(slots)), step.kv_writes)
+        self.req_to_token_pool.write_step(
+            (torch.from_numpy(rows), torch.from_numpy(positions), torch.from_numpy(slots)), step.kv_writes
+        )
         if step.mode.is_verify():
             return self._verify(step)
         n = step.batch_size
@@ -80,12 +86,13 @@ class FakeRunner:
             if step.ids_from_prev:  # launched ahead: the request's host state lacks the token in flight
                 row = _PathRow(row, [self._in_flight[id(row.output_ids)]])
             out.next_token_ids[i] = self._token(row)
-        self._in_flight = {id(row.output_ids): out.next_token_ids[i]
-                           for i, row in zip(step.sampling_reqs, step.sampling)}
+        self._in_flight = {
+            id(row.output_ids): out.next_token_ids[i] for i, row in zip(step.sampling_reqs, step.sampling)
+        }
         for lr in step.logprob_rows:  # a flat "distribution": every token at log(1/V)
             lp = -float(torch.log(torch.tensor(float(self.vocab_size))))
             if lr.next_token:
-                out.output_logprobs[lr.req] = (None, [(lp, 2)][:lr.top_k])
+                out.output_logprobs[lr.req] = (None, [(lp, 2)][: lr.top_k])
             else:
                 out.input_logprobs[lr.req].append((lr.pos, lp, lr.target, None))
         for j, i in enumerate(step.sampling_reqs):

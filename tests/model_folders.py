@@ -11,12 +11,23 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 VOCAB = 320
 EOS = 2  # "<|im_end|>" in the tokenizer below
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=EOS,
-             # NOTE: a large init makes the logits peaked: no greedy near-ties for float noise to flip
-             initializer_range=0.3)
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    bos_token_id=0,
+    eos_token_id=EOS,
+    # NOTE: a large init makes the logits peaked: no greedy near-ties for float noise to flip
+    initializer_range=0.3,
+)
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 
 
@@ -26,16 +37,26 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = ["the quick brown fox jumps over the lazy dog", "hello there, how are you today?",
-              "system user assistant: be brief and kind"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "hello there, how are you today?",
+        "system user assistant: be brief and kind",
+    ] * 20
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>")
 
 
-def make_folder(folder, model_type: str, dtype=torch.float32, shard=None, tokenizer=None, drop_keys=(),
-                **config) -> str:
+def make_folder(
+    folder, model_type: str, dtype=torch.float32, shard=None, tokenizer=None, drop_keys=(), **config
+) -> str:
     """save_pretrained of a random `model_type` model (and the tokenizer, when given) into `folder`."""
     cfg = AutoConfig.for_model(model_type, **(SHAPE | config))
     torch.manual_seed(0)

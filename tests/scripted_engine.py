@@ -35,23 +35,47 @@ class ScriptedEngine:
         for stop in sp.get("stop") or []:
             if stop in out:
                 out = out[: out.index(stop)]
-        meta = {"prompt_tokens": len(tokens), "completion_tokens": len(out), "cached_tokens": 0,
-                "finish_reason": {"type": "stop", "matched": None}, "e2e_latency": 0.0}
+        meta = {
+            "prompt_tokens": len(tokens),
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+            "finish_reason": {"type": "stop", "matched": None},
+            "e2e_latency": 0.0,
+        }
         if return_logprob:
             start = start or 0
-            entries = [(None if i == 0 else self._logprob(c), ord(c), c if with_text else None)
-                       for i, c in enumerate(tokens)][start:]
+            entries = [
+                (None if i == 0 else self._logprob(c), ord(c), c if with_text else None) for i, c in enumerate(tokens)
+            ][start:]
             meta["input_token_logprobs"] = entries
             meta["output_token_logprobs"] = [(self._logprob(c), ord(c), None) for c in out]
         return {"text": out, "output_ids": [ord(c) for c in out], "meta_info": meta}
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                 logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=False,
-                 stream=False, rid=None, group=None):
+    def generate(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        return_logprob=False,
+        logprob_start_len=None,
+        top_logprobs_num=None,
+        return_text_in_logprobs=False,
+        stream=False,
+        rid=None,
+        group=None,
+    ):
         with self.lock:
-            self.requests.append(dict(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
-                                      return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                      stream=stream, group=group))
+            self.requests.append(
+                dict(
+                    prompt=prompt,
+                    sampling_params=sampling_params,
+                    input_ids=input_ids,
+                    return_logprob=return_logprob,
+                    logprob_start_len=logprob_start_len,
+                    stream=stream,
+                    group=group,
+                )
+            )
         args = (sampling_params, return_logprob, logprob_start_len, return_text_in_logprobs)
         if isinstance(prompt, list):
             return [self._one(p, None, *args) for p in prompt]
@@ -88,4 +112,3 @@ class ScriptedEngine:
 
 def backend_for(**kw):
     return EngineBackend(ScriptedEngine(**kw))
-

@@ -26,6 +26,7 @@ RESPONSE_TIMEOUT_S = 60.0  # a response slower than this is a hang (the slowest 
 
 # ---------------------------------------------------------------- a raw HTTP client
 
+
 @dataclass
 class Reply:
     status: int
@@ -43,18 +44,26 @@ def _dechunk(data: bytes) -> bytes:
         size = int(data[pos:end].split(b";")[0], 16)
         if size == 0:
             return out
-        out += data[end + 2:end + 2 + size]
+        out += data[end + 2 : end + 2 + size]
         pos = end + 2 + size + 2
 
 
-def raw_request(url: str, method: str, path: str, body: bytes = b"", headers: Optional[dict[str, str]] = None,
-                version: str = "HTTP/1.1", chunked: bool = False, timeout: float = RESPONSE_TIMEOUT_S) -> Reply:
+def raw_request(
+    url: str,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    headers: Optional[dict[str, str]] = None,
+    version: str = "HTTP/1.1",
+    chunked: bool = False,
+    timeout: float = RESPONSE_TIMEOUT_S,
+) -> Reply:
     """Send one request exactly as given (Connection: close) and read the whole response."""
     u = urlparse(url)
     head = {"Host": f"{u.hostname}:{u.port}", "Connection": "close", **(headers or {})}
     if chunked:
         head["Transfer-Encoding"] = "chunked"
-        pieces = [body[i:i + 1000] for i in range(0, len(body), 1000)]
+        pieces = [body[i : i + 1000] for i in range(0, len(body), 1000)]
         payload = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
     else:
         if body or method in ("POST", "PUT", "PATCH"):
@@ -84,17 +93,47 @@ def raw_request(url: str, method: str, path: str, body: bytes = b"", headers: Op
 
 # ---------------------------------------------------------------- what the fuzzer throws
 
+
 def _deep(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
 
 # Raw JSON fragments (not all of them JSON that Python would write): spliced in as a field's value.
 WEIRD_VALUES: list[bytes] = [
-    b"null", b"true", b"false", b"0", b"-1", b"-2147483649", b"1e400", b"-1e400", b"NaN", b"Infinity",
-    b"-Infinity", b"1.5", b"99999999999999999999999999999999", b"18446744073709551616", b"9223372036854775808",
-    b"-9223372036854775809", b"\"\"", b"\"x\"", b"\"\\ud800\"", b"\"a\\udfffb\"", b"\"\\u0000\"", b"\"5\"",
-    b"[]", b"[null]", b"[[]]", b"[1, \"a\", null]", b"{}", b"{\"\": null}", b"{\"a\": {\"b\": []}}",
-    b"[-1]", b"[99999999999999999999]", b"[\"\\ud800\"]", b"{\"1\": NaN}", b"{\"99999999999999999999\": 1}",
+    b"null",
+    b"true",
+    b"false",
+    b"0",
+    b"-1",
+    b"-2147483649",
+    b"1e400",
+    b"-1e400",
+    b"NaN",
+    b"Infinity",
+    b"-Infinity",
+    b"1.5",
+    b"99999999999999999999999999999999",
+    b"18446744073709551616",
+    b"9223372036854775808",
+    b"-9223372036854775809",
+    b'""',
+    b'"x"',
+    b'"\\ud800"',
+    b'"a\\udfffb"',
+    b'"\\u0000"',
+    b'"5"',
+    b"[]",
+    b"[null]",
+    b"[[]]",
+    b'[1, "a", null]',
+    b"{}",
+    b'{"": null}',
+    b'{"a": {"b": []}}',
+    b"[-1]",
+    b"[99999999999999999999]",
+    b'["\\ud800"]',
+    b'{"1": NaN}',
+    b'{"99999999999999999999": 1}',
 ]
 
 
@@ -106,11 +145,11 @@ CONSTRAINT_FIELDS = {"regex", "ebnf", "json_schema", "response_format", "paramet
 def weird_value(rng: random.Random, huge: bool = True) -> bytes:
     pick = rng.random()
     if pick < 0.06 and huge:
-        return b"\"" + b"a" * (1 << 20) + b"\""  # 1 MB string
+        return b'"' + b"a" * (1 << 20) + b'"'  # 1 MB string
     if pick < 0.10:
         return _deep(rng.choice([64, 1000, 50_000]))
     if pick < 0.14:
-        return b"\"" + bytes([0xff, 0xfe, 0xc3]) + b"\""  # invalid UTF-8 inside a string
+        return b'"' + bytes([0xFF, 0xFE, 0xC3]) + b'"'  # invalid UTF-8 inside a string
     if pick < 0.18:
         return json.dumps([rng.randint(-2, 60_000) for _ in range(rng.randint(1, 5))]).encode()
     return rng.choice(WEIRD_VALUES)
@@ -121,45 +160,109 @@ def chat_body(**extra: Any) -> dict:
     return {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": MAX_NEW, **extra}
 
 
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                        "required": ["city"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 ALL_SAMPLING_PARAMS = {
-    "max_new_tokens": MAX_NEW, "min_new_tokens": 0, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
-    "frequency_penalty": 0.1, "presence_penalty": 0.1, "repetition_penalty": 1.1, "stop": ["xyz"],
-    "stop_token_ids": [5], "stop_regex": "zz+", "ignore_eos": False, "skip_special_tokens": True,
-    "spaces_between_special_tokens": True, "no_stop_trim": False, "n": 1, "seed": 1, "logit_bias": {"5": 0.5},
-    "json_whitespace": False, "custom_params": {"a": 1}}
+    "max_new_tokens": MAX_NEW,
+    "min_new_tokens": 0,
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 5,
+    "min_p": 0.1,
+    "frequency_penalty": 0.1,
+    "presence_penalty": 0.1,
+    "repetition_penalty": 1.1,
+    "stop": ["xyz"],
+    "stop_token_ids": [5],
+    "stop_regex": "zz+",
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+    "n": 1,
+    "seed": 1,
+    "logit_bias": {"5": 0.5},
+    "json_whitespace": False,
+    "custom_params": {"a": 1},
+}
 VALID_BODIES: list[tuple[str, dict]] = [
     ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}),
     ("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": MAX_NEW}, "stream": True}),
-    ("/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": MAX_NEW, "n": 2},
-                   "return_logprob": True, "top_logprobs_num": 2}),
+    (
+        "/generate",
+        {
+            "text": ["a", "b"],
+            "sampling_params": {"max_new_tokens": MAX_NEW, "n": 2},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        },
+    ),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": MAX_NEW, "temperature": 0.5, "logprobs": 1}),
-    ("/v1/completions", {"prompt": [[1, 2], [3]], "max_tokens": MAX_NEW, "stream": True,
-                         "stream_options": {"include_usage": True}}),
+    (
+        "/v1/completions",
+        {"prompt": [[1, 2], [3]], "max_tokens": MAX_NEW, "stream": True, "stream_options": {"include_usage": True}},
+    ),
     ("/v1/chat/completions", chat_body(temperature=0, stop=["\n"], seed=3)),
     ("/v1/chat/completions", chat_body(stream=True, logprobs=True, top_logprobs=2)),
     ("/v1/chat/completions", chat_body(tools=[TOOL], tool_choice="auto")),
-    ("/v1/chat/completions", chat_body(tools=[TOOL], tool_choice={"type": "function",
-                                                              "function": {"name": "get_weather"}})),
-    ("/v1/chat/completions", chat_body(response_format={"type": "json_schema",
-                                                    "json_schema": {"name": "s", "schema": SCHEMA}})),
+    (
+        "/v1/chat/completions",
+        chat_body(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+    ),
+    (
+        "/v1/chat/completions",
+        chat_body(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}),
+    ),
     ("/v1/chat/completions", chat_body(response_format={"type": "json_object"}, logit_bias={"42": 1.0})),
     ("/generate", {"text": "Hi", "sampling_params": ALL_SAMPLING_PARAMS}),
     ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": MAX_NEW, "regex": "[a-z]+"}}),
     ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": MAX_NEW, "json_schema": json.dumps(SCHEMA)}}),
     ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": MAX_NEW, "ebnf": 'root ::= "a" | "b"'}}),
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": MAX_NEW, "regex": "[0-9]+", "stop_token_ids": [5],
-                         "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True}),
-    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."},
-                                           {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
-                                           {"role": "assistant", "content": None, "tool_calls": [
-                                               {"id": "c1", "type": "function", "function": {
-                                                   "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-                                           {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
-                              "tools": [TOOL], "max_tokens": MAX_NEW, "chat_template_kwargs": {"x": 1}}),
+    (
+        "/v1/completions",
+        {
+            "prompt": "Hi",
+            "max_tokens": MAX_NEW,
+            "regex": "[0-9]+",
+            "stop_token_ids": [5],
+            "top_k": 3,
+            "min_p": 0.1,
+            "repetition_penalty": 1.1,
+            "min_tokens": 1,
+            "ignore_eos": True,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            ],
+            "tools": [TOOL],
+            "max_tokens": MAX_NEW,
+            "chat_template_kwargs": {"x": 1},
+        },
+    ),
     ("/abort_request", {"rid": "no-such-request"}),
     ("/pin_prefix", {"text": "pin me"}),
     ("/unpin_prefix", {"pin_id": 123456}),
@@ -167,14 +270,44 @@ VALID_BODIES: list[tuple[str, dict]] = [
 # Fields left alone: without them a request generates for many seconds (the default max_tokens is 128 on
 # /generate, the whole context on chat), which is slow, not wrong.
 PROTECTED = {"max_tokens", "max_new_tokens", "sampling_params"}
-GET_ROUTES = ["/health", "/health_generate", "/metrics", "/get_server_info", "/server_info", "/get_model_info",
-              "/model_info", "/v1/models", "/v1/models/default", "/v1/models/nope", "/flush_cache"]
-ODD_PATHS = ["/", "/nope", "/v1", "/v1/embeddings", "/v1/chat", "/generate/", "//generate", "/%00",
-             "/..%2f..%2fetc%2fpasswd", "/" + "x" * 5000, "/generate?stream=true", "/v1/models/%ff%fe",
-             "/v1/models/" + "\u00e9".encode().decode("latin-1")]
+GET_ROUTES = [
+    "/health",
+    "/health_generate",
+    "/metrics",
+    "/get_server_info",
+    "/server_info",
+    "/get_model_info",
+    "/model_info",
+    "/v1/models",
+    "/v1/models/default",
+    "/v1/models/nope",
+    "/flush_cache",
+]
+ODD_PATHS = [
+    "/",
+    "/nope",
+    "/v1",
+    "/v1/embeddings",
+    "/v1/chat",
+    "/generate/",
+    "//generate",
+    "/%00",
+    "/..%2f..%2fetc%2fpasswd",
+    "/" + "x" * 5000,
+    "/generate?stream=true",
+    "/v1/models/%ff%fe",
+    "/v1/models/" + "\u00e9".encode().decode("latin-1"),
+]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
-CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded",
-                 "multipart/form-data; boundary=x", "application/json; charset=latin-1", "", "*/*"]
+CONTENT_TYPES = [
+    "application/json",
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+    "application/json; charset=latin-1",
+    "",
+    "*/*",
+]
 
 
 def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
@@ -219,8 +352,13 @@ def make_case(rng: random.Random, i: int) -> Case:
     if kind < 0.40:  # one field replaced by a weird value
         where = rng.choice(_paths(valid))
         raw = weird_value(rng, huge=not CONSTRAINT_FIELDS & set(map(str, where)))
-        return Case(f"{i}:field {path} {'.'.join(map(str, where))}={raw[:40]!r}", "POST", path,
-                    _splice(valid, where, raw), json_ct)
+        return Case(
+            f"{i}:field {path} {'.'.join(map(str, where))}={raw[:40]!r}",
+            "POST",
+            path,
+            _splice(valid, where, raw),
+            json_ct,
+        )
     if kind < 0.50:  # a field dropped, or an extra one added
         body = json.loads(json.dumps(valid))
         if rng.random() < 0.5 and (paths := [p for p in _paths(body) if len(p) == 1]):
@@ -228,13 +366,30 @@ def make_case(rng: random.Random, i: int) -> Case:
             del body[where[0]]
             return Case(f"{i}:drop {path} {where[0]}", "POST", path, json.dumps(body).encode(), json_ct)
         name = rng.choice(["extra", "temperature", "image_data", "lora_path", "__proto__", "", "\u00e9"])
-        return Case(f"{i}:extra {path} {name!r}", "POST", path, _splice({**body, name: 0}, (name,),
-                                                                         weird_value(rng)), json_ct)
+        return Case(
+            f"{i}:extra {path} {name!r}", "POST", path, _splice({**body, name: 0}, (name,), weird_value(rng)), json_ct
+        )
     if kind < 0.62:  # a whole body that is not what the route wants
-        raw = rng.choice([b"", b"{", b"nul", b"[]", b"\"text\"", b"42", b"{\"text\": \"hi\"}}", b"\xff\xfe{}",
-                          bytes(rng.randrange(256) for _ in range(64)), b"{\"text\": \"\xc3\"}", _deep(100_000),
-                          b"{\"a\":" * 5000, json.dumps(valid).encode()[:-3], b"text=hi&x=1",
-                          b"{\"text\": \"hi\", \"text\": 5}", weird_value(rng)])
+        raw = rng.choice(
+            [
+                b"",
+                b"{",
+                b"nul",
+                b"[]",
+                b'"text"',
+                b"42",
+                b'{"text": "hi"}}',
+                b"\xff\xfe{}",
+                bytes(rng.randrange(256) for _ in range(64)),
+                b'{"text": "\xc3"}',
+                _deep(100_000),
+                b'{"a":' * 5000,
+                json.dumps(valid).encode()[:-3],
+                b"text=hi&x=1",
+                b'{"text": "hi", "text": 5}',
+                weird_value(rng),
+            ]
+        )
         return Case(f"{i}:body {path} {raw[:40]!r}", "POST", path, raw, json_ct)
     if kind < 0.72:  # a valid body sent oddly: content type, gzip, chunked, HTTP/1.0
         body = json.dumps(valid).encode()
@@ -260,11 +415,13 @@ def make_case(rng: random.Random, i: int) -> Case:
     # a query string or header that is odd
     headers = dict(json_ct)
     headers[rng.choice(["X-Request-Id", "Authorization", "Accept", "Accept-Encoding", "X-Long"])] = rng.choice(
-        ["", "\u00e9\u00ff", "Bearer", "x" * 8000, "gzip;q=1, identity;q=0"])
+        ["", "\u00e9\u00ff", "Bearer", "x" * 8000, "gzip;q=1, identity;q=0"]
+    )
     return Case(f"{i}:header {path}", "POST", path, json.dumps(valid).encode(), headers)
 
 
 # ---------------------------------------------------------------- what every response must be
+
 
 def check_reply(case: Case, reply: Reply) -> Optional[str]:
     """None if the reply is acceptable, else what is wrong with it."""
@@ -299,12 +456,22 @@ def check_reply(case: Case, reply: Reply) -> Optional[str]:
 
 
 # What a generated body may ask for at most: generation stays a few tokens (the model is slow on the CPU).
-GENERATION_CAPS = {"max_tokens": MAX_NEW, "max_new_tokens": MAX_NEW, "max_completion_tokens": MAX_NEW,
-                   "max_output_tokens": MAX_NEW, "n": 2, "top_logprobs_num": 2, "min_tokens": 1,
-                   "min_new_tokens": 1}
+GENERATION_CAPS = {
+    "max_tokens": MAX_NEW,
+    "max_new_tokens": MAX_NEW,
+    "max_completion_tokens": MAX_NEW,
+    "max_output_tokens": MAX_NEW,
+    "n": 2,
+    "top_logprobs_num": 2,
+    "min_tokens": 1,
+    "min_new_tokens": 1,
+}
 # The length field each generation route reads (absent, chat generates to the end of the context).
-LENGTH_FIELD = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
-                "/v1/responses": "max_output_tokens"}
+LENGTH_FIELD = {
+    "/v1/chat/completions": "max_tokens",
+    "/v1/completions": "max_tokens",
+    "/v1/responses": "max_output_tokens",
+}
 
 
 def cap_generation(path: str, body: Any) -> None:
@@ -341,8 +508,13 @@ def error_body_problem(body: Any, status: int, content_type: str, content: bytes
     if not isinstance(error.get("message"), str) or not error["message"]:
         return f"empty error message: {content[:300]!r}"
     param = error.get("param")
-    if (param is not None and isinstance(body, dict) and param not in body and status == 400
-            and f"'{param}'" not in error["message"]):  # (a field that is missing is named in the message)
+    if (
+        param is not None
+        and isinstance(body, dict)
+        and param not in body
+        and status == 400
+        and f"'{param}'" not in error["message"]
+    ):  # (a field that is missing is named in the message)
         return f"the error's param is {param!r}, which the request does not have: {error['message']}"
     return None
 
@@ -350,9 +522,13 @@ def error_body_problem(body: Any, status: int, content_type: str, content: bytes
 def canary(url: str) -> Optional[str]:
     """A normal request: it must succeed after every case."""
     try:
-        reply = raw_request(url, "POST", "/generate", json.dumps(
-            {"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode(),
-            {"Content-Type": "application/json"})
+        reply = raw_request(
+            url,
+            "POST",
+            "/generate",
+            json.dumps({"text": "Hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode(),
+            {"Content-Type": "application/json"},
+        )
     except OSError as e:
         return f"canary failed: {type(e).__name__}: {e}"
     if reply.status != 200 or reply.json()["meta_info"]["completion_tokens"] != 1:
@@ -380,6 +556,7 @@ def run_cases(url: str, seed: int, num_cases: int, log: Callable[[str], None] = 
 
 
 # ---------------------------------------------------------------- the server's process, from outside
+
 
 def _proc_status(pid: int) -> dict[str, int]:
     out = {}

@@ -15,8 +15,11 @@ import torch
 if not torch.cuda.is_available():
     # NOTE: as in test_triton_attention.py: the interpreter must be chosen before triton is imported.
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        for _name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")
-                      or m.startswith("plait.runtime.attention.triton")]:
+        for _name in [
+            m
+            for m in sys.modules
+            if m == "triton" or m.startswith("triton.") or m.startswith("plait.runtime.attention.triton")
+        ]:
             if not _name.startswith("triton._C"):
                 del sys.modules[_name]
     os.environ["TRITON_INTERPRET"] = "1"
@@ -25,14 +28,19 @@ import dataclasses  # noqa: E402
 import types  # noqa: E402
 
 import pytest  # noqa: E402
-
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.cascade_plan import CascadeConfig, CascadePlanner, build_plan  # noqa: E402
 from plait.runtime.attention.prefix_groups import PrefixGroup  # noqa: E402
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from plait.runtime.attention.triton_ops import (DecodeConfig, PrefixConfig, PrefixPartials,  # noqa: E402
-                                                decode_attention, prefix_attention, split_prefix_scratch)
+from plait.runtime.attention.triton_ops import (
+    DecodeConfig,
+    PrefixConfig,
+    PrefixPartials,  # noqa: E402
+    decode_attention,
+    prefix_attention,
+    split_prefix_scratch,
+)
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
@@ -42,8 +50,9 @@ HAS_CUDA = torch.cuda.is_available()
 # Tiny tiles: 16-row tiles (4 members at GQA 4), 16-token KV blocks, prefixes split every 16 tokens,
 # 5 persistent programs.
 TINY_DECODE = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=64)
-TINY_PREFIX = PrefixConfig(block_m=16, block_n=16, min_split_len=16, max_splits=4, target_programs=32,
-                           num_programs=5)  # a persistent program takes several items
+TINY_PREFIX = PrefixConfig(
+    block_m=16, block_n=16, min_split_len=16, max_splits=4, target_programs=32, num_programs=5
+)  # a persistent program takes several items
 EAGER_CASCADE = CascadeConfig(min_prefix_len=8, min_saved_tokens=0, min_batch_size=2)
 
 
@@ -54,8 +63,9 @@ class _SharedCase:
     def __init__(self, heads, kv_heads, head_dim, groups, solo, dtype=torch.float32, device="cpu", seed=0):
         # groups: [(prefix_len, [seq_len of each member])]; solo: [seq_len]
         g = torch.Generator().manual_seed(seed)
-        self.layer = AttentionLayerSpec(layer_id=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                        scaling=head_dim ** -0.5)
+        self.layer = AttentionLayerSpec(
+            layer_id=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, scaling=head_dim**-0.5
+        )
         lens, prefixes = [], []
         for p, members in groups:
             lens += members
@@ -69,13 +79,13 @@ class _SharedCase:
         self.r2t_pool = ReqToTokenPool(len(lens) + 4, max(lens) + 8, device)
         self.r2t_pool.host[:] = torch.randint(1, owned, self.r2t_pool.host.shape, generator=g).numpy()  # stale junk
         slots = (torch.randperm(owned, generator=g) + 1).tolist()
-        rows = torch.randperm(self.r2t_pool.size, generator=g)[:len(lens)].tolist()
+        rows = torch.randperm(self.r2t_pool.size, generator=g)[: len(lens)].tolist()
         shared, k = {}, 0
         for i, (s, p) in enumerate(zip(lens, prefixes)):
             key = (i, p) if p == 0 else next(j for j, (gp, _) in enumerate(groups) if gp == p)
             if p and key not in shared:
-                shared[key], k = slots[k:k + p], k + p
-            own, k = slots[k:k + s - p], k + s - p
+                shared[key], k = slots[k : k + p], k + p
+            own, k = slots[k : k + s - p], k + s - p
             self.r2t_pool.write(rows[i], 0, torch.tensor((shared[key] if p else []) + own, device=device))
         order = torch.randperm(len(lens), generator=g).tolist()
         self.rows = [rows[i] for i in order]
@@ -91,25 +101,38 @@ class _SharedCase:
         seq_lens = self.seq_lens if seq_lens is None else seq_lens
         dev = self.device
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=batch_size or len(rows),
+            forward_mode=ForwardMode.DECODE,
+            batch_size=batch_size or len(rows),
             input_ids=torch.zeros(len(rows), dtype=torch.int64, device=dev),
             positions=torch.tensor([max(s - 1, 0) for s in seq_lens], device=dev),
-            req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.tensor(seq_lens, device=dev),
-            out_cache_loc=torch.zeros(len(rows), dtype=torch.int64, device=dev), seq_lens_cpu=list(seq_lens),
-            req_to_token_pool=self.r2t_pool, kv_pool=self.kv_pool, attn_backend=backend,
-            req_pool_indices_cpu=np.asarray(rows, dtype=np.int64) if host_rows else None)
+            req_pool_indices=torch.tensor(rows, device=dev),
+            seq_lens=torch.tensor(seq_lens, device=dev),
+            out_cache_loc=torch.zeros(len(rows), dtype=torch.int64, device=dev),
+            seq_lens_cpu=list(seq_lens),
+            req_to_token_pool=self.r2t_pool,
+            kv_pool=self.kv_pool,
+            attn_backend=backend,
+            req_pool_indices_cpu=np.asarray(rows, dtype=np.int64) if host_rows else None,
+        )
 
 
 def _runner(device="cpu", heads=None, kv_heads=None, head_dim=None, disable=False):
     cfg = types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
-    return types.SimpleNamespace(device=device, model_config=cfg if heads else None,
-                                 server_args=types.SimpleNamespace(disable_cascade_attention=disable))
+    return types.SimpleNamespace(
+        device=device,
+        model_config=cfg if heads else None,
+        server_args=types.SimpleNamespace(disable_cascade_attention=disable),
+    )
 
 
 def _triton(case, cascade=EAGER_CASCADE, prefix=TINY_PREFIX, decode=TINY_DECODE, disable=False):
     lay = case.layer
-    return TritonAttnBackend(_runner(case.device, lay.num_heads, lay.num_kv_heads, lay.head_dim, disable),
-                             decode_config=decode, cascade_config=cascade, prefix_config=prefix)
+    return TritonAttnBackend(
+        _runner(case.device, lay.num_heads, lay.num_kv_heads, lay.head_dim, disable),
+        decode_config=decode,
+        cascade_config=cascade,
+        prefix_config=prefix,
+    )
 
 
 def _reference(case, q, rows=None, seq_lens=None):
@@ -127,21 +150,26 @@ def _decode(backend, case, q, **kw):
 
 # ---------------------------------------------------------------- kernels (interpreter on CPU)
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,groups,solo", [
-    # GQA 4, head_dim 64: a 6-member group (two 4-member tiles) over a 37-token prefix (3 splits, the
-    # last partial), a pair over 20, a suffix of just the new token, two requests of their own.
-    (8, 2, 64, [(37, [38, 40, 60, 39, 45, 41]), (20, [21, 30])], [9, 50]),
-    (4, 4, 128, [(33, [34, 36, 50])], [5]),  # MHA (GQA 1), head_dim 128: 16 members per tile
-    (8, 1, 64, [(17, [18, 19, 40])], [30, 2]),  # GQA 8: 2 members per tile
-    (9, 3, 64, [(24, [25, 30, 26, 27, 28])], [10]),  # GQA 3 (SmolLM2-135M): a tile of 5 members, 15 rows
-])
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,groups,solo",
+    [
+        # GQA 4, head_dim 64: a 6-member group (two 4-member tiles) over a 37-token prefix (3 splits, the
+        # last partial), a pair over 20, a suffix of just the new token, two requests of their own.
+        (8, 2, 64, [(37, [38, 40, 60, 39, 45, 41]), (20, [21, 30])], [9, 50]),
+        (4, 4, 128, [(33, [34, 36, 50])], [5]),  # MHA (GQA 1), head_dim 128: 16 members per tile
+        (8, 1, 64, [(17, [18, 19, 40])], [30, 2]),  # GQA 8: 2 members per tile
+        (9, 3, 64, [(24, [25, 30, 26, 27, 28])], [10]),  # GQA 3 (SmolLM2-135M): a tile of 5 members, 15 rows
+    ],
+)
 @pytest.mark.parametrize("merge_per_head,hpp", [(False, 1), (True, 1), (False, 2)])  # stage 2 per request /
 # per (request, head); the suffix's stage 1 with two KV heads a program (where the model's heads allow)
 def test_eager_cascade_matches_torch_native(heads, kv_heads, head_dim, groups, solo, merge_per_head, hpp):
     case = _SharedCase(heads, kv_heads, head_dim, groups, solo)
     q = case.randn(len(case.rows), heads, head_dim)
-    backend = _triton(case, decode=dataclasses.replace(TINY_DECODE, merge_per_head=merge_per_head,
-                                                       kv_heads_per_program=hpp))
+    backend = _triton(
+        case, decode=dataclasses.replace(TINY_DECODE, merge_per_head=merge_per_head, kv_heads_per_program=hpp)
+    )
     md, got = _decode(backend, case, q)
     assert md.cascade is not None and md.cascade.plan.num_work > 0  # the cascade path ran
     assert sorted(g.prefix_len for g in md.cascade.plan.groups) == sorted(p for p, _ in groups)
@@ -152,9 +180,11 @@ def test_cascade_off_without_host_rows_or_when_disabled():
     case = _SharedCase(8, 2, 64, [(20, [21, 25, 30])], [7])
     q = case.randn(4, 8, 64)
     ref = _reference(case, q)
-    for backend, kw in [(_triton(case), {"host_rows": False}), (_triton(case, disable=True), {}),
-                        (_triton(case, cascade=CascadeConfig(min_prefix_len=8, min_saved_tokens=0,
-                                                             min_batch_size=5)), {})]:
+    for backend, kw in [
+        (_triton(case), {"host_rows": False}),
+        (_triton(case, disable=True), {}),
+        (_triton(case, cascade=CascadeConfig(min_prefix_len=8, min_saved_tokens=0, min_batch_size=5)), {}),
+    ]:
         md, got = _decode(backend, case, q, **kw)
         assert md.cascade is None
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
@@ -170,16 +200,27 @@ def test_kernels_with_an_empty_suffix_and_padding_rows():
     members = np.array([i for i in range(n) if case.prefixes[i]])
     planner = CascadePlanner(EAGER_CASCADE, TINY_PREFIX, 8, 2)
     layout = planner.layout(n + 1)
-    plan = build_plan([PrefixGroup(30, members)], np.asarray(rows), layout, planner.members_per_tile,
-                      planner.target_work, TINY_PREFIX)
+    plan = build_plan(
+        [PrefixGroup(30, members)], np.asarray(rows), layout, planner.members_per_tile, planner.target_work, TINY_PREFIX
+    )
     tables = layout.views(torch.from_numpy(plan.packed))
     scratch = torch.empty(plan.num_partials * 8 * 65)
     o, lse = split_prefix_scratch(scratch, plan.num_partials, 8, 64)
     k, v, r2t = case.kv_pool.k_buffer[0], case.kv_pool.v_buffer[0], case.r2t_pool.req_to_token
     prefix_attention(q, k, v, r2t, tables, o, lse, case.layer.scaling, TINY_PREFIX)
     out = torch.empty_like(q)
-    decode_attention(q, k, v, out, r2t, torch.tensor(rows), torch.tensor(lens), case.layer.scaling, TINY_DECODE,
-                     prefix=PrefixPartials(tables.req_info, o, lse, TINY_PREFIX.max_splits))
+    decode_attention(
+        q,
+        k,
+        v,
+        out,
+        r2t,
+        torch.tensor(rows),
+        torch.tensor(lens),
+        case.layer.scaling,
+        TINY_DECODE,
+        prefix=PrefixPartials(tables.req_info, o, lse, TINY_PREFIX.max_splits),
+    )
     torch.testing.assert_close(out[:n], _reference(case, q[:n]).view(n, 8, 64), atol=2e-5, rtol=1e-4)
     assert torch.count_nonzero(out[n]) == 0
 
@@ -237,8 +278,13 @@ def test_graph_variants_plain_and_cascade():
     q = case.randn(8, lay.num_heads, lay.head_dim)
 
     def step(be, hook, batch_size=8, **kw):
-        fb = case.forward_batch(be, rows=kw.pop("rows", None), seq_lens=kw.pop("seq_lens", None),
-                                batch_size=batch_size, host_rows=kw.pop("host_rows", True))
+        fb = case.forward_batch(
+            be,
+            rows=kw.pop("rows", None),
+            seq_lens=kw.pop("seq_lens", None),
+            batch_size=batch_size,
+            host_rows=kw.pop("host_rows", True),
+        )
         hook(fb, **kw)
         return fb.attn_metadata, be.forward_decode(q[:batch_size], lay, fb)
 
@@ -264,11 +310,18 @@ def test_graph_variants_plain_and_cascade():
     rows, lens = [case.rows[i] for i in solo] * 2, [case.seq_lens[i] for i in solo] * 2
     assert not backend.decode_uses_cascade(case.forward_batch(backend, rows=rows, seq_lens=lens, batch_size=8))
     assert not backend.decode_uses_cascade(case.forward_batch(backend, batch_size=8, host_rows=False))
-    assert not backend.decode_uses_cascade(case.forward_batch(backend, rows=case.rows[:2],
-                                                              seq_lens=case.seq_lens[:2], batch_size=2))
+    assert not backend.decode_uses_cascade(
+        case.forward_batch(backend, rows=case.rows[:2], seq_lens=case.seq_lens[:2], batch_size=2)
+    )
     with pytest.raises(ValueError, match="no decode graph with the cascade kernels"):
-        step(backend, backend.init_forward_metadata_replay_cuda_graph, batch_size=2, rows=case.rows[:2],
-             seq_lens=case.seq_lens[:2], cascade=True)
+        step(
+            backend,
+            backend.init_forward_metadata_replay_cuda_graph,
+            batch_size=2,
+            rows=case.rows[:2],
+            seq_lens=case.seq_lens[:2],
+            cascade=True,
+        )
     # disable_cascade_attention: no variant at any size.
     assert not any(disabled.has_cascade_graph(bs) for bs in (1, 4, 8))
     assert not disabled.decode_uses_cascade(case.forward_batch(disabled, batch_size=8))
@@ -285,14 +338,21 @@ def test_bad_prefix_config_is_rejected():
 
 # ---------------------------------------------------------------- GPU, real sizes (pytest -m gpu)
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gpu_cascade_real_sizes(head_dim):
-    case = _SharedCase(32, 8, head_dim, [(2000, [2001 + i % 70 for i in range(40)]), (700, [701, 900, 1500])],
-                       [4000, 1, 300], dtype=torch.bfloat16, device="cuda")
+    case = _SharedCase(
+        32,
+        8,
+        head_dim,
+        [(2000, [2001 + i % 70 for i in range(40)]), (700, [701, 900, 1500])],
+        [4000, 1, 300],
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     q = case.randn(len(case.rows), 32, head_dim)
-    backend = TritonAttnBackend(_runner("cuda", 32, 8, head_dim),
-                                cascade_config=CascadeConfig(min_batch_size=2))
+    backend = TritonAttnBackend(_runner("cuda", 32, 8, head_dim), cascade_config=CascadeConfig(min_batch_size=2))
     md, got = _decode(backend, case, q)
     assert md.cascade is not None and len(md.cascade.plan.groups) == 2
     torch.testing.assert_close(got.float(), _reference(case, q).float(), atol=2e-2, rtol=2e-2)
@@ -300,8 +360,9 @@ def test_gpu_cascade_real_sizes(head_dim):
 
 @pytest.mark.gpu
 def test_gpu_cascade_in_a_cuda_graph():
-    case = _SharedCase(32, 8, 128, [(1500, [1501 + 3 * i for i in range(30)])], [800, 20],
-                       dtype=torch.bfloat16, device="cuda")
+    case = _SharedCase(
+        32, 8, 128, [(1500, [1501 + 3 * i for i in range(30)])], [800, 20], dtype=torch.bfloat16, device="cuda"
+    )
     lay = case.layer
     backend = TritonAttnBackend(_runner("cuda", 32, 8, 128))
     backend.init_cuda_graph_state(max_bs=48)
@@ -317,8 +378,11 @@ def test_gpu_cascade_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         out = backend.forward_decode(q, lay, fb)
     n = len(case.rows)
-    for rows, lens in [(case.rows, case.seq_lens), (case.rows[::-1][:20], case.seq_lens[::-1][:20]),
-                       (case.rows[-2:], case.seq_lens[-2:])]:
+    for rows, lens in [
+        (case.rows, case.seq_lens),
+        (case.rows[::-1][:20], case.seq_lens[::-1][:20]),
+        (case.rows[-2:], case.seq_lens[-2:]),
+    ]:
         fb = case.forward_batch(backend, rows=rows, seq_lens=lens, batch_size=48)
         backend.init_forward_metadata_replay_cuda_graph(fb)
         graph.replay()
@@ -337,13 +401,16 @@ def test_gpu_engine_greedy_outputs_same_with_and_without_cascade(tmp_path):
     model = make_random_model(str(tmp_path / "llama"), "llama", seed=5)  # 4 heads / 2 KV heads, head_dim 16
     g = torch.Generator().manual_seed(11)
     shared = torch.randint(2, 256, (300,), generator=g).tolist()
-    prompts = [shared + torch.randint(2, 256, (int(n),), generator=g).tolist()
-               for n in torch.randint(3, 40, (40,), generator=g)]
+    prompts = [
+        shared + torch.randint(2, 256, (int(n),), generator=g).tolist()
+        for n in torch.randint(3, 40, (40,), generator=g)
+    ]
     sp = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     outs = []
     for disable in (False, True):
-        with Engine(model_path=model, attention_backend="triton", dtype="float32",
-                    disable_cascade_attention=disable) as eng:
+        with Engine(
+            model_path=model, attention_backend="triton", dtype="float32", disable_cascade_attention=disable
+        ) as eng:
             # The prefix goes into the radix cache first, so the batch's 40 requests share its slots and
             # decode as one group (graph bucket 48 >= min_batch_size) with the cascade on.
             eng.generate(input_ids=shared + [5], sampling_params={"max_new_tokens": 1})

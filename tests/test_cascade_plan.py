@@ -5,29 +5,33 @@ The kernels and graph hooks are in test_cascade_attention.py."""
 import numpy as np
 import pytest
 import torch
-
 from plait.runtime.attention.cascade_plan import CascadeConfig, CascadePlanner, build_plan
 from plait.runtime.attention.prefix_groups import PrefixGroup, find_prefix_groups
 from plait.runtime.attention.triton_ops import PrefixConfig
 
 # 16-row tiles (4 members at GQA 4), 16-token KV blocks, prefixes split every 16 tokens, 5 persistent programs.
-TINY_PREFIX = PrefixConfig(block_m=16, block_n=16, min_split_len=16, max_splits=4, target_programs=32,
-                           num_programs=5)
+TINY_PREFIX = PrefixConfig(block_m=16, block_n=16, min_split_len=16, max_splits=4, target_programs=32, num_programs=5)
 
 
 def _table(rows_slots, width=64):
     """Host req_to_token rows from lists of slots; stale junk (slot 999) past each list."""
     t = np.full((len(rows_slots) + 1, width), 999, dtype=np.int32)
     for r, s in enumerate(rows_slots):
-        t[r + 1, :len(s)] = s
+        t[r + 1, : len(s)] = s
     return t
 
 
 def test_groups_by_document_not_by_a_shared_header():
     hdr = [1, 2, 3]  # a chat header every request shares (the first slot alone would group them all)
     doc_a, doc_b = list(range(10, 40)), list(range(40, 70))
-    rows = [hdr + doc_a + [100], hdr + doc_b + [101], hdr + doc_a + [102, 103], hdr + doc_b + [104],
-            hdr + doc_a + [105], hdr + [106, 107]]
+    rows = [
+        hdr + doc_a + [100],
+        hdr + doc_b + [101],
+        hdr + doc_a + [102, 103],
+        hdr + doc_b + [104],
+        hdr + doc_a + [105],
+        hdr + [106, 107],
+    ]
     t = _table(rows)
     lens = np.array([len(r) for r in rows]) - 1  # the last slot is the request's new token
     groups = find_prefix_groups(t, np.arange(1, 7), lens, min_prefix_len=8)
@@ -76,7 +80,7 @@ def test_plan_tables_cover_each_tile_and_split_once():
     assert all(sl % TINY_PREFIX.block_n == 0 for sl in split_len)
     assert all((s - 1) * sl < p <= s * sl for s, sl, p in zip(splits, split_len, [100, 17]))  # none empty
     assert splits.tolist() == [4, 1]  # 16 work items wanted; 17 tokens is one 16+ split only
-    work = t.work[:int(t.work_len)].numpy().tolist()
+    work = t.work[: int(t.work_len)].numpy().tolist()
     expected = sorted((0, tile, s) for tile in range(2) for s in range(4)) + [(1, 0, 0)]
     assert sorted(map(tuple, work)) == expected and plan.num_work == len(work) <= layout.max_work
     info = t.req_info.numpy()
@@ -92,8 +96,7 @@ def test_plan_tables_cover_each_tile_and_split_once():
 def test_planner_reuses_groups_while_requests_stay():
     rows_slots = [list(range(1, 41)) + [100 + i] for i in range(4)] + [list(range(200, 230))]
     t = _table(rows_slots)
-    planner = CascadePlanner(CascadeConfig(min_prefix_len=8, min_saved_tokens=0, min_batch_size=2),
-                             TINY_PREFIX, 4, 4)
+    planner = CascadePlanner(CascadeConfig(min_prefix_len=8, min_saved_tokens=0, min_batch_size=2), TINY_PREFIX, 4, 4)
     rows, lens = np.array([1, 2, 3, 4, 5]), np.array([41, 41, 41, 41, 30])
     p1 = planner.plan(t, rows, lens, planner.layout(8))
     assert [(g.prefix_len, g.members.tolist()) for g in p1.groups] == [(40, [0, 1, 2, 3])]

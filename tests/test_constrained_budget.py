@@ -12,7 +12,6 @@ import re
 
 import jsonschema
 import pytest
-
 from plait.runtime import Engine
 from plait.runtime.constrained import create_grammar_backend
 from plait.runtime.constrained.completion import CompletionSearch
@@ -25,12 +24,21 @@ SLACK = 12  # tokens of budget beyond the schema's smallest valid value
 PROMPT_CHARS = 600
 MAX_SMALLEST = 32
 OFF_RUNS = 12
-PEOPLE = ["Alice is a 30 year old admin from Lyon.", "Bob, aged 52, works as a guest lecturer in Oslo.",
-          "Carol (user) just turned 41 in Quito."]
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "role": {"enum": ["admin", "user", "guest"]}, "city": {"type": "string"}},
-    "required": ["name", "age", "role", "city"]}
+PEOPLE = [
+    "Alice is a 30 year old admin from Lyon.",
+    "Bob, aged 52, works as a guest lecturer in Oslo.",
+    "Carol (user) just turned 41 in Quito.",
+]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "city": {"type": "string"},
+    },
+    "required": ["name", "age", "role", "city"],
+}
 # The scheduler copies a request's `closed_early` into its final output (one line in scheduler/outputs.py).
 SCHEDULER_REPORTS_CLOSING = "closed_early" in inspect.getsource(scheduler_outputs)
 
@@ -61,8 +69,10 @@ def sample(eng):
 def small_budget_runs(eng, sample):
     """Each sample schema generated with SLACK tokens over its smallest value: closing on, then off."""
     # (the schema's first PROMPT_CHARS characters: a shorter prefill, the same small-model rambling)
-    prompts = [chat(eng, "Produce a JSON object that follows this schema: " + json.dumps(r["schema"])[:PROMPT_CHARS])
-               for r in sample]
+    prompts = [
+        chat(eng, "Produce a JSON object that follows this schema: " + json.dumps(r["schema"])[:PROMPT_CHARS])
+        for r in sample
+    ]
     params = [greedy(r["smallest"] + SLACK, json_schema=json.dumps(r["schema"])) for r in sample]
     runs = {True: eng.generate(prompts, params)}
     # (closing off: a dozen are enough to show the difference)
@@ -71,8 +81,9 @@ def small_budget_runs(eng, sample):
 
 
 def chat(eng, text: str) -> str:
-    return eng.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+    return eng.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def greedy(max_new_tokens: int, **params) -> dict:
@@ -95,8 +106,9 @@ def test_sample_schemas_stay_valid_under_a_small_budget(sample, small_budget_run
     for rec, out in zip(sample, small_budget_runs[True]):
         meta = out["meta_info"]
         value = json.loads(out["text"])  # every output parses
-        unexplained = [e.message for e in violations(value, rec["schema"])
-                       if not explained(e, meta.get("grammar_warnings", []))]
+        unexplained = [
+            e.message for e in violations(value, rec["schema"]) if not explained(e, meta.get("grammar_warnings", []))
+        ]
         assert not unexplained, (rec["id"], out["text"], unexplained)
         assert out["meta_info"]["completion_tokens"] <= rec["smallest"] + SLACK
         closed += meta["finish_reason"]["type"] == "length"
@@ -115,8 +127,11 @@ def test_closing_off_leaves_cut_outputs(sample, small_budget_runs):
     assert cut >= OFF_RUNS // 3
 
 
-@pytest.mark.xfail(not SCHEDULER_REPORTS_CLOSING, strict=True,
-                   reason="scheduler/outputs.py does not copy r.grammar.closed_early into the final ReqOutput yet")
+@pytest.mark.xfail(
+    not SCHEDULER_REPORTS_CLOSING,
+    strict=True,
+    reason="scheduler/outputs.py does not copy r.grammar.closed_early into the final ReqOutput yet",
+)
 def test_meta_info_says_the_output_was_closed_early(sample, small_budget_runs):
     closed = [out for out in small_budget_runs[True] if out["meta_info"].get("closed_early") == "budget"]
     assert closed and all(out["meta_info"]["finish_reason"]["type"] == "length" for out in closed)
@@ -138,8 +153,9 @@ def test_outputs_that_finish_within_their_budget_are_unchanged(eng):
 
 def test_json_styles(eng):
     prompt = chat(eng, f"Extract name, age, role and city as JSON: {PEOPLE[0]}")
-    outs = eng.generate([prompt] * 2, [greedy(96, json_schema=json.dumps(PERSON), json_style=style)
-                                       for style in ("compact", "indent")])
+    outs = eng.generate(
+        [prompt] * 2, [greedy(96, json_schema=json.dumps(PERSON), json_style=style) for style in ("compact", "indent")]
+    )
     compact, indented = (json.loads(o["text"]) for o in outs)
     assert outs[0]["text"] == json.dumps(compact, separators=(",", ":"), ensure_ascii=False)
     assert outs[1]["text"] == json.dumps(indented, indent=2, ensure_ascii=False)
@@ -151,30 +167,40 @@ def test_a_digit_loop_is_closed_long_before_the_budget(eng):
     schema = {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}
     bias = {eng.tokenizer.encode(d, add_special_tokens=False)[0]: 12.0 for d in "0123456789"}
     before = eng.get_stats().get("grammar_closed_early", 0)
-    out = eng.generate(chat(eng, "Give the record an id, as JSON."),
-                       greedy(384, json_schema=json.dumps(schema), logit_bias=bias))
+    out = eng.generate(
+        chat(eng, "Give the record an id, as JSON."), greedy(384, json_schema=json.dumps(schema), logit_bias=bias)
+    )
     assert json.loads(out["text"])["id"].isdigit()
     assert out["meta_info"]["completion_tokens"] < 64
     assert eng.get_stats()["grammar_closed_early"] == before + 1
-    off = eng.generate(chat(eng, "Give the record an id, as JSON."),
-                       greedy(48, json_schema=json.dumps(schema), logit_bias=bias, close_within_budget=False))
+    off = eng.generate(
+        chat(eng, "Give the record an id, as JSON."),
+        greedy(48, json_schema=json.dumps(schema), logit_bias=bias, close_within_budget=False),
+    )
     assert off["meta_info"]["finish_reason"]["type"] == "length"  # without closing, the loop runs to the end
 
 
 def test_no_repeated_keys_even_when_the_model_wants_them(eng):
     """logit_bias pulls every key towards "name"; the object still has each key once."""
     bias = {eng.tokenizer.encode(w, add_special_tokens=False)[0]: 6.0 for w in ("name", '":')}
-    for schema in ({"type": "object"}, {"type": "object", "properties": {"name": {"type": "string"}},
-                                        "additionalProperties": {"type": "string"}}):
-        out = eng.generate(chat(eng, "Write a JSON object about a cat with four keys."),
-                           greedy(48, json_schema=json.dumps(schema), logit_bias=bias))
+    for schema in (
+        {"type": "object"},
+        {"type": "object", "properties": {"name": {"type": "string"}}, "additionalProperties": {"type": "string"}},
+    ):
+        out = eng.generate(
+            chat(eng, "Write a JSON object about a cat with four keys."),
+            greedy(48, json_schema=json.dumps(schema), logit_bias=bias),
+        )
         pairs = json.loads(out["text"], object_pairs_hook=lambda kv: [k for k, _ in kv])
         assert len(pairs) == len(set(pairs)) and len(pairs) >= 2, out["text"]
 
 
 def test_strict_refuses_naming_the_keyword_and_path(eng):
-    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
-                                                        "uniqueItems": True}}, "required": ["tags"]}
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+        "required": ["tags"],
+    }
     with pytest.raises(ValueError, match=r"strict mode refuses keyword 'uniqueItems' at /properties/tags"):
         eng.generate("Hi", greedy(8, json_schema=json.dumps(schema), strict=True))
     out = eng.generate(chat(eng, "List two tags."), greedy(24, json_schema=json.dumps(schema)))
@@ -183,13 +209,17 @@ def test_strict_refuses_naming_the_keyword_and_path(eng):
     assert fine["meta_info"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("params,pattern", [
-    ({"regex": r"(yes|no), because [a-z ]{1,80}\."}, r"(yes|no), because [a-z ]{1,80}\."),
-    ({"ebnf": 'root ::= "[" num (", " num)* "]"\nnum ::= [1-9] [0-9]*'}, r"\[[1-9][0-9]*(, [1-9][0-9]*)*\]"),
-])
+@pytest.mark.parametrize(
+    "params,pattern",
+    [
+        ({"regex": r"(yes|no), because [a-z ]{1,80}\."}, r"(yes|no), because [a-z ]{1,80}\."),
+        ({"ebnf": 'root ::= "[" num (", " num)* "]"\nnum ::= [1-9] [0-9]*'}, r"\[[1-9][0-9]*(, [1-9][0-9]*)*\]"),
+    ],
+)
 def test_regex_and_grammar_outputs_end_within_a_small_budget(eng, params, pattern):
-    prompt = chat(eng, "Is the sky blue? Answer, then explain at length." if "regex" in params
-                  else "List twenty big numbers.")
+    prompt = chat(
+        eng, "Is the sky blue? Answer, then explain at length." if "regex" in params else "List twenty big numbers."
+    )
     out = eng.generate(prompt, greedy(10, **params))
     assert re.fullmatch(pattern, out["text"]), out["text"]
     assert out["meta_info"]["finish_reason"]["type"] == "length"

@@ -13,14 +13,21 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 import torch
-
 from plait.runtime import ServerArgs
 from plait.runtime.constrained import ANY_JSON, StrictSchemaError, create_grammar_backend, validate_constraint
 from plait.runtime.constrained.bitmask import allocate_token_bitmask, unpack_bitmask
 from plait.runtime.constrained.completion import CompletionSearch
 from plait.runtime.constrained.integration import GrammarManager
-from plait.runtime.constrained.json_scan import (AFTER_IN_OBJECT, ARRAY_START, COLON, IN_KEY, IN_LITERAL,
-                                                 IN_STRING, KEY, JsonScanner)
+from plait.runtime.constrained.json_scan import (
+    AFTER_IN_OBJECT,
+    ARRAY_START,
+    COLON,
+    IN_KEY,
+    IN_LITERAL,
+    IN_STRING,
+    KEY,
+    JsonScanner,
+)
 from plait.runtime.constrained.one_of import branches_exclusive
 from plait.runtime.constrained.repetition import MIN_SPAN, RepetitionWatch
 from plait.runtime.constrained.token_tables import TokenTables
@@ -29,10 +36,17 @@ from plait.runtime.detokenizer import IncrementalDetokenizer
 from plait.runtime.sampling_params import SamplingParams
 
 VOCAB = 49152
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 18, "maximum": 120},
-    "role": {"enum": ["admin", "user", "guest"]}, "tags": {"type": "array", "items": {"type": "string"}},
-    "since": {"type": "string", "format": "date"}}, "required": ["name", "age", "role", "since"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 18, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "since": {"type": "string", "format": "date"},
+    },
+    "required": ["name", "age", "role", "since"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +76,21 @@ def scanned(prefix: str) -> JsonScanner:
 
 
 # ---------------------------------------------------------------- the scanner
-@pytest.mark.parametrize("prefix,context,closing", [
-    ('{"name": "Al', IN_STRING, b'"}'),
-    ('{"a": [1, 2', IN_LITERAL, b"]}"),
-    ('{"a": [1, {"b": tr', IN_LITERAL, b"ue}]}"),
-    ('{"a": -', IN_LITERAL, b"0}"),
-    ('{"a": 1, ', KEY, None),
-    ('{"a"', COLON, None),
-    ('{"a": {"b": 1}, "c": ["x"]', AFTER_IN_OBJECT, b"}"),
-    ('[', ARRAY_START, b"]"),
-    ('{"x\\"y', IN_KEY, None),
-    ('{"x": "\\u00', IN_STRING, None),  # inside an escape: no closing quote yet
-])
+@pytest.mark.parametrize(
+    "prefix,context,closing",
+    [
+        ('{"name": "Al', IN_STRING, b'"}'),
+        ('{"a": [1, 2', IN_LITERAL, b"]}"),
+        ('{"a": [1, {"b": tr', IN_LITERAL, b"ue}]}"),
+        ('{"a": -', IN_LITERAL, b"0}"),
+        ('{"a": 1, ', KEY, None),
+        ('{"a"', COLON, None),
+        ('{"a": {"b": 1}, "c": ["x"]', AFTER_IN_OBJECT, b"}"),
+        ("[", ARRAY_START, b"]"),
+        ('{"x\\"y', IN_KEY, None),
+        ('{"x": "\\u00', IN_STRING, None),  # inside an escape: no closing quote yet
+    ],
+)
 def test_scanner_follows_the_structure(prefix, context, closing):
     scanner = scanned(prefix)
     assert scanner.context == context
@@ -95,9 +112,16 @@ def test_scanner_records_keys_per_object_and_rewinds():
 
 
 # ---------------------------------------------------------------- the shortest completion
-@pytest.mark.parametrize("prefix", ['{"name": "Al', '{"name": "Al", "age": 1', '{"name": "Al", "age": 30, "role": "us',
-                                    '{"name": "Al", "age": 30, "role": "user", "tags": ["x", "y',
-                                    '{"name": "Al", "age": 30, "role": "user", "since": "2024-'])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        '{"name": "Al',
+        '{"name": "Al", "age": 1',
+        '{"name": "Al", "age": 30, "role": "us',
+        '{"name": "Al", "age": 30, "role": "user", "tags": ["x", "y',
+        '{"name": "Al", "age": 30, "role": "user", "since": "2024-',
+    ],
+)
 def test_search_completes_to_a_valid_value(backends, tables, default_tokenizer, prefix):
     search = CompletionSearch(tables)
     matcher = matcher_after(backends["xgrammar"], "json_natural", json.dumps(PERSON), prefix, default_tokenizer)
@@ -114,8 +138,17 @@ def test_search_result_is_short(backends, tables, default_tokenizer):
     matcher = matcher_after(backends["xgrammar"], "json_natural", json.dumps(PERSON), '{"name": "Al', default_tokenizer)
     found = search.find(matcher, scanned('{"name": "Al'))
     assert found.text == b'", "age": 18, "role": "admin", "since": "1111-11-11"}'
-    nested = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {
-        "type": "array", "items": {"type": "integer"}, "minItems": 1}}, "required": ["b"]}}, "required": ["a"]}
+    nested = {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {"b": {"type": "array", "items": {"type": "integer"}, "minItems": 1}},
+                "required": ["b"],
+            }
+        },
+        "required": ["a"],
+    }
     matcher = matcher_after(backends["xgrammar"], "json_natural", json.dumps(nested), "{", default_tokenizer)
     assert search.find(matcher, scanned("{")).text == b'"a": {"b": [0]}}'
 
@@ -131,11 +164,14 @@ def test_cheap_paths_come_first(backends, tables, default_tokenizer):
     assert search.find(matcher, scanned('{"name": "Al'), [hint]).how == "hint"
 
 
-@pytest.mark.parametrize("kind,text,prefix,check", [
-    ("regex", r"(yes|no), because [a-z ]{1,30}\.", "yes, bec", r"(yes|no), because [a-z ]{1,30}\."),
-    ("regex", r"[A-Z]{3}-[0-9]{4}", "AB", r"[A-Z]{3}-[0-9]{4}"),
-    ("ebnf", 'root ::= "[" num ("," num)* "]"\nnum ::= [1-9] [0-9]*', "[12,3", r"\[[1-9][0-9]*(,[1-9][0-9]*)*\]"),
-])
+@pytest.mark.parametrize(
+    "kind,text,prefix,check",
+    [
+        ("regex", r"(yes|no), because [a-z ]{1,30}\.", "yes, bec", r"(yes|no), because [a-z ]{1,30}\."),
+        ("regex", r"[A-Z]{3}-[0-9]{4}", "AB", r"[A-Z]{3}-[0-9]{4}"),
+        ("ebnf", 'root ::= "[" num ("," num)* "]"\nnum ::= [1-9] [0-9]*', "[12,3", r"\[[1-9][0-9]*(,[1-9][0-9]*)*\]"),
+    ],
+)
 def test_search_completes_regexes_and_grammars(backends, tables, default_tokenizer, kind, text, prefix, check):
     for name, backend in backends.items():
         if kind == "ebnf" and name == "outlines":
@@ -153,10 +189,15 @@ def allowed_ids(matcher, vocab_size: int = VOCAB) -> list[int]:
 
 
 OPEN_FLAT = json.dumps({"type": "object", "additionalProperties": {"type": ["integer", "string", "boolean"]}})
-KEY_CASES = [("xgrammar", ANY_JSON, '{"a": 1, "bb": [{"c": 2}], '), ("xgrammar", ANY_JSON, '{"a": 1, "bb": 2, "b'),
-             ("xgrammar", ANY_JSON, '{"name": {"x": 1}, "na'), ("xgrammar", ANY_JSON, '{"a": "x", "b": true'),
-             ("xgrammar", ANY_JSON, '{"a": {"b": 1, "c": [1]'), ("outlines", OPEN_FLAT, '{"a": 1, "bb": 2, "b'),
-             ("outlines", OPEN_FLAT, '{"a": "x", "b": true')]
+KEY_CASES = [
+    ("xgrammar", ANY_JSON, '{"a": 1, "bb": [{"c": 2}], '),
+    ("xgrammar", ANY_JSON, '{"a": 1, "bb": 2, "b'),
+    ("xgrammar", ANY_JSON, '{"name": {"x": 1}, "na'),
+    ("xgrammar", ANY_JSON, '{"a": "x", "b": true'),
+    ("xgrammar", ANY_JSON, '{"a": {"b": 1, "c": [1]'),
+    ("outlines", OPEN_FLAT, '{"a": 1, "bb": 2, "b'),
+    ("outlines", OPEN_FLAT, '{"a": "x", "b": true'),
+]
 
 
 @pytest.mark.parametrize("name,schema,prefix", KEY_CASES)
@@ -213,8 +254,14 @@ def test_repetition_watch_sees_periodic_tails_and_digit_runs():
 # ---------------------------------------------------------------- the closing, through the GrammarManager
 def fake_request(manager, tokenizer, max_new_tokens: int, **params):
     sp = SamplingParams.from_dict({"max_new_tokens": max_new_tokens, **params})
-    req = SimpleNamespace(sampling_params=sp, output_ids=[], finished_reason=None, max_new_tokens=max_new_tokens,
-                          detok=IncrementalDetokenizer(tokenizer), return_logprob=False)
+    req = SimpleNamespace(
+        sampling_params=sp,
+        output_ids=[],
+        finished_reason=None,
+        max_new_tokens=max_new_tokens,
+        detok=IncrementalDetokenizer(tokenizer),
+        return_logprob=False,
+    )
     req.remaining_new_tokens = lambda: max(0, req.max_new_tokens - len(req.output_ids))
     req.grammar = manager.request(sp).result()
     return req
@@ -367,8 +414,10 @@ def drafted_greedy(manager, req, scores: torch.Tensor, tokenizer, guess: int, ma
         tree = DraftTree.chain(req.output_ids[-1], drafts)
         bitmask = allocate_token_bitmask(tree.size, VOCAB)
         fill_tree_bitmask(g, tree, bitmask, 0)
-        logits = torch.stack([scripted_logits(g, scores, tokenizer)] + [
-            _scripted_after(g, drafts[:i], scores, tokenizer) for i in range(1, tree.size)])  # (T, V)
+        logits = torch.stack(
+            [scripted_logits(g, scores, tokenizer)]
+            + [_scripted_after(g, drafts[:i], scores, tokenizer) for i in range(1, tree.size)]
+        )  # (T, V)
         g.refine_bitmask(logits[0], bitmask[0])
         apply_token_bitmask_inplace(logits, bitmask, list(range(tree.size)))
         tokens, _ = accept_greedy(tree, torch.argmax(logits, dim=1).tolist())
@@ -412,8 +461,12 @@ def test_greedy_grammar_drafts_near_the_budget_write_plain_decodings_output(mana
     scores[ab] = 100.0
     choosing = cuts = 0
     for budget in (40, 50):
-        want = plain_greedy(manager, fake_request(manager, default_tokenizer, budget, json_schema=schema,
-                                                  temperature=0), scores, default_tokenizer)
+        want = plain_greedy(
+            manager,
+            fake_request(manager, default_tokenizer, budget, json_schema=schema, temperature=0),
+            scores,
+            default_tokenizer,
+        )
         req = fake_request(manager, default_tokenizer, budget, json_schema=schema, temperature=0)
         got, chose, cut = drafted_greedy(manager, req, scores, default_tokenizer, guess=ab)
         assert got == want, budget
@@ -426,15 +479,20 @@ def test_greedy_grammar_drafts_near_the_budget_write_plain_decodings_output(mana
 # ---------------------------------------------------------------- honest schemas, strict
 def test_one_of_with_disjoint_branches_is_enforced_exactly():
     obj = lambda **p: {"type": "object", "properties": p, "required": list(p)}  # noqa: E731
-    tagged = [obj(kind={"const": "circle"}, r={"type": "integer"}), obj(kind={"const": "square"}, s={"type": "integer"})]
+    tagged = [
+        obj(kind={"const": "circle"}, r={"type": "integer"}),
+        obj(kind={"const": "square"}, s={"type": "integer"}),
+    ]
     assert branches_exclusive(tagged, {})
     assert branches_exclusive([{"type": "string"}, {"type": "object"}, {"type": "null"}], {})
     assert branches_exclusive([{"$ref": "#/$defs/a"}, {"enum": [1, 2]}], {"$defs": {"a": {"type": "string"}}})
     assert not branches_exclusive([{"type": "number"}, {"type": "integer"}], {})
     assert not branches_exclusive([{"enum": [1, 2]}, {"enum": [2.0, 3]}], {})
     assert not branches_exclusive([obj(a={"type": "string"}), obj(b={"type": "string"})], {})
-    schema = {"type": "object", "properties": {"shape": {"oneOf": tagged}, "n": {"oneOf": [{"type": "number"},
-                                                                                         {"type": "integer"}]}}}
+    schema = {
+        "type": "object",
+        "properties": {"shape": {"oneOf": tagged}, "n": {"oneOf": [{"type": "number"}, {"type": "integer"}]}},
+    }
     for backend in ("xgrammar", "outlines"):
         warnings = validate_constraint("json", json.dumps(schema), backend)
         assert [w for w in warnings if "oneOf" in w] == [w for w in warnings if "/properties/n" in w], warnings
@@ -442,21 +500,34 @@ def test_one_of_with_disjoint_branches_is_enforced_exactly():
 
 
 def test_formats_checked_by_shape_only_are_reported():
-    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
-                                               "u": {"type": "string", "format": "uuid"}}}
+    schema = {
+        "type": "object",
+        "properties": {"d": {"type": "string", "format": "date"}, "u": {"type": "string", "format": "uuid"}},
+    }
     for backend in ("xgrammar", "outlines"):
         warnings = validate_constraint("json", json.dumps(schema), backend)
         assert len(warnings) == 1 and "format 'date' at /properties/d is checked by shape only" in warnings[0]
 
 
-@pytest.mark.parametrize("keyword,schema,path", [
-    ("uniqueItems", {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}, "/properties/tags"),
-    ("not", {"type": "object", "properties": {"s": {"type": "string", "not": {"const": "x"}}}}, "/properties/s"),
-    ("if", {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "/"),
-    ("contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}, "/"),
-    ("oneOf", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "/"),
-    ("format", {"type": "object", "properties": {"day": {"type": "string", "format": "date-time"}}}, "/properties/day"),
-])
+@pytest.mark.parametrize(
+    "keyword,schema,path",
+    [
+        (
+            "uniqueItems",
+            {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+            "/properties/tags",
+        ),
+        ("not", {"type": "object", "properties": {"s": {"type": "string", "not": {"const": "x"}}}}, "/properties/s"),
+        ("if", {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "/"),
+        ("contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}, "/"),
+        ("oneOf", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "/"),
+        (
+            "format",
+            {"type": "object", "properties": {"day": {"type": "string", "format": "date-time"}}},
+            "/properties/day",
+        ),
+    ],
+)
 def test_strict_refuses_naming_the_keyword_and_its_path(keyword, schema, path):
     for backend in ("xgrammar", "outlines"):
         text = json.dumps(schema)
@@ -464,19 +535,34 @@ def test_strict_refuses_naming_the_keyword_and_its_path(keyword, schema, path):
         with pytest.raises(StrictSchemaError, match=f"keyword {keyword!r} at {re.escape(path)}:") as info:
             validate_constraint("json_natural", text, backend, strict=True)
         assert info.value.keyword == keyword and info.value.path == path
-    assert validate_constraint("json_natural", json.dumps({"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": 0}}}), strict=True) == []
+    assert (
+        validate_constraint(
+            "json_natural",
+            json.dumps({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}),
+            strict=True,
+        )
+        == []
+    )
 
 
 # ---------------------------------------------------------------- JSON layouts
 @pytest.mark.parametrize("name", ["xgrammar", "outlines"])
 def test_json_layouts_of_both_backends(backends, default_tokenizer, name):
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {
-        "type": "string"}}, "c": {"type": "object", "properties": {"d": {"type": "boolean"}}, "required": ["d"]}},
-              "required": ["a", "b", "c"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": "array", "items": {"type": "string"}},
+            "c": {"type": "object", "properties": {"d": {"type": "boolean"}}, "required": ["d"]},
+        },
+        "required": ["a", "b", "c"],
+    }
     value = {"a": 1, "b": ["x", "y"], "c": {"d": True}}
-    layouts = {"json_natural": json.dumps(value), "json": json.dumps(value, separators=(",", ":")),
-               "json_indent": json.dumps(value, indent=2)}
+    layouts = {
+        "json_natural": json.dumps(value),
+        "json": json.dumps(value, separators=(",", ":")),
+        "json_indent": json.dumps(value, indent=2),
+    }
     for kind in layouts:
         if name == "outlines" and kind == "json_indent":
             with pytest.raises(ValueError, match="cannot lay JSON out with indentation"):

@@ -13,29 +13,34 @@ import re
 
 import jsonschema
 import pytest
-
 from plait.grammars.regexes import regex
 from plait.runtime import Engine
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "role": {"enum": ["admin", "user", "guest"]}}, "required": ["name", "age", "role"]}
-PEOPLE = ["Alice is a 30 year old admin.", "Bob, aged 250, is a guest.",
-          "Carol (user) just turned 41."]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+    },
+    "required": ["name", "age", "role"],
+}
+PEOPLE = ["Alice is a 30 year old admin.", "Bob, aged 250, is a guest.", "Carol (user) just turned 41."]
 
 
 @pytest.fixture(scope="module")
 def engines():
-    with Engine(num_threads=1, max_total_tokens=4096, speculative_grammar_drafts="off") as xg, \
-            Engine(num_threads=1, max_total_tokens=4096, grammar_backend="outlines",
-                   disable_jump_forward=True) as ol:
+    with (
+        Engine(num_threads=1, max_total_tokens=4096, speculative_grammar_drafts="off") as xg,
+        Engine(num_threads=1, max_total_tokens=4096, grammar_backend="outlines", disable_jump_forward=True) as ol,
+    ):
         yield {"xgrammar": xg, "outlines": ol}
 
 
 def chat(eng, text: str) -> str:
-    return eng.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+    return eng.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def greedy(max_new_tokens: int, **constraint) -> dict:
@@ -57,11 +62,12 @@ def test_json_schema_outputs_validate(engines, name):
 @pytest.mark.parametrize("name", ["xgrammar", "outlines"])
 def test_regex_outputs_fullmatch(engines, name):
     eng = engines[name]
-    cases = [("What is the IP address of the local host?", regex("ipv4")),
-             ("When did the Berlin wall fall? Answer with a date.", regex("iso_date")),
-             ("Is water wet? Answer yes or no, then a number.", r"(yes|no), [0-9]{1,2}")]
-    outs = eng.generate([chat(eng, q) for q, _ in cases],
-                        [greedy(24, regex=pattern) for _, pattern in cases])
+    cases = [
+        ("What is the IP address of the local host?", regex("ipv4")),
+        ("When did the Berlin wall fall? Answer with a date.", regex("iso_date")),
+        ("Is water wet? Answer yes or no, then a number.", r"(yes|no), [0-9]{1,2}"),
+    ]
+    outs = eng.generate([chat(eng, q) for q, _ in cases], [greedy(24, regex=pattern) for _, pattern in cases])
     for out, (_, pattern) in zip(outs, cases):
         assert re.fullmatch(pattern, out["text"]), (pattern, out["text"])
         assert out["meta_info"]["finish_reason"]["type"] == "stop"
@@ -76,9 +82,10 @@ def test_ebnf_output_follows_grammar(engines):
 
 def test_any_json_and_whitespace_option(engines):
     eng = engines["xgrammar"]
-    outs = eng.generate([chat(eng, "Describe a cat as JSON.")] * 2,
-                        [greedy(40, json_schema="$$ANY$$"),
-                         greedy(40, json_schema=json.dumps(PERSON), json_whitespace=True)])
+    outs = eng.generate(
+        [chat(eng, "Describe a cat as JSON.")] * 2,
+        [greedy(40, json_schema="$$ANY$$"), greedy(40, json_schema=json.dumps(PERSON), json_whitespace=True)],
+    )
     if outs[0]["meta_info"]["finish_reason"]["type"] == "stop":
         json.loads(outs[0]["text"])
     jsonschema.validate(json.loads(outs[1]["text"]), PERSON)
@@ -89,10 +96,10 @@ def test_mixed_batch_leaves_free_requests_alone(engines, name):
     eng = engines[name]
     free_prompt = "The capital of France is"
     alone = eng.generate(free_prompt, greedy(10))
-    outs = eng.generate([chat(eng, f"JSON please: {PEOPLE[0]}"), free_prompt,
-                         chat(eng, "Yes or no?")],
-                        [greedy(48, json_schema=json.dumps(PERSON)), greedy(10),
-                         greedy(4, regex="(yes|no)")])
+    outs = eng.generate(
+        [chat(eng, f"JSON please: {PEOPLE[0]}"), free_prompt, chat(eng, "Yes or no?")],
+        [greedy(48, json_schema=json.dumps(PERSON)), greedy(10), greedy(4, regex="(yes|no)")],
+    )
     jsonschema.validate(json.loads(outs[0]["text"]), PERSON)
     assert outs[1]["output_ids"] == alone["output_ids"]
     assert outs[2]["text"] in ("yes", "no")
@@ -115,7 +122,6 @@ def test_jump_forward_on_and_off_give_valid_json(engines):
         pytest.skip("the scheduler does not call GrammarManager.jump_forward yet")
     assert stats["jump_forward_tokens"] > 0
     assert engines["outlines"].get_stats().get("jump_forward_tokens", 0) == 0
-
 
 
 def test_stats_report_grammar_compile_time_and_device_memory(engines):
@@ -157,8 +163,11 @@ def test_outlines_rejects_ebnf_clearly(engines):
 
 def test_unenforced_schema_features_are_reported_in_meta_info(engines):
     eng = engines["xgrammar"]
-    schema = {"type": "object", "required": ["tags"],
-              "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+    schema = {
+        "type": "object",
+        "required": ["tags"],
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    }
     out = eng.generate(chat(eng, "List two tags."), greedy(24, json_schema=json.dumps(schema)))
     assert any("uniqueItems" in w for w in out["meta_info"]["grammar_warnings"])
     plain = eng.generate(chat(eng, "Hi"), greedy(2))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from plait.runtime import ServerArgs
 from plait.runtime.constrained import ANY_JSON, validate_constraint
 from plait.runtime.constrained.base import MAX_CONSTRAINT_CHARS
@@ -22,8 +21,11 @@ def test_a_constraint_over_the_size_cap_is_refused_with_its_size(kind):
 
 def test_a_long_json_schema_under_the_cap_is_accepted():
     # 2,000 properties (~70 KB of schema): over the regex cap, well under the schema one.
-    schema = '{"type": "object", "properties": {' + ", ".join(
-        f'"field_{i:04d}": {{"type": "integer"}}' for i in range(2000)) + "}}"
+    schema = (
+        '{"type": "object", "properties": {'
+        + ", ".join(f'"field_{i:04d}": {{"type": "integer"}}' for i in range(2000))
+        + "}}"
+    )
     assert MAX_CONSTRAINT_CHARS["regex"] < len(schema) < MAX_CONSTRAINT_CHARS["json"]
     validate_constraint("json", schema)
 

@@ -14,13 +14,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from plait.runtime import ServerArgs
 from plait.grammars.library import load_ebnf
 from plait.grammars.regexes import REGEXES, regex
-from plait.runtime.constrained import (ANY_JSON, GrammarCompileTimeout, allocate_token_bitmask,
-                                       apply_token_bitmask_inplace, create_grammar_backend,
-                                       validate_constraint)
+from plait.runtime import ServerArgs
+from plait.runtime.constrained import (
+    ANY_JSON,
+    GrammarCompileTimeout,
+    allocate_token_bitmask,
+    apply_token_bitmask_inplace,
+    create_grammar_backend,
+    validate_constraint,
+)
 from plait.runtime.constrained.bitmask import unpack_bitmask
 from plait.runtime.constrained.integration import GrammarManager
 from plait.runtime.constrained.jump_forward import apply_jump_forward, plan_jump_forward
@@ -42,15 +46,20 @@ BACKENDS = ("xgrammar", "outlines")
 PADDED_VOCAB = 49152 + 64  # a model whose lm_head is wider than the tokenizer
 STOP = 2  # <|im_end|>
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "role": {"enum": ["admin", "user"]}}, "required": ["name", "age", "role"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user"]},
+    },
+    "required": ["name", "age", "role"],
+}
 
 
 @pytest.fixture(scope="module")
 def backends(default_tokenizer):
-    made = {name: create_grammar_backend(name, default_tokenizer, PADDED_VOCAB, num_threads=2)
-            for name in BACKENDS}
+    made = {name: create_grammar_backend(name, default_tokenizer, PADDED_VOCAB, num_threads=2) for name in BACKENDS}
     yield made
     for b in made.values():
         b.shutdown()
@@ -101,8 +110,7 @@ def test_apply_bitmask_mixed_batch_and_padded_vocab(backends):
 
 def test_backends_agree_step_by_step(backends, default_tokenizer):
     pattern = r"(cat|dog)s? [0-9]{2}"
-    matchers = {n: backends[n].get_or_compile(("regex", pattern)).result().new_matcher()
-                for n in BACKENDS}
+    matchers = {n: backends[n].get_or_compile(("regex", pattern)).result().new_matcher() for n in BACKENDS}
     for token_id in default_tokenizer.encode("dogs 42", add_special_tokens=False):
         masks = {n: allowed_ids(m) for n, m in matchers.items()}
         assert masks["xgrammar"] == masks["outlines"]
@@ -112,11 +120,37 @@ def test_backends_agree_step_by_step(backends, default_tokenizer):
 
 
 # ---------------------------------------------------------------- JSON schema test suite
-SUITE_FILES = ("type", "enum", "const", "minimum", "maximum", "exclusiveMinimum",
-               "exclusiveMaximum", "minLength", "maxLength", "pattern", "required", "properties",
-               "additionalProperties", "items", "prefixItems", "minItems", "maxItems", "anyOf",
-               "oneOf", "allOf", "not", "uniqueItems", "multipleOf", "ref", "defs",
-               "boolean_schema", "maxProperties", "propertyNames", "patternProperties")
+SUITE_FILES = (
+    "type",
+    "enum",
+    "const",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "required",
+    "properties",
+    "additionalProperties",
+    "items",
+    "prefixItems",
+    "minItems",
+    "maxItems",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "not",
+    "uniqueItems",
+    "multipleOf",
+    "ref",
+    "defs",
+    "boolean_schema",
+    "maxProperties",
+    "propertyNames",
+    "patternProperties",
+)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -165,8 +199,7 @@ def _bench_records(per_category: int, max_chars: int = 10**9):
     return records
 
 
-@pytest.mark.parametrize("name,per_category,max_chars", [("xgrammar", 3, 10**9),
-                                                          ("outlines", 1, 1500)])
+@pytest.mark.parametrize("name,per_category,max_chars", [("xgrammar", 3, 10**9), ("outlines", 1, 1500)])
 def test_real_world_schemas(backends, default_tokenizer, name, per_category, max_chars):
     """A sample of JSONSchemaBench compiles or fails with a reported error; valid instances are
     accepted; invalid ones are rejected unless a warning covers them (format checks are
@@ -174,8 +207,7 @@ def test_real_world_schemas(backends, default_tokenizer, name, per_category, max
     errors, accepted, total, unexplained = [], 0, 0, []
     for rec in _bench_records(per_category, max_chars):
         try:
-            compiled = backends[name].get_or_compile(("json", json.dumps(rec["schema"]))).result(
-                timeout=120)
+            compiled = backends[name].get_or_compile(("json", json.dumps(rec["schema"]))).result(timeout=120)
         except ValueError as e:
             errors.append((rec["id"], str(e)))
             continue
@@ -227,7 +259,7 @@ def test_named_regexes_fullmatch(backends, default_tokenizer, name):
 
 def test_ebnf_json_grammar_and_custom(backends, default_tokenizer):
     compiled = backends["xgrammar"].get_or_compile(("ebnf", load_ebnf("json"))).result()
-    for text in ('{"a":[1,2.5,-3e2,true,null],"b":{"c":"\\u00e9"}}', '[ ]', '"x"'):
+    for text in ('{"a":[1,2.5,-3e2,true,null],"b":{"c":"\\u00e9"}}', "[ ]", '"x"'):
         assert accepts(compiled.new_matcher(), default_tokenizer, text), text
     for text in ('{"a":}', "[1,]", "{'a':1}"):
         assert not accepts(compiled.new_matcher(), default_tokenizer, text), text
@@ -265,8 +297,11 @@ INVALID = [
     ("json", '{"type": 5}', "not a valid JSON schema"),
     ("json", '{"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}', "$defs"),
     # nothing is fetched: a reference to another document would silently allow any JSON there
-    ("json", '{"type": "object", "properties": {"a": {"$ref": "https://example.com/address.json"}}}',
-     "$ref to another document at /properties/a"),
+    (
+        "json",
+        '{"type": "object", "properties": {"a": {"$ref": "https://example.com/address.json"}}}',
+        "$ref to another document at /properties/a",
+    ),
     ("ebnf", "root ::= foo", 'Rule "foo" is not defined'),
     ("ebnf", "root ::= (", "ebnf"),
     ("xml", "<a/>", "grammar kind must be one of"),
@@ -290,9 +325,13 @@ def test_invalid_constraints_raise_clear_errors(backends, kind, text, message):
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_unenforced_features_are_reported(backends, name):
-    schema = json.dumps({"type": "object", "properties": {
-        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
-        "required": ["tags"]})
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+            "required": ["tags"],
+        }
+    )
     warnings = validate_constraint("json", schema, name)
     assert any("uniqueItems" in w and "/properties/tags" in w for w in warnings), warnings
     compiled = backends[name].get_or_compile(("json", schema)).result()
@@ -354,12 +393,16 @@ def test_jump_forward_retokenizes_at_the_boundary(backends, default_tokenizer, n
         output.append(token_id)
     plan = plan_jump_forward(matcher, tok, output)
     assert plan.forced_text == ',"age":'
-    new_output = output[:len(output) - plan.rollback_tokens] + list(plan.append_token_ids)
+    new_output = output[: len(output) - plan.rollback_tokens] + list(plan.append_token_ids)
     assert tok.decode(new_output) == '{"name":"Bob","age":'
     # The appended tail is the tokenizer's own encoding of the back-off text plus the forced text.
     tail_start = len(output) - plan.rollback_tokens
-    assert new_output[tail_start:] == tok.encode(tok.decode(output[tail_start:]) + ',"age":',
-                                                 add_special_tokens=False)[:len(new_output) - tail_start]
+    assert (
+        new_output[tail_start:]
+        == tok.encode(tok.decode(output[tail_start:]) + ',"age":', add_special_tokens=False)[
+            : len(new_output) - tail_start
+        ]
+    )
     assert apply_jump_forward(matcher, plan)
     for token_id in tok.encode('33,"role":"admin"}', add_special_tokens=False):
         assert matcher.accept_token(token_id)
@@ -373,8 +416,13 @@ def _fake_req(sampling_params: dict, tokenizer):
     from plait.runtime.detokenizer import IncrementalDetokenizer
     from plait.runtime.sampling_params import SamplingParams
 
-    return SimpleNamespace(sampling_params=SamplingParams.from_dict(sampling_params), grammar=None,
-                           output_ids=[], detok=IncrementalDetokenizer(tokenizer), finished_reason=None)
+    return SimpleNamespace(
+        sampling_params=SamplingParams.from_dict(sampling_params),
+        grammar=None,
+        output_ids=[],
+        detok=IncrementalDetokenizer(tokenizer),
+        finished_reason=None,
+    )
 
 
 def test_grammar_manager_mixed_batch_and_jump_forward(default_tokenizer):

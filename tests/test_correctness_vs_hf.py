@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-from plait.runtime import Engine
-
 from conftest import hf_greedy
+from plait.runtime import Engine
+from transformers import AutoModelForCausalLM
 
 PROMPTS = [
     "The capital of France is",
@@ -82,11 +80,13 @@ def test_prompt_logprobs_match_transformers(random_models):
     ref = torch.log_softmax(logits, -1)
     expected = [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
     with Engine(model_path=path) as eng:
-        out = eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                           logprob_start_len=0)
+        out = eng.generate(
+            input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+        )
         # Same request again: the prefix is cached now but the prompt logprobs must be recomputed.
-        again = eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                             logprob_start_len=0)
+        again = eng.generate(
+            input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+        )
     for o in (out, again):
         got = o["meta_info"]["input_token_logprobs"]
         assert got[0][0] is None and got[0][1] == prompt[0]

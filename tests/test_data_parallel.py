@@ -12,13 +12,12 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from conftest import hf_greedy
 from model_folders import EOS, make_folder
 from plait.runtime import Engine
 from plait.runtime.engine.tokenizer_manager import EngineUnavailableError
 from test_parallel import alive, children_of
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.timeout(600)
 

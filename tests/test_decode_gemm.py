@@ -9,7 +9,6 @@ import importlib
 
 import pytest
 import torch
-
 from plait.runtime.kernel_choices import KernelChoices, using
 
 torch.set_num_threads(1)
@@ -72,8 +71,9 @@ def test_decode_gemm_output_buffer_and_bad_input():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [2, 16, 33, 64])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (3072, 2048),
-                                 (2048, 8192)])
+@pytest.mark.parametrize(
+    "n,k", [(6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (3072, 2048), (2048, 8192)]
+)
 def test_gpu_decode_gemm_bf16_real_shapes(rows, n, k):
     m = dg()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -92,16 +92,20 @@ def test_gpu_model_linears_take_decode_gemm_for_a_few_rows(monkeypatch):
     from plait.runtime.models.layers import DECODE_GEMM_ROWS, share_split_k_workspace, skinny_linear
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4096, 6144, bias=True), torch.nn.Linear(14336, 4096, bias=False),
-                                torch.nn.Embedding(128256, 4096)).to("cuda", torch.bfloat16)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4096, 6144, bias=True),
+        torch.nn.Linear(14336, 4096, bias=False),
+        torch.nn.Embedding(128256, 4096),
+    ).to("cuda", torch.bfloat16)
     share_split_k_workspace(model)
     shared = model[0].split_k_workspace
     assert model[1].split_k_workspace is shared and model[2].split_k_workspace is shared
     for rows in (2, 9, DECODE_GEMM_ROWS, 64):
         for layer in model:
             x = torch.randn(rows, layer.weight.shape[1], device="cuda", dtype=torch.bfloat16)
-            ref = x.double() @ layer.weight.double().T + (layer.bias.double() if getattr(layer, "bias", None)
-                                                           is not None else 0)
+            ref = x.double() @ layer.weight.double().T + (
+                layer.bias.double() if getattr(layer, "bias", None) is not None else 0
+            )
             y = skinny_linear(x, layer, out_dtype=torch.float32)
             assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-2
             with using(KernelChoices(decode_gemm=False)):  # the matmul library: same values within rounding
@@ -118,8 +122,9 @@ def test_split_k_workspace_grows_without_freeing_what_earlier_launches_hold():
     cfg = m.DecodeGemmConfig(block_n=64, block_k=32, split_k=2)
     m.decode_gemm(x, w, cfg, ws)
     old_partials, old_counters = ws.partials, ws.counters
-    big = m.decode_gemm(torch.randn(40, 256), torch.randn(300, 256), m.DecodeGemmConfig(block_n=64, block_k=32,
-                                                                                          split_k=4), ws)
+    big = m.decode_gemm(
+        torch.randn(40, 256), torch.randn(300, 256), m.DecodeGemmConfig(block_n=64, block_k=32, split_k=4), ws
+    )
     assert ws.partials.numel() > old_partials.numel() and ws.counters.numel() > old_counters.numel()
     assert any(t is old_partials for t in ws._outgrown) and any(t is old_counters for t in ws._outgrown)
     assert int(old_counters.abs().sum()) == 0 and big.shape == (40, 300)

@@ -70,8 +70,12 @@ def test_gpu_gemv_pdl_chain_in_cuda_graph():
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * scale
 
-    x, w_qkv, w_o, w_head = rand(1, 4096), rand(6144, 4096, scale=0.02), rand(4096, 4096, scale=0.02), \
-        rand(32000, 4096, scale=0.02)
+    x, w_qkv, w_o, w_head = (
+        rand(1, 4096),
+        rand(6144, 4096, scale=0.02),
+        rand(4096, 4096, scale=0.02),
+        rand(32000, 4096, scale=0.02),
+    )
 
     def chain():
         o = g.gemv(g.gemv(x, w_qkv)[:, :4096], w_o)  # (1, 4096): PDL kernel after PDL kernel
@@ -94,6 +98,7 @@ def test_gpu_gemv_pdl_chain_in_cuda_graph():
 
 
 # ---------------------------------------------------------------- greedy argmax (runtime/kernels/argmax.py)
+
 
 def argmax_rows():
     import importlib

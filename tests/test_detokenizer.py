@@ -5,11 +5,10 @@ yields U+FFFD. The detokenizer must hold such text back and never emit it.
 """
 
 import pytest
-
 from plait.runtime.detokenizer import IncrementalDetokenizer, find_stop_regex, find_stop_string
-from plait.runtime.scheduler.outputs import OutputBuilder
-from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.request import FinishReason, Req
+from plait.runtime.sampling_params import SamplingParams
+from plait.runtime.scheduler.outputs import OutputBuilder
 
 MULTIBYTE_TEXTS = [
     "Café naïve — 日本語のテキスト 🚀🎉 emoji 👩‍👩‍👧 done. Ünïcödé ✓ 中文",
@@ -21,7 +20,7 @@ CONTEXT_LEN = 10_000
 
 def stream_deltas(tokenizer, ids, chunk=1, skip_special_tokens=True):
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-    deltas = [detok.step(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas = [detok.step(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     deltas.append(detok.flush())
     return detok, deltas
 
@@ -57,8 +56,7 @@ def test_emitted_text_is_always_a_prefix_of_the_final_text(default_tokenizer):
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_special_tokens_follow_skip_special_tokens(default_tokenizer, skip):
-    ids = (default_tokenizer.encode("Hello 🌍") + [default_tokenizer.eos_token_id]
-           + default_tokenizer.encode(" after ✓"))
+    ids = default_tokenizer.encode("Hello 🌍") + [default_tokenizer.eos_token_id] + default_tokenizer.encode(" after ✓")
     _, deltas = stream_deltas(default_tokenizer, ids, skip_special_tokens=skip)
     assert "".join(deltas) == default_tokenizer.decode(ids, skip_special_tokens=skip)
     assert ("<|im_end|>" in "".join(deltas)) is not skip
@@ -93,8 +91,9 @@ def test_find_stop_regex_picks_the_earliest_match():
 def make_req(tokenizer, stream=False, **params) -> Req:
     sp = SamplingParams.from_dict({"max_new_tokens": 200, **params})
     sp.verify(tokenizer.vocab_size)
-    return Req("r", tokenizer.encode("Q:"), sp, tokenizer=tokenizer, stream=stream,
-               eos_token_ids=(tokenizer.eos_token_id,))
+    return Req(
+        "r", tokenizer.encode("Q:"), sp, tokenizer=tokenizer, stream=stream, eos_token_ids=(tokenizer.eos_token_id,)
+    )
 
 
 def feed(builder: OutputBuilder, r: Req, ids: list[int]) -> tuple[list[str], str | None]:
@@ -114,12 +113,15 @@ def feed(builder: OutputBuilder, r: Req, ids: list[int]) -> tuple[list[str], str
     return deltas, final
 
 
-@pytest.mark.parametrize("stop, expected", [
-    ("is 42", "The answer "),  # spans several tokens
-    ("🚀", "The answer is 42 "),  # one character made of several byte tokens
-    ("42 🚀 and", "The answer is "),
-    ("answ", "The "),  # ends inside the token " answer": nothing after it is kept
-])
+@pytest.mark.parametrize(
+    "stop, expected",
+    [
+        ("is 42", "The answer "),  # spans several tokens
+        ("🚀", "The answer is 42 "),  # one character made of several byte tokens
+        ("42 🚀 and", "The answer is "),
+        ("answ", "The "),  # ends inside the token " answer": nothing after it is kept
+    ],
+)
 def test_stop_string_spanning_tokens_is_found_and_trimmed(default_tokenizer, stop, expected):
     text = "The answer is 42 🚀 and the rest is never reached."
     ids = default_tokenizer.encode(text)
@@ -187,7 +189,7 @@ def test_text_decoder_matches_tokenizer_decode(default_tokenizer):
     dec = TextDecoder(default_tokenizer)
     assert dec._rust is not None  # the fast path is really taken for this tokenizer
     seqs = [default_tokenizer.encode(t) for t in MULTIBYTE_TEXTS] + [[default_tokenizer.eos_token_id, 42], []]
-    seqs += [ids[i:i + 2] for ids in seqs[:1] for i in range(len(ids))]  # windows that split characters
+    seqs += [ids[i : i + 2] for ids in seqs[:1] for i in range(len(ids))]  # windows that split characters
     for skip in (True, False):
         want = [default_tokenizer.decode(s, skip_special_tokens=skip) for s in seqs]
         assert dec.decode_many(seqs, skip) == want
@@ -203,8 +205,12 @@ def test_step_many_equals_stepping_each_detokenizer(default_tokenizer):
     length = min(map(len, streams))
     dec = TextDecoder(default_tokenizer)
     # Mixed settings in one batch: a shared decoder, a raw tokenizer, both skip flags, and no tokenizer.
-    make = [lambda: IncrementalDetokenizer(dec, True), lambda: IncrementalDetokenizer(default_tokenizer, False),
-            lambda: IncrementalDetokenizer(dec, False), lambda: IncrementalDetokenizer(None)]
+    make = [
+        lambda: IncrementalDetokenizer(dec, True),
+        lambda: IncrementalDetokenizer(default_tokenizer, False),
+        lambda: IncrementalDetokenizer(dec, False),
+        lambda: IncrementalDetokenizer(None),
+    ]
     one = [make[i % len(make)]() for i in range(len(streams))]
     many = [make[i % len(make)]() for i in range(len(streams))]
     for pos in range(length):
@@ -219,9 +225,15 @@ def test_step_many_equals_stepping_each_detokenizer(default_tokenizer):
 def test_check_finish_many_equals_one_request_at_a_time(default_tokenizer):
     text = "The answer is 42 🚀 and the rest is never reached."
     ids = default_tokenizer.encode(text)
-    params = [{"stop": "is 42"}, {"stop": "🚀", "no_stop_trim": True}, {"stop_token_ids": [ids[3]]},
-              {"stop_token_ids": [ids[3]], "no_stop_trim": True}, {"max_new_tokens": 5}, {"stop_regex": r"\d+ "},
-              {}]
+    params = [
+        {"stop": "is 42"},
+        {"stop": "🚀", "no_stop_trim": True},
+        {"stop_token_ids": [ids[3]]},
+        {"stop_token_ids": [ids[3]], "no_stop_trim": True},
+        {"max_new_tokens": 5},
+        {"stop_regex": r"\d+ "},
+        {},
+    ]
 
     def run(batched: bool):
         builder = OutputBuilder(default_tokenizer, stream_interval=1)
@@ -244,15 +256,26 @@ def test_check_finish_many_equals_one_request_at_a_time(default_tokenizer):
     assert all(reason is not None for _, reason, _, _ in run(batched=True)[:-1])
 
 
-@pytest.mark.parametrize("params", [{}, {"stop_token_ids": "third"}, {"stop_token_ids": "third", "no_stop_trim": True},
-                                    {"max_new_tokens": 4}, {"skip_special_tokens": False}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"stop_token_ids": "third"},
+        {"stop_token_ids": "third", "no_stop_trim": True},
+        {"max_new_tokens": 4},
+        {"skip_special_tokens": False},
+    ],
+)
 def test_deferred_text_decoded_by_the_receiver_equals_the_schedulers(default_tokenizer, params):
     """A request nobody reads text from until the end leaves decoding to the tokenizer manager: what
     it decodes from (output ids, DeferredText) equals the text the scheduler would have sent."""
     from plait.runtime.detokenizer import TextDecoder, decode_as_stepped
 
-    ids = (default_tokenizer.encode("Café 🚀 alpha") + [default_tokenizer.eos_token_id]
-           + default_tokenizer.encode(" beta 日本 gamma"))
+    ids = (
+        default_tokenizer.encode("Café 🚀 alpha")
+        + [default_tokenizer.eos_token_id]
+        + default_tokenizer.encode(" beta 日本 gamma")
+    )
     if params.get("stop_token_ids") == "third":
         params = {**params, "stop_token_ids": [ids[2]]}
 
@@ -275,8 +298,11 @@ def test_deferred_text_decoded_by_the_receiver_equals_the_schedulers(default_tok
     assert r.defer_text and out.deferred_text is not None
     ref_r, ref = final(defer=False)
     assert ref.deferred_text is None and ref.final_text != ""
-    text = decode_as_stepped(TextDecoder(default_tokenizer), [out.new_ids[:out.deferred_text.num_ids]],
-                             [out.deferred_text.skip_special_tokens])[0]
+    text = decode_as_stepped(
+        TextDecoder(default_tokenizer),
+        [out.new_ids[: out.deferred_text.num_ids]],
+        [out.deferred_text.skip_special_tokens],
+    )[0]
     assert (out.new_ids, out.finished_reason, text) == (ref.new_ids, ref.finished_reason, ref.final_text)
 
 

@@ -11,7 +11,6 @@ import json
 from collections import Counter
 
 import pytest
-
 from plait.runtime import Engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
@@ -78,7 +77,7 @@ def test_stop_regex(eng, fact_ref):
     text = fact_ref["text"]
     assert "\n" in text, text
     out = gen(eng, FACT, stop_regex=r"\n+", **GREEDY)
-    assert out["text"] == text[:text.index("\n")]
+    assert out["text"] == text[: text.index("\n")]
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
@@ -100,9 +99,9 @@ def test_max_new_tokens_finishes_with_length(eng, fact_ref):
 def _stop_string(ref_text: str) -> tuple[str, str]:
     """A stop string from the middle of the greedy text, and the text before its first occurrence."""
     stripped = ref_text.strip()
-    stop = stripped[len(stripped) // 2:len(stripped) // 2 + 4]
+    stop = stripped[len(stripped) // 2 : len(stripped) // 2 + 4]
     assert stop.strip(), ref_text
-    return stop, ref_text[:ref_text.index(stop)]
+    return stop, ref_text[: ref_text.index(stop)]
 
 
 def test_stop_string_is_trimmed_and_reported(eng, fact_ref):
@@ -124,7 +123,7 @@ def test_stop_token_ids(eng, fact_ref):
     end = ref.index(stop_tok) + 1
     assert out["output_ids"] == ref[:end]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
-    assert out["text"] == eng.tokenizer.decode(ref[:end - 1])  # the stop token's text is trimmed
+    assert out["text"] == eng.tokenizer.decode(ref[: end - 1])  # the stop token's text is trimmed
 
 
 def test_eos_stops_and_ignore_eos_runs_to_max_new_tokens(eng):
@@ -159,8 +158,9 @@ def test_logit_bias_forces_a_token(eng):
     assert out["output_ids"] == [forced] * 4
 
 
-@pytest.mark.parametrize("penalty", [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
-                                     {"repetition_penalty": 1.5}])
+@pytest.mark.parametrize(
+    "penalty", [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 1.5}]
+)
 def test_penalties_break_a_repetitive_greedy_output(eng, penalty):
     ref = gen(eng, REPETITIVE, **GREEDY)["output_ids"]
     out = gen(eng, REPETITIVE, **GREEDY, **penalty)["output_ids"]
@@ -170,8 +170,13 @@ def test_penalties_break_a_repetitive_greedy_output(eng, penalty):
 
 # ---------------------------------------------------------------------- logprobs
 def test_output_logprobs_fields(eng, fact_ref):
-    out = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 5}, return_logprob=True, top_logprobs_num=3,
-                       return_text_in_logprobs=True)
+    out = eng.generate(
+        FACT,
+        {"temperature": 0, "max_new_tokens": 5},
+        return_logprob=True,
+        top_logprobs_num=3,
+        return_text_in_logprobs=True,
+    )
     meta, ids = out["meta_info"], out["output_ids"]
     lps, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
     assert len(lps) == len(tops) == meta["completion_tokens"] == len(ids) == 5
@@ -189,8 +194,9 @@ def test_output_logprobs_fields(eng, fact_ref):
 
 def test_prompt_logprobs_from_logprob_start_len(eng):
     n_prompt = len(eng.tokenizer.encode(FACT))
-    out = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 1}, return_logprob=True, logprob_start_len=0,
-                       top_logprobs_num=2)
+    out = eng.generate(
+        FACT, {"temperature": 0, "max_new_tokens": 1}, return_logprob=True, logprob_start_len=0, top_logprobs_num=2
+    )
     lps = out["meta_info"]["input_token_logprobs"]
     assert len(lps) == n_prompt
     assert lps[0][0] is None  # the first token has no context
@@ -200,17 +206,20 @@ def test_prompt_logprobs_from_logprob_start_len(eng):
 
     later = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 1}, return_logprob=True, logprob_start_len=2)
     assert [lp for lp, _, _ in later["meta_info"]["input_token_logprobs"]] == pytest.approx(
-        [lp for lp, _, _ in lps[2:]], abs=1e-4)
+        [lp for lp, _, _ in lps[2:]], abs=1e-4
+    )
 
 
 def test_max_new_tokens_zero_runs_prefill_only(eng, fact_ref):
     prompt_ids = eng.tokenizer.encode(FACT)
-    gen_lps = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 3},
-                           return_logprob=True)["meta_info"]["output_token_logprobs"]
+    gen_lps = eng.generate(FACT, {"temperature": 0, "max_new_tokens": 3}, return_logprob=True)["meta_info"][
+        "output_token_logprobs"
+    ]
     # Scoring prompt + generated tokens in one prefill gives the logprobs they were generated with.
     full = prompt_ids + fact_ref["output_ids"][:3]
-    out = eng.generate(input_ids=full, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                       logprob_start_len=len(prompt_ids))
+    out = eng.generate(
+        input_ids=full, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=len(prompt_ids)
+    )
     meta = out["meta_info"]
     assert out["output_ids"] == [] and out["text"] == ""
     assert meta["completion_tokens"] == 0

@@ -11,7 +11,6 @@ import os
 import time
 
 import pytest
-
 from plait.runtime import Engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 3}
@@ -81,8 +80,9 @@ def test_token_ids_from_numpy_torch_and_tuples_are_accepted(eng):
 
 
 def test_a_chat_template_batch_encoding_is_refused_with_the_fix(eng):
-    encoded = eng.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True,
-                                                add_generation_prompt=True, return_dict=True)
+    encoded = eng.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=True, add_generation_prompt=True, return_dict=True
+    )
     with pytest.raises(ValueError, match=r"got a BatchEncoding: pass its \['input_ids'\]"):
         eng.generate(input_ids=encoded, sampling_params=GREEDY)
     out = eng.generate(input_ids=encoded["input_ids"], sampling_params=GREEDY)
@@ -96,8 +96,11 @@ def test_logprob_start_len_past_the_prompt_is_an_error_not_an_empty_list(eng):
     assert len(last["meta_info"]["input_token_logprobs"]) == 1
     for start in (len(ids), len(ids) + 7):
         # Before: input_token_logprobs == [] without a word (SGLang refuses such a request too).
-        with pytest.raises(ValueError, match=rf"logprob_start_len \({start}\) must be less than the prompt's "
-                                             rf"{len(ids)} tokens"):
+        with pytest.raises(
+            ValueError,
+            match=rf"logprob_start_len \({start}\) must be less than the prompt's "
+            rf"{len(ids)} tokens",
+        ):
             eng.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True, logprob_start_len=start)
     # Without return_logprob the start is not used, as in SGLang.
     assert eng.generate(input_ids=ids, sampling_params=GREEDY, logprob_start_len=len(ids))["output_ids"]
@@ -118,8 +121,11 @@ def test_stream_interval_per_request(eng):
 
 def test_sglang_engine_methods_plait_lacks_say_so(eng):
     # Before: AttributeError, as for a misspelled name.
-    with pytest.raises(NotImplementedError, match=r"Engine.update_weights_from_disk\(\) \(an SGLang Engine method\) "
-                                                  r"is not supported by plait: the weights are loaded once"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"Engine.update_weights_from_disk\(\) \(an SGLang Engine method\) "
+        r"is not supported by plait: the weights are loaded once",
+    ):
         eng.update_weights_from_disk("/some/checkpoint")
     with pytest.raises(NotImplementedError, match="no embeddings"):
         eng.encode("Hello")

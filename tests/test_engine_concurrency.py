@@ -19,7 +19,6 @@ import time
 import weakref
 
 import pytest
-
 from plait.runtime import Engine
 
 SHORT = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
@@ -44,9 +43,11 @@ def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
 def assert_idle(eng) -> None:
     """Nothing left anywhere: the scheduler holds no request (aborts travel asynchronously), the
     tokenizer manager no state, and every KV slot is accounted for."""
+
     def idle():
         stats = eng.get_stats()
         return stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+
     wait_until(idle, "the scheduler is idle")
     assert not eng.tokenizer_manager.states
     assert eng.check_integrity()
@@ -73,6 +74,7 @@ def test_threads_and_asyncio_tasks_at_once(eng):
     def async_callers():
         async def run():
             return await asyncio.gather(*[eng.async_generate(f"Task {i} says", SHORT) for i in range(8)])
+
         for i, out in enumerate(asyncio.run(run())):
             results[f"a{i}"] = out
 
@@ -164,7 +166,7 @@ def test_a_bad_item_refuses_the_whole_batch(eng):
     with pytest.raises(ValueError, match="batch item 1: .*temperature"):
         eng.generate(["a", "b", "c"], [SHORT, {**SHORT, "temperature": -1}, SHORT])
     with pytest.raises(ValueError, match="batch item 1: input_ids must be ints in"):
-        eng.generate(input_ids=[[1, 2], [1, 10 ** 9], [3]], sampling_params=SHORT)
+        eng.generate(input_ids=[[1, 2], [1, 10**9], [3]], sampling_params=SHORT)
     assert eng.get_stats()["num_finished"] == before
     assert_idle(eng)
 
@@ -183,11 +185,14 @@ def test_shutdown_with_requests_in_flight_fails_them_and_the_scheduler_exits():
     async def awaited():
         return await eng.async_generate("Write a poem", ENDLESS)
 
-    callers = [threading.Thread(target=record, args=(name, fn)) for name, fn in [
-        ("sync", lambda: eng.generate("Write a poem", ENDLESS)),
-        ("stream", lambda: list(eng.generate("Write a poem", ENDLESS, stream=True))),
-        ("async", lambda: asyncio.run(awaited())),
-    ]]
+    callers = [
+        threading.Thread(target=record, args=(name, fn))
+        for name, fn in [
+            ("sync", lambda: eng.generate("Write a poem", ENDLESS)),
+            ("stream", lambda: list(eng.generate("Write a poem", ENDLESS, stream=True))),
+            ("async", lambda: asyncio.run(awaited())),
+        ]
+    ]
     for t in callers:
         t.start()
     wait_until(lambda: eng.get_stats()["num_running_reqs"] == 3, "the three requests run")
@@ -242,8 +247,9 @@ def test_ctrl_c_during_a_blocking_generate_exits_cleanly(tmp_path):
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_SCRIPT)
     # A session of its own: Ctrl-C in a terminal signals the whole process group, the scheduler included.
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         scheduler_pid = int(proc.stdout.readline())
         time.sleep(1.0)  # inside the blocking generate
@@ -304,6 +310,9 @@ def test_ttft_of_a_request_not_streamed_is_its_first_token_not_its_end(eng):
     meta = out["meta_info"]
     assert meta["completion_tokens"] == 24
     assert 0 < meta["ttft"] < meta["e2e_latency"] / 2, meta
-    streamed = list(eng.generate("Count from one to twenty:", {"temperature": 0, "max_new_tokens": 24,
-                                                              "ignore_eos": True}, stream=True))[-1]["meta_info"]
+    streamed = list(
+        eng.generate(
+            "Count from one to twenty:", {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}, stream=True
+        )
+    )[-1]["meta_info"]
     assert 0 < streamed["ttft"] < streamed["e2e_latency"] / 2, streamed

@@ -11,9 +11,8 @@ import json
 import time
 
 import pytest
-
-from plait.runtime import Engine
 import test_engine_api as api
+from plait.runtime import Engine
 from test_engine_api import EOS_AT_ONCE, FACT, GREEDY, _stop_string, gen
 
 # The same module-scoped fixtures: pytest runs them once for this module too (its own engine).
@@ -23,9 +22,11 @@ eng, fact_ref = api.eng, api.fact_ref
 # ---------------------------------------------------------------------- batches and streaming
 def test_batch_with_per_prompt_sampling_params(eng, fact_ref):
     prompts = [FACT, EOS_AT_ONCE, FACT]
-    params = [{"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
-              {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
-              GREEDY]
+    params = [
+        {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
+        {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+        GREEDY,
+    ]
     outs = eng.generate(prompts, params)
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 4, 12]
     assert outs[0]["output_ids"] == fact_ref["output_ids"][:2]
@@ -43,7 +44,7 @@ def _check_cumulative(chunks, final_text):
     assert len(chunks) > 1
     for prev, cur in zip(chunks, chunks[1:]):
         assert cur["text"].startswith(prev["text"])
-        assert cur["output_ids"][:len(prev["output_ids"])] == prev["output_ids"]
+        assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"] is not None
     assert chunks[-1]["text"] == final_text
@@ -154,10 +155,15 @@ def test_a_rid_in_flight_cannot_be_reused(eng):
 
 def test_64_concurrent_requests_all_complete(eng):
     async def run():
-        return await asyncio.gather(*[
-            eng.async_generate(f"Question {i}: what is {i} plus {i}?",
-                               {"temperature": 0.7, "seed": i, "max_new_tokens": 4, "ignore_eos": True})
-            for i in range(64)])
+        return await asyncio.gather(
+            *[
+                eng.async_generate(
+                    f"Question {i}: what is {i} plus {i}?",
+                    {"temperature": 0.7, "seed": i, "max_new_tokens": 4, "ignore_eos": True},
+                )
+                for i in range(64)
+            ]
+        )
 
     outs = asyncio.run(run())
     assert len(outs) == 64
@@ -167,24 +173,27 @@ def test_64_concurrent_requests_all_complete(eng):
 
 
 # ---------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(prompt=""), "prompt is empty"),
-    (dict(prompt=[]), "prompt is an empty list"),
-    (dict(input_ids=[]), "prompt is empty"),
-    (dict(prompt=FACT, input_ids=[1, 2]), "exactly one of prompt"),
-    (dict(prompt=FACT, sampling_params={"max_new_tokens": -1}), "max_new_tokens"),
-    (dict(prompt=FACT, sampling_params={"top_p": 0}), "top_p"),
-    (dict(prompt=FACT, sampling_params={"max_tokens": 5}), "unknown sampling parameter.*max_tokens"),
-    (dict(prompt=FACT, sampling_params={"stop": 7}), "stop"),
-    (dict(prompt=[FACT, ""]), "prompt is empty"),
-    (dict(input_ids=[1, 10 ** 9]), "input_ids"),
-    (dict(input_ids=[1, -3]), "input_ids must be ints in"),
-    (dict(input_ids=[1, 2.5]), "input_ids must be ints in"),
-    (dict(input_ids=[[1, 2], [3, "x"]]), "input_ids must be ints in"),
-    (dict(input_ids=[5] * 9000), "prompt is too long.*context length"),
-    (dict(input_ids=[5] * 5000), "prompt is too long.*KV cache"),
-    (dict(prompt=FACT, top_logprobs_num=-1, return_logprob=True), "top_logprobs_num"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt=[]), "prompt is an empty list"),
+        (dict(input_ids=[]), "prompt is empty"),
+        (dict(prompt=FACT, input_ids=[1, 2]), "exactly one of prompt"),
+        (dict(prompt=FACT, sampling_params={"max_new_tokens": -1}), "max_new_tokens"),
+        (dict(prompt=FACT, sampling_params={"top_p": 0}), "top_p"),
+        (dict(prompt=FACT, sampling_params={"max_tokens": 5}), "unknown sampling parameter.*max_tokens"),
+        (dict(prompt=FACT, sampling_params={"stop": 7}), "stop"),
+        (dict(prompt=[FACT, ""]), "prompt is empty"),
+        (dict(input_ids=[1, 10**9]), "input_ids"),
+        (dict(input_ids=[1, -3]), "input_ids must be ints in"),
+        (dict(input_ids=[1, 2.5]), "input_ids must be ints in"),
+        (dict(input_ids=[[1, 2], [3, "x"]]), "input_ids must be ints in"),
+        (dict(input_ids=[5] * 9000), "prompt is too long.*context length"),
+        (dict(input_ids=[5] * 5000), "prompt is too long.*KV cache"),
+        (dict(prompt=FACT, top_logprobs_num=-1, return_logprob=True), "top_logprobs_num"),
+    ],
+)
 def test_bad_input_raises_value_error_and_the_engine_keeps_serving(eng, kwargs, message):
     with pytest.raises(ValueError, match=message):
         eng.generate(**kwargs)
@@ -207,11 +216,24 @@ def test_unknown_server_argument_is_rejected_before_starting():
 # ---------------------------------------------------------------------- lifecycle
 def test_context_manager_shuts_the_scheduler_down(tmp_path):
     # A tiny random-weight model: starting it is quick, and there is no tokenizer (ids in, ids out).
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
-                  max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
-                  bos_token_id=0, eos_token_id=1)
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
+
     class Boom(Exception):
         pass
 
@@ -245,8 +267,10 @@ def test_missing_model_package_error_names_the_install_command(monkeypatch, tmp_
 
 def test_step_stats_count_prefill_and_decode_steps(eng):
     before = eng.get_stats()["steps"]
-    outs = eng.generate(input_ids=[[1, 2, 3, 4], [5, 6, 7, 8, 9]],
-                        sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
+    outs = eng.generate(
+        input_ids=[[1, 2, 3, 4], [5, 6, 7, 8, 9]],
+        sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+    )
     after = eng.get_stats()["steps"]
     assert [len(o["output_ids"]) for o in outs] == [4, 4]
     pre = {k: after["prefill"][k] - before["prefill"][k] for k in ("steps", "rows", "tokens")}

@@ -14,15 +14,13 @@ import types
 
 import pytest
 import torch
-
+from conftest import make_random_model, near_tie_report
 from plait.runtime import Engine
 from plait.runtime.attention import create_attention_backend
 from plait.runtime.attention.base import AttentionLayerSpec
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
 from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool
-
-from conftest import make_random_model, near_tie_report
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 needs_flashinfer = pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
@@ -50,8 +48,9 @@ class _Pools:
 
     def __init__(self, heads, kv_heads, head_dim, prefix_lens, extend_lens, seed=0):
         g = torch.Generator().manual_seed(seed)
-        self.layer = AttentionLayerSpec(layer_id=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                        scaling=head_dim ** -0.5)
+        self.layer = AttentionLayerSpec(
+            layer_id=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, scaling=head_dim**-0.5
+        )
         self.prefix_lens, self.extend_lens = prefix_lens, extend_lens
         self.seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         num_slots = sum(self.seq_lens) + 64
@@ -59,18 +58,22 @@ class _Pools:
         for buf in self.kv_pool.k_buffer + self.kv_pool.v_buffer:
             buf.copy_(torch.randn(buf.shape, generator=g))
         self.r2t = ReqToTokenPool(len(self.seq_lens) + 4, max(self.seq_lens) + 8, "cuda")
-        slots = torch.randperm(num_slots, generator=g)[:sum(self.seq_lens)] + 1  # never the dummy slot 0
-        self.rows = (torch.randperm(self.r2t.size - 1, generator=g)[:len(self.seq_lens)] + 1).tolist()
+        slots = torch.randperm(num_slots, generator=g)[: sum(self.seq_lens)] + 1  # never the dummy slot 0
+        self.rows = (torch.randperm(self.r2t.size - 1, generator=g)[: len(self.seq_lens)] + 1).tolist()
         self.slots, start = [], 0
         for row, n in zip(self.rows, self.seq_lens):
-            self.r2t.write(row, 0, slots[start:start + n].cuda())
-            self.slots.append(slots[start:start + n])
+            self.r2t.write(row, 0, slots[start : start + n].cuda())
+            self.slots.append(slots[start : start + n])
             start += n
         self.g = g
         self.runner = types.SimpleNamespace(
-            device="cuda", dtype=torch.bfloat16, max_total_tokens=num_slots,
-            model_config=types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                               head_dim=head_dim))
+            device="cuda",
+            dtype=torch.bfloat16,
+            max_total_tokens=num_slots,
+            model_config=types.SimpleNamespace(
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim
+            ),
+        )
 
     def q(self, tokens):
         return torch.randn(tokens, self.layer.num_heads, self.layer.head_dim, generator=self.g).cuda().bfloat16()
@@ -78,25 +81,39 @@ class _Pools:
     def batch(self, mode, backend, rows=None, seq_lens=None, batch_size=None, seq_lens_cpu=None):
         rows = self.rows if rows is None else rows
         seq_lens = self.seq_lens if seq_lens is None else seq_lens
-        common = dict(req_pool_indices=torch.tensor(rows, device="cuda"),
-                      seq_lens=torch.tensor(seq_lens, device="cuda"),
-                      seq_lens_cpu=list(seq_lens) if seq_lens_cpu is None else seq_lens_cpu,
-                      req_to_token_pool=self.r2t, kv_pool=self.kv_pool, attn_backend=backend)
+        common = dict(
+            req_pool_indices=torch.tensor(rows, device="cuda"),
+            seq_lens=torch.tensor(seq_lens, device="cuda"),
+            seq_lens_cpu=list(seq_lens) if seq_lens_cpu is None else seq_lens_cpu,
+            req_to_token_pool=self.r2t,
+            kv_pool=self.kv_pool,
+            attn_backend=backend,
+        )
         if mode is ForwardMode.DECODE:
             n = len(rows)
-            return ForwardBatch(forward_mode=mode, batch_size=batch_size or n,
-                                input_ids=torch.zeros(n, dtype=torch.int64, device="cuda"),
-                                positions=torch.tensor([max(s - 1, 0) for s in seq_lens], device="cuda"),
-                                out_cache_loc=torch.zeros(n, dtype=torch.int64, device="cuda"), **common)
+            return ForwardBatch(
+                forward_mode=mode,
+                batch_size=batch_size or n,
+                input_ids=torch.zeros(n, dtype=torch.int64, device="cuda"),
+                positions=torch.tensor([max(s - 1, 0) for s in seq_lens], device="cuda"),
+                out_cache_loc=torch.zeros(n, dtype=torch.int64, device="cuda"),
+                **common,
+            )
         ext = torch.tensor(self.extend_lens, device="cuda")
         new_slots = torch.cat([s[p:] for s, p in zip(self.slots, self.prefix_lens)]).cuda()
         return ForwardBatch(
-            forward_mode=mode, batch_size=len(rows), input_ids=torch.zeros(int(ext.sum()), dtype=torch.int64,
-                                                                           device="cuda"),
+            forward_mode=mode,
+            batch_size=len(rows),
+            input_ids=torch.zeros(int(ext.sum()), dtype=torch.int64, device="cuda"),
             positions=torch.cat([torch.arange(p, p + e) for p, e in zip(self.prefix_lens, self.extend_lens)]).cuda(),
-            out_cache_loc=new_slots, extend_prefix_lens=torch.tensor(self.prefix_lens, device="cuda"),
-            extend_seq_lens=ext, extend_start_loc=torch.cumsum(ext, 0) - ext,
-            extend_prefix_lens_cpu=list(self.prefix_lens), extend_seq_lens_cpu=list(self.extend_lens), **common)
+            out_cache_loc=new_slots,
+            extend_prefix_lens=torch.tensor(self.prefix_lens, device="cuda"),
+            extend_seq_lens=ext,
+            extend_start_loc=torch.cumsum(ext, 0) - ext,
+            extend_prefix_lens_cpu=list(self.prefix_lens),
+            extend_seq_lens_cpu=list(self.extend_lens),
+            **common,
+        )
 
 
 def _flashinfer(pools):
@@ -172,10 +189,18 @@ def test_cuda_graph_decode_with_padding_matches_torch_native(host_lens_given):
 
     def static_batch(seq_lens_cpu):
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=torch.zeros(bs, dtype=torch.int64, device="cuda"),
-            positions=torch.zeros(bs, dtype=torch.int64, device="cuda"), req_pool_indices=static_req,
-            seq_lens=static_lens, out_cache_loc=torch.zeros(bs, dtype=torch.int64, device="cuda"),
-            seq_lens_cpu=seq_lens_cpu, req_to_token_pool=pools.r2t, kv_pool=pools.kv_pool, attn_backend=backend)
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=torch.zeros(bs, dtype=torch.int64, device="cuda"),
+            positions=torch.zeros(bs, dtype=torch.int64, device="cuda"),
+            req_pool_indices=static_req,
+            seq_lens=static_lens,
+            out_cache_loc=torch.zeros(bs, dtype=torch.int64, device="cuda"),
+            seq_lens_cpu=seq_lens_cpu,
+            req_to_token_pool=pools.r2t,
+            kv_pool=pools.kv_pool,
+            attn_backend=backend,
+        )
 
     fb = static_batch([1] * bs)
     backend.init_forward_metadata_capture_cuda_graph(fb)
@@ -207,10 +232,21 @@ def _make_head_dim_64_model(folder: str) -> str:
     """A random Llama with head_dim 64 (conftest's random models use 16, not a FlashInfer size)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                               max_position_embeddings=1024, initializer_range=0.3, bos_token_id=0,
-                               eos_token_id=1, rope_theta=10000.0, tie_word_embeddings=False)
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=1,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(5)
     AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).save_pretrained(folder)
     return folder
@@ -222,14 +258,20 @@ def test_engine_greedy_matches_torch_native(tmp_path):
     model = _make_head_dim_64_model(str(tmp_path / "llama_d64"))
     g = torch.Generator().manual_seed(11)
     shared = torch.randint(2, 256, (150,), generator=g).tolist()
-    prompts = [torch.randint(2, 256, (int(torch.randint(4, 300, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(12)]
+    prompts = [
+        torch.randint(2, 256, (int(torch.randint(4, 300, (1,), generator=g)),), generator=g).tolist() for _ in range(12)
+    ]
     prompts += [shared + torch.randint(2, 256, (k,), generator=g).tolist() for k in (3, 40, 90, 7)]
     sp = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
     outs = {}
     for backend in ("flashinfer", "torch_native"):
-        with Engine(model_path=model, attention_backend=backend, dtype="bfloat16", cuda_graph_max_bs=16,
-                    disable_cuda_graph=backend == "torch_native") as eng:
+        with Engine(
+            model_path=model,
+            attention_backend=backend,
+            dtype="bfloat16",
+            cuda_graph_max_bs=16,
+            disable_cuda_graph=backend == "torch_native",
+        ) as eng:
             eng.generate(input_ids=shared, sampling_params={"max_new_tokens": 1})  # the prefix is cached
             outs[backend] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
             assert eng.check_integrity()
@@ -239,8 +281,10 @@ def test_engine_greedy_matches_torch_native(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
     for backend, out in outs.items():
         exact, worst_gap = near_tie_report(hf, prompts, out)
-        print(f"{backend}: {exact:.1%} of steps are transformers' argmax, worst gap {worst_gap:.3f}; "
-              f"sequences equal to the other backend's {agree:.2f}")
+        print(
+            f"{backend}: {exact:.1%} of steps are transformers' argmax, worst gap {worst_gap:.3f}; "
+            f"sequences equal to the other backend's {agree:.2f}"
+        )
         # bf16: kernels round differently, so a sequence may take the other branch of a near-tie; every
         # step must still be transformers' choice or a near-tie under its own logits.
         assert exact >= 0.9 and worst_gap < 0.05

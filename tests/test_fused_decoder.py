@@ -7,13 +7,11 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-
+from conftest import tiny_llama_model
 from plait.runtime.kvcache.memory_pool import KVPool
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.layers import rms_norm_torch, set_use_triton
 from plait.runtime.models.llama import LlamaForCausalLM
-
-from conftest import tiny_llama_model
 
 torch.set_num_threads(1)
 
@@ -29,8 +27,9 @@ class _CausalAttention:
             v = fb.kv_pool.v_buffer[spec.layer_id][fb.out_cache_loc]
         rep = spec.num_heads // spec.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, scale=spec.scaling)  # (H, T, D)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=spec.scaling
+        )  # (H, T, D)
         return o.transpose(0, 1).reshape(q.shape[0], -1)
 
 
@@ -39,8 +38,12 @@ def _hidden_both_ways(model, device):
     positions = torch.tensor([0, 1, 2, 3, 4, 5], device=device)
     cfg = model.config
     pool = KVPool(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
-    fb = types.SimpleNamespace(capture_layers=(), attn_backend=_CausalAttention(), kv_pool=pool,
-                               out_cache_loc=torch.tensor([9, 2, 4, 11, 1, 6], device=device))
+    fb = types.SimpleNamespace(
+        capture_layers=(),
+        attn_backend=_CausalAttention(),
+        kv_pool=pool,
+        out_cache_loc=torch.tensor([9, 2, 4, 11, 1, 6], device=device),
+    )
     with torch.no_grad():
         set_use_triton(model, False)
         ref = model(ids, positions, fb)
@@ -59,8 +62,16 @@ def test_decoder_forward_fused_equals_torch(arch):
 
 
 def test_model_without_layers_is_the_normed_embedding():
-    cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=32, intermediate_size=64, num_hidden_layers=0,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=50)
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=0,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=50,
+    )
     model = LlamaForCausalLM(cfg, max_position=64).eval()
     ids = torch.tensor([3, 7, 1])
     with torch.no_grad():
@@ -69,6 +80,7 @@ def test_model_without_layers_is_the_normed_embedding():
 
 
 # ---------------------------------------------------------------- GPU
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])

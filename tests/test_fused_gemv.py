@@ -15,14 +15,13 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-
-from plait.runtime.kernel_choices import KernelChoices, current as current_choices, using
+from conftest import tiny_llama_model
+from plait.runtime.kernel_choices import KernelChoices, using
+from plait.runtime.kernel_choices import current as current_choices
 from plait.runtime.kvcache.memory_pool import KVPool
 from plait.runtime.models import layers
 from plait.runtime.models.layers import rms_norm_torch, set_use_triton, silu_and_mul_torch
 from plait.runtime.models.llama import LlamaForCausalLM
-
-from conftest import tiny_llama_model
 
 torch.set_num_threads(1)
 
@@ -165,6 +164,7 @@ def test_fused_gemv_bad_input_names_the_problem():
 
 # ---------------------------------------------------------------- the decoder's one-row path
 
+
 class _OneTokenAttention:
     """Attention of a single token at position 0 over itself: the output is its own v (per query head)."""
 
@@ -178,8 +178,12 @@ class _OneTokenAttention:
 def _one_token_batch(model: LlamaForCausalLM, device="cpu"):
     cfg = model.config
     pool = KVPool(8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
-    fb = types.SimpleNamespace(capture_layers=(), attn_backend=_OneTokenAttention(), kv_pool=pool,
-                               out_cache_loc=torch.tensor([3], device=device))
+    fb = types.SimpleNamespace(
+        capture_layers=(),
+        attn_backend=_OneTokenAttention(),
+        kv_pool=pool,
+        out_cache_loc=torch.tensor([3], device=device),
+    )
     return torch.tensor([17], device=device), torch.tensor([0], device=device), fb
 
 
@@ -217,8 +221,11 @@ def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch, fus
         hidden = model(ids, positions, fb)
         logits = model.forward_logits(ids, positions, fb)
     layers_run = 2 * cfg.num_hidden_layers  # forward + forward_logits
-    assert calls == {"rmsnorm_gemv": layers_run * (2 if fuse_gate_up else 1) + 1, "silu_mul_gemv": layers_run,
-                     "gemv_row": layers_run}
+    assert calls == {
+        "rmsnorm_gemv": layers_run * (2 if fuse_gate_up else 1) + 1,
+        "silu_mul_gemv": layers_run,
+        "gemv_row": layers_run,
+    }
     assert rel_err(hidden, ref_hidden) < 1e-3  # float32 sums in another order, float16 results
     assert rel_err(logits, ref_logits) < 1e-3  # the fused LM head skips the float16 rounding of the logits
     assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
@@ -268,8 +275,12 @@ def test_fused_gemv_default_tiles_are_gemv_py_measured_ones():
 
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (37, 200)]:
         base, cfg = pick_gemv_config(n, k), fused().pick_fused_gemv_config(n, k)
-        assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == \
-            (base.block_n, base.block_k, base.num_warps, base.num_stages)
+        assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (
+            base.block_n,
+            base.block_k,
+            base.num_warps,
+            base.num_stages,
+        )
         assert not cfg.resident  # gemv.py's K loop
 
 
@@ -336,8 +347,12 @@ def _fused_chain_in_cuda_graph():
 
     h, residual = rand(1, 4096), rand(1, 4096)
     n1, n2 = rand(4096, scale=0.1) + 1, rand(4096, scale=0.1) + 1
-    w_qkv, w_o, w_gu, w_down = rand(6144, 4096, scale=0.02), rand(4096, 4096, scale=0.02), \
-        rand(28672, 4096, scale=0.02), rand(4096, 14336, scale=0.02)
+    w_qkv, w_o, w_gu, w_down = (
+        rand(6144, 4096, scale=0.02),
+        rand(4096, 4096, scale=0.02),
+        rand(28672, 4096, scale=0.02),
+        rand(4096, 14336, scale=0.02),
+    )
 
     def chain():
         qkv, res1 = k_.rmsnorm_gemv(h, residual, n1, EPS, w_qkv)
@@ -372,9 +387,18 @@ def _fused_chain_in_cuda_graph():
 @gpu
 def test_gpu_decoder_one_row_path_8b_layer_shapes(fused_decode_row):
     # Two layers of the 8B shape in bf16: the fused one-row path (opted in) against the torch path on the GPU.
-    model = tiny_llama_model("LlamaForCausalLM", torch.bfloat16, "cuda", scale=0.02, hidden_size=4096,
-                        intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                        vocab_size=128256)
+    model = tiny_llama_model(
+        "LlamaForCausalLM",
+        torch.bfloat16,
+        "cuda",
+        scale=0.02,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    )
     ids, positions, fb = _one_token_batch(model, "cuda")
     with torch.no_grad():
         set_use_triton(model, False)
@@ -390,10 +414,10 @@ def test_two_runners_in_one_process_keep_their_own_kernel_choices(random_models)
     # The switches are per engine (ServerArgs), not read once at import: each runner runs its forwards
     # inside its own choices, and nothing leaks out of them.
     from plait.runtime.executor.model_runner import ModelRunner
-    from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.request import Req
     from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.scheduler.batch import ScheduleBatch
     from plait.runtime.server_args import ServerArgs
 
     path = random_models["llama"]

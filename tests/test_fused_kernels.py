@@ -11,9 +11,15 @@ whole decoder stack: test_fused_decoder.py.
 import pytest
 import torch
 import torch.nn.functional as F
-
-from plait.runtime.models.layers import (RMSNorm, RotaryEmbedding, SiluAndMul, rms_norm_torch, rotary_torch,
-                                         silu_and_mul, silu_and_mul_torch)
+from plait.runtime.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    rms_norm_torch,
+    rotary_torch,
+    silu_and_mul,
+    silu_and_mul_torch,
+)
 
 torch.set_num_threads(1)
 
@@ -50,11 +56,16 @@ def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, devi
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g).to(dtype).to(device)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    return (qkv, q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim),
-            v.view(tokens, kv_heads, head_dim))
+    return (
+        qkv,
+        q.view(tokens, heads, head_dim),
+        k.view(tokens, kv_heads, head_dim),
+        v.view(tokens, kv_heads, head_dim),
+    )
 
 
 # ---------------------------------------------------------------- RMSNorm
+
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("rows,dim", [(5, 96), (3, 576), (2, 2048)])
@@ -125,7 +136,7 @@ def test_rmsnorm_promotes_to_weight_dtype_like_torch():
     out = kernels().rmsnorm(x, w, 1e-6)
     assert out.dtype == ref.dtype == torch.float32
     # normalised value truncated (interpreter) vs rounded to bf16, then an exact fp32 multiply
-    assert torch.allclose(out, ref, rtol=2 ** -7, atol=0)
+    assert torch.allclose(out, ref, rtol=2**-7, atol=0)
 
 
 def test_rmsnorm_module_dispatch():
@@ -149,6 +160,7 @@ def _torch_twin(norm: RMSNorm) -> RMSNorm:
 
 
 # ---------------------------------------------------------------- rotary
+
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 1, 128), (6, 3, 80)])
@@ -194,8 +206,13 @@ def test_rotary_and_store_kv_writes_rotated_k_and_v_into_the_cache(dtype, heads,
 
 
 def test_rotary_llama3_scaling_and_int32_positions():
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     rope = RotaryEmbedding(64, 512, 500000.0, scaling)
     _, q, k, _ = qkv_views(5, 2, 1, 64, torch.float32, seed=4)
     positions = torch.tensor([3, 511, 64, 0, 200], dtype=torch.int32)
@@ -207,6 +224,7 @@ def test_rotary_llama3_scaling_and_int32_positions():
 
 
 # ---------------------------------------------------------------- SiLU-and-mul
+
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("shape", [(3, 2 * 1500), (1, 2 * 64), (2, 3, 2 * 40)])
@@ -227,6 +245,7 @@ def test_silu_and_mul_dispatch():
 
 
 # ---------------------------------------------------------------- bad input
+
 
 def test_bad_input_names_the_problem():
     k = kernels()
@@ -282,7 +301,9 @@ def test_gpu_rmsnorm_hidden_sizes(hidden):
 def test_gpu_qk_norm_and_rotary_bf16_real_sizes():
     qkv, q, k, v = qkv_views(8192, 32, 8, 128, torch.bfloat16, device="cuda")
     w = torch.randn(128, device="cuda", dtype=torch.bfloat16)
-    assert_close_ulps(kernels().rmsnorm(q, w, 1e-6), rms_norm_torch(q, w, 1e-6), 2)  # GPU: torch reduces the mean of squares in another order
+    assert_close_ulps(
+        kernels().rmsnorm(q, w, 1e-6), rms_norm_torch(q, w, 1e-6), 2
+    )  # GPU: torch reduces the mean of squares in another order
     rope = RotaryEmbedding(128, 131072, 500000.0, None).cuda()
     positions = torch.randint(0, 131072, (8192,), device="cuda")
     ref_q, ref_k = rotary_torch(positions, q, k, rope.cos_cache, rope.sin_cache)
@@ -292,7 +313,7 @@ def test_gpu_qk_norm_and_rotary_bf16_real_sizes():
     for out, ref in ((q, ref_q), (k, ref_k)):
         # NOTE: not ulps of the result: x1*c - x2*s can cancel to a small value whose error is an ulp of
         # the (larger) products, and FMA contraction moves that. Bound it by an ulp of the input scale.
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -5)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-5)
         assert _mismatch_fraction(out, ref) < 0.01
 
 
@@ -309,7 +330,10 @@ def test_gpu_silu_and_mul_bf16_real_size():
 def test_gpu_ops_capture_in_cuda_graph():
     # Capturing fails on a host sync; replaying with new inputs proves nothing was baked in.
     k = kernels()
-    x, residual = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16), torch.empty(8, 4096, device="cuda", dtype=torch.bfloat16)
+    x, residual = (
+        torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16),
+        torch.empty(8, 4096, device="cuda", dtype=torch.bfloat16),
+    )
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     _, q, kk, _ = qkv_views(8, 32, 8, 128, torch.bfloat16, device="cuda")
     rope = RotaryEmbedding(128, 4096, 10000.0, None).cuda()

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from plait.runtime import Engine
-
 from conftest import make_random_model, near_tie_report
+from plait.runtime import Engine
 
 pytestmark = pytest.mark.gpu
 
@@ -24,8 +22,9 @@ def model_dir(tmp_path_factory):
 
 def _prompts(n: int = 16):
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(2, 256, (int(torch.randint(4, 200, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(2, 256, (int(torch.randint(4, 200, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def _agree(a: list[list[int]], b: list[list[int]]) -> float:
@@ -34,8 +33,9 @@ def _agree(a: list[list[int]], b: list[list[int]]) -> float:
 
 def _generate(model_dir: str, backend: str, graphs: bool, dtype: str, prompts, **settings):
     sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    with Engine(model_path=model_dir, attention_backend=backend, disable_cuda_graph=not graphs, dtype=dtype,
-                **settings) as eng:
+    with Engine(
+        model_path=model_dir, attention_backend=backend, disable_cuda_graph=not graphs, dtype=dtype, **settings
+    ) as eng:
         batched = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
         # Alone, after the batch: the prompts are in the radix cache now (prefix-hit path, bs-1 graphs).
         alone = [eng.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts[:4]]
@@ -84,8 +84,10 @@ def test_bfloat16_every_step_is_transformers_choice_or_a_near_tie(model_dir):
     # a batch cuBLAS), so they may split at a near-tie too: both are held to the same standard.
     exact, worst_gap = near_tie_report(hf, prompts + prompts[:4], triton_out + triton_alone)
     seq = _agree(triton_out, _hf_greedy(hf, prompts))
-    print(f"bf16: {exact:.1%} of steps are transformers' argmax; worst gap {worst_gap:.3f} of the logit spread; "
-          f"whole sequences equal {seq:.2f}; alone == batched {_agree(triton_alone, triton_out[:4]):.2f}")
+    print(
+        f"bf16: {exact:.1%} of steps are transformers' argmax; worst gap {worst_gap:.3f} of the logit spread; "
+        f"whole sequences equal {seq:.2f}; alone == batched {_agree(triton_alone, triton_out[:4]):.2f}"
+    )
     # transformers rounds its logits to bf16 (ulp 1/16 near 10): its argmax among rounded near-ties is
     # not a reference; what must hold is that every step we differ on is a near-tie.
     assert exact >= 0.9
@@ -109,7 +111,8 @@ def test_prompt_logprobs_close_to_transformers(model_dir):
         ref = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0].float(), -1)
     expected = torch.tensor([ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))])
     with Engine(model_path=model_dir, dtype="float32") as eng:  # triton kernels in fp32
-        out = eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                           logprob_start_len=0)
+        out = eng.generate(
+            input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+        )
     got = torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
     assert torch.allclose(got, expected, atol=2e-2)

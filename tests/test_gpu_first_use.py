@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from test_scheduler_state import run_until_idle, submit
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -32,8 +31,13 @@ def test_gpu_no_kernel_compiles_after_start_up(random_models, arch):
     n = 0
     for batch in range(1, 41):  # prefills of every request count (the LM head takes one row per request)
         for _ in range(batch):
-            submit(s, f"r{n}", [rng.randrange(2, 256) for _ in range(rng.randrange(1, 90))],
-                   max_new_tokens=rng.randrange(1, 4), **GREEDY)
+            submit(
+                s,
+                f"r{n}",
+                [rng.randrange(2, 256) for _ in range(rng.randrange(1, 90))],
+                max_new_tokens=rng.randrange(1, 4),
+                **GREEDY,
+            )
             n += 1
         finals = run_until_idle(s)
         assert len(finals) == batch

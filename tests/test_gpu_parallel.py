@@ -11,35 +11,51 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_folders import make_folder
 from plait.runtime import Engine
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800),
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(1800),
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
 
-SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024)
+SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=2048,
+    max_position_embeddings=1024,
+)
 N = 32
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_parallel")
-    return {"llama": make_folder(root / "llama", "llama", dtype=torch.bfloat16, **SHAPE),
-            "qwen3": make_folder(root / "qwen3", "qwen3", dtype=torch.bfloat16, head_dim=64, **SHAPE)}
+    return {
+        "llama": make_folder(root / "llama", "llama", dtype=torch.bfloat16, **SHAPE),
+        "qwen3": make_folder(root / "qwen3", "qwen3", dtype=torch.bfloat16, head_dim=64, **SHAPE),
+    }
 
 
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(3, SHAPE["vocab_size"], (int(n),), generator=g).tolist()
-            for n in torch.randint(4, 300, (24,), generator=g)]
+    return [
+        torch.randint(3, SHAPE["vocab_size"], (int(n),), generator=g).tolist()
+        for n in torch.randint(4, 300, (24,), generator=g)
+    ]
 
 
 def run(folder: str, **settings) -> list[dict]:
     with Engine(folder, dtype="bfloat16", max_total_tokens=65536, mem_fraction_static=0.5, **settings) as eng:
-        outs = eng.generate(input_ids=prompts(), sampling_params={"max_new_tokens": N, "temperature": 0,
-                                                                   "ignore_eos": True}, return_logprob=True)
+        outs = eng.generate(
+            input_ids=prompts(),
+            sampling_params={"max_new_tokens": N, "temperature": 0, "ignore_eos": True},
+            return_logprob=True,
+        )
         assert eng.check_integrity()
         return outs
 
@@ -61,8 +77,9 @@ def test_tp2_gives_nearly_what_one_gpu_gives(folders, arch):
 
 def test_tp2_without_graphs_or_overlap_too(folders):
     want = run(folders["llama"], disable_cuda_graph=True, disable_overlap_schedule=True)
-    assert_nearly_the_same(run(folders["llama"], tp_size=2, disable_cuda_graph=True, disable_overlap_schedule=True),
-                           want)
+    assert_nearly_the_same(
+        run(folders["llama"], tp_size=2, disable_cuda_graph=True, disable_overlap_schedule=True), want
+    )
 
 
 def test_dp2_puts_a_replica_on_each_gpu(folders):

@@ -10,16 +10,24 @@ import re
 
 import jsonschema
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from plait.runtime.server.metrics import ServerMetrics
+from prometheus_client.parser import text_string_to_metric_families
 
 HERE = os.path.dirname(__file__)
 DASHBOARD = os.path.join(HERE, "..", "deploy", "grafana", "plait-dashboard.json")
 SCHEMAS = os.path.join(HERE, "data", "grafana_schemas")
 # What the dashboard must show (the list), by a word of the panel titles.
-TOPICS = ("Tokens per second", "Time to first token", "Inter-token latency", "End-to-end latency", "Requests",
-          "KV cache usage", "Prefix cache hit rate", "Grammar compile time", "Speculative accept length")
+TOPICS = (
+    "Tokens per second",
+    "Time to first token",
+    "Inter-token latency",
+    "End-to-end latency",
+    "Requests",
+    "KV cache usage",
+    "Prefix cache hit rate",
+    "Grammar compile time",
+    "Speculative accept length",
+)
 
 
 def schema(name: str, definition: str | None = None) -> dict:
@@ -61,16 +69,29 @@ def test_every_metric_the_dashboard_reads_is_exported():
     metrics = ServerMetrics("m")
     metrics.observe_first_token(0.1)
     metrics.observe_inter_token(0.01, 2)
-    metrics.observe_finished({"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 1,
-                              "finish_reason": {"type": "stop"}}, 0.2)
+    metrics.observe_finished(
+        {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 1, "finish_reason": {"type": "stop"}}, 0.2
+    )
     metrics.observe_rejected()
     metrics.set_in_flight(1)
     # What the scheduler reports, speculation's accept length and the grammar compile time included (the
     # names the scheduler is to report them under).
-    text = metrics.render({"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.5, "cache_hit_rate": 0.3,
-                           "grammar_cache_hits": 1, "grammar_cache_misses": 1, "grammar_compile_seconds": 0.4,
-                           "jump_forward_tokens": 2, "avg_spec_accept_length": 2.0, "spec_verify_steps": 4,
-                           "spec_accepted_tokens": 8, "spec_draft_tokens": 12}).decode()
+    text = metrics.render(
+        {
+            "num_running_reqs": 1,
+            "num_waiting_reqs": 0,
+            "token_usage": 0.5,
+            "cache_hit_rate": 0.3,
+            "grammar_cache_hits": 1,
+            "grammar_cache_misses": 1,
+            "grammar_compile_seconds": 0.4,
+            "jump_forward_tokens": 2,
+            "avg_spec_accept_length": 2.0,
+            "spec_verify_steps": 4,
+            "spec_accepted_tokens": 8,
+            "spec_draft_tokens": 12,
+        }
+    ).decode()
     exported = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     assert read - exported == set(), sorted(read - exported)
 

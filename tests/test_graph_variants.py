@@ -16,21 +16,28 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend
+from plait.runtime.executor.loader import load_model
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
 from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool
 from plait.runtime.models.config import ModelConfig
-from plait.runtime.executor.loader import load_model
 from plait.runtime.models.layers import skinny_linear
 
 torch.set_num_threads(1)
 
 
 def _tiny_model(dtype: torch.dtype, tie: bool = False):
-    cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
-                      tie_word_embeddings=tie)
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        tie_word_embeddings=tie,
+    )
     return load_model("", cfg, "dummy", dtype, "cpu", max_position=64, seed=3)
 
 
@@ -46,22 +53,30 @@ def _decode_batch(model, seq_lens: list[int], seed: int = 0) -> ForwardBatch:
     slots = torch.randperm(total, generator=g) + 1
     at, rows = 0, []
     for i, s in enumerate(seq_lens):
-        r2t.write(i + 1, 0, slots[at:at + s])
+        r2t.write(i + 1, 0, slots[at : at + s])
         rows.append(i + 1)
         at += s
     backend = TorchNativeAttnBackend(types.SimpleNamespace(device="cpu"))
     fb = ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=len(seq_lens),
+        forward_mode=ForwardMode.DECODE,
+        batch_size=len(seq_lens),
         input_ids=torch.randint(0, cfg.vocab_size, (len(seq_lens),), generator=g),
-        positions=torch.tensor(seq_lens) - 1, req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq_lens),
+        positions=torch.tensor(seq_lens) - 1,
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(seq_lens),
         out_cache_loc=torch.stack([r2t.req_to_token[r, s - 1].long() for r, s in zip(rows, seq_lens)]),
-        seq_lens_cpu=list(seq_lens), req_to_token_pool=r2t, kv_pool=kv, attn_backend=backend,
-        req_pool_indices_cpu=np.asarray(rows, dtype=np.int64))
+        seq_lens_cpu=list(seq_lens),
+        req_to_token_pool=r2t,
+        kv_pool=kv,
+        attn_backend=backend,
+        req_pool_indices_cpu=np.asarray(rows, dtype=np.int64),
+    )
     backend.init_forward_metadata(fb)
     return fb
 
 
 # ---------------------------------------------------------------- `out` plumbing (CPU)
+
 
 @pytest.mark.parametrize("dtype,tie", [(torch.float32, False), (torch.bfloat16, True)])
 def test_compute_and_forward_logits_into_out_equal_the_fresh_tensors(dtype, tie):
@@ -130,13 +145,34 @@ def _model_runner(tmp_path, **server_args):
 
     folder = tmp_path / "model"
     folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(dict(
-        architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=VOCAB, rms_norm_eps=1e-5,
-        max_position_embeddings=2048, tie_word_embeddings=False)))
-    sa = ServerArgs(model_path=str(folder), load_format="dummy", dtype="bfloat16", attention_backend="triton",
-                    max_total_tokens=40000, max_running_requests=MAX_BS, context_length=1024,
-                    disable_cuda_graph=True, **server_args)  # the test captures them itself
+    (folder / "config.json").write_text(
+        json.dumps(
+            dict(
+                architectures=["LlamaForCausalLM"],
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                vocab_size=VOCAB,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=2048,
+                tie_word_embeddings=False,
+            )
+        )
+    )
+    sa = ServerArgs(
+        model_path=str(folder),
+        load_format="dummy",
+        dtype="bfloat16",
+        attention_backend="triton",
+        max_total_tokens=40000,
+        max_running_requests=MAX_BS,
+        context_length=1024,
+        disable_cuda_graph=True,
+        **server_args,
+    )  # the test captures them itself
     return ModelRunner(sa, str(folder))
 
 
@@ -151,8 +187,10 @@ def captured(tmp_path_factory):
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
     sizes = capture_batch_sizes(MAX_BS)
-    print(f"\ncaptured {len(runner.graphs)} graphs in {runner.capture_seconds:.2f} s; "
-          f"allocated +{held / 2**20:.0f} MiB (logits buffer {MAX_BS * VOCAB * 4 / 2**20:.0f} MiB)")
+    print(
+        f"\ncaptured {len(runner.graphs)} graphs in {runner.capture_seconds:.2f} s; "
+        f"allocated +{held / 2**20:.0f} MiB (logits buffer {MAX_BS * VOCAB * 4 / 2**20:.0f} MiB)"
+    )
     return mr, runner, sizes, held
 
 
@@ -180,13 +218,19 @@ def _decode_fb(mr, rows: list[int], rows_slots: list[np.ndarray], seed: int) -> 
     lens = [len(s) for s in rows_slots]
     dev = mr.device
     return ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+        forward_mode=ForwardMode.DECODE,
+        batch_size=len(rows),
         input_ids=torch.randint(0, VOCAB, (len(rows),), generator=g).to(dev),
-        positions=torch.tensor(lens, device=dev) - 1, req_pool_indices=torch.tensor(rows, device=dev),
+        positions=torch.tensor(lens, device=dev) - 1,
+        req_pool_indices=torch.tensor(rows, device=dev),
         seq_lens=torch.tensor(lens, device=dev),
-        out_cache_loc=torch.tensor([int(s[-1]) for s in rows_slots], device=dev), seq_lens_cpu=lens,
-        req_to_token_pool=mr.req_to_token_pool, kv_pool=mr.kv_pool, attn_backend=mr.attn_backend,
-        req_pool_indices_cpu=np.asarray(rows, dtype=np.int64))
+        out_cache_loc=torch.tensor([int(s[-1]) for s in rows_slots], device=dev),
+        seq_lens_cpu=lens,
+        req_to_token_pool=mr.req_to_token_pool,
+        kv_pool=mr.kv_pool,
+        attn_backend=mr.attn_backend,
+        req_pool_indices_cpu=np.asarray(rows, dtype=np.int64),
+    )
 
 
 @pytest.mark.gpu
@@ -206,8 +250,11 @@ def test_gpu_replay_picks_the_cascade_graph_only_for_shared_prefixes(captured):
         n = int(rng.integers(300, 700))
         solo.append(np.arange(at, at + n, dtype=np.int32))
         at += n
-    cases = [(range(1, 41), shared, True), (range(41, 81), solo, False),
-             (range(81, 86), shared[:5], False)]  # 5 requests: the graph of 8, which has no cascade variant
+    cases = [
+        (range(1, 41), shared, True),
+        (range(41, 81), solo, False),
+        (range(81, 86), shared[:5], False),
+    ]  # 5 requests: the graph of 8, which has no cascade variant
     for rows, batch, cascade in cases:
         fb = _decode_fb(mr, list(rows), batch, seed=len(batch))
         counts = (runner.plain_replays, runner.cascade_replays)

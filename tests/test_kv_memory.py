@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plait.runtime.kvcache.memory_pool import TokenAllocator
 from plait.runtime.kvcache.prefix_cache import NoSharingCache
 from plait.runtime.sampling_params import SamplingParams
@@ -59,11 +58,18 @@ def test_host_rows_of_extend_and_decode_steps_exact():
     ext = ScheduleBatch(ForwardMode.EXTEND, [a, b], [1, 0], [3, 4], torch.tensor([7, 8, 9, 40, 41, 42, 43]))
     step = ext.to_step()
     tokens, per_req = step.token_rows, step.req_rows
-    assert tokens.tolist() == [[11, 12, 13, 20, 21, 22, 23], [1, 2, 3, 0, 1, 2, 3], [7, 8, 9, 40, 41, 42, 43],
-                               [3, 3, 3, 5, 5, 5, 5]]
+    assert tokens.tolist() == [
+        [11, 12, 13, 20, 21, 22, 23],
+        [1, 2, 3, 0, 1, 2, 3],
+        [7, 8, 9, 40, 41, 42, 43],
+        [3, 3, 3, 5, 5, 5, 5],
+    ]
     assert per_req.tolist() == [[3, 5], [4, 4], [1, 0], [3, 4], [0, 3]]
-    assert [x.tolist() for x in ext.kv_writes] == [[3, 3, 3, 5, 5, 5, 5], [1, 2, 3, 0, 1, 2, 3],
-                                                  [7, 8, 9, 40, 41, 42, 43]]
+    assert [x.tolist() for x in ext.kv_writes] == [
+        [3, 3, 3, 5, 5, 5, 5],
+        [1, 2, 3, 0, 1, 2, 3],
+        [7, 8, 9, 40, 41, 42, 43],
+    ]
     a.output_ids[:] = [14]
     dec = ScheduleBatch(ForwardMode.DECODE, [a, b], out_cache_loc=torch.tensor([50, 51]))
     rows = dec.decode_host_rows(ahead=0, with_input_ids=True)

@@ -9,10 +9,8 @@ import json
 import logging
 import re
 
-import pytest
-
 import plait as sgl
-
+import pytest
 from conftest import default_backend_runtime
 
 
@@ -23,6 +21,7 @@ def runtime():
 
 
 # ---------------------------------------------------------------- programs calling programs
+
 
 @sgl.function
 def header(s, doc):
@@ -90,6 +89,7 @@ def test_a_bad_program_call_fails_where_it_is_written():
 
 # ---------------------------------------------------------------- fork in a loop
 
+
 @sgl.function
 def vote_rounds(s, rounds):
     s += "Pick a letter.\n"
@@ -112,6 +112,7 @@ def test_fork_in_a_loop_gathers_every_rounds_variables():
 
 
 # ---------------------------------------------------------------- failures inside programs
+
 
 def flaky_tool(x):
     if x == 1:
@@ -141,8 +142,11 @@ def test_tool_exception_in_run_batch_keeps_the_others_and_the_work_before_it():
 def test_constrained_gen_cut_by_max_tokens_says_so(caplog):
     @sgl.function
     def truncated(s):
-        s += "JSON: " + sgl.gen("j", max_tokens=3, json_schema={
-            "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+        s += "JSON: " + sgl.gen(
+            "j",
+            max_tokens=3,
+            json_schema={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+        )
 
     with caplog.at_level(logging.WARNING, logger="plait.interpreter"):
         state = truncated.run(temperature=0)

@@ -4,24 +4,26 @@ import copy
 import logging
 
 import pytest
-
 from plait.chat_template import chat_template_from_tokenizer, get_chat_template
 from test_lang_interpreter import smollm2_tokenizer
 
 LLAMA3_STYLE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
     "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 
 # Llama-2 style: the system prompt is folded into the first user turn, so turns are not separable.
 LLAMA2_STYLE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{% set sys = m['content'] %}"
     "{% elif m['role'] == 'user' %}[INST] {% if loop.index0 == 1 %}<<SYS>>{{ messages[0]['content'] }}<</SYS>> "
-    "{% endif %}{{ m['content'] }} [/INST]{% else %} {{ m['content'] }}</s>{% endif %}{% endfor %}")
+    "{% endif %}{{ m['content'] }} [/INST]{% else %} {{ m['content'] }}</s>{% endif %}{% endfor %}"
+)
 
 NO_SYSTEM = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-    "{% endif %}<turn>{{ m['role'] }}\n{{ m['content'] }}<end>\n{% endfor %}")
+    "{% endif %}<turn>{{ m['role'] }}\n{{ m['content'] }}<end>\n{% endfor %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +53,10 @@ def test_llama3_style_template_keeps_bos_the_tokenizer_does_not_add(tok):
     ct = chat_template_from_tokenizer(with_template(tok, LLAMA3_STYLE))
     # SmolLM2's tokenizer adds no BOS itself, so the template's BOS stays at the conversation start
     assert ct.role_prefix_and_suffix["system"] == (
-        tok.bos_token + "<|start_header_id|>system<|end_header_id|>\n\n", "<|eot_id|>")
-    assert ct.role_prefix_and_suffix["assistant"] == ("<|start_header_id|>assistant<|end_header_id|>\n\n",
-                                                      "<|eot_id|>")
+        tok.bos_token + "<|start_header_id|>system<|end_header_id|>\n\n",
+        "<|eot_id|>",
+    )
+    assert ct.role_prefix_and_suffix["assistant"] == ("<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>")
     assert ct.stop_str == ("<|eot_id|>",)
     assert ct.default_system_prompt is None
 

@@ -2,9 +2,8 @@
 
 import math
 
-import pytest
-
 import plait
+import pytest
 from plait.backend.native import choice_token_logprobs, mean_logprob
 from plait.choices import greedy_token_selection, token_length_normalized, unconditional_likelihood_normalized
 from plait.gen_params import RunDefaults, resolve_gen
@@ -21,8 +20,13 @@ NORMALIZED = [mean_logprob(x) for x in INPUT]
 
 
 def call(method, unconditional=None):
-    return method(choices=CHOICES, normalized_prompt_logprobs=NORMALIZED, input_token_logprobs=INPUT,
-                  output_token_logprobs=[[], [], []], unconditional_token_logprobs=unconditional)
+    return method(
+        choices=CHOICES,
+        normalized_prompt_logprobs=NORMALIZED,
+        input_token_logprobs=INPUT,
+        output_token_logprobs=[[], [], []],
+        unconditional_token_logprobs=unconditional,
+    )
 
 
 def test_token_length_normalized_picks_best_mean():
@@ -44,14 +48,22 @@ def test_greedy_token_selection_decides_on_first_differing_token():
 
 def test_greedy_token_selection_tie_breaks_on_later_tokens():
     inputs = [lp(-0.5, -3.0), lp(-0.5, -0.1), lp(-2.0)]
-    d = greedy_token_selection(choices=["a", "b", "c"], normalized_prompt_logprobs=[0, 0, 0],
-                               input_token_logprobs=inputs, output_token_logprobs=[[], [], []])
+    d = greedy_token_selection(
+        choices=["a", "b", "c"],
+        normalized_prompt_logprobs=[0, 0, 0],
+        input_token_logprobs=inputs,
+        output_token_logprobs=[[], [], []],
+    )
     assert d.decision == "b"
 
 
 def test_unconditional_likelihood_normalized_discounts_common_choices():
     # conditional means favour "longer one" only after subtracting how likely each is unprompted
-    unconditional = [[(None, 1, "a")], [(None, 1, "a"), (-0.1, 2, "b"), (-0.2, 3, "c")], [(None, 1, "a"), (-3.0, 2, "b")]]
+    unconditional = [
+        [(None, 1, "a")],
+        [(None, 1, "a"), (-0.1, 2, "b"), (-0.2, 3, "c")],
+        [(None, 1, "a"), (-3.0, 2, "b")],
+    ]
     d = call(unconditional_likelihood_normalized, unconditional)
     scores = d.meta_info["normalized_unconditional_prompt_logprobs"]
     # short: -1.0 ; longer: (-0.5 + -0.4 + -2.7)/3 = -1.2 ; mid: (-0.8 + 2.0)/2 = 0.6
@@ -64,8 +76,12 @@ def test_unconditional_likelihood_normalized_discounts_common_choices():
 
 
 def test_ties_go_to_the_first_choice():
-    d = token_length_normalized(choices=["a", "b"], normalized_prompt_logprobs=[-1.0, -1.0],
-                                input_token_logprobs=[lp(-1.0), lp(-1.0)], output_token_logprobs=[[], []])
+    d = token_length_normalized(
+        choices=["a", "b"],
+        normalized_prompt_logprobs=[-1.0, -1.0],
+        input_token_logprobs=[lp(-1.0), lp(-1.0)],
+        output_token_logprobs=[[], []],
+    )
     assert d.decision == "a"
 
 
@@ -95,6 +111,7 @@ def test_mean_logprob_skips_none_only():
 
 
 # ---- gen parameters ----
+
 
 def test_gen_inherits_run_defaults_and_overrides_by_name():
     defaults = RunDefaults.from_kwargs({"max_new_tokens": 50, "temperature": 0.0, "top_p": 0.9})

@@ -4,13 +4,12 @@ scripted Engine stand-in (scripted_engine.py), so each test pins exact requests 
 import asyncio
 import random
 
-import pytest
-
 import plait as sgl
+import pytest
 from scripted_engine import backend_for
 
-
 # ---------------------------------------------------------------- run_batch
+
 
 def test_run_batch_keeps_input_order_isolates_failures_and_shows_progress(capsys):
     rng = random.Random(0)
@@ -49,6 +48,7 @@ def test_run_batch_precaches_the_shared_prefix():
 
 
 # ---------------------------------------------------------------- fork / join / scopes
+
 
 def test_fork_runs_branches_and_join_gathers_variables():
     backend = backend_for(reply=lambda p: "tip" + p[-2])
@@ -129,6 +129,7 @@ def test_copy_and_var_scope():
 
 # ---------------------------------------------------------------- select
 
+
 def test_select_prefills_prefix_then_scores_all_choices_in_one_request():
     backend = backend_for(favored="ue")
 
@@ -172,6 +173,7 @@ def test_select_methods_reach_the_runtime():
 
 
 # ---------------------------------------------------------------- streaming
+
 
 def test_stream_text_iter_and_async_iter():
     backend = backend_for(reply=lambda p: "streamed words")

@@ -9,10 +9,8 @@ and a few tokens per gen keep it short.
 import json
 import math
 
-import pytest
-
 import plait as sgl
-
+import pytest
 from conftest import http_server_in_thread
 
 
@@ -42,6 +40,7 @@ def runtime(request, engine_runtime):
 
 
 # ---------------------------------------------------------------- programs
+
 
 @sgl.function
 def few_shot_qa(s, question):
@@ -130,8 +129,9 @@ def test_select_scores_match_the_models_logprobs(runtime):
     # Cross-check the healing bookkeeping: score "…is Paris" directly and compare the choice tokens.
     prefix = state.text()[: state.text().rindex("Paris")]
     tok = runtime.get_tokenizer()
-    full = runtime.generate(prefix + "Paris", {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0,
-                            return_text_in_logprobs=True)
+    full = runtime.generate(
+        prefix + "Paris", {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0, return_text_in_logprobs=True
+    )
     n = len(meta["input_token_logprobs"][0])
     direct = full["meta_info"]["input_token_logprobs"][-n:]
     assert "".join(t[2] for t in direct).strip() == "Paris"
@@ -143,8 +143,9 @@ def test_select_scores_match_the_models_logprobs(runtime):
 def test_select_methods(runtime):
     @sgl.function
     def p(s, method):
-        s += "The color of the clear daytime sky is " + sgl.select("c", ["blue", "green", "purple"],
-                                                                     choices_method=method)
+        s += "The color of the clear daytime sky is " + sgl.select(
+            "c", ["blue", "green", "purple"], choices_method=method
+        )
 
     for method in (sgl.greedy_token_selection, sgl.unconditional_likelihood_normalized):
         state = p.run(method)
@@ -204,8 +205,9 @@ def test_streaming_text_iter(runtime):
 
 def test_run_batch_of_32_with_progress_bar(runtime, capsys):
     questions = [f"What is {i} + {i}?" for i in range(32)]
-    states = few_shot_qa.run_batch([{"question": q} for q in questions], progress_bar=True, temperature=0,
-                                   max_new_tokens=4)
+    states = few_shot_qa.run_batch(
+        [{"question": q} for q in questions], progress_bar=True, temperature=0, max_new_tokens=4
+    )
     assert len(states) == 32
     for q, state in zip(questions, states):
         assert state.error() is None

@@ -12,11 +12,9 @@ import signal
 import threading
 import time
 
+import plait as sgl
 import pytest
 import requests
-
-import plait as sgl
-
 from conftest import free_port, server_pid, server_process
 
 API_KEY = "endpoint-trial-key"
@@ -49,12 +47,12 @@ def story(s, topic):
 
 # ---------------------------------------------------------------- connection handling
 
+
 def test_run_batch_wider_than_the_connection_pool_discards_no_connections(backend, caplog):
     # With num_threads > 10, requests' default pool warned "Connection pool is full, discarding
     # connection" for every extra connection, and each request paid a new TCP connection.
     with caplog.at_level(logging.WARNING, logger="urllib3"):
-        states = qa.run_batch([{"question": f"What is {i} + 1?"} for i in range(16)], temperature=0,
-                              num_threads=16)
+        states = qa.run_batch([{"question": f"What is {i} + 1?"} for i in range(16)], temperature=0, num_threads=16)
     assert [s.error() for s in states] == [None] * 16
     assert not [r for r in caplog.records if "pool is full" in r.getMessage()]
 
@@ -78,12 +76,14 @@ def test_flush_cache_answers_like_the_engine(backend, url):
     try:
         assert sgl.flush_cache() is False
     finally:
-        requests.post(url + "/abort_request", json={"abort_all": True},
-                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+        requests.post(
+            url + "/abort_request", json={"abort_all": True}, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+        )
         state.sync()
 
 
 # ---------------------------------------------------------------- clear errors
+
 
 def test_a_url_without_its_scheme_is_named():
     # requests said "No connection adapters were found for '127.0.0.1:30000/get_model_info'".
@@ -92,20 +92,28 @@ def test_a_url_without_its_scheme_is_named():
 
 
 def test_a_port_nothing_listens_on_says_why_and_that_a_server_may_still_be_loading():
-    with pytest.raises(requests.exceptions.ConnectionError,
-                       match=r"connection refused.*python -m plait\.runtime\.server.*still loading"):
+    with pytest.raises(
+        requests.exceptions.ConnectionError,
+        match=r"connection refused.*python -m plait\.runtime\.server.*still loading",
+    ):
         sgl.RuntimeEndpoint(f"http://127.0.0.1:{free_port()}")
 
 
 def test_a_url_with_a_route_says_to_give_the_servers_root(url):
-    with pytest.raises(RuntimeError, match=r"HTTP 404 \(RuntimeEndpoint takes the server's root URL, such as "
-                                           r"'http://127\.0\.0\.1:\d+'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"HTTP 404 \(RuntimeEndpoint takes the server's root URL, such as "
+        r"'http://127\.0\.0\.1:\d+'",
+    ):
         sgl.RuntimeEndpoint(url + "/v1", api_key=API_KEY)
 
 
 def test_a_missing_or_wrong_api_key_is_named(url):
-    with pytest.raises(RuntimeError, match=r"HTTP 401 \(the server wants an API key: pass "
-                                           r"RuntimeEndpoint\(url, api_key=\.\.\.\)\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"HTTP 401 \(the server wants an API key: pass "
+        r"RuntimeEndpoint\(url, api_key=\.\.\.\)\)",
+    ):
         sgl.RuntimeEndpoint(url)
     with pytest.raises(RuntimeError, match=r"HTTP 401 \(the api_key given was refused\)"):
         sgl.RuntimeEndpoint(url, api_key="not-the-key")
@@ -120,9 +128,11 @@ def test_a_request_the_server_refuses_fails_as_in_process(backend):
 
     error = too_long.run(temperature=0).error()
     assert isinstance(error, ValueError)
-    assert str(error).endswith("/generate answered HTTP 400: the request needs up to 100001 tokens (1 in the prompt"
-                               " + max_new_tokens 100000), more than the context length 8192: lower max_new_tokens"
-                               " or shorten the prompt")
+    assert str(error).endswith(
+        "/generate answered HTTP 400: the request needs up to 100001 tokens (1 in the prompt"
+        " + max_new_tokens 100000), more than the context length 8192: lower max_new_tokens"
+        " or shorten the prompt"
+    )
 
 
 def test_a_request_timeout_ends_the_program_with_a_named_timeout(backend, url):
@@ -131,23 +141,32 @@ def test_a_request_timeout_ends_the_program_with_a_named_timeout(backend, url):
     error = state.error()
     assert isinstance(error, requests.exceptions.ReadTimeout)
     assert "/generate sent no answer within timeout=0.5s" in str(error)
-    requests.post(url + "/abort_request", json={"abort_all": True},
-                  headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    requests.post(
+        url + "/abort_request", json={"abort_all": True}, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+    )
 
 
 # ---------------------------------------------------------------- the server dies (kills the module's server: last)
+
 
 def test_server_killed_mid_run_batch_ends_every_program_with_a_clear_error(backend, url):
     streamed = story.run(topic="a ship", temperature=0, stream=True)
     pieces = streamed.text_iter("story")
     results: list = []
-    batch = threading.Thread(target=lambda: results.extend(story.run_batch(
-        [{"topic": f"town {i}"} for i in range(6)], temperature=0, num_threads=3)), daemon=True)
+    batch = threading.Thread(
+        target=lambda: results.extend(
+            story.run_batch([{"topic": f"town {i}"} for i in range(6)], temperature=0, num_threads=3)
+        ),
+        daemon=True,
+    )
     batch.start()
     next(pieces)  # the stream runs, and so (queued or running) does the batch
     os.kill(server_pid(url), signal.SIGKILL)
-    with pytest.raises(RuntimeError, match=r"variable 'story' failed.*ended /generate's stream before its last "
-                                           r"chunk .*did it exit or restart\?"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"variable 'story' failed.*ended /generate's stream before its last "
+        r"chunk .*did it exit or restart\?",
+    ):
         list(pieces)
     batch.join(timeout=60)
     assert not batch.is_alive(), "run_batch hung after the server died"

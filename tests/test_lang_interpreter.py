@@ -9,9 +9,8 @@ test_lang_e2e.py.
 import importlib.util
 import traceback
 
-import pytest
-
 import plait as sgl
+import pytest
 from plait.backend.engine_backend import EngineBackend
 from scripted_engine import ScriptedEngine, backend_for
 
@@ -34,6 +33,7 @@ def smol_tokenizer():
 
 
 # ---------------------------------------------------------------- basics
+
 
 def test_text_variables_and_sampling_defaults():
     backend = backend_for(reply=lambda p: "Paris\nand more")
@@ -104,6 +104,7 @@ def test_n_samples_give_a_list():
 
 # ---------------------------------------------------------------- roles
 
+
 def test_roles_render_exactly_like_the_tokenizers_chat_template(smol_tokenizer):
     backend = EngineBackend(ScriptedEngine(reply=lambda p: "Hi there!<|im_end|>junk", tokenizer=smol_tokenizer))
 
@@ -162,6 +163,7 @@ def test_nested_roles_raise_where_written():
 
 
 # ---------------------------------------------------------------- errors
+
 
 def test_exception_in_program_body_surfaces_with_traceback():
     backend = backend_for()
@@ -238,6 +240,7 @@ def test_unknown_variable_is_a_key_error():
 
 
 # ---------------------------------------------------------------- tracing
+
 
 def test_trace_records_the_graph_and_rejects_fstrings():
     @sgl.function

@@ -7,11 +7,9 @@ are a few tokens long; the assertions are about the program's shape and errors, 
 
 import socket
 
+import plait as sgl
 import pytest
 import requests
-
-import plait as sgl
-
 from conftest import default_backend_runtime
 
 
@@ -63,8 +61,9 @@ def test_stream_ends_in_the_programs_failure(runtime):
             pieces.append(piece)
     assert isinstance(info.value.__cause__, ValueError)
     assert "".join(pieces) == state.text()  # everything produced was yielded before the error
-    assert state.text().endswith(state["answer"] + runtime.endpoint.chat_template.role_prefix_and_suffix[
-        "assistant"][1])
+    assert state.text().endswith(
+        state["answer"] + runtime.endpoint.chat_template.role_prefix_and_suffix["assistant"][1]
+    )
     # The variable itself was complete before the failure: streaming it ends normally.
     state = answer_then_fail.run(question="What is the capital of France?", stream=True)
     assert "".join(state.text_iter("answer")) == state["answer"]
@@ -87,7 +86,7 @@ def test_streaming_a_variable_the_program_never_makes_names_it(runtime):
 def test_state_prints_as_sglang_does(runtime):
     # SGLang's cot_decoding example slices the text out of str(state).
     state = qa.run(question="Hi", temperature=0)
-    text = str(state)[len("ProgramState("):-1]
+    text = str(state)[len("ProgramState(") : -1]
     assert text == state.text() and "\n" in text
 
 
@@ -95,8 +94,11 @@ def test_endpoint_without_a_server_says_how_to_start_one():
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with pytest.raises(requests.exceptions.ConnectionError, match=r"127\.0\.0\.1:\d+/get_model_info.*"
-                                                                    r"python -m plait\.runtime\.server"):
+    with pytest.raises(
+        requests.exceptions.ConnectionError,
+        match=r"127\.0\.0\.1:\d+/get_model_info.*"
+        r"python -m plait\.runtime\.server",
+    ):
         sgl.RuntimeEndpoint(f"http://127.0.0.1:{port}")
 
 
@@ -106,8 +108,7 @@ def top_k_first_tokens(s, question, k):
     s += sgl.user("Question: " + question + "\nAnswer:")
     s += sgl.assistant_begin()
     step_0 = s.fork(1)[0]
-    step_0 += sgl.gen("get_top_k", max_tokens=0, return_logprob=True, top_logprobs_num=k,
-                      return_text_in_logprobs=True)
+    step_0 += sgl.gen("get_top_k", max_tokens=0, return_logprob=True, top_logprobs_num=k, return_text_in_logprobs=True)
     s["top_k"] = step_0.get_meta_info("get_top_k")["output_top_logprobs"][0]
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import re
 
+import plait as sgl
 import pydantic
 import pytest
-
-import plait as sgl
 from plait.grammars.regexes import REGEXES
 
 
@@ -34,8 +33,12 @@ def extract(s, text):
 @sgl.function
 def date_and_grammar(s):
     s += sgl.user("When did the first moon landing happen, and is water wet?")
-    s += sgl.assistant("Date: " + sgl.gen("date", max_tokens=16, regex="iso_date")
-                       + "\nAnswer: " + sgl.gen("yn", max_tokens=4, ebnf='root ::= "yes" | "no"'))
+    s += sgl.assistant(
+        "Date: "
+        + sgl.gen("date", max_tokens=16, regex="iso_date")
+        + "\nAnswer: "
+        + sgl.gen("yn", max_tokens=4, ebnf='root ::= "yes" | "no"')
+    )
 
 
 def test_pydantic_schema_parses_back_into_the_model(runtime):

@@ -8,11 +8,10 @@ One Runtime (embedded default model, one torch thread) serves the module; output
 
 import functools
 
+import plait as sgl
 import pytest
 from conftest import default_backend_runtime, http_server_in_thread
 from pydantic import BaseModel
-
-import plait as sgl
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,6 +60,7 @@ def test_keyword_only_parameters_and_star_args_reach_the_body():
 
 def counted(func):
     """A decorator of the user's own, as programs get for retries or timing."""
+
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         wrapper.calls += 1
@@ -167,8 +167,11 @@ def long_fork(s, words):
 
 def test_a_fork_past_the_context_names_the_cause_and_the_runtime_keeps_serving():
     # The error said only "prefilling the shared prefix failed"; the cause was in the chained traceback.
-    with pytest.raises(RuntimeError, match=r"cannot fork: prefilling the shared prefix failed: "
-                                           r"ValueError: prompt is too long: 9001 tokens"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cannot fork: prefilling the shared prefix failed: "
+        r"ValueError: prompt is too long: 9001 tokens",
+    ):
         long_fork.run(words=9000)
     assert len(long_fork.run(words=3)["x"]) == 2
 
@@ -192,7 +195,8 @@ def test_openai_backend_returns_the_logprobs_a_gen_asks_for(openai_url, program,
     meta = program.run(backend=backend).get_meta_info(name)
     native = program.run().get_meta_info(name)  # the same greedy request, in process
     assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(
-        [lp for lp, _, _ in native["output_token_logprobs"]], abs=1e-3)
+        [lp for lp, _, _ in native["output_token_logprobs"]], abs=1e-3
+    )
     assert all(isinstance(text, str) for _, _, text in meta["output_token_logprobs"])
     assert [len(top) for top in meta["output_top_logprobs"]] == [2, 2, 2]
     assert meta["output_top_logprobs"][0][0][0] == pytest.approx(native["output_top_logprobs"][0][0][0], abs=1e-3)
@@ -212,8 +216,8 @@ def test_select_after_a_character_split_across_tokens_scores_only_the_choices_to
     meta = japanese_day.run().get_meta_info("day")
     for choice, entries in zip(["本", "曜日"], meta["input_token_logprobs"]):
         ids = tokenizer("今日は日" + choice).input_ids
-        assert ids[:len(prompt_ids)] == prompt_ids  # the choice does not merge with the prompt here
-        assert [token_id for _, token_id, _ in entries] == ids[len(prompt_ids):]
+        assert ids[: len(prompt_ids)] == prompt_ids  # the choice does not merge with the prompt here
+        assert [token_id for _, token_id, _ in entries] == ids[len(prompt_ids) :]
 
 
 def test_reading_a_streamed_programs_later_variable_waits_for_its_body():

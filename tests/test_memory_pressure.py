@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import random
 
-
-from plait.runtime.io_struct import FlushCacheReq, PinPrefixReq, UnpinPrefixReq, TokenizedGenerateReq
+from plait.runtime.io_struct import FlushCacheReq, PinPrefixReq, TokenizedGenerateReq, UnpinPrefixReq
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
 from plait.runtime.server_args import ServerArgs
@@ -39,8 +38,10 @@ def run_until_idle(s: Scheduler, max_steps: int = 400) -> dict[str, tuple[list[i
                 finals[o.rid] = (ids[o.rid], o.finished_reason)
         if s.is_idle():
             return finals
-    raise AssertionError(f"no progress: {len(s.queues.running)} running, {len(s.queues.waiting)} waiting, "
-                         f"{s.stats['num_retractions']} retractions")
+    raise AssertionError(
+        f"no progress: {len(s.queues.running)} running, {len(s.queues.waiting)} waiting, "
+        f"{s.stats['num_retractions']} retractions"
+    )
 
 
 def assert_all_memory_back(s: Scheduler, total: int) -> None:
@@ -71,8 +72,10 @@ def test_locking_cached_prefixes_counts_against_the_admission_budget(random_mode
     submit(s, "fresh", list(range(100, 108)), max_new_tokens=1, **GREEDY)
     submit(s, "hit", prefix + [200, 201, 202], max_new_tokens=1, **GREEDY)
     finals = run_until_idle(s, max_steps=50)
-    assert finals["fresh"] == (alone(path, list(range(100, 108)), max_new_tokens=1, **GREEDY),
-                               {"type": "length", "length": 1})
+    assert finals["fresh"] == (
+        alone(path, list(range(100, 108)), max_new_tokens=1, **GREEDY),
+        {"type": "length", "length": 1},
+    )
     assert finals["hit"][0] == alone(path, prefix + [200, 201, 202], max_new_tokens=1, **GREEDY)
     assert_all_memory_back(s, 50)
 
@@ -88,7 +91,7 @@ def test_a_prompt_that_fits_runs_even_when_its_max_new_tokens_would_not(random_m
     out, reason = finals["long"]
     assert reason["type"] == "abort" and "out of KV memory" in reason["message"]
     assert "the pool holds 64" in reason["message"]
-    assert out == alone(path, list(range(2, 42)), max_new_tokens=60, **GREEDY)[:len(out)] and len(out) >= 20
+    assert out == alone(path, list(range(2, 42)), max_new_tokens=60, **GREEDY)[: len(out)] and len(out) >= 20
     assert finals["next"] == (alone(path, [5, 6, 7], max_new_tokens=4, **GREEDY), {"type": "length", "length": 4})
     assert_all_memory_back(s, 64)
 
@@ -102,10 +105,11 @@ def test_decode_retracts_a_chunked_prefill_instead_of_aborting_the_running_reque
     s.step()
     submit(s, "long", list(range(10, 72)), max_new_tokens=1, **GREEDY)
     finals = run_until_idle(s)
-    assert finals["short"] == (alone(path, [3, 4, 5, 6], max_new_tokens=30, **GREEDY),
-                               {"type": "length", "length": 30})
-    assert finals["long"] == (alone(path, list(range(10, 72)), max_new_tokens=1, **GREEDY),
-                              {"type": "length", "length": 1})
+    assert finals["short"] == (alone(path, [3, 4, 5, 6], max_new_tokens=30, **GREEDY), {"type": "length", "length": 30})
+    assert finals["long"] == (
+        alone(path, list(range(10, 72)), max_new_tokens=1, **GREEDY),
+        {"type": "length", "length": 1},
+    )
     assert s.stats["num_retractions"] >= 1
     assert_all_memory_back(s, 64)
 
@@ -125,8 +129,10 @@ def test_a_prompt_that_pins_leave_no_room_for_is_refused_and_others_go_on(random
     finals = run_until_idle(s)
     out, reason = finals["big"]
     assert reason["type"] == "abort" and "30 of them held by pinned prefixes" in reason["message"]
-    assert finals["small"] == (alone(path, pinned + [7, 8], max_new_tokens=3, **GREEDY),
-                               {"type": "length", "length": 3})
+    assert finals["small"] == (
+        alone(path, pinned + [7, 8], max_new_tokens=3, **GREEDY),
+        {"type": "length", "length": 3},
+    )
     assert s.handle_message(UnpinPrefixReq(2, pin_id=pin["pin_id"])).result is True
     assert_all_memory_back(s, 64)
 
@@ -162,8 +168,9 @@ def _run_workload(pool: int, items, abort: str = "") -> tuple[dict, dict]:
         # arrive spread over its first steps, and then how many it admits at once (whether the pool
         # overflows and it must retract) depends on the machine's timing.
         rids, prompts, params = (list(col) for col in zip(*items))
-        batch = asyncio.create_task(asyncio.wait_for(
-            eng.async_generate(prompt=prompts, sampling_params=params, rid=rids), 300))
+        batch = asyncio.create_task(
+            asyncio.wait_for(eng.async_generate(prompt=prompts, sampling_params=params, rid=rids), 300)
+        )
         if abort:
             await asyncio.sleep(1.0)
             eng.abort(abort)

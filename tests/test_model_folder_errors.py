@@ -11,11 +11,10 @@ import time
 
 import pytest
 import torch
-
+from model_folders import SHAPE, edit_json, make_folder
 from plait.runtime import Engine
 from plait.runtime.executor.loader import load_model, load_model_config, load_tokenizer
 
-from model_folders import SHAPE, edit_json, make_folder
 
 def write_config(folder, **config) -> str:
     os.makedirs(folder, exist_ok=True)
@@ -26,18 +25,35 @@ def write_config(folder, **config) -> str:
 
 SUPPORTED = r".*plait supports \['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"
 BAD_CONFIGS = {
-    "gpt2": (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=64), r"\['GPT2LMHeadModel'\]" + SUPPORTED),
+    "gpt2": (
+        dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=64),
+        r"\['GPT2LMHeadModel'\]" + SUPPORTED,
+    ),
     "gemma": (dict(architectures=["GemmaForCausalLM"], **SHAPE), r"\['GemmaForCausalLM'\]" + SUPPORTED),
-    "mixtral": (dict(architectures=["MixtralForCausalLM"], num_local_experts=8, **SHAPE),
-                r"\['MixtralForCausalLM'\].*mixture-of-experts" + SUPPORTED),
-    "llava": (dict(architectures=["LlavaForConditionalGeneration"], text_config={}, vision_config={}),
-              r"\['LlavaForConditionalGeneration'\].*multimodal" + SUPPORTED),
-    "missing-key": (dict(architectures=["LlamaForCausalLM"], hidden_size=64), r"config.json lacks \['intermediate_size'"),
-    "gptq": (dict(architectures=["LlamaForCausalLM"], quantization_config={"quant_method": "gptq"}, **SHAPE),
-             r"quantized checkpoints \(gptq\) are not supported"),
-    "yarn": (dict(architectures=["Qwen2ForCausalLM"], rope_scaling={"type": "yarn", "factor": 4.0}, **SHAPE),
-             r"rope scaling 'yarn' is not supported; plait supports \['default', 'linear', 'llama3'\]"),
-    "gelu": (dict(architectures=["LlamaForCausalLM"], hidden_act="gelu", **SHAPE), r"hidden_act 'gelu' is not supported"),
+    "mixtral": (
+        dict(architectures=["MixtralForCausalLM"], num_local_experts=8, **SHAPE),
+        r"\['MixtralForCausalLM'\].*mixture-of-experts" + SUPPORTED,
+    ),
+    "llava": (
+        dict(architectures=["LlavaForConditionalGeneration"], text_config={}, vision_config={}),
+        r"\['LlavaForConditionalGeneration'\].*multimodal" + SUPPORTED,
+    ),
+    "missing-key": (
+        dict(architectures=["LlamaForCausalLM"], hidden_size=64),
+        r"config.json lacks \['intermediate_size'",
+    ),
+    "gptq": (
+        dict(architectures=["LlamaForCausalLM"], quantization_config={"quant_method": "gptq"}, **SHAPE),
+        r"quantized checkpoints \(gptq\) are not supported",
+    ),
+    "yarn": (
+        dict(architectures=["Qwen2ForCausalLM"], rope_scaling={"type": "yarn", "factor": 4.0}, **SHAPE),
+        r"rope scaling 'yarn' is not supported; plait supports \['default', 'linear', 'llama3'\]",
+    ),
+    "gelu": (
+        dict(architectures=["LlamaForCausalLM"], hidden_act="gelu", **SHAPE),
+        r"hidden_act 'gelu' is not supported",
+    ),
 }
 
 
@@ -91,24 +107,35 @@ def _to_pickle(path):
 def _truncate_last_shard(path):
     file = os.path.join(path, _weights(path)[-1])
     data = open(file, "rb").read()
-    open(file, "wb").write(data[:len(data) // 2])
+    open(file, "wb").write(data[: len(data) // 2])
 
 
 BROKEN_FOLDERS = {
     "no-weights": (_drop_weights, r"no weights \(\*.safetensors\) in model folder .*load_format='dummy'"),
     "pytorch-bin-only": (_to_pickle, r"only \['pytorch_model.bin'\]: plait reads safetensors.*save_pretrained"),
-    "gguf-only": (lambda p: (_drop_weights(p), open(os.path.join(p, "m.gguf"), "wb").close()),
-                  r"only \['m.gguf'\]: plait does not read GGUF.*gguf_file="),
-    "truncated-shard": (_truncate_last_shard, r"model-0000\d-of-0000\d.safetensors is not a readable safetensors file"
-                                              r".*truncated or corrupt"),
-    "missing-shard": (lambda p: os.remove(os.path.join(p, _weights(p)[1])),
-                      r"1 of the \d weight shards that .*index.json lists are not in the folder: "
-                      r"\['model-00002-of-0000\d.safetensors'\]"),
-    "config-of-another-size": (lambda p: edit_json(os.path.join(p, "config.json"), lambda c: c.update(
-        intermediate_size=256)), r"'layers.0.mlp.gate_proj.weight' has shape \(128, 64\) where config.json implies "
-                                 r"\(256, 64\)"),
-    "untied-without-lm-head": (lambda p: edit_json(os.path.join(p, "config.json"), lambda c: c.update(
-        tie_word_embeddings=False)), None),
+    "gguf-only": (
+        lambda p: (_drop_weights(p), open(os.path.join(p, "m.gguf"), "wb").close()),
+        r"only \['m.gguf'\]: plait does not read GGUF.*gguf_file=",
+    ),
+    "truncated-shard": (
+        _truncate_last_shard,
+        r"model-0000\d-of-0000\d.safetensors is not a readable safetensors file"
+        r".*truncated or corrupt",
+    ),
+    "missing-shard": (
+        lambda p: os.remove(os.path.join(p, _weights(p)[1])),
+        r"1 of the \d weight shards that .*index.json lists are not in the folder: "
+        r"\['model-00002-of-0000\d.safetensors'\]",
+    ),
+    "config-of-another-size": (
+        lambda p: edit_json(os.path.join(p, "config.json"), lambda c: c.update(intermediate_size=256)),
+        r"'layers.0.mlp.gate_proj.weight' has shape \(128, 64\) where config.json implies "
+        r"\(256, 64\)",
+    ),
+    "untied-without-lm-head": (
+        lambda p: edit_json(os.path.join(p, "config.json"), lambda c: c.update(tie_word_embeddings=False)),
+        None,
+    ),
 }
 
 
@@ -147,8 +174,11 @@ def test_tokenizer_missing_or_broken(good_folder, tmp_path, caplog):
 
 def test_engine_reports_an_unsupported_folder(tmp_path):
     path = write_config(tmp_path / "gemma", architectures=["GemmaForCausalLM"], **SHAPE)
-    with pytest.raises(RuntimeError, match=r"the scheduler failed to start: ValueError: unsupported model "
-                                           r"architecture \['GemmaForCausalLM'\]" + SUPPORTED):
+    with pytest.raises(
+        RuntimeError,
+        match=r"the scheduler failed to start: ValueError: unsupported model "
+        r"architecture \['GemmaForCausalLM'\]" + SUPPORTED,
+    ):
         Engine(model_path=path, num_threads=1)
 
 

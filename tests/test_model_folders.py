@@ -12,23 +12,34 @@ import os
 import pytest
 import requests
 import torch
-from transformers import AutoModelForCausalLM
-
-from plait.runtime import Engine
-from plait.runtime.models.config import ModelConfig
-from plait.runtime.executor.loader import load_model, load_model_config, load_tokenizer
-
 from conftest import hf_greedy, http_server_in_thread
 from model_folders import EOS, GREEDY, SHAPE, TEMPLATE, build_tokenizer, edit_json, make_folder, random_prompts
+from plait.runtime import Engine
+from plait.runtime.executor.loader import load_model, load_model_config, load_tokenizer
+from plait.runtime.models.config import ModelConfig
+from transformers import AutoModelForCausalLM
 
 # ------------------------------------------------------------------ folders that run
 VARIANTS = {
     # name: (model_type, save dtype, max_shard_size, config overrides, keys dropped from config.json)
     "llama-tied-fp32": ("llama", torch.float32, None, dict(tie_word_embeddings=True), ()),
-    "llama3-rope-bf16-sharded": ("llama", torch.bfloat16, "100KB", dict(
-        tie_word_embeddings=False, rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=32)), ()),
+    "llama3-rope-bf16-sharded": (
+        "llama",
+        torch.bfloat16,
+        "100KB",
+        dict(
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+        (),
+    ),
     "llama-attention-bias": ("llama", torch.float32, None, dict(attention_bias=True), ()),
     "qwen2-fp16-tied": ("qwen2", torch.float16, None, dict(tie_word_embeddings=True), ()),
     "qwen3-sharded": ("qwen3", torch.float32, "150KB", dict(head_dim=16, tie_word_embeddings=False), ()),
@@ -42,8 +53,9 @@ def test_saved_folder_matches_transformers(tmp_path, variant):
     path = make_folder(tmp_path / variant, model_type, dtype, shard, drop_keys=drop, **config)
     if shard:
         assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
-    hf = AutoModelForCausalLM.from_pretrained(make_folder(tmp_path / "ref", model_type, dtype, shard, **config),
-                                              dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        make_folder(tmp_path / "ref", model_type, dtype, shard, **config), dtype=torch.float32
+    ).eval()
     prompts = random_prompts()
     expected = [hf_greedy(hf, p, GREEDY["max_new_tokens"], [EOS]) for p in prompts]
     # Alternate the prefix cache across variants: the second pass then runs on cached prefixes or not.
@@ -117,8 +129,11 @@ def test_chat_template_from_tokenizer_config_is_applied(chat_folder, chat_engine
     expected = chat_engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 6})
     with http_server_in_thread(chat_engine) as url:
         name = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        res = requests.post(url + "/v1/chat/completions", timeout=60, json={
-            "model": name, "messages": messages, "max_tokens": 6, "temperature": 0}).json()
+        res = requests.post(
+            url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": name, "messages": messages, "max_tokens": 6, "temperature": 0},
+        ).json()
     assert res["usage"]["prompt_tokens"] == len(ids)
     assert res["choices"][0]["message"]["content"] == expected["text"]
 
@@ -129,8 +144,9 @@ def test_chat_template_from_tokenizer_config_is_applied(chat_folder, chat_engine
         s += sgl.assistant(sgl.gen("answer", max_tokens=4, temperature=0))
 
     text = chat.run(backend=EngineBackend(chat_engine)).text()
-    assert text.startswith("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello there<|im_end|>\n"
-                           "<|im_start|>assistant\n")
+    assert text.startswith(
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_chat_template_jinja_file_is_loaded(tmp_path):
@@ -154,23 +170,30 @@ def test_context_length_above_the_model_limit_is_an_error():
     cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], **SHAPE))
     assert cfg.resolve_context_length(None) == 256
     assert cfg.resolve_context_length(100) == 100
-    with pytest.raises(ValueError, match=r"context_length 10000 is above this model's limit of 256 tokens "
-                                         r"\(max_position_embeddings in config.json\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"context_length 10000 is above this model's limit of 256 tokens "
+        r"\(max_position_embeddings in config.json\)",
+    ):
         cfg.resolve_context_length(10000)
 
 
 def test_sliding_window_shorter_than_the_context_limits_it():
     # Mistral-7B-v0.1: a 4096 window, 32768 positions. plait runs full attention: exact within the window.
-    cfg = ModelConfig.from_dict(dict(architectures=["MistralForCausalLM"], **SHAPE | dict(
-        max_position_embeddings=32768, sliding_window=4096)))
+    cfg = ModelConfig.from_dict(
+        dict(architectures=["MistralForCausalLM"], **SHAPE | dict(max_position_embeddings=32768, sliding_window=4096))
+    )
     assert cfg.max_position_embeddings == 4096
     with pytest.raises(ValueError, match="sliding window"):
         cfg.resolve_context_length(8192)
-    qwen = dict(architectures=["Qwen2ForCausalLM"], **SHAPE | dict(max_position_embeddings=32768,
-                                                                    sliding_window=4096, max_window_layers=28))
+    qwen = dict(
+        architectures=["Qwen2ForCausalLM"],
+        **SHAPE | dict(max_position_embeddings=32768, sliding_window=4096, max_window_layers=28),
+    )
     assert ModelConfig.from_dict(qwen).max_position_embeddings == 32768  # use_sliding_window off
-    assert ModelConfig.from_dict(qwen | dict(use_sliding_window=True, max_window_layers=1)).max_position_embeddings \
-        == 4096
+    assert (
+        ModelConfig.from_dict(qwen | dict(use_sliding_window=True, max_window_layers=1)).max_position_embeddings == 4096
+    )
 
 
 # ------------------------------------------------------------------ what the Engine and server make of a folder
@@ -192,10 +215,14 @@ def test_the_tokenizer_eos_ends_generation_when_the_configs_do_not_list_it(tmp_p
 def test_auto_dtype_keeps_a_float16_checkpoint_in_float16_on_the_gpu():
     from plait.runtime.server_args import ServerArgs
 
-    assert ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], torch_dtype="float16", **SHAPE)) \
-        .checkpoint_dtype == "float16"
-    assert ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], dtype="bfloat16", **SHAPE)) \
-        .checkpoint_dtype == "bfloat16"
+    assert (
+        ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], torch_dtype="float16", **SHAPE)).checkpoint_dtype
+        == "float16"
+    )
+    assert (
+        ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], dtype="bfloat16", **SHAPE)).checkpoint_dtype
+        == "bfloat16"
+    )
     gpu, cpu = ServerArgs(device="cuda"), ServerArgs(device="cpu")
     assert gpu.resolved_dtype("float16") == torch.float16
     assert gpu.resolved_dtype("bfloat16") == gpu.resolved_dtype("float32") == gpu.resolved_dtype(None) == torch.bfloat16
@@ -214,10 +241,16 @@ def test_a_home_relative_model_path_is_expanded():
 def test_requests_may_name_the_model_by_its_folder_name(chat_folder, chat_engine):
     folder_name = os.path.basename(chat_folder[0])
     with http_server_in_thread(chat_engine) as url:
-        ok = requests.post(url + "/v1/completions", timeout=60, json={
-            "model": folder_name, "prompt": "hello", "max_tokens": 2, "temperature": 0})
-        missing = requests.post(url + "/v1/completions", timeout=60, json={
-            "model": "not-" + folder_name, "prompt": "hello", "max_tokens": 2})
+        ok = requests.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={"model": folder_name, "prompt": "hello", "max_tokens": 2, "temperature": 0},
+        )
+        missing = requests.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={"model": "not-" + folder_name, "prompt": "hello", "max_tokens": 2},
+        )
     assert ok.status_code == 200, ok.text
     assert missing.status_code == 404 and "does not exist" in missing.text
 

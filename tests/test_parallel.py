@@ -16,12 +16,11 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from conftest import free_port, hf_greedy
 from model_folders import EOS, build_tokenizer, make_folder
-from spec_models import write_eagle_head
 from plait.runtime import Engine
+from spec_models import write_eagle_head
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -68,16 +67,27 @@ def folders(tmp_path_factory):
         # 4 query heads, 2 KV heads: at TP = 2 each rank 2 + 1.
         "llama": make_folder(root / "llama", "llama", tokenizer=tok, max_position_embeddings=512),
         # 6 heads / 3 KV heads / 192 MLP columns at TP = 3; a vocabulary of 320 = 107 + 107 + 106 rows.
-        "qwen2": make_folder(root / "qwen2", "qwen2", tokenizer=tok, hidden_size=96, intermediate_size=192,
-                             num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=True),
+        "qwen2": make_folder(
+            root / "qwen2",
+            "qwen2",
+            tokenizer=tok,
+            hidden_size=96,
+            intermediate_size=192,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            tie_word_embeddings=True,
+        ),
         # One KV head for 4 query heads: at TP = 2 both ranks hold (a copy of) it.
         "qwen3": make_folder(root / "qwen3", "qwen3", tokenizer=tok, num_key_value_heads=1, head_dim=16),
         # A draft model for "llama": its tokenizer, another (one-layer) network, so most drafts are wrong.
-        "llama draft": make_folder(root / "llama_draft", "llama", tokenizer=tok, num_hidden_layers=1,
-                                   max_position_embeddings=512),
+        "llama draft": make_folder(
+            root / "llama_draft", "llama", tokenizer=tok, num_hidden_layers=1, max_position_embeddings=512
+        ),
     }
     folders["llama eagle"] = write_eagle_head(str(root / "eagle"), folders["llama"], "EAGLE", seed=2)
-    folders["llama eagle3"] = write_eagle_head(str(root / "eagle3"), folders["llama"], "EAGLE3", seed=3, draft_vocab=128)
+    folders["llama eagle3"] = write_eagle_head(
+        str(root / "eagle3"), folders["llama"], "EAGLE3", seed=3, draft_vocab=128
+    )
     return folders
 
 
@@ -135,22 +145,43 @@ def test_tp2_gives_what_one_device_gives(llama_engines, one_device_outputs):
     assert info["tp_size"] == 2 and info["max_total_tokens"] == 4096
 
 
-@pytest.mark.parametrize("algo, draft, shape", [
-    ("NGRAM", None, {}),
-    ("STANDALONE", "llama", {}),  # the target as its own draft: nearly every draft accepted
-    ("STANDALONE", "llama draft", dict(speculative_eagle_topk=2, speculative_num_steps=3, speculative_num_draft_tokens=6)),
-    ("EAGLE", "llama eagle", dict(speculative_eagle_topk=2, speculative_num_steps=2, speculative_num_draft_tokens=4)),
-    ("EAGLE3", "llama eagle3", {}),
-], ids=["ngram", "standalone self chain", "standalone other tree", "eagle tree", "eagle3 chain"])
+@pytest.mark.parametrize(
+    "algo, draft, shape",
+    [
+        ("NGRAM", None, {}),
+        ("STANDALONE", "llama", {}),  # the target as its own draft: nearly every draft accepted
+        (
+            "STANDALONE",
+            "llama draft",
+            dict(speculative_eagle_topk=2, speculative_num_steps=3, speculative_num_draft_tokens=6),
+        ),
+        (
+            "EAGLE",
+            "llama eagle",
+            dict(speculative_eagle_topk=2, speculative_num_steps=2, speculative_num_draft_tokens=4),
+        ),
+        ("EAGLE3", "llama eagle3", {}),
+    ],
+    ids=["ngram", "standalone self chain", "standalone other tree", "eagle tree", "eagle3 chain"],
+)
 def test_tp2_with_speculation_gives_what_one_device_gives(folders, one_device_outputs, algo, draft, shape):
     # Every rank runs the VERIFY steps rank 0 plans (ModelRunner.follow). A drafter runs whole on rank 0
     # beside its shard (an EAGLE head with rank 0's whole copy of the embedding and LM head). Greedy outputs
     # and logprobs as one device without speculation; grammar drafts off, so that the regex request jumps
     # forward as there (with them its output is plain constrained decoding's, which jump-forward's
     # retokenizing can differ from).
-    ranks = Ranks(Engine(folders["llama"], tp_size=2, speculative_algorithm=algo,
-                         speculative_draft_model_path=folders[draft] if draft else None,
-                         speculative_grammar_drafts="off", **shape, **SMALL), expected_children=1)
+    ranks = Ranks(
+        Engine(
+            folders["llama"],
+            tp_size=2,
+            speculative_algorithm=algo,
+            speculative_draft_model_path=folders[draft] if draft else None,
+            speculative_grammar_drafts="off",
+            **shape,
+            **SMALL,
+        ),
+        expected_children=1,
+    )
     try:
         got = run_workload(ranks.engine)
         stats = ranks.engine.get_stats()
@@ -178,7 +209,7 @@ def hf_reference(folder: str, prompts: list[list[int]], n: int) -> tuple[list[li
     for p in prompts:
         out = hf_greedy(hf, p, n, eos_ids=[EOS])
         with torch.no_grad():
-            logits = hf(torch.tensor([p + out])).logits[0, len(p) - 1:len(p) - 1 + len(out)]
+            logits = hf(torch.tensor([p + out])).logits[0, len(p) - 1 : len(p) - 1 + len(out)]
         lps.append(torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out)[:, None])[:, 0])
         outs.append(out)
     return outs, lps
@@ -215,11 +246,26 @@ def test_tp2_over_two_nodes_with_a_replicated_kv_head(folders, tmp_path):
     """nnodes = 2 on one machine: node 0 is this engine (rank 0), node 1 is `plait serve --node-rank 1`
     (rank 1), meeting at --dist-init-addr over loopback, as two machines would."""
     addr = f"127.0.0.1:{free_port()}"
-    flags = ["--model-path", folders["qwen3"], "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
-             "--num-threads", "1", "--max-total-tokens", "4096"]
+    flags = [
+        "--model-path",
+        folders["qwen3"],
+        "--tp-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        addr,
+        "--num-threads",
+        "1",
+        "--max-total-tokens",
+        "4096",
+    ]
     with open(tmp_path / "node1.log", "w") as log:
-        node1 = subprocess.Popen([sys.executable, "-m", "plait.runtime.server", *flags, "--node-rank", "1"],
-                                 stdout=log, stderr=subprocess.STDOUT)
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "plait.runtime.server", *flags, "--node-rank", "1"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         engine = Engine(folders["qwen3"], tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **SMALL)
         try:

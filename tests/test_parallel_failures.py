@@ -11,7 +11,6 @@ import time
 
 import pytest
 import requests
-
 from conftest import server_info, server_pid, server_process
 from model_folders import build_tokenizer, make_folder
 from test_parallel import alive, children_of
@@ -21,8 +20,12 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return make_folder(tmp_path_factory.mktemp("tp_failure") / "llama", "llama", tokenizer=build_tokenizer(),
-                       max_position_embeddings=2048)
+    return make_folder(
+        tmp_path_factory.mktemp("tp_failure") / "llama",
+        "llama",
+        tokenizer=build_tokenizer(),
+        max_position_embeddings=2048,
+    )
 
 
 def wait_gone(pids: list[int], deadline_s: float) -> list[int]:
@@ -34,8 +37,11 @@ def wait_gone(pids: list[int], deadline_s: float) -> list[int]:
 
 def long_request(url: str, box: dict) -> threading.Thread:
     def go():
-        box["response"] = requests.post(url + "/generate", timeout=300, json={
-            "text": "hello there", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
+        box["response"] = requests.post(
+            url + "/generate",
+            timeout=300,
+            json={"text": "hello there", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}},
+        )
 
     thread = threading.Thread(target=go, daemon=True)
     thread.start()
@@ -48,8 +54,17 @@ def long_request(url: str, box: dict) -> threading.Thread:
 
 @pytest.mark.parametrize("victim", ["worker", "scheduler"])
 def test_a_rank_that_dies_gets_503_and_no_process_outlives_it(folder, tmp_path, victim):
-    with server_process(tmp_path / "server.log", "--model-path", folder, "--tp-size", "2", "--num-threads", "1",
-                        "--max-total-tokens", "4096") as url:
+    with server_process(
+        tmp_path / "server.log",
+        "--model-path",
+        folder,
+        "--tp-size",
+        "2",
+        "--num-threads",
+        "1",
+        "--max-total-tokens",
+        "4096",
+    ) as url:
         (scheduler,) = children_of(server_pid(url))
         (worker,) = children_of(scheduler)  # rank 1, started by rank 0 (the scheduler process)
         box: dict = {}

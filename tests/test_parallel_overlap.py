@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from test_prefill_pipeline import assert_all_freed, drive, fewshot_requests, scheduler, summary
 from test_scheduler_state import submit
 
@@ -40,8 +39,9 @@ def test_overlap_scheduling_at_tp2_gives_one_devices_outputs(random_models):
     s = scheduler(path, "on", max_total_tokens=2048, num_threads=1, tp_size=2)
     launched = []  # per launched step: whether its input ids were the previous step's, on the device
     launch = s.runner.launch
-    s.runner.launch = lambda step, prev=None: launched.append((step.mode.is_decode(), step.ids_from_prev)) or \
-        launch(step, prev)
+    s.runner.launch = lambda step, prev=None: (
+        launched.append((step.mode.is_decode(), step.ids_from_prev)) or launch(step, prev)
+    )
     try:
         got = workload(s)
         assert_all_freed(s, 2048)

@@ -8,17 +8,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
-
 from model_folders import make_folder
 from plait.runtime.distributed.pipeline import split_micro_batches
 from plait.runtime.distributed.topology import Rendezvous, Topology
 from plait.runtime.forward_batch import ForwardMode
 from plait.runtime.kvcache.memory_pool import ReqToTokenPool
 from plait.runtime.models.config import BUILTIN_SHAPES, ModelConfig
-from plait.runtime.models.parallel import (ModelParallel, PipelineStage, TensorParallel, check_parallel_shape,
-                                           checkpoint_read, read_slice, shard_heads, vocab_shard)
+from plait.runtime.models.parallel import (
+    ModelParallel,
+    PipelineStage,
+    TensorParallel,
+    check_parallel_shape,
+    checkpoint_read,
+    read_slice,
+    shard_heads,
+    vocab_shard,
+)
 from plait.runtime.step import StepInput
+from safetensors import safe_open
 
 
 def smollm() -> ModelConfig:
@@ -53,8 +60,15 @@ def test_heads_and_vocabulary_rows_per_rank():
     assert [s.first_kv_head for s in shards] == [r // 2 for r in range(16)]
     assert [s.first_head // 4 for s in shards] == [s.first_kv_head for s in shards]
     two = [shard_heads(eight, TensorParallel(r, 2)) for r in range(2)]
-    assert [(s.num_heads, s.num_kv_heads, s.first_head, s.first_kv_head) for s in two] == [(16, 4, 0, 0), (16, 4, 16, 4)]
-    assert [vocab_shard(320, TensorParallel(r, 3)) for r in range(3)] == [(0, 107, 107), (107, 107, 107), (214, 107, 106)]
+    assert [(s.num_heads, s.num_kv_heads, s.first_head, s.first_kv_head) for s in two] == [
+        (16, 4, 0, 0),
+        (16, 4, 16, 4),
+    ]
+    assert [vocab_shard(320, TensorParallel(r, 3)) for r in range(3)] == [
+        (0, 107, 107),
+        (107, 107, 107),
+        (214, 107, 106),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +76,18 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     # 6 heads / 3 KV heads (sharded at TP = 3; a vocabulary of 320 split 107 + 107 + 106), and one KV head
     # for 4 query heads (replicated at TP = 2).
-    folders = {"kv3": make_folder(root / "kv3", "qwen2", hidden_size=96, intermediate_size=192, num_attention_heads=6,
-                                  num_key_value_heads=3, num_hidden_layers=3),
-               "kv1": make_folder(root / "kv1", "llama", num_key_value_heads=1, attention_bias=True)}
+    folders = {
+        "kv3": make_folder(
+            root / "kv3",
+            "qwen2",
+            hidden_size=96,
+            intermediate_size=192,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            num_hidden_layers=3,
+        ),
+        "kv1": make_folder(root / "kv1", "llama", num_key_value_heads=1, attention_bias=True),
+    }
     return {k: (f, ModelConfig.from_path(f)) for k, f in folders.items()}
 
 
@@ -95,7 +118,9 @@ def test_a_pipeline_stage_reads_only_its_layers(checkpoints):
     assert [(s.first_layer, s.num_layers) for s in stages] == [(0, 1), (1, 2)]  # the first also holds the head
     with safe_open(f"{folder}/model.safetensors", framework="pt") as st:
         names = list(st.keys())
-    held = [{r.name for n in names if (r := checkpoint_read(n, cfg, ModelParallel(stage=s))) is not None} for s in stages]
+    held = [
+        {r.name for n in names if (r := checkpoint_read(n, cfg, ModelParallel(stage=s))) is not None} for s in stages
+    ]
     assert "embed_tokens.weight" in held[0] and "embed_tokens.weight" not in held[1]
     assert "norm.weight" in held[1] and "norm.weight" not in held[0]
     assert {n.split(".")[1] for n in held[0] if n.startswith("layers.")} == {"0"}
@@ -112,8 +137,9 @@ def test_micro_batches_cover_the_step_in_order():
         assert p.req_rows[4, 0] == 0 and p.num_tokens == int(p.req_rows[3].sum())
         assert np.array_equal(p.kv_writes[2], p.token_rows[2])
     assert split_micro_batches(step, 8)[3].req_rows[0].tolist() == [1]  # at most one request each
-    decode = StepInput(ForwardMode.DECODE, 5, np.arange(25).reshape(5, 5), [3] * 5,
-                       (np.arange(5), np.arange(5), np.arange(5)))
+    decode = StepInput(
+        ForwardMode.DECODE, 5, np.arange(25).reshape(5, 5), [3] * 5, (np.arange(5), np.arange(5), np.arange(5))
+    )
     halves = split_micro_batches(decode, 2)
     assert [h.batch_size for h in halves] == [2, 3]
     assert np.array_equal(np.concatenate([h.token_rows for h in halves], 1), decode.token_rows)
@@ -138,5 +164,4 @@ def test_rank_layout_and_torchrun_environment():
     assert list(topo.node_ranks()) == [2, 3] and topo.local_rank(3) == 1
     assert [topo.stage_of(r) for r in range(4)] == [0, 0, 1, 1] and topo.peer(1, 1) == 3
     env = Rendezvous("10.0.0.1", 29500).rank_env(topo, 3)
-    assert env == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "3", "WORLD_SIZE": "4",
-                   "LOCAL_RANK": "1"}
+    assert env == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}

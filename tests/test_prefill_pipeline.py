@@ -14,13 +14,11 @@ import time
 
 import pytest
 import torch
-
 from plait.runtime.forward_batch import ForwardMode
 from plait.runtime.io_struct import AbortReq, FlushCacheReq
 from plait.runtime.request import Req
-from plait.runtime.scheduler.batch import ScheduleBatch
 from plait.runtime.sampling_params import SamplingParams
-
+from plait.runtime.scheduler.batch import ScheduleBatch
 from test_scheduler_state import assert_host_table_matches, make_scheduler, submit
 
 MODES = {"off": (False, False), "decode": (True, False), "on": (True, True)}  # (overlap, pipeline_prefills)
@@ -141,8 +139,10 @@ def test_tree_rounds_same_tokens_and_cached_tokens(random_models):
         return [(rid, ids, dict(max_new_tokens=8, **GREEDY)) for rid, ids in r1]
 
     def round2(finals):
-        return [(rid, prompts[rid[:-2]] + finals[rid[:-2]].new_ids + tail, dict(max_new_tokens=8, **GREEDY))
-                for rid, tail in tails.items()]
+        return [
+            (rid, prompts[rid[:-2]] + finals[rid[:-2]].new_ids + tail, dict(max_new_tokens=8, **GREEDY))
+            for rid, tail in tails.items()
+        ]
 
     results = run_all_modes(random_models["llama"], [round1, round2], 4096, max_prefill_tokens=40)
     assert_same_everywhere(results)
@@ -156,10 +156,17 @@ def test_chunked_prefill_in_the_pipeline(random_models):
     # launched while the previous batch is in flight.
     rng = random.Random(2)
     shared = [rng.randrange(2, 256) for _ in range(40)]
-    reqs = [(f"c{i}", (shared if i % 2 else []) + [rng.randrange(2, 256) for _ in range(n)],
-             dict(max_new_tokens=3, **GREEDY)) for i, n in enumerate((30, 9, 50, 20, 3, 12))]
-    results = run_all_modes(random_models["llama"], [lambda _: reqs], 4096, chunked_prefill_size=16,
-                            max_prefill_tokens=16)
+    reqs = [
+        (
+            f"c{i}",
+            (shared if i % 2 else []) + [rng.randrange(2, 256) for _ in range(n)],
+            dict(max_new_tokens=3, **GREEDY),
+        )
+        for i, n in enumerate((30, 9, 50, 20, 3, 12))
+    ]
+    results = run_all_modes(
+        random_models["llama"], [lambda _: reqs], 4096, chunked_prefill_size=16, max_prefill_tokens=16
+    )
     assert_same_everywhere(results)
 
 
@@ -169,12 +176,15 @@ def test_pipeline_under_memory_pressure_matches_ample_memory(random_models, tota
     # retracted; the tokens must still be those of a run with ample memory.
     rng = random.Random(3)
     shared = [rng.randrange(2, 256) for _ in range(36)]
-    reqs = [(f"m{i}", shared[:n] + [rng.randrange(2, 256) for _ in range(5)], dict(max_new_tokens=12, **GREEDY))
-            for i, n in enumerate((36, 10, 36, 0, 20, 36, 5))]
+    reqs = [
+        (f"m{i}", shared[:n] + [rng.randrange(2, 256) for _ in range(5)], dict(max_new_tokens=12, **GREEDY))
+        for i, n in enumerate((36, 10, 36, 0, 20, 36, 5))
+    ]
     outs = {}
     for mode, size in (("off", 4096), ("on", total)):
-        s = scheduler(random_models["llama"], mode, max_total_tokens=size, chunked_prefill_size=16,
-                      max_prefill_tokens=32)
+        s = scheduler(
+            random_models["llama"], mode, max_total_tokens=size, chunked_prefill_size=16, max_prefill_tokens=32
+        )
         for rid, ids, sp in reqs:
             submit(s, rid, ids, **sp)
         finals, back_to_back = drive(s)
@@ -227,16 +237,18 @@ def test_prefix_held_back_in_a_batch_hits_the_tree_while_its_batch_is_in_flight(
 def test_aborts_while_a_prefill_is_in_flight(random_models):
     # Aborted while a prefill is in flight: the chunked request whose chunk it is, a running request
     # and a waiting one. The other one produces what it produces without them.
-    prompts = {"p0": list(range(2, 12)), "p1": list(range(30, 45)), "long": list(range(50, 110)),
-               "w": list(range(120, 130))}
-    ref = scheduler(random_models["llama"], "off", max_total_tokens=512, chunked_prefill_size=24,
-                    max_prefill_tokens=24)
+    prompts = {
+        "p0": list(range(2, 12)),
+        "p1": list(range(30, 45)),
+        "long": list(range(50, 110)),
+        "w": list(range(120, 130)),
+    }
+    ref = scheduler(random_models["llama"], "off", max_total_tokens=512, chunked_prefill_size=24, max_prefill_tokens=24)
     for rid in ("p0", "p1"):
         submit(ref, rid, prompts[rid], max_new_tokens=6, **GREEDY)
     expected, _ = drive(ref)
 
-    s = scheduler(random_models["llama"], "on", max_total_tokens=512, chunked_prefill_size=24,
-                  max_prefill_tokens=24)
+    s = scheduler(random_models["llama"], "on", max_total_tokens=512, chunked_prefill_size=24, max_prefill_tokens=24)
     submit(s, "p0", prompts["p0"], max_new_tokens=6, **GREEDY)
     s.step()  # p0 in flight
     submit(s, "long", prompts["long"], max_new_tokens=6, **GREEDY)
@@ -251,7 +263,11 @@ def test_aborts_while_a_prefill_is_in_flight(random_models):
     check_state(s)
     finals, _ = drive(s)
     assert {rid: o.finished_reason["type"] for rid, o in finals.items()} == {
-        "p0": "abort", "p1": "length", "long": "abort", "w": "abort"}
+        "p0": "abort",
+        "p1": "length",
+        "long": "abort",
+        "w": "abort",
+    }
     assert finals["p1"].new_ids == expected["p1"].new_ids
     assert_all_freed(s, 512)
 
@@ -288,8 +304,13 @@ def test_logprob_requests_are_not_pipelined_and_get_their_logprobs(random_models
 def _logprob_req(rid: str, ids: list[int]):
     from plait.runtime.io_struct import TokenizedGenerateReq
 
-    return TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=SamplingParams(max_new_tokens=3, **GREEDY),
-                                return_logprob=True, logprob_start_len=0)
+    return TokenizedGenerateReq(
+        rid=rid,
+        input_ids=ids,
+        sampling_params=SamplingParams(max_new_tokens=3, **GREEDY),
+        return_logprob=True,
+        logprob_start_len=0,
+    )
 
 
 def test_launch_prefill_resolves_to_what_run_returns(random_models):
@@ -298,9 +319,11 @@ def test_launch_prefill_resolves_to_what_run_returns(random_models):
     outs = []
     for launch in (False, True):
         s = make_scheduler(random_models["llama"], max_total_tokens=256, disable_radix_cache=True)
-        reqs = [Req("a", list(range(2, 14)), SamplingParams(max_new_tokens=4, **GREEDY)),
-                Req("b", list(range(20, 50)), SamplingParams(max_new_tokens=4, **GREEDY)),
-                Req("c", list(range(60, 66)), SamplingParams(max_new_tokens=0))]
+        reqs = [
+            Req("a", list(range(2, 14)), SamplingParams(max_new_tokens=4, **GREEDY)),
+            Req("b", list(range(20, 50)), SamplingParams(max_new_tokens=4, **GREEDY)),
+            Req("c", list(range(60, 66)), SamplingParams(max_new_tokens=0)),
+        ]
         extend = [12, 10, 6]  # "b": a chunk mid-way (no token)
         for r in reqs:
             r.req_pool_idx = s.kv.req_to_token.alloc()
@@ -328,8 +351,16 @@ def test_sampled_prefills_in_the_pipeline_reproduce_with_seeds(random_models):
     for mode in ("off", "on"):
         s = scheduler(random_models["llama"], mode, max_total_tokens=512, max_prefill_tokens=24)
         for i in range(5):
-            submit(s, f"s{i}", list(range(2 + 10 * i, 22 + 10 * i)), max_new_tokens=5, temperature=0.8,
-                   top_p=0.9, seed=100 + i, ignore_eos=True)
+            submit(
+                s,
+                f"s{i}",
+                list(range(2 + 10 * i, 22 + 10 * i)),
+                max_new_tokens=5,
+                temperature=0.8,
+                top_p=0.9,
+                seed=100 + i,
+                ignore_eos=True,
+            )
         finals, back_to_back = drive(s)
         assert back_to_back > 0 if mode == "on" else back_to_back == 0
         outs[mode] = {rid: o.new_ids for rid, o in finals.items()}
@@ -355,14 +386,21 @@ def test_grammar_requests_are_not_pipelined(default_model_path):
     from plait.runtime.server_args import ServerArgs
 
     torch.manual_seed(0)
-    s = create_scheduler(ServerArgs(model_path=default_model_path, device="cpu", max_total_tokens=512), default_model_path)
+    s = create_scheduler(
+        ServerArgs(model_path=default_model_path, device="cpu", max_total_tokens=512), default_model_path
+    )
     s.pipeline.overlap = True
     tok = s.tokenizer
     submit(s, "plain", tok.encode("Count: one, two,"), max_new_tokens=2, **GREEDY)
     s.step()
     assert s.pipeline.pending_prefill is not None
-    s.handle_message(TokenizedGenerateReq(rid="g", input_ids=tok.encode("A number:"), sampling_params=SamplingParams(
-        max_new_tokens=4, temperature=0, regex="[0-9]{3}")))
+    s.handle_message(
+        TokenizedGenerateReq(
+            rid="g",
+            input_ids=tok.encode("A number:"),
+            sampling_params=SamplingParams(max_new_tokens=4, temperature=0, regex="[0-9]{3}"),
+        )
+    )
     for _ in range(200):  # the grammar compiles on a worker thread
         if not s.queues.grammar_pending:
             break
@@ -387,8 +425,17 @@ def test_on_the_gpu_pipelined_prefills_match_synchronous_steps(random_models):
     reqs = fewshot_requests(random.Random(0), 24)
     results = {}
     for disable in (True, False):
-        s = create_scheduler(ServerArgs(model_path=path, device="cuda", dtype="float32", max_total_tokens=4096,
-                                 max_prefill_tokens=64, disable_overlap_schedule=disable), path)
+        s = create_scheduler(
+            ServerArgs(
+                model_path=path,
+                device="cuda",
+                dtype="float32",
+                max_total_tokens=4096,
+                max_prefill_tokens=64,
+                disable_overlap_schedule=disable,
+            ),
+            path,
+        )
         assert s.pipeline.overlap is not disable
         for rid, ids, sp in reqs:
             submit(s, rid, ids, **sp)

@@ -10,21 +10,26 @@ import asyncio
 import random
 
 import pytest
-
 from plait.runtime import Engine
 
 POOL = 1024  # KV slots per engine: small, so the eviction test overflows it quickly
 ENGINE_ARGS = dict(num_threads=1, max_total_tokens=POOL, chunked_prefill_size=128)
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 
-FEW_SHOT = ("Answer each question with a single word.\n"
-            "Q: What is the opposite of hot?\nA: cold\n"
-            "Q: What color is grass?\nA: green\n"
-            "Q: How many legs does a spider have?\nA: eight\n"
-            "Q: What do bees make?\nA: honey\n"
-            "Q: What is the largest planet?\nA: Jupiter\n")
-QUESTIONS = ["What color is the sky?", "What is frozen water called?", "What animal says moo?",
-             "What is the capital of France?"]
+FEW_SHOT = (
+    "Answer each question with a single word.\n"
+    "Q: What is the opposite of hot?\nA: cold\n"
+    "Q: What color is grass?\nA: green\n"
+    "Q: How many legs does a spider have?\nA: eight\n"
+    "Q: What do bees make?\nA: honey\n"
+    "Q: What is the largest planet?\nA: Jupiter\n"
+)
+QUESTIONS = [
+    "What color is the sky?",
+    "What is frozen water called?",
+    "What animal says moo?",
+    "What is the capital of France?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +124,7 @@ def test_concurrent_requests_with_shared_prefix(engine_on, few_shot_prompts, few
     assert [o["output_ids"] for o in batch] == few_shot_reference
 
     async def concurrent():
-        return await asyncio.gather(*[engine_on.async_generate(input_ids=p, sampling_params=GREEDY)
-                                      for p in prompts])
+        return await asyncio.gather(*[engine_on.async_generate(input_ids=p, sampling_params=GREEDY) for p in prompts])
 
     outs = asyncio.run(concurrent())
     assert [o["output_ids"] for o in outs] == few_shot_reference
@@ -131,8 +135,7 @@ def test_concurrent_requests_with_shared_prefix(engine_on, few_shot_prompts, few
 def test_workload_larger_than_pool_evicts_and_returns_every_slot(engine_on, engine_off):
     rng = random.Random(0)
     words = "river stone cloud lantern orchard violin harbor meadow copper whisper candle".split()
-    docs = [f"Document {i}: " + " ".join(rng.choice(words) for _ in range(250)) + "\nSummary:"
-            for i in range(6)]
+    docs = [f"Document {i}: " + " ".join(rng.choice(words) for _ in range(250)) + "\nSummary:" for i in range(6)]
     prompts = [engine_on.tokenizer.encode(d) for d in docs]
     short = {"max_new_tokens": 4, "temperature": 0}
     assert sum(map(len, prompts)) > POOL + 200  # the cache cannot hold them all

@@ -7,10 +7,8 @@ import shutil
 import subprocess
 import threading
 
-import pytest
-
 import plait as sgl
-
+import pytest
 from plait.backend.base import BaseBackend
 from plait.backend.engine_backend import EngineBackend
 from plait.batch_plan import find_shared_segments
@@ -63,6 +61,7 @@ def nodes_of(graph):
 
 # ---------------------------------------------------------------- graphs by tracing (no model)
 
+
 def test_trace_graph_of_a_sequential_program_exact():
     g = qa.graph(backend=BaseBackend())
     assert nodes_of(g) == [
@@ -99,9 +98,20 @@ def test_trace_graph_of_fork_and_join_exact():
         ("text", "main", None, "Summary:"),
         ("gen", "main", "summary", "{summary}"),
     ]
-    assert g.edge_tuples() == [(0, 1, "next"), (1, 2, "next"), (2, 3, "next"), (3, 4, "fork"), (4, 5, "next"),
-                               (3, 6, "fork"), (6, 7, "next"), (3, 8, "next"), (5, 8, "join"), (7, 8, "join"),
-                               (8, 9, "next"), (9, 10, "next")]
+    assert g.edge_tuples() == [
+        (0, 1, "next"),
+        (1, 2, "next"),
+        (2, 3, "next"),
+        (3, 4, "fork"),
+        (4, 5, "next"),
+        (3, 6, "fork"),
+        (6, 7, "next"),
+        (3, 8, "next"),
+        (5, 8, "join"),
+        (7, 8, "join"),
+        (8, 9, "next"),
+        (9, 10, "next"),
+    ]
     assert g.nodes[3].detail == {"size": 2} and g.nodes[8].detail == {"mode": "gather_variable", "fork": 3}
     # gather_variable: the branches' text is not in the parent's prompt
     assert g.prompt_text(10) == "Tips about {topic}.\nSummary:"
@@ -111,8 +121,16 @@ def test_trace_graph_of_fork_and_join_exact():
 def test_trace_graph_concatenating_join_puts_the_branches_in_the_prompt():
     g = concat.graph(backend=BaseBackend())
     assert [(n.kind, n.branch) for n in g.nodes] == [
-        ("text", "main"), ("fork", "main"), ("text", "f1.0"), ("gen", "f1.0"), ("text", "f1.1"), ("gen", "f1.1"),
-        ("join", "main"), ("text", "main"), ("gen", "main")]
+        ("text", "main"),
+        ("fork", "main"),
+        ("text", "f1.0"),
+        ("gen", "f1.0"),
+        ("text", "f1.1"),
+        ("gen", "f1.1"),
+        ("join", "main"),
+        ("text", "main"),
+        ("gen", "main"),
+    ]
     assert g.nodes[6].detail == {"mode": "concate_and_append", "fork": 1}
     assert g.prompt_text(8) == "Start. A{g}B{g} End:"
     assert g.prompt_path(8) == [0, 2, 3, 4, 5, 7]
@@ -121,20 +139,47 @@ def test_trace_graph_concatenating_join_puts_the_branches_in_the_prompt():
 def test_trace_graph_of_nested_forks_exact():
     g = tree.graph(backend=BaseBackend())
     assert [(n.id, n.kind, n.branch) for n in g.nodes] == [
-        (0, "text", "main"), (1, "fork", "main"),
-        (2, "gen", "f1.0"), (3, "fork", "f1.0"), (4, "gen", "f3.0"), (5, "gen", "f3.1"), (6, "join", "f1.0"),
-        (7, "gen", "f1.1"), (8, "fork", "f1.1"), (9, "gen", "f8.0"), (10, "gen", "f8.1"), (11, "join", "f1.1"),
-        (12, "join", "main")]
+        (0, "text", "main"),
+        (1, "fork", "main"),
+        (2, "gen", "f1.0"),
+        (3, "fork", "f1.0"),
+        (4, "gen", "f3.0"),
+        (5, "gen", "f3.1"),
+        (6, "join", "f1.0"),
+        (7, "gen", "f1.1"),
+        (8, "fork", "f1.1"),
+        (9, "gen", "f8.0"),
+        (10, "gen", "f8.1"),
+        (11, "join", "f1.1"),
+        (12, "join", "main"),
+    ]
     assert g.edge_tuples() == [
-        (0, 1, "next"), (1, 2, "fork"), (2, 3, "next"), (3, 4, "fork"), (3, 5, "fork"), (3, 6, "next"),
-        (4, 6, "join"), (5, 6, "join"), (1, 7, "fork"), (7, 8, "next"), (8, 9, "fork"), (8, 10, "fork"),
-        (8, 11, "next"), (9, 11, "join"), (10, 11, "join"), (1, 12, "next"), (6, 12, "join"), (11, 12, "join")]
+        (0, 1, "next"),
+        (1, 2, "fork"),
+        (2, 3, "next"),
+        (3, 4, "fork"),
+        (3, 5, "fork"),
+        (3, 6, "next"),
+        (4, 6, "join"),
+        (5, 6, "join"),
+        (1, 7, "fork"),
+        (7, 8, "next"),
+        (8, 9, "fork"),
+        (8, 10, "fork"),
+        (8, 11, "next"),
+        (9, 11, "join"),
+        (10, 11, "join"),
+        (1, 12, "next"),
+        (6, 12, "join"),
+        (11, 12, "join"),
+    ]
     # each plan is shared by its own two steps, the problem by all six requests
     assert g.shared_segments() == {0: [2, 4, 5, 7, 9, 10], 2: [4, 5], 7: [9, 10]}
     assert g.prompt_text(10) == "Problem.\n{plan}"
 
 
 # ---------------------------------------------------------------- rendering (no model)
+
 
 def check_dot(text: str, graph) -> None:
     assert text.startswith("digraph ") and text.rstrip().endswith("}")
@@ -182,6 +227,7 @@ def test_dot_escapes_quotes_backslashes_and_newlines():
 
 # ---------------------------------------------------------------- shared segments (no model)
 
+
 def seg_tuples(segments):
     return [(s.id, s.parent, s.start, s.end, s.members) for s in segments]
 
@@ -189,8 +235,13 @@ def seg_tuples(segments):
 def test_shared_segments_on_text_exact():
     header = "Answer each question.\n"
     ex_a, ex_b = "Q: 1+1?\nA: 2\n", "E: 2*3?\nA: 6\n"
-    texts = [header + ex_a + "Q: x?", header + ex_a + "Q: y?", header + ex_b + "Q: z?", header + ex_b + "Q: w?",
-             "Unrelated prompt"]
+    texts = [
+        header + ex_a + "Q: x?",
+        header + ex_a + "Q: y?",
+        header + ex_b + "Q: z?",
+        header + ex_b + "Q: w?",
+        "Unrelated prompt",
+    ]
     h, a = len(header), len(header + ex_a + "Q: ")
     assert seg_tuples(find_shared_segments(texts)) == [
         (0, None, 0, h, (0, 1, 2, 3)),  # the common header
@@ -214,10 +265,14 @@ def test_shared_segments_on_tokens_exact():
         (3, 1, 3, 5, (2, 3)),  # [1,2,3,7,7] is a prefix of [1,2,3,7,7,6]: the whole of it is shared
     ]
     assert seg_tuples(find_shared_segments(seqs, min_len=2)) == [
-        (0, None, 0, 2, (0, 1, 2, 3, 4)), (1, 0, 2, 5, (0, 1)), (2, 0, 2, 5, (2, 3))]
+        (0, None, 0, 2, (0, 1, 2, 3, 4)),
+        (1, 0, 2, 5, (0, 1)),
+        (2, 0, 2, 5, (2, 3)),
+    ]
 
 
 # ---------------------------------------------------------------- pins (no model)
+
 
 class PinLedgerEngine:
     """The Engine's pin API over a ledger (one token per character): what a program pins, in order."""
@@ -250,8 +305,7 @@ def test_pins_keep_order_give_back_over_budget_and_release_everything():
     pins.move_state_pin("main", "abcdefgh")
     fork = pins.pin("abcdefghijk")  # 11 > budget: given back at once
     pins.wait_idle()
-    assert engine.events == [("pin", "abcdef"), ("pin", "abcdefgh"), ("unpin", 1), ("pin", "abcdefghijk"),
-                             ("unpin", 4)]
+    assert engine.events == [("pin", "abcdef"), ("pin", "abcdefgh"), ("unpin", 1), ("pin", "abcdefghijk"), ("unpin", 4)]
     assert fork.pin is None and service.pinned_tokens == 8
     pins.release_all(wait=True)
     assert engine.events[-1] == ("unpin", 2) and service.pinned_tokens == 0

@@ -8,17 +8,16 @@ the segment finder, the pin ledger) is tests/test_program_graph.py.
 
 import time
 
+import plait as sgl
 import pytest
 import requests
-
-import plait as sgl
-
 from conftest import http_server_in_thread
 from plait.backend.engine_backend import EngineBackend
 from plait.graph_render import to_dot
 from test_program_graph import check_dot, seg_tuples, skeleton
 
 # ---------------------------------------------------------------- the real model
+
 
 @pytest.fixture(scope="module")
 def runtime():
@@ -87,7 +86,10 @@ def test_run_graph_records_cache_hits_per_node_and_pins_the_state_between_gens(r
         meta = state.get_meta_info(node.name)
         assert node.stats.requests == 1
         assert (node.stats.prompt_tokens, node.stats.cached_tokens, node.stats.completion_tokens) == (
-            meta["prompt_tokens"], meta["cached_tokens"], meta["completion_tokens"])
+            meta["prompt_tokens"],
+            meta["cached_tokens"],
+            meta["completion_tokens"],
+        )
         assert node.stats.latency_s > 0 and node.stats.start_s >= 0
     # the second turn reused the first turn's prompt and answer
     assert a2.stats.cached_tokens >= a1.stats.prompt_tokens
@@ -112,8 +114,16 @@ def test_fork_prefix_is_prefilled_once_pinned_until_join_and_every_request_is_gr
     assert state.error() is None and protected(runtime) == 0
     g = state.graph()
     assert [(n.kind, n.branch) for n in g.nodes] == [
-        ("text", "main"), ("fork", "main"), ("text", "f1.0"), ("gen", "f1.0"), ("text", "f1.1"), ("gen", "f1.1"),
-        ("join", "main"), ("text", "main"), ("select", "main")]
+        ("text", "main"),
+        ("fork", "main"),
+        ("text", "f1.0"),
+        ("gen", "f1.0"),
+        ("text", "f1.1"),
+        ("gen", "f1.1"),
+        ("join", "main"),
+        ("text", "main"),
+        ("select", "main"),
+    ]
     fork, river0, river1, select = g.nodes[1], g.nodes[3], g.nodes[5], g.nodes[8]
     prefix_tokens = fork.stats.prompt_tokens
     assert fork.stats.requests == 1 and fork.stats.completion_tokens == 0  # the shared prefix's prefill
@@ -136,8 +146,12 @@ def few_shot(s, examples, question):
 
 ADD = "".join(f"Q: What is {i} plus {i}?\nA: {2 * i}\n" for i in range(1, 7))
 MUL = "".join(f"Q: What is {i} times {i}?\nA: {i * i}\n" for i in range(1, 7))
-BATCH = [{"examples": ADD, "question": "What is 2 plus 5?"}, {"examples": MUL, "question": "What is 3 times 4?"},
-         {"examples": ADD, "question": "What is 7 plus 1?"}, {"examples": MUL, "question": "What is 5 times 2?"}]
+BATCH = [
+    {"examples": ADD, "question": "What is 2 plus 5?"},
+    {"examples": MUL, "question": "What is 3 times 4?"},
+    {"examples": ADD, "question": "What is 7 plus 1?"},
+    {"examples": MUL, "question": "What is 5 times 2?"},
+]
 
 
 def test_run_batch_prefills_each_shared_segment_once_and_releases_it(runtime):
@@ -156,21 +170,39 @@ def test_run_batch_prefills_each_shared_segment_once_and_releases_it(runtime):
         return n
 
     header, add, mul = lcp(prompts[0], prompts[1]), lcp(prompts[0], prompts[2]), lcp(prompts[1], prompts[3])
-    assert seg_tuples(plan.segments) == [(0, None, 0, header, (0, 1, 2, 3)), (1, 0, header, add, (0, 2)),
-                                         (2, 0, header, mul, (1, 3))]
+    assert seg_tuples(plan.segments) == [
+        (0, None, 0, header, (0, 1, 2, 3)),
+        (1, 0, header, add, (0, 2)),
+        (2, 0, header, mul, (1, 3)),
+    ]
     # each segment computed once: the header fresh, each example group on top of the cached header
     assert [(s.prefill.prompt_tokens, s.prefill.cached_tokens) for s in plan.segments] == [
-        (header, 0), (add, header), (mul, header)]
+        (header, 0),
+        (add, header),
+        (mul, header),
+    ]
     assert plan.dispatch_order() == [0, 2, 1, 3]  # one example group, then the other
     # and every program then found its whole group segment in the cache
     ends = {0: add, 2: add, 1: mul, 3: mul}
     assert [s.get_meta_info("answer")["cached_tokens"] for s in states] == [ends[i] for i in range(4)]
     g = plan.to_graph()
-    assert [(n.kind, n.name) for n in g.nodes] == [("text", None), ("text", None), ("program", "#0"),
-                                                   ("program", "#2"), ("text", None), ("program", "#1"),
-                                                   ("program", "#3")]
-    assert g.edge_tuples() == [(0, 1, "next"), (1, 2, "next"), (1, 3, "next"), (0, 4, "next"), (4, 5, "next"),
-                               (4, 6, "next")]
+    assert [(n.kind, n.name) for n in g.nodes] == [
+        ("text", None),
+        ("text", None),
+        ("program", "#0"),
+        ("program", "#2"),
+        ("text", None),
+        ("program", "#1"),
+        ("program", "#3"),
+    ]
+    assert g.edge_tuples() == [
+        (0, 1, "next"),
+        (1, 2, "next"),
+        (1, 3, "next"),
+        (0, 4, "next"),
+        (4, 5, "next"),
+        (4, 6, "next"),
+    ]
     assert g.nodes[0].text + g.nodes[1].text == "Answer with a number.\n" * 3 + ADD + "Q: What is "
     assert g.nodes[2].text == "2 plus 5?\nA:"
     assert all(g.nodes[i].stats.cached_tokens == ends[int(g.nodes[i].name[1:])] for i in (2, 3, 5, 6))
@@ -205,8 +237,9 @@ def test_unpin_takes_the_pin_id_and_is_a_no_op_after_shutdown(runtime):
 
 def test_hints_over_http(runtime, http_url):
     prefix = SYSTEM + "Hints over HTTP."
-    res = requests.post(http_url + "/generate", json={"text": prefix, "group": "program-1",
-                                                      "sampling_params": {"max_new_tokens": 0}})
+    res = requests.post(
+        http_url + "/generate", json={"text": prefix, "group": "program-1", "sampling_params": {"max_new_tokens": 0}}
+    )
     assert res.status_code == 200, res.text
     prompt_tokens = res.json()["meta_info"]["prompt_tokens"]
     pin = requests.post(http_url + "/pin_prefix", json={"text": prefix}).json()

@@ -5,7 +5,6 @@ The allocator hands out slots 1, 2, 3, ... in order, so expected kv slots are wr
 
 import pytest
 import torch
-
 from plait.runtime.kvcache.memory_pool import TokenAllocator
 from plait.runtime.kvcache.radix_cache import PinHandle, RadixCache
 
@@ -167,8 +166,7 @@ def test_request_lifecycle_moves_lock_to_the_new_node():
     cache.check_integrity(num_private=1)
     cache.cache_finished_req(tokens + [7], kv, node)
     # A new edge under the old leaf (edges are never extended in place: a handle names a fixed path).
-    assert cache.dump() == [(0, (1, 2, 3, 4), (1, 2, 3, 4), 0), (1, (5, 6), (5, 6), 0),
-                            (2, (7,), (7,), 0)]
+    assert cache.dump() == [(0, (1, 2, 3, 4), (1, 2, 3, 4), 0), (1, (5, 6), (5, 6), 0), (2, (7,), (7,), 0)]
     assert (cache.evictable_size(), cache.protected_size()) == (7, 0)
     cache.check_integrity()
 

@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from plait.runtime.kvcache.memory_pool import TokenAllocator
 from plait.runtime.kvcache.radix_cache import RadixCache
 
@@ -21,7 +20,7 @@ def tree_contents(cache):
         del path[depth:]
         prefix = path[-1] if path else ()
         for i in range(0, len(key), ps):
-            out[prefix + key[: i + ps]] = slots[i:i + ps]
+            out[prefix + key[: i + ps]] = slots[i : i + ps]
         path.append(prefix + key)
     return out
 
@@ -49,7 +48,7 @@ def run_random_workload(seed, page_size, num_slots=48, steps=250):
         """Returns the slots the tree should now hold for `tokens` and the duplicates."""
         expected, dups = [], []
         for i in range(0, len(tokens), page_size):
-            prefix, page = tuple(tokens[: i + page_size]), tuple(kv[i:i + page_size])
+            prefix, page = tuple(tokens[: i + page_size]), tuple(kv[i : i + page_size])
             if prefix in ref:
                 dups += [mine for mine, cached in zip(page, ref[prefix]) if mine != cached]
             else:
@@ -84,7 +83,7 @@ def run_random_workload(seed, page_size, num_slots=48, steps=250):
         ref.update(after)
 
     def check():
-        private = [s for r in running for s in r.kv[r.in_tree:].tolist()]
+        private = [s for r in running for s in r.kv[r.in_tree :].tolist()]
         cache.check_integrity(num_private=len(private))
         contents = tree_contents(cache)
         assert contents == ref
@@ -95,8 +94,9 @@ def run_random_workload(seed, page_size, num_slots=48, steps=250):
         assert cache.protected_size() == page_size * len(protected)
 
     for _ in range(steps):
-        op = rng.choice(["start", "start", "extend", "unfinished", "finish", "finish", "evict",
-                         "pin", "unpin", "match"])
+        op = rng.choice(
+            ["start", "start", "extend", "unfinished", "finish", "finish", "evict", "pin", "unpin", "match"]
+        )
         if op == "start" and len(running) < 4:
             tokens = random_tokens() or [0]
             m = cache.match_prefix(tokens)

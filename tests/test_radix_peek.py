@@ -5,7 +5,6 @@ no longer end its walk where it did."""
 import random
 
 import pytest
-
 from test_radix_cache import make, put
 
 
@@ -36,15 +35,22 @@ def test_peek_prefix_of_reuses_a_longer_peek_only_where_the_walk_is_the_same():
     _, cache = make()
     put(cache, [1, 2, 3, 4])
     put(cache, [5, 6])
-    for whole, prefix in (([1, 2, 9, 9, 9], [1, 2, 9, 9]),  # stopped mid-edge on a shared token
-                          ([5, 6, 7, 8], [5, 6, 7]),        # stopped at a node, no child for 7
-                          ([1, 2, 3, 4, 5], [1, 2, 3, 4]),  # the prefix ends where the match did
-                          ([1, 2, 3, 4, 5], [1, 2, 3]),     # the prefix ends inside the match
-                          ([8, 8], [8])):
+    for whole, prefix in (
+        ([1, 2, 9, 9, 9], [1, 2, 9, 9]),  # stopped mid-edge on a shared token
+        ([5, 6, 7, 8], [5, 6, 7]),  # stopped at a node, no child for 7
+        ([1, 2, 3, 4, 5], [1, 2, 3, 4]),  # the prefix ends where the match did
+        ([1, 2, 3, 4, 5], [1, 2, 3]),  # the prefix ends inside the match
+        ([8, 8], [8]),
+    ):
         peek = cache.peek_prefix(whole)
         got, fresh = cache.peek_prefix_of(peek, prefix), cache.peek_prefix(prefix)
-        assert (got.num_tokens, got.queried, got.node, got.child, got.m) == \
-               (fresh.num_tokens, fresh.queried, fresh.node, fresh.child, fresh.m), (whole, prefix)
+        assert (got.num_tokens, got.queried, got.node, got.child, got.m) == (
+            fresh.num_tokens,
+            fresh.queried,
+            fresh.node,
+            fresh.child,
+            fresh.m,
+        ), (whole, prefix)
         assert got.token_ids is prefix
     # Reused (the same walk's end) only when the match ended before the prefix's end.
     peek = cache.peek_prefix([1, 2, 9, 9, 9])
@@ -66,8 +72,13 @@ def test_peek_prefix_of_with_pages_agrees_with_a_fresh_peek():
         for n in range(len(whole) + 1):
             peek = cache.peek_prefix(whole)
             got, fresh = cache.peek_prefix_of(peek, whole[:n]), cache.peek_prefix(whole[:n])
-            assert (got.num_tokens, got.queried, got.node, got.child, got.m) == \
-                   (fresh.num_tokens, fresh.queried, fresh.node, fresh.child, fresh.m), (whole, n)
+            assert (got.num_tokens, got.queried, got.node, got.child, got.m) == (
+                fresh.num_tokens,
+                fresh.queried,
+                fresh.node,
+                fresh.child,
+                fresh.m,
+            ), (whole, n)
 
 
 def test_a_peek_survives_splits_elsewhere_but_not_of_its_own_edge():
@@ -87,8 +98,14 @@ def test_a_peek_survives_splits_elsewhere_but_not_of_its_own_edge():
     m = cache.match_peeked(peek_d)
     assert m.kv_indices.tolist() == a[:3] and m.node.key == (2, 3)
     cache.check_integrity()
-    assert cache.dump() == [(0, (1,), (1,), 0), (1, (2, 3), (2, 3), 0), (2, (4,), (4,), 0),
-                            (0, (5,), (5,), 0), (1, (6,), (6,), 0), (2, (7, 8), (7, 8), 0)]
+    assert cache.dump() == [
+        (0, (1,), (1,), 0),
+        (1, (2, 3), (2, 3), 0),
+        (2, (4,), (4,), 0),
+        (0, (5,), (5,), 0),
+        (1, (6,), (6,), 0),
+        (2, (7, 8), (7, 8), 0),
+    ]
 
 
 @pytest.mark.parametrize("page_size", [1, 2])
@@ -116,8 +133,12 @@ def test_a_current_peek_always_agrees_with_a_fresh_walk(page_size):
         for peek in peeks[-20:]:
             if cache.peek_is_current(peek):
                 fresh = cache.peek_prefix(peek.token_ids)
-                assert (peek.num_tokens, peek.node, peek.child, peek.m) == \
-                       (fresh.num_tokens, fresh.node, fresh.child, fresh.m), step
+                assert (peek.num_tokens, peek.node, peek.child, peek.m) == (
+                    fresh.num_tokens,
+                    fresh.node,
+                    fresh.child,
+                    fresh.m,
+                ), step
                 checked += 1
     assert checked > 500
     cache.check_integrity()

@@ -4,29 +4,32 @@ of each concept (no engine: these are plain objects)."""
 import dataclasses
 
 import pytest
-
 from plait.runtime import SamplingParams, ServerArgs
 from plait.runtime.engine.request_builder import OPTION_DEFAULTS, build_requests
 from plait.runtime.engine.tokenizer_manager import TokenizerManager
 from plait.runtime.io_struct import SchedulerInfo, TokenizedGenerateReq
-from plait.runtime.request_options import (RequestOptionError, RequestOptions, expand_samples, is_sample_of,
-                                           sample_rid)
+from plait.runtime.request_options import RequestOptionError, RequestOptions, expand_samples, is_sample_of, sample_rid
 
 
 def test_of_maps_sglang_defaults_and_truthy_flags():
-    opts = RequestOptions.of(rid="r", return_logprob=1, logprob_start_len=None, top_logprobs_num=None,
-                             return_text_in_logprobs=None)
-    assert opts == RequestOptions(rid="r", return_logprob=True, logprob_start_len=-1, top_logprobs_num=0,
-                                  return_text_in_logprobs=False)
+    opts = RequestOptions.of(
+        rid="r", return_logprob=1, logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=None
+    )
+    assert opts == RequestOptions(
+        rid="r", return_logprob=True, logprob_start_len=-1, top_logprobs_num=0, return_text_in_logprobs=False
+    )
 
 
-@pytest.mark.parametrize("fields, field, message", [
-    ({"top_logprobs_num": -1}, "top_logprobs_num", "top_logprobs_num must be an int >= 0, got -1"),
-    ({"top_logprobs_num": 2.5}, "top_logprobs_num", "top_logprobs_num must be an int >= 0, got 2.5"),
-    ({"logprob_start_len": -2}, "logprob_start_len", "logprob_start_len must be an int >= -1, got -2"),
-    ({"logprob_start_len": "0"}, "logprob_start_len", "logprob_start_len must be an int >= -1, got '0'"),
-    ({"rid": 7}, "rid", "rid must be a string"),
-])
+@pytest.mark.parametrize(
+    "fields, field, message",
+    [
+        ({"top_logprobs_num": -1}, "top_logprobs_num", "top_logprobs_num must be an int >= 0, got -1"),
+        ({"top_logprobs_num": 2.5}, "top_logprobs_num", "top_logprobs_num must be an int >= 0, got 2.5"),
+        ({"logprob_start_len": -2}, "logprob_start_len", "logprob_start_len must be an int >= -1, got -2"),
+        ({"logprob_start_len": "0"}, "logprob_start_len", "logprob_start_len must be an int >= -1, got '0'"),
+        ({"rid": 7}, "rid", "rid must be a string"),
+    ],
+)
 def test_a_bad_option_is_a_value_error_naming_its_field(fields, field, message):
     with pytest.raises(RequestOptionError) as info:
         RequestOptions.of(**fields)
@@ -69,11 +72,26 @@ def test_samples_get_rid_dash_k_seed_plus_k_n_one_and_the_group():
 
 
 def test_the_scheduler_message_spells_the_options_out():
-    opts = RequestOptions.of(rid="m", return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
-                             return_text_in_logprobs=True, stream=True, group="g")
+    opts = RequestOptions.of(
+        rid="m",
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+        return_text_in_logprobs=True,
+        stream=True,
+        group="g",
+    )
     msg = TokenizedGenerateReq.of([1, 2], SamplingParams(), opts, ["w"])
-    assert (msg.rid, msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num, msg.return_text_in_logprobs,
-            msg.stream, msg.group, msg.grammar_warnings) == ("m", True, 0, 2, True, True, "g", ["w"])
+    assert (
+        msg.rid,
+        msg.return_logprob,
+        msg.logprob_start_len,
+        msg.top_logprobs_num,
+        msg.return_text_in_logprobs,
+        msg.stream,
+        msg.group,
+        msg.grammar_warnings,
+    ) == ("m", True, 0, 2, True, True, "g", ["w"])
 
 
 def test_sampling_params_are_immutable_and_from_dict_shares_an_instance():
@@ -110,11 +128,20 @@ def test_a_failed_verify_is_not_remembered():
 
 # ---------------------------------------------------------------- the Engine's request building (no engine)
 
+
 class _Manager:
     """What build_requests uses of a TokenizerManager (its real validate), without sockets or a scheduler."""
 
-    info = SchedulerInfo(max_total_tokens=4096, context_len=512, vocab_size=300, max_running_requests=8,
-                         device="cpu", dtype="float32", attention_backend="torch_native", eos_token_ids=[0])
+    info = SchedulerInfo(
+        max_total_tokens=4096,
+        context_len=512,
+        vocab_size=300,
+        max_running_requests=8,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch_native",
+        eos_token_ids=[0],
+    )
     server_args = ServerArgs()
     validate = TokenizerManager.validate
 
@@ -123,27 +150,37 @@ class _Manager:
 
 
 def build(prompt=None, sampling_params=None, input_ids=None, options=None, **option_args):
-    return build_requests(_Manager(), prompt, sampling_params, input_ids, {**OPTION_DEFAULTS, **option_args},
-                          options)
+    return build_requests(_Manager(), prompt, sampling_params, input_ids, {**OPTION_DEFAULTS, **option_args}, options)
 
 
 def test_engine_requests_expand_n_like_the_server():
-    (members,), batch = build("hi", {"n": 2, "seed": 4, "max_new_tokens": 3}, rid="g", return_logprob=True,
-                              top_logprobs_num=2)
+    (members,), batch = build(
+        "hi", {"n": 2, "seed": 4, "max_new_tokens": 3}, rid="g", return_logprob=True, top_logprobs_num=2
+    )
     assert not batch
     assert [(m.rid, m.sampling_params.seed, m.sampling_params.n, m.group) for m in members] == [
-        ("g-0", 4, 1, "g"), ("g-1", 5, 1, "g")]
+        ("g-0", 4, 1, "g"),
+        ("g-1", 5, 1, "g"),
+    ]
     assert all(m.return_logprob and m.top_logprobs_num == 2 and m.logprob_start_len == -1 for m in members)
     (one,), _ = build("hi", {"max_new_tokens": 3})
     assert len(one) == 1 and len(one[0].rid) == 32 and one[0].group is None  # a fresh rid, no group
 
 
 def test_engine_batch_options_per_item_and_batch_rids():
-    groups, batch = build(["ab", "cd"], {"max_new_tokens": 1}, rid="b", return_logprob=[True, False],
-                          logprob_start_len=[0, None], group="prog")
+    groups, batch = build(
+        ["ab", "cd"],
+        {"max_new_tokens": 1},
+        rid="b",
+        return_logprob=[True, False],
+        logprob_start_len=[0, None],
+        group="prog",
+    )
     assert batch and [g[0].rid for g in groups] == ["b_0", "b_1"]
     assert [(g[0].return_logprob, g[0].logprob_start_len, g[0].group) for g in groups] == [
-        (True, 0, "prog"), (False, -1, "prog")]
+        (True, 0, "prog"),
+        (False, -1, "prog"),
+    ]
     with pytest.raises(ValueError, match=r"batch item 1: top_logprobs_num must be an int >= 0, got -1"):
         build(["ab", "cd"], {"max_new_tokens": 1}, top_logprobs_num=[1, -1])
     with pytest.raises(ValueError, match=r"logprob_start_len \(2\) must be less than the prompt's 2 tokens"):

@@ -17,7 +17,6 @@ import time
 
 import pytest
 import requests
-
 from conftest import free_port
 from model_folders import TEMPLATE, build_tokenizer, make_folder
 
@@ -50,8 +49,12 @@ def processes(tmp_path, commands: dict[str, list[str]]):
         for i, (url, argv) in enumerate(commands.items()):
             logs[url] = tmp_path / f"proc{i}.log"
             with open(logs[url], "w") as log:
-                procs[url] = subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT,
-                                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                procs[url] = subprocess.Popen(
+                    [sys.executable, *argv],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
         wait_healthy(procs, logs)
         yield procs
     finally:
@@ -74,20 +77,46 @@ def cluster(tmp_path_factory):
     folder = make_folder(tmp / "llama", "llama", tokenizer=tokenizer, max_position_embeddings=2048)
     ports = [free_port() for _ in range(2)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    serve = {url: ["-m", "plait.runtime.server", "--model-path", folder, "--port", str(port), "--num-threads", "1",
-                   "--max-total-tokens", "8192"] for url, port in zip(urls, ports)}
+    serve = {
+        url: [
+            "-m",
+            "plait.runtime.server",
+            "--model-path",
+            folder,
+            "--port",
+            str(port),
+            "--num-threads",
+            "1",
+            "--max-total-tokens",
+            "8192",
+        ]
+        for url, port in zip(urls, ports)
+    }
     with processes(tmp, serve) as replicas:
         router_port = free_port()
         router_url = f"http://127.0.0.1:{router_port}"
-        router = {router_url: ["-m", "plait.runtime.router", "--worker-urls", *urls, "--port", str(router_port),
-                               "--health-check-interval", "0.5"]}
+        router = {
+            router_url: [
+                "-m",
+                "plait.runtime.router",
+                "--worker-urls",
+                *urls,
+                "--port",
+                str(router_port),
+                "--health-check-interval",
+                "0.5",
+            ]
+        }
         with processes(tmp, router):
             yield {"router": router_url, "replicas": replicas, "urls": urls}
 
 
 def generate(url: str, text: str, n: int = 8, **extra) -> requests.Response:
-    r = requests.post(url + "/generate", timeout=120, json={
-        "text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, **extra}})
+    r = requests.post(
+        url + "/generate",
+        timeout=120,
+        json={"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, **extra}},
+    )
     assert r.status_code == 200, r.text
     return r
 
@@ -125,19 +154,23 @@ def _metric(text: str, name: str) -> float:
 
 def test_streams_pass_through_byte_for_byte(cluster):
     router = cluster["router"]
-    body = {"text": SYSTEMS[0] + " user: tell me more. assistant:", "stream": True,
-            "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    body = {
+        "text": SYSTEMS[0] + " user: tell me more. assistant:",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+    }
     via = requests.post(router + "/generate", json=body, stream=True, timeout=120)
     replica = via.headers[HEADER]
     chunks = [line for line in via.iter_lines() if line]
-    direct = [line for line in requests.post(replica + "/generate", json=body, stream=True, timeout=120).iter_lines()
-              if line]
+    direct = [
+        line for line in requests.post(replica + "/generate", json=body, stream=True, timeout=120).iter_lines() if line
+    ]
     assert chunks[-1] == b"data: [DONE]" and len(chunks) > 3
 
     def payload(lines):  # the same bytes but the per-request id and timings
         out = []
         for line in lines[:-1]:
-            d = json.loads(line[len(b"data: "):])
+            d = json.loads(line[len(b"data: ") :])
             out.append((d["text"], d["output_ids"] if "output_ids" in d else None, d["meta_info"]["finish_reason"]))
         return out
 
@@ -151,8 +184,7 @@ def test_openai_routes_through_the_real_client(cluster):
     model = client.models.list().data[0].id
     messages = [{"role": "system", "content": SYSTEMS[1]}, {"role": "user", "content": "hello there"}]
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0)
-    pieces = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
-                                            stream=True)
+    pieces = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
     assert text == whole.choices[0].message.content and text
     done = client.completions.create(model=model, prompt=SYSTEMS[2] + " user: hi", max_tokens=5, temperature=0)
@@ -168,8 +200,11 @@ def test_a_dead_replica_is_skipped_and_its_requests_go_elsewhere(cluster):
     box: dict = {}
 
     def long_one():
-        box["r"] = requests.post(router + "/generate", timeout=300, json={
-            "text": prefix, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}})
+        box["r"] = requests.post(
+            router + "/generate",
+            timeout=300,
+            json={"text": prefix, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}},
+        )
 
     thread = threading.Thread(target=long_one, daemon=True)
     thread.start()

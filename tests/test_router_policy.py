@@ -6,7 +6,6 @@ balance thresholds) and round-robin."""
 from __future__ import annotations
 
 import pytest
-
 from plait.runtime.router.app import routing_key
 from plait.runtime.router.policy import CacheAwarePolicy, RoundRobinPolicy
 from plait.runtime.router.prefix_tree import PrefixTree
@@ -87,7 +86,9 @@ def test_routing_keys_of_each_route():
     assert routing_key("/generate", {"input_ids": [1, 2]}) == (1, 2)
     assert routing_key("/generate", {"text": ["first", "second"]}) == "first"
     assert routing_key("/v1/completions", {"prompt": [[3, 4], [5]]}) == (3, 4)
-    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "U"}]}]}
+    chat = {
+        "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "U"}]}]
+    }
     assert routing_key("/v1/chat/completions", chat) == "<system>S<user>U"
     assert routing_key("/generate", None) == () and routing_key("/v1/completions", {"prompt": 5}) == ()
 

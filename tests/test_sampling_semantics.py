@@ -11,13 +11,16 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
-
 from plait.runtime import Engine
 from plait.runtime.executor.sampler import SamplingBatchInfo, apply_logit_adjustments, sample, sampling_probs
-from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.request import Req
+from plait.runtime.sampling_params import SamplingParams
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 # Spread out enough that every filter below cuts somewhere different.
 LOGITS = [3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -5.0]
@@ -142,6 +145,7 @@ def test_draws_follow_the_reference(params):
 
 def test_the_configs_tell_wrong_orders_apart():
     """The reference configs would catch the usual mistakes, each by a wide margin."""
+
     def tv(a, b):
         return float((a - b).abs().sum() / 2)
 
@@ -156,8 +160,11 @@ def test_the_configs_tell_wrong_orders_apart():
     assert tv(reference(LOGITS, **joint), hf_reference(LOGITS, **joint)) > 0.1
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 1e-5}, {"top_k": 1, "temperature": 1.5}],
-                         ids=["temperature_0", "temperature_tiny", "top_k_1"])
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 0.0}, {"temperature": 1e-5}, {"top_k": 1, "temperature": 1.5}],
+    ids=["temperature_0", "temperature_tiny", "top_k_1"],
+)
 def test_greedy_and_near_greedy_take_the_argmax(params):
     logits = [2.0, 2.001, 1.9, 0.0]  # a near-tie that only the exact argmax resolves
     counts = draw_counts(logits, 2_000, seed=2, **params)
@@ -190,8 +197,7 @@ def test_penalties_follow_vllm_order_and_scope():
     and presence (output only), computed by hand in float64."""
     logits = [1.0, -1.0, 0.5, 2.0, 3.0, -0.5, 0.2, 0.7]
     prompt, output = (1, 2, 3), (3, 4, 4, 5)
-    params = dict(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3,
-                  logit_bias={"6": 2.0, "3": -2.5})
+    params = dict(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3, logit_bias={"6": 2.0, "3": -2.5})
     want = torch.tensor(logits, dtype=torch.float64)
     want[6] += 2.0
     want[3] -= 2.5
@@ -222,8 +228,9 @@ def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
 
 def test_logprobs_are_log_softmax_of_the_raw_logits_like_transformers(eng, hf_default_model, default_tokenizer):
     ids = default_tokenizer(PROMPT)["input_ids"]
-    out = eng.generate(PROMPT, dict(GREEDY, max_new_tokens=6), return_logprob=True, logprob_start_len=0,
-                       top_logprobs_num=5)
+    out = eng.generate(
+        PROMPT, dict(GREEDY, max_new_tokens=6), return_logprob=True, logprob_start_len=0, top_logprobs_num=5
+    )
     meta, n = out["meta_info"], len(ids)
     lp = hf_logprobs(hf_default_model, ids + out["output_ids"])
     assert meta["input_token_logprobs"][0][:2] == (None, ids[0])
@@ -246,10 +253,11 @@ def test_repetition_penalty_equals_transformers_generate(eng, hf_default_model, 
     """Over prompt and output tokens: penalizing the output only would leave the first token " mat"."""
     prompt, penalty = "The cat sat on the mat. The cat sat on the", 1.3
     ids = default_tokenizer(prompt, return_tensors="pt")
-    want = hf_default_model.generate(**ids, do_sample=False, repetition_penalty=penalty, max_new_tokens=6,
-                                     min_new_tokens=6)[0, ids["input_ids"].shape[1]:].tolist()
+    want = hf_default_model.generate(
+        **ids, do_sample=False, repetition_penalty=penalty, max_new_tokens=6, min_new_tokens=6
+    )[0, ids["input_ids"].shape[1] :].tolist()
     got = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 6, "repetition_penalty": penalty})
-    assert got["output_ids"] == want[:len(got["output_ids"])]
+    assert got["output_ids"] == want[: len(got["output_ids"])]
 
 
 def test_first_token_draws_follow_the_reference_from_transformers_logits(eng, hf_default_model, default_tokenizer):
@@ -300,8 +308,9 @@ def test_ignore_eos_and_skip_special_tokens(eng, default_tokenizer):
     o = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
     assert o["output_ids"][0] == eos and o["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
     assert default_tokenizer.eos_token not in o["text"]
-    raw = eng.generate(prompt, {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True,
-                                "skip_special_tokens": False})
+    raw = eng.generate(
+        prompt, {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True, "skip_special_tokens": False}
+    )
     assert raw["text"].startswith(default_tokenizer.eos_token)
 
 

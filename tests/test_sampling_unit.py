@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-
 from plait.runtime.executor.sampler import SamplingBatchInfo, apply_logit_adjustments, sample
-from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.request import Req
+from plait.runtime.sampling_params import SamplingParams
 
 VOCAB = 8
 EOS = 7
@@ -67,60 +66,79 @@ def test_from_dict_converts_json_friendly_values():
     assert sp.json_schema == '{"type": "object"}'
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"max_new_tokens": -1}, "max_new_tokens"),
-    ({"min_new_tokens": -2}, "min_new_tokens"),
-    ({"min_new_tokens": 5, "max_new_tokens": 4}, "min_new_tokens"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_p": float("nan")}, "top_p"),
-    ({"top_k": 0}, "top_k"),
-    ({"top_k": -5}, "top_k"),
-    ({"min_p": 2.0}, "min_p"),
-    ({"temperature": -1.0}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"frequency_penalty": 3.0}, "frequency_penalty"),
-    ({"presence_penalty": -2.5}, "presence_penalty"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"n": 0}, "n"),
-    ({"seed": "abc"}, "seed"),
-    ({"regex": "a+", "json_schema": '{"type": "string"}'}, "mutually exclusive"),
-    ({"stop_regex": "(unclosed"}, "stop_regex"),
-    ({"stop_token_ids": [3, VOCAB]}, "stop_token_ids"),
-    ({"stop_token_ids": 3}, "stop_token_ids"),
-    ({"stop": ""}, "stop"),
-    ({"stop": 5}, "stop"),
-    ({"stop": ["ok", 5]}, "stop"),
-    ({"stop_regex": 5}, "stop_regex"),
-    ({"logit_bias": {VOCAB + 1: 1.0}}, "logit_bias"),
-    ({"logit_bias": {1: float("inf")}}, "logit_bias"),
-    ({"logit_bias": {1: 1e308}}, "logit_bias"),  # finite, but infinite once added to float32 logits
-    ({"seed": 10 ** 23}, "seed"),  # past a 64-bit generator seed: it used to crash the scheduler
-    ({"seed": -(2 ** 63) - 1}, "seed"),
-    ({"seed": 2 ** 64 - 1, "n": 2}, "seed"),  # the second sample's seed would overflow
-    ({"ignore_eos": "yes"}, "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"min_new_tokens": -2}, "min_new_tokens"),
+        ({"min_new_tokens": 5, "max_new_tokens": 4}, "min_new_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"n": 0}, "n"),
+        ({"seed": "abc"}, "seed"),
+        ({"regex": "a+", "json_schema": '{"type": "string"}'}, "mutually exclusive"),
+        ({"stop_regex": "(unclosed"}, "stop_regex"),
+        ({"stop_token_ids": [3, VOCAB]}, "stop_token_ids"),
+        ({"stop_token_ids": 3}, "stop_token_ids"),
+        ({"stop": ""}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["ok", 5]}, "stop"),
+        ({"stop_regex": 5}, "stop_regex"),
+        ({"logit_bias": {VOCAB + 1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: float("inf")}}, "logit_bias"),
+        ({"logit_bias": {1: 1e308}}, "logit_bias"),  # finite, but infinite once added to float32 logits
+        ({"seed": 10**23}, "seed"),  # past a 64-bit generator seed: it used to crash the scheduler
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**64 - 1, "n": 2}, "seed"),  # the second sample's seed would overflow
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
 def test_verify_rejects_out_of_range_values_naming_the_field(params, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams.from_dict(params).verify(VOCAB)
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"logit_bias": [1, 2]}, "logit_bias"),
-    ({"logit_bias": {"five": 1.0}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+    ],
+)
 def test_from_dict_rejects_malformed_logit_bias(params, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams.from_dict(params).verify(VOCAB)
 
 
 def test_verify_accepts_the_documented_ranges():
-    SamplingParams.from_dict({
-        "max_new_tokens": 0, "temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 1.0, "n": 4,
-        "frequency_penalty": -2, "presence_penalty": 2, "repetition_penalty": 2.0, "seed": 3,
-        "stop": ["a", "b"], "stop_token_ids": [0, VOCAB - 1], "stop_regex": r"\d+", "logit_bias": {0: -5},
-    }).verify(VOCAB)
+    SamplingParams.from_dict(
+        {
+            "max_new_tokens": 0,
+            "temperature": 0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 1.0,
+            "n": 4,
+            "frequency_penalty": -2,
+            "presence_penalty": 2,
+            "repetition_penalty": 2.0,
+            "seed": 3,
+            "stop": ["a", "b"],
+            "stop_token_ids": [0, VOCAB - 1],
+            "stop_regex": r"\d+",
+            "logit_bias": {0: -5},
+        }
+    ).verify(VOCAB)
 
 
 # ---------------------------------------------------------------------- greedy / filters
@@ -274,14 +292,18 @@ def test_draws_are_the_tokens_torch_multinomial_gives_for_the_same_random_number
     torch.manual_seed(11)
     assert torch.equal(draw(logits, reqs), expected)
     seeded = [make_req(temperature=0.8, seed=100 + i) for i in range(6)]
-    expected = [torch.multinomial(probs[i], 1, generator=torch.Generator().manual_seed(100 + i)).item()
-                for i in range(6)]
+    expected = [
+        torch.multinomial(probs[i], 1, generator=torch.Generator().manual_seed(100 + i)).item() for i in range(6)
+    ]
     assert draw(logits, seeded).tolist() == expected
 
 
 def test_batch_parameters_come_from_one_upload_with_exact_values():
-    reqs = [make_req(temperature=0.5, top_k=3, top_p=0.9, min_p=0.05), make_req(temperature=0.0),
-            make_req(temperature=1.3, top_k=-1)]
+    reqs = [
+        make_req(temperature=0.5, top_k=3, top_p=0.9, min_p=0.05),
+        make_req(temperature=0.0),
+        make_req(temperature=1.3, top_k=-1),
+    ]
     info = SamplingBatchInfo.from_rows([r.sampling for r in reqs], VOCAB, "cpu")
     assert info.temperatures.shape == (3, 1) and info.temperatures[:, 0].tolist() == [0.5, 1.0, pytest.approx(1.3)]
     assert info.top_ks.dtype == torch.int64 and info.top_ks.tolist() == [3, VOCAB, VOCAB]

@@ -10,8 +10,7 @@ import random
 import time
 
 import pytest
-
-from plait.runtime.io_struct import AbortReq, FlushCacheReq, PinPrefixReq, UnpinPrefixReq, TokenizedGenerateReq
+from plait.runtime.io_struct import AbortReq, FlushCacheReq, PinPrefixReq, TokenizedGenerateReq, UnpinPrefixReq
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
 from plait.runtime.server_args import ServerArgs
@@ -24,10 +23,17 @@ def make_scheduler(path, **kw) -> Scheduler:
 
 
 def submit(s: Scheduler, rid: str, ids: list[int], logprob_start: int | None = None, stream=False, **sp) -> None:
-    s.handle_message(TokenizedGenerateReq(
-        rid=rid, input_ids=list(ids), sampling_params=SamplingParams(**sp), stream=stream,
-        return_logprob=logprob_start is not None, logprob_start_len=-1 if logprob_start is None else logprob_start,
-        top_logprobs_num=2 if logprob_start is not None else 0))
+    s.handle_message(
+        TokenizedGenerateReq(
+            rid=rid,
+            input_ids=list(ids),
+            sampling_params=SamplingParams(**sp),
+            stream=stream,
+            return_logprob=logprob_start is not None,
+            logprob_start_len=-1 if logprob_start is None else logprob_start,
+            top_logprobs_num=2 if logprob_start is not None else 0,
+        )
+    )
 
 
 def drive(s: Scheduler, hook=None, max_steps: int = 3000) -> dict:
@@ -97,7 +103,7 @@ def _workload(rng: random.Random) -> list[tuple[str, list[int], dict]]:
     shared = random_ids(rng, 40)
     items = [("long", random_ids(rng, 150), dict(max_new_tokens=6))]
     for i in range(24):
-        head = shared[:rng.randrange(0, 41)] if i % 2 else []
+        head = shared[: rng.randrange(0, 41)] if i % 2 else []
         items.append((f"r{i}", head + random_ids(rng, rng.randrange(1, 25)), dict(max_new_tokens=rng.randrange(0, 25))))
     items += [(f"same{i}", shared + [7], dict(max_new_tokens=4)) for i in range(6)]
     return items
@@ -111,8 +117,14 @@ def test_small_pool_chunked_long_prompt_and_aborts_match_an_ample_pool(model, po
     items = _workload(random.Random(2))
 
     def run(pool: int, aborts: dict[int, str]) -> tuple[dict, Scheduler]:
-        s = make_scheduler(model, max_total_tokens=pool, chunked_prefill_size=16, max_prefill_tokens=32,
-                           schedule_policy=policy, page_size=1)
+        s = make_scheduler(
+            model,
+            max_total_tokens=pool,
+            chunked_prefill_size=16,
+            max_prefill_tokens=32,
+            schedule_policy=policy,
+            page_size=1,
+        )
 
         def hook(s, step):
             if step < len(items):  # one arrival per step: the long one is mid-prefill as the rest come
@@ -178,16 +190,30 @@ def test_max_new_tokens_none_with_a_json_schema_runs_to_the_context_end_not_past
     # And the forced tail itself was not cut to the context: 16 prompt + 62 tokens in a 64 context.
     import json
 
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     forced = {"type": "string", "enum": [" ".join(["alpha beta gamma delta"] * 15)]}
     s = make_scheduler(default_model_path, max_total_tokens=512, context_length=64)
     ids = s.tokenizer.encode("Person as JSON: ")
     long_ids = s.tokenizer.encode("Say it: " * 5)
-    for rid, prompt, budget, constraint in (("none", ids, None, schema), ("40", ids, 40, schema),
-                                            ("forced", long_ids, None, forced)):
-        s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=SamplingParams(
-            max_new_tokens=budget, temperature=0, json_schema=json.dumps(constraint))))
+    for rid, prompt, budget, constraint in (
+        ("none", ids, None, schema),
+        ("40", ids, 40, schema),
+        ("forced", long_ids, None, forced),
+    ):
+        s.handle_message(
+            TokenizedGenerateReq(
+                rid=rid,
+                input_ids=prompt,
+                sampling_params=SamplingParams(
+                    max_new_tokens=budget, temperature=0, json_schema=json.dumps(constraint)
+                ),
+            )
+        )
     for _ in range(400):  # the grammars compile on a worker thread
         if not s.queues.grammar_pending:
             break

@@ -6,10 +6,16 @@ queues, the slots, and the steps the runner was handed). The tiny-model tests ab
 from __future__ import annotations
 
 import pytest
-
 from fake_runner import FakeRunner, fake_scheduler
-from plait.runtime.io_struct import (AbortReq, CheckIntegrityReq, FlushCacheReq, GetStatsReq, PinPrefixReq,
-                                     TokenizedGenerateReq, UnpinPrefixReq)
+from plait.runtime.io_struct import (
+    AbortReq,
+    CheckIntegrityReq,
+    FlushCacheReq,
+    GetStatsReq,
+    PinPrefixReq,
+    TokenizedGenerateReq,
+    UnpinPrefixReq,
+)
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.queues import ReqStatus
 
@@ -70,8 +76,9 @@ def test_one_prefill_batch_then_decode_with_exact_steps():
     assert runner.steps[1].token_rows[0].tolist() == [7, 5] and runner.steps[1].seq_lens == [6, 4]
     assert (a.kv_len, b.kv_len) == (6, 4) and s.kv.available() == 64 - 10
     finals = drain(s)
-    assert {rid: o.new_ids for rid, o in finals.items()} == {"a": [7, 8, 9], "b": [5, 6, 7]} or \
-        {rid: o.completion_tokens for rid, o in finals.items()} == {"a": 3, "b": 3}
+    assert {rid: o.new_ids for rid, o in finals.items()} == {"a": [7, 8, 9], "b": [5, 6, 7]} or {
+        rid: o.completion_tokens for rid, o in finals.items()
+    } == {"a": 3, "b": 3}
     assert s.kv.available() == 64 and not s.queues.by_rid
 
 
@@ -208,7 +215,9 @@ def test_pins_hold_a_prefix_until_unpinned_and_flush_waits_for_idle():
     assert s.handle_message(FlushCacheReq(2)).result is False  # not idle
     drain(s)
     assert s.handle_message(UnpinPrefixReq(3, pin_id=pin["pin_id"])).result is True
-    assert s.kv.cache.protected_size() == 0 and s.handle_message(UnpinPrefixReq(4, pin_id=pin["pin_id"])).result is False
+    assert (
+        s.kv.cache.protected_size() == 0 and s.handle_message(UnpinPrefixReq(4, pin_id=pin["pin_id"])).result is False
+    )
     assert s.handle_message(FlushCacheReq(5)).result is True and s.kv.available() == 64
     assert s.handle_message(CheckIntegrityReq(6)).result is True
     assert s.handle_message(GetStatsReq(7)).result["free_tokens"] == 64

@@ -8,8 +8,14 @@ inspected directly.
 from __future__ import annotations
 
 import pytest
-
-from plait.runtime.io_struct import AbortReq, FlushCacheReq, GetStatsReq, PinPrefixReq, UnpinPrefixReq, TokenizedGenerateReq
+from plait.runtime.io_struct import (
+    AbortReq,
+    FlushCacheReq,
+    GetStatsReq,
+    PinPrefixReq,
+    TokenizedGenerateReq,
+    UnpinPrefixReq,
+)
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
 from plait.runtime.server_args import ServerArgs
@@ -29,8 +35,8 @@ def assert_host_table_matches(s: Scheduler) -> None:
     live = s.queues.running + s.queues.jump_tails + ([s.queues.chunked] if s.queues.chunked else [])
     for r in live:
         if r.req_pool_idx is not None:
-            host = s.kv.req_to_token.host[r.req_pool_idx, :r.kv_len].tolist()
-            assert host == s.kv.req_to_token.req_to_token[r.req_pool_idx, :r.kv_len].tolist(), r.rid
+            host = s.kv.req_to_token.host[r.req_pool_idx, : r.kv_len].tolist()
+            assert host == s.kv.req_to_token.req_to_token[r.req_pool_idx, : r.kv_len].tolist(), r.rid
 
 
 def run_until_idle(s: Scheduler, max_steps: int = 1000) -> dict:
@@ -49,8 +55,7 @@ def run_until_idle(s: Scheduler, max_steps: int = 1000) -> dict:
 
 
 def test_prefill_then_decode_exact_state(random_models):
-    s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=64,
-                       max_running_requests=4)
+    s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=64, max_running_requests=4)
     submit(s, "a", [5, 6, 7, 8, 9], max_new_tokens=3, temperature=0, ignore_eos=True)
     submit(s, "b", [10, 11, 12], max_new_tokens=3, temperature=0, ignore_eos=True)
     batch = s.step()  # one prefill step for both
@@ -72,8 +77,13 @@ def test_prefill_then_decode_exact_state(random_models):
 
 
 def test_chunked_prefill_splits_long_prompt(random_models):
-    s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=128,
-                       chunked_prefill_size=8, max_prefill_tokens=8)
+    s = make_scheduler(
+        random_models["llama"],
+        disable_radix_cache=True,
+        max_total_tokens=128,
+        chunked_prefill_size=8,
+        max_prefill_tokens=8,
+    )
     submit(s, "long", list(range(2, 22)), max_new_tokens=2, temperature=0, ignore_eos=True)  # 20 tokens
     sizes = []
     for _ in range(3):
@@ -113,7 +123,7 @@ def test_request_that_can_never_fit_is_rejected(random_models):
 def test_a_request_that_fails_to_be_added_is_aborted_and_the_scheduler_serves_on(random_models):
     s = make_scheduler(random_models["llama"], disable_radix_cache=True, max_total_tokens=64)
     # A seed past 64 bits, sent without the tokenizer manager's checks: the generator refuses it.
-    submit(s, "bad", [3, 4, 5], max_new_tokens=2, temperature=1.0, seed=10 ** 23)
+    submit(s, "bad", [3, 4, 5], max_new_tokens=2, temperature=1.0, seed=10**23)
     outs = s.collect_outputs()
     assert [o.rid for o in outs] == ["bad"] and outs[0].finished_reason["type"] == "abort"
     assert "refused the request" in outs[0].finished_reason["message"]
@@ -154,8 +164,13 @@ def test_chunked_prefill_under_memory_pressure_loses_nothing(random_models, disa
     prompts = [list(range(2, 2 + n)) for n in (5, 17, 4, 9, 22)]
     outs = {}
     for total in (64, 4096):
-        s = make_scheduler(random_models["llama"], disable_radix_cache=disable_radix_cache, max_total_tokens=total,
-                           chunked_prefill_size=7, max_prefill_tokens=7)
+        s = make_scheduler(
+            random_models["llama"],
+            disable_radix_cache=disable_radix_cache,
+            max_total_tokens=total,
+            chunked_prefill_size=7,
+            max_prefill_tokens=7,
+        )
         for i, p in enumerate(prompts):
             submit(s, f"r{i}", p, max_new_tokens=12, temperature=0, ignore_eos=True)
         finals = run_until_idle(s)
@@ -223,8 +238,10 @@ def test_a_failed_prefill_step_aborts_its_requests_too(random_models):
     s.fail_all("RuntimeError: device lost")
     finals = {o.rid: o for o in s.collect_outputs()}
     assert set(finals) == {"a", "b"}
-    assert all(o.finished_reason == {"type": "abort", "message": "internal error: RuntimeError: device lost"}
-               for o in finals.values())
+    assert all(
+        o.finished_reason == {"type": "abort", "message": "internal error: RuntimeError: device lost"}
+        for o in finals.values()
+    )
     assert s.is_idle()
 
 
@@ -301,7 +318,7 @@ def test_in_flight_prefixes_agree_with_comparing_every_pair():
         try:
             flight, seqs = InFlightPrefixes(4), []
             for _ in range(200):
-                ids = base[:rng.randrange(0, 40)] + [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+                ids = base[: rng.randrange(0, 40)] + [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
                 need = rng.randrange(4, 12) if rng.random() < 0.5 else rng.choice((8, 20))
                 if len(ids) >= need:
                     expect = any(length >= need and other[:need] == ids[:need] for other, length in seqs)
@@ -340,8 +357,11 @@ def test_lpm_ranked_admission_matches_exactly_what_a_fresh_match_finds(random_mo
     submit(s, "child", full + [40, 41, 42], max_new_tokens=1, temperature=0, ignore_eos=True)
     batch = s.step()
     # lpm order (the longest cached prefix first) and exact cached prefixes.
-    assert list(zip((r.rid for r in batch.reqs), batch.prefix_lens)) == \
-        [("child", cached), ("same", len(prompt) - 1), ("fork", 10)]
+    assert list(zip((r.rid for r in batch.reqs), batch.prefix_lens)) == [
+        ("child", cached),
+        ("same", len(prompt) - 1),
+        ("fork", 10),
+    ]
     assert s.kv.cache.hit_stats.queried_tokens - queried_before == (len(full) + 2) + (len(prompt) - 1) + 12
     run_until_idle(s)
     s.check_integrity()
@@ -351,8 +371,13 @@ def test_lpm_ranked_admission_matches_exactly_what_a_fresh_match_finds(random_mo
 def test_lpm_ranks_a_waiting_request_again_once_its_prefix_was_cached(random_models):
     # The ranking keeps each waiting request's lookup between steps; once the first request's prefill
     # inserted the prefix that a waiting request shares, that request ranks ahead again.
-    s = make_scheduler(random_models["llama"], max_total_tokens=1024, schedule_policy="lpm",
-                       max_prefill_tokens=45, chunked_prefill_size=45)
+    s = make_scheduler(
+        random_models["llama"],
+        max_total_tokens=1024,
+        schedule_policy="lpm",
+        max_prefill_tokens=45,
+        chunked_prefill_size=45,
+    )
     shared, other = list(range(10, 50)), list(range(50, 90))  # 40 tokens each
     submit(s, "a", shared + [1], max_new_tokens=4, temperature=0, ignore_eos=True)
     submit(s, "c", other + [3], max_new_tokens=4, temperature=0, ignore_eos=True)

@@ -31,9 +31,18 @@ IDLE_DEADLINE_S = 30
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with server_process(log_path, "--api-key", API_KEY, "--max-running-requests", "2",
-                        "--max-queued-requests", "2", "--num-threads", "1",
-                        startup_deadline_s=STARTUP_DEADLINE_S) as url:
+    with server_process(
+        log_path,
+        "--api-key",
+        API_KEY,
+        "--max-running-requests",
+        "2",
+        "--max-queued-requests",
+        "2",
+        "--num-threads",
+        "1",
+        startup_deadline_s=STARTUP_DEADLINE_S,
+    ) as url:
         yield {"url": url, "log": log_path}
 
 
@@ -43,8 +52,7 @@ def client(server):
 
 
 def post(server, path, body=None, **kw):
-    return requests.post(server["url"] + path, json=body, headers={**AUTH, **kw.pop("headers", {})},
-                         timeout=300, **kw)
+    return requests.post(server["url"] + path, json=body, headers={**AUTH, **kw.pop("headers", {})}, timeout=300, **kw)
 
 
 def server_info(server) -> dict:
@@ -58,8 +66,12 @@ def wait_idle(server) -> dict:
     deadline = time.time() + IDLE_DEADLINE_S
     while True:
         info = server_info(server)
-        if (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_used_tokens"] == 0
-                and info["num_open_http_requests"] == 0):
+        if (
+            info["num_running_reqs"] == 0
+            and info["num_waiting_reqs"] == 0
+            and info["kv_used_tokens"] == 0
+            and info["num_open_http_requests"] == 0
+        ):
             return info
         assert time.time() < deadline, f"server did not go idle: {info}"
         time.sleep(0.1)
@@ -74,7 +86,7 @@ def sse_events(resp):
         assert line.startswith("data: "), line
         if line == "data: [DONE]":
             return
-        yield json.loads(line[len("data: "):])
+        yield json.loads(line[len("data: ") :])
 
 
 def flush(server):
@@ -84,6 +96,7 @@ def flush(server):
 
 
 # ---------------------------------------------------------------- startup, auth, info
+
 
 def test_ready_log_health_and_model_info(server):
     assert server["log"].read_text().count("plait server ready on http://127.0.0.1:") == 1
@@ -95,10 +108,20 @@ def test_ready_log_health_and_model_info(server):
 
 
 def test_api_key_required_everywhere_but_health(server, client):
-    routes = [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/get_model_info"), ("GET", "/get_server_info"),
-              ("GET", "/health_generate"), ("POST", "/generate"), ("POST", "/flush_cache"),
-              ("POST", "/abort_request"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-              ("POST", "/v1/responses"), ("GET", "/openapi.json")]
+    routes = [
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("GET", "/get_model_info"),
+        ("GET", "/get_server_info"),
+        ("GET", "/health_generate"),
+        ("POST", "/generate"),
+        ("POST", "/flush_cache"),
+        ("POST", "/abort_request"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/responses"),
+        ("GET", "/openapi.json"),
+    ]
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             r = requests.request(method, server["url"] + path, headers=headers, json={}, timeout=30)
@@ -114,9 +137,13 @@ def test_api_key_required_everywhere_but_health(server, client):
 
 # ---------------------------------------------------------------- SGLang native API
 
+
 def test_native_generate_single_batch_and_logprobs(server):
-    r = post(server, "/generate", {"text": "The capital of France is",
-                                   "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    r = post(
+        server,
+        "/generate",
+        {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+    )
     assert r.status_code == 200
     out = r.json()
     assert set(out) >= {"text", "output_ids", "meta_info"} and len(out["output_ids"]) == 6
@@ -124,10 +151,18 @@ def test_native_generate_single_batch_and_logprobs(server):
     assert meta["completion_tokens"] == 6 and meta["prompt_tokens"] > 0
     assert meta["finish_reason"] == {"type": "length", "length": 6}
 
-    r = post(server, "/generate", {"input_ids": [[504, 3575, 282], [1, 2, 3, 4]], "rid": ["b-0", "b-1"],
-                                   "sampling_params": [{"max_new_tokens": 3, "temperature": 0},
-                                                       {"max_new_tokens": 2, "temperature": 0}],
-                                   "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True})
+    r = post(
+        server,
+        "/generate",
+        {
+            "input_ids": [[504, 3575, 282], [1, 2, 3, 4]],
+            "rid": ["b-0", "b-1"],
+            "sampling_params": [{"max_new_tokens": 3, "temperature": 0}, {"max_new_tokens": 2, "temperature": 0}],
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+        },
+    )
     assert r.status_code == 200
     batch = r.json()
     assert [o["meta_info"]["id"] for o in batch] == ["b-0", "b-1"]
@@ -161,9 +196,17 @@ def test_native_stream_is_cumulative_and_matches_non_stream(server):
 
 
 def test_abort_request_by_rid_ends_the_stream(server):
-    with post(server, "/generate", {"text": "Count to a million:", "rid": "abort-me", "stream": True,
-                                    "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}},
-              stream=True) as r:
+    with post(
+        server,
+        "/generate",
+        {
+            "text": "Count to a million:",
+            "rid": "abort-me",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True},
+        },
+        stream=True,
+    ) as r:
         events = sse_events(r)
         next(events)
         assert post(server, "/abort_request", {"rid": "abort-me"}).json()["aborted"] == ["abort-me"]
@@ -175,23 +218,27 @@ def test_abort_request_by_rid_ends_the_stream(server):
 
 # ---------------------------------------------------------------- OpenAI API
 
+
 def test_openai_completions(server, client):
-    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="1, 2, 3,", max_tokens=12,
-                                  temperature=0, stop=[" 6"])
+    r = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=[" 6"]
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "stop" and "6" not in choice.text and choice.text.startswith(" 4")
     assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
-    r = client.completions.create(model="default", prompt=["Hello", "Goodbye"], max_tokens=3, n=2,
-                                  temperature=0.8, seed=1, logprobs=2)
+    r = client.completions.create(
+        model="default", prompt=["Hello", "Goodbye"], max_tokens=3, n=2, temperature=0.8, seed=1, logprobs=2
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
     # up to logprobs + 1: the chosen token is always there too (OpenAI)
     assert all(len(top) <= 3 for c in r.choices for top in c.logprobs.top_logprobs)
 
     pieces, finish = [], None
-    for chunk in client.completions.create(model="default", prompt="Once upon a time", max_tokens=5,
-                                           temperature=0, stream=True):
+    for chunk in client.completions.create(
+        model="default", prompt="Once upon a time", max_tokens=5, temperature=0, stream=True
+    ):
         pieces.append(chunk.choices[0].text)
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "length" and "".join(pieces)
@@ -202,15 +249,22 @@ def test_openai_completions(server, client):
 def test_openai_chat_stream_and_non_stream_agree(server, client):
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a color."}]
     flush(server)
-    full = client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0,
-                                          logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
     msg = full.choices[0]
     assert msg.message.role == "assistant" and msg.message.content
     assert len(msg.logprobs.content) == full.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 for t in msg.logprobs.content)
     flush(server)
-    stream = client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -221,31 +275,46 @@ def test_openai_chat_stream_and_non_stream_agree(server, client):
 
 def test_chat_usage_reports_cached_prompt_tokens_and_n(server, client):
     messages = [{"role": "user", "content": "Write one word about the sea."}]
-    first = client.chat.completions.create(model="default", messages=messages, max_completion_tokens=3, n=2,
-                                           temperature=0.7, seed=5)
+    first = client.chat.completions.create(
+        model="default", messages=messages, max_completion_tokens=3, n=2, temperature=0.7, seed=5
+    )
     assert len(first.choices) == 2 and first.usage.completion_tokens <= 6
     again = client.chat.completions.create(model="default", messages=messages, max_tokens=3)
     # The whole prompt but its last token was computed before: it comes from the radix cache.
     assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1 > 0
 
 
-PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                 "age": {"type": "integer"}},
-                 "required": ["name", "age"], "additionalProperties": False}
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
-@pytest.mark.xfail(importlib.util.find_spec("plait.runtime.constrained.integration") is None, strict=True,
-                   reason="the scheduler's constrained-decoding integration has not landed yet")
+@pytest.mark.xfail(
+    importlib.util.find_spec("plait.runtime.constrained.integration") is None,
+    strict=True,
+    reason="the scheduler's constrained-decoding integration has not landed yet",
+)
 def test_response_format_json_schema(server, client):
     import jsonschema
 
     r = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "Describe a person."}], max_tokens=40,
-        temperature=0, response_format={"type": "json_schema",
-                                        "json_schema": {"name": "person", "schema": PERSON_SCHEMA}})
+        model="default",
+        messages=[{"role": "user", "content": "Describe a person."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}},
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
-    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Any JSON."}],
-                                       max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Any JSON."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     content = r.choices[0].message.content
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(content), dict)
@@ -268,16 +337,26 @@ BAD_REQUESTS = [
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "sampling_params", "temperature"),
     ("/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, 400, "sampling_params", "top_p"),
     ("/generate", {"text": "hi", "sampling_params": {"top_k": 0}}, 400, "sampling_params", "top_k"),
-    ("/generate", {"text": "hi", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, 400,
-     "sampling_params", "mutually exclusive"),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
+        400,
+        "sampling_params",
+        "mutually exclusive",
+    ),
     ("/generate", {"text": "hi", "temperature": 0}, 400, "temperature", "send it inside sampling_params"),
     ("/generate", {"text": "hi", "image_data": "x.png"}, 400, "image_data", "plait serves text-only models"),
     ("/generate", {"input_ids": [1, 49152]}, 400, "input_ids", "49152"),
     ("/generate", {"input_ids": TOO_LONG_IDS}, 400, "input_ids", "too long"),
     ("/generate", {"text": "word " * 9000}, 400, None, "too long"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model", "gpt-4"),
-    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model",
-     "gpt-4"),
+    (
+        "/v1/chat/completions",
+        {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]},
+        404,
+        "model",
+        "gpt-4",
+    ),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": 3}, 400, "temperature", "temperature"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs"),
@@ -290,26 +369,48 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "priority": "high"}, 400, "priority", "valid integer"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30,
-                              "logprobs": True}, 400, "top_logprobs", "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages",
-     "too long"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, None,
-     "json_schema"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400, None,
-     "not a valid JSON schema"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30, "logprobs": True},
+        400,
+        "top_logprobs",
+        "top_logprobs",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages", "too long"),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+        },
+        400,
+        None,
+        "json_schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        },
+        400,
+        None,
+        "not a valid JSON schema",
+    ),
     ("/v1/completions", {"prompt": "hi", "regex": "("}, 400, None, "regex"),
 ]
 
 
-@pytest.mark.parametrize("path, body, status, param, needle", BAD_REQUESTS,
-                         ids=[f"{i}-{c[0]}-{c[4][:20]}" for i, c in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "path, body, status, param, needle",
+    BAD_REQUESTS,
+    ids=[f"{i}-{c[0]}-{c[4][:20]}" for i, c in enumerate(BAD_REQUESTS)],
+)
 def test_bad_input_gets_4xx_naming_the_field(server, path, body, status, param, needle):
     if isinstance(body, bytes):
-        r = requests.post(server["url"] + path, data=body, timeout=60,
-                          headers={**AUTH, "Content-Type": "application/json"})
+        r = requests.post(
+            server["url"] + path, data=body, timeout=60, headers={**AUTH, "Content-Type": "application/json"}
+        )
     else:
         r = post(server, path, body)
     assert r.status_code == status, r.text
@@ -327,10 +428,19 @@ def test_server_still_serves_after_bad_input(server, client):
 
 # ---------------------------------------------------------------- disconnects, overload
 
+
 def test_disconnect_mid_stream_aborts_and_frees_kv(server):
     before = wait_idle(server)
-    r = post(server, "/generate", {"text": "Tell me everything about rivers.", "stream": True,
-                                   "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}, stream=True)
+    r = post(
+        server,
+        "/generate",
+        {
+            "text": "Tell me everything about rivers.",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True},
+        },
+        stream=True,
+    )
     events = sse_events(r)
     next(events), next(events)
     r.close()  # the client goes away mid-stream
@@ -342,12 +452,16 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
 
 def test_disconnect_mid_request_aborts_non_streaming(server):
     before = wait_idle(server)
-    body = json.dumps({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": LONG,
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": LONG, "ignore_eos": True}
+    ).encode()
     host, port = server["url"].rsplit("/", 1)[1].split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         deadline = time.time() + IDLE_DEADLINE_S
         while server_info(server)["num_running_reqs"] == 0:  # wait until it is decoding
             assert time.time() < deadline
@@ -380,6 +494,7 @@ def test_overload_gets_503_and_recovers(server):
 
 # ---------------------------------------------------------------- metrics
 
+
 def scrape(server) -> dict:
     r = requests.get(server["url"] + "/metrics", headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -393,19 +508,26 @@ def scrape(server) -> dict:
 
 def test_metrics_parse_and_count(server):
     before = scrape(server)
-    with post(server, "/generate", {"text": "Hello there", "stream": True,
-                                    "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}, stream=True) as r:
+    with post(
+        server,
+        "/generate",
+        {"text": "Hello there", "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
+        stream=True,
+    ) as r:
         list(sse_events(r))
     after = scrape(server)
     assert after["plait_generation_tokens_total"] - before.get("plait_generation_tokens_total", 0) == 4
     assert after["plait_prompt_tokens_total"] > before.get("plait_prompt_tokens_total", 0)
     assert after["plait_requests_total{length}"] == before.get("plait_requests_total{length}", 0) + 1
-    assert after["plait_time_to_first_token_seconds_count"] == before.get(
-        "plait_time_to_first_token_seconds_count", 0) + 1
-    assert after["plait_inter_token_latency_seconds_count"] == before.get(
-        "plait_inter_token_latency_seconds_count", 0) + 3
-    assert after["plait_e2e_request_latency_seconds_count"] == before.get(
-        "plait_e2e_request_latency_seconds_count", 0) + 1
+    assert (
+        after["plait_time_to_first_token_seconds_count"] == before.get("plait_time_to_first_token_seconds_count", 0) + 1
+    )
+    assert (
+        after["plait_inter_token_latency_seconds_count"] == before.get("plait_inter_token_latency_seconds_count", 0) + 3
+    )
+    assert (
+        after["plait_e2e_request_latency_seconds_count"] == before.get("plait_e2e_request_latency_seconds_count", 0) + 1
+    )
     for gauge in ("plait_num_running_reqs", "plait_num_queued_reqs", "plait_kv_cache_usage", "plait_cache_hit_rate"):
         assert gauge in after
     assert 0.0 <= after["plait_cache_hit_rate"] <= 1.0 and 0.0 <= after["plait_kv_cache_usage"] <= 1.0

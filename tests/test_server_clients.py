@@ -23,9 +23,14 @@ import requests
 from conftest import server_process
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "client_requests")
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Oslo?"}]
 # Unconstrained recorded requests may ask for hundreds of tokens; the replay caps that (not the request's shape).
 REPLAY_MAX_TOKENS = 40
@@ -47,19 +52,29 @@ def sse_payloads(response: requests.Response) -> list[dict]:
     out = []
     for line in response.iter_lines(decode_unicode=True):
         if line and line.startswith("data: ") and line != "data: [DONE]":
-            out.append(json.loads(line[len("data: "):]))
+            out.append(json.loads(line[len("data: ") :]))
     return out
 
 
 # ---------------------------------------------------------------- SGLang's bench_serving and frontend
 
+
 def test_bench_serving_sglang_backend_request_and_server_info(url):
     # sglang.benchmark.backends.sglang_client (0.5.x): its warm-up was a 400 "unknown field 'return_routed_experts'".
-    payload = {"text": "Hello, my name is", "sampling_params": {"temperature": 0.0, "max_new_tokens": 4,
-                                                               "ignore_eos": True},
-               "stream": True, "lora_path": None, "return_logprob": False, "logprob_start_len": -1,
-               "return_routed_experts": False, "routing_key": "user-1", "extra_key": "bench", "priority": 0,
-               "no_logs": True, "custom_labels": {"bench": "serving"}}
+    payload = {
+        "text": "Hello, my name is",
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True},
+        "stream": True,
+        "lora_path": None,
+        "return_logprob": False,
+        "logprob_start_len": -1,
+        "return_routed_experts": False,
+        "routing_key": "user-1",
+        "extra_key": "bench",
+        "priority": 0,
+        "no_logs": True,
+        "custom_labels": {"bench": "serving"},
+    }
     r = requests.post(url + "/generate", json=payload, stream=True, timeout=120)
     assert r.status_code == 200, r.text
     chunks = sse_payloads(r)
@@ -77,18 +92,49 @@ def test_sglang_runtime_endpoint_requests(url):
     model_info = requests.get(url + "/get_model_info", timeout=30).json()
     assert model_info["model_path"]
     text = "<|im_start|>user\nIs the sky blue? Answer yes or no.<|im_end|>\n<|im_start|>assistant\n"
-    gen = requests.post(url + "/generate", timeout=120, json={"text": text, "sampling_params": {
-        "skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 4, "min_new_tokens": 0,
-        "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [], "temperature": 0, "top_p": 1.0, "top_k": -1,
-        "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": False, "regex": None,
-        "json_schema": None}})
+    gen = requests.post(
+        url + "/generate",
+        timeout=120,
+        json={
+            "text": text,
+            "sampling_params": {
+                "skip_special_tokens": True,
+                "spaces_between_special_tokens": True,
+                "max_new_tokens": 4,
+                "min_new_tokens": 0,
+                "n": 1,
+                "stop": [],
+                "stop_token_ids": [],
+                "stop_regex": [],
+                "temperature": 0,
+                "top_p": 1.0,
+                "top_k": -1,
+                "min_p": 0.0,
+                "frequency_penalty": 0.0,
+                "presence_penalty": 0.0,
+                "ignore_eos": False,
+                "regex": None,
+                "json_schema": None,
+            },
+        },
+    )
     assert gen.status_code == 200, gen.text
     assert gen.json()["meta_info"]["completion_tokens"] <= 4
-    prefix = requests.post(url + "/generate", json={"text": text, "sampling_params": {"max_new_tokens": 0}}, timeout=120)
+    prefix = requests.post(
+        url + "/generate", json={"text": text, "sampling_params": {"max_new_tokens": 0}}, timeout=120
+    )
     prompt_len = prefix.json()["meta_info"]["prompt_tokens"]
-    scores = requests.post(url + "/generate", timeout=120, json={
-        "text": [text + c for c in ("yes", "no")], "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-        "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": max(prompt_len - 2, 0)}).json()
+    scores = requests.post(
+        url + "/generate",
+        timeout=120,
+        json={
+            "text": [text + c for c in ("yes", "no")],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+            "logprob_start_len": max(prompt_len - 2, 0),
+        },
+    ).json()
     for out in scores:  # select() reads [logprob, token id, text] entries, the first one's text included
         entries = out["meta_info"]["input_token_logprobs"]
         assert isinstance(entries[0][-1], str) and all(len(e) == 3 for e in entries)
@@ -98,19 +144,34 @@ def test_sglang_runtime_endpoint_requests(url):
 
 # ---------------------------------------------------------------- the openai client
 
+
 def test_fields_other_servers_define_pass_and_unknown_ones_are_listed(url, client):
     reply = client.chat.completions.with_raw_response.create(
-        model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=2, prompt_cache_key="session-1",
-        verbosity="low", reasoning_effort="low", safety_identifier="user-1", store=True, service_tier="flex",
-        extra_body={"separate_reasoning": True, "stream_reasoning": False, "priority": 1, "include_reasoning": True,
-                    "cache_salt": "s", "return_token_ids": True})
+        model="default",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        prompt_cache_key="session-1",
+        verbosity="low",
+        reasoning_effort="low",
+        safety_identifier="user-1",
+        store=True,
+        service_tier="flex",
+        extra_body={
+            "separate_reasoning": True,
+            "stream_reasoning": False,
+            "priority": 1,
+            "include_reasoning": True,
+            "cache_salt": "s",
+            "return_token_ids": True,
+        },
+    )
     assert reply.parse().usage.completion_tokens <= 2 and "x-plait-ignored-fields" not in reply.headers
-    typo = client.completions.with_raw_response.create(model="default", prompt="hi", max_tokens=1,
-                                                      extra_body={"temprature": 0.2})
+    typo = client.completions.with_raw_response.create(
+        model="default", prompt="hi", max_tokens=1, extra_body={"temprature": 0.2}
+    )
     assert typo.headers["x-plait-ignored-fields"] == "temprature"
     with pytest.raises(openai.BadRequestError, match="'lora_path' is not supported by plait"):
-        client.completions.create(model="default", prompt="hi", max_tokens=1,
-                                  extra_body={"lora_path": "adapters/x"})
+        client.completions.create(model="default", prompt="hi", max_tokens=1, extra_body={"lora_path": "adapters/x"})
     r = requests.post(url + "/generate", json={"text": "hi", "temperature": 0}, timeout=30)
     assert r.status_code == 400 and "inside sampling_params" in r.json()["error"]["message"]
 
@@ -132,8 +193,9 @@ def _assembled(stream) -> tuple[str, dict[int, dict], list[str], int]:
 
 def test_a_forced_call_cut_by_max_tokens_is_a_call_with_finish_reason_length(client):
     forced = {"type": "function", "function": {"name": "get_weather"}}
-    reply = client.chat.completions.create(model="default", messages=ASK_WEATHER, tools=[WEATHER],
-                                           tool_choice=forced, max_tokens=13, temperature=0)
+    reply = client.chat.completions.create(
+        model="default", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=forced, max_tokens=13, temperature=0
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -142,32 +204,50 @@ def test_a_forced_call_cut_by_max_tokens_is_a_call_with_finish_reason_length(cli
     # that did finish in time parses (below).
     args = call.function.arguments
     assert args and (args.startswith('{"city"') or '{"city"'.startswith(args)) and not args.endswith("}")
-    content, calls, reasons, _ = _assembled(client.chat.completions.create(
-        model="default", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=forced, max_tokens=13, temperature=0,
-        stream=True))
+    content, calls, reasons, _ = _assembled(
+        client.chat.completions.create(
+            model="default",
+            messages=ASK_WEATHER,
+            tools=[WEATHER],
+            tool_choice=forced,
+            max_tokens=13,
+            temperature=0,
+            stream=True,
+        )
+    )
     assert content == "" and reasons == ["length"]
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
-    whole = client.chat.completions.create(model="default", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=forced,
-                                           max_tokens=40, temperature=0).choices[0]
+    whole = client.chat.completions.create(
+        model="default", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=forced, max_tokens=40, temperature=0
+    ).choices[0]
     assert whole.finish_reason == "tool_calls" and json.loads(whole.message.tool_calls[0].function.arguments)["city"]
 
 
 def test_tool_call_arguments_stream_piece_by_piece(client):
-    content, calls, reasons, pieces = _assembled(client.chat.completions.create(
-        model="default", messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required", max_tokens=40,
-        temperature=0, stream=True))
+    content, calls, reasons, pieces = _assembled(
+        client.chat.completions.create(
+            model="default",
+            messages=ASK_WEATHER,
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+        )
+    )
     assert reasons == ["tool_calls"] and pieces > 2, pieces
     assert json.loads(calls[0]["arguments"])["city"]
 
 
 # ---------------------------------------------------------------- recorded requests of the other clients
 
+
 def recorded() -> list[tuple[str, dict]]:
     rows = []
     for name in sorted(os.listdir(DATA)):
         if name.endswith(".jsonl"):
             with open(os.path.join(DATA, name)) as f:
-                rows += [(name[:-len(".jsonl")], json.loads(line)) for line in f]
+                rows += [(name[: -len(".jsonl")], json.loads(line)) for line in f]
     return rows
 
 
@@ -197,8 +277,13 @@ def test_recorded_client_requests_get_what_the_client_reads(url, client_name, ro
         chunks = sse_payloads(r)
         assert chunks and not any("error" in c for c in chunks), chunks[-1:]
         if body.get("tools"):  # arguments piece by piece; instructor's create_partial parses each as partial JSON
-            pieces = [d["function"]["arguments"] for c in chunks for ch in c["choices"]
-                      for d in (ch["delta"].get("tool_calls") or []) if d["function"].get("arguments")]
+            pieces = [
+                d["function"]["arguments"]
+                for c in chunks
+                for ch in c["choices"]
+                for d in (ch["delta"].get("tool_calls") or [])
+                if d["function"].get("arguments")
+            ]
             partials, text = [], ""
             for piece in pieces:
                 text += piece
@@ -222,7 +307,9 @@ def test_recorded_client_requests_get_what_the_client_reads(url, client_name, ro
     if isinstance(body.get("tool_choice"), dict):
         (call,) = message["tool_calls"]
         assert call["function"]["name"] == body["tool_choice"]["function"]["name"]
-        schema = next(t["function"]["parameters"] for t in body["tools"] if t["function"]["name"] == call["function"]["name"])
+        schema = next(
+            t["function"]["parameters"] for t in body["tools"] if t["function"]["name"] == call["function"]["name"]
+        )
         jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
     if body.get("stop") and message["content"]:
         assert not any(s in message["content"] for s in body["stop"])

@@ -8,13 +8,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from pydantic import ValidationError
-
 from plait.runtime.server.errors import APIError, describe_validation_errors
 from plait.runtime.server.native_api import MISPLACED_SAMPLING_FIELDS
 from plait.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from plait.runtime.server.protocol_compat import CHAT, COMPLETIONS, NATIVE, review
 from plait.runtime.server.protocol_native import GenerateRequest
+from pydantic import ValidationError
 
 
 def validation_message(model, data) -> tuple[str, str]:
@@ -42,12 +41,14 @@ def test_unknown_top_level_fields_are_ignored_and_listed():
     assert state.ignored_fields == ["tempreature", "zz"]
     assert reviewed(CompletionRequest, {"prompt": "hi"}, COMPLETIONS).ignored_fields is None
     # Nested objects stay strict: a typo there is a 400.
-    msg, param = validation_message(CompletionRequest, {"prompt": "hi", "stream": True,
-                                                        "stream_options": {"include_usaje": True}})
+    msg, param = validation_message(
+        CompletionRequest, {"prompt": "hi", "stream": True, "stream_options": {"include_usaje": True}}
+    )
     assert "unknown field 'stream_options.include_usaje'" in msg
     # On /generate a sampling parameter at the top level would be ignored while the client meant it.
-    error = review_error(GenerateRequest, {"text": "hi", "temperature": 0.5}, NATIVE,
-                         misplaced=MISPLACED_SAMPLING_FIELDS)
+    error = review_error(
+        GenerateRequest, {"text": "hi", "temperature": 0.5}, NATIVE, misplaced=MISPLACED_SAMPLING_FIELDS
+    )
     assert "'temperature' is a sampling parameter: send it inside sampling_params" in error.message
     assert error.param == "temperature"
 
@@ -55,23 +56,65 @@ def test_unknown_top_level_fields_are_ignored_and_listed():
 # What current SGLang, OpenAI and vLLM clients send (the issue's list, from SGLang's bench_serving, the openai
 # client and vLLM's models): accepted with real values, a no-op where plait lacks the feature.
 KNOWN_FIELDS = [
-    (GenerateRequest, NATIVE, {"return_routed_experts": True, "priority": 3, "routing_key": "k", "extra_key": "e",
-                               "no_logs": True, "lora_path": None, "return_logprob": False, "logprob_start_len": -1,
-                               "custom_labels": {"team": "a"}, "session_id": "s", "cache_salt": "salt"}),
-    (ChatCompletionRequest, CHAT, {"separate_reasoning": True, "stream_reasoning": False, "prompt_cache_key": "p",
-                                   "verbosity": "low", "reasoning_effort": "low", "store": True,
-                                   "safety_identifier": "u1", "service_tier": "flex", "priority": 1,
-                                   "return_routed_experts": True, "prediction": {"type": "content", "content": "x"},
-                                   "metadata": {"a": "b"}}),
-    (CompletionRequest, COMPLETIONS, {"prompt_cache_key": "p", "request_id": "r", "cache_salt": "s", "priority": 2,
-                                      "return_token_ids": True, "vllm_xargs": {"a": 1}}),
+    (
+        GenerateRequest,
+        NATIVE,
+        {
+            "return_routed_experts": True,
+            "priority": 3,
+            "routing_key": "k",
+            "extra_key": "e",
+            "no_logs": True,
+            "lora_path": None,
+            "return_logprob": False,
+            "logprob_start_len": -1,
+            "custom_labels": {"team": "a"},
+            "session_id": "s",
+            "cache_salt": "salt",
+        },
+    ),
+    (
+        ChatCompletionRequest,
+        CHAT,
+        {
+            "separate_reasoning": True,
+            "stream_reasoning": False,
+            "prompt_cache_key": "p",
+            "verbosity": "low",
+            "reasoning_effort": "low",
+            "store": True,
+            "safety_identifier": "u1",
+            "service_tier": "flex",
+            "priority": 1,
+            "return_routed_experts": True,
+            "prediction": {"type": "content", "content": "x"},
+            "metadata": {"a": "b"},
+        },
+    ),
+    (
+        CompletionRequest,
+        COMPLETIONS,
+        {
+            "prompt_cache_key": "p",
+            "request_id": "r",
+            "cache_salt": "s",
+            "priority": 2,
+            "return_token_ids": True,
+            "vllm_xargs": {"a": 1},
+        },
+    ),
 ]
 
 
 @pytest.mark.parametrize("model, api, fields", KNOWN_FIELDS, ids=[api for _, api, _ in KNOWN_FIELDS])
 def test_fields_other_servers_define_are_accepted_and_logged_once(model, api, fields, caplog):
-    base = {"text": "hi"} if api == NATIVE else {"prompt": "hi"} if api == COMPLETIONS else {
-        "messages": [{"role": "user", "content": "hi"}]}
+    base = (
+        {"text": "hi"}
+        if api == NATIVE
+        else {"prompt": "hi"}
+        if api == COMPLETIONS
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
     once: set = set()
     request = SimpleNamespace(state=SimpleNamespace(ignored_fields=None))
     with caplog.at_level("INFO", logger="plait.server"):
@@ -83,16 +126,24 @@ def test_fields_other_servers_define_are_accepted_and_logged_once(model, api, fi
     assert any("'priority'" in m and "priorities" in m for m in logged)
 
 
-@pytest.mark.parametrize("model, api, fields, param, needle", [
-    (GenerateRequest, NATIVE, {"priority": "high"}, "priority", "valid integer"),
-    (GenerateRequest, NATIVE, {"return_routed_experts": "yes"}, "return_routed_experts", "valid boolean"),
-    (ChatCompletionRequest, CHAT, {"verbosity": "loud"}, "verbosity", "verbosity"),
-    (ChatCompletionRequest, CHAT, {"reasoning_effort": "extreme"}, "reasoning_effort", "reasoning_effort"),
-    (CompletionRequest, COMPLETIONS, {"prompt_cache_key": 5}, "prompt_cache_key", "valid string"),
-])
+@pytest.mark.parametrize(
+    "model, api, fields, param, needle",
+    [
+        (GenerateRequest, NATIVE, {"priority": "high"}, "priority", "valid integer"),
+        (GenerateRequest, NATIVE, {"return_routed_experts": "yes"}, "return_routed_experts", "valid boolean"),
+        (ChatCompletionRequest, CHAT, {"verbosity": "loud"}, "verbosity", "verbosity"),
+        (ChatCompletionRequest, CHAT, {"reasoning_effort": "extreme"}, "reasoning_effort", "reasoning_effort"),
+        (CompletionRequest, COMPLETIONS, {"prompt_cache_key": 5}, "prompt_cache_key", "valid string"),
+    ],
+)
 def test_known_fields_of_the_wrong_type_are_a_400_naming_them(model, api, fields, param, needle):
-    base = {"text": "hi"} if api == NATIVE else {"prompt": "hi"} if api == COMPLETIONS else {
-        "messages": [{"role": "user", "content": "hi"}]}
+    base = (
+        {"text": "hi"}
+        if api == NATIVE
+        else {"prompt": "hi"}
+        if api == COMPLETIONS
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
     msg, got = validation_message(model, {**base, **fields})
     assert got == param and needle in msg, msg
 
@@ -107,35 +158,52 @@ def test_native_text_xor_input_ids_and_features_that_would_change_the_answer():
     error = review_error(GenerateRequest, {"text": "a", "image_data": "x.png"}, NATIVE)
     assert "'image_data' is not supported by plait: plait serves text-only models" in error.message
     assert error.param == "image_data"
-    error = review_error(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                                                 "use_beam_search": True}, CHAT)
+    error = review_error(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, CHAT
+    )
     assert error.param == "use_beam_search" and "beam search" in error.message
-    assert reviewed(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "length_penalty": 1.0,
-                                            "modalities": ["text"]}, CHAT).ignored_fields is None
+    assert (
+        reviewed(
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}], "length_penalty": 1.0, "modalities": ["text"]},
+            CHAT,
+        ).ignored_fields
+        is None
+    )
 
 
 # ---------------------------------------------------------------- other servers' names plait implements
 
+
 def test_vllm_and_sglang_sampling_names_map_onto_plaits():
     from plait.runtime.server.openai_api import sampling_dict
 
-    chat = ChatCompletionRequest.model_validate({
-        "messages": [{"role": "user", "content": "x"}], "stop_regex": "\\d+", "include_stop_str_in_output": True,
-        "spaces_between_special_tokens": False, "stream_interval": 4,
-        "structured_outputs": {"choice": ["yes", "no (maybe)"]}})
+    chat = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "stop_regex": "\\d+",
+            "include_stop_str_in_output": True,
+            "spaces_between_special_tokens": False,
+            "stream_interval": 4,
+            "structured_outputs": {"choice": ["yes", "no (maybe)"]},
+        }
+    )
     params = sampling_dict(chat, 8)
     assert params["stop_regex"] == "\\d+" and params["no_stop_trim"] is True
     assert params["spaces_between_special_tokens"] is False and params["stream_interval"] == 4
     assert params["regex"] == "(yes|no\\ \\(maybe\\))"
-    so = sampling_dict(CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {
-        "json": {"type": "object"}}}), 8)
+    so = sampling_dict(
+        CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"json": {"type": "object"}}}), 8
+    )
     assert so["json_schema"] == '{"type": "object"}'
-    grammar = sampling_dict(CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {
-        "grammar": 'root ::= "a"'}}), 8)
+    grammar = sampling_dict(
+        CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"grammar": 'root ::= "a"'}}), 8
+    )
     assert grammar["ebnf"] == 'root ::= "a"'
     with pytest.raises(APIError, match="asks for json and regex: give one constraint"):
-        sampling_dict(CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {
-            "json": "{}", "regex": "a"}}), 8)
+        sampling_dict(
+            CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"json": "{}", "regex": "a"}}), 8
+        )
 
 
 def test_sglang_sampling_seed_is_the_seed():
@@ -150,8 +218,17 @@ def test_sglang_sampling_seed_is_the_seed():
 def test_template_fields_reach_the_chat_template():
     from plait.runtime.server.openai_chat import request_template_kwargs
 
-    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
-                                                "reasoning_effort": "none", "add_generation_prompt": False,
-                                                "documents": [{"title": "t", "text": "d"}]})
-    assert request_template_kwargs(req) == {"add_generation_prompt": False, "documents": [{"title": "t", "text": "d"}],
-                                             "reasoning_effort": "none", "enable_thinking": False}
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "reasoning_effort": "none",
+            "add_generation_prompt": False,
+            "documents": [{"title": "t", "text": "d"}],
+        }
+    )
+    assert request_template_kwargs(req) == {
+        "add_generation_prompt": False,
+        "documents": [{"title": "t", "text": "d"}],
+        "reasoning_effort": "none",
+        "enable_thinking": False,
+    }

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-
 from plait.runtime.server import create_app
 from plait.runtime.server_args import ServerArgs
 from test_server_protocol import EngineThatMustNotBeCalled
 
 APP = "https://app.example"
-PREFLIGHT = {"Origin": APP, "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization, content-type"}
+PREFLIGHT = {
+    "Origin": APP,
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type",
+}
 
 
 def client_for(**server_args) -> TestClient:
@@ -59,4 +61,6 @@ def test_an_origin_that_is_not_one_is_refused_by_name(value):
     with pytest.raises(ValueError, match="allowed_origins"):
         ServerArgs(allowed_origins=value)
     assert ServerArgs(allowed_origins="https://a.example, http://b.example:8080/").allowed_origins == [
-        "https://a.example", "http://b.example:8080"]
+        "https://a.example",
+        "http://b.example:8080",
+    ]

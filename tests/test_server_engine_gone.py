@@ -9,7 +9,6 @@ import threading
 import time
 
 import requests
-
 from conftest import server_pid, server_process
 
 
@@ -25,8 +24,11 @@ def test_requests_after_the_scheduler_dies_get_503_not_500(tmp_path):
         in_flight: dict = {}
 
         def long_request():
-            in_flight["response"] = requests.post(url + "/generate", timeout=120, json={
-                "text": "Tell me a long story.", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
+            in_flight["response"] = requests.post(
+                url + "/generate",
+                timeout=120,
+                json={"text": "Tell me a long story.", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}},
+            )
 
         worker = threading.Thread(target=long_request, daemon=True)
         worker.start()
@@ -37,9 +39,11 @@ def test_requests_after_the_scheduler_dies_get_503_not_500(tmp_path):
         r = in_flight["response"]
         assert r.status_code == 503, r.text
         assert "the scheduler process died" in r.json()["error"]["message"]
-        for route, body in (("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}),
-                            ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
-                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})):
+        for route, body in (
+            ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}),
+            ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+        ):
             later = requests.post(url + route, json=body, timeout=30)
             assert later.status_code == 503, (route, later.text)
             assert "the scheduler process died" in later.json()["error"]["message"]

@@ -17,21 +17,34 @@ from urllib.parse import urlparse
 
 import pytest
 import schemathesis
+from conftest import server_info, server_pid, wait_server_idle
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
-
-from conftest import server_info, server_pid, wait_server_idle
-from server_fuzzer import (NUM_CASES, SEED, TOOL, VALID_BODIES, Reply, canary, cap_generation, chat_body,
-                           error_body_problem, post_json, raw_request, resources, run_cases)
+from server_fuzzer import (
+    NUM_CASES,
+    SEED,
+    TOOL,
+    VALID_BODIES,
+    Reply,
+    canary,
+    cap_generation,
+    chat_body,
+    error_body_problem,
+    post_json,
+    raw_request,
+    resources,
+    run_cases,
+)
 
 # Generated requests per operation of the schema and kind (valid / not; 22 operations): bounds the test's time.
 OPENAPI_EXAMPLES = 5
 
 # ---------------------------------------------------------------- tests
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -54,8 +67,11 @@ def server(tmp_path_factory):
 def test_unparseable_http_gets_a_json_400(server):
     """uvicorn answered requests its HTTP parser refused with plain text 'Invalid HTTP request received.'"""
     url = server["url"]
-    for path, headers in [("/v1/models/\u00e9", {}), ("/generate", {"Content-Length": "-1"}),
-                          ("/generate", {"Content-Length": "abc"})]:
+    for path, headers in [
+        ("/v1/models/\u00e9", {}),
+        ("/generate", {"Content-Length": "-1"}),
+        ("/generate", {"Content-Length": "abc"}),
+    ]:
         reply = raw_request(url, "POST", path, b"{}", {"Content-Type": "application/json", **headers}, timeout=10)
         assert reply.status == 400, reply
         assert reply.json()["error"]["message"].startswith("malformed HTTP request"), reply
@@ -66,8 +82,14 @@ def test_absurd_content_length_gets_413_at_once(server):
     """A Content-Length of 1e20 used to make the server wait for that body forever (the client hung)."""
     url = server["url"]
     for path in ("/generate", "/v1/chat/completions", "/flush_cache", "/nope"):
-        reply = raw_request(url, "POST", path, b"{}", {"Content-Type": "application/json",
-                                                       "Content-Length": "99999999999999999999"}, timeout=10)
+        reply = raw_request(
+            url,
+            "POST",
+            path,
+            b"{}",
+            {"Content-Type": "application/json", "Content-Length": "99999999999999999999"},
+            timeout=10,
+        )
         assert reply.status == 413, reply
         assert "too large" in reply.json()["error"]["message"], reply
     assert canary(url) is None
@@ -80,7 +102,6 @@ def test_chunked_body_past_the_limit_gets_413():
     import asyncio
 
     from fastapi import FastAPI
-
     from plait.runtime.server.errors import install_error_handlers
     from plait.runtime.server.http_guards import BodySizeLimit
 
@@ -104,10 +125,20 @@ def test_chunked_body_past_the_limit_gets_413():
         async def send(message: dict) -> None:
             sent.append(message)
 
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-                 "path": "/echo", "raw_path": b"/echo", "root_path": "", "query_string": b"",
-                 "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")],
-                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000)}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/echo",
+            "raw_path": b"/echo",
+            "root_path": "",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")],
+            "server": ("127.0.0.1", 80),
+            "client": ("127.0.0.1", 5000),
+        }
         await guarded(scope, receive, send)
         status = next(m["status"] for m in sent if m["type"] == "http.response.start")
         return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -119,14 +150,15 @@ def test_chunked_body_past_the_limit_gets_413():
 
 def test_pin_prefix_with_a_lone_surrogate_is_a_400(server):
     """/pin_prefix handed '\\ud800' to the tokenizer: 500 TypeError."""
-    reply = raw_request(server["url"], "POST", "/pin_prefix", b'{"text": "a\\ud800"}',
-                        {"Content-Type": "application/json"})
+    reply = raw_request(
+        server["url"], "POST", "/pin_prefix", b'{"text": "a\\ud800"}', {"Content-Type": "application/json"}
+    )
     assert reply.status == 400 and "not valid Unicode" in reply.json()["error"]["message"], reply
 
 
 def test_huge_n_is_a_400(server):
     """n = 1e30 on /generate built 1e30 Engine calls on the event loop: the whole server hung (and grew)."""
-    for n in (10 ** 30, 2 ** 64, 65):
+    for n in (10**30, 2**64, 65):
         reply = post_json(server["url"], "/generate", {"text": "Hi", "sampling_params": {"n": n}}, timeout=10)
         assert reply.status == 400 and "n must be <= 64" in reply.json()["error"]["message"], reply
     assert canary(server["url"]) is None
@@ -145,27 +177,48 @@ def test_half_a_body_then_hang_up(server):
     body = json.dumps({"text": "Hi", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}).encode()
     for _ in range(5):
         with socket.create_connection((u.hostname, u.port)) as sock:
-            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:len(body) // 2]))
+            sock.sendall(
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body[: len(body) // 2])
+            )
     assert canary(url) is None
     assert wait_server_idle(url)["num_open_http_requests"] == 0
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/generate", {"text": "Count to a hundred.", "stream": True,
-                   "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "n": 2}}),
-    ("/v1/completions", {"prompt": "Count to a hundred.", "max_tokens": 200, "ignore_eos": True, "stream": True}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 200,
-                              "ignore_eos": True, "stream": True, "tools": [TOOL]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (
+            "/generate",
+            {
+                "text": "Count to a hundred.",
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "n": 2},
+            },
+        ),
+        ("/v1/completions", {"prompt": "Count to a hundred.", "max_tokens": 200, "ignore_eos": True, "stream": True}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Count."}],
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "stream": True,
+                "tools": [TOOL],
+            },
+        ),
+    ],
+)
 def test_disconnect_mid_stream_frees_everything(server, path, body):
     url = server["url"]
     u = urlparse(url)
     before = wait_server_idle(url)["generation_tokens"]
     data = json.dumps(body).encode()
     with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
-        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                     % (path.encode(), len(data), data))
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (path.encode(), len(data), data)
+        )
         got = b""
         while got.count(b"data: ") < 3:  # a few events in: the request is decoding
             got += sock.recv(4096)
@@ -181,11 +234,13 @@ def test_200_concurrent_connections(server):
     def one(i: int) -> None:
         try:
             if i % 4 == 0:
-                replies[i] = post_json(url, "/generate", {"text": f"Number {i}",
-                                                          "sampling_params": {"max_new_tokens": 1}}, timeout=120)
+                replies[i] = post_json(
+                    url, "/generate", {"text": f"Number {i}", "sampling_params": {"max_new_tokens": 1}}, timeout=120
+                )
             else:
-                replies[i] = raw_request(url, "GET", ["/health", "/v1/models", "/get_server_info", "/metrics"][i % 4],
-                                         timeout=120)
+                replies[i] = raw_request(
+                    url, "GET", ["/health", "/v1/models", "/get_server_info", "/metrics"][i % 4], timeout=120
+                )
         except OSError as e:
             replies[i] = e
 
@@ -199,8 +254,14 @@ def test_200_concurrent_connections(server):
 
 def test_http10_head_and_options(server):
     url = server["url"]
-    reply = raw_request(url, "POST", "/generate", json.dumps({"text": "Hi", "sampling_params": {
-        "max_new_tokens": 1}}).encode(), {"Content-Type": "application/json"}, version="HTTP/1.0")
+    reply = raw_request(
+        url,
+        "POST",
+        "/generate",
+        json.dumps({"text": "Hi", "sampling_params": {"max_new_tokens": 1}}).encode(),
+        {"Content-Type": "application/json"},
+        version="HTTP/1.0",
+    )
     assert reply.status == 200 and reply.json()["meta_info"]["completion_tokens"] == 1
     assert raw_request(url, "HEAD", "/health").status == 200
     for method, path in [("OPTIONS", "/generate"), ("HEAD", "/generate"), ("DELETE", "/v1/models")]:
@@ -228,20 +289,29 @@ def test_the_published_openapi_schema_fuzzed(server):
     assert len(operations) >= 20, [op.label for op in operations]
     for operation in operations:
         for mode in GenerationMode:
+
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=OPENAPI_EXAMPLES, deadline=None, derandomize=True, database=None,
-                      phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=OPENAPI_EXAMPLES,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
             def fuzz(case) -> None:
                 cap_generation(case.path, case.body)
                 response = case.call(base_url=url, timeout=60)
                 where = f"{case.method} {case.formatted_path} ({mode.value}) {case.body!r:.200}"
                 try:
-                    case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
-                                                             content_type_conformance])
+                    case.validate_response(
+                        response, checks=[not_a_server_error, status_code_conformance, content_type_conformance]
+                    )
                 except (Exception, FailureGroup) as e:  # noqa: BLE001 - schemathesis' failures, kept
                     failures.append(f"{where}: {type(e).__name__}: {str(e)[:300]}")
-                problem = error_body_problem(case.body, response.status_code, response.headers.get("content-type", ""),
-                                             response.content)
+                problem = error_body_problem(
+                    case.body, response.status_code, response.headers.get("content-type", ""), response.content
+                )
                 if problem is not None:
                     failures.append(f"{where}: {problem}")
                 if (problem := canary(url)) is not None:

@@ -4,7 +4,8 @@ Each test pins a failure the trial found: a response without an X-Request-Id hea
 echo that dropped the prompt's logprobs, streams cut by the client missing from the metrics, and
 requests for OpenAI features plait does not implement (image parts, legacy function calls, a forced
 tool_choice without tools, stored completions, stream_options without stream) answered with a
-misleading message or silently ignored. One server (a subprocess on a free port, the embedded model) serves the whole module.
+misleading message or silently ignored. One server (a subprocess on a free port, the embedded model) serves the whole
+module.
 """
 
 from __future__ import annotations
@@ -64,12 +65,17 @@ def _finished_requests(url: str) -> dict[str, float]:
 
 # ---------------------------------------------------------------- request ids
 
+
 def test_every_response_carries_a_request_id(url, client):
     raw = client.chat.completions.with_raw_response.create(model="default", messages=USER_HI, max_tokens=1)
     completion = raw.parse()
     assert completion._request_id == completion.id  # the openai client reads the x-request-id header
-    r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
-                      headers={"X-Request-Id": "trace-42"}, timeout=60)
+    r = requests.post(
+        url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1},
+        headers={"X-Request-Id": "trace-42"},
+        timeout=60,
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"  # the client's own, echoed
     r = requests.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}, timeout=60)
     assert r.headers["x-request-id"] == r.json()["meta_info"]["id"]
@@ -80,13 +86,16 @@ def test_every_response_carries_a_request_id(url, client):
 
 # ---------------------------------------------------------------- streamed echo logprobs
 
+
 def test_streamed_echo_has_the_prompt_logprobs_like_the_full_response(client):
     args = dict(model="default", prompt="Hi there", max_tokens=2, echo=True, logprobs=1, temperature=0)
     full = client.completions.create(**args).choices[0]
     chunks = [c.choices[0] for c in client.completions.create(**args, stream=True)]
     assert "".join(c.text for c in chunks) == full.text
-    streamed = {key: sum((getattr(c.logprobs, key) for c in chunks), [])
-                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    streamed = {
+        key: sum((getattr(c.logprobs, key) for c in chunks), [])
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
     assert streamed["tokens"] == full.logprobs.tokens == ["Hi", " there"] + full.logprobs.tokens[2:]
     assert streamed["text_offset"] == full.logprobs.text_offset
     assert streamed["token_logprobs"] == pytest.approx(full.logprobs.token_logprobs)
@@ -95,9 +104,16 @@ def test_streamed_echo_has_the_prompt_logprobs_like_the_full_response(client):
 
 def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client):
     # vLLM's stream option; plait accepted it and silently sent usage only at the end.
-    chunks = list(client.chat.completions.create(
-        model="default", messages=USER_HI, max_tokens=3, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="default",
+            messages=USER_HI,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     assert all(c.usage is not None for c in chunks)
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens >= 1
@@ -105,6 +121,7 @@ def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client):
 
 
 # ---------------------------------------------------------------- disconnects and concurrency
+
 
 def test_a_stream_the_client_drops_is_aborted_and_counted(url, client):
     before = _finished_requests(url).get("abort", 0.0)
@@ -127,8 +144,13 @@ def test_twenty_parallel_streams_each_get_their_usage(url):
 
     async def one(i: int) -> tuple[int, int, str]:
         stream = await aclient.chat.completions.create(
-            model="default", messages=[{"role": "user", "content": f"Say {i}"}], max_tokens=3,
-            temperature=0, stream=True, stream_options={"include_usage": True})
+            model="default",
+            messages=[{"role": "user", "content": f"Say {i}"}],
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         usage, reason = None, None
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].finish_reason:
@@ -143,34 +165,71 @@ def test_twenty_parallel_streams_each_get_their_usage(url):
             await aclient.close()
 
     results = asyncio.run(all_of_them())
-    assert all(completion >= 1 and prompt > 0 and reason in ("stop", "length")
-               for completion, prompt, reason in results)
+    assert all(
+        completion >= 1 and prompt > 0 and reason in ("stop", "length") for completion, prompt, reason in results
+    )
     assert _wait_idle(url)["kv_used_tokens"] == 0
 
 
 # ---------------------------------------------------------------- unsupported features: clear 400s
+
 
 def _chat(**fields) -> dict:
     return {"messages": USER_HI, "max_tokens": 1, **fields}
 
 
 REFUSED = [
-    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
-     "messages", "type 'image_url' are not supported"),
-    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
-     "messages", "missing required field 'messages.0.content.0.text'"),
-    ("/v1/chat/completions", _chat(messages=USER_HI + [
-        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]),
-     "messages", "legacy function_call are not supported: send tool_calls"),
+    (
+        "/v1/chat/completions",
+        _chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                    ],
+                }
+            ]
+        ),
+        "messages",
+        "type 'image_url' are not supported",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        "messages",
+        "missing required field 'messages.0.content.0.text'",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(
+            messages=USER_HI
+            + [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]
+        ),
+        "messages",
+        "legacy function_call are not supported: send tool_calls",
+    ),
     ("/v1/chat/completions", _chat(tool_choice="required"), "tool_choice", "needs tools"),
-    ("/v1/chat/completions", _chat(tool_choice={"type": "function", "function": {"name": "f"}}),
-     "tool_choice", "not among the tools"),
-    ("/v1/chat/completions", _chat(stream_options={"include_usage": True}), "stream_options",
-     "only allowed when stream is true"),
+    (
+        "/v1/chat/completions",
+        _chat(tool_choice={"type": "function", "function": {"name": "f"}}),
+        "tool_choice",
+        "not among the tools",
+    ),
+    (
+        "/v1/chat/completions",
+        _chat(stream_options={"include_usage": True}),
+        "stream_options",
+        "only allowed when stream is true",
+    ),
     ("/v1/chat/completions", _chat(audio={"voice": "alloy", "format": "wav"}), "audio", "generates text only"),
-    ("/v1/chat/completions", _chat(web_search_options={"search_context_size": "low"}), "web_search_options",
-     "no web search"),
+    (
+        "/v1/chat/completions",
+        _chat(web_search_options={"search_context_size": "low"}),
+        "web_search_options",
+        "no web search",
+    ),
     ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt", "expected str, list[str], list[int] or list[list[int]]"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop", "expected str or list[str]"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix", "suffix"),
@@ -192,11 +251,10 @@ def test_max_tokens_the_context_cannot_hold_is_a_400(url, client):
     # It used to run until the context was full (minutes for max_tokens=2**40 on this CPU), as no
     # OpenAI-compatible server does.
     with pytest.raises(openai.BadRequestError, match="more than the context length"):
-        client.completions.create(model="default", prompt="hi", max_tokens=10 ** 6)
+        client.completions.create(model="default", prompt="hi", max_tokens=10**6)
     with pytest.raises(openai.BadRequestError, match="more than the context length"):
-        client.chat.completions.create(model="default", messages=USER_HI, max_tokens=2 ** 40)
-    r = requests.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 10 ** 6}},
-                      timeout=60)
+        client.chat.completions.create(model="default", messages=USER_HI, max_tokens=2**40)
+    r = requests.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 10**6}}, timeout=60)
     assert r.status_code == 400 and "more than the context length" in r.json()["error"]["message"]
     # A limit that fits still works.
     reply = client.chat.completions.create(model="default", messages=USER_HI, max_tokens=2)
@@ -206,14 +264,15 @@ def test_max_tokens_the_context_cannot_hold_is_a_400(url, client):
 def test_a_seed_out_of_range_is_refused_and_the_server_survives(url, client):
     # Such a seed used to reach torch.Generator.manual_seed in the scheduler and kill it: every later
     # request got a 500 and /health a 503.
-    for seed, n in ((10 ** 23, 1), (2 ** 64 - 1, 2), (-(2 ** 63) - 1, 1)):
+    for seed, n in ((10**23, 1), (2**64 - 1, 2), (-(2**63) - 1, 1)):
         with pytest.raises(openai.BadRequestError, match="seed must be in"):
             client.chat.completions.create(model="default", messages=USER_HI, max_tokens=1, seed=seed, n=n)
-    r = requests.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1,
-                                                                              "seed": 2 ** 64}}, timeout=60)
+    r = requests.post(
+        url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1, "seed": 2**64}}, timeout=60
+    )
     assert r.status_code == 400 and "seed must be in" in r.json()["error"]["message"]
     assert requests.get(url + "/health", timeout=30).status_code == 200
-    reply = client.chat.completions.create(model="default", messages=USER_HI, max_tokens=2, seed=2 ** 64 - 2, n=2)
+    reply = client.chat.completions.create(model="default", messages=USER_HI, max_tokens=2, seed=2**64 - 2, n=2)
     assert len(reply.choices) == 2
 
 
@@ -221,20 +280,32 @@ def test_a_logit_bias_that_overflows_float32_is_refused(url, client):
     # 1e308 is inf in float32: sampling returned token 0 every step instead of the biased token.
     with pytest.raises(openai.BadRequestError, match=r"logit_bias values must be in \[-100, 100\]"):
         client.completions.create(model="default", prompt="hi", max_tokens=1, logit_bias={"28": 1e308})
-    r = requests.post(url + "/generate", json={"text": "hi", "sampling_params": {
-        "max_new_tokens": 1, "logit_bias": {"28": 1e308}}}, timeout=60)
+    r = requests.post(
+        url + "/generate",
+        json={"text": "hi", "sampling_params": {"max_new_tokens": 1, "logit_bias": {"28": 1e308}}},
+        timeout=60,
+    )
     assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]
-    biased = client.completions.create(model="default", prompt="hi", max_tokens=2, temperature=0,
-                                       logit_bias={"28": 100}, logprobs=0)
+    biased = client.completions.create(
+        model="default", prompt="hi", max_tokens=2, temperature=0, logit_bias={"28": 100}, logprobs=0
+    )
     assert biased.choices[0].text == ",," and biased.choices[0].logprobs.tokens == [",", ","]
 
 
-@pytest.mark.parametrize("path, body, param, needle", [
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 1}',
-     "messages", "messages[0].content is not valid Unicode"),
-    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt", "prompt is not valid Unicode"),
-    ("/generate", '{"text": "a\\ud800b", "sampling_params": {"max_new_tokens": 1}}', "text", "not valid Unicode"),
-], ids=["chat", "completions", "generate"])
+@pytest.mark.parametrize(
+    "path, body, param, needle",
+    [
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 1}',
+            "messages",
+            "messages[0].content is not valid Unicode",
+        ),
+        ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt", "prompt is not valid Unicode"),
+        ("/generate", '{"text": "a\\ud800b", "sampling_params": {"max_new_tokens": 1}}', "text", "not valid Unicode"),
+    ],
+    ids=["chat", "completions", "generate"],
+)
 def test_a_lone_surrogate_is_a_400_not_a_500(url, path, body, param, needle):
     # Valid JSON ("\ud800" escape), but no tokenizer can encode it: it was an internal error.
     r = requests.post(url + path, data=body, headers={"Content-Type": "application/json"}, timeout=60)
@@ -244,13 +315,19 @@ def test_a_lone_surrogate_is_a_400_not_a_500(url, path, body, param, needle):
 
 def test_strict_schema_with_a_keyword_the_backend_cannot_enforce_is_refused(client):
     # strict=true promises a matching output; uniqueItems is not enforced, which was silently ignored.
-    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
-                                                        "uniqueItems": True}}, "required": ["tags"]}
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+        "required": ["tags"],
+    }
 
     def ask(strict: bool):
         return client.chat.completions.create(
-            model="default", messages=USER_HI, max_tokens=2,
-            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": strict}})
+            model="default",
+            messages=USER_HI,
+            max_tokens=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": strict}},
+        )
 
     with pytest.raises(openai.BadRequestError, match="strict=true, but keyword 'uniqueItems'") as info:
         ask(strict=True)
@@ -261,8 +338,15 @@ def test_strict_schema_with_a_keyword_the_backend_cannot_enforce_is_refused(clie
 def test_off_values_of_unsupported_openai_fields_are_accepted(client):
     # What SDK wrappers send on every request: asks for nothing plait lacks, so it must just work.
     completion = client.chat.completions.create(
-        model="default", messages=USER_HI, max_tokens=1, store=False, metadata={"team": "a"},
-        service_tier="auto", tool_choice="none", parallel_tool_calls=False)
+        model="default",
+        messages=USER_HI,
+        max_tokens=1,
+        store=False,
+        metadata={"team": "a"},
+        service_tier="auto",
+        tool_choice="none",
+        parallel_tool_calls=False,
+    )
     assert completion.choices[0].finish_reason in ("stop", "length")
 
 

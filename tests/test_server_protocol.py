@@ -11,22 +11,20 @@ from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
-from pydantic import ValidationError
-
 from plait.runtime.cli import parse_server_args
 from plait.runtime.server import create_app
 from plait.runtime.server.errors import APIError, describe_validation_errors
 from plait.runtime.server.metrics import ServerMetrics, find_stat
 from plait.runtime.server.native_api import native_calls
 from plait.runtime.server.openai_api import check_model, sampling_dict
-from plait.runtime.server.openai_outputs import (ChoiceCursor, chat_logprobs, completion_logprobs,
-                                                   finish_reason, usage)
+from plait.runtime.server.openai_outputs import ChoiceCursor, chat_logprobs, completion_logprobs, finish_reason, usage
 from plait.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from plait.runtime.server.protocol_native import GenerateRequest
 from plait.runtime.server.response_format import response_format_to_sampling
 from plait.runtime.server.server_context import ServerContext
 from plait.runtime.server_args import ServerArgs
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 
 class EngineThatMustNotBeCalled:
@@ -53,6 +51,7 @@ def validation_message(model, data) -> tuple[str, str]:
 
 # ---------------------------------------------------------------- validation messages
 
+
 def test_wrong_type_names_the_field():
     msg, param = validation_message(GenerateRequest, {"text": 5})
     assert param == "text" and "'text'" in msg
@@ -66,19 +65,26 @@ def test_missing_fields_are_named():
 
 
 def test_openai_ranges_and_unsupported_features():
-    assert validation_message(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                                                      "temperature": 2.5})[1] == "temperature"
+    assert (
+        validation_message(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "temperature": 2.5})[
+            1
+        ]
+        == "temperature"
+    )
     assert validation_message(CompletionRequest, {"prompt": "x", "top_p": 0})[1] == "top_p"
     assert validation_message(CompletionRequest, {"prompt": "x", "n": 0})[1] == "n"
     assert validation_message(CompletionRequest, {"prompt": "x", "logprobs": 21})[1] == "logprobs"
     assert validation_message(ChatCompletionRequest, {"messages": []})[1] == "messages"
-    assert validation_message(ChatCompletionRequest, {"messages": [{"role": "wizard", "content": "x"}]}
-                              )[1] == "messages"
-    msg, _ = validation_message(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                                                        "top_logprobs": 2})
+    assert (
+        validation_message(ChatCompletionRequest, {"messages": [{"role": "wizard", "content": "x"}]})[1] == "messages"
+    )
+    msg, _ = validation_message(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    )
     assert "top_logprobs requires logprobs" in msg
-    msg, _ = validation_message(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                                                        "tools": [{"type": "function"}]})
+    msg, _ = validation_message(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}
+    )
     assert "missing required field 'tools.0.function'" in msg
     msg, _ = validation_message(CompletionRequest, {"prompt": "x", "response_format": {"type": "json_schema"}})
     assert "json_schema.schema" in msg
@@ -86,11 +92,17 @@ def test_openai_ranges_and_unsupported_features():
 
 # ---------------------------------------------------------------- native /generate → Engine calls
 
+
 def test_native_batch_expands_n_with_distinct_rids_and_seeds():
     ctx = make_ctx()
-    body = GenerateRequest.model_validate({
-        "text": ["a", "b"], "rid": ["r1", "r2"], "return_logprob": [True, False],
-        "sampling_params": {"max_new_tokens": 4, "n": 2, "seed": 7}})
+    body = GenerateRequest.model_validate(
+        {
+            "text": ["a", "b"],
+            "rid": ["r1", "r2"],
+            "return_logprob": [True, False],
+            "sampling_params": {"max_new_tokens": 4, "n": 2, "seed": 7},
+        }
+    )
     runs = native_calls(body, ctx)
     assert [len(run) for run in runs] == [2, 2]
     calls = [c for run in runs for c in run]
@@ -102,18 +114,21 @@ def test_native_batch_expands_n_with_distinct_rids_and_seeds():
     assert all(c["options"].stream for c in calls)  # (the server reads every Engine request as a stream)
 
 
-@pytest.mark.parametrize("body, needle, param", [
-    ({"text": "a", "sampling_params": {"max_new_tokens": 4, "temprature": 1}}, "temprature", "sampling_params"),
-    ({"text": "a", "sampling_params": {"top_p": 1.5}}, "top_p", "sampling_params"),
-    ({"text": "a", "sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens", "sampling_params"),
-    ({"text": ["a", "b"], "sampling_params": [{}]}, "1 entries but the batch has 2", "sampling_params"),
-    ({"text": "a", "rid": ["x"]}, "not a batch", "rid"),
-    ({"input_ids": [1, 2, 100]}, "token id 100", "input_ids"),
-    ({"input_ids": list(range(32))}, "too long", "input_ids"),
-    ({"input_ids": []}, "empty", "input_ids"),
-    ({"text": ""}, "empty", "text"),
-    ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num", "top_logprobs_num"),
-])
+@pytest.mark.parametrize(
+    "body, needle, param",
+    [
+        ({"text": "a", "sampling_params": {"max_new_tokens": 4, "temprature": 1}}, "temprature", "sampling_params"),
+        ({"text": "a", "sampling_params": {"top_p": 1.5}}, "top_p", "sampling_params"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens", "sampling_params"),
+        ({"text": ["a", "b"], "sampling_params": [{}]}, "1 entries but the batch has 2", "sampling_params"),
+        ({"text": "a", "rid": ["x"]}, "not a batch", "rid"),
+        ({"input_ids": [1, 2, 100]}, "token id 100", "input_ids"),
+        ({"input_ids": list(range(32))}, "too long", "input_ids"),
+        ({"input_ids": []}, "empty", "input_ids"),
+        ({"text": ""}, "empty", "text"),
+        ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num", "top_logprobs_num"),
+    ],
+)
 def test_native_bad_input_names_the_field(body, needle, param):
     with pytest.raises(APIError) as info:
         native_calls(GenerateRequest.model_validate(body), make_ctx())
@@ -122,11 +137,22 @@ def test_native_bad_input_names_the_field(body, needle, param):
 
 # ---------------------------------------------------------------- OpenAI requests → sampling params
 
+
 def test_openai_sampling_mapping():
-    req = ChatCompletionRequest.model_validate({
-        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9, "temperature": 0,
-        "top_p": 0.9, "stop": ["\n"], "seed": 3, "min_tokens": 2, "top_k": 5, "logit_bias": {"12": -100},
-        "response_format": {"type": "json_object"}})
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 9,
+            "temperature": 0,
+            "top_p": 0.9,
+            "stop": ["\n"],
+            "seed": 3,
+            "min_tokens": 2,
+            "top_k": 5,
+            "logit_bias": {"12": -100},
+            "response_format": {"type": "json_object"},
+        }
+    )
     params = sampling_dict(req, req.max_new_tokens)
     assert params["max_new_tokens"] == 9 and params["temperature"] == 0 and params["top_p"] == 0.9
     assert params["stop"] == ["\n"] and params["seed"] == 3 and params["min_new_tokens"] == 2
@@ -139,8 +165,9 @@ def test_openai_sampling_mapping():
 
 def test_response_format_json_schema_maps_to_sampling_params():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    req = CompletionRequest.model_validate({"prompt": "x", "response_format": {
-        "type": "json_schema", "json_schema": {"name": "t", "schema": schema}}})
+    req = CompletionRequest.model_validate(
+        {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}}
+    )
     assert json.loads(response_format_to_sampling(req.response_format)["json_schema"]) == schema
     text = CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "text"}})
     assert response_format_to_sampling(text.response_format) == {}
@@ -157,19 +184,30 @@ def test_unknown_model_is_404_and_aliases_are_accepted():
 
 # ---------------------------------------------------------------- Engine outputs → OpenAI bodies
 
+
 def test_logprob_and_usage_shapes():
     tokens = [(-0.1, 5, "Hel"), (-0.2, 6, "lo")]
     tops = [[(-0.1, 5, "Hel"), (-2.0, 7, "Hi")], [(-0.2, 6, "lo")]]
     c = completion_logprobs(tokens, tops, None, 10)
-    assert c == {"tokens": ["Hel", "lo"], "token_logprobs": [-0.1, -0.2],
-                 "top_logprobs": [{"Hel": -0.1, "Hi": -2.0}, {"lo": -0.2}], "text_offset": [10, 13]}
+    assert c == {
+        "tokens": ["Hel", "lo"],
+        "token_logprobs": [-0.1, -0.2],
+        "top_logprobs": [{"Hel": -0.1, "Hi": -2.0}, {"lo": -0.2}],
+        "text_offset": [10, 13],
+    }
     chat = chat_logprobs(tokens, tops, None)["content"]
     assert chat[0]["token"] == "Hel" and chat[0]["bytes"] == list(b"Hel")
     assert [t["token"] for t in chat[0]["top_logprobs"]] == ["Hel", "Hi"]
-    metas = [{"prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 3},
-             {"prompt_tokens": 10, "cached_tokens": 10, "completion_tokens": 5}]
-    assert usage(metas[:1], metas) == {"prompt_tokens": 10, "completion_tokens": 8, "total_tokens": 18,
-                                       "prompt_tokens_details": {"cached_tokens": 4}}
+    metas = [
+        {"prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 3},
+        {"prompt_tokens": 10, "cached_tokens": 10, "completion_tokens": 5},
+    ]
+    assert usage(metas[:1], metas) == {
+        "prompt_tokens": 10,
+        "completion_tokens": 8,
+        "total_tokens": 18,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
     assert finish_reason({"finish_reason": {"type": "length", "length": 3}}) == "length"
     assert finish_reason({"finish_reason": None}) is None
 
@@ -180,23 +218,28 @@ def test_choice_cursor_turns_cumulative_chunks_into_deltas():
     assert cur.text_delta({"text": "Hello"}) == "lo"
     assert cur.text_delta({"text": "Hello"}) == ""
     assert cur.logprob_delta({"output_token_logprobs": [1, 2], "output_top_logprobs": [None, None]}) == (
-        [1, 2], [None, None])
-    assert cur.logprob_delta({"output_token_logprobs": [1, 2, 3], "output_top_logprobs": [None] * 3}) == (
-        [3], [None])
+        [1, 2],
+        [None, None],
+    )
+    assert cur.logprob_delta({"output_token_logprobs": [1, 2, 3], "output_top_logprobs": [None] * 3}) == ([3], [None])
 
 
 # ---------------------------------------------------------------- metrics
+
 
 def test_metrics_render_parses_and_reads_engine_stats():
     m = ServerMetrics("tiny")
     m.observe_first_token(0.05)
     m.observe_inter_token(0.01, 3)
-    m.observe_finished({"prompt_tokens": 8, "completion_tokens": 4, "cached_tokens": 2,
-                        "finish_reason": {"type": "length"}}, 0.2)
-    text = m.render({"internal_states": [{"num_running_reqs": 3, "num_waiting_reqs": 1}],
-                     "token_usage": 0.25}).decode()
-    samples = {(s.name, s.labels.get("finish_reason")): s.value
-               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    m.observe_finished(
+        {"prompt_tokens": 8, "completion_tokens": 4, "cached_tokens": 2, "finish_reason": {"type": "length"}}, 0.2
+    )
+    text = m.render({"internal_states": [{"num_running_reqs": 3, "num_waiting_reqs": 1}], "token_usage": 0.25}).decode()
+    samples = {
+        (s.name, s.labels.get("finish_reason")): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
     assert samples[("plait_prompt_tokens_total", None)] == 8
     assert samples[("plait_generation_tokens_total", None)] == 4
     assert samples[("plait_num_running_reqs", None)] == 3
@@ -212,11 +255,31 @@ def test_metrics_render_parses_and_reads_engine_stats():
 
 # ---------------------------------------------------------------- CLI
 
+
 def test_cli_every_server_arg_is_a_flag():
-    args = parse_server_args(["--model", "/m", "--port", "1234", "--disable-radix-cache",
-                              "--max-queued-requests", "3", "--api-key", "k", "--mem-fraction-static", "0.5"])
-    assert (args.model_path, args.port, args.disable_radix_cache, args.max_queued_requests, args.api_key,
-            args.mem_fraction_static) == ("/m", 1234, True, 3, "k", 0.5)
+    args = parse_server_args(
+        [
+            "--model",
+            "/m",
+            "--port",
+            "1234",
+            "--disable-radix-cache",
+            "--max-queued-requests",
+            "3",
+            "--api-key",
+            "k",
+            "--mem-fraction-static",
+            "0.5",
+        ]
+    )
+    assert (
+        args.model_path,
+        args.port,
+        args.disable_radix_cache,
+        args.max_queued_requests,
+        args.api_key,
+        args.mem_fraction_static,
+    ) == ("/m", 1234, True, 3, "k", 0.5)
     assert parse_server_args([]) == ServerArgs()
     with pytest.raises(SystemExit):
         parse_server_args(["--schedule-policy", "random"])
@@ -257,8 +320,11 @@ def test_every_server_flag_explains_itself_in_help(capsys):
 def test_model_path_that_is_not_a_folder_says_what_works():
     from plait.runtime.executor.loader import load_model_config
 
-    with pytest.raises(ValueError, match=r"'HuggingFaceTB/SmolLM2-135M-Instruct' is not a folder.*no hub"
-                                         r".*model_path=None runs the embedded default model.*llama-3.1-8b"):
+    with pytest.raises(
+        ValueError,
+        match=r"'HuggingFaceTB/SmolLM2-135M-Instruct' is not a folder.*no hub"
+        r".*model_path=None runs the embedded default model.*llama-3.1-8b",
+    ):
         load_model_config("HuggingFaceTB/SmolLM2-135M-Instruct", "auto")
 
 
@@ -276,6 +342,7 @@ def test_max_running_requests_default_depends_on_the_device_and_pool():
 
 
 # ---------------------------------------------------------------- HTTP layer, before the Engine
+
 
 @pytest.fixture(scope="module")
 def client():

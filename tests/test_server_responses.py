@@ -14,10 +14,18 @@ import pytest
 import test_server_clients as clients_module
 from pydantic import BaseModel
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 # The clients module's server and client fixtures (module-scoped: this module starts its own server).
@@ -25,8 +33,13 @@ url, client = clients_module.url, clients_module.client
 
 
 def test_text_input_with_instructions_and_usage(client):
-    r = client.responses.create(model="default", input="What is the capital of France?",
-                                instructions="Answer in one short sentence.", max_output_tokens=30, temperature=0)
+    r = client.responses.create(
+        model="default",
+        input="What is the capital of France?",
+        instructions="Answer in one short sentence.",
+        max_output_tokens=30,
+        temperature=0,
+    )
     assert r.object == "response" and r.id.startswith("resp_") and r.status == "completed"
     assert "Paris" in r.output_text
     (item,) = r.output
@@ -37,8 +50,11 @@ def test_text_input_with_instructions_and_usage(client):
 
 
 def test_max_output_tokens_makes_an_incomplete_response(client):
-    r = client.responses.create(model="default", input=[{"role": "user", "content": [
-        {"type": "input_text", "text": "Write a long story about a dragon."}]}], max_output_tokens=3)
+    r = client.responses.create(
+        model="default",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Write a long story about a dragon."}]}],
+        max_output_tokens=3,
+    )
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 3 and r.output_text
 
@@ -48,10 +64,18 @@ def test_streamed_events_are_the_official_ones_and_add_up(client):
         events = list(stream)
         final = stream.get_final_response()  # the SDK rebuilds the response from the events and checks them
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) > 1 and "".join(deltas) == final.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -59,29 +83,48 @@ def test_streamed_events_are_the_official_ones_and_add_up(client):
 
 
 def test_text_format_json_schema(client):
-    r = client.responses.create(model="default", input="Invent a person.", max_output_tokens=40, temperature=0,
-                                text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
-                                                 "strict": True}})
+    r = client.responses.create(
+        model="default",
+        input="Invent a person.",
+        max_output_tokens=40,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+    )
     jsonschema.validate(json.loads(r.output_text), PERSON)
 
     class Person(BaseModel):
         name: str
         age: int
 
-    parsed = client.responses.parse(model="default", input="Invent a person.", text_format=Person,
-                                    max_output_tokens=40, temperature=0)
+    parsed = client.responses.parse(
+        model="default", input="Invent a person.", text_format=Person, max_output_tokens=40, temperature=0
+    )
     assert isinstance(parsed.output_parsed, Person)
 
 
 def test_function_tools_whole_and_streamed(client):
-    r = client.responses.create(model="default", input="What is the weather in Oslo?", tools=[WEATHER],
-                                tool_choice="required", max_output_tokens=40, temperature=0)
+    r = client.responses.create(
+        model="default",
+        input="What is the weather in Oslo?",
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=40,
+        temperature=0,
+    )
     (call,) = [o for o in r.output if o.type == "function_call"]
     assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
     assert isinstance(json.loads(call.arguments)["city"], str)
-    events = list(client.responses.create(model="default", input="Weather in Rome?", tools=[WEATHER],
-                                          tool_choice={"type": "function", "name": "get_weather"},
-                                          max_output_tokens=40, temperature=0, stream=True))
+    events = list(
+        client.responses.create(
+            model="default",
+            input="Weather in Rome?",
+            tools=[WEATHER],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=40,
+            temperature=0,
+            stream=True,
+        )
+    )
     pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(pieces) > 1 and "".join(pieces) == done.arguments and done.name == "get_weather"
@@ -89,21 +132,43 @@ def test_function_tools_whole_and_streamed(client):
 
 
 def test_previous_response_id_continues_the_conversation_from_the_cache(client):
-    first = client.responses.create(model="default", input="What is the capital of France?", max_output_tokens=20,
-                                    temperature=0, instructions="Answer in one short sentence.")
-    second = client.responses.create(model="default", input="And of Italy?", previous_response_id=first.id,
-                                     max_output_tokens=20, temperature=0, instructions="Answer in one short sentence.")
+    first = client.responses.create(
+        model="default",
+        input="What is the capital of France?",
+        max_output_tokens=20,
+        temperature=0,
+        instructions="Answer in one short sentence.",
+    )
+    second = client.responses.create(
+        model="default",
+        input="And of Italy?",
+        previous_response_id=first.id,
+        max_output_tokens=20,
+        temperature=0,
+        instructions="Answer in one short sentence.",
+    )
     assert second.previous_response_id == first.id and "Rome" in second.output_text
     # The first turn (its prompt and its output) is in the prompt of the second, and in the prefix cache.
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 1
     # A tool result sent back by call id continues a conversation that ended in a call.
-    call_turn = client.responses.create(model="default", input="What is the weather in Oslo?", tools=[WEATHER],
-                                        tool_choice="required", max_output_tokens=40, temperature=0)
+    call_turn = client.responses.create(
+        model="default",
+        input="What is the weather in Oslo?",
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=40,
+        temperature=0,
+    )
     call = call_turn.output[0]
-    answer = client.responses.create(model="default", previous_response_id=call_turn.id, tools=[WEATHER],
-                                     input=[{"type": "function_call_output", "call_id": call.call_id,
-                                             "output": "sunny, 21 C"}], max_output_tokens=30, temperature=0)
+    answer = client.responses.create(
+        model="default",
+        previous_response_id=call_turn.id,
+        tools=[WEATHER],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+        max_output_tokens=30,
+        temperature=0,
+    )
     assert answer.status == "completed"
     # All of the forced turn but its last user message (which asked for the call: 129 of 146 tokens here) is reused.
     assert answer.usage.input_tokens_details.cached_tokens >= 0.8 * call_turn.usage.input_tokens
@@ -123,14 +188,21 @@ def test_retrieve_delete_and_unknown_ids(client):
         client.responses.retrieve(unstored.id)
 
 
-@pytest.mark.parametrize("fields, param, needle", [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input",
-     "input_image"),
-    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools", "type 'web_search' are not supported"),
-    ({"input": "Hi", "background": True}, "background", "not supported by plait"),
-    ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' is not supported"),
-    ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
-], ids=["image", "hosted-tool", "background", "item-reference", "max-tokens"])
+@pytest.mark.parametrize(
+    "fields, param, needle",
+    [
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+            "input",
+            "input_image",
+        ),
+        ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools", "type 'web_search' are not supported"),
+        ({"input": "Hi", "background": True}, "background", "not supported by plait"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' is not supported"),
+        ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+    ],
+    ids=["image", "hosted-tool", "background", "item-reference", "max-tokens"],
+)
 def test_what_plait_cannot_do_is_a_400_naming_the_field(client, fields, param, needle):
     with pytest.raises(openai.BadRequestError, match=needle) as info:
         client.responses.create(model="default", **fields)

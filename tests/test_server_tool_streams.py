@@ -10,7 +10,6 @@ import json
 
 import jiter
 import pytest
-
 from plait.runtime.server.json_scan import scan_call, value_end
 from plait.runtime.server.tool_call_parser import ToolPlan
 
@@ -74,7 +73,9 @@ def test_parallel_calls_stream_with_their_own_index():
     text = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
     _, calls, _ = stream_pieces(REQUIRED, text, step=5)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-        ("get_time", {}), ("get_weather", {"city": "Rome"})]
+        ("get_time", {}),
+        ("get_weather", {"city": "Rome"}),
+    ]
     assert calls[0]["id"] != calls[1]["id"]
 
 
@@ -82,7 +83,8 @@ def test_auto_streams_a_hermes_call_after_its_text_and_text_stays_text():
     text = 'Checking. <tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
     content, calls, _ = stream_pieces(AUTO, text, step=4)
     assert content == "Checking. " and [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-        ("get_time", {"tz": "CET"})]
+        ("get_time", {"tz": "CET"})
+    ]
     content, calls, _ = stream_pieces(AUTO, '{"city": "Oslo"} is JSON, not a call')
     assert calls == {} and content == '{"city": "Oslo"} is JSON, not a call'
 
@@ -93,8 +95,9 @@ def test_arguments_given_as_json_text_are_sent_whole_once_complete():
     assert json.loads(calls[0]["arguments"]) == {"city": "Oslo"}
 
 
-@pytest.mark.parametrize("cut_at, arguments", [(49, '{"city": "Os'), (len('{"name": "get_weather", "argu'), ""),
-                                               (12, "")])
+@pytest.mark.parametrize(
+    "cut_at, arguments", [(49, '{"city": "Os'), (len('{"name": "get_weather", "argu'), ""), (12, "")]
+)
 def test_a_forced_call_cut_by_max_tokens_is_still_a_call(cut_at, arguments):
     text = CALL[:cut_at]
     message, called = FORCED.message(text, cut=True)

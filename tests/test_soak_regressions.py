@@ -11,7 +11,6 @@ from urllib.parse import urlparse
 
 import pytest
 import requests
-
 from conftest import server_info, server_process, wait_server_idle
 
 MAX_NEW = 80  # ignore_eos: a request nobody aborts generates exactly this many tokens
@@ -35,13 +34,19 @@ def test_client_that_disconnects_at_once_gets_its_request_aborted(server):
     abort lost: the disconnect was seen before the request reached the scheduler, so it ran to the end."""
     before = wait_server_idle(server)["generation_tokens"]
     ended = _requests_ended(server)
-    body = json.dumps({"text": "Tell me a long story.", "sampling_params": {
-        "max_new_tokens": MAX_NEW, "ignore_eos": True, "temperature": 0}}).encode()
+    body = json.dumps(
+        {
+            "text": "Tell me a long story.",
+            "sampling_params": {"max_new_tokens": MAX_NEW, "ignore_eos": True, "temperature": 0},
+        }
+    ).encode()
     u = urlparse(server)
     for _ in range(3):
         with socket.create_connection((u.hostname, u.port)) as sock:
-            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.sendall(
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
     deadline = time.time() + 120
     while _requests_ended(server) < ended + 3:  # all three reached the server and ended
         assert time.time() < deadline, "the requests never ended"
@@ -57,9 +62,15 @@ def test_abort_request_stops_every_sample_of_n(server):
     out = {}
 
     def run():
-        out["r"] = requests.post(server + "/generate", timeout=300, json={
-            "text": "Write a poem about the sea. " * 20, "rid": rid,
-            "sampling_params": {"n": 3, "max_new_tokens": MAX_NEW, "ignore_eos": True}})
+        out["r"] = requests.post(
+            server + "/generate",
+            timeout=300,
+            json={
+                "text": "Write a poem about the sea. " * 20,
+                "rid": rid,
+                "sampling_params": {"n": 3, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+            },
+        )
 
     t = threading.Thread(target=run)
     t.start()
@@ -79,10 +90,14 @@ def test_abort_request_stops_every_sample_of_n(server):
     # The samples that never started are in the metrics with their real (short) latency, not the time
     # since the clock's epoch.
     text = requests.get(server + "/metrics", timeout=30).text
-    count = next(float(ln.split()[-1]) for ln in text.splitlines()
-                 if ln.startswith("plait_e2e_request_latency_seconds_count"))
-    under_300s = next(float(ln.split()[-1]) for ln in text.splitlines()
-                      if ln.startswith("plait_e2e_request_latency_seconds_bucket") and 'le="300.0"' in ln)
+    count = next(
+        float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("plait_e2e_request_latency_seconds_count")
+    )
+    under_300s = next(
+        float(ln.split()[-1])
+        for ln in text.splitlines()
+        if ln.startswith("plait_e2e_request_latency_seconds_bucket") and 'le="300.0"' in ln
+    )
     assert under_300s == count
 
 
@@ -90,8 +105,11 @@ def test_grammar_cache_size_is_reported(server):
     """The soak watches the grammar compile cache fill (each entry holds token-mask tables)."""
     for k in range(2):
         schema = {"type": "object", "properties": {f"soak_{k}": {"type": "integer"}}, "required": [f"soak_{k}"]}
-        r = requests.post(server + "/generate", timeout=120, json={
-            "text": "JSON:", "sampling_params": {"max_new_tokens": 1, "json_schema": json.dumps(schema)}})
+        r = requests.post(
+            server + "/generate",
+            timeout=120,
+            json={"text": "JSON:", "sampling_params": {"max_new_tokens": 1, "json_schema": json.dumps(schema)}},
+        )
         assert r.status_code == 200, r.text
     info = server_info(server)
     assert info["grammar_cache_size"] >= 2 and info["grammar_cache_misses"] >= 2
@@ -113,8 +131,13 @@ def test_engine_abort_before_a_stream_is_read_and_of_every_sample_of_n():
         assert chunks[-1]["meta_info"]["completion_tokens"] == 0
 
         out = {}
-        worker = threading.Thread(target=lambda: out.update(result=engine.generate(
-            prompt="Tell me a story.", sampling_params={**params, "temperature": 1.0, "n": 2}, rid="both")))
+        worker = threading.Thread(
+            target=lambda: out.update(
+                result=engine.generate(
+                    prompt="Tell me a story.", sampling_params={**params, "temperature": 1.0, "n": 2}, rid="both"
+                )
+            )
+        )
         worker.start()
         deadline = time.time() + 60
         while engine.get_server_info()["num_running_reqs"] < 2:  # both samples decoding
@@ -126,5 +149,7 @@ def test_engine_abort_before_a_stream_is_read_and_of_every_sample_of_n():
         assert reasons == ["abort", "abort"]
         assert all(o["meta_info"]["completion_tokens"] < MAX_NEW for o in out["result"])
         assert engine.check_integrity() is True
-        assert engine.generate(prompt="hi", sampling_params={"max_new_tokens": 2})["meta_info"][
-            "finish_reason"]["type"] == "length"
+        assert (
+            engine.generate(prompt="hi", sampling_params={"max_new_tokens": 2})["meta_info"]["finish_reason"]["type"]
+            == "length"
+        )

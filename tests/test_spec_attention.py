@@ -13,7 +13,6 @@ import types
 import numpy as np
 import pytest
 import torch
-
 from plait.runtime.attention.base import AttentionLayerSpec
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -35,7 +34,7 @@ class _Case:
     def __init__(self, prefix_lens, trees, new_lens, heads=4, kv_heads=2, head_dim=16, seed=0, chain=False):
         g = torch.Generator().manual_seed(seed)
         self.g = g
-        self.layer = AttentionLayerSpec(0, heads, kv_heads, head_dim, head_dim ** -0.5)
+        self.layer = AttentionLayerSpec(0, heads, kv_heads, head_dim, head_dim**-0.5)
         self.prefix_lens, self.trees, self.new_lens, self.chain = prefix_lens, trees, new_lens, chain
         lens = [p + t.size for p, t in zip(prefix_lens, trees)]
         self.num_slots = sum(lens) + 5
@@ -43,12 +42,12 @@ class _Case:
         for buf in self.kv_pool.k_buffer + self.kv_pool.v_buffer:
             buf.copy_(torch.randn(buf.shape, generator=g))
         self.r2t = ReqToTokenPool(len(lens) + 2, max(lens) + 4, "cpu")
-        slots = torch.randperm(self.num_slots, generator=g)[:sum(lens)] + 1
-        self.rows = torch.randperm(self.r2t.size, generator=g)[:len(lens)].tolist()
+        slots = torch.randperm(self.num_slots, generator=g)[: sum(lens)] + 1
+        self.rows = torch.randperm(self.r2t.size, generator=g)[: len(lens)].tolist()
         self.slots, at = [], 0
         for row, n in zip(self.rows, lens):
-            self.r2t.write(row, 0, slots[at:at + n])
-            self.slots.append(slots[at:at + n])
+            self.r2t.write(row, 0, slots[at : at + n])
+            self.slots.append(slots[at : at + n])
             at += n
         total_new = sum(new_lens)
         self.q = torch.randn(total_new, heads, head_dim, generator=g)
@@ -58,17 +57,24 @@ class _Case:
         ext = torch.tensor(self.new_lens)
         tree_lens = torch.tensor([t.size for t in self.trees])
         fb = ForwardBatch(
-            forward_mode=ForwardMode.VERIFY, batch_size=B, input_ids=torch.zeros(sum(self.new_lens), dtype=torch.long),
-            positions=torch.zeros(sum(self.new_lens), dtype=torch.long), req_pool_indices=torch.tensor(self.rows),
-            seq_lens=torch.tensor(self.prefix_lens) + tree_lens, out_cache_loc=torch.zeros(sum(self.new_lens), dtype=torch.long),
-            seq_lens_cpu=[p + t.size for p, t in zip(self.prefix_lens, self.trees)], req_to_token_pool=self.r2t,
-            kv_pool=self.kv_pool, attn_backend=backend)
+            forward_mode=ForwardMode.VERIFY,
+            batch_size=B,
+            input_ids=torch.zeros(sum(self.new_lens), dtype=torch.long),
+            positions=torch.zeros(sum(self.new_lens), dtype=torch.long),
+            req_pool_indices=torch.tensor(self.rows),
+            seq_lens=torch.tensor(self.prefix_lens) + tree_lens,
+            out_cache_loc=torch.zeros(sum(self.new_lens), dtype=torch.long),
+            seq_lens_cpu=[p + t.size for p, t in zip(self.prefix_lens, self.trees)],
+            req_to_token_pool=self.r2t,
+            kv_pool=self.kv_pool,
+            attn_backend=backend,
+        )
         fb.extend_prefix_lens, fb.extend_seq_lens = torch.tensor(self.prefix_lens), ext
         fb.extend_start_loc = torch.cumsum(ext, 0) - ext
         fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = list(self.prefix_lens), list(self.new_lens)
         fb.tree_lens, fb.tree_lens_cpu = tree_lens, [t.size for t in self.trees]
         if not self.chain:
-            blocks = [t.ancestor_mask()[t.size - e:] for t, e in zip(self.trees, self.new_lens)]  # (E, N) each
+            blocks = [t.ancestor_mask()[t.size - e :] for t, e in zip(self.trees, self.new_lens)]  # (E, N) each
             sizes = np.array([b.size for b in blocks])
             fb.tree_mask = torch.from_numpy(np.concatenate([b.reshape(-1) for b in blocks]))
             fb.tree_mask_offsets = torch.from_numpy(np.cumsum(sizes) - sizes)
@@ -151,10 +157,22 @@ def test_triton_tree_kernel_over_a_verify_graphs_padded_layout():
     squares = np.array([m.size for m in masks] + [0])
     lens = torch.tensor(sizes + [dead, 0])
     out = torch.full((t_cap, lay.num_heads, lay.head_dim), float("nan"))
-    tree_attention(q, case.kv_pool.k_buffer[0], case.kv_pool.v_buffer[0], out, case.r2t.req_to_token,
-                   torch.tensor(case.rows + [case.rows[0], 0]), torch.tensor(case.prefix_lens + [0, 0]), lens,
-                   torch.tensor(np.cumsum([0] + sizes + [dead])[:-1].tolist()), lens,
-                   torch.from_numpy(np.concatenate(masks).astype(np.uint8)),
-                   torch.from_numpy(np.cumsum(squares) - squares), t_cap, lay.scaling, ExtendConfig(**TINY))
+    tree_attention(
+        q,
+        case.kv_pool.k_buffer[0],
+        case.kv_pool.v_buffer[0],
+        out,
+        case.r2t.req_to_token,
+        torch.tensor(case.rows + [case.rows[0], 0]),
+        torch.tensor(case.prefix_lens + [0, 0]),
+        lens,
+        torch.tensor(np.cumsum([0] + sizes + [dead])[:-1].tolist()),
+        lens,
+        torch.from_numpy(np.concatenate(masks).astype(np.uint8)),
+        torch.from_numpy(np.cumsum(squares) - squares),
+        t_cap,
+        lay.scaling,
+        ExtendConfig(**TINY),
+    )
     torch.testing.assert_close(out[:T].reshape(T, -1).double(), case.reference(), atol=1e-4, rtol=1e-4)
     assert torch.isfinite(out[T:]).all()

@@ -13,28 +13,33 @@ import os
 import shutil
 
 import pytest
-
 from conftest import make_random_model
-from spec_models import write_eagle_head
 from plait.runtime.io_struct import TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import create_scheduler
 from plait.runtime.server_args import ServerArgs
+from spec_models import write_eagle_head
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, random_models):
     root = tmp_path_factory.mktemp("drafters")
     target = random_models["llama"]
-    return {"target": target,
-            "other": make_random_model(str(root / "other"), "llama", seed=1),
-            "eagle": write_eagle_head(str(root / "eagle"), target, "EAGLE", seed=2),
-            "eagle3": write_eagle_head(str(root / "eagle3"), target, "EAGLE3", seed=3, draft_vocab=128),
-            "root": str(root)}
+    return {
+        "target": target,
+        "other": make_random_model(str(root / "other"), "llama", seed=1),
+        "eagle": write_eagle_head(str(root / "eagle"), target, "EAGLE", seed=2),
+        "eagle3": write_eagle_head(str(root / "eagle3"), target, "EAGLE3", seed=3, draft_vocab=128),
+        "root": str(root),
+    }
 
 
-PROMPTS = [[3, 17, 22, 9, 40, 3, 17, 22], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [100, 101, 2, 2, 2],
-           list(range(30, 70))]
+PROMPTS = [
+    [3, 17, 22, 9, 40, 3, 17, 22],
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
+    [100, 101, 2, 2, 2],
+    list(range(30, 70)),
+]
 
 
 def reqs(n_new: int = 20, prompts=PROMPTS):
@@ -69,14 +74,23 @@ def reference(folders):
 DRAFTERS = {
     "standalone self chain": ("STANDALONE", "target", {}),
     "standalone other chain": ("STANDALONE", "other", {}),
-    "standalone self tree": ("STANDALONE", "target", dict(speculative_eagle_topk=2, speculative_num_steps=3,
-                                                          speculative_num_draft_tokens=6)),
+    "standalone self tree": (
+        "STANDALONE",
+        "target",
+        dict(speculative_eagle_topk=2, speculative_num_steps=3, speculative_num_draft_tokens=6),
+    ),
     "eagle chain": ("EAGLE", "eagle", {}),
-    "eagle tree": ("EAGLE", "eagle", dict(speculative_eagle_topk=3, speculative_num_steps=3,
-                                          speculative_num_draft_tokens=8)),
+    "eagle tree": (
+        "EAGLE",
+        "eagle",
+        dict(speculative_eagle_topk=3, speculative_num_steps=3, speculative_num_draft_tokens=8),
+    ),
     "eagle3 chain": ("EAGLE3", "eagle3", {}),
-    "eagle3 tree": ("EAGLE3", "eagle3", dict(speculative_eagle_topk=2, speculative_num_steps=2,
-                                             speculative_num_draft_tokens=5)),
+    "eagle3 tree": (
+        "EAGLE3",
+        "eagle3",
+        dict(speculative_eagle_topk=2, speculative_num_steps=2, speculative_num_draft_tokens=5),
+    ),
 }
 
 
@@ -99,8 +113,15 @@ def test_greedy_outputs_match_alone_batched_and_from_the_cache(name, folders, re
 @pytest.mark.parametrize("name", ["standalone self tree", "eagle3 tree"])
 def test_chunked_prefill_and_retraction_with_a_drafter(name, folders, reference):
     algo, draft, extra = DRAFTERS[name]
-    s = scheduler(folders["target"], speculative_algorithm=algo, speculative_draft_model_path=folders[draft],
-                  chunked_prefill_size=16, max_total_tokens=100, disable_radix_cache=True, **extra)
+    s = scheduler(
+        folders["target"],
+        speculative_algorithm=algo,
+        speculative_draft_model_path=folders[draft],
+        chunked_prefill_size=16,
+        max_total_tokens=100,
+        disable_radix_cache=True,
+        **extra,
+    )
     assert run(s, reqs()) == reference["batch"]
     assert s.get_stats()["num_retractions"] > 0
 
@@ -130,7 +151,9 @@ def test_drafters_that_cannot_draft_for_the_target_are_refused_at_start_up(folde
     big = make_random_model(os.path.join(root, "big_vocab"), "llama", seed=4)
     _copy_with_config(big, os.path.join(root, "vocab300"), vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 256"):
-        scheduler(target, speculative_algorithm="STANDALONE", speculative_draft_model_path=os.path.join(root, "vocab300"))
+        scheduler(
+            target, speculative_algorithm="STANDALONE", speculative_draft_model_path=os.path.join(root, "vocab300")
+        )
     # the same vocabulary size, another tokenizer
     words = {f"w{i}": i for i in range(255)} | {"<unk>": 255}
     t2, d2 = shutil.copytree(target, os.path.join(root, "t_tok")), shutil.copytree(target, os.path.join(root, "d_tok"))
@@ -154,7 +177,6 @@ def test_eagle_lockstep_state_is_the_head_over_the_whole_sequence(kind, folders)
     features of the kept path's nodes and the positions line up."""
     import numpy as np
     import torch
-
     from plait.runtime.attention.torch_native import TorchNativeAttnBackend
     from plait.runtime.executor.spec_runner import _load_head
     from plait.runtime.forward_batch import ForwardMode
@@ -175,8 +197,14 @@ def test_eagle_lockstep_state_is_the_head_over_the_whole_sequence(kind, folders)
 
     def drafter():
         pool = KVPool(200, head.num_kv_layers, hc.model.num_key_value_heads, hc.model.head_dim, torch.float32, "cpu")
-        mem = DraftMemory(pool, ReqToTokenPool(4, 128, "cpu"), TorchNativeAttnBackend(type("V", (), {"device": "cpu"})),
-                          150, EagleDrafter.scratch_per_row(3, 1), "cpu")
+        mem = DraftMemory(
+            pool,
+            ReqToTokenPool(4, 128, "cpu"),
+            TorchNativeAttnBackend(type("V", (), {"device": "cpu"})),
+            150,
+            EagleDrafter.scratch_per_row(3, 1),
+            "cpu",
+        )
         return EagleDrafter(head, mem, 3, 1, 4, 4)
 
     g = torch.Generator().manual_seed(0)
@@ -185,7 +213,7 @@ def test_eagle_lockstep_state_is_the_head_over_the_whole_sequence(kind, folders)
     P = len(prompt)
 
     def fb_of(features):  # what the target's forward would hand the drafter
-        return type("FB", (), {"captured_hidden": [features[:, i * 64:(i + 1) * 64] for i in range(3)]})()
+        return type("FB", (), {"captured_hidden": [features[:, i * 64 : (i + 1) * 64] for i in range(3)]})()
 
     def hidden_of(features):
         return features if kind == "EAGLE" else None
@@ -207,8 +235,12 @@ def test_eagle_lockstep_state_is_the_head_over_the_whole_sequence(kind, folders)
     # the whole sequence at once: pairs (x_{t+1}, feature_t) for the prompt, the root 40, 41 and 42
     ref = drafter()
     seq_next = prompt[1:] + [40, 41, 42, 43]
-    feats = torch.cat([d.feature(hidden_of(feats1), fb_of(feats1)),  # as the drafter reads the target's layers
-                       d.feature(hidden_of(feats2), fb_of(feats2))[[0, 1, 3]]])  # the kept path: root, 41, 42
+    feats = torch.cat(
+        [
+            d.feature(hidden_of(feats1), fb_of(feats1)),  # as the drafter reads the target's layers
+            d.feature(hidden_of(feats2), fb_of(feats2))[[0, 1, 3]],
+        ]
+    )  # the kept path: root, 41, 42
     n = len(seq_next)
     slots = np.arange(1, n + 1)
     whole = StepInput.extend([row], [0], [n], seq_next, slots)

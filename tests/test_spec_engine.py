@@ -6,11 +6,12 @@ behave as without speculation; get_stats has the counters other parts read."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import hf_greedy
 
-PASSAGE = ("Maple syrup takes about forty litres of sap to make one litre of syrup. The sap runs when nights are "
-           "below freezing and days are above it, usually for four to six weeks in early spring.")
+PASSAGE = (
+    "Maple syrup takes about forty litres of sap to make one litre of syrup. The sap runs when nights are "
+    "below freezing and days are above it, usually for four to six weeks in early spring."
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +27,9 @@ def engine():
 
 
 def chat(eng, text: str) -> str:
-    return eng.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+    return eng.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_greedy_output_equals_transformers_and_meta_info_counts_the_drafts(engine, hf_default_model):
@@ -72,7 +74,11 @@ def test_a_draft_model_of_another_vocabulary_fails_the_engine_start_with_the_rea
     cfg = json.loads((draft / "config.json").read_text())
     (draft / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
     with pytest.raises(RuntimeError, match="the scheduler failed to start.*vocabulary of 300 tokens, the target 256"):
-        Engine(model_path=random_models["llama"], num_threads=1, speculative_algorithm="STANDALONE",
-               speculative_draft_model_path=str(draft))
+        Engine(
+            model_path=random_models["llama"],
+            num_threads=1,
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=str(draft),
+        )
     with pytest.raises(ValueError, match="needs speculative_draft_model_path"):
         Engine(model_path=random_models["llama"], speculative_algorithm="EAGLE3")

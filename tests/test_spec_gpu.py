@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plait.runtime.io_struct import TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import create_scheduler
@@ -17,8 +16,13 @@ pytestmark = pytest.mark.gpu
 
 def _run(s, prompts, n_new=32) -> dict:
     for i, p in enumerate(prompts):
-        s.handle_message(TokenizedGenerateReq(rid=f"r{i}", input_ids=p, sampling_params=SamplingParams(
-            max_new_tokens=n_new, temperature=0, ignore_eos=True)))
+        s.handle_message(
+            TokenizedGenerateReq(
+                rid=f"r{i}",
+                input_ids=p,
+                sampling_params=SamplingParams(max_new_tokens=n_new, temperature=0, ignore_eos=True),
+            )
+        )
     out: dict = {}
     for _ in range(4000):
         s.step()
@@ -40,8 +44,15 @@ def _prompts(n: int, repeat: bool) -> list[list[int]]:
 
 
 def _scheduler(**kw):
-    sa = ServerArgs(model_path="smollm2-135m", load_format="dummy", device="cuda", dtype="float32",
-                    max_total_tokens=32768, max_running_requests=32, **kw)
+    sa = ServerArgs(
+        model_path="smollm2-135m",
+        load_format="dummy",
+        device="cuda",
+        dtype="float32",
+        max_total_tokens=32768,
+        max_running_requests=32,
+        **kw,
+    )
     return create_scheduler(sa, "smollm2-135m")
 
 
@@ -56,9 +67,9 @@ def test_ngram_with_verify_graphs_matches_plain_decoding_on_the_gpu():
 
 
 def test_a_verify_graph_replay_equals_the_eager_verify_step():
+    import numpy as np
     from plait.runtime.speculative.tree import DraftTree
     from plait.runtime.speculative.verify_step import build_verify_step
-    import numpy as np
 
     s = _scheduler(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
     mr = s.runner

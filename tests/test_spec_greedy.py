@@ -10,18 +10,27 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from plait.runtime.io_struct import TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import create_scheduler
 from plait.runtime.server_args import ServerArgs
 
-PASSAGE = ("The old lighthouse on the northern cliff was built in 1871 by a shipwright named Elias Morrow, "
-           "who carried every stone up the path himself. Its lamp burned whale oil until 1903, then kerosene, "
-           "and finally electricity after the war.")
-SCHEMA = json.dumps({"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24}, "year": {"type": "integer"},
-    "fuel": {"enum": ["whale oil", "kerosene", "electricity"]}}, "required": ["name", "year", "fuel"]})
+PASSAGE = (
+    "The old lighthouse on the northern cliff was built in 1871 by a shipwright named Elias Morrow, "
+    "who carried every stone up the path himself. Its lamp burned whale oil until 1903, then kerosene, "
+    "and finally electricity after the war."
+)
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "year": {"type": "integer"},
+            "fuel": {"enum": ["whale oil", "kerosene", "electricity"]},
+        },
+        "required": ["name", "year", "fuel"],
+    }
+)
 EBNF = 'root ::= "Answer: " ("yes" | "no") ", because " [a-z ]+ "."'
 
 
@@ -55,8 +64,9 @@ def speculating(schedulers):
 
 def run(s, reqs: list[tuple[str, list[int], dict]], **flags) -> dict:
     for rid, ids, sp in reqs:
-        s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling_params=SamplingParams(**sp),
-                                              **flags))
+        s.handle_message(
+            TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling_params=SamplingParams(**sp), **flags)
+        )
     out: dict = {}
     for _ in range(2000):
         s.step()
@@ -81,10 +91,16 @@ def workload(tok) -> list[tuple[str, list[int], dict]]:
     """Greedy requests, one of each kind (kept short: the test runs on a shared 2-core CPU)."""
     reqs = [
         ("copy", chat(tok, f"Repeat this passage word for word: {PASSAGE}"), dict(max_new_tokens=24)),
-        ("json", chat(tok, f"Extract the builder's name, the year and the first fuel as JSON. {PASSAGE}"),
-         dict(max_new_tokens=36, json_schema=SCHEMA)),
-        ("regex", chat(tok, f"When was the lighthouse built? {PASSAGE}"),
-         dict(max_new_tokens=20, regex=r"It was built in [0-9]{4} by [A-Z][a-z]+ [A-Z][a-z]+\.")),
+        (
+            "json",
+            chat(tok, f"Extract the builder's name, the year and the first fuel as JSON. {PASSAGE}"),
+            dict(max_new_tokens=36, json_schema=SCHEMA),
+        ),
+        (
+            "regex",
+            chat(tok, f"When was the lighthouse built? {PASSAGE}"),
+            dict(max_new_tokens=20, regex=r"It was built in [0-9]{4} by [A-Z][a-z]+ [A-Z][a-z]+\."),
+        ),
         ("ebnf", chat(tok, f"Was the lamp electric in 1900? {PASSAGE}"), dict(max_new_tokens=16, ebnf=EBNF)),
         ("free", chat(tok, "Write a short poem about the sea."), dict(max_new_tokens=12)),
         ("stop", chat(tok, f"Repeat this passage word for word: {PASSAGE}"), dict(max_new_tokens=32, stop=["whale"])),
@@ -120,7 +136,8 @@ def test_batched_with_the_cache_hit_on_a_second_round_matches(schedulers, defaul
     assert tokens(run(spec, reqs)) == want
     before = spec.get_stats()["cached_tokens"]
     assert tokens(run(spec, [(f"{rid}2", ids, sp) for rid, ids, sp in reqs])) == {
-        f"{rid}2": v for rid, v in want.items()}
+        f"{rid}2": v for rid, v in want.items()
+    }
     assert spec.get_stats()["cached_tokens"] > before
 
 
@@ -141,14 +158,16 @@ def test_chunked_prefill_and_a_small_pool(schedulers, default_tokenizer, referen
     """Prompts of ~90 tokens in chunks of 64, in a pool that holds about half the batch at once (admission
     waits for room; retraction under speculation: test_spec_scheduler.py, test_spec_drafters.py)."""
     reqs = [r for r in workload(default_tokenizer) if r[0] in ("copy", "json", "stop")]
-    tight = schedulers("tight", speculative_algorithm="NGRAM", chunked_prefill_size=64, max_total_tokens=200,
-                       disable_radix_cache=True)
+    tight = schedulers(
+        "tight", speculative_algorithm="NGRAM", chunked_prefill_size=64, max_total_tokens=200, disable_radix_cache=True
+    )
     assert tokens(run(tight, reqs)) == {r[0]: reference[r[0]] for r in reqs}
     assert tight.timer.report()["prefill"]["steps"] > len(reqs)  # the long prompts went in two chunks
 
 
-def test_grammar_drafts_alone_match_plain_constrained_decoding_and_take_fewer_steps(schedulers, default_tokenizer,
-                                                                                    reference):
+def test_grammar_drafts_alone_match_plain_constrained_decoding_and_take_fewer_steps(
+    schedulers, default_tokenizer, reference
+):
     drafts_only = schedulers("grammar", speculative_grammar_drafts="on")
     for req in [r for r in workload(default_tokenizer) if r[0] in ("json", "regex")]:
         assert tokens(run(drafts_only, [req]))[req[0]] == reference[req[0]], req[0]
@@ -164,8 +183,14 @@ def test_sampled_requests_speculate_and_finish(schedulers, default_tokenizer):
     # (the cost model off: whether it verifies this one request depends on the step times the module's
     # earlier tests left it; here rejection sampling's path is under test)
     spec = schedulers("ngram, every draft", speculative_algorithm="NGRAM", disable_speculative_adaptive=True)
-    reqs = [(f"s{i}", chat(default_tokenizer, f"Repeat this passage word for word: {PASSAGE}"),
-             dict(max_new_tokens=16, temperature=0.7, top_p=0.9)) for i in range(1)]
+    reqs = [
+        (
+            f"s{i}",
+            chat(default_tokenizer, f"Repeat this passage word for word: {PASSAGE}"),
+            dict(max_new_tokens=16, temperature=0.7, top_p=0.9),
+        )
+        for i in range(1)
+    ]
     before = spec.get_stats()["spec_verify_steps"]
     out = run(spec, reqs)
     assert all(len(v[0]) > 0 for v in out.values())

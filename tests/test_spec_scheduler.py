@@ -6,7 +6,6 @@ per-request adaptation. Outputs with speculation must equal those without, token
 from __future__ import annotations
 
 import pytest
-
 from fake_runner import EOS, FakeRunner, _PathRow, fake_scheduler
 from plait.runtime.io_struct import AbortReq, FlushCacheReq, TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
@@ -62,8 +61,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 def test_ngram_copying_verifies_whole_chains_and_matches_plain_decoding():
     reqs = [("a", PROMPT, dict(max_new_tokens=20))]
     off, off_runner, _ = run(reqs, dict(script=copy_script))
-    on, runner, s = run(reqs, dict(script=copy_script), speculative_algorithm="NGRAM",
-                        speculative_num_draft_tokens=5)
+    on, runner, s = run(reqs, dict(script=copy_script), speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
     assert outputs(on) == outputs(off)
     assert outputs(on)["a"][0] == (PROMPT * 3)[:20]
     verify = [st for st in runner.steps if st.mode.is_verify()]
@@ -121,6 +119,7 @@ def test_max_new_tokens_cuts_the_drafts_and_no_draft_goes_past_it():
 def test_runner_drafted_trees_keep_the_accepted_path_and_rewrite_the_table():
     """A tree whose accepted path is not its first nodes: the path's slots move into the positions after
     the prefix (host and device table), every other node's slot is freed."""
+
     def drafter(row, root, size):
         good = [copy_script(_PathRow(row, [])), None]
         good[1] = copy_script(_PathRow(row, [good[0]]))
@@ -134,9 +133,16 @@ def test_runner_drafted_trees_keep_the_accepted_path_and_rewrite_the_table():
 
     reqs = [("a", PROMPT, dict(max_new_tokens=16)), ("b", list(range(20, 31)), dict(max_new_tokens=11))]
     off, _, _ = run(reqs, dict(script=copy_script))
-    on, runner, s = run(reqs, dict(script=copy_script, drafter=drafter), speculative_algorithm="STANDALONE",
-                        speculative_draft_model_path="fake", speculative_num_steps=2, speculative_eagle_topk=2,
-                        speculative_num_draft_tokens=6, disable_speculative_adaptive=True)
+    on, runner, s = run(
+        reqs,
+        dict(script=copy_script, drafter=drafter),
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path="fake",
+        speculative_num_steps=2,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=6,
+        disable_speculative_adaptive=True,
+    )
     assert outputs(on) == outputs(off)
     verify = [st for st in runner.steps if st.mode.is_verify()]
     assert verify and all(st.draft.tree_mask is not None for st in verify)
@@ -148,8 +154,9 @@ def test_a_wrong_drafter_backs_off_and_its_request_sits_out():
     reqs = [("a", PROMPT, dict(max_new_tokens=40))]
     wrong = lambda row, root, size: DraftTree.chain(root, [0] * (size - 1))  # noqa: E731
     off, _, _ = run(reqs)
-    on, runner, s = run(reqs, dict(drafter=wrong), speculative_algorithm="STANDALONE",
-                        speculative_draft_model_path="fake")
+    on, runner, s = run(
+        reqs, dict(drafter=wrong), speculative_algorithm="STANDALONE", speculative_draft_model_path="fake"
+    )
     assert outputs(on) == outputs(off)
     kinds = ["v" if st.mode.is_verify() else ("d" if st.mode.is_decode() else "p") for st in runner.steps]
     # 3 verify steps that accept nothing, then 8 plain decode steps (the sit-out), then it tries again.
@@ -160,12 +167,15 @@ def test_a_wrong_drafter_backs_off_and_its_request_sits_out():
 
 def test_speculation_is_off_above_the_batch_size_and_for_penalized_or_seeded_requests():
     reqs = [(f"r{i}", PROMPT, dict(max_new_tokens=8)) for i in range(3)]
-    _, runner, _ = run(reqs, dict(script=copy_script), speculative_algorithm="NGRAM",
-                       speculative_disable_by_batch_size=2)
+    _, runner, _ = run(
+        reqs, dict(script=copy_script), speculative_algorithm="NGRAM", speculative_disable_by_batch_size=2
+    )
     assert not any(st.mode.is_verify() for st in runner.steps)
-    reqs = [("p", PROMPT, dict(max_new_tokens=8, frequency_penalty=0.5)),
-            ("s", PROMPT, dict(max_new_tokens=8, temperature=0.8, seed=3)),
-            ("m", PROMPT, dict(max_new_tokens=8, min_new_tokens=4))]
+    reqs = [
+        ("p", PROMPT, dict(max_new_tokens=8, frequency_penalty=0.5)),
+        ("s", PROMPT, dict(max_new_tokens=8, temperature=0.8, seed=3)),
+        ("m", PROMPT, dict(max_new_tokens=8, min_new_tokens=4)),
+    ]
     _, runner, _ = run(reqs, dict(script=copy_script), speculative_algorithm="NGRAM")
     for st in runner.steps:
         if st.mode.is_verify():  # only "m", once past its min_new_tokens
@@ -200,8 +210,9 @@ def test_an_abort_mid_verify_releases_everything():
 def test_retraction_under_speculation_loses_nothing():
     reqs = [(f"r{i}", [5 + i] + PROMPT, dict(max_new_tokens=24)) for i in range(4)]
     off, _, _ = run(reqs, dict(script=copy_script, max_total_tokens=80))
-    on, _, s = run(reqs, dict(script=copy_script, max_total_tokens=80), speculative_algorithm="NGRAM",
-                   disable_radix_cache=True)
+    on, _, s = run(
+        reqs, dict(script=copy_script, max_total_tokens=80), speculative_algorithm="NGRAM", disable_radix_cache=True
+    )
     assert outputs(on) == outputs(off)
     assert s.get_stats()["num_retractions"] > 0
 
@@ -294,11 +305,13 @@ def cycle_with_surprises(percent: int):
     """Request k writes a 12-token cycle that prompt lookup learns, broken by a surprise token at about
     `percent` of the positions (scattered by a hash): drafts are right until the next surprise, and none
     is found just after one."""
+
     def script(row):
         k, n = row.prompt_ids[0] - 200, len(row.output_ids)
         if n * 2654435761 % 100 < percent:
             return 100 + n % 100
         return 30 + k + n % 12
+
     return script
 
 

@@ -10,7 +10,6 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from plait.runtime.server_args import ServerArgs
 from plait.runtime.speculative.acceptance import accept_greedy, accept_sampled
 from plait.runtime.speculative.grammar_drafts import GrammarDrafts, fill_tree_bitmask
@@ -103,14 +102,15 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert _chi2(third, p_after21.numpy()) < 25.7
     # every accepted draft is reported at its node, and the drafts accepted follow the tree
     for toks, nodes in results:
-        assert [tree.tokens[x] for x in nodes] == toks[:len(nodes)]
+        assert [tree.tokens[x] for x in nodes] == toks[: len(nodes)]
 
 
 def test_rejection_sampling_of_a_chain_with_impossible_drafts():
     p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
     tree = DraftTree.chain(3, [3])  # the draft has target probability 0: never accepted
-    out = accept_sampled([tree] * 500, p.repeat(500, 1), [2 * i for i in range(500)],
-                         generator=torch.Generator().manual_seed(0))
+    out = accept_sampled(
+        [tree] * 500, p.repeat(500, 1), [2 * i for i in range(500)], generator=torch.Generator().manual_seed(0)
+    )
     assert all(nodes == [] and toks[0] in (1, 2) for toks, nodes in out)
 
 
@@ -122,8 +122,13 @@ def xgrammar_backend(default_tokenizer):
     return create_grammar_backend("xgrammar", default_tokenizer)
 
 
-SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-                     "required": ["name", "age"]})
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+)
 
 
 def test_grammar_drafts_are_the_forced_tokens_and_leave_the_matcher_as_it_was(xgrammar_backend, default_tokenizer):
@@ -145,7 +150,9 @@ def test_grammar_drafts_are_the_forced_tokens_and_leave_the_matcher_as_it_was(xg
     for t in tok.encode(',"age":', add_special_tokens=False):
         matcher.accept_token(t)
     assert drafts.propose(matcher, [], 8, extend=lambda ctx, k, extra, longer: nums + [0, 0][:k]) == (
-        nums, [False] * len(nums))
+        nums,
+        [False] * len(nums),
+    )
     # a lookup the grammar cuts short goes on with the text forced after what it kept
     fresh = xgrammar_backend.compile_sync(("json", SCHEMA)).new_matcher()
     for t in tok.encode('{"name":"Ada', add_special_tokens=False):
@@ -156,6 +163,7 @@ def test_grammar_drafts_are_the_forced_tokens_and_leave_the_matcher_as_it_was(xg
     def lookup(ctx, k, extra, longer):
         asked.append(longer)
         return quote + junk
+
     got, forced = drafts.propose(fresh, [], 16, extend=lookup)
     assert tok.decode(got) == '","age":' and forced == [False] + [True] * (len(got) - 1)
     # (asked again after the forced text: a match must be longer than the forced drafts ending the chain)
@@ -204,23 +212,39 @@ def test_a_verify_step_puts_nodes_after_the_prefix_at_their_depth():
 
 
 # ---------------------------------------------------------------- settings
-@pytest.mark.parametrize("kw, message", [
-    (dict(speculative_algorithm="MEDUSA"), "speculative_algorithm must be one of"),
-    (dict(speculative_algorithm="EAGLE"), "needs speculative_draft_model_path"),
-    (dict(speculative_algorithm="STANDALONE"), "needs speculative_draft_model_path"),
-    (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0), "speculative_num_draft_tokens must be"),
-    (dict(speculative_algorithm="NGRAM", speculative_num_steps=2, speculative_num_draft_tokens=5), "cannot be verified"),
-    (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=2), "needs a draft model"),
-    (dict(speculative_draft_model_path="/x"), "uses no draft model"),
-    (dict(speculative_grammar_drafts="always"), "speculative_grammar_drafts must be one of"),
-    (dict(speculative_algorithm="NGRAM", attention_backend="flashinfer"), "flashinfer has no verify mode"),
-    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", tp_size=2, pp_size=2),
-     "through pipeline stages"),
-    (dict(speculative_algorithm="NGRAM", pp_size=2), "through pipeline stages"),
-    (dict(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=3), "is above"),
-    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", speculative_num_steps=2,
-          speculative_eagle_topk=2, speculative_num_draft_tokens=9), "is more than a tree"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(speculative_algorithm="MEDUSA"), "speculative_algorithm must be one of"),
+        (dict(speculative_algorithm="EAGLE"), "needs speculative_draft_model_path"),
+        (dict(speculative_algorithm="STANDALONE"), "needs speculative_draft_model_path"),
+        (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0), "speculative_num_draft_tokens must be"),
+        (
+            dict(speculative_algorithm="NGRAM", speculative_num_steps=2, speculative_num_draft_tokens=5),
+            "cannot be verified",
+        ),
+        (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=2), "needs a draft model"),
+        (dict(speculative_draft_model_path="/x"), "uses no draft model"),
+        (dict(speculative_grammar_drafts="always"), "speculative_grammar_drafts must be one of"),
+        (dict(speculative_algorithm="NGRAM", attention_backend="flashinfer"), "flashinfer has no verify mode"),
+        (
+            dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", tp_size=2, pp_size=2),
+            "through pipeline stages",
+        ),
+        (dict(speculative_algorithm="NGRAM", pp_size=2), "through pipeline stages"),
+        (dict(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=3), "is above"),
+        (
+            dict(
+                speculative_algorithm="EAGLE",
+                speculative_draft_model_path="/x",
+                speculative_num_steps=2,
+                speculative_eagle_topk=2,
+                speculative_num_draft_tokens=9,
+            ),
+            "is more than a tree",
+        ),
+    ],
+)
 def test_settings_that_cannot_work_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(**kw)
@@ -230,8 +254,12 @@ def test_speculative_defaults():
     assert ServerArgs(speculative_algorithm="ngram").speculative_shape() == (12, 1, 13)
     eagle = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x")
     assert eagle.speculative_algorithm == "EAGLE" and eagle.speculative_shape() == (3, 1, 4)
-    tree = ServerArgs(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_num_steps=3,
-                      speculative_eagle_topk=2)
+    tree = ServerArgs(
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path="/x",
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+    )
     assert tree.speculative_shape() == (3, 2, 8)
 
 
@@ -239,8 +267,9 @@ def test_the_cost_model_weighs_drafts_against_the_verify_steps_premium():
     from plait.runtime.speculative.cost import StepCosts, allocate
 
     costs = StepCosts()
+
     def each(p: float) -> list[list[float]]:  # 8 requests whose 4 drafts are each accepted with chance p
-        return [[p ** j for j in range(1, 5)]] * 8
+        return [[p**j for j in range(1, 5)]] * 8
 
     assert allocate(costs, [4] * 8, each(0.1)) == [4] * 8  # nothing timed yet: everything asked
     for _ in range(2):
@@ -264,7 +293,6 @@ def test_the_cost_model_weighs_drafts_against_the_verify_steps_premium():
     assert costs.decode.estimate(1) == pytest.approx(2e-3)
 
 
-
 def _drive(guard, rids, rates, steps, shares=None):
     """`steps` steps of the batch `rids`, each 10 ms with a decision before it (as on a CPU); a step run
     under an arm gains rates[arm] / 100 tokens, shared among the requests equally or as shares[arm] says.
@@ -282,6 +310,7 @@ def _drive(guard, rids, rates, steps, shares=None):
 
 def test_the_guard_runs_the_policy_that_delivers_most_and_probes_the_others():
     from plait.runtime.speculative.guard import Arm, SpeculationGuard
+
     # Speculating pays (WEIGHED 1500 tok/s against OFF 1000): ALL is tried too, and wins at 2000; the others
     # are still probed now and then.
     g = SpeculationGuard()
@@ -308,14 +337,20 @@ def test_the_guard_runs_the_policy_that_delivers_most_and_probes_the_others():
 
 def test_the_guard_weighs_a_batch_by_its_requests_own_rates():
     from plait.runtime.speculative.guard import Arm, SpeculationGuard
+
     # Verifying makes every step slower, but one request of four copies its prompt: the batch's tokens per
     # second go up (1340 against OFF's 1000), its other three requests' go down (180 each against 250).
     # The harmonic mean counts each request's own rate: 4 / (1/800 + 3/180) = 223 per request, 893 for
     # the batch, not the sum's 1340: the batch runs OFF.
     g = SpeculationGuard()
     share = [800 / 1340] + [180 / 1340] * 3
-    arms = _drive(g, ("a", "b", "c", "d"), {Arm.WEIGHED: 1340, Arm.OFF: 1000, Arm.ALL: 1340}, 3000,
-                  {Arm.ALL: share, Arm.WEIGHED: share})
+    arms = _drive(
+        g,
+        ("a", "b", "c", "d"),
+        {Arm.WEIGHED: 1340, Arm.OFF: 1000, Arm.ALL: 1340},
+        3000,
+        {Arm.ALL: share, Arm.WEIGHED: share},
+    )
     r = g.report()[4]
     assert r["best"] == "off" and r["weighed"] == pytest.approx(4 * 4 / (1 / 800 + 3 / 180), rel=1e-3), r
     assert arms[-1000:].count(Arm.OFF) > 0.9 * 1000
@@ -323,6 +358,7 @@ def test_the_guard_weighs_a_batch_by_its_requests_own_rates():
 
 def test_a_guard_stretch_cut_short_counts_up_to_its_last_decision():
     from plait.runtime.speculative.guard import Arm, SpeculationGuard
+
     g = SpeculationGuard()
     assert g.checkpoint(("a",), (0,), 0.0) is Arm.WEIGHED
     for k in range(1, 6):
@@ -347,14 +383,22 @@ def test_a_guard_stretch_cut_short_counts_up_to_its_last_decision():
 def test_an_eagle_head_beside_a_split_target_needs_the_targets_embedding(tmp_path):
     # Rank 0's whole copy of the embedding and LM head is read from the target's checkpoint: one without an
     # embedding is refused, naming what is missing; a tied one serves as both.
-    from safetensors.torch import save_file
-
     from plait.runtime.executor.spec_runner import WholeVocabulary
     from plait.runtime.models.config import ModelConfig
+    from safetensors.torch import save_file
 
-    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=16, hidden_size=4,
-                                     intermediate_size=8, num_hidden_layers=1,
-                                     num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=True))
+    cfg = ModelConfig.from_dict(
+        dict(
+            architectures=["LlamaForCausalLM"],
+            vocab_size=16,
+            hidden_size=4,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        )
+    )
     save_file({"lm_head.weight": torch.ones(16, 4)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="has no model.embed_tokens.weight"):
         WholeVocabulary.read(str(tmp_path), cfg, "auto", torch.float32, "cpu")

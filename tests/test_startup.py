@@ -11,12 +11,11 @@ import subprocess
 import sys
 
 import pytest
-
 from plait.runtime.executor import model_files
 from plait.runtime.executor.model_files import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json")
-TEXTS = ["Hello world", " wörld  \n\n 123 {\"a\": [1, 2]}", "<|im_start|>user\nhi<|im_end|>", ""]
+TEXTS = ["Hello world", ' wörld  \n\n 123 {"a": [1, 2]}', "<|im_start|>user\nhi<|im_end|>", ""]
 
 
 @pytest.fixture
@@ -51,11 +50,16 @@ def same_tokenizer(a, b) -> None:
         assert a.encode(text, add_special_tokens=False) == b.encode(text, add_special_tokens=False)
         assert a.decode(a.encode(text)) == b.decode(b.encode(text))
     chat = [{"role": "user", "content": "hi"}]
-    assert a.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        b.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert a.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == b.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
     assert a.get_vocab() == b.get_vocab() and a.added_tokens_decoder == b.added_tokens_decoder
-    assert (a.eos_token_id, a.bos_token_id, a.pad_token_id, a.clean_up_tokenization_spaces) == \
-        (b.eos_token_id, b.bos_token_id, b.pad_token_id, b.clean_up_tokenization_spaces)
+    assert (a.eos_token_id, a.bos_token_id, a.pad_token_id, a.clean_up_tokenization_spaces) == (
+        b.eos_token_id,
+        b.bos_token_id,
+        b.pad_token_id,
+        b.clean_up_tokenization_spaces,
+    )
     assert a.init_kwargs == b.init_kwargs
 
 
@@ -88,8 +92,11 @@ def test_a_tokenizer_of_its_own_class_is_not_remembered(tokenizer_folder, monkey
 
     calls = count_auto_loads(monkeypatch)
     real = model_files._KnownTokenizerClasses.remember
-    monkeypatch.setattr(model_files._KnownTokenizerClasses, "remember",
-                        lambda self, path, tok: real(self, path, ItsOwnTokenizer.__new__(ItsOwnTokenizer)))
+    monkeypatch.setattr(
+        model_files._KnownTokenizerClasses,
+        "remember",
+        lambda self, path, tok: real(self, path, ItsOwnTokenizer.__new__(ItsOwnTokenizer)),
+    )
     load_tokenizer(tokenizer_folder)
     load_tokenizer(tokenizer_folder)
     assert len(calls) == 2  # AutoTokenizer every time: only the plain fast class may be loaded directly
@@ -111,16 +118,18 @@ def test_the_engine_process_imports_no_torch_on_a_warm_start(tmp_path, monkeypat
     and it says where the scheduler process's start-up went."""
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))  # (the model folder is given by path)
     load_tokenizer(default_model_path)  # remembered (this process has torch already; the child must not)
-    code = ("import sys\n"
-            "from plait.runtime import Engine\n"
-            f"with Engine(model_path={default_model_path!r}, num_threads=1, max_total_tokens=512) as eng:\n"
-            "    out = eng.generate('Hello', {'max_new_tokens': 2, 'temperature': 0})\n"
-            "    phases = eng.startup_phases\n"
-            "assert out['meta_info']['completion_tokens'] == 2, out\n"
-            "assert list(phases) == ['imported', 'model', 'tokenizer', 'ready'] or "
-            "list(phases) == ['imported', 'tokenizer', 'model', 'ready'], phases\n"
-            "assert 0 < phases['imported'] <= min(phases['model'], phases['tokenizer']) <= phases['ready'], phases\n"
-            "print('torch' in sys.modules)\n")
+    code = (
+        "import sys\n"
+        "from plait.runtime import Engine\n"
+        f"with Engine(model_path={default_model_path!r}, num_threads=1, max_total_tokens=512) as eng:\n"
+        "    out = eng.generate('Hello', {'max_new_tokens': 2, 'temperature': 0})\n"
+        "    phases = eng.startup_phases\n"
+        "assert out['meta_info']['completion_tokens'] == 2, out\n"
+        "assert list(phases) == ['imported', 'model', 'tokenizer', 'ready'] or "
+        "list(phases) == ['imported', 'tokenizer', 'model', 'ready'], phases\n"
+        "assert 0 < phases['imported'] <= min(phases['model'], phases['tokenizer']) <= phases['ready'], phases\n"
+        "print('torch' in sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "False", "torch was imported by the engine process"

@@ -50,7 +50,7 @@ def imports_of(name: str, path: str, modules: dict[str, str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
@@ -77,7 +77,7 @@ def wing_of(module: str):
     root's own modules, None outside plait.runtime."""
     if not module.startswith("plait.runtime"):
         return None
-    rest = module[len("plait.runtime"):].lstrip(".").split(".")
+    rest = module[len("plait.runtime") :].lstrip(".").split(".")
     if rest == [""]:
         return None  # the package itself: its public face (Engine, ServerArgs, SamplingParams), lazily
     if len(rest) == 1 and os.path.isfile(os.path.join(REPO, "runtime", rest[0] + ".py")):
@@ -94,7 +94,9 @@ def import_rules() -> dict[str, set[str]]:
         m = re.match(r"\|\s*`?([\w ]+?)/?`?\s*\|\s*([^|]*)\|", line)
         if not m or m.group(1) in ("wing",) or set(m.group(1)) <= {"-"}:
             continue
-        allowed = {w.strip().strip("`").rstrip("/") for w in m.group(2).split(",") if w.strip() and w.strip() != "nothing"}
+        allowed = {
+            w.strip().strip("`").rstrip("/") for w in m.group(2).split(",") if w.strip() and w.strip() != "nothing"
+        }
         rules[m.group(1).strip()] = allowed
     return rules
 
@@ -143,8 +145,13 @@ def test_the_reader_finds_a_lazy_cycle_and_resolves_relative_imports(tmp_path):
     (pkg / "sub" / "b.py").write_text("import os\n\ndef f():\n    from ..c import C\n    return C\n")
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n")
     graph = import_graph(modules_of(str(pkg), "pkg"))
-    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.sub.b"}, "pkg.c": {"pkg.a"}, "pkg.sub": set(),
-                     "pkg.sub.b": {"pkg.c"}}
+    assert graph == {
+        "pkg": {"pkg.a"},
+        "pkg.a": {"pkg.sub.b"},
+        "pkg.c": {"pkg.a"},
+        "pkg.sub": set(),
+        "pkg.sub.b": {"pkg.c"},
+    }
     assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
     (pkg / "c.py").write_text("C = 2\n")
     assert cycles(import_graph(modules_of(str(pkg), "pkg"))) == []
@@ -179,7 +186,8 @@ def test_every_wing_imports_only_what_the_structure_doc_allows():
             if dst not in rules[src]:
                 bad[f"{src} -> {dst}"].append(f"{mod} imports {dep}")
     assert not bad, "imports the structure doc does not allow:\n" + "\n".join(
-        f"  {edge}: {', '.join(sorted(hits))}" for edge, hits in sorted(bad.items()))
+        f"  {edge}: {', '.join(sorted(hits))}" for edge, hits in sorted(bad.items())
+    )
 
 
 @pytest.mark.parametrize("low", ["executor", "models", "attention", "kernels", "kvcache"])

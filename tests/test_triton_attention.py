@@ -18,8 +18,11 @@ if not torch.cuda.is_available():
     # re-import it interpreted: on a machine without CUDA the compiled copy is unusable anyway, and
     # whoever holds it keeps their reference.
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        for _name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")
-                      or m.startswith("plait.runtime.attention.triton")]:
+        for _name in [
+            m
+            for m in sys.modules
+            if m == "triton" or m.startswith("triton.") or m.startswith("plait.runtime.attention.triton")
+        ]:
             if not _name.startswith("triton._C"):  # the C extension cannot be re-imported
                 del sys.modules[_name]
     os.environ["TRITON_INTERPRET"] = "1"
@@ -27,12 +30,16 @@ if not torch.cuda.is_available():
 import types  # noqa: E402
 
 import pytest  # noqa: E402
-
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from plait.runtime.attention.triton_ops import (DecodeConfig, DecodePolicy, ExtendConfig,  # noqa: E402
-                                                decode_attention, default_decode_policy)
+from plait.runtime.attention.triton_ops import (
+    DecodeConfig,
+    DecodePolicy,
+    ExtendConfig,  # noqa: E402
+    decode_attention,
+    default_decode_policy,
+)
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
@@ -49,11 +56,13 @@ TINY_DECODE = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_
 class _Case:
     """A real KVPool + ReqToTokenPool with random K/V at scattered slots, and a batch over them."""
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, dtype=torch.float32,
-                 device="cpu", seed=0):
+    def __init__(
+        self, num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, dtype=torch.float32, device="cpu", seed=0
+    ):
         g = torch.Generator(device="cpu").manual_seed(seed)
-        self.layer = AttentionLayerSpec(layer_id=1, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                        head_dim=head_dim, scaling=head_dim ** -0.5)
+        self.layer = AttentionLayerSpec(
+            layer_id=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scaling=head_dim**-0.5
+        )
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         num_slots = sum(seq_lens) + 7
         self.kv_pool = KVPool(num_slots, 2, num_kv_heads, head_dim, dtype, device)
@@ -65,8 +74,8 @@ class _Case:
         rows = torch.randperm(self.r2t_pool.size, generator=g)[: len(seq_lens)]
         self.slots_per_req, start = [], 0
         for row, n in zip(rows.tolist(), seq_lens):
-            self.r2t_pool.write(row, 0, slots[start:start + n].to(device))
-            self.slots_per_req.append(slots[start:start + n])
+            self.r2t_pool.write(row, 0, slots[start : start + n].to(device))
+            self.slots_per_req.append(slots[start : start + n])
             start += n
         self.rows, self.prefix_lens, self.extend_lens, self.seq_lens = rows.tolist(), prefix_lens, extend_lens, seq_lens
         self.dtype, self.device, self.g = dtype, device, g
@@ -81,24 +90,38 @@ class _Case:
         if mode is ForwardMode.DECODE:
             out_loc = [int(self.r2t_pool.req_to_token[r, s - 1]) if s > 0 else 0 for r, s in zip(rows, seq_lens)]
             return ForwardBatch(
-                forward_mode=mode, batch_size=batch_size or len(rows),
+                forward_mode=mode,
+                batch_size=batch_size or len(rows),
                 input_ids=torch.zeros(len(rows), dtype=torch.int64, device=dev),
                 positions=torch.tensor([max(s - 1, 0) for s in seq_lens], device=dev),
-                req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.tensor(seq_lens, device=dev),
-                out_cache_loc=torch.tensor(out_loc, device=dev), seq_lens_cpu=list(seq_lens),
-                req_to_token_pool=self.r2t_pool, kv_pool=self.kv_pool, attn_backend=backend)
+                req_pool_indices=torch.tensor(rows, device=dev),
+                seq_lens=torch.tensor(seq_lens, device=dev),
+                out_cache_loc=torch.tensor(out_loc, device=dev),
+                seq_lens_cpu=list(seq_lens),
+                req_to_token_pool=self.r2t_pool,
+                kv_pool=self.kv_pool,
+                attn_backend=backend,
+            )
         new_slots = torch.cat([s[p:] for s, p in zip(self.slots_per_req, self.prefix_lens)])
         ext = torch.tensor(self.extend_lens, device=dev)
         return ForwardBatch(
-            forward_mode=mode, batch_size=len(rows),
+            forward_mode=mode,
+            batch_size=len(rows),
             input_ids=torch.zeros(int(ext.sum()), dtype=torch.int64, device=dev),
             positions=torch.cat([torch.arange(p, p + e) for p, e in zip(self.prefix_lens, self.extend_lens)]).to(dev),
-            req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.tensor(seq_lens, device=dev),
-            out_cache_loc=new_slots.to(dev), seq_lens_cpu=list(seq_lens),
-            req_to_token_pool=self.r2t_pool, kv_pool=self.kv_pool, attn_backend=backend,
-            extend_prefix_lens=torch.tensor(self.prefix_lens, device=dev), extend_seq_lens=ext,
+            req_pool_indices=torch.tensor(rows, device=dev),
+            seq_lens=torch.tensor(seq_lens, device=dev),
+            out_cache_loc=new_slots.to(dev),
+            seq_lens_cpu=list(seq_lens),
+            req_to_token_pool=self.r2t_pool,
+            kv_pool=self.kv_pool,
+            attn_backend=backend,
+            extend_prefix_lens=torch.tensor(self.prefix_lens, device=dev),
+            extend_seq_lens=ext,
             extend_start_loc=torch.cumsum(ext, 0) - ext,
-            extend_prefix_lens_cpu=list(self.prefix_lens), extend_seq_lens_cpu=list(self.extend_lens))
+            extend_prefix_lens_cpu=list(self.prefix_lens),
+            extend_seq_lens_cpu=list(self.extend_lens),
+        )
 
 
 def _runner(device="cpu", **config):
@@ -118,27 +141,29 @@ def _qkv(case, t):
     # q/k/v as the model hands them over: non-contiguous slices of one fused projection output.
     h, hkv = case.layer.num_heads, case.layer.num_kv_heads
     qkv = case.randn(t, h + 2 * hkv, case.layer.head_dim)
-    return qkv[:, :h], qkv[:, h:h + hkv], qkv[:, h + hkv:]
+    return qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :]
 
 
 def _extend_both(case, extend_config=TINY_EXTEND):
     q, k, v = _qkv(case, sum(case.extend_lens))
     ref = _run(TorchNativeAttnBackend(_runner(case.device)), case, ForwardMode.EXTEND, q, k, v)
-    got = _run(TritonAttnBackend(_runner(case.device), extend_config=extend_config), case,
-               ForwardMode.EXTEND, q, k, v)
+    got = _run(TritonAttnBackend(_runner(case.device), extend_config=extend_config), case, ForwardMode.EXTEND, q, k, v)
     return got, ref
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,prefix_lens,extend_lens", [
-    (2, 2, 32, [0, 0], [5, 19]),  # no prefix, MHA, one request spans two query blocks
-    (8, 2, 64, [7, 0, 33], [9, 17, 1]),  # GQA 4, mixed prefixes, a single-token extend
-    (8, 1, 16, [16, 40], [16, 3]),  # GQA 8, prefix and extend on block boundaries
-    (4, 1, 80, [21], [20]),  # head_dim 80 (padded to 128 in the kernel)
-    (9, 3, 64, [4], [11]),  # GQA 3 (SmolLM2-135M's shape): a group that is not a power of two
-    (16, 1, 16, [5, 0], [7, 9]),  # GQA 16 = the tile's 16 rows: one new token per tile
-    (32, 1, 16, [3], [4]),  # GQA 32 > block_m: the tile grows to hold one token's whole group
-    (8, 2, 32, [40, 40, 40], [6, 3, 5]),  # a shared-prefix shape: short extends after a long prefix
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,prefix_lens,extend_lens",
+    [
+        (2, 2, 32, [0, 0], [5, 19]),  # no prefix, MHA, one request spans two query blocks
+        (8, 2, 64, [7, 0, 33], [9, 17, 1]),  # GQA 4, mixed prefixes, a single-token extend
+        (8, 1, 16, [16, 40], [16, 3]),  # GQA 8, prefix and extend on block boundaries
+        (4, 1, 80, [21], [20]),  # head_dim 80 (padded to 128 in the kernel)
+        (9, 3, 64, [4], [11]),  # GQA 3 (SmolLM2-135M's shape): a group that is not a power of two
+        (16, 1, 16, [5, 0], [7, 9]),  # GQA 16 = the tile's 16 rows: one new token per tile
+        (32, 1, 16, [3], [4]),  # GQA 32 > block_m: the tile grows to hold one token's whole group
+        (8, 2, 32, [40, 40, 40], [6, 3, 5]),  # a shared-prefix shape: short extends after a long prefix
+    ],
+)
 def test_extend_matches_torch_native(heads, kv_heads, head_dim, prefix_lens, extend_lens):
     case = _Case(heads, kv_heads, head_dim, prefix_lens, extend_lens)
     got, ref = _extend_both(case)
@@ -155,17 +180,19 @@ def test_extend_fp16_pool_and_default_tiles():
 def _decode_both(case, decode_config=TINY_DECODE):
     q, k, v = _qkv(case, len(case.seq_lens))
     ref = _run(TorchNativeAttnBackend(_runner(case.device)), case, ForwardMode.DECODE, q, k, v)
-    got = _run(TritonAttnBackend(_runner(case.device), decode_config=decode_config), case,
-               ForwardMode.DECODE, q, k, v)
+    got = _run(TritonAttnBackend(_runner(case.device), decode_config=decode_config), case, ForwardMode.DECODE, q, k, v)
     return got, ref
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,seq_lens", [
-    (2, 2, 64, [1, 8, 9, 70]),  # MHA; 1 token, exactly one split, 2 splits, capped at 4 splits
-    (8, 2, 128, [33, 5]),  # GQA 4
-    (8, 1, 96, [64, 17, 2]),  # GQA 8, head_dim 96
-    (9, 3, 64, [40, 3]),  # GQA 3 (SmolLM2-135M's shape)
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,seq_lens",
+    [
+        (2, 2, 64, [1, 8, 9, 70]),  # MHA; 1 token, exactly one split, 2 splits, capped at 4 splits
+        (8, 2, 128, [33, 5]),  # GQA 4
+        (8, 1, 96, [64, 17, 2]),  # GQA 8, head_dim 96
+        (9, 3, 64, [40, 3]),  # GQA 3 (SmolLM2-135M's shape)
+    ],
+)
 def test_decode_matches_torch_native(heads, kv_heads, head_dim, seq_lens):
     case = _Case(heads, kv_heads, head_dim, [s - 1 for s in seq_lens], [1] * len(seq_lens))
     got, ref = _decode_both(case)
@@ -175,17 +202,19 @@ def test_decode_matches_torch_native(heads, kv_heads, head_dim, seq_lens):
 @pytest.mark.parametrize("merge_per_head", [False, True])
 def test_decode_with_an_empty_last_split(merge_per_head):
     # seq_len 9 in 4 splits of cdiv(9, 4) = 3 tokens: the 4th split is empty and must be ignored.
-    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=2, target_programs=64,
-                       merge_per_head=merge_per_head)
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=2, target_programs=64, merge_per_head=merge_per_head)
     case = _Case(4, 4, 32, [8, 12], [1, 1])
     got, ref = _decode_both(case, decode_config=cfg)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,seq_lens", [
-    (8, 2, 128, [33, 5, 70]),  # GQA 4, up to 4 splits
-    (9, 3, 64, [40, 3]),  # GQA 3
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,seq_lens",
+    [
+        (8, 2, 128, [33, 5, 70]),  # GQA 4, up to 4 splits
+        (9, 3, 64, [40, 3]),  # GQA 3
+    ],
+)
 def test_decode_merge_per_head_matches_torch_native(heads, kv_heads, head_dim, seq_lens):
     # The small-batch stage 2 (one program per request and head) against the reference.
     cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=64, merge_per_head=True)
@@ -206,8 +235,17 @@ def test_decode_with_one_split_writes_the_output_from_stage_one():
     out = torch.full((3, 8, 32), float("nan"))
     seq = torch.tensor(case.seq_lens)
     seq[1] = 0
-    decode_attention(q, case.kv_pool.k_buffer[1], case.kv_pool.v_buffer[1], out, case.r2t_pool.req_to_token,
-                     torch.tensor(case.rows), seq, 32 ** -0.5, cfg)
+    decode_attention(
+        q,
+        case.kv_pool.k_buffer[1],
+        case.kv_pool.v_buffer[1],
+        out,
+        case.r2t_pool.req_to_token,
+        torch.tensor(case.rows),
+        seq,
+        32**-0.5,
+        cfg,
+    )
     assert torch.equal(out[1], torch.zeros(8, 32)) and not out.isnan().any()
 
 
@@ -230,19 +268,29 @@ def test_decode_with_the_large_batch_tiles_matches_torch_native():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,hpp,seq_lens", [
-    (16, 4, 32, 2, [33, 5, 70, 1]),  # GQA 4: two heads fill the 16 rows
-    (16, 4, 32, 4, [33, 5, 70, 1]),  # four heads: 16 rows, 128 packed columns
-    (8, 8, 64, 4, [20, 9]),  # MHA: 4 rows padded to 16
-    (12, 6, 48, 2, [40, 3, 17]),  # head_dim 48 padded to 64 per head; 3 programs of 2 heads
-    (9, 3, 64, 2, [40, 3]),  # 3 KV heads: 2 does not divide them, so 1 a program
-    (14, 2, 64, 2, [25, 60]),  # GQA 7 (Qwen2.5-0.5B): 14 rows
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,hpp,seq_lens",
+    [
+        (16, 4, 32, 2, [33, 5, 70, 1]),  # GQA 4: two heads fill the 16 rows
+        (16, 4, 32, 4, [33, 5, 70, 1]),  # four heads: 16 rows, 128 packed columns
+        (8, 8, 64, 4, [20, 9]),  # MHA: 4 rows padded to 16
+        (12, 6, 48, 2, [40, 3, 17]),  # head_dim 48 padded to 64 per head; 3 programs of 2 heads
+        (9, 3, 64, 2, [40, 3]),  # 3 KV heads: 2 does not divide them, so 1 a program
+        (14, 2, 64, 2, [25, 60]),  # GQA 7 (Qwen2.5-0.5B): 14 rows
+    ],
+)
 @pytest.mark.parametrize("merge_per_head", [False, True])
-def test_decode_with_several_kv_heads_a_program_matches_torch_native(heads, kv_heads, head_dim, hpp, seq_lens,
-                                                                    merge_per_head):
-    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=16, kv_heads_per_program=hpp,
-                       merge_per_head=merge_per_head)
+def test_decode_with_several_kv_heads_a_program_matches_torch_native(
+    heads, kv_heads, head_dim, hpp, seq_lens, merge_per_head
+):
+    cfg = DecodeConfig(
+        block_n=16,
+        max_kv_splits=4,
+        min_split_len=8,
+        target_programs=16,
+        kv_heads_per_program=hpp,
+        merge_per_head=merge_per_head,
+    )
     case = _Case(heads, kv_heads, head_dim, [s - 1 for s in seq_lens], [1] * len(seq_lens))
     got, ref = _decode_both(case, decode_config=cfg)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
@@ -277,8 +325,9 @@ def test_default_decode_policy_picks_tiles_by_batch_size():
 def test_cuda_graph_hooks_pad_and_reuse_static_buffers():
     case = _Case(8, 2, 32, [10, 24, 3, 40, 5], [1] * 5)
     layer = case.layer
-    backend = TritonAttnBackend(_runner(num_attention_heads=8, num_key_value_heads=2, head_dim=32),
-                                decode_config=TINY_DECODE)
+    backend = TritonAttnBackend(
+        _runner(num_attention_heads=8, num_key_value_heads=2, head_dim=32), decode_config=TINY_DECODE
+    )
     backend.init_cuda_graph_state(max_bs=4)
     scratch_ptr = backend._scratch.data_ptr()
     reference = TorchNativeAttnBackend(_runner())
@@ -326,9 +375,17 @@ def test_bad_shapes_are_rejected_with_a_clear_error(monkeypatch):
     q = case.randn(1, 6, 32)
     out = torch.empty_like(q)
     with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
-        decode_attention(q, case.kv_pool.k_buffer[0], case.kv_pool.v_buffer[0], out,
-                         case.r2t_pool.req_to_token, torch.tensor(case.rows), torch.tensor(case.seq_lens),
-                         1.0, TINY_DECODE)
+        decode_attention(
+            q,
+            case.kv_pool.k_buffer[0],
+            case.kv_pool.v_buffer[0],
+            out,
+            case.r2t_pool.req_to_token,
+            torch.tensor(case.rows),
+            torch.tensor(case.seq_lens),
+            1.0,
+            TINY_DECODE,
+        )
     with pytest.raises(ValueError, match="block_n"):
         DecodeConfig(block_n=24)
     if not HAS_CUDA:
@@ -338,6 +395,7 @@ def test_bad_shapes_are_rejected_with_a_clear_error(monkeypatch):
 
 
 # ---------------------------------------------------------------- GPU, real sizes (pytest -m gpu)
+
 
 @pytest.mark.gpu
 @needs_cuda

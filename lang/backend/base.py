@@ -90,8 +90,9 @@ class BaseBackend:
         """Yield (new text piece, meta_info so far) as the model generates."""
         raise NotImplementedError(f"{type(self).__name__} cannot stream")
 
-    def select(self, s: Any, choices: Sequence[str], temperature: float,
-               choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
+    def select(
+        self, s: Any, choices: Sequence[str], temperature: float, choices_method: ChoicesSamplingMethod
+    ) -> ChoicesDecision:
         raise NotImplementedError(f"{type(self).__name__} cannot select")
 
     # ---- runtime management ----

@@ -18,8 +18,9 @@ from .native import NativeBackend
 
 
 class EngineBackend(NativeBackend):
-    def __init__(self, engine: Any, chat_template: Optional[Union[ChatTemplate, str]] = None,
-                 program_hints: bool = True) -> None:
+    def __init__(
+        self, engine: Any, chat_template: Optional[Union[ChatTemplate, str]] = None, program_hints: bool = True
+    ) -> None:
         if isinstance(chat_template, str):
             chat_template = get_chat_template(chat_template)
         tokenizer = getattr(engine, "tokenizer", None)
@@ -109,8 +110,14 @@ class Runtime:
     model cannot be split by is a ValueError naming the numbers.
     """
 
-    def __init__(self, model_path: Optional[str] = None, chat_template: Optional[Union[ChatTemplate, str]] = None,
-                 launch_timeout: Optional[float] = None, program_hints: bool = True, **server_args: Any) -> None:
+    def __init__(
+        self,
+        model_path: Optional[str] = None,
+        chat_template: Optional[Union[ChatTemplate, str]] = None,
+        launch_timeout: Optional[float] = None,
+        program_hints: bool = True,
+        **server_args: Any,
+    ) -> None:
         from plait.runtime import Engine
 
         self.engine = Engine(model_path=model_path, **server_args)

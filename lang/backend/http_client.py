@@ -21,8 +21,10 @@ from urllib.parse import urlparse
 # are never opened, so a large bound costs nothing.
 CONNECTION_POOL_SIZE = 256
 
-START_HINT = ("start one with `python -m plait.runtime.server --port PORT` (or SGLang's launch_server); a server "
-              "still loading its model does not listen yet (wait for its 'plait server ready' line); or check the URL")
+START_HINT = (
+    "start one with `python -m plait.runtime.server --port PORT` (or SGLang's launch_server); a server "
+    "still loading its model does not listen yet (wait for its 'plait server ready' line); or check the URL"
+)
 
 
 def check_base_url(base_url: str) -> str:
@@ -31,8 +33,10 @@ def check_base_url(base_url: str) -> str:
         raise ValueError(f"RuntimeEndpoint needs the server's URL, such as 'http://127.0.0.1:30000'; got {base_url!r}")
     parsed = urlparse(base_url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ValueError(f"RuntimeEndpoint needs a URL starting with http:// or https://, such as "
-                         f"'http://127.0.0.1:30000'; got {base_url!r}")
+        raise ValueError(
+            f"RuntimeEndpoint needs a URL starting with http:// or https://, such as "
+            f"'http://127.0.0.1:30000'; got {base_url!r}"
+        )
     return base_url.rstrip("/")
 
 
@@ -70,9 +74,15 @@ class EndpointHTTP:
     def request(self, method: str, path: str, payload: Optional[dict] = None, stream: bool = False) -> Any:
         """The response whatever its status; a transport failure raises with a message that names it."""
         with self.reaching(path):
-            res = self.session.request(method, self.base_url + path, json=payload if method == "POST" else None,
-                                       headers=self.headers(), verify=self.verify, stream=stream,
-                                       timeout=self.timeout)
+            res = self.session.request(
+                method,
+                self.base_url + path,
+                json=payload if method == "POST" else None,
+                headers=self.headers(),
+                verify=self.verify,
+                stream=stream,
+                timeout=self.timeout,
+            )
         self._answered_once = True
         return res
 
@@ -95,11 +105,16 @@ class EndpointHTTP:
         detail = error_message(res)
         hint = ""
         if res.status_code == 401:
-            hint = (" (the api_key given was refused)" if self.api_key else
-                    " (the server wants an API key: pass RuntimeEndpoint(url, api_key=...))")
+            hint = (
+                " (the api_key given was refused)"
+                if self.api_key
+                else " (the server wants an API key: pass RuntimeEndpoint(url, api_key=...))"
+            )
         elif res.status_code == 404 and urlparse(self.base_url).path not in ("", "/"):
-            hint = (f" (RuntimeEndpoint takes the server's root URL, such as "
-                    f"'{urlparse(self.base_url)._replace(path='').geturl()}', not a route)")
+            hint = (
+                f" (RuntimeEndpoint takes the server's root URL, such as "
+                f"'{urlparse(self.base_url)._replace(path='').geturl()}', not a route)"
+            )
         error = ValueError if res.status_code == 400 else RuntimeError
         raise error(f"{self.base_url}{path} answered HTTP {res.status_code}{hint}: {detail}")
 
@@ -114,15 +129,21 @@ class EndpointHTTP:
         except requests.exceptions.ConnectTimeout as e:  # also a ConnectionError: it must come first
             raise type(e)(f"no server answered at {url} within timeout={self.timeout}s: {START_HINT}") from e
         except requests.exceptions.Timeout as e:
-            raise type(e)(f"{url} sent no answer within timeout={self.timeout}s (RuntimeEndpoint(timeout=...) "
-                          f"bounds each wait for the server; None waits as long as it takes)") from e
+            raise type(e)(
+                f"{url} sent no answer within timeout={self.timeout}s (RuntimeEndpoint(timeout=...) "
+                f"bounds each wait for the server; None waits as long as it takes)"
+            ) from e
         except requests.exceptions.ChunkedEncodingError as e:
-            raise type(e)(f"the server at {self.base_url} ended {path}'s stream before its last chunk "
-                          f"({failure_cause(e)}): did it exit or restart?") from e
+            raise type(e)(
+                f"the server at {self.base_url} ended {path}'s stream before its last chunk "
+                f"({failure_cause(e)}): did it exit or restart?"
+            ) from e
         except requests.exceptions.ConnectionError as e:
             if self._answered_once:
-                raise type(e)(f"the server at {self.base_url} stopped answering during {path} "
-                              f"({failure_cause(e)}): it answered before; did it exit or restart?") from e
+                raise type(e)(
+                    f"the server at {self.base_url} stopped answering during {path} "
+                    f"({failure_cause(e)}): it answered before; did it exit or restart?"
+                ) from e
             raise type(e)(f"no server answered at {url} ({failure_cause(e)}): {START_HINT}") from e
 
 

@@ -108,8 +108,9 @@ class NativeBackend(BaseBackend):
             seen = len(text)
         observe_request(meta)
 
-    def select(self, s: Any, choices: Sequence[str], temperature: float,
-               choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
+    def select(
+        self, s: Any, choices: Sequence[str], temperature: float, choices_method: ChoicesSamplingMethod
+    ) -> ChoicesDecision:
         if temperature > 1e-5:
             raise ValueError(f"select() scores choices by likelihood and needs temperature=0, got {temperature}")
         if not choices:
@@ -117,47 +118,59 @@ class NativeBackend(BaseBackend):
         prefix = s.text_
         # 1. Prefill the shared prefix once; the batch below then hits it in the prefix cache.
         tags = self._request_tags(s)
-        prefix_tokens = self._request({"text": prefix, "sampling_params": dict(PREFILL_ONLY), **tags})[
-            "meta_info"]["prompt_tokens"] if prefix else 0
+        prefix_tokens = (
+            self._request({"text": prefix, "sampling_params": dict(PREFILL_ONLY), **tags})["meta_info"]["prompt_tokens"]
+            if prefix
+            else 0
+        )
         # 2. Score every choice in one batched request. Logprobs start one token before the end of
         #    the prefix: the prefix's last token may merge with the choice's first ("A: " + "Paris"
         #    tokenizes as "A:" + " Paris"), and then it belongs to the choice (token healing).
         #    The prefix itself goes last: its last token's id tells a choice that merged with it from
         #    one that starts after it (a token's text cannot: a piece of a multi-byte character, as in
         #    "日" = two tokens, decodes to "\ufffd").
-        outs = self._request({
-            "text": [prefix + c for c in choices] + ([prefix] if prefix else []),
-            "sampling_params": {**PREFILL_ONLY, "temperature": 0},
-            "return_logprob": True,
-            "return_text_in_logprobs": True,
-            "logprob_start_len": max(prefix_tokens - 2, 0),
-            **tags,
-        })
+        outs = self._request(
+            {
+                "text": [prefix + c for c in choices] + ([prefix] if prefix else []),
+                "sampling_params": {**PREFILL_ONLY, "temperature": 0},
+                "return_logprob": True,
+                "return_text_in_logprobs": True,
+                "logprob_start_len": max(prefix_tokens - 2, 0),
+                **tags,
+            }
+        )
         prefix_last_id = outs.pop()["meta_info"]["input_token_logprobs"][-1][1] if prefix else None
-        input_logprobs = [choice_token_logprobs(o["meta_info"], prefix, prefix_tokens, prefix_last_id)
-                          for o in outs]
+        input_logprobs = [choice_token_logprobs(o["meta_info"], prefix, prefix_tokens, prefix_last_id) for o in outs]
         for choice, entries in zip(choices, input_logprobs):
             if all(entry[0] is None for entry in entries):
                 # NOTE: only without text before the select: the prompt's first token has no logprob, so
                 # a one-token choice scored -inf and any longer choice won, whatever the model thought.
-                raise ValueError(f"select(): the model cannot score choice {choice!r}: with no text before "
-                                 f"select(), a choice's first token has nothing to be predicted from; put "
-                                 f"some text (a question, a role) before it")
+                raise ValueError(
+                    f"select(): the model cannot score choice {choice!r}: with no text before "
+                    f"select(), a choice's first token has nothing to be predicted from; put "
+                    f"some text (a question, a role) before it"
+                )
         output_logprobs = [o["meta_info"].get("output_token_logprobs", []) for o in outs]
         normalized = [mean_logprob(lps) for lps in input_logprobs]
         unconditional = None
         if choices_method.requires_unconditional_logprobs:
-            uncond = self._request({
-                "input_ids": [[tok[1] for tok in lps] for lps in input_logprobs],
-                "sampling_params": dict(PREFILL_ONLY),
-                "return_logprob": True,
-                "logprob_start_len": 0,
-                **tags,
-            })
+            uncond = self._request(
+                {
+                    "input_ids": [[tok[1] for tok in lps] for lps in input_logprobs],
+                    "sampling_params": dict(PREFILL_ONLY),
+                    "return_logprob": True,
+                    "logprob_start_len": 0,
+                    **tags,
+                }
+            )
             unconditional = [o["meta_info"]["input_token_logprobs"] for o in uncond]
-        return choices_method(choices=list(choices), normalized_prompt_logprobs=normalized,
-                              input_token_logprobs=input_logprobs, output_token_logprobs=output_logprobs,
-                              unconditional_token_logprobs=unconditional)
+        return choices_method(
+            choices=list(choices),
+            normalized_prompt_logprobs=normalized,
+            input_token_logprobs=input_logprobs,
+            output_token_logprobs=output_logprobs,
+            unconditional_token_logprobs=unconditional,
+        )
 
     # ---- helpers ----
     def _payload(self, s: Any, text: Union[str, list[str]], params: ResolvedGen) -> dict:
@@ -175,8 +188,9 @@ def raise_if_aborted(result: dict) -> None:
         raise RuntimeError(f"the runtime aborted the request: {reason.get('message', 'no reason given')}")
 
 
-def choice_token_logprobs(meta_info: dict, prefix: str, prefix_tokens: int,
-                          prefix_last_id: Optional[int] = None) -> list:
+def choice_token_logprobs(
+    meta_info: dict, prefix: str, prefix_tokens: int, prefix_last_id: Optional[int] = None
+) -> list:
     """The (logprob, token_id, text) entries of one choice's tokens.
 
     The entries cover the last positions of prefix+choice, whatever logprob_start_len convention the
@@ -191,8 +205,9 @@ def choice_token_logprobs(meta_info: dict, prefix: str, prefix_tokens: int,
     if keep > len(entries):
         raise RuntimeError(
             f"the runtime returned {len(entries)} input logprobs for a {total}-token prompt; "
-            f"select() needs the last {keep}")
-    entries = entries[len(entries) - keep:]
+            f"select() needs the last {keep}"
+        )
+    entries = entries[len(entries) - keep :]
     if prefix_tokens > 0 and entries and len(entries) > 1:
         if prefix_last_id is not None:
             unmerged = entries[0][1] == prefix_last_id

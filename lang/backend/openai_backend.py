@@ -24,9 +24,15 @@ INSTRUCT_MODEL_NAMES = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
 
 
 class OpenAI(BaseBackend):
-    def __init__(self, model_name: str, is_chat_model: Optional[bool] = None,
-                 chat_template: Optional[Union[ChatTemplate, str]] = None, base_url: Optional[str] = None,
-                 api_key: Optional[str] = None, **client_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        is_chat_model: Optional[bool] = None,
+        chat_template: Optional[Union[ChatTemplate, str]] = None,
+        base_url: Optional[str] = None,
+        api_key: Optional[str] = None,
+        **client_kwargs: Any,
+    ) -> None:
         import openai
 
         if isinstance(chat_template, str):
@@ -44,21 +50,35 @@ class OpenAI(BaseBackend):
     # ---- requests ----
     def _request_kwargs(self, params: ResolvedGen) -> dict:
         sp = params.sampling
-        kwargs: dict[str, Any] = {"model": self.model_name, "max_tokens": sp.max_new_tokens,
-                                  "temperature": sp.temperature, "top_p": sp.top_p, "n": sp.n}
+        kwargs: dict[str, Any] = {
+            "model": self.model_name,
+            "max_tokens": sp.max_new_tokens,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "n": sp.n,
+        }
         if sp.stop_strs:
             kwargs["stop"] = sp.stop_strs
         for name in ("frequency_penalty", "presence_penalty", "seed"):
             if getattr(sp, name):
                 kwargs[name] = getattr(sp, name)
         extra: dict[str, Any] = {}
-        for name, unset in (("top_k", -1), ("min_p", 0.0), ("min_new_tokens", 0), ("ignore_eos", False),
-                            ("regex", None), ("stop_token_ids", None), ("repetition_penalty", 1.0)):
+        for name, unset in (
+            ("top_k", -1),
+            ("min_p", 0.0),
+            ("min_new_tokens", 0),
+            ("ignore_eos", False),
+            ("regex", None),
+            ("stop_token_ids", None),
+            ("repetition_penalty", 1.0),
+        ):
             if getattr(sp, name) != unset:
                 extra["min_tokens" if name == "min_new_tokens" else name] = getattr(sp, name)
         if sp.json_schema is not None:
-            kwargs["response_format"] = {"type": "json_schema",
-                                         "json_schema": {"name": "output", "schema": json.loads(sp.json_schema)}}
+            kwargs["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": json.loads(sp.json_schema)},
+            }
         if extra:
             kwargs["extra_body"] = extra
         return kwargs
@@ -66,10 +86,11 @@ class OpenAI(BaseBackend):
     def _prompt(self, s: Any) -> dict:
         if not self.is_chat_model:
             return {"prompt": s.text_}
-        if s.cur_role != "assistant" or s.text_[s.cur_role_begin_pos:].strip():
+        if s.cur_role != "assistant" or s.text_[s.cur_role_begin_pos :].strip():
             raise RuntimeError(
                 "for OpenAI chat models, gen() must open an assistant turn, e.g. "
-                "`s += assistant(gen('answer'))`: the API continues a conversation, not arbitrary text")
+                "`s += assistant(gen('answer'))`: the API continues a conversation, not arbitrary text"
+            )
         return {"messages": list(s.messages_)}
 
     def _logprob_kwargs(self, params: ResolvedGen) -> dict:
@@ -90,9 +111,15 @@ class OpenAI(BaseBackend):
         else:
             ret = self.client.completions.create(**kwargs)
             texts = [c.text for c in ret.choices]
-        metas = [{"id": ret.id, "finish_reason": c.finish_reason,
-                  "prompt_tokens": getattr(ret.usage, "prompt_tokens", None),
-                  "completion_tokens": getattr(ret.usage, "completion_tokens", None)} for c in ret.choices]
+        metas = [
+            {
+                "id": ret.id,
+                "finish_reason": c.finish_reason,
+                "prompt_tokens": getattr(ret.usage, "prompt_tokens", None),
+                "completion_tokens": getattr(ret.usage, "completion_tokens", None),
+            }
+            for c in ret.choices
+        ]
         if params.logprob.get("return_logprob"):
             # NOTE: they were dropped silently; get_meta_info(name)["output_token_logprobs"] then failed
             # far from the gen. The API gives no token ids: entries are (logprob, None, token text).
@@ -114,29 +141,44 @@ class OpenAI(BaseBackend):
             piece = (choice.delta.content if self.is_chat_model else choice.text) or ""
             yield piece, {"id": chunk.id, "finish_reason": choice.finish_reason}
 
-    def select(self, s: Any, choices: Sequence[str], temperature: float,
-               choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
+    def select(
+        self, s: Any, choices: Sequence[str], temperature: float, choices_method: ChoicesSamplingMethod
+    ) -> ChoicesDecision:
         """Completion models: score each choice from echoed prompt logprobs (one batched request)."""
         if self.is_chat_model:
-            raise NotImplementedError("select() needs prompt logprobs, which OpenAI chat models do not "
-                                      "return; use a completion model or the plait Runtime/RuntimeEndpoint")
+            raise NotImplementedError(
+                "select() needs prompt logprobs, which OpenAI chat models do not "
+                "return; use a completion model or the plait Runtime/RuntimeEndpoint"
+            )
         if choices_method.requires_unconditional_logprobs:
             raise NotImplementedError(f"{choices_method!r} is not supported by the OpenAI backend")
         prefix = s.text_
-        ret = self.client.completions.create(model=self.model_name, prompt=[prefix + c for c in choices],
-                                             max_tokens=1, echo=True, logprobs=0, temperature=0)
+        ret = self.client.completions.create(
+            model=self.model_name,
+            prompt=[prefix + c for c in choices],
+            max_tokens=1,
+            echo=True,
+            logprobs=0,
+            temperature=0,
+        )
         by_index = sorted(ret.choices, key=lambda c: c.index)
         input_logprobs = []
         for choice, c in zip(by_index, choices):
             lp = choice.logprobs
             end = len(prefix) + len(c)
-            entries = [(v, None, t) for v, t, off in zip(lp.token_logprobs, lp.tokens, lp.text_offset)
-                       if off < end and off + len(t) > len(prefix)]
+            entries = [
+                (v, None, t)
+                for v, t, off in zip(lp.token_logprobs, lp.tokens, lp.text_offset)
+                if off < end and off + len(t) > len(prefix)
+            ]
             input_logprobs.append(entries)
         normalized = [mean_logprob(e) for e in input_logprobs]
-        return choices_method(choices=list(choices), normalized_prompt_logprobs=normalized,
-                              input_token_logprobs=input_logprobs,
-                              output_token_logprobs=[[] for _ in choices])
+        return choices_method(
+            choices=list(choices),
+            normalized_prompt_logprobs=normalized,
+            input_token_logprobs=input_logprobs,
+            output_token_logprobs=[[] for _ in choices],
+        )
 
 
 def _output_logprobs(logprobs: Any, is_chat: bool) -> dict:

@@ -16,9 +16,15 @@ logger = logging.getLogger(__name__)
 
 
 class RuntimeEndpoint(NativeBackend):
-    def __init__(self, base_url: str, api_key: Optional[str] = None, verify: Any = None,
-                 chat_template_name: Optional[str] = None, timeout: Optional[float] = None,
-                 program_hints: bool = True) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: Optional[str] = None,
+        verify: Any = None,
+        chat_template_name: Optional[str] = None,
+        timeout: Optional[float] = None,
+        program_hints: bool = True,
+    ) -> None:
         self.http = EndpointHTTP(base_url, api_key, verify, timeout)
         self.base_url = self.http.base_url
         self.model_info = self.http.get("/get_model_info")
@@ -42,8 +48,12 @@ class RuntimeEndpoint(NativeBackend):
                 tokenizer = AutoTokenizer.from_pretrained(source)
                 return chat_template_from_tokenizer(tokenizer, self.get_model_name())
             except Exception as e:  # an unreachable folder or hub id is common for remote servers
-                logger.warning("could not load the tokenizer %r to derive role markup (%s); pass "
-                               "chat_template_name=... to choose one", source, e)
+                logger.warning(
+                    "could not load the tokenizer %r to derive role markup (%s); pass "
+                    "chat_template_name=... to choose one",
+                    source,
+                    e,
+                )
         return get_chat_template("default")
 
     def get_model_name(self) -> str:
@@ -56,7 +66,7 @@ class RuntimeEndpoint(NativeBackend):
         for line in self.http.stream_lines("/generate", payload):
             if not line.startswith("data:"):
                 continue
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             chunk = json.loads(data)

@@ -32,8 +32,15 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Build `fb.attn_metadata` once per step (before the model runs)."""
 
-    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-                layer: AttentionLayerSpec, fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        layer: AttentionLayerSpec,
+        fb: ForwardBatch,
+        kv_stored: bool = False,
+    ) -> torch.Tensor:
         # kv_stored: the caller already wrote this step's K/V into the pool (a fused rotary+store kernel).
         if not kv_stored:
             fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
@@ -54,8 +61,10 @@ class AttentionBackend(ABC):
     def forward_verify(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         """Draft trees (ForwardMode.VERIFY): each new token over its request's prefix and the tree
         columns its mask allows (forward_batch.py's tree fields; K/V already in the pool)."""
-        raise NotImplementedError(f"{type(self).__name__} has no verify mode for speculative decoding "
-                                  "(use the torch_native or triton attention backend)")
+        raise NotImplementedError(
+            f"{type(self).__name__} has no verify mode for speculative decoding "
+            "(use the torch_native or triton attention backend)"
+        )
 
     # ---- CUDA-graph hooks (decode only). Backends without graph support keep the defaults. ----
     supports_cuda_graph: bool = False

@@ -93,11 +93,12 @@ class CascadeLayout:
             raise ValueError(f"cascade tables need int32 x >= {self.numel}, got {buf.dtype} x {buf.numel()}")
         b = self.batch_size
         return PrefixTables(
-            groups=buf[self.groups_at:self.groups_at + GROUP_FIELDS * self.max_groups].view(-1, GROUP_FIELDS),
-            members=buf[self.members_at:self.members_at + b],
-            work=buf[self.work_at:self.work_at + WORK_FIELDS * self.max_work].view(-1, WORK_FIELDS),
+            groups=buf[self.groups_at : self.groups_at + GROUP_FIELDS * self.max_groups].view(-1, GROUP_FIELDS),
+            members=buf[self.members_at : self.members_at + b],
+            work=buf[self.work_at : self.work_at + WORK_FIELDS * self.max_work].view(-1, WORK_FIELDS),
             work_len=buf[0:1],
-            req_info=buf[self.req_info_at:self.req_info_at + 3 * b].view(b, 3))
+            req_info=buf[self.req_info_at : self.req_info_at + 3 * b].view(b, 3),
+        )
 
 
 @dataclass
@@ -135,8 +136,14 @@ class CascadePlanner:
         self._rows = self._row_group = self._plan = None
         self._groups = []
 
-    def plan(self, table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, layout: CascadeLayout,
-             partial_slots: Optional[int] = None) -> Optional[CascadePlan]:
+    def plan(
+        self,
+        table: np.ndarray,
+        rows: np.ndarray,
+        seq_lens: np.ndarray,
+        layout: CascadeLayout,
+        partial_slots: Optional[int] = None,
+    ) -> Optional[CascadePlan]:
         """The plan for a decode batch (rows of req_to_token, lengths including the new token), or
         None when no group pays. `partial_slots` bounds the prefix partials (a fixed scratch)."""
         rows = np.asarray(rows, dtype=np.int64)
@@ -145,15 +152,22 @@ class CascadePlanner:
         if partial_slots is not None and partial_slots < layout.batch_size:
             raise ValueError(f"partial_slots {partial_slots} < batch size {layout.batch_size}")
         last = self._plan
-        if (last is not None and last.layout == layout and last.partial_slots == partial_slots
-                and self._rows is not None and len(rows) == len(self._rows) and np.array_equal(rows, self._rows)):
+        if (
+            last is not None
+            and last.layout == layout
+            and last.partial_slots == partial_slots
+            and self._rows is not None
+            and len(rows) == len(self._rows)
+            and np.array_equal(rows, self._rows)
+        ):
             return last
         groups = self._groups_for(table, rows, seq_lens)
         self._plan = None
         if sum(g.saved_tokens for g in groups) < max(1, self.config.min_saved_tokens):
             return None
-        self._plan = build_plan(groups, rows, layout, self.members_per_tile, self.target_work,
-                                self.prefix_config, partial_slots)
+        self._plan = build_plan(
+            groups, rows, layout, self.members_per_tile, self.target_work, self.prefix_config, partial_slots
+        )
         return self._plan
 
     def _groups_for(self, table, rows, seq_lens) -> list[PrefixGroup]:
@@ -181,17 +195,27 @@ def _restrict(groups: list[PrefixGroup], gid: np.ndarray, min_group_size: int) -
     keys = gid[order]
     starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
     ends = np.append(starts[1:], len(keys))
-    out = [PrefixGroup(groups[keys[s]].prefix_len, order[s:e])
-           for s, e in zip(starts.tolist(), ends.tolist()) if e - s >= min_group_size]
+    out = [
+        PrefixGroup(groups[keys[s]].prefix_len, order[s:e])
+        for s, e in zip(starts.tolist(), ends.tolist())
+        if e - s >= min_group_size
+    ]
     out.sort(key=lambda g: -g.saved_tokens)
     return out
 
 
-def build_plan(groups: list[PrefixGroup], rows: np.ndarray, layout: CascadeLayout, members_per_tile: int,
-               target_work: int, cfg: PrefixConfig, partial_slots: Optional[int] = None) -> CascadePlan:
+def build_plan(
+    groups: list[PrefixGroup],
+    rows: np.ndarray,
+    layout: CascadeLayout,
+    members_per_tile: int,
+    target_work: int,
+    cfg: PrefixConfig,
+    partial_slots: Optional[int] = None,
+) -> CascadePlan:
     """Tables for the kernels: tiles of `members_per_tile`, prefixes split to reach `target_work`
     work items (when there are fewer tiles) in BLOCK_N-aligned, non-empty splits."""
-    groups = groups[:layout.max_groups]
+    groups = groups[: layout.max_groups]
     n = np.array([len(g.members) for g in groups], dtype=np.int64)  # (G,)
     prefix = np.array([g.prefix_len for g in groups], dtype=np.int64)  # (G,)
     tiles = -(-n // members_per_tile)  # (G,)
@@ -215,23 +239,26 @@ def build_plan(groups: list[PrefixGroup], rows: np.ndarray, layout: CascadeLayou
 
     packed = np.zeros(layout.numel, dtype=np.int32)
     packed[0] = num_work
-    req_info = packed[layout.req_info_at:layout.req_info_at + 3 * layout.batch_size].reshape(-1, 3)
+    req_info = packed[layout.req_info_at : layout.req_info_at + 3 * layout.batch_size].reshape(-1, 3)
     req_info[members, 0] = np.repeat(prefix, n)
     req_info[members, 1] = np.repeat(slot_base, n) + local * np.repeat(splits, n)
     req_info[members, 2] = np.repeat(splits, n)
-    table = packed[layout.groups_at:layout.groups_at + GROUP_FIELDS * len(groups)].reshape(-1, GROUP_FIELDS)
-    table[:] = np.stack([member_start, n, prefix, rows[members[member_start]] if len(groups) else n,
-                         split_len, splits, slot_base], axis=1)
-    packed[layout.members_at:layout.members_at + len(members)] = members
+    table = packed[layout.groups_at : layout.groups_at + GROUP_FIELDS * len(groups)].reshape(-1, GROUP_FIELDS)
+    table[:] = np.stack(
+        [member_start, n, prefix, rows[members[member_start]] if len(groups) else n, split_len, splits, slot_base],
+        axis=1,
+    )
+    packed[layout.members_at : layout.members_at + len(members)] = members
     per_group = tiles * splits  # (G,) work items
     g_of = np.repeat(np.arange(len(groups)), per_group)  # (W,)
     k = np.arange(num_work) - np.repeat(np.cumsum(per_group) - per_group, per_group)
-    work = packed[layout.work_at:layout.work_at + WORK_FIELDS * num_work].reshape(-1, WORK_FIELDS)
+    work = packed[layout.work_at : layout.work_at + WORK_FIELDS * num_work].reshape(-1, WORK_FIELDS)
     work[:, 0] = g_of
     work[:, 1] = k // splits[g_of]
     work[:, 2] = k % splits[g_of]
-    return CascadePlan(groups, layout, packed, num_work, int(slot_count.sum()),
-                       int(sum(g.saved_tokens for g in groups)), partial_slots)
+    return CascadePlan(
+        groups, layout, packed, num_work, int(slot_count.sum()), int(sum(g.saved_tokens for g in groups)), partial_slots
+    )
 
 
 def _cdiv(a, b):

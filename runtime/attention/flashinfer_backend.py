@@ -47,7 +47,8 @@ def import_flashinfer() -> Any:
         raise ImportError(
             f"attention_backend='flashinfer' needs the {FLASHINFER_PACKAGE!r} package, which is not "
             f"installed ({e}). Install it with `pip install {FLASHINFER_PACKAGE}`, or use "
-            "attention_backend='triton' (the default on GPU) or 'torch_native'.") from e
+            "attention_backend='triton' (the default on GPU) or 'torch_native'."
+        ) from e
     return flashinfer
 
 
@@ -83,16 +84,22 @@ class FlashInferAttnBackend(AttentionBackend):
         self.flashinfer = import_flashinfer()
         self.device = torch.device(model_runner.device)
         if self.device.type != "cuda":
-            raise ValueError(f"the flashinfer attention backend needs a CUDA device, not {self.device.type!r} "
-                             "(use attention_backend='torch_native')")
+            raise ValueError(
+                f"the flashinfer attention backend needs a CUDA device, not {self.device.type!r} "
+                "(use attention_backend='torch_native')"
+            )
         self.shape = _read_shape(model_runner)
         self.dtype = getattr(model_runner, "dtype", torch.bfloat16)
         if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"the flashinfer attention backend runs float16/bfloat16, not {self.dtype} "
-                             "(use dtype='bfloat16', or attention_backend='triton')")
+            raise ValueError(
+                f"the flashinfer attention backend runs float16/bfloat16, not {self.dtype} "
+                "(use dtype='bfloat16', or attention_backend='triton')"
+            )
         if self.shape.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"flashinfer's kernels take head_dim in {SUPPORTED_HEAD_DIMS}, this model has "
-                             f"{self.shape.head_dim} (use attention_backend='triton')")
+            raise ValueError(
+                f"flashinfer's kernels take head_dim in {SUPPORTED_HEAD_DIMS}, this model has "
+                f"{self.shape.head_dim} (use attention_backend='triton')"
+            )
         # NOTE: tensor-core decode pays off once several query heads share a KV head, and it reuses the
         # prefill module, so GQA models JIT-compile one module instead of two.
         self.decode_tensor_cores = self.shape.is_gqa if decode_tensor_cores is None else decode_tensor_cores
@@ -101,7 +108,8 @@ class FlashInferAttnBackend(AttentionBackend):
         fi = self.flashinfer
         self.prefill_wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.decode_wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores, backend="fa2")
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores, backend="fa2"
+        )
         self._graph: Optional[_GraphState] = None
         # NOTE: a plan copies its schedule to the device from a pinned host buffer that the wrapper
         # reuses, without waiting. With overlap scheduling the next plan can come before that copy
@@ -117,13 +125,25 @@ class FlashInferAttnBackend(AttentionBackend):
         if fb.extend_seq_lens_cpu is None:
             raise ValueError("an EXTEND ForwardBatch needs extend_seq_lens_cpu")
         qo_indptr = _indptr(fb.extend_seq_lens_cpu)  # (B + 1,) host
-        kv_indptr, kv_indices, last_page_len = self._page_table(fb, fb.req_pool_indices, fb.seq_lens,
-                                                                list(fb.seq_lens_cpu))
+        kv_indptr, kv_indices, last_page_len = self._page_table(
+            fb, fb.req_pool_indices, fb.seq_lens, list(fb.seq_lens_cpu)
+        )
         s = self.shape
         self._wait_last_plan()
         self.prefill_wrapper.plan(
-            qo_indptr, kv_indptr, kv_indices, last_page_len, s.num_heads, s.num_kv_heads, s.head_dim, 1,
-            causal=True, sm_scale=s.scaling, q_data_type=self.dtype, kv_data_type=fb.kv_pool.dtype)
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            last_page_len,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            1,
+            causal=True,
+            sm_scale=s.scaling,
+            q_data_type=self.dtype,
+            kv_data_type=fb.kv_pool.dtype,
+        )
         self._record_plan()
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 
@@ -136,9 +156,15 @@ class FlashInferAttnBackend(AttentionBackend):
     def _run(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         s = self.shape
         if (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) != (
-                s.num_heads, s.num_kv_heads, s.head_dim, s.scaling):
-            raise ValueError(f"layer {layer.layer_id} has shape {layer}, but the flashinfer backend planned "
-                             f"this step for {s} (one shape and softmax scale for every layer)")
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            s.scaling,
+        ):
+            raise ValueError(
+                f"layer {layer.layer_id} has shape {layer}, but the flashinfer backend planned "
+                f"this step for {s} (one shape and softmax scale for every layer)"
+            )
         q = q.reshape(q.shape[0], s.num_heads, s.head_dim)  # (T, H, D)
         if not q.is_contiguous():
             q = q.contiguous()
@@ -150,8 +176,7 @@ class FlashInferAttnBackend(AttentionBackend):
         return out  # (T, H * D)
 
     # ---- page tables ----
-    def _page_table(self, fb: ForwardBatch, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                    lens: list[int]):
+    def _page_table(self, fb: ForwardBatch, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, lens: list[int]):
         """CSR page table of a batch: host indptr (B + 1,), device kv slots (N,), host last-page lengths.
 
         A row of length 0 (padding) gets one page, the dummy slot 0, so that every row is a valid
@@ -170,14 +195,25 @@ class FlashInferAttnBackend(AttentionBackend):
         last_page_len = torch.ones(batch, dtype=torch.int32)  # page size 1: every last page is full
         return kv_indptr, slots, last_page_len
 
-    def _plan_decode(self, wrapper, fb: ForwardBatch, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                     lens: list[int]) -> None:
+    def _plan_decode(
+        self, wrapper, fb: ForwardBatch, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, lens: list[int]
+    ) -> None:
         # In graph mode plan() also copies the page table into the static buffers the graphs read.
         kv_indptr, kv_indices, last_page_len = self._page_table(fb, req_pool_indices, seq_lens, lens)
         s = self.shape
         self._wait_last_plan()
-        wrapper.plan(kv_indptr, kv_indices, last_page_len, s.num_heads, s.num_kv_heads, s.head_dim, 1,
-                     sm_scale=s.scaling, q_data_type=self.dtype, kv_data_type=fb.kv_pool.dtype)
+        wrapper.plan(
+            kv_indptr,
+            kv_indices,
+            last_page_len,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            1,
+            sm_scale=s.scaling,
+            q_data_type=self.dtype,
+            kv_data_type=fb.kv_pool.dtype,
+        )
         self._record_plan()
 
     def _wait_last_plan(self) -> None:
@@ -194,22 +230,31 @@ class FlashInferAttnBackend(AttentionBackend):
         if max_bs < 1:
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
         if self.max_total_tokens is None:
-            raise ValueError("CUDA graphs with the flashinfer backend need model_runner.max_total_tokens "
-                             "(to size the static page-index buffer)")
+            raise ValueError(
+                "CUDA graphs with the flashinfer backend need model_runner.max_total_tokens "
+                "(to size the static page-index buffer)"
+            )
         self._graph = _GraphState(
             indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
             last_page_len=torch.ones(max_bs, dtype=torch.int32, device=self.device),
             # Every real token of a batch is a distinct pool slot; padding rows add one page each.
-            indices=torch.zeros(self.max_total_tokens + max_bs + 1, dtype=torch.int32, device=self.device))
+            indices=torch.zeros(self.max_total_tokens + max_bs + 1, dtype=torch.int32, device=self.device),
+        )
 
     def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch) -> None:
         graph = self._require_graph_state(fb)
         bs = fb.batch_size
         if bs not in graph.wrappers:
             graph.wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
-                paged_kv_indptr_buffer=graph.indptr[:bs + 1], paged_kv_indices_buffer=graph.indices,
-                paged_kv_last_page_len_buffer=graph.last_page_len[:bs], backend="fa2")
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=graph.indptr[: bs + 1],
+                paged_kv_indices_buffer=graph.indices,
+                paged_kv_last_page_len_buffer=graph.last_page_len[:bs],
+                backend="fa2",
+            )
         self._plan_graph(graph.wrappers[bs], fb)
 
     def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch) -> None:
@@ -225,8 +270,9 @@ class FlashInferAttnBackend(AttentionBackend):
             raise ValueError("CUDA graphs are only captured for DECODE batches")
         bs, n = fb.batch_size, fb.seq_lens.shape[0]
         if bs > self._graph.last_page_len.shape[0] or n > bs or fb.req_pool_indices.shape[0] != n:
-            raise ValueError(f"graph batch of {n} requests padded to {bs} does not fit max_bs "
-                             f"{self._graph.last_page_len.shape[0]}")
+            raise ValueError(
+                f"graph batch of {n} requests padded to {bs} does not fit max_bs {self._graph.last_page_len.shape[0]}"
+            )
         return self._graph
 
     def _plan_graph(self, wrapper, fb: ForwardBatch) -> None:
@@ -255,8 +301,10 @@ def _read_shape(model_runner) -> FlashInferShape:
     cfg = getattr(cfg, "hf_config", cfg)
     heads = getattr(cfg, "num_attention_heads", None)
     if not isinstance(heads, int) or heads <= 0:
-        raise ValueError("the flashinfer backend needs model_runner.model_config with num_attention_heads "
-                         "(it plans every step for the model's head shape)")
+        raise ValueError(
+            "the flashinfer backend needs model_runner.model_config with num_attention_heads "
+            "(it plans every step for the model's head shape)"
+        )
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 0) // heads
     tp = getattr(model_runner, "tp_size", 1) or 1
@@ -264,4 +312,4 @@ def _read_shape(model_runner) -> FlashInferShape:
         raise ValueError(f"{heads} attention heads do not split over tp_size {tp}")
     # NOTE: with TP > num_kv_heads the KV heads are replicated, one per rank. The models scale
     # scores by head_dim ** -0.5 (AttentionLayerSpec.scaling); _run checks each layer against it.
-    return FlashInferShape(heads // tp, max(1, kv_heads // tp), head_dim, head_dim ** -0.5)
+    return FlashInferShape(heads // tp, max(1, kv_heads // tp), head_dim, head_dim**-0.5)

@@ -39,8 +39,9 @@ class PrefixGroup:
         return (len(self.members) - 1) * self.prefix_len
 
 
-def find_prefix_groups(table: np.ndarray, rows: np.ndarray, lens: np.ndarray, min_prefix_len: int,
-                       min_group_size: int = 2) -> list[PrefixGroup]:
+def find_prefix_groups(
+    table: np.ndarray, rows: np.ndarray, lens: np.ndarray, min_prefix_len: int, min_group_size: int = 2
+) -> list[PrefixGroup]:
     """Disjoint groups of requests sharing >= min_prefix_len leading slots, best savings first.
 
     table: (R, C) int32 host req_to_token; rows: (B,) its row per request; lens: (B,) how many leading

@@ -58,7 +58,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         for i in range(fb.batch_size):
             req = int(fb.req_pool_indices[i])
             prefix, ext = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
-            kv_indices.append(r2t[req, :prefix + ext].long())
+            kv_indices.append(r2t[req, : prefix + ext].long())
             if prefix == 0:
                 masks.append(None)
             else:
@@ -75,14 +75,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         start = 0
         for i in range(fb.batch_size):
             ext = fb.extend_seq_lens_cpu[i]
-            qi = q[start:start + ext].transpose(0, 1)  # (H, E, D)
+            qi = q[start : start + ext].transpose(0, 1)  # (H, E, D)
             idx = md.kv_indices[i]
             ki = _gather(k_buf, idx).transpose(0, 1).to(q.dtype)  # (Hkv, S, D)
             vi = _gather(v_buf, idx).transpose(0, 1).to(q.dtype)
             mask = md.causal_masks[i]
             oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa)
-            out[start:start + ext] = oi.transpose(0, 1).reshape(ext, -1)
+                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa
+            )
+            out[start : start + ext] = oi.transpose(0, 1).reshape(ext, -1)
             start += ext
         return out
 
@@ -93,10 +94,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         v = _gather(v_buf, md.kv_index).transpose(1, 2).to(q.dtype)
         qb = q.unsqueeze(2)  # (B, H, 1, D)
         o = F.scaled_dot_product_attention(
-            qb, k, v, attn_mask=md.mask, scale=layer.scaling,
-            enable_gqa=layer.num_heads != layer.num_kv_heads)  # (B, H, 1, D)
+            qb, k, v, attn_mask=md.mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
+        )  # (B, H, 1, D)
         return o.reshape(q.shape[0], -1)
-
 
     def forward_verify(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         md: _VerifyMetadata = fb.attn_metadata
@@ -104,8 +104,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         k = _gather(k_buf, md.kv_index).transpose(1, 2).to(q.dtype)  # (B, Hkv, S, D)
         v = _gather(v_buf, md.kv_index).transpose(1, 2).to(q.dtype)
         qb = q.view(q.shape[0], layer.num_heads, layer.head_dim)[md.q_index].transpose(1, 2)  # (B, H, E, D)
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=md.mask, scale=layer.scaling,
-                                           enable_gqa=layer.num_heads != layer.num_kv_heads)  # (B, H, E, D)
+        o = F.scaled_dot_product_attention(
+            qb, k, v, attn_mask=md.mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
+        )  # (B, H, E, D)
         out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
         out[md.q_index[md.q_valid]] = o.transpose(1, 2)[md.q_valid].reshape(-1, layer.num_heads * layer.head_dim)
         return out
@@ -130,8 +131,9 @@ def _verify_metadata(fb: ForwardBatch, device) -> _VerifyMetadata:
     if fb.tree_mask is None:  # a chain: new token e is tree column tree - ext + e, and sees up to it
         seen = rel[:, None, :] <= (tree - ext)[:, None, None] + e[None, :, None]  # (B, E, S)
     else:
-        flat = (fb.tree_mask_offsets[:, None, None] + e[None, :, None] * tree[:, None, None]
-                + rel.clamp(min=0)[:, None, :])  # (B, E, S)
+        flat = (
+            fb.tree_mask_offsets[:, None, None] + e[None, :, None] * tree[:, None, None] + rel.clamp(min=0)[:, None, :]
+        )  # (B, E, S)
         ok = in_tree[:, None, :] & q_valid[:, :, None]
         seen = fb.tree_mask[torch.where(ok, flat, torch.zeros_like(flat))] & ok
     mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & seen)  # (B, E, S)

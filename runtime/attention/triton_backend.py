@@ -45,8 +45,17 @@ from ..forward_batch import ForwardBatch
 from .base import AttentionBackend, AttentionLayerSpec
 from .cascade_plan import CascadeConfig
 from .triton_cascade import CascadeStep, TritonCascade
-from .triton_ops import (DecodeConfig, DecodePolicy, ExtendConfig, PrefixConfig, decode_attention,
-                         decode_scratch_numel, default_decode_policy, extend_attention, tree_attention)
+from .triton_ops import (
+    DecodeConfig,
+    DecodePolicy,
+    ExtendConfig,
+    PrefixConfig,
+    decode_attention,
+    decode_scratch_numel,
+    default_decode_policy,
+    extend_attention,
+    tree_attention,
+)
 
 
 @dataclass
@@ -90,16 +99,26 @@ class _HeadShape:
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, model_runner, decode_config: Optional[DecodeConfig] = None,
-                 extend_config: Optional[ExtendConfig] = None, cascade_config: Optional[CascadeConfig] = None,
-                 prefix_config: Optional[PrefixConfig] = None):
+    def __init__(
+        self,
+        model_runner,
+        decode_config: Optional[DecodeConfig] = None,
+        extend_config: Optional[ExtendConfig] = None,
+        cascade_config: Optional[CascadeConfig] = None,
+        prefix_config: Optional[PrefixConfig] = None,
+    ):
         self.device = torch.device(model_runner.device)
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"the triton attention backend needs a CUDA device, not {self.device.type!r} "
-                             "(use attention_backend='torch_native'; TRITON_INTERPRET=1 runs it slowly on CPU)")
+            raise ValueError(
+                f"the triton attention backend needs a CUDA device, not {self.device.type!r} "
+                "(use attention_backend='torch_native'; TRITON_INTERPRET=1 runs it slowly on CPU)"
+            )
         # An explicit config (tests, sweeps) serves every batch size; the default picks by batch size.
-        self.decode_policy = (DecodePolicy.uniform(decode_config) if decode_config is not None
-                              else default_decode_policy(_num_sms(self.device)))
+        self.decode_policy = (
+            DecodePolicy.uniform(decode_config)
+            if decode_config is not None
+            else default_decode_policy(_num_sms(self.device))
+        )
         self.extend_config = extend_config  # None: picked per head_dim by the kernel module
         self.head_shape = _read_head_shape(model_runner)
         self._scratch: Optional[torch.Tensor] = None  # flat fp32 decode scratch; fixed once graphs are on
@@ -137,18 +156,27 @@ class TritonAttnBackend(AttentionBackend):
         if extend_start is None:
             extend_start = torch.cumsum(extend_lens, 0) - extend_lens  # (B,) exclusive prefix sum
         fb.attn_metadata = TritonExtendMetadata(
-            fb.req_pool_indices, prefix_lens, extend_lens, extend_start,
-            max(fb.extend_seq_lens_cpu, default=0))
+            fb.req_pool_indices, prefix_lens, extend_lens, extend_start, max(fb.extend_seq_lens_cpu, default=0)
+        )
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         md: TritonExtendMetadata = fb.attn_metadata
         q = q.view(q.shape[0], layer.num_heads, layer.head_dim)  # (T, H, D)
         out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
         extend_attention(
-            q, fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id],
-            out.view(q.shape), fb.req_to_token_pool.req_to_token,
-            md.req_pool_indices, md.prefix_lens, md.extend_lens, md.extend_start, md.max_extend_len,
-            layer.scaling, self.extend_config)
+            q,
+            fb.kv_pool.k_buffer[layer.layer_id],
+            fb.kv_pool.v_buffer[layer.layer_id],
+            out.view(q.shape),
+            fb.req_to_token_pool.req_to_token,
+            md.req_pool_indices,
+            md.prefix_lens,
+            md.extend_lens,
+            md.extend_start,
+            md.max_extend_len,
+            layer.scaling,
+            self.extend_config,
+        )
         return out  # (T, H * D)
 
     def _verify_metadata(self, fb: ForwardBatch) -> TritonVerifyMetadata:
@@ -157,10 +185,19 @@ class TritonAttnBackend(AttentionBackend):
         start = fb.extend_start_loc if fb.extend_start_loc is not None else torch.cumsum(ext, 0) - ext
         max_ext = max(fb.extend_seq_lens_cpu, default=0)
         if fb.tree_mask is None:  # chains: the extend kernel over the keys before each new token
-            return TritonVerifyMetadata(fb.req_pool_indices, fb.extend_prefix_lens + tree_lens - ext, ext, start,
-                                        tree_lens, max_ext)
-        return TritonVerifyMetadata(fb.req_pool_indices, fb.extend_prefix_lens, ext, start, tree_lens, max_ext,
-                                    fb.tree_mask.to(torch.uint8), fb.tree_mask_offsets)
+            return TritonVerifyMetadata(
+                fb.req_pool_indices, fb.extend_prefix_lens + tree_lens - ext, ext, start, tree_lens, max_ext
+            )
+        return TritonVerifyMetadata(
+            fb.req_pool_indices,
+            fb.extend_prefix_lens,
+            ext,
+            start,
+            tree_lens,
+            max_ext,
+            fb.tree_mask.to(torch.uint8),
+            fb.tree_mask_offsets,
+        )
 
     def forward_verify(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         md: TritonVerifyMetadata = fb.attn_metadata
@@ -169,12 +206,38 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
         r2t = fb.req_to_token_pool.req_to_token
         if md.tree_mask is None:
-            extend_attention(q, k_buf, v_buf, out.view(q.shape), r2t, md.req_pool_indices, md.prefix_lens,
-                             md.extend_lens, md.extend_start, md.max_extend_len, layer.scaling, self.extend_config)
+            extend_attention(
+                q,
+                k_buf,
+                v_buf,
+                out.view(q.shape),
+                r2t,
+                md.req_pool_indices,
+                md.prefix_lens,
+                md.extend_lens,
+                md.extend_start,
+                md.max_extend_len,
+                layer.scaling,
+                self.extend_config,
+            )
         else:
-            tree_attention(q, k_buf, v_buf, out.view(q.shape), r2t, md.req_pool_indices, md.prefix_lens,
-                           md.extend_lens, md.extend_start, md.tree_lens, md.tree_mask, md.mask_offsets,
-                           md.max_extend_len, layer.scaling, self.extend_config)
+            tree_attention(
+                q,
+                k_buf,
+                v_buf,
+                out.view(q.shape),
+                r2t,
+                md.req_pool_indices,
+                md.prefix_lens,
+                md.extend_lens,
+                md.extend_start,
+                md.tree_lens,
+                md.tree_mask,
+                md.mask_offsets,
+                md.max_extend_len,
+                layer.scaling,
+                self.extend_config,
+            )
         return out  # (T, H * D)
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
@@ -192,16 +255,28 @@ class TritonAttnBackend(AttentionBackend):
         if md.cascade is not None and shape == self.head_shape:
             join = self._cascade.launch_prefix(md.cascade, q, k_buffer, v_buffer, r2t, layer.scaling)
             prefix = self._cascade.prefix_partials(md.cascade)
-        decode_attention(q, k_buffer, v_buffer, out.view(q.shape), r2t, md.req_pool_indices, md.seq_lens,
-                         layer.scaling, self.decode_policy.for_batch(batch), scratch=scratch, prefix=prefix,
-                         before_merge=join)
+        decode_attention(
+            q,
+            k_buffer,
+            v_buffer,
+            out.view(q.shape),
+            r2t,
+            md.req_pool_indices,
+            md.seq_lens,
+            layer.scaling,
+            self.decode_policy.for_batch(batch),
+            scratch=scratch,
+            prefix=prefix,
+            before_merge=join,
+        )
         return out  # (B, H * D)
 
     def _cascade_state(self) -> Optional[TritonCascade]:
         if self._cascade is None and self._cascade_on and self.head_shape is not None:
             hs = self.head_shape
-            self._cascade = TritonCascade(self.device, self._cascade_config, self._prefix_config,
-                                          hs.num_heads, hs.num_kv_heads, hs.head_dim)
+            self._cascade = TritonCascade(
+                self.device, self._cascade_config, self._prefix_config, hs.num_heads, hs.num_kv_heads, hs.head_dim
+            )
         return self._cascade
 
     def _decode_scratch(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[torch.Tensor]:
@@ -221,8 +296,10 @@ class TritonAttnBackend(AttentionBackend):
 
     def _allocate_scratch(self, max_bs: int) -> None:
         hs = self.head_shape
-        numel = max(decode_scratch_numel(bs, hs.num_heads, hs.num_kv_heads, hs.head_dim,
-                                         self.decode_policy.for_batch(bs)) for bs in range(1, max_bs + 1))
+        numel = max(
+            decode_scratch_numel(bs, hs.num_heads, hs.num_kv_heads, hs.head_dim, self.decode_policy.for_batch(bs))
+            for bs in range(1, max_bs + 1)
+        )
         self._scratch = torch.empty(numel, dtype=torch.float32, device=self.device)
         self._scratch_max_bs = max_bs
 
@@ -270,8 +347,10 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"graph batch of {n} requests padded to {bs} does not fit max_bs {max_bs}")
         available = self.has_cascade_graph(bs)
         if cascade and not available:
-            raise ValueError(f"no decode graph with the cascade kernels for batch {bs} (cascade attention "
-                             "disabled, or the batch is below its min_batch_size or above max_bs)")
+            raise ValueError(
+                f"no decode graph with the cascade kernels for batch {bs} (cascade attention "
+                "disabled, or the batch is below its min_batch_size or above max_bs)"
+            )
         req, seq = self._graph_req_pool_indices[:bs], self._graph_seq_lens[:bs]
         req[:n].copy_(fb.req_pool_indices, non_blocking=True)
         seq[:n].copy_(fb.seq_lens, non_blocking=True)

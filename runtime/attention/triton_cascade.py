@@ -25,8 +25,14 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from .cascade_plan import CascadeConfig, CascadeLayout, CascadePlan, CascadePlanner
-from .triton_ops import PrefixConfig, PrefixPartials, PrefixTables, prefix_attention, prefix_partial_numel
-from .triton_ops import split_prefix_scratch
+from .triton_ops import (
+    PrefixConfig,
+    PrefixPartials,
+    PrefixTables,
+    prefix_attention,
+    prefix_partial_numel,
+    split_prefix_scratch,
+)
 
 
 @dataclass
@@ -40,8 +46,15 @@ class CascadeStep:
 
 
 class TritonCascade:
-    def __init__(self, device: torch.device, config: CascadeConfig, prefix_config: PrefixConfig,
-                 num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self,
+        device: torch.device,
+        config: CascadeConfig,
+        prefix_config: PrefixConfig,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ):
         self.device = device
         self.config = config
         self.prefix_config = prefix_config
@@ -70,11 +83,14 @@ class TritonCascade:
         if plan is None:
             return None
         tables = torch.from_numpy(plan.packed).to(self.device, non_blocking=True)
-        scratch = torch.empty(prefix_partial_numel(plan.num_partials, self.num_heads, self.head_dim),
-                              dtype=torch.float32, device=self.device)
+        scratch = torch.empty(
+            prefix_partial_numel(plan.num_partials, self.num_heads, self.head_dim),
+            dtype=torch.float32,
+            device=self.device,
+        )
         o, lse = split_prefix_scratch(scratch, plan.num_partials, self.num_heads, self.head_dim)
         views = layout.views(tables)
-        views.work = views.work[:plan.num_work]  # eager: no more programs than work
+        views.work = views.work[: plan.num_work]  # eager: no more programs than work
         return CascadeStep(views, o, lse, plan)
 
     # ---- CUDA graphs ----
@@ -91,8 +107,11 @@ class TritonCascade:
         # Enough partial slots for one split per request at max_bs, and for a small batch's prefix
         # split `target_work` ways (the planner splits less when they would not fit).
         self._partial_slots = max(2 * max_bs, self.planner.members_per_tile * self.planner.target_work)
-        self._partials = torch.empty(prefix_partial_numel(self._partial_slots, self.num_heads, self.head_dim),
-                                     dtype=torch.float32, device=self.device)
+        self._partials = torch.empty(
+            prefix_partial_numel(self._partial_slots, self.num_heads, self.head_dim),
+            dtype=torch.float32,
+            device=self.device,
+        )
         self._uploaded = None
         if self.device.type == "cuda":
             self._side_stream = torch.cuda.Stream(self.device)
@@ -105,8 +124,9 @@ class TritonCascade:
         if rows is None:
             return None
         layout = self.planner.layout(fb.batch_size)
-        return self.planner.plan(fb.req_to_token_pool.host, rows, fb.seq_lens_cpu[:len(rows)], layout,
-                                 self._partial_slots)
+        return self.planner.plan(
+            fb.req_to_token_pool.host, rows, fb.seq_lens_cpu[: len(rows)], layout, self._partial_slots
+        )
 
     def graph_step(self, fb: ForwardBatch, capture: bool) -> CascadeStep:
         """Fill the static tables for this step (capture: an empty plan) and return their views."""
@@ -149,12 +169,29 @@ class TritonCascade:
     def prefix_partials(self, step: CascadeStep) -> PrefixPartials:
         return PrefixPartials(step.tables.req_info, step.partial_o, step.partial_lse, self.prefix_config.max_splits)
 
-    def launch_prefix(self, step: CascadeStep, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                      req_to_token: torch.Tensor, sm_scale: float) -> Optional[Callable[[], None]]:
+    def launch_prefix(
+        self,
+        step: CascadeStep,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        req_to_token: torch.Tensor,
+        sm_scale: float,
+    ) -> Optional[Callable[[], None]]:
         """Start the prefix kernel; returns what must run before the merge (a stream join), if anything."""
+
         def run() -> None:
-            prefix_attention(q, k_buffer, v_buffer, req_to_token, step.tables, step.partial_o, step.partial_lse,
-                             sm_scale, self.prefix_config)
+            prefix_attention(
+                q,
+                k_buffer,
+                v_buffer,
+                req_to_token,
+                step.tables,
+                step.partial_o,
+                step.partial_lse,
+                sm_scale,
+                self.prefix_config,
+            )
 
         if self._side_stream is None or not torch.cuda.is_current_stream_capturing():
             run()

@@ -6,11 +6,20 @@ scheduler-facing helpers."""
 # bitmask.py, and importing base.py brings xgrammar and with it transformers (~1.5 s of a CPU start, which
 # the scheduler process then spent before building the model rather than beside it).
 _EXPORTS = {
-    "ANY_JSON": "base", "BACKEND_NAMES": "base", "GRAMMAR_KINDS": "base", "JSON_KINDS": "base",
-    "CompiledGrammar": "base", "GrammarBackend": "base", "GrammarCompileError": "base",
-    "GrammarCompileTimeout": "base", "GrammarMatcher": "base",
-    "allocate_token_bitmask": "bitmask", "apply_token_bitmask_inplace": "bitmask",
-    "create_grammar_backend": "factory", "StrictSchemaError": "validation", "validate_constraint": "validation",
+    "ANY_JSON": "base",
+    "BACKEND_NAMES": "base",
+    "GRAMMAR_KINDS": "base",
+    "JSON_KINDS": "base",
+    "CompiledGrammar": "base",
+    "GrammarBackend": "base",
+    "GrammarCompileError": "base",
+    "GrammarCompileTimeout": "base",
+    "GrammarMatcher": "base",
+    "allocate_token_bitmask": "bitmask",
+    "apply_token_bitmask_inplace": "bitmask",
+    "create_grammar_backend": "factory",
+    "StrictSchemaError": "validation",
+    "validate_constraint": "validation",
 }
 
 
@@ -26,7 +35,18 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ANY_JSON", "BACKEND_NAMES", "GRAMMAR_KINDS", "JSON_KINDS", "CompiledGrammar", "GrammarBackend",
-    "GrammarCompileError", "GrammarCompileTimeout", "GrammarMatcher", "StrictSchemaError",
-    "create_grammar_backend", "allocate_token_bitmask", "apply_token_bitmask_inplace", "validate_constraint",
+    "ANY_JSON",
+    "BACKEND_NAMES",
+    "GRAMMAR_KINDS",
+    "JSON_KINDS",
+    "CompiledGrammar",
+    "GrammarBackend",
+    "GrammarCompileError",
+    "GrammarCompileTimeout",
+    "GrammarMatcher",
+    "StrictSchemaError",
+    "create_grammar_backend",
+    "allocate_token_bitmask",
+    "apply_token_bitmask_inplace",
+    "validate_constraint",
 ]

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-import queue
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, ContextManager, Optional, Sequence
 
@@ -77,8 +77,10 @@ def check_key(key: Any) -> GrammarKey:
         raise ValueError(f"{kind} constraint must be a non-empty string")
     limit = MAX_CONSTRAINT_CHARS[kind]
     if len(text) > limit:
-        raise ValueError(f"the {kind} constraint is {len(text):,} characters long, over the {limit:,} plait "
-                         f"compiles; split it or describe the format more compactly")
+        raise ValueError(
+            f"the {kind} constraint is {len(text):,} characters long, over the {limit:,} plait "
+            f"compiles; split it or describe the format more compactly"
+        )
     return (kind, text)
 
 
@@ -203,8 +205,9 @@ class GrammarBackend(ABC):
 
     name: str = "?"
 
-    def __init__(self, vocab: TokenizerVocab, num_threads: int = 1,
-                 compile_timeout: float = 60.0, cache_size: int = 1024) -> None:
+    def __init__(
+        self, vocab: TokenizerVocab, num_threads: int = 1, compile_timeout: float = 60.0, cache_size: int = 1024
+    ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         if compile_timeout <= 0:
@@ -277,21 +280,23 @@ class GrammarBackend(ABC):
         err = GrammarCompileTimeout(
             f"compiling the {kind} constraint {snippet!r} with the {self.name} backend took longer "
             f"than grammar_compile_timeout={self.compile_timeout:g}s; simplify the constraint or "
-            f"raise the timeout")
+            f"raise the timeout"
+        )
         try:
             outer.set_exception(err)
         except InvalidStateError:  # the compile finished at the same instant
             pass
 
-    def _on_compiled(self, key: GrammarKey, outer: Future, inner: Future,
-                     timer: threading.Timer) -> None:
+    def _on_compiled(self, key: GrammarKey, outer: Future, inner: Future, timer: threading.Timer) -> None:
         timer.cancel()
         exc = inner.exception()
         try:
             if exc is not None:
-                outer.set_exception(exc if isinstance(exc, ValueError)
-                                    else GrammarCompileError(f"{self.name} failed to compile the "
-                                                             f"{key[0]} constraint: {exc}"))
+                outer.set_exception(
+                    exc
+                    if isinstance(exc, ValueError)
+                    else GrammarCompileError(f"{self.name} failed to compile the {key[0]} constraint: {exc}")
+                )
             else:
                 outer.set_result(inner.result())
             return
@@ -308,8 +313,12 @@ class GrammarBackend(ABC):
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:
-            return {"hits": self.cache_hits, "misses": self.cache_misses, "size": len(self._cache),
-                    "compile_seconds": self.compile_seconds}
+            return {
+                "hits": self.cache_hits,
+                "misses": self.cache_misses,
+                "size": len(self._cache),
+                "compile_seconds": self.compile_seconds,
+            }
 
     def shutdown(self) -> None:
         self._pool.shutdown(self.num_threads)
@@ -325,5 +334,6 @@ def _check_not_empty(compiled: CompiledGrammar, vocab_size: int) -> None:
     if not bool(bitmask.any()):
         kind, text = compiled.key
         snippet = text if len(text) <= 80 else text[:77] + "..."
-        raise GrammarCompileError(f"the {kind} constraint {snippet!r} matches no text at all (for "
-                                  "example a rule that only refers to itself)")
+        raise GrammarCompileError(
+            f"the {kind} constraint {snippet!r} matches no text at all (for example a rule that only refers to itself)"
+        )

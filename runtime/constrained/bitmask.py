@@ -25,8 +25,7 @@ def allocate_token_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
     logits' device can be non-blocking."""
     if batch < 0 or vocab_size < 1:
         raise ValueError(f"bad bitmask shape: batch={batch}, vocab_size={vocab_size}")
-    return torch.full((batch, bitmask_width(vocab_size)), -1, dtype=torch.int32,
-                      pin_memory=torch.cuda.is_available())
+    return torch.full((batch, bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 
 
 def _bit_positions(device: torch.device) -> torch.Tensor:
@@ -51,8 +50,7 @@ def apply_token_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, row
     Columns of V beyond the bitmask's W * 32 (padded model vocabulary) are masked off too.
     Rows not listed are untouched."""
     if logits.dim() != 2 or bitmask.dim() != 2:
-        raise ValueError(f"expected 2-D logits and bitmask, got {tuple(logits.shape)} and "
-                         f"{tuple(bitmask.shape)}")
+        raise ValueError(f"expected 2-D logits and bitmask, got {tuple(logits.shape)} and {tuple(bitmask.shape)}")
     if bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
     if bitmask.shape[0] != logits.shape[0]:

@@ -95,11 +95,15 @@ class BudgetCloser:
         """After the request accepted `token_id` (now at `version`, with `accepted` tokens)."""
         found = self._after.get(token_id)
         self._after = {}
-        if found is None and self.estimate is not None and self.estimate.token_ids[:1] == (token_id,) and (
-                self._estimate_version == version - 1):
+        if (
+            found is None
+            and self.estimate is not None
+            and self.estimate.token_ids[:1] == (token_id,)
+            and (self._estimate_version == version - 1)
+        ):
             # The model wrote the completion's first token: the rest of it, token for token, completes.
             rest = self.estimate
-            found = Completion(rest.text[len(self.decoded[token_id]):], rest.token_ids[1:], rest.how)
+            found = Completion(rest.text[len(self.decoded[token_id]) :], rest.token_ids[1:], rest.how)
             self._after_left = self._estimate_left
         if found is not None:  # `fitting` (or the completion itself) says how it ends from here
             self.estimate, self._estimate_version = found, version
@@ -117,8 +121,15 @@ class BudgetCloser:
             self.plan, self.plan_pos = None, 0
 
     # ---- the decision before each sampled token ----
-    def step(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], version: int,
-             accepted: list[bytes], left: int, looping: bool) -> None:
+    def step(
+        self,
+        matcher: GrammarMatcher,
+        scanner: Optional[JsonScanner],
+        version: int,
+        accepted: list[bytes],
+        left: int,
+        looping: bool,
+    ) -> None:
         """Decide, with `left` tokens of budget (the next one included), whether to close or choose.
 
         version: the matcher's state (changes with every accept and rollback); accepted: the bytes of
@@ -142,8 +153,9 @@ class BudgetCloser:
         elif self.slack <= NEAR:
             self.choosing = True
 
-    def fitting(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], candidates: list[int],
-                decoded: tuple, left: int) -> list[int]:
+    def fitting(
+        self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], candidates: list[int], decoded: tuple, left: int
+    ) -> list[int]:
         """Of `candidates` (allowed tokens, likeliest first), those after which a completion fits in the
         `left - 1` tokens then left; a greedy request stops at the first.
 
@@ -179,8 +191,9 @@ class BudgetCloser:
             keep = [first]
         return keep
 
-    def keeps(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], token: int, decoded: tuple,
-              left: int) -> bool:
+    def keeps(
+        self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], token: int, decoded: tuple, left: int
+    ) -> bool:
         """Whether a greedy request whose likeliest allowed token is `token` writes it here: `fitting` with
         `token` first keeps it. When it does, the closer is left as `fitting` leaves it (the completion
         after `token` known for `on_token`); when not, as it was, for the full choice (its likeliest
@@ -191,8 +204,9 @@ class BudgetCloser:
         self._after, self._after_left, self.reason, self.plan, self.plan_pos = saved
         return False
 
-    def _fits_after(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], data: bytes, old: bytes,
-                    left: int, token: int) -> bool:
+    def _fits_after(
+        self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], data: bytes, old: bytes, left: int, token: int
+    ) -> bool:
         """With `token` just accepted on the matcher: whether a completion fits in `left - 1` tokens."""
         probe = None
         if scanner is not None:
@@ -208,7 +222,7 @@ class BudgetCloser:
             # What jump-forward will write: this token re-spelled with the forced text (its back-off of
             # one token), or, where that does not spell it back, the forced text's own tokens after it.
             tables = self.search.tables
-            rest = found.text[len(forced):]
+            rest = found.text[len(forced) :]
             rest_ids = tables.encode(rest) if rest else []
             together = tables.encode(data + forced) if _whole_utf8(data) else None
             alone = tables.encode(forced)
@@ -233,14 +247,17 @@ class BudgetCloser:
             return self.estimate
         if left > FIRST_LOOK or (self._retry_left is not None and left > self._retry_left):
             return None
-        if self.estimate is not None and left - len(self.estimate.token_ids) > NEAR and (
-                self._estimate_left - left < REFRESH):
+        if (
+            self.estimate is not None
+            and left - len(self.estimate.token_ids) > NEAR
+            and (self._estimate_left - left < REFRESH)
+        ):
             return self.estimate  # stale, but far enough from the end that nothing is decided on it
         return self._refresh(matcher, scanner, version, accepted, left)
 
     def _refresh(self, matcher, scanner, version, accepted, left) -> Optional[Completion]:
         old = self.estimate.text if self.estimate is not None else b""
-        found = self.search.find(matcher, scanner, _hints(old, b"".join(accepted[self._estimate_tokens:])))
+        found = self.search.find(matcher, scanner, _hints(old, b"".join(accepted[self._estimate_tokens :])))
         # NOTE: a search that finds nothing (a grammar too intricate for its node budget) is not
         # retried on every token: the next try waits RETRY_AFTER tokens.
         self._retry_left = None if found is not None else left - RETRY_AFTER
@@ -272,7 +289,7 @@ def _hints(old: bytes, written: bytes) -> list[bytes]:
         return []
     hints = []
     if written and old.startswith(written) and len(old) > len(written):
-        hints.append(old[len(written):])
+        hints.append(old[len(written) :])
     lead = next((i for i, b in enumerate(old) if b in _STRUCTURAL), len(old))
     if 0 < lead < len(old):
         hints.append(old[lead:])

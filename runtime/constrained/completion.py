@@ -29,22 +29,46 @@ import torch
 
 from .base import GrammarMatcher
 from .bitmask import bitmask_width
-from .json_scan import (AFTER_IN_ARRAY, AFTER_IN_OBJECT, ARRAY_START, BROKEN, COLON, IN_KEY, IN_LITERAL,
-                        IN_STRING, KEY, OBJECT_START, VALUE, JsonScanner)
+from .json_scan import (
+    AFTER_IN_ARRAY,
+    AFTER_IN_OBJECT,
+    ARRAY_START,
+    BROKEN,
+    COLON,
+    IN_KEY,
+    IN_LITERAL,
+    IN_STRING,
+    KEY,
+    OBJECT_START,
+    VALUE,
+    JsonScanner,
+)
 from .token_tables import TokenTables
 
 _VALUE_START = b'0"[{ntf-123456789'
 # The bytes tried first in each context: those that end something, then the shortest content. NOTE: '1'
 # before '0' inside strings: a date, time or uuid spelled with ones is a real one (year 0000 is not).
 _FIRST = {
-    IN_STRING: b'"a1', IN_KEY: b'"a1', IN_LITERAL: b"}],", VALUE: _VALUE_START,
-    ARRAY_START: b"]" + _VALUE_START, OBJECT_START: b'}"', KEY: b'"', COLON: b":",
-    AFTER_IN_OBJECT: b"},", AFTER_IN_ARRAY: b"],",
+    IN_STRING: b'"a1',
+    IN_KEY: b'"a1',
+    IN_LITERAL: b"}],",
+    VALUE: _VALUE_START,
+    ARRAY_START: b"]" + _VALUE_START,
+    OBJECT_START: b'}"',
+    KEY: b'"',
+    COLON: b":",
+    AFTER_IN_OBJECT: b"},",
+    AFTER_IN_ARRAY: b"],",
 }
 # Every other byte, in the order a completion would rather use them (whitespace and non-ASCII last).
-_ANY = (b"abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-        b"\"}],:{[-+._@/#=;!?$%&'()*<>\\^`|~" + b" \t\n\r" + bytes(range(0x80, 0x100))
-        + bytes(b for b in range(0x20) if b not in b"\t\n\r") + b"\x7f")
+_ANY = (
+    b"abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    b"\"}],:{[-+._@/#=;!?$%&'()*<>\\^`|~"
+    + b" \t\n\r"
+    + bytes(range(0x80, 0x100))
+    + bytes(b for b in range(0x20) if b not in b"\t\n\r")
+    + b"\x7f"
+)
 
 
 @dataclass(frozen=True)
@@ -71,11 +95,18 @@ class CompletionSearch:
         self._steps = 0  # tokens accepted on the matcher by the current search, to roll back
         # How completions were found (reported in the engine's stats): the cheap ways and the searches,
         # the searches that found none, and the time all of it took.
-        self.stats = {"completion_hints": 0, "completion_closers": 0, "completion_searches": 0,
-                      "completion_not_found": 0, "completion_ms": 0.0, "completion_search_ms": 0.0}
+        self.stats = {
+            "completion_hints": 0,
+            "completion_closers": 0,
+            "completion_searches": 0,
+            "completion_not_found": 0,
+            "completion_ms": 0.0,
+            "completion_search_ms": 0.0,
+        }
 
-    def find(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner],
-             hints: Sequence[bytes] = ()) -> Optional[Completion]:
+    def find(
+        self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], hints: Sequence[bytes] = ()
+    ) -> Optional[Completion]:
         """The shortest completion found (see the module docstring), or None. The matcher and the
         scanner are left as they were."""
         start = time.perf_counter()
@@ -84,14 +115,20 @@ class CompletionSearch:
         self.stats["completion_ms"] += ms
         if found is None or found.how == "search":
             self.stats["completion_search_ms"] += ms
-        key = "completion_not_found" if found is None else {"hint": "completion_hints", "closers": "completion_closers",
-                                                            "search": "completion_searches"}.get(found.how)
+        key = (
+            "completion_not_found"
+            if found is None
+            else {"hint": "completion_hints", "closers": "completion_closers", "search": "completion_searches"}.get(
+                found.how
+            )
+        )
         if key is not None:
             self.stats[key] += 1
         return found
 
-    def _find(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner],
-              hints: Sequence[bytes]) -> Optional[Completion]:
+    def _find(
+        self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], hints: Sequence[bytes]
+    ) -> Optional[Completion]:
         if matcher.is_terminated():
             return None
         if matcher.is_completed():
@@ -117,8 +154,9 @@ class CompletionSearch:
             return None
         return Completion(found.text, found.token_ids, "search", self._nodes)
 
-    def verify(self, matcher: GrammarMatcher, text: bytes, how: str,
-               scanner: Optional[JsonScanner] = None) -> Optional[Completion]:
+    def verify(
+        self, matcher: GrammarMatcher, text: bytes, how: str, scanner: Optional[JsonScanner] = None
+    ) -> Optional[Completion]:
         """`text` as a completion if the matcher accepts its tokens and may end after them (and, for JSON
         text, if it writes no key its object already has)."""
         if scanner is not None:
@@ -136,8 +174,11 @@ class CompletionSearch:
         self._nodes = 0
         text = bytearray()
         if scanner is not None:
-            return self._bounded(lambda: self._depth_first(matcher, scanner.from_snapshot(scanner.snapshot()),
-                                                           text, limit=None), matcher, text)
+            return self._bounded(
+                lambda: self._depth_first(matcher, scanner.from_snapshot(scanner.snapshot()), text, limit=None),
+                matcher,
+                text,
+            )
         for limit in range(1, 64):
             found = self._bounded(lambda: self._depth_first(matcher, None, text, limit), matcher, text)
             if found is not None or self._nodes >= self.max_nodes:
@@ -160,8 +201,9 @@ class CompletionSearch:
         self._steps = 0
         return result
 
-    def _depth_first(self, m: GrammarMatcher, scan: Optional[JsonScanner], text: bytearray,
-                     limit: Optional[int]) -> bool:
+    def _depth_first(
+        self, m: GrammarMatcher, scan: Optional[JsonScanner], text: bytearray, limit: Optional[int]
+    ) -> bool:
         """Extend `text` (and the matcher) to a completion; on failure both are as on entry."""
         if m.is_completed():
             return True
@@ -190,7 +232,7 @@ class CompletionSearch:
             del text[-1]
             self._undo(m, scan, snap, 1)
         if forced:  # (the scanner is restored by the caller, from its snapshot before this node)
-            del text[len(text) - forced:]
+            del text[len(text) - forced :]
             m.rollback(forced)
             self._steps -= forced
         return False
@@ -236,7 +278,6 @@ class CompletionSearch:
             token = self.tables.byte_token[byte]
             if token is not None and byte not in first and (words[token >> 5] >> (token & 31)) & 1:
                 yield byte
-
 
     def _digits_that_end(self, m: GrammarMatcher) -> list[int]:
         ends, others = [], []

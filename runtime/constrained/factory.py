@@ -10,9 +10,14 @@ from .vocab import build_tokenizer_vocab
 from .xgrammar_backend import XGrammarBackend
 
 
-def create_grammar_backend(name: str, tokenizer: Any, vocab_size: Optional[int] = None,
-                           num_threads: int = 1, compile_timeout: float = 60.0,
-                           stop_token_ids: Optional[Sequence[int]] = None) -> GrammarBackend:
+def create_grammar_backend(
+    name: str,
+    tokenizer: Any,
+    vocab_size: Optional[int] = None,
+    num_threads: int = 1,
+    compile_timeout: float = 60.0,
+    stop_token_ids: Optional[Sequence[int]] = None,
+) -> GrammarBackend:
     """Build the named backend ("xgrammar" | "outlines") for a Hugging Face tokenizer.
 
     vocab_size: the model's logit width (may exceed the tokenizer's; extra ids are never allowed).

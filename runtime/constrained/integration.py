@@ -42,7 +42,6 @@ from .request_grammar import RequestGrammar
 from .token_tables import TokenTables
 from .unique_keys import RepeatedKeyMask
 
-
 # Compiles run on this many threads. NOTE: a compile cannot be stopped, so one that runs past its timeout
 # keeps its thread until it ends; with a single thread every other request's constraint (a forced tool
 # call included) would queue behind it and time out too.
@@ -56,8 +55,12 @@ class GrammarManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.backend: GrammarBackend = create_grammar_backend(
-            server_args.grammar_backend, tokenizer, vocab_size,
-            num_threads=COMPILE_THREADS, compile_timeout=server_args.grammar_compile_timeout)
+            server_args.grammar_backend,
+            tokenizer,
+            vocab_size,
+            num_threads=COMPILE_THREADS,
+            compile_timeout=server_args.grammar_compile_timeout,
+        )
         self.jump_forward_enabled = server_args.jump_forward_enabled()
         self.tables = TokenTables(self.backend.vocab)
         self.search = CompletionSearch(self.tables)
@@ -68,19 +71,28 @@ class GrammarManager:
         # sampled tokens replaced by the retokenized forced text (decoded, then dropped).
         # grammar_closed_early: outputs steered to their shortest completion (budget or loop);
         # grammar_close_overshoots: outputs whose shortest completion no longer fitted their budget.
-        self.counters = {"jump_forward_events": 0, "jump_forward_tokens": 0,
-                         "jump_forward_rollback_tokens": 0, "grammar_closed_early": 0,
-                         "grammar_close_overshoots": 0}
+        self.counters = {
+            "jump_forward_events": 0,
+            "jump_forward_tokens": 0,
+            "jump_forward_rollback_tokens": 0,
+            "grammar_closed_early": 0,
+            "grammar_close_overshoots": 0,
+        }
 
     @property
     def stats(self) -> dict[str, float]:
         """Counters plus the compile cache's size, hits and misses (a soak watches the size: each
         compiled grammar holds its token-mask tables until the LRU drops it)."""
         cache = self.backend.cache_info()
-        return {**self.counters, **self.search.stats, "grammar_repeated_keys_unavoidable": self.keys.unavoidable,
-                "grammar_cache_size": cache["size"],
-                "grammar_cache_hits": cache["hits"], "grammar_cache_misses": cache["misses"],
-                "grammar_compile_seconds": round(cache["compile_seconds"], 6)}
+        return {
+            **self.counters,
+            **self.search.stats,
+            "grammar_repeated_keys_unavoidable": self.keys.unavoidable,
+            "grammar_cache_size": cache["size"],
+            "grammar_cache_hits": cache["hits"],
+            "grammar_cache_misses": cache["misses"],
+            "grammar_compile_seconds": round(cache["compile_seconds"], 6),
+        }
 
     # ---- arrival ----
     def request(self, sampling_params: Any) -> "Future[GrammarMatcher]":
@@ -91,10 +103,16 @@ class GrammarManager:
         # NOTE: the scheduler may clamp max_new_tokens to the context (None: all of it); the budget
         # accept() reports after the first token corrects this first one.
         max_new = sampling_params.max_new_tokens
-        return RequestGrammar(matcher, self.tables, self.search, self.keys,
-                              json_text=sampling_params.grammar_key[0] in JSON_KINDS,
-                              close_within_budget=sampling_params.close_within_budget,
-                              greedy=sampling_params.is_greedy, budget_left=max_new)
+        return RequestGrammar(
+            matcher,
+            self.tables,
+            self.search,
+            self.keys,
+            json_text=sampling_params.grammar_key[0] in JSON_KINDS,
+            close_within_budget=sampling_params.close_within_budget,
+            greedy=sampling_params.is_greedy,
+            budget_left=max_new,
+        )
 
     # ---- sampling ----
     def fill_and_apply(self, logits: torch.Tensor, reqs: Sequence[Any]) -> None:
@@ -117,8 +135,10 @@ class GrammarManager:
             return True
 
         req.finished_reason = FinishReason(
-            "abort", message=f"token {token_id} violates the request's grammar (constraint "
-                             f"{req.sampling_params.grammar_key[0]})")
+            "abort",
+            message=f"token {token_id} violates the request's grammar (constraint "
+            f"{req.sampling_params.grammar_key[0]})",
+        )
         return False
 
     def jump_forward(self, req: Any) -> Optional[JumpForwardPlan]:
@@ -143,8 +163,9 @@ class GrammarManager:
             self.counters["grammar_close_overshoots"] += 1
 
 
-def make_request_grammar(backend: GrammarBackend, sampling_params: Any, wrap: Any = None
-                         ) -> "Optional[Future[GrammarMatcher]]":
+def make_request_grammar(
+    backend: GrammarBackend, sampling_params: Any, wrap: Any = None
+) -> "Optional[Future[GrammarMatcher]]":
     """None for an unconstrained request; else a future resolving to the request's own matcher
     (with `.warnings`, the constraint features the backend does not enforce) or to ValueError.
 
@@ -195,8 +216,7 @@ def advance(req: Any, token_id: int) -> bool:
     return req.grammar is None or req.grammar.accept_token(int(token_id))
 
 
-def jump_forward(req: Any, tokenizer: Any, special_ids: frozenset = frozenset()
-                 ) -> Optional[JumpForwardPlan]:
+def jump_forward(req: Any, tokenizer: Any, special_ids: frozenset = frozenset()) -> Optional[JumpForwardPlan]:
     """Plan and apply a jump-forward on `req` (output_ids, matcher, detokenizer); None if nothing
     is forced or the budget is spent. Drops at most the last (not yet KV-computed) token."""
     # NOTE: the scheduler's Req carries its budget, where max_new_tokens=None is what is left of the
@@ -213,14 +233,17 @@ def jump_forward(req: Any, tokenizer: Any, special_ids: frozenset = frozenset()
         plan = _without_backoff(req.grammar, tokenizer, plan.forced_text, budget)
         if plan is None:
             return None
-    detok_ids = (list(plan.append_token_ids) if plan.rollback_tokens == 0
-                 else list(tokenizer.encode(plan.forced_text, add_special_tokens=False)))
+    detok_ids = (
+        list(plan.append_token_ids)
+        if plan.rollback_tokens == 0
+        else list(tokenizer.encode(plan.forced_text, add_special_tokens=False))
+    )
     if plan.rollback_tokens and tokenizer.decode(detok_ids) != plan.forced_text:
         return None
     if not apply_jump_forward(req.grammar, plan):
         return None
     if plan.rollback_tokens:
-        del req.output_ids[len(req.output_ids) - plan.rollback_tokens:]
+        del req.output_ids[len(req.output_ids) - plan.rollback_tokens :]
     req.output_ids.extend(plan.append_token_ids)
     detok = getattr(req, "detok", None)
     if detok is not None:
@@ -230,13 +253,11 @@ def jump_forward(req: Any, tokenizer: Any, special_ids: frozenset = frozenset()
     return plan
 
 
-def _without_backoff(matcher: GrammarMatcher, tokenizer: Any, forced: str,
-                     budget: int) -> Optional[JumpForwardPlan]:
+def _without_backoff(matcher: GrammarMatcher, tokenizer: Any, forced: str, budget: int) -> Optional[JumpForwardPlan]:
     ids = list(tokenizer.encode(forced, add_special_tokens=False))[:budget]
     if not ids:
         return None
     text = tokenizer.decode(ids)
     if not forced.startswith(text) or "\ufffd" in text:
         return None
-    return JumpForwardPlan(forced_text=text, rollback_tokens=0, dropped_token_ids=(),
-                           append_token_ids=tuple(ids))
+    return JumpForwardPlan(forced_text=text, rollback_tokens=0, dropped_token_ids=(), append_token_ids=tuple(ids))

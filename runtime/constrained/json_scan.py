@@ -224,7 +224,7 @@ def _finish_literal(literal: bytes) -> Optional[bytes]:
     """The bytes that complete a partial JSON literal ("tr" -> "ue", "1." -> "0"), or None."""
     for word in (b"true", b"false", b"null"):
         if word.startswith(literal):
-            return word[len(literal):]
+            return word[len(literal) :]
     last = literal[-1:]
     if last in (b"-", b".", b"e", b"E", b"+"):
         return b"0"

@@ -45,8 +45,9 @@ class JumpForwardPlan:
         return len(self.append_token_ids) - self.rollback_tokens
 
 
-def plan_jump_forward(matcher: GrammarMatcher, tokenizer: Any, output_ids: Sequence[int],
-                      max_backoff: int = 1) -> Optional[JumpForwardPlan]:
+def plan_jump_forward(
+    matcher: GrammarMatcher, tokenizer: Any, output_ids: Sequence[int], max_backoff: int = 1
+) -> Optional[JumpForwardPlan]:
     """The tokens to append for the text the grammar forces now, or None if nothing is forced.
 
     `output_ids` are the request's generated tokens so far (the matcher has accepted all of them);
@@ -57,8 +58,8 @@ def plan_jump_forward(matcher: GrammarMatcher, tokenizer: Any, output_ids: Seque
     if not forced:
         return None
     backoff = min(max_backoff, len(output_ids), matcher.max_rollback)
-    for k in ((backoff, 0) if backoff > 0 else (0,)):
-        plan = _retokenize(tokenizer, list(output_ids[len(output_ids) - k:]) if k else [], forced)
+    for k in (backoff, 0) if backoff > 0 else (0,):
+        plan = _retokenize(tokenizer, list(output_ids[len(output_ids) - k :]) if k else [], forced)
         if plan is not None:
             return plan
     return None
@@ -78,8 +79,12 @@ def _retokenize(tokenizer: Any, tail_ids: list[int], forced: str) -> Optional[Ju
     append = new_ids[keep:]
     if not append:
         return None
-    return JumpForwardPlan(forced_text=forced, rollback_tokens=len(dropped),
-                           dropped_token_ids=tuple(dropped), append_token_ids=tuple(append))
+    return JumpForwardPlan(
+        forced_text=forced,
+        rollback_tokens=len(dropped),
+        dropped_token_ids=tuple(dropped),
+        append_token_ids=tuple(append),
+    )
 
 
 def apply_jump_forward(matcher: GrammarMatcher, plan: JumpForwardPlan) -> bool:

@@ -26,8 +26,9 @@ def branches_exclusive(branches: list, root: Any) -> bool:
     resolved = [_resolve(b, root) for b in branches]
     if any(b is None for b in resolved):
         return False
-    return all(_disjoint(resolved[i], resolved[j], root)
-               for i in range(len(resolved)) for j in range(i + 1, len(resolved)))
+    return all(
+        _disjoint(resolved[i], resolved[j], root) for i in range(len(resolved)) for j in range(i + 1, len(resolved))
+    )
 
 
 def _disjoint(a: dict, b: dict, root: Any, depth: int = 0) -> bool:

@@ -1,7 +1,8 @@
 """outlines-core backend: regex and JSON schema (no EBNF), via a token-level DFA index.
 
 A JSON schema becomes a regex laid out by the kind (natural: ", " and ": "; compact: no whitespace;
-"json_ws": `[ \\t\\n\\r]*` between tokens; no indentation), then an `Index` over the vocabulary. Compiling walks the whole DFA against the
+"json_ws": `[ \\t\\n\\r]*` between tokens; no indentation), then an `Index` over the vocabulary. Compiling walks the
+whole DFA against the
 vocabulary, which is slow for large schemas (seconds) but makes per-token masks cheap.
 
 Recursive structures are unrolled to a fixed depth (`MAX_RECURSION_DEPTH`); any-JSON is therefore
@@ -35,10 +36,18 @@ _GAP = "\x00gap\x00"
 # bytes and rolls back; the Guide keeps this many states.
 _MAX_ROLLBACK = 1024
 # Where a subschema may be the boolean `true` (see `_true_as_empty`).
-_SUBSCHEMA_KEYS = ("items", "contains", "propertyNames", "not", "if", "then", "else",
-                   "additionalItems", "unevaluatedItems")
-_SUBSCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions",
-                       "dependentSchemas")
+_SUBSCHEMA_KEYS = (
+    "items",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "additionalItems",
+    "unevaluatedItems",
+)
+_SUBSCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LIST_KEYS = ("prefixItems", "allOf", "anyOf", "oneOf")
 # Formats written as a string `pattern` (Python regex; ASCII digits, RFC 3339 times with their offset).
 # NOTE: outlines-core's own regexes broke the JSON: "time" allowed a raw backslash before any character
@@ -50,7 +59,9 @@ _PATH = r"[A-Za-z0-9._~%!$&'()*+,;=:@/-]"
 _QUERY = r"[A-Za-z0-9._~%!$&'()*+,;=:@/?-]"
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 FORMAT_PATTERNS = {
-    "date": _DATE, "time": _TIME, "date-time": f"{_DATE}T{_TIME}",
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}T{_TIME}",
     "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
     "email": r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}",
     "uri": rf"(https?|ftp)://[A-Za-z0-9.-]+(:[0-9]{{1,5}})?(/{_PATH}*)?(\?{_QUERY}*)?(#{_QUERY}*)?",
@@ -61,13 +72,14 @@ FORMAT_PATTERNS = {
 def _to_regex(kind: str, text: str) -> tuple[str, list[str]]:
     """Tokenizer-free: the regex outlines will enforce, plus warnings (raises ValueError)."""
     if kind == "ebnf":
-        raise ValueError("the outlines grammar backend does not support EBNF grammars; "
-                         "use grammar_backend='xgrammar'")
+        raise ValueError("the outlines grammar backend does not support EBNF grammars; use grammar_backend='xgrammar'")
     if kind == "regex":
         return normalize_regex(text), []
     if kind == "json_indent":
-        raise ValueError("the outlines grammar backend cannot lay JSON out with indentation (json_style "
-                         "'indent'); use grammar_backend='xgrammar' or another json_style")
+        raise ValueError(
+            "the outlines grammar backend cannot lay JSON out with indentation (json_style "
+            "'indent'); use grammar_backend='xgrammar' or another json_style"
+        )
     schema = parse_json_schema(text)
     if schema is None:
         schema = {}
@@ -172,17 +184,22 @@ def _true_as_empty(schema: Any) -> Any:
 
 def _bounded_integer_values(node: dict) -> Optional[list[int]]:
     if node.get("type") not in ("integer", ["integer", "null"], ["null", "integer"]) or (
-            "enum" in node or "const" in node):
+        "enum" in node or "const" in node
+    ):
         return None
     low, high = node.get("minimum"), node.get("maximum")
-    if isinstance(node.get("exclusiveMinimum"), (int, float)) and not isinstance(
-            node.get("exclusiveMinimum"), bool):
-        low = math.floor(node["exclusiveMinimum"]) + 1 if low is None else max(
-            low, math.floor(node["exclusiveMinimum"]) + 1)
-    if isinstance(node.get("exclusiveMaximum"), (int, float)) and not isinstance(
-            node.get("exclusiveMaximum"), bool):
-        high = math.ceil(node["exclusiveMaximum"]) - 1 if high is None else min(
-            high, math.ceil(node["exclusiveMaximum"]) - 1)
+    if isinstance(node.get("exclusiveMinimum"), (int, float)) and not isinstance(node.get("exclusiveMinimum"), bool):
+        low = (
+            math.floor(node["exclusiveMinimum"]) + 1
+            if low is None
+            else max(low, math.floor(node["exclusiveMinimum"]) + 1)
+        )
+    if isinstance(node.get("exclusiveMaximum"), (int, float)) and not isinstance(node.get("exclusiveMaximum"), bool):
+        high = (
+            math.ceil(node["exclusiveMaximum"]) - 1
+            if high is None
+            else min(high, math.ceil(node["exclusiveMaximum"]) - 1)
+        )
     if not isinstance(low, (int, float)) or not isinstance(high, (int, float)):
         return None
     low, high = math.ceil(low), math.floor(high)
@@ -313,8 +330,9 @@ def _bit(i: int) -> int:
 
 
 class OutlinesCompiled(CompiledGrammar):
-    def __init__(self, key: GrammarKey, warnings: list[str], seconds: float, index: oc.Index,
-                 vocab: TokenizerVocab) -> None:
+    def __init__(
+        self, key: GrammarKey, warnings: list[str], seconds: float, index: oc.Index, vocab: TokenizerVocab
+    ) -> None:
         super().__init__(key, warnings, seconds)
         self._index = index
         self._vocab = vocab
@@ -326,8 +344,7 @@ class OutlinesCompiled(CompiledGrammar):
 class OutlinesBackend(GrammarBackend):
     name = "outlines"
 
-    def __init__(self, vocab: TokenizerVocab, num_threads: int = 1,
-                 compile_timeout: float = 60.0) -> None:
+    def __init__(self, vocab: TokenizerVocab, num_threads: int = 1, compile_timeout: float = 60.0) -> None:
         super().__init__(vocab, num_threads=num_threads, compile_timeout=compile_timeout)
         by_bytes: dict[bytes, list[int]] = {}
         for token_id, data in enumerate(vocab.decoded):
@@ -348,7 +365,5 @@ class OutlinesBackend(GrammarBackend):
             # slower; their enums are ordered instead (see prepare_schema_for_outlines).
             index = oc.Index(f"({regex})$" if kind == "regex" else regex, self._vocabulary)
         except ValueError as e:
-            raise ValueError(f"outlines could not compile the {kind} constraint: "
-                             f"{str(e).splitlines()[0]}") from None
-        return OutlinesCompiled((kind, text), warnings, time.perf_counter() - start, index,
-                                self.vocab)
+            raise ValueError(f"outlines could not compile the {kind} constraint: {str(e).splitlines()[0]}") from None
+        return OutlinesCompiled((kind, text), warnings, time.perf_counter() - start, index, self.vocab)

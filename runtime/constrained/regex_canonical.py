@@ -44,8 +44,12 @@ _UNSUPPORTED = {
 _LEADING_ANCHORS = ("AT_BEGINNING", "AT_BEGINNING_STRING")
 _TRAILING_ANCHORS = ("AT_END", "AT_END_STRING")
 _CATEGORIES = {
-    "CATEGORY_DIGIT": r"\d", "CATEGORY_NOT_DIGIT": r"\D", "CATEGORY_SPACE": r"\s",
-    "CATEGORY_NOT_SPACE": r"\S", "CATEGORY_WORD": r"\w", "CATEGORY_NOT_WORD": r"\W",
+    "CATEGORY_DIGIT": r"\d",
+    "CATEGORY_NOT_DIGIT": r"\D",
+    "CATEGORY_SPACE": r"\s",
+    "CATEGORY_NOT_SPACE": r"\S",
+    "CATEGORY_WORD": r"\w",
+    "CATEGORY_NOT_WORD": r"\W",
 }
 _META = set(r".^$*+?{}[]\|()")
 _CLASS_META = set(r"\]^-[")
@@ -53,8 +57,11 @@ _NAMED_ESCAPES = {"\n": r"\n", "\t": r"\t", "\r": r"\r", "\f": r"\f", "\v": r"\v
 # JSON-body mode: characters a JSON string never holds raw, as set text and as code ranges.
 _JSON_RAW_UNSAFE = '"\\\\\\x00-\\x1f'
 _JSON_UNSAFE_RANGES = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
-_NEGATIVE = {"CATEGORY_NOT_DIGIT": "CATEGORY_DIGIT", "CATEGORY_NOT_SPACE": "CATEGORY_SPACE",
-             "CATEGORY_NOT_WORD": "CATEGORY_WORD"}
+_NEGATIVE = {
+    "CATEGORY_NOT_DIGIT": "CATEGORY_DIGIT",
+    "CATEGORY_NOT_SPACE": "CATEGORY_SPACE",
+    "CATEGORY_NOT_WORD": "CATEGORY_WORD",
+}
 # Nodes written as one atom (a quantifier may follow them directly).
 _ATOMS = ("LITERAL", "NOT_LITERAL", "ANY", "IN", "BRANCH", "SUBPATTERN")
 _IGNORECASE = _sre_const.SRE_FLAG_IGNORECASE
@@ -80,9 +87,11 @@ def _parse(pattern: str) -> tuple[list, int]:
         except re.error as e:
             raise ValueError(f"regex {_short(pattern)} is invalid: {e}") from None
         except FutureWarning as w:
-            raise ValueError(f"regex {_short(pattern)} is ambiguous ({w}); POSIX classes such as "
-                             "[[:alpha:]] are not supported: escape a literal '[' inside a set "
-                             "as '\\['") from None
+            raise ValueError(
+                f"regex {_short(pattern)} is ambiguous ({w}); POSIX classes such as "
+                "[[:alpha:]] are not supported: escape a literal '[' inside a set "
+                "as '\\['"
+            ) from None
     items = list(parsed)
     if items and _is_anchor(items[0], _LEADING_ANCHORS):
         items = items[1:]
@@ -106,8 +115,7 @@ class _Writer:
         self.json_body = json_body
 
     def fail(self, what: str) -> ValueError:
-        return ValueError(f"regex {_short(self.pattern)} uses {what}, which constrained decoding "
-                          "cannot enforce")
+        return ValueError(f"regex {_short(self.pattern)} uses {what}, which constrained decoding cannot enforce")
 
     def sequence(self, items: Any, flags: int) -> str:
         return "".join(self.node(op, arg, flags) for op, arg in items)
@@ -138,16 +146,21 @@ class _Writer:
                 return ""
             return self.group(body, flags) + _quantifier(low, high)
         if name == "AT":
-            raise ValueError(f"regex {_short(self.pattern)} uses an anchor or word boundary "
-                             f"({arg}) inside the pattern; only a leading ^ and a trailing $ "
-                             "are allowed")
+            raise ValueError(
+                f"regex {_short(self.pattern)} uses an anchor or word boundary "
+                f"({arg}) inside the pattern; only a leading ^ and a trailing $ "
+                "are allowed"
+            )
         raise self.fail(f"the construct {name}")
 
     def group(self, body: Any, flags: int) -> str:
         """`body` as one atom: parenthesized unless it already is a single atom."""
         text = self.sequence(body, flags)
-        if len(body) == 1 and str(body[0][0]) in _ATOMS and (
-                str(body[0][0]) != "LITERAL" or len(text) <= 2 or text.startswith("[")):
+        if (
+            len(body) == 1
+            and str(body[0][0]) in _ATOMS
+            and (str(body[0][0]) != "LITERAL" or len(text) <= 2 or text.startswith("["))
+        ):
             return text
         return "(" + text + ")"
 
@@ -257,8 +270,7 @@ def _cases(char: str, flags: int) -> list[str]:
         return [char]
     found = [char]
     for other in (char.lower(), char.upper(), char.swapcase()):
-        if len(other) == 1 and other not in found and re.fullmatch(re.escape(char), other,
-                                                                   re.IGNORECASE):
+        if len(other) == 1 and other not in found and re.fullmatch(re.escape(char), other, re.IGNORECASE):
             found.append(other)
     return found
 
@@ -298,4 +310,4 @@ def _escape_control(char: str) -> str:
 
 
 def _short(text: str, limit: int = 60) -> str:
-    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")

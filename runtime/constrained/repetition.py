@@ -48,8 +48,8 @@ class RepetitionWatch:
         """Forget the last tokens; the counters are rebuilt from the tail that can still matter."""
         if num_tokens <= 0:
             return
-        del self._tokens[len(self._tokens) - num_tokens:]
-        del self._data[len(self._data) - num_tokens:]
+        del self._tokens[len(self._tokens) - num_tokens :]
+        del self._data[len(self._data) - num_tokens :]
         self._runs = [0] * (MAX_PERIOD + 1)
         self._digits = 0
         self._window.clear()

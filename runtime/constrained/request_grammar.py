@@ -34,9 +34,17 @@ from .unique_keys import RepeatedKeyMask
 
 
 class RequestGrammar(GrammarMatcher):
-    def __init__(self, matcher: GrammarMatcher, tables: TokenTables, search: CompletionSearch,
-                 keys: RepeatedKeyMask, json_text: bool, close_within_budget: bool, greedy: bool = False,
-                 budget_left: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        matcher: GrammarMatcher,
+        tables: TokenTables,
+        search: CompletionSearch,
+        keys: RepeatedKeyMask,
+        json_text: bool,
+        close_within_budget: bool,
+        greedy: bool = False,
+        budget_left: Optional[int] = None,
+    ) -> None:
         self.inner = matcher
         self.warnings = matcher.warnings
         self._tables = tables
@@ -174,8 +182,9 @@ class RequestGrammar(GrammarMatcher):
             return closer.greedy and closer.forced_token() == token_id
         if not closer.choosing:
             return True
-        return closer.greedy and closer.keeps(self.inner, self.scanner, token_id, self._tables.vocab.decoded,
-                                              self._budget_left)
+        return closer.greedy and closer.keeps(
+            self.inner, self.scanner, token_id, self._tables.vocab.decoded, self._budget_left
+        )
 
     @contextlib.contextmanager
     def drafting(self) -> Iterator[None]:
@@ -203,7 +212,6 @@ class RequestGrammar(GrammarMatcher):
         if self.scanner is not None and not self.scanner.broken:
             self._keys.apply(self.scanner, bitmask[row], self.inner)
 
-
     def refine_bitmask(self, logits: torch.Tensor, row: torch.Tensor) -> None:
         """Near the end of the budget (closing.py): of the CHOICES likeliest allowed tokens, keep those
         after which a completion still fits. logits: (V,) on any device; row: the (W,) bits just filled."""
@@ -213,8 +221,7 @@ class RequestGrammar(GrammarMatcher):
         top = logits.masked_fill(~allowed, float("-inf")).topk(min(CHOICES, logits.shape[0]))
         candidates = [t for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")]
         had_reason = self.closer.reason is not None
-        keep = self.closer.fitting(self.inner, self.scanner, candidates, self._tables.vocab.decoded,
-                                   self._budget_left)
+        keep = self.closer.fitting(self.inner, self.scanner, candidates, self._tables.vocab.decoded, self._budget_left)
         if self.closer.reason is not None and not had_reason:
             self._event = "closed"
         row.zero_()

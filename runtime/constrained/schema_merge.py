@@ -19,18 +19,38 @@ import copy
 import json
 from typing import Any, Optional
 
-_LOWER_BOUNDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties",
-                 "minContains")
-_UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties",
-                 "maxContains")
-_ANNOTATIONS = ("title", "description", "default", "examples", "$comment", "deprecated",
-                "readOnly", "writeOnly", "$schema", "$id", "$anchor")
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains")
+_ANNOTATIONS = (
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$comment",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "$schema",
+    "$id",
+    "$anchor",
+)
 # Keywords that restrict which property names an object may have beyond its `properties`.
 _CLOSING = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
-_SUBSCHEMAS = ("items", "additionalProperties", "contains", "not", "if", "then", "else",
-               "propertyNames", "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SUBSCHEMAS = (
+    "items",
+    "additionalProperties",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "additionalItems",
+)
 _MAX_REF_DEPTH = 8
 
 
@@ -71,7 +91,8 @@ class _Merger:
     def fold(self, node: dict, refs: tuple[str, ...]) -> dict:
         branches = node.get("allOf")
         has_ref_siblings = isinstance(node.get("$ref"), str) and any(
-            k not in ("$ref", "$defs", "definitions", *_ANNOTATIONS) for k in node)
+            k not in ("$ref", "$defs", "definitions", *_ANNOTATIONS) for k in node
+        )
         if not isinstance(branches, list) and not has_ref_siblings:
             return node
         own = {k: v for k, v in node.items() if k != "allOf"}
@@ -154,7 +175,8 @@ def _check_closing(a: dict, b: dict) -> None:
     if any(name not in own for name in b.get("properties", {})):
         raise _CannotMerge()
     if any(k in b and b[k] is not True for k in _CLOSING) and any(
-            _canonical(a.get(k)) != _canonical(b.get(k)) for k in _CLOSING):
+        _canonical(a.get(k)) != _canonical(b.get(k)) for k in _CLOSING
+    ):
         raise _CannotMerge()
 
 
@@ -170,8 +192,9 @@ def _intersect_types(a: Any, b: Any) -> Any:
     right = [b] if isinstance(b, str) else list(b)
     both = [t for t in left if t in right]
     # An integer is a number, so {"type": "number"} and {"type": "integer"} leave integers.
-    if "integer" not in both and (("integer" in left and "number" in right)
-                                  or ("number" in left and "integer" in right)):
+    if "integer" not in both and (
+        ("integer" in left and "number" in right) or ("number" in left and "integer" in right)
+    ):
         both.append("integer")
     if not both:
         raise _CannotMerge()
@@ -184,4 +207,3 @@ def _contains(values: list, item: Any) -> bool:
 
 def _canonical(value: Any) -> Optional[str]:
     return json.dumps(value, sort_keys=True)
-

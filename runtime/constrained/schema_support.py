@@ -25,36 +25,112 @@ from .regex_canonical import json_string_pattern
 from .schema_merge import merge_all_of
 
 # Keywords that assert something about an instance (JSON Schema 2020-12 plus older drafts' names).
-ASSERTION_KEYWORDS = frozenset({
-    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
-    "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
-    "uniqueItems", "maxContains", "minContains", "contains", "maxProperties", "minProperties",
-    "required", "dependentRequired", "dependentSchemas", "dependencies", "properties",
-    "patternProperties", "additionalProperties", "propertyNames", "items", "prefixItems",
-    "additionalItems", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
-    "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
-})
+ASSERTION_KEYWORDS = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "multipleOf",
+        "maximum",
+        "exclusiveMaximum",
+        "minimum",
+        "exclusiveMinimum",
+        "maxLength",
+        "minLength",
+        "pattern",
+        "format",
+        "maxItems",
+        "minItems",
+        "uniqueItems",
+        "maxContains",
+        "minContains",
+        "contains",
+        "maxProperties",
+        "minProperties",
+        "required",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "properties",
+        "patternProperties",
+        "additionalProperties",
+        "propertyNames",
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "$ref",
+        "$dynamicRef",
+        "$recursiveRef",
+    }
+)
 
 _SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LIST_KEYS = ("prefixItems", "allOf", "anyOf", "oneOf")
-_SCHEMA_KEYS = ("additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
-                "unevaluatedItems", "unevaluatedProperties", "additionalItems", "items")
+_SCHEMA_KEYS = (
+    "additionalProperties",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "additionalItems",
+    "items",
+)
 
 _ALLOF_BRANCH = re.compile(r"/allOf/\d+$")
-_OPEN_OBJECT_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf",
-                     "anyOf", "oneOf", "$ref", "if", "dependentSchemas")
+_OPEN_OBJECT_KEYS = (
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "if",
+    "dependentSchemas",
+)
 
 # Keywords that only constrain values of one JSON type; without a declared `type` a backend may
 # generate another type and skip them.
 _TYPED_KEYWORDS = {
-    "multipleOf": "number", "maximum": "number", "exclusiveMaximum": "number",
-    "minimum": "number", "exclusiveMinimum": "number", "maxLength": "string",
-    "minLength": "string", "pattern": "string", "format": "string", "maxItems": "array",
-    "minItems": "array", "uniqueItems": "array", "contains": "array", "maxContains": "array",
-    "minContains": "array", "prefixItems": "array", "items": "array", "additionalItems": "array",
-    "maxProperties": "object", "minProperties": "object", "required": "object",
-    "properties": "object", "patternProperties": "object", "additionalProperties": "object",
-    "propertyNames": "object", "dependentRequired": "object",
+    "multipleOf": "number",
+    "maximum": "number",
+    "exclusiveMaximum": "number",
+    "minimum": "number",
+    "exclusiveMinimum": "number",
+    "maxLength": "string",
+    "minLength": "string",
+    "pattern": "string",
+    "format": "string",
+    "maxItems": "array",
+    "minItems": "array",
+    "uniqueItems": "array",
+    "contains": "array",
+    "maxContains": "array",
+    "minContains": "array",
+    "prefixItems": "array",
+    "items": "array",
+    "additionalItems": "array",
+    "maxProperties": "object",
+    "minProperties": "object",
+    "required": "object",
+    "properties": "object",
+    "patternProperties": "object",
+    "additionalProperties": "object",
+    "propertyNames": "object",
+    "dependentRequired": "object",
 }
 # Keywords whose presence lets xgrammar infer the node's type.
 _TYPE_IMPLYING = {"properties": "object", "items": "array", "prefixItems": "array"}
@@ -96,36 +172,101 @@ class BackendSupport:
 
 XGRAMMAR = BackendSupport(
     name="xgrammar",
-    enforced=frozenset({
-        "type", "enum", "const", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
-        "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "required",
-        "properties", "additionalProperties", "items", "prefixItems", "additionalItems", "anyOf",
-        "$ref", "maxProperties", "minProperties", "patternProperties", "propertyNames",
-        "multipleOf",
-    }),
+    enforced=frozenset(
+        {
+            "type",
+            "enum",
+            "const",
+            "maximum",
+            "exclusiveMaximum",
+            "minimum",
+            "exclusiveMinimum",
+            "maxLength",
+            "minLength",
+            "pattern",
+            "format",
+            "maxItems",
+            "minItems",
+            "required",
+            "properties",
+            "additionalProperties",
+            "items",
+            "prefixItems",
+            "additionalItems",
+            "anyOf",
+            "$ref",
+            "maxProperties",
+            "minProperties",
+            "patternProperties",
+            "propertyNames",
+            "multipleOf",
+        }
+    ),
     partial={"oneOf": "is enforced as anyOf (exclusivity is not checked)"},
-    formats=frozenset({
-        "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
-        "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
-    }),
-    shape_only_formats={"date": _CALENDAR, "date-time": _CALENDAR, "ipv4": "octets with leading zeros such as "
-                        "01.2.3.4 pass", "hostname": "labels longer than 63 characters pass"},
-    integer_bounds=True, number_bounds=True, multiple_of_number=False, length_with_pattern=False,
+    formats=frozenset(
+        {
+            "email",
+            "date",
+            "time",
+            "date-time",
+            "duration",
+            "ipv4",
+            "ipv6",
+            "hostname",
+            "uuid",
+            "uri",
+            "uri-reference",
+            "uri-template",
+            "json-pointer",
+            "relative-json-pointer",
+        }
+    ),
+    shape_only_formats={
+        "date": _CALENDAR,
+        "date-time": _CALENDAR,
+        "ipv4": "octets with leading zeros such as 01.2.3.4 pass",
+        "hostname": "labels longer than 63 characters pass",
+    },
+    integer_bounds=True,
+    number_bounds=True,
+    multiple_of_number=False,
+    length_with_pattern=False,
 )
 
 OUTLINES = BackendSupport(
     name="outlines",
-    enforced=frozenset({
-        "type", "enum", "const", "maxLength", "minLength", "pattern", "format", "maxItems",
-        "minItems", "required", "properties", "additionalProperties", "items", "anyOf", "$ref",
-        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-    }),
+    enforced=frozenset(
+        {
+            "type",
+            "enum",
+            "const",
+            "maxLength",
+            "minLength",
+            "pattern",
+            "format",
+            "maxItems",
+            "minItems",
+            "required",
+            "properties",
+            "additionalProperties",
+            "items",
+            "anyOf",
+            "$ref",
+            "minimum",
+            "maximum",
+            "exclusiveMinimum",
+            "exclusiveMaximum",
+        }
+    ),
     partial={"oneOf": "is enforced as anyOf (exclusivity is not checked)"},
     formats=frozenset({"date-time", "date", "time", "uuid", "uri", "email", "ipv4"}),
     shape_only_formats={"date": _CALENDAR, "date-time": _CALENDAR},
     # NOTE: outlines emits no bounds at all; outlines_backend rewrites small integer ranges into
     # enums (see `bounded_integer_to_enum`), so only those count as enforced.
-    integer_bounds=False, number_bounds=False, multiple_of_number=False, length_with_pattern=False,
+    integer_bounds=False,
+    number_bounds=False,
+    multiple_of_number=False,
+    length_with_pattern=False,
 )
 
 BACKENDS = {"xgrammar": XGRAMMAR, "outlines": OUTLINES}
@@ -238,6 +379,7 @@ def _undeclared_required(node: dict) -> list[str]:
 
 def _whole_integer_bounds(node: dict) -> None:
     """Replace an integer node's fractional bounds by the inclusive whole bounds they mean."""
+
     def fractional(key: str) -> bool:
         value = node.get(key)
         return isinstance(value, float) and math.isfinite(value) and not value.is_integer()
@@ -300,8 +442,7 @@ def unenforced_keywords(schema: Any, backend: str) -> list[Unenforced]:
                 warn(path, keyword, f"keyword 'required' ({_undeclared_required(node)} not declared in properties)")
                 continue
             if keyword in _BRANCHING:
-                siblings = [k for k in keywords if k not in (*_BRANCHING, "type", "required",
-                                                             "properties")]
+                siblings = [k for k in keywords if k not in (*_BRANCHING, "type", "required", "properties")]
                 if siblings:
                     warn(path, siblings[0], f"keywords {siblings} next to {keyword}")
                 continue
@@ -311,8 +452,9 @@ def unenforced_keywords(schema: Any, backend: str) -> list[Unenforced]:
             if typed and declared is None and typed not in inferred:
                 warn(path, keyword, f"keyword {keyword!r} without a declared 'type'")
                 continue
-            shaped_by = "pattern" if "pattern" in node else (
-                "format" if node.get("format") in support.formats else None)
+            shaped_by = (
+                "pattern" if "pattern" in node else ("format" if node.get("format") in support.formats else None)
+            )
             if keyword in ("minLength", "maxLength") and shaped_by and not support.length_with_pattern:
                 # NOTE: xgrammar drops the length next to a format ("format combined with
                 # minLength/maxLength is not supported" on its log only), as next to a pattern.
@@ -320,12 +462,15 @@ def unenforced_keywords(schema: Any, backend: str) -> list[Unenforced]:
             elif keyword == "format" and isinstance(value, str) and value not in support.formats:
                 warn(path, keyword, f"format {value!r}")
             elif keyword == "format" and value in support.shape_only_formats:
-                warn(path, keyword, f"format {value!r}",
-                     f"is checked by shape only ({support.shape_only_formats[value]})")
+                warn(
+                    path,
+                    keyword,
+                    f"format {value!r}",
+                    f"is checked by shape only ({support.shape_only_formats[value]})",
+                )
             elif keyword in _BOUND_KEYWORDS:
                 is_int = declared == "integer"
-                if (is_int and not support.integer_bounds) or (
-                        not is_int and not support.number_bounds):
+                if (is_int and not support.integer_bounds) or (not is_int and not support.number_bounds):
                     warn(path, keyword, f"keyword {keyword!r}")
             elif keyword == "multipleOf":
                 exact = declared == "integer" and isinstance(value, int)

@@ -27,8 +27,7 @@ def parse_json_schema(text: str) -> Optional[Any]:
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"json_schema is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-                         ) from None
+        raise ValueError(f"json_schema is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"json_schema must be a JSON object (or boolean), got {type(schema).__name__}")
     if schema is False:
@@ -36,8 +35,7 @@ def parse_json_schema(text: str) -> Optional[Any]:
     if jsonschema is None:
         return schema
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator
-                                            ).check_schema(schema)
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise ValueError(f"json_schema is not a valid JSON schema at {where}: {e.message}") from None
@@ -69,9 +67,11 @@ def check_references_resolve_locally(schema: Any) -> None:
     scan(schema, "")
     for ref, path in refs:
         if not ref.startswith("#") and ref.split("#")[0] not in ids:
-            raise ValueError(f"json_schema has a $ref to another document at {path}: {ref!r}. Only references "
-                             f"inside the schema ('#/$defs/...') are resolved; inline the referenced schema "
-                             f"under $defs")
+            raise ValueError(
+                f"json_schema has a $ref to another document at {path}: {ref!r}. Only references "
+                f"inside the schema ('#/$defs/...') are resolved; inline the referenced schema "
+                f"under $defs"
+            )
 
 
 # ---- regex ----

@@ -68,8 +68,11 @@ class RepeatedKeyMask:
             # What is left to write of each used key from here ('"' first before the key has begun).
             current = scanner.key if context == IN_KEY else None
             keys = scanner.current_keys()
-            rests = [used[len(current):] if current is not None else b'"' + used
-                     for used in keys if current is None or used.startswith(current)]
+            rests = [
+                used[len(current) :] if current is not None else b'"' + used
+                for used in keys
+                if current is None or used.startswith(current)
+            ]
             for rest in rests:
                 if current is not None:
                     row &= ~self._prefix_row(rest + b'"')

@@ -25,7 +25,8 @@ class StrictSchemaError(ValueError):
         super().__init__(
             f"strict mode refuses keyword {item.keyword!r} at {item.path}: {item.reason} by {backend_name}, "
             f"so an output could violate it{others}; drop it from the schema, or turn strict off to generate "
-            f"with it reported in meta_info.grammar_warnings")
+            f"with it reported in meta_info.grammar_warnings"
+        )
         self.keyword = item.keyword
         self.path = item.path
 

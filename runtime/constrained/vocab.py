@@ -39,8 +39,9 @@ class TokenizerVocab:
         return len(self.decoded)
 
 
-def build_tokenizer_vocab(tokenizer: Any, vocab_size: Optional[int] = None,
-                          stop_token_ids: Optional[Sequence[int]] = None) -> TokenizerVocab:
+def build_tokenizer_vocab(
+    tokenizer: Any, vocab_size: Optional[int] = None, stop_token_ids: Optional[Sequence[int]] = None
+) -> TokenizerVocab:
     """Derive a TokenizerVocab from a Hugging Face tokenizer.
 
     vocab_size: the model's logit width; defaults to the tokenizer's size. It may exceed the
@@ -65,8 +66,7 @@ def build_tokenizer_vocab(tokenizer: Any, vocab_size: Optional[int] = None,
 
     # NOTE: xgrammar already knows how to decode byte-level, byte-fallback and raw vocabularies;
     # reusing its decoder keeps both backends byte-for-byte consistent with each other.
-    probe = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                               stop_token_ids=list(stop_token_ids))
+    probe = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     for token_id, added in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items():
         if getattr(added, "special", False):
@@ -90,6 +90,5 @@ def build_tokenizer_vocab(tokenizer: Any, vocab_size: Optional[int] = None,
         vocab_type=probe.vocab_type.name.lower(),
         add_prefix_space=bool(probe.add_prefix_space),
         stop_token_ids=stop_token_ids,
-        special_token_ids=frozenset(special | {i for i in range(vocab_size) if not encoded[i]}
-                                    - set(stop_token_ids)),
+        special_token_ids=frozenset(special | {i for i in range(vocab_size) if not encoded[i]} - set(stop_token_ids)),
     )

@@ -35,8 +35,10 @@ JSON_LAYOUTS = {
 # respelled as one JSON string character: a printable or non-ASCII one, or an escape (counted as one
 # character, as JSON Schema counts it).
 _LENGTH_BOUNDED_CHAR = re.compile(r'^(\w+_characters ::= )\(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
-_JSON_STRING_CHAR = (r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
-                     r'[A-Fa-f0-9]))))')
+_JSON_STRING_CHAR = (
+    r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
+    r"[A-Fa-f0-9]))))"
+)
 
 
 def _to_grammar(kind: str, text: str) -> xgr.Grammar:
@@ -108,8 +110,9 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarCompiled(CompiledGrammar):
-    def __init__(self, key: GrammarKey, warnings: list[str], seconds: float,
-                 compiled: xgr.CompiledGrammar, vocab: TokenizerVocab) -> None:
+    def __init__(
+        self, key: GrammarKey, warnings: list[str], seconds: float, compiled: xgr.CompiledGrammar, vocab: TokenizerVocab
+    ) -> None:
         super().__init__(key, warnings, seconds)
         self._compiled = compiled
         self._vocab = vocab
@@ -121,19 +124,21 @@ class XGrammarCompiled(CompiledGrammar):
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(self, vocab: TokenizerVocab, num_threads: int = 1,
-                 compile_timeout: float = 60.0) -> None:
+    def __init__(self, vocab: TokenizerVocab, num_threads: int = 1, compile_timeout: float = 60.0) -> None:
         super().__init__(vocab, num_threads=num_threads, compile_timeout=compile_timeout)
-        vocab_type = {"byte_level": xgr.VocabType.BYTE_LEVEL,
-                      "byte_fallback": xgr.VocabType.BYTE_FALLBACK}.get(vocab.vocab_type,
-                                                                         xgr.VocabType.RAW)
+        vocab_type = {"byte_level": xgr.VocabType.BYTE_LEVEL, "byte_fallback": xgr.VocabType.BYTE_FALLBACK}.get(
+            vocab.vocab_type, xgr.VocabType.RAW
+        )
         # NOTE: special tokens carry "" in `encoded`, which xgrammar treats as never-allowed.
-        self._info = xgr.TokenizerInfo(list(vocab.encoded), vocab_type, vocab_size=vocab.vocab_size,
-                                       stop_token_ids=list(vocab.stop_token_ids),
-                                       add_prefix_space=vocab.add_prefix_space)
+        self._info = xgr.TokenizerInfo(
+            list(vocab.encoded),
+            vocab_type,
+            vocab_size=vocab.vocab_size,
+            stop_token_ids=list(vocab.stop_token_ids),
+            add_prefix_space=vocab.add_prefix_space,
+        )
         # Our own cache (keyed by (kind, text)) sits in front; xgrammar's would duplicate it.
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=num_threads,
-                                             cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=num_threads, cache_enabled=False)
 
     def validate(self, kind: str, text: str) -> list[str]:
         return validate_for_xgrammar(kind, text)
@@ -144,7 +149,5 @@ class XGrammarBackend(GrammarBackend):
         try:
             compiled = self._compiler.compile_grammar(grammar)
         except RuntimeError as e:
-            raise ValueError(f"xgrammar could not compile the {kind} constraint: "
-                             f"{clean_backend_error(e)}") from None
-        return XGrammarCompiled((kind, text), warnings, time.perf_counter() - start, compiled,
-                                self.vocab)
+            raise ValueError(f"xgrammar could not compile the {kind} constraint: {clean_backend_error(e)}") from None
+        return XGrammarCompiled((kind, text), warnings, time.perf_counter() - start, compiled, self.vocab)

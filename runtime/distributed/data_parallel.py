@@ -33,8 +33,17 @@ from typing import Any, Optional
 
 import zmq
 
-from ..io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, PinPrefixReq, SchedulerInfo, ShutdownReq,
-                         TokenizedGenerateReq, UnpinPrefixReq)
+from ..io_struct import (
+    AbortReq,
+    BatchOut,
+    ControlReply,
+    ControlReq,
+    PinPrefixReq,
+    SchedulerInfo,
+    ShutdownReq,
+    TokenizedGenerateReq,
+    UnpinPrefixReq,
+)
 from ..router.policy import CacheAwarePolicy
 from ..server_args import ServerArgs
 from .launch import reap
@@ -47,21 +56,26 @@ MEAN_STATS = ("token_usage", "avg_spec_accept_length")
 
 def replica_args(server_args: ServerArgs, i: int) -> ServerArgs:
     """Replica i's settings: one replica (dp_size 1), on its own GPUs."""
-    return dataclasses.replace(server_args, dp_size=1, dist_init_addr=None,
-                               base_gpu_id=server_args.base_gpu_id + i * server_args.world_size())
+    return dataclasses.replace(
+        server_args, dp_size=1, dist_init_addr=None, base_gpu_id=server_args.base_gpu_id + i * server_args.world_size()
+    )
 
 
 def merge_info(infos: list[SchedulerInfo]) -> SchedulerInfo:
     """What the tokenizer manager validates against: a request must fit one replica (the smallest pool),
     and as many may run as all replicas together run."""
     first = infos[0]
-    return dataclasses.replace(first, max_total_tokens=min(i.max_total_tokens for i in infos),
-                               max_running_requests=sum(i.max_running_requests for i in infos))
+    return dataclasses.replace(
+        first,
+        max_total_tokens=min(i.max_total_tokens for i in infos),
+        max_running_requests=sum(i.max_running_requests for i in infos),
+    )
 
 
 def merge_stats(replies: list[dict]) -> dict:
     """The replicas' get_stats() as one: counters summed (nested ones too), shares averaged, the cache
     hit rate recomputed; each replica's own under "dp_replicas"."""
+
     def merge(values: list):
         head = values[0]
         if isinstance(head, bool) or head is None or isinstance(head, str):
@@ -115,8 +129,16 @@ class DataParallelController:
             ready.bind(f"ipc://{self.folder}/ready{i}")
             readies.append(ready)
             with open(spec, "wb") as f:
-                pickle.dump((replica_args(self.server_args, i), model_path, f"ipc://{self.folder}/to{i}",
-                             f"ipc://{self.folder}/from{i}", f"ipc://{self.folder}/ready{i}"), f)
+                pickle.dump(
+                    (
+                        replica_args(self.server_args, i),
+                        model_path,
+                        f"ipc://{self.folder}/to{i}",
+                        f"ipc://{self.folder}/from{i}",
+                        f"ipc://{self.folder}/ready{i}",
+                    ),
+                    f,
+                )
             self.procs.append(subprocess.Popen([sys.executable, "-m", "plait.runtime.scheduler", spec], close_fds=True))
         infos = []
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -192,8 +214,9 @@ class DataParallelController:
             if any(r["pin_id"] is not None for r in results):
                 pin_id = next(self._pin_ids)
                 self.pins[pin_id] = [r["pin_id"] for r in results]
-            return ControlReply(call.call_id, result={"pin_id": pin_id,
-                                                      "pinned_tokens": max(r["pinned_tokens"] for r in results)})
+            return ControlReply(
+                call.call_id, result={"pin_id": pin_id, "pinned_tokens": max(r["pinned_tokens"] for r in results)}
+            )
         if isinstance(results[0], dict):
             return ControlReply(call.call_id, result=merge_stats(results))
         if isinstance(results[0], bool):
@@ -228,8 +251,12 @@ class DataParallelController:
                             send.send_pyobj(out)
                 dead = next((i for i, p in enumerate(self.procs) if p.poll() is not None), None)
                 if dead is not None:
-                    logger.error("data-parallel replica %d (pid %d) exited with code %s; stopping the others", dead,
-                                 self.procs[dead].pid, self.procs[dead].returncode)
+                    logger.error(
+                        "data-parallel replica %d (pid %d) exited with code %s; stopping the others",
+                        dead,
+                        self.procs[dead].pid,
+                        self.procs[dead].returncode,
+                    )
                     self.stop(patience_s=0)
                     os._exit(1)
         finally:
@@ -251,8 +278,10 @@ def main() -> None:
     with open(sys.argv[1], "rb") as f:
         server_args, model_path, to_sched, from_sched, ready_addr = pickle.load(f)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (as the scheduler: the engine ends this process)
-    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     parent = os.getppid()
 
     def watch_parent():  # the controller, like a scheduler, must not outlive its engine

@@ -48,8 +48,15 @@ class RankContext:
             dist.destroy_process_group()
 
 
-def join_group(topology: Topology, rank: int, rendezvous: Rendezvous, device: str, base_gpu_id: int,
-               timeout_s: int, num_layers: int) -> RankContext:
+def join_group(
+    topology: Topology,
+    rank: int,
+    rendezvous: Rendezvous,
+    device: str,
+    base_gpu_id: int,
+    timeout_s: int,
+    num_layers: int,
+) -> RankContext:
     """Meet the other ranks (blocks until all of them came, or `timeout_s`) and build the groups."""
     world = topology.world_size
     timeout = timedelta(seconds=timeout_s)
@@ -60,14 +67,20 @@ def join_group(topology: Topology, rank: int, rendezvous: Rendezvous, device: st
         torch.cuda.set_device(base_gpu_id + local)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     # NOTE: every rank creates every group, in the same order (new_group is collective).
-    tp_groups = [dist.new_group(topology.stage_ranks(s), backend=backend, timeout=timeout)
-                 for s in range(topology.pp_size)] if topology.tp_size > 1 else [None] * topology.pp_size
+    tp_groups = (
+        [dist.new_group(topology.stage_ranks(s), backend=backend, timeout=timeout) for s in range(topology.pp_size)]
+        if topology.tp_size > 1
+        else [None] * topology.pp_size
+    )
     plan_group = dist.new_group(list(range(world)), backend="gloo", timeout=PLAN_GROUP_TIMEOUT)
     stage = topology.stage_of(rank)
     parallel = ModelParallel(
         tp=TensorParallel(topology.tp_rank_of(rank), topology.tp_size, tp_groups[stage]),
         stage=PipelineStage.of(stage, topology.pp_size, num_layers) if topology.pp_size > 1 else PipelineStage(),
-        rank=rank, world=plan_group, device_index=base_gpu_id + local)
+        rank=rank,
+        world=plan_group,
+        device_index=base_gpu_id + local,
+    )
     if device == "cuda":
         # NCCL creates its communicators at the first collective: made here, before any CUDA-graph
         # capture records one.
@@ -76,6 +89,12 @@ def join_group(topology: Topology, rank: int, rendezvous: Rendezvous, device: st
         if topology.tp_size > 1:
             dist.all_reduce(warm, group=tp_groups[stage])
         torch.cuda.synchronize()
-    logger.info("rank %d of %d joined (stage %d, tensor-parallel rank %d, %s)", rank, world, stage,
-                topology.tp_rank_of(rank), backend)
+    logger.info(
+        "rank %d of %d joined (stage %d, tensor-parallel rank %d, %s)",
+        rank,
+        world,
+        stage,
+        topology.tp_rank_of(rank),
+        backend,
+    )
     return RankContext(topology, rank, parallel, plan_group, store, rendezvous, device)

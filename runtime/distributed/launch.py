@@ -41,8 +41,9 @@ STOP_WAIT_S = 10.0  # how long a stopped group's ranks get to exit before they a
 class LocalRanks:
     """This node's rank processes that this process started: (rank, process) each."""
 
-    def __init__(self, server_args: ServerArgs, model_path: str, topology: Topology, rendezvous: Rendezvous,
-                 ranks: list[int]):
+    def __init__(
+        self, server_args: ServerArgs, model_path: str, topology: Topology, rendezvous: Rendezvous, ranks: list[int]
+    ):
         self.folder = tempfile.mkdtemp(prefix="plait-ranks-")
         spec = os.path.join(self.folder, "rank_args.pkl")
         with open(spec, "wb") as f:
@@ -50,8 +51,14 @@ class LocalRanks:
         self.procs: list[tuple[int, subprocess.Popen]] = []
         for rank in ranks:
             env = {**os.environ, **rendezvous.rank_env(topology, rank)}
-            self.procs.append((rank, subprocess.Popen([sys.executable, "-m", "plait.runtime.distributed", spec],
-                                                      env=env, close_fds=True)))
+            self.procs.append(
+                (
+                    rank,
+                    subprocess.Popen(
+                        [sys.executable, "-m", "plait.runtime.distributed", spec], env=env, close_fds=True
+                    ),
+                )
+            )
 
     def exited(self) -> Optional[tuple[int, subprocess.Popen]]:
         """The first rank whose process has exited, if any."""
@@ -89,8 +96,7 @@ def _store_client(rendezvous: Rendezvous, world_size: int):
     import torch.distributed as dist
 
     # NOTE: a connection of the thread's own (the rank's main store may be inside a blocking call).
-    return dist.TCPStore(rendezvous.host, rendezvous.port, world_size, is_master=False,
-                         timeout=timedelta(seconds=10))
+    return dist.TCPStore(rendezvous.host, rendezvous.port, world_size, is_master=False, timeout=timedelta(seconds=10))
 
 
 class PeriodicCheck:
@@ -122,8 +128,9 @@ class GroupMonitor:
     nodes. `on_failure(message)` is called once, from the monitor's thread, when one is gone; `stop()`
     when the group is shut down on purpose (ranks exiting then are no failure)."""
 
-    def __init__(self, children: LocalRanks, topology: Topology, rendezvous: Rendezvous,
-                 on_failure: Callable[[str], None]):
+    def __init__(
+        self, children: LocalRanks, topology: Topology, rendezvous: Rendezvous, on_failure: Callable[[str], None]
+    ):
         self.children = children
         self.topology = topology
         self.rendezvous = rendezvous
@@ -144,8 +151,9 @@ class GroupMonitor:
         gone = self.children.exited()
         if gone is not None and not self._watch.stopping:
             rank, proc = gone
-            self.on_failure(f"rank {rank} of {self.topology.world_size} (pid {proc.pid}) exited with code "
-                            f"{proc.returncode}")
+            self.on_failure(
+                f"rank {rank} of {self.topology.world_size} (pid {proc.pid}) exited with code {proc.returncode}"
+            )
             return False
         if self.remote and time.monotonic() - self.started > HEARTBEAT_TIMEOUT_S:
             try:
@@ -215,8 +223,13 @@ def serve_node(server_args: ServerArgs, model_path: Optional[str]) -> int:
     topology = Topology.of(server_args)
     rendezvous = Rendezvous.of(server_args)
     ranks = LocalRanks(server_args, model_path, topology, rendezvous, list(topology.node_ranks()))
-    logger.info("node %d: ranks %s started, rendezvous at %s:%d", topology.node_rank, list(topology.node_ranks()),
-                rendezvous.host, rendezvous.port)
+    logger.info(
+        "node %d: ranks %s started, rendezvous at %s:%d",
+        topology.node_rank,
+        list(topology.node_ranks()),
+        rendezvous.host,
+        rendezvous.port,
+    )
     stopping = threading.Event()
 
     def stop(*_):

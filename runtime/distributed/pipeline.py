@@ -52,8 +52,16 @@ def _extend_part(step: StepInput, lo: int, hi: int) -> StepInput:
     t1 = int(req_rows[4, -1] + req_rows[3, -1])
     req_rows[4] -= t0
     tokens = step.token_rows[:, t0:t1]  # (4, t)
-    return StepInput(step.mode, hi - lo, tokens, step.seq_lens[lo:hi], (tokens[3], tokens[1], tokens[2]),
-                     req_rows=req_rows, prefix_lens=step.prefix_lens[lo:hi], extend_lens=step.extend_lens[lo:hi])
+    return StepInput(
+        step.mode,
+        hi - lo,
+        tokens,
+        step.seq_lens[lo:hi],
+        (tokens[3], tokens[1], tokens[2]),
+        req_rows=req_rows,
+        prefix_lens=step.prefix_lens[lo:hi],
+        extend_lens=step.extend_lens[lo:hi],
+    )
 
 
 class StageRunner:
@@ -68,7 +76,9 @@ class StageRunner:
         self.prev = topo.peer(ctx.rank, (self.stage - 1) % self.num_stages)
         self.next = topo.peer(ctx.rank, (self.stage + 1) % self.num_stages)
         self.hidden_size = runner.model_config.hidden_size
-        self.device = torch.device("cuda", ctx.parallel.device_index) if runner.device == "cuda" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", ctx.parallel.device_index) if runner.device == "cuda" else torch.device("cpu")
+        )
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> Optional[torch.Tensor]:

@@ -45,8 +45,15 @@ def start_group(server_args: ServerArgs, model_path: str, extra_kv_bytes_per_tok
     monitor = GroupMonitor(children, topology, rendezvous, lambda message: exit_group(message, children))
     monitor.start()
     try:
-        ctx = join_group(topology, 0, rendezvous, server_args.resolved_device(), server_args.base_gpu_id,
-                         server_args.dist_timeout, cfg.num_hidden_layers)
+        ctx = join_group(
+            topology,
+            0,
+            rendezvous,
+            server_args.resolved_device(),
+            server_args.base_gpu_id,
+            server_args.dist_timeout,
+            cfg.num_hidden_layers,
+        )
         return GroupRunner(server_args, model_path, ctx, children, monitor, extra_kv_bytes_per_token)
     except BaseException:
         monitor.stop()
@@ -55,8 +62,15 @@ def start_group(server_args: ServerArgs, model_path: str, extra_kv_bytes_per_tok
 
 
 class GroupRunner:
-    def __init__(self, server_args: ServerArgs, model_path: str, ctx: RankContext, children: LocalRanks,
-                 monitor: GroupMonitor, extra_kv_bytes_per_token: int = 0):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_path: str,
+        ctx: RankContext,
+        children: LocalRanks,
+        monitor: GroupMonitor,
+        extra_kv_bytes_per_token: int = 0,
+    ):
         self.ctx = ctx
         self.children = children
         self.monitor = monitor

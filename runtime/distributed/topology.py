@@ -78,8 +78,13 @@ class Rendezvous:
 
     def rank_env(self, topology: Topology, rank: int) -> dict[str, str]:
         """The environment torchrun would give `rank`."""
-        return {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port), "RANK": str(rank),
-                "WORLD_SIZE": str(topology.world_size), "LOCAL_RANK": str(topology.local_rank(rank))}
+        return {
+            "MASTER_ADDR": self.host,
+            "MASTER_PORT": str(self.port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(topology.world_size),
+            "LOCAL_RANK": str(topology.local_rank(rank)),
+        }
 
 
 def rank_from_env(environ: Mapping[str, str] = os.environ) -> tuple[Rendezvous, int, int, int]:
@@ -88,5 +93,9 @@ def rank_from_env(environ: Mapping[str, str] = os.environ) -> tuple[Rendezvous, 
     missing = [k for k in ENV_KEYS if k not in environ]
     if missing:
         raise RuntimeError(f"a plait rank needs torchrun's environment variables; missing {missing}")
-    return (Rendezvous(environ["MASTER_ADDR"], int(environ["MASTER_PORT"])), int(environ["RANK"]),
-            int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]))
+    return (
+        Rendezvous(environ["MASTER_ADDR"], int(environ["MASTER_PORT"])),
+        int(environ["RANK"]),
+        int(environ["WORLD_SIZE"]),
+        int(environ["LOCAL_RANK"]),
+    )

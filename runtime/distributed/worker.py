@@ -38,8 +38,10 @@ def main() -> None:
 
 
 def serve_rank(server_args: ServerArgs, model_path: str) -> None:
-    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     if server_args.num_threads:
         torch.set_num_threads(server_args.num_threads)
     rendezvous, rank, world, _ = rank_from_env()
@@ -49,8 +51,15 @@ def serve_rank(server_args: ServerArgs, model_path: str) -> None:
     watchdog = RankWatchdog(rank, topology, rendezvous)
     watchdog.start()
     cfg = load_model_config(model_path, server_args.load_format)
-    ctx = join_group(topology, rank, rendezvous, server_args.resolved_device(), server_args.base_gpu_id,
-                     server_args.dist_timeout, cfg.num_hidden_layers)
+    ctx = join_group(
+        topology,
+        rank,
+        rendezvous,
+        server_args.resolved_device(),
+        server_args.base_gpu_id,
+        server_args.dist_timeout,
+        cfg.num_hidden_layers,
+    )
     runner = ModelRunner(server_args, model_path, ctx.parallel)
     try:
         follow_plans(runner, ctx)

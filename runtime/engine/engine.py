@@ -17,20 +17,36 @@ import time
 import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from .compat import SGLangEngineExtras
-from .loop import (EngineLoop, get_interruptibly, in_background, launch_scheduler, release_engine,
-                   result_interruptibly, stop_scheduler_process, wait_scheduler_ready)
-from ..io_struct import (CheckIntegrityReq, FlushCacheReq, GetStatsReq, PinPrefixReq, SchedulerInfo,
-                         TokenizedGenerateReq, UnpinPrefixReq)
-from .request_builder import build_requests
-from .server_info import internal_state
 from ..executor.model_files import load_tokenizer
+from ..io_struct import (
+    CheckIntegrityReq,
+    FlushCacheReq,
+    GetStatsReq,
+    PinPrefixReq,
+    SchedulerInfo,
+    TokenizedGenerateReq,
+    UnpinPrefixReq,
+)
 from ..request_options import RequestOptions
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
+from .compat import SGLangEngineExtras
+from .loop import (
+    EngineLoop,
+    get_interruptibly,
+    in_background,
+    launch_scheduler,
+    release_engine,
+    result_interruptibly,
+    stop_scheduler_process,
+    wait_scheduler_ready,
+)
+from .request_builder import build_requests
+from .server_info import internal_state
 from .tokenizer_manager import OverloadedError, TokenizerManager, new_rid
 
 logger = logging.getLogger("plait.engine")
+
 
 class Engine(SGLangEngineExtras):
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
@@ -44,8 +60,8 @@ class Engine(SGLangEngineExtras):
             self.model_path = resolve_model_path(None)
         else:
             self.model_path = self.server_args.model_path  # "~" expanded
-            from ..models.config import BUILTIN_SHAPES
             from ..executor.model_files import check_is_folder
+            from ..models.config import BUILTIN_SHAPES
 
             if not (self.server_args.load_format == "dummy" and self.model_path in BUILTIN_SHAPES):
                 # NOTE: here, before a scheduler process starts only to fail on it (its traceback and the
@@ -63,8 +79,9 @@ class Engine(SGLangEngineExtras):
 
         ready_addr = f"ipc://{self._tmpdir}/ready"
         launched = time.time()
-        self._proc = proc = launch_scheduler(self.server_args, self.model_path, to_sched, from_sched, ready_addr,
-                                             self._tmpdir)
+        self._proc = proc = launch_scheduler(
+            self.server_args, self.model_path, to_sched, from_sched, ready_addr, self._tmpdir
+        )
         # NOTE: loaded while the scheduler process starts (it loads the model and its own tokenizer): one after
         # the other, the two took a third of a CPU start-up.
         tokenizer = in_background(load_tokenizer, self.server_args.tokenizer_path or self.model_path)
@@ -85,8 +102,9 @@ class Engine(SGLangEngineExtras):
 
         async def make_tm():
             # (the liveness check must not hold the Engine: a dropped engine is then collected and released)
-            tm = TokenizerManager(self.server_args, self.tokenizer, self.info, to_sched, from_sched,
-                                  lambda: proc.poll() is None)
+            tm = TokenizerManager(
+                self.server_args, self.tokenizer, self.info, to_sched, from_sched, lambda: proc.poll() is None
+            )
             tm.start()
             return tm
 
@@ -96,10 +114,17 @@ class Engine(SGLangEngineExtras):
         self.startup_s = time.perf_counter() - started  # SGLang's internal_states[0]["startup_time"]
         # Where the start-up went: seconds from the scheduler process's launch to each of its marks.
         self.startup_phases = {name: round(mark - launched, 3) for name, mark in self.info.startup_marks.items()}
-        logger.info("engine ready in %.1fs: %s on %s (%s, %s attention, %d KV tokens); scheduler process, "
-                    "seconds from its launch: %s", self.startup_s, self.model_path, self.info.device,
-                    self.info.dtype, self.info.attention_backend, self.info.max_total_tokens,
-                    ", ".join(f"{name} {s:.1f}" for name, s in self.startup_phases.items()))
+        logger.info(
+            "engine ready in %.1fs: %s on %s (%s, %s attention, %d KV tokens); scheduler process, "
+            "seconds from its launch: %s",
+            self.startup_s,
+            self.model_path,
+            self.info.device,
+            self.info.dtype,
+            self.info.attention_backend,
+            self.info.max_total_tokens,
+            ", ".join(f"{name} {s:.1f}" for name, s in self.startup_phases.items()),
+        )
 
     # ------------------------------------------------------------------ bridges
     def _call(self, coro):
@@ -130,8 +155,12 @@ class Engine(SGLangEngineExtras):
             for members in groups:
                 if len(members) > 1 and not self.server_args.disable_radix_cache:
                     head = members[0]
-                    warm = TokenizedGenerateReq(rid=new_rid(), input_ids=head.input_ids,
-                                                sampling_params=SamplingParams(max_new_tokens=0), group=head.group)
+                    warm = TokenizedGenerateReq(
+                        rid=new_rid(),
+                        input_ids=head.input_ids,
+                        sampling_params=SamplingParams(max_new_tokens=0),
+                        group=head.group,
+                    )
                     await tm.wait(await tm.submit(warm))
             states = []
             for members in groups:
@@ -159,32 +188,75 @@ class Engine(SGLangEngineExtras):
             return flat
         return results[0]
 
-    def generate(self, prompt: Union[str, list[str], None] = None,
-                 sampling_params: Union[dict, list[dict], None] = None,
-                 input_ids: Union[list[int], list[list[int]], None] = None,
-                 return_logprob: Union[bool, list[bool]] = False,
-                 logprob_start_len: Union[int, list[int], None] = None,
-                 top_logprobs_num: Union[int, list[int], None] = None,
-                 return_text_in_logprobs: bool = False, stream: bool = False, rid=None, group=None,
-                 options: Optional[RequestOptions] = None):
+    def generate(
+        self,
+        prompt: Union[str, list[str], None] = None,
+        sampling_params: Union[dict, list[dict], None] = None,
+        input_ids: Union[list[int], list[list[int]], None] = None,
+        return_logprob: Union[bool, list[bool]] = False,
+        logprob_start_len: Union[int, list[int], None] = None,
+        top_logprobs_num: Union[int, list[int], None] = None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid=None,
+        group=None,
+        options: Optional[RequestOptions] = None,
+    ):
         """SGLang's generate. `options` (a RequestOptions) may stand for the keyword arguments after
         input_ids, as the HTTP server passes them, built and checked once."""
         self._bg.check_open()
-        groups, batch = build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, dict(
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs, stream=stream, rid=rid, group=group), options)
+        groups, batch = build_requests(
+            self.tokenizer_manager,
+            prompt,
+            sampling_params,
+            input_ids,
+            dict(
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                return_text_in_logprobs=return_text_in_logprobs,
+                stream=stream,
+                rid=rid,
+                group=group,
+            ),
+            options,
+        )
         stream = groups[0][0].stream
         if stream:
             return self._stream_sync(groups, batch)
         return self._bg.call(self._generate_async(groups, batch))  # (Ctrl-C while waiting aborts the requests)
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=False,
-                             stream: bool = False, rid=None, group=None, options: Optional[RequestOptions] = None):
+    async def async_generate(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        return_logprob=False,
+        logprob_start_len=None,
+        top_logprobs_num=None,
+        return_text_in_logprobs=False,
+        stream: bool = False,
+        rid=None,
+        group=None,
+        options: Optional[RequestOptions] = None,
+    ):
         self._bg.check_open()
-        groups, batch = build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, dict(
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs, stream=stream, rid=rid, group=group), options)
+        groups, batch = build_requests(
+            self.tokenizer_manager,
+            prompt,
+            sampling_params,
+            input_ids,
+            dict(
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                return_text_in_logprobs=return_text_in_logprobs,
+                stream=stream,
+                rid=rid,
+                group=group,
+            ),
+            options,
+        )
         stream = groups[0][0].stream
         if stream:
             req = self._single_stream_req(groups, batch)  # reject a batch here, not at the first iteration
@@ -374,9 +446,11 @@ class Engine(SGLangEngineExtras):
 
     def __reduce__(self):
         # (pickling failed on a thread lock: "cannot pickle '_thread.lock' object" did not say what to do)
-        raise TypeError("an Engine cannot be pickled or sent to another process (its scheduler, thread and "
-                        "sockets belong to this one): create an Engine in each worker process, or share one "
-                        "through `plait serve`")
+        raise TypeError(
+            "an Engine cannot be pickled or sent to another process (its scheduler, thread and "
+            "sockets belong to this one): create an Engine in each worker process, or share one "
+            "through `plait serve`"
+        )
 
 
 _END = object()  # the stream is over

@@ -28,9 +28,11 @@ from .tokenizer_manager import SHUTDOWN_SEND_S, EngineUnavailableError, Tokenize
 logger = logging.getLogger("plait.engine")
 
 SHUT_DOWN = "the engine is shut down"
-FORKED = ("this Engine was created in process {owner}; a forked child (pid {pid}) cannot use it: its background "
-          "thread and sockets stay in the parent. Create an Engine in the child, or have the child send its "
-          "requests to one process (e.g. `plait serve`)")
+FORKED = (
+    "this Engine was created in process {owner}; a forked child (pid {pid}) cannot use it: its background "
+    "thread and sockets stay in the parent. Create an Engine in the child, or have the child send its "
+    "requests to one process (e.g. `plait serve`)"
+)
 STARTUP_TIMEOUT_S = 900
 DRAIN_S = 5.0  # how long requests in flight get to unwind (each needs one pass of the loop) before they are cancelled
 WAIT_SLICE_S = 0.25
@@ -179,8 +181,9 @@ async def _drain(tm: TokenizerManager) -> None:
     await tm.close()
 
 
-def launch_scheduler(server_args, model_path: str, to_sched: str, from_sched: str, ready_addr: str,
-                     tmpdir: str) -> subprocess.Popen:
+def launch_scheduler(
+    server_args, model_path: str, to_sched: str, from_sched: str, ready_addr: str, tmpdir: str
+) -> subprocess.Popen:
     """Start the scheduler process; it reports on `ready_addr` (see `wait_scheduler_ready`).
 
     NOTE: a fresh interpreter (`python -m plait.runtime.scheduler`), not a multiprocessing child:

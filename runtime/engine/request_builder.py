@@ -18,13 +18,26 @@ from ..sampling_params import SamplingParams
 from .tokenizer_manager import TokenizerManager, new_rid
 
 # Engine.generate's request options and their defaults; those a batch may give per item.
-OPTION_DEFAULTS: dict[str, Any] = {"return_logprob": False, "logprob_start_len": None, "top_logprobs_num": None,
-                                   "return_text_in_logprobs": False, "stream": False, "rid": None, "group": None}
+OPTION_DEFAULTS: dict[str, Any] = {
+    "return_logprob": False,
+    "logprob_start_len": None,
+    "top_logprobs_num": None,
+    "return_text_in_logprobs": False,
+    "stream": False,
+    "rid": None,
+    "group": None,
+}
 _PER_ITEM = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
 
-def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, option_args: dict[str, Any],
-                   options: Optional[RequestOptions] = None):
+def build_requests(
+    tm: TokenizerManager,
+    prompt,
+    sampling_params,
+    input_ids,
+    option_args: dict[str, Any],
+    options: Optional[RequestOptions] = None,
+):
     """(groups, is_batch): one list of TokenizedGenerateReq per prompt (its n samples); is_batch says
     whether the caller gave a batch (a list is returned) or one prompt. The options are `options` when
     given (its rid suffixed `_i` per batch item), else built from `option_args` (Engine.generate's)."""
@@ -73,8 +86,9 @@ def build_requests(tm: TokenizerManager, prompt, sampling_params, input_ids, opt
     return groups, batch
 
 
-def _item_option_args(option_args: dict[str, Any], options: Optional[RequestOptions], size: int, batch: bool,
-                      per_item) -> list[dict[str, Any]]:
+def _item_option_args(
+    option_args: dict[str, Any], options: Optional[RequestOptions], size: int, batch: bool, per_item
+) -> list[dict[str, Any]]:
     """Each batch item's RequestOptions.of arguments (with `options` given: only each item's rid)."""
     if options is not None:
         given = [k for k, v in option_args.items() if v != OPTION_DEFAULTS[k]]

@@ -20,8 +20,16 @@ import zmq
 import zmq.asyncio
 
 from ..detokenizer import TextDecoder, decode_as_stepped
-from ..io_struct import (AbortReq, BatchOut, ControlReply, ControlReq, ReqOutput, SchedulerInfo, ShutdownReq,
-                        TokenizedGenerateReq)
+from ..io_struct import (
+    AbortReq,
+    BatchOut,
+    ControlReply,
+    ControlReq,
+    ReqOutput,
+    SchedulerInfo,
+    ShutdownReq,
+    TokenizedGenerateReq,
+)
 from ..request_options import RequestOptions, is_sample_of
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
@@ -79,8 +87,11 @@ class _ReqState:
         if o.closed_early is not None:
             self.closed_early = o.closed_early
         if o.spec_verify_ct is not None:
-            self.spec = {"spec_verify_ct": o.spec_verify_ct, "spec_draft_tokens": o.spec_draft_tokens,
-                         "spec_accepted_tokens": o.spec_accepted_tokens}
+            self.spec = {
+                "spec_verify_ct": o.spec_verify_ct,
+                "spec_draft_tokens": o.spec_draft_tokens,
+                "spec_accepted_tokens": o.spec_accepted_tokens,
+            }
         self.event.set()
 
     def result(self) -> dict[str, Any]:
@@ -109,8 +120,15 @@ class _ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, server_args: ServerArgs, tokenizer, info: SchedulerInfo, send_addr: str, recv_addr: str,
-                 is_scheduler_alive: Callable[[], bool]):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        tokenizer,
+        info: SchedulerInfo,
+        send_addr: str,
+        recv_addr: str,
+        is_scheduler_alive: Callable[[], bool],
+    ):
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.info = info
@@ -169,8 +187,11 @@ class TokenizerManager:
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass input_ids instead of a text prompt")
-        return self.tokenizer.encode(prompt, add_special_tokens=False) if _has_bos_in_template(self.tokenizer, prompt) \
+        return (
+            self.tokenizer.encode(prompt, add_special_tokens=False)
+            if _has_bos_in_template(self.tokenizer, prompt)
             else self.tokenizer.encode(prompt)
+        )
 
     def validate(self, input_ids: list[int], sp: SamplingParams, options: RequestOptions) -> list[str]:
         """Check a request against this model (vocabulary, context, KV cache; a SamplingParams verified
@@ -189,12 +210,16 @@ class TokenizerManager:
         if sp.max_new_tokens is not None and len(input_ids) + sp.max_new_tokens > ctx:
             # As SGLang and vLLM do: a limit the context cannot hold is the caller's mistake, not a request
             # to run until the context is full (max_new_tokens=None asks for that).
-            raise ValueError(f"the request needs up to {len(input_ids) + sp.max_new_tokens} tokens ({len(input_ids)} in "
-                             f"the prompt + max_new_tokens {sp.max_new_tokens}), more than the context length "
-                             f"{ctx}: lower max_new_tokens or shorten the prompt")
+            raise ValueError(
+                f"the request needs up to {len(input_ids) + sp.max_new_tokens} tokens ({len(input_ids)} in "
+                f"the prompt + max_new_tokens {sp.max_new_tokens}), more than the context length "
+                f"{ctx}: lower max_new_tokens or shorten the prompt"
+            )
         if len(input_ids) + 1 > self.info.max_total_tokens:
-            raise ValueError(f"prompt is too long: {len(input_ids)} tokens cannot fit in the KV cache "
-                             f"({self.info.max_total_tokens} tokens)")
+            raise ValueError(
+                f"prompt is too long: {len(input_ids)} tokens cannot fit in the KV cache "
+                f"({self.info.max_total_tokens} tokens)"
+            )
         options.check_prompt(len(input_ids))
         key = sp.grammar_key
         if key is not None:
@@ -202,8 +227,7 @@ class TokenizerManager:
 
             # Schema features the backend cannot enforce come back as warnings for the caller (with
             # strict, the first of them is a ValueError naming it).
-            return list(validate_constraint(key[0], key[1], self.server_args.grammar_backend, strict=sp.strict)
-                        or [])
+            return list(validate_constraint(key[0], key[1], self.server_args.grammar_backend, strict=sp.strict) or [])
         return []
 
     async def submit(self, req: TokenizedGenerateReq) -> _ReqState:
@@ -214,8 +238,14 @@ class TokenizerManager:
         limit = self.server_args.max_queued_requests
         if limit is not None and len(self.states) >= limit + self.info.max_running_requests:
             raise OverloadedError(f"too many requests in flight ({len(self.states)}); try again later")
-        state = _ReqState(req.rid, len(req.input_ids), req.return_logprob, time.monotonic(),
-                          grammar_warnings=list(req.grammar_warnings), group=req.group)
+        state = _ReqState(
+            req.rid,
+            len(req.input_ids),
+            req.return_logprob,
+            time.monotonic(),
+            grammar_warnings=list(req.grammar_warnings),
+            group=req.group,
+        )
         self.states[req.rid] = state
         self.unstarted.pop(req.rid, None)
         if self.early_aborts.pop(req.rid, False) is None:
@@ -301,11 +331,14 @@ class TokenizerManager:
 
         NOTE: decoding here, in the caller's process, takes it off the scheduler's step, where it
         cost about as much as the rest of the per-request work at large batch."""
-        todo = [(o, st) for o in outputs if o.deferred_text is not None and o.deferred_text.num_ids
-                and (st := self.states.get(o.rid)) is not None]
+        todo = [
+            (o, st)
+            for o in outputs
+            if o.deferred_text is not None and o.deferred_text.num_ids and (st := self.states.get(o.rid)) is not None
+        ]
         if not todo:
             return
-        seqs = [(st.output_ids + o.new_ids)[:o.deferred_text.num_ids] for o, st in todo]
+        seqs = [(st.output_ids + o.new_ids)[: o.deferred_text.num_ids] for o, st in todo]
         try:
             texts = decode_as_stepped(self.text_decoder, seqs, [o.deferred_text.skip_special_tokens for o, _ in todo])
         except Exception:  # never let a decode error stop the routing of outputs (callers would hang)

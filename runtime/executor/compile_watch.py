@@ -44,12 +44,15 @@ class CompileWatch:
         self.count += 1
         self.seconds_after_start.append(time.perf_counter() - self._t0)
         self.names.append(name)
-        logger.info("Triton compiled %s after start-up (%d so far): the batch that needed it waited for the "
-                    "compile; %s", name, self.count, kwargs.get("repr", ""))
+        logger.info(
+            "Triton compiled %s after start-up (%d so far): the batch that needed it waited for the compile; %s",
+            name,
+            self.count,
+            kwargs.get("repr", ""),
+        )
         if self._chained is not None:
             return self._chained(*args, **kwargs)
         return None
 
     def stats(self) -> dict:
-        return {"kernel_compiles_after_startup": self.count,
-                "kernels_compiled_after_startup": sorted(set(self.names))}
+        return {"kernel_compiles_after_startup": self.count, "kernels_compiled_after_startup": sorted(set(self.names))}

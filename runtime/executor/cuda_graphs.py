@@ -76,15 +76,26 @@ class CudaGraphRunner:
     def _static_batch(self, bs: int) -> ForwardBatch:
         mr = self.mr
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs], out_cache_loc=self.out_cache_loc[:bs], seq_lens_cpu=[1] * bs,
-            req_to_token_pool=mr.req_to_token_pool, kv_pool=mr.kv_pool, attn_backend=mr.attn_backend)
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            seq_lens_cpu=[1] * bs,
+            req_to_token_pool=mr.req_to_token_pool,
+            kv_pool=mr.kv_pool,
+            attn_backend=mr.attn_backend,
+        )
 
     def graph_keys(self) -> list[GraphKey]:
         """Every graph to capture, largest batch first (later captures reuse the memory it freed)."""
-        return [GraphKey(bs, cascade) for bs in reversed(self.batch_sizes)
-                for cascade in ((False, True) if bs in self.cascade_sizes else (False,))]
+        return [
+            GraphKey(bs, cascade)
+            for bs in reversed(self.batch_sizes)
+            for cascade in ((False, True) if bs in self.cascade_sizes else (False,))
+        ]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -97,11 +108,18 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         cascade = sorted(self.cascade_sizes)
-        logger.info("captured %d decode CUDA graphs in %.1f s: %d plain (batch %s), %d with cascade attention "
-                    "(batch %s); logits buffer %.0f MiB, device memory reserved +%.0f MiB",
-                    len(self.graphs), self.capture_seconds, len(self.batch_sizes), _span(self.batch_sizes),
-                    len(cascade), _span(cascade), self.logits.numel() * 4 / 2**20,
-                    (torch.cuda.memory_reserved() - reserved) / 2**20)
+        logger.info(
+            "captured %d decode CUDA graphs in %.1f s: %d plain (batch %s), %d with cascade attention "
+            "(batch %s); logits buffer %.0f MiB, device memory reserved +%.0f MiB",
+            len(self.graphs),
+            self.capture_seconds,
+            len(self.batch_sizes),
+            _span(self.batch_sizes),
+            len(cascade),
+            _span(cascade),
+            self.logits.numel() * 4 / 2**20,
+            (torch.cuda.memory_reserved() - reserved) / 2**20,
+        )
 
     def _capture(self, key: GraphKey, stream: torch.cuda.Stream) -> None:
         fb = self._static_batch(key.batch_size)
@@ -121,15 +139,18 @@ class CudaGraphRunner:
 
     def _init_metadata(self, fb: ForwardBatch, cascade: bool, capture: bool) -> None:
         backend = self.mr.attn_backend
-        hook = (backend.init_forward_metadata_capture_cuda_graph if capture
-                else backend.init_forward_metadata_replay_cuda_graph)
+        hook = (
+            backend.init_forward_metadata_capture_cuda_graph
+            if capture
+            else backend.init_forward_metadata_replay_cuda_graph
+        )
         if fb.batch_size in self.cascade_sizes:
             hook(fb, cascade=cascade)  # two variants of this batch size: say which one
         else:
             hook(fb)
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        logits = self.logits[:fb.batch_size]  # (bs, vocab) float32: the first rows of the shared buffer
+        logits = self.logits[: fb.batch_size]  # (bs, vocab) float32: the first rows of the shared buffer
         # NOTE: forward_logits, not forward + compute_logits: at batch 1 the final norm then runs inside
         # the LM head's matmul (one launch fewer per step, when the one-row path is on).
         self.mr.model.forward_logits(fb.input_ids, fb.positions, fb, out=logits)

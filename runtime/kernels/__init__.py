@@ -15,5 +15,16 @@ from .gemv_fused import gemv_row, rmsnorm_gemv, silu_mul_gemv
 from .rmsnorm import fused_add_rmsnorm, rmsnorm
 from .rotary import rotary_and_store_kv, rotary_inplace
 
-__all__ = ["SplitKWorkspace", "decode_gemm", "fused_add_rmsnorm", "gemv", "gemv_row", "rmsnorm", "rmsnorm_gemv", "rotary_and_store_kv", "rotary_inplace",
-           "silu_and_mul", "silu_mul_gemv"]
+__all__ = [
+    "SplitKWorkspace",
+    "decode_gemm",
+    "fused_add_rmsnorm",
+    "gemv",
+    "gemv_row",
+    "rmsnorm",
+    "rmsnorm_gemv",
+    "rotary_and_store_kv",
+    "rotary_inplace",
+    "silu_and_mul",
+    "silu_mul_gemv",
+]

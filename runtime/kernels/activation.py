@@ -47,5 +47,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, next_power_of_2(inter))
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-        x, out, inter, x.stride(0), inter, BLOCK=block, num_warps=4, **pdl_launch_args(x.device))
+        x, out, inter, x.stride(0), inter, BLOCK=block, num_warps=4, **pdl_launch_args(x.device)
+    )
     return out

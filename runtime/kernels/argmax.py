@@ -21,8 +21,7 @@ CHUNK = 4096  # vocabulary entries per stage-1 program
 
 
 @triton.jit
-def _argmax_chunks_kernel(X, PartVal, PartIdx, vocab, stride_x, num_chunks, CHUNK: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+def _argmax_chunks_kernel(X, PartVal, PartIdx, vocab, stride_x, num_chunks, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -59,8 +58,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     pdl = pdl_launch_args(x.device)
     part_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
-    _argmax_chunks_kernel[(rows, num_chunks)](x, part_val, part_idx, vocab, x.stride(0), num_chunks,
-                                              CHUNK=CHUNK, num_warps=8, **pdl)
-    _argmax_merge_kernel[(rows,)](part_val, part_idx, out, num_chunks, BLOCK_C=max(2, next_power_of_2(num_chunks)),
-                                  num_warps=1, **pdl)
+    _argmax_chunks_kernel[(rows, num_chunks)](
+        x, part_val, part_idx, vocab, x.stride(0), num_chunks, CHUNK=CHUNK, num_warps=8, **pdl
+    )
+    _argmax_merge_kernel[(rows,)](
+        part_val, part_idx, out, num_chunks, BLOCK_C=max(2, next_power_of_2(num_chunks)), num_warps=1, **pdl
+    )
     return out

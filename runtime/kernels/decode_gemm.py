@@ -71,9 +71,26 @@ class SplitKWorkspace:
 # compile at capture, but a prefill's LM head takes one row per request (any count up to 64), so a
 # first batch of, say, 27 requests waited ~0.35 s for its compile. M only bounds a mask here.
 @triton.jit(do_not_specialize=["M"])
-def _decode_gemm_kernel(X, W, B, Y, Partials, Counters, M, N, K, stride_xm, stride_wn, stride_ym, K_PER_SPLIT,
-                        SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+def _decode_gemm_kernel(
+    X,
+    W,
+    B,
+    Y,
+    Partials,
+    Counters,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    K_PER_SPLIT,
+    SPLIT_K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # NOTE: SPLIT_K is a runtime value (one compiled kernel serves every split of a tile shape).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -130,8 +147,7 @@ def pick_decode_gemm_config(n: int, k: int, rows: int) -> DecodeGemmConfig:
     (the 1B shapes, 8 rows) split K into up to ~128 programs: O 5.2 vs 5.7, down 12.3 vs 13.8 (QKV, split
     in two, stays 0.3-1 us behind cuBLAS; the 1B step gains ~1-2% at 8-16 rows, nothing at 32)."""
     if n >= 16384:
-        return DecodeGemmConfig(block_n=128, block_k=128, split_k=1, num_warps=4,
-                                num_stages=3 if rows <= 16 else 4)
+        return DecodeGemmConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3 if rows <= 16 else 4)
     tiles = triton.cdiv(n, 64)
     if tiles >= 64:
         split, stages = (2 if k > 8192 else 1), 4
@@ -140,13 +156,24 @@ def pick_decode_gemm_config(n: int, k: int, rows: int) -> DecodeGemmConfig:
         split = 1 << (triton.cdiv(128, tiles).bit_length() - 1)
         stages = 3 if split >= 4 else 4
     # NOTE: above 32 rows the x tile doubles; 256-wide K steps would need 256 KB of shared memory.
-    return DecodeGemmConfig(block_n=64, block_k=256 if rows <= 32 else 128, split_k=min(split, max(1, k // 512)),
-                            num_warps=4, num_stages=stages)
+    return DecodeGemmConfig(
+        block_n=64,
+        block_k=256 if rows <= 32 else 128,
+        split_k=min(split, max(1, k // 512)),
+        num_warps=4,
+        num_stages=stages,
+    )
 
 
-def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: Optional[DecodeGemmConfig] = None,
-                workspace: Optional[SplitKWorkspace] = None, out_dtype: Optional[torch.dtype] = None,
-                out: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: Optional[DecodeGemmConfig] = None,
+    workspace: Optional[SplitKWorkspace] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    out: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS.
     config: default pick_decode_gemm_config. A split_k > 1 needs a `workspace` (SplitKWorkspace). With
     `out` ((M, N), unit stride on N) the kernel writes there and returns it."""
@@ -166,8 +193,25 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: Optional[DecodeGe
     else:
         partials, counters = out, out  # never touched when unsplit
     _decode_gemm_kernel[(tiles, split)](
-        x, weight, bias if bias is not None else weight, out, partials, counters, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), k_per_split, split,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        partials,
+        counters,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        k_per_split,
+        split,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     return out

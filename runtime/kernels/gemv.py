@@ -37,9 +37,23 @@ class GemvConfig:
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+def _gemv_kernel(
+    X,
+    W,
+    B,
+    Y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     offs_m = tl.arange(0, BLOCK_M)  # (BM,)
@@ -54,21 +68,26 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BN, BK)
         pdl_wait_then_release(USE_PDL)
-        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BM, BK)
+        x = tl.load(
+            X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )  # (BM, BK)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
         k_first = BLOCK_K
     for k0 in range(k_first, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BN, BK)
-        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BM, BK)
+        x = tl.load(
+            X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )  # (BM, BK)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        Y + offs_m[:, None] * stride_ym + offs_n[None, :],
+        acc.to(Y.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 def pick_gemv_config(n: int, k: int) -> GemvConfig:
@@ -87,17 +106,36 @@ def pick_gemv_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n=8 if n >= 4096 else 2, block_k=2048, num_warps=4, num_stages=1)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         config: Optional[GemvConfig] = None, out_dtype: Optional[torch.dtype] = None,
-         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    config: Optional[GemvConfig] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS.
     With `out` ((M, N), unit stride on N, any row stride; its dtype is the output dtype) the kernel
     writes there and returns it: e.g. a CUDA graph's logits buffer, with no copy after."""
     m, n, k, y = linear_operands("gemv", x, weight, bias, out, out_dtype, MAX_ROWS)
     cfg = config or pick_gemv_config(n, k)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=max(1, next_power_of_2(m)), BLOCK_N=cfg.block_n,
-        BLOCK_K=min(cfg.block_k, next_power_of_2(k)), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch_args(x.device))
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=max(1, next_power_of_2(m)),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=min(cfg.block_k, next_power_of_2(k)),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl_launch_args(x.device),
+    )
     return y

@@ -84,8 +84,9 @@ def _normalize(s, NormW, offs_k, k_mask, inv_rms):
 
 
 @triton.jit
-def _activation(X, Residual, NormW, offs_k, k_mask, inv_rms,
-                K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _activation(
+    X, Residual, NormW, offs_k, k_mask, inv_rms, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr
+):
     """The matmul's input at columns offs_k (1, BK), as float32 holding values of x's dtype."""
     if PROLOGUE == ADD_RMSNORM:
         a = _normalize(_residual_sum(X, Residual, offs_k, k_mask, HAS_RESIDUAL), NormW, offs_k, k_mask, inv_rms)
@@ -110,10 +111,25 @@ def _store_rows(Y, B, rows, acc, N, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _fused_gemv_kloop_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, stride_wn, eps,
-                             K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             USE_PDL: tl.constexpr):
+def _fused_gemv_kloop_kernel(
+    X,
+    Residual,
+    ResidualOut,
+    NormW,
+    W,
+    B,
+    Y,
+    N,
+    stride_wn,
+    eps,
+    K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     if USE_PDL:
         # NOTE: before any load, as in gemv.py. Loading the first weight tile before the wait hides its
         # latency, but the tile then stays live through the sum of squares: norm->LM head took 106
@@ -150,18 +166,35 @@ def _fused_gemv_kloop_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, stride
 
 
 @triton.jit
-def _fused_gemv_resident_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, stride_wn, eps,
-                                K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SUB_N: tl.constexpr,
-                                K_POW2: tl.constexpr, USE_PDL: tl.constexpr):
+def _fused_gemv_resident_kernel(
+    X,
+    Residual,
+    ResidualOut,
+    NormW,
+    W,
+    B,
+    Y,
+    N,
+    stride_wn,
+    eps,
+    K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUB_N: tl.constexpr,
+    K_POW2: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, K_POW2)[None, :]  # (1, KP): the whole row
     k_mask = cols < K
     sub = tl.arange(0, SUB_N)  # (SN,)
     row0 = pid * BLOCK_N
     rows = row0 + sub
-    w = tl.load(W + rows.to(tl.int64)[:, None] * stride_wn + cols, mask=(rows < N)[:, None] & k_mask,
-                other=0.0)  # (SN, KP), loaded before the PDL wait like the K loop's first tile
+    w = tl.load(
+        W + rows.to(tl.int64)[:, None] * stride_wn + cols, mask=(rows < N)[:, None] & k_mask, other=0.0
+    )  # (SN, KP), loaded before the PDL wait like the K loop's first tile
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -172,13 +205,15 @@ def _fused_gemv_resident_kernel(X, Residual, ResidualOut, NormW, W, B, Y, N, str
         h = s.to(tl.float32)
         a = _normalize(s, NormW, cols, k_mask, _inv_rms(tl.sum(h * h, axis=1), eps, K)).to(tl.float32)
     else:
-        a = _activation(X, Residual, NormW, cols, k_mask, tl.full((1,), 1.0, tl.float32), K, PROLOGUE,
-                        HAS_RESIDUAL)  # (1, KP)
+        a = _activation(
+            X, Residual, NormW, cols, k_mask, tl.full((1,), 1.0, tl.float32), K, PROLOGUE, HAS_RESIDUAL
+        )  # (1, KP)
     _store_rows(Y, B, rows, tl.sum(a * w.to(tl.float32), axis=1), N, HAS_BIAS)
     for n0 in range(SUB_N, BLOCK_N, SUB_N):
         rows_n = row0 + n0 + sub  # (SN,)
-        w_n = tl.load(W + rows_n.to(tl.int64)[:, None] * stride_wn + cols, mask=(rows_n < N)[:, None] & k_mask,
-                      other=0.0)  # (SN, KP)
+        w_n = tl.load(
+            W + rows_n.to(tl.int64)[:, None] * stride_wn + cols, mask=(rows_n < N)[:, None] & k_mask, other=0.0
+        )  # (SN, KP)
         _store_rows(Y, B, rows_n, tl.sum(a * w_n.to(tl.float32), axis=1), N, HAS_BIAS)
 
 
@@ -199,9 +234,19 @@ def _check_row(op: str, name: str, t: torch.Tensor, k: int) -> None:
         raise ValueError(f"{op}: {name} needs unit stride on its last dim")
 
 
-def _launch(op: str, prologue: int, x: torch.Tensor, k: int, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            residual: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor], eps: float,
-            out_dtype: Optional[torch.dtype], config: Optional[FusedGemvConfig]) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(
+    op: str,
+    prologue: int,
+    x: torch.Tensor,
+    k: int,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    norm_weight: Optional[torch.Tensor],
+    eps: float,
+    out_dtype: Optional[torch.dtype],
+    config: Optional[FusedGemvConfig],
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_device(op, x, weight, bias, residual, norm_weight)
     if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"{op}: weight must be (N, {k}) with unit stride on K, got {tuple(weight.shape)}")
@@ -214,25 +259,48 @@ def _launch(op: str, prologue: int, x: torch.Tensor, k: int, weight: torch.Tenso
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else x
     pdl = pdl_enabled(x.device)
-    args = (x, residual if residual is not None else x, residual_out,
-            norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight, y,
-            n, weight.stride(0), eps)
-    flags = dict(K=k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-                 BLOCK_N=cfg.block_n, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (
+        x,
+        residual if residual is not None else x,
+        residual_out,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        n,
+        weight.stride(0),
+        eps,
+    )
+    flags = dict(
+        K=k,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n,
+        USE_PDL=pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     if pdl:
         flags["launch_pdl"] = True
     grid = (triton.cdiv(n, cfg.block_n),)
     if cfg.resident:
-        _fused_gemv_resident_kernel[grid](*args, SUB_N=min(cfg.sub_n, cfg.block_n), K_POW2=next_power_of_2(k),
-                                          **flags)
+        _fused_gemv_resident_kernel[grid](*args, SUB_N=min(cfg.sub_n, cfg.block_n), K_POW2=next_power_of_2(k), **flags)
     else:
         _fused_gemv_kloop_kernel[grid](*args, BLOCK_K=min(cfg.block_k, next_power_of_2(k)), **flags)
     return y, residual_out
 
 
-def rmsnorm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                 weight: torch.Tensor, bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                 config: Optional[FusedGemvConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rmsnorm_gemv(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    config: Optional[FusedGemvConfig] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x + residual) (1, K) @ weight (N, K)^T (+ bias) -> (y (1, N), new residual (1, K)).
 
     residual None (a model's first norm) normalises x alone and returns x itself as the residual.
@@ -245,13 +313,19 @@ def rmsnorm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight:
         if residual.dtype != x.dtype:
             raise ValueError(f"{op}: residual dtype {residual.dtype} differs from x's {x.dtype}")
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
-        raise ValueError(f"{op}: norm weight must be contiguous ({k},) in {x.dtype}, got "
-                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
+        raise ValueError(
+            f"{op}: norm weight must be contiguous ({k},) in {x.dtype}, got "
+            f"{tuple(norm_weight.shape)} {norm_weight.dtype}"
+        )
     return _launch(op, ADD_RMSNORM.value, x, k, weight, bias, residual, norm_weight, eps, out_dtype, config)
 
 
-def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  config: Optional[FusedGemvConfig] = None) -> torch.Tensor:
+def silu_mul_gemv(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    config: Optional[FusedGemvConfig] = None,
+) -> torch.Tensor:
     """(silu(gate) * up) (1, K) @ weight (N, K)^T (+ bias) -> (1, N), with gate_up = [gate | up] (1, 2K)."""
     op = "silu_mul_gemv"
     if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
@@ -261,8 +335,13 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return _launch(op, SILU_MUL.value, gate_up, k, weight, bias, None, None, 0.0, None, config)[0]
 
 
-def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-             out_dtype: Optional[torch.dtype] = None, config: Optional[FusedGemvConfig] = None) -> torch.Tensor:
+def gemv_row(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    config: Optional[FusedGemvConfig] = None,
+) -> torch.Tensor:
     """x (1, K) @ weight (N, K)^T (+ bias) -> (1, N): gemv.py's one-row matmul in this family, so a chain
     of one-row matmuls can use programmatic dependent launch throughout."""
     op = "gemv_row"

@@ -46,14 +46,23 @@ def check_device(op: str, *tensors: Optional[torch.Tensor]) -> None:
         raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
     device = devices.pop()
     if device.type == "cpu" and not interpreter_enabled():
-        raise ValueError(f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
-                         "interpreter); use the torch path for CPU tensors")
+        raise ValueError(
+            f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU "
+            "interpreter); use the torch path for CPU tensors"
+        )
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"{op}: unsupported device {device}")
 
 
-def linear_operands(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                    out: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], max_rows: int):
+def linear_operands(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: Optional[torch.Tensor],
+    out_dtype: Optional[torch.dtype],
+    max_rows: int,
+):
     """The checks every Triton matmul wrapper makes on y = x (M, K) @ weight (N, K)^T (+ bias (N,)):
     devices, shapes, 1 <= M <= max_rows, unit stride on K; and its output, `out` if given ((M, N), unit
     stride on N, of out_dtype if that is given), else a new (M, N) tensor of out_dtype (default x's).
@@ -72,8 +81,10 @@ def linear_operands(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Option
     if out is None:
         return m, n, k, torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if tuple(out.shape) != (m, n) or out.stride(1) != 1 or (out_dtype is not None and out.dtype != out_dtype):
-        raise ValueError(f"{op} out must be ({m}, {n}) with unit stride on N (and out_dtype {out_dtype} if "
-                         f"given); got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+        raise ValueError(
+            f"{op} out must be ({m}, {n}) with unit stride on N (and out_dtype {out_dtype} if "
+            f"given); got {tuple(out.shape)} {out.dtype} with strides {out.stride()}"
+        )
     return m, n, k, out
 
 

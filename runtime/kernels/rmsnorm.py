@@ -37,10 +37,21 @@ MAX_ROW = 65536
 # number of requests) compiles a variant that start-up's warm-up did not (see compile_watch.py).
 @triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_kernel(
-    X, Residual, W, Out,
-    n_rows, heads, eps,
-    stride_xm, stride_xn, stride_rm, stride_rn,
-    DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    X,
+    Residual,
+    W,
+    Out,
+    n_rows,
+    heads,
+    eps,
+    stride_xm,
+    stride_xn,
+    stride_rm,
+    stride_rn,
+    DIM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait_then_release(USE_PDL)
@@ -73,12 +84,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)
 
 
-def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += x` in place, then RMSNorm of the sum; returns (out, residual)."""
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-        raise ValueError(f"residual must match x in shape, dtype and device: got {tuple(residual.shape)} "
-                         f"{residual.dtype} {residual.device} vs {tuple(x.shape)} {x.dtype} {x.device}")
+        raise ValueError(
+            f"residual must match x in shape, dtype and device: got {tuple(residual.shape)} "
+            f"{residual.dtype} {residual.device} vs {tuple(x.shape)} {x.dtype} {x.device}"
+        )
     return _launch(x, residual, weight, eps), residual
 
 
@@ -114,7 +128,20 @@ def _launch(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
     num_warps = min(16, max(1, block_rows * block_d // 256))
     res = residual if residual is not None else x
     _rmsnorm_kernel[(triton.cdiv(n_rows, block_rows),)](
-        x, res, weight, out, n_rows, heads, eps, *row_strides(x), *row_strides(res),
-        DIM=dim, HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=num_warps,
-        **pdl_launch_args(x.device))
+        x,
+        res,
+        weight,
+        out,
+        n_rows,
+        heads,
+        eps,
+        *row_strides(x),
+        *row_strides(res),
+        DIM=dim,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        **pdl_launch_args(x.device),
+    )
     return out

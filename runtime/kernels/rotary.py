@@ -26,8 +26,9 @@ from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_the
 
 
 @triton.jit
-def _rotate_heads(Src, Dst, stride_sh, stride_dh, num_heads, cos, sin, offs_half, half_mask,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rotate_heads(
+    Src, Dst, stride_sh, stride_dh, num_heads, cos, sin, offs_half, half_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr
+):
     # Src/Dst point at one token's row; Dst may be Src (in place: each element is loaded and stored
     # by the same thread, so no barrier is needed).
     heads = tl.arange(0, BLOCK_H)  # (BH,)
@@ -43,8 +44,9 @@ def _rotate_heads(Src, Dst, stride_sh, stride_dh, num_heads, cos, sin, offs_half
 
 
 @triton.jit
-def _copy_heads(Src, Dst, stride_sh, stride_dh, num_heads, offs_half, half_mask,
-                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _copy_heads(
+    Src, Dst, stride_sh, stride_dh, num_heads, offs_half, half_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr
+):
     heads = tl.arange(0, BLOCK_H)  # (BH,)
     mask = (heads < num_heads)[:, None] & half_mask[None, :]  # (BH, BHALF)
     src = Src + heads[:, None] * stride_sh + offs_half[None, :]
@@ -55,11 +57,32 @@ def _copy_heads(Src, Dst, stride_sh, stride_dh, num_heads, offs_half, half_mask,
 
 @triton.jit
 def _rotary_kernel(
-    Q, K, Positions, Cos, Sin, V, KCache, VCache, Loc,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_vt, stride_vh, stride_ct, stride_ch,
-    num_q_heads, num_k_heads,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    STORE_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    Q,
+    K,
+    Positions,
+    Cos,
+    Sin,
+    V,
+    KCache,
+    VCache,
+    Loc,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_ch,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pdl_wait_then_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -74,26 +97,54 @@ def _rotary_kernel(
     if STORE_KV:
         # The rotated K goes straight into the cache (K itself is left as it was), V is copied beside it.
         slot = tl.load(Loc + token).to(tl.int64)
-        _rotate_heads(k_row, KCache + slot * stride_ct, stride_kh, stride_ch, num_k_heads, cos, sin, offs_half,
-                      half_mask, HALF, BLOCK_HK)
-        _copy_heads(V + token * stride_vt, VCache + slot * stride_ct, stride_vh, stride_ch, num_k_heads, offs_half,
-                    half_mask, HALF, BLOCK_HK)
+        _rotate_heads(
+            k_row,
+            KCache + slot * stride_ct,
+            stride_kh,
+            stride_ch,
+            num_k_heads,
+            cos,
+            sin,
+            offs_half,
+            half_mask,
+            HALF,
+            BLOCK_HK,
+        )
+        _copy_heads(
+            V + token * stride_vt,
+            VCache + slot * stride_ct,
+            stride_vh,
+            stride_ch,
+            num_k_heads,
+            offs_half,
+            half_mask,
+            HALF,
+            BLOCK_HK,
+        )
     else:
-        _rotate_heads(k_row, k_row, stride_kh, stride_kh, num_k_heads, cos, sin, offs_half, half_mask, HALF,
-                      BLOCK_HK)
+        _rotate_heads(k_row, k_row, stride_kh, stride_kh, num_k_heads, cos, sin, offs_half, half_mask, HALF, BLOCK_HK)
 
 
-def rotary_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                   sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_inplace(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (T, H, D) and k (T, Hkv, D) in place by positions (T,); returns (q, k)."""
     _check(q, k, positions, cos_cache, sin_cache)
     _launch(q, k, positions, cos_cache, sin_cache, None, None, None, None)
     return q, k
 
 
-def rotary_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                        cos_cache: torch.Tensor, sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+def rotary_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+) -> torch.Tensor:
     """Rotate q in place and write rotated k and plain v (T, Hkv, D) into k_cache/v_cache (S, Hkv, D) at
     slots loc (T,), in one launch: a layer's rotary and KV-cache store are one kernel, not three.
     Returns q; k is left unrotated. Slots are not bounds-checked (that would need a host sync)."""
@@ -101,10 +152,17 @@ def rotary_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     check_device("rotary_and_store_kv", q, v, k_cache, v_cache, loc)
     if v.shape != k.shape or v.stride(2) != 1:
         raise ValueError(f"v must be shaped like k {tuple(k.shape)} with unit stride on head_dim, got {tuple(v.shape)}")
-    if (k_cache.dim() != 3 or k_cache.shape[1:] != k.shape[1:] or v_cache.shape != k_cache.shape
-            or k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1):
-        raise ValueError(f"k/v caches must both be (slots, {k.shape[1]}, {k.shape[2]}) with the same strides, "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if (
+        k_cache.dim() != 3
+        or k_cache.shape[1:] != k.shape[1:]
+        or v_cache.shape != k_cache.shape
+        or k_cache.stride() != v_cache.stride()
+        or k_cache.stride(2) != 1
+    ):
+        raise ValueError(
+            f"k/v caches must both be (slots, {k.shape[1]}, {k.shape[2]}) with the same strides, "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
         raise ValueError(f"cache dtype {k_cache.dtype} differs from k/v dtype {k.dtype}")
     if loc.shape != (q.shape[0],):
@@ -116,18 +174,22 @@ def rotary_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
 def _check(q, k, positions, cos_cache, sin_cache) -> None:
     check_device("rotary", q, k, positions, cos_cache, sin_cache)
     if q.dim() != 3 or k.dim() != 3 or positions.dim() != 1:
-        raise ValueError(f"rotary expects q (T, H, D), k (T, Hkv, D), positions (T,); got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(positions.shape)}")
+        raise ValueError(
+            f"rotary expects q (T, H, D), k (T, Hkv, D), positions (T,); got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(positions.shape)}"
+        )
     tokens, _, head_dim = q.shape
     if k.shape[0] != tokens or k.shape[2] != head_dim or positions.shape[0] != tokens:
-        raise ValueError(f"rotary: q {tuple(q.shape)}, k {tuple(k.shape)} and positions "
-                         f"{tuple(positions.shape)} disagree on T or D")
+        raise ValueError(
+            f"rotary: q {tuple(q.shape)}, k {tuple(k.shape)} and positions {tuple(positions.shape)} disagree on T or D"
+        )
     if head_dim % 2:
         raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
     half = head_dim // 2
     if cos_cache.dim() != 2 or cos_cache.shape[1] != half or sin_cache.shape != cos_cache.shape:
-        raise ValueError(f"cos/sin caches must be (max_pos, {half}), got {tuple(cos_cache.shape)} and "
-                         f"{tuple(sin_cache.shape)}")
+        raise ValueError(
+            f"cos/sin caches must be (max_pos, {half}), got {tuple(cos_cache.shape)} and {tuple(sin_cache.shape)}"
+        )
     if q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError("rotary rotates in place: q and k need unit stride on head_dim")
     if positions.dtype not in (torch.int32, torch.int64):
@@ -145,9 +207,31 @@ def _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc) -> 
     v_ = v if store else k  # unused when not storing: any tensor with k's strides
     kc, vc, lc = (k_cache, v_cache, loc) if store else (k, k, positions)
     _rotary_kernel[(tokens,)](
-        q, k, positions, cos_cache, sin_cache, v_, kc, vc, lc,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0), v_.stride(0), v_.stride(1),
-        kc.stride(0), kc.stride(1),
-        q.shape[1], k.shape[1],
-        HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_HQ=next_power_of_2(q.shape[1]),
-        BLOCK_HK=next_power_of_2(k.shape[1]), STORE_KV=store, num_warps=4, **pdl_launch_args(q.device))
+        q,
+        k,
+        positions,
+        cos_cache,
+        sin_cache,
+        v_,
+        kc,
+        vc,
+        lc,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_cache.stride(0),
+        v_.stride(0),
+        v_.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        q.shape[1],
+        k.shape[1],
+        HALF=half,
+        BLOCK_HALF=next_power_of_2(half),
+        BLOCK_HQ=next_power_of_2(q.shape[1]),
+        BLOCK_HK=next_power_of_2(k.shape[1]),
+        STORE_KV=store,
+        num_warps=4,
+        **pdl_launch_args(q.device),
+    )

@@ -51,9 +51,9 @@ class ReqToTokenPool:
 
     def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
         """kv_slots (n,) at positions start..start+n of one request, in both tables."""
-        self.req_to_token[slot, start:start + len(kv_slots)] = kv_slots.to(torch.int32)
+        self.req_to_token[slot, start : start + len(kv_slots)] = kv_slots.to(torch.int32)
         host = kv_slots.cpu().numpy()
-        self.host[slot, start:start + len(kv_slots)] = host
+        self.host[slot, start : start + len(kv_slots)] = host
         if self._recorded is not None:
             self._recorded.append(("row", slot, start, host.astype(np.int32)))
 
@@ -83,7 +83,7 @@ class ReqToTokenPool:
             slots_of[b].append(slot)
             row_blob.append(b)
         for host, slots in zip(blobs, slots_of):  # (rows, n) <- (n,): one write per distinct prefix
-            self.host[slots if len(slots) > 1 else slots[0], :len(host)] = host
+            self.host[slots if len(slots) > 1 else slots[0], : len(host)] = host
         if self._recorded is not None:
             self._recorded.append(("rows", [(host.astype(np.int32), slots) for host, slots in zip(blobs, slots_of)]))
         k = len(items)
@@ -96,7 +96,7 @@ class ReqToTokenPool:
         packed = np.concatenate(blobs + [row_slots, lens, src_starts, np.cumsum(lens) - lens])
         packed = self._upload(packed.astype(np.int32))  # one copy
         kv = packed[:m]
-        slots_t, lens_t, src_t, dst_t = (packed[m + i * k:m + (i + 1) * k].long() for i in range(4))
+        slots_t, lens_t, src_t, dst_t = (packed[m + i * k : m + (i + 1) * k].long() for i in range(4))
         # NOTE: output_size keeps repeat_interleave from reading the total back (a sync).
         rows = torch.repeat_interleave(slots_t, lens_t, output_size=n)  # (n,)
         positions = torch.arange(n, device=packed.device) - torch.repeat_interleave(dst_t, lens_t, output_size=n)
@@ -139,8 +139,9 @@ class ReqToTokenPool:
                 _, slot, start, host = write
                 self.write(slot, start, torch.from_numpy(host))
             else:
-                self.write_rows([(slot, kv) for host, slots in write[1] for kv in (torch.from_numpy(host),)
-                                 for slot in slots])
+                self.write_rows(
+                    [(slot, kv) for host, slots in write[1] for kv in (torch.from_numpy(host),) for slot in slots]
+                )
 
     def read(self, slot: int, n: int) -> torch.Tensor:
         """(n,) int64 kv slots of positions 0..n of one request, from the host mirror (no sync)."""
@@ -206,8 +207,9 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Ten
 
 
 class KVPool:
-    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str):
+    def __init__(
+        self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str
+    ):
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads

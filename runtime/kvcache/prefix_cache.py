@@ -114,8 +114,9 @@ class PrefixCache(ABC):
         """Undo one inc_lock."""
 
     @abstractmethod
-    def cache_unfinished_req(self, token_ids: Sequence[int], kv_indices: torch.Tensor,
-                             old_node: Any) -> tuple[torch.Tensor, Any]:
+    def cache_unfinished_req(
+        self, token_ids: Sequence[int], kv_indices: torch.Tensor, old_node: Any
+    ) -> tuple[torch.Tensor, Any]:
         """Insert a running request's computed tokens (after a prefill chunk).
 
         `kv_indices[i]` holds the kv of `token_ids[i]`. Returns the kv indices the request should use
@@ -124,8 +125,7 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def cache_finished_req(self, token_ids: Sequence[int], kv_indices: torch.Tensor,
-                           old_node: Any) -> None:
+    def cache_finished_req(self, token_ids: Sequence[int], kv_indices: torch.Tensor, old_node: Any) -> None:
         """A request is done: keep what is worth caching, free the rest, unlock `old_node`.
 
         `kv_indices` covers exactly `token_ids` (tokens whose kv was computed).
@@ -175,7 +175,8 @@ class PrefixCache(ABC):
         if total != a.num_slots:
             raise AssertionError(
                 f"KV slot leak: free {a.available()} + evictable {self.evictable_size()} + protected "
-                f"{self.protected_size()} + private {num_private} = {total} != {a.num_slots}")
+                f"{self.protected_size()} + private {num_private} = {total} != {a.num_slots}"
+            )
 
 
 class NoSharingCache(PrefixCache):

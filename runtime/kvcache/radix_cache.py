@@ -199,8 +199,11 @@ class RadixCache(PrefixCache):
         if num_tokens <= 0:
             return 0
         tiebreak = itertools.count()  # never compare TreeNodes when access times tie
-        heap = [(n.last_access, next(tiebreak), n) for n in self._iter_nodes()
-                if n is not self.root and not n.children and n.lock_ref == 0]
+        heap = [
+            (n.last_access, next(tiebreak), n)
+            for n in self._iter_nodes()
+            if n is not self.root and not n.children and n.lock_ref == 0
+        ]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -223,8 +226,9 @@ class RadixCache(PrefixCache):
 
     def reset(self) -> None:
         if self._protected:
-            raise RuntimeError(f"cannot reset the prefix cache: {self._protected} cached tokens are "
-                               "locked by running requests or pins")
+            raise RuntimeError(
+                f"cannot reset the prefix cache: {self._protected} cached tokens are locked by running requests or pins"
+            )
         for node in self._iter_nodes():
             if node is not self.root:
                 self.allocator.free(node.value)
@@ -304,13 +308,14 @@ class RadixCache(PrefixCache):
             return self.root, 0
         pos = 0
         for p in reversed(path):
-            if not torch.equal(p.value, kv[pos:pos + len(p.key)]):
+            if not torch.equal(p.value, kv[pos : pos + len(p.key)]):
                 return self.root, 0
             pos += len(p.key)
         return old_node, pos
 
-    def _insert(self, key: tuple, value: torch.Tensor,
-                start: Optional[TreeNode] = None) -> tuple[TreeNode, Optional[torch.Tensor]]:
+    def _insert(
+        self, key: tuple, value: torch.Tensor, start: Optional[TreeNode] = None
+    ) -> tuple[TreeNode, Optional[torch.Tensor]]:
         """Add `key -> value` below `start` (default: the root); returns the path's last node and the
         tree's slots for all of `key`, or None where those are `value` itself (no duplicates). `start`
         and its ancestors count as accessed.
@@ -338,7 +343,7 @@ class RadixCache(PrefixCache):
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = self._clock
-            mine = value[pos:pos + m]
+            mine = value[pos : pos + m]
             if not torch.equal(mine, child.value):
                 duplicates.append(mine[mine != child.value])
             tree_values.append(child.value)
@@ -365,7 +370,7 @@ class RadixCache(PrefixCache):
     def _common_len(self, node_key: tuple, key: tuple, start: int) -> int:
         """Tokens shared by `node_key` and `key[start:]`, rounded down to whole pages."""
         n = min(len(node_key), len(key) - start)
-        if key[start:start + n] == node_key[:n]:  # fast path: C-level tuple compare
+        if key[start : start + n] == node_key[:n]:  # fast path: C-level tuple compare
             m = n
         else:
             m = 0
@@ -374,7 +379,7 @@ class RadixCache(PrefixCache):
         return m - m % self.page_size
 
     def _child_key(self, key: tuple, pos: int):
-        return key[pos] if self.page_size == 1 else key[pos:pos + self.page_size]
+        return key[pos] if self.page_size == 1 else key[pos : pos + self.page_size]
 
     def _aligned(self, n: int) -> int:
         return n - n % self.page_size
@@ -388,8 +393,10 @@ class RadixCache(PrefixCache):
             path.append(node)
             node = node.parent
         if path and node is None:
-            raise RuntimeError(f"{path[0]!r} is no longer in the tree (evicted or reset while "
-                               "unlocked): lock a node right after match_prefix returns it")
+            raise RuntimeError(
+                f"{path[0]!r} is no longer in the tree (evicted or reset while "
+                "unlocked): lock a node right after match_prefix returns it"
+            )
         return path
 
     def _iter_nodes(self):

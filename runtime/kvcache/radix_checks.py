@@ -12,32 +12,40 @@ import torch
 
 def check_tree(cache) -> None:
     """Raise AssertionError naming the first broken invariant of a RadixCache."""
-    _require(not cache.root.key and cache.root.parent is None and cache.root.lock_ref == 0,
-             "root must have an empty key, no parent and no locks")
+    _require(
+        not cache.root.key and cache.root.parent is None and cache.root.lock_ref == 0,
+        "root must have an empty key, no parent and no locks",
+    )
     evictable = protected = 0
     slot_runs = []
     for node in cache._iter_nodes():
         for ck, child in node.children.items():
             where = f"node {child!r} (key starts {child.key[:8]})"
             _require(child.parent is node, f"{where}: parent pointer does not match")
-            _require(len(child.key) > 0 and len(child.key) % cache.page_size == 0,
-                     f"{where}: key length {len(child.key)} is not a positive multiple of "
-                     f"page_size {cache.page_size}")
+            _require(
+                len(child.key) > 0 and len(child.key) % cache.page_size == 0,
+                f"{where}: key length {len(child.key)} is not a positive multiple of page_size {cache.page_size}",
+            )
             _require(ck == cache._child_key(child.key, 0), f"{where}: stored under child key {ck}")
-            _require(child.value.dtype == torch.int64 and child.value.shape == (len(child.key),),
-                     f"{where}: value {child.value.dtype} {tuple(child.value.shape)} does not "
-                     "match its key")
+            _require(
+                child.value.dtype == torch.int64 and child.value.shape == (len(child.key),),
+                f"{where}: value {child.value.dtype} {tuple(child.value.shape)} does not match its key",
+            )
             _require(child.lock_ref >= 0, f"{where}: negative lock_ref {child.lock_ref}")
-            _require(node is cache.root or child.lock_ref <= node.lock_ref,
-                     f"{where}: lock_ref {child.lock_ref} exceeds its parent's {node.lock_ref}")
+            _require(
+                node is cache.root or child.lock_ref <= node.lock_ref,
+                f"{where}: lock_ref {child.lock_ref} exceeds its parent's {node.lock_ref}",
+            )
             if child.lock_ref:
                 protected += len(child.key)
             else:
                 evictable += len(child.key)
             slot_runs.append(child.value)
-    _require(evictable == cache._evictable and protected == cache._protected,
-             f"size counters drifted: evictable {cache._evictable} (tree says {evictable}), "
-             f"protected {cache._protected} (tree says {protected})")
+    _require(
+        evictable == cache._evictable and protected == cache._protected,
+        f"size counters drifted: evictable {cache._evictable} (tree says {evictable}), "
+        f"protected {cache._protected} (tree says {protected})",
+    )
     # NOTE: counted with tensor ops: a set of Python ints over millions of free slots takes seconds.
     tree_slots = torch.cat(slot_runs) if slot_runs else torch.empty(0, dtype=torch.int64)
     free_slots = cache.allocator.free_slots()

@@ -50,6 +50,7 @@ def checked_pair(token_ids, kv_indices) -> tuple[int, torch.Tensor]:
     else:
         kv = kv_indices.reshape(-1).to("cpu", torch.int64)
     if kv.numel() != num:
-        raise ValueError(f"kv_indices has {kv.numel()} slots but token_ids has {num} tokens; "
-                         "they must correspond one to one")
+        raise ValueError(
+            f"kv_indices has {kv.numel()} slots but token_ids has {num} tokens; they must correspond one to one"
+        )
     return num, kv

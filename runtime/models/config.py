@@ -16,8 +16,12 @@ SUPPORTED_ARCHITECTURES = {
 }
 # config.json's `model_type` → architecture, for configs without an `architectures` list (transformers
 # itself goes by model_type then).
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # what models/layers.RotaryEmbedding computes
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
@@ -101,8 +105,10 @@ class ModelConfig:
     def from_path(cls, path: str) -> "ModelConfig":
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
-            raise ValueError(f"no config.json in model folder {path!r}: a Hugging Face model folder holds "
-                             f"config.json, the weights (*.safetensors) and the tokenizer files")
+            raise ValueError(
+                f"no config.json in model folder {path!r}: a Hugging Face model folder holds "
+                f"config.json, the weights (*.safetensors) and the tokenizer files"
+            )
         mc = cls.from_dict(read_json(cfg_file), source=cfg_file)
         gen_file = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_file):
@@ -123,10 +129,15 @@ class ModelConfig:
             return limit
         if requested > limit:
             window = _sliding_window(self.raw, self.architecture)
-            why = (f"its sliding window ({window} tokens; plait runs full attention, exact only within the "
-                   f"window)" if window is not None and window == limit else "max_position_embeddings in config.json")
-            raise ValueError(f"context_length {requested} is above this model's limit of {limit} tokens ({why}); "
-                             f"set context_length <= {limit} or leave it unset")
+            why = (
+                f"its sliding window ({window} tokens; plait runs full attention, exact only within the window)"
+                if window is not None and window == limit
+                else "max_position_embeddings in config.json"
+            )
+            raise ValueError(
+                f"context_length {requested} is above this model's limit of {limit} tokens ({why}); "
+                f"set context_length <= {limit} or leave it unset"
+            )
         return requested
 
 
@@ -154,8 +165,9 @@ def _architecture(cfg: dict[str, Any], source: str) -> str:
     elif cfg.get("num_local_experts") or cfg.get("num_experts"):
         kind = " (a mixture-of-experts model: plait runs dense decoders)"
     found = archs or (f"model_type {cfg['model_type']!r}" if cfg.get("model_type") else "no architectures")
-    raise ValueError(f"unsupported model architecture {found!r} in {source}{kind}; plait supports "
-                     f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    raise ValueError(
+        f"unsupported model architecture {found!r} in {source}{kind}; plait supports {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
 
 
 def _check_supported(cfg: dict[str, Any], arch: str, source: str) -> None:
@@ -164,8 +176,10 @@ def _check_supported(cfg: dict[str, Any], arch: str, source: str) -> None:
     quant = cfg.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise ValueError(f"{source}: quantized checkpoints ({method}) are not supported; plait loads "
-                         f"float32/float16/bfloat16 weights")
+        raise ValueError(
+            f"{source}: quantized checkpoints ({method}) are not supported; plait loads "
+            f"float32/float16/bfloat16 weights"
+        )
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"{source}: hidden_act {act!r} is not supported ({arch} in plait uses silu)")
@@ -173,8 +187,9 @@ def _check_supported(cfg: dict[str, Any], arch: str, source: str) -> None:
         raise ValueError(f"{source}: mlp_bias=true is not supported (biases on the MLP projections)")
     kind = (_rope_scaling(cfg) or {}).get("rope_type", "default")
     if kind not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"{source}: rope scaling {kind!r} is not supported; plait supports "
-                         f"{list(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(
+            f"{source}: rope scaling {kind!r} is not supported; plait supports {list(SUPPORTED_ROPE_TYPES)}"
+        )
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -209,8 +224,14 @@ def _context_limit(cfg: dict[str, Any], arch: str, source: str) -> int:
     if window is not None and window < limit:
         # NOTE: sliding-window attention is not implemented; within the window full attention is the
         # same computation, so the context is held to the window rather than silently differing past it.
-        logger.warning("%s: sliding-window attention (window %d) is not implemented; the context is limited "
-                       "to %d tokens (max_position_embeddings: %d)", source, window, window, limit)
+        logger.warning(
+            "%s: sliding-window attention (window %d) is not implemented; the context is limited "
+            "to %d tokens (max_position_embeddings: %d)",
+            source,
+            window,
+            window,
+            limit,
+        )
         return window
     return limit
 
@@ -218,24 +239,67 @@ def _context_limit(cfg: dict[str, Any], arch: str, source: str) -> int:
 # Built-in shapes for `load_format="dummy"` benchmarks (same numbers as the public configs).
 BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(
-        architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
-        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-        bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+        architectures=["LlamaForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
+    ),
     "llama-3.1-8b": dict(
-        architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-        bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+        architectures=["LlamaForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
+    ),
     "smollm2-135m": dict(
-        architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
-        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2),
+        architectures=["LlamaForCausalLM"],
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 

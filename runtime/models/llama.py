@@ -2,7 +2,8 @@
 
 Qwen2/2.5/3 reuse this module with flags (`attention_bias`, `qk_norm`); see qwen.py.
 Q/K/V and gate/up projections are fused at load time (one matmul each). Opt in (ServerArgs
-`enable_fused_decode_row`, off by default: measured slower, see layers.fuses_decode_row), a batch-1 decode step (one row, on CUDA)
+`enable_fused_decode_row`, off by default: measured slower, see layers.fuses_decode_row), a batch-1 decode step (one
+row, on CUDA)
 runs each norm and SiLU-and-mul inside the matmul after it: `DecoderLayer._forward_one_row`.
 
 Split over ranks (models/parallel.py), a model holds its rank's shard: its heads and MLP columns (an
@@ -18,12 +19,28 @@ import torch.nn as nn
 
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
-from .config import ModelConfig
 from . import layers
-from .parallel import (ONE_RANK, CheckpointRead, ModelParallel, TensorParallel, VocabParallelEmbedding, checkpoint_read,
-                       shard_heads, vocab_shard)
-from .layers import (RMSNorm, RotaryEmbedding, SiluAndMul, fuses_decode_row, norm_linear, row_linear, silu_linear,
-                     skinny_linear)
+from .config import ModelConfig
+from .layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    fuses_decode_row,
+    norm_linear,
+    row_linear,
+    silu_linear,
+    skinny_linear,
+)
+from .parallel import (
+    ONE_RANK,
+    CheckpointRead,
+    ModelParallel,
+    TensorParallel,
+    VocabParallelEmbedding,
+    checkpoint_read,
+    shard_heads,
+    vocab_shard,
+)
 
 
 class Attention(nn.Module):
@@ -40,8 +57,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.spec = AttentionLayerSpec(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
-                                       self.head_dim ** -0.5)
+        self.spec = AttentionLayerSpec(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = skinny_linear(x, self.qkv_proj)  # (T, q + 2kv)
@@ -59,8 +75,9 @@ class Attention(nn.Module):
         if self.rotary.fuses_kv_store(q) and fb.kv_pool.k_buffer[layer].dtype == k.dtype:
             # NOTE: one launch instead of three (rotary, K store, V store): at decode batch 1 each
             # launch costs more than its work.
-            q = self.rotary.rotate_and_store_kv(positions, q, k, v, fb.kv_pool.k_buffer[layer],
-                                                fb.kv_pool.v_buffer[layer], fb.out_cache_loc)
+            q = self.rotary.rotate_and_store_kv(
+                positions, q, k, v, fb.kv_pool.k_buffer[layer], fb.kv_pool.v_buffer[layer], fb.out_cache_loc
+            )
             o = fb.attn_backend.forward(q, None, None, self.spec, fb, kv_stored=True)  # (T, H * D)
         else:
             q, k = self.rotary(positions, q, k)
@@ -129,12 +146,16 @@ class LlamaForCausalLM(nn.Module):
         # this order whatever the split: dummy weights are drawn in parameter order.)
         self.embed_tokens = None
         if stage.is_first:
-            self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp.size == 1
-                                 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+            self.embed_tokens = (
+                nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+                if tp.size == 1
+                else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+            )
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         # Local layer indices: they index this rank's KV pool (a stage holds its own layers' KV only).
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp)
-                                    for i in range(stage.layer_count(cfg.num_hidden_layers)))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, rotary, tp) for i in range(stage.layer_count(cfg.num_hidden_layers))
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
         self.lm_head = None
         if stage.is_first and not cfg.tie_word_embeddings:
@@ -147,8 +168,9 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.norm(h, residual)
         return h  # (T, hidden)
 
-    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
-                      carried: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward_stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, carried: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """A pipeline stage's part: its layers over `carried` ((2, T, hidden): the previous stage's output
         and residual stream; None on the first stage, which embeds `input_ids`) -> (2, T, hidden) for the
         next stage, or on the last stage the final normed hidden states (T, hidden)."""
@@ -196,8 +218,9 @@ class LlamaForCausalLM(nn.Module):
         weight = self._head().weight  # (vocab, hidden)
         return (weight.index_select(0, token_ids) @ hidden.to(weight.dtype)).float()  # (n,)
 
-    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """compute_logits(forward(...), out) (T, vocab) float32, for callers that need no hidden states (the
         decode CUDA graph): on the one-row path (when switched on) the final norm runs inside the LM head's
         matmul; otherwise it is the norm, then compute_logits."""
@@ -209,14 +232,20 @@ class LlamaForCausalLM(nn.Module):
             if out is None:
                 return logits
             if out.dtype != torch.float32 or out.shape != logits.shape:
-                raise ValueError(f"logits out must be float32 {tuple(logits.shape)}, got {out.dtype} "
-                                 f"{tuple(out.shape)}")
+                raise ValueError(
+                    f"logits out must be float32 {tuple(logits.shape)}, got {out.dtype} {tuple(out.shape)}"
+                )
             return out.copy_(logits)  # NOTE: the fused kernel takes no `out`; one row, opt-in path
         return self.compute_logits(self.norm(h) if residual is None else self.norm(h, residual)[0], out=out)
 
     # ---- weights ----
-    _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    _STACKED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def checkpoint_read(self, name: str) -> Optional[CheckpointRead]:
         """What this rank reads of checkpoint tensor `name`: its slice and local name, or None (see
@@ -246,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
                     if target not in params:
                         raise ValueError(_unexpected(name, cfg))
                     start, size = offsets[fused][idx]
-                    _copy_checked(params[target].data[start:start + size], tensor, name)
+                    _copy_checked(params[target].data[start : start + size], tensor, name)
                     loaded.add(f"{target}#{idx}")
                     break
             else:
@@ -254,13 +283,15 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(_unexpected(name, cfg))
                 dst = params[name].data
                 if vocab_parallel and name in ("embed_tokens.weight", "lm_head.weight"):
-                    dst[tensor.shape[0]:].zero_()  # the last shard's padding rows: never looked up, logits cut off
-                    dst = dst[:tensor.shape[0]]
+                    dst[tensor.shape[0] :].zero_()  # the last shard's padding rows: never looked up, logits cut off
+                    dst = dst[: tensor.shape[0]]
                 _copy_checked(dst, tensor, name)
                 loaded.add(name)
         expected = set()
         for pname in params:
-            fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in pname and pname.endswith("weight")), None)
+            fused = next(
+                (f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in pname and pname.endswith("weight")), None
+            )
             if fused == "qkv_proj":
                 expected |= {f"{pname}#{i}" for i in range(3)}
             elif fused == "gate_up_proj":
@@ -271,11 +302,15 @@ class LlamaForCausalLM(nn.Module):
                 expected.add(pname)
         missing = sorted(expected - loaded)
         if missing:
-            hint = " (config.json says tie_word_embeddings=false, so the checkpoint needs its own lm_head.weight)" \
-                if "lm_head.weight" in missing else ""
-            raise ValueError(f"checkpoint is missing {len(missing)} weight(s) that a {cfg.architecture} with this "
-                             f"config.json has, e.g. {[self._checkpoint_name(m) for m in missing[:3]]}{hint}")
-
+            hint = (
+                " (config.json says tie_word_embeddings=false, so the checkpoint needs its own lm_head.weight)"
+                if "lm_head.weight" in missing
+                else ""
+            )
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} weight(s) that a {cfg.architecture} with this "
+                f"config.json has, e.g. {[self._checkpoint_name(m) for m in missing[:3]]}{hint}"
+            )
 
     def _checkpoint_name(self, loaded_key: str) -> str:
         """A `loaded` key ('layers.0.self_attn.qkv_proj.weight#1') -> the checkpoint's name for it."""
@@ -286,19 +321,23 @@ class LlamaForCausalLM(nn.Module):
                 break
         stage = self.parallel.stage
         if name.startswith("layers.") and stage.num_layers >= 0:  # a stage's local layer index -> the model's
-            layer, _, rest = name[len("layers."):].partition(".")
+            layer, _, rest = name[len("layers.") :].partition(".")
             name = f"layers.{int(layer) + stage.first_layer}.{rest}"
         return name if name == "lm_head.weight" else "model." + name
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(src.shape) != tuple(dst.shape):
-        raise ValueError(f"checkpoint weight {name!r} has shape {tuple(src.shape)} where config.json implies "
-                         f"{tuple(dst.shape)}: the config and the weights are not of the same model")
+        raise ValueError(
+            f"checkpoint weight {name!r} has shape {tuple(src.shape)} where config.json implies "
+            f"{tuple(dst.shape)}: the config and the weights are not of the same model"
+        )
     with torch.no_grad():
         dst.copy_(src)
 
 
 def _unexpected(name: str, cfg: ModelConfig) -> str:
-    return (f"unexpected weight {name!r} in checkpoint: a {cfg.architecture} with this config.json has no such "
-            f"weight (weights saved by transformers for another architecture or format?)")
+    return (
+        f"unexpected weight {name!r} in checkpoint: a {cfg.architecture} with this config.json has no such "
+        f"weight (weights saved by transformers for another architecture or format?)"
+    )

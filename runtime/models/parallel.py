@@ -159,19 +159,27 @@ def check_parallel_shape(cfg: ModelConfig, tp_size: int, pp_size: int = 1) -> No
     """Raise ValueError naming the numbers unless `cfg` splits over tp_size ranks and pp_size stages."""
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % tp_size:
-        raise ValueError(f"tp_size {tp_size} does not divide the model's num_attention_heads {heads} "
-                         f"({cfg.architecture}): use a tp_size that does ({_divisors(heads)})")
+        raise ValueError(
+            f"tp_size {tp_size} does not divide the model's num_attention_heads {heads} "
+            f"({cfg.architecture}): use a tp_size that does ({_divisors(heads)})"
+        )
     if kv >= tp_size and kv % tp_size:
-        raise ValueError(f"tp_size {tp_size} does not divide the model's num_key_value_heads {kv}: use a tp_size "
-                         f"that divides {kv}, or a multiple of it that divides {heads} (KV heads replicated)")
+        raise ValueError(
+            f"tp_size {tp_size} does not divide the model's num_key_value_heads {kv}: use a tp_size "
+            f"that divides {kv}, or a multiple of it that divides {heads} (KV heads replicated)"
+        )
     if kv < tp_size and tp_size % kv:
-        raise ValueError(f"tp_size {tp_size} is above the model's num_key_value_heads {kv} and not a multiple of it "
-                         f"(each KV head must be replicated on the same number of ranks)")
+        raise ValueError(
+            f"tp_size {tp_size} is above the model's num_key_value_heads {kv} and not a multiple of it "
+            f"(each KV head must be replicated on the same number of ranks)"
+        )
     if cfg.intermediate_size % tp_size:
         raise ValueError(f"tp_size {tp_size} does not divide the model's intermediate_size {cfg.intermediate_size}")
     if pp_size > cfg.num_hidden_layers:
-        raise ValueError(f"pp_size {pp_size} is above the model's num_hidden_layers {cfg.num_hidden_layers} "
-                         f"(each pipeline stage needs at least one layer)")
+        raise ValueError(
+            f"pp_size {pp_size} is above the model's num_hidden_layers {cfg.num_hidden_layers} "
+            f"(each pipeline stage needs at least one layer)"
+        )
 
 
 def _divisors(n: int) -> str:
@@ -288,5 +296,5 @@ def read_slice(handle, name: str, read: CheckpointRead) -> torch.Tensor:
         return handle.get_tensor(name)
     part = handle.get_slice(name)
     if read.dim == 0:
-        return part[read.start:read.stop]
-    return part[:, read.start:read.stop]
+        return part[read.start : read.stop]
+    return part[:, read.start : read.stop]

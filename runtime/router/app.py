@@ -36,8 +36,9 @@ REPLICA_HEADER = "X-Plait-Replica"
 
 def error_json(status: int, message: str) -> JSONResponse:
     kind = "server_overloaded" if status == 503 else ("server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status
+    )
 
 
 def routing_key(route: str, payload: Any) -> Sequence[Hashable]:
@@ -127,8 +128,9 @@ class Router:
     async def _send(self, url: str, route: str, body: bytes, headers: dict, streamed: bool):
         """The replica's response, or why it could not take the request (a string: try another)."""
         replica = self.replicas.replicas[url]
-        timeout = aiohttp.ClientTimeout(total=None if streamed else self.args.request_timeout,
-                                        sock_read=self.args.request_timeout)
+        timeout = aiohttp.ClientTimeout(
+            total=None if streamed else self.args.request_timeout, sock_read=self.args.request_timeout
+        )
         replica.in_flight += 1
         release = True
         try:
@@ -144,8 +146,7 @@ class Router:
                 text = (await resp.read()).decode(errors="replace")
                 self.metrics.error(url, "503")
                 return f"{url} answered 503: {text[:300]}"
-            out_headers = {"content-type": resp.headers.get("content-type", "application/json"),
-                           REPLICA_HEADER: url}
+            out_headers = {"content-type": resp.headers.get("content-type", "application/json"), REPLICA_HEADER: url}
             if streamed and resp.status == 200:
                 release = False  # the stream releases it when it ends
                 return StreamingResponse(self._pass_through(url, resp), status_code=200, headers=out_headers)
@@ -185,10 +186,14 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
         for url in self.replicas.healthy():
             try:
-                async with self.session.get(url + path, headers=headers,
-                                            timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                    return Response(await resp.read(), status_code=resp.status,
-                                    headers={"content-type": resp.headers.get("content-type", "application/json")})
+                async with self.session.get(
+                    url + path, headers=headers, timeout=aiohttp.ClientTimeout(total=30)
+                ) as resp:
+                    return Response(
+                        await resp.read(),
+                        status_code=resp.status,
+                        headers={"content-type": resp.headers.get("content-type", "application/json")},
+                    )
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 self.replicas.mark_down(url, f"{url} unreachable ({type(e).__name__}: {e})")
         return error_json(503, "no replica is healthy")
@@ -200,16 +205,18 @@ class Router:
 
         async def one(url: str):
             try:
-                async with self.session.post(url + path, data=body, headers=headers,
-                                             timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                async with self.session.post(
+                    url + path, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=60)
+                ) as resp:
                     return url, resp.status, (await resp.read()).decode(errors="replace")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 return url, 503, f"{type(e).__name__}: {e}"
 
         results = await asyncio.gather(*(one(u) for u in self.replicas.healthy()))
         ok = bool(results) and all(status == 200 for _, status, _ in results)
-        return JSONResponse({"replicas": {u: {"status": s, "body": b[:500]} for u, s, b in results}},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"replicas": {u: {"status": s, "body": b[:500]} for u, s, b in results}}, status_code=200 if ok else 503
+        )
 
 
 def create_router_app(args: RouterArgs) -> FastAPI:
@@ -227,6 +234,7 @@ def create_router_app(args: RouterArgs) -> FastAPI:
     app.state.router = router
 
     for path in ROUTED:
+
         async def handler(request: Request, _path: str = path) -> Response:
             started = time.perf_counter()
             try:
@@ -240,8 +248,11 @@ def create_router_app(args: RouterArgs) -> FastAPI:
     async def health() -> Response:
         healthy = router.replicas.healthy()
         if not healthy:
-            return error_json(503, "no replica is healthy: " + "; ".join(
-                f"{r['url']}: {r['last_error']}" for r in router.replicas.status()))
+            return error_json(
+                503,
+                "no replica is healthy: "
+                + "; ".join(f"{r['url']}: {r['last_error']}" for r in router.replicas.status()),
+            )
         return JSONResponse({"healthy_replicas": len(healthy)})
 
     @app.get("/metrics")
@@ -254,6 +265,7 @@ def create_router_app(args: RouterArgs) -> FastAPI:
         return JSONResponse({"policy": router.policy.name, "replicas": router.replicas.status()})
 
     for path in ("/v1/models", "/get_model_info"):
+
         async def get_handler(request: Request, _path: str = path) -> Response:
             return await router.forward_get(_path, request)
 
@@ -270,7 +282,14 @@ def launch_router(args: RouterArgs) -> None:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logger.info("plait router on http://%s:%d over %d replicas (%s)", args.host, args.port, len(args.worker_urls),
-                args.policy)
-    uvicorn.run(create_router_app(args), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
+    logger.info(
+        "plait router on http://%s:%d over %d replicas (%s)", args.host, args.port, len(args.worker_urls), args.policy
+    )
+    uvicorn.run(
+        create_router_app(args),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=5,
+    )

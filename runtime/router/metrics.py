@@ -15,23 +15,41 @@ class RouterMetrics:
 
     def __init__(self, urls: list[str]):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("plait_router_requests", "Requests sent to a replica, by route and by why it "
-                                "was chosen (prefix, new, balance, round_robin)", ["replica", "route", "reason"],
-                                registry=r)
-        self.prompt_items = Counter("plait_router_prompt_items", "Routing-key items (characters or token ids) of "
-                                    "the requests sent", registry=r)
-        self.matched_items = Counter("plait_router_matched_items", "Of those, items the chosen replica had been "
-                                     "sent before (the router's estimate of its prefix-cache hits)", registry=r)
-        self.errors = Counter("plait_router_replica_errors", "Replica failures seen by requests (unreachable, "
-                              "503, broken, mid_stream)", ["replica", "kind"], registry=r)
+        self.requests = Counter(
+            "plait_router_requests",
+            "Requests sent to a replica, by route and by why it was chosen (prefix, new, balance, round_robin)",
+            ["replica", "route", "reason"],
+            registry=r,
+        )
+        self.prompt_items = Counter(
+            "plait_router_prompt_items", "Routing-key items (characters or token ids) of the requests sent", registry=r
+        )
+        self.matched_items = Counter(
+            "plait_router_matched_items",
+            "Of those, items the chosen replica had been sent before (the router's estimate of its prefix-cache hits)",
+            registry=r,
+        )
+        self.errors = Counter(
+            "plait_router_replica_errors",
+            "Replica failures seen by requests (unreachable, 503, broken, mid_stream)",
+            ["replica", "kind"],
+            registry=r,
+        )
         self.retries = Counter("plait_router_retries", "Requests sent again to another replica", registry=r)
         self.failed = Counter("plait_router_unroutable", "Requests no replica could take (503)", registry=r)
-        self.healthy = Gauge("plait_router_replica_healthy", "1 while the replica is routed to", ["replica"],
-                             registry=r)
-        self.in_flight = Gauge("plait_router_replica_in_flight", "Requests open on the replica", ["replica"],
-                               registry=r)
-        self.latency = Histogram("plait_router_request_seconds", "Time to the routed response's headers (a "
-                                 "stream: its start)", ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.healthy = Gauge(
+            "plait_router_replica_healthy", "1 while the replica is routed to", ["replica"], registry=r
+        )
+        self.in_flight = Gauge(
+            "plait_router_replica_in_flight", "Requests open on the replica", ["replica"], registry=r
+        )
+        self.latency = Histogram(
+            "plait_router_request_seconds",
+            "Time to the routed response's headers (a stream: its start)",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         for url in urls:
             self.healthy.labels(url).set(1)
             self.in_flight.labels(url).set(0)

@@ -44,8 +44,13 @@ class RoundRobinPolicy:
 class CacheAwarePolicy:
     name = "cache_aware"
 
-    def __init__(self, balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.5,
-                 cache_threshold: float = 0.5, max_tree_items: int = 1 << 20):
+    def __init__(
+        self,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.5,
+        cache_threshold: float = 0.5,
+        max_tree_items: int = 1 << 20,
+    ):
         self.balance_abs = balance_abs_threshold
         self.balance_rel = balance_rel_threshold
         self.cache_threshold = cache_threshold
@@ -81,5 +86,6 @@ class CacheAwarePolicy:
 def make_policy(args: RouterArgs) -> "CacheAwarePolicy | RoundRobinPolicy":
     if args.policy == "round_robin":
         return RoundRobinPolicy()
-    return CacheAwarePolicy(args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold,
-                            args.max_tree_items)
+    return CacheAwarePolicy(
+        args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold, args.max_tree_items
+    )

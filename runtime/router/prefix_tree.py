@@ -107,8 +107,11 @@ class PrefixTree:
         """Forget at least `items` of `replica`'s least recently sent prefixes, from the leaves up."""
         while items > 0:
             # The replica's own leaves: nodes it holds with no child that it holds too.
-            leaves = [n for n in self._nodes() if replica in n.seen
-                      and not any(replica in c.seen for c in n.children.values())]
+            leaves = [
+                n
+                for n in self._nodes()
+                if replica in n.seen and not any(replica in c.seen for c in n.children.values())
+            ]
             if not leaves:
                 return
             leaves.sort(key=lambda n: n.seen[replica])
@@ -125,8 +128,11 @@ class PrefixTree:
         parent = node.parent
         del parent.children[node.edge[0]]
         # A parent left with one child and the same replicas is merged with it (keeps the tree compact).
-        if parent is not self.root and len(parent.children) == 1 and not parent.seen.keys() ^ \
-                next(iter(parent.children.values())).seen.keys():
+        if (
+            parent is not self.root
+            and len(parent.children) == 1
+            and not parent.seen.keys() ^ next(iter(parent.children.values())).seen.keys()
+        ):
             only = next(iter(parent.children.values()))
             only.edge = _concat(parent.edge, only.edge)
             only.parent = parent.parent

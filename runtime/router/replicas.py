@@ -79,5 +79,13 @@ class ReplicaSet:
             self.mark_down(url, why)
 
     def status(self) -> list[dict]:
-        return [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "served": r.served,
-                 "last_error": r.last_error} for r in self.replicas.values()]
+        return [
+            {
+                "url": r.url,
+                "healthy": r.healthy,
+                "in_flight": r.in_flight,
+                "served": r.served,
+                "last_error": r.last_error,
+            }
+            for r in self.replicas.values()
+        ]

@@ -10,11 +10,10 @@ the `KVManager`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-
-from dataclasses import dataclass, field
 
 from ..forward_batch import ForwardMode
 from ..kvcache.prefix_cache import MatchResult, PrefixPeek
@@ -56,7 +55,7 @@ class InFlightPrefixes:
         self._seqs.append((ids, length))
         for need, index in self._index.items():
             if length >= need:
-                index.setdefault(tuple(ids[need - self.window:need]), []).append(i)
+                index.setdefault(tuple(ids[need - self.window : need]), []).append(i)
 
     def shares(self, ids: list[int], need: int) -> bool:
         """Is `ids[:need]` (len(ids) >= need >= window) the start of a sequence in flight?"""
@@ -64,14 +63,16 @@ class InFlightPrefixes:
         index = self._index.get(need)
         if index is None:
             if len(self._index) >= MAX_INDEXED_WINDOWS:
-                window = ids[need - w:need]
-                return any(length >= need and other[need - w:need] == window and other[:need] == ids[:need]
-                           for other, length in self._seqs)
+                window = ids[need - w : need]
+                return any(
+                    length >= need and other[need - w : need] == window and other[:need] == ids[:need]
+                    for other, length in self._seqs
+                )
             index = self._index[need] = {}
             for i, (other, length) in enumerate(self._seqs):
                 if length >= need:
-                    index.setdefault(tuple(other[need - w:need]), []).append(i)
-        hits = index.get(tuple(ids[need - w:need]))
+                    index.setdefault(tuple(other[need - w : need]), []).append(i)
+        hits = index.get(tuple(ids[need - w : need]))
         if not hits:
             return False
         head = ids[:need]
@@ -100,8 +101,15 @@ class PrefillPlan:
 
 
 class PrefillAdmission:
-    def __init__(self, server_args, queues: RequestQueues, kv: KVManager, shortage: KVShortage,
-                 max_running_requests: int, stats: dict):
+    def __init__(
+        self,
+        server_args,
+        queues: RequestQueues,
+        kv: KVManager,
+        shortage: KVShortage,
+        max_running_requests: int,
+        stats: dict,
+    ):
         self.server_args = server_args
         self.queues = queues
         self.kv = kv
@@ -116,8 +124,9 @@ class PrefillAdmission:
         q, kv, sa = self.queues, self.kv, self.server_args
         if not q.waiting and q.chunked is None and not q.jump_tails:
             return None
-        budget = PrefillBudget(sa.max_prefill_tokens, sa.chunked_prefill_size,
-                               kv.room() - self.shortage.running_reserve())
+        budget = PrefillBudget(
+            sa.max_prefill_tokens, sa.chunked_prefill_size, kv.room() - self.shortage.running_reserve()
+        )
         plan = PrefillPlan()
         if q.chunked is not None and not self._continue_chunked(plan, budget):
             return None
@@ -235,8 +244,9 @@ class PrefillAdmission:
         return ScheduleBatch(ForwardMode.EXTEND, plan.reqs, plan.prefix_lens, plan.extend_lens, loc)
 
     # ---- matching ----
-    def _match_unless_in_flight(self, ids: list[int], in_flight: InFlightPrefixes,
-                                ranked: Optional[PrefixPeek] = None) -> Optional[MatchResult]:
+    def _match_unless_in_flight(
+        self, ids: list[int], in_flight: InFlightPrefixes, ranked: Optional[PrefixPeek] = None
+    ) -> Optional[MatchResult]:
         """The cached prefix of `ids`, or None when `ids` shares a long uncached prefix with a request
         already in this prefill batch (it waits a step). `ranked`: the lpm ranking's lookup of the
         request's whole sequence (`ids` is a prefix of it), reused where it still holds."""

@@ -61,13 +61,15 @@ class ScheduleBatch:
         """
         reqs, n = self.reqs, len(self.reqs)
         if not self.derived_rows:  # from the requests' CPU state (again if a caller reuses the batch)
-            self.seq_lens_host = np.fromiter((len(r.origin_input_ids) + len(r.output_ids) for r in reqs),
-                                             np.int64, n) + ahead
+            self.seq_lens_host = (
+                np.fromiter((len(r.origin_input_ids) + len(r.output_ids) for r in reqs), np.int64, n) + ahead
+            )
             self.req_pool_host = np.fromiter((r.req_pool_idx for r in reqs), np.int64, n)
         rows = np.empty((5 if self.prev_rows is None else 6, n), dtype=np.int64)
         if with_input_ids:
-            rows[0] = np.fromiter((r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs),
-                                  np.int64, n)
+            rows[0] = np.fromiter(
+                (r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs), np.int64, n
+            )
         else:
             rows[0] = 0
         rows[1] = self.seq_lens_host - 1
@@ -100,8 +102,13 @@ class ScheduleBatch:
         state says, with the input ids taken from the previous step on the device (`ids_from_prev`)."""
         reqs = self.reqs
         if self.mode.is_verify():
-            step = build_verify_step([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], self.verify.trees,
-                                     self.out_cache_loc.numpy(), self.verify.model_draft)
+            step = build_verify_step(
+                [r.req_pool_idx for r in reqs],
+                [r.kv_len for r in reqs],
+                self.verify.trees,
+                self.out_cache_loc.numpy(),
+                self.verify.model_draft,
+            )
             step.sample_rows = []  # every node is scored; the runner reads the trees
             step.sampling_reqs = list(range(len(reqs)))
             step.sampling = [r.sampling for r in reqs]
@@ -110,14 +117,29 @@ class ScheduleBatch:
         if self.mode.is_decode():
             rows = self.decode_host_rows(ahead, with_input_ids=not ids_from_prev)  # (5 or 6, B)
             everyone = list(range(len(reqs)))
-            return StepInput(self.mode, len(reqs), rows, self.seq_lens_host.tolist(), self.kv_writes,
-                             sample_rows=everyone, sampling_reqs=everyone, sampling=[r.sampling for r in reqs],
-                             ids_from_prev=ids_from_prev, has_prev_rows=self.prev_rows is not None)
+            return StepInput(
+                self.mode,
+                len(reqs),
+                rows,
+                self.seq_lens_host.tolist(),
+                self.kv_writes,
+                sample_rows=everyone,
+                sampling_reqs=everyone,
+                sampling=[r.sampling for r in reqs],
+                ids_from_prev=ids_from_prev,
+                has_prev_rows=self.prev_rows is not None,
+            )
         new_ids = itertools.chain.from_iterable(
-            r.origin_input_ids[p:p + e] if p + e <= len(r.origin_input_ids) else r.fill_ids[p:p + e]
-            for r, p, e in zip(reqs, self.prefix_lens, self.extend_lens))
-        step = StepInput.extend([r.req_pool_idx for r in reqs], self.prefix_lens, self.extend_lens, new_ids,
-                                self.out_cache_loc.cpu().numpy())
+            r.origin_input_ids[p : p + e] if p + e <= len(r.origin_input_ids) else r.fill_ids[p : p + e]
+            for r, p, e in zip(reqs, self.prefix_lens, self.extend_lens)
+        )
+        step = StepInput.extend(
+            [r.req_pool_idx for r in reqs],
+            self.prefix_lens,
+            self.extend_lens,
+            new_ids,
+            self.out_cache_loc.cpu().numpy(),
+        )
         self.kv_writes = step.kv_writes
         step.following_ids = [_token_at(r, p + e) for r, p, e in zip(reqs, self.prefix_lens, self.extend_lens)]
         offset = 0
@@ -132,12 +154,15 @@ class ScheduleBatch:
                 # NOTE: a chunk's last row predicts the next chunk's first prompt token: computed here,
                 # since the next chunk has no row before it.
                 for pos in range(first, min(pre + ext + 1, len(prompt))):
-                    step.logprob_rows.append(LogprobRow(i, offset + (pos - 1 - pre), pos, prompt[pos], r.top_logprobs_num))
+                    step.logprob_rows.append(
+                        LogprobRow(i, offset + (pos - 1 - pre), pos, prompt[pos], r.top_logprobs_num)
+                    )
             if pre + ext == r.seq_len and r.prefill_only and r.return_logprob and r.top_logprobs_num:
                 # max_new_tokens=0 with top logprobs: no token, but the next token's distribution (the
                 # "position" past the prompt; SGLang programs read it, e.g. to branch on the top-k).
-                step.logprob_rows.append(LogprobRow(i, offset + ext - 1, len(r.origin_input_ids), 0,
-                                                    r.top_logprobs_num, next_token=True))
+                step.logprob_rows.append(
+                    LogprobRow(i, offset + ext - 1, len(r.origin_input_ids), 0, r.top_logprobs_num, next_token=True)
+                )
             offset += ext
         return step
 

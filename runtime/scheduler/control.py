@@ -10,15 +10,24 @@ from .kv_manager import KVManager
 
 
 class ControlHandlers:
-    def __init__(self, kv: KVManager, is_idle: Callable[[], bool], get_stats: Callable[[], dict],
-                 check_integrity: Callable[[], bool]):
+    def __init__(
+        self,
+        kv: KVManager,
+        is_idle: Callable[[], bool],
+        get_stats: Callable[[], dict],
+        check_integrity: Callable[[], bool],
+    ):
         self.kv = kv
         self.is_idle = is_idle
         self.get_stats = get_stats
         self.check_integrity = check_integrity
         self._handlers: dict[type, Callable[[Any], Any]] = {
-            FlushCacheReq: self._flush_cache, GetStatsReq: self._stats, CheckIntegrityReq: self._check,
-            PinPrefixReq: self._pin, UnpinPrefixReq: self._unpin}
+            FlushCacheReq: self._flush_cache,
+            GetStatsReq: self._stats,
+            CheckIntegrityReq: self._check,
+            PinPrefixReq: self._pin,
+            UnpinPrefixReq: self._unpin,
+        }
 
     def handle(self, msg: ControlReq) -> Any:
         """The reply's result; raises for a bad call (the caller turns it into the reply's error)."""

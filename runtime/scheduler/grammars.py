@@ -16,8 +16,7 @@ from .queues import RequestQueues
 
 
 class SchedulerGrammars:
-    def __init__(self, tokenizer: Any, vocab_size: int, server_args: Any, queues: RequestQueues,
-                 finisher: Finisher):
+    def __init__(self, tokenizer: Any, vocab_size: int, server_args: Any, queues: RequestQueues, finisher: Finisher):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.server_args = server_args

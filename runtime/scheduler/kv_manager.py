@@ -31,7 +31,7 @@ def token_prefix(r: Req, n: int) -> list[int]:
         return origin
     if n < len(origin):
         return origin[:n]
-    return origin + r.output_ids[:n - len(origin)]
+    return origin + r.output_ids[: n - len(origin)]
 
 
 class KVManager:
@@ -174,8 +174,10 @@ class KVManager:
         """Why a request that runs alone cannot go on: its sequence outgrew what the pool can give it."""
         pinned = self.pinned_tokens()
         held = f", {pinned} of them held by pinned prefixes" if pinned else ""
-        return (f"out of KV memory: the request needs {r.seq_len + 1} tokens of KV cache, the pool holds "
-                f"{self.total}{held} (raise max_total_tokens, or lower max_new_tokens)")
+        return (
+            f"out of KV memory: the request needs {r.seq_len + 1} tokens of KV cache, the pool holds "
+            f"{self.total}{held} (raise max_total_tokens, or lower max_new_tokens)"
+        )
 
     def check(self, holding: list[Req], full: bool = True) -> None:
         """Raise AssertionError unless free + cached + the requests' private slots == every slot."""
@@ -184,6 +186,11 @@ class KVManager:
 
     def usage(self) -> dict:
         total, free, evictable = self.total, self.allocator.available(), self.cache.evictable_size()
-        return {"max_total_tokens": total, "free_tokens": free, "evictable_tokens": evictable,
-                "protected_tokens": self.cache.protected_size(), "kv_used_tokens": total - free - evictable,
-                "token_usage": (total - free - evictable) / total}
+        return {
+            "max_total_tokens": total,
+            "free_tokens": free,
+            "evictable_tokens": evictable,
+            "protected_tokens": self.cache.protected_size(),
+            "kv_used_tokens": total - free - evictable,
+            "token_usage": (total - free - evictable) / total,
+        }

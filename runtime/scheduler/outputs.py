@@ -65,7 +65,7 @@ class OutputBuilder:
                 r.finished_reason = FinishReason("stop", matched=s)
                 # NOTE: the last token may run past the stop string; no_stop_trim keeps the stop
                 # string itself but not what follows it (SGLang).
-                r.final_text = r.detok.text[:idx + len(s)] if sp.no_stop_trim else r.detok.text[:idx]
+                r.final_text = r.detok.text[: idx + len(s)] if sp.no_stop_trim else r.detok.text[:idx]
                 return True
         if r.stop_regexes:
             hit = find_stop_regex(r.detok.text, r.stop_regexes)
@@ -99,15 +99,21 @@ class OutputBuilder:
             text = r.detok.text
             holdback = max((len(s) for s in r.sampling_params.stop_strs), default=1) - 1
             if holdback:
-                text = text[:max(r.sent_text_len, len(text) - holdback)]
+                text = text[: max(r.sent_text_len, len(text) - holdback)]
             outs.append(self._delta(r, text, final=False))
         return outs
 
     def _delta(self, r: Req, text: str, final: bool) -> ReqOutput:
         out = ReqOutput(
-            rid=r.rid, new_ids=r.output_ids[r.sent_ids:], text_delta=text[r.sent_text_len:],
-            finished_reason=None, prompt_tokens=len(r.origin_input_ids), completion_tokens=len(r.output_ids),
-            cached_tokens=r.cached_tokens, first_token_time=r.first_token_time)
+            rid=r.rid,
+            new_ids=r.output_ids[r.sent_ids :],
+            text_delta=text[r.sent_text_len :],
+            finished_reason=None,
+            prompt_tokens=len(r.origin_input_ids),
+            completion_tokens=len(r.output_ids),
+            cached_tokens=r.cached_tokens,
+            first_token_time=r.first_token_time,
+        )
         if r.spec is not None:
             out.spec_verify_ct = r.spec.verify_steps
             out.spec_draft_tokens = r.spec.draft_tokens

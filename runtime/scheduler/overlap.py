@@ -16,7 +16,8 @@ The part that owns what is in flight. Two pipelines, never both in flight at onc
 Only steps whose sampling needs nothing from the host are launched ahead (no row
 `needs_host_sampling`: no logprobs, grammar, penalties or pending min_new_tokens); the others run
 synchronously (`runner.run`). A VERIFY step (speculative decoding) always runs synchronously, and no
-decode step is launched ahead of one that may verify drafts (its drafts depend on the tokens in flight). On the CPU a launch runs synchronously, but the bookkeeping is the same
+decode step is launched ahead of one that may verify drafts (its drafts depend on the tokens in flight). On the CPU a
+launch runs synchronously, but the bookkeeping is the same
 as on a GPU (tests set `overlap = True`).
 """
 
@@ -35,8 +36,17 @@ from .step_timer import StepTimer
 
 
 class StepPipeline:
-    def __init__(self, runner: StepRunner, queues: RequestQueues, kv: KVManager, results: StepResults,
-                 timer: StepTimer, overlap: bool, pipeline_prefills: bool, spec: Speculation):
+    def __init__(
+        self,
+        runner: StepRunner,
+        queues: RequestQueues,
+        kv: KVManager,
+        results: StepResults,
+        timer: StepTimer,
+        overlap: bool,
+        pipeline_prefills: bool,
+        spec: Speculation,
+    ):
         self.runner = runner
         self.queues = queues
         self.kv = kv
@@ -102,8 +112,9 @@ class StepPipeline:
         # NOTE: a logprob request needs host sampling, so no request here wants prompt logprobs either.
         return self.overlap and self.pipeline_prefills and batch.mode.is_extend() and self._launchable(batch)
 
-    def step_prefill_in_flight(self, batch: Optional[ScheduleBatch], t0: float,
-                               decode_batch: Callable[[], Optional[ScheduleBatch]]) -> ScheduleBatch:
+    def step_prefill_in_flight(
+        self, batch: Optional[ScheduleBatch], t0: float, decode_batch: Callable[[], Optional[ScheduleBatch]]
+    ) -> ScheduleBatch:
         """A step while a prefill is in flight: `batch` is the next prefill batch, admitted meanwhile
         (None: none could be). Launch it, then read back and process the one in flight; without one,
         process the one in flight, then build a decode batch (`decode_batch`)."""
@@ -182,8 +193,7 @@ class StepPipeline:
             self.timer.totals["decode"]["wall_s"] += time.perf_counter() - t0
         return batch
 
-    def _pipeline_rows(self, batch: ScheduleBatch, max_running_requests: int,
-                       context_len: int) -> Optional[list[int]]:
+    def _pipeline_rows(self, batch: ScheduleBatch, max_running_requests: int, context_len: int) -> Optional[list[int]]:
         """The rows of `batch` whose requests go on into a decode step launched now, before `batch`'s
         results are read; None when that step must wait (the requests that finished while `batch`
         was in flight are left out: they were released already)."""

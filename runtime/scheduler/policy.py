@@ -19,8 +19,7 @@ from ..request import Req
 LPM_MAX_QUEUE = 128
 
 
-def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache,
-                        peeks: Optional[dict] = None) -> list[Req]:
+def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache, peeks: Optional[dict] = None) -> list[Req]:
     """The waiting queue in admission order. With `peeks` (a dict), lpm leaves each ranked request's
     lookup there under `id(request)` (the admission reuses it)."""
     if policy == "fcfs" or len(waiting) <= 1:
@@ -32,10 +31,9 @@ def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache,
         if peeks is not None:
             peek = _kept_peeks(cache, peeks)
         else:
-            peek = (lambda ids, r: cache.peek_prefix_len(ids))  # noqa: E731
+            peek = lambda ids, r: cache.peek_prefix_len(ids)  # noqa: E731
         # NOTE: a request without outputs is ranked on its prompt list itself (fill_ids is a copy).
-        scored = [(-peek(r.fill_ids if r.output_ids else r.origin_input_ids, r), i, r)
-                  for i, r in enumerate(waiting)]
+        scored = [(-peek(r.fill_ids if r.output_ids else r.origin_input_ids, r), i, r) for i, r in enumerate(waiting)]
         scored.sort(key=lambda t: (t[0], t[1]))
         return [r for _, _, r in scored]
     if policy == "dfs-weight":
@@ -77,8 +75,11 @@ class PrefillBudget:
 
     # `locked`: evictable slots that admitting the request protects (its cached prefix, now locked).
     def fits_whole(self, extend_len: int, reserve: float, locked: int = 0) -> bool:
-        return (extend_len <= self.rem_input_tokens and extend_len <= self.rem_chunk_tokens
-                and extend_len + reserve + locked <= self.rem_memory)
+        return (
+            extend_len <= self.rem_input_tokens
+            and extend_len <= self.rem_chunk_tokens
+            and extend_len + reserve + locked <= self.rem_memory
+        )
 
     def take(self, extend_len: int, reserve: float, locked: int = 0) -> None:
         self.rem_input_tokens -= extend_len

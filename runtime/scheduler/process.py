@@ -19,8 +19,8 @@ import torch
 import zmq
 
 from ..io_struct import BatchOut, ShutdownReq
-from .scheduler import Scheduler, create_scheduler
 from ..server_args import ServerArgs
+from .scheduler import Scheduler, create_scheduler
 
 logger = logging.getLogger("plait.scheduler")
 
@@ -47,10 +47,18 @@ def main() -> None:
     run_scheduler_process(server_args, model_path, to_sched, from_sched, ready_addr, {"imported": imported})
 
 
-def run_scheduler_process(server_args: ServerArgs, model_path: str, in_addr: str, out_addr: str, ready_addr: str,
-                          startup_marks: Optional[dict] = None) -> None:
-    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def run_scheduler_process(
+    server_args: ServerArgs,
+    model_path: str,
+    in_addr: str,
+    out_addr: str,
+    ready_addr: str,
+    startup_marks: Optional[dict] = None,
+) -> None:
+    logging.basicConfig(
+        level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     if server_args.num_threads:
         torch.set_num_threads(server_args.num_threads)
     ctx = zmq.Context()

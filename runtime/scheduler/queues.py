@@ -48,8 +48,14 @@ class RequestQueues:
 
     # ---- views ----
     def is_idle(self) -> bool:
-        return not (self.waiting or self.grammar_pending or self.prefilling or self.chunked is not None
-                    or self.running or self.jump_tails)
+        return not (
+            self.waiting
+            or self.grammar_pending
+            or self.prefilling
+            or self.chunked is not None
+            or self.running
+            or self.jump_tails
+        )
 
     def holding_kv(self) -> list[Req]:
         """Requests that hold KV memory between steps (running, jump tails, the chunked one)."""
@@ -193,10 +199,20 @@ class RequestQueues:
 
     def clear(self) -> list[Req]:
         """Every live request, the queues emptied (a step failed: the caller ends them all)."""
-        live = list({id(r): r for r in (self.running + self.waiting + self.grammar_pending + self.jump_tails
-                                         + list(self.prefilling.values())
-                                         + ([self.chunked] if self.chunked else [])
-                                         + list(self.by_rid.values()))}.values())
+        live = list(
+            {
+                id(r): r
+                for r in (
+                    self.running
+                    + self.waiting
+                    + self.grammar_pending
+                    + self.jump_tails
+                    + list(self.prefilling.values())
+                    + ([self.chunked] if self.chunked else [])
+                    + list(self.by_rid.values())
+                )
+            }.values()
+        )
         self.__init__()
         return live
 

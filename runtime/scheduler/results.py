@@ -31,8 +31,17 @@ _ABORTED, _NO_TOKEN, _TOKEN = range(3)
 
 
 class StepResults:
-    def __init__(self, queues: RequestQueues, kv: KVManager, outputs: OutputBuilder, finisher: Finisher,
-                 grammars: SchedulerGrammars, context_len: int, stats: dict, spec: Speculation):
+    def __init__(
+        self,
+        queues: RequestQueues,
+        kv: KVManager,
+        outputs: OutputBuilder,
+        finisher: Finisher,
+        grammars: SchedulerGrammars,
+        context_len: int,
+        stats: dict,
+        spec: Speculation,
+    ):
         self.queues = queues
         self.kv = kv
         self.outputs = outputs
@@ -158,8 +167,11 @@ class StepResults:
             elif r.finished_reason is not None:
                 self.finisher.end(r, counted=True)
                 changed = True
-            elif (r.grammar is not None and not self.spec.replaces_jump_forward(r)
-                  and self.grammars.jump_forward(r) is not None):
+            elif (
+                r.grammar is not None
+                and not self.spec.replaces_jump_forward(r)
+                and self.grammars.jump_forward(r) is not None
+            ):
                 # The grammar forced text: its tokens were appended; prefill them next step instead of
                 # decoding them one by one (unless they used up max_new_tokens).
                 if r.remaining_new_tokens() == 0:

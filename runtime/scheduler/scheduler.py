@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
@@ -47,9 +47,9 @@ logger = logging.getLogger("plait.scheduler")
 
 def create_scheduler(server_args: ServerArgs, model_path: str, marks: Optional[dict] = None) -> "Scheduler":
     """The scheduler over its step runner for `model_path` (one device, with a drafter when speculating with
-    a draft model or head; or rank 0 of a model split over tp_size x pp_size ranks, which starts the other
-    ranks: runtime/distributed/), and the tokenizer. `marks`: start-up marks so far (SchedulerInfo.startup_marks),
-to which this adds when the model and the tokenizer were done."""
+        a draft model or head; or rank 0 of a model split over tp_size x pp_size ranks, which starts the other
+        ranks: runtime/distributed/), and the tokenizer. `marks`: start-up marks so far (SchedulerInfo.startup_marks),
+    to which this adds when the model and the tokenizer were done."""
     from ..executor.model_files import load_tokenizer
     from ..executor.spec_runner import create_step_runner
 
@@ -90,10 +90,17 @@ class Scheduler:
         # NOTE: the tokenizer's own EOS ends a request too (as in SGLang): a folder whose chat turns end with
         # a token that config.json and generation_config.json do not list would otherwise run to the limit.
         tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
-        self.eos_token_ids = tuple(sorted(set(runner.eos_token_ids)
-                                          | ({tokenizer_eos} if isinstance(tokenizer_eos, int) else set())))
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "num_retractions": 0,
-                      "num_finished": 0, "integrity_errors": 0}
+        self.eos_token_ids = tuple(
+            sorted(set(runner.eos_token_ids) | ({tokenizer_eos} if isinstance(tokenizer_eos, int) else set()))
+        )
+        self.stats = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "cached_tokens": 0,
+            "num_retractions": 0,
+            "num_finished": 0,
+            "integrity_errors": 0,
+        }
         self.last_integrity_error: Optional[str] = None
         self.timer = StepTimer(server_args.enable_step_timing)
         # The parts, each owning its state.
@@ -103,17 +110,32 @@ class Scheduler:
         self.finisher = Finisher(self.queues, self.kv, self.outputs, self.stats)
         self.grammars = SchedulerGrammars(tokenizer, runner.vocab_size, server_args, self.queues, self.finisher)
         self.shortage = KVShortage(self.queues, self.kv, self.finisher, self.stats)
-        self.admission = PrefillAdmission(server_args, self.queues, self.kv, self.shortage,
-                                          runner.max_running_requests, self.stats)
+        self.admission = PrefillAdmission(
+            server_args, self.queues, self.kv, self.shortage, runner.max_running_requests, self.stats
+        )
         self.speculation = Speculation(server_args, self.kv, tokenizer, runner.context_len)
-        self.results = StepResults(self.queues, self.kv, self.outputs, self.finisher, self.grammars,
-                                   runner.context_len, self.stats, self.speculation)
+        self.results = StepResults(
+            self.queues,
+            self.kv,
+            self.outputs,
+            self.finisher,
+            self.grammars,
+            runner.context_len,
+            self.stats,
+            self.speculation,
+        )
         # Overlap scheduling (a step in flight, launched but not read back) pays where the runner launches
         # asynchronously.
-        self.pipeline = StepPipeline(runner, self.queues, self.kv, self.results, self.timer,
-                                     overlap=not server_args.disable_overlap_schedule and runner.supports_overlap,
-                                     pipeline_prefills=not server_args.disable_prefill_pipeline,
-                                     spec=self.speculation)
+        self.pipeline = StepPipeline(
+            runner,
+            self.queues,
+            self.kv,
+            self.results,
+            self.timer,
+            overlap=not server_args.disable_overlap_schedule and runner.supports_overlap,
+            pipeline_prefills=not server_args.disable_prefill_pipeline,
+            spec=self.speculation,
+        )
         self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
         # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
         self.compile_watch = CompileWatch()
@@ -130,11 +152,16 @@ class Scheduler:
     def info(self) -> SchedulerInfo:
         r = self.runner
         return SchedulerInfo(
-            max_total_tokens=r.max_total_tokens, context_len=r.context_len, vocab_size=r.vocab_size,
-            max_running_requests=r.max_running_requests, device=r.device,
+            max_total_tokens=r.max_total_tokens,
+            context_len=r.context_len,
+            vocab_size=r.vocab_size,
+            max_running_requests=r.max_running_requests,
+            device=r.device,
             dtype=str(r.dtype).replace("torch.", ""),
-            attention_backend=r.attention_backend, eos_token_ids=list(self.eos_token_ids),
-            startup_marks=dict(self.startup_marks))
+            attention_backend=r.attention_backend,
+            eos_token_ids=list(self.eos_token_ids),
+            startup_marks=dict(self.startup_marks),
+        )
 
     # ------------------------------------------------------------------ intake
     def handle_message(self, msg: Any) -> Optional[Any]:
@@ -156,12 +183,21 @@ class Scheduler:
         return None
 
     def _add_request(self, m: TokenizedGenerateReq) -> None:
-        req = Req(m.rid, m.input_ids, m.sampling_params, return_logprob=m.return_logprob,
-                  logprob_start_len=m.logprob_start_len, top_logprobs_num=m.top_logprobs_num,
-                  return_text_in_logprobs=m.return_text_in_logprobs, stream=m.stream,
-                  tokenizer=self.text_decoder, eos_token_ids=self.eos_token_ids, group=m.group,
-                  defer_text=True,  # the tokenizer manager decodes text nobody reads before the end
-                  take_ids=True)  # the message is dropped after this
+        req = Req(
+            m.rid,
+            m.input_ids,
+            m.sampling_params,
+            return_logprob=m.return_logprob,
+            logprob_start_len=m.logprob_start_len,
+            top_logprobs_num=m.top_logprobs_num,
+            return_text_in_logprobs=m.return_text_in_logprobs,
+            stream=m.stream,
+            tokenizer=self.text_decoder,
+            eos_token_ids=self.eos_token_ids,
+            group=m.group,
+            defer_text=True,  # the tokenizer manager decodes text nobody reads before the end
+            take_ids=True,
+        )  # the message is dropped after this
         if m.sampling_params.seed is not None:
             req.set_generator(torch.Generator(device=self.runner.device).manual_seed(m.sampling_params.seed))
         # NOTE: max_new_tokens=None runs until the context is full: that is its budget. The admission
@@ -170,8 +206,13 @@ class Scheduler:
         req.max_new_tokens = min(req.max_new_tokens, max(0, context_len - len(req.origin_input_ids)))
         if req.seq_len + 1 > self.kv.total:
             self.queues.register(req)
-            self.finisher.end(req, FinishReason("abort", message=(
-                f"prompt of {req.seq_len} tokens cannot fit in the KV cache ({self.kv.total} tokens)")))
+            self.finisher.end(
+                req,
+                FinishReason(
+                    "abort",
+                    message=(f"prompt of {req.seq_len} tokens cannot fit in the KV cache ({self.kv.total} tokens)"),
+                ),
+            )
             return
         constrained = m.sampling_params.grammar_key is not None
         if constrained:
@@ -186,8 +227,15 @@ class Scheduler:
         if known is not None and known.status in (ReqStatus.WAITING, ReqStatus.GRAMMAR_PENDING):
             self.queues.remove(known)
         self.queues.by_rid.pop(m.rid, None)
-        req = Req(m.rid, list(m.input_ids), SamplingParams(max_new_tokens=0), tokenizer=self.text_decoder,
-                  eos_token_ids=self.eos_token_ids, stream=m.stream, defer_text=True)
+        req = Req(
+            m.rid,
+            list(m.input_ids),
+            SamplingParams(max_new_tokens=0),
+            tokenizer=self.text_decoder,
+            eos_token_ids=self.eos_token_ids,
+            stream=m.stream,
+            defer_text=True,
+        )
         self.finisher.end(req, FinishReason("abort", message=f"the scheduler refused the request: {message}"))
 
     def _abort(self, rid: str) -> None:

@@ -33,15 +33,14 @@ from ..request import Req
 from ..server_args import ServerArgs
 from ..speculative.adaptive import RequestSpecState
 from ..speculative.cost import StepCosts, allocate
-from ..speculative.guard import Arm, SpeculationGuard
 from ..speculative.grammar_drafts import GrammarDrafts
+from ..speculative.guard import Arm, SpeculationGuard
 from ..speculative.ngram import NgramIndex, TokenView
 from ..speculative.settings import SpecSettings
 from ..speculative.tree import DraftTree
 from ..step import StepOutput
 from .batch import ScheduleBatch, VerifyPlan
 from .kv_manager import KVManager
-
 
 # The cost model (speculative/cost.py) decides most steps' drafts; every EXPLORE_EVERY-th decision verifies
 # what was proposed anyway (the costs of steps it stopped running would never be measured again), and one
@@ -91,8 +90,12 @@ class Speculation:
         self._launches_ahead = False
         # Request-steps verified with at least one draft, drafts proposed, drafts accepted (and kept),
         # VERIFY forward steps.
-        self.totals = {"spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-                       "spec_verify_batches": 0}
+        self.totals = {
+            "spec_verify_steps": 0,
+            "spec_draft_tokens": 0,
+            "spec_accepted_tokens": 0,
+            "spec_verify_batches": 0,
+        }
 
     @property
     def enabled(self) -> bool:
@@ -164,7 +167,8 @@ class Speculation:
             timed = self._decode_timed.get(len(trees))
             stale = timed is None or self._decisions - timed > EXPLORE_EVERY // 2
             measuring = (period == EXPLORE_EVERY // 2 and stale) or (
-                not plain.measured(len(trees)) and self._decisions % MEASURE_EVERY == 0)
+                not plain.measured(len(trees)) and self._decisions % MEASURE_EVERY == 0
+            )
             if measuring:  # a plain decode step, timed (and where steps run ahead, the ones after it)
                 trees = [DraftTree([t.tokens[0]], [-1]) for t in trees]
                 if ahead:
@@ -215,12 +219,13 @@ class Speculation:
         at = used = 0
         for i, t in enumerate(trees):
             slots[at] = roots[i]
-            slots[at + 1:at + t.size] = extra_np[used:used + t.size - 1]
+            slots[at + 1 : at + t.size] = extra_np[used : used + t.size - 1]
             at += t.size
             used += t.size - 1
         self.totals["spec_verify_batches"] += 1
-        return ScheduleBatch(ForwardMode.VERIFY, batch.reqs, out_cache_loc=torch.from_numpy(slots),
-                             verify=VerifyPlan(trees, model_draft))
+        return ScheduleBatch(
+            ForwardMode.VERIFY, batch.reqs, out_cache_loc=torch.from_numpy(slots), verify=VerifyPlan(trees, model_draft)
+        )
 
     def _may_draft(self, r: Req, small: bool) -> bool:
         """Whether `r` could have drafts this step: grammar-forced ones (any batch), guessed ones
@@ -249,8 +254,13 @@ class Speculation:
         chain's forced text before its first guess is always verified (it is what jump-forward would append,
         whatever the step costs); the guesses after it are weighed on top of it."""
         fixed = [_leading(r.spec.forced) for r in reqs]
-        give = allocate(self.costs, [t.size - 1 for t in trees], [r.spec.chances(t.size - 1) for r, t in zip(reqs, trees)],
-                        fixed, ahead)
+        give = allocate(
+            self.costs,
+            [t.size - 1 for t in trees],
+            [r.spec.chances(t.size - 1) for r, t in zip(reqs, trees)],
+            fixed,
+            ahead,
+        )
         out_trees, out_model = [], []
         for t, by_model, k in zip(trees, model_draft, give):
             if k == t.size - 1:
@@ -260,7 +270,7 @@ class Speculation:
                 out_trees.append(DraftTree([t.tokens[0]], [-1]))
                 out_model.append(False)
             else:
-                out_trees.append(DraftTree.chain(t.tokens[0], t.tokens[1:k + 1]))
+                out_trees.append(DraftTree.chain(t.tokens[0], t.tokens[1 : k + 1]))
                 out_model.append(by_model)
         return out_trees, out_model
 
@@ -320,8 +330,12 @@ class Speculation:
                         state.pending_forced = (forced, len(r.output_ids))
                 lookup = state.ngram is not None and small and r.grammar.draft_room(chain, free=True) >= chain
                 drafts, state.forced = self.grammar_drafts.propose(
-                    r.grammar, TokenView(r.origin_input_ids, r.output_ids), chain,
-                    state.ngram.propose if lookup else None, max_guessed=n)
+                    r.grammar,
+                    TokenView(r.origin_input_ids, r.output_ids),
+                    chain,
+                    state.ngram.propose if lookup else None,
+                    max_guessed=n,
+                )
                 if drafts:
                     return DraftTree.chain(root, drafts), False
             free = r.grammar.draft_room(n, free=True)
@@ -351,10 +365,10 @@ class Speculation:
         at = 0
         for r, tree, v, m in zip(batch.reqs, batch.verify.trees, out.verified, committed):
             n = tree.size
-            seg = slots[at:at + n]
+            seg = slots[at : at + n]
             at += n
             kept = max(1, m)  # an aborted request keeps its root's KV, as a decode step's
-            path = [0] + v.nodes[:kept - 1]
+            path = [0] + v.nodes[: kept - 1]
             if path != list(range(kept)):  # a tree's path: its slots move to the positions after the prefix
                 table.write(r.req_pool_idx, r.kv_len, torch.from_numpy(seg[path]))
             keep = set(path)

@@ -50,8 +50,11 @@ class CORS:
 
         async def send_with_cors(message: dict) -> None:
             if message["type"] == "http.response.start":
-                extra = [(b"access-control-allow-origin", self._allow_origin(origin)),
-                         (b"access-control-expose-headers", EXPOSED_HEADERS), (b"vary", b"Origin")]
+                extra = [
+                    (b"access-control-allow-origin", self._allow_origin(origin)),
+                    (b"access-control-expose-headers", EXPOSED_HEADERS),
+                    (b"vary", b"Origin"),
+                ]
                 message = {**message, "headers": list(message.get("headers") or []) + extra}
             await send(message)
 
@@ -62,14 +65,21 @@ class CORS:
 
     async def _preflight(self, origin: bytes, headers: dict, send: Any) -> None:
         if not self.allows(origin):
-            await send_json_error(send, 403, f"origin {origin.decode('latin-1')!r} is not allowed to call this "
-                                             "server from a browser (start it with --allowed-origins to allow it)")
+            await send_json_error(
+                send,
+                403,
+                f"origin {origin.decode('latin-1')!r} is not allowed to call this "
+                "server from a browser (start it with --allowed-origins to allow it)",
+            )
             return
         requested = headers.get(b"access-control-request-headers")
-        response = [(b"access-control-allow-origin", self._allow_origin(origin)),
-                    (b"access-control-allow-methods", ALLOWED_METHODS),
-                    (b"access-control-max-age", PREFLIGHT_MAX_AGE_S), (b"vary", b"Origin"),
-                    (b"content-length", b"0")]
+        response = [
+            (b"access-control-allow-origin", self._allow_origin(origin)),
+            (b"access-control-allow-methods", ALLOWED_METHODS),
+            (b"access-control-max-age", PREFLIGHT_MAX_AGE_S),
+            (b"vary", b"Origin"),
+            (b"content-length", b"0"),
+        ]
         if requested:
             response.append((b"access-control-allow-headers", requested))
         await send({"type": "http.response.start", "status": 204, "headers": response})

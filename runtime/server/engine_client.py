@@ -52,8 +52,11 @@ class AdmissionControl:
         n_open = len(self.open_rids)
         if self.limit is not None and n_open + len(rids) > self.limit:
             self._metrics.observe_rejected()
-            raise APIError(503, f"server is at capacity ({n_open} requests open, limit {self.limit} = "
-                                f"max_running_requests + max_queued_requests); retry later")
+            raise APIError(
+                503,
+                f"server is at capacity ({n_open} requests open, limit {self.limit} = "
+                f"max_running_requests + max_queued_requests); retry later",
+            )
         duplicate = next((r for r in rids if r in self.open_rids), None)
         if duplicate is not None or len(set(rids)) != len(rids):
             raise APIError(400, f"rid {duplicate or rids} is already in use", param="rid")
@@ -163,8 +166,10 @@ class GenerationGroup:
             return
         sub.counted = True
         meta = dict((sub.last or {}).get("meta_info") or {})
-        meta["finish_reason"] = {"type": "abort", "message": "the client disconnected" if self.disconnected
-                                 else "the response ended early"}
+        meta["finish_reason"] = {
+            "type": "abort",
+            "message": "the client disconnected" if self.disconnected else "the response ended early",
+        }
         self.metrics.observe_finished(meta, time.perf_counter() - sub.started_at)
 
     def _release(self, sub: _SubStream) -> None:
@@ -296,7 +301,15 @@ class GenerationGroup:
 def _aborted_before_start(sub: _SubStream) -> dict:
     """The final output of a request aborted before the Engine got it (the scheduler's shape)."""
     ids = sub.call.get("input_ids")
-    return {"text": "", "output_ids": [], "meta_info": {
-        "id": sub.rid, "prompt_tokens": len(ids) if ids else 0, "completion_tokens": 0, "cached_tokens": 0,
-        "finish_reason": {"type": "abort", "message": "aborted by the client"},
-        "e2e_latency": time.perf_counter() - sub.started_at}}
+    return {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": sub.rid,
+            "prompt_tokens": len(ids) if ids else 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "finish_reason": {"type": "abort", "message": "aborted by the client"},
+            "e2e_latency": time.perf_counter() - sub.started_at,
+        },
+    }

@@ -94,7 +94,7 @@ def _union_error(errors: list[dict[str, Any]], loc: list[str]) -> Optional[tuple
     if len(deeper) == 1:
         if deeper[0] == loc[at]:
             return None  # the first error already is the real one
-        return describe_validation_errors([e for e in errors if _loc(e)[:at + 1] == prefix + deeper])
+        return describe_validation_errors([e for e in errors if _loc(e)[: at + 1] == prefix + deeper])
     if len(members) < 2:
         return None
     names = list(members)
@@ -115,15 +115,14 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, Optio
     field_path = [p for p in loc if not _is_union_member(p)]
     msg = str(first.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     if first.get("type") == "missing" and field_path:
         return f"missing required field '{'.'.join(field_path)}'", field_path[0]
     if first.get("type") == "extra_forbidden" and field_path:
         return f"unknown field '{'.'.join(field_path)}'", field_path[-1]
     if not field_path:
         if first.get("type") in ("model_type", "dict_type", "model_attributes_type"):
-            return ("request body must be a JSON object (sent with Content-Type: application/json)",
-                    None)
+            return ("request body must be a JSON object (sent with Content-Type: application/json)", None)
         return msg, None
     return f"invalid value for field '{'.'.join(field_path)}': {msg}", field_path[0]
 
@@ -143,8 +142,10 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         route = f"{request.method} {request.url.path}"
         if exc.status_code == 404 and message == "Not Found":
-            message = (f"no route {route}; plait serves the OpenAI routes /v1/models, /v1/completions, /v1/responses, "
-                       "/v1/chat/completions and SGLang's native API (/generate, ...)")
+            message = (
+                f"no route {route}; plait serves the OpenAI routes /v1/models, /v1/completions, /v1/responses, "
+                "/v1/chat/completions and SGLang's native API (/generate, ...)"
+            )
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             message = f"method not allowed: {route}" + (f" (allowed: {allowed})" if allowed else "")

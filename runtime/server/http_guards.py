@@ -72,17 +72,27 @@ class BodySizeLimit:
 
 async def send_json_error(send: Any, status: int, message: str) -> None:
     body = json.dumps(error_body(status, message)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 def malformed_http_response(reason: str) -> bytes:
     """A whole HTTP/1.1 400 response (JSON body) for bytes the HTTP parser could not read."""
     body = json.dumps(error_body(400, f"malformed HTTP request: {reason}")).encode()
-    head = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+    head = (
+        b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+    )
     return head + body
 
 

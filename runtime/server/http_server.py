@@ -24,12 +24,12 @@ from .errors import error_body, install_error_handlers
 from .http_guards import BodySizeLimit, json_error_protocol_class
 from .metrics import CONTENT_TYPE
 from .native_api import router as native_router
-from .openapi_schema import install_openapi
-from .protocol_compat import IGNORED_FIELDS_HEADER
 from .openai_api import router as openai_router
 from .openai_chat import router as chat_router
-from .responses_api import router as responses_router
+from .openapi_schema import install_openapi
+from .protocol_compat import IGNORED_FIELDS_HEADER
 from .request_encoding import RequestDecompression
+from .responses_api import router as responses_router
 from .server_context import ServerContext, get_context
 
 logger = logging.getLogger("plait.server")
@@ -54,12 +54,18 @@ class BearerAuth:
         if secrets.compare_digest(given, self._expected):
             await self.app(scope, receive, send)
             return
-        body = json.dumps(error_body(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
-                          ).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"www-authenticate", b"Bearer"),
-                                (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(error_body(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"www-authenticate", b"Bearer"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -111,8 +117,7 @@ def _header_list(names: list[str], limit: int = 20) -> bytes:
 def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI:
     server_args = server_args or getattr(engine, "server_args", None) or ServerArgs()
     # strict_content_type=False: a body without a Content-Type header is still read as JSON.
-    app = FastAPI(title="plait", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-                  strict_content_type=False)
+    app = FastAPI(title="plait", docs_url=None, redoc_url=None, openapi_url="/openapi.json", strict_content_type=False)
     install_openapi(app)
     ctx = ServerContext.build(engine, server_args)
     ctx.started_at = time.time()
@@ -155,12 +160,19 @@ def serve(engine: Any, server_args: ServerArgs) -> None:
     """Serve `engine` until SIGINT/SIGTERM (its shutdown is the caller's)."""
     app = create_app(engine, server_args)
     ctx: ServerContext = app.state.plait
-    config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                            log_level=server_args.log_level, access_log=server_args.log_level == "debug",
-                            http=json_error_protocol_class(),
-                            timeout_graceful_shutdown=5)
-    ready = (f"plait server ready on http://{server_args.host}:{server_args.port} "
-             f"(model {ctx.model_name}, context {ctx.context_len})")
+    config = uvicorn.Config(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level=server_args.log_level,
+        access_log=server_args.log_level == "debug",
+        http=json_error_protocol_class(),
+        timeout_graceful_shutdown=5,
+    )
+    ready = (
+        f"plait server ready on http://{server_args.host}:{server_args.port} "
+        f"(model {ctx.model_name}, context {ctx.context_len})"
+    )
     _ReadyLoggingServer(config, ready).run()
 
 
@@ -189,5 +201,9 @@ def warm_validators() -> None:
     import importlib
     import threading
 
-    threading.Thread(target=importlib.import_module, args=("plait.runtime.constrained.validation",),
-                     name="plait-warm-validators", daemon=True).start()
+    threading.Thread(
+        target=importlib.import_module,
+        args=("plait.runtime.constrained.validation",),
+        name="plait-warm-validators",
+        daemon=True,
+    ).start()

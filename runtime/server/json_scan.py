@@ -30,7 +30,7 @@ class CallSpan:
         """The raw text of an object-valued `arguments` so far (all of it once complete), else None."""
         if self.args_start is None or text[self.args_start] != "{":
             return None
-        return text[self.args_start:self.args_end if self.args_end is not None else len(text)]
+        return text[self.args_start : self.args_end if self.args_end is not None else len(text)]
 
 
 def skip_ws(text: str, i: int, also: str = "") -> int:

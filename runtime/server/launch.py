@@ -17,8 +17,7 @@ from ..server_args import ServerArgs
 
 def launch_server(server_args: ServerArgs) -> None:
     """Build the Engine, serve until SIGINT/SIGTERM, then shut the Engine down."""
-    logging.basicConfig(level=server_args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app_modules = in_background(importlib.import_module, "plait.runtime.server.http_server")
     engine = Engine(**_engine_kwargs(server_args))
     try:

@@ -14,8 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Buckets cover a CPU test box (hundreds of ms per token) up to GPU serving (ms per token).
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0,
-                    120.0, 300.0)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0)
 
 # Names the Engine may use for each scheduler statistic (first one found wins).
@@ -32,18 +31,23 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SCHEDULER_COUNTERS = (
     ("plait_grammar_cache_hits", "Constraints served from the grammar cache", ("grammar_cache_hits",)),
     ("plait_grammar_cache_misses", "Constraints compiled (grammar cache misses)", ("grammar_cache_misses",)),
-    ("plait_grammar_compile_seconds", "Seconds spent compiling grammars", ("grammar_compile_seconds",
-                                                                          "grammar_compile_seconds_total")),
-    ("plait_jump_forward_tokens", "Tokens a grammar forced, appended without a decode step",
-     ("jump_forward_tokens",)),
+    (
+        "plait_grammar_compile_seconds",
+        "Seconds spent compiling grammars",
+        ("grammar_compile_seconds", "grammar_compile_seconds_total"),
+    ),
+    ("plait_jump_forward_tokens", "Tokens a grammar forced, appended without a decode step", ("jump_forward_tokens",)),
     ("plait_retractions", "Requests retracted for lack of KV memory", ("num_retractions",)),
     ("plait_spec_verify_steps", "Speculative verify steps", ("spec_verify_steps",)),
     ("plait_spec_accepted_tokens", "Tokens accepted by speculative verify steps", ("spec_accepted_tokens",)),
     ("plait_spec_draft_tokens", "Draft tokens proposed", ("spec_draft_tokens",)),
 )
 # (exported only once speculation ran: the scheduler reports 0.0 when it is off)
-_SPEC_ACCEPT_LENGTH = ("plait_spec_accept_length", "Average accepted tokens per speculative verify step",
-                       ("avg_spec_accept_length",))
+_SPEC_ACCEPT_LENGTH = (
+    "plait_spec_accept_length",
+    "Average accepted tokens per speculative verify step",
+    ("avg_spec_accept_length",),
+)
 
 
 class SchedulerStats:
@@ -100,20 +104,28 @@ class ServerMetrics:
         self.prompt_tokens = counter("plait_prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("plait_generation_tokens", "Tokens generated")
         self.cached_tokens = counter("plait_cached_tokens", "Prompt tokens served from the prefix cache")
-        self.requests = Counter("plait_requests", "Finished generation requests", labels + ["finish_reason"],
-                                registry=r)
+        self.requests = Counter(
+            "plait_requests", "Finished generation requests", labels + ["finish_reason"], registry=r
+        )
         self.rejected = counter("plait_rejected_requests", "Requests refused with 503 (queue full)")
         self.running = gauge("plait_num_running_reqs", "Requests in the running batch")
         self.queued = gauge("plait_num_queued_reqs", "Requests waiting in the scheduler queue")
         self.in_flight = gauge("plait_num_in_flight_reqs", "Generation requests open at the HTTP server")
         self.kv_usage = gauge("plait_kv_cache_usage", "Fraction of KV cache slots in use (0-1)")
         self.hit_rate = gauge("plait_cache_hit_rate", "Prefix cache hit rate: cached / prompt tokens (0-1)")
-        self.ttft = Histogram("plait_time_to_first_token_seconds", "Time to first token", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("plait_inter_token_latency_seconds", "Time between output tokens", labels,
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("plait_e2e_request_latency_seconds", "End-to-end request latency", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "plait_time_to_first_token_seconds", "Time to first token", labels, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "plait_inter_token_latency_seconds", "Time between output tokens", labels, buckets=_ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "plait_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self._label = {"model_name": model_name}
         self.scheduler_stats = SchedulerStats(self._label)
         r.register(self.scheduler_stats)
@@ -153,8 +165,11 @@ class ServerMetrics:
     def render(self, server_info: Optional[dict[str, Any]]) -> bytes:
         info = server_info or {}
         self.scheduler_stats.update(info)
-        for gauge, keys in ((self.running, _RUNNING_KEYS), (self.queued, _QUEUED_KEYS),
-                            (self.kv_usage, _KV_USAGE_KEYS)):
+        for gauge, keys in (
+            (self.running, _RUNNING_KEYS),
+            (self.queued, _QUEUED_KEYS),
+            (self.kv_usage, _KV_USAGE_KEYS),
+        ):
             value = find_stat(info, keys)
             if value is not None:
                 gauge.labels(**self._label).set(value)

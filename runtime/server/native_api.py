@@ -38,9 +38,13 @@ def sse_event(obj: Any) -> str:
 
 # ---------------------------------------------------------------- request → Engine calls
 
-def verified_sampling_params(params: Optional[dict[str, Any]], ctx: ServerContext,
-                             label: str = "sampling_params", param: Optional[str] = "sampling_params"
-                             ) -> SamplingParams:
+
+def verified_sampling_params(
+    params: Optional[dict[str, Any]],
+    ctx: ServerContext,
+    label: str = "sampling_params",
+    param: Optional[str] = "sampling_params",
+) -> SamplingParams:
     """Parse and range-check a sampling_params dict; SamplingParams' messages name the field (400)."""
     try:
         sp = SamplingParams.from_dict(_sglang_names(params))
@@ -71,8 +75,7 @@ def check_unicode(text: str, label: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(400, f"{label} is not valid Unicode: {e.reason} (character {e.start})",
-                       param=param) from None
+        raise APIError(400, f"{label} is not valid Unicode: {e.reason} (character {e.start})", param=param) from None
 
 
 def check_prompt_ids(ids: list[int], ctx: ServerContext, field_name: str) -> None:
@@ -81,15 +84,19 @@ def check_prompt_ids(ids: list[int], ctx: ServerContext, field_name: str) -> Non
     if ctx.vocab_size is not None:
         bad = next((t for t in ids if t < 0 or t >= ctx.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"{field_name} contains token id {bad}, outside [0, {ctx.vocab_size})",
-                           param=field_name)
+            raise APIError(
+                400, f"{field_name} contains token id {bad}, outside [0, {ctx.vocab_size})", param=field_name
+            )
     check_prompt_length(len(ids), ctx, field_name)
 
 
 def check_prompt_length(num_tokens: int, ctx: ServerContext, field_name: str) -> None:
     if ctx.context_len is not None and num_tokens >= ctx.context_len:
-        raise APIError(400, f"{field_name} is too long: {num_tokens} tokens, the model's context length "
-                            f"is {ctx.context_len}", param=field_name)
+        raise APIError(
+            400,
+            f"{field_name} is too long: {num_tokens} tokens, the model's context length is {ctx.context_len}",
+            param=field_name,
+        )
 
 
 def request_options(**fields: Any) -> RequestOptions:
@@ -129,8 +136,7 @@ def _per_item(value: Any, i: int, batch: int, is_batch: bool, name: str) -> Any:
         if not is_batch:
             raise APIError(400, f"{name} is a list but the request is not a batch", param=name)
         if len(value) != batch:
-            raise APIError(400, f"{name} has {len(value)} entries but the batch has {batch} prompts",
-                           param=name)
+            raise APIError(400, f"{name} has {len(value)} entries but the batch has {batch} prompts", param=name)
         return value[i]
     return value
 
@@ -153,18 +159,21 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[st
             ids = body.input_ids[i] if is_batch else body.input_ids
             check_prompt_ids(ids, ctx, "input_ids")  # type: ignore[arg-type]
             base["input_ids"] = ids
-        sp = verified_sampling_params(_per_item(body.sampling_params, i, batch, is_batch,
-                                                "sampling_params"), ctx)
-        fields = {name: _per_item(getattr(body, name), i, batch, is_batch, name)
-                  for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")}
+        sp = verified_sampling_params(_per_item(body.sampling_params, i, batch, is_batch, "sampling_params"), ctx)
+        fields = {
+            name: _per_item(getattr(body, name), i, batch, is_batch, name)
+            for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")
+        }
         rid = _per_item(body.rid, i, batch, is_batch, "rid") or new_rid()
-        options = request_options(rid=rid, return_text_in_logprobs=body.return_text_in_logprobs, group=body.group,
-                                  **fields)
+        options = request_options(
+            rid=rid, return_text_in_logprobs=body.return_text_in_logprobs, group=body.group, **fields
+        )
         runs.append(expand_n(base, sp, options))
     return runs
 
 
 # ---------------------------------------------------------------- /generate
+
 
 async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator[str]:
     try:
@@ -201,6 +210,7 @@ async def generate(body: GenerateRequest, request: Request):
 
 # ---------------------------------------------------------------- management routes
 
+
 @router.api_route("/health", methods=["GET", "HEAD"], response_class=Response)
 async def health(request: Request) -> Response:
     """200 while the server can serve; 503 once the scheduler process is gone. HEAD too: some load
@@ -217,8 +227,11 @@ async def health_generate(request: Request) -> Response:
     """200 once the whole path (tokenizer → scheduler → model → detokenizer) produces a token."""
     ctx = get_context(request)
     group = ctx.new_group(None, log_metrics=False)
-    call = {"prompt": "ping", "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "options": request_options(rid="health-" + new_rid())}
+    call = {
+        "prompt": "ping",
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "options": request_options(rid="health-" + new_rid()),
+    }
     try:
         await asyncio.wait_for(_run_to_end(group, call), timeout=_HEALTH_GENERATE_TIMEOUT_S)
     except APIError:
@@ -257,11 +270,19 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     ctx = get_context(request)
     info = await asyncio.to_thread(ctx.engine.get_server_info)
     if info.get("api_key"):  # never hand the secret to whoever can read this route
-        info = {**info, "api_key": "<redacted>", "internal_states": [
-            {**state, "api_key": "<redacted>"} if state.get("api_key") else state
-            for state in info.get("internal_states") or []]}
-    return {**info, "num_open_http_requests": len(ctx.admission.open_rids),
-            "uptime_s": round(time.time() - ctx.started_at, 3)}
+        info = {
+            **info,
+            "api_key": "<redacted>",
+            "internal_states": [
+                {**state, "api_key": "<redacted>"} if state.get("api_key") else state
+                for state in info.get("internal_states") or []
+            ],
+        }
+    return {
+        **info,
+        "num_open_http_requests": len(ctx.admission.open_rids),
+        "uptime_s": round(time.time() - ctx.started_at, 3),
+    }
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
@@ -270,8 +291,9 @@ async def flush_cache(request: Request) -> JSONResponse:
     ok = await asyncio.to_thread(ctx.engine.flush_cache)
     if ok:
         return JSONResponse({"success": True, "message": "Cache flushed."})
-    return JSONResponse({"success": False, "message": "Cache not flushed: requests are running or waiting."},
-                        status_code=400)
+    return JSONResponse(
+        {"success": False, "message": "Cache not flushed: requests are running or waiting."}, status_code=400
+    )
 
 
 PIN_TTL_S = 600.0
@@ -292,7 +314,9 @@ async def pin_prefix(body: PinPrefixRequest, request: Request) -> dict[str, Any]
         # NOTE: pins made over HTTP always expire (PIN_TTL_S): a client may die without unpinning.
         return await asyncio.to_thread(ctx.engine.pin_prefix, prefix, PIN_TTL_S)
     except ValueError as e:
-        raise APIError(400, f"cannot pin the prefix: {e}", param="text" if body.text is not None else "input_ids") from None
+        raise APIError(
+            400, f"cannot pin the prefix: {e}", param="text" if body.text is not None else "input_ids"
+        ) from None
 
 
 @router.post("/unpin_prefix")

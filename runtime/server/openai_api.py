@@ -18,10 +18,17 @@ from fastapi.responses import StreamingResponse
 from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, sse_error_event
-from .native_api import (SSE_DONE, check_prompt_ids, check_unicode, expand_n, request_options, sse_event,
-                         tokenize_prompts, verified_sampling_params)
-from .openai_outputs import (ChoiceCursor, abort_error, completion_logprobs, finish_reason,
-                               matched_stop, usage)
+from .native_api import (
+    SSE_DONE,
+    check_prompt_ids,
+    check_unicode,
+    expand_n,
+    request_options,
+    sse_event,
+    tokenize_prompts,
+    verified_sampling_params,
+)
+from .openai_outputs import ChoiceCursor, abort_error, completion_logprobs, finish_reason, matched_stop, usage
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .protocol_compat import COMPLETIONS, review
 from .response_format import response_format_to_sampling
@@ -32,13 +39,26 @@ router = APIRouter(prefix="/v1")
 
 # OpenAI field → SamplingParams field, copied when the client sets it.
 _SAMPLING_FIELDS = (
-    ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
-    ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
-    ("repetition_penalty", "repetition_penalty"), ("min_tokens", "min_new_tokens"), ("stop", "stop"),
-    ("stop_token_ids", "stop_token_ids"), ("seed", "seed"), ("regex", "regex"), ("ebnf", "ebnf"),
-    ("ignore_eos", "ignore_eos"), ("skip_special_tokens", "skip_special_tokens"),
-    ("spaces_between_special_tokens", "spaces_between_special_tokens"), ("stop_regex", "stop_regex"),
-    ("stream_interval", "stream_interval"), ("custom_params", "custom_params"), ("n", "n"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("top_k", "top_k"),
+    ("min_p", "min_p"),
+    ("presence_penalty", "presence_penalty"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("repetition_penalty", "repetition_penalty"),
+    ("min_tokens", "min_new_tokens"),
+    ("stop", "stop"),
+    ("stop_token_ids", "stop_token_ids"),
+    ("seed", "seed"),
+    ("regex", "regex"),
+    ("ebnf", "ebnf"),
+    ("ignore_eos", "ignore_eos"),
+    ("skip_special_tokens", "skip_special_tokens"),
+    ("spaces_between_special_tokens", "spaces_between_special_tokens"),
+    ("stop_regex", "stop_regex"),
+    ("stream_interval", "stream_interval"),
+    ("custom_params", "custom_params"),
+    ("n", "n"),
 )
 
 
@@ -46,12 +66,12 @@ def check_model(req: Union[CompletionRequest, ChatCompletionRequest], ctx: Serve
     # NOTE: an empty name means the served model, as in vLLM: wrappers that leave the model setting
     # unset send "" (the openai client requires the argument).
     if req.model and req.model not in ctx.accepted_model_names:
-        raise APIError(404, f"model '{req.model}' does not exist; this server serves '{ctx.model_name}'",
-                       param="model")
+        raise APIError(404, f"model '{req.model}' does not exist; this server serves '{ctx.model_name}'", param="model")
 
 
-def sampling_dict(req: Union[CompletionRequest, ChatCompletionRequest], max_new_tokens: Optional[int]
-                  ) -> dict[str, Any]:
+def sampling_dict(
+    req: Union[CompletionRequest, ChatCompletionRequest], max_new_tokens: Optional[int]
+) -> dict[str, Any]:
     params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
     for src, dst in _SAMPLING_FIELDS:
         value = getattr(req, src)
@@ -63,16 +83,19 @@ def sampling_dict(req: Union[CompletionRequest, ChatCompletionRequest], max_new_
         try:
             params["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
         except ValueError:
-            raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
-                           param="logit_bias") from None
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
     params.update(response_format_to_sampling(req.response_format))
     params.update(structured_outputs_to_sampling(req.structured_outputs))
     return params
 
 
-def engine_calls(req: Union[CompletionRequest, ChatCompletionRequest], prompts: list[dict[str, Any]],
-                  params: dict[str, Any], ctx: ServerContext, logprob_args: dict[str, Any]
-                  ) -> list[list[dict[str, Any]]]:
+def engine_calls(
+    req: Union[CompletionRequest, ChatCompletionRequest],
+    prompts: list[dict[str, Any]],
+    params: dict[str, Any],
+    ctx: ServerContext,
+    logprob_args: dict[str, Any],
+) -> list[list[dict[str, Any]]]:
     """One run of n samples per prompt (see GenerationGroup.start)."""
     sp = verified_sampling_params(params, ctx, label="sampling parameters", param=None)
     _check_strict_schema(req, sp, ctx)
@@ -84,8 +107,9 @@ def engine_calls(req: Union[CompletionRequest, ChatCompletionRequest], prompts: 
     return runs
 
 
-def _check_strict_schema(req: Union[CompletionRequest, ChatCompletionRequest], sp: SamplingParams,
-                         ctx: ServerContext) -> None:
+def _check_strict_schema(
+    req: Union[CompletionRequest, ChatCompletionRequest], sp: SamplingParams, ctx: ServerContext
+) -> None:
     """`strict: true` promises output that matches the schema. Keywords the grammar backend cannot
     enforce (uniqueItems, format, ...) would break that promise silently, so they are a 400 here, as
     OpenAI refuses keywords its strict mode does not support; without strict they are best effort."""
@@ -99,16 +123,22 @@ def _check_strict_schema(req: Union[CompletionRequest, ChatCompletionRequest], s
     except ValueError as e:
         raise APIError(400, f"invalid json_schema: {e}", param="response_format") from None
     if warnings:
-        raise APIError(400, "response_format json_schema has strict=true, but " + "; ".join(warnings)
-                       + " (set strict=false for best effort)", param="response_format")
+        raise APIError(
+            400,
+            "response_format json_schema has strict=true, but "
+            + "; ".join(warnings)
+            + " (set strict=false for best effort)",
+            param="response_format",
+        )
 
 
 def default_max_tokens(prompt_len: int, ctx: ServerContext) -> Optional[int]:
     return None if ctx.context_len is None else max(ctx.context_len - prompt_len, 1)
 
 
-async def results_or_stream(group: GenerationGroup, runs: list[list[dict[str, Any]]], stream: bool,
-                             events: Callable[[], AsyncIterator[str]]) -> Union[list[dict], StreamingResponse]:
+async def results_or_stream(
+    group: GenerationGroup, runs: list[list[dict[str, Any]]], stream: bool, events: Callable[[], AsyncIterator[str]]
+) -> Union[list[dict], StreamingResponse]:
     await group.start(runs)
     if stream:
         return StreamingResponse(_sse(group, events()), media_type="text/event-stream")
@@ -158,9 +188,16 @@ def abort_event(meta: dict[str, Any]) -> Optional[str]:
 
 # ---------------------------------------------------------------- /v1/models
 
+
 def _model_card(ctx: ServerContext) -> dict[str, Any]:
-    return {"id": ctx.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "plait",
-            "root": str(getattr(ctx.engine, "model_path", ctx.model_name)), "max_model_len": ctx.context_len}
+    return {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": int(ctx.started_at),
+        "owned_by": "plait",
+        "root": str(getattr(ctx.engine, "model_path", ctx.model_name)),
+        "max_model_len": ctx.context_len,
+    }
 
 
 @router.get("/models")
@@ -173,12 +210,12 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     """The openai client's `models.retrieve(name)`; any name the server accepts (aliases included)."""
     ctx = get_context(request)
     if model_id not in ctx.accepted_model_names:
-        raise APIError(404, f"model '{model_id}' does not exist; this server serves '{ctx.model_name}'",
-                       param="model")
+        raise APIError(404, f"model '{model_id}' does not exist; this server serves '{ctx.model_name}'", param="model")
     return _model_card(ctx)
 
 
 # ---------------------------------------------------------------- /v1/completions
+
 
 def _completion_prompts(req: CompletionRequest, ctx: ServerContext) -> list[dict[str, Any]]:
     p = req.prompt
@@ -209,8 +246,7 @@ async def completions(req: CompletionRequest, request: Request):
     prompts = _completion_prompts(req, ctx)
     logprob_args: dict[str, Any] = {}
     if req.logprobs is not None:
-        logprob_args = {"return_logprob": True, "top_logprobs_num": req.logprobs,
-                        "return_text_in_logprobs": True}
+        logprob_args = {"return_logprob": True, "top_logprobs_num": req.logprobs, "return_text_in_logprobs": True}
         if req.echo:
             logprob_args["logprob_start_len"] = 0
     params = sampling_dict(req, req.max_tokens)
@@ -222,8 +258,8 @@ async def completions(req: CompletionRequest, request: Request):
     response_id, created = new_response_id(request, "cmpl-", req.rid)
     echo_texts = [_prompt_text(p, ctx) if req.echo else "" for p in prompts]
     result = await results_or_stream(
-        group, runs, req.stream,
-        lambda: _completion_events(group, req, response_id, created, ctx, echo_texts))
+        group, runs, req.stream, lambda: _completion_events(group, req, response_id, created, ctx, echo_texts)
+    )
     if isinstance(result, StreamingResponse):
         return result
     raise_if_aborted(result)
@@ -238,19 +274,38 @@ async def completions(req: CompletionRequest, request: Request):
             tokens += meta.get("output_token_logprobs") or []
             tops += meta.get("output_top_logprobs") or []
             logprobs = completion_logprobs(tokens, tops, ctx.tokenizer, 0)
-        choices.append({"index": index, "text": echo + (out.get("text") or ""), "logprobs": logprobs,
-                        "finish_reason": finish_reason(meta), "matched_stop": matched_stop(meta)})
+        choices.append(
+            {
+                "index": index,
+                "text": echo + (out.get("text") or ""),
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(meta),
+                "matched_stop": matched_stop(meta),
+            }
+        )
     metas = [o.get("meta_info") or {} for o in result]
-    return {"id": response_id, "object": "text_completion", "created": created, "model": ctx.model_name,
-            "choices": choices, "usage": usage(metas[::req.n], metas)}
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage(metas[:: req.n], metas),
+    }
 
 
 def _prompt_text(prompt: dict[str, Any], ctx: ServerContext) -> str:
     return prompt["prompt"] if "prompt" in prompt else ctx.tokenizer.decode(prompt["input_ids"])
 
 
-async def _completion_events(group: GenerationGroup, req: CompletionRequest, response_id: str,
-                             created: int, ctx: ServerContext, echo_texts: list[str]) -> AsyncIterator[str]:
+async def _completion_events(
+    group: GenerationGroup,
+    req: CompletionRequest,
+    response_id: str,
+    created: int,
+    ctx: ServerContext,
+    echo_texts: list[str],
+) -> AsyncIterator[str]:
     cursors: dict[int, ChoiceCursor] = {}
     last_meta: dict[int, dict] = {}
     head = {"id": response_id, "object": "text_completion", "created": created, "model": ctx.model_name}
@@ -274,8 +329,7 @@ async def _completion_events(group: GenerationGroup, req: CompletionRequest, res
             cur.text_offset += sum(len(t) for t in logprobs["tokens"])
         reason = finish_reason(meta)
         if text or reason or logprobs:
-            body = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": reason}]}
+            body = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
             if continuous:
                 body["usage"] = usage([meta], [meta])
             yield sse_event(body)
@@ -283,4 +337,4 @@ async def _completion_events(group: GenerationGroup, req: CompletionRequest, res
             yield event
     if req.stream_options is not None and req.stream_options.include_usage:
         metas = [last_meta[i] for i in sorted(last_meta)]
-        yield sse_event({**head, "choices": [], "usage": usage(metas[::req.n], metas)})
+        yield sse_event({**head, "choices": [], "usage": usage(metas[:: req.n], metas)})

@@ -13,8 +13,17 @@ from fastapi.responses import StreamingResponse
 from .engine_client import GenerationGroup
 from .errors import APIError
 from .native_api import check_prompt_length, check_unicode, sse_event
-from .openai_api import (abort_event, check_model, continuous_usage, default_max_tokens, engine_calls,
-                         new_response_id, raise_if_aborted, results_or_stream, sampling_dict)
+from .openai_api import (
+    abort_event,
+    check_model,
+    continuous_usage,
+    default_max_tokens,
+    engine_calls,
+    new_response_id,
+    raise_if_aborted,
+    results_or_stream,
+    sampling_dict,
+)
 from .openai_outputs import ChoiceCursor, chat_logprobs, finish_reason, matched_stop, usage
 from .protocol import ChatCompletionRequest
 from .protocol_compat import CHAT, review
@@ -39,8 +48,7 @@ def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServerContext) -> list[int]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as e:  # jinja raises TemplateError for e.g. roles the template refuses
-        raise APIError(400, f"messages could not be rendered with the chat template: {e}",
-                       param="messages") from None
+        raise APIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from None
     # NOTE: the contents are checked above with a better name; tools (descriptions, parameter schemas) and
     # tool-call arguments reach the prompt too, and a lone surrogate there was a 500 from the tokenizer.
     check_unicode(text, "the prompt rendered from messages and tools", "messages")
@@ -61,8 +69,9 @@ def request_template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
-async def chat_runs(req: ChatCompletionRequest, ctx: ServerContext
-                    ) -> tuple[list[list[dict[str, Any]]], Optional[ToolPlan], list[int]]:
+async def chat_runs(
+    req: ChatCompletionRequest, ctx: ServerContext
+) -> tuple[list[list[dict[str, Any]]], Optional[ToolPlan], list[int]]:
     """A chat request's Engine calls (one run of n samples), how its outputs are read back (tools), and its
     prompt's token ids. Shared by /v1/chat/completions and /v1/responses."""
     check_tools(req, ctx.server_args.grammar_backend)
@@ -71,8 +80,11 @@ async def chat_runs(req: ChatCompletionRequest, ctx: ServerContext
     max_new = req.max_new_tokens if req.max_new_tokens is not None else default_max_tokens(len(ids), ctx)
     logprob_args: dict[str, Any] = {}
     if req.logprobs:
-        logprob_args = {"return_logprob": True, "top_logprobs_num": req.top_logprobs or 0,
-                        "return_text_in_logprobs": True}
+        logprob_args = {
+            "return_logprob": True,
+            "top_logprobs_num": req.top_logprobs or 0,
+            "return_text_in_logprobs": True,
+        }
     params = sampling_dict(req, max_new)
     forced = call_schema(req)
     if forced is not None:  # tool_choice required / named: constrained decoding makes the calls
@@ -88,8 +100,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     runs, tools, _ = await chat_runs(req, ctx)
     group = ctx.new_group(request)
     response_id, created = new_response_id(request, "chatcmpl-", req.rid)
-    result = await results_or_stream(group, runs, req.stream,
-                                      lambda: _chat_events(group, req, response_id, created, ctx, tools))
+    result = await results_or_stream(
+        group, runs, req.stream, lambda: _chat_events(group, req, response_id, created, ctx, tools)
+    )
     if isinstance(result, StreamingResponse):
         return result
     raise_if_aborted(result)
@@ -98,22 +111,45 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         meta = out.get("meta_info") or {}
         logprobs = None
         if req.logprobs:
-            logprobs = chat_logprobs(meta.get("output_token_logprobs") or [],
-                                     meta.get("output_top_logprobs") or [], ctx.tokenizer, ctx.token_bytes)
+            logprobs = chat_logprobs(
+                meta.get("output_token_logprobs") or [],
+                meta.get("output_top_logprobs") or [],
+                ctx.tokenizer,
+                ctx.token_bytes,
+            )
         text = out.get("text") or ""
         reason = finish_reason(meta)
-        message, called = (tools.message(text, cut=reason == "length") if tools
-                           else ({"role": "assistant", "content": text}, False))
-        choices.append({"index": index, "message": message, "logprobs": logprobs,
-                        "finish_reason": "tool_calls" if called and reason == "stop" else reason,
-                        "matched_stop": matched_stop(meta)})
+        message, called = (
+            tools.message(text, cut=reason == "length") if tools else ({"role": "assistant", "content": text}, False)
+        )
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": "tool_calls" if called and reason == "stop" else reason,
+                "matched_stop": matched_stop(meta),
+            }
+        )
     metas = [o.get("meta_info") or {} for o in result]
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
-            "choices": choices, "usage": usage(metas[:1], metas)}
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage(metas[:1], metas),
+    }
 
 
-async def _chat_events(group: GenerationGroup, req: ChatCompletionRequest, response_id: str, created: int,
-                       ctx: ServerContext, tools: Optional[ToolPlan]) -> AsyncIterator[str]:
+async def _chat_events(
+    group: GenerationGroup,
+    req: ChatCompletionRequest,
+    response_id: str,
+    created: int,
+    ctx: ServerContext,
+    tools: Optional[ToolPlan],
+) -> AsyncIterator[str]:
     cursors: dict[int, ChoiceCursor] = {}
     tool_streams: dict[int, ToolCallStream] = {}  # with tools: what each choice may send as content yet
     last_meta: dict[int, dict] = {}

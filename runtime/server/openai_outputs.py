@@ -42,11 +42,16 @@ def usage(prompt_metas: list[dict[str, Any]], all_metas: list[dict[str, Any]]) -
     prompt = sum(int(m.get("prompt_tokens") or 0) for m in prompt_metas)
     cached = sum(int(m.get("cached_tokens") or 0) for m in prompt_metas)
     completion = sum(int(m.get("completion_tokens") or 0) for m in all_metas)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 # ---------------------------------------------------------------- logprobs
+
 
 def _entries(meta: dict[str, Any], key: str) -> list:
     return list(meta.get(key) or [])
@@ -85,8 +90,9 @@ def completion_logprobs(tokens: list, tops: list, tokenizer: Any, text_offset: i
     return out
 
 
-def chat_logprobs(tokens: list, tops: list, tokenizer: Any,
-                  token_bytes: Optional[Callable[[Optional[int], str], bytes]] = None) -> dict[str, Any]:
+def chat_logprobs(
+    tokens: list, tops: list, tokenizer: Any, token_bytes: Optional[Callable[[Optional[int], str], bytes]] = None
+) -> dict[str, Any]:
     """`choices[i].logprobs` of /v1/chat/completions for a slice of token entries. `token_bytes` gives a
     token's raw bytes (token_bytes.TokenBytes); without it, those of its text."""
 
@@ -104,6 +110,7 @@ def chat_logprobs(tokens: list, tops: list, tokenizer: Any,
 
 # ---------------------------------------------------------------- streaming cursors
 
+
 @dataclass
 class ChoiceCursor:
     """What one choice has already sent in a stream."""
@@ -116,7 +123,7 @@ class ChoiceCursor:
 
     def text_delta(self, chunk: dict[str, Any]) -> str:
         text = chunk.get("text") or ""
-        delta = text[self.text_sent:]
+        delta = text[self.text_sent :]
         self.text_sent = max(self.text_sent, len(text))
         return delta
 

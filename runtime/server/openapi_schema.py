@@ -17,11 +17,24 @@ from fastapi.openapi.utils import get_openapi
 
 STREAMING_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
 ERROR_SCHEMA = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {"type": "object", "required": ["message", "type", "code"], "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"anyOf": [{"type": "string"}, {"type": "null"}], "description": "the field at fault, if one is"},
-        "code": {"type": "integer"}}}}}
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {
+                    "anyOf": [{"type": "string"}, {"type": "null"}],
+                    "description": "the field at fault, if one is",
+                },
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
 _ERRORS = {
     "400": "invalid request: the message (and `param`) name the field at fault",
     "401": "missing or wrong API key (when the server has one)",
@@ -45,8 +58,12 @@ def install_openapi(app: FastAPI) -> None:
 def _build(app: FastAPI) -> dict[str, Any]:
     with warnings.catch_warnings():  # (duplicate ids of multi-method routes: made unique below)
         warnings.simplefilter("ignore")
-        schema = get_openapi(title="plait", version=_version(), routes=app.routes,
-                             description="SGLang's native API and the OpenAI API, served by plait.")
+        schema = get_openapi(
+            title="plait",
+            version=_version(),
+            routes=app.routes,
+            description="SGLang's native API and the OpenAI API, served by plait.",
+        )
     error_ref = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():

@@ -12,8 +12,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, Literal, Optional, Union, get_args
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .protocol_compat import CHAT, COMPLETIONS, compat_model
 from .protocol_tools import NamedToolChoice, Tool, ToolCall
@@ -27,6 +26,7 @@ MAX_N = 64
 
 
 # ---------------------------------------------------------------- OpenAI
+
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
@@ -139,8 +139,9 @@ class _SamplingExtensions(BaseModel):
 
     @field_validator("stream_options")
     @classmethod
-    def _stream_options_need_stream(cls, options: Optional[StreamOptions], info: ValidationInfo
-                                    ) -> Optional[StreamOptions]:
+    def _stream_options_need_stream(
+        cls, options: Optional[StreamOptions], info: ValidationInfo
+    ) -> Optional[StreamOptions]:
         # OpenAI refuses them on a non-streaming request; ignoring them would hide a client bug.
         if options is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
@@ -150,8 +151,11 @@ class _SamplingExtensions(BaseModel):
 @cache
 def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
     """The fields of `model` with a default that do not take None."""
-    return frozenset(name for name, f in model.model_fields.items()
-                     if not f.is_required() and type(None) not in get_args(f.annotation))
+    return frozenset(
+        name
+        for name, f in model.model_fields.items()
+        if not f.is_required() and type(None) not in get_args(f.annotation)
+    )
 
 
 class CompletionRequest(_SamplingExtensions, compat_model(COMPLETIONS)):  # type: ignore[misc]
@@ -224,16 +228,21 @@ class ChatMessage(BaseModel):
             if kind is None:
                 raise ValueError("each content part must be an object with a 'type'")
             if kind != "text":
-                raise ValueError(f"content parts of type '{kind}' are not supported (plait serves text-only "
-                                 "models): send parts of type 'text'")
+                raise ValueError(
+                    f"content parts of type '{kind}' are not supported (plait serves text-only "
+                    "models): send parts of type 'text'"
+                )
         return content
 
     @field_validator("function_call", "audio")
     @classmethod
     def _not_set(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
-            raise ValueError("messages with audio are not supported" if info.field_name == "audio" else
-                             "messages with the legacy function_call are not supported: send tool_calls")
+            raise ValueError(
+                "messages with audio are not supported"
+                if info.field_name == "audio"
+                else "messages with the legacy function_call are not supported: send tool_calls"
+            )
         return value
 
     def text(self) -> str:
@@ -278,16 +287,20 @@ class ChatCompletionRequest(_SamplingExtensions, compat_model(CHAT)):  # type: i
     @classmethod
     def _only_off(cls, value: Any, info: ValidationInfo) -> Any:
         if value not in _LEGACY_OFF_VALUES[info.field_name]:
-            raise ValueError(f"'{info.field_name}' is not supported by plait (legacy): send tools and "
-                             'tool_choice={"type": "function", "function": {"name": ...}}')
+            raise ValueError(
+                f"'{info.field_name}' is not supported by plait (legacy): send tools and "
+                'tool_choice={"type": "function", "function": {"name": ...}}'
+            )
         return value
 
     @field_validator("functions")
     @classmethod
     def _no_legacy_functions(cls, functions: Optional[list[dict[str, Any]]]) -> Any:
         if functions:
-            raise ValueError("the legacy 'functions' field is not supported: send the same definitions as "
-                             "tools=[{\"type\": \"function\", \"function\": ...}]")
+            raise ValueError(
+                "the legacy 'functions' field is not supported: send the same definitions as "
+                'tools=[{"type": "function", "function": ...}]'
+            )
         return functions
 
     @field_validator("tools")
@@ -308,8 +321,9 @@ class ChatCompletionRequest(_SamplingExtensions, compat_model(CHAT)):  # type: i
         try:
             return NamedToolChoice.model_validate(choice)
         except ValidationError:
-            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                             '"function": {"name": ...}}') from None
+            raise ValueError(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+            ) from None
 
     @field_validator("tool_choice")
     @classmethod
@@ -320,8 +334,10 @@ class ChatCompletionRequest(_SamplingExtensions, compat_model(CHAT)):  # type: i
         if choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among "
-                             f"the tools ({', '.join(map(repr, names)) or 'none given'})")
+            raise ValueError(
+                f"tool_choice names the function {choice.function.name!r}, which is not among "
+                f"the tools ({', '.join(map(repr, names)) or 'none given'})"
+            )
         return choice
 
     @field_validator("top_logprobs")

@@ -73,8 +73,9 @@ _NO_MM = "plait serves text-only models"
 _NO_LORA = "plait does not load LoRA adapters"
 _NO_REASONING = "plait has no reasoning parser: a reasoning model's thinking stays in the content"
 _NO_PRIORITY = "plait schedules without request priorities"
-_CACHE_KEY = ("plait's prefix cache matches tokens exactly, so requests that share a prefix share its cache "
-              "whatever their key")
+_CACHE_KEY = (
+    "plait's prefix cache matches tokens exactly, so requests that share a prefix share its cache whatever their key"
+)
 _NO_STORAGE = "plait stores no requests or responses"
 _EXTRA_OUTPUT = "plait does not return this extra output; the rest of the response is unchanged"
 _TRACE = "plait keeps no request traces"
@@ -106,14 +107,20 @@ FIELDS: dict[str, CompatField] = {
     "service_tier": _ignored(OPENAI_ALL, str, "plait has one service tier", off=(None, "auto", "default")),
     "safety_identifier": _ignored(OPENAI_ALL, str, "plait does no abuse monitoring"),
     "moderation": _ignored(OPENAI_ALL, dict[str, Json], "plait runs no moderation"),
-    "prediction": _ignored(OPENAI, dict[str, Json], "a predicted output only speeds decoding up; the output is the same"),
+    "prediction": _ignored(
+        OPENAI, dict[str, Json], "a predicted output only speeds decoding up; the output is the same"
+    ),
     "verbosity": _ignored(OPENAI, Literal["low", "medium", "high"], "plait passes no verbosity to the model"),
     "include": _ignored((RESPONSES,), list[str], _EXTRA_OUTPUT),
     "top_logprobs": _ignored((RESPONSES,), int, _EXTRA_OUTPUT, off=(None, 0)),
     "max_tool_calls": _ignored((RESPONSES,), int, "a turn makes the calls its tool_choice allows"),
     "context_management": _ignored((RESPONSES,), list[Json], "the input is never compacted"),
-    "truncation": _ignored((RESPONSES,), Literal["auto", "disabled"], "an input too long for the context is a 400, "
-                           "never truncated", off=(None, "disabled")),
+    "truncation": _ignored(
+        (RESPONSES,),
+        Literal["auto", "disabled"],
+        "an input too long for the context is a 400, never truncated",
+        off=(None, "disabled"),
+    ),
     "vllm_xargs": _ignored(OPENAI, dict[str, Json], "plait has no custom extensions"),
     "truncation_side": _ignored(OPENAI, Literal["left", "right"], "prompts are never truncated"),
     "media_io_kwargs": _ignored(OPENAI, dict[str, Json], _NO_MM),
@@ -143,8 +150,9 @@ FIELDS: dict[str, CompatField] = {
     "return_prompt_token_ids": _ignored(EVERY_API, bool, _EXTRA_OUTPUT),
     "return_token_ids": _ignored(OPENAI, bool, _EXTRA_OUTPUT),
     "return_meta_info": _ignored((CHAT,), bool, _EXTRA_OUTPUT),
-    "return_cached_tokens_details": _ignored(OPENAI, bool, _EXTRA_OUTPUT + " (usage.prompt_tokens_details has "
-                                                           "cached_tokens)"),
+    "return_cached_tokens_details": _ignored(
+        OPENAI, bool, _EXTRA_OUTPUT + " (usage.prompt_tokens_details has cached_tokens)"
+    ),
     "return_token_offsets": _ignored(OPENAI, bool, _EXTRA_OUTPUT),
     "return_prompt_text": _ignored(OPENAI, bool, _EXTRA_OUTPUT),
     "return_mm_kwargs": _ignored(OPENAI, bool, _EXTRA_OUTPUT, off=(None, True, False)),
@@ -159,23 +167,26 @@ FIELDS: dict[str, CompatField] = {
     "input_embeds": _refused((NATIVE,), Json, "prompts are text or token ids"),
     "prompt_embeds": _refused((COMPLETIONS,), Json, "prompts are text or token ids"),
     "positional_embed_overrides": _refused((NATIVE,), Json, "prompts are text or token ids"),
-    "input_ids": _refused((CHAT,), list[int], "the prompt is rendered from messages (send token ids to "
-                                               "/v1/completions or /generate)"),
+    "input_ids": _refused(
+        (CHAT,), list[int], "the prompt is rendered from messages (send token ids to /v1/completions or /generate)"
+    ),
     "lora_path": _refused(EVERY_API, StrOrList, _NO_LORA),
     "lora_id": _refused((NATIVE,), StrOrList, _NO_LORA),
     "custom_logit_processor": _refused(EVERY_API, StrOrList, "plait runs no custom logit processors"),
     "logits_processors": _refused((COMPLETIONS,), list[Json], "plait runs no custom logit processors"),
     "session_params": _refused(EVERY_API, dict[str, Json], "plait has no sessions: send the whole conversation"),
     "return_hidden_states": _refused(EVERY_API, Union[bool, str], "plait does not return hidden states"),
-    "token_ids_logprob": _refused((NATIVE,), Union[list[int], list[list[int]]],
-                                  "logprobs are for the sampled token and the top ones"),
+    "token_ids_logprob": _refused(
+        (NATIVE,), Union[list[int], list[list[int]]], "logprobs are for the sampled token and the top ones"
+    ),
     "logprob_token_ids": _refused(OPENAI, list[int], "logprobs are for the sampled token and the top ones"),
     "return_sampling_mask": _refused((NATIVE,), Union[bool, list[bool]], _EXTRA_OUTPUT),
     "return_flat_raw_top_logprobs": _refused((NATIVE,), bool, "logprobs come as SGLang's nested lists"),
     "return_flat_raw_top_logprobs_b64": _refused((NATIVE,), bool, "logprobs come as SGLang's nested lists"),
     "return_tokens_as_token_ids": _refused(OPENAI, bool, "logprob tokens are their text"),
-    "prompt_logprobs": _refused(OPENAI, int, "prompt logprobs come with echo and logprobs on /v1/completions",
-                                off=_OFF + (0,)),
+    "prompt_logprobs": _refused(
+        OPENAI, int, "prompt logprobs come with echo and logprobs on /v1/completions", off=_OFF + (0,)
+    ),
     "multi_item_delimiter_indices": _refused((NATIVE,), Json, "plait has no multi-item scoring"),
     "bootstrap_host": _refused(EVERY_API, StrOrList, _NO_PD),
     "bootstrap_port": _refused(EVERY_API, IntOrList, _NO_PD),
@@ -194,14 +205,22 @@ FIELDS: dict[str, CompatField] = {
     "bad_words": _refused(OPENAI, list[str], "send logit_bias, or a regex constraint"),
     "repetition_detection": _refused(OPENAI, dict[str, Json], "send repetition_penalty or stop strings"),
     "truncate_prompt_tokens": _refused(OPENAI, int, "prompts are never truncated: a prompt that is too long is a 400"),
-    "add_special_tokens": _refused((COMPLETIONS,), bool, "a text prompt is tokenized with the model's special "
-                                   "tokens (send token ids for any other encoding)", off=(None, True)),
+    "add_special_tokens": _refused(
+        (COMPLETIONS,),
+        bool,
+        "a text prompt is tokenized with the model's special tokens (send token ids for any other encoding)",
+        off=(None, True),
+    ),
     "echo": _refused((CHAT,), bool, "chat responses hold the new message only"),
-    "chat_template": _refused((CHAT,), str, "a chat template sent with the request is not accepted; the model's "
-                                            "own is used"),
+    "chat_template": _refused(
+        (CHAT,), str, "a chat template sent with the request is not accepted; the model's own is used"
+    ),
     "background": _refused((NATIVE, RESPONSES), bool, "a response is made while its request waits (or streams)"),
-    "conversation": _refused((RESPONSES,), Union[str, dict[str, Json]], "plait has no Conversations API: send "
-                             "previous_response_id, or the whole input"),
+    "conversation": _refused(
+        (RESPONSES,),
+        Union[str, dict[str, Json]],
+        "plait has no Conversations API: send previous_response_id, or the whole input",
+    ),
     "prompt": _refused((RESPONSES,), dict[str, Json], "plait has no stored prompt templates"),
     "web_search_options": _refused((CHAT,), dict[str, Json], "plait has no web search"),
 }
@@ -215,13 +234,17 @@ MISPLACED_ON_NATIVE_NOTE = "is a sampling parameter: send it inside sampling_par
 def compat_model(api: str) -> type[BaseModel]:
     """A model with every FIELDS row of `api` as an optional field (None = not sent): request models of
     that API inherit it, so wrong types are 400s naming the field and the OpenAPI schema lists them."""
-    fields = {name: (Optional[row.type], Field(default=None, description=f"accepted; {row.use}: {row.why}"))
-              for name, row in FIELDS.items() if api in row.apis}
+    fields = {
+        name: (Optional[row.type], Field(default=None, description=f"accepted; {row.use}: {row.why}"))
+        for name, row in FIELDS.items()
+        if api in row.apis
+    }
     return create_model(f"{api.title()}CompatFields", __base__=BaseModel, **fields)
 
 
-def review(body: BaseModel, api: str, request: Optional[Request], once: set[str],
-           misplaced: frozenset[str] = frozenset()) -> None:
+def review(
+    body: BaseModel, api: str, request: Optional[Request], once: set[str], misplaced: frozenset[str] = frozenset()
+) -> None:
     """After validation: a 400 for a refused field that is on, a log line (once per server, `once` holds
     what was logged) for an ignored one that is set, and for top-level fields no API defines a warning
     and the `x-plait-ignored-fields` header. `misplaced` names extra fields that are a 400 instead."""
@@ -240,8 +263,13 @@ def review(body: BaseModel, api: str, request: Optional[Request], once: set[str]
         raise APIError(400, f"'{wrong_place}' {MISPLACED_ON_NATIVE_NOTE}", param=wrong_place)
     if unknown:
         for name in unknown:
-            _log_once(once, f"{api}:unknown:{name}", "request field '%s' is unknown to plait (and to the SGLang, "
-                      "OpenAI and vLLM APIs); ignored", name, level=logging.WARNING)
+            _log_once(
+                once,
+                f"{api}:unknown:{name}",
+                "request field '%s' is unknown to plait (and to the SGLang, OpenAI and vLLM APIs); ignored",
+                name,
+                level=logging.WARNING,
+            )
         if request is not None:
             request.state.ignored_fields = unknown
 

@@ -66,8 +66,11 @@ class FunctionCallOutputItem(BaseModel):
 
 
 InputItem = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]
-_ITEM_TYPES: dict[str, type[BaseModel]] = {"message": MessageItem, "function_call": FunctionCallItem,
-                                           "function_call_output": FunctionCallOutputItem}
+_ITEM_TYPES: dict[str, type[BaseModel]] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
 
 
 def input_items(value: Union[str, list[Any]]) -> list[InputItem]:
@@ -80,8 +83,10 @@ def input_items(value: Union[str, list[Any]]) -> list[InputItem]:
         model = _ITEM_TYPES.get(kind) if isinstance(kind, str) else None
         if model is None:
             what = f"of type '{kind}'" if isinstance(kind, str) else "that is not an object"
-            raise ValueError(f"input[{i}]: an item {what} is not supported (plait takes messages, function_call "
-                             "and function_call_output items)")
+            raise ValueError(
+                f"input[{i}]: an item {what} is not supported (plait takes messages, function_call "
+                "and function_call_output items)"
+            )
         items.append(_validated(model, raw, f"input[{i}]"))  # type: ignore[arg-type]
     return items
 
@@ -174,8 +179,10 @@ class ResponsesRequest(compat_model(RESPONSES)):  # type: ignore[misc]
         for i, tool in enumerate(tools or []):
             kind = tool.get("type")
             if kind != "function":
-                raise ValueError(f"tools[{i}]: tools of type '{kind}' are not supported (plait runs no hosted "
-                                 "tools): send function tools")
+                raise ValueError(
+                    f"tools[{i}]: tools of type '{kind}' are not supported (plait runs no hosted "
+                    "tools): send function tools"
+                )
             _validated(FunctionTool, tool, f"tools[{i}]")
         return tools
 

@@ -49,11 +49,16 @@ class RequestDecompression:
             await self.app(scope, receive, send)
             return
         if encoding not in SUPPORTED_ENCODINGS and encoding != "x-gzip":
-            await send_json_error(send, 415, f"unsupported Content-Encoding '{encoding}': send the body "
-                                             f"uncompressed or as {' or '.join(SUPPORTED_ENCODINGS)}")
+            await send_json_error(
+                send,
+                415,
+                f"unsupported Content-Encoding '{encoding}': send the body "
+                f"uncompressed or as {' or '.join(SUPPORTED_ENCODINGS)}",
+            )
             return
-        headers = [(k, v) for k, v in scope.get("headers") or ()
-                   if k.lower() not in (b"content-encoding", b"content-length")]
+        headers = [
+            (k, v) for k, v in scope.get("headers") or () if k.lower() not in (b"content-encoding", b"content-length")
+        ]
         inflater = zlib.decompressobj(_GZIP_OR_ZLIB)
         pending = b""  # compressed bytes received but not inflated yet
         more = True  # the client has more body messages to send

@@ -50,10 +50,20 @@ class _Events:
         if self.text_item is None:
             self.text_item = message_item(new_item_id("msg"), "", "in_progress")
             self.output.append(self.text_item)
-            out.append(self.event("response.output_item.added", output_index=self._index(self.text_item),
-                                  item={**self.text_item, "content": []}))
-            out.append(self.event("response.content_part.added", **self._where(self.text_item),
-                                  part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+            out.append(
+                self.event(
+                    "response.output_item.added",
+                    output_index=self._index(self.text_item),
+                    item={**self.text_item, "content": []},
+                )
+            )
+            out.append(
+                self.event(
+                    "response.content_part.added",
+                    **self._where(self.text_item),
+                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                )
+            )
         self.text_item["content"][0]["text"] += delta
         out.append(self.event("response.output_text.delta", **self._where(self.text_item), delta=delta, logprobs=[]))
         return out
@@ -64,9 +74,11 @@ class _Events:
             return []
         item["status"] = status
         part = item["content"][0]
-        return [self.event("response.output_text.done", **self._where(item), text=part["text"], logprobs=[]),
-                self.event("response.content_part.done", **self._where(item), part=part),
-                self.event("response.output_item.done", output_index=self._index(item), item=item)]
+        return [
+            self.event("response.output_text.done", **self._where(item), text=part["text"], logprobs=[]),
+            self.event("response.content_part.done", **self._where(item), part=part),
+            self.event("response.output_item.done", output_index=self._index(item), item=item),
+        ]
 
     def tool_call(self, delta: dict[str, Any]) -> list[str]:
         out = []
@@ -80,24 +92,40 @@ class _Events:
         piece = delta["function"].get("arguments") or ""
         if piece:
             item["arguments"] += piece
-            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                  output_index=self._index(item), delta=piece))
+            out.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self._index(item),
+                    delta=piece,
+                )
+            )
         return out
 
     def close_calls(self, status: str) -> list[str]:
         out = []
         for item in self.calls.values():
             item["status"] = status
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
-                                  output_index=self._index(item), name=item["name"], arguments=item["arguments"]))
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=self._index(item),
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
             out.append(self.event("response.output_item.done", output_index=self._index(item), item=item))
         return out
 
     def assistant_message(self) -> dict[str, Any]:
         """What this response adds to the conversation, as a chat message."""
         text = "".join(i["content"][0]["text"] for i in self.output if i["type"] == "message")
-        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-                 for i in self.output if i["type"] == "function_call"]
+        calls = [
+            {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+            for i in self.output
+            if i["type"] == "function_call"
+        ]
         return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
 
     def _index(self, item: dict[str, Any]) -> int:
@@ -107,8 +135,9 @@ class _Events:
         return {"item_id": item["id"], "output_index": self._index(item), "content_index": 0}
 
 
-async def response_events(group: GenerationGroup, tools: Optional[ToolPlan], body_of: BodyOf,
-                          store: Store) -> AsyncIterator[str]:
+async def response_events(
+    group: GenerationGroup, tools: Optional[ToolPlan], body_of: BodyOf, store: Store
+) -> AsyncIterator[str]:
     events = _Events()
     yield events.event("response.created", response=body_of([], "in_progress", None))
     yield events.event("response.in_progress", response=body_of([], "in_progress", None))

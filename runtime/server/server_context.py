@@ -52,9 +52,12 @@ class ServerContext:
     @classmethod
     def build(cls, engine: Any, server_args: ServerArgs) -> "ServerContext":
         engine_model_path = getattr(engine, "model_path", None)
-        name = (server_args.served_model_name or server_args.model_path
-                or (os.path.basename(str(engine_model_path).rstrip("/")) if engine_model_path else None)
-                or DEFAULT_MODEL_ALIAS)
+        name = (
+            server_args.served_model_name
+            or server_args.model_path
+            or (os.path.basename(str(engine_model_path).rstrip("/")) if engine_model_path else None)
+            or DEFAULT_MODEL_ALIAS
+        )
         accepted = {name, DEFAULT_MODEL_ALIAS}
         for alias in (server_args.model_path, engine_model_path):
             if alias:
@@ -64,8 +67,8 @@ class ServerContext:
         hf_config = getattr(model_config, "hf_config", None)
         tokenizer = getattr(engine, "tokenizer", None)
         context_len = server_args.context_length or _first_int(
-            [model_config, hf_config], ("context_len", "context_length", "max_position_embeddings",
-                                        "max_seq_len"))
+            [model_config, hf_config], ("context_len", "context_length", "max_position_embeddings", "max_seq_len")
+        )
         vocab_size = _first_int([model_config, hf_config], ("vocab_size",))
         if vocab_size is None and tokenizer is not None:
             vocab_size = len(tokenizer)
@@ -75,19 +78,27 @@ class ServerContext:
             info = getattr(engine, "info", None)  # the scheduler's resolved value (None: chosen by device)
             running = getattr(info, "max_running_requests", None) or server_args.max_running_requests or 256
             limit = running + server_args.max_queued_requests
-        return cls(engine=engine, server_args=server_args, model_name=name,
-                   accepted_model_names=frozenset(accepted), context_len=context_len,
-                   vocab_size=vocab_size, metrics=metrics, admission=AdmissionControl(limit, metrics),
-                   responses=ResponseStore(engine),
-                   token_bytes=TokenBytes(tokenizer) if tokenizer is not None else None)
+        return cls(
+            engine=engine,
+            server_args=server_args,
+            model_name=name,
+            accepted_model_names=frozenset(accepted),
+            context_len=context_len,
+            vocab_size=vocab_size,
+            metrics=metrics,
+            admission=AdmissionControl(limit, metrics),
+            responses=ResponseStore(engine),
+            token_bytes=TokenBytes(tokenizer) if tokenizer is not None else None,
+        )
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def new_group(self, request: Optional[Request], log_metrics: bool = True) -> GenerationGroup:
-        return GenerationGroup(engine=self.engine, admission=self.admission, metrics=self.metrics,
-                               request=request, log_metrics=log_metrics)
+        return GenerationGroup(
+            engine=self.engine, admission=self.admission, metrics=self.metrics, request=request, log_metrics=log_metrics
+        )
 
 
 def get_context(request: Request) -> ServerContext:

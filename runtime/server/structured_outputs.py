@@ -16,15 +16,24 @@ def structured_outputs_to_sampling(so: Optional[StructuredOutputs]) -> dict[str,
     """The constraint `so` asks for (empty for none); a 400 for two at once, as vLLM refuses them."""
     if so is None:
         return {}
-    asked = {name: value for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                             ("grammar", so.grammar), ("json_object", so.json_object or None))
-             if value is not None}
+    asked = {
+        name: value
+        for name, value in (
+            ("json", so.json_),
+            ("regex", so.regex),
+            ("choice", so.choice),
+            ("grammar", so.grammar),
+            ("json_object", so.json_object or None),
+        )
+        if value is not None
+    }
     if len(asked) > 1:
-        raise APIError(400, f"structured_outputs asks for {' and '.join(asked)}: give one constraint",
-                       param="structured_outputs")
+        raise APIError(
+            400, f"structured_outputs asks for {' and '.join(asked)}: give one constraint", param="structured_outputs"
+        )
     if not asked:
         return {}
-    (kind, value), = asked.items()
+    ((kind, value),) = asked.items()
     if kind == "json":
         return {"json_schema": value if isinstance(value, str) else json.dumps(value)}
     if kind == "json_object":

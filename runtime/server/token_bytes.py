@@ -34,7 +34,8 @@ class TokenBytes:
         self._tokenizer = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._alphabet: Optional[dict[str, int]] = (
-            _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None)
+            _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
+        )
         # NOTE: added tokens (<|im_end|>, ...) are stored as their text, not in the byte alphabet.
         self._added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
         self._cache: dict[int, bytes] = {}

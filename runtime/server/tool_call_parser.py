@@ -49,6 +49,7 @@ def arguments_value(arguments: str) -> Any:
 
 # ---------------------------------------------------------------- whole outputs
 
+
 @dataclass(frozen=True)
 class ParsedOutput:
     """`text[:content_end]` is the text before the calls (all of it when there are none)."""
@@ -68,7 +69,7 @@ def parse_tool_calls(text: str, names: set[str]) -> ParsedOutput:
     body = text.strip()
     for prefix in _CALL_PREFIXES:
         if body.startswith(prefix):
-            body = body[len(prefix):].strip()
+            body = body[len(prefix) :].strip()
     fenced = _FENCE.fullmatch(body)
     calls = _calls_in_json(fenced.group(1) if fenced else body, names)
     return ParsedOutput(0, calls) if calls else ParsedOutput(len(text), [])
@@ -99,13 +100,15 @@ def _calls_in_json(body: str, names: set[str]) -> list[dict[str, Any]]:
             if not isinstance(arguments, dict):
                 return []
             raw = span.arguments_text(body)
-            calls.append(tool_call(item["name"], raw.strip() if raw is not None else
-                                   json.dumps(arguments, ensure_ascii=False)))
+            calls.append(
+                tool_call(item["name"], raw.strip() if raw is not None else json.dumps(arguments, ensure_ascii=False))
+            )
         at = end
     return calls
 
 
 # ---------------------------------------------------------------- where calls are in growing text
+
 
 def call_region(text: str) -> Optional[tuple[int, list[CallSpan]]]:
     """(where the calls begin, their spans so far) when `text` is, or begins to be, calls in one of the
@@ -150,11 +153,12 @@ def _final_arguments(span: CallSpan, text: str) -> Optional[str]:
     """The arguments of a complete span given as a JSON string (decoded); None for an object."""
     if span.args_start is None or span.args_end is None or text[span.args_start] != '"':
         return None
-    value = json.loads(text[span.args_start:span.args_end])
+    value = json.loads(text[span.args_start : span.args_end])
     return value if isinstance(value, str) else None
 
 
 # ---------------------------------------------------------------- one request's plan
+
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -178,7 +182,7 @@ class ToolPlan:
         calls = parsed.calls or (self.cut_calls(text) if cut and self.forced else [])
         if not calls:
             return {"role": "assistant", "content": text}, False
-        content = (text[:parsed.content_end].strip() or None) if parsed.calls else None
+        content = (text[: parsed.content_end].strip() or None) if parsed.calls else None
         return {"role": "assistant", "content": content, "tool_calls": calls}, True
 
     def cut_calls(self, text: str) -> list[dict[str, Any]]:
@@ -186,7 +190,7 @@ class ToolPlan:
         region = call_region(text)
         spans = region[1] if region else []
         calls = []
-        for span in spans[:None if self.parallel else 1]:
+        for span in spans[: None if self.parallel else 1]:
             name = span.name if span.name in self.names else self.forced_name
             if name is None:
                 break
@@ -220,7 +224,7 @@ class ToolCallStream:
         if not spans:
             return self._content_delta(text), []
         start = region[0]  # type: ignore[index]
-        content = text[self.sent:start] if start > self.sent else ""
+        content = text[self.sent : start] if start > self.sent else ""
         self.sent = max(self.sent, start)
         return content, self._deltas(text, spans)
 
@@ -233,7 +237,7 @@ class ToolCallStream:
             return "", deltas
         parsed = self.plan.parse(text)
         calls = parsed.calls or (self.plan.cut_calls(text) if cut and self.plan.forced else [])
-        rest = text[self.sent:parsed.content_end] if parsed.calls or not calls else ""
+        rest = text[self.sent : parsed.content_end] if parsed.calls or not calls else ""
         self.sent = len(text)
         for call in calls:
             self.calls.append(_StreamedCall(call["id"], len(call["function"]["arguments"])))
@@ -253,12 +257,16 @@ class ToolCallStream:
                 arguments = _final_arguments(span, text) or ""  # given as a JSON string: sent once whole
             if k == len(self.calls):
                 self.calls.append(_StreamedCall(new_call_id()))
-                head = {"index": k, "id": self.calls[k].id, "type": "function",
-                        "function": {"name": span.name, "arguments": arguments}}
+                head = {
+                    "index": k,
+                    "id": self.calls[k].id,
+                    "type": "function",
+                    "function": {"name": span.name, "arguments": arguments},
+                }
                 self.calls[k].arguments_sent = len(arguments)
                 deltas.append(head)
                 continue
-            piece = arguments[self.calls[k].arguments_sent:]
+            piece = arguments[self.calls[k].arguments_sent :]
             if piece:
                 self.calls[k].arguments_sent = len(arguments)
                 deltas.append({"index": k, "function": {"arguments": piece}})
@@ -266,7 +274,7 @@ class ToolCallStream:
 
     def _content_delta(self, text: str) -> str:
         hold = self._hold_from(text)
-        delta = text[self.sent:hold] if hold > self.sent else ""
+        delta = text[self.sent : hold] if hold > self.sent else ""
         self.sent = max(self.sent, hold)
         return delta
 
@@ -285,5 +293,12 @@ class ToolCallStream:
         return len(text)
 
 
-__all__ = ["ARGUMENT_KEYS", "HERMES_OPEN", "ParsedOutput", "ToolCallStream", "ToolPlan", "arguments_value",
-           "parse_tool_calls"]
+__all__ = [
+    "ARGUMENT_KEYS",
+    "HERMES_OPEN",
+    "ParsedOutput",
+    "ToolCallStream",
+    "ToolPlan",
+    "arguments_value",
+    "parse_tool_calls",
+]

@@ -28,10 +28,12 @@ GENERIC_TOOLS_INTRO = "You can call these tools (functions), given as JSON with 
 GENERIC_TOOLS_HOWTO = (
     'To call a tool, answer with only a JSON object {"name": <tool name>, "arguments": <an object '
     "matching its parameters>}, or a JSON list of such objects to call several tools. Otherwise answer "
-    "in plain text.")
+    "in plain text."
+)
 
 
 # ---------------------------------------------------------------- prompt rendering
+
 
 def template_reads_tools(tokenizer: Any) -> bool:
     """Whether the chat template uses the `tools` variable (then it knows how to show tools and calls)."""
@@ -88,8 +90,9 @@ def _ask_for_the_call(messages: list[dict[str, Any]], choice: Any) -> None:
 
 def generic_tools_prompt(tools: list[Tool]) -> str:
     lines = [GENERIC_TOOLS_INTRO]
-    lines += [json.dumps(t.function.model_dump(exclude={"strict"}, exclude_none=True), ensure_ascii=False)
-              for t in tools]
+    lines += [
+        json.dumps(t.function.model_dump(exclude={"strict"}, exclude_none=True), ensure_ascii=False) for t in tools
+    ]
     lines.append(GENERIC_TOOLS_HOWTO)
     return "\n".join(lines)
 
@@ -101,9 +104,14 @@ def _role(message: ChatMessage) -> str:
 def _native_message(message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": _role(message), "content": message.text()}
     if message.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-            "name": c.function.name, "arguments": arguments_value(c.function.arguments)}}
-            for c in message.tool_calls]
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": arguments_value(c.function.arguments)},
+            }
+            for c in message.tool_calls
+        ]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
@@ -130,8 +138,9 @@ def _generic_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             continue
         previous_was_tool = False
         if m.tool_calls:
-            calls = [{"name": c.function.name, "arguments": arguments_value(c.function.arguments)}
-                     for c in m.tool_calls]
+            calls = [
+                {"name": c.function.name, "arguments": arguments_value(c.function.arguments)} for c in m.tool_calls
+            ]
             call_names.update((c.id, c.function.name) for c in m.tool_calls)
             as_json = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
             text = f"{text}\n{as_json}" if text else as_json
@@ -140,6 +149,7 @@ def _generic_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- checks and the forcing constraint
+
 
 def check_tools(req: ChatCompletionRequest, backend: str) -> None:
     """400s the request model cannot give: a parameters schema the grammar backend cannot use (checked
@@ -151,8 +161,9 @@ def check_tools(req: ChatCompletionRequest, backend: str) -> None:
         if fn.parameters is None:
             continue
         if fn.parameters.get("type", "object") != "object":
-            raise APIError(400, f"{where} must describe a JSON object (type 'object'): arguments are an "
-                                "object", param="tools")
+            raise APIError(
+                400, f"{where} must describe a JSON object (type 'object'): arguments are an object", param="tools"
+            )
         from ..constrained.validation import validate_constraint  # (not at import: server_context.warm_validators)
 
         try:
@@ -161,13 +172,20 @@ def check_tools(req: ChatCompletionRequest, backend: str) -> None:
             message = str(e).replace("json_schema", "the schema", 1)  # the backend's words for response_format
             raise APIError(400, f"{where}: {message}", param="tools") from None
         if warnings and fn.strict:
-            raise APIError(400, f"{where} has strict=true, but " + "; ".join(warnings)
-                           + " (set strict=false for best effort)", param="tools")
+            raise APIError(
+                400,
+                f"{where} has strict=true, but " + "; ".join(warnings) + " (set strict=false for best effort)",
+                param="tools",
+            )
     # NOTE: response_format is not refused: it shapes the final answer, and agent frameworks send it on
     # every turn, forced ones included (as OpenAI and vLLM accept it); a forced turn's output is calls.
     if forcing(req) and (req.regex is not None or req.ebnf is not None):
-        raise APIError(400, "tool_choice 'required' or a named function constrains the output to tool calls; "
-                            "it cannot be combined with regex or ebnf", param="tool_choice")
+        raise APIError(
+            400,
+            "tool_choice 'required' or a named function constrains the output to tool calls; "
+            "it cannot be combined with regex or ebnf",
+            param="tool_choice",
+        )
 
 
 def forcing(req: ChatCompletionRequest) -> bool:
@@ -190,9 +208,14 @@ def call_schema(req: ChatCompletionRequest) -> Optional[dict[str, Any]]:
     if isinstance(choice, NamedToolChoice):
         indices = [next(i for i, t in enumerate(tools) if t.function.name == choice.function.name)]
     defs = {f"tool_{i}": _rebased(tools[i].function.parameters, f"#/$defs/tool_{i}") for i in indices}
-    calls = [{"type": "object", "properties": {"name": {"const": tools[i].function.name},
-                                                "arguments": {"$ref": f"#/$defs/tool_{i}"}},
-              "required": ["name", "arguments"]} for i in indices]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tools[i].function.name}, "arguments": {"$ref": f"#/$defs/tool_{i}"}},
+            "required": ["name", "arguments"],
+        }
+        for i in indices
+    ]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if choice == "required" and req.parallel_tool_calls is not False:
         return {"$defs": defs, "type": "array", "items": one, "minItems": 1}
@@ -212,8 +235,7 @@ def _arguments_schema(parameters: Optional[dict[str, Any]]) -> dict[str, Any]:
     so forced calls wrote invented keys until max_tokens (the tiny model never closed the object)."""
     if parameters is None:
         return NO_ARGUMENTS
-    if (set(parameters) <= _NO_ARGUMENT_KEYS and not parameters.get("properties")
-            and not parameters.get("required")):
+    if set(parameters) <= _NO_ARGUMENT_KEYS and not parameters.get("properties") and not parameters.get("required"):
         return {**parameters, **NO_ARGUMENTS}
     return parameters
 
@@ -245,6 +267,11 @@ def plan_for(req: ChatCompletionRequest) -> Optional[ToolPlan]:
         return None
     names = [t.function.name for t in req.tools]
     choice = req.effective_tool_choice
-    forced_name = (choice.function.name if isinstance(choice, NamedToolChoice)
-                   else names[0] if choice == "required" and len(names) == 1 else None)
+    forced_name = (
+        choice.function.name
+        if isinstance(choice, NamedToolChoice)
+        else names[0]
+        if choice == "required" and len(names) == 1
+        else None
+    )
     return ToolPlan(frozenset(names), forcing(req), req.parallel_tool_calls is not False, forced_name)

@@ -36,8 +36,12 @@ def accept_greedy(tree: DraftTree, target: Sequence[int]) -> tuple[list[int], li
         node = nxt
 
 
-def accept_sampled(trees: Sequence[DraftTree], probs: torch.Tensor, first_rows: Sequence[int],
-                   generator: Optional[torch.Generator] = None) -> list[tuple[list[int], list[int]]]:
+def accept_sampled(
+    trees: Sequence[DraftTree],
+    probs: torch.Tensor,
+    first_rows: Sequence[int],
+    generator: Optional[torch.Generator] = None,
+) -> list[tuple[list[int], list[int]]]:
     """Per tree, (tokens, nodes) as `accept_greedy`, by rejection sampling. probs (R, V): row
     first_rows[b] + i is the target's distribution after node i of tree b. Two reads from the device:
     the probabilities of the draft tokens, then the draws of the next tokens."""
@@ -86,8 +90,9 @@ def accept_sampled(trees: Sequence[DraftTree], probs: torch.Tensor, first_rows: 
     return results
 
 
-def _draw_without(probs: torch.Tensor, rows: list[int], removed: list[list[int]],
-                  generator: Optional[torch.Generator]) -> list[int]:
+def _draw_without(
+    probs: torch.Tensor, rows: list[int], removed: list[list[int]], generator: Optional[torch.Generator]
+) -> list[int]:
     """One token per row of probs[rows], with the tokens in `removed[i]` taken out (renormalizing is
     implied: the draw is an exponential race, argmax of p / Exp(1))."""
     dev = probs.device

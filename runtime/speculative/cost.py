@@ -129,8 +129,13 @@ class StepCosts:
         self._ahead_open = None
 
 
-def allocate(costs: StepCosts, available: Sequence[int], chances: Sequence[Sequence[float]],
-             fixed: Optional[Sequence[int]] = None, ahead: bool = False) -> list[int]:
+def allocate(
+    costs: StepCosts,
+    available: Sequence[int],
+    chances: Sequence[Sequence[float]],
+    fixed: Optional[Sequence[int]] = None,
+    ahead: bool = False,
+) -> list[int]:
     """Drafts per request (at most available[i]) maximizing the step's expected tokens per second;
     chances[i][j - 1]: the chance that request i's j-th draft is accepted (it and those before it: not
     increasing in j); fixed[i]: request i's first drafts that are verified whatever they cost (grammar-
@@ -145,10 +150,12 @@ def allocate(costs: StepCosts, available: Sequence[int], chances: Sequence[Seque
     c_plain = costs.ahead.estimate(base) if ahead and costs.ahead.measured(base) else costs.decode.estimate(base)
     if c_plain is None or costs.verify.estimate(base + 1) is None:
         return list(available)
-    items = sorted(((chances[i][j - 1], j, i) for i in range(base) for j in range(fixed[i] + 1, available[i] + 1)),
-                   key=lambda t: (-t[0], t[1]))
+    items = sorted(
+        ((chances[i][j - 1], j, i) for i in range(base) for j in range(fixed[i] + 1, available[i] + 1)),
+        key=lambda t: (-t[0], t[1]),
+    )
     taken = sum(fixed)
-    expected = base + sum(sum(chances[i][:fixed[i]]) for i in range(base))
+    expected = base + sum(sum(chances[i][: fixed[i]]) for i in range(base))
     best_m, best_rate = 0, base / c_plain if taken == 0 else expected / costs.verify.estimate(base + taken)
     for m, (gain, _, _) in enumerate(items, 1):
         expected += gain

@@ -41,12 +41,22 @@ class DraftMemory:
     def upload(self, host: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(host, dtype=np.int64)).to(self.device)
 
-    def batch(self, mode: ForwardMode, input_ids, positions, rows, seq_lens, out_loc, seq_lens_cpu: list[int],
-              **fields) -> ForwardBatch:
-        fb = ForwardBatch(forward_mode=mode, batch_size=int(rows.shape[0]), input_ids=input_ids,
-                          positions=positions, req_pool_indices=rows, seq_lens=seq_lens, out_cache_loc=out_loc,
-                          seq_lens_cpu=seq_lens_cpu, req_to_token_pool=self.req_to_token, kv_pool=self.kv_pool,
-                          attn_backend=self.attn_backend)
+    def batch(
+        self, mode: ForwardMode, input_ids, positions, rows, seq_lens, out_loc, seq_lens_cpu: list[int], **fields
+    ) -> ForwardBatch:
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=int(rows.shape[0]),
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=rows,
+            seq_lens=seq_lens,
+            out_cache_loc=out_loc,
+            seq_lens_cpu=seq_lens_cpu,
+            req_to_token_pool=self.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
         for name, value in fields.items():
             setattr(fb, name, value)
         return fb
@@ -55,17 +65,45 @@ class DraftMemory:
         """The target's EXTEND or DECODE step, over the drafter's pool (the table is already written)."""
         if step.mode.is_decode():
             ids, pos, rows, seq, loc = self.upload(step.token_rows[:5])
-            return self.batch(ForwardMode.DECODE, ids, pos, rows, seq, loc, list(step.seq_lens),
-                              req_pool_indices_cpu=step.token_rows[2])
+            return self.batch(
+                ForwardMode.DECODE,
+                ids,
+                pos,
+                rows,
+                seq,
+                loc,
+                list(step.seq_lens),
+                req_pool_indices_cpu=step.token_rows[2],
+            )
         ids, pos, loc, _ = self.upload(step.token_rows[:4])
         rows, seq, pre, ext, start = self.upload(step.req_rows)
-        return self.batch(ForwardMode.EXTEND, ids, pos, rows, seq, loc, list(step.seq_lens),
-                          extend_prefix_lens=pre, extend_seq_lens=ext, extend_start_loc=start,
-                          extend_prefix_lens_cpu=list(step.prefix_lens), extend_seq_lens_cpu=list(step.extend_lens))
+        return self.batch(
+            ForwardMode.EXTEND,
+            ids,
+            pos,
+            rows,
+            seq,
+            loc,
+            list(step.seq_lens),
+            extend_prefix_lens=pre,
+            extend_seq_lens=ext,
+            extend_start_loc=start,
+            extend_prefix_lens_cpu=list(step.prefix_lens),
+            extend_seq_lens_cpu=list(step.extend_lens),
+        )
 
-    def tree_level(self, rows: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                   prefix: torch.Tensor, prefix_cpu: list[int], tree_len: int, new: int, slots: torch.Tensor,
-                   mask: Optional[torch.Tensor]) -> ForwardBatch:
+    def tree_level(
+        self,
+        rows: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prefix: torch.Tensor,
+        prefix_cpu: list[int],
+        tree_len: int,
+        new: int,
+        slots: torch.Tensor,
+        mask: Optional[torch.Tensor],
+    ) -> ForwardBatch:
         """A VERIFY forward of `new` tokens per request (B, new each: ids, positions, slots), the last
         `new` of its `tree_len` tree columns after its `prefix`; mask (B, new, tree_len) bool or None
         (a chain). Writes the new tokens' slots into the table's device copy."""
@@ -74,18 +112,38 @@ class DraftMemory:
         self.req_to_token.req_to_token[rows[:, None].expand(B, new), cols] = slots.to(torch.int32)
         ext = torch.full((B,), new, dtype=torch.int64, device=rows.device)
         tl = torch.full((B,), tree_len, dtype=torch.int64, device=rows.device)
-        fields = dict(extend_prefix_lens=prefix, extend_seq_lens=ext, extend_start_loc=torch.arange(B, device=rows.device) * new,
-                      extend_prefix_lens_cpu=list(prefix_cpu), extend_seq_lens_cpu=[new] * B, tree_lens=tl,
-                      tree_lens_cpu=[tree_len] * B)
+        fields = dict(
+            extend_prefix_lens=prefix,
+            extend_seq_lens=ext,
+            extend_start_loc=torch.arange(B, device=rows.device) * new,
+            extend_prefix_lens_cpu=list(prefix_cpu),
+            extend_seq_lens_cpu=[new] * B,
+            tree_lens=tl,
+            tree_lens_cpu=[tree_len] * B,
+        )
         if mask is not None:
             fields["tree_mask"] = mask.reshape(-1)
             fields["tree_mask_offsets"] = torch.arange(B, device=rows.device) * (new * tree_len)
         positions = positions.expand(B, new)  # (B, 1) broadcasts: a level of one depth
-        return self.batch(ForwardMode.VERIFY, input_ids.reshape(-1), positions.reshape(-1), rows, prefix + tree_len,
-                          slots.reshape(-1), [p + tree_len for p in prefix_cpu], **fields)
+        return self.batch(
+            ForwardMode.VERIFY,
+            input_ids.reshape(-1),
+            positions.reshape(-1),
+            rows,
+            prefix + tree_len,
+            slots.reshape(-1),
+            [p + tree_len for p in prefix_cpu],
+            **fields,
+        )
 
-    def extend_paths(self, rows: list[int], prefix: list[int], paths: list[list[int]], tokens: list[list[int]],
-                     positions: list[list[int]]) -> ForwardBatch:
+    def extend_paths(
+        self,
+        rows: list[int],
+        prefix: list[int],
+        paths: list[list[int]],
+        tokens: list[list[int]],
+        positions: list[list[int]],
+    ) -> ForwardBatch:
         """An EXTEND of each request's kept path (its tokens at these positions, their KV at the slots
         in `paths`), right after its prefix; the table's device copy gets the path's slots there."""
         lens = [len(p) for p in paths]
@@ -98,10 +156,23 @@ class DraftMemory:
         pos = self.upload(np.concatenate([np.asarray(p, dtype=np.int64) for p in positions]))
         ext = np.asarray(lens, dtype=np.int64)
         pre = np.asarray(prefix, dtype=np.int64)
-        r, seq, pre_t, ext_t, start = self.upload(np.stack([np.asarray(rows), pre + ext, pre, ext, np.cumsum(ext) - ext]))
-        return self.batch(ForwardMode.EXTEND, ids, pos, r, seq, dev_slots, (pre + ext).tolist(),
-                          extend_prefix_lens=pre_t, extend_seq_lens=ext_t, extend_start_loc=start,
-                          extend_prefix_lens_cpu=list(prefix), extend_seq_lens_cpu=lens)
+        r, seq, pre_t, ext_t, start = self.upload(
+            np.stack([np.asarray(rows), pre + ext, pre, ext, np.cumsum(ext) - ext])
+        )
+        return self.batch(
+            ForwardMode.EXTEND,
+            ids,
+            pos,
+            r,
+            seq,
+            dev_slots,
+            (pre + ext).tolist(),
+            extend_prefix_lens=pre_t,
+            extend_seq_lens=ext_t,
+            extend_start_loc=start,
+            extend_prefix_lens_cpu=list(prefix),
+            extend_seq_lens_cpu=lens,
+        )
 
 
 def ancestor_rows(parents: torch.Tensor, anc: torch.Tensor, first: int) -> torch.Tensor:
@@ -113,5 +184,5 @@ def ancestor_rows(parents: torch.Tensor, anc: torch.Tensor, first: int) -> torch
     rows = rows.clone()
     idx = torch.arange(k, device=parents.device)
     rows[:, idx, first + idx] = True
-    anc[:, first:first + k] = rows
+    anc[:, first : first + k] = rows
     return rows

@@ -92,8 +92,17 @@ class DraftModelDrafter:
         B = len(reqs)
         steps = max(reqs.sizes) - 1 if k == 1 else self.steps  # chains: as long as the longest asked
         roots = torch.tensor(reqs.roots, dtype=torch.int64, device=dev)[:, None]  # (B, 1)
-        fb = mem.tree_level(reqs.rows, roots, reqs.prefix[:, None], reqs.prefix, reqs.prefix_cpu, 1, 1,
-                            mem.scratch_slots(reqs.rows, 0, 1), None)
+        fb = mem.tree_level(
+            reqs.rows,
+            roots,
+            reqs.prefix[:, None],
+            reqs.prefix,
+            reqs.prefix_cpu,
+            1,
+            1,
+            mem.scratch_slots(reqs.rows, 0, 1),
+            None,
+        )
         lps = torch.log_softmax(self._logits(fb), dim=-1)  # (B, V)
         first_lps, first_ids = lps.topk(k, dim=-1)
         M = self.scratch_per_row(steps, k)
@@ -106,15 +115,24 @@ class DraftModelDrafter:
             first = 1 + (level[0] - 1) * k  # this level's first tree column
             rows = ancestor_rows(torch.where(parents < 0, 0, parents + 1), anc, first)  # (B, k, M)
             n_cols = first + k
-            fb = mem.tree_level(reqs.rows, tokens, reqs.prefix[:, None] + level[0], reqs.prefix, reqs.prefix_cpu,
-                                n_cols, k, mem.scratch_slots(reqs.rows, first, k),
-                                rows[:, :, :n_cols] if k > 1 else None)
+            fb = mem.tree_level(
+                reqs.rows,
+                tokens,
+                reqs.prefix[:, None] + level[0],
+                reqs.prefix,
+                reqs.prefix_cpu,
+                n_cols,
+                k,
+                mem.scratch_slots(reqs.rows, first, k),
+                rows[:, :, :n_cols] if k > 1 else None,
+            )
             lp = torch.log_softmax(self._logits(fb), dim=-1).view(B, k, -1)  # (B, k, V)
             vals, ids = lp.topk(k, dim=-1)  # (B, k, k)
             return ids, vals, None
 
-        trees = draft_trees(first_ids, first_lps, None, reqs.roots, steps, steps + 1 if k == 1 else self.num_nodes,
-                            expand)
+        trees = draft_trees(
+            first_ids, first_lps, None, reqs.roots, steps, steps + 1 if k == 1 else self.num_nodes, expand
+        )
         for b, tree, size in zip(reqs.index, trees, reqs.sizes):
             if k == 1:  # a chain of the length this request asked for
                 tree = type(tree).chain(tree.tokens[0], tree.tokens[1:size])

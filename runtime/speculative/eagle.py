@@ -71,7 +71,7 @@ class EagleDrafter:
                 following[i] = tok
         last, rows = [], []
         for b, (s, e) in enumerate(zip(step.req_rows[4].tolist(), step.extend_lens)):
-            ids[s:s + e - 1] = step.token_rows[0, s + 1:s + e]
+            ids[s : s + e - 1] = step.token_rows[0, s + 1 : s + e]
             ids[s + e - 1] = max(following[b], 0)  # unknown (a prefill-only request): its entry goes unused
             if following[b] >= 0:
                 last.append(s + e - 1)
@@ -129,19 +129,33 @@ class EagleDrafter:
             rows = ancestor_rows(torch.where(parents < 0, M, parents), anc, first)  # (B, k, M)
             n_cols = first + k
             # a node at depth d: its entry at position prefix + d - 1 (its parent's)
-            fb = mem.tree_level(reqs.rows, tokens, reqs.prefix[:, None] + (level[0] - 1), reqs.prefix,
-                                reqs.prefix_cpu, n_cols, k, mem.scratch_slots(reqs.rows, first, k),
-                                rows[:, :, :n_cols] if k > 1 else None)
+            fb = mem.tree_level(
+                reqs.rows,
+                tokens,
+                reqs.prefix[:, None] + (level[0] - 1),
+                reqs.prefix,
+                reqs.prefix_cpu,
+                n_cols,
+                k,
+                mem.scratch_slots(reqs.rows, first, k),
+                rows[:, :, :n_cols] if k > 1 else None,
+            )
             mem.attn_backend.init_forward_metadata(fb)
             logits, out = self.head(fb.input_ids, parent_feature.reshape(B * k, -1), fb.positions, fb)
             vals, ids = torch.log_softmax(logits, dim=-1).view(B, k, -1).topk(k, dim=-1)  # (B, k, k)
             return self.head.to_target_ids(ids), vals, out.view(B, k, -1)
 
-        trees = draft_trees(self.next_ids[reqs.rows], self.next_lps[reqs.rows], self.next_feature[reqs.rows],
-                            reqs.roots, steps, steps + 1 if k == 1 else self.num_nodes, expand)
+        trees = draft_trees(
+            self.next_ids[reqs.rows],
+            self.next_lps[reqs.rows],
+            self.next_feature[reqs.rows],
+            reqs.roots,
+            steps,
+            steps + 1 if k == 1 else self.num_nodes,
+            expand,
+        )
         for b, tree, size in zip(reqs.index, trees, reqs.sizes):
             if k == 1:
                 tree = type(tree).chain(tree.tokens[0], tree.tokens[1:size])
             set_tree(step, b, tree)
         refresh_masks(step)
-

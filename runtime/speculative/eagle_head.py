@@ -31,8 +31,11 @@ from ..models.config import ModelConfig
 from ..models.layers import RMSNorm, RotaryEmbedding
 from ..models.llama import MLP, Attention
 
-EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3",
-                       "LlamaForCausalLM": "EAGLE"}
+EAGLE_ARCHITECTURES = {
+    "LlamaForCausalLMEagle": "EAGLE",
+    "LlamaForCausalLMEagle3": "EAGLE3",
+    "LlamaForCausalLM": "EAGLE",
+}
 
 
 @dataclass
@@ -54,29 +57,42 @@ class HeadConfig:
         arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
         kind = EAGLE_ARCHITECTURES.get(arch)
         if kind is None:
-            raise ValueError(f"{cfg_file}: architecture {arch!r} is no EAGLE head plait knows "
-                             f"({sorted(EAGLE_ARCHITECTURES)})")
+            raise ValueError(
+                f"{cfg_file}: architecture {arch!r} is no EAGLE head plait knows ({sorted(EAGLE_ARCHITECTURES)})"
+            )
         if kind != algorithm:
             raise ValueError(f"{cfg_file} is an {kind} head ({arch}), but speculative_algorithm={algorithm}")
         mc = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]}, source=cfg_file)
         if mc.vocab_size != target.vocab_size:
-            raise ValueError(f"the {algorithm} head in {path!r} has a vocabulary of {mc.vocab_size} tokens, the "
-                             f"target {target.vocab_size}: a head drafts for the model it was trained on")
+            raise ValueError(
+                f"the {algorithm} head in {path!r} has a vocabulary of {mc.vocab_size} tokens, the "
+                f"target {target.vocab_size}: a head drafts for the model it was trained on"
+            )
         target_hidden = raw.get("target_hidden_size") or mc.hidden_size
         if target_hidden != target.hidden_size or (kind == "EAGLE" and mc.hidden_size != target.hidden_size):
-            raise ValueError(f"the {algorithm} head in {path!r} reads hidden states of size {target_hidden}, the "
-                             f"target's are {target.hidden_size}")
+            raise ValueError(
+                f"the {algorithm} head in {path!r} reads hidden states of size {target_hidden}, the "
+                f"target's are {target.hidden_size}"
+            )
         if kind == "EAGLE3" and mc.num_hidden_layers != 1:
-            raise ValueError(f"{cfg_file}: plait's EAGLE-3 heads have one decoder layer, this one "
-                             f"{mc.num_hidden_layers}")
+            raise ValueError(
+                f"{cfg_file}: plait's EAGLE-3 heads have one decoder layer, this one {mc.num_hidden_layers}"
+            )
         n = target.num_hidden_layers
         aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         aux = tuple(aux) if aux else (1, n // 2 - 1, n - 4)
         if kind == "EAGLE3" and not all(0 <= a < n for a in aux):
-            raise ValueError(f"{cfg_file}: eagle_aux_hidden_state_layer_ids {list(aux)} are not layers of the "
-                             f"{n}-layer target")
-        return cls(kind, mc, target_hidden, raw.get("draft_vocab_size") or mc.vocab_size, aux,
-                   fc_bias=bool(raw.get("bias", kind == "EAGLE")))
+            raise ValueError(
+                f"{cfg_file}: eagle_aux_hidden_state_layer_ids {list(aux)} are not layers of the {n}-layer target"
+            )
+        return cls(
+            kind,
+            mc,
+            target_hidden,
+            raw.get("draft_vocab_size") or mc.vocab_size,
+            aux,
+            fc_bias=bool(raw.get("bias", kind == "EAGLE")),
+        )
 
     def capture_layers(self) -> tuple[int, ...]:
         """The target layers whose inputs the head reads (forward_batch.capture_layers)."""
@@ -107,8 +123,9 @@ class EagleHead(nn.Module):
         self.embed_tokens: Optional[nn.Embedding] = None  # the checkpoint's own, else the target's
         if hc.kind == "EAGLE":
             self.fc = nn.Linear(2 * h, h, bias=hc.fc_bias)
-            self.layers = nn.ModuleList(_HeadLayer(cfg, i, rotary, input_norm=i > 0, wide=False)
-                                        for i in range(cfg.num_hidden_layers))
+            self.layers = nn.ModuleList(
+                _HeadLayer(cfg, i, rotary, input_norm=i > 0, wide=False) for i in range(cfg.num_hidden_layers)
+            )
             self.norm = self.lm_head = None
         else:
             self.fc = nn.Linear(3 * hc.target_hidden_size, h, bias=hc.fc_bias)
@@ -132,8 +149,9 @@ class EagleHead(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens or self._target_embed)(ids)
 
-    def forward(self, input_ids: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
-                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(T,) ids, (T, f) features -> (logits (T, V_draft) float32, the head's output (T, h): the
         feature of the next draft step)."""
         e = self.embed(input_ids)  # (T, h)
@@ -166,12 +184,21 @@ class EagleHead(nn.Module):
         return draft_ids + self.d2t[draft_ids] if self.hc.kind == "EAGLE3" else draft_ids
 
     # ---- weights ----
-    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         cfg = self.hc.model
-        q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+        q, kv, inter = (
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.num_key_value_heads * cfg.head_dim,
+            cfg.intermediate_size,
+        )
         offsets = {"qkv_proj": [(0, q), (q, kv), (q + kv, kv)], "gate_up_proj": [(0, inter), (inter, inter)]}
         params = dict(self.named_parameters())
         loaded = set()
@@ -180,8 +207,12 @@ class EagleHead(nn.Module):
             if name == "d2t":
                 self.d2t.copy_(tensor.to(torch.int64))
                 continue
-            if name == "t2d" or (name == "lm_head.weight" and self.hc.kind == "EAGLE") or name == "norm.weight" and \
-                    self.hc.kind == "EAGLE":
+            if (
+                name == "t2d"
+                or (name == "lm_head.weight" and self.hc.kind == "EAGLE")
+                or name == "norm.weight"
+                and self.hc.kind == "EAGLE"
+            ):
                 continue  # EAGLE uses the target's LM head (and has no norm of its own)
             if name == "embed_tokens.weight":
                 self.embed_tokens = nn.Embedding(*tensor.shape, dtype=tensor.dtype, device=self.fc.weight.device)
@@ -193,7 +224,7 @@ class EagleHead(nn.Module):
                 if target not in params:
                     raise ValueError(f"{source}: unexpected weight {name!r} for an {self.hc.kind} head")
                 start, size = offsets[fused][idx]
-                _copy(params[target].data[start:start + size], tensor, name, source)
+                _copy(params[target].data[start : start + size], tensor, name, source)
                 loaded.add(f"{target}#{idx}")
                 continue
             if name not in params:
@@ -208,13 +239,16 @@ class EagleHead(nn.Module):
             expected |= {f"{pname}#{i}" for i in range(3 if fused == "qkv_proj" else 2)} if fused else {pname}
         missing = sorted(expected - loaded)
         if missing:
-            raise ValueError(f"{source} lacks {len(missing)} weight(s) an {self.hc.kind} head with this config.json "
-                             f"has, e.g. {missing[:3]}")
+            raise ValueError(
+                f"{source} lacks {len(missing)} weight(s) an {self.hc.kind} head with this config.json "
+                f"has, e.g. {missing[:3]}"
+            )
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, source: str) -> None:
     if tuple(src.shape) != tuple(dst.shape):
-        raise ValueError(f"{source}: weight {name!r} has shape {tuple(src.shape)}, its config.json implies "
-                         f"{tuple(dst.shape)}")
+        raise ValueError(
+            f"{source}: weight {name!r} has shape {tuple(src.shape)}, its config.json implies {tuple(dst.shape)}"
+        )
     with torch.no_grad():
         dst.copy_(src)

@@ -38,8 +38,14 @@ class GrammarDrafts:
         self._encoded: dict[str, tuple[int, ...]] = {}
         self._learned: dict[str, tuple[int, ...]] = {}  # forced text -> the tokens the target wrote it as
 
-    def propose(self, matcher: Any, context: Sequence[int], max_drafts: int, extend: Optional[Extend] = None,
-                max_guessed: Optional[int] = None) -> tuple[list[int], list[bool]]:
+    def propose(
+        self,
+        matcher: Any,
+        context: Sequence[int],
+        max_drafts: int,
+        extend: Optional[Extend] = None,
+        max_guessed: Optional[int] = None,
+    ) -> tuple[list[int], list[bool]]:
         """A chain of at most `max_drafts` draft tokens after `context` (the request's tokens) that the
         grammar allows: the forced text's tokens, then `extend`'s proposals (at most `max_guessed` of
         them) where nothing is forced; and which of them the grammar forced."""
@@ -49,12 +55,21 @@ class GrammarDrafts:
             return drafts, forced
         limit = min(max_drafts, matcher.max_rollback)
         with matcher.drafting():
-            self._walk(matcher, context, limit, extend, max_drafts if max_guessed is None else max_guessed,
-                       drafts, forced)
+            self._walk(
+                matcher, context, limit, extend, max_drafts if max_guessed is None else max_guessed, drafts, forced
+            )
         return drafts, forced
 
-    def _walk(self, matcher: Any, context: Sequence[int], limit: int, extend: Optional[Extend], guesses: int,
-              drafts: list[int], kinds: list[bool]) -> None:
+    def _walk(
+        self,
+        matcher: Any,
+        context: Sequence[int],
+        limit: int,
+        extend: Optional[Extend],
+        guesses: int,
+        drafts: list[int],
+        kinds: list[bool],
+    ) -> None:
         # NOTE: forced text repeats wherever the schema does (each key is followed by `": "`): a lookup match
         # on forced drafts alone says nothing about what the model writes next, so it must reach back past
         # the forced drafts that end the chain into tokens the model chose (or the prompt's).
@@ -137,8 +152,15 @@ def fill_tree_bitmask(matcher: Any, tree: DraftTree, bitmask: torch.Tensor, firs
     return reachable
 
 
-def _fill_below_root(matcher: Any, tree: DraftTree, bitmask: torch.Tensor, first_row: int, reachable: list[bool],
-                     kids: list[list[int]], fill: Callable[[int, int], None]) -> None:
+def _fill_below_root(
+    matcher: Any,
+    tree: DraftTree,
+    bitmask: torch.Tensor,
+    first_row: int,
+    reachable: list[bool],
+    kids: list[list[int]],
+    fill: Callable[[int, int], None],
+) -> None:
     """The rows of every node below the root (the root's row is filled); the matcher ends at the root."""
     n = tree.size
     depth_budget = matcher.max_rollback

@@ -27,7 +27,8 @@ steps' cost; the sum then picked verifying at batch 8 on an H200 where it made t
 A stretch ends after its length in steps, or earlier where the batch changes (a request finished or
 joined) or a prefill runs: then it counts up to its last decision. That matters where requests run one
 at a time: drafts come in bursts (a request copying its prompt writes 60 tokens in 5 steps and ends),
-and stretches thrown away at each request's end would see only the steps between bursts. Each arm's rate is its decayed tokens
+and stretches thrown away at each request's end would see only the steps between bursts. Each arm's rate is its
+decayed tokens
 over its decayed seconds, per batch size: a long stretch weighs more than a short one.
 
 Each batch size runs its best arm and probes the others now and then so a change of workload is seen:
@@ -79,6 +80,7 @@ class _ArmRecord:
 @dataclass
 class _SizeState:
     """One batch size's record per arm and its probing schedule."""
+
     arms: dict = field(default_factory=dict)  # Arm -> _ArmRecord, once counted
     stretches: int = 0  # counted, all arms
     since_probe: int = 0  # stretches of the best arm begun since the last probe
@@ -238,6 +240,11 @@ class SpeculationGuard:
 
     def report(self) -> dict:
         """Each batch size's rates by arm (tokens per second) and the arm it runs: for /get_server_info."""
-        return {size: {**{a.value: round(r.rate, 1) for a, r in st.arms.items()},
-                       "best": st.best().value if st.untried() is None else None}
-                for size, st in sorted(self._sizes.items()) if st.arms}
+        return {
+            size: {
+                **{a.value: round(r.rate, 1) for a, r in st.arms.items()},
+                "best": st.best().value if st.untried() is None else None,
+            }
+            for size, st in sorted(self._sizes.items())
+            if st.arms
+        }

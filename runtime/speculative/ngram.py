@@ -32,7 +32,7 @@ class TokenView:
             for p in self.parts:
                 n = len(p)
                 if stop > 0 and start < n:
-                    out.extend(p[max(start, 0):min(stop, n)])
+                    out.extend(p[max(start, 0) : min(stop, n)])
                 start, stop = start - n, stop - n
             return out
         if i < 0:
@@ -52,8 +52,9 @@ class NgramIndex:
         self._indexed = 0  # tokens[:_indexed] have their n-grams (those with a token after them) indexed
         self._last: tuple = ()  # the last indexed tokens, to notice a rewrite of what was indexed
 
-    def propose(self, tokens: Sequence[int], max_drafts: int, extra: Sequence[int] = (),
-                longer_than: int = 0) -> list[int]:
+    def propose(
+        self, tokens: Sequence[int], max_drafts: int, extra: Sequence[int] = (), longer_than: int = 0
+    ) -> list[int]:
         """Up to `max_drafts` tokens that followed the longest suffix of `tokens` + `extra` seen before in
         `tokens` (the committed ones, indexed here; `extra`: drafts already proposed after them), a suffix
         of more than `longer_than` tokens."""
@@ -63,15 +64,15 @@ class NgramIndex:
         seq = TokenView(tokens, extra) if extra else tokens
         n_seq = len(seq)
         for n in range(min(self.max_n, n_seq - 1), max(self.min_n, longer_than + 1) - 1, -1):
-            start = self._next.get(tuple(seq[n_seq - n:]))
+            start = self._next.get(tuple(seq[n_seq - n :]))
             if start is not None:
-                return list(seq[start:min(start + max_drafts, n_seq)])
+                return list(seq[start : min(start + max_drafts, n_seq)])
         return []
 
     def _catch_up(self, tokens: Sequence[int]) -> None:
         n_tokens = len(tokens)
         k = len(self._last)
-        if n_tokens < self._indexed or (k and tuple(tokens[self._indexed - k:self._indexed]) != self._last):
+        if n_tokens < self._indexed or (k and tuple(tokens[self._indexed - k : self._indexed]) != self._last):
             self._next.clear()  # what was indexed changed: index again
             self._indexed = 0
         # NOTE: the n-grams ending at position e are indexed once the token after them (e + 1) exists,
@@ -79,6 +80,6 @@ class NgramIndex:
         nxt = self._next
         for end in range(max(self._indexed, 1), n_tokens):  # `end`: the index after the n-gram
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                nxt[tuple(tokens[end - n:end])] = end
+                nxt[tuple(tokens[end - n : end])] = end
         self._indexed = n_tokens
-        self._last = tuple(tokens[max(0, n_tokens - 4):n_tokens])
+        self._last = tuple(tokens[max(0, n_tokens - 4) : n_tokens])

@@ -26,12 +26,17 @@ class SpecSettings:
     def of(cls, sa: ServerArgs) -> "SpecSettings":
         steps, topk, tokens = sa.speculative_shape()
         grammar = sa.grammar_drafts_enabled()  # (an explicit "on" where drafts cannot run is refused at start-up)
-        return cls(ngram=sa.speculative_algorithm == "NGRAM",
-                   model_drafts=sa.speculative_algorithm in MODEL_DRAFT_ALGORITHMS, grammar=grammar,
-                   max_drafts=tokens - 1, tree_nodes=tokens, chain_only=topk == 1,
-                   draft_span=max(tokens, 1 + topk * (steps - 1)),
-                   max_batch=sa.resolved_speculative_disable_by_batch_size(),
-                   adaptive=not sa.disable_speculative_adaptive)
+        return cls(
+            ngram=sa.speculative_algorithm == "NGRAM",
+            model_drafts=sa.speculative_algorithm in MODEL_DRAFT_ALGORITHMS,
+            grammar=grammar,
+            max_drafts=tokens - 1,
+            tree_nodes=tokens,
+            chain_only=topk == 1,
+            draft_span=max(tokens, 1 + topk * (steps - 1)),
+            max_batch=sa.resolved_speculative_disable_by_batch_size(),
+            adaptive=not sa.disable_speculative_adaptive,
+        )
 
     @property
     def enabled(self) -> bool:

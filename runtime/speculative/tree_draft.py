@@ -25,8 +25,15 @@ from .tree import DraftTree
 Expand = Callable[[torch.Tensor, Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor, Any]]
 
 
-def draft_trees(first_ids: torch.Tensor, first_lps: torch.Tensor, root_state: Any, roots: list[int],
-                steps: int, num_nodes: int, expand: Expand) -> list[DraftTree]:
+def draft_trees(
+    first_ids: torch.Tensor,
+    first_lps: torch.Tensor,
+    root_state: Any,
+    roots: list[int],
+    steps: int,
+    num_nodes: int,
+    expand: Expand,
+) -> list[DraftTree]:
     """first_ids, first_lps (B, k): the top k after each root; root_state: the drafter's state after the
     roots (per request, or None); roots (B,) the root tokens. One read back at the end."""
     B, k = first_ids.shape

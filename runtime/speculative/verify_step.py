@@ -18,8 +18,13 @@ from ..step import DraftRows, StepInput
 from .tree import DraftTree
 
 
-def build_verify_step(req_rows: Sequence[int], kv_lens: Sequence[int], trees: Sequence[DraftTree],
-                      slots: np.ndarray, model_draft: Optional[Sequence[bool]] = None) -> StepInput:
+def build_verify_step(
+    req_rows: Sequence[int],
+    kv_lens: Sequence[int],
+    trees: Sequence[DraftTree],
+    slots: np.ndarray,
+    model_draft: Optional[Sequence[bool]] = None,
+) -> StepInput:
     """trees[b]: request b's tree (a model-drafted request's placeholder: its root and n - 1 zeros,
     which the runner's drafter replaces with `set_tree`); slots (T,): the nodes' kv slots, in order."""
     sizes = np.fromiter((t.size for t in trees), np.int64, len(trees))  # (B,)
@@ -31,16 +36,24 @@ def build_verify_step(req_rows: Sequence[int], kv_lens: Sequence[int], trees: Se
     parents = np.empty(total, dtype=np.int64)
     for b, tree in enumerate(trees):
         s = int(starts[b])
-        rows[0, s:s + tree.size] = tree.tokens
-        rows[1, s:s + tree.size] = pre[b] + tree.depths()
-        parents[s:s + tree.size] = tree.parents
+        rows[0, s : s + tree.size] = tree.tokens
+        rows[1, s : s + tree.size] = pre[b] + tree.depths()
+        parents[s : s + tree.size] = tree.parents
     rows[2] = slots
     rows[3] = np.repeat(pool, sizes)
     rows[4] = np.arange(total, dtype=np.int64) + np.repeat(pre - starts, sizes)  # kv_len + node index
     req = np.stack([pool, pre + sizes, pre, sizes, starts])  # (5, B)
-    step = StepInput(ForwardMode.VERIFY, len(trees), rows, req[1].tolist(), (rows[3], rows[4], rows[2]),
-                     req_rows=req, prefix_lens=pre.tolist(), extend_lens=sizes.tolist(),
-                     draft=DraftRows(parents, list(model_draft or [False] * len(trees))))
+    step = StepInput(
+        ForwardMode.VERIFY,
+        len(trees),
+        rows,
+        req[1].tolist(),
+        (rows[3], rows[4], rows[2]),
+        req_rows=req,
+        prefix_lens=pre.tolist(),
+        extend_lens=sizes.tolist(),
+        draft=DraftRows(parents, list(model_draft or [False] * len(trees))),
+    )
     step.draft.tree_mask = tree_masks(trees)
     return step
 
@@ -56,7 +69,7 @@ def step_trees(step: StepInput) -> list[DraftTree]:
     """The trees of a VERIFY step, read back from its rows."""
     out = []
     for s, n in zip(step.req_rows[4].tolist(), step.extend_lens):
-        out.append(DraftTree(step.token_rows[0, s:s + n].tolist(), step.draft.parents[s:s + n].tolist()))
+        out.append(DraftTree(step.token_rows[0, s : s + n].tolist(), step.draft.parents[s : s + n].tolist()))
     return out
 
 
@@ -66,9 +79,9 @@ def set_tree(step: StepInput, b: int, tree: DraftTree) -> None:
     s, n = int(step.req_rows[4, b]), step.extend_lens[b]
     if tree.size != n:
         raise ValueError(f"a drafted tree of {tree.size} nodes in the request's {n}")
-    step.token_rows[0, s:s + n] = tree.tokens
-    step.token_rows[1, s:s + n] = step.prefix_lens[b] + tree.depths()
-    step.draft.parents[s:s + n] = tree.parents
+    step.token_rows[0, s : s + n] = tree.tokens
+    step.token_rows[1, s : s + n] = step.prefix_lens[b] + tree.depths()
+    step.draft.parents[s : s + n] = tree.parents
 
 
 def refresh_masks(step: StepInput) -> None:

@@ -3,11 +3,23 @@
 from .decode_attention import PrefixPartials, decode_attention
 from .decode_config import DecodeConfig, DecodePolicy, decode_scratch_numel, default_decode_policy
 from .extend_attention import ExtendConfig, default_extend_config, extend_attention
+from .prefix_attention import PrefixConfig, PrefixTables, prefix_attention, prefix_partial_numel, split_prefix_scratch
 from .tree_attention import tree_attention
-from .prefix_attention import (PrefixConfig, PrefixTables, prefix_attention, prefix_partial_numel,
-                               split_prefix_scratch)
 
-__all__ = ["DecodeConfig", "DecodePolicy", "default_decode_policy",
-           "ExtendConfig", "PrefixConfig", "PrefixPartials", "PrefixTables", "decode_attention",
-           "decode_scratch_numel", "default_extend_config", "extend_attention", "prefix_attention",
-           "prefix_partial_numel", "split_prefix_scratch", "tree_attention"]
+__all__ = [
+    "DecodeConfig",
+    "DecodePolicy",
+    "default_decode_policy",
+    "ExtendConfig",
+    "PrefixConfig",
+    "PrefixPartials",
+    "PrefixTables",
+    "decode_attention",
+    "decode_scratch_numel",
+    "default_extend_config",
+    "extend_attention",
+    "prefix_attention",
+    "prefix_partial_numel",
+    "split_prefix_scratch",
+    "tree_attention",
+]

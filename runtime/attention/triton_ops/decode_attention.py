@@ -59,18 +59,43 @@ def _kv_begin(ReqInfo, b, HAS_PREFIX: tl.constexpr):
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K_buf, V_buf, ReqToToken, ReqPoolIndices, SeqLens, ReqInfo,
-    PartialO, PartialLse, Out,
-    sm_scale_log2, split_cap,
-    stride_qb, stride_qh,
-    stride_ks, stride_kh, stride_vs, stride_vh,
+    Q,
+    K_buf,
+    V_buf,
+    ReqToToken,
+    ReqPoolIndices,
+    SeqLens,
+    ReqInfo,
+    PartialO,
+    PartialLse,
+    Out,
+    sm_scale_log2,
+    split_cap,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
     stride_r2t,
-    stride_pob, stride_poh, stride_pos,
-    stride_plb, stride_plh,
-    stride_ob, stride_oh,
-    GROUP: tl.constexpr, HPP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HPP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pdl_wait_then_release(USE_PDL)
     # NOTE: the KV-head group is the grid's fastest axis, so the programs of one request's KV heads are
@@ -107,8 +132,9 @@ def _decode_stage1_kernel(
         c_mask = col_d < HEAD_DIM
         offs_n = tl.arange(0, BLOCK_N)
 
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + col_d[None, :],
-                    mask=own, other=0.0)  # (BLOCK_R, HPP * BLOCK_D)
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + col_d[None, :], mask=own, other=0.0
+        )  # (BLOCK_R, HPP * BLOCK_D)
 
         m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -118,8 +144,9 @@ def _decode_stage1_kernel(
             n_mask = kv_pos < kv_end
             slots = tl.load(ReqToToken + req * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
             kv_mask = n_mask[:, None] & c_mask[None, :]
-            k = tl.load(K_buf + slots[:, None] * stride_ks + k_cols[None, :],
-                        mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, HPP * BLOCK_D)
+            k = tl.load(K_buf + slots[:, None] * stride_ks + k_cols[None, :], mask=kv_mask, other=0.0).to(
+                q.dtype
+            )  # (BLOCK_N, HPP * BLOCK_D)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # (BLOCK_R, BLOCK_N)
             s = tl.where(n_mask[None, :], s, float("-inf"))
 
@@ -127,21 +154,31 @@ def _decode_stage1_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V_buf + slots[:, None] * stride_vs + v_cols[None, :],
-                        mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, HPP * BLOCK_D)
+            v = tl.load(V_buf + slots[:, None] * stride_vs + v_cols[None, :], mask=kv_mask, other=0.0).to(
+                q.dtype
+            )  # (BLOCK_N, HPP * BLOCK_D)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         if DIRECT_OUT:  # the only split: this is the output (what stage 2 would compute from it, bit for bit)
-            tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
-                     (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=own)
+            tl.store(
+                Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
+                (acc / l_i[:, None]).to(Out.dtype.element_ty),
+                mask=own,
+            )
         else:
-            tl.store(PartialO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
-                     + col_d[None, :], acc / l_i[:, None], mask=own)
+            tl.store(
+                PartialO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + col_d[None, :],
+                acc / l_i[:, None],
+                mask=own,
+            )
             tl.store(PartialLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=r_mask)
     elif DIRECT_OUT:  # an empty (padding) request: zero output, as stage 2 gives it
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
-                 tl.zeros([BLOCK_R, HPP * BLOCK_D], dtype=Out.dtype.element_ty), mask=own)
+        tl.store(
+            Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
+            tl.zeros([BLOCK_R, HPP * BLOCK_D], dtype=Out.dtype.element_ty),
+            mask=own,
+        )
 
 
 @triton.jit
@@ -155,15 +192,32 @@ def _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN: tl.constexpr, 
 
 @triton.jit
 def _decode_stage2_kernel(
-    PartialO, PartialLse, SeqLens, Out,
-    ReqInfo, PrefixO, PrefixLse,
+    PartialO,
+    PartialLse,
+    SeqLens,
+    Out,
+    ReqInfo,
+    PrefixO,
+    PrefixLse,
     split_cap,
-    stride_pob, stride_poh, stride_pos,
-    stride_plb, stride_plh,
-    stride_ob, stride_oh,
-    stride_xos, stride_xoh, stride_xls,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_P: tl.constexpr,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    stride_xos,
+    stride_xoh,
+    stride_xls,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait_then_release(USE_PDL)
@@ -182,15 +236,21 @@ def _decode_stage2_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
 
-    lse = tl.load(PartialLse + b * stride_plb + offs_h[:, None] * stride_plh + offs_s[None, :],
-                  mask=h_mask[:, None] & s_mask[None, :], other=float("-inf"))  # (BLOCK_HQ, BLOCK_S)
+    lse = tl.load(
+        PartialLse + b * stride_plb + offs_h[:, None] * stride_plh + offs_s[None, :],
+        mask=h_mask[:, None] & s_mask[None, :],
+        other=float("-inf"),
+    )  # (BLOCK_HQ, BLOCK_S)
     lse_max = tl.max(lse, 1)  # (BLOCK_HQ,)
     if HAS_PREFIX:
         p_slot = tl.load(ReqInfo + b * 3 + 1)
         n_prefix = tl.load(ReqInfo + b * 3 + 2)
         offs_p = tl.arange(0, BLOCK_P)
-        lse_p = tl.load(PrefixLse + (p_slot + offs_p)[None, :] * stride_xls + offs_h[:, None],
-                        mask=h_mask[:, None] & (offs_p < n_prefix)[None, :], other=float("-inf"))
+        lse_p = tl.load(
+            PrefixLse + (p_slot + offs_p)[None, :] * stride_xls + offs_h[:, None],
+            mask=h_mask[:, None] & (offs_p < n_prefix)[None, :],
+            other=float("-inf"),
+        )
         lse_max = tl.maximum(lse_max, tl.max(lse_p, 1))
     # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
@@ -201,33 +261,56 @@ def _decode_stage2_kernel(
     n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
     for s in range(0, n_written):
         w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)  # (BLOCK_HQ,) this split's weight
-        o = tl.load(PartialO + b * stride_pob + offs_h[:, None] * stride_poh + s * stride_pos + offs_d[None, :],
-                    mask=hd_mask, other=0.0)
+        o = tl.load(
+            PartialO + b * stride_pob + offs_h[:, None] * stride_poh + s * stride_pos + offs_d[None, :],
+            mask=hd_mask,
+            other=0.0,
+        )
         acc += o * w_s[:, None]
     if HAS_PREFIX:
         w_p = tl.exp2(lse_p - lse_max[:, None])  # (BLOCK_HQ, BLOCK_P)
         w_sum += tl.sum(w_p, 1)
         for j in range(0, n_prefix):
             w_j = tl.sum(tl.where(offs_p[None, :] == j, w_p, 0.0), 1)
-            o = tl.load(PrefixO + (p_slot + j) * stride_xos + offs_h[:, None] * stride_xoh + offs_d[None, :],
-                        mask=hd_mask, other=0.0)
+            o = tl.load(
+                PrefixO + (p_slot + j) * stride_xos + offs_h[:, None] * stride_xoh + offs_d[None, :],
+                mask=hd_mask,
+                other=0.0,
+            )
             acc += o * w_j[:, None]
     out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-    tl.store(Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=hd_mask)
+    tl.store(
+        Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=hd_mask
+    )
 
 
 @triton.jit
 def _decode_stage2_per_head_kernel(
-    PartialO, PartialLse, SeqLens, Out,
-    ReqInfo, PrefixO, PrefixLse,
+    PartialO,
+    PartialLse,
+    SeqLens,
+    Out,
+    ReqInfo,
+    PrefixO,
+    PrefixLse,
     split_cap,
-    stride_pob, stride_poh, stride_pos,
-    stride_plb, stride_plh,
-    stride_ob, stride_oh,
-    stride_xos, stride_xoh, stride_xls,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    stride_xos,
+    stride_xoh,
+    stride_xls,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pdl_wait_then_release(USE_PDL)
     # One program per (request, query head), all splits in one load: the latency-bound small batches'
@@ -243,27 +326,35 @@ def _decode_stage2_per_head_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
 
-    lse = tl.load(PartialLse + b * stride_plb + head * stride_plh + offs_s,
-                  mask=s_mask, other=float("-inf"))  # (BLOCK_S,)
+    lse = tl.load(
+        PartialLse + b * stride_plb + head * stride_plh + offs_s, mask=s_mask, other=float("-inf")
+    )  # (BLOCK_S,)
     lse_max = tl.max(lse, 0)
     if HAS_PREFIX:
         p_slot = tl.load(ReqInfo + b * 3 + 1)
         offs_p = tl.arange(0, BLOCK_P)
         p_mask = offs_p < tl.load(ReqInfo + b * 3 + 2)
-        lse_p = tl.load(PrefixLse + (p_slot + offs_p) * stride_xls + head,
-                        mask=p_mask, other=float("-inf"))  # (BLOCK_P,)
+        lse_p = tl.load(
+            PrefixLse + (p_slot + offs_p) * stride_xls + head, mask=p_mask, other=float("-inf")
+        )  # (BLOCK_P,)
         lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
     # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.exp2(lse - lse_max)  # (BLOCK_S,) 0 for masked splits
-    o = tl.load(PartialO + b * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
+    o = tl.load(
+        PartialO + b * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_S, BLOCK_D)
     w_sum = tl.sum(w, 0)
     acc = tl.sum(o * w[:, None], 0)  # (BLOCK_D,)
     if HAS_PREFIX:
         w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
-        o_p = tl.load(PrefixO + (p_slot + offs_p)[:, None] * stride_xos + head * stride_xoh + offs_d[None, :],
-                      mask=p_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_P, BLOCK_D)
+        o_p = tl.load(
+            PrefixO + (p_slot + offs_p)[:, None] * stride_xos + head * stride_xoh + offs_d[None, :],
+            mask=p_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_P, BLOCK_D)
         w_sum += tl.sum(w_p, 0)
         acc += tl.sum(o_p * w_p[:, None], 0)
     out = acc / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
@@ -304,8 +395,9 @@ def decode_attention(
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.float32, device=q.device)
     if scratch.dtype != torch.float32 or scratch.numel() < need:
-        raise ValueError(f"decode scratch must be fp32 with >= {need} elements, got {scratch.dtype} "
-                         f"x {scratch.numel()}")
+        raise ValueError(
+            f"decode scratch must be fp32 with >= {need} elements, got {scratch.dtype} x {scratch.numel()}"
+        )
     n_o = batch * num_heads * split_cap * head_dim
     partial_o = scratch[:n_o].view(batch, num_heads, split_cap, head_dim)
     partial_lse = scratch[n_o:need].view(batch, num_heads, split_cap)
@@ -331,19 +423,45 @@ def decode_attention(
     # another stream (`before_merge`), a dependency PDL's same-stream handshake does not cover.
     pdl = pdl_launch_args(q.device) if prefix is None else {"USE_PDL": False}
     _decode_stage1_kernel[(num_kv_heads // hpp, batch, split_cap)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, req_info,
-        partial_o, partial_lse, out,
-        sm_scale * _LOG2E, split_cap,
-        q.stride(0), q.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        req_info,
+        partial_o,
+        partial_lse,
+        out,
+        sm_scale * _LOG2E,
+        split_cap,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
         req_to_token.stride(0),
-        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=group, HPP=hpp, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r,
-        BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, DOT_PRECISION=precision,
-        HAS_PREFIX=prefix is not None, DIRECT_OUT=direct,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        partial_o.stride(0),
+        partial_o.stride(1),
+        partial_o.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HPP=hpp,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_R=block_r,
+        BLOCK_N=cfg.block_n,
+        MIN_SPLIT_LEN=cfg.min_split_len,
+        DOT_PRECISION=precision,
+        HAS_PREFIX=prefix is not None,
+        DIRECT_OUT=direct,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl,
     )
     if before_merge is not None:
         before_merge()
@@ -353,17 +471,41 @@ def decode_attention(
     # NOTE: no request has more splits than split_cap, which depends on the batch size only, so a
     # captured graph's constexpr BLOCK_S stays right for any sequence lengths.
     block_s = triton.next_power_of_2(split_cap)
-    args = (partial_o, partial_lse, seq_lens, out, req_info, prefix_o, prefix_lse, split_cap,
-            partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-            prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0))
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, MIN_SPLIT_LEN=cfg.min_split_len,
-                  HAS_PREFIX=prefix is not None, BLOCK_P=block_p, **pdl)
+    args = (
+        partial_o,
+        partial_lse,
+        seq_lens,
+        out,
+        req_info,
+        prefix_o,
+        prefix_lse,
+        split_cap,
+        partial_o.stride(0),
+        partial_o.stride(1),
+        partial_o.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        prefix_o.stride(0),
+        prefix_o.stride(1),
+        prefix_lse.stride(0),
+    )
+    consts = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=block_s,
+        MIN_SPLIT_LEN=cfg.min_split_len,
+        HAS_PREFIX=prefix is not None,
+        BLOCK_P=block_p,
+        **pdl,
+    )
     if cfg.merge_per_head:
         _decode_stage2_per_head_kernel[(batch, num_heads)](*args, **consts, num_warps=4 if block_d >= 128 else 2)
     else:
-        _decode_stage2_kernel[(batch,)](*args, NUM_HEADS=num_heads, BLOCK_HQ=triton.next_power_of_2(num_heads),
-                                        **consts, num_warps=4)
+        _decode_stage2_kernel[(batch,)](
+            *args, NUM_HEADS=num_heads, BLOCK_HQ=triton.next_power_of_2(num_heads), **consts, num_warps=4
+        )
     return out
 
 
@@ -372,8 +514,7 @@ def _check_decode_args(q, k_buffer, v_buffer, out, num_kv_heads) -> None:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if k_buffer.shape[2] != head_dim or v_buffer.shape != k_buffer.shape:
-        raise ValueError(f"KV buffers {tuple(k_buffer.shape)}/{tuple(v_buffer.shape)} do not match "
-                         f"head_dim {head_dim}")
+        raise ValueError(f"KV buffers {tuple(k_buffer.shape)}/{tuple(v_buffer.shape)} do not match head_dim {head_dim}")
     if q.stride(2) != 1 or out.stride(2) != 1 or k_buffer.stride(2) != 1 or v_buffer.stride(2) != 1:
         raise ValueError("q, out and the KV buffers must be contiguous in head_dim")
     if tuple(out.shape) != (batch, num_heads, head_dim):

@@ -109,11 +109,11 @@ def default_decode_policy(num_sms: int) -> DecodePolicy:
     latency = DecodeConfig(target_programs=4 * num_sms, merge_per_head=True)
     return DecodePolicy(
         tiers=((4, latency), (32, dataclasses.replace(latency, num_stages=3))),
-        largest=DecodeConfig(target_programs=2 * num_sms, kv_heads_per_program=2, num_stages=3))
+        largest=DecodeConfig(target_programs=2 * num_sms, kv_heads_per_program=2, num_stages=3),
+    )
 
 
-def decode_scratch_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         cfg: DecodeConfig) -> int:
+def decode_scratch_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int, cfg: DecodeConfig) -> int:
     """fp32 elements of scratch one decode call needs: partial outputs + log-sum-exps per split.
 
     NOTE: the split count shrinks as the batch grows (see `split_cap`), so batch * splits stays near

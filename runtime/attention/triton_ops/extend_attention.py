@@ -54,34 +54,70 @@ def default_extend_config(head_dim: int) -> ExtendConfig:
 
 
 @triton.jit
-def _online_softmax_step(q, K_buf, V_buf, slots, kv_mask, n_valid, kv_head, offs_d,
-                         m_i, l_i, acc, sm_scale_log2,
-                         stride_ks, stride_kh, stride_vs, stride_vh, DOT_PRECISION: tl.constexpr):
+def _online_softmax_step(
+    q,
+    K_buf,
+    V_buf,
+    slots,
+    kv_mask,
+    n_valid,
+    kv_head,
+    offs_d,
+    m_i,
+    l_i,
+    acc,
+    sm_scale_log2,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    DOT_PRECISION: tl.constexpr,
+):
     # slots: (BLOCK_N,) int64 kv slots; kv_mask: (BLOCK_N, BLOCK_D); n_valid: (BLOCK_M, BLOCK_N)
-    k = tl.load(K_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+    k = tl.load(K_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(
+        q.dtype
+    )  # (BLOCK_N, BLOCK_D)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # (BLOCK_M, BLOCK_N)
     s = tl.where(n_valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(V_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(
+        q.dtype
+    )  # (BLOCK_N, BLOCK_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _extend_attention_kernel(
-    Q, Out, K_buf, V_buf, ReqToToken,
-    ReqPoolIndices, PrefixLens, ExtendLens, ExtendStart,
+    Q,
+    Out,
+    K_buf,
+    V_buf,
+    ReqToToken,
+    ReqPoolIndices,
+    PrefixLens,
+    ExtendLens,
+    ExtendStart,
     sm_scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
     stride_r2t,
-    GROUP: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -118,9 +154,24 @@ def _extend_attention_kernel(
             n_mask = kv_pos < visible_end
             slots = tl.load(ReqToToken + req * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
             m_i, l_i, acc = _online_softmax_step(
-                q, K_buf, V_buf, slots, n_mask[:, None] & d_mask[None, :], n_mask[None, :], kv_head,
-                offs_d, m_i, l_i, acc, sm_scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
-                DOT_PRECISION)
+                q,
+                K_buf,
+                V_buf,
+                slots,
+                n_mask[:, None] & d_mask[None, :],
+                n_mask[None, :],
+                kv_head,
+                offs_d,
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                stride_ks,
+                stride_kh,
+                stride_vs,
+                stride_vh,
+                DOT_PRECISION,
+            )
 
         # Phase 2: the diagonal, keys from the first to the last query position of this block.
         diag_end = prefix_len + tl.minimum(m_start + TOKENS, ext_len)
@@ -130,9 +181,24 @@ def _extend_attention_kernel(
             slots = tl.load(ReqToToken + req * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
             causal = (kv_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]  # (BLOCK_M, BLOCK_N)
             m_i, l_i, acc = _online_softmax_step(
-                q, K_buf, V_buf, slots, n_mask[:, None] & d_mask[None, :], causal, kv_head,
-                offs_d, m_i, l_i, acc, sm_scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
-                DOT_PRECISION)
+                q,
+                K_buf,
+                V_buf,
+                slots,
+                n_mask[:, None] & d_mask[None, :],
+                causal,
+                kv_head,
+                offs_d,
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                stride_ks,
+                stride_kh,
+                stride_vs,
+                stride_vh,
+                DOT_PRECISION,
+            )
 
         out = acc / l_i[:, None]
         o_off = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -158,8 +224,7 @@ def extend_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if k_buffer.shape[2] != head_dim or v_buffer.shape != k_buffer.shape:
-        raise ValueError(f"KV buffers {tuple(k_buffer.shape)}/{tuple(v_buffer.shape)} do not match "
-                         f"head_dim {head_dim}")
+        raise ValueError(f"KV buffers {tuple(k_buffer.shape)}/{tuple(v_buffer.shape)} do not match head_dim {head_dim}")
     if tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
     if q.stride(2) != 1 or out.stride(2) != 1 or k_buffer.stride(2) != 1 or v_buffer.stride(2) != 1:
@@ -174,14 +239,33 @@ def extend_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (batch, num_kv_heads, triton.cdiv(max_extend_len, tokens))
     _extend_attention_kernel[grid](
-        q, out, k_buffer, v_buffer, req_to_token,
-        req_pool_indices, prefix_lens, extend_lens, extend_start,
+        q,
+        out,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start,
         sm_scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
         req_to_token.stride(0),
-        GROUP=group, TOKENS=tokens, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP=group,
+        TOKENS=tokens,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        DOT_PRECISION=precision,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

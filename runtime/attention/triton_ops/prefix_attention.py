@@ -80,17 +80,38 @@ class PrefixConfig:
 
 @triton.jit
 def _prefix_attention_kernel(
-    Q, K_buf, V_buf, ReqToToken,
-    Groups, Members, Work, WorkLen,
-    PartialO, PartialLse,
-    sm_scale_log2, num_programs,
-    stride_qb, stride_qh,
-    stride_ks, stride_kh, stride_vs, stride_vh,
+    Q,
+    K_buf,
+    V_buf,
+    ReqToToken,
+    Groups,
+    Members,
+    Work,
+    WorkLen,
+    PartialO,
+    PartialLse,
+    sm_scale_log2,
+    num_programs,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
     stride_r2t,
-    stride_pos, stride_poh, stride_pls,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, MEMBERS_PER_TILE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_FIELDS: tl.constexpr, WORK_FIELDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_pos,
+    stride_poh,
+    stride_pls,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    MEMBERS_PER_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_FIELDS: tl.constexpr,
+    WORK_FIELDS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Persistent: program p takes items p, p + num_programs, ... of (work item x KV head); the KV
     # heads of one work item are consecutive items (same prefix slots, same query rows' neighbours).
@@ -118,8 +139,11 @@ def _prefix_attention_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
         offs_n = tl.arange(0, BLOCK_N)
-        q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+        q = tl.load(
+            Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_D)
 
         kv_start = split * split_len
         kv_end = tl.minimum(kv_start + split_len, prefix_len)
@@ -131,16 +155,18 @@ def _prefix_attention_kernel(
             n_mask = kv_pos < kv_end
             slots = tl.load(ReqToToken + row * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
             kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(K_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                        mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+            k = tl.load(
+                K_buf + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0
+            ).to(q.dtype)  # (BLOCK_N, BLOCK_D)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # (BLOCK_M, BLOCK_N)
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                        mask=kv_mask, other=0.0).to(q.dtype)  # (BLOCK_N, BLOCK_D)
+            v = tl.load(
+                V_buf + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
+            ).to(q.dtype)  # (BLOCK_N, BLOCK_D)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -150,8 +176,11 @@ def _prefix_attention_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         slot = (slot_base + local * num_splits + split).to(tl.int64)  # (BLOCK_M,)
-        tl.store(PartialO + slot[:, None] * stride_pos + heads[:, None] * stride_poh + offs_d[None, :], o,
-                 mask=m_mask[:, None] & d_mask[None, :])
+        tl.store(
+            PartialO + slot[:, None] * stride_pos + heads[:, None] * stride_poh + offs_d[None, :],
+            o,
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
         tl.store(PartialLse + slot * stride_pls + heads, lse, mask=m_mask)
 
 
@@ -176,10 +205,10 @@ def split_prefix_scratch(scratch: torch.Tensor, num_slots: int, num_heads: int, 
     n_o = num_slots * num_heads * head_dim
     need = prefix_partial_numel(num_slots, num_heads, head_dim)
     if scratch.dtype != torch.float32 or scratch.numel() < need:
-        raise ValueError(f"prefix scratch must be fp32 with >= {need} elements, got {scratch.dtype} "
-                         f"x {scratch.numel()}")
-    return (scratch[:n_o].view(num_slots, num_heads, head_dim),
-            scratch[n_o:need].view(num_slots, num_heads))
+        raise ValueError(
+            f"prefix scratch must be fp32 with >= {need} elements, got {scratch.dtype} x {scratch.numel()}"
+        )
+    return (scratch[:n_o].view(num_slots, num_heads, head_dim), scratch[n_o:need].view(num_slots, num_heads))
 
 
 def prefix_attention(
@@ -209,17 +238,38 @@ def prefix_attention(
         return
     group = num_heads // num_kv_heads
     _prefix_attention_kernel[(programs,)](
-        q, k_buffer, v_buffer, req_to_token,
-        tables.groups, tables.members, tables.work, tables.work_len,
-        partial_o, partial_lse,
-        sm_scale * _LOG2E, programs,
-        q.stride(0), q.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        tables.groups,
+        tables.members,
+        tables.work,
+        tables.work_len,
+        partial_o,
+        partial_lse,
+        sm_scale * _LOG2E,
+        programs,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
         req_to_token.stride(0),
-        partial_o.stride(0), partial_o.stride(1), partial_lse.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, MEMBERS_PER_TILE=cfg.members_per_tile(group),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=cfg.rows_per_tile(group),
-        BLOCK_N=cfg.block_n, GROUP_FIELDS=GROUP_FIELDS, WORK_FIELDS=WORK_FIELDS,
+        partial_o.stride(0),
+        partial_o.stride(1),
+        partial_lse.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        MEMBERS_PER_TILE=cfg.members_per_tile(group),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg.rows_per_tile(group),
+        BLOCK_N=cfg.block_n,
+        GROUP_FIELDS=GROUP_FIELDS,
+        WORK_FIELDS=WORK_FIELDS,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )

@@ -22,14 +22,35 @@ from .extend_attention import _LOG2E, ExtendConfig, _online_softmax_step, defaul
 
 @triton.jit
 def _tree_attention_kernel(
-    Q, Out, K_buf, V_buf, ReqToToken,
-    ReqPoolIndices, PrefixLens, ExtendLens, ExtendStart, TreeLens, TreeMask, MaskOffsets,
+    Q,
+    Out,
+    K_buf,
+    V_buf,
+    ReqToToken,
+    ReqPoolIndices,
+    PrefixLens,
+    ExtendLens,
+    ExtendStart,
+    TreeLens,
+    TreeMask,
+    MaskOffsets,
     sm_scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
     stride_r2t,
-    GROUP: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,9 +84,24 @@ def _tree_attention_kernel(
             n_mask = kv_pos < prefix_len
             slots = tl.load(ReqToToken + req * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
             m_i, l_i, acc = _online_softmax_step(
-                q, K_buf, V_buf, slots, n_mask[:, None] & d_mask[None, :], n_mask[None, :], kv_head,
-                offs_d, m_i, l_i, acc, sm_scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
-                DOT_PRECISION)
+                q,
+                K_buf,
+                V_buf,
+                slots,
+                n_mask[:, None] & d_mask[None, :],
+                n_mask[None, :],
+                kv_head,
+                offs_d,
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                stride_ks,
+                stride_kh,
+                stride_vs,
+                stride_vh,
+                DOT_PRECISION,
+            )
 
         # Phase 2: the tree columns, through the mask. NOTE: no NaN in a stored row: with a prefix m_i
         # is finite already, and without one the first tile holds the root, which every node sees.
@@ -74,13 +110,31 @@ def _tree_attention_kernel(
             col = n_start + offs_n  # (BLOCK_N,)
             n_mask = col < tree_len
             slots = tl.load(ReqToToken + req * stride_r2t + prefix_len + col, mask=n_mask, other=0).to(tl.int64)
-            bits = tl.load(TreeMask + mask_off + tok[:, None].to(tl.int64) * tree_len + col[None, :],
-                           mask=r_mask[:, None] & n_mask[None, :], other=0)  # (BLOCK_M, BLOCK_N)
+            bits = tl.load(
+                TreeMask + mask_off + tok[:, None].to(tl.int64) * tree_len + col[None, :],
+                mask=r_mask[:, None] & n_mask[None, :],
+                other=0,
+            )  # (BLOCK_M, BLOCK_N)
             seen = (bits != 0) & n_mask[None, :] & (col[None, :] <= tree_row[:, None])
             m_i, l_i, acc = _online_softmax_step(
-                q, K_buf, V_buf, slots, n_mask[:, None] & d_mask[None, :], seen, kv_head,
-                offs_d, m_i, l_i, acc, sm_scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
-                DOT_PRECISION)
+                q,
+                K_buf,
+                V_buf,
+                slots,
+                n_mask[:, None] & d_mask[None, :],
+                seen,
+                kv_head,
+                offs_d,
+                m_i,
+                l_i,
+                acc,
+                sm_scale_log2,
+                stride_ks,
+                stride_kh,
+                stride_vs,
+                stride_vh,
+                DOT_PRECISION,
+            )
 
         out = acc / l_i[:, None]
         o_off = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -122,14 +176,36 @@ def tree_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (batch, num_kv_heads, triton.cdiv(max_extend_len, tokens))
     _tree_attention_kernel[grid](
-        q, out, k_buffer, v_buffer, req_to_token,
-        req_pool_indices, prefix_lens, extend_lens, extend_start, tree_lens, tree_mask, mask_offsets,
+        q,
+        out,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start,
+        tree_lens,
+        tree_mask,
+        mask_offsets,
         sm_scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
         req_to_token.stride(0),
-        GROUP=group, TOKENS=tokens, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP=group,
+        TOKENS=tokens,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        DOT_PRECISION=precision,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
