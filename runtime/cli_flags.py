@@ -60,6 +60,9 @@ CLI_HELP = {
     "disable_radix_cache": "no prefix reuse between requests",
     "max_queued_requests": "requests that may wait beyond the running ones; past it: 503 (default: unlimited)",
     "stream_interval": "tokens between two chunks of a streamed response",
+    "max_num_batched_tokens": "tokens one step may take, running requests' decode tokens first, then prefill "
+    "chunks (default: chunked_prefill_size)",
+    "disable_mixed_chunk": "a step either decodes the running requests or prefills, never both in one forward",
     "attention_backend": "auto: triton on CUDA, torch_native on the CPU; flashinfer needs its package",
     "disable_cuda_graph": "GPU: run decode steps eagerly",
     "cuda_graph_max_bs": "GPU: largest decode batch captured as a CUDA graph (default: every size)",

@@ -51,6 +51,10 @@ class ServerArgs:
     disable_radix_cache: bool = False
     max_queued_requests: Optional[int] = None
     stream_interval: int = 1
+    # A step is a token budget: running requests' decode tokens first, then prefill chunks, in one forward
+    # (a mixed step). None: chunked_prefill_size. disable_mixed_chunk: a step decodes or prefills, not both.
+    max_num_batched_tokens: Optional[int] = None
+    disable_mixed_chunk: bool = False
 
     # Execution
     attention_backend: str = "auto"
@@ -141,9 +145,10 @@ class ServerArgs:
             "page_size",
             "stream_interval",
             "cuda_graph_max_bs",
+            "max_num_batched_tokens",
         ):
             v = getattr(self, name)
-            if v is None and name in ("cuda_graph_max_bs", "max_running_requests"):
+            if v is None and name in ("cuda_graph_max_bs", "max_running_requests", "max_num_batched_tokens"):
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")

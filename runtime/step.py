@@ -124,10 +124,11 @@ class StepInput:
     """One forward step, as the runner needs it.
 
     DECODE: `token_rows` (5, B): input ids (0 where they come from the previous step on the device),
-    positions, request rows of req_to_token, sequence lengths, kv slots of the new tokens; (6, B) with
-    the previous step's rows whose sampled ids are this step's input (`prev_rows`) as the last row.
+    positions, request rows of req_to_token, sequence lengths, kv slots of the new tokens.
     EXTEND: `token_rows` (4, T) per new token: input id, position, kv slot, request row; `req_rows`
-    (5, B) per request: request row, sequence length, cached prefix, new tokens, first row in T.
+    (5, B) per request: request row, sequence length, cached prefix, new tokens, first row in T. The first
+    `decode_rows` requests of an EXTEND step bring one token each after their computed KV: running
+    requests decoding in the same forward as the others' prefill chunks (a mixed step).
     VERIFY: as EXTEND, with a fifth row in `token_rows`: each node's position in req_to_token (its
     request's prefix + its index among the request's nodes), which differs from its position in the
     sequence (prefix + its depth) in a tree; `draft` holds the trees. Built by speculative/verify_step.py.
@@ -147,10 +148,11 @@ class StepInput:
     sampling_reqs: list[int] = field(default_factory=list)
     sampling: list[SamplingRow] = field(default_factory=list)  # per sampling request
     logprob_rows: list[LogprobRow] = field(default_factory=list)
-    # DECODE launched ahead: the input ids are the previous step's samples (on the device), gathered at
-    # `prev_rows` when only some of its requests go on.
-    ids_from_prev: bool = False
-    has_prev_rows: bool = False
+    # A step launched before the previous one was read back: per new token (T,), the index among the
+    # previous step's sampled tokens (on the device) that is its input id, or -1 where `token_rows[0]`
+    # holds it. None: every input id is on the host.
+    prev_src: Optional[np.ndarray] = None
+    decode_rows: int = 0  # EXTEND: the leading requests that decode one token (a mixed step)
     draft: Optional[DraftRows] = None  # VERIFY
     # EXTEND: per request, the token after its new ones when the request has one already (a chunk's next
     # prompt token), else -1 (it is sampled). An EAGLE head's entries are one token ahead of the target's.
@@ -159,6 +161,15 @@ class StepInput:
     @property
     def num_tokens(self) -> int:
         return int(self.token_rows.shape[1])
+
+    @property
+    def ids_from_prev(self) -> bool:
+        """Some input ids are the previous step's samples, still on the device."""
+        return self.prev_src is not None
+
+    @property
+    def all_ids_from_prev(self) -> bool:
+        return self.prev_src is not None and bool((self.prev_src >= 0).all())
 
     @classmethod
     def extend(

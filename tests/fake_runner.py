@@ -70,7 +70,7 @@ class FakeRunner:
     def clock(self) -> float:
         return self.elapsed
 
-    def run(self, step: StepInput) -> StepOutput:
+    def run(self, step: StepInput, prev=None) -> StepOutput:
         self.steps.append(step)
         self.elapsed += self.step_seconds(step)
         # The table writes the model runner would do on its device (the scheduler reads the host mirror).
@@ -82,8 +82,9 @@ class FakeRunner:
             return self._verify(step)
         n = step.batch_size
         out = StepOutput([None] * n, [None] * n, [[] for _ in range(n)])
-        for i, row in zip(step.sampling_reqs, step.sampling):
-            if step.ids_from_prev:  # launched ahead: the request's host state lacks the token in flight
+        for j, (i, row) in enumerate(zip(step.sampling_reqs, step.sampling)):
+            if step.prev_src is not None and step.prev_src[step.sample_rows[j]] >= 0:
+                # planned ahead: the request's host state lacks the token in flight
                 row = _PathRow(row, [self._in_flight[id(row.output_ids)]])
             out.next_token_ids[i] = self._token(row)
         self._in_flight = {
@@ -130,7 +131,7 @@ class FakeRunner:
         return logits
 
     def launch(self, step: StepInput, prev=None):
-        return self.run(step)
+        return self.run(step, prev)
 
     def resolve(self, handle) -> StepOutput:
         return handle

@@ -72,15 +72,51 @@ def test_host_rows_of_extend_and_decode_steps_exact():
     ]
     a.output_ids[:] = [14]
     dec = ScheduleBatch(ForwardMode.DECODE, [a, b], out_cache_loc=torch.tensor([50, 51]))
-    rows = dec.decode_host_rows(ahead=0, with_input_ids=True)
+    rows = dec.decode_host_rows()
     assert rows.tolist() == [[14, 23], [4, 3], [3, 5], [5, 4], [50, 51]]
+    assert dec.to_step().prev_src is None
     # Overlap: the next step is launched before this one's tokens are read; it derives its rows.
     nxt = dec.next_decode(torch.tensor([60, 61]))
-    assert nxt.decode_host_rows(ahead=1, with_input_ids=False).tolist() == [[0, 0], [5, 4], [3, 5], [6, 5], [60, 61]]
+    assert nxt.decode_host_rows().tolist() == [[0, 0], [5, 4], [3, 5], [6, 5], [60, 61]]
+    assert nxt.to_step().prev_src.tolist() == [0, 1]
     # `a` finished meanwhile: the step after goes on with `b` alone, whose input is row 1's sample.
     last = nxt.next_decode(torch.tensor([70]), keep=[1])
     assert last.reqs == [b]
-    assert last.decode_host_rows(ahead=1, with_input_ids=False).tolist() == [[0], [5], [5], [6], [70], [1]]
+    assert last.decode_host_rows().tolist() == [[0], [5], [5], [6], [70]]
+    assert last.to_step().prev_src.tolist() == [1]
+
+
+def test_host_rows_of_a_mixed_step_planned_past_a_step_in_flight():
+    # A mixed step: `a` decodes one token past the step in flight (its input is that step's sample 1),
+    # `b` decodes from its host state, `c` prefills 3 new tokens after 2 cached ones.
+    from plait.runtime.forward_batch import ForwardMode
+    from plait.runtime.request import Req
+    from plait.runtime.scheduler.batch import DecodeRows, ScheduleBatch
+
+    a, b, c = (
+        Req(rid, ids, SamplingParams(max_new_tokens=8))
+        for rid, ids in (("a", [11, 12, 13]), ("b", [20, 21]), ("c", [30, 31, 32, 33, 34]))
+    )
+    a.req_pool_idx, b.req_pool_idx, c.req_pool_idx = 3, 5, 6
+    a.output_ids[:] = [14]
+    b.output_ids[:] = [22, 23]
+    rows = DecodeRows.of([a, b], prev_index={id(a): 1})
+    assert rows.seq_lens.tolist() == [5, 4] and rows.input_ids.tolist() == [0, 23]
+    assert rows.prev_src.tolist() == [1, -1]
+    decode = ScheduleBatch(ForwardMode.DECODE, [a, b], out_cache_loc=torch.tensor([50, 51]), decode=rows)
+    prefill = ScheduleBatch(ForwardMode.EXTEND, [c], [2], [3], torch.tensor([60, 61, 62]))
+    step = ScheduleBatch.mixed(decode, prefill).to_step()
+    assert step.mode.is_extend() and step.decode_rows == 2
+    assert step.token_rows.tolist() == [
+        [0, 23, 32, 33, 34],
+        [4, 3, 2, 3, 4],
+        [50, 51, 60, 61, 62],
+        [3, 5, 6, 6, 6],
+    ]
+    assert step.prev_src.tolist() == [1, -1, -1, -1, -1]
+    assert step.prefix_lens == [4, 3, 2] and step.extend_lens == [1, 1, 3] and step.seq_lens == [5, 4, 5]
+    assert step.sample_rows == [0, 1, 4] and step.sampling_reqs == [0, 1, 2]
+    assert ScheduleBatch.mixed(decode, prefill).to_step().following_ids == [-1, -1, -1]
 
 
 def test_req_to_token_write_rows_updates_both_tables():

@@ -227,8 +227,10 @@ def test_prefix_held_back_in_a_batch_hits_the_tree_while_its_batch_is_in_flight(
     assert [r.rid for r in first.reqs] == ["q0"] and s.pipeline.pending_prefill[0] is first
     assert s.kv.cache.peek_prefix_len(shared) == 64  # inserted at launch
     second = s.step()
-    assert s.pipeline.pending_prefill[0] is second and sorted(r.rid for r in second.reqs) == ["q1", "q2", "q3"]
-    assert second.prefix_lens == [64, 64, 64] and second.extend_lens == [2, 2, 2]
+    # (q0 decodes in the same step, its first token read on the device)
+    assert s.pipeline.pending_prefill[0] is second and [r.rid for r in second.decode_reqs] == ["q0"]
+    assert sorted(r.rid for r in second.prefill_part()[0]) == ["q1", "q2", "q3"]
+    assert second.prefix_lens[1:] == [64, 64, 64] and second.extend_lens[1:] == [2, 2, 2]
     assert len(s.queues.running[0].output_ids) == 1  # q0 was read back after q1..q3 were launched
     drive(s)
     assert s.stats["cached_tokens"] == 3 * 64
@@ -253,9 +255,10 @@ def test_aborts_while_a_prefill_is_in_flight(random_models):
     s.step()  # p0 in flight
     submit(s, "long", prompts["long"], max_new_tokens=6, **GREEDY)
     submit(s, "p1", prompts["p1"], max_new_tokens=6, **GREEDY)
-    s.step()  # the first chunk of "long" launched, p0 read back
+    s.step()  # the first chunk of "long" launched beside p0's next token, p0 read back
     batch = s.pipeline.pending_prefill[0]
-    assert [r.rid for r in batch.reqs] == ["long"] and batch.extend_lens == [24] and s.queues.chunked is batch.reqs[0]
+    assert [r.rid for r in batch.reqs] == ["p0", "long"] and batch.num_decode == 1
+    assert batch.extend_lens == [1, 23] and s.queues.chunked is batch.reqs[1]  # (the decode token counts)
     assert [r.rid for r in s.queues.running] == ["p0"] and [r.rid for r in s.queues.waiting] == ["p1"]
     submit(s, "w", prompts["w"], max_new_tokens=6, **GREEDY)
     for rid in ("p0", "long", "w"):
@@ -294,7 +297,8 @@ def test_logprob_requests_are_not_pipelined_and_get_their_logprobs(random_models
         assert (s.pipeline.pending_prefill is not None) == (mode == "on")
         s.handle_message(_logprob_req("lp", list(range(40, 60))))
         second = s.step()
-        assert [r.rid for r in second.reqs] == ["lp"] and s.pipeline.pending_prefill is None
+        assert [r.rid for r in second.prefill_part()[0]] == ["lp"] and s.pipeline.pending_prefill is None
+        assert [r.rid for r in second.decode_reqs] == ["plain"]  # its next token in the same forward
         finals, _ = drive(s)
         outs[mode] = {rid: (o.new_ids, o.input_token_logprobs, o.output_token_logprobs) for rid, o in finals.items()}
     assert outs["on"] == outs["off"]
@@ -407,7 +411,7 @@ def test_grammar_requests_are_not_pipelined(default_model_path):
         s.grammars.poll()
         time.sleep(0.05)
     second = s.step()
-    assert [r.rid for r in second.reqs] == ["g"] and s.pipeline.pending_prefill is None
+    assert [r.rid for r in second.prefill_part()[0]] == ["g"] and s.pipeline.pending_prefill is None
     finals, _ = drive(s)
     assert finals["g"].finished_reason["type"] in ("stop", "length")
     text = tok.decode(finals["g"].new_ids)

@@ -253,9 +253,11 @@ def test_in_batch_prefix_dedup_prefills_a_shared_prefix_once(random_models):
     first = s.step()
     assert [r.rid for r in first.reqs] == ["q0"] and first.extend_lens == [66]
     second = s.step()
-    # The other three now hit the 64 cached tokens (66-token prompts: 65 matchable, 64 shared).
-    assert second.mode.is_extend() and sorted(r.rid for r in second.reqs) == ["q1", "q2", "q3"]
-    assert second.prefix_lens == [64, 64, 64] and second.extend_lens == [2, 2, 2]
+    # The other three now hit the 64 cached tokens (66-token prompts: 65 matchable, 64 shared); q0
+    # decodes its second token in the same step.
+    assert second.mode.is_extend() and [r.rid for r in second.decode_reqs] == ["q0"]
+    assert sorted(r.rid for r in second.prefill_part()[0]) == ["q1", "q2", "q3"]
+    assert second.prefix_lens[1:] == [64, 64, 64] and second.extend_lens[1:] == [2, 2, 2]
     run_until_idle(s)
     assert s.stats["cached_tokens"] == 3 * 64
 
@@ -386,7 +388,8 @@ def test_lpm_ranks_a_waiting_request_again_once_its_prefix_was_cached(random_mod
     assert [r.rid for r in first.reqs] == ["a"]  # nothing cached: arrival order, then the budget
     second = s.step()
     assert second.mode.is_extend()
-    assert list(zip((r.rid for r in second.reqs), second.prefix_lens)) == [("b", 40), ("c", 0)]
+    # ("a" decodes its second token first, in the same step)
+    assert list(zip((r.rid for r in second.reqs), second.prefix_lens)) == [("a", 41), ("b", 40), ("c", 0)]
     run_until_idle(s)
 
 

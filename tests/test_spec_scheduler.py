@@ -288,7 +288,8 @@ def test_no_speculative_algorithm_leaves_unconstrained_decoding_overlapped():
     # Grammar drafts on: requests without a grammar must not hold back the decode pipeline.
     reqs = [(f"r{i}", [5 + i] + PROMPT, dict(max_new_tokens=30)) for i in range(4)]
     out, steps, s = timed_decode_steps(reqs, dict(script=copy_script), speculative_grammar_drafts="on")
-    assert s.speculation.enabled and sum(x.ids_from_prev for x in steps) == len(steps) - 1
+    # (every decode step, the first one too: it is planned past the prefill in flight)
+    assert s.speculation.enabled and sum(x.ids_from_prev for x in steps) == len(steps)
 
 
 def host_bound_seconds(step) -> float:

@@ -95,11 +95,11 @@ class GroupRunner:
         atexit.register(self.close)  # the scheduler process's exit stops the group
 
     # ------------------------------------------------------------------ StepRunner
-    def run(self, step: StepInput) -> StepOutput:
+    def run(self, step: StepInput, prev: Optional[Any] = None) -> StepOutput:
         try:
             self._send(RUN, step)
             if self.stages is None:
-                return self.local.run(step)
+                return self.local.run(step, prev)
             hidden = self.stages.forward(step)  # (T, hidden), back from the last stage
             return self.local.sample_hidden(step, hidden)
         except BaseException as e:
@@ -127,9 +127,9 @@ class GroupRunner:
         try:
             self._send(LAUNCH, step)
             pending = self.local.launch(step, prev)
-            if step.mode.is_decode():
-                # The next decode step may be launched from these tokens before they are read back: every
-                # rank needs them on its device (a broadcast queued after the sampling, no host sync).
+            if step.sample_rows:
+                # The next step may be launched from these tokens before they are read back: every rank
+                # needs them on its device (a broadcast queued after the sampling, no host sync).
                 dist.broadcast(pending.next_ids, src=0, group=self.ctx.parallel.tp.group)
             return pending
         except BaseException as e:

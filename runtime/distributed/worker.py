@@ -71,7 +71,7 @@ def serve_rank(server_args: ServerArgs, model_path: str) -> None:
 def follow_plans(runner: ModelRunner, ctx: RankContext) -> None:
     """Run rank 0's steps on this rank's shard until a STOP plan."""
     stages = StageRunner(runner, ctx) if ctx.topology.pp_size > 1 else None
-    last_ids: Optional[torch.Tensor] = None  # the last decode step launched ahead: its tokens (rank 0's)
+    last_ids: Optional[torch.Tensor] = None  # the last step launched ahead: its sampled tokens (rank 0's)
     while True:
         plan = receive_plan(ctx.plan_group)
         if plan.kind == STOP:
@@ -85,8 +85,8 @@ def follow_plans(runner: ModelRunner, ctx: RankContext) -> None:
             continue
         launched = plan.kind == LAUNCH
         runner.follow(step, launched, input_ids=last_ids)
-        if launched and step.mode.is_decode():
-            last_ids = torch.empty(step.batch_size, dtype=torch.int64, device=_device(runner, ctx))
+        if launched and step.sample_rows:
+            last_ids = torch.empty(len(step.sample_rows), dtype=torch.int64, device=_device(runner, ctx))
             dist.broadcast(last_ids, src=0, group=ctx.parallel.tp.group)
 
 

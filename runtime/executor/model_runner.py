@@ -167,14 +167,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def run(self, step: StepInput) -> StepOutput:
+    def run(self, step: StepInput, prev=None) -> StepOutput:
+        """Run the step and read it back. `prev`: the step still in flight (`launch`'s handle) whose
+        sampled tokens are some of this step's input ids (`step.prev_src`)."""
         with using_kernels(self.kernel_choices):
             if step.mode.is_verify():
                 return self.verify.run(step)[0]
-            return self._run(step)
+            return self._run(step, prev)
 
-    def _run(self, step: StepInput) -> StepOutput:
-        fb = self._build_forward_batch(step)
+    def _run(self, step: StepInput, prev=None) -> StepOutput:
+        fb = self._build_forward_batch(step, prev_ids=prev.next_ids if prev is not None else None)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             # Decode: the graph computes the logits of every row too (one row per request), and their argmax.
             logits, greedy = self.graph_runner.replay(fb)  # (B, vocab) float32, (B,)
@@ -214,7 +216,7 @@ class ModelRunner:
         with using_kernels(self.kernel_choices):
             if step.mode.is_decode():
                 return self._launch_decode(step, prev)
-            return self._launch_prefill(step)
+            return self._launch_prefill(step, prev)
 
     def _forward_eager(self, fb: ForwardBatch, sample_rows: list[int]):
         """The model on `fb` without a graph: (T, hidden) states and the (S,) device rows to sample."""
@@ -239,7 +241,7 @@ class ModelRunner:
                 self.attn_backend.init_forward_metadata(fb)
                 self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
                 return
-            fb = self._build_forward_batch(step, input_ids=input_ids if step.ids_from_prev else None)
+            fb = self._build_forward_batch(step, prev_ids=input_ids if step.ids_from_prev else None)
             if self.graph_runner is not None and self.graph_runner.can_run(fb):
                 self.graph_runner.replay(fb)  # the logits are computed inside the graph
                 return
@@ -282,24 +284,25 @@ class ModelRunner:
         tokens, read on the device, and each request is one token further along than its host state
         says (`step.ids_from_prev`); prev's requests may be a superset of the step's (some finished
         meanwhile): the step's last row names the rows of prev that go on."""
-        fb = self._build_forward_batch(step, input_ids=prev.next_ids if prev is not None else None)
+        fb = self._build_forward_batch(step, prev_ids=prev.next_ids if prev is not None else None)
         greedy = None
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             logits, greedy = self.graph_runner.replay(fb)
         else:
             self.attn_backend.init_forward_metadata(fb)
             logits = self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
-        plain_greedy = prev.plain_greedy if prev is not None else all(r.plain_greedy() for r in step.sampling)
+        chained = isinstance(prev, PendingDecode) and step.all_ids_from_prev  # (a subset of prev's requests)
+        plain_greedy = prev.plain_greedy if chained else all(r.plain_greedy() for r in step.sampling)
         next_ids = self._sample_on_device(logits, step.sampling, plain_greedy, greedy)
         host, event = self._copy_to_host(next_ids, "decode")
         return PendingDecode(next_ids, host, event, plain_greedy)
 
-    def _launch_prefill(self, step: StepInput) -> PendingPrefill:
-        """A prefill (EXTEND) step: the sampled tokens stay on the device, with a pinned host copy that
-        `resolve` reads. On the CPU it runs synchronously, through the same code."""
+    def _launch_prefill(self, step: StepInput, prev=None) -> PendingPrefill:
+        """A prefill (EXTEND) step, mixed or not: the sampled tokens stay on the device, with a pinned host
+        copy that `resolve` reads. On the CPU it runs synchronously, through the same code."""
         if step.logprob_rows:
             raise ValueError("launch: a request wants prompt logprobs; run() the step instead")
-        fb = self._build_forward_batch(step)
+        fb = self._build_forward_batch(step, prev_ids=prev.next_ids if prev is not None else None)
         hidden, rows = self._forward_eager(fb, step.sample_rows)
         if step.sample_rows:
             logits = self.model.compute_logits(hidden[rows])  # (S, V)
@@ -381,19 +384,21 @@ class ModelRunner:
         self._staging[slot] = (buf, done)
         return dev
 
-    def _build_forward_batch(self, step: StepInput, input_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
+    def _build_forward_batch(self, step: StepInput, prev_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
+        """`prev_ids`: the sampled ids of the step in flight, some of which are this step's input ids
+        (`step.prev_src`)."""
         if step.mode.is_decode():
-            dev = self._upload(step.token_rows)  # (5 or 6, B)
-            ids_t, pos_t, pool_t, seq_t, loc_t = dev[:5]
-            if input_ids is None:
-                input_ids = ids_t
-            elif step.has_prev_rows:  # the previous step's samples of the requests that go on
-                input_ids = input_ids.index_select(0, dev[5])
+            rows = step.token_rows if step.prev_src is None else np.vstack([step.token_rows, step.prev_src])
+            dev = self._upload(rows)  # (5 or 6, B)
+            input_ids, pos_t, pool_t, seq_t, loc_t = dev[:5]
             token_rows = pool_t
         else:
-            uploaded = self._upload(step.token_rows)  # (4, T); VERIFY (5, T): + req_to_token positions
+            rows = step.token_rows if step.prev_src is None else np.vstack([step.token_rows, step.prev_src])
+            uploaded = dev = self._upload(rows)  # (4, T); VERIFY (5, T): + req_to_token positions; + prev_src
             input_ids, pos_t, loc_t, token_rows = uploaded[:4]
             pool_t, seq_t, pre_t, ext_t, start_t = self._upload(step.req_rows)  # (5, B)
+        if step.prev_src is not None:
+            input_ids = _ids_from_prev(input_ids, prev_ids, dev[-1], step.all_ids_from_prev)
         table_pos = uploaded[4] if step.mode.is_verify() else pos_t
         # The new tokens' kv slots go into req_to_token here: one indexed write on the device, and the
         # same values from the host rows into its host mirror.
@@ -480,6 +485,14 @@ class ModelRunner:
 
             self._masker = GrammarMasker(self.vocab_size)
         return self._masker
+
+
+def _ids_from_prev(host_ids: torch.Tensor, prev_ids: torch.Tensor, src: torch.Tensor, every: bool) -> torch.Tensor:
+    """(T,) input ids: host_ids, where `src` (T,) >= 0 the previous step's sampled id at that index instead
+    (`every`: all of them, no host id is read)."""
+    if every:
+        return prev_ids.index_select(0, src)
+    return torch.where(src >= 0, prev_ids.index_select(0, src.clamp(min=0)), host_ids)
 
 
 def default_max_running_requests(device: str, max_total_tokens: int) -> int:

@@ -50,7 +50,8 @@ class SpecRunner:
         self.supports_overlap = False
         self.memory_bytes = dict(t.memory_bytes)  # the target's only: a drafter's weights and KV are not counted
 
-    def run(self, step: StepInput) -> StepOutput:
+    def run(self, step: StepInput, prev=None) -> StepOutput:
+        # (`prev` is always None: no step is launched ahead of a drafter's)
         d = self.drafter
         if step.mode.is_verify():
             if step.draft.has_model_drafts:

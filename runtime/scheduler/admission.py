@@ -117,16 +117,21 @@ class PrefillAdmission:
         self.max_running_requests = max_running_requests
         self.stats = stats
         self.sharing = not server_args.disable_radix_cache
+        # Tokens one step may take, decode rows included (vLLM's max_num_batched_tokens).
+        self.step_tokens = server_args.max_num_batched_tokens or server_args.chunked_prefill_size
 
-    def build(self, prefill_in_flight: bool = False) -> Optional[ScheduleBatch]:
+    def build(self, prefill_in_flight: bool = False, decode_tokens: int = 0) -> Optional[ScheduleBatch]:
         """The next prefill batch, its requests in PREFILLING and its new tokens' slots allocated; None
-        when nothing can be admitted now (decode first, or nothing waits)."""
+        when nothing can be admitted now (decode first, or nothing waits). `prefill_in_flight`: a step
+        launched ahead will commit memory it holds; `decode_tokens`: tokens of the step's decode rows
+        (a mixed step), taken from its token budget first."""
         q, kv, sa = self.queues, self.kv, self.server_args
         if not q.waiting and q.chunked is None and not q.jump_tails:
             return None
-        budget = PrefillBudget(
-            sa.max_prefill_tokens, sa.chunked_prefill_size, kv.room() - self.shortage.running_reserve()
-        )
+        chunk = min(sa.chunked_prefill_size, self.step_tokens - decode_tokens)
+        if chunk <= 0:
+            return None  # the running requests' decode tokens fill the step
+        budget = PrefillBudget(sa.max_prefill_tokens, chunk, kv.room() - self.shortage.running_reserve())
         plan = PrefillPlan()
         if q.chunked is not None and not self._continue_chunked(plan, budget):
             return None

@@ -26,80 +26,135 @@ class VerifyPlan:
     model_draft: list[bool]
 
 
+@dataclass
+class DecodeRows:
+    """The decode rows of a step: one token for each of B running requests, after its computed KV.
+
+    Built from the requests' host state, or one token past a step still in flight: a request whose last
+    token that step is sampling takes it on the device (`prev_src`); its host state is one token behind."""
+
+    seq_lens: np.ndarray  # (B,) int64: kv length including this step's token
+    req_pool: np.ndarray  # (B,) int64: request rows of req_to_token
+    input_ids: np.ndarray  # (B,) int64: the input token, 0 where it comes from the step in flight
+    prev_src: Optional[np.ndarray] = None  # (B,) int64: index among that step's samples, or -1 (host)
+
+    @classmethod
+    def of(cls, reqs: list[Req], prev_index: Optional[dict[int, int]] = None) -> "DecodeRows":
+        """Rows for `reqs`; `prev_index`: id(request) -> the index of its token among the samples of the step
+        in flight (that token is not in the request's host state yet)."""
+        n = len(reqs)
+        seq = np.fromiter((len(r.origin_input_ids) + len(r.output_ids) for r in reqs), np.int64, n)
+        pool = np.fromiter((r.req_pool_idx for r in reqs), np.int64, n)
+        ids = np.fromiter((_last_token(r) for r in reqs), np.int64, n)
+        src = None
+        if prev_index:
+            src = np.fromiter((prev_index.get(id(r), -1) for r in reqs), np.int64, n)
+            ahead = src >= 0
+            if ahead.any():
+                seq += ahead
+                ids[ahead] = 0
+            else:
+                src = None
+        return cls(seq, pool, ids, src)
+
+    def take(self, keep: np.ndarray) -> "DecodeRows":
+        return DecodeRows(
+            self.seq_lens[keep],
+            self.req_pool[keep],
+            self.input_ids[keep],
+            None if self.prev_src is None else self.prev_src[keep],
+        )
+
+
 @dataclass(eq=False)
 class ScheduleBatch:
-    """The requests of one forward step and how many new tokens each contributes."""
+    """The requests of one forward step and how many new tokens each contributes.
+
+    DECODE: one token per request. EXTEND: prefill chunks (new prompt tokens over a cached prefix), led by
+    `num_decode` running requests that decode one token in the same forward (a mixed step). VERIFY: each
+    request's draft tree (speculative decoding)."""
 
     mode: ForwardMode
     reqs: list[Req]
     prefix_lens: list[int] = field(default_factory=list)  # kv already in the pool (EXTEND)
     extend_lens: list[int] = field(default_factory=list)  # new tokens this step (EXTEND)
     out_cache_loc: Optional[torch.Tensor] = None  # (T,) kv slots allocated for the new tokens (host)
-    # DECODE: (B,) int64 kv lengths including this step's token, and request rows; set when the step
-    # is built, or derived from the previous step by `next_decode` (then not recomputed).
-    seq_lens_host: Optional[np.ndarray] = None
-    req_pool_host: Optional[np.ndarray] = None
-    derived_rows: bool = False
-    # A step derived by `next_decode` from a subset of the previous step's requests: (B,) int64 rows
-    # of the previous step whose sampled tokens are this step's input ids (None: all, in order).
-    prev_rows: Optional[np.ndarray] = None
+    # The decode rows (DECODE: every request; EXTEND: the first `num_decode`), when the scheduler built
+    # them (None: computed from the requests' host state when the step is built).
+    decode: Optional[DecodeRows] = None
+    num_decode: int = 0  # EXTEND: leading decode rows
     # Where this step's new tokens' kv slots go, once the step is built: (req slots, positions, kv
     # slots), each (T,) int64 on the host (the device table and its host copy get the same writes).
     kv_writes: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
     verify: Optional[VerifyPlan] = None  # VERIFY: the trees; out_cache_loc holds every node's slot
+    # The requests whose token this step samples, in the order of its sampled ids (set by `to_step`).
+    sampled: list[Req] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
         return len(self.reqs)
 
-    def decode_host_rows(self, ahead: int, with_input_ids: bool) -> np.ndarray:
-        """(5, B) int64: input ids, positions, req_pool_indices, seq_lens, out_cache_loc of a decode step;
-        (6, B) with `prev_rows` as the last row.
+    @property
+    def seq_lens_host(self) -> Optional[np.ndarray]:
+        """DECODE: (B,) kv lengths including this step's token (None until the rows exist)."""
+        return None if self.decode is None else self.decode.seq_lens
 
-        `ahead`: the requests are that many tokens further along than their CPU state says (overlap).
-        Without `with_input_ids` the ids row is 0 (the caller has them on the device).
-        """
-        reqs, n = self.reqs, len(self.reqs)
-        if not self.derived_rows:  # from the requests' CPU state (again if a caller reuses the batch)
-            self.seq_lens_host = (
-                np.fromiter((len(r.origin_input_ids) + len(r.output_ids) for r in reqs), np.int64, n) + ahead
-            )
-            self.req_pool_host = np.fromiter((r.req_pool_idx for r in reqs), np.int64, n)
-        rows = np.empty((5 if self.prev_rows is None else 6, n), dtype=np.int64)
-        if with_input_ids:
-            rows[0] = np.fromiter(
-                (r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs), np.int64, n
-            )
-        else:
-            rows[0] = 0
-        rows[1] = self.seq_lens_host - 1
-        rows[2] = self.req_pool_host
-        rows[3] = self.seq_lens_host
+    @property
+    def decode_reqs(self) -> list[Req]:
+        return self.reqs if self.mode.is_decode() else self.reqs[: self.num_decode]
+
+    def sample_index(self) -> dict[int, int]:
+        """id(request) -> index of its token among this step's sampled ids."""
+        return {id(r): j for j, r in enumerate(self.sampled)}
+
+    @classmethod
+    def mixed(cls, decode: "ScheduleBatch", prefill: "ScheduleBatch") -> "ScheduleBatch":
+        """One EXTEND step of `decode`'s requests (one token each, first) and `prefill`'s chunks."""
+        rows = decode.decode if decode.decode is not None else DecodeRows.of(decode.reqs)
+        n = len(decode.reqs)
+        return cls(
+            ForwardMode.EXTEND,
+            decode.reqs + prefill.reqs,
+            (rows.seq_lens - 1).tolist() + prefill.prefix_lens,
+            [1] * n + prefill.extend_lens,
+            torch.cat([decode.out_cache_loc, prefill.out_cache_loc]),
+            decode=rows,
+            num_decode=n,
+        )
+
+    def prefill_part(self) -> tuple[list[Req], list[int], list[int]]:
+        """EXTEND: (requests, cached prefixes, new tokens) of the prefill rows (after the decode rows)."""
+        d = self.num_decode
+        return self.reqs[d:], self.prefix_lens[d:], self.extend_lens[d:]
+
+    def decode_host_rows(self) -> np.ndarray:
+        """(5, B) int64: input ids, positions, req_pool_indices, seq_lens, out_cache_loc of a decode step."""
+        if self.decode is None:
+            self.decode = DecodeRows.of(self.reqs)
+        d = self.decode
+        rows = np.empty((5, len(self.reqs)), dtype=np.int64)
+        rows[0] = d.input_ids
+        rows[1] = d.seq_lens - 1
+        rows[2] = d.req_pool
+        rows[3] = d.seq_lens
         rows[4] = self.out_cache_loc.cpu().numpy()
-        if self.prev_rows is not None:
-            rows[5] = self.prev_rows
         self.kv_writes = (rows[2], rows[1], rows[4])
         return rows
 
     def next_decode(self, out_cache_loc: torch.Tensor, keep: Optional[list[int]] = None) -> "ScheduleBatch":
-        """The decode step after this one, launched before this one's results are read (overlap), for
-        the requests of rows `keep` (default: all): each is one token further, so its host rows
-        follow from ours, and its input id is this step's sampled token (on the device)."""
-        if keep is None or len(keep) == len(self.reqs):
-            nxt = ScheduleBatch(ForwardMode.DECODE, self.reqs, out_cache_loc=out_cache_loc)
-            rows = None
-        else:
-            nxt = ScheduleBatch(ForwardMode.DECODE, [self.reqs[j] for j in keep], out_cache_loc=out_cache_loc)
-            rows = nxt.prev_rows = np.asarray(keep, dtype=np.int64)
-        if self.seq_lens_host is not None:
-            nxt.seq_lens_host = (self.seq_lens_host if rows is None else self.seq_lens_host[rows]) + 1
-            nxt.req_pool_host = self.req_pool_host if rows is None else self.req_pool_host[rows]
-            nxt.derived_rows = True
-        return nxt
+        """The decode step after this one (DECODE), launched before this one's results are read, for the
+        requests of rows `keep` (default: all): each is one token further, so its rows follow from ours,
+        and its input id is this step's sampled token (on the device)."""
+        rows = np.arange(len(self.reqs), dtype=np.int64) if keep is None else np.asarray(keep, dtype=np.int64)
+        reqs = self.reqs if keep is None else [self.reqs[j] for j in keep]
+        if self.decode is None:
+            self.decode = DecodeRows.of(self.reqs)
+        d = self.decode.take(rows)
+        nxt = DecodeRows(d.seq_lens + 1, d.req_pool, np.zeros_like(d.input_ids), rows)
+        return ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=out_cache_loc, decode=nxt)
 
-    def to_step(self, ahead: int = 0, ids_from_prev: bool = False) -> StepInput:
-        """The step as plain data for the runner. DECODE: `ahead` tokens further than the requests' host
-        state says, with the input ids taken from the previous step on the device (`ids_from_prev`)."""
+    def to_step(self) -> StepInput:
+        """The step as plain data for the runner."""
         reqs = self.reqs
         if self.mode.is_verify():
             step = build_verify_step(
@@ -113,25 +168,36 @@ class ScheduleBatch:
             step.sampling_reqs = list(range(len(reqs)))
             step.sampling = [r.sampling for r in reqs]
             self.kv_writes = step.kv_writes
+            self.sampled = list(reqs)
             return step
         if self.mode.is_decode():
-            rows = self.decode_host_rows(ahead, with_input_ids=not ids_from_prev)  # (5 or 6, B)
+            rows = self.decode_host_rows()  # (5, B)
             everyone = list(range(len(reqs)))
+            self.sampled = list(reqs)
             return StepInput(
                 self.mode,
                 len(reqs),
                 rows,
-                self.seq_lens_host.tolist(),
+                self.decode.seq_lens.tolist(),
                 self.kv_writes,
                 sample_rows=everyone,
                 sampling_reqs=everyone,
                 sampling=[r.sampling for r in reqs],
-                ids_from_prev=ids_from_prev,
-                has_prev_rows=self.prev_rows is not None,
+                prev_src=self.decode.prev_src,
             )
-        new_ids = itertools.chain.from_iterable(
-            r.origin_input_ids[p : p + e] if p + e <= len(r.origin_input_ids) else r.fill_ids[p : p + e]
-            for r, p, e in zip(reqs, self.prefix_lens, self.extend_lens)
+        return self._extend_step()
+
+    def _extend_step(self) -> StepInput:
+        reqs, nd = self.reqs, self.num_decode
+        if nd and self.decode is None:
+            self.decode = DecodeRows.of(reqs[:nd])
+        decode_ids = self.decode.input_ids.tolist() if nd else []
+        new_ids = itertools.chain(
+            decode_ids,
+            itertools.chain.from_iterable(
+                r.origin_input_ids[p : p + e] if p + e <= len(r.origin_input_ids) else r.fill_ids[p : p + e]
+                for r, p, e in zip(reqs[nd:], self.prefix_lens[nd:], self.extend_lens[nd:])
+            ),
         )
         step = StepInput.extend(
             [r.req_pool_idx for r in reqs],
@@ -141,13 +207,27 @@ class ScheduleBatch:
             self.out_cache_loc.cpu().numpy(),
         )
         self.kv_writes = step.kv_writes
-        step.following_ids = [_token_at(r, p + e) for r, p, e in zip(reqs, self.prefix_lens, self.extend_lens)]
-        offset = 0
-        for i, (r, pre, ext) in enumerate(zip(reqs, self.prefix_lens, self.extend_lens)):
+        step.decode_rows = nd
+        if nd and self.decode.prev_src is not None:
+            src = np.full(step.num_tokens, -1, dtype=np.int64)
+            src[:nd] = self.decode.prev_src  # a decode row's one token is its row in T
+            step.prev_src = src
+        # A decode row's next token follows its sampled one (-1): none is known yet.
+        step.following_ids = [-1] * nd + [
+            _token_at(r, p + e) for r, p, e in zip(reqs[nd:], self.prefix_lens[nd:], self.extend_lens[nd:])
+        ]
+        self.sampled = list(reqs[:nd])
+        step.sample_rows = list(range(nd))
+        step.sampling_reqs = list(range(nd))
+        step.sampling = [r.sampling for r in reqs[:nd]]
+        offset = nd
+        for i in range(nd, len(reqs)):
+            r, pre, ext = reqs[i], self.prefix_lens[i], self.extend_lens[i]
             if pre + ext == r.seq_len and not r.prefill_only:
                 step.sample_rows.append(offset + ext - 1)
                 step.sampling_reqs.append(i)
                 step.sampling.append(r.sampling)
+                self.sampled.append(r)
             if r.needs_input_logprobs():
                 prompt = r.origin_input_ids
                 first = max(r.logprob_start_len, 1, pre + 1, r.input_logprob_next)
@@ -165,6 +245,10 @@ class ScheduleBatch:
                 )
             offset += ext
         return step
+
+
+def _last_token(r: Req) -> int:
+    return r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1]
 
 
 def _token_at(r: Req, i: int) -> int:

@@ -52,8 +52,9 @@ class StepResults:
         self.spec = spec
 
     def commit_prefill(self, batch: ScheduleBatch) -> None:
-        """What a prefill batch changes on the host without its sampled tokens (see the module doc)."""
-        for r, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        """What a prefill batch changes on the host without its sampled tokens (see the module doc). A
+        mixed step's decode rows change nothing until their tokens are read."""
+        for r, pre, ext in zip(*batch.prefill_part()):
             r.kv_len = pre + ext
             self.kv.insert_progress(r)
             r.is_chunked = r.kv_len < r.seq_len
@@ -67,23 +68,25 @@ class StepResults:
             return self._process_verify(batch, out)
         extend = batch.mode.is_extend()
         reqs = batch.reqs
-        step_slots = batch.out_cache_loc.tolist() if not extend else [None] * len(reqs)
+        # Decode rows (a mixed step's first ones) each wrote one token's KV at its slot.
+        num_decode = batch.num_decode if extend else len(reqs)
+        decode_slots = batch.out_cache_loc[:num_decode].tolist() if num_decode else []
         staged: list[tuple[Req, int]] = []  # (request, what to do after the stop checks), batch order
         to_check: list[Req] = []
         n_tokens = 0
         now = None
-        for i, (r, tok, lps, slot) in enumerate(zip(reqs, out.next_token_ids, out.output_logprobs, step_slots)):
+        for i, (r, tok, lps) in enumerate(zip(reqs, out.next_token_ids, out.output_logprobs)):
             if r.finished_reason is not None and r.req_pool_idx is None:
                 continue  # released already (overlap: the extra step of a finished request)
-            if extend:
+            if i < num_decode:
+                if r.inflight_slot == decode_slots[i]:
+                    r.inflight_slot = None  # this step's slot is committed here (kv_len += 1)
+                r.kv_len += 1
+            else:
                 for pos, lp, in_tok, top in out.input_logprobs[i]:
                     r.input_token_logprobs.append((lp, in_tok))
                     r.input_top_logprobs.append(top)
                     r.input_logprob_next = pos + 1
-            else:
-                if r.inflight_slot == slot:
-                    r.inflight_slot = None  # this step's slot is committed here (kv_len += 1)
-                r.kv_len += 1
             if r.finished_reason is not None:  # aborted mid-step
                 staged.append((r, _ABORTED))
                 continue

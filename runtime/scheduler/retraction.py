@@ -12,10 +12,10 @@ from typing import Optional
 
 from ..forward_batch import ForwardMode
 from ..request import FinishReason, Req
-from .batch import ScheduleBatch
+from .batch import DecodeRows, ScheduleBatch
 from .finish import Finisher
 from .kv_manager import KVManager
-from .queues import RequestQueues
+from .queues import ReqStatus, RequestQueues
 
 logger = logging.getLogger("plait.scheduler")
 
@@ -65,6 +65,35 @@ class KVShortage:
         loc = kv.alloc(len(q.running))  # written into req_to_token by the step runner
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return ScheduleBatch(ForwardMode.DECODE, list(q.running), out_cache_loc=loc)
+
+    def decode_batch_ahead(self, prev: ScheduleBatch) -> Optional[ScheduleBatch]:
+        """One token for every running request, one token past `prev`, the step in flight: a request whose
+        token `prev` samples takes it on the device. Nobody is retracted (a request may have a token in
+        flight): the caller checked that the pool has the slots."""
+        running = self.queues.running
+        if not running:
+            return None
+        if prev.mode.is_decode():
+            # NOTE: the steady state (the same requests, step after step) derives its rows from prev's
+            # arrays instead of reading every request again.
+            keep = [j for j, r in enumerate(prev.reqs) if r.status is ReqStatus.RUNNING]
+            if len(keep) == len(running):
+                return prev.next_decode(self._alloc_ahead(len(keep)), keep)
+        index = prev.sample_index()
+        # A request decodes when its next input token is known: sampled by `prev`, or the last one of its
+        # host state. (A prefill-only request `prev` committed as running has none: it ends when read.)
+        reqs = [r for r in running if id(r) in index or r.kv_len < len(r.origin_input_ids) + len(r.output_ids)]
+        if not reqs:
+            return None
+        rows = DecodeRows.of(reqs, index)
+        return ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=self._alloc_ahead(len(reqs)), decode=rows)
+
+    def _alloc_ahead(self, n: int):
+        loc = self.kv.alloc(n)
+        if loc is None:
+            raise RuntimeError("decode_batch_ahead: the caller checked for room, yet the slots are not there")
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return loc
 
     # ---- starting over ----
     def start_over(self, r: Req, counted: bool = True) -> None:

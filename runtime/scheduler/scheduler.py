@@ -1,13 +1,12 @@
 """The scheduler: continuous batching over the paged KV pool, composed of parts that own their state.
 
-Each loop (`step`): expire pins, poll grammar compiles, release aborted requests → build the next batch (a
-prefill batch when requests wait and fit: `PrefillAdmission`; else a decode batch of every running request,
-retracting when KV runs short: `KVShortage`, which `Speculation` makes a VERIFY batch of draft trees when
-requests have drafts) → run it on the step runner it was handed (`StepPipeline`,
-which may launch it ahead and process the previous one) → commit the results (`StepResults`). Requests
-move between queues only through `RequestQueues`; memory only through the `KVManager`; a request ends only
-through the `Finisher`.
-"""
+Each loop (`step`): expire pins, poll grammar compiles, release aborted requests → plan the next step
+(`StepPlanner`: a token budget, the running requests' decode tokens first — retracting others when KV runs
+short: `KVShortage` — then prefill chunks admitted by `PrefillAdmission`, in one mixed forward; a decode
+step alone may become a VERIFY step of draft trees: `Speculation`) → run it on the step runner it was
+handed (`StepPipeline`, which may launch it ahead and process the previous one) → commit the results
+(`StepResults`). Requests move between queues only through `RequestQueues`; memory only through the
+`KVManager`; a request ends only through the `Finisher`."""
 
 from __future__ import annotations
 
@@ -35,6 +34,7 @@ from .grammars import SchedulerGrammars
 from .kv_manager import KVManager
 from .outputs import OutputBuilder
 from .overlap import StepPipeline
+from .planner import StepPlanner
 from .queues import ReqStatus, RequestQueues
 from .results import StepResults
 from .retraction import KVShortage
@@ -135,6 +135,15 @@ class Scheduler:
             overlap=not server_args.disable_overlap_schedule and runner.supports_overlap,
             pipeline_prefills=not server_args.disable_prefill_pipeline,
             spec=self.speculation,
+        )
+        self.planner = StepPlanner(
+            self.queues,
+            self.kv,
+            self.admission,
+            self.shortage,
+            self.speculation,
+            runner.context_len,
+            mixing=not server_args.disable_mixed_chunk,
         )
         self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
         # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
@@ -253,29 +262,26 @@ class Scheduler:
         return self.queues.is_idle() and not self.pipeline.in_flight()
 
     def step(self) -> Optional[ScheduleBatch]:
-        """Build, run and process one batch. Returns the batch (None when nothing could run).
-        With overlap scheduling a step may launch its batch and process the previous one instead."""
+        """Plan, run and process one step. Returns its batch (None when nothing could run). With overlap
+        scheduling a step is launched ahead of its read-back, and the one in flight before it is processed
+        meanwhile (the returned batch is the one launched, or, when nothing more runs, the one read back)."""
         t0 = time.perf_counter()
-        if self.pipeline.pending is not None:
-            return self.pipeline.step_decode_in_flight(t0, self.runner.max_running_requests, self.runner.context_len)
         self.kv.expire_pins()
         self.grammars.poll()
         self._sweep_aborted()
-        prefill_in_flight = self.pipeline.pending_prefill is not None
-        batch = self.admission.build(prefill_in_flight)
-        if prefill_in_flight:
-            return self.pipeline.step_prefill_in_flight(batch, t0, self._decode_batch)
-        if batch is None:
-            batch = self._decode_batch()
+        prev = self.pipeline.pending
+        if prev is not None and not self.planner.can_run_ahead(prev[0]):
+            self.pipeline.read_back()
+            prev = None
+        self.pipeline.pending = None
+        batch = self.planner.plan(prev[0] if prev is not None else None)
         self.timer.phase("admit", time.perf_counter() - t0)
         if batch is None:
-            return None
-        return self.pipeline.launch(batch, t0)
-
-    def _decode_batch(self) -> Optional[ScheduleBatch]:
-        """One token for every running request, or a VERIFY step of their draft trees."""
-        batch = self.shortage.decode_batch()
-        return self.speculation.upgrade(batch) if batch is not None else None
+            if prev is None:
+                return None
+            self.pipeline.pending = prev
+            return self.pipeline.read_back()  # the last step of a pipeline: read back, nothing launched
+        return self.pipeline.run(batch, t0, prev)
 
     def _sweep_aborted(self) -> None:
         """Release requests holding KV that were aborted since the last step (they may not be in the next

@@ -33,12 +33,12 @@ class StepRunner(Protocol):
     # Whether `launch` returns before the device finishes (overlap scheduling pays only then).
     supports_overlap: bool
 
-    def run(self, step: StepInput) -> StepOutput:
-        """Run the step and read its results back."""
+    def run(self, step: StepInput, prev: Optional[Any] = None) -> StepOutput:
+        """Run the step and read its results back. `prev`: as for `launch`."""
 
     def launch(self, step: StepInput, prev: Optional[Any] = None) -> Any:
-        """Start the step without waiting; a handle for `resolve`. `prev`: the decode step still in flight
-        whose sampled tokens are this step's input ids (`step.ids_from_prev`)."""
+        """Start the step without waiting; a handle for `resolve`. `prev`: the handle of the step still in
+        flight whose sampled tokens are some of this step's input ids (`step.prev_src` says which)."""
 
     def resolve(self, handle: Any) -> StepOutput:
         """Wait for a launched step and read its results."""

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-KINDS = ("prefill", "decode", "verify")
+KINDS = ("prefill", "mixed", "decode", "verify")
 
 
 class StepTimer:
