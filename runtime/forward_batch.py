@@ -59,6 +59,8 @@ class ForwardBatch:
     extend_start_loc: Optional[torch.Tensor] = None  # (B,) int64 offset of each request in T
     extend_prefix_lens_cpu: Optional[list[int]] = None
     extend_seq_lens_cpu: Optional[list[int]] = None
+    # EXTEND: the first `decode_rows` requests bring one token each (a mixed step's decode rows, first in T).
+    decode_rows: int = 0
 
     # Rows of the hidden states (T,) that need logits: the last token of each request, plus every
     # prompt position at or after logprob_start_len for requests that asked for prompt logprobs.

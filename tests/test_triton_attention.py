@@ -177,6 +177,37 @@ def test_extend_fp16_pool_and_default_tiles():
     torch.testing.assert_close(got.float(), ref.float(), atol=3e-3, rtol=3e-3)
 
 
+def _mixed_both(case, decode_rows, extend_config=TINY_EXTEND, decode_config=TINY_DECODE):
+    """A mixed step: the first `decode_rows` requests bring one token each (the decode kernel), the
+    others extend; torch_native treats every request as an extend."""
+    q, k, v = _qkv(case, sum(case.extend_lens))
+    outs = []
+    for backend in (
+        TorchNativeAttnBackend(_runner(case.device)),
+        TritonAttnBackend(_runner(case.device), extend_config=extend_config, decode_config=decode_config),
+    ):
+        fb = case.forward_batch(ForwardMode.EXTEND, backend)
+        fb.decode_rows = decode_rows
+        backend.init_forward_metadata(fb)
+        outs.append(backend.forward(q, k, v, case.layer, fb))
+    return outs[1], outs[0]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,prefix_lens,extend_lens,decode_rows",
+    [
+        (8, 2, 64, [30, 7, 0, 12], [1, 1, 19, 5], 2),  # two decode rows, a fresh prompt, a chunk
+        (9, 3, 64, [70, 16], [1, 33], 1),  # SmolLM2's heads; a decode row split over KV, a long chunk
+        (4, 4, 32, [5, 9, 2], [1, 1, 1], 2),  # the extend part is itself one token
+    ],
+)
+def test_mixed_step_matches_torch_native(heads, kv_heads, head_dim, prefix_lens, extend_lens, decode_rows):
+    case = _Case(heads, kv_heads, head_dim, prefix_lens, extend_lens)
+    got, ref = _mixed_both(case, decode_rows)
+    assert got.shape == ref.shape == (sum(extend_lens), heads * head_dim)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
 def _decode_both(case, decode_config=TINY_DECODE):
     q, k, v = _qkv(case, len(case.seq_lens))
     ref = _run(TorchNativeAttnBackend(_runner(case.device)), case, ForwardMode.DECODE, q, k, v)
@@ -404,6 +435,15 @@ def test_bad_shapes_are_rejected_with_a_clear_error(monkeypatch):
 def test_gpu_extend_real_sizes(head_dim, dtype):
     case = _Case(32, 8, head_dim, [3000, 0, 517], [1096, 2048, 1], dtype=dtype, device="cuda")
     got, ref = _extend_both(case, extend_config=None)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_mixed_step_real_sizes():
+    lens = [4096, 1, 700, 17]
+    case = _Case(32, 8, 128, [s - 1 for s in lens] + [3000, 0], [1] * 4 + [1096, 512], torch.bfloat16, "cuda")
+    got, ref = _mixed_both(case, 4, extend_config=None, decode_config=None)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

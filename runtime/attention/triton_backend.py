@@ -75,6 +75,16 @@ class TritonExtendMetadata:
 
 
 @dataclass
+class TritonMixedMetadata:
+    """A mixed step: its first `num_decode` requests decode one token each (the split-KV decode kernel),
+    the others extend (the extend kernel, which reads its rows by their offsets in q)."""
+
+    num_decode: int
+    decode: TritonDecodeMetadata
+    extend: TritonExtendMetadata
+
+
+@dataclass
 class TritonVerifyMetadata:
     """A VERIFY step's draft trees (see forward_batch.py). Chains run the extend kernel: their new tokens
     see the prefix and the tree columns before them, as an extend over prefix + tree - new tokens."""
@@ -155,14 +165,30 @@ class TritonAttnBackend(AttentionBackend):
         extend_start = fb.extend_start_loc
         if extend_start is None:
             extend_start = torch.cumsum(extend_lens, 0) - extend_lens  # (B,) exclusive prefix sum
-        fb.attn_metadata = TritonExtendMetadata(
-            fb.req_pool_indices, prefix_lens, extend_lens, extend_start, max(fb.extend_seq_lens_cpu, default=0)
+        d = fb.decode_rows
+        extend = TritonExtendMetadata(
+            fb.req_pool_indices[d:],
+            prefix_lens[d:],
+            extend_lens[d:],
+            extend_start[d:],
+            max(fb.extend_seq_lens_cpu[d:], default=0),
         )
+        if d:
+            # NOTE: decode rows in the extend kernel would each get a program per block of the longest
+            # chunk's tokens (all but one empty) and no split of long contexts: they get the decode kernel.
+            decode = TritonDecodeMetadata(fb.req_pool_indices[:d], fb.seq_lens[:d])
+            fb.attn_metadata = TritonMixedMetadata(d, decode, extend)
+        else:
+            fb.attn_metadata = extend
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
-        md: TritonExtendMetadata = fb.attn_metadata
+        md = fb.attn_metadata
         q = q.view(q.shape[0], layer.num_heads, layer.head_dim)  # (T, H, D)
         out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
+        if isinstance(md, TritonMixedMetadata):
+            d = md.num_decode
+            self._decode(q[:d], out[:d], md.decode, layer, fb)
+            md = md.extend
         extend_attention(
             q,
             fb.kv_pool.k_buffer[layer.layer_id],
@@ -245,6 +271,14 @@ class TritonAttnBackend(AttentionBackend):
         batch = md.seq_lens.shape[0]
         q = q.view(batch, layer.num_heads, layer.head_dim)  # (B, H, D)
         out = torch.empty(batch, layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
+        self._decode(q, out, md, layer, fb)
+        return out  # (B, H * D)
+
+    def _decode(
+        self, q: torch.Tensor, out: torch.Tensor, md: TritonDecodeMetadata, layer: AttentionLayerSpec, fb: ForwardBatch
+    ) -> None:
+        """One token per request: q (B, H, D) attends over its request's KV into out (B, H * D)."""
+        batch = q.shape[0]
         k_buffer, v_buffer = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
         r2t = fb.req_to_token_pool.req_to_token
         scratch = self._decode_scratch(batch, layer.num_heads, layer.num_kv_heads, layer.head_dim)
@@ -269,7 +303,6 @@ class TritonAttnBackend(AttentionBackend):
             prefix=prefix,
             before_merge=join,
         )
-        return out  # (B, H * D)
 
     def _cascade_state(self) -> Optional[TritonCascade]:
         if self._cascade is None and self._cascade_on and self.head_shape is not None:

@@ -421,6 +421,7 @@ class ModelRunner:
         else:
             fb.extend_prefix_lens_cpu = list(step.prefix_lens)
             fb.extend_seq_lens_cpu = list(step.extend_lens)
+            fb.decode_rows = step.decode_rows
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = pre_t, ext_t, start_t
         if step.mode.is_verify():
             set_verify_tree(fb, step, self.device)
