@@ -43,11 +43,16 @@ def test_default_model_alone_and_batched(reference, disable_radix_cache):
     assert again == expected
 
 
-def test_default_model_tiny_chunks_and_retraction(reference):
+@pytest.mark.parametrize("mixed", [True, False])
+def test_default_model_tiny_chunks_and_retraction(reference, mixed):
     ids, expected = reference
-    # chunked_prefill_size 7 splits every prompt; 160 KV tokens cannot hold five requests at once,
-    # so decoding retracts requests and resumes them later.
-    with Engine(chunked_prefill_size=7, max_prefill_tokens=7, max_total_tokens=160) as eng:
+    # chunked_prefill_size 7 splits every prompt; the KV pool cannot hold five requests at once, so
+    # decoding retracts requests and resumes them later. (With mixed steps, decode tokens take 7-token
+    # steps first and prefill proceeds more slowly: a smaller pool makes the same pressure.)
+    pool = 110 if mixed else 160
+    with Engine(
+        chunked_prefill_size=7, max_prefill_tokens=7, max_total_tokens=pool, disable_mixed_chunk=not mixed
+    ) as eng:
         outs = eng.generate(input_ids=ids, sampling_params=GREEDY)
         stats = eng.get_stats()
         assert eng.check_integrity()

@@ -481,8 +481,9 @@ def test_overload_gets_503_and_recovers(server):
             held.append(r)
         r = post(server, "/generate", {"text": "one more", "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 503 and "capacity" in r.json()["error"]["message"]
+        assert 1 <= int(r.headers["Retry-After"]) <= 60  # when to come back, in whole seconds
         r = post(server, "/v1/completions", {"prompt": "one more", "max_tokens": 1})
-        assert r.status_code == 503
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
         info = server_info(server)
         assert info["num_running_reqs"] + info["num_waiting_reqs"] == 4
     finally:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ class AdmissionControl:
         self.limit = limit
         self.open_rids: dict[str, "GenerationGroup"] = {}
         self._metrics = metrics
+        # Requests ended per second, smoothed (what says when a refused client may come back).
+        self._end_rate = 0.0
+        self._last_end: Optional[float] = None
 
     def admit(self, rids: list[str], group: "GenerationGroup") -> None:
         n_open = len(self.open_rids)
@@ -56,6 +60,7 @@ class AdmissionControl:
                 503,
                 f"server is at capacity ({n_open} requests open, limit {self.limit} = "
                 f"max_running_requests + max_queued_requests); retry later",
+                headers={"Retry-After": str(self.retry_after(n_open + len(rids) - self.limit))},
             )
         duplicate = next((r for r in rids if r in self.open_rids), None)
         if duplicate is not None or len(set(rids)) != len(rids):
@@ -64,8 +69,19 @@ class AdmissionControl:
         self._metrics.set_in_flight(len(self.open_rids))
 
     def release(self, rid: str) -> None:
-        self.open_rids.pop(rid, None)
+        if self.open_rids.pop(rid, None) is not None:
+            now = time.monotonic()
+            if self._last_end is not None:
+                gap = max(now - self._last_end, 1e-3)
+                self._end_rate = 0.9 * self._end_rate + 0.1 / gap
+            self._last_end = now
         self._metrics.set_in_flight(len(self.open_rids))
+
+    def retry_after(self, excess: int) -> int:
+        """Whole seconds until `excess` open requests have likely ended (at least 1, at most 60)."""
+        if self._end_rate <= 0:
+            return 1
+        return max(1, min(60, math.ceil(excess / self._end_rate)))
 
     def abort(self, rid: str) -> bool:
         """Abort an open generation through its group; False when no generation with that rid is open."""

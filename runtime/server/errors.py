@@ -32,11 +32,14 @@ _ERROR_TYPES = {
 class APIError(Exception):
     """Raised by route code for an HTTP error with a JSON body."""
 
-    def __init__(self, status_code: int, message: str, param: Optional[str] = None) -> None:
+    def __init__(
+        self, status_code: int, message: str, param: Optional[str] = None, headers: Optional[dict[str, str]] = None
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
+        self.headers = headers  # e.g. Retry-After on a 503 for a full queue
 
 
 def error_body(status_code: int, message: str, param: Optional[str] = None) -> dict[str, Any]:
@@ -44,8 +47,10 @@ def error_body(status_code: int, message: str, param: Optional[str] = None) -> d
     return {"error": {"message": message, "type": kind, "param": param, "code": status_code}}
 
 
-def error_response(status_code: int, message: str, param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(status_code, message, param), status_code=status_code)
+def error_response(
+    status_code: int, message: str, param: Optional[str] = None, headers: Optional[dict[str, str]] = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status_code, message, param), status_code=status_code, headers=headers)
 
 
 def status_for(exc: BaseException) -> int:
@@ -130,7 +135,7 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, Optio
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status_code, exc.message, exc.param)
+        return error_response(exc.status_code, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -156,7 +161,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OverloadedError)
     async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
         # The tokenizer manager's own queue limit (it also counts requests of in-process callers).
-        return error_response(503, str(exc))
+        return error_response(503, str(exc), headers={"Retry-After": "1"})
 
     @app.exception_handler(EngineUnavailableError)
     async def _engine_unavailable(_: Request, exc: EngineUnavailableError) -> JSONResponse:
