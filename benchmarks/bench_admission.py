@@ -4,7 +4,7 @@ The `fewshot` stream on an H200 (256 requests = one shared 2,000-token prefix + 
 output tokens each) keeps the device only ~70% busy: per round the scheduler spends tens of ms in
 Python admitting the prefill batches (radix match, allocation, req_to_token rows), taking in the
 requests and processing results, and every one of those ms is wall time. This bench reproduces that
-host work with the real `Scheduler` stepped in-process (as tests/test_scheduler_state.py does) on a
+host work with the real `Scheduler` stepped in-process (as tests/scheduler/test_scheduler_state.py does) on a
 tiny random Llama whose forward is replaced by random hidden states (bench_host_overhead.DeviceTimer),
 token ids only (no tokenizer), as the GPU benchmarks run.
 

@@ -1,9 +1,9 @@
 """Validity over real-world schemas: what share of outputs a user can parse and validate.
 
 JSONSchemaBench (--schema-dir, else ../shared/data/jsonschemabench when it is beside the repo, else the
-in-repo sample tests/data/jsonschemabench_sample), the first --per-category schemas of each category, prompt "Produce
-a JSON
-object that follows this schema: <schema>", greedy, the default model, all requests of a run in one batch.
+in-repo sample tests/helpers/data/jsonschemabench_sample), the first --per-category schemas of each category,
+prompt "Produce a JSON object that follows this schema: <schema>", greedy, the default model, all requests of a
+run in one batch.
 Two settings, back to back in one engine:
 
 - before: json_style "compact" and close_within_budget off (the outputs as they were: compact JSON, cut
@@ -28,7 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FULL_SET = os.path.join(HERE, "..", "..", "shared", "data", "jsonschemabench")
-SAMPLE = os.path.join(HERE, "..", "tests", "data", "jsonschemabench_sample", "sample.jsonl")
+SAMPLE = os.path.join(HERE, "..", "tests", "helpers", "data", "jsonschemabench_sample", "sample.jsonl")
 SETTINGS = {"before": {"json_style": "compact", "close_within_budget": False}, "after": {}}
 SLACK = 12
 PROMPT_CHARS = 4000

@@ -5,7 +5,7 @@ Python around it (building the batch, uploads, reading sampled tokens, stop chec
 radix inserts, output messages) must stay well under that for the GPU to stay busy. This bench makes
 that host work visible:
 
-1. In-process: the real `Scheduler` stepped directly (as tests/test_scheduler_state.py does) on a tiny
+1. In-process: the real `Scheduler` stepped directly (as tests/scheduler/test_scheduler_state.py does) on a tiny
    random Llama (2 layers, hidden 64 on the CPU and 256 on a GPU, vocabulary `--vocab`) with the
    embedded SmolLM2's tokenizer, so detokenization costs what it costs with a real model
    (`--no-tokenizer` mirrors the GPU benchmarks' dummy weights: token ids only). On the CPU the

@@ -4,7 +4,7 @@
 # 1. installs the stripped flashinfer bundle from .fi/ (built here by make_flashinfer_bundle.sh) and
 #    the plait dependencies from .whl/ into /tmp, 2. JIT-compiles the one FA2 module per head size
 #    the tests need (bf16, head_dim 64 and 128; sm_90a only, 16 parallel jobs), 3. runs the GPU tests
-#    of tests/test_flashinfer_backend.py, 4. times decode attention (CUDA-graph replays, one layer)
+#    of tests/attention/test_flashinfer_backend.py, 4. times decode attention (CUDA-graph replays, one layer)
 #    flashinfer vs triton at the Llama-3.1-8B shape, bs 1/64/256 x ctx 512/4096, and prints a table
 #    last (tri/fi > 1: flashinfer faster; also saved to $OUT/flashinfer_decode.json).
 # About 4-5 minutes, most of it the JIT build. /tmp/fiws keeps the built modules while the machine is
@@ -51,7 +51,7 @@ print(f"JIT prebuild of {len(specs)} modules: {time.time() - t:.0f} s")
 EOF
 
 stamp "GPU tests"
-timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 150 tests/test_flashinfer_backend.py -s 2>&1 \
+timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 150 tests/attention/test_flashinfer_backend.py -s 2>&1 \
   | grep -vE "Warning|warn\(|^\s*$" | tee "$OUT/flashinfer_tests.log" | tail -15
 
 stamp "decode attention timing"

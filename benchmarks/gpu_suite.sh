@@ -20,9 +20,9 @@ python3 -c "import plait" 2>/dev/null || python3 -m pip install -q --no-deps --n
 for step in "$@"; do
   case "$step" in
     tests)
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 tests/test_triton_attention.py \
-        tests/test_fused_kernels.py tests/test_decode_kernels.py tests/test_fused_gemv.py tests/test_cascade_attention.py tests/test_graph_variants.py \
-        tests/test_gpu_correctness.py -s 2>&1 \
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 tests/attention/test_triton_attention.py \
+        tests/kernels/test_fused_kernels.py tests/kernels/test_decode_kernels.py tests/kernels/test_fused_gemv.py tests/attention/test_cascade_attention.py tests/executor/test_graph_variants.py \
+        tests/executor/test_gpu_correctness.py -s 2>&1 \
         | grep -vE "Warning|warn\(|^\s*$" | tee "$OUT/gpu_tests.log" | tail -15 ;;
     profile)  # GPU time per kernel of a batch-1 decode step, next to the graph step
       for m in llama-3.1-8b llama-3.2-1b; do

@@ -6,7 +6,7 @@ the keyword, its JSON path, why), and `unenforced_features` the same as warnings
 'uniqueItems' at /properties/tags is not enforced by xgrammar; ..."). A `oneOf` whose branches no
 value can match twice (one_of.py) is enforced exactly by the backends' anyOf, so it is not reported;
 a `format` a backend checks by shape only (a regex cannot see that 2024-02-30 is no date) is. The tables below were
-established against the official JSON-Schema test suite (tests/test_constrained_unit.py keeps
+established against the official JSON-Schema test suite (tests/constrained/test_constrained_unit.py keeps
 them honest: an invalid instance that a backend accepts must be explained by a warning here).
 
 Unknown keywords and annotations (title, description, default, ...) constrain nothing, so they

@@ -2,7 +2,7 @@
 
 Each op has two implementations with one numerics contract (see runtime/kernels/ for the details):
 - the torch code below, the reference, used for CPU tensors (and matched token for token against
-  transformers by tests/test_correctness_vs_hf.py);
+  transformers by tests/models/test_correctness_vs_hf.py);
 - a fused Triton kernel from runtime/kernels/, used automatically for CUDA tensors, because at small
   batches a decode step is bound by the number of kernel launches, not by memory (the torch RMSNorm
   alone is ~8 elementwise kernels, rotary ~10, SiLU-and-mul 3).
