@@ -138,7 +138,7 @@ MAX_ROWS = 64  # the x tile is BLOCK_M wide; above this the matmul library's own
 
 
 def pick_decode_gemm_config(n: int, k: int, rows: int) -> DecodeGemmConfig:
-    """Tiles by shape, from benchmarks/bench_decode_gemm.py's sweeps on an H200 (bf16, Llama-3.1-8B shapes,
+    """Tiles by shape, from benchmarks/kernels/bench_decode_gemm.py's sweeps on an H200 (bf16, Llama-3.1-8B shapes,
     4-64 rows; us against cuBLAS at 16 rows): wide matrices (gate_up, the LM head) take 128-row tiles of
     128-wide K steps, one program per tile (gate_up 57.6 vs 58.2, LM head 242 vs 254); the others 64-row
     tiles of 256-wide K steps, 4 stages (QKV 15.5 vs 16.1, O 12.0 vs 13.7). A program keeps ~128 KB of W

@@ -91,7 +91,7 @@ def _gemv_kernel(
 
 
 def pick_gemv_config(n: int, k: int) -> GemvConfig:
-    """Tiles by shape, from benchmarks/bench_gemv.py's sweeps on an H200 (one row, bf16, the Llama-3.1-8B
+    """Tiles by shape, from benchmarks/kernels/bench_gemv.py's sweeps on an H200 (one row, bf16, the Llama-3.1-8B
     and 3.2-1B shapes): long K runs per load, and few enough rows a program that every SM gets work.
 
     K <= 4,096 (every matrix but down) takes a whole row per tile: a program then has all its loads in

@@ -41,7 +41,7 @@ def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
 
 
 # Rows up to which a CUDA linear layer takes the Triton skinny matmul instead of cuBLAS. One row is
-# measured (benchmarks/bench_gemv.py, the tiles of gemv.pick_gemv_config): faster on every matrix of the
+# measured (benchmarks/kernels/bench_gemv.py, the tiles of gemv.pick_gemv_config): faster on every matrix of the
 # Llama-3.1-8B and 3.2-1B shapes.
 SKINNY_MATMUL_ROWS = 1
 # Rows up to which it takes the tensor-core decode matmul (runtime/kernels/decode_gemm.py) instead, and

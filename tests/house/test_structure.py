@@ -1,7 +1,7 @@
 """The house rules of docs/structure.md, checked on the code: which wing of the runtime may import which
 (the table is read from the doc itself, so the doc and the test cannot drift apart), no import cycles
 anywhere in plait (function-level imports count: a lazy import that closes a circle is still a circle),
-no mixin classes, a runtime root of a dozen files or fewer, and tests/ in the rooms the doc lists."""
+no mixin classes, a runtime root of a dozen files or fewer, and tests/ and benchmarks/ in the rooms the doc lists."""
 
 from __future__ import annotations
 
@@ -253,3 +253,12 @@ def test_a_test_reaches_another_rooms_code_only_through_helpers():
                 if top in room_of and room_of[top] != room:
                     crossing.append(f"{room}/{module} imports {node.module}")
     assert not crossing, crossing
+
+
+def test_benchmarks_live_in_the_rooms_the_doc_lists():
+    benchmarks = os.path.join(REPO, "benchmarks")
+    # The root keeps what every room shares (the scripts put benchmarks/ on sys.path for it) and the figures.
+    root = sorted(f for f in os.listdir(benchmarks) if os.path.isfile(os.path.join(benchmarks, f)))
+    assert root == ["RESULTS.md", "bench_common.py", "gpu_ceilings.py"], root
+    rooms = folders_in(benchmarks) - {"out", "results"}  # where results are written when $OUT is not set
+    assert rooms == rooms_listed("## benchmarks/"), "benchmarks/ rooms differ from docs/structure.md's"

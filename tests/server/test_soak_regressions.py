@@ -1,4 +1,4 @@
-"""Regressions found by the server soak (benchmarks/soak_server.py): requests that kept running after
+"""Regressions found by the server soak (benchmarks/soak/soak_server.py): requests that kept running after
 their client gave up. Each test drives a real `python -m plait.runtime.server` subprocess."""
 
 from __future__ import annotations

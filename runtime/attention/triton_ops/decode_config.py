@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class DecodeConfig:
     """Launch parameters of the split-KV decode (GPU defaults; tests shrink them to exercise splits)."""
 
-    # Defaults from benchmarks/sweep_decode_attention.py on an H200 (bf16, head_dim 64 and 128, batch
+    # Defaults from benchmarks/kernels/sweep_decode_attention.py on an H200 (bf16, head_dim 64 and 128, batch
     # 1-256, context 576 and 4096): the config with the smallest mean slowdown against each case's own
     # best (1.06x). Short splits matter most at small batch: at batch 1 a 576-token context cut into
     # 256-token splits ran 3 programs per KV head, each looping serially (12.6 us per layer, where the
@@ -91,7 +91,7 @@ class DecodePolicy:
 
 
 def default_decode_policy(num_sms: int) -> DecodePolicy:
-    # NOTE: from benchmarks/sweep_decode_attention.py on an H200 (8B heads, bf16, us per layer).
+    # NOTE: from benchmarks/kernels/sweep_decode_attention.py on an H200 (8B heads, bf16, us per layer).
     # - Up to 32 requests, one KV head a program and the per-head merge (the session-2 sweep's tiles,
     #   measured in the full step: 8B batch 1 4.77 ms). The boundary (32) is where batch x heads merge
     #   programs stop being cheaper than batch programs looping over ~3 splits each.

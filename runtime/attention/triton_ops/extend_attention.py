@@ -44,7 +44,7 @@ class ExtendConfig:
 
 
 def default_extend_config(head_dim: int) -> ExtendConfig:
-    # NOTE: from benchmarks/sweep_extend_attention.py on an H200 (8B heads, bf16; fewshot, tree, offline
+    # NOTE: from benchmarks/kernels/sweep_extend_attention.py on an H200 (8B heads, bf16; fewshot, tree, offline
     # and multiturn prefill shapes): 256 rows x 64 keys, 8 warps, 3 stages was within 2% of each shape's
     # best on average (fewshot 255 TFLOP/s against 169 with 128x64, 2 stages). Head dims above 128
     # halve the rows to keep the fp32 accumulator in registers.
