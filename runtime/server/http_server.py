@@ -24,12 +24,12 @@ from .errors import error_body, install_error_handlers
 from .http_guards import BodySizeLimit, json_error_protocol_class
 from .metrics import CONTENT_TYPE
 from .native_api import router as native_router
-from .openai_api import router as openai_router
-from .openai_chat import router as chat_router
+from .openai.api import router as openai_router
+from .openai.chat import router as chat_router
 from .openapi_schema import install_openapi
-from .protocol_compat import IGNORED_FIELDS_HEADER
+from .protocol.compat import IGNORED_FIELDS_HEADER
 from .request_encoding import RequestDecompression
-from .responses_api import router as responses_router
+from .responses.api import router as responses_router
 from .server_context import ServerContext, get_context
 
 logger = logging.getLogger("plait.server")
@@ -77,7 +77,7 @@ class ResponseHeaders:
       (`chatcmpl-...`, which the route puts in request.state), else a fresh one, so even an error can be
       traced.
     - `X-Plait-Ignored-Fields`: the request's top-level fields that no API defines, which the route
-      ignored (protocol_compat.review puts them in request.state), so a client can see a typo."""
+      ignored (protocol.compat.review puts them in request.state), so a client can see a typo."""
 
     REQUEST_ID = b"x-request-id"
     IGNORED = IGNORED_FIELDS_HEADER.encode()

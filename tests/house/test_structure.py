@@ -85,20 +85,28 @@ def wing_of(module: str):
     return rest[0]
 
 
-def import_rules() -> dict[str, set[str]]:
-    """docs/structure.md's table "| wing | may import |"."""
+def rules_table(first_header: str) -> dict[str, set[str]]:
+    """The table of docs/structure.md's "## Import rules" whose header is `| {first_header} | may import |`:
+    each row's name -> the names it may import ("nothing": none)."""
     doc = open(os.path.join(REPO, "docs", "structure.md")).read()
     section = doc.split("## Import rules", 1)[1].split("\n## ", 1)[0]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(rf"\|\s*{first_header}\s*\|\s*may import", line))
     rules = {}
-    for line in section.splitlines():
+    for line in lines[start + 2 :]:
         m = re.match(r"\|\s*`?([\w ]+?)/?`?\s*\|\s*([^|]*)\|", line)
-        if not m or m.group(1) in ("wing",) or set(m.group(1)) <= {"-"}:
-            continue
+        if not m:
+            break
         allowed = {
             w.strip().strip("`").rstrip("/") for w in m.group(2).split(",") if w.strip() and w.strip() != "nothing"
         }
         rules[m.group(1).strip()] = allowed
     return rules
+
+
+def import_rules() -> dict[str, set[str]]:
+    """docs/structure.md's table "| wing | may import |"."""
+    return rules_table("wing")
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -262,3 +270,30 @@ def test_benchmarks_live_in_the_rooms_the_doc_lists():
     assert root == ["RESULTS.md", "bench_common.py", "gpu_ceilings.py"], root
     rooms = folders_in(benchmarks) - {"out", "results"}  # where results are written when $OUT is not set
     assert rooms == rooms_listed("## benchmarks/"), "benchmarks/ rooms differ from docs/structure.md's"
+
+
+SERVER = "plait.runtime.server"
+
+
+def server_room_of(module: str):
+    """The room of the server a module lives in (its folder under runtime/server/), "root" for the server's
+    own modules, None outside the server."""
+    if module != SERVER and not module.startswith(SERVER + "."):
+        return None
+    rest = module[len(SERVER) :].lstrip(".").split(".")
+    return rest[0] if len(rest) > 1 else "root"
+
+
+def test_the_servers_rooms_import_one_way_as_the_doc_says():
+    rules = rules_table("server room")
+    graph = import_graph()
+    rooms = {server_room_of(m) for m in graph} - {None}
+    assert rooms == set(rules), f"server rooms on disk {sorted(rooms)}, in docs/structure.md {sorted(rules)}"
+    bad = []
+    for mod, deps in graph.items():
+        src = server_room_of(mod)
+        for dep in deps:
+            dst = server_room_of(dep)
+            if src is not None and dst not in (None, src) and dst not in rules[src]:
+                bad.append(f"{mod} imports {dep} ({src} -> {dst})")
+    assert not bad, "imports between the server's rooms the structure doc does not allow:\n  " + "\n  ".join(bad)

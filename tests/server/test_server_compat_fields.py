@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from plait.runtime.server.errors import APIError, describe_validation_errors
 from plait.runtime.server.native_api import MISPLACED_SAMPLING_FIELDS
-from plait.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from plait.runtime.server.protocol_compat import CHAT, COMPLETIONS, NATIVE, review
-from plait.runtime.server.protocol_native import GenerateRequest
+from plait.runtime.server.protocol.compat import CHAT, COMPLETIONS, NATIVE, review
+from plait.runtime.server.protocol.native import GenerateRequest
+from plait.runtime.server.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pydantic import ValidationError
 
 
@@ -176,7 +176,7 @@ def test_native_text_xor_input_ids_and_features_that_would_change_the_answer():
 
 
 def test_vllm_and_sglang_sampling_names_map_onto_plaits():
-    from plait.runtime.server.openai_api import sampling_dict
+    from plait.runtime.server.openai.api import sampling_dict
 
     chat = ChatCompletionRequest.model_validate(
         {
@@ -216,7 +216,7 @@ def test_sglang_sampling_seed_is_the_seed():
 
 
 def test_template_fields_reach_the_chat_template():
-    from plait.runtime.server.openai_chat import request_template_kwargs
+    from plait.runtime.server.openai.chat import request_template_kwargs
 
     req = ChatCompletionRequest.model_validate(
         {

@@ -16,11 +16,11 @@ from plait.runtime.server import create_app
 from plait.runtime.server.errors import APIError, describe_validation_errors
 from plait.runtime.server.metrics import ServerMetrics, find_stat
 from plait.runtime.server.native_api import native_calls
-from plait.runtime.server.openai_api import check_model, sampling_dict
-from plait.runtime.server.openai_outputs import ChoiceCursor, chat_logprobs, completion_logprobs, finish_reason, usage
-from plait.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from plait.runtime.server.protocol_native import GenerateRequest
-from plait.runtime.server.response_format import response_format_to_sampling
+from plait.runtime.server.openai.api import check_model, sampling_dict
+from plait.runtime.server.openai.outputs import ChoiceCursor, chat_logprobs, completion_logprobs, finish_reason, usage
+from plait.runtime.server.openai.response_format import response_format_to_sampling
+from plait.runtime.server.protocol.native import GenerateRequest
+from plait.runtime.server.protocol.openai import ChatCompletionRequest, CompletionRequest
 from plait.runtime.server.server_context import ServerContext
 from plait.runtime.server_args import ServerArgs
 from prometheus_client.parser import text_string_to_metric_families

@@ -10,8 +10,8 @@ import json
 
 import jiter
 import pytest
-from plait.runtime.server.json_scan import scan_call, value_end
-from plait.runtime.server.tool_call_parser import ToolPlan
+from plait.runtime.server.tools.json_scan import scan_call, value_end
+from plait.runtime.server.tools.parser import ToolPlan
 
 NAMES = frozenset({"get_weather", "get_time"})
 FORCED = ToolPlan(NAMES, forced=True, parallel=False, forced_name="get_weather")

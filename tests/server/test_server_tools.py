@@ -1,4 +1,4 @@
-"""OpenAI tool calling on /v1/chat/completions (runtime/server/tool_calls.py).
+"""OpenAI tool calling on /v1/chat/completions (runtime/server/tools/calls.py).
 
 End to end: a real `plait serve` subprocess (the embedded SmolLM2, whose chat template knows no tools,
 so the generic tools prompt is used) driven by the real openai client. tool_choice "required" and named
@@ -19,10 +19,10 @@ import pytest
 import requests
 from conftest import server_process
 from plait.runtime.constrained import validate_constraint
-from plait.runtime.server.openai_chat import chat_prompt_ids
-from plait.runtime.server.protocol import ChatCompletionRequest
-from plait.runtime.server.tool_call_parser import ToolPlan, parse_tool_calls
-from plait.runtime.server.tool_calls import GENERIC_TOOLS_HOWTO, call_schema, render_messages
+from plait.runtime.server.openai.chat import chat_prompt_ids
+from plait.runtime.server.protocol.openai import ChatCompletionRequest
+from plait.runtime.server.tools.calls import GENERIC_TOOLS_HOWTO, call_schema, render_messages
+from plait.runtime.server.tools.parser import ToolPlan, parse_tool_calls
 from transformers import AutoTokenizer
 
 WEATHER_PARAMS = {

@@ -26,7 +26,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, Field, create_model
 from starlette.requests import Request
 
-from .errors import APIError
+from ..errors import APIError
 
 logger = logging.getLogger("plait.server")
 

@@ -1,9 +1,9 @@
-"""Request bodies of the OpenAI routes (SGLang's native ones are in protocol_native.py).
+"""Request bodies of the OpenAI routes (SGLang's native ones are in protocol/native.py).
 
 Models are strict (`"5"` is not an int), so a wrong type becomes a 400 that names the field. Nested objects
 forbid unknown keys; a request body's unknown top-level fields are ignored with a warning and a response
-header, and the fields other servers define are accepted as protocol_compat.py says. Responses are plain dicts built in
-`native_api.py` / `openai_outputs.py`: their shapes are fixed by SGLang and OpenAI, and plain dicts
+header, and the fields other servers define are accepted as protocol/compat.py says. Responses are plain dicts built in
+`native_api.py` / `openai/outputs.py`: their shapes are fixed by SGLang and OpenAI, and plain dicts
 keep the streaming hot path free of model construction.
 """
 
@@ -14,11 +14,11 @@ from typing import Any, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .protocol_compat import CHAT, COMPLETIONS, compat_model
-from .protocol_tools import NamedToolChoice, Tool, ToolCall
+from .compat import CHAT, COMPLETIONS, compat_model
+from .tools import NamedToolChoice, Tool, ToolCall
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
-# Top-level request bodies: a field no API defines is ignored (with a warning, protocol_compat.review);
+# Top-level request bodies: a field no API defines is ignored (with a warning, protocol.compat.review);
 # nested objects stay strict.
 _TOP_LEVEL = ConfigDict(strict=True, extra="allow")
 # Samples per prompt (OpenAI's limit for n). Each is its own Engine request, built up front.
@@ -56,7 +56,7 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: one constraint (structured_outputs.py maps it)."""
+    """vLLM's `structured_outputs`: one constraint (openai/structured_outputs.py maps it)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
     # `json` shadows a BaseModel attribute, hence the alias.
@@ -274,7 +274,7 @@ class ChatCompletionRequest(_SamplingExtensions, compat_model(CHAT)):  # type: i
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    # Tool calling (runtime/server/tool_calls.py). tool_choice defaults to "auto" with tools, else "none".
+    # Tool calling (runtime/server/tools/calls.py). tool_choice defaults to "auto" with tools, else "none".
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None

@@ -1,4 +1,4 @@
-"""The request body of OpenAI's Responses API (POST /v1/responses), strict like protocol.py's models.
+"""The request body of OpenAI's Responses API (POST /v1/responses), strict like protocol/openai.py's models.
 
 Input items are parsed one by one (`input_items`) so that an error names the item (`input[2]`): messages (a
 string or text parts), earlier function calls and their outputs. Image, file and audio parts, and item types
@@ -11,8 +11,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .protocol import REASONING_EFFORTS
-from .protocol_compat import RESPONSES, compat_model
+from .compat import RESPONSES, compat_model
+from .openai import REASONING_EFFORTS
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 _ITEM = ConfigDict(strict=True, extra="ignore")  # items echoed back from a response carry ids, status, ...

@@ -9,7 +9,7 @@ the model's output back into `tool_calls`.
 - tool_choice "required" / named: the output is constrained by a JSON schema built from the tools'
   parameter schemas (`call_schema`), so the arguments always parse and match. "auto": the output is
   parsed; anything that is not a whole call stays text. "none": no tools offered, nothing parsed.
-- The output is read back into `tool_calls` by tool_call_parser.py (whole, or streamed as OpenAI does).
+- The output is read back into `tool_calls` by tools/parser.py (whole, or streamed as OpenAI does).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import json
 import re
 from typing import Any, Optional
 
-from .errors import APIError
-from .protocol import ChatCompletionRequest, ChatMessage
-from .protocol_tools import NamedToolChoice, Tool
-from .tool_call_parser import ToolPlan, arguments_value
+from ..errors import APIError
+from ..protocol.openai import ChatCompletionRequest, ChatMessage
+from ..protocol.tools import NamedToolChoice, Tool
+from .parser import ToolPlan, arguments_value
 
 GENERIC_TOOLS_INTRO = "You can call these tools (functions), given as JSON with their parameters' JSON schema:"
 GENERIC_TOOLS_HOWTO = (
@@ -164,7 +164,7 @@ def check_tools(req: ChatCompletionRequest, backend: str) -> None:
             raise APIError(
                 400, f"{where} must describe a JSON object (type 'object'): arguments are an object", param="tools"
             )
-        from ..constrained.validation import validate_constraint  # (not at import: server_context.warm_validators)
+        from ...constrained.validation import validate_constraint  # (not at import: server_context.warm_validators)
 
         try:
             warnings = validate_constraint("json", json.dumps(fn.parameters), backend)
@@ -262,7 +262,7 @@ def _rebased(parameters: Optional[dict[str, Any]], base: str) -> Any:
 
 
 def plan_for(req: ChatCompletionRequest) -> Optional[ToolPlan]:
-    """How the outputs are read back (tool_call_parser.py); None: plain text (no tools, or "none")."""
+    """How the outputs are read back (tools/parser.py); None: plain text (no tools, or "none")."""
     if not req.tools or req.effective_tool_choice == "none":
         return None
     names = [t.function.name for t in req.tools]

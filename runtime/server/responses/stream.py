@@ -19,11 +19,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
-from .engine_client import GenerationGroup
-from .errors import APIError, status_for
-from .openai_outputs import ChoiceCursor, abort_error, finish_reason
-from .response_items import function_call_item, message_item, new_item_id, response_usage
-from .tool_call_parser import ToolPlan
+from ..engine_client import GenerationGroup
+from ..errors import APIError, status_for
+from ..openai.outputs import ChoiceCursor, abort_error, finish_reason
+from ..tools.parser import ToolPlan
+from .items import function_call_item, message_item, new_item_id, response_usage
 
 logger = logging.getLogger("plait.server")
 

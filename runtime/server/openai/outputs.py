@@ -94,7 +94,7 @@ def chat_logprobs(
     tokens: list, tops: list, tokenizer: Any, token_bytes: Optional[Callable[[Optional[int], str], bytes]] = None
 ) -> dict[str, Any]:
     """`choices[i].logprobs` of /v1/chat/completions for a slice of token entries. `token_bytes` gives a
-    token's raw bytes (token_bytes.TokenBytes); without it, those of its text."""
+    token's raw bytes (openai/token_bytes.py's TokenBytes); without it, those of its text."""
 
     def item(entry: Any) -> dict[str, Any]:
         text = _token_text(entry, tokenizer)

@@ -1,5 +1,5 @@
 """The pieces of a Response object (OpenAI's Responses API): output items and usage, shared by the whole
-response (responses_api.py) and the stream (responses_stream.py)."""
+response (responses/api.py) and the stream (responses/stream.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""/v1/chat/completions: messages rendered with the model's chat template (tools included, tool_calls.py),
-the outputs read back as messages or tool calls (tool_call_parser.py), whole or streamed as chunks."""
+"""/v1/chat/completions: messages rendered with the model's chat template (tools included, tools/calls.py),
+the outputs read back as messages or tool calls (tools/parser.py), whole or streamed as chunks."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from .engine_client import GenerationGroup
-from .errors import APIError
-from .native_api import check_prompt_length, check_unicode, sse_event
-from .openai_api import (
+from ..engine_client import GenerationGroup
+from ..errors import APIError
+from ..native_api import check_prompt_length, check_unicode, sse_event
+from ..protocol.compat import CHAT, review
+from ..protocol.openai import ChatCompletionRequest
+from ..server_context import ServerContext, get_context
+from ..tools.calls import call_schema, check_tools, plan_for, render_messages
+from ..tools.parser import ToolCallStream, ToolPlan
+from .api import (
     abort_event,
     check_model,
     continuous_usage,
@@ -24,12 +29,7 @@ from .openai_api import (
     results_or_stream,
     sampling_dict,
 )
-from .openai_outputs import ChoiceCursor, chat_logprobs, finish_reason, matched_stop, usage
-from .protocol import ChatCompletionRequest
-from .protocol_compat import CHAT, review
-from .server_context import ServerContext, get_context
-from .tool_call_parser import ToolCallStream, ToolPlan
-from .tool_calls import call_schema, check_tools, plan_for, render_messages
+from .outputs import ChoiceCursor, chat_logprobs, finish_reason, matched_stop, usage
 
 router = APIRouter(prefix="/v1")
 

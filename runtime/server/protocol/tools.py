@@ -1,5 +1,5 @@
 """Request bodies of OpenAI tool calling: the `tools` a chat request offers, a `tool_choice` naming one, and
-the calls an earlier assistant turn made (sent back in the history). Strict like the rest of protocol.py."""
+the calls an earlier assistant turn made (sent back in the history). Strict like the rest of protocol/openai.py."""
 
 from __future__ import annotations
 

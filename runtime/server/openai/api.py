@@ -1,6 +1,6 @@
 """OpenAI-compatible routes /v1/models and /v1/completions, and what every OpenAI route shares (model names,
-sampling fields, Engine calls, streaming); /v1/chat/completions is in openai_chat.py, /v1/responses in
-responses_api.py.
+sampling fields, Engine calls, streaming); /v1/chat/completions is in openai/chat.py, /v1/responses in
+responses/api.py.
 
 Each request becomes a list of Engine calls (prompts × n) run by one `GenerationGroup`; choices are
 numbered prompt-major (`index = prompt * n + sample`), as OpenAI does.
@@ -15,10 +15,10 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ..sampling_params import SamplingParams
-from .engine_client import GenerationGroup, new_rid
-from .errors import APIError, sse_error_event
-from .native_api import (
+from ...sampling_params import SamplingParams
+from ..engine_client import GenerationGroup, new_rid
+from ..errors import APIError, sse_error_event
+from ..native_api import (
     SSE_DONE,
     check_prompt_ids,
     check_unicode,
@@ -28,11 +28,11 @@ from .native_api import (
     tokenize_prompts,
     verified_sampling_params,
 )
-from .openai_outputs import ChoiceCursor, abort_error, completion_logprobs, finish_reason, matched_stop, usage
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .protocol_compat import COMPLETIONS, review
+from ..protocol.compat import COMPLETIONS, review
+from ..protocol.openai import ChatCompletionRequest, CompletionRequest
+from ..server_context import ServerContext, get_context
+from .outputs import ChoiceCursor, abort_error, completion_logprobs, finish_reason, matched_stop, usage
 from .response_format import response_format_to_sampling
-from .server_context import ServerContext, get_context
 from .structured_outputs import structured_outputs_to_sampling
 
 router = APIRouter(prefix="/v1")
@@ -116,7 +116,7 @@ def _check_strict_schema(
     rf = req.response_format
     if rf is None or rf.json_schema is None or not rf.json_schema.strict or sp.grammar_key is None:
         return
-    from ..constrained.validation import validate_constraint  # (not at import: see server_context.warm_validators)
+    from ...constrained.validation import validate_constraint  # (not at import: see server_context.warm_validators)
 
     try:
         warnings = validate_constraint(*sp.grammar_key, ctx.server_args.grammar_backend)

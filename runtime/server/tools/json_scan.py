@@ -3,7 +3,7 @@
 
 A scanner, not a parser: it reads as far as the text goes and reports what is complete, so a stream can
 send a call's name as soon as it is known and its arguments piece by piece as they are written. Whether
-the whole text is valid is json.loads' call, made when the output ends (tool_call_parser.py).
+the whole text is valid is json.loads' call, made when the output ends (tools/parser.py).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ import json
 import re
 from typing import Any, Optional
 
-from .errors import APIError
-from .protocol import StructuredOutputs
+from ..errors import APIError
+from ..protocol.openai import StructuredOutputs
 from .response_format import ANY_JSON_OBJECT_SCHEMA
 
 

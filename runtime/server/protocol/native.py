@@ -1,5 +1,5 @@
 """Request bodies of SGLang's native routes (`/generate`, `/abort_request`) and plait's own (`/pin_prefix`,
-`/unpin_prefix`). Strict like the OpenAI ones in protocol.py: a wrong type is a 400 naming the field.
+`/unpin_prefix`). Strict like the OpenAI ones in protocol/openai.py: a wrong type is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from .protocol_compat import NATIVE, compat_model
+from .compat import NATIVE, compat_model
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
 
 class GenerateRequest(compat_model(NATIVE)):  # type: ignore[misc]
     """POST /generate. Exactly one of `text` / `input_ids`; a list makes it a batch. The other fields of
-    SGLang's GenerateReqInput are accepted as protocol_compat.py says."""
+    SGLang's GenerateReqInput are accepted as protocol/compat.py says."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 

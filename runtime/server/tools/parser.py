@@ -162,7 +162,7 @@ def _final_arguments(span: CallSpan, text: str) -> Optional[str]:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """How a request's outputs are read: None from `tool_calls.plan_for` means plain text."""
+    """How a request's outputs are read: None from `tools.calls.plan_for` means plain text."""
 
     names: frozenset[str]
     forced: bool

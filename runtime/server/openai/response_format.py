@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from .protocol import ResponseFormat
+from ..protocol.openai import ResponseFormat
 
 # `{"type": "json_object"}` means "any JSON object"; OpenAI does not constrain it further.
 ANY_JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})

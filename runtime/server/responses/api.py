@@ -1,10 +1,10 @@
 """OpenAI's Responses API: POST /v1/responses (whole or streamed), GET and DELETE /v1/responses/{id}.
 
 A Responses request runs as the chat request it amounts to (instructions as the system message, input items as
-messages, function tools, `text.format` as response_format; openai_chat.chat_runs), so its prompt is the one
-chat completions would render. `previous_response_id` continues a stored conversation (response_store.py):
+messages, function tools, `text.format` as response_format; openai.chat.chat_runs), so its prompt is the one
+chat completions would render. `previous_response_id` continues a stored conversation (responses/store.py):
 its messages go before the new input, and its tokens, pinned in the prefix cache, are not prefilled again.
-The stream's events are those of the official API (responses_stream.py).
+The stream's events are those of the official API (responses/stream.py).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from .errors import APIError, describe_validation_errors
-from .openai_api import check_model, raise_if_aborted
-from .openai_chat import chat_runs
-from .openai_outputs import finish_reason
-from .protocol import ChatCompletionRequest
-from .protocol_compat import RESPONSES, review
-from .protocol_responses import (
+from ..errors import APIError, describe_validation_errors
+from ..openai.api import check_model, raise_if_aborted
+from ..openai.chat import chat_runs
+from ..openai.outputs import finish_reason
+from ..protocol.compat import RESPONSES, review
+from ..protocol.openai import ChatCompletionRequest
+from ..protocol.responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
     InputItem,
@@ -30,11 +30,11 @@ from .protocol_responses import (
     ResponsesRequest,
     input_items,
 )
-from .response_items import function_call_item, message_item, new_item_id, response_usage
-from .response_store import StoredResponse
-from .responses_stream import response_events
-from .server_context import ServerContext, get_context
-from .tool_call_parser import ToolPlan
+from ..server_context import ServerContext, get_context
+from ..tools.parser import ToolPlan
+from .items import function_call_item, message_item, new_item_id, response_usage
+from .store import StoredResponse
+from .stream import response_events
 
 router = APIRouter(prefix="/v1")
 
