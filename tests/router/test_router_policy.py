@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 from plait.runtime.router.app import routing_key
+from plait.runtime.router.args import RouterArgs
 from plait.runtime.router.policy import CacheAwarePolicy, RoundRobinPolicy
 from plait.runtime.router.prefix_tree import PrefixTree
-from plait.runtime.server_args import RouterArgs
 
 
 def test_match_gives_each_replica_its_longest_prefix():

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
-from plait.runtime.cli import parse_server_args
+from plait.runtime.cli.main import parse_server_args
 from plait.runtime.server import create_app
 from plait.runtime.server.errors import APIError, describe_validation_errors
 from plait.runtime.server.metrics import ServerMetrics, find_stat
@@ -306,8 +306,8 @@ def test_cli_every_server_arg_is_a_flag():
 def test_every_server_flag_explains_itself_in_help(capsys):
     import dataclasses
 
-    from plait.runtime.cli import build_parser
-    from plait.runtime.cli_flags import CLI_HELP
+    from plait.runtime.cli.flags import CLI_HELP
+    from plait.runtime.cli.main import build_parser
 
     assert set(CLI_HELP) == {f.name for f in dataclasses.fields(ServerArgs)}  # a new setting needs its line
     with pytest.raises(SystemExit):

@@ -1,11 +1,21 @@
-"""The settings' command-line flags: one per field of a settings dataclass (ServerArgs, RouterArgs),
-and the one line of `--help` each gets (docs/server_args.md says more)."""
+"""The settings' command-line flags: one per field of a settings dataclass (ServerArgs, RouterArgs), the
+choices a flag offers, and the one line of `--help` each gets (docs/server_args.md says more)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from typing import Any
+
+from ..router.args import ROUTING_POLICIES
+from ..server_args import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    GRAMMAR_BACKENDS,
+    GRAMMAR_DRAFT_MODES,
+    LOAD_FORMATS,
+    SCHEDULE_POLICIES,
+)
 
 
 def add_dataclass_flags(
@@ -37,6 +47,24 @@ def add_dataclass_flags(
         if f.name in choices:
             kwargs["choices"] = choices[f.name]
         parser.add_argument(flag, dest=f.name, **kwargs)
+
+
+def settings_from_args(cls, args: argparse.Namespace) -> Any:
+    """The settings dataclass `cls` from parsed flags (its __post_init__ checks the values)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+# The flags whose values are one of a few names.
+CLI_CHOICES = {
+    "load_format": LOAD_FORMATS,
+    "dtype": DTYPES,
+    "device": ("auto", "cpu", "cuda"),
+    "schedule_policy": SCHEDULE_POLICIES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "grammar_backend": GRAMMAR_BACKENDS,
+    "speculative_grammar_drafts": GRAMMAR_DRAFT_MODES,
+}
+ROUTER_CLI_CHOICES = {"policy": ROUTING_POLICIES}
 
 
 # `plait serve --help`: one line per setting (docs/server_args.md says more).
