@@ -21,8 +21,10 @@ import torch
 
 from .base import CompiledGrammar, GrammarBackend, GrammarKey, GrammarMatcher
 from .regex_canonical import json_string_pattern
-from .schema_support import ASSERTION_KEYWORDS, Unenforced, tighten_schema, unenforced_keywords, walk_schema
+from .schema_support import ASSERTION_KEYWORDS, Unenforced, unenforced_keywords
 from .schema_text import normalize_regex, parse_json_schema
+from .schema_tighten import tighten_schema
+from .schema_walk import walk_schema
 from .vocab import TokenizerVocab
 
 MAX_RECURSION_DEPTH = 3
