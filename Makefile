@@ -6,6 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.installed
+# What mypy checks in `make test` (settings: [tool.mypy] in pyproject.toml); add a path as one more line.
+MYPY_PATHS := \
+	runtime/kvcache \
+	runtime/step.py
 
 .PHONY: demo test install clean bench
 
@@ -25,6 +29,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy $(MYPY_PATHS)
 	$(BIN)/python -m pytest -q -ra tests
 
 clean:

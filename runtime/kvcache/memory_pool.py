@@ -73,7 +73,7 @@ class ReqToTokenPool:
         blob_of: dict[int, int] = {}  # id(kv tensor) -> index in blobs
         blobs: list[np.ndarray] = []  # distinct prefixes, as host arrays
         slots_of: list[list[int]] = []  # req slots per distinct prefix
-        row_blob = []
+        blob_per_row: list[int] = []
         for slot, kv_slots in items:
             b = blob_of.get(id(kv_slots))
             if b is None:
@@ -81,7 +81,7 @@ class ReqToTokenPool:
                 blobs.append(kv_slots.cpu().numpy())
                 slots_of.append([])
             slots_of[b].append(slot)
-            row_blob.append(b)
+            blob_per_row.append(b)
         for host, slots in zip(blobs, slots_of):  # (rows, n) <- (n,): one write per distinct prefix
             self.host[slots if len(slots) > 1 else slots[0], : len(host)] = host
         if self._recorded is not None:
@@ -89,12 +89,12 @@ class ReqToTokenPool:
         k = len(items)
         blob_lens = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
         blob_starts = np.cumsum(blob_lens) - blob_lens
-        row_blob = np.asarray(row_blob, dtype=np.int64)
+        row_blob = np.asarray(blob_per_row, dtype=np.int64)
         lens, src_starts = blob_lens[row_blob], blob_starts[row_blob]  # (k,) each
         n, m = int(lens.sum()), int(blob_lens.sum())
         row_slots = np.fromiter((s for s, _ in items), dtype=np.int64, count=k)
-        packed = np.concatenate(blobs + [row_slots, lens, src_starts, np.cumsum(lens) - lens])
-        packed = self._upload(packed.astype(np.int32))  # one copy
+        host_packed = np.concatenate(blobs + [row_slots, lens, src_starts, np.cumsum(lens) - lens])
+        packed = self._upload(host_packed.astype(np.int32))  # one copy
         kv = packed[:m]
         slots_t, lens_t, src_t, dst_t = (packed[m + i * k : m + (i + 1) * k].long() for i in range(4))
         # NOTE: output_size keeps repeat_interleave from reading the total back (a sync).
@@ -129,6 +129,8 @@ class ReqToTokenPool:
 
     def take_writes(self) -> list[tuple]:
         """The recorded writes since the last call (see the class note), oldest first."""
+        if self._recorded is None:
+            raise RuntimeError("take_writes: this table does not record its writes (record_writes=False)")
         taken, self._recorded = self._recorded, []
         return taken
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 
@@ -281,7 +281,7 @@ class RadixCache(PrefixCache):
         while above is not self.root:
             above.last_access = self._clock
             values.append(above.value)
-            above = above.parent
+            above = cast(TreeNode, above.parent)  # an attached node: only the root has no parent
         values.reverse()
         return end, values
 
@@ -304,7 +304,7 @@ class RadixCache(PrefixCache):
         """
         path = self._path_to_root(old_node)  # deepest first
         depth = sum(len(p.key) for p in path)
-        if not path or depth > n:
+        if old_node is None or depth > n:  # (no path: old_node is None or the root)
             return self.root, 0
         pos = 0
         for p in reversed(path):
@@ -328,7 +328,7 @@ class RadixCache(PrefixCache):
         above = node
         while above is not self.root:  # as if the walk had come down from the root
             above.last_access = self._clock
-            above = above.parent
+            above = cast(TreeNode, above.parent)  # an attached node: only the root has no parent
         pos, tree_values, duplicates = 0, [], []
         while pos < len(key):
             child = node.children.get(child_key(key, pos, self.page_size))
@@ -356,7 +356,7 @@ class RadixCache(PrefixCache):
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut `child`'s edge after `m` tokens; returns the new upper node (child stays below)."""
-        parent = child.parent
+        parent = cast(TreeNode, child.parent)  # an edge in the tree
         upper = TreeNode(child.key[:m], child.value[:m].clone(), parent, child.last_access)
         # Same locks as the child: every lock through the child goes through the upper half too,
         # so the evictable/protected counters do not change.

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 
-def as_key(token_ids: Sequence[int]) -> tuple:
+def as_key(token_ids: Sequence[int] | torch.Tensor) -> tuple:
     if isinstance(token_ids, torch.Tensor):
         return tuple(token_ids.reshape(-1).tolist())
     if type(token_ids) in (list, tuple) and (not token_ids or type(token_ids[0]) is int):
