@@ -32,5 +32,12 @@ test: $(STAMP)
 	$(BIN)/mypy $(MYPY_PATHS)
 	$(BIN)/python -m pytest -q -ra tests
 
+# The cheap benchmark (start-up on the CPU: import, Engine(), the first token; JSON to $OUT or
+# benchmarks/out), then where the others are.
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine/bench_startup.py --runs 3
+	@echo "The other benchmarks: benchmarks/<wing>/*.py (docs/structure.md lists them; README.md gives CPU runs)."
+	@echo "Their figures: benchmarks/RESULTS.md."
+
 clean:
 	rm -rf $(VENV) build *.egg-info

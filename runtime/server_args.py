@@ -53,7 +53,7 @@ class ServerArgs:
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
     # None: graphs for every batch size the scheduler can run (max_running_requests, at most 1024).
-    # Eager decode steps above the largest graph cost ~2 ms of Python launches each at the 1B shape.
+    # Decode steps above the largest graph run eagerly, paying every kernel's Python launch.
     cuda_graph_max_bs: Optional[int] = None
     disable_overlap_schedule: bool = False
     # Triton decode attention reads a prefix that several running requests share once per tile of

@@ -363,7 +363,7 @@ class OutlinesBackend(GrammarBackend):
         try:
             # NOTE: outlines-core's DFA matches leftmost-first: once an earlier alternative has matched,
             # the later ones die, so "(cat|cats)" never allowed "cats". Anchoring the end keeps every
-            # alternative alive until the text ends. Not for schemas: it made any-JSON's compile 60x
+            # alternative alive until the text ends. Not for schemas: it made any-JSON's compile far
             # slower; their enums are ordered instead (see prepare_schema_for_outlines).
             index = oc.Index(f"({regex})$" if kind == "regex" else regex, self._vocabulary)
         except ValueError as e:

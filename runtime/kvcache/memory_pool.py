@@ -63,7 +63,7 @@ class ReqToTokenPool:
         object (requests that matched the same cached prefix) share its upload.
 
         NOTE: one `write` per request was one pageable host-to-device copy each, and such a copy waits
-        for the device: admitting 256 requests that share a 2,000-token prefix cost ~50 ms of host time.
+        for the device: admitting a batch of requests that share a long prefix waited on every step in flight.
         The upload is each distinct prefix's int32 slots plus each row's (req slot, length, start of its
         prefix in the upload); the (row, position, source) indices are expanded on the device: ~10 KB
         instead of 1.3 MB (163 rows of one 2,000-token prefix), and no host copy per row.
@@ -201,7 +201,7 @@ class TokenAllocator:
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     """torch.zeros, for a KV cache. On the CPU the zeros come from calloc (through numpy), whose large blocks are
     fresh pages the OS zeroes when first touched, so a pool costs nothing until its slots are used.
-    NOTE: torch.zeros wrote every byte at once: 3 GB for the default model's CPU pool took 5-9 s of each start-up."""
+    NOTE: torch.zeros wrote every byte at once, so a large CPU pool cost its whole size in writes at each start-up."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = int(np.prod(shape)) * dtype.itemsize

@@ -297,8 +297,8 @@ class RadixCache(PrefixCache):
         """Where inserting a request's first `n` tokens can start: at `old_node` (the handle it holds,
         from matching or inserting a prefix of those same tokens), `pos` tokens in, instead of the root.
 
-        NOTE: walking from the root compared the whole cached prefix again, token by token (~16 us per
-        2,000 tokens, twice per request: after its prefill and at its end). The request's slots for that
+        NOTE: walking from the root compared the whole cached prefix again, token by token, twice per
+        request (after its prefill and at its end). The request's slots for that
         path are compared with the tree's instead (one C call per edge); if they differ (slots the request
         computed itself), the walk starts from the root, which frees them as duplicates.
         """

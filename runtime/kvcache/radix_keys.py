@@ -16,8 +16,8 @@ def as_key(token_ids: Sequence[int] | torch.Tensor) -> tuple:
     if isinstance(token_ids, torch.Tensor):
         return tuple(token_ids.reshape(-1).tolist())
     if type(token_ids) in (list, tuple) and (not token_ids or type(token_ids[0]) is int):
-        # NOTE: the scheduler's lists of ints (validated at intake): converting each element
-        # cost ~58 us per 1,000 tokens, paid for every ranked, admitted and finished request.
+        # NOTE: the scheduler's lists of ints (validated at intake): converting each element again
+        # was paid for every ranked, admitted and finished request.
         return tuple(token_ids)
     try:
         return tuple(int(t) for t in token_ids)

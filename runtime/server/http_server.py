@@ -194,7 +194,7 @@ class _ReadyLoggingServer(uvicorn.Server):
 def warm_validators() -> None:
     """Load the grammar backends' schema validators on a daemon thread, once the server listens.
 
-    NOTE: they bring torch, transformers and xgrammar into this process (~3 s on a small CPU); loaded at
+    NOTE: they bring torch, transformers and xgrammar into this process (seconds of imports); loaded at
     import, that came before the engine's scheduler process was even launched. Loaded here, while the
     server is idle, the first request with a schema rarely waits for them (one that does waits on the
     import, not longer)."""

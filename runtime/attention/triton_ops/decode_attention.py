@@ -209,9 +209,8 @@ def decode_attention(
     prefix_o = prefix.partial_o if prefix is not None else partial_o
     prefix_lse = prefix.partial_lse if prefix is not None else partial_lse
 
-    # NOTE: with one split per request (batch * kv heads already fills the GPU: batch >= ~66 at 8 KV
-    # heads on an H200) and no prefix partials to merge, stage 1 writes the output and stage 2 is not
-    # launched. At batch 512 it had cost 52 us per layer (1.7 ms of a 27 ms 8B step) for a copy.
+    # NOTE: with one split per request (batch * kv heads already fills the GPU) and no prefix partials to
+    # merge, stage 1 writes the output and stage 2, which would only copy it, is not launched.
     direct = split_cap == 1 and prefix is None
     # NOTE: no programmatic launch with a shared prefix: stage 2 then also waits for the prefix kernel on
     # another stream (`before_merge`), a dependency PDL's same-stream handshake does not cover.

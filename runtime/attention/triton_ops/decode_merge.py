@@ -77,8 +77,8 @@ def _decode_stage2_kernel(
 ):
     pdl_wait_then_release(USE_PDL)
     # One program per request, all its query heads at once: a (heads x head_dim) tile per split.
-    # NOTE: a program per (request, head) moved 2 KB each; at batch 512 that was 16k tiny programs and
-    # 52 us per layer, mostly block scheduling, for ~20 MB of partials.
+    # NOTE: a program per (request, head) moved 2 KB each: at a large batch, tens of thousands of tiny
+    # programs whose time went mostly to block scheduling.
     b = tl.program_id(0)
 
     suffix_len, num_splits, split_len = _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX)
