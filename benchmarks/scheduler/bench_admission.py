@@ -24,7 +24,7 @@ adds a modeled GPU (`SimulatedDevice`): each launched step keeps it busy for a t
 after the step before it, and reading a step back waits for its end (as the event synchronize does).
 The stubbed forward's own CPU time is taken off the clock (it is device work on a GPU). The device's
 busy share of the wall time then shows how much host work overlap scheduling hides;
-`--compare-pipeline` runs the rounds with prefill pipelining off, then on (scheduler_pipeline.py).
+`--compare-pipeline` runs the rounds with prefill pipelining off, then on (runtime/scheduler/overlap.py).
 
     .venv/bin/python benchmarks/scheduler/bench_admission.py                 # ~20 s on this CPU
     .venv/bin/python benchmarks/scheduler/bench_admission.py --profile 30

@@ -16,7 +16,7 @@ between cuBLAS matmuls.
 Every kernel here that takes `USE_PDL` calls `pdl_wait_then_release` before its first load of data a
 previous kernel may have written. Releasing right after the wait is safe: the next kernel's own wait
 covers this one's whole run. A kernel after a non-PDL one (a cuBLAS matmul, a torch op) simply starts
-when that one ends. Switch: the `pdl` kernel choice (kernels/choices.py, ServerArgs `enable_pdl`; on compute
+when that one ends. Switch: the `pdl` kernel choice (runtime/kernel_choices.py, ServerArgs `enable_pdl`; on compute
 capability >= 9), read per launch so one process can capture graphs both ways and compare them.
 """
 

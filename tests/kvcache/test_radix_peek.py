@@ -1,6 +1,6 @@
-"""Reusable radix lookups (runtime/radix_peek.py): a peek turned into a match, or into the lookup of a
-prefix of its ids, gives exactly what a fresh walk gives, and goes stale exactly when the tree would
-no longer end its walk where it did."""
+"""Reusable radix lookups (RadixCache's peeks, runtime/kvcache/radix_cache.py): a peek turned into a match,
+or into the lookup of a prefix of its ids, gives exactly what a fresh walk gives, and goes stale exactly
+when the tree would no longer end its walk where it did."""
 
 import random
 

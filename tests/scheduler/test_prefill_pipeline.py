@@ -1,4 +1,4 @@
-"""Pipelined prefill steps (scheduler_pipeline.py): the next prefill batch is admitted and launched
+"""Pipelined prefill steps (runtime/scheduler/overlap.py): the next prefill batch is admitted and launched
 before the one in flight is read back.
 
 On the CPU a launch runs synchronously, but the scheduler's bookkeeping is the GPU's: each workload
