@@ -6,6 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.installed
+# What mypy checks in `make test` (settings: [tool.mypy] in pyproject.toml); add a path as one more line.
+MYPY_PATHS := \
+	runtime/kvcache \
+	runtime/step.py
 
 .PHONY: demo test install clean bench
 
@@ -25,7 +29,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy $(MYPY_PATHS)
 	$(BIN)/python -m pytest -q -ra tests
+
+# The cheap benchmark (start-up on the CPU: import, Engine(), the first token; JSON to $OUT or
+# benchmarks/out), then where the others are.
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine/bench_startup.py --runs 3
+	@echo "The other benchmarks: benchmarks/<wing>/*.py (docs/structure.md lists them; README.md gives CPU runs)."
+	@echo "Their figures: benchmarks/RESULTS.md."
 
 clean:
 	rm -rf $(VENV) build *.egg-info

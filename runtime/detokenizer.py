@@ -15,8 +15,8 @@ from typing import Optional
 class TextDecoder:
     """`tokenizer.decode` for one id sequence or many at once.
 
-    NOTE: a transformers tokenizer's `decode` costs ~3.5 us of Python around ~1 us of Rust, and a
-    batch is a Python loop over it. Where `decode` would return exactly what the Rust tokenizer
+    NOTE: most of a transformers tokenizer's `decode` is Python around the Rust call, and a batch is a
+    Python loop over it. Where `decode` would return exactly what the Rust tokenizer
     returns (a `TokenizersBackend` whose clean-up step does nothing), we call the Rust
     tokenizer directly, a whole batch in one call; otherwise `tokenizer.decode` per sequence.
     """

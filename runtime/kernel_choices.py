@@ -20,7 +20,7 @@ class KernelChoices:
     # False sends them to the matmul library.
     decode_gemm: bool = True
     # A batch-1 decode step's RMSNorm and SiLU-and-mul folded into the matmuls after them
-    # (kernels/gemv_fused.py). Off by default: measured slower on an H200 (models/layers.py).
+    # (kernels/gemv_fused.py). Off by default: measured slower (models/layers.py says why).
     fused_decode_row: bool = False
     # Programmatic dependent launch between kernels on Hopper (kernels/launch.py). Off by default.
     pdl: bool = False

@@ -56,7 +56,7 @@ class Req:
     ):
         self.rid = rid
         # NOTE: with `take_ids` the caller hands its list over (the scheduler's freshly unpickled
-        # message): no copy (~3 us per 1,000 ids). Nothing here changes it in place.
+        # message): no copy of a long prompt. Nothing here changes it in place.
         self.origin_input_ids = input_ids if take_ids and type(input_ids) is list else list(input_ids)
         self.sampling_params = sampling_params
         self.return_logprob = return_logprob

@@ -1,17 +1,14 @@
 """ServerArgs: the one place every runtime setting lives (SGLang's names where they exist).
 
-The CLI (`plait serve`) is generated from these fields (cli_flags.py), so a flag exists exactly once.
+The CLI (`plait serve`) is generated from these fields (cli/flags.py), so a flag exists exactly once.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
-
-from .cli_flags import CLI_HELP, ROUTER_CLI_HELP, add_dataclass_flags
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
@@ -60,7 +57,7 @@ class ServerArgs:
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
     # None: graphs for every batch size the scheduler can run (max_running_requests, at most 1024).
-    # Eager decode steps above the largest graph cost ~2 ms of Python launches each at the 1B shape.
+    # Decode steps above the largest graph run eagerly, paying every kernel's Python launch.
     cuda_graph_max_bs: Optional[int] = None
     disable_overlap_schedule: bool = False
     # Triton decode attention reads a prefix that several running requests share once per tile of
@@ -348,83 +345,6 @@ class ServerArgs:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.resolved_device() == "cuda" else "torch_native"
-
-    # ---- CLI generated from the fields ----
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--model", dest="model_path", type=str, default=None, help="alias of --model-path")
-        add_dataclass_flags(parser, cls, CLI_HELP, CLI_CHOICES)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-
-ROUTING_POLICIES = ("cache_aware", "round_robin")
-
-
-@dataclass
-class RouterArgs:
-    """`plait router`'s settings (runtime/router/): replicas on several machines behind one address."""
-
-    worker_urls: list[str] = dataclasses.field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 30000
-    policy: str = "cache_aware"
-    # Cache-aware routing: the longest cached prefix wins while the replicas' loads (requests in flight)
-    # are within balance_abs_threshold of each other or within balance_rel_threshold times; past both,
-    # the least loaded replica. A request no replica holds cache_threshold of goes to the emptiest tree.
-    balance_abs_threshold: int = 32
-    balance_rel_threshold: float = 1.5
-    cache_threshold: float = 0.5
-    max_tree_items: int = 1 << 22  # prefix items (characters or token ids) remembered per replica
-    health_check_interval: float = 5.0
-    health_failure_threshold: int = 2  # failed checks in a row that take a replica out
-    request_timeout: float = 600.0  # seconds a replica may take to answer one request
-    log_level: str = "info"
-
-    def __post_init__(self) -> None:
-        if not self.worker_urls:
-            raise ValueError("the router needs at least one worker URL (--worker-urls http://host:port ...)")
-        for url in self.worker_urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
-        if len(set(self.worker_urls)) != len(self.worker_urls):
-            raise ValueError(f"worker URLs repeat: {self.worker_urls}")
-        if self.policy not in ROUTING_POLICIES:
-            raise ValueError(f"policy must be one of {list(ROUTING_POLICIES)}, got {self.policy!r}")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1.0")
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        for name in ("max_tree_items", "health_failure_threshold"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("health_check_interval", "request_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        self.worker_urls = [u.rstrip("/") for u in self.worker_urls]
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_dataclass_flags(parser, cls, ROUTER_CLI_HELP, {"policy": ROUTING_POLICIES})
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "RouterArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-
-CLI_CHOICES = {
-    "load_format": LOAD_FORMATS,
-    "dtype": DTYPES,
-    "device": ("auto", "cpu", "cuda"),
-    "schedule_policy": SCHEDULE_POLICIES,
-    "attention_backend": ATTENTION_BACKENDS,
-    "grammar_backend": GRAMMAR_BACKENDS,
-    "speculative_grammar_drafts": GRAMMAR_DRAFT_MODES,
-}
 
 
 def _origins(value: Any) -> list[str]:

@@ -1,6 +1,6 @@
 """Writes plait-dashboard.json, the Grafana dashboard over plait's /metrics: `python deploy/grafana/build_dashboard.py`.
 
-Edit the panels here, not in the JSON; tests/test_grafana_dashboard.py checks that the JSON is this script's
+Edit the panels here, not in the JSON; tests/server/test_grafana_dashboard.py checks that the JSON is this script's
 output and that it is valid for Grafana.
 """
 

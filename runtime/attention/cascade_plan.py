@@ -36,7 +36,7 @@ class CascadeConfig:
     min_prefix_len: int = 64
     min_group_size: int = 2
     # Whole batch: below this many KV tokens saved (per KV head) the plain split-KV decode runs. 4,096
-    # tokens is 8 MB of K/V per layer at the 8B shape (~2 us of HBM time), about what the extra
+    # tokens is 8 MB of K/V per layer at the 8B shape, about what the extra
     # launch and the partials' round trip cost.
     min_saved_tokens: int = 4096
     # Decode graphs below this batch size never get the cascade kernels: a batch-1 step keeps exactly

@@ -147,8 +147,8 @@ def _verify_metadata(fb: ForwardBatch, device) -> _VerifyMetadata:
 def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """buf (N, Hkv, D) rows at `index` (any shape) → (*index.shape, Hkv, D).
 
-    NOTE: index_select on the flattened rows is ~2.4x faster on the CPU than advanced indexing, and
-    this gather is a large share of a CPU decode step.
+    NOTE: index_select on the flattened rows is faster on the CPU than advanced indexing, and this
+    gather is a large share of a CPU decode step.
     """
     rows = buf.view(buf.shape[0], -1).index_select(0, index.reshape(-1))
     return rows.view(*index.shape, buf.shape[1], buf.shape[2])

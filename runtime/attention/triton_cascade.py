@@ -5,8 +5,8 @@
 - CUDA graphs: decode graphs of batch >= `CascadeConfig.min_batch_size` have a variant captured with
   the cascade kernels over static tables (one int32 buffer, `CascadeLayout` per batch size) and a
   static partial scratch, beside the plain one. A step replays it only when its plan has a group
-  (`graph_plan`): the cascade kernels with nothing grouped cost ~10% more attention than the plain
-  decode (H200, 8B shape, batch 256, 600 tokens: 226 vs 204 us per layer). Each replay of that variant
+  (`graph_plan`): the cascade kernels with nothing grouped cost more attention than the plain
+  decode. Each replay of that variant
   writes the step's plan into the tables with one host-to-device copy, skipped when the plan is the
   one already there (same requests as last step). Captured with empty tables (work_len 0, every
   suffix starting at 0), the kernels then run as the plain decode would.

@@ -3,8 +3,8 @@ token bitmasks and jump-forward. See base.py for the interface and integration.p
 scheduler-facing helpers."""
 
 # NOTE: the names below load on first use (PEP 562), not with the package: the executor reads only
-# bitmask.py, and importing base.py brings xgrammar and with it transformers (~1.5 s of a CPU start, which
-# the scheduler process then spent before building the model rather than beside it).
+# bitmask.py, and importing base.py brings xgrammar and with it transformers (a large share of a CPU start,
+# which the scheduler process then spent before building the model rather than beside it).
 _EXPORTS = {
     "ANY_JSON": "base",
     "BACKEND_NAMES": "base",

@@ -52,7 +52,7 @@ BACKEND_NAMES = ("xgrammar", "outlines")
 GrammarKey = tuple[str, str]
 
 # The longest constraint text compiled, by kind. NOTE: compile time grows with a regex's or grammar's size
-# (a 100 KB regex took 40 s on xgrammar) and a compile cannot be interrupted: past its timeout it still
+# (a 100 KB regex is a long compile on xgrammar) and a compile cannot be interrupted: past its timeout it still
 # holds a compile thread. Schemas compile to far smaller grammars than their text; real APIs' schemas
 # stay well under these.
 MAX_CONSTRAINT_CHARS = {**{kind: 262_144 for kind in JSON_KINDS}, "regex": 65_536, "ebnf": 65_536}

@@ -1,6 +1,6 @@
 """The scheduler's side of constrained decoding: one `GrammarManager` per scheduler process.
 
-Calls the scheduler makes (runtime/scheduler.py):
+Calls the scheduler makes (runtime/scheduler/grammars.py):
 
     manager = GrammarManager(tokenizer, vocab_size, server_args)     # lazily, first grammar request
     req.grammar_future = manager.request(sampling_params)            # on arrival; poll .done()

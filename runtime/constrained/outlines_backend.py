@@ -21,8 +21,10 @@ import torch
 
 from .base import CompiledGrammar, GrammarBackend, GrammarKey, GrammarMatcher
 from .regex_canonical import json_string_pattern
-from .schema_support import ASSERTION_KEYWORDS, Unenforced, tighten_schema, unenforced_keywords, walk_schema
+from .schema_support import ASSERTION_KEYWORDS, Unenforced, unenforced_keywords
 from .schema_text import normalize_regex, parse_json_schema
+from .schema_tighten import tighten_schema
+from .schema_walk import walk_schema
 from .vocab import TokenizerVocab
 
 MAX_RECURSION_DEPTH = 3
@@ -361,7 +363,7 @@ class OutlinesBackend(GrammarBackend):
         try:
             # NOTE: outlines-core's DFA matches leftmost-first: once an earlier alternative has matched,
             # the later ones die, so "(cat|cats)" never allowed "cats". Anchoring the end keeps every
-            # alternative alive until the text ends. Not for schemas: it made any-JSON's compile 60x
+            # alternative alive until the text ends. Not for schemas: it made any-JSON's compile far
             # slower; their enums are ordered instead (see prepare_schema_for_outlines).
             index = oc.Index(f"({regex})$" if kind == "regex" else regex, self._vocabulary)
         except ValueError as e:

@@ -6,7 +6,7 @@ the keyword, its JSON path, why), and `unenforced_features` the same as warnings
 'uniqueItems' at /properties/tags is not enforced by xgrammar; ..."). A `oneOf` whose branches no
 value can match twice (one_of.py) is enforced exactly by the backends' anyOf, so it is not reported;
 a `format` a backend checks by shape only (a regex cannot see that 2024-02-30 is no date) is. The tables below were
-established against the official JSON-Schema test suite (tests/test_constrained_unit.py keeps
+established against the official JSON-Schema test suite (tests/constrained/test_constrained_unit.py keeps
 them honest: an invalid instance that a backend accepts must be explained by a warning here).
 
 Unknown keywords and annotations (title, description, default, ...) constrain nothing, so they
@@ -15,14 +15,11 @@ are not reported.
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from .one_of import branches_exclusive
-from .regex_canonical import json_string_pattern
-from .schema_merge import merge_all_of
+from .schema_walk import patterns_matching, walk_schema
 
 # Keywords that assert something about an instance (JSON Schema 2020-12 plus older drafts' names).
 ASSERTION_KEYWORDS = frozenset(
@@ -71,35 +68,6 @@ ASSERTION_KEYWORDS = frozenset(
         "$dynamicRef",
         "$recursiveRef",
     }
-)
-
-_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LIST_KEYS = ("prefixItems", "allOf", "anyOf", "oneOf")
-_SCHEMA_KEYS = (
-    "additionalProperties",
-    "propertyNames",
-    "contains",
-    "not",
-    "if",
-    "then",
-    "else",
-    "unevaluatedItems",
-    "unevaluatedProperties",
-    "additionalItems",
-    "items",
-)
-
-_ALLOF_BRANCH = re.compile(r"/allOf/\d+$")
-_OPEN_OBJECT_KEYS = (
-    "additionalProperties",
-    "patternProperties",
-    "unevaluatedProperties",
-    "allOf",
-    "anyOf",
-    "oneOf",
-    "$ref",
-    "if",
-    "dependentSchemas",
 )
 
 # Keywords that only constrain values of one JSON type; without a declared `type` a backend may
@@ -273,100 +241,6 @@ BACKENDS = {"xgrammar": XGRAMMAR, "outlines": OUTLINES}
 _BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
-def walk_schema(schema: Any, path: str = "") -> Iterator[tuple[str, dict]]:
-    """Yield (json-pointer, subschema) for every object subschema, depth first."""
-    if not isinstance(schema, dict):
-        return
-    yield path or "/", schema
-    for key in _SCHEMA_MAP_KEYS:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            for name, child in sub.items():
-                yield from walk_schema(child, f"{path}/{key}/{_escape(name)}")
-    for key in _SCHEMA_LIST_KEYS:
-        sub = schema.get(key)
-        if isinstance(sub, list):
-            for i, child in enumerate(sub):
-                yield from walk_schema(child, f"{path}/{key}/{i}")
-    for key in _SCHEMA_KEYS:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            yield from walk_schema(sub, f"{path}/{key}")
-        elif isinstance(sub, list):  # draft-7 tuple `items` / list-valued keywords
-            for i, child in enumerate(sub):
-                yield from walk_schema(child, f"{path}/{key}/{i}")
-    deps = schema.get("dependencies")
-    if isinstance(deps, dict):
-        for name, child in deps.items():
-            yield from walk_schema(child, f"{path}/dependencies/{_escape(name)}")
-
-
-def tighten_schema(schema: Any) -> Any:
-    """A copy of `schema` narrowed for generation; every output it admits is valid for `schema`.
-
-    - An object that declares `properties` (and has no additionalProperties, patternProperties,
-      unevaluatedProperties or sibling applicators) gets `additionalProperties: false`: small
-      models otherwise invent keys. Skipped where `required` or `minProperties` would then be
-      unsatisfiable, and for allOf branches, whose siblings may declare the other keys.
-    - `allOf` (and `$ref` with siblings) is folded into one schema where that is exact
-      (schema_merge.py): neither backend enforces allOf.
-    - A string `pattern` is re-spelled for the string's JSON text (regex_canonical.py): a raw
-      '"' in it produced invalid JSON, and outlines let `.` write a raw '"'.
-    - A `required` name missing from `properties` is added there (with the additionalProperties
-      schema, or `{}`; or, in a closed object, the schema of the one patternProperties pattern that
-      matches it), so that backends which only emit declared properties still emit it.
-    - An integer's fractional bounds are rounded to the whole bounds they mean (`minimum: 1.5` is
-      `minimum: 2`): xgrammar refused them ("Integer constraint must be a whole number").
-    """
-    schema = merge_all_of(schema)
-    for path, node in list(walk_schema(schema)):
-        if node.get("type") == "integer":
-            _whole_integer_bounds(node)
-        if isinstance(node.get("pattern"), str):
-            try:
-                node["pattern"] = json_string_pattern(node["pattern"])
-            except ValueError:  # e.g. an anchor mid-pattern: the backend reads it as before
-                pass
-        props = node.get("properties")
-        required = node.get("required")
-        if isinstance(required, list) and (isinstance(props, dict) or node.get("type") == "object"):
-            props = node.setdefault("properties", {}) if not isinstance(props, dict) else props
-            extra = node.get("additionalProperties", True)
-            for name in required:
-                if not isinstance(name, str) or name in props:
-                    continue
-                if extra is not False:
-                    props[name] = extra if isinstance(extra, dict) else {}
-                elif len(_patterns_matching(node, name)) == 1:
-                    # NOTE: a backend enforces `required` among declared properties only: a closed
-                    # object's required "_id" that only a pattern admits was left out ('{"m": 1}').
-                    props[name] = _patterns_matching(node, name)[0]
-        if not isinstance(props, dict) or not props:
-            continue
-        if _ALLOF_BRANCH.search(path) or any(k in node for k in _OPEN_OBJECT_KEYS):
-            continue
-        min_props = node.get("minProperties", 0)
-        if isinstance(min_props, (int, float)) and min_props > len(props):
-            continue
-        node["additionalProperties"] = False
-    return schema
-
-
-def _patterns_matching(node: dict, name: str) -> list:
-    """The patternProperties subschemas whose pattern matches the property name."""
-    patterns = node.get("patternProperties")
-    if not isinstance(patterns, dict):
-        return []
-    out = []
-    for pattern, sub in patterns.items():
-        try:
-            if re.search(pattern, name):
-                out.append(sub)
-        except re.error:
-            return []  # a pattern Python cannot read: do not guess
-    return out
-
-
 def _undeclared_required(node: dict) -> list[str]:
     """Required names of a closed object that neither `properties` nor exactly one pattern declares:
     no backend makes the output contain them."""
@@ -374,28 +248,7 @@ def _undeclared_required(node: dict) -> list[str]:
     if not isinstance(required, list) or node.get("additionalProperties", True) is not False:
         return []
     props = props if isinstance(props, dict) else {}
-    return [n for n in required if isinstance(n, str) and n not in props and len(_patterns_matching(node, n)) != 1]
-
-
-def _whole_integer_bounds(node: dict) -> None:
-    """Replace an integer node's fractional bounds by the inclusive whole bounds they mean."""
-
-    def fractional(key: str) -> bool:
-        value = node.get(key)
-        return isinstance(value, float) and math.isfinite(value) and not value.is_integer()
-
-    def tighten(key: str, value: int, stricter: Any) -> None:
-        old = node.get(key)
-        node[key] = value if not isinstance(old, (int, float)) or isinstance(old, bool) else stricter(old, value)
-
-    if fractional("minimum"):
-        node["minimum"] = math.ceil(node["minimum"])
-    if fractional("maximum"):
-        node["maximum"] = math.floor(node["maximum"])
-    if fractional("exclusiveMinimum"):
-        tighten("minimum", math.floor(node.pop("exclusiveMinimum")) + 1, max)
-    if fractional("exclusiveMaximum"):
-        tighten("maximum", math.ceil(node.pop("exclusiveMaximum")) - 1, min)
+    return [n for n in required if isinstance(n, str) and n not in props and len(patterns_matching(node, n)) != 1]
 
 
 def unenforced_features(schema: Any, backend: str) -> list[str]:
@@ -477,7 +330,3 @@ def unenforced_keywords(schema: Any, backend: str) -> list[Unenforced]:
                 if not exact and not support.multiple_of_number:
                     warn(path, keyword, f"keyword 'multipleOf' ({value!r} on {declared or 'any'} values)")
     return found
-
-
-def _escape(name: str) -> str:
-    return str(name).replace("~", "~0").replace("/", "~1")

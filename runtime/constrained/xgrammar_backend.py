@@ -2,7 +2,7 @@
 
 JSON text is laid out by the kind (`JSON_LAYOUTS`): natural (", " and ": "), compact, two-space
 indentation, or free whitespace ("json_ws"). Objects that declare
-their properties admit only those, in declared order (see `schema_support.tighten_schema`), which
+their properties admit only those, in declared order (see `schema_tighten.tighten_schema`), which
 keeps small models on the rails and still yields schema-valid output.
 """
 
@@ -18,8 +18,9 @@ import xgrammar as xgr
 
 from .base import ANY_JSON, JSON_KINDS, CompiledGrammar, GrammarBackend, GrammarKey, GrammarMatcher
 from .schema_merge import merge_all_of
-from .schema_support import Unenforced, tighten_schema, unenforced_keywords
+from .schema_support import Unenforced, unenforced_keywords
 from .schema_text import clean_backend_error, normalize_regex, parse_json_schema
+from .schema_tighten import tighten_schema
 from .vocab import TokenizerVocab
 
 # from_json_schema's layout arguments per JSON kind. NOTE: "json_ws" lets the model put any whitespace

@@ -1,13 +1,13 @@
 """Decode matmul y = x @ W^T for 2-64 rows: tensor cores, weights streamed once, deterministic split-K.
 
 At batch 2-64 a decode step's linear layers are still bound by reading the weights (64 rows make 64
-FLOPs per weight byte, under the H200's ~200 FLOP/byte ridge), but the skinny matmul (gemv.py) does its
+FLOPs per weight byte, under a Hopper GPU's ~200 FLOP/byte ridge), but the skinny matmul (gemv.py) does its
 products on the CUDA cores and only pays at one row, while the matmul library's tiles are built for
 large M. Here the roles are swapped: W's rows are the tensor-core M axis (BLOCK_N of them, >= 64 so
 Hopper's warpgroup MMA applies) and x's few rows the narrow N axis (BLOCK_M, padded to >= 16), so a
 tile computes y^T = W_tile @ x^T. Measured (bench_decode_gemm.py, 8B, weight-only step of every layer's
-matrices + LM head): 4 rows 3.80 ms against cuBLAS's 4.02, 16 rows 3.92 / 4.15, 32 rows 3.96 / 4.15;
-at 64 rows only the LM head still gains (256 / 283 us), at 128 cuBLAS is faster everywhere.
+matrices + LM head): faster than cuBLAS from 4 to 32 rows; at 64 rows only the LM head still gains, at 128
+cuBLAS is faster everywhere.
 
 Small matrices (8B's O and down: 4,096 output rows) give only 32-64 tiles of W rows, fewer than the
 132 SMs; SPLIT_K programs share a tile's K axis. Each writes its float32 partial sum to a workspace and
@@ -69,7 +69,7 @@ class SplitKWorkspace:
 # NOTE: M (the row count) is not specialized: Triton would compile one variant for M == 1, one for M a
 # multiple of 16 and one for the rest, per tile shape. Decode batches are padded to graph buckets and
 # compile at capture, but a prefill's LM head takes one row per request (any count up to 64), so a
-# first batch of, say, 27 requests waited ~0.35 s for its compile. M only bounds a mask here.
+# first batch of, say, 27 requests waited for its compile. M only bounds a mask here.
 @triton.jit(do_not_specialize=["M"])
 def _decode_gemm_kernel(
     X,
@@ -138,21 +138,20 @@ MAX_ROWS = 64  # the x tile is BLOCK_M wide; above this the matmul library's own
 
 
 def pick_decode_gemm_config(n: int, k: int, rows: int) -> DecodeGemmConfig:
-    """Tiles by shape, from benchmarks/bench_decode_gemm.py's sweeps on an H200 (bf16, Llama-3.1-8B shapes,
-    4-64 rows; us against cuBLAS at 16 rows): wide matrices (gate_up, the LM head) take 128-row tiles of
-    128-wide K steps, one program per tile (gate_up 57.6 vs 58.2, LM head 242 vs 254); the others 64-row
-    tiles of 256-wide K steps, 4 stages (QKV 15.5 vs 16.1, O 12.0 vs 13.7). A program keeps ~128 KB of W
-    in flight, so even 64 programs on 132 SMs stream near full bandwidth (O: 64 tiles unsplit beat 128
-    split ones); K is split in two when long (down: halves of 7,168, 32.3 vs 33.8). Fewer than 64 tiles
-    (the 1B shapes, 8 rows) split K into up to ~128 programs: O 5.2 vs 5.7, down 12.3 vs 13.8 (QKV, split
-    in two, stays 0.3-1 us behind cuBLAS; the 1B step gains ~1-2% at 8-16 rows, nothing at 32)."""
+    """Tiles by shape, from benchmarks/kernels/bench_decode_gemm.py's sweeps (bf16, Llama-3.1-8B shapes, 4-64
+    rows; each choice beat cuBLAS at 16 rows): wide matrices (gate_up, the LM head) take 128-row tiles of
+    128-wide K steps, one program per tile; the others 64-row tiles of 256-wide K steps, 4 stages. A program
+    keeps ~128 KB of W in flight, so even 64 programs on 132 SMs stream near full bandwidth (O: 64 tiles
+    unsplit beat 128 split ones); K is split in two when long (down: halves of 7,168). Fewer than 64 tiles
+    (the 1B shapes, 8 rows) split K into up to ~128 programs (QKV, split in two, stays a little behind
+    cuBLAS)."""
     if n >= 16384:
         return DecodeGemmConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3 if rows <= 16 else 4)
     tiles = triton.cdiv(n, 64)
     if tiles >= 64:
         split, stages = (2 if k > 8192 else 1), 4
     else:  # few, short tiles (the 1B shapes: O 32 tiles of 2,048, down 32 of 8,192): up to ~128 programs
-        # NOTE: a power of two, so K's tiles divide evenly (1B QKV split 3 over 8 tiles: 9.4 us, split 2: 7.1).
+        # NOTE: a power of two, so K's tiles divide evenly (1B QKV split 3 over 8 tiles was far slower than 2).
         split = 1 << (triton.cdiv(128, tiles).bit_length() - 1)
         stages = 3 if split >= 4 else 4
     # NOTE: above 32 rows the x tile doubles; 256-wide K steps would need 256 KB of shared memory.

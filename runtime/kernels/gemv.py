@@ -91,15 +91,13 @@ def _gemv_kernel(
 
 
 def pick_gemv_config(n: int, k: int) -> GemvConfig:
-    """Tiles by shape, from benchmarks/bench_gemv.py's sweeps on an H200 (one row, bf16, the Llama-3.1-8B
-    and 3.2-1B shapes): long K runs per load, and few enough rows a program that every SM gets work.
+    """Tiles by shape, from benchmarks/kernels/bench_gemv.py's sweeps (one row, bf16, the Llama-3.1-8B and
+    3.2-1B shapes): long K runs per load, and few enough rows a program that every SM gets work.
 
     K <= 4,096 (every matrix but down) takes a whole row per tile: a program then has all its loads in
-    flight at once instead of walking 1,024-wide tiles one after another (8B: QKV 15.7 -> 14.8 us, O 12.0
-    -> 11.1, gate_up 55.0 against cuBLAS's 57.2; 1B: QKV 5.8 against 6.6, O 4.8 against 6.3). Two rows a
-    program at K = 4,096 (N <= 32k), four otherwise. A long K (down: 14,336 or 8,192) takes 2,048-wide
-    tiles, 8 rows a program when N >= 4,096 and 2 below, so that both shapes have >= 512 programs
-    (8B 30.8 us against cuBLAS's 31.8; 1B 11.5 against 13.7)."""
+    flight at once instead of walking 1,024-wide tiles one after another. Two rows a program at K = 4,096
+    (N <= 32k), four otherwise. A long K (down: 14,336 or 8,192) takes 2,048-wide tiles, 8 rows a program
+    when N >= 4,096 and 2 below, so that both shapes have >= 512 programs. Each beat cuBLAS."""
     if k <= 4096:
         block_n = 2 if (k >= 4096 and n <= 32768) else 4
         return GemvConfig(block_n=block_n, block_k=next_power_of_2(k), num_warps=4, num_stages=2)

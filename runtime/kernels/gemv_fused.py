@@ -1,6 +1,6 @@
 """One-row skinny matmuls with the small op before them folded in: y = op(x) @ W^T, one launch each.
 
-At batch 1 a decode step is bound by weight bandwidth plus ~1-3 us of gap and ramp per kernel, and the
+At batch 1 a decode step is bound by weight bandwidth plus each kernel's gap and ramp, and the
 ops between the matmuls (add + RMSNorm, SiLU-and-mul) move almost no bytes. So each program of the
 matmul recomputes the op for the K values it multiplies (the row is at most a few tens of KB and comes
 from L2 after the first program touched it), then streams its BLOCK_N rows of W as gemv.py does. Per
@@ -219,10 +219,10 @@ def _fused_gemv_resident_kernel(
 
 def pick_fused_gemv_config(n: int, k: int) -> FusedGemvConfig:
     """Default tiles for every prologue: gemv.py's choice for the same (N, K) (block_n, block_k, warps,
-    stages, and its K loop rather than the resident row), because those were swept on an H200.
+    stages, and its K loop rather than the resident row), because those were swept.
     NOTE: the first guess for the prologues (twice the rows per program, 3 stages: fewer programs
-    re-reading the activation row) lost bandwidth there: norm->QKV 2.64 TB/s and norm->LM head 4.09
-    where gemv.py's kernel with its own tiles reaches 3.21 and 4.48 (bench_fused_gemv.py; --sweep to retune)."""
+    re-reading the activation row) lost bandwidth against gemv.py's kernel with its own tiles
+    (bench_fused_gemv.py; --sweep to retune)."""
     base = pick_gemv_config(n, k)
     return FusedGemvConfig(base.block_n, base.block_k, base.num_warps, base.num_stages, resident=False)
 

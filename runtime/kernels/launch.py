@@ -8,15 +8,15 @@ kernel before it in the stream is still running, once every program of that one 
 after it, and a kernel may do independent work before its wait (the skinny matmul loads its first
 weight tile: weights are never written by a decode step).
 
-Off by default: measured on an H200 (benchmarks/bench_one_batch.py --variants, 8B shape, decode steps
-pipelined as the engine runs them), it gained nothing at batch 1 (4.577 ms a step without, 4.632 with;
-4.580 with the MLP's matmuls on the skinny matmul too, so that every kernel of the chain took part) and
-cost 6% at batch 8 (4.836 -> 5.142 ms), where PDL kernels sit between cuBLAS matmuls.
+Off by default: measured (benchmarks/engine/bench_one_batch.py --variants, 8B shape, decode steps
+pipelined as the engine runs them), it gained nothing at batch 1 (nor with the MLP's matmuls on the skinny
+matmul too, so that every kernel of the chain took part) and cost time at batch 8, where PDL kernels sit
+between cuBLAS matmuls.
 
 Every kernel here that takes `USE_PDL` calls `pdl_wait_then_release` before its first load of data a
 previous kernel may have written. Releasing right after the wait is safe: the next kernel's own wait
 covers this one's whole run. A kernel after a non-PDL one (a cuBLAS matmul, a torch op) simply starts
-when that one ends. Switch: the `pdl` kernel choice (kernels/choices.py, ServerArgs `enable_pdl`; on compute
+when that one ends. Switch: the `pdl` kernel choice (runtime/kernel_choices.py, ServerArgs `enable_pdl`; on compute
 capability >= 9), read per launch so one process can capture graphs both ways and compare them.
 """
 

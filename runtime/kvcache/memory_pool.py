@@ -63,7 +63,7 @@ class ReqToTokenPool:
         object (requests that matched the same cached prefix) share its upload.
 
         NOTE: one `write` per request was one pageable host-to-device copy each, and such a copy waits
-        for the device: admitting 256 requests that share a 2,000-token prefix cost ~50 ms of host time.
+        for the device: admitting a batch of requests that share a long prefix waited on every step in flight.
         The upload is each distinct prefix's int32 slots plus each row's (req slot, length, start of its
         prefix in the upload); the (row, position, source) indices are expanded on the device: ~10 KB
         instead of 1.3 MB (163 rows of one 2,000-token prefix), and no host copy per row.
@@ -73,7 +73,7 @@ class ReqToTokenPool:
         blob_of: dict[int, int] = {}  # id(kv tensor) -> index in blobs
         blobs: list[np.ndarray] = []  # distinct prefixes, as host arrays
         slots_of: list[list[int]] = []  # req slots per distinct prefix
-        row_blob = []
+        blob_per_row: list[int] = []
         for slot, kv_slots in items:
             b = blob_of.get(id(kv_slots))
             if b is None:
@@ -81,7 +81,7 @@ class ReqToTokenPool:
                 blobs.append(kv_slots.cpu().numpy())
                 slots_of.append([])
             slots_of[b].append(slot)
-            row_blob.append(b)
+            blob_per_row.append(b)
         for host, slots in zip(blobs, slots_of):  # (rows, n) <- (n,): one write per distinct prefix
             self.host[slots if len(slots) > 1 else slots[0], : len(host)] = host
         if self._recorded is not None:
@@ -89,12 +89,12 @@ class ReqToTokenPool:
         k = len(items)
         blob_lens = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
         blob_starts = np.cumsum(blob_lens) - blob_lens
-        row_blob = np.asarray(row_blob, dtype=np.int64)
+        row_blob = np.asarray(blob_per_row, dtype=np.int64)
         lens, src_starts = blob_lens[row_blob], blob_starts[row_blob]  # (k,) each
         n, m = int(lens.sum()), int(blob_lens.sum())
         row_slots = np.fromiter((s for s, _ in items), dtype=np.int64, count=k)
-        packed = np.concatenate(blobs + [row_slots, lens, src_starts, np.cumsum(lens) - lens])
-        packed = self._upload(packed.astype(np.int32))  # one copy
+        host_packed = np.concatenate(blobs + [row_slots, lens, src_starts, np.cumsum(lens) - lens])
+        packed = self._upload(host_packed.astype(np.int32))  # one copy
         kv = packed[:m]
         slots_t, lens_t, src_t, dst_t = (packed[m + i * k : m + (i + 1) * k].long() for i in range(4))
         # NOTE: output_size keeps repeat_interleave from reading the total back (a sync).
@@ -129,6 +129,8 @@ class ReqToTokenPool:
 
     def take_writes(self) -> list[tuple]:
         """The recorded writes since the last call (see the class note), oldest first."""
+        if self._recorded is None:
+            raise RuntimeError("take_writes: this table does not record its writes (record_writes=False)")
         taken, self._recorded = self._recorded, []
         return taken
 
@@ -199,7 +201,7 @@ class TokenAllocator:
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     """torch.zeros, for a KV cache. On the CPU the zeros come from calloc (through numpy), whose large blocks are
     fresh pages the OS zeroes when first touched, so a pool costs nothing until its slots are used.
-    NOTE: torch.zeros wrote every byte at once: 3 GB for the default model's CPU pool took 5-9 s of each start-up."""
+    NOTE: torch.zeros wrote every byte at once, so a large CPU pool cost its whole size in writes at each start-up."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = int(np.prod(shape)) * dtype.itemsize

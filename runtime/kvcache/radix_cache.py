@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 import torch
 
 from .memory_pool import TokenAllocator
 from .prefix_cache import MatchResult, PinHandle, PrefixCache, PrefixHitStats, PrefixPeek
 from .radix_checks import check_tree
-from .radix_keys import as_key, checked_pair, key_slice
+from .radix_keys import aligned, as_key, checked_pair, child_key, common_len, key_slice
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -69,12 +69,12 @@ class RadixCache(PrefixCache):
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         key = as_key(token_ids)
-        node, child, m, _ = self._walk(key[: self._aligned(len(key))])
+        node, child, m, _ = self._walk(key[: aligned(len(key), self.page_size)])
         return self._matched(len(key), node, child, m)
 
     def peek_prefix_len(self, token_ids: Sequence[int]) -> int:
         key = as_key(token_ids)
-        return self._walk(key[: self._aligned(len(key))])[3]
+        return self._walk(key[: aligned(len(key), self.page_size)])[3]
 
     # NOTE: every admission step ranks the waiting queue by cached-prefix length (lpm) and then matches
     # the requests it admits; with ~1,000-2,000-token shared prefixes each walk compares that many
@@ -83,7 +83,7 @@ class RadixCache(PrefixCache):
     # comparing the tokens again.
     def peek_prefix(self, token_ids: Sequence[int]) -> PrefixPeek:
         key = as_key(token_ids)
-        node, child, m, pos = self._walk(key[: self._aligned(len(key))])
+        node, child, m, pos = self._walk(key[: aligned(len(key), self.page_size)])
         return PrefixPeek(token_ids, pos, len(key), node, child, m)
 
     def match_peeked(self, peek: PrefixPeek) -> MatchResult:
@@ -95,7 +95,7 @@ class RadixCache(PrefixCache):
         # The peek's walk is reused when it is still current and its match ended before the prefix's
         # (page-aligned) end: it stopped on a token both share, so the prefix's walk ends there too.
         n = len(token_ids)
-        if not self.peek_is_current(peek) or n > peek.queried or peek.num_tokens >= self._aligned(n):
+        if not self.peek_is_current(peek) or n > peek.queried or peek.num_tokens >= aligned(n, self.page_size):
             return self.peek_prefix(token_ids)
         return PrefixPeek(token_ids, peek.num_tokens, n, peek.node, peek.child, peek.m)
 
@@ -114,7 +114,7 @@ class RadixCache(PrefixCache):
         if pos + self.page_size > peek.queried:
             return True  # the walk ended with the ids
         page = key_slice(peek.token_ids, pos, pos + self.page_size)
-        return node.children.get(self._child_key(page, 0)) is None
+        return node.children.get(child_key(page, 0, self.page_size)) is None
 
     # ---- locking -------------------------------------------------------------------------------
 
@@ -143,7 +143,7 @@ class RadixCache(PrefixCache):
         the handle's `num_tokens` says how many tokens that was. Does not count in `hit_stats`.
         """
         key = as_key(token_ids)
-        node, child, m, _ = self._walk(key[: self._aligned(len(key))])
+        node, child, m, _ = self._walk(key[: aligned(len(key), self.page_size)])
         node, values = self._commit(node, child, m)
         handle = PinHandle(self._handle(node), sum(len(v) for v in values))
         self.inc_lock(handle.node)
@@ -165,13 +165,13 @@ class RadixCache(PrefixCache):
         return sum(nodes.values())
 
     def cached_len(self, num_tokens: int) -> int:
-        return self._aligned(num_tokens)
+        return aligned(num_tokens, self.page_size)
 
     # ---- inserting -----------------------------------------------------------------------------
 
     def cache_unfinished_req(self, token_ids, kv_indices, old_node):
         num, kv = checked_pair(token_ids, kv_indices)
-        n = self._aligned(num)
+        n = aligned(num, self.page_size)
         start, pos = self._resume_point(old_node, kv, n)
         node, tree_kv = self._insert(key_slice(token_ids, pos, n), kv[pos:n], start)
         self.inc_lock(self._handle(node))  # lock the new path before releasing the old one
@@ -186,7 +186,7 @@ class RadixCache(PrefixCache):
 
     def cache_finished_req(self, token_ids, kv_indices, old_node) -> None:
         num, kv = checked_pair(token_ids, kv_indices)
-        n = self._aligned(num)
+        n = aligned(num, self.page_size)
         start, pos = self._resume_point(old_node, kv, n)
         self._insert(key_slice(token_ids, pos, n), kv[pos:n], start)
         if n < num:
@@ -209,7 +209,7 @@ class RadixCache(PrefixCache):
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
-            del parent.children[self._child_key(leaf.key, 0)]
+            del parent.children[child_key(leaf.key, 0, self.page_size)]
             leaf.parent = None  # detached: a stale handle to it is now detectably invalid
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
@@ -263,10 +263,10 @@ class RadixCache(PrefixCache):
         number of tokens matched."""
         node, pos = self.root, 0
         while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
+            child = node.children.get(child_key(key, pos, self.page_size))
             if child is None:
                 break
-            m = self._common_len(child.key, key, pos)
+            m = common_len(child.key, key, pos, self.page_size)
             if m < len(child.key):
                 return node, child, m, pos + m
             node, pos = child, pos + m
@@ -281,7 +281,7 @@ class RadixCache(PrefixCache):
         while above is not self.root:
             above.last_access = self._clock
             values.append(above.value)
-            above = above.parent
+            above = cast(TreeNode, above.parent)  # an attached node: only the root has no parent
         values.reverse()
         return end, values
 
@@ -297,14 +297,14 @@ class RadixCache(PrefixCache):
         """Where inserting a request's first `n` tokens can start: at `old_node` (the handle it holds,
         from matching or inserting a prefix of those same tokens), `pos` tokens in, instead of the root.
 
-        NOTE: walking from the root compared the whole cached prefix again, token by token (~16 us per
-        2,000 tokens, twice per request: after its prefill and at its end). The request's slots for that
+        NOTE: walking from the root compared the whole cached prefix again, token by token, twice per
+        request (after its prefill and at its end). The request's slots for that
         path are compared with the tree's instead (one C call per edge); if they differ (slots the request
         computed itself), the walk starts from the root, which frees them as duplicates.
         """
         path = self._path_to_root(old_node)  # deepest first
         depth = sum(len(p.key) for p in path)
-        if not path or depth > n:
+        if old_node is None or depth > n:  # (no path: old_node is None or the root)
             return self.root, 0
         pos = 0
         for p in reversed(path):
@@ -328,18 +328,18 @@ class RadixCache(PrefixCache):
         above = node
         while above is not self.root:  # as if the walk had come down from the root
             above.last_access = self._clock
-            above = above.parent
+            above = cast(TreeNode, above.parent)  # an attached node: only the root has no parent
         pos, tree_values, duplicates = 0, [], []
         while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
+            child = node.children.get(child_key(key, pos, self.page_size))
             if child is None:
                 leaf = TreeNode(key[pos:], value[pos:].clone(), node, self._clock)
-                node.children[self._child_key(key, pos)] = leaf
+                node.children[child_key(key, pos, self.page_size)] = leaf
                 self._evictable += len(leaf.key)
                 tree_values.append(leaf.value)
                 node = leaf
                 break
-            m = self._common_len(child.key, key, pos)
+            m = common_len(child.key, key, pos, self.page_size)
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = self._clock
@@ -356,33 +356,16 @@ class RadixCache(PrefixCache):
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut `child`'s edge after `m` tokens; returns the new upper node (child stays below)."""
-        parent = child.parent
+        parent = cast(TreeNode, child.parent)  # an edge in the tree
         upper = TreeNode(child.key[:m], child.value[:m].clone(), parent, child.last_access)
         # Same locks as the child: every lock through the child goes through the upper half too,
         # so the evictable/protected counters do not change.
         upper.lock_ref = child.lock_ref
         child.key, child.value = child.key[m:], child.value[m:].clone()
         child.parent = upper
-        upper.children[self._child_key(child.key, 0)] = child
-        parent.children[self._child_key(upper.key, 0)] = upper
+        upper.children[child_key(child.key, 0, self.page_size)] = child
+        parent.children[child_key(upper.key, 0, self.page_size)] = upper
         return upper
-
-    def _common_len(self, node_key: tuple, key: tuple, start: int) -> int:
-        """Tokens shared by `node_key` and `key[start:]`, rounded down to whole pages."""
-        n = min(len(node_key), len(key) - start)
-        if key[start : start + n] == node_key[:n]:  # fast path: C-level tuple compare
-            m = n
-        else:
-            m = 0
-            while node_key[m] == key[start + m]:
-                m += 1
-        return m - m % self.page_size
-
-    def _child_key(self, key: tuple, pos: int):
-        return key[pos] if self.page_size == 1 else key[pos : pos + self.page_size]
-
-    def _aligned(self, n: int) -> int:
-        return n - n % self.page_size
 
     def _handle(self, node: TreeNode) -> Optional[TreeNode]:
         return None if node is self.root else node

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .radix_keys import child_key
+
 
 def check_tree(cache) -> None:
     """Raise AssertionError naming the first broken invariant of a RadixCache."""
@@ -26,7 +28,7 @@ def check_tree(cache) -> None:
                 len(child.key) > 0 and len(child.key) % cache.page_size == 0,
                 f"{where}: key length {len(child.key)} is not a positive multiple of page_size {cache.page_size}",
             )
-            _require(ck == cache._child_key(child.key, 0), f"{where}: stored under child key {ck}")
+            _require(ck == child_key(child.key, 0, cache.page_size), f"{where}: stored under child key {ck}")
             _require(
                 child.value.dtype == torch.int64 and child.value.shape == (len(child.key),),
                 f"{where}: value {child.value.dtype} {tuple(child.value.shape)} does not match its key",

@@ -1,4 +1,5 @@
-"""Token ids as radix-tree keys (tuples of ints), and the checks on what the scheduler inserts.
+"""Token ids as radix-tree keys (tuples of ints), their page arithmetic, and the checks on what the scheduler
+inserts.
 
 Separate from radix_cache.py because it is one concept: accepting the caller's ids (lists of ints as
 the scheduler holds them, tensors, other sequences) and converting only the part that is needed.
@@ -11,12 +12,12 @@ from typing import Sequence
 import torch
 
 
-def as_key(token_ids: Sequence[int]) -> tuple:
+def as_key(token_ids: Sequence[int] | torch.Tensor) -> tuple:
     if isinstance(token_ids, torch.Tensor):
         return tuple(token_ids.reshape(-1).tolist())
     if type(token_ids) in (list, tuple) and (not token_ids or type(token_ids[0]) is int):
-        # NOTE: the scheduler's lists of ints (validated at intake): converting each element
-        # cost ~58 us per 1,000 tokens, paid for every ranked, admitted and finished request.
+        # NOTE: the scheduler's lists of ints (validated at intake): converting each element again
+        # was paid for every ranked, admitted and finished request.
         return tuple(token_ids)
     try:
         return tuple(int(t) for t in token_ids)
@@ -54,3 +55,25 @@ def checked_pair(token_ids, kv_indices) -> tuple[int, torch.Tensor]:
             f"kv_indices has {kv.numel()} slots but token_ids has {num} tokens; they must correspond one to one"
         )
     return num, kv
+
+
+def aligned(n: int, page_size: int) -> int:
+    """`n` tokens rounded down to whole pages (the tree holds whole pages only)."""
+    return n - n % page_size
+
+
+def child_key(key: tuple, pos: int, page_size: int):
+    """What a node's parent files it under: the first token (page size 1) or first page of `key[pos:]`."""
+    return key[pos] if page_size == 1 else key[pos : pos + page_size]
+
+
+def common_len(node_key: tuple, key: tuple, start: int, page_size: int) -> int:
+    """Tokens shared by `node_key` and `key[start:]`, rounded down to whole pages."""
+    n = min(len(node_key), len(key) - start)
+    if key[start : start + n] == node_key[:n]:  # fast path: C-level tuple compare
+        m = n
+    else:
+        m = 0
+        while node_key[m] == key[start + m]:
+            m += 1
+    return m - m % page_size

@@ -2,7 +2,7 @@
 
 Each op has two implementations with one numerics contract (see runtime/kernels/ for the details):
 - the torch code below, the reference, used for CPU tensors (and matched token for token against
-  transformers by tests/test_correctness_vs_hf.py);
+  transformers by tests/models/test_correctness_vs_hf.py);
 - a fused Triton kernel from runtime/kernels/, used automatically for CUDA tensors, because at small
   batches a decode step is bound by the number of kernel launches, not by memory (the torch RMSNorm
   alone is ~8 elementwise kernels, rotary ~10, SiLU-and-mul 3).
@@ -41,11 +41,11 @@ def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
 
 
 # Rows up to which a CUDA linear layer takes the Triton skinny matmul instead of cuBLAS. One row is
-# measured (benchmarks/bench_gemv.py, the tiles of gemv.pick_gemv_config): faster on every matrix of the
+# measured (benchmarks/kernels/bench_gemv.py, the tiles of gemv.pick_gemv_config): faster on every matrix of the
 # Llama-3.1-8B and 3.2-1B shapes.
 SKINNY_MATMUL_ROWS = 1
 # Rows up to which it takes the tensor-core decode matmul (runtime/kernels/decode_gemm.py) instead, and
-# up to which a wide matrix (N >= WIDE_MATRIX_N: the LM head) does: where it beat cuBLAS on an H200
+# up to which a wide matrix (N >= WIDE_MATRIX_N: the LM head) does: where it beat cuBLAS
 # (benchmarks/RESULTS.md, bench_decode_gemm.py and bench_one_batch.py). The `decode_gemm` kernel choice
 # off (ServerArgs `disable_decode_gemm`) sends those rows to cuBLAS; it is read at each call, so one
 # process can capture graphs both ways (bench_one_batch --variants).
@@ -123,7 +123,7 @@ def _check_linear_out(
 
 # The one-row decode path (a batch-1 decode step on CUDA): each RMSNorm runs inside the matmul after it
 # and SiLU-and-mul inside the down projection (runtime/kernels/gemv_fused.py), which removes 3-4 of a
-# layer's ~11 launches. Off by default: on an H200 the launches it saves were worth less than the weight
+# layer's ~11 launches. Off by default: the launches it saves were worth less than the weight
 # bandwidth the fused kernels lose (benchmarks/RESULTS.md, bench_fused_gemv.py and bench_one_batch.py;
 # its tiles mirror gemv.py's, so re-measure before turning it on).
 # FUSE_NORM_INTO_GATE_UP (on the fused path): False keeps the post-attention norm as its own kernel before

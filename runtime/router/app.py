@@ -22,7 +22,7 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..server_args import RouterArgs
+from .args import RouterArgs
 from .metrics import RouterMetrics
 from .policy import make_policy
 from .replicas import ReplicaSet

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from ..server_args import RouterArgs
+from .args import RouterArgs
 from .prefix_tree import PrefixTree
 
 

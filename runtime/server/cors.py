@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from .http_guards import send_json_error
-from .protocol_compat import IGNORED_FIELDS_HEADER
+from .protocol.compat import IGNORED_FIELDS_HEADER
 
 ALLOWED_METHODS = b"GET, POST, DELETE, HEAD, OPTIONS"
 EXPOSED_HEADERS = b"x-request-id, " + IGNORED_FIELDS_HEADER.encode()

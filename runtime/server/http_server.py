@@ -24,12 +24,12 @@ from .errors import error_body, install_error_handlers
 from .http_guards import BodySizeLimit, json_error_protocol_class
 from .metrics import CONTENT_TYPE
 from .native_api import router as native_router
-from .openai_api import router as openai_router
-from .openai_chat import router as chat_router
+from .openai.api import router as openai_router
+from .openai.chat import router as chat_router
 from .openapi_schema import install_openapi
-from .protocol_compat import IGNORED_FIELDS_HEADER
+from .protocol.compat import IGNORED_FIELDS_HEADER
 from .request_encoding import RequestDecompression
-from .responses_api import router as responses_router
+from .responses.api import router as responses_router
 from .server_context import ServerContext, get_context
 
 logger = logging.getLogger("plait.server")
@@ -77,7 +77,7 @@ class ResponseHeaders:
       (`chatcmpl-...`, which the route puts in request.state), else a fresh one, so even an error can be
       traced.
     - `X-Plait-Ignored-Fields`: the request's top-level fields that no API defines, which the route
-      ignored (protocol_compat.review puts them in request.state), so a client can see a typo."""
+      ignored (protocol.compat.review puts them in request.state), so a client can see a typo."""
 
     REQUEST_ID = b"x-request-id"
     IGNORED = IGNORED_FIELDS_HEADER.encode()
@@ -194,7 +194,7 @@ class _ReadyLoggingServer(uvicorn.Server):
 def warm_validators() -> None:
     """Load the grammar backends' schema validators on a daemon thread, once the server listens.
 
-    NOTE: they bring torch, transformers and xgrammar into this process (~3 s on a small CPU); loaded at
+    NOTE: they bring torch, transformers and xgrammar into this process (seconds of imports); loaded at
     import, that came before the engine's scheduler process was even launched. Loaded here, while the
     server is idle, the first request with a schema rarely waits for them (one that does waits on the
     import, not longer)."""

@@ -1,6 +1,6 @@
 """`plait serve`'s start: the engine first, the HTTP app's modules loaded beside it.
 
-NOTE: FastAPI, pydantic and the API modules take ~1 s to import on a small CPU; imported first, as the
+NOTE: FastAPI, pydantic and the API modules are slow to import; imported first, as the
 package used to, they came before the engine's scheduler process was launched. Here they load on a
 thread while the engine waits for its scheduler process.
 """

@@ -18,9 +18,9 @@ from ..request_options import RequestOptionError, RequestOptions, expand_samples
 from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup, new_rid
 from .errors import APIError, error_response, sse_error_event
-from .protocol import MAX_N
-from .protocol_compat import NATIVE, review
-from .protocol_native import AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
+from .protocol.compat import NATIVE, review
+from .protocol.native import AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
+from .protocol.openai import MAX_N
 from .server_context import ServerContext, get_context
 
 router = APIRouter()

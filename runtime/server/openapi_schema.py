@@ -2,7 +2,7 @@
 
 FastAPI documents a 422 with its own body for invalid requests; plait answers 400 with its one error body
 (errors.py), and 401/404/413/415/503 where they apply. Generation routes stream `text/event-stream` when
-asked. Routes with several methods get one operation id per method. Fuzzers (tests/test_server_fuzz.py)
+asked. Routes with several methods get one operation id per method. Fuzzers (tests/server/test_server_fuzz.py)
 read this schema, so it must be the truth.
 """
 

@@ -15,8 +15,8 @@ from starlette.requests import Request
 from ..server_args import ServerArgs
 from .engine_client import AdmissionControl, GenerationGroup
 from .metrics import ServerMetrics
-from .response_store import ResponseStore
-from .token_bytes import TokenBytes
+from .openai.token_bytes import TokenBytes
+from .responses.store import ResponseStore
 
 # SGLang's OpenAI examples send model="default"; accept it as an alias of the served model.
 DEFAULT_MODEL_ALIAS = "default"
@@ -47,7 +47,7 @@ class ServerContext:
     token_bytes: Optional[TokenBytes] = None  # None without a tokenizer
     started_at: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-    logged_once: set[str] = field(default_factory=set)  # what protocol_compat.review has logged
+    logged_once: set[str] = field(default_factory=set)  # what protocol.compat.review has logged
 
     @classmethod
     def build(cls, engine: Any, server_args: ServerArgs) -> "ServerContext":

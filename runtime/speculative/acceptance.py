@@ -9,7 +9,7 @@ draw from a draft distribution: prompt lookup, forced tokens, a draft model's to
 target distribution p, its children c1, c2, ... are tried in order: c_i is accepted with probability
 p(c_i) / (1 - p(c_1) - ... - p(c_{i-1})); when all are rejected, the next token is drawn from p with
 the rejected tokens removed (renormalized). Each token so chosen has probability exactly p(t): the
-sequence keeps the target's distribution (tests/test_spec_units.py checks it on synthetic trees).
+sequence keeps the target's distribution (tests/spec/test_spec_units.py checks it on synthetic trees).
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@ stretches of steps run one way against stretches run another.
 
 The cost model (cost.py) predicts each step from curves of what steps cost; what it cannot see it gets
 wrong: a verify step's host work the next step waits on, the overlap a decided step loses, acceptance
-that comes in runs rather than draft by draft. On an H200 at batch 8 it kept verifying where speculation
-was 7% slower than none. The guard looks only at the outcome. A stretch runs from one decision to a
+that comes in runs rather than draft by draft: at batch 8 it kept verifying where speculation was slower
+than none. The guard looks only at the outcome. A stretch runs from one decision to a
 later one for the same running requests, its steps all run under one policy (an `Arm`):
 
 - WEIGHED: the cost model decides each step's drafts (its pauses and measuring steps included);
-- ALL: every proposed draft is verified, no cost model (it wins where the model is too careful: on an
-  H200 at batch 1 the cost model ran as slowly as OFF where verifying everything was 1.35x faster);
+- ALL: every proposed draft is verified, no cost model (it wins where the model is too careful: at
+  batch 1 the cost model ran as slowly as OFF where verifying everything was faster);
   tried where drafts were accepted under WEIGHED and it was no more than ALL_MARGIN slower than OFF
   (where none are accepted, verifying more cannot pay; where verifying what the cost model chose was
   clearly slower, verifying everything is slower still; a tie may be the cost model pausing through
@@ -22,7 +22,7 @@ last (at a decision every earlier step has been read back: the counts are exact)
 size times the harmonic mean of its requests' own rates, not their sum: each request's user waits on his
 own tokens, and a batch run to its end waits on its slowest. Drafts accepted by one request (its output
 loops, it copies) while the others accept none raise the sum, yet every request still pays the verify
-steps' cost; the sum then picked verifying at batch 8 on an H200 where it made the batch 5% slower.
+steps' cost; the sum then picked verifying at batch 8 where it made the batch slower.
 
 A stretch ends after its length in steps, or earlier where the batch changes (a request finished or
 joined) or a prefill runs: then it counts up to its last decision. That matters where requests run one
@@ -35,7 +35,7 @@ Each batch size runs its best arm and probes the others now and then so a change
 one stretch of another arm after every PROBE_EVERY of the best; while OFF is best, one after each OFF
 stretch, those growing from FIRST_OFF_STEPS to MAX_OFF_STEPS steps (the probes then cost little). OFF
 is run only where it beat the best speculating arm by OFF_MARGIN, both measured MIN_SAMPLES times: a
-mistaken OFF loses all that drafts gain (copying: 1.5x and more), a mistaken speculating arm at most
+mistaken OFF loses all that drafts gain (most where a request copies), a mistaken speculating arm at most
 what the margin lets through.
 """
 

@@ -1,7 +1,8 @@
 """Triton attention kernels over the paged KV pool (used by `triton_backend.py`)."""
 
-from .decode_attention import PrefixPartials, decode_attention
+from .decode_attention import decode_attention
 from .decode_config import DecodeConfig, DecodePolicy, decode_scratch_numel, default_decode_policy
+from .decode_merge import PrefixPartials
 from .extend_attention import ExtendConfig, default_extend_config, extend_attention
 from .prefix_attention import PrefixConfig, PrefixTables, prefix_attention, prefix_partial_numel, split_prefix_scratch
 from .tree_attention import tree_attention

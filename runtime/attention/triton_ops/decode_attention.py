@@ -7,8 +7,9 @@ One query token per request attends over its whole sequence, whose K/V live in t
   or more adjacent KV heads (`DecodeConfig.kv_heads_per_program`) and ALL the query heads that share
   them (GQA grouping), so every K/V row is read from memory once per group instead of once per query
   head. It writes the split's normalised partial output and its log-sum-exp (base 2).
-- Stage 2: merges each request's splits by their log-sum-exps (grid: batch, all query heads of a
-  request in one program; small batches: batch x query head, see `DecodePolicy` in decode_config.py).
+- Stage 2 (`decode_merge.py`): merges each request's splits by their log-sum-exps (grid: batch, all query
+  heads of a request in one program; small batches: batch x query head, see `DecodePolicy` in
+  decode_config.py).
   With one split per request and nothing to merge, stage 1 writes the output itself and stage 2 is not
   launched.
 
@@ -27,7 +28,6 @@ Empty requests (seq_len == 0, e.g. CUDA-graph padding) produce an all-zero outpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -36,25 +36,9 @@ import triton.language as tl
 
 from ...kernels.launch import pdl_launch_args, pdl_wait_then_release
 from .decode_config import DecodeConfig, decode_scratch_numel
+from .decode_merge import PrefixPartials, merge_partials, split_count, suffix_start
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _num_splits(seq_len, split_cap, MIN_SPLIT_LEN: tl.constexpr):
-    # Same formula in both stages, so they agree on where each split starts and ends.
-    n = tl.cdiv(seq_len, MIN_SPLIT_LEN)
-    return tl.maximum(tl.minimum(n, split_cap), 1)
-
-
-@triton.jit
-def _kv_begin(ReqInfo, b, HAS_PREFIX: tl.constexpr):
-    # First KV position the split-KV stages cover: the suffix after the group's shared prefix.
-    if HAS_PREFIX:
-        begin = tl.load(ReqInfo + b * 3).to(tl.int32)
-    else:
-        begin = b * 0  # an int32 zero, folded away
-    return begin
 
 
 @triton.jit
@@ -105,9 +89,9 @@ def _decode_stage1_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    kv_begin = _kv_begin(ReqInfo, b, HAS_PREFIX)
+    kv_begin = suffix_start(ReqInfo, b, HAS_PREFIX)
     suffix_len = tl.maximum(seq_len - kv_begin, 0)
-    num_splits = _num_splits(suffix_len, split_cap, MIN_SPLIT_LEN)
+    num_splits = split_count(suffix_len, split_cap, MIN_SPLIT_LEN)
     split_len = tl.cdiv(suffix_len, num_splits)
     kv_start = kv_begin + split * split_len
     kv_end = tl.minimum(kv_start + split_len, seq_len)
@@ -181,196 +165,6 @@ def _decode_stage1_kernel(
         )
 
 
-@triton.jit
-def _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr):
-    # Stage 2's view of request b: the KV length stage 1 covered, its split count and split length.
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    suffix_len = tl.maximum(seq_len - _kv_begin(ReqInfo, b, HAS_PREFIX), 0)
-    num_splits = _num_splits(suffix_len, split_cap, MIN_SPLIT_LEN)
-    return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits)
-
-
-@triton.jit
-def _decode_stage2_kernel(
-    PartialO,
-    PartialLse,
-    SeqLens,
-    Out,
-    ReqInfo,
-    PrefixO,
-    PrefixLse,
-    split_cap,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_plb,
-    stride_plh,
-    stride_ob,
-    stride_oh,
-    stride_xos,
-    stride_xoh,
-    stride_xls,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_wait_then_release(USE_PDL)
-    # One program per request, all its query heads at once: a (heads x head_dim) tile per split.
-    # NOTE: a program per (request, head) moved 2 KB each; at batch 512 that was 16k tiny programs and
-    # 52 us per layer, mostly block scheduling, for ~20 MB of partials.
-    b = tl.program_id(0)
-
-    suffix_len, num_splits, split_len = _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX)
-    offs_h = tl.arange(0, BLOCK_HQ)
-    h_mask = offs_h < NUM_HEADS
-    offs_s = tl.arange(0, BLOCK_S)
-    # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
-    # wrote nothing there, so it must be masked here by its start, not just by num_splits.
-    s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-
-    lse = tl.load(
-        PartialLse + b * stride_plb + offs_h[:, None] * stride_plh + offs_s[None, :],
-        mask=h_mask[:, None] & s_mask[None, :],
-        other=float("-inf"),
-    )  # (BLOCK_HQ, BLOCK_S)
-    lse_max = tl.max(lse, 1)  # (BLOCK_HQ,)
-    if HAS_PREFIX:
-        p_slot = tl.load(ReqInfo + b * 3 + 1)
-        n_prefix = tl.load(ReqInfo + b * 3 + 2)
-        offs_p = tl.arange(0, BLOCK_P)
-        lse_p = tl.load(
-            PrefixLse + (p_slot + offs_p)[None, :] * stride_xls + offs_h[:, None],
-            mask=h_mask[:, None] & (offs_p < n_prefix)[None, :],
-            other=float("-inf"),
-        )
-        lse_max = tl.maximum(lse_max, tl.max(lse_p, 1))
-    # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max[:, None])  # (BLOCK_HQ, BLOCK_S), 0 for masked splits
-    w_sum = tl.sum(w, 1)
-    acc = tl.zeros([BLOCK_HQ, BLOCK_D], dtype=tl.float32)
-    # The splits stage 1 wrote (not the empty last one; the scratch there is stale, maybe NaN).
-    n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
-    for s in range(0, n_written):
-        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)  # (BLOCK_HQ,) this split's weight
-        o = tl.load(
-            PartialO + b * stride_pob + offs_h[:, None] * stride_poh + s * stride_pos + offs_d[None, :],
-            mask=hd_mask,
-            other=0.0,
-        )
-        acc += o * w_s[:, None]
-    if HAS_PREFIX:
-        w_p = tl.exp2(lse_p - lse_max[:, None])  # (BLOCK_HQ, BLOCK_P)
-        w_sum += tl.sum(w_p, 1)
-        for j in range(0, n_prefix):
-            w_j = tl.sum(tl.where(offs_p[None, :] == j, w_p, 0.0), 1)
-            o = tl.load(
-                PrefixO + (p_slot + j) * stride_xos + offs_h[:, None] * stride_xoh + offs_d[None, :],
-                mask=hd_mask,
-                other=0.0,
-            )
-            acc += o * w_j[:, None]
-    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-    tl.store(
-        Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=hd_mask
-    )
-
-
-@triton.jit
-def _decode_stage2_per_head_kernel(
-    PartialO,
-    PartialLse,
-    SeqLens,
-    Out,
-    ReqInfo,
-    PrefixO,
-    PrefixLse,
-    split_cap,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_plb,
-    stride_plh,
-    stride_ob,
-    stride_oh,
-    stride_xos,
-    stride_xoh,
-    stride_xls,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_wait_then_release(USE_PDL)
-    # One program per (request, query head), all splits in one load: the latency-bound small batches'
-    # merge (a batch of one has 32 of these programs, where the per-request merge has one).
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-
-    suffix_len, num_splits, split_len = _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX)
-    offs_s = tl.arange(0, BLOCK_S)
-    # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
-    # wrote nothing there, so it must be masked here by its start, not just by num_splits.
-    s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-
-    lse = tl.load(
-        PartialLse + b * stride_plb + head * stride_plh + offs_s, mask=s_mask, other=float("-inf")
-    )  # (BLOCK_S,)
-    lse_max = tl.max(lse, 0)
-    if HAS_PREFIX:
-        p_slot = tl.load(ReqInfo + b * 3 + 1)
-        offs_p = tl.arange(0, BLOCK_P)
-        p_mask = offs_p < tl.load(ReqInfo + b * 3 + 2)
-        lse_p = tl.load(
-            PrefixLse + (p_slot + offs_p) * stride_xls + head, mask=p_mask, other=float("-inf")
-        )  # (BLOCK_P,)
-        lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
-    # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # (BLOCK_S,) 0 for masked splits
-    o = tl.load(
-        PartialO + b * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # (BLOCK_S, BLOCK_D)
-    w_sum = tl.sum(w, 0)
-    acc = tl.sum(o * w[:, None], 0)  # (BLOCK_D,)
-    if HAS_PREFIX:
-        w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
-        o_p = tl.load(
-            PrefixO + (p_slot + offs_p)[:, None] * stride_xos + head * stride_xoh + offs_d[None, :],
-            mask=p_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # (BLOCK_P, BLOCK_D)
-        w_sum += tl.sum(w_p, 0)
-        acc += tl.sum(o_p * w_p[:, None], 0)
-    out = acc / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
-    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
-
-
-@dataclass
-class PrefixPartials:
-    """What the shared-prefix kernel left for the split-KV decode to merge (see prefix_attention.py)."""
-
-    req_info: torch.Tensor  # (B, 3) int32: suffix start, first prefix partial slot, prefix partials
-    partial_o: torch.Tensor  # (slots, H, D) fp32
-    partial_lse: torch.Tensor  # (slots, H) fp32
-    max_partials: int  # most prefix partials one request has (sizes stage 2's merge)
-
-
 def decode_attention(
     q: torch.Tensor,  # (B, H, D)
     k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
@@ -415,9 +209,8 @@ def decode_attention(
     prefix_o = prefix.partial_o if prefix is not None else partial_o
     prefix_lse = prefix.partial_lse if prefix is not None else partial_lse
 
-    # NOTE: with one split per request (batch * kv heads already fills the GPU: batch >= ~66 at 8 KV
-    # heads on an H200) and no prefix partials to merge, stage 1 writes the output and stage 2 is not
-    # launched. At batch 512 it had cost 52 us per layer (1.7 ms of a 27 ms 8B step) for a copy.
+    # NOTE: with one split per request (batch * kv heads already fills the GPU) and no prefix partials to
+    # merge, stage 1 writes the output and stage 2, which would only copy it, is not launched.
     direct = split_cap == 1 and prefix is None
     # NOTE: no programmatic launch with a shared prefix: stage 2 then also waits for the prefix kernel on
     # another stream (`before_merge`), a dependency PDL's same-stream handshake does not cover.
@@ -467,45 +260,7 @@ def decode_attention(
         before_merge()
     if direct:
         return out
-    block_p = triton.next_power_of_2(max(1, prefix.max_partials if prefix is not None else 1))
-    # NOTE: no request has more splits than split_cap, which depends on the batch size only, so a
-    # captured graph's constexpr BLOCK_S stays right for any sequence lengths.
-    block_s = triton.next_power_of_2(split_cap)
-    args = (
-        partial_o,
-        partial_lse,
-        seq_lens,
-        out,
-        req_info,
-        prefix_o,
-        prefix_lse,
-        split_cap,
-        partial_o.stride(0),
-        partial_o.stride(1),
-        partial_o.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        prefix_o.stride(0),
-        prefix_o.stride(1),
-        prefix_lse.stride(0),
-    )
-    consts = dict(
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_S=block_s,
-        MIN_SPLIT_LEN=cfg.min_split_len,
-        HAS_PREFIX=prefix is not None,
-        BLOCK_P=block_p,
-        **pdl,
-    )
-    if cfg.merge_per_head:
-        _decode_stage2_per_head_kernel[(batch, num_heads)](*args, **consts, num_warps=4 if block_d >= 128 else 2)
-    else:
-        _decode_stage2_kernel[(batch,)](
-            *args, NUM_HEADS=num_heads, BLOCK_HQ=triton.next_power_of_2(num_heads), **consts, num_warps=4
-        )
+    merge_partials(partial_o, partial_lse, seq_lens, out, req_info, prefix_o, prefix_lse, split_cap, cfg, prefix, pdl)
     return out
 
 

@@ -15,20 +15,19 @@ from dataclasses import dataclass
 class DecodeConfig:
     """Launch parameters of the split-KV decode (GPU defaults; tests shrink them to exercise splits)."""
 
-    # Defaults from benchmarks/sweep_decode_attention.py on an H200 (bf16, head_dim 64 and 128, batch
-    # 1-256, context 576 and 4096): the config with the smallest mean slowdown against each case's own
-    # best (1.06x). Short splits matter most at small batch: at batch 1 a 576-token context cut into
-    # 256-token splits ran 3 programs per KV head, each looping serially (12.6 us per layer, where the
-    # KV read alone is ~0.5 us); small KV tiles pay off at large batch.
+    # Defaults from benchmarks/kernels/sweep_decode_attention.py (bf16, head_dim 64 and 128, batch 1-256,
+    # context 576 and 4096): the config with the smallest mean slowdown against each case's own best.
+    # Short splits matter most at small batch: a short context cut into long splits runs few programs per
+    # KV head, each looping serially, far slower than the KV read; small KV tiles pay off at large batch.
     block_n: int = 32  # KV tokens per inner-loop iteration
     max_kv_splits: int = 64  # upper bound on splits per request (sizes the partial-output scratch)
     min_split_len: int = 32  # do not split a sequence into pieces shorter than this
-    target_programs: int = 4 * 132  # stage-1 programs worth launching (about 4 waves on an H200)
+    target_programs: int = 4 * 132  # stage-1 programs worth launching (about 4 waves on a GPU of 132 SMs)
     num_warps: int = 4
     num_stages: int = 2
     # A floor on the split cap. At batch 512 x 8 KV heads one split per request already makes 4,096
     # programs, but of equal length they run in ~3.1 waves of the GPU's resident programs, and the last,
-    # mostly empty wave costs a whole one: 411 us per layer (700-token contexts), 382 with two splits.
+    # mostly empty wave costs a whole one; two splits even the waves out.
     min_splits: int = 1
     # Stage 2 with one program per (request, head) instead of per request: a small batch has too few
     # requests to spread the merge over (batch 1: one program, looping over its splits).
@@ -36,9 +35,8 @@ class DecodeConfig:
     # KV heads one stage-1 program reads side by side (a power of two; fewer where the model's KV heads
     # are not a multiple). Their query heads fill the tile rows, which a single GQA group of 4 pads to 16
     # anyway, so 2 heads cost no extra tensor-core work, and each token's K/V read is one contiguous run
-    # of 2 x head_dim elements with half the slot-index loads. Measured on an H200 (8B heads, us per
-    # layer, 1 -> 2 heads): batch 64 x 770 60.2 -> 58.8, 256 x 576 159.8 -> 145.3, 512 x 700 363.2 ->
-    # 340.3, 32 x 4,096 153.1 -> 135.6; batch 1 x 576 6.3 -> 6.8 (half the programs), so small batches keep 1.
+    # of 2 x head_dim elements with half the slot-index loads. Faster from batch 32 up; a batch of one
+    # (half the programs) is slower, so small batches keep 1.
     kv_heads_per_program: int = 1
 
     def __post_init__(self):
@@ -91,21 +89,18 @@ class DecodePolicy:
 
 
 def default_decode_policy(num_sms: int) -> DecodePolicy:
-    # NOTE: from benchmarks/sweep_decode_attention.py on an H200 (8B heads, bf16, us per layer).
-    # - Up to 32 requests, one KV head a program and the per-head merge (the session-2 sweep's tiles,
-    #   measured in the full step: 8B batch 1 4.77 ms). The boundary (32) is where batch x heads merge
-    #   programs stop being cheaper than batch programs looping over ~3 splits each.
-    # - Up to 4 requests, 2 pipeline stages; from 5 to 32, 3 (--pack and a stages A/B, us per layer,
-    #   2 -> 3 stages): 1 x 576 6.2 -> 6.3, 1 x 4,096 9.7 -> 10.1, 4 x 1,000 10.3 -> 10.9; 8 x 576 10.0
-    #   either way, 8 x 2,000 29.1 -> 25.0, 32 x 576 30.9 -> 28.4, 16 x 2,000 48.3 -> 40.7, 32 x 4,096
-    #   151.6 -> 130.9. (Two heads a program lost here: batch 1 x 576 6.3 -> 6.8, and no case gained.)
+    # NOTE: from benchmarks/kernels/sweep_decode_attention.py (8B heads, bf16; its figures are in
+    # benchmarks/RESULTS.md).
+    # - Up to 32 requests, one KV head a program and the per-head merge. The boundary (32) is where
+    #   batch x heads merge programs stop being cheaper than batch programs looping over ~3 splits each.
+    # - Up to 4 requests, 2 pipeline stages; from 5 to 32, 3 (--pack and a stages A/B: 3 stages lose a
+    #   little at 1-4 requests and gain from 8 on). Two heads a program lost here, and no case gained.
     # - Above 32 requests a program reads two KV heads (--pack: heads per program x block_n x warps x
     #   stages x target programs; the best for every case was 2 heads, 32-token tiles, 4 warps, 3 stages,
-    #   ~2 programs per SM): batch 64 x 770 60.2 -> 58.8, 64 x 1,000 72.7 -> 70.8, 256 x 576 159.8 ->
-    #   145.3, 512 x 700 363.2 -> 340.3. With half the programs per request, one split per request
-    #   already fills the GPU from batch ~66 on: the earlier floor of two splits (a fix for the wave
-    #   quantization of 4,096 one-head programs at batch 512) and the separate tier above 256 requests
-    #   (64-token tiles, 357.5 us there) are no longer needed.
+    #   ~2 programs per SM). With half the programs per request, one split per request already fills the
+    #   GPU from batch ~66 on: the earlier floor of two splits (a fix for the wave quantization of 4,096
+    #   one-head programs at batch 512) and the separate tier above 256 requests (64-token tiles) are no
+    #   longer needed.
     latency = DecodeConfig(target_programs=4 * num_sms, merge_per_head=True)
     return DecodePolicy(
         tiers=((4, latency), (32, dataclasses.replace(latency, num_stages=3))),

@@ -9,8 +9,8 @@ Grid: request x KV head x block of new tokens. A program's tile rows are (token,
 the GROUP query heads that share one KV head, for BLOCK_M // GROUP consecutive new tokens (GQA
 packing). Each K/V tile is then loaded once for the whole group, and a short extend still fills the
 tile: 50 new tokens x 4 heads are 200 rows, where one head's 50 rows left most of a 128-row tile empty
-(a few-shot prefill step, 163 requests x 50 tokens after a 2,000-token prefix, spent 40% of its time
-here). FlashAttention-style online softmax (base 2). The key range of a block splits in two phases:
+(a large share of a few-shot prefill step: 163 requests x 50 tokens after a 2,000-token prefix).
+FlashAttention-style online softmax (base 2). The key range of a block splits in two phases:
 - keys before the block's first query position: visible to every row, no causal mask;
 - the diagonal keys up to the block's last query position: causal mask.
 Keys past the block's last query position are never loaded.
@@ -44,9 +44,9 @@ class ExtendConfig:
 
 
 def default_extend_config(head_dim: int) -> ExtendConfig:
-    # NOTE: from benchmarks/sweep_extend_attention.py on an H200 (8B heads, bf16; fewshot, tree, offline
-    # and multiturn prefill shapes): 256 rows x 64 keys, 8 warps, 3 stages was within 2% of each shape's
-    # best on average (fewshot 255 TFLOP/s against 169 with 128x64, 2 stages). Head dims above 128
+    # NOTE: from benchmarks/kernels/sweep_extend_attention.py (8B heads, bf16; fewshot, tree, offline and
+    # multiturn prefill shapes): 256 rows x 64 keys, 8 warps, 3 stages was within 2% of each shape's best
+    # on average, well ahead of 128x64 with 2 stages. Head dims above 128
     # halve the rows to keep the fp32 accumulator in registers.
     if head_dim <= 128:
         return ExtendConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)

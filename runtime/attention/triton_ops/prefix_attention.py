@@ -46,7 +46,7 @@ class PrefixConfig:
     # one tile). Compiled for sm_90 at head_dim 128 (loads pipelined as cp.async, QK and PV on wgmma):
     # 64x64 tiles take 208 registers a thread at 4 warps (two programs per SM), 154 at 8 warps (one);
     # 64x32 at 4 warps 160 (three); 128x64 at 8 warps 202 (one).
-    # benchmarks/bench_cascade_attention.py --sweep times the alternatives.
+    # benchmarks/kernels/bench_cascade_attention.py --sweep times the alternatives.
     block_m: int = 64  # query rows (member x head) per tile
     block_n: int = 64  # prefix tokens per inner-loop iteration
     num_warps: int = 4

@@ -1,0 +1,268 @@
+"""Offline throughput: the plait Engine against transformers `generate`, measured in one run.
+
+CPU (default when there is no GPU): the embedded default model (SmolLM2-135M-Instruct, float32);
+32 prompts of 8-400 words; 64 new tokens each (EOS ignored so both sides produce exactly as many);
+transformers runs the same prompts batched with left padding.
+
+GPU: dummy weights at a real shape (`--model llama-3.2-1b` / `llama-3.1-8b`) on the fixed workloads
+of shared/bench/workload.py (`--workload offline|batch64|single`), against transformers `generate`
+on a static batch of the same shape, and against a memory-bandwidth roofline measured in the same run.
+
+    python benchmarks/engine/bench_offline.py                       # CPU, default model
+    python benchmarks/engine/bench_offline.py --model llama-3.1-8b --workload offline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_common
+
+from bench_common import format_breakdown, load_workload_module, parse_engine_args, save, step_breakdown  # noqa: E402
+from gpu_ceilings import copy_bandwidth, matmul_flops  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORDS = (
+    "the of and to in is was he for it with as his on be at by had are but from or have an they which "
+    "one you were all her she there would their we him been has when who will more no if out so said what "
+    "up its about into than them can only other new some could time these two may then do first any my now "
+    "such like our over man me even most made after also did many before must through back years where much "
+    "your way well down should because each just those people how too little state good very make world still "
+    "own see men work long get here between both life being under never day same another know while last"
+).split()
+
+
+def cpu_prompts(n: int = 32, seed: int = 0, max_words: int = 400) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, max_words))) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+def run_cpu(args) -> dict:
+    from plait.runtime import Engine
+    from plait.runtime.models.default_model import default_model_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = cpu_prompts(args.num_prompts)
+    ids = [tok.encode(p) for p in prompts]
+    n_out = args.output_len
+    result = {
+        "bench": "offline-cpu",
+        "model": "SmolLM2-135M-Instruct (float32)",
+        "num_prompts": len(ids),
+        "input_tokens": sum(map(len, ids)),
+        "output_len": n_out,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+    with Engine(model_path=path) as eng:
+        eng.generate(input_ids=ids[:2], sampling_params={"max_new_tokens": 4, "temperature": 0})  # warm-up
+        eng.flush_cache()
+        t = time.perf_counter()
+        outs = eng.generate(
+            input_ids=ids, sampling_params={"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True}
+        )
+        dt = time.perf_counter() - t
+    got = sum(len(o["output_ids"]) for o in outs)
+    result["plait"] = {"seconds": dt, "output_tokens": got, "output_tok_s": got / dt}
+    print(f"plait        {got} tokens in {dt:.1f} s: {got / dt:.1f} output tok/s")
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batch = torch.full((len(ids), max(map(len, ids))), pad)
+    mask = torch.zeros_like(batch)
+    for i, x in enumerate(ids):
+        batch[i, -len(x) :] = torch.tensor(x)
+        mask[i, -len(x) :] = 1
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            batch, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=pad
+        )
+    dt = time.perf_counter() - t
+    got = (out.shape[1] - batch.shape[1]) * len(ids)
+    result["transformers"] = {"seconds": dt, "output_tokens": got, "output_tok_s": got / dt}
+    print(f"transformers {got} tokens in {dt:.1f} s: {got / dt:.1f} output tok/s")
+    result["speedup"] = result["plait"]["output_tok_s"] / result["transformers"]["output_tok_s"]
+    print(f"plait / transformers: {result['speedup']:.2f}x")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def load_workload(name: str):
+    return load_workload_module().make(name)
+
+
+def roofline_seconds(
+    reqs, weight_bytes: int, kv_bytes_per_token: int, bw: float, max_bs: int, n_params: int = 0, flops: float = 0.0
+) -> float:
+    """A lower bound: prefill is compute (2 x params FLOP per prompt token at the measured matmul rate);
+    each decode step reads all weights once and every generated token reads its KV."""
+    n_out = [o for _, o in reqs]
+    steps = max(max(n_out), -(-sum(n_out) // max_bs))
+    kv = sum(sum(len(i) + t for t in range(o)) for i, o in reqs) * kv_bytes_per_token
+    prefill = 2 * n_params * sum(len(i) for i, _ in reqs) / flops if flops else 0.0
+    return (steps * weight_bytes + kv) / bw + prefill
+
+
+def run_gpu(args) -> list[dict]:
+    """Each workload of --workload in turn on one Engine; one result dict per workload."""
+    from plait.runtime import Engine
+    from plait.runtime.kvcache.memory_pool import KVPool
+    from plait.runtime.models.config import BUILTIN_SHAPES, ModelConfig
+
+    cfg = ModelConfig.from_dict(BUILTIN_SHAPES[args.model])
+    n_params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_hidden_layers * (
+        cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
+    weight_bytes = 2 * n_params
+    kv_tok = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16)
+    bw, flops = copy_bandwidth(), matmul_flops()
+    engine_args = parse_engine_args(args.engine_arg)
+    results = []
+    with Engine(
+        model_path=args.model,
+        load_format="dummy",
+        max_running_requests=args.max_running_requests,
+        disable_cuda_graph=args.disable_cuda_graph,
+        attention_backend=args.attention_backend,
+        enable_step_timing=True,
+        **engine_args,
+    ) as eng:
+        eng.generate(
+            input_ids=[[100 + i] * (16 + i) for i in range(4)],
+            sampling_params={"max_new_tokens": 8, "ignore_eos": True, "temperature": 0},
+        )
+        for workload in args.workload:
+            reqs = load_workload(workload)
+            result = {
+                "bench": f"offline-gpu-{workload}",
+                "model": args.model,
+                "gpu": torch.cuda.get_device_name(),
+                "requests": len(reqs),
+                "input_tokens": sum(len(i) for i, _ in reqs),
+                "output_tokens": sum(o for _, o in reqs),
+                "copy_bandwidth_GBps": bw / 1e9,
+                "matmul_TFLOPs": flops / 1e12,
+            }
+            print(json.dumps(result))
+            eng.flush_cache()
+            before = eng.get_stats()
+            t = time.perf_counter()
+            outs = eng.generate(
+                input_ids=[r[0] for r in reqs],
+                sampling_params=[{"max_new_tokens": o, "ignore_eos": True, "temperature": 0} for _, o in reqs],
+            )
+            dt = time.perf_counter() - t
+            info = eng.get_server_info()
+            steps = step_breakdown(before, info, dt)
+            print(format_breakdown(steps))
+            out_toks = sum(len(o["output_ids"]) for o in outs)
+            exact = all(len(o["output_ids"]) == n for o, (_, n) in zip(outs, reqs))
+            max_bs = info["max_running_requests"]  # the engine's resolved value
+            lb = roofline_seconds(reqs, weight_bytes, kv_tok, bw, max_bs, n_params, flops)
+            result["plait"] = {
+                "seconds": dt,
+                "output_tok_s": out_toks / dt,
+                "total_tok_s": (out_toks + result["input_tokens"]) / dt,
+                "exact_lengths": exact,
+                "max_total_tokens": info.get("max_total_tokens"),
+                "retractions": info.get("num_retractions"),
+                "steps": steps,
+                "max_running_requests": max_bs,
+                "engine_args": engine_args,
+                "kernel_compiles": info.get("kernel_compiles_after_startup", 0)
+                - before.get("kernel_compiles_after_startup", 0),
+            }
+            result["roofline"] = {"seconds": lb, "output_tok_s": out_toks / lb, "plait_fraction": lb / dt}
+            print(
+                f"plait {workload}: {out_toks / dt:.0f} out tok/s, {(out_toks + result['input_tokens']) / dt:.0f} "
+                f"total tok/s ({dt:.2f} s); roofline {out_toks / lb:.0f} out tok/s; exact lengths: {exact}; "
+                f"kernels compiled during the run: {result['plait']['kernel_compiles']}"
+            )
+            results.append(result)
+    if not args.skip_transformers:
+        hf = run_transformers_gpu(cfg, args)
+        for r in results:
+            r["transformers"] = hf
+    return results
+
+
+def run_transformers_gpu(cfg, args) -> dict:
+    """transformers generate on a static batch (input 512, output 128) at the same shape."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    raw = {k: v for k, v in cfg.raw.items() if k != "architectures"}
+    hf_cfg = LlamaConfig(**raw)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.bfloat16).eval()
+    bs, n_in, n_out = args.hf_batch_size, 512, 128
+    ids = torch.randint(100, 30000, (bs, n_in), device="cuda")
+    with torch.no_grad():
+        model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n_out,
+            min_new_tokens=n_out,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    res = {"batch_size": bs, "input_len": n_in, "output_len": n_out, "seconds": dt, "output_tok_s": bs * n_out / dt}
+    print(f"transformers generate bs={bs} in {n_in} out {n_out}: {bs * n_out / dt:.0f} out tok/s")
+    del model
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="built-in dummy shape (GPU); default: the embedded model on CPU")
+    p.add_argument(
+        "--workload",
+        nargs="+",
+        default=["offline"],
+        choices=["offline", "batch64", "single"],
+        help="GPU: one or more of the shared workloads, run in turn on one engine",
+    )
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-running-requests", type=int, default=None, help="default: the engine's choice")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other ServerArgs field for the Engine (GPU), e.g. --engine-arg chunked_prefill_size=4096",
+    )
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    args = p.parse_args()
+    if args.model is None:
+        res = run_cpu(args)
+        save("bench_offline_cpu", res)
+    else:
+        for res in run_gpu(args):
+            save(f"bench_offline_{args.model}_{res['bench'].removeprefix('offline-gpu-')}", res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,439 @@
+"""The one-row decode matmuls with the op before them folded in (runtime/kernels/gemv_fused.py) against
+the unfused ops: rms_norm_torch / SiluAndMul + F.linear, and the unfused Triton kernels; then the decoder
+layer's one-row path against the torch path.
+
+Without CUDA the kernels run in Triton's CPU interpreter at tiny sizes (K and N not multiples of the
+blocks). The interpreter rounds float32 -> bfloat16 by truncation, so bf16 is checked bit for bit
+against the unfused Triton kernels (which truncate the same way) and within tolerance against torch;
+the `gpu` tests run the real Llama-3.1-8B shapes and the PDL launch inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_llama_model
+from plait.runtime.kernel_choices import KernelChoices, using
+from plait.runtime.kernel_choices import current as current_choices
+from plait.runtime.kvcache.memory_pool import KVPool
+from plait.runtime.models import layers
+from plait.runtime.models.layers import rms_norm_torch, set_use_triton, silu_and_mul_torch
+from plait.runtime.models.llama import LlamaForCausalLM
+
+torch.set_num_threads(1)
+
+EPS = 1e-5
+
+
+def kernels():
+    from plait.runtime import kernels as k  # imported in the test, after conftest chose the interpreter
+
+    return k
+
+
+def fused():
+    import importlib
+
+    return importlib.import_module("plait.runtime.kernels.gemv_fused")
+
+
+@pytest.fixture
+def fused_decode_row():
+    """The opt-in one-row path on, for the test (as a runner with enable_fused_decode_row runs forwards)."""
+    with using(KernelChoices(fused_decode_row=True)):
+        yield
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+def configs():
+    f = fused()
+    return [None, f.FusedGemvConfig(block_n=4, block_k=64), f.FusedGemvConfig(block_n=8, resident=True, sub_n=2)]
+
+
+def unfused_gemv(act: torch.Tensor, w: torch.Tensor, b, cfg) -> torch.Tensor:
+    """gemv.py's kernel over the same K chunks as the fused kernel with `cfg`: in the interpreter the two
+    then sum in the same order, so the results must be equal bit for bit."""
+    f = fused()
+    k = w.shape[1]
+    cfg = cfg or f.pick_fused_gemv_config(w.shape[0], k)
+    k_pow2 = f.next_power_of_2(k)
+    block_k = k_pow2 if cfg.resident else min(cfg.block_k, k_pow2)
+    from plait.runtime.kernels.gemv import GemvConfig
+
+    return kernels().gemv(act, w, b, GemvConfig(block_n=4, block_k=block_k))
+
+
+def _inputs(n: int, k: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(1, k, generator=g).to(dtype) for _ in range(2))
+    norm_w = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+    w, b = (torch.randn(n, k, generator=g) * 0.1).to(dtype), torch.randn(n, generator=g).to(dtype)
+    return x, residual, norm_w, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(37, 200), (5, 1030)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rmsnorm_gemv_matches_unfused(dtype, n, k, with_residual):
+    x, residual, norm_w, w, b = _inputs(n, k, dtype, seed=n + k)
+    res_in = residual.clone() if with_residual else None
+    torch_out = rms_norm_torch(x, norm_w, EPS, res_in)
+    ref_act, ref_res = torch_out if with_residual else (torch_out, x)
+    ref = F.linear(ref_act.double(), w.double(), b.double())
+    # The unfused Triton kernels, which round exactly like the fused one (interpreter included).
+    k_ = kernels()
+    if with_residual:
+        tri_act, tri_res = k_.fused_add_rmsnorm(x, residual.clone(), norm_w, EPS)
+    else:
+        tri_act, tri_res = k_.rmsnorm(x, norm_w, EPS), x
+    for cfg in configs():
+        y, res = k_.rmsnorm_gemv(x, res_in, norm_w, EPS, w, b, config=cfg)
+        tri = unfused_gemv(tri_act, w, b, cfg)
+        used = cfg or fused().pick_fused_gemv_config(n, k)
+        if not used.resident and used.block_k < k:  # several K chunks: the sum of squares in another order
+            assert rel_err(y, tri) < (1e-6 if dtype == torch.float32 else 1e-2)
+        else:  # the whole row in one chunk, like rmsnorm.py
+            assert torch.equal(y, tri)
+        assert y.shape == (1, n) and y.dtype == dtype and res.shape == (1, k)
+        if with_residual:
+            assert torch.equal(res_in, residual)  # the residual given is left alone; the sum is new
+            assert torch.equal(res, tri_res)
+            if dtype == torch.float32:
+                assert torch.equal(res, ref_res)
+        else:
+            assert res is x
+        assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,inter", [(37, 200), (6, 1030)])
+def test_silu_mul_gemv_matches_unfused(dtype, n, inter):
+    g = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(1, 2 * inter, generator=g) * 3).to(dtype)
+    w = (torch.randn(n, inter, generator=g) * 0.1).to(dtype)
+    ref = F.linear(silu_and_mul_torch(gate_up).double(), w.double())
+    act = kernels().silu_and_mul(gate_up)
+    for cfg in configs():
+        y = kernels().silu_mul_gemv(gate_up, w, config=cfg)
+        assert y.shape == (1, n) and y.dtype == dtype
+        assert torch.equal(y, unfused_gemv(act, w, None, cfg))
+        assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_gemv_row_plain_with_bias_and_float32_logits():
+    x, _, _, w, b = _inputs(41, 130, torch.bfloat16, seed=3)
+    for cfg in configs():
+        y = kernels().gemv_row(x, w, b, out_dtype=torch.float32, config=cfg)
+        assert y.dtype == torch.float32
+        assert rel_err(y, F.linear(x.double(), w.double(), b.double())) < 1e-6  # fp32 output: no rounding
+
+
+def test_final_norm_into_lm_head_float32_out():
+    x, residual, norm_w, w, _ = _inputs(50, 64, torch.float32, seed=4)
+    y, _ = kernels().rmsnorm_gemv(x, residual, norm_w, EPS, w, out_dtype=torch.float32)
+    out, _ = rms_norm_torch(x, norm_w, EPS, residual)
+    assert rel_err(y, F.linear(out.double(), w.double())) < 1e-5
+
+
+def test_fused_gemv_bad_input_names_the_problem():
+    k_ = kernels()
+    x, residual, norm_w, w, b = _inputs(8, 32, torch.float32, seed=5)
+    with pytest.raises(ValueError, match="one row"):
+        k_.rmsnorm_gemv(torch.randn(2, 32), None, norm_w, EPS, w)
+    with pytest.raises(ValueError, match=r"residual must be one row \(1, 32\)"):
+        k_.rmsnorm_gemv(x, torch.randn(1, 31), norm_w, EPS, w)
+    with pytest.raises(ValueError, match="norm weight"):
+        k_.rmsnorm_gemv(x, residual, norm_w.to(torch.bfloat16), EPS, w)
+    with pytest.raises(ValueError, match=r"weight must be \(N, 32\)"):
+        k_.rmsnorm_gemv(x, residual, norm_w, EPS, torch.randn(8, 33))
+    with pytest.raises(ValueError, match="bias"):
+        k_.gemv_row(x, w, torch.randn(9))
+    with pytest.raises(ValueError, match="gate_up must be"):
+        k_.silu_mul_gemv(torch.randn(1, 31), w)
+    with pytest.raises(ValueError, match="unit stride"):
+        k_.gemv_row(torch.randn(1, 64)[:, ::2], w)
+    with pytest.raises(ValueError, match="resident-row kernel"):
+        k_.gemv_row(torch.randn(1, 9000), torch.randn(2, 9000), config=fused().FusedGemvConfig(resident=True))
+
+
+# ---------------------------------------------------------------- the decoder's one-row path
+
+
+class _OneTokenAttention:
+    """Attention of a single token at position 0 over itself: the output is its own v (per query head)."""
+
+    def forward(self, q, k, v, spec, fb, kv_stored=False):
+        # q (1, H, D), v (1, Hkv, D) -> (1, H * D)
+        if kv_stored:
+            v = fb.kv_pool.v_buffer[spec.layer_id][fb.out_cache_loc]
+        return v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1).reshape(1, -1)
+
+
+def _one_token_batch(model: LlamaForCausalLM, device="cpu"):
+    cfg = model.config
+    pool = KVPool(8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
+    fb = types.SimpleNamespace(
+        capture_layers=(),
+        attn_backend=_OneTokenAttention(),
+        kv_pool=pool,
+        out_cache_loc=torch.tensor([3], device=device),
+    )
+    return torch.tensor([17], device=device), torch.tensor([0], device=device), fb
+
+
+def _counting(monkeypatch, names):
+    """Wrap the real kernels so the test can see which ones the model called."""
+    calls = {name: 0 for name in names}
+    k_ = kernels()
+    for name in names:
+        real = getattr(k_, name)
+
+        def wrapper(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(k_, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("fuse_gate_up", [True, False])
+def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch, fused_decode_row):
+    # float16: the interpreter rounds it like torch, so the fused path must agree closely with the torch
+    # reference path (which the CPU uses, and which tests/models/test_correctness_vs_hf.py pins to transformers).
+    monkeypatch.setattr(layers, "FUSE_NORM_INTO_GATE_UP", fuse_gate_up)
+    model = tiny_llama_model(arch)
+    cfg = model.config
+    ids, positions, fb = _one_token_batch(model)
+    calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row"])
+    with torch.no_grad():
+        set_use_triton(model, False)
+        ref_hidden = model(ids, positions, fb)
+        ref_logits = model.compute_logits(ref_hidden)
+        assert sum(calls.values()) == 0 and torch.equal(model.forward_logits(ids, positions, fb), ref_logits)
+        set_use_triton(model, True)
+        hidden = model(ids, positions, fb)
+        logits = model.forward_logits(ids, positions, fb)
+    layers_run = 2 * cfg.num_hidden_layers  # forward + forward_logits
+    assert calls == {
+        "rmsnorm_gemv": layers_run * (2 if fuse_gate_up else 1) + 1,
+        "silu_mul_gemv": layers_run,
+        "gemv_row": layers_run,
+    }
+    assert rel_err(hidden, ref_hidden) < 1e-3  # float32 sums in another order, float16 results
+    assert rel_err(logits, ref_logits) < 1e-3  # the fused LM head skips the float16 rounding of the logits
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+
+
+def test_decoder_takes_the_unfused_path_for_several_rows_and_float32(monkeypatch, fused_decode_row):
+    calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row"])
+    x = torch.randn(2, 8, dtype=torch.float16)
+    w16 = torch.randn(4, 8, dtype=torch.float16)
+    assert not layers.fuses_decode_row(x, w16, True)  # two rows: a prefill or a batch
+    assert not layers.fuses_decode_row(x[:1].float(), w16.float(), True)  # float32 weights
+    assert not layers.fuses_decode_row(x[:1], w16, None)  # CPU tensors, device choice: torch
+    assert layers.fuses_decode_row(x[:1], w16, True)
+    with using(KernelChoices(fused_decode_row=False)):
+        assert not layers.fuses_decode_row(x[:1], w16, True)  # switched off: never
+    assert sum(calls.values()) == 0
+
+
+def test_default_decode_step_is_the_unfused_path(monkeypatch):
+    # The fused one-row path measured slower on an H200, so it is opt-in: off unless an engine's settings
+    # ask for it (enable_fused_decode_row), and only for that engine's runner.
+    from plait.runtime.server_args import ServerArgs
+
+    assert KernelChoices().fused_decode_row is False and ServerArgs().kernel_choices() == KernelChoices()
+    assert ServerArgs(enable_fused_decode_row=True).kernel_choices().fused_decode_row is True
+    assert current_choices() == KernelChoices()  # what a forward outside any runner reads
+    assert layers.FUSE_NORM_INTO_GATE_UP is False  # on the fused path, gate_up's norm apart measured faster
+    model = tiny_llama_model("LlamaForCausalLM")
+    ids, positions, fb = _one_token_batch(model)
+    calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row", "fused_add_rmsnorm"])
+    with torch.no_grad():
+        set_use_triton(model, False)
+        ref_logits = model.compute_logits(model(ids, positions, fb))
+        set_use_triton(model, True)  # the Triton kernels, as on CUDA, at one row
+        hidden = model(ids, positions, fb)
+        logits = model.forward_logits(ids, positions, fb)
+    assert calls["rmsnorm_gemv"] == calls["silu_mul_gemv"] == calls["gemv_row"] == 0
+    # 2 norms a layer (the first layer's first has no residual) + the final norm, in each of two forwards
+    assert calls["fused_add_rmsnorm"] == 2 * (2 * model.config.num_hidden_layers - 1 + 1)
+    # forward_logits is the final norm, then compute_logits: the same kernels as forward + compute_logits
+    assert torch.equal(logits, model.compute_logits(hidden))
+    assert rel_err(logits, ref_logits) < 1e-3 and torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+
+
+def test_fused_gemv_default_tiles_are_gemv_py_measured_ones():
+    from plait.runtime.kernels.gemv import pick_gemv_config
+
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (37, 200)]:
+        base, cfg = pick_gemv_config(n, k), fused().pick_fused_gemv_config(n, k)
+        assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (
+            base.block_n,
+            base.block_k,
+            base.num_warps,
+            base.num_stages,
+        )
+        assert not cfg.resident  # gemv.py's K loop
+
+
+def test_pdl_stays_off_without_a_hopper_gpu(monkeypatch):
+    # PDL asked for on a machine without one (here the interpreter): both kernel families launch plainly.
+    from plait.runtime.kernels.launch import pdl_enabled
+
+    with using(KernelChoices(pdl=True)):
+        assert not pdl_enabled(torch.device("cpu"))
+    x, _, _, w, b = _inputs(9, 40, torch.float32, seed=6)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert rel_err(kernels().gemv(x, w, b), ref) < 1e-6 and rel_err(kernels().gemv_row(x, w, b), ref) < 1e-6
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+
+gpu = pytest.mark.gpu
+SHAPES_8B = {"qkv": (6144, 4096), "gate_up": (28672, 4096), "lm_head": (128256, 4096)}
+
+
+@gpu
+@pytest.mark.parametrize("name", sorted(SHAPES_8B))
+def test_gpu_rmsnorm_gemv_bf16_8b_shapes(name):
+    n, k = SHAPES_8B[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, residual = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    norm_w = torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    out_dtype = torch.float32 if name == "lm_head" else None
+    tri_act, tri_res = kernels().fused_add_rmsnorm(x, residual.clone(), norm_w, EPS)
+    unfused = F.linear(tri_act, w).to(out_dtype or torch.bfloat16)
+    y, res = kernels().rmsnorm_gemv(x, residual, norm_w, EPS, w, out_dtype=out_dtype)
+    assert torch.equal(res, tri_res) and torch.equal(res, x + residual)
+    assert rel_err(y, unfused) < 5e-3
+    assert rel_err(y, F.linear(rms_norm_torch(x, norm_w, EPS, residual)[0].double(), w.double())) < 1e-2
+
+
+@gpu
+def test_gpu_silu_mul_gemv_bf16_8b_down():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    gate_up = torch.randn(1, 2 * 14336, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+    w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    unfused = F.linear(kernels().silu_and_mul(gate_up), w)
+    y = kernels().silu_mul_gemv(gate_up, w)
+    assert rel_err(y, unfused) < 5e-3
+    assert rel_err(y, F.linear(silu_and_mul_torch(gate_up).double(), w.double())) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_fused_chain_in_cuda_graph_pdl(pdl):
+    # One layer's one-row matmul chain, captured and replayed with new inputs; with PDL on every kernel
+    # may start before the previous one ends, so a missing wait would show as a wrong result.
+    with using(KernelChoices(pdl=pdl)):
+        _fused_chain_in_cuda_graph()
+
+
+def _fused_chain_in_cuda_graph():
+    k_ = kernels()
+    g = torch.Generator(device="cuda").manual_seed(2)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale
+
+    h, residual = rand(1, 4096), rand(1, 4096)
+    n1, n2 = rand(4096, scale=0.1) + 1, rand(4096, scale=0.1) + 1
+    w_qkv, w_o, w_gu, w_down = (
+        rand(6144, 4096, scale=0.02),
+        rand(4096, 4096, scale=0.02),
+        rand(28672, 4096, scale=0.02),
+        rand(4096, 14336, scale=0.02),
+    )
+
+    def chain():
+        qkv, res1 = k_.rmsnorm_gemv(h, residual, n1, EPS, w_qkv)
+        o = k_.gemv_row(qkv[:, :4096], w_o)
+        gate_up, res2 = k_.rmsnorm_gemv(o, res1, n2, EPS, w_gu)
+        return k_.silu_mul_gemv(gate_up, w_down), res1, o, res2
+
+    def reference():
+        a, res1 = rms_norm_torch(h, n1, EPS, residual)
+        o = F.linear(F.linear(a, w_qkv)[:, :4096], w_o)
+        a, res2 = rms_norm_torch(o, n2, EPS, res1)
+        return F.linear(silu_and_mul_torch(F.linear(a, w_gu)), w_down), res2
+
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, out_res1, out_o, out_res2 = chain()
+    for _ in range(3):
+        h.normal_(generator=g), residual.normal_(generator=g)
+        graph.replay()
+        ref, ref_res2 = reference()
+        # Exact where both sides add the same bf16 values (a float32 sum rounded once): the first residual
+        # from the inputs, the second from the chain's own o. A kernel that ran before its input was
+        # written (a missing PDL wait) would break these.
+        assert torch.equal(out_res1, h + residual)
+        assert torch.equal(out_res2, out_o + out_res1)
+        # o itself differs from F.linear's in rounding (another summation order), and so does all after it.
+        assert rel_err(out_res2, ref_res2) < 1e-2
+        assert rel_err(out, ref) < 2e-2
+
+
+@gpu
+def test_gpu_decoder_one_row_path_8b_layer_shapes(fused_decode_row):
+    # Two layers of the 8B shape in bf16: the fused one-row path (opted in) against the torch path on the GPU.
+    model = tiny_llama_model(
+        "LlamaForCausalLM",
+        torch.bfloat16,
+        "cuda",
+        scale=0.02,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    )
+    ids, positions, fb = _one_token_batch(model, "cuda")
+    with torch.no_grad():
+        set_use_triton(model, False)
+        ref = model.compute_logits(model(ids, positions, fb))
+        set_use_triton(model, None)  # CUDA tensors: the Triton kernels, fused at one row
+        hidden = model(ids, positions, fb)
+        logits = model.forward_logits(ids, positions, fb)
+    assert rel_err(logits, ref) < 1e-2
+    assert rel_err(model.compute_logits(hidden), logits) < 1e-2
+
+
+def test_two_runners_in_one_process_keep_their_own_kernel_choices(random_models):
+    # The switches are per engine (ServerArgs), not read once at import: each runner runs its forwards
+    # inside its own choices, and nothing leaks out of them.
+    from plait.runtime.executor.model_runner import ModelRunner
+    from plait.runtime.forward_batch import ForwardMode
+    from plait.runtime.request import Req
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.scheduler.batch import ScheduleBatch
+    from plait.runtime.server_args import ServerArgs
+
+    path = random_models["llama"]
+    seen = {}
+    for name, settings in (("plain", {}), ("tuned", {"enable_fused_decode_row": True, "disable_decode_gemm": True})):
+        mr = ModelRunner(ServerArgs(model_path=path, device="cpu", max_total_tokens=64, **settings), path)
+        forward = mr.model.forward
+
+        def spy(*a, name=name, forward=forward, **k):
+            seen[name] = current_choices()
+            return forward(*a, **k)
+
+        mr.model.forward = spy
+        r = Req("r", [3, 4, 5], SamplingParams(max_new_tokens=1, temperature=0))
+        r.req_pool_idx = mr.req_to_token_pool.alloc()
+        mr.run(ScheduleBatch(ForwardMode.EXTEND, [r], [0], [3], mr.allocator.alloc(3)).to_step())
+    assert seen["plain"] == KernelChoices()
+    assert seen["tuned"] == KernelChoices(decode_gemm=False, fused_decode_row=True)
+    assert current_choices() == KernelChoices()
