@@ -5,7 +5,7 @@ step in flight read their decode rows' inputs on the device; a decode step alone
 
 from __future__ import annotations
 
-from fake_runner import FakeRunner, fake_scheduler
+from helpers.fake_runner import FakeRunner, fake_scheduler
 from plait.runtime.io_struct import FlushCacheReq, TokenizedGenerateReq
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.queues import ReqStatus
