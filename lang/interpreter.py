@@ -20,7 +20,7 @@ import traceback
 import uuid
 from typing import Any, Iterable, Optional
 
-from .gen_params import RunDefaults, resolve_gen
+from .gen_params import ResolvedGen, RunDefaults, resolve_gens
 from .graph import MAIN_BRANCH
 from .graph_builder import GraphBuilder, collect_requests
 from .ir import (
@@ -90,6 +90,7 @@ class StreamExecutor:
         self.is_root = True
         self.recorder = GraphBuilder("program", "run")
         self.pins = ProgramPins(backend.pin_service()) if backend.hints_enabled() else None
+        self.vocab_size = backend.vocab_size()  # what each gen's sampling parameters are checked against
         # Role state as submitted (caller thread), so misuse raises where the user wrote it.
         self._submitted_role: Optional[str] = None
 
@@ -113,7 +114,9 @@ class StreamExecutor:
     # ---------------- submission side (program thread) ----------------
     def submit(self, expr: Any) -> None:
         expr = as_expr(expr)
-        self._submitted_role = open_role_after(self._submitted_role, expr)  # ValueError: roles misnested
+        # (ValueError here, where the program writes it: a gen's bad settings, misnested roles)
+        gens = resolve_gens(expr, self.default_sampling_para, self.chat_template.stop_str, self.vocab_size)
+        self._submitted_role = open_role_after(self._submitted_role, expr)
         with self._lock:
             if self._ended:
                 # NOTE: its worker has exited: queued text would never run, and the next read would wait forever.
@@ -128,9 +131,9 @@ class StreamExecutor:
                     event.set()
                 return
             if self.use_thread:
-                self.queue.put(expr)
+                self.queue.put((expr, gens))
                 return
-        self._execute_guarded(expr)
+        self._execute_guarded(expr, gens)
 
     def sync(self) -> None:
         if self.use_thread:
@@ -261,22 +264,22 @@ class StreamExecutor:
         # NOTE: every queued item gets its task_done (also after a failure, when items are only
         # skipped), so sync() never waits on work that will not happen.
         while True:
-            expr = self.queue.get()
+            item = self.queue.get()
             try:
-                if expr is None:
+                if item is None:
                     self._release_pins()  # before task_done: sync() returns with the pins given back
                     break
                 if self.error_ is None:
-                    self._execute_guarded(expr)
+                    self._execute_guarded(*item)
                 if self.stream_text_event is not None:
                     self.stream_text_event.set()
             finally:
                 self.queue.task_done()
         self._finish()
 
-    def _execute_guarded(self, expr: SglExpr) -> bool:
+    def _execute_guarded(self, expr: SglExpr, gens: Optional[dict[int, ResolvedGen]] = None) -> bool:
         try:
-            self._execute(expr)
+            self._execute(expr, gens or {})
             return True
         except Exception as e:  # the program's failure: recorded, surfaced by error() and get_var
             logger.warning("program %s failed:\n%s", self.sid[:8], "".join(traceback.format_exception(e)))
@@ -299,14 +302,15 @@ class StreamExecutor:
         if self.stream_text_event is not None:
             self.stream_text_event.set()
 
-    def _execute(self, other: SglExpr) -> None:
+    def _execute(self, other: SglExpr, gens: dict[int, ResolvedGen]) -> None:
+        """Run one expression; `gens`: its gens' parameters, resolved when it was submitted."""
         if isinstance(other, SglConstantText):
             self._execute_fill(other.value)
         elif isinstance(other, SglExprList):
             for child in other.expr_list:
-                self._execute(child)
+                self._execute(child, gens)
         elif isinstance(other, SglGen):
-            self._execute_gen(other)
+            self._execute_gen(other, gens[id(other)])
         elif isinstance(other, SglSelect):
             self._execute_select(other)
         elif isinstance(other, SglRoleBegin):
@@ -335,10 +339,10 @@ class StreamExecutor:
         self.text_ += value
         self.recorder.add_text(self.branch, value)
 
-    def _execute_gen(self, expr: SglGen) -> None:
+    def _execute_gen(self, expr: SglGen, params: ResolvedGen) -> None:
         start = len(self.text_)
         with collect_requests(self.recorder) as stats:
-            self._run_gen(expr)
+            self._run_gen(expr, params)
         detail = {
             k: v for k, v in (("max_new_tokens", expr.overrides.sampling.get("max_new_tokens")),) if v is not None
         }
@@ -356,15 +360,14 @@ class StreamExecutor:
             return not self._ended
         with self.queue.mutex:
             pending = list(self.queue.queue)
-        for expr in pending:
-            if expr is None:
+        for item in pending:
+            if item is None:
                 return False
-            if any(isinstance(n, (SglGen, SglSelect, SglConcateAndAppend)) for n in flatten(expr)):
+            if any(isinstance(n, (SglGen, SglSelect, SglConcateAndAppend)) for n in flatten(item[0])):
                 return True
         return not self._ended
 
-    def _run_gen(self, expr: SglGen) -> None:
-        params = resolve_gen(self.default_sampling_para, expr.overrides, self.chat_template.stop_str)
+    def _run_gen(self, expr: SglGen, params: ResolvedGen) -> None:
         name = expr.name
         if name is not None and getattr(expr, "output_model", None) is not None:
             self.output_models[name] = expr.output_model
