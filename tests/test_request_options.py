@@ -1,14 +1,18 @@
 """RequestOptions, expand_samples and SamplingParams' immutability: the request-building side's one spelling
-of each concept (no engine: these are plain objects)."""
+of each concept, and a request's output as a stream hands it out (deltas) and as SGLang's API promises it
+(cumulative) (no engine: these are plain objects)."""
 
 import dataclasses
 import pickle
+import time
 
 import pytest
 from plait.runtime import SamplingParams, ServerArgs
 from plait.runtime.engine.request_builder import OPTION_DEFAULTS, build_requests
+from plait.runtime.engine.request_state import RequestState
+from plait.runtime.engine.streams import CumulativeOutput
 from plait.runtime.engine.tokenizer_manager import TokenizerManager
-from plait.runtime.io_struct import SchedulerInfo, TokenizedGenerateReq
+from plait.runtime.io_struct import ReqOutput, SchedulerInfo, TokenizedGenerateReq
 from plait.runtime.request import Req
 from plait.runtime.request_options import RequestOptionError, RequestOptions, expand_samples, is_sample_of, sample_rid
 
@@ -219,3 +223,34 @@ def test_engine_takes_one_options_object_instead_of_the_keywords(monkeypatch):
     assert checks == [300]  # the Engine did not verify it again
     with pytest.raises(ValueError, match="options replaces return_logprob, rid: give one or the other"):
         build(input_ids=[5, 6], sampling_params=sp, options=RequestOptions(rid="o"), return_logprob=True, rid="x")
+
+
+# ---------------------------------------------------------------- a request's output: deltas, folded
+
+
+def test_a_stream_is_deltas_that_fold_into_the_whole_result():
+    st = RequestState("r", 3, True, time.monotonic())
+    st.apply(ReqOutput("r", [5, 6], "Hello wor", None, 3, 2, 0, [(None, 1, None)], [None], [(-0.1, 5, None)] * 2))
+    first = st.delta()
+    assert (first["text"], first["text_offset"], first["output_ids"]) == ("Hello wor", 0, [5, 6])
+    assert first["meta_info"]["input_token_logprobs"] == [(None, 1, None)]
+    assert first["meta_info"]["output_token_logprobs"] == [(-0.1, 5, None)] * 2
+    assert first["meta_info"]["completion_tokens"] == 2 and first["meta_info"]["finish_reason"] is None
+    # the end: a stop regex matched inside what was already sent, so the final text is shorter
+    stop = {"type": "stop", "matched": "wor"}
+    st.apply(ReqOutput("r", [7], "ld", stop, 3, 3, 0, output_token_logprobs=[(-0.3, 7, None)], final_text="Hello "))
+    last = st.delta()
+    assert (last["text"], last["text_offset"], last["output_ids"]) == ("", 6, [7])
+    assert last["meta_info"]["input_token_logprobs"] == [] and last["meta_info"]["output_token_logprobs"] == [
+        (-0.3, 7, None)
+    ]
+    total = CumulativeOutput()
+    for delta in (first, last):
+        total.add(delta)
+    folded, whole = total.chunk(), st.result()
+    for out in (folded, whole):
+        out["meta_info"].pop("e2e_latency")
+    assert folded == whole and whole["text"] == "Hello " and whole["output_ids"] == [5, 6, 7]
+    kept = total.chunk()
+    total.add({"text": "!", "output_ids": [8], "meta_info": {"output_token_logprobs": [(-1.0, 8, None)]}})
+    assert kept["output_ids"] == [5, 6, 7] and len(kept["meta_info"]["output_token_logprobs"]) == 3  # a copy
