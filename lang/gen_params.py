@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
@@ -24,6 +25,8 @@ from .global_config import global_config
 
 # The dtype regexes live in plait.ir, where SGLang programs import them from (sglang.lang.ir).
 from .ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, SglExpr, SglGen, flatten
+
+logger = logging.getLogger(__name__)
 
 # gen()'s spelling -> SamplingParams' field name.
 DSL_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
@@ -139,6 +142,18 @@ class ResolvedGen:
                 except ValueError:
                     return True
         return False
+
+    def warn_if_cut_short(self, name: Optional[str], text: Any, meta: Any) -> None:
+        # NOTE: a truncated constrained output is a normal result (finish_reason "length"), not an
+        # error; but code that json.loads it fails far from the cause, so say where it came from.
+        if self.cut_short(text, meta):
+            logger.warning(
+                "gen(%r) stopped at max_tokens=%s before its %s was complete: the value is a "
+                "prefix of a match, not a match (raise max_tokens)",
+                name,
+                self.sampling.max_new_tokens,
+                self.constraint(),
+            )
 
 
 def resolve_gen(
