@@ -44,8 +44,9 @@ class GenOverrides:
     dtype: Optional[Union[type, str]] = None
 
     @classmethod
-    def from_gen_kwargs(cls, kwargs: Mapping[str, Any], where: str = "gen()") -> "GenOverrides":
-        """Split gen()'s keyword arguments; `None` means 'not set'. Unknown names raise."""
+    def from_gen_kwargs(cls, kwargs: Mapping[str, Any]) -> "GenOverrides":
+        """Split gen()'s keyword arguments; `None` means 'not set'. Unknown names raise; values are
+        checked once, merged with the run's defaults, when the gen is submitted (`resolve_gens`)."""
         sampling: dict[str, Any] = {}
         logprob: dict[str, Any] = {}
         dtype = None
@@ -63,7 +64,6 @@ class GenOverrides:
                 sampling[name] = value
         if dtype is not None:
             dtype_regex(dtype)  # fail early on an unknown dtype
-        # (values are checked once, merged with the run's defaults: resolve_gen, when the gen is submitted)
         return cls(sampling=sampling, logprob=logprob, dtype=dtype)
 
 
