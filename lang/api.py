@@ -91,7 +91,7 @@ def gen(
     settings = dict(locals())
     for key in ("name", "choices", "choices_method", "output_model"):
         settings.pop(key)
-    expr = SglGen(name, GenOverrides.from_gen_kwargs(settings, where=f"gen({name!r})"))
+    expr = SglGen(name, GenOverrides.from_gen_kwargs(settings))
     expr.output_model = output_model
     return expr
 

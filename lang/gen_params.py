@@ -1,24 +1,32 @@
-"""How `gen(...)` arguments and `run(...)` defaults become one runtime `SamplingParams`.
+"""How `gen(...)` arguments and `run(...)` defaults become one runtime `SamplingParams` and one
+`RequestOptions` per gen.
 
 `SamplingParams` (runtime/sampling_params.py) is the single definition of every sampling field. The DSL
 only adds two spellings SGLang's frontend uses (`max_tokens`, `min_tokens`), four request-level
-logprob options that are not sampling fields, and `dtype`. Everything else passes through by name, so a
-field added to `SamplingParams` is usable from `run(...)` at once.
+logprob options that are not sampling fields (they become the gen's `RequestOptions`), and `dtype`.
+Everything else passes through by name, so a field added to `SamplingParams` is usable from `run(...)`
+at once. `resolve_gen` builds a gen's SamplingParams once and verifies it once; the backends hand that
+object on (the Engine does not build or verify it again).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 
+from .global_config import global_config
+
 # The dtype regexes live in plait.ir, where SGLang programs import them from (sglang.lang.ir).
-from .ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from .ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, SglExpr, SglGen, flatten
+
+logger = logging.getLogger(__name__)
 
 # gen()'s spelling -> SamplingParams' field name.
 DSL_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
@@ -36,8 +44,9 @@ class GenOverrides:
     dtype: Optional[Union[type, str]] = None
 
     @classmethod
-    def from_gen_kwargs(cls, kwargs: Mapping[str, Any], where: str = "gen()") -> "GenOverrides":
-        """Split gen()'s keyword arguments; `None` means 'not set'. Unknown names raise."""
+    def from_gen_kwargs(cls, kwargs: Mapping[str, Any]) -> "GenOverrides":
+        """Split gen()'s keyword arguments; `None` means 'not set'. Unknown names raise; values are
+        checked once, merged with the run's defaults, when the gen is submitted (`resolve_gens`)."""
         sampling: dict[str, Any] = {}
         logprob: dict[str, Any] = {}
         dtype = None
@@ -55,7 +64,6 @@ class GenOverrides:
                 sampling[name] = value
         if dtype is not None:
             dtype_regex(dtype)  # fail early on an unknown dtype
-        check_settings(sampling, where)
         return cls(sampling=sampling, logprob=logprob, dtype=dtype)
 
 
@@ -65,6 +73,11 @@ class RunDefaults:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprob: dict[str, Any] = field(default_factory=dict)
+    # `sampling` as the fields each gen's parameters start from (read once per run, not once per gen).
+    fields: dict[str, Any] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.fields = self.sampling.to_dict()
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "RunDefaults":
@@ -92,10 +105,11 @@ class RunDefaults:
 
 @dataclass
 class ResolvedGen:
-    """A gen() ready to send: full sampling params, logprob options, and the dtype it came from."""
+    """A gen() ready to send: its sampling parameters (verified), its request options (logprobs) and the
+    dtype it came from."""
 
     sampling: SamplingParams
-    logprob: dict[str, Any]
+    options: RequestOptions = field(default_factory=RequestOptions)
     dtype: Optional[Union[type, str]] = None
 
     def constraint(self) -> Optional[str]:
@@ -129,24 +143,28 @@ class ResolvedGen:
                     return True
         return False
 
-    def request_sampling_dict(self) -> dict[str, Any]:
-        """The `sampling_params` dict for a native /generate request.
-
-        Only fields that differ from SamplingParams' defaults are sent (plus max_new_tokens and
-        temperature), so SGLang servers, which lack some of plait's extra fields, accept it too.
-        """
-        defaults = SamplingParams()
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(SamplingParams):
-            value = getattr(self.sampling, f.name)
-            if f.name in ("max_new_tokens", "temperature") or value != getattr(defaults, f.name):
-                out[f.name] = value
-        return out
+    def warn_if_cut_short(self, name: Optional[str], text: Any, meta: Any) -> None:
+        # NOTE: a truncated constrained output is a normal result (finish_reason "length"), not an
+        # error; but code that json.loads it fails far from the cause, so say where it came from.
+        if self.cut_short(text, meta):
+            logger.warning(
+                "gen(%r) stopped at max_tokens=%s before its %s was complete: the value is a "
+                "prefix of a match, not a match (raise max_tokens)",
+                name,
+                self.sampling.max_new_tokens,
+                self.constraint(),
+            )
 
 
-def resolve_gen(defaults: RunDefaults, overrides: GenOverrides, chat_stop: tuple[str, ...] = ()) -> ResolvedGen:
-    """run() defaults, then gen() overrides, then the dtype's regex and stops, then the chat stops."""
-    merged = defaults.sampling.to_dict()
+def resolve_gen(
+    defaults: RunDefaults,
+    overrides: GenOverrides,
+    chat_stop: tuple[str, ...] = (),
+    vocab_size: Optional[int] = None,
+) -> ResolvedGen:
+    """run() defaults, then gen() overrides, then the dtype's regex and stops, then the chat stops; the
+    SamplingParams verified (against `vocab_size`, the runtime's vocabulary when known here)."""
+    merged = dict(defaults.fields)
     merged.update(copy.deepcopy(dict(overrides.sampling)))
     stops = _as_list(merged.get("stop"))
     if overrides.dtype is not None:
@@ -156,20 +174,40 @@ def resolve_gen(defaults: RunDefaults, overrides: GenOverrides, chat_stop: tuple
         stops += [s for s in extra_stops if s not in stops]
     stops += [s for s in chat_stop if s not in stops]
     merged["stop"] = stops or None
+    if not global_config.skip_special_tokens_in_output:
+        merged["skip_special_tokens"] = False
+    if not global_config.spaces_between_special_tokens_in_out:
+        merged["spaces_between_special_tokens"] = False
     sampling = SamplingParams.from_dict(merged)
-    sampling.verify()
-    logprob = {**defaults.logprob, **overrides.logprob}
-    return ResolvedGen(sampling=sampling, logprob=logprob, dtype=overrides.dtype)
+    sampling.verify(vocab_size)
+    options = RequestOptions.of(**{**defaults.logprob, **overrides.logprob})
+    return ResolvedGen(sampling=sampling, options=options, dtype=overrides.dtype)
+
+
+def resolve_gens(
+    expr: SglExpr, defaults: RunDefaults, chat_stop: tuple[str, ...] = (), vocab_size: Optional[int] = None
+) -> dict[int, ResolvedGen]:
+    """Every gen of `expr`, resolved (`resolve_gen`), by the node's id. A bad value is a ValueError that
+    names the gen: the interpreter resolves an expression when the program submits it, so the error is
+    raised where the program writes the gen, and the worker sends what was checked."""
+    resolved: dict[int, ResolvedGen] = {}
+    for node in flatten(expr):
+        if isinstance(node, SglGen) and id(node) not in resolved:
+            try:
+                resolved[id(node)] = resolve_gen(defaults, node.overrides, chat_stop, vocab_size)
+            except ValueError as e:
+                raise ValueError(f"gen({node.name!r}): {e}") from None
+    return resolved
 
 
 def check_settings(sampling: Mapping[str, Any], where: str) -> None:
-    """Raise ValueError, where the program wrote them, for settings no merge can make valid
+    """Raise ValueError, where the program wrote them, for run() settings no gen can make valid
     (`temperature=-1`, `top_p=2`, `max_tokens=-1`, ...).
 
     NOTE: without this, a bad value only failed on the program's worker thread, and run() returned a
-    state whose error() held it. `max_new_tokens` stays unset (no limit) unless given, so a gen's
-    `min_tokens` is not judged against a default limit that run() may raise; resolve_gen checks the
-    merged settings again."""
+    state whose error() held it. `max_new_tokens` stays unset (no limit) unless given, so run()'s
+    `min_tokens` is not judged against a default limit that a gen may raise; resolve_gen checks each
+    gen's merged settings."""
     try:
         SamplingParams.from_dict({"max_new_tokens": None, **sampling}).verify()
     except ValueError as e:

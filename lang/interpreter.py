@@ -20,7 +20,7 @@ import traceback
 import uuid
 from typing import Any, Iterable, Optional
 
-from .gen_params import RunDefaults, resolve_gen
+from .gen_params import ResolvedGen, RunDefaults, resolve_gens
 from .graph import MAIN_BRANCH
 from .graph_builder import GraphBuilder, collect_requests
 from .ir import (
@@ -42,6 +42,7 @@ from .ir import (
     open_role_after,
 )
 from .pins import PinTicket, ProgramPins
+from .variables import ProgramVariables
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +65,9 @@ class StreamExecutor:
         self.default_sampling_para = default_sampling_para
         self.stream = stream
 
-        self.variables: dict[str, Any] = {}
-        # The names this state itself wrote (not inherited from the state it was forked from), in
-        # order: what join() gathers, even when the parent already has a variable of that name.
-        self.own_vars: dict[str, None] = {}
-        self.variable_event: dict[str, threading.Event] = {}
-        self.meta_info: dict[str, Any] = {}
-        self.output_models: dict[str, Any] = {}  # var name -> Pydantic class (gen(json_schema=Model))
+        self.vars = ProgramVariables(stream)
         self.is_finished = False
         self.error_: Optional[BaseException] = None
-        self.unfinished_vars: set[str] = set()  # set by _fail
 
         self.text_ = ""
         self.messages_: list[dict] = []
@@ -81,7 +75,6 @@ class StreamExecutor:
         self.cur_role: Optional[str] = None
         self.cur_role_begin_pos: Optional[int] = None
         self.fork_start_text_pos: Optional[int] = None
-        self.images_: list = []
         self._scope_starts: dict[str, int] = {}
         # The request graph of this run (shared with the forks), and the prefix pins the program holds
         # while it runs (plait.pins; None with program hints off). Forks overwrite these with the
@@ -90,11 +83,11 @@ class StreamExecutor:
         self.is_root = True
         self.recorder = GraphBuilder("program", "run")
         self.pins = ProgramPins(backend.pin_service()) if backend.hints_enabled() else None
+        self.vocab_size = backend.vocab_size()  # what each gen's sampling parameters are checked against
         # Role state as submitted (caller thread), so misuse raises where the user wrote it.
         self._submitted_role: Optional[str] = None
 
         self.stream_text_event = threading.Event() if stream else None
-        self.stream_var_event: Optional[dict[str, threading.Event]] = {} if stream else None
 
         self._lock = threading.Lock()
         self._failed = False
@@ -113,7 +106,9 @@ class StreamExecutor:
     # ---------------- submission side (program thread) ----------------
     def submit(self, expr: Any) -> None:
         expr = as_expr(expr)
-        self._submitted_role = open_role_after(self._submitted_role, expr)  # ValueError: roles misnested
+        # (ValueError here, where the program writes it: a gen's bad settings, misnested roles)
+        gens = resolve_gens(expr, self.default_sampling_para, self.chat_template.stop_str, self.vocab_size)
+        self._submitted_role = open_role_after(self._submitted_role, expr)
         with self._lock:
             if self._ended:
                 # NOTE: its worker has exited: queued text would never run, and the next read would wait forever.
@@ -122,42 +117,31 @@ class StreamExecutor:
                     "finished run returned): it takes no more text; call s.fork() again for "
                     "another round"
                 )
-            events = self._init_var_event(expr)
+            events = self.vars.expect(expr)
             if self._failed:
                 for event in events:  # nobody will produce these: wake readers at once
                     event.set()
                 return
             if self.use_thread:
-                self.queue.put(expr)
+                self.queue.put((expr, gens))
                 return
-        self._execute_guarded(expr)
+        self._execute_guarded(expr, gens)
 
     def sync(self) -> None:
         if self.use_thread:
             self.queue.join()
 
     def get_var(self, name: str) -> Any:
-        event = self.variable_event.get(name)
-        if event is not None:
-            event.wait()
-        if name in self.variables:
-            return self.variables[name]
-        if self.error_ is not None:
-            raise RuntimeError(
-                f"variable {name!r} was not produced because the program failed: "
-                f"{type(self.error_).__name__}: {self.error_}"
-            ) from self.error_
-        raise KeyError(f"the program has no variable {name!r}; known: {sorted(map(str, self.variables))}")
+        self.vars.wait(name)
+        return self.vars.value(name, self.error_)
 
     def set_var(self, name: str, value: Any) -> None:
-        self.variables[name] = value
-        self.own_vars[name] = None
+        self.vars.set(name, value)
 
     def get_meta_info(self, name: str, timeout: Optional[float] = None) -> Any:
-        event = self.variable_event.get(name)
-        if event is not None and not event.wait(timeout):
+        if not self.vars.wait(name, timeout):
             raise TimeoutError(f"timed out waiting for variable {name!r}")
-        return self.meta_info.get(name)
+        return self.vars.meta_info.get(name)
 
     def text(self) -> str:
         self.sync()
@@ -201,25 +185,19 @@ class StreamExecutor:
             child.branch = branch
             child.is_root = False
             child.pins = self.pins
-            child.variables = dict(self.variables)
-            child.meta_info = dict(self.meta_info)
-            child.output_models = dict(self.output_models)
+            child.vars = self.vars.fork(self.stream)
             child.text_ = self.text_
             child.messages_ = list(self.messages_)
             child.cur_role = self.cur_role
             child.cur_role_begin_pos = self.cur_role_begin_pos
             child._submitted_role = self._submitted_role
             child.fork_start_text_pos = len(self.text_)
-            child.images_ = list(self.images_)
         return children, prefix_pin
 
     def record_join(self, states: list, mode: str) -> None:
-        """The branches of one of this state's forks were joined (gather_variable)."""
-        self._record_join([state.stream_executor for state in states], mode)
-
-    def _record_join(self, executors: list["StreamExecutor"], mode: str) -> None:
+        """The branches of one of this state's forks (their states or executors) were joined."""
         try:
-            self.recorder.join(self.branch, [e.branch for e in executors], mode)
+            self.recorder.join(self.branch, [getattr(s, "stream_executor", s).branch for s in states], mode)
         except ValueError:  # states of another program: nothing to draw, nothing wrong with the run
             logger.debug("join of states outside this program's graph")
 
@@ -261,22 +239,22 @@ class StreamExecutor:
         # NOTE: every queued item gets its task_done (also after a failure, when items are only
         # skipped), so sync() never waits on work that will not happen.
         while True:
-            expr = self.queue.get()
+            item = self.queue.get()
             try:
-                if expr is None:
+                if item is None:
                     self._release_pins()  # before task_done: sync() returns with the pins given back
                     break
                 if self.error_ is None:
-                    self._execute_guarded(expr)
+                    self._execute_guarded(*item)
                 if self.stream_text_event is not None:
                     self.stream_text_event.set()
             finally:
                 self.queue.task_done()
         self._finish()
 
-    def _execute_guarded(self, expr: SglExpr) -> bool:
+    def _execute_guarded(self, expr: SglExpr, gens: Optional[dict[int, ResolvedGen]] = None) -> bool:
         try:
-            self._execute(expr)
+            self._execute(expr, gens or {})
             return True
         except Exception as e:  # the program's failure: recorded, surfaced by error() and get_var
             logger.warning("program %s failed:\n%s", self.sid[:8], "".join(traceback.format_exception(e)))
@@ -285,28 +263,25 @@ class StreamExecutor:
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
-            # The variables the failure cut short: their streams must end in the error, not as if done.
-            self.unfinished_vars = {n for n, e in self.variable_event.items() if not e.is_set()}
+            self.vars.mark_unfinished()
             self.error_ = error
             self._failed = True
-        for event in list(self.variable_event.values()):
-            event.set()
-        for event in list((self.stream_var_event or {}).values()):
-            event.set()
+        self.vars.wake_all()
 
     def _finish(self) -> None:
         self.is_finished = True
         if self.stream_text_event is not None:
             self.stream_text_event.set()
 
-    def _execute(self, other: SglExpr) -> None:
+    def _execute(self, other: SglExpr, gens: dict[int, ResolvedGen]) -> None:
+        """Run one expression; `gens`: its gens' parameters, resolved when it was submitted."""
         if isinstance(other, SglConstantText):
             self._execute_fill(other.value)
         elif isinstance(other, SglExprList):
             for child in other.expr_list:
-                self._execute(child)
+                self._execute(child, gens)
         elif isinstance(other, SglGen):
-            self._execute_gen(other)
+            self._execute_gen(other, gens[id(other)])
         elif isinstance(other, SglSelect):
             self._execute_select(other)
         elif isinstance(other, SglRoleBegin):
@@ -335,10 +310,10 @@ class StreamExecutor:
         self.text_ += value
         self.recorder.add_text(self.branch, value)
 
-    def _execute_gen(self, expr: SglGen) -> None:
+    def _execute_gen(self, expr: SglGen, params: ResolvedGen) -> None:
         start = len(self.text_)
         with collect_requests(self.recorder) as stats:
-            self._run_gen(expr)
+            self._run_gen(expr, params)
         detail = {
             k: v for k, v in (("max_new_tokens", expr.overrides.sampling.get("max_new_tokens")),) if v is not None
         }
@@ -356,69 +331,41 @@ class StreamExecutor:
             return not self._ended
         with self.queue.mutex:
             pending = list(self.queue.queue)
-        for expr in pending:
-            if expr is None:
+        for item in pending:
+            if item is None:
                 return False
-            if any(isinstance(n, (SglGen, SglSelect, SglConcateAndAppend)) for n in flatten(expr)):
+            if any(isinstance(n, (SglGen, SglSelect, SglConcateAndAppend)) for n in flatten(item[0])):
                 return True
         return not self._ended
 
-    def _run_gen(self, expr: SglGen) -> None:
-        params = resolve_gen(self.default_sampling_para, expr.overrides, self.chat_template.stop_str)
+    def _run_gen(self, expr: SglGen, params: ResolvedGen) -> None:
         name = expr.name
         if name is not None and getattr(expr, "output_model", None) is not None:
-            self.output_models[name] = expr.output_model
+            self.vars.output_models[name] = expr.output_model
         if not self.stream:
             comp, meta = self.backend.generate(self, params)
             self.text_ += comp[0] if isinstance(comp, list) else comp
-            self._warn_if_cut_short(name, params, comp, meta)
-            self._set_result(name, comp, meta)
+            params.warn_if_cut_short(name, comp, meta)
+            self.vars.set_result(name, comp, meta)
             return
         if name is not None:
-            self.variables[name] = ""
-            self.own_vars[name] = None
-            self.stream_var_event[name].set()
+            self.vars.start_stream(name)
         for piece, meta in self.backend.generate_stream(self, params):
             self.text_ += piece
             if name is not None:
-                self.variables[name] += piece
-                self.meta_info[name] = meta
-                self.stream_var_event[name].set()
+                self.vars.add_piece(name, piece, meta)
             self.stream_text_event.set()
         if name is not None:
-            self._warn_if_cut_short(name, params, self.variables[name], self.meta_info.get(name))
-            self.variable_event[name].set()
-            self.stream_var_event[name].set()
-
-    def _warn_if_cut_short(self, name: Optional[str], params: Any, text: Any, meta: Any) -> None:
-        # NOTE: a truncated constrained output is a normal result (finish_reason "length"), not an
-        # error; but code that json.loads it fails far from the cause, so say where it came from.
-        if params.cut_short(text, meta):
-            logger.warning(
-                "gen(%r) stopped at max_tokens=%s before its %s was complete: the value is a "
-                "prefix of a match, not a match (raise max_tokens)",
-                name,
-                params.sampling.max_new_tokens,
-                params.constraint(),
-            )
+            params.warn_if_cut_short(name, self.vars.values[name], self.vars.meta_info.get(name))
+            self.vars.set_result(name, self.vars.values[name], self.vars.meta_info.get(name))
 
     def _execute_select(self, expr: SglSelect) -> None:
         with collect_requests(self.recorder) as stats:
             decision = self.backend.select(self, expr.choices, expr.temperature, expr.choices_method)
         self.text_ += decision.decision
         self.recorder.add(self.branch, "select", decision.decision, expr.name, {"choices": list(expr.choices)}, stats)
-        self._set_result(expr.name, decision.decision, decision.meta_info)
+        self.vars.set_result(expr.name, decision.decision, decision.meta_info)
         self._after_request()
-
-    def _set_result(self, name: Optional[str], value: Any, meta: Any) -> None:
-        if name is None:
-            return
-        self.variables[name] = value
-        self.own_vars[name] = None
-        self.meta_info[name] = meta
-        self.variable_event[name].set()
-        if self.stream_var_event is not None:
-            self.stream_var_event[name].set()
 
     def _execute_role_begin(self, role: str) -> None:
         template = self.chat_template
@@ -441,23 +388,11 @@ class StreamExecutor:
 
     def _execute_var_scope_end(self, name: str) -> None:
         start = self._scope_starts.pop(name)
-        self._set_result(name, self.text_[start:], None)
+        self.vars.set_result(name, self.text_[start:], None)
 
     def _execute_concatenate(self, states: Iterable[Any]) -> None:
         executors = [state.stream_executor for state in states]
         for exe in executors:
             exe.sync()
             self.text_ += exe.text_[exe.fork_start_text_pos :]  # drawn as the branches, joined
-        self._record_join(executors, "concate_and_append")
-
-    def _init_var_event(self, expr: SglExpr) -> list[threading.Event]:
-        created = []
-        for node in flatten(expr):
-            if isinstance(node, (SglGen, SglSelect, SglVarScopeBegin)) and node.name is not None:
-                event = threading.Event()
-                self.variable_event[node.name] = event
-                created.append(event)
-                if self.stream_var_event is not None:
-                    self.stream_var_event[node.name] = threading.Event()
-                    created.append(self.stream_var_event[node.name])
-        return created
+        self.record_join(executors, "concate_and_append")

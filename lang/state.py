@@ -102,7 +102,7 @@ class ProgramState:
         # NOTE: a streamed run's body keeps running after run() returns; a reader outside it waits for
         # the body to get to `name` (or end) instead of hearing that no such variable exists.
         exe = self.stream_executor
-        if getattr(exe, "stream", False) and name not in exe.variable_event and not inside_a_program():
+        if getattr(exe, "stream", False) and name not in exe.vars.events and not inside_a_program():
             exe.body_done.wait()
 
     def get_var(self, name: str) -> Any:
@@ -120,7 +120,7 @@ class ProgramState:
         """The JSON output of gen(name, json_schema=...) parsed: an instance of the Pydantic model when
         the schema was given as a model class, else the decoded JSON value."""
         value = self.get_var(name)
-        return _parse_json(name, value, self.stream_executor.output_models.get(name), self.get_meta_info(name))
+        return _parse_json(name, value, self.stream_executor.vars.output_models.get(name), self.get_meta_info(name))
 
     def graph(self):
         """The request graph of this run so far (plait.graph.RequestGraph): the text sent, each
@@ -140,7 +140,7 @@ class ProgramState:
         # they will produce, as `state["answer"]` does, not what happens to be done yet.
         self._await_submission(name)
         self.stream_executor.sync()
-        return name in self.stream_executor.variables
+        return name in self.stream_executor.vars.values
 
     def __repr__(self) -> str:
         # SGLang's exact form: programs slice the text out of str(state) (its cot_decoding example).
@@ -167,7 +167,7 @@ class ProgramState:
                 value = await loop.run_in_executor(None, self.text)
             else:
                 value = await loop.run_in_executor(None, self.get_var, var_name)
-            yield (value, exe.meta_info.get(var_name)) if return_meta_data else value
+            yield (value, exe.vars.meta_info.get(var_name)) if return_meta_data else value
             return
         # The waits block, so they run on the default executor while the event loop stays free.
         gen = _stream_pieces(exe, var_name)
@@ -222,35 +222,36 @@ def _stream_pieces(exe: StreamExecutor, var_name: Optional[str]) -> Iterator[tup
                 _raise_if_cut_short(exe, None)
                 return
     # The variable's events exist once its gen() has been submitted; until then poll for them.
-    while var_name not in exe.stream_var_event:
+    variables = exe.vars
+    while var_name not in variables.stream_events:
         if exe.is_finished:
             _raise_if_cut_short(exe, None)  # the program failed before it got to the variable
-            if var_name in exe.variables:
+            if var_name in variables.values:
                 # Not a gen/select of this state (a fork's join gathered it, or the body set it): there
                 # were no pieces to stream, only the value.
-                value = exe.variables[var_name]
+                value = variables.values[var_name]
                 if not isinstance(value, str):
                     raise TypeError(
                         f"variable {var_name!r} is a {type(value).__name__} (what a fork's join "
                         f"gathers from its branches), not streamed text: read state[{var_name!r}]"
                     )
-                yield value, exe.meta_info.get(var_name)
+                yield value, variables.meta_info.get(var_name)
                 return
             raise KeyError(
                 f"the program finished without producing variable {var_name!r}; it produced "
-                f"{sorted(map(str, exe.variables))}"
+                f"{sorted(map(str, variables.values))}"
             )
         exe.stream_text_event.wait(0.05)
-    event = exe.stream_var_event[var_name]
+    event = variables.stream_events[var_name]
     while True:
         event.wait()
         event.clear()
-        value = exe.variables.get(var_name, "")
+        value = variables.values.get(var_name, "")
         out = value[prev:] if isinstance(value, str) else ""
         prev += len(out)
         if out:
-            yield out, exe.meta_info.get(var_name)
-        if exe.variable_event[var_name].is_set():
+            yield out, variables.meta_info.get(var_name)
+        if variables.events[var_name].is_set():
             _raise_if_cut_short(exe, var_name)
             return
 
@@ -261,7 +262,7 @@ def _raise_if_cut_short(exe: StreamExecutor, var_name: Optional[str]) -> None:
     error = exe.error_
     if error is None:
         return
-    if var_name is not None and var_name not in exe.unfinished_vars and var_name in exe.variables:
+    if var_name is not None and var_name not in exe.vars.unfinished and var_name in exe.vars.values:
         return  # the variable was complete before the failure
     what = "the program" if var_name is None else f"variable {var_name!r}"
     raise RuntimeError(
@@ -334,22 +335,14 @@ class ProgramStateGroup:
         # writes are what is gathered.
         parent = self.src_state.stream_executor
         parent.sync()
-        values: dict[str, list] = {}
-        metas: dict[str, list] = {}
+        branches = []
         for state in self.states:
             child = state.stream_executor
             child.sync()
             if child.error_ is not None:
                 raise RuntimeError("a forked branch failed") from child.error_
-            for name in child.own_vars:
-                values.setdefault(name, []).append(child.variables[name])
-                metas.setdefault(name, []).append(child.meta_info.get(name))
-                if name in child.output_models:  # parsed(name) on the parent parses every branch's
-                    parent.output_models[name] = child.output_models[name]
-        for name, gathered in values.items():
-            parent.variables[name] = gathered
-            parent.meta_info[name] = metas[name]
-            parent.own_vars[name] = None  # a fork of a fork: the outer join gathers these in turn
+            branches.append(child.vars)
+        parent.vars.gather(branches)
 
     def _release(self) -> None:
         if self._joined:

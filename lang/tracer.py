@@ -35,6 +35,7 @@ from .ir import (
     as_expr,
 )
 from .state import ProgramState, ProgramStateGroup
+from .variables import ProgramVariables
 
 
 class StopTracing(Exception):
@@ -77,10 +78,7 @@ class TracerProgramState(ProgramState):
         self.chat_template = self.backend.get_chat_template()
         self.nodes: list[SglExpr] = []
         self.last_node: Optional[SglExpr] = None
-        self.variables: dict[str, Any] = {}
-        self.own_vars: dict[str, None] = {}  # as StreamExecutor.own_vars: what join() gathers
-        self.meta_info: dict[str, Any] = {}
-        self.output_models: dict[str, Any] = {}  # as StreamExecutor's: what join() hands the parent
+        self.vars = ProgramVariables()  # as StreamExecutor's (placeholders for values): what join() gathers
         self.messages_: list[dict] = []
         self.cur_role: Optional[str] = None
         self.error_ = None
@@ -100,9 +98,9 @@ class TracerProgramState(ProgramState):
     def get_var(self, name: str) -> Any:
         if name in self.arguments and self.arguments[name] is not None:
             return self.arguments[name]
-        if name not in self.variables:
+        if name not in self.vars.values:
             raise KeyError(f"the traced program has no variable {name!r} yet")
-        v = self.variables[name]
+        v = self.vars.values[name]
         return SglVariable(v.name, v.source) if isinstance(v, SglVariable) else v
 
     def text(self) -> str:
@@ -128,7 +126,7 @@ class TracerProgramState(ProgramState):
             item = SglGetForkItem(i)
             item.prev_node = fork_node
             child.last_node = item
-            child.variables = dict(self.variables)
+            child.vars = self.vars.fork()
             child.messages_ = list(self.messages_)
             child.cur_role = self.cur_role
             children.append(child)
@@ -174,16 +172,14 @@ class TracerProgramState(ProgramState):
             self._scope_starts[expr.name] = self.last_node
         elif isinstance(expr, SglVarScopeEnd):
             self._scope_starts.pop(expr.name, None)
-            self.variables[expr.name] = SglVariable(expr.name, source=self.last_node)
-            self.own_vars[expr.name] = None
+            self.vars.set(expr.name, SglVariable(expr.name, source=self.last_node))
         else:
             if self.only_trace_prefix:
                 raise StopTracing()
             if isinstance(expr, (SglGen, SglSelect)):
                 kind = "gen" if isinstance(expr, SglGen) else "select"
-                name = expr.name if expr.name is not None else f"{kind}_{len(self.variables)}"
-                self.variables[name] = SglVariable(name, source=expr)
-                self.own_vars[name] = None
+                name = expr.name if expr.name is not None else f"{kind}_{len(self.vars.values)}"
+                self.vars.set(name, SglVariable(name, source=expr))
             self._append_node(expr)
 
     def _role_begin(self, role: str) -> None:

@@ -12,43 +12,22 @@ from .request_options import RequestOptions
 from .sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenizedGenerateReq:
-    """One request as the scheduler receives it: its options spelled out as the fields `Req` takes."""
+    """One request as the scheduler receives it: its prompt's ids, its sampling and its options, whole (the
+    scheduler's `Req.of` builds its request from them). `options.rid` is set: the request's id."""
 
-    rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    group: Optional[str] = None  # program / fork group (scheduling and caching hint)
-    grammar_warnings: list[str] = field(default_factory=list)  # unenforced schema features (reported)
+    options: RequestOptions
 
-    @classmethod
-    def of(
-        cls,
-        input_ids: list[int],
-        sampling_params: SamplingParams,
-        options: RequestOptions,
-        grammar_warnings: Optional[list[str]] = None,
-    ) -> "TokenizedGenerateReq":
-        """The message for a request whose options were built (and checked) as a RequestOptions."""
-        assert options.rid is not None, "a request sent to the scheduler has a rid"
-        return cls(
-            rid=options.rid,
-            input_ids=input_ids,
-            sampling_params=sampling_params,
-            return_logprob=options.return_logprob,
-            logprob_start_len=options.logprob_start_len,
-            top_logprobs_num=options.top_logprobs_num,
-            return_text_in_logprobs=options.return_text_in_logprobs,
-            stream=options.stream,
-            group=options.group,
-            grammar_warnings=list(grammar_warnings or []),
-        )
+    @property
+    def rid(self) -> str:
+        return self.options.rid  # type: ignore[return-value]
+
+    def __reduce__(self):
+        # NOTE: one message per request crosses ZMQ: pickled as the constructor's arguments (see RequestOptions).
+        return (TokenizedGenerateReq, (self.input_ids, self.sampling_params, self.options))
 
 
 @dataclass

@@ -17,8 +17,12 @@ from typing import Any, Optional
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .io_struct import TokenizedGenerateReq
+from .request_options import RequestOptions
 from .sampling_params import SamplingParams
 from .step import SamplingRow
+
+NO_OPTIONS = RequestOptions()  # a request that asks for nothing besides its tokens
 
 
 @dataclass
@@ -37,20 +41,18 @@ class FinishReason:
 
 
 class Req:
+    """One request in the scheduler. `options` are the request's options as its caller built them (logprobs,
+    streaming, group; `options.rid`, when set, is `rid`); the fields read every step are copied out of them."""
+
     def __init__(
         self,
         rid: str,
         input_ids: list[int],
         sampling_params: SamplingParams,
+        options: RequestOptions = NO_OPTIONS,
         *,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
-        return_text_in_logprobs: bool = False,
-        stream: bool = False,
         tokenizer=None,
         eos_token_ids: tuple[int, ...] = (),
-        group: Optional[str] = None,
         defer_text: bool = False,
         take_ids: bool = False,
     ):
@@ -59,16 +61,15 @@ class Req:
         # message): no copy of a long prompt. Nothing here changes it in place.
         self.origin_input_ids = input_ids if take_ids and type(input_ids) is list else list(input_ids)
         self.sampling_params = sampling_params
-        self.return_logprob = return_logprob
+        self.options = options
+        self.return_logprob = return_logprob = options.return_logprob
         # Prompt logprobs are wanted from this prompt position on (-1: none, only output logprobs).
-        if return_logprob and logprob_start_len is not None and logprob_start_len >= 0:
-            self.logprob_start_len = min(logprob_start_len, len(input_ids))
-        else:
-            self.logprob_start_len = len(input_ids)
-        self.top_logprobs_num = top_logprobs_num or 0
-        self.return_text_in_logprobs = return_text_in_logprobs
-        self.stream = stream
-        self.group = group  # program / fork group id (scheduling hint)
+        start = options.logprob_start_len
+        self.logprob_start_len = min(start, len(input_ids)) if return_logprob and start >= 0 else len(input_ids)
+        self.top_logprobs_num = options.top_logprobs_num
+        self.return_text_in_logprobs = options.return_text_in_logprobs
+        self.stream = stream = options.stream
+        self.group = options.group  # program / fork group id (scheduling hint)
         # NOTE: never rebound (append, extend, del in place): the sampling row shares this list.
         self.output_ids: list[int] = []
         self.finished_reason: Optional[FinishReason] = None
@@ -136,6 +137,21 @@ class Req:
         self.status: Any = None  # the scheduler's ReqStatus (scheduler/queues.py) while it holds the request
         self.created = time.monotonic()
         self.first_token_time: Optional[float] = None
+
+    @classmethod
+    def of(cls, message: TokenizedGenerateReq, tokenizer: Any, eos_token_ids: tuple[int, ...]) -> "Req":
+        """The scheduler's request for a message from the tokenizer manager: its ids taken over (the message is
+        dropped after this), its text left to the receiver when nobody reads it before the end."""
+        return cls(
+            message.options.rid,  # type: ignore[arg-type]
+            message.input_ids,
+            message.sampling_params,
+            message.options,
+            tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids,
+            defer_text=True,
+            take_ids=True,
+        )
 
     def set_grammar(self, matcher: Any) -> None:
         """The request's grammar matcher, for the scheduler and for sampling."""

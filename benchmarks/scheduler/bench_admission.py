@@ -77,12 +77,13 @@ def run_round(
     With `generated`, each request's output ids are gathered there under its index (outside the timing).
     With `sim`, also the modeled device's busy seconds and the wall time without the stubbed forward."""
     from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
+    from plait.runtime.request_options import RequestOptions
     from plait.runtime.sampling_params import SamplingParams
 
     sp = SamplingParams(max_new_tokens=n_out, ignore_eos=True, temperature=0)
     wire = [
         pickle.dumps(
-            TokenizedGenerateReq(rid=f"{rid_prefix}{i}", input_ids=ids, sampling_params=sp),
+            TokenizedGenerateReq(ids, sp, RequestOptions(rid=f"{rid_prefix}{i}")),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         for i, ids in enumerate(prompts)

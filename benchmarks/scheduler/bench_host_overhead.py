@@ -221,6 +221,7 @@ class GcClock:
 
 def run_in_process(args, model_dir: str, reqs) -> dict:
     from plait.runtime.io_struct import BatchOut, TokenizedGenerateReq
+    from plait.runtime.request_options import RequestOptions
     from plait.runtime.sampling_params import SamplingParams
     from plait.runtime.scheduler import process
     from plait.runtime.scheduler.scheduler import create_scheduler
@@ -240,9 +241,7 @@ def run_in_process(args, model_dir: str, reqs) -> dict:
         s.pipeline.overlap = not args.no_overlap  # exercise the GPU's overlap code path (synchronous here)
     timer = DeviceTimer(s.runner, stub=args.device == "cpu" and not args.real_forward)
     for i, (ids, n_out) in enumerate(reqs):
-        s.handle_message(
-            TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=SamplingParams(**sampling(n_out)))
-        )
+        s.handle_message(TokenizedGenerateReq(ids, SamplingParams(**sampling(n_out)), RequestOptions(rid=f"r{i}")))
 
     steps = []  # (mode, batch size, step seconds, device seconds, kind: see step_kind)
     gc_s = []  # garbage-collection seconds per step

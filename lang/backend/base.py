@@ -50,6 +50,11 @@ class BaseBackend:
         """The runtime's KV pool size in tokens, when known (it bounds what programs may pin)."""
         return None
 
+    def vocab_size(self) -> Optional[int]:
+        """The runtime's vocabulary size, when this process knows it: each gen's sampling parameters are
+        checked against it once, where the program writes the gen (token ids included)."""
+        return None
+
     def tokenize(self, text: str) -> Optional[list[int]]:
         """The token ids the runtime will see for `text`, when this process can know them."""
         return None

@@ -12,9 +12,12 @@ import functools
 import weakref
 from typing import Any, Iterator, Optional, Union
 
+from plait.runtime.request_options import RequestOptions
+from plait.runtime.sampling_params import SamplingParams
+
 from ..chat_template import ChatTemplate, chat_template_from_tokenizer, get_chat_template
 from ..pins import PrefixPin
-from .native import NativeBackend
+from .native import NativeBackend, Prompt, is_text
 
 
 class EngineBackend(NativeBackend):
@@ -43,19 +46,21 @@ class EngineBackend(NativeBackend):
     def get_model_name(self) -> str:
         return self._model_name_of(self.engine)
 
-    # ---- transport ----
-    @staticmethod
-    def _engine_kwargs(payload: dict) -> dict:
-        kwargs = dict(payload)
-        if "text" in kwargs:  # SGLang's /generate says "text"; Engine.generate says "prompt"
-            kwargs["prompt"] = kwargs.pop("text")
-        return kwargs
+    # ---- transport: the request's objects, handed to the Engine as they are ----
+    def _send(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions):
+        key = "prompt" if is_text(prompt) else "input_ids"
+        return self.engine.generate(**{key: prompt}, sampling_params=sampling, options=options)
 
-    def _send(self, payload: dict):
-        return self.engine.generate(**self._engine_kwargs(payload))
+    def _send_stream(
+        self, prompt: Union[str, list[int]], sampling: SamplingParams, options: RequestOptions
+    ) -> Iterator[tuple[str, dict]]:
+        from plait.runtime.engine.streams import CumulativeOutput
 
-    def _send_stream(self, payload: dict) -> Iterator[dict]:
-        return iter(self.engine.generate(**self._engine_kwargs(payload)))
+        key = "prompt" if is_text(prompt) else "input_ids"
+        output = CumulativeOutput()  # (the Engine streams deltas: meta_info's logprobs so far are kept here)
+        for delta in self.engine.stream_deltas(**{key: prompt}, sampling_params=sampling, options=options):
+            output.add(delta)
+            yield delta["text"], output.meta()
 
     # ---- what the Engine knows directly ----
     def prefix_cache_enabled(self) -> bool:
@@ -63,6 +68,9 @@ class EngineBackend(NativeBackend):
 
     def kv_pool_tokens(self) -> Optional[int]:
         return getattr(getattr(self.engine, "info", None), "max_total_tokens", None)
+
+    def vocab_size(self) -> Optional[int]:
+        return getattr(getattr(self.engine, "info", None), "vocab_size", None)
 
     def tokenize(self, text: str) -> Optional[list[int]]:
         manager = getattr(self.engine, "tokenizer_manager", None)

@@ -1,7 +1,9 @@
-"""Generation, streaming and select over SGLang's native `/generate` request shape.
+"""Generation, streaming and select for the runtimes that take SGLang's native request: a prompt (text or
+token ids, one or a batch), one `SamplingParams` and one `RequestOptions`.
 
-The colocated Engine and an HTTP server (plait's or SGLang's) take the same request dict, so both
-backends share this logic and differ only in how a dict is sent (`_send`, `_send_stream`).
+The colocated Engine takes those objects as they are; an HTTP server (plait's or SGLang's) gets them
+written into a /generate body. Both backends share this logic and differ only in how a request is sent
+(`_send`, `_send_stream`).
 """
 
 from __future__ import annotations
@@ -9,39 +11,50 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Optional, Sequence, Union
 
+from plait.runtime.request_options import RequestOptions
+from plait.runtime.sampling_params import SamplingParams
+
 from ..choices import ChoicesDecision, ChoicesSamplingMethod
 from ..gen_params import ResolvedGen
-from ..global_config import global_config
 from ..graph_builder import observe_request
 from .base import BaseBackend
 
-PREFILL_ONLY = {"max_new_tokens": 0}
+# A prompt: a text or token ids, or a batch of either (a list of results comes back, in the same order).
+Prompt = Union[str, list[int], list[str], list[list[int]]]
+PREFILL_ONLY = SamplingParams(max_new_tokens=0)  # a prefix into the prefix cache, nothing generated
+SCORE_ONLY = SamplingParams(max_new_tokens=0, temperature=0)  # select()'s prompt logprobs
+NO_OPTIONS = RequestOptions()
 
 
 class NativeBackend(BaseBackend):
     # ---- transport, implemented by subclasses ----
-    def _send(self, payload: dict) -> Union[dict, list[dict]]:
-        """One /generate request; a list of prompts gives a list of results in the same order."""
+    def _send(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions) -> Union[dict, list[dict]]:
+        """One generate request: a result ({"text", "meta_info"}), or a list of them for a batch or for
+        n > 1 (the runtime expands the samples: request_options.expand_samples)."""
         raise NotImplementedError
 
-    def _send_stream(self, payload: dict) -> Iterator[dict]:
-        """A streaming /generate request: cumulative results ({"text": all so far, "meta_info"})."""
+    def _send_stream(
+        self, prompt: Union[str, list[int]], sampling: SamplingParams, options: RequestOptions
+    ) -> Iterator[tuple[str, dict]]:
+        """One streamed request (n == 1): (the new text, meta_info so far) as it comes."""
         raise NotImplementedError
 
-    def _request(self, payload: dict) -> Union[dict, list[dict]]:
+    def _request(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions) -> Union[dict, list[dict]]:
         """Send, and turn an aborted request (the runtime refused or dropped it) into an exception.
         Each result's meta_info also goes to the program's request graph (plait.graph)."""
-        out = self._send(payload)
+        out = self._send(prompt, sampling, options)
         for item in out if isinstance(out, list) else [out]:
-            raise_if_aborted(item)
+            raise_if_aborted(item.get("meta_info"))
             observe_request(item.get("meta_info"))
         return out
 
-    def _request_tags(self, s: Any) -> dict:
-        """Extra request fields naming the program a request belongs to: the runtime schedules one
+    def _options(self, s: Any, options: RequestOptions = NO_OPTIONS) -> RequestOptions:
+        """`options` with the program a request belongs to as its group: the runtime schedules one
         program's requests (and its forks') together. SGLang servers ignore the field."""
         program_id = getattr(s, "program_id", None)
-        return {"group": program_id} if program_id and self.program_hints else {}
+        if program_id and self.program_hints:
+            return dataclasses.replace(options, group=program_id)
+        return options
 
     def prefix_cache_enabled(self) -> bool:
         return not bool(self._server_setting("disable_radix_cache", False))
@@ -65,31 +78,24 @@ class NativeBackend(BaseBackend):
     def cache_prefix(self, prefix: Union[str, list[int]]) -> Optional[dict]:
         if not prefix:
             return None
-        key = "text" if isinstance(prefix, str) else "input_ids"
-        return self._request({key: prefix, "sampling_params": dict(PREFILL_ONLY)})["meta_info"]
+        return self._request(prefix, PREFILL_ONLY, NO_OPTIONS)["meta_info"]
 
     def cache_prefixes(self, prefixes: Sequence[Union[str, list[int]]]) -> list[Optional[dict]]:
         prefixes = [p for p in prefixes if p]
         if len(prefixes) <= 1:
             return [self.cache_prefix(p) for p in prefixes]
-        key = "text" if isinstance(prefixes[0], str) else "input_ids"
-        outs = self._request({key: list(prefixes), "sampling_params": dict(PREFILL_ONLY)})
+        outs = self._request(list(prefixes), PREFILL_ONLY, NO_OPTIONS)
         return [o["meta_info"] for o in (outs if isinstance(outs, list) else [outs])]
 
     def commit_lazy_operations(self, s: Any) -> None:
         # NOTE: without a prefix cache, a prefill ahead of the forks would only be computed again.
         if s.text_ and self.prefix_cache_enabled():
-            self._request({"text": s.text_, "sampling_params": dict(PREFILL_ONLY), **self._request_tags(s)})
+            self._request(s.text_, PREFILL_ONLY, self._options(s))
 
     def generate(self, s: Any, params: ResolvedGen):
-        n = params.sampling.n
-        if n > 1:
-            # n samples = n copies of the prompt in one batch: every runtime batches a list, and
-            # the copies share the prompt's prefix in the cache.
-            single = ResolvedGen(dataclasses.replace(params.sampling, n=1), params.logprob, params.dtype)
-            outs = self._request(self._payload(s, [s.text_] * n, single))
-            return [o["text"] for o in outs], [o["meta_info"] for o in outs]
-        out = self._request(self._payload(s, s.text_, params))
+        out = self._request(s.text_, params.sampling, self._options(s, params.options))
+        if params.sampling.n > 1:  # the runtime gives sample k seed + k, as for any caller
+            return [o["text"] for o in out], [o["meta_info"] for o in out]
         if isinstance(out, list):  # a server that answers a single prompt with a one-item list
             out = out[0]
         return out["text"], out["meta_info"]
@@ -97,15 +103,10 @@ class NativeBackend(BaseBackend):
     def generate_stream(self, s: Any, params: ResolvedGen) -> Iterator[tuple[str, dict]]:
         if params.sampling.n > 1:
             raise ValueError("gen(n > 1) cannot stream; run the program with stream=False")
-        payload = self._payload(s, s.text_, params)
-        payload["stream"] = True
-        seen = 0
         meta = None
-        for chunk in self._send_stream(payload):
-            raise_if_aborted(chunk)
-            text, meta = chunk["text"], chunk["meta_info"]
-            yield text[seen:], meta
-            seen = len(text)
+        for piece, meta in self._send_stream(s.text_, params.sampling, self._options(s, params.options)):
+            raise_if_aborted(meta)
+            yield piece, meta
         observe_request(meta)
 
     def select(
@@ -117,12 +118,8 @@ class NativeBackend(BaseBackend):
             raise ValueError("select() needs a non-empty list of choices")
         prefix = s.text_
         # 1. Prefill the shared prefix once; the batch below then hits it in the prefix cache.
-        tags = self._request_tags(s)
-        prefix_tokens = (
-            self._request({"text": prefix, "sampling_params": dict(PREFILL_ONLY), **tags})["meta_info"]["prompt_tokens"]
-            if prefix
-            else 0
-        )
+        tagged = self._options(s)
+        prefix_tokens = self._request(prefix, PREFILL_ONLY, tagged)["meta_info"]["prompt_tokens"] if prefix else 0
         # 2. Score every choice in one batched request. Logprobs start one token before the end of
         #    the prefix: the prefix's last token may merge with the choice's first ("A: " + "Paris"
         #    tokenizes as "A:" + " Paris"), and then it belongs to the choice (token healing).
@@ -130,14 +127,11 @@ class NativeBackend(BaseBackend):
         #    one that starts after it (a token's text cannot: a piece of a multi-byte character, as in
         #    "日" = two tokens, decodes to "\ufffd").
         outs = self._request(
-            {
-                "text": [prefix + c for c in choices] + ([prefix] if prefix else []),
-                "sampling_params": {**PREFILL_ONLY, "temperature": 0},
-                "return_logprob": True,
-                "return_text_in_logprobs": True,
-                "logprob_start_len": max(prefix_tokens - 2, 0),
-                **tags,
-            }
+            [prefix + c for c in choices] + ([prefix] if prefix else []),
+            SCORE_ONLY,
+            dataclasses.replace(
+                tagged, return_logprob=True, return_text_in_logprobs=True, logprob_start_len=max(prefix_tokens - 2, 0)
+            ),
         )
         prefix_last_id = outs.pop()["meta_info"]["input_token_logprobs"][-1][1] if prefix else None
         input_logprobs = [choice_token_logprobs(o["meta_info"], prefix, prefix_tokens, prefix_last_id) for o in outs]
@@ -155,13 +149,9 @@ class NativeBackend(BaseBackend):
         unconditional = None
         if choices_method.requires_unconditional_logprobs:
             uncond = self._request(
-                {
-                    "input_ids": [[tok[1] for tok in lps] for lps in input_logprobs],
-                    "sampling_params": dict(PREFILL_ONLY),
-                    "return_logprob": True,
-                    "logprob_start_len": 0,
-                    **tags,
-                }
+                [[tok[1] for tok in lps] for lps in input_logprobs],
+                PREFILL_ONLY,
+                dataclasses.replace(tagged, return_logprob=True, logprob_start_len=0),
             )
             unconditional = [o["meta_info"]["input_token_logprobs"] for o in uncond]
         return choices_method(
@@ -172,18 +162,14 @@ class NativeBackend(BaseBackend):
             unconditional_token_logprobs=unconditional,
         )
 
-    # ---- helpers ----
-    def _payload(self, s: Any, text: Union[str, list[str]], params: ResolvedGen) -> dict:
-        sampling = params.request_sampling_dict()
-        if not global_config.skip_special_tokens_in_output:
-            sampling["skip_special_tokens"] = False
-        if not global_config.spaces_between_special_tokens_in_out:
-            sampling["spaces_between_special_tokens"] = False
-        return {"text": text, "sampling_params": sampling, **params.logprob, **self._request_tags(s)}
+
+def is_text(prompt: Prompt) -> bool:
+    """Whether a prompt is text (a string, or a batch of them), not token ids."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str))
 
 
-def raise_if_aborted(result: dict) -> None:
-    reason = (result.get("meta_info") or {}).get("finish_reason") or {}
+def raise_if_aborted(meta_info: Optional[dict]) -> None:
+    reason = (meta_info or {}).get("finish_reason") or {}
     if isinstance(reason, dict) and reason.get("type") == "abort":
         raise RuntimeError(f"the runtime aborted the request: {reason.get('message', 'no reason given')}")
 

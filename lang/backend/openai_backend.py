@@ -96,9 +96,9 @@ class OpenAI(BaseBackend):
     def _logprob_kwargs(self, params: ResolvedGen) -> dict:
         """gen(return_logprob=True, top_logprobs_num=k) as the OpenAI API spells it (it has no prompt
         logprobs for chat models, so logprob_start_len does not apply)."""
-        if not params.logprob.get("return_logprob"):
+        if not params.options.return_logprob:
             return {}
-        top = int(params.logprob.get("top_logprobs_num") or 0)
+        top = params.options.top_logprobs_num
         if self.is_chat_model:
             return {"logprobs": True, "top_logprobs": top}
         return {"logprobs": top}
@@ -120,7 +120,7 @@ class OpenAI(BaseBackend):
             }
             for c in ret.choices
         ]
-        if params.logprob.get("return_logprob"):
+        if params.options.return_logprob:
             # NOTE: they were dropped silently; get_meta_info(name)["output_token_logprobs"] then failed
             # far from the gen. The API gives no token ids: entries are (logprob, None, token text).
             for meta, choice in zip(metas, ret.choices):

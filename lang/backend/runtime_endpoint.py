@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any, Iterator, Optional, Union
 
+from plait.runtime.request_options import RequestOptions
+from plait.runtime.sampling_params import SamplingParams
+
 from ..chat_template import ChatTemplate, chat_template_from_tokenizer, get_chat_template
 from ..pins import PrefixPin
 from .http_client import EndpointHTTP
-from .native import NativeBackend
+from .native import NativeBackend, Prompt, is_text
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +63,15 @@ class RuntimeEndpoint(NativeBackend):
     def get_model_name(self) -> str:
         return self.model_info.get("model_path", "")
 
-    def _send(self, payload: dict):
-        return self.http.post("/generate", payload).json()
+    def _send(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions):
+        return self.http.post("/generate", generate_body(prompt, sampling, options)).json()
 
-    def _send_stream(self, payload: dict) -> Iterator[dict]:
-        for line in self.http.stream_lines("/generate", payload):
+    def _send_stream(
+        self, prompt: Union[str, list[int]], sampling: SamplingParams, options: RequestOptions
+    ) -> Iterator[tuple[str, dict]]:
+        # NOTE: /generate streams SGLang's cumulative chunks: the new text is what extends the last one.
+        seen = 0
+        for line in self.http.stream_lines("/generate", {**generate_body(prompt, sampling, options), "stream": True}):
             if not line.startswith("data:"):
                 continue
             data = line[len("data:") :].strip()
@@ -72,7 +80,9 @@ class RuntimeEndpoint(NativeBackend):
             chunk = json.loads(data)
             if "error" in chunk and "text" not in chunk:
                 raise RuntimeError(f"{self.base_url}/generate stream failed: {chunk['error']}")
-            yield chunk
+            text = chunk["text"]
+            yield text[seen:], chunk["meta_info"]
+            seen = max(seen, len(text))
 
     # ---- prefix pins (plait's /pin_prefix and /unpin_prefix; absent on SGLang servers) ----
     def pin_prefix(self, prefix: Union[str, list[int]]) -> Optional[PrefixPin]:
@@ -106,6 +116,32 @@ class RuntimeEndpoint(NativeBackend):
 
     def get_server_info(self) -> dict:
         return self.http.get("/get_server_info")
+
+
+def generate_body(prompt: Prompt, sampling: SamplingParams, options: RequestOptions) -> dict[str, Any]:
+    """A /generate body: the prompt as "text" or "input_ids", the sampling parameters that differ from the
+    defaults (so SGLang servers, which lack some of plait's fields, accept it), and the options set."""
+    body: dict[str, Any] = {
+        "text" if is_text(prompt) else "input_ids": prompt,
+        "sampling_params": sampling_body(sampling),
+    }
+    for f in dataclasses.fields(RequestOptions):
+        value = getattr(options, f.name)
+        if value != f.default:
+            body[f.name] = value
+    return body
+
+
+def sampling_body(sampling: SamplingParams) -> dict[str, Any]:
+    """`sampling_params` of a /generate body: the fields that differ from SamplingParams' defaults, and
+    max_new_tokens and temperature always (a server's own defaults may differ), but the temperature of a
+    request that samples nothing (max_new_tokens=0)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingParams):
+        value = getattr(sampling, f.name)
+        if value != f.default or f.name == "max_new_tokens" or (f.name == "temperature" and sampling.max_new_tokens):
+            out[f.name] = value
+    return out
 
 
 def _json_or_none(res: Any, key: str) -> Any:

@@ -9,15 +9,12 @@ tokenizer manager's own loop (a background thread) and the results are bridged b
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import logging
-import queue
-import tempfile
 import time
 import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from ..executor.model_files import load_tokenizer
 from ..io_struct import (
     CheckIntegrityReq,
     FlushCacheReq,
@@ -27,23 +24,16 @@ from ..io_struct import (
     TokenizedGenerateReq,
     UnpinPrefixReq,
 )
-from ..request_options import RequestOptions
+from ..request_options import RequestOptions, new_rid
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
 from .compat import SGLangEngineExtras
-from .loop import (
-    EngineLoop,
-    get_interruptibly,
-    in_background,
-    launch_scheduler,
-    release_engine,
-    result_interruptibly,
-    stop_scheduler_process,
-    wait_scheduler_ready,
-)
-from .request_builder import build_requests
+from .loop import EngineLoop, abort_request, release_engine, stop_scheduler_process
+from .request_builder import OPTION_DEFAULTS, PromptRequests, build_requests
 from .server_info import internal_state
-from .tokenizer_manager import OverloadedError, TokenizerManager, new_rid
+from .startup import checked_model_path, start_scheduler
+from .streams import RequestStreams, acumulative, cumulative
+from .tokenizer_manager import OverloadedError, TokenizerManager
 
 logger = logging.getLogger("plait.engine")
 
@@ -54,51 +44,18 @@ class Engine(SGLangEngineExtras):
         if "model" in kwargs and model_path is None:
             model_path = kwargs.pop("model")
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
-        from ..models.default_model import resolve_model_path
-
-        if model_path is None:
-            self.model_path = resolve_model_path(None)
-        else:
-            self.model_path = self.server_args.model_path  # "~" expanded
-            from ..executor.model_files import check_is_folder
-            from ..models.config import BUILTIN_SHAPES
-
-            if not (self.server_args.load_format == "dummy" and self.model_path in BUILTIN_SHAPES):
-                # NOTE: here, before a scheduler process starts only to fail on it (its traceback and the
-                # "did not exit; terminating it" line used to come before the error that matters).
-                check_is_folder(self.model_path)
-        _check_device(self.server_args.device)
-        if self.server_args.world_size() > 1:  # a model that cannot split: refused before any process starts
-            from ..executor.model_files import check_model_splits
-
-            check_model_splits(self.model_path, self.server_args)
-        self.server_args.model_path = self.model_path
-        self._tmpdir = tempfile.mkdtemp(prefix="plait-")
-        to_sched = f"ipc://{self._tmpdir}/to_scheduler"
-        from_sched = f"ipc://{self._tmpdir}/from_scheduler"
-
-        ready_addr = f"ipc://{self._tmpdir}/ready"
-        launched = time.time()
-        self._proc = proc = launch_scheduler(
-            self.server_args, self.model_path, to_sched, from_sched, ready_addr, self._tmpdir
-        )
-        # NOTE: loaded while the scheduler process starts (it loads the model and its own tokenizer): one after
-        # the other, the two took a third of a CPU start-up.
-        tokenizer = in_background(load_tokenizer, self.server_args.tokenizer_path or self.model_path)
-        reported = False
+        self.model_path = self.server_args.model_path = checked_model_path(self.server_args, model_path)
+        started_scheduler = start_scheduler(self.server_args, self.model_path)
+        self._proc = proc = started_scheduler.proc
+        self._tmpdir = started_scheduler.tmpdir
+        self.info: SchedulerInfo = started_scheduler.info
+        self.tokenizer = started_scheduler.tokenizer
         try:
-            status, payload = wait_scheduler_ready(proc, ready_addr)
-            if status != "ready":
-                reported = True
-                raise RuntimeError(f"the scheduler failed to start: {payload}")
-            self.info: SchedulerInfo = payload
-            self.tokenizer = result_interruptibly(tokenizer)
             self._bg = EngineLoop("plait-tokenizer-manager")
-        except BaseException:  # (Ctrl-C while loading included) no scheduler process may outlive a failed start
-            # NOTE: one that reported its error exits by itself: terminating it at once only added a
-            # misleading "did not exit; terminating it" warning after its traceback.
-            stop_scheduler_process(proc, self._tmpdir, patience_s=5 if reported else 0)
+        except BaseException:
+            stop_scheduler_process(proc, self._tmpdir, patience_s=0)
             raise
+        to_sched, from_sched = started_scheduler.to_scheduler, started_scheduler.from_scheduler
 
         async def make_tm():
             # (the liveness check must not hold the Engine: a dropped engine is then collected and released)
@@ -109,11 +66,14 @@ class Engine(SGLangEngineExtras):
             return tm
 
         self.tokenizer_manager: TokenizerManager = self._bg.call(make_tm())
+        self._streams = RequestStreams(self._bg, self.tokenizer_manager)
         # shutdown() runs it; so does the garbage collector for an engine dropped without one, and interpreter exit.
         self._release = weakref.finalize(self, release_engine, self._bg, self.tokenizer_manager, proc, self._tmpdir)
         self.startup_s = time.perf_counter() - started  # SGLang's internal_states[0]["startup_time"]
         # Where the start-up went: seconds from the scheduler process's launch to each of its marks.
-        self.startup_phases = {name: round(mark - launched, 3) for name, mark in self.info.startup_marks.items()}
+        self.startup_phases = {
+            name: round(mark - started_scheduler.launched, 3) for name, mark in self.info.startup_marks.items()
+        }
         logger.info(
             "engine ready in %.1fs: %s on %s (%s, %s attention, %d KV tokens); scheduler process, "
             "seconds from its launch: %s",
@@ -147,26 +107,27 @@ class Engine(SGLangEngineExtras):
         return self.tokenizer
 
     # ------------------------------------------------------------------ generate
-    async def _generate_async(self, groups, batch: bool):
+    def _build(self, prompt, sampling_params, input_ids, option_args, options) -> tuple[list[PromptRequests], bool]:
+        self._bg.check_open()
+        return build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, option_args, options)
+
+    async def _generate_async(self, prompts: list[PromptRequests], batch: bool):
         tm = self.tokenizer_manager
         submitted = []
         try:
             # n > 1: prefill the shared prompt once (a prefill-only request), then start the samples.
-            for members in groups:
-                if len(members) > 1 and not self.server_args.disable_radix_cache:
-                    head = members[0]
+            for prompt in prompts:
+                if len(prompt.samples) > 1 and not self.server_args.disable_radix_cache:
+                    head = prompt.samples[0]
                     warm = TokenizedGenerateReq(
-                        rid=new_rid(),
-                        input_ids=head.input_ids,
-                        sampling_params=SamplingParams(max_new_tokens=0),
-                        group=head.group,
+                        head.input_ids, PREFILL_ONLY, RequestOptions(rid=new_rid(), group=head.options.group)
                     )
                     await tm.wait(await tm.submit(warm))
             states = []
-            for members in groups:
+            for prompt in prompts:
                 group_states = []
-                for m in members:
-                    group_states.append(await tm.submit(m))
+                for m in prompt.samples:
+                    group_states.append(await tm.submit(m, prompt.grammar_warnings))
                     submitted.append(group_states[-1])
                 states.append(group_states)
             results = []
@@ -191,7 +152,7 @@ class Engine(SGLangEngineExtras):
     def generate(
         self,
         prompt: Union[str, list[str], None] = None,
-        sampling_params: Union[dict, list[dict], None] = None,
+        sampling_params: Union[dict, list[dict], SamplingParams, None] = None,
         input_ids: Union[list[int], list[list[int]], None] = None,
         return_logprob: Union[bool, list[bool]] = False,
         logprob_start_len: Union[int, list[int], None] = None,
@@ -203,10 +164,10 @@ class Engine(SGLangEngineExtras):
         options: Optional[RequestOptions] = None,
     ):
         """SGLang's generate. `options` (a RequestOptions) may stand for the keyword arguments after
-        input_ids, as the HTTP server passes them, built and checked once."""
-        self._bg.check_open()
-        groups, batch = build_requests(
-            self.tokenizer_manager,
+        input_ids, as the HTTP server and the DSL pass them, built and checked once; a SamplingParams
+        stands for its dict, and one verified before is not verified again. With stream=True: an
+        iterator of SGLang's cumulative chunks (each holds all the output so far)."""
+        prompts, batch = self._build(
             prompt,
             sampling_params,
             input_ids,
@@ -221,10 +182,9 @@ class Engine(SGLangEngineExtras):
             ),
             options,
         )
-        stream = groups[0][0].stream
-        if stream:
-            return self._stream_sync(groups, batch)
-        return self._bg.call(self._generate_async(groups, batch))  # (Ctrl-C while waiting aborts the requests)
+        if prompts[0].samples[0].options.stream:
+            return cumulative(self._streams.sync(*_single_stream(prompts, batch)))
+        return self._bg.call(self._generate_async(prompts, batch))  # (Ctrl-C while waiting aborts the requests)
 
     async def async_generate(
         self,
@@ -240,9 +200,8 @@ class Engine(SGLangEngineExtras):
         group=None,
         options: Optional[RequestOptions] = None,
     ):
-        self._bg.check_open()
-        groups, batch = build_requests(
-            self.tokenizer_manager,
+        """generate, awaited; with stream=True, an async iterator of SGLang's cumulative chunks."""
+        prompts, batch = self._build(
             prompt,
             sampling_params,
             input_ids,
@@ -257,84 +216,36 @@ class Engine(SGLangEngineExtras):
             ),
             options,
         )
-        stream = groups[0][0].stream
-        if stream:
-            req = self._single_stream_req(groups, batch)  # reject a batch here, not at the first iteration
-            self._expect_stream(req.rid)
-            return self._stream_async(groups, batch)
-        return await self._acall(self._generate_async(groups, batch))
+        if prompts[0].samples[0].options.stream:
+            req, warnings = _single_stream(prompts, batch)  # (a batch is refused here, not at the first read)
+            self._streams.expect(req.rid)
+            return acumulative(self._streams.asynchronous(req, warnings))
+        return await self._acall(self._generate_async(prompts, batch))
 
-    # Streaming: one request (n == 1, not a batch) yields cumulative chunks.
-    def _single_stream_req(self, groups, batch):
-        if batch or len(groups) != 1 or len(groups[0]) != 1:
-            raise ValueError("stream=True takes a single prompt with n=1")
-        return groups[0][0]
+    def stream_deltas(
+        self,
+        prompt: Union[str, list[int], None] = None,
+        sampling_params: Union[dict, SamplingParams, None] = None,
+        input_ids: Optional[list[int]] = None,
+        options: Optional[RequestOptions] = None,
+    ) -> Iterator[dict]:
+        """One request (n == 1) streamed as delta chunks (streams.py): the text, output ids and logprobs
+        since the last chunk, the totals in meta_info. What the DSL reads; `options` need not say stream."""
+        prompts, batch = self._build(prompt, sampling_params, input_ids, OPTION_DEFAULTS, _streamed(options))
+        return self._streams.sync(*_single_stream(prompts, batch))
 
-    async def _stream_async(self, groups, batch) -> AsyncIterator[dict]:
-        req = self._single_stream_req(groups, batch)
-        caller_loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-
-        def put(msg) -> bool:
-            try:
-                caller_loop.call_soon_threadsafe(q.put_nowait, msg)
-                return True
-            except RuntimeError:  # the consumer's loop is closed (it left without closing the stream)
-                return False
-
-        fut = self._pump_stream(req, put)
-        try:
-            while (chunk := _unpack(await q.get())) is not _END:
-                yield chunk
-        finally:
-            self._stop_pump(fut, req)
-
-    def _stream_sync(self, groups, batch) -> Iterator[dict]:
-        req = self._single_stream_req(groups, batch)
-        self._expect_stream(req.rid)
-        q: queue.Queue = queue.Queue()
-
-        def gen():
-            fut = self._pump_stream(req, lambda msg: q.put(msg) or True)
-            try:
-                while (chunk := _unpack(get_interruptibly(q))) is not _END:
-                    yield chunk
-            finally:
-                self._stop_pump(fut, req)
-
-        return gen()
-
-    def _expect_stream(self, rid: str) -> None:
-        # (queued before any abort the caller sends next: the loop runs callbacks in order)
-        self._bg.call_soon(self.tokenizer_manager.expect_stream, rid)
-
-    def _pump_stream(self, req, put):
-        """Run one request on the engine's loop, handing ("chunk", c) ... ("end", None) or ("error", e)
-        to `put` (safe to call from that loop's thread; False when nobody can receive any more)."""
-        tm = self.tokenizer_manager
-
-        async def pump():
-            try:
-                chunks = tm.stream(await tm.submit(req))
-                try:
-                    async for chunk in chunks:
-                        if not put(("chunk", chunk)):
-                            return
-                    put(("end", None))
-                finally:
-                    await chunks.aclose()  # now, not whenever it is collected: an unfinished stream aborts its request
-            except asyncio.CancelledError:  # the consumer left, or a shutdown gave up waiting for this stream
-                put(("error", RuntimeError("the stream was cancelled (the engine is shutting down)")))
-                raise
-            except Exception as e:  # noqa: BLE001 - forwarded to the consumer
-                put(("error", e))
-
-        return self._bg.submit(pump())
-
-    def _stop_pump(self, fut, req) -> None:
-        if not fut.done():  # the consumer left early (e.g. a client disconnect): abort in the scheduler
-            fut.cancel()
-            self.abort(req.rid)
+    async def async_stream_deltas(
+        self,
+        prompt: Union[str, list[int], None] = None,
+        sampling_params: Union[dict, SamplingParams, None] = None,
+        input_ids: Optional[list[int]] = None,
+        options: Optional[RequestOptions] = None,
+    ) -> AsyncIterator[dict]:
+        """stream_deltas for an asyncio caller (the HTTP server): checked when awaited, streamed when read."""
+        prompts, batch = self._build(prompt, sampling_params, input_ids, OPTION_DEFAULTS, _streamed(options))
+        req, warnings = _single_stream(prompts, batch)
+        self._streams.expect(req.rid)
+        return self._streams.asynchronous(req, warnings)
 
     # ------------------------------------------------------------------ prefix hints
     def _prefix_ids(self, prefix) -> list[int]:
@@ -403,11 +314,7 @@ class Engine(SGLangEngineExtras):
     # ------------------------------------------------------------------ control
     def abort(self, rid: str) -> None:
         """Stop request `rid` (or every sample of an n > 1 request). Nothing to do once shut down."""
-        if not self._bg.closed:
-            try:
-                self._bg.submit(self.tokenizer_manager.abort(rid))
-            except RuntimeError:  # shut down since the check: every request has ended already
-                pass
+        abort_request(self._bg, self.tokenizer_manager, rid)
 
     def flush_cache(self) -> bool:
         return self._call(self.tokenizer_manager.control(FlushCacheReq))
@@ -453,15 +360,20 @@ class Engine(SGLangEngineExtras):
         )
 
 
-_END = object()  # the stream is over
+PREFILL_ONLY = SamplingParams(max_new_tokens=0)  # the shared prompt of n samples, prefilled once
 
 
-def _unpack(msg: tuple):
-    """A pump message -> the chunk, _END, or raises the error it carries."""
-    kind, item = msg
-    if kind == "error":
-        raise item
-    return item if kind == "chunk" else _END
+def _single_stream(prompts: list[PromptRequests], batch: bool) -> tuple[TokenizedGenerateReq, list[str]]:
+    """The one request of a stream, and its warnings: a stream takes one prompt with n == 1."""
+    if batch or len(prompts) != 1 or len(prompts[0].samples) != 1:
+        raise ValueError("stream=True takes a single prompt with n=1")
+    return prompts[0].samples[0], prompts[0].grammar_warnings
+
+
+def _streamed(options: Optional[RequestOptions]) -> RequestOptions:
+    if options is None:
+        return RequestOptions(stream=True)
+    return options if options.stream else dataclasses.replace(options, stream=True)
 
 
 __all__ = ["Engine", "OverloadedError"]
@@ -473,11 +385,3 @@ def _checked_pin_id(pin_id) -> int:
     if isinstance(pin_id, bool) or not isinstance(pin_id, int):
         raise TypeError(f"pin_id must be an int (pin_prefix(...)['pin_id']), got {type(pin_id).__name__}")
     return pin_id
-
-
-def _check_device(device: str) -> None:
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():  # (the scheduler failed on it with an AttributeError deep in torch)
-            raise ValueError("device='cuda' but torch sees no CUDA device here; use device='auto' or 'cpu'")

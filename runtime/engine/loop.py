@@ -1,6 +1,5 @@
 """The Engine's background side: the asyncio loop (on its own thread) where the tokenizer manager runs,
-the one way callers' work gets onto it, the scheduler process's start, and the shutdown that ends
-both.
+the one way callers' work gets onto it, and the shutdown that ends both and the scheduler process.
 
 Shutdown is the delicate part, because callers may be anywhere: blocked in `generate` on another
 thread, awaiting on their own loop, half-way through a stream, or about to call in. Every piece of
@@ -15,11 +14,9 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import pickle
 import queue
 import shutil
 import subprocess
-import sys
 import threading
 from typing import Any, Callable, Coroutine
 
@@ -33,7 +30,6 @@ FORKED = (
     "thread and sockets stay in the parent. Create an Engine in the child, or have the child send its "
     "requests to one process (e.g. `plait serve`)"
 )
-STARTUP_TIMEOUT_S = 900
 DRAIN_S = 5.0  # how long requests in flight get to unwind (each needs one pass of the loop) before they are cancelled
 WAIT_SLICE_S = 0.25
 
@@ -181,44 +177,6 @@ async def _drain(tm: TokenizerManager) -> None:
     await tm.close()
 
 
-def launch_scheduler(
-    server_args, model_path: str, to_sched: str, from_sched: str, ready_addr: str, tmpdir: str
-) -> subprocess.Popen:
-    """Start the scheduler process; it reports on `ready_addr` (see `wait_scheduler_ready`).
-
-    NOTE: a fresh interpreter (`python -m plait.runtime.scheduler`), not a multiprocessing child:
-    spawn would re-import the user's __main__, which breaks scripts that create an Engine at top level
-    without an `if __name__ == "__main__"` guard."""
-    spec = os.path.join(tmpdir, "scheduler_args.pkl")
-    with open(spec, "wb") as f:
-        pickle.dump((server_args, model_path, to_sched, from_sched, ready_addr), f)
-    # dp_size > 1: the data-parallel controller takes the scheduler's place (same arguments, same messages)
-    # and starts the replicas' schedulers (runtime/distributed/data_parallel.py).
-    module = "plait.runtime.distributed.data_parallel" if server_args.dp_size > 1 else "plait.runtime.scheduler"
-    return subprocess.Popen([sys.executable, "-m", module, spec], close_fds=True)
-
-
-def wait_scheduler_ready(proc: subprocess.Popen, ready_addr: str) -> tuple:
-    """("ready", SchedulerInfo) or ("error", why)."""
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
-    sock.bind(ready_addr)
-    try:
-        waited = 0.0
-        while waited < STARTUP_TIMEOUT_S:
-            if sock.poll(500):
-                return sock.recv_pyobj()
-            waited += 0.5
-            if proc.poll() is not None:
-                return ("error", f"scheduler process exited with code {proc.returncode}")
-        return ("error", "timed out waiting for the scheduler")
-    finally:
-        sock.close(linger=0)
-        ctx.term()
-
-
 def stop_scheduler_process(proc: subprocess.Popen, tmpdir: str, patience_s: float) -> None:
     """Wait up to `patience_s` for the scheduler process to exit by itself, then terminate (and kill) it."""
     try:
@@ -232,6 +190,15 @@ def stop_scheduler_process(proc: subprocess.Popen, tmpdir: str, patience_s: floa
             proc.kill()
             proc.wait()
     shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def abort_request(loop: EngineLoop, tm: TokenizerManager, rid: str) -> None:
+    """Stop request `rid` (or every sample of an n > 1 request), from any thread. Nothing to do once shut down."""
+    if not loop.closed:
+        try:
+            loop.submit(tm.abort(rid))
+        except RuntimeError:  # shut down since the check: every request has ended already
+            pass
 
 
 def release_engine(loop: EngineLoop, tm: TokenizerManager, proc: subprocess.Popen, tmpdir: str) -> None:

@@ -1,21 +1,23 @@
 """SGLang-style `generate` arguments -> the scheduler's requests.
 
 One prompt or a batch (text or token ids), per-item or shared sampling parameters and request options
-(logprobs, stream, rid, group: a `RequestOptions` per prompt) become groups of `TokenizedGenerateReq`
-(a group holds the n samples of one prompt, from `expand_samples`). Every check that needs no
-scheduler happens here, so a bad batch is rejected before anything runs.
+(logprobs, stream, rid, group: a `RequestOptions` per prompt) become one `PromptRequests` per prompt: its
+`TokenizedGenerateReq`s (the n samples of the prompt, from `expand_samples`). A `SamplingParams` or a
+`RequestOptions` the caller built is used as it is (not rebuilt, and not verified again). Every check
+that needs no scheduler happens here, so a bad batch is rejected before anything runs.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..io_struct import TokenizedGenerateReq
-from ..request_options import RequestOptions, expand_samples
+from ..request_options import RequestOptions, expand_samples, new_rid
 from ..sampling_params import SamplingParams
-from .tokenizer_manager import TokenizerManager, new_rid
+from .tokenizer_manager import TokenizerManager
 
 # Engine.generate's request options and their defaults; those a batch may give per item.
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -30,6 +32,15 @@ OPTION_DEFAULTS: dict[str, Any] = {
 _PER_ITEM = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
 
+@dataclass
+class PromptRequests:
+    """One prompt's requests to the scheduler (its n samples, or the request itself when n == 1) and the
+    warnings validating it gave (its constraint's, the same for every sample)."""
+
+    samples: list[TokenizedGenerateReq]
+    grammar_warnings: list[str]
+
+
 def build_requests(
     tm: TokenizerManager,
     prompt,
@@ -38,9 +49,9 @@ def build_requests(
     option_args: dict[str, Any],
     options: Optional[RequestOptions] = None,
 ):
-    """(groups, is_batch): one list of TokenizedGenerateReq per prompt (its n samples); is_batch says
-    whether the caller gave a batch (a list is returned) or one prompt. The options are `options` when
-    given (its rid suffixed `_i` per batch item), else built from `option_args` (Engine.generate's)."""
+    """(prompts, is_batch): one PromptRequests per prompt; is_batch says whether the caller gave a batch (a
+    list is returned) or one prompt. The options are `options` when given (its rid suffixed `_i` per batch
+    item), else built from `option_args` (Engine.generate's)."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt (text) and input_ids")
     if prompt is not None:
@@ -78,8 +89,9 @@ def build_requests(
             raise ValueError(f"batch item {i}: {e}") from None
         if opts.rid is None:
             opts = opts.with_rid(new_rid())
-        groups.append([TokenizedGenerateReq.of(ids_list[i], s, o, warnings) for s, o in expand_samples(sp, opts)])
-    all_rids = [m.rid for members in groups for m in members]
+        samples = [TokenizedGenerateReq(ids_list[i], s, o) for s, o in expand_samples(sp, opts)]
+        groups.append(PromptRequests(samples, warnings))
+    all_rids = [m.rid for group in groups for m in group.samples]
     if len(set(all_rids)) != len(all_rids):
         dup = next(r for r in all_rids if all_rids.count(r) > 1)
         raise ValueError(f"duplicate request id {dup!r}")

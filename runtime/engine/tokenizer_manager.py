@@ -12,9 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import zmq
 import zmq.asyncio
@@ -33,6 +31,7 @@ from ..io_struct import (
 from ..request_options import RequestOptions, is_sample_of
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
+from .request_state import RequestState
 
 logger = logging.getLogger("plait.tokenizer_manager")
 
@@ -45,78 +44,6 @@ def _keep(rids: dict[str, None], rid: str) -> None:
     rids[rid] = None
     while len(rids) > UNSTARTED_KEPT:
         rids.pop(next(iter(rids)))
-
-
-@dataclass
-class _ReqState:
-    rid: str
-    prompt_tokens: int
-    return_logprob: bool
-    created: float
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finished_reason: Optional[dict] = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    input_token_logprobs: list = field(default_factory=list)
-    input_top_logprobs: list = field(default_factory=list)
-    output_token_logprobs: list = field(default_factory=list)
-    output_top_logprobs: list = field(default_factory=list)
-    first_token_time: Optional[float] = None
-    grammar_warnings: list = field(default_factory=list)
-    closed_early: Optional[str] = None
-    spec: Optional[dict] = None  # speculative decoding's per-request counters (meta_info)
-    group: Optional[str] = None
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def apply(self, o: ReqOutput) -> None:
-        if o.new_ids and self.first_token_time is None:
-            self.first_token_time = o.first_token_time or time.monotonic()
-        self.output_ids.extend(o.new_ids)
-        self.text += o.text_delta
-        if o.final_text is not None:
-            self.text = o.final_text
-        self.completion_tokens = o.completion_tokens
-        self.cached_tokens = o.cached_tokens
-        self.input_token_logprobs.extend(o.input_token_logprobs)
-        self.input_top_logprobs.extend(o.input_top_logprobs)
-        self.output_token_logprobs.extend(o.output_token_logprobs)
-        self.output_top_logprobs.extend(o.output_top_logprobs)
-        if o.finished_reason is not None:
-            self.finished_reason = o.finished_reason
-        if o.closed_early is not None:
-            self.closed_early = o.closed_early
-        if o.spec_verify_ct is not None:
-            self.spec = {
-                "spec_verify_ct": o.spec_verify_ct,
-                "spec_draft_tokens": o.spec_draft_tokens,
-                "spec_accepted_tokens": o.spec_accepted_tokens,
-            }
-        self.event.set()
-
-    def result(self) -> dict[str, Any]:
-        meta = {
-            "id": self.rid,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "finish_reason": self.finished_reason,
-            "e2e_latency": time.monotonic() - self.created,
-        }
-        if self.first_token_time is not None:
-            meta["ttft"] = self.first_token_time - self.created
-        if self.grammar_warnings:
-            meta["grammar_warnings"] = list(self.grammar_warnings)
-        if self.closed_early is not None:
-            meta["closed_early"] = self.closed_early
-        if self.spec is not None:
-            meta.update(self.spec)
-        if self.return_logprob:
-            meta["input_token_logprobs"] = list(self.input_token_logprobs)
-            meta["input_top_logprobs"] = list(self.input_top_logprobs)
-            meta["output_token_logprobs"] = list(self.output_token_logprobs)
-            meta["output_top_logprobs"] = list(self.output_top_logprobs)
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
 class TokenizerManager:
@@ -139,7 +66,7 @@ class TokenizerManager:
         self.recv_sock.bind(recv_addr)
         self.is_scheduler_alive = is_scheduler_alive
         self.text_decoder = TextDecoder.of(tokenizer)
-        self.states: dict[str, _ReqState] = {}
+        self.states: dict[str, RequestState] = {}
         # Streamed requests the Engine handed out but has not submitted (a stream starts when it is first
         # read), and aborts that came for them meanwhile: such a request ends at once when it comes.
         # Both keep at most UNSTARTED_KEPT rids (a stream never read stays unstarted forever).
@@ -230,32 +157,35 @@ class TokenizerManager:
             return list(validate_constraint(key[0], key[1], self.server_args.grammar_backend, strict=sp.strict) or [])
         return []
 
-    async def submit(self, req: TokenizedGenerateReq) -> _ReqState:
+    async def submit(self, req: TokenizedGenerateReq, grammar_warnings: Sequence[str] = ()) -> RequestState:
+        """Send a request to the scheduler; `grammar_warnings` (validate's) go into its meta_info."""
         if self.dead_reason:
             raise EngineUnavailableError(self.dead_reason)
-        if req.rid in self.states:
-            raise ValueError(f"duplicate request id {req.rid!r}")
+        rid = req.rid
+        if rid in self.states:
+            raise ValueError(f"duplicate request id {rid!r}")
         limit = self.server_args.max_queued_requests
         if limit is not None and len(self.states) >= limit + self.info.max_running_requests:
             raise OverloadedError(f"too many requests in flight ({len(self.states)}); try again later")
-        state = _ReqState(
-            req.rid,
+        options = req.options
+        state = RequestState(
+            rid,
             len(req.input_ids),
-            req.return_logprob,
+            options.return_logprob,
             time.monotonic(),
-            grammar_warnings=list(req.grammar_warnings),
-            group=req.group,
+            grammar_warnings=list(grammar_warnings),
+            group=options.group,
         )
-        self.states[req.rid] = state
-        self.unstarted.pop(req.rid, None)
-        if self.early_aborts.pop(req.rid, False) is None:
+        self.states[rid] = state
+        self.unstarted.pop(rid, None)
+        if self.early_aborts.pop(rid, False) is None:
             state.finished_reason = {"type": "abort", "message": "aborted by the client before it started"}
             state.event.set()
             return state
         await self.send_sock.send_pyobj(req)
         return state
 
-    async def wait(self, state: _ReqState) -> dict[str, Any]:
+    async def wait(self, state: RequestState) -> dict[str, Any]:
         try:
             while state.finished_reason is None:
                 await state.event.wait()
@@ -266,7 +196,9 @@ class TokenizerManager:
         finally:
             self.states.pop(state.rid, None)
 
-    async def stream(self, state: _ReqState) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, state: RequestState) -> AsyncIterator[dict[str, Any]]:
+        """The request's output as it comes, in delta chunks (`RequestState.delta`); the last one has a
+        finish_reason. A consumer that leaves before it aborts the request."""
         finished = False
         try:
             while True:
@@ -274,7 +206,7 @@ class TokenizerManager:
                 state.event.clear()
                 if self.dead_reason and state.finished_reason is None:
                     raise EngineUnavailableError(self.dead_reason)
-                yield state.result()
+                yield state.delta()
                 if state.finished_reason is not None:
                     finished = True
                     return
@@ -361,10 +293,6 @@ class EngineUnavailableError(RuntimeError):
 
 class OverloadedError(RuntimeError):
     """More requests in flight than `max_queued_requests` allows (HTTP 503)."""
-
-
-def new_rid() -> str:
-    return uuid.uuid4().hex
 
 
 def _has_bos_in_template(tokenizer, prompt: str) -> bool:

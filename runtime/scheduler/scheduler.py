@@ -24,6 +24,7 @@ from ..io_struct import AbortReq, ControlReply, ControlReq, SchedulerInfo, Token
 from ..kvcache.prefix_cache import NoSharingCache, PrefixCache
 from ..kvcache.radix_cache import RadixCache
 from ..request import FinishReason, Req
+from ..request_options import RequestOptions
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
 from .admission import PrefillAdmission
@@ -192,21 +193,7 @@ class Scheduler:
         return None
 
     def _add_request(self, m: TokenizedGenerateReq) -> None:
-        req = Req(
-            m.rid,
-            m.input_ids,
-            m.sampling_params,
-            return_logprob=m.return_logprob,
-            logprob_start_len=m.logprob_start_len,
-            top_logprobs_num=m.top_logprobs_num,
-            return_text_in_logprobs=m.return_text_in_logprobs,
-            stream=m.stream,
-            tokenizer=self.text_decoder,
-            eos_token_ids=self.eos_token_ids,
-            group=m.group,
-            defer_text=True,  # the tokenizer manager decodes text nobody reads before the end
-            take_ids=True,
-        )  # the message is dropped after this
+        req = Req.of(m, self.text_decoder, self.eos_token_ids)
         if m.sampling_params.seed is not None:
             req.set_generator(torch.Generator(device=self.runner.device).manual_seed(m.sampling_params.seed))
         # NOTE: max_new_tokens=None runs until the context is full: that is its budget. The admission
@@ -240,9 +227,9 @@ class Scheduler:
             m.rid,
             list(m.input_ids),
             SamplingParams(max_new_tokens=0),
+            RequestOptions(rid=m.rid, stream=m.options.stream),  # (only what ends it: no logprobs)
             tokenizer=self.text_decoder,
             eos_token_ids=self.eos_token_ids,
-            stream=m.stream,
             defer_text=True,
         )
         self.finisher.end(req, FinishReason("abort", message=f"the scheduler refused the request: {message}"))

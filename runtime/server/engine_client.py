@@ -13,7 +13,8 @@ Every generation route (native and OpenAI, streaming or not) goes through `Gener
 4. TTFT / inter-token / end-to-end latencies and token counts go to `ServerMetrics`.
 
 Streaming is used internally even for non-streaming HTTP requests: it is what lets the server measure
-time to first token, and the final cumulative chunk is the complete result.
+time to first token. The Engine streams deltas (engine/streams.py); `results()` folds them into each
+request's complete output, and a route that streams cumulative text builds it itself.
 """
 
 from __future__ import annotations
@@ -23,20 +24,16 @@ import inspect
 import logging
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from starlette.requests import Request
 
+from ..engine.streams import CumulativeOutput
 from .errors import APIError
 from .metrics import ServerMetrics
 
 logger = logging.getLogger("plait.server")
-
-
-def new_rid() -> str:
-    return uuid.uuid4().hex
 
 
 class AdmissionControl:
@@ -157,7 +154,7 @@ class GenerationGroup:
 
     async def _open(self, sub: _SubStream) -> None:
         sub.started_at = time.perf_counter()
-        result = self.engine.async_generate(**sub.call)  # (its options stream: native_api.request_options)
+        result = self.engine.async_stream_deltas(**sub.call)
         if inspect.isawaitable(result):
             result = await result
         sub.iterator = result.__aiter__()
@@ -286,7 +283,7 @@ class GenerationGroup:
                 sub.first_token.set()
 
     async def chunks(self) -> AsyncIterator[tuple[int, dict]]:
-        """(index, cumulative chunk) from all streams, interleaved as they arrive."""
+        """(index, delta chunk) from all streams, interleaved as they arrive (engine/streams.py)."""
         queue: asyncio.Queue = asyncio.Queue()
         self._pumps = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self._subs))]
         remaining = len(self._subs)
@@ -304,14 +301,15 @@ class GenerationGroup:
 
     async def results(self) -> list[dict]:
         """Final (complete) output of every stream, in call order."""
-        async for _ in self.chunks():
-            pass
+        outputs = [CumulativeOutput() for _ in self._subs]
+        async for index, chunk in self.chunks():
+            outputs[index].add(chunk)
         missing = [s.rid for s in self._subs if s.last is None]
         if missing and self.disconnected:  # nobody is listening; don't log a spurious failure
-            return [s.last or {} for s in self._subs]
+            return [out.chunk() if s.last is not None else {} for s, out in zip(self._subs, outputs)]
         if missing:
             raise RuntimeError(f"the engine returned no output for {', '.join(missing)}")
-        return [s.last for s in self._subs]  # type: ignore[misc]
+        return [out.chunk() for out in outputs]
 
 
 def _aborted_before_start(sub: _SubStream) -> dict:

@@ -2,7 +2,7 @@
 
 A per-app registry (not prometheus_client's global one) keeps two servers or two test apps in one
 process from colliding on metric names. Latencies are measured here, at the HTTP edge, from the
-stream of cumulative chunks the Engine hands back: that is what a client experiences. Scheduler
+stream of chunks the Engine hands back: that is what a client experiences. Scheduler
 gauges (running / queued requests, KV usage) are read from `Engine.get_server_info()` at scrape time.
 """
 

@@ -1,7 +1,8 @@
 """SGLang's native HTTP API: /generate and the management routes, same fields as SGLang.
 
 Responses are the Engine's dicts unchanged (`text`, `output_ids`, `meta_info`), so SGLang's own
-clients and bench scripts parse them. Streaming chunks carry cumulative text, like SGLang's default.
+clients and bench scripts parse them. Streaming chunks carry cumulative text, like SGLang's default (folded
+here from the Engine's deltas).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..request_options import RequestOptionError, RequestOptions, expand_samples, is_sample_of
+from ..engine.streams import CumulativeOutput
+from ..request_options import RequestOptionError, RequestOptions, expand_samples, is_sample_of, new_rid
 from ..sampling_params import SamplingParams
-from .engine_client import GenerationGroup, new_rid
+from .engine_client import GenerationGroup
 from .errors import APIError, error_response, sse_error_event
 from .protocol.compat import NATIVE, review
 from .protocol.native import AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
@@ -176,10 +178,14 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[st
 
 
 async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator[str]:
+    outputs: dict[int, CumulativeOutput] = {}
     try:
-        async for index, chunk in group.chunks():
+        async for index, delta in group.chunks():
+            output = outputs.setdefault(index, CumulativeOutput())
+            output.add(delta)
+            chunk = output.chunk()
             if indexed:
-                chunk = {**chunk, "index": index}
+                chunk["index"] = index
             yield sse_event(chunk)
     except Exception as e:  # headers are sent: report in-band, then end the stream
         yield sse_error_event(e)

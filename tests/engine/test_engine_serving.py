@@ -13,6 +13,8 @@ import time
 import pytest
 import test_engine_api as api
 from plait.runtime import Engine
+from plait.runtime.engine.streams import CumulativeOutput
+from plait.runtime.request_options import RequestOptions
 from test_engine_api import EOS_AT_ONCE, FACT, GREEDY, _stop_string, gen
 
 # The same module-scoped fixtures: pytest runs them once for this module too (its own engine).
@@ -54,6 +56,26 @@ def test_stream_yields_cumulative_chunks_ending_with_the_final_text(eng, fact_re
     chunks = list(eng.generate(FACT, GREEDY, stream=True))
     _check_cumulative(chunks, fact_ref["text"])
     assert chunks[-1]["output_ids"] == fact_ref["output_ids"]
+
+
+def test_delta_stream_adds_up_to_the_result_and_folds_into_the_cumulative_chunks(eng, fact_ref):
+    options = RequestOptions(return_logprob=True, top_logprobs_num=2)
+    deltas = list(eng.stream_deltas(FACT, GREEDY, options=options))  # (options need not say stream)
+    assert len(deltas) > 1 and all(d["meta_info"]["finish_reason"] is None for d in deltas[:-1])
+    assert "".join(d["text"] for d in deltas) == fact_ref["text"]
+    assert [t for d in deltas for t in d["output_ids"]] == fact_ref["output_ids"]
+    counts = [d["meta_info"]["completion_tokens"] for d in deltas]
+    assert counts == sorted(counts) and counts[-1] == len(fact_ref["output_ids"])  # totals, not deltas
+    entries = [e for d in deltas for e in d["meta_info"]["output_token_logprobs"]]
+    assert [e[1] for e in entries] == fact_ref["output_ids"]  # each token's logprob once
+    folded = CumulativeOutput()
+    for d in deltas:
+        folded.add(d)
+    whole = eng.generate(FACT, GREEDY, options=options)
+    assert folded.text == whole["text"] and folded.output_ids == whole["output_ids"]
+    assert [e[1] for e in folded.meta_info["output_top_logprobs"][0]] == [
+        e[1] for e in whole["meta_info"]["output_top_logprobs"][0]
+    ]
 
 
 def test_stream_never_shows_a_trimmed_stop_string(eng, fact_ref):

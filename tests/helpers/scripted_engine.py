@@ -6,6 +6,8 @@ import threading
 import time
 
 from plait.backend.engine_backend import EngineBackend
+from plait.runtime.request_options import RequestOptions
+from plait.runtime.sampling_params import SamplingParams
 
 
 class ScriptedEngine:
@@ -24,15 +26,14 @@ class ScriptedEngine:
     def _logprob(self, ch):
         return -0.1 if ch in self.favored else -2.0
 
-    def _one(self, text, ids, sp, return_logprob, start, with_text):
-        sp = dict(sp or {})
+    def _one(self, text, ids, sp, options):
         tokens = [chr(i) for i in ids] if ids is not None else list(text)
         prompt = "".join(tokens)
         if self.delay:
             time.sleep(self.delay(prompt))
-        out = "" if sp.get("max_new_tokens", 128) == 0 else self.reply(prompt)
-        out = out[: sp.get("max_new_tokens", 128)]
-        for stop in sp.get("stop") or []:
+        out = "" if sp.max_new_tokens == 0 else self.reply(prompt)
+        out = out[: sp.max_new_tokens]
+        for stop in sp.stop_strs:
             if stop in out:
                 out = out[: out.index(stop)]
         meta = {
@@ -42,8 +43,9 @@ class ScriptedEngine:
             "finish_reason": {"type": "stop", "matched": None},
             "e2e_latency": 0.0,
         }
-        if return_logprob:
-            start = start or 0
+        if options.return_logprob:
+            start = max(options.logprob_start_len, 0)
+            with_text = options.return_text_in_logprobs
             entries = [
                 (None if i == 0 else self._logprob(c), ord(c), c if with_text else None) for i, c in enumerate(tokens)
             ][start:]
@@ -51,47 +53,38 @@ class ScriptedEngine:
             meta["output_token_logprobs"] = [(self._logprob(c), ord(c), None) for c in out]
         return {"text": out, "output_ids": [ord(c) for c in out], "meta_info": meta}
 
-    def generate(
-        self,
-        prompt=None,
-        sampling_params=None,
-        input_ids=None,
-        return_logprob=False,
-        logprob_start_len=None,
-        top_logprobs_num=None,
-        return_text_in_logprobs=False,
-        stream=False,
-        rid=None,
-        group=None,
-    ):
+    def _record(self, prompt, sampling_params, input_ids, options, stream):
         with self.lock:
             self.requests.append(
                 dict(
                     prompt=prompt,
                     sampling_params=sampling_params,
                     input_ids=input_ids,
-                    return_logprob=return_logprob,
-                    logprob_start_len=logprob_start_len,
+                    options=options,
                     stream=stream,
-                    group=group,
                 )
             )
-        args = (sampling_params, return_logprob, logprob_start_len, return_text_in_logprobs)
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, options=None):
+        """Engine.generate as the DSL calls it: one SamplingParams and one RequestOptions; n > 1 gives a list."""
+        assert isinstance(sampling_params, SamplingParams) and isinstance(options, RequestOptions)
+        self._record(prompt, sampling_params, input_ids, options, False)
         if isinstance(prompt, list):
-            return [self._one(p, None, *args) for p in prompt]
+            return [self._one(p, None, sampling_params, options) for p in prompt]
         if input_ids is not None and input_ids and isinstance(input_ids[0], list):
-            return [self._one(None, ids, *args) for ids in input_ids]
-        result = self._one(prompt, input_ids, *args)
-        if not stream:
-            return result
+            return [self._one(None, ids, sampling_params, options) for ids in input_ids]
+        if sampling_params.n > 1:
+            return [self._one(prompt, input_ids, sampling_params, options) for _ in range(sampling_params.n)]
+        return self._one(prompt, input_ids, sampling_params, options)
 
-        def chunks():
-            text = result["text"]
-            for i in range(1, len(text) + 1):
-                time.sleep(0.01)  # a token at a time, so readers see pieces
-                yield {"text": text[:i], "meta_info": {**result["meta_info"], "completion_tokens": i}}
-
-        return chunks()
+    def stream_deltas(self, prompt=None, sampling_params=None, input_ids=None, options=None):
+        """Engine.stream_deltas: a token (a character) per chunk, each chunk only the new text."""
+        self._record(prompt, sampling_params, input_ids, options, True)
+        result = self._one(prompt, input_ids, sampling_params, options)
+        text = result["text"]
+        for i in range(len(text)):
+            time.sleep(0.01)  # a token at a time, so readers see pieces
+            yield {"text": text[i], "text_offset": i, "meta_info": {**result["meta_info"], "completion_tokens": i + 1}}
 
     def flush_cache(self):
         return True

@@ -1,13 +1,16 @@
 """Choice methods on fixed logprobs, select's token-healing bookkeeping, and gen parameter resolution."""
 
+import dataclasses
 import math
 
 import plait
 import pytest
-from plait.backend.native import choice_token_logprobs, mean_logprob
+from plait.backend.native import NO_OPTIONS, PREFILL_ONLY, SCORE_ONLY, choice_token_logprobs, mean_logprob
+from plait.backend.runtime_endpoint import generate_body, sampling_body
 from plait.choices import greedy_token_selection, token_length_normalized, unconditional_likelihood_normalized
 from plait.gen_params import RunDefaults, resolve_gen
 from plait.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from plait.runtime.request_options import RequestOptions
 
 
 def lp(*values):
@@ -136,8 +139,16 @@ def test_dtype_maps_to_regex_and_stops_and_chat_stop_is_added():
 
 def test_request_dict_sends_only_what_differs_from_defaults():
     r = resolve_gen(RunDefaults(), plait.gen("a", max_tokens=5, top_k=3, return_logprob=True).overrides)
-    assert r.request_sampling_dict() == {"max_new_tokens": 5, "temperature": 1.0, "top_k": 3}
-    assert r.logprob == {"return_logprob": True}
+    assert sampling_body(r.sampling) == {"max_new_tokens": 5, "temperature": 1.0, "top_k": 3}
+    assert r.options == RequestOptions(return_logprob=True)
+    body = generate_body("Q: ", r.sampling, dataclasses.replace(r.options, group="p"))
+    assert body == {"text": "Q: ", "sampling_params": sampling_body(r.sampling), "return_logprob": True, "group": "p"}
+    # what SGLang's frontend sends for a prefill and for select's scoring
+    assert generate_body([[1, 2]], PREFILL_ONLY, NO_OPTIONS) == {
+        "input_ids": [[1, 2]],
+        "sampling_params": {"max_new_tokens": 0},
+    }
+    assert sampling_body(SCORE_ONLY) == {"max_new_tokens": 0, "temperature": 0}
 
 
 def test_bad_sampling_values_name_the_field():

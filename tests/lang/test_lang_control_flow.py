@@ -7,6 +7,7 @@ import random
 import plait as sgl
 import pytest
 from helpers.scripted_engine import backend_for
+from plait.runtime.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- run_batch
 
@@ -44,7 +45,7 @@ def test_run_batch_precaches_the_shared_prefix():
 
     q.run_batch([{"question": "a"}, {"question": "b"}], backend=backend)
     first = backend.engine.requests[0]
-    assert first["prompt"] == preamble + "Question: " and first["sampling_params"] == {"max_new_tokens": 0}
+    assert first["prompt"] == preamble + "Question: " and first["sampling_params"] == SamplingParams(max_new_tokens=0)
 
 
 # ---------------------------------------------------------------- fork / join / scopes
@@ -67,9 +68,9 @@ def test_fork_runs_branches_and_join_gathers_variables():
     assert state.text() == "Write tips.\nDone: tip0, tip1, tip2"
     reqs = backend.engine.requests
     # the shared prefix was prefilled once, before any branch generated
-    assert reqs[0]["prompt"] == "Write tips.\n" and reqs[0]["sampling_params"] == {"max_new_tokens": 0}
+    assert reqs[0]["prompt"] == "Write tips.\n" and reqs[0]["sampling_params"] == SamplingParams(max_new_tokens=0)
     assert sorted(r["prompt"] for r in reqs[1:]) == [f"Write tips.\nTip {i}:" for i in range(3)]
-    assert len({r["group"] for r in reqs}) == 1  # forks stay in the program's scheduling group
+    assert len({r["options"].group for r in reqs}) == 1  # forks stay in the program's scheduling group
 
 
 def test_fork_pins_the_shared_prefix_until_join_or_program_end():
@@ -140,10 +141,10 @@ def test_select_prefills_prefix_then_scores_all_choices_in_one_request():
     state = p.run(backend=backend)
     assert state["colour"] == "blue"
     prefill, scoring = backend.engine.requests
-    assert prefill["prompt"] == "The sky is " and prefill["sampling_params"] == {"max_new_tokens": 0}
+    assert prefill["prompt"] == "The sky is " and prefill["sampling_params"] == SamplingParams(max_new_tokens=0)
     # the prefix alone goes last: its last token's id marks where each choice starts
     assert scoring["prompt"] == ["The sky is red", "The sky is blue", "The sky is green", "The sky is "]
-    assert scoring["return_logprob"] and scoring["logprob_start_len"] == len("The sky is ") - 2
+    assert scoring["options"].return_logprob and scoring["options"].logprob_start_len == len("The sky is ") - 2
     meta = state.get_meta_info("colour")
     assert [len(x) for x in meta["input_token_logprobs"]] == [3, 4, 5]  # the choices' own tokens
     assert meta["normalized_prompt_logprobs"][1] == pytest.approx((-2.0 - 0.1 - 0.1 - 2.0 + 0.0) / 4)

@@ -12,6 +12,8 @@ import math
 import plait as sgl
 import pytest
 from conftest import http_server_in_thread
+from plait.gen_params import RunDefaults, resolve_gen
+from plait.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +203,51 @@ def test_streaming_text_iter(runtime):
     assert "".join(pieces) == state["rest"]
     assert len(pieces) >= 2
     assert state.get_meta_info("rest")["completion_tokens"] == 8
+
+
+@sgl.function
+def three_stories(s):
+    s += "Once upon a time" + sgl.gen("story", n=3, max_tokens=8, ignore_eos=True)
+
+
+def test_n_samples_with_a_seed_get_seed_plus_k_as_from_the_engine(runtime):
+    state = three_stories.run(temperature=1.0, seed=7)
+    samples = state["story"]
+    # The Engine's own n = 3 (request_options.expand_samples: sample k has seed 7 + k), and its sample k
+    # alone: the DSL's samples are those, not three copies of seed 7's.
+    params = resolve_gen(
+        RunDefaults.from_kwargs({"temperature": 1.0, "seed": 7}),
+        sgl.gen("story", n=3, max_tokens=8, ignore_eos=True).overrides,
+        runtime.endpoint.get_chat_template().stop_str,
+    ).sampling
+    engine = runtime.engine
+    assert [o["text"] for o in engine.generate("Once upon a time", params)] == samples
+    alone = [engine.generate("Once upon a time", params.for_sample(k))["text"] for k in range(3)]
+    assert alone == samples and len(set(samples)) == 3
+
+
+def test_one_sampling_params_per_gen_built_and_verified_once(engine_runtime, monkeypatch):
+    """The DSL's hot path: a gen's SamplingParams is built once and verified once, from gen() to the
+    scheduler (the Engine takes the object as it is)."""
+    built, verified = [], []
+    init, check = SamplingParams.__init__, SamplingParams._check
+    monkeypatch.setattr(SamplingParams, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k))
+    monkeypatch.setattr(SamplingParams, "_check", lambda self, vocab: verified.append(vocab) or check(self, vocab))
+
+    def counts(n_gens: int) -> tuple[int, int]:
+        @sgl.function
+        def gens(s):
+            for i in range(n_gens):
+                s += f"Q{i}:" + sgl.gen(f"a{i}", max_tokens=1)
+
+        built.clear(), verified.clear()
+        state = gens.run(temperature=0, backend=engine_runtime)
+        state.sync()
+        assert state.error() is None
+        return len(built), len(verified)
+
+    one, four = counts(1), counts(4)
+    assert (four[0] - one[0], four[1] - one[1]) == (3, 3)  # three more gens: three SamplingParams, three checks
 
 
 def test_run_batch_of_32_with_progress_bar(runtime, capsys):

@@ -48,11 +48,11 @@ def test_text_variables_and_sampling_defaults():
     assert state["answer"] == "Paris"
     assert state.text() == "Q: Capital of France?\nA: Paris\nAgain: Paris\nand more"
     first, second = [r["sampling_params"] for r in backend.engine.requests]
-    assert first["max_new_tokens"] == 20 and first["temperature"] == 0 and first["stop"] == ["\n"]
-    assert second["max_new_tokens"] == 128 and second["temperature"] == 0  # inherited from run()
+    assert first.max_new_tokens == 20 and first.temperature == 0 and first.stop == ["\n"]
+    assert second.max_new_tokens == 128 and second.temperature == 0  # inherited from run()
     assert backend.engine.requests[0]["prompt"] == "Q: Capital of France?\nA: "
     # one program, one scheduling group
-    assert len({r["group"] for r in backend.engine.requests}) == 1
+    assert len({r["options"].group for r in backend.engine.requests}) == 1
     assert state.get_meta_info("answer")["completion_tokens"] == 5
 
 
@@ -99,7 +99,9 @@ def test_n_samples_give_a_list():
     state = p.run(backend=backend)
     assert state["x"] == ["same"] * 3
     assert state.text() == "go: same"
-    assert backend.engine.requests[0]["prompt"] == ["go: "] * 3
+    # one request with n = 3: the runtime expands the samples (seed + k), as for any caller
+    (request,) = backend.engine.requests
+    assert request["prompt"] == "go: " and request["sampling_params"].n == 3
 
 
 # ---------------------------------------------------------------- roles
@@ -126,7 +128,7 @@ def test_roles_render_exactly_like_the_tokenizers_chat_template(smol_tokenizer):
     assert state.text() == smol_tokenizer.apply_chat_template(msgs, tokenize=False)
     gen_prompt = backend.engine.requests[0]["prompt"]
     assert gen_prompt == smol_tokenizer.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True)
-    assert "<|im_end|>" in backend.engine.requests[0]["sampling_params"]["stop"]
+    assert "<|im_end|>" in backend.engine.requests[0]["sampling_params"].stop
 
 
 def test_explicit_system_turn_replaces_the_default(smol_tokenizer):

@@ -44,7 +44,8 @@ def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
 
 
 class RecordingEngine:
-    """The real Engine, with every generate call's keyword arguments written down."""
+    """The real Engine, with every generate call's keyword arguments written down (the DSL passes one
+    SamplingParams and one RequestOptions)."""
 
     def __init__(self, engine):
         self._engine = engine
@@ -133,7 +134,7 @@ def test_fork_prefix_is_prefilled_once_pinned_until_join_and_every_request_is_gr
     assert select.stats.requests == 4 and select.stats.cached_tokens > 0
     assert [n.text for n in (river0, river1)] == state["river"]
     # every request of the program carries its group id, the forks' and the select's included
-    groups = {call.get("group") for call in spy.calls}
+    groups = {call["options"].group for call in spy.calls}
     assert groups == {state.stream_executor.program_id} and len(spy.calls) == 5
 
 
@@ -215,7 +216,7 @@ def test_program_hints_off_sends_what_sglang_sends(runtime):
     states = few_shot.run_batch(BATCH[:2], temperature=0, backend=backend)
     assert all(s.error() is None for s in states)
     assert not hasattr(states[0], "batch_plan") and states[0].stream_executor.pins is None
-    assert all("group" not in call for call in spy.calls)
+    assert all(call["options"].group is None for call in spy.calls)
     # SGLang's precache: the constant text every run starts with, traced with placeholder arguments
     assert spy.calls[0]["prompt"] == "Answer with a number.\n" * 3
     assert protected(runtime) == 0

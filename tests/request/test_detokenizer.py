@@ -7,6 +7,7 @@ yields U+FFFD. The detokenizer must hold such text back and never emit it.
 import pytest
 from plait.runtime.detokenizer import IncrementalDetokenizer, find_stop_regex, find_stop_string
 from plait.runtime.request import FinishReason, Req
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.outputs import OutputBuilder
 
@@ -92,7 +93,12 @@ def make_req(tokenizer, stream=False, **params) -> Req:
     sp = SamplingParams.from_dict({"max_new_tokens": 200, **params})
     sp.verify(tokenizer.vocab_size)
     return Req(
-        "r", tokenizer.encode("Q:"), sp, tokenizer=tokenizer, stream=stream, eos_token_ids=(tokenizer.eos_token_id,)
+        "r",
+        tokenizer.encode("Q:"),
+        sp,
+        RequestOptions(stream=stream),
+        tokenizer=tokenizer,
+        eos_token_ids=(tokenizer.eos_token_id,),
     )
 
 
@@ -311,7 +317,9 @@ def test_text_is_decoded_in_the_scheduler_when_it_is_read_early(default_tokenize
 
     dec = TextDecoder(default_tokenizer)
     for params, stream in (({"stop": "x"}, False), ({"stop_regex": "x+"}, False), ({}, True)):
-        r = Req("r", [1], SamplingParams.from_dict(params), tokenizer=dec, stream=stream, defer_text=True)
+        r = Req(
+            "r", [1], SamplingParams.from_dict(params), RequestOptions(stream=stream), tokenizer=dec, defer_text=True
+        )
         assert not r.defer_text and r.detok.decoder is dec
 
 

@@ -1,13 +1,19 @@
 """RequestOptions, expand_samples and SamplingParams' immutability: the request-building side's one spelling
-of each concept (no engine: these are plain objects)."""
+of each concept, and a request's output as a stream hands it out (deltas) and as SGLang's API promises it
+(cumulative) (no engine: these are plain objects)."""
 
 import dataclasses
+import pickle
+import time
 
 import pytest
 from plait.runtime import SamplingParams, ServerArgs
 from plait.runtime.engine.request_builder import OPTION_DEFAULTS, build_requests
+from plait.runtime.engine.request_state import RequestState
+from plait.runtime.engine.streams import CumulativeOutput
 from plait.runtime.engine.tokenizer_manager import TokenizerManager
-from plait.runtime.io_struct import SchedulerInfo, TokenizedGenerateReq
+from plait.runtime.io_struct import ReqOutput, SchedulerInfo, TokenizedGenerateReq
+from plait.runtime.request import Req
 from plait.runtime.request_options import RequestOptionError, RequestOptions, expand_samples, is_sample_of, sample_rid
 
 
@@ -71,7 +77,7 @@ def test_samples_get_rid_dash_k_seed_plus_k_n_one_and_the_group():
         expand_samples(sp, RequestOptions())
 
 
-def test_the_scheduler_message_spells_the_options_out():
+def test_the_scheduler_message_carries_the_options_whole_and_the_req_is_built_from_it():
     opts = RequestOptions.of(
         rid="m",
         return_logprob=True,
@@ -81,17 +87,23 @@ def test_the_scheduler_message_spells_the_options_out():
         stream=True,
         group="g",
     )
-    msg = TokenizedGenerateReq.of([1, 2], SamplingParams(), opts, ["w"])
+    msg = TokenizedGenerateReq([1, 2], SamplingParams(), opts)
+    assert msg.options is opts and msg.rid == "m"
+    wire = pickle.loads(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))  # as over ZMQ
+    assert wire == msg and wire.options == opts and pickle.loads(pickle.dumps(opts)) == opts
+    req = Req.of(wire, None, (0,))
+    assert req.options is wire.options and req.origin_input_ids is wire.input_ids  # taken over, not copied
     assert (
-        msg.rid,
-        msg.return_logprob,
-        msg.logprob_start_len,
-        msg.top_logprobs_num,
-        msg.return_text_in_logprobs,
-        msg.stream,
-        msg.group,
-        msg.grammar_warnings,
-    ) == ("m", True, 0, 2, True, True, "g", ["w"])
+        req.rid,
+        req.return_logprob,
+        req.logprob_start_len,
+        req.top_logprobs_num,
+        req.return_text_in_logprobs,
+        req.stream,
+        req.group,
+    ) == ("m", True, 0, 2, True, True, "g")
+    plain = Req("p", [1, 2, 3], SamplingParams())  # no options: nothing asked besides the tokens
+    assert (plain.return_logprob, plain.logprob_start_len, plain.stream, plain.group) == (False, 3, False, None)
 
 
 def test_sampling_params_are_immutable_and_from_dict_shares_an_instance():
@@ -154,17 +166,29 @@ def build(prompt=None, sampling_params=None, input_ids=None, options=None, **opt
 
 
 def test_engine_requests_expand_n_like_the_server():
-    (members,), batch = build(
+    (prompt,), batch = build(
         "hi", {"n": 2, "seed": 4, "max_new_tokens": 3}, rid="g", return_logprob=True, top_logprobs_num=2
     )
     assert not batch
-    assert [(m.rid, m.sampling_params.seed, m.sampling_params.n, m.group) for m in members] == [
+    members = prompt.samples
+    assert [(m.rid, m.sampling_params.seed, m.sampling_params.n, m.options.group) for m in members] == [
         ("g-0", 4, 1, "g"),
         ("g-1", 5, 1, "g"),
     ]
-    assert all(m.return_logprob and m.top_logprobs_num == 2 and m.logprob_start_len == -1 for m in members)
+    assert all(
+        m.options.return_logprob and m.options.top_logprobs_num == 2 and m.options.logprob_start_len == -1
+        for m in members
+    )
     (one,), _ = build("hi", {"max_new_tokens": 3})
-    assert len(one) == 1 and len(one[0].rid) == 32 and one[0].group is None  # a fresh rid, no group
+    assert len(one.samples) == 1 and len(one.samples[0].rid) == 32  # a fresh rid ...
+    assert one.samples[0].options.group is None and one.grammar_warnings == []  # ... no group, nothing to warn of
+
+
+def test_a_prompts_warnings_go_with_its_requests_not_into_the_scheduler_message():
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    (prompt,), _ = build(input_ids=[5, 6], sampling_params={"json_schema": schema, "max_new_tokens": 8, "n": 2})
+    assert len(prompt.samples) == 2 and any("uniqueItems" in w for w in prompt.grammar_warnings)
+    assert {f.name for f in dataclasses.fields(TokenizedGenerateReq)} == {"input_ids", "sampling_params", "options"}
 
 
 def test_engine_batch_options_per_item_and_batch_rids():
@@ -176,8 +200,9 @@ def test_engine_batch_options_per_item_and_batch_rids():
         logprob_start_len=[0, None],
         group="prog",
     )
-    assert batch and [g[0].rid for g in groups] == ["b_0", "b_1"]
-    assert [(g[0].return_logprob, g[0].logprob_start_len, g[0].group) for g in groups] == [
+    assert batch and [g.samples[0].rid for g in groups] == ["b_0", "b_1"]
+    options = [g.samples[0].options for g in groups]
+    assert [(o.return_logprob, o.logprob_start_len, o.group) for o in options] == [
         (True, 0, "prog"),
         (False, -1, "prog"),
     ]
@@ -193,8 +218,39 @@ def test_engine_takes_one_options_object_instead_of_the_keywords(monkeypatch):
     monkeypatch.setattr(SamplingParams, "_check", lambda self, vocab: checks.append(vocab) or real(self, vocab))
     sp = SamplingParams(max_new_tokens=2, n=2, seed=1)
     sp.verify(300)  # as the HTTP server does (native_api.verified_sampling_params) before it calls the Engine
-    (members,), _ = build(input_ids=[5, 6], sampling_params=sp, options=RequestOptions(rid="o", stream=True))
-    assert [(m.rid, m.stream) for m in members] == [("o-0", True), ("o-1", True)]
+    (prompt,), _ = build(input_ids=[5, 6], sampling_params=sp, options=RequestOptions(rid="o", stream=True))
+    assert [(m.rid, m.options.stream) for m in prompt.samples] == [("o-0", True), ("o-1", True)]
     assert checks == [300]  # the Engine did not verify it again
     with pytest.raises(ValueError, match="options replaces return_logprob, rid: give one or the other"):
         build(input_ids=[5, 6], sampling_params=sp, options=RequestOptions(rid="o"), return_logprob=True, rid="x")
+
+
+# ---------------------------------------------------------------- a request's output: deltas, folded
+
+
+def test_a_stream_is_deltas_that_fold_into_the_whole_result():
+    st = RequestState("r", 3, True, time.monotonic())
+    st.apply(ReqOutput("r", [5, 6], "Hello wor", None, 3, 2, 0, [(None, 1, None)], [None], [(-0.1, 5, None)] * 2))
+    first = st.delta()
+    assert (first["text"], first["text_offset"], first["output_ids"]) == ("Hello wor", 0, [5, 6])
+    assert first["meta_info"]["input_token_logprobs"] == [(None, 1, None)]
+    assert first["meta_info"]["output_token_logprobs"] == [(-0.1, 5, None)] * 2
+    assert first["meta_info"]["completion_tokens"] == 2 and first["meta_info"]["finish_reason"] is None
+    # the end: a stop regex matched inside what was already sent, so the final text is shorter
+    stop = {"type": "stop", "matched": "wor"}
+    st.apply(ReqOutput("r", [7], "ld", stop, 3, 3, 0, output_token_logprobs=[(-0.3, 7, None)], final_text="Hello "))
+    last = st.delta()
+    assert (last["text"], last["text_offset"], last["output_ids"]) == ("", 6, [7])
+    assert last["meta_info"]["input_token_logprobs"] == [] and last["meta_info"]["output_token_logprobs"] == [
+        (-0.3, 7, None)
+    ]
+    total = CumulativeOutput()
+    for delta in (first, last):
+        total.add(delta)
+    folded, whole = total.chunk(), st.result()
+    for out in (folded, whole):
+        out["meta_info"].pop("e2e_latency")
+    assert folded == whole and whole["text"] == "Hello " and whole["output_ids"] == [5, 6, 7]
+    kept = total.chunk()
+    total.add({"text": "!", "output_ids": [8], "meta_info": {"output_token_logprobs": [(-1.0, 8, None)]}})
+    assert kept["output_ids"] == [5, 6, 7] and len(kept["meta_info"]["output_token_logprobs"]) == 3  # a copy

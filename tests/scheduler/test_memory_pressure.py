@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 from plait.runtime.io_struct import FlushCacheReq, PinPrefixReq, TokenizedGenerateReq, UnpinPrefixReq
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
 from plait.runtime.server_args import ServerArgs
@@ -20,7 +21,7 @@ def make_scheduler(path, **kw) -> Scheduler:
 
 
 def submit(s: Scheduler, rid: str, ids: list[int], **sp) -> None:
-    s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling_params=SamplingParams(**sp)))
+    s.handle_message(TokenizedGenerateReq(list(ids), SamplingParams(**sp), RequestOptions(rid=rid)))
 
 
 def run_until_idle(s: Scheduler, max_steps: int = 400) -> dict[str, tuple[list[int], dict]]:

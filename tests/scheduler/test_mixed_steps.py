@@ -15,6 +15,7 @@ import torch
 from plait.runtime.executor.model_files import load_tokenizer
 from plait.runtime.executor.model_runner import ModelRunner
 from plait.runtime.io_struct import FlushCacheReq, TokenizedGenerateReq
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
@@ -63,7 +64,7 @@ def run(model, overlap: bool = False, pool: int = POOL, **settings) -> dict:
     finals, mixed = {}, 0
     for t in range(2000):
         for rid, ids, sp in arrivals.get(t, []):
-            s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling_params=SamplingParams(**sp)))
+            s.handle_message(TokenizedGenerateReq(list(ids), SamplingParams(**sp), RequestOptions(rid=rid)))
         batch = s.step()
         mixed += batch is not None and batch.num_decode > 0
         for o in s.collect_outputs():

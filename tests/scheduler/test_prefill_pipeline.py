@@ -17,6 +17,7 @@ import torch
 from plait.runtime.forward_batch import ForwardMode
 from plait.runtime.io_struct import AbortReq, FlushCacheReq
 from plait.runtime.request import Req
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.batch import ScheduleBatch
 from test_scheduler_state import assert_host_table_matches, make_scheduler, submit
@@ -309,11 +310,9 @@ def _logprob_req(rid: str, ids: list[int]):
     from plait.runtime.io_struct import TokenizedGenerateReq
 
     return TokenizedGenerateReq(
-        rid=rid,
-        input_ids=ids,
-        sampling_params=SamplingParams(max_new_tokens=3, **GREEDY),
-        return_logprob=True,
-        logprob_start_len=0,
+        ids,
+        SamplingParams(max_new_tokens=3, **GREEDY),
+        RequestOptions(rid=rid, return_logprob=True, logprob_start_len=0),
     )
 
 
@@ -342,7 +341,12 @@ def test_launch_prefill_resolves_to_what_run_returns(random_models):
 
 def test_launch_prefill_refuses_a_batch_that_wants_prompt_logprobs(random_models):
     s = make_scheduler(random_models["llama"], max_total_tokens=64, disable_radix_cache=True)
-    r = Req("a", list(range(2, 10)), SamplingParams(max_new_tokens=2), return_logprob=True, logprob_start_len=0)
+    r = Req(
+        "a",
+        list(range(2, 10)),
+        SamplingParams(max_new_tokens=2),
+        RequestOptions(return_logprob=True, logprob_start_len=0),
+    )
     r.req_pool_idx = s.kv.req_to_token.alloc()
     batch = ScheduleBatch(ForwardMode.EXTEND, [r], [0], [8], s.kv.allocator.alloc(8))
     with pytest.raises(ValueError, match="prompt logprobs"):
@@ -400,9 +404,9 @@ def test_grammar_requests_are_not_pipelined(default_model_path):
     assert s.pipeline.pending_prefill is not None
     s.handle_message(
         TokenizedGenerateReq(
-            rid="g",
-            input_ids=tok.encode("A number:"),
-            sampling_params=SamplingParams(max_new_tokens=4, temperature=0, regex="[0-9]{3}"),
+            tok.encode("A number:"),
+            SamplingParams(max_new_tokens=4, temperature=0, regex="[0-9]{3}"),
+            RequestOptions(rid="g"),
         )
     )
     for _ in range(200):  # the grammar compiles on a worker thread

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from plait.runtime.io_struct import AbortReq, FlushCacheReq, PinPrefixReq, TokenizedGenerateReq, UnpinPrefixReq
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
 from plait.runtime.server_args import ServerArgs
@@ -25,13 +26,15 @@ def make_scheduler(path, **kw) -> Scheduler:
 def submit(s: Scheduler, rid: str, ids: list[int], logprob_start: int | None = None, stream=False, **sp) -> None:
     s.handle_message(
         TokenizedGenerateReq(
-            rid=rid,
-            input_ids=list(ids),
-            sampling_params=SamplingParams(**sp),
-            stream=stream,
-            return_logprob=logprob_start is not None,
-            logprob_start_len=-1 if logprob_start is None else logprob_start,
-            top_logprobs_num=2 if logprob_start is not None else 0,
+            list(ids),
+            SamplingParams(**sp),
+            RequestOptions(
+                rid=rid,
+                stream=stream,
+                return_logprob=logprob_start is not None,
+                logprob_start_len=-1 if logprob_start is None else logprob_start,
+                top_logprobs_num=2 if logprob_start is not None else 0,
+            ),
         )
     )
 
@@ -207,11 +210,9 @@ def test_max_new_tokens_none_with_a_json_schema_runs_to_the_context_end_not_past
     ):
         s.handle_message(
             TokenizedGenerateReq(
-                rid=rid,
-                input_ids=prompt,
-                sampling_params=SamplingParams(
-                    max_new_tokens=budget, temperature=0, json_schema=json.dumps(constraint)
-                ),
+                prompt,
+                SamplingParams(max_new_tokens=budget, temperature=0, json_schema=json.dumps(constraint)),
+                RequestOptions(rid=rid),
             )
         )
     for _ in range(400):  # the grammars compile on a worker thread

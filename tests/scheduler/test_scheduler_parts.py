@@ -16,6 +16,7 @@ from plait.runtime.io_struct import (
     TokenizedGenerateReq,
     UnpinPrefixReq,
 )
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.queues import ReqStatus
 
@@ -23,7 +24,7 @@ from plait.runtime.scheduler.queues import ReqStatus
 def submit(s, rid: str, ids: list[int], **sp) -> None:
     sp.setdefault("temperature", 0)
     sp.setdefault("ignore_eos", True)
-    s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling_params=SamplingParams(**sp)))
+    s.handle_message(TokenizedGenerateReq(list(ids), SamplingParams(**sp), RequestOptions(rid=rid)))
 
 
 def step(s):

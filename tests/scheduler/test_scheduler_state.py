@@ -16,6 +16,7 @@ from plait.runtime.io_struct import (
     TokenizedGenerateReq,
     UnpinPrefixReq,
 )
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler, create_scheduler
 from plait.runtime.server_args import ServerArgs
@@ -27,7 +28,7 @@ def make_scheduler(path, **kw) -> Scheduler:
 
 
 def submit(s: Scheduler, rid: str, ids: list[int], **sp) -> None:
-    s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=SamplingParams(**sp)))
+    s.handle_message(TokenizedGenerateReq(ids, SamplingParams(**sp), RequestOptions(rid=rid)))
 
 
 def assert_host_table_matches(s: Scheduler) -> None:

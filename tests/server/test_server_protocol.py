@@ -212,16 +212,18 @@ def test_logprob_and_usage_shapes():
     assert finish_reason({"finish_reason": None}) is None
 
 
-def test_choice_cursor_turns_cumulative_chunks_into_deltas():
+def test_choice_cursor_takes_the_engines_delta_chunks_and_keeps_the_text_so_far():
     cur = ChoiceCursor()
-    assert cur.text_delta({"text": "Hel"}) == "Hel"
-    assert cur.text_delta({"text": "Hello"}) == "lo"
-    assert cur.text_delta({"text": "Hello"}) == ""
+    assert cur.text_delta({"text": "Hel", "text_offset": 0}) == "Hel"
+    assert cur.text_delta({"text": "lo", "text_offset": 3}) == "lo"
+    assert cur.text_delta({"text": "", "text_offset": 5}) == "" and cur.text == "Hello"
+    # a stop regex matched inside what was sent: nothing to send, but the tool-call parser reads the cut text
+    assert cur.text_delta({"text": "", "text_offset": 4}) == "" and cur.text == "Hell"
     assert cur.logprob_delta({"output_token_logprobs": [1, 2], "output_top_logprobs": [None, None]}) == (
         [1, 2],
         [None, None],
     )
-    assert cur.logprob_delta({"output_token_logprobs": [1, 2, 3], "output_top_logprobs": [None] * 3}) == ([3], [None])
+    assert cur.logprob_delta({"output_token_logprobs": [3], "output_top_logprobs": [None]}) == ([3], [None])
 
 
 # ---------------------------------------------------------------- metrics

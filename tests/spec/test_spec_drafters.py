@@ -16,6 +16,7 @@ import pytest
 from conftest import make_random_model
 from helpers.spec_models import write_eagle_head
 from plait.runtime.io_struct import TokenizedGenerateReq
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import create_scheduler
 from plait.runtime.server_args import ServerArgs
@@ -48,7 +49,7 @@ def reqs(n_new: int = 20, prompts=PROMPTS):
 
 def run(s, requests) -> dict:
     for rid, ids, sp in requests:
-        s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling_params=SamplingParams(**sp)))
+        s.handle_message(TokenizedGenerateReq(list(ids), SamplingParams(**sp), RequestOptions(rid=rid)))
     out: dict = {}
     for _ in range(1000):
         s.step()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from plait.runtime.io_struct import TokenizedGenerateReq
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import create_scheduler
 from plait.runtime.server_args import ServerArgs
@@ -18,9 +19,9 @@ def _run(s, prompts, n_new=32) -> dict:
     for i, p in enumerate(prompts):
         s.handle_message(
             TokenizedGenerateReq(
-                rid=f"r{i}",
-                input_ids=p,
-                sampling_params=SamplingParams(max_new_tokens=n_new, temperature=0, ignore_eos=True),
+                p,
+                SamplingParams(max_new_tokens=n_new, temperature=0, ignore_eos=True),
+                RequestOptions(rid=f"r{i}"),
             )
         )
     out: dict = {}

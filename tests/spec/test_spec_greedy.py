@@ -11,6 +11,7 @@ import json
 
 import pytest
 from plait.runtime.io_struct import TokenizedGenerateReq
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import create_scheduler
 from plait.runtime.server_args import ServerArgs
@@ -64,9 +65,7 @@ def speculating(schedulers):
 
 def run(s, reqs: list[tuple[str, list[int], dict]], **flags) -> dict:
     for rid, ids, sp in reqs:
-        s.handle_message(
-            TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling_params=SamplingParams(**sp), **flags)
-        )
+        s.handle_message(TokenizedGenerateReq(list(ids), SamplingParams(**sp), RequestOptions(rid=rid, **flags)))
     out: dict = {}
     for _ in range(2000):
         s.step()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from helpers.fake_runner import EOS, FakeRunner, _PathRow, fake_scheduler
 from plait.runtime.io_struct import AbortReq, FlushCacheReq, TokenizedGenerateReq
+from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.speculative.tree import DraftTree
 
@@ -15,7 +16,7 @@ from plait.runtime.speculative.tree import DraftTree
 def submit(s, rid: str, ids: list[int], **sp) -> None:
     sp.setdefault("temperature", 0)
     sp.setdefault("ignore_eos", True)
-    s.handle_message(TokenizedGenerateReq(rid=rid, input_ids=list(ids), sampling_params=SamplingParams(**sp)))
+    s.handle_message(TokenizedGenerateReq(list(ids), SamplingParams(**sp), RequestOptions(rid=rid)))
 
 
 def drain(s, max_steps: int = 500) -> dict:

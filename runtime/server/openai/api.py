@@ -15,8 +15,9 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ...request_options import new_rid
 from ...sampling_params import SamplingParams
-from ..engine_client import GenerationGroup, new_rid
+from ..engine_client import GenerationGroup
 from ..errors import APIError, sse_error_event
 from ..native_api import (
     SSE_DONE,

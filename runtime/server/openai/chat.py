@@ -172,10 +172,9 @@ async def _chat_events(
             yield event(index, {"role": "assistant", "content": ""})
         tool_stream = tool_streams.setdefault(index, tools.new_stream()) if tools else None
         calls: list[dict] = []
+        text = cur.text_delta(chunk)
         if tool_stream is not None:
-            text, calls = tool_stream.update(chunk.get("text") or "")
-        else:
-            text = cur.text_delta(chunk)
+            text, calls = tool_stream.update(cur.text)
         logprobs = None
         if req.logprobs:
             tokens, tops = cur.logprob_delta(meta)
@@ -188,7 +187,7 @@ async def _chat_events(
         if reason is not None and not cur.finished:
             cur.finished = True
             if tool_stream is not None and reason != "abort":  # held text: content, or the calls' last pieces
-                rest, calls = tool_stream.finish(chunk.get("text") or "", cut=reason == "length")
+                rest, calls = tool_stream.finish(cur.text, cut=reason == "length")
                 if rest:
                     yield event(index, {"content": rest})
                 if calls:

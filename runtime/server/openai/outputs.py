@@ -2,8 +2,8 @@
 
 The Engine reports logprobs as lists of `(logprob, token_id, text)` and finish reasons as
 `{"type": "stop" | "length" | "abort", ...}`; this module reshapes them into OpenAI's formats.
-Streaming state (how much text / how many logprobs each choice has already sent) lives in `ChoiceCursor`
-because Engine chunks are cumulative while OpenAI chunks are deltas.
+Streaming state (what each choice has sent, and its text so far for the tool-call parser, which reads it
+whole) lives in `ChoiceCursor`; the Engine's chunks are deltas, as OpenAI's are.
 """
 
 from __future__ import annotations
@@ -113,23 +113,24 @@ def chat_logprobs(
 
 @dataclass
 class ChoiceCursor:
-    """What one choice has already sent in a stream."""
+    """What one choice has sent in a stream, and its text so far."""
 
-    text_sent: int = 0
-    logprobs_sent: int = 0
+    text: str = ""
     role_sent: bool = False
     finished: bool = False
     text_offset: int = 0
 
     def text_delta(self, chunk: dict[str, Any]) -> str:
-        text = chunk.get("text") or ""
-        delta = text[self.text_sent :]
-        self.text_sent = max(self.text_sent, len(text))
+        """The Engine's next chunk's new text (added to `text`, which drops what a stop regex cut off the
+        end: a stream cannot take back what it sent, but the tool-call parser reads the final text)."""
+        offset = chunk.get("text_offset")
+        if offset is not None and offset < len(self.text):
+            self.text = self.text[:offset]
+        delta = chunk.get("text") or ""
+        self.text += delta
         return delta
 
-    def logprob_delta(self, meta: dict[str, Any]) -> tuple[list, list]:
-        tokens = _entries(meta, "output_token_logprobs")
-        tops = _entries(meta, "output_top_logprobs")
-        start = self.logprobs_sent
-        self.logprobs_sent = len(tokens)
-        return tokens[start:], tops[start:]
+    @staticmethod
+    def logprob_delta(meta: dict[str, Any]) -> tuple[list, list]:
+        """The next chunk's output logprobs and their top lists."""
+        return _entries(meta, "output_token_logprobs"), _entries(meta, "output_top_logprobs")

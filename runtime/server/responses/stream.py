@@ -142,19 +142,20 @@ async def response_events(
     yield events.event("response.created", response=body_of([], "in_progress", None))
     yield events.event("response.in_progress", response=body_of([], "in_progress", None))
     cursor, tool_stream = ChoiceCursor(), tools.new_stream() if tools else None
-    last: dict[str, Any] = {}
+    output_ids: list[int] = []
+    meta: dict[str, Any] = {}
     try:
         async for _, chunk in group.chunks():
-            last = chunk
+            output_ids.extend(chunk.get("output_ids") or ())
+            meta = chunk.get("meta_info") or {}
             for event in _deltas(events, cursor, tool_stream, chunk):
                 yield event
-        meta = last.get("meta_info") or {}
         reason = finish_reason(meta)
         error = abort_error(meta)
         if error is not None:
             raise APIError(*error)
         if tool_stream is not None:
-            rest, calls = tool_stream.finish(last.get("text") or "", cut=reason == "length")
+            rest, calls = tool_stream.finish(cursor.text, cut=reason == "length")
             for event in (events.text(rest) if rest else []) + [e for c in calls for e in events.tool_call(c)]:
                 yield event
         if not events.output:  # nothing was written: an empty message, as a whole response has
@@ -165,7 +166,7 @@ async def response_events(
             yield event
         body = body_of(events.output, status, response_usage(meta))
         yield events.event(f"response.{status}", response=body)
-        await store(body, events.assistant_message(), list(last.get("output_ids") or []))
+        await store(body, events.assistant_message(), output_ids)
     except Exception as e:  # headers are sent: report in-band, as the official stream does
         if not isinstance(e, APIError):
             logger.exception("a streamed response failed")
@@ -180,10 +181,9 @@ async def response_events(
 
 
 def _deltas(events: _Events, cursor: ChoiceCursor, tool_stream: Any, chunk: dict[str, Any]) -> list[str]:
-    if tool_stream is None:
-        text, calls = cursor.text_delta(chunk), []
-    else:
-        text, calls = tool_stream.update(chunk.get("text") or "")
+    text, calls = cursor.text_delta(chunk), []
+    if tool_stream is not None:
+        text, calls = tool_stream.update(cursor.text)
     out = events.text(text) if text else []
     for call in calls:
         out += events.tool_call(call)
