@@ -3,13 +3,15 @@
 - `fcfs`: arrival order.
 - `lpm`: longest cached prefix first (a request whose prefix is in the tree costs the least prefill
   and frees the least memory); falls back to FCFS on long queues where matching everything costs more
-  than it saves.
+  than it saves. A request that has waited `MAX_REORDERED_WAIT_S` goes first whatever its prefix, so a
+  stream of cache hits cannot starve a prompt that shares nothing.
 - `dfs-weight`: requests of one program / fork group (and, within that, sharing prefixes) run
   together, so siblings share one prefill batch and the subtree stays hot.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +19,8 @@ from ..kvcache.prefix_cache import PrefixCache
 from ..request import Req
 
 LPM_MAX_QUEUE = 128
+# Seconds a waiting request may be passed over for cache hits (lpm, dfs-weight) before it goes first.
+MAX_REORDERED_WAIT_S = 1.0
 
 
 def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache, peeks: Optional[dict] = None) -> list[Req]:
@@ -33,16 +37,26 @@ def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache, pee
         else:
             peek = lambda ids, r: cache.peek_prefix_len(ids)  # noqa: E731
         # NOTE: a request without outputs is ranked on its prompt list itself (fill_ids is a copy).
-        scored = [(-peek(r.fill_ids if r.output_ids else r.origin_input_ids, r), i, r) for i, r in enumerate(waiting)]
-        scored.sort(key=lambda t: (t[0], t[1]))
-        return [r for _, _, r in scored]
+        overdue = time.monotonic() - MAX_REORDERED_WAIT_S
+        scored = [
+            (
+                r.created > overdue,
+                0 if r.created <= overdue else -peek(r.fill_ids if r.output_ids else r.origin_input_ids, r),
+                i,
+                r,
+            )
+            for i, r in enumerate(waiting)
+        ]
+        scored.sort(key=lambda t: (t[0], t[1], t[2]))
+        return [r for _, _, _, r in scored]
     if policy == "dfs-weight":
         # Group by program; groups ordered by their first arrival; within a group, shared prefixes
         # adjacent (lexicographic token order puts siblings of one prefix next to each other).
         first_seen: dict[str, int] = {}
         for i, r in enumerate(waiting):
             first_seen.setdefault(r.group or r.rid, i)
-        return sorted(waiting, key=lambda r: (first_seen[r.group or r.rid], r.fill_ids[:64]))
+        overdue = time.monotonic() - MAX_REORDERED_WAIT_S
+        return sorted(waiting, key=lambda r: (r.created > overdue, first_seen[r.group or r.rid], r.fill_ids[:64]))
     raise ValueError(f"unknown schedule policy {policy!r}")
 
 

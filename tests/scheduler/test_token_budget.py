@@ -181,3 +181,27 @@ def test_a_decode_step_alone_verifies_drafts_and_a_mixed_step_does_not():
     seq = prompt + finals["a"].new_ids
     assert finals["a"].new_ids == [seq[i % len(prompt)] for i in range(len(prompt), len(prompt) + 20)]
     assert s.handle_message(FlushCacheReq(0)).result is True and s.kv.available() == 1024
+
+
+def test_a_request_passed_over_for_cache_hits_goes_first_once_it_waited_long_enough():
+    # lpm ranks cache hits first; "cold" (sharing nothing) would wait behind every hit that keeps coming.
+    # Once it has waited MAX_REORDERED_WAIT_S it is admitted first, whatever its prefix.
+    runner = FakeRunner(max_total_tokens=512, max_running_requests=2)
+    s = fake_scheduler(runner, schedule_policy="lpm", max_num_batched_tokens=64, chunked_prefill_size=64)
+    shared = list(range(2, 42))
+    submit(s, "warm", shared + [50], max_new_tokens=1)
+    drain(s)  # the shared prefix is cached
+    submit(s, "cold", list(range(100, 140)), max_new_tokens=1)
+    submit(s, "hit-1", shared + [51], max_new_tokens=1)
+    submit(s, "hit-2", shared + [52], max_new_tokens=1)
+    first = step(s)  # two may run: the hits, ranked by their cached prefix
+    assert sorted(r.rid for r in first.reqs) == ["hit-1", "hit-2"]
+    assert s.queues.by_rid["cold"].status is ReqStatus.WAITING
+    drain(s)
+    submit(s, "cold-2", list(range(150, 190)), max_new_tokens=1)
+    submit(s, "hit-3", shared + [53], max_new_tokens=1)
+    submit(s, "hit-4", shared + [54], max_new_tokens=1)
+    s.queues.by_rid["cold-2"].created -= 5.0  # it has waited 5 s
+    first = step(s)
+    assert [r.rid for r in first.reqs][0] == "cold-2"  # then one hit (two may run)
+    drain(s)
