@@ -10,9 +10,12 @@ length exact too. Arrivals are Poisson at `--request-rate` req/s (`inf`: all at 
 capped by `--max-concurrency`. Prints request / token throughput and TTFT, ITL, TPOT and end-to-end
 latency (median, p99) and saves the same numbers as JSON under benchmarks/out/.
 
-Datasets: `random` (independent prompts) and `shared-prefix` (`--num-groups` groups whose prompts
+Datasets: `random` (independent prompts), `shared-prefix` (`--num-groups` groups whose prompts
 share a `--shared-prefix-len`-token prefix, as in few-shot or system-prompt workloads; this is where
-the radix cache shows up as cached tokens and lower TTFT).
+the radix cache shows up as cached tokens and lower TTFT), `long-mix` (random prompts, a
+`--long-fraction` of them `--long-input-len` tokens long: long prefills arriving among short requests)
+and `copy` (each prompt a random `--copy-segment-len`-token passage quoted `--copy-repeats` times: a
+model that continues the pattern copies its context, which prompt-lookup speculation can draft).
 """
 
 from __future__ import annotations
@@ -71,6 +74,28 @@ def build_dataset(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
         return [
             BenchRequest(
                 random_ids(rng, sample_len(rng, args.random_input_len, args.random_range_ratio), vocab),
+                sample_len(rng, args.random_output_len, args.random_range_ratio),
+            )
+            for _ in range(args.num_prompts)
+        ]
+    if args.dataset == "long-mix":
+        return [
+            BenchRequest(
+                random_ids(
+                    rng,
+                    args.long_input_len
+                    if rng.random() < args.long_fraction
+                    else sample_len(rng, args.random_input_len, args.random_range_ratio),
+                    vocab,
+                ),
+                sample_len(rng, args.random_output_len, args.random_range_ratio),
+            )
+            for _ in range(args.num_prompts)
+        ]
+    if args.dataset == "copy":
+        return [
+            BenchRequest(
+                random_ids(rng, args.copy_segment_len, vocab) * args.copy_repeats,
                 sample_len(rng, args.random_output_len, args.random_range_ratio),
             )
             for _ in range(args.num_prompts)
@@ -317,7 +342,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model", default="default", help="model name for the openai backend")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
+    p.add_argument("--dataset", choices=("random", "shared-prefix", "long-mix", "copy"), default="random")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=32)
@@ -325,6 +350,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--shared-prefix-len", type=int, default=256, help="shared-prefix: prefix tokens per group")
     p.add_argument("--question-len", type=int, default=32, help="shared-prefix: own tokens per prompt")
     p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct prefixes")
+    p.add_argument("--long-fraction", type=float, default=0.1, help="long-mix: share of long prompts")
+    p.add_argument("--long-input-len", type=int, default=8000, help="long-mix: tokens of a long prompt")
+    p.add_argument("--copy-segment-len", type=int, default=64, help="copy: tokens of the quoted passage")
+    p.add_argument("--copy-repeats", type=int, default=4, help="copy: times the passage is quoted")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson; inf = burst")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--warmup-requests", type=int, default=1)
