@@ -142,7 +142,7 @@ class ForwardBatch:
     def _set_trees(self, step: StepInput, device: str) -> None:
         """A VERIFY step's trees: a target verify's new tokens are its whole trees."""
         self.tree_lens, self.tree_lens_cpu = self.extend_seq_lens, list(step.extend_lens)
-        mask = step.draft.tree_mask
+        mask = step.draft.tree_mask if step.draft is not None else None
         if mask is not None:
             sizes = np.asarray(step.extend_lens, dtype=np.int64)  # (B,)
             self.tree_mask = torch.from_numpy(mask).to(device, non_blocking=True)

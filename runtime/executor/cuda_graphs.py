@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..forward_batch import ForwardBatch, ForwardMemory, ForwardMode
+from ..models.llama import LlamaForCausalLM
 from .sampler import greedy_tokens
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class GraphKey:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, memory: ForwardMemory, vocab_size: int, max_bs: int):
+    def __init__(self, model: LlamaForCausalLM, memory: ForwardMemory, vocab_size: int, max_bs: int):
         """Captures the graphs of `model` over `memory`, for decode batches of up to `max_bs` requests."""
         self.model = model
         self.memory = memory

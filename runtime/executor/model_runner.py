@@ -21,6 +21,7 @@ from ..forward_batch import ForwardBatch, ForwardMemory
 from ..kernel_choices import using as using_kernels
 from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from ..models.config import ModelConfig
+from ..models.llama import LlamaForCausalLM
 from ..models.parallel import ModelParallel, shard_heads
 from ..server_args import ServerArgs
 from ..step import StepInput, StepOutput
@@ -104,8 +105,8 @@ class ModelRunner:
 
         # The attention backend, and the parts a step runs through.
         heads = AttentionHeads.split(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, parallel.tp.size)
-        attention = AttentionContext(device, heads, dtype, max_total_tokens, sa.disable_cascade_attention)
-        backend = create_attention_backend(self.info.attention_backend, attention)
+        self.attention = AttentionContext(device, heads, dtype, max_total_tokens, sa.disable_cascade_attention)
+        backend = create_attention_backend(self.info.attention_backend, self.attention)
         self.memory = ForwardMemory(self.req_to_token_pool, kv_pool, backend)
         # Every forward and graph capture runs inside this runner's kernel choices (kernel_choices.py).
         self.forward = StepForward(model, self.memory, HostStaging(device), sa.kernel_choices())
@@ -121,7 +122,7 @@ class ModelRunner:
             warm_up_prefill(self.run, self.allocator, self.req_to_token_pool, cfg.vocab_size)
 
     @property
-    def model(self) -> torch.nn.Module:
+    def model(self) -> LlamaForCausalLM:
         """The model (this rank's shard of it), which every forward of this runner runs."""
         return self.forward.model
 

@@ -22,10 +22,11 @@ Semantics (pinned against a float64 reference by tests/test_sampling_semantics.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
+from ..constrained.masker import GrammarMasker
 from ..step import SamplingRow, StepInput, StepOutput
 
 # The LM head: final hidden states (N, hidden) -> logits (N, vocab) float32.
@@ -50,7 +51,9 @@ class SamplingBatchInfo:
     has_seed: bool
 
     @classmethod
-    def from_rows(cls, rows: list[SamplingRow], vocab_size: int, device: str) -> "SamplingBatchInfo":
+    def from_rows(
+        cls, rows: list[SamplingRow], vocab_size: int, device: Union[str, torch.device]
+    ) -> "SamplingBatchInfo":
         sps = [r.params for r in rows]
         greedy = [sp.is_greedy for sp in sps]
         top_ks = [vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size) for sp in sps]
@@ -213,7 +216,7 @@ class StepSampler:
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self._masker = None  # constrained.masker.GrammarMasker
+        self._masker: Optional[GrammarMasker] = None
 
     def sample_step(
         self,
@@ -229,12 +232,14 @@ class StepSampler:
         already (a decode graph), with their argmax `greedy` (S,)."""
         n = step.batch_size
         out = StepOutput(next_token_ids=[None] * n, output_logprobs=[None] * n, input_logprobs=[[] for _ in range(n)])
-        if step.logprob_rows:
+        if step.logprob_rows:  # (EXTEND steps only: always run eagerly, with their hidden states)
+            assert hidden is not None
             self._prompt_logprobs(step, compute_logits, hidden, out)
         if not step.sample_rows:
             return out
         rows = step.sampling
         if logits is None:
+            assert hidden is not None and sample_rows_t is not None
             logits = compute_logits(hidden[sample_rows_t])  # (S, V)
         want_lp = [r.return_logprob for r in rows]
         raw_logits = logits.clone() if any(want_lp) else None
@@ -292,9 +297,7 @@ class StepSampler:
             else:
                 out.input_logprobs[lr.req].append((lr.pos, chosen[j], lr.target, top))
 
-    def _grammar_masker(self):
+    def _grammar_masker(self) -> GrammarMasker:
         if self._masker is None:
-            from ..constrained.masker import GrammarMasker
-
             self._masker = GrammarMasker(self.vocab_size)
         return self._masker

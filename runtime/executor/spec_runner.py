@@ -88,7 +88,7 @@ def create_step_runner(
     if algo not in ("STANDALONE", "EAGLE", "EAGLE3"):
         runner = make_target(0)
         if algo is not None:  # drafts from the host (NGRAM): the target verifies them
-            _capture_verify_graphs(runner, server_args, ())
+            runner.capture_verify_graphs(*_verify_graph_shape(server_args))
         return runner
     steps, topk, nodes = server_args.speculative_shape()
     draft_path = server_args.speculative_draft_model_path
@@ -133,7 +133,7 @@ def create_step_runner(
     else:
         model.attach_target(whole or target.model)
         drafter = EagleDrafter(model, memory, steps, topk, nodes, rows)
-    _capture_verify_graphs(target, server_args, drafter.capture_layers)
+    target.capture_verify_graphs(*_verify_graph_shape(server_args), drafter.capture_layers)
     logger.info(
         "speculative decoding: %s drafter from %s (steps %d, top-k %d, %d tokens per verify)",
         algo,
@@ -145,12 +145,11 @@ def create_step_runner(
     return SpecRunner(target, drafter)
 
 
-def _capture_verify_graphs(runner: TargetRunner, sa: ServerArgs, capture_layers: tuple) -> None:
-    """On a GPU with decode graphs, verify steps get theirs too (up to the batch size speculation runs at).
-    NOTE: not for a split model: its other ranks score verify steps eagerly (distributed/follower.py)."""
-    runner.capture_verify_graphs(
-        sa.speculative_shape()[2], sa.resolved_speculative_disable_by_batch_size(), capture_layers
-    )
+def _verify_graph_shape(sa: ServerArgs) -> tuple[int, int]:
+    """(tokens per request, requests) of the verify steps a target captures CUDA graphs for, where it runs
+    decode steps as graphs (a GPU; not a split model, whose other ranks score verify steps eagerly): up
+    to the batch size speculation runs at."""
+    return sa.speculative_shape()[2], sa.resolved_speculative_disable_by_batch_size()
 
 
 class WholeVocabulary:

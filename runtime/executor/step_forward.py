@@ -15,6 +15,7 @@ import torch
 
 from ..forward_batch import ForwardBatch, ForwardMemory
 from ..kernel_choices import KernelChoices
+from ..models.llama import LlamaForCausalLM
 from ..step import StepInput
 from .cuda_graphs import CudaGraphRunner
 from .staging import HostStaging
@@ -22,9 +23,9 @@ from .staging import HostStaging
 
 class StepForward:
     def __init__(
-        self, model: torch.nn.Module, memory: ForwardMemory, staging: HostStaging, kernel_choices: KernelChoices
+        self, model: LlamaForCausalLM, memory: ForwardMemory, staging: HostStaging, kernel_choices: KernelChoices
     ):
-        self.model = model
+        self.model = model  # (every model plait runs is one: Qwen's subclass it)
         self.memory = memory
         self.staging = staging
         # Every forward and graph capture runs inside these (kernel_choices.py): the doors that run a

@@ -13,6 +13,7 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from ..kvcache.memory_pool import ReqToTokenPool, TokenAllocator
+from ..models.llama import LlamaForCausalLM
 from ..step import StepInput, StepOutput
 from .runner_info import RunnerInfo
 
@@ -22,9 +23,12 @@ class TargetRunner(Protocol):
     # The KV memory the scheduler accounts for; a drafter's pool holds the same slots over the same table.
     allocator: TokenAllocator
     req_to_token_pool: ReqToTokenPool
-    # An EAGLE head beside a target on one device reads its embedding and LM head (a split target's are
-    # shards, whose lookups are collectives: the head reads the whole ones from the checkpoint instead).
-    model: torch.nn.Module
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        """The target's model. An EAGLE head beside a target on one device reads its embedding and LM
+        head (a split target's are shards, whose lookups are collectives: the head reads the whole ones
+        from the checkpoint instead)."""
 
     def run(self, step: StepInput) -> StepOutput:
         """A step run and read back (a drafter that reads no hidden states observes its output)."""

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch, ForwardMemory, ForwardMode
+from ..models.llama import LlamaForCausalLM
 from ..step import StepInput
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def token_buckets(t_max: int) -> list[int]:
 class VerifyGraphRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         memory: ForwardMemory,
         vocab_size: int,
         nodes: int,
