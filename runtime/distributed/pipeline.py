@@ -70,7 +70,7 @@ class StageRunner:
 
     def __init__(self, forward: StepForward, info: RunnerInfo, ctx: RankContext):
         """`forward`: this rank's shard (its stage's layers) over its KV memory; `info`: its runner's facts."""
-        self.forward = forward
+        self.step_forward = forward
         self.ctx = ctx
         topo = ctx.topology
         self.stage = topo.stage_of(ctx.rank)
@@ -86,7 +86,7 @@ class StageRunner:
         """This stage's part of `step`. On the first stage: the final hidden states (T, hidden) of the
         whole step, back from the last stage; elsewhere None."""
         parts = split_micro_batches(step, self.num_stages)
-        model = self.forward.model
+        model = self.step_forward.model
         dtype = self.dtype
         sends, sent = [], []  # the works, and the tensors they send (alive until done)
         if self.stage == 0:
@@ -95,7 +95,7 @@ class StageRunner:
             finals = [torch.empty(p.num_tokens, self.hidden_size, dtype=dtype, device=self.device) for p in parts]
             receives = [dist.irecv(buf, src=self.prev) for buf in finals]
             for part in parts:
-                fb = self.forward.prepared(part)
+                fb = self.step_forward.prepared(part)
                 sent.append(model.forward_stage(fb.input_ids, fb.positions, fb).contiguous())  # (2, t, hidden)
                 sends.append(dist.isend(sent[-1], dst=self.next))
             for work in sends + receives:
@@ -104,7 +104,7 @@ class StageRunner:
         for part in parts:
             carried = torch.empty(2, part.num_tokens, self.hidden_size, dtype=dtype, device=self.device)
             dist.recv(carried, src=self.prev)
-            fb = self.forward.prepared(part)
+            fb = self.step_forward.prepared(part)
             # The last stage's `next` is the first: (t, hidden) final states; the others (2, t, hidden).
             sent.append(model.forward_stage(fb.input_ids, fb.positions, fb, carried).contiguous())
             sends.append(dist.isend(sent[-1], dst=self.next))
