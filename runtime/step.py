@@ -9,13 +9,30 @@ are numpy int64; nothing here holds device state.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .forward_batch import ForwardMode
 from .sampling_params import SamplingParams
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = 1  # prefill of new tokens on top of an (optionally) cached prefix
+    DECODE = 2  # one new token per request
+    # Speculative decoding: each request's draft tree (its last token and the drafts after it) scored in
+    # one step, over its cached prefix; a token sees the prefix and its own ancestors in the tree.
+    VERIFY = 3
+
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    def is_verify(self) -> bool:
+        return self is ForwardMode.VERIFY
 
 
 class SamplingRow:

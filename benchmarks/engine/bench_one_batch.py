@@ -70,16 +70,16 @@ def run_plait(args, bw: float) -> list[dict]:
     mr = ModelRunner(sa, args.model)
     cfg = mr.model_config
     wbytes = weight_bytes(mr.model)
-    kv_tok = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, mr.dtype)
+    kv_tok = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, mr.info.dtype)
     rows = []
     for vi, variant in enumerate(args.variants):
         if vi:  # the kernels read their choices at capture time: capture the graphs again
-            mr.kernel_choices = _with_settings(sa, variant).kernel_choices()
-            mr.graph_runner = None
+            mr.forward.kernel_choices = _with_settings(sa, variant).kernel_choices()
+            mr.forward.graphs = None
             torch.cuda.empty_cache()
             if not args.disable_cuda_graph:
-                with using_kernels(mr.kernel_choices):
-                    mr.graph_runner = CudaGraphRunner(mr)
+                with using_kernels(mr.forward.kernel_choices):
+                    mr.forward.graphs = CudaGraphRunner(mr.model, mr.memory, mr.info.vocab_size, max_bs)
         gen = torch.Generator().manual_seed(0)
         for bs in args.batch_sizes:
             reqs = _new_requests(mr, bs, args, gen)
@@ -186,7 +186,7 @@ def _pipelined_steps(mr, reqs, steps: int) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
         nxt = batch.next_decode(mr.allocator.alloc(len(reqs)))
-        nxt_pending = mr.launch(nxt.to_step(ahead=1, ids_from_prev=True), prev=pending)
+        nxt_pending = mr.launch(nxt.to_step(), prev=pending)  # (its inputs: the samples in flight)
         out = mr.resolve(pending)
         for r, tok in zip(reqs, out.next_token_ids):
             r.output_ids.append(tok)

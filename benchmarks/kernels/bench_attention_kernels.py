@@ -22,10 +22,13 @@ import os
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plait.runtime.attention import AttentionContext, AttentionHeads  # noqa: E402
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
@@ -98,9 +101,8 @@ def make_fb(mode, kv, r2t, seq_lens, prefix_lens=None, backend=None):
     )
 
 
-def runner(heads, kv_heads, head_dim):
-    cfg = types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
-    return types.SimpleNamespace(device=DEV, model_config=cfg)
+def context(heads, kv_heads, head_dim):
+    return AttentionContext(DEV, AttentionHeads.split(heads, kv_heads, head_dim))
 
 
 def copy_bandwidth_gbs():
@@ -115,7 +117,7 @@ def bench_decode(name, heads, kv_heads, head_dim, bs, ctx, copy_gbs, run_native)
     seq_lens = [ctx] * bs
     kv, r2t = make_pools(seq_lens, kv_heads, head_dim)
     q = torch.randn(bs, heads, head_dim, dtype=DTYPE, device=DEV)
-    tri = TritonAttnBackend(runner(heads, kv_heads, head_dim))
+    tri = TritonAttnBackend(context(heads, kv_heads, head_dim))
     fb = make_fb(ForwardMode.DECODE, kv, r2t, seq_lens, backend=tri)
     tri.init_forward_metadata(fb)
     out = tri.forward_decode(q, layer, fb)
@@ -147,7 +149,7 @@ def bench_decode(name, heads, kv_heads, head_dim, bs, ctx, copy_gbs, run_native)
         graph_vs_eager_max_diff=(graph_out - out).abs().max().item(),
     )
     if run_native:
-        nat = TorchNativeAttnBackend(types.SimpleNamespace(device=DEV))
+        nat = TorchNativeAttnBackend(AttentionContext(DEV))
         fbn = make_fb(ForwardMode.DECODE, kv, r2t, seq_lens, backend=nat)
         nat.init_forward_metadata(fbn)
         ref = nat.forward_decode(q, layer, fbn)
@@ -164,7 +166,7 @@ def bench_extend(name, heads, kv_heads, head_dim, prefix_lens, extend_lens, run_
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     kv, r2t = make_pools(seq_lens, kv_heads, head_dim)
     q = torch.randn(sum(extend_lens), heads, head_dim, dtype=DTYPE, device=DEV)
-    tri = TritonAttnBackend(runner(heads, kv_heads, head_dim))
+    tri = TritonAttnBackend(context(heads, kv_heads, head_dim))
     fb = make_fb(ForwardMode.EXTEND, kv, r2t, seq_lens, prefix_lens, backend=tri)
     tri.init_forward_metadata(fb)
     out = tri.forward_extend(q, layer, fb)
@@ -182,7 +184,7 @@ def bench_extend(name, heads, kv_heads, head_dim, prefix_lens, extend_lens, run_
         "triton_tflops": flops / t / 1e9,
     }
     if run_native:
-        nat = TorchNativeAttnBackend(types.SimpleNamespace(device=DEV))
+        nat = TorchNativeAttnBackend(AttentionContext(DEV))
         fbn = make_fb(ForwardMode.EXTEND, kv, r2t, seq_lens, prefix_lens, backend=nat)
         nat.init_forward_metadata(fbn)
         ref = nat.forward_extend(q, layer, fbn)

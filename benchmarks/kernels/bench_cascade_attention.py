@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common
 
 from bench_common import save  # noqa: E402
+from plait.runtime.attention import AttentionContext, AttentionHeads  # noqa: E402
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_ops import PrefixConfig  # noqa: E402
@@ -76,11 +76,8 @@ def build_case(batch, prefix, suffix, groups, layers, seed=0):
 
 
 def make_backend(disable, prefix_config=None):
-    cfg = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
-    runner = types.SimpleNamespace(
-        device=DEV, model_config=cfg, server_args=types.SimpleNamespace(disable_cascade_attention=disable)
-    )
-    return TritonAttnBackend(runner, prefix_config=prefix_config)
+    ctx = AttentionContext(DEV, AttentionHeads.split(HEADS, KV_HEADS, HEAD_DIM), disable_cascade_attention=disable)
+    return TritonAttnBackend(ctx, prefix_config=prefix_config)
 
 
 def make_fb(backend, kv, r2t, rows, seq_lens):

@@ -79,7 +79,7 @@ def main() -> None:
             r.output_ids, r.kv_len = [tok], k
 
     def decode_batch(rs, backend):
-        fb = mr._build_forward_batch(
+        fb = mr.forward.batch(
             ScheduleBatch(ForwardMode.DECODE, rs, out_cache_loc=mr.allocator.alloc(len(rs))).to_step()
         )
         fb.attn_backend = backend
@@ -87,10 +87,10 @@ def main() -> None:
         return fb
 
     model = mr.model
-    backend_b = create_attention_backend(sa.resolved_attention_backend(), mr)
-    whole = decode_batch(reqs, mr.attn_backend)
+    backend_b = create_attention_backend(sa.resolved_attention_backend(), mr.attention)
+    whole = decode_batch(reqs, mr.memory.attn_backend)
     half = bs // 2
-    fa, fb_ = decode_batch(reqs[:half], mr.attn_backend), decode_batch(reqs[half:], backend_b)
+    fa, fb_ = decode_batch(reqs[:half], mr.memory.attn_backend), decode_batch(reqs[half:], backend_b)
     sa_stream, sb_stream = torch.cuda.Stream(), torch.cuda.Stream()
 
     def logits(f):

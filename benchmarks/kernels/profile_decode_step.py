@@ -102,9 +102,9 @@ def main() -> None:
     # 2) steps under the profiler, eager and then as graph replays (CUPTI reports a replayed graph's
     # kernels one by one): GPU time per kernel name, and the short gaps between a step's kernels (launch
     # gaps inside the graph; the event-timed step above also holds the host's preparation of the step).
-    runner, mr.graph_runner = mr.graph_runner, None
+    runner, mr.forward.graphs = mr.forward.graphs, None
     eager_rows, eager_total, _ = profile_kernels(decode_step, args.steps)
-    mr.graph_runner = runner
+    mr.forward.graphs = runner
     graph_rows, graph_total, graph_gaps = profile_kernels(decode_step, args.steps, args.trace)
     kernels_per_step = sum(c for _, _, c in eager_rows)
     layout = f"{'ragged +-' + str(spread) if spread else 'uniform'}, {'scattered' if args.scatter else 'contiguous'}"

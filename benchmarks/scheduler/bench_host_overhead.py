@@ -131,7 +131,7 @@ class DeviceTimer:
         self.seconds = 0.0
         self.profiler = None  # a cProfile.Profile while one is collecting
         mr = model_runner
-        model, backend = mr.model, mr.attn_backend
+        model, backend = mr.model, mr.memory.attn_backend
         timer = self
         gen = torch.Generator().manual_seed(0)
         hidden_size = mr.model_config.hidden_size
@@ -162,8 +162,8 @@ class DeviceTimer:
             return timer.timed(argmax, *a, **k)
 
         self._restore = lambda: None
-        if mr.device != "cuda":
-            mr.model = TimedModel()
+        if mr.info.device != "cuda":
+            mr.forward.model = TimedModel()
             backend.init_forward_metadata = timed_init
             # NOTE: the greedy argmax over the logits is device work on a GPU: not host time.
             torch.argmax = timed_argmax

@@ -73,7 +73,7 @@ class _Batch:
         self.sampling = [
             SamplingRow(SamplingParams(temperature=0, max_new_tokens=1 << 20), [], [], set()) for _ in range(bs)
         ]
-        ids = torch.randint(100, min(30000, mr.vocab_size), (bs * input_len,), generator=gen).tolist()
+        ids = torch.randint(100, min(30000, mr.info.vocab_size), (bs * input_len,), generator=gen).tolist()
         loc = mr.allocator.alloc(bs * input_len).numpy()
         step = StepInput.extend(self.rows, [0] * bs, [input_len] * bs, ids, loc)
         step.sample_rows = [i * input_len + input_len - 1 for i in range(bs)]
@@ -242,7 +242,7 @@ def part_oracle(args) -> list[dict]:
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(steps):
-                drafts = [g[a : a + 4] + [(g[a + 4] + 1) % mr.vocab_size] for g, a in zip(greedy, at)]
+                drafts = [g[a : a + 4] + [(g[a + 4] + 1) % mr.info.vocab_size] for g, a in zip(greedy, at)]
                 before = list(b.kv_lens)
                 made += b.verify(drafts)
                 at = [a + (k - k0) for a, k, k0 in zip(at, b.kv_lens, before)]

@@ -1,17 +1,22 @@
-"""Attention backends behind one interface (see base.py)."""
+"""Attention backends behind one interface (see base.py), each built from an `AttentionContext`."""
+
+from .context import AttentionContext, AttentionHeads
 
 
-def create_attention_backend(name: str, model_runner) -> "AttentionBackend":  # noqa: F821
+def create_attention_backend(name: str, ctx: AttentionContext) -> "AttentionBackend":  # noqa: F821
     if name == "torch_native":
         from .torch_native import TorchNativeAttnBackend
 
-        return TorchNativeAttnBackend(model_runner)
+        return TorchNativeAttnBackend(ctx)
     if name == "triton":
         from .triton_backend import TritonAttnBackend
 
-        return TritonAttnBackend(model_runner)
+        return TritonAttnBackend(ctx)
     if name == "flashinfer":
         from .flashinfer_backend import FlashInferAttnBackend
 
-        return FlashInferAttnBackend(model_runner)
+        return FlashInferAttnBackend(ctx)
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+__all__ = ["AttentionContext", "AttentionHeads", "create_attention_backend"]

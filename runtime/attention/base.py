@@ -1,8 +1,10 @@
 """The attention-backend interface.
 
-A backend owns its per-step metadata (built once per step in `init_forward_metadata`) and its
-CUDA-graph state. Layers call `backend.forward(q, k, v, layer, forward_batch)`; the backend writes
-the new tokens' K/V into the pool at `forward_batch.out_cache_loc` and attends over the paged cache.
+A backend is built from an `AttentionContext` (context.py: device, head shape, dtype, pool size,
+settings), never from a runner. It owns its per-step metadata (built once per step in
+`init_forward_metadata`) and its CUDA-graph state. Layers call `backend.forward(q, k, v, layer,
+forward_batch)`; the backend writes the new tokens' K/V into the pool at `forward_batch.out_cache_loc`
+and attends over the paged cache.
 
 Shapes: q (T, num_heads, head_dim); k, v (T, num_kv_heads, head_dim); output (T, num_heads * head_dim).
 """

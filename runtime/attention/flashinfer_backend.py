@@ -33,6 +33,7 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from .base import AttentionBackend, AttentionLayerSpec
+from .context import AttentionContext
 
 FLASHINFER_PACKAGE = "flashinfer-python"
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # FA2 kernels FlashInfer instantiates
@@ -80,16 +81,16 @@ class _GraphState:
 class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, model_runner, decode_tensor_cores: Optional[bool] = None):
+    def __init__(self, ctx: AttentionContext, decode_tensor_cores: Optional[bool] = None):
         self.flashinfer = import_flashinfer()
-        self.device = torch.device(model_runner.device)
+        self.device = torch.device(ctx.device)
         if self.device.type != "cuda":
             raise ValueError(
                 f"the flashinfer attention backend needs a CUDA device, not {self.device.type!r} "
                 "(use attention_backend='torch_native')"
             )
-        self.shape = _read_shape(model_runner)
-        self.dtype = getattr(model_runner, "dtype", torch.bfloat16)
+        self.shape = _shape_of(ctx)
+        self.dtype = ctx.dtype if ctx.dtype is not None else torch.bfloat16
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"the flashinfer attention backend runs float16/bfloat16, not {self.dtype} "
@@ -103,7 +104,7 @@ class FlashInferAttnBackend(AttentionBackend):
         # NOTE: tensor-core decode pays off once several query heads share a KV head, and it reuses the
         # prefill module, so GQA models JIT-compile one module instead of two.
         self.decode_tensor_cores = self.shape.is_gqa if decode_tensor_cores is None else decode_tensor_cores
-        self.max_total_tokens = getattr(model_runner, "max_total_tokens", None)
+        self.max_total_tokens = ctx.max_total_tokens
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         fi = self.flashinfer
         self.prefill_wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
@@ -231,7 +232,7 @@ class FlashInferAttnBackend(AttentionBackend):
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
         if self.max_total_tokens is None:
             raise ValueError(
-                "CUDA graphs with the flashinfer backend need model_runner.max_total_tokens "
+                "CUDA graphs with the flashinfer backend need the context's max_total_tokens "
                 "(to size the static page-index buffer)"
             )
         self._graph = _GraphState(
@@ -296,20 +297,10 @@ def _indptr(lengths: list[int]) -> torch.Tensor:
     return out
 
 
-def _read_shape(model_runner) -> FlashInferShape:
-    cfg = getattr(model_runner, "model_config", None)
-    cfg = getattr(cfg, "hf_config", cfg)
-    heads = getattr(cfg, "num_attention_heads", None)
-    if not isinstance(heads, int) or heads <= 0:
-        raise ValueError(
-            "the flashinfer backend needs model_runner.model_config with num_attention_heads "
-            "(it plans every step for the model's head shape)"
-        )
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 0) // heads
-    tp = getattr(model_runner, "tp_size", 1) or 1
-    if heads % tp:
-        raise ValueError(f"{heads} attention heads do not split over tp_size {tp}")
-    # NOTE: with TP > num_kv_heads the KV heads are replicated, one per rank. The models scale
-    # scores by head_dim ** -0.5 (AttentionLayerSpec.scaling); _run checks each layer against it.
-    return FlashInferShape(heads // tp, max(1, kv_heads // tp), head_dim, head_dim**-0.5)
+def _shape_of(ctx: AttentionContext) -> FlashInferShape:
+    if ctx.heads is None:
+        raise ValueError("the flashinfer backend needs the attention context's head shape (it plans every step for it)")
+    h = ctx.heads
+    # NOTE: the models scale scores by head_dim ** -0.5 (AttentionLayerSpec.scaling); _run checks each
+    # layer against it.
+    return FlashInferShape(h.num_heads, h.num_kv_heads, h.head_dim, h.head_dim**-0.5)

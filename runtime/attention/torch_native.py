@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..forward_batch import ForwardBatch
 from .base import AttentionBackend, AttentionLayerSpec
+from .context import AttentionContext
 
 
 @dataclass
@@ -38,8 +39,8 @@ class _ExtendMetadata:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, model_runner):
-        self.device = model_runner.device
+    def __init__(self, ctx: AttentionContext):
+        self.device = ctx.device
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         r2t = fb.req_to_token_pool.req_to_token

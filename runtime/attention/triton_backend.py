@@ -4,11 +4,9 @@ Kernels live in `triton_ops/`. Both read K/V straight from the pool through `req
 per-step metadata is only a handful of (B,) tensors that the ForwardBatch already holds: nothing is
 flattened or copied per step, and decode needs no host data at all (CUDA-graph friendly).
 
-What the backend reads from `model_runner` (all optional except `device`):
-- `device`: where metadata and scratch live.
-- `model_config` (or its `hf_config`): `num_attention_heads`, `num_key_value_heads`, `head_dim`
-  (else `hidden_size // num_attention_heads`); with `tp_size` (default 1) they pre-size the decode
-  scratch in `init_cuda_graph_state`. Without them the scratch is sized at the first decode call.
+What the backend reads from its `AttentionContext` (context.py): `device`, where metadata and scratch
+live; `heads`, this rank's head shape, which pre-sizes the decode scratch in `init_cuda_graph_state`
+(without it the scratch is sized at the first decode call); `disable_cascade_attention`.
 
 CUDA-graph contract (decode only):
 - `init_cuda_graph_state(max_bs)` once, before any capture.
@@ -44,6 +42,7 @@ import torch
 from ..forward_batch import ForwardBatch
 from .base import AttentionBackend, AttentionLayerSpec
 from .cascade_plan import CascadeConfig
+from .context import AttentionContext, AttentionHeads
 from .triton_cascade import CascadeStep, TritonCascade
 from .triton_ops import (
     DecodeConfig,
@@ -99,25 +98,18 @@ class TritonVerifyMetadata:
     mask_offsets: Optional[torch.Tensor] = None  # (B,)
 
 
-@dataclass(frozen=True)
-class _HeadShape:
-    num_heads: int  # per tensor-parallel rank
-    num_kv_heads: int
-    head_dim: int
-
-
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(
         self,
-        model_runner,
+        ctx: AttentionContext,
         decode_config: Optional[DecodeConfig] = None,
         extend_config: Optional[ExtendConfig] = None,
         cascade_config: Optional[CascadeConfig] = None,
         prefix_config: Optional[PrefixConfig] = None,
     ):
-        self.device = torch.device(model_runner.device)
+        self.device = torch.device(ctx.device)
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 f"the triton attention backend needs a CUDA device, not {self.device.type!r} "
@@ -130,13 +122,12 @@ class TritonAttnBackend(AttentionBackend):
             else default_decode_policy(_num_sms(self.device))
         )
         self.extend_config = extend_config  # None: picked per head_dim by the kernel module
-        self.head_shape = _read_head_shape(model_runner)
+        self.head_shape: Optional[AttentionHeads] = ctx.heads
         self._scratch: Optional[torch.Tensor] = None  # flat fp32 decode scratch; fixed once graphs are on
         self._scratch_max_bs = 0  # batch size the scratch is (or will be) sized for
         self._graph_req_pool_indices: Optional[torch.Tensor] = None  # (max_bs,) static
         self._graph_seq_lens: Optional[torch.Tensor] = None  # (max_bs,) static
-        server_args = getattr(model_runner, "server_args", None)
-        self._cascade_on = not getattr(server_args, "disable_cascade_attention", False)
+        self._cascade_on = not ctx.disable_cascade_attention
         self._cascade_config = cascade_config or CascadeConfig()
         sms = _num_sms(self.device)
         self._prefix_config = prefix_config or PrefixConfig(num_programs=2 * sms, target_programs=4 * sms)
@@ -285,7 +276,7 @@ class TritonAttnBackend(AttentionBackend):
         prefix, join = None, None
         # NOTE: a layer of another head shape than the one the cascade tables were sized for (none
         # in our models) runs the plain decode, which ignores the tables and is still exact.
-        shape = _HeadShape(layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        shape = AttentionHeads(layer.num_heads, layer.num_kv_heads, layer.head_dim)
         if md.cascade is not None and shape == self.head_shape:
             join = self._cascade.launch_prefix(md.cascade, q, k_buffer, v_buffer, r2t, layer.scaling)
             prefix = self._cascade.prefix_partials(md.cascade)
@@ -313,7 +304,7 @@ class TritonAttnBackend(AttentionBackend):
         return self._cascade
 
     def _decode_scratch(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[torch.Tensor]:
-        shape = _HeadShape(num_heads, num_kv_heads, head_dim)
+        shape = AttentionHeads(num_heads, num_kv_heads, head_dim)
         if self.head_shape is None:
             self.head_shape = shape
         if shape != self.head_shape:
@@ -399,18 +390,3 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # an H200's count; only the split heuristic uses it
-
-
-def _read_head_shape(model_runner) -> Optional[_HeadShape]:
-    cfg = getattr(model_runner, "model_config", None)
-    cfg = getattr(cfg, "hf_config", cfg)
-    heads = getattr(cfg, "num_attention_heads", None)
-    if not isinstance(heads, int) or heads <= 0:
-        return None
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", 0) // heads
-    tp = getattr(model_runner, "tp_size", 1) or 1
-    if not head_dim or heads % tp:
-        return None
-    # NOTE: with TP > num_kv_heads the KV heads are replicated, one per rank.
-    return _HeadShape(heads // tp, max(1, kv_heads // tp), head_dim)

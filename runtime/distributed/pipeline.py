@@ -18,7 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..executor.model_runner import ModelRunner
+from ..executor.runner_info import RunnerInfo
+from ..executor.step_forward import StepForward
 from ..step import StepInput
 from .group import RankContext
 
@@ -67,26 +68,26 @@ def _extend_part(step: StepInput, lo: int, hi: int) -> StepInput:
 class StageRunner:
     """One rank's stage of the pipeline: its layers over each micro-batch of a step."""
 
-    def __init__(self, runner: ModelRunner, ctx: RankContext):
-        self.runner = runner
+    def __init__(self, forward: StepForward, info: RunnerInfo, ctx: RankContext):
+        """`forward`: this rank's shard (its stage's layers) over its KV memory; `info`: its runner's facts."""
+        self.step_forward = forward
         self.ctx = ctx
         topo = ctx.topology
         self.stage = topo.stage_of(ctx.rank)
         self.num_stages = topo.pp_size
         self.prev = topo.peer(ctx.rank, (self.stage - 1) % self.num_stages)
         self.next = topo.peer(ctx.rank, (self.stage + 1) % self.num_stages)
-        self.hidden_size = runner.model_config.hidden_size
-        self.device = (
-            torch.device("cuda", ctx.parallel.device_index) if runner.device == "cuda" else torch.device("cpu")
-        )
+        self.hidden_size = info.hidden_size
+        self.dtype = info.dtype
+        self.device = torch.device("cuda", ctx.parallel.device_index) if info.device == "cuda" else torch.device("cpu")
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> Optional[torch.Tensor]:
         """This stage's part of `step`. On the first stage: the final hidden states (T, hidden) of the
         whole step, back from the last stage; elsewhere None."""
         parts = split_micro_batches(step, self.num_stages)
-        model = self.runner.model
-        dtype = self.runner.dtype
+        model = self.step_forward.model
+        dtype = self.dtype
         sends, sent = [], []  # the works, and the tensors they send (alive until done)
         if self.stage == 0:
             # The results come back from the last stage in order; their receives are posted first, so
@@ -94,7 +95,7 @@ class StageRunner:
             finals = [torch.empty(p.num_tokens, self.hidden_size, dtype=dtype, device=self.device) for p in parts]
             receives = [dist.irecv(buf, src=self.prev) for buf in finals]
             for part in parts:
-                fb = self.runner.forward_batch(part)
+                fb = self.step_forward.prepared(part)
                 sent.append(model.forward_stage(fb.input_ids, fb.positions, fb).contiguous())  # (2, t, hidden)
                 sends.append(dist.isend(sent[-1], dst=self.next))
             for work in sends + receives:
@@ -103,7 +104,7 @@ class StageRunner:
         for part in parts:
             carried = torch.empty(2, part.num_tokens, self.hidden_size, dtype=dtype, device=self.device)
             dist.recv(carried, src=self.prev)
-            fb = self.runner.forward_batch(part)
+            fb = self.step_forward.prepared(part)
             # The last stage's `next` is the first: (t, hidden) final states; the others (2, t, hidden).
             sent.append(model.forward_stage(fb.input_ids, fb.positions, fb, carried).contiguous())
             sends.append(dist.isend(sent[-1], dst=self.next))

@@ -2,8 +2,9 @@
 
 `start_group` (in the scheduler process, rank 0) checks that the model splits, starts this node's other
 ranks, joins them and builds rank 0's shard. `GroupRunner` then implements the StepRunner protocol
-(scheduler/step_runner.py): each step is broadcast as a plan (plan.py) and run on rank 0's shard, the
-others following it (worker.py); rank 0 samples, and sends the sampled tokens to the other ranks only
+(scheduler/step_runner.py), and a drafter's TargetRunner (executor/target_runner.py): each step is
+broadcast as a plan (plan.py) and run on rank 0's shard, the others following it (worker.py,
+follower.py); rank 0 samples, and sends the sampled tokens to the other ranks only
 where a later step reads them on the device (a decode step launched ahead, overlap scheduling).
 
 Any failure inside a step ends the group (launch.exit_group): the ranks would no longer agree on which
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -75,22 +77,16 @@ class GroupRunner:
         self.children = children
         self.monitor = monitor
         self.local = local = ModelRunner(server_args, model_path, ctx.parallel, extra_kv_bytes_per_token)
-        self.stages = StageRunner(local, ctx) if ctx.topology.pp_size > 1 else None
-        # The StepRunner's sizes and KV memory: rank 0's (every rank holds the same slots).
-        self.max_total_tokens = local.max_total_tokens
-        self.max_running_requests = local.max_running_requests
-        self.context_len = local.context_len
-        self.vocab_size = local.vocab_size
-        self.device = local.device
-        self.dtype = local.dtype
-        self.attention_backend = local.attention_backend
-        self.eos_token_ids = local.eos_token_ids
+        self.stages = StageRunner(local.forward, local.info, ctx) if ctx.topology.pp_size > 1 else None
+        # The StepRunner's facts and KV memory: rank 0's (every rank holds the same slots and as much
+        # memory). NOTE: a pipeline's step is read back within `run` (its micro-batches are in flight
+        # inside it): no overlap there.
+        self.info = replace(local.info, supports_overlap=local.info.supports_overlap and self.stages is None)
         self.allocator = local.allocator
         self.req_to_token_pool = local.req_to_token_pool
-        self.model_config = local.model_config
-        self.memory_bytes = local.memory_bytes  # rank 0's shard (every rank holds as much)
-        # NOTE: a pipeline's step is read back within `run` (its micro-batches are in flight inside it).
-        self.supports_overlap = local.supports_overlap and self.stages is None
+        # (rank 0's shard; a drafter beside a split model reads the whole embedding and LM head elsewhere:
+        # executor/spec_runner.py's WholeVocabulary)
+        self.model = local.model
         self._closed = False
         atexit.register(self.close)  # the scheduler process's exit stops the group
 
@@ -116,12 +112,16 @@ class GroupRunner:
 
     def run_verify(self, step: StepInput, capture_layers: tuple = ()):
         """A VERIFY step for a drafter on rank 0 (ModelRunner.run_verify: its output, the nodes' hidden
-        states, the forward batch); the other ranks score the same nodes (ModelRunner.follow)."""
+        states, the forward batch); the other ranks score the same nodes (follower.py)."""
         try:
             self._send(RUN, step)
             return self.local.run_verify(step, capture_layers)
         except BaseException as e:
             self._fail(e)
+
+    def capture_verify_graphs(self, nodes: int, max_bs: int, capture_layers: tuple = ()) -> None:
+        """None: the other ranks score verify steps eagerly (follower.py), and rank 0 must reach the
+        same collectives in the same order."""
 
     def launch(self, step: StepInput, prev: Optional[Any] = None) -> Any:
         try:

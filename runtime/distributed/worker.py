@@ -2,7 +2,7 @@
 
 `python -m plait.runtime.distributed SPEC` with torchrun's environment (topology.py); SPEC is the pickle
 of (server_args, model_path) that the launcher wrote. The rank runs the same forward as rank 0 on its
-shard (ModelRunner.follow: the same collectives in the same order) and never samples.
+shard (follower.py: the same collectives in the same order) and never samples.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import torch.distributed as dist
 
 from ..executor.loader import load_model_config
 from ..executor.model_runner import ModelRunner
+from ..executor.runner_info import RunnerInfo
+from ..executor.step_forward import StepForward
 from ..server_args import ServerArgs
+from .follower import Follower
 from .group import RankContext, join_group
 from .launch import RankWatchdog
 from .pipeline import StageRunner
@@ -62,33 +65,31 @@ def serve_rank(server_args: ServerArgs, model_path: str) -> None:
     )
     runner = ModelRunner(server_args, model_path, ctx.parallel)
     try:
-        follow_plans(runner, ctx)
+        follow_plans(runner.forward, runner.info, ctx)
         watchdog.stop()
     finally:
         ctx.close()
 
 
-def follow_plans(runner: ModelRunner, ctx: RankContext) -> None:
-    """Run rank 0's steps on this rank's shard until a STOP plan."""
-    stages = StageRunner(runner, ctx) if ctx.topology.pp_size > 1 else None
+def follow_plans(forward: StepForward, info: RunnerInfo, ctx: RankContext) -> None:
+    """Run rank 0's steps on this rank's shard (`forward`, its runner's) until a STOP plan."""
+    follower = Follower(forward)
+    stages = StageRunner(forward, info, ctx) if ctx.topology.pp_size > 1 else None
+    device = torch.device("cuda", ctx.parallel.device_index) if info.device == "cuda" else torch.device("cpu")
     last_ids: Optional[torch.Tensor] = None  # the last step launched ahead: its sampled tokens (rank 0's)
     while True:
         plan = receive_plan(ctx.plan_group)
         if plan.kind == STOP:
             return
-        runner.req_to_token_pool.replay_writes(plan.table_writes)
+        forward.memory.req_to_token_pool.replay_writes(plan.table_writes)
         step = plan.step
         if stages is not None:
             hidden = stages.forward(step)
             if hidden is not None:  # a first-stage rank: the LM head's share, as rank 0 samples
-                runner.follow_logits(step, hidden)
+                follower.follow_logits(step, hidden)
             continue
         launched = plan.kind == LAUNCH
-        runner.follow(step, launched, input_ids=last_ids)
+        follower.follow(step, launched, input_ids=last_ids)
         if launched and step.sample_rows:
-            last_ids = torch.empty(len(step.sample_rows), dtype=torch.int64, device=_device(runner, ctx))
+            last_ids = torch.empty(len(step.sample_rows), dtype=torch.int64, device=device)
             dist.broadcast(last_ids, src=0, group=ctx.parallel.tp.group)
-
-
-def _device(runner: ModelRunner, ctx: RankContext) -> torch.device:
-    return torch.device("cuda", ctx.parallel.device_index) if runner.device == "cuda" else torch.device("cpu")

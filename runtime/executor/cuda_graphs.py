@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..forward_batch import ForwardBatch, ForwardMode
+from ..forward_batch import ForwardBatch, ForwardMemory, ForwardMode
+from ..models.llama import LlamaForCausalLM
 from .sampler import greedy_tokens
 
 logger = logging.getLogger(__name__)
@@ -49,20 +50,20 @@ class GraphKey:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner):
-        self.mr = model_runner
-        mr = model_runner
-        max_bs = min(mr.server_args.cuda_graph_max_bs or mr.max_running_requests, mr.max_running_requests)
+    def __init__(self, model: LlamaForCausalLM, memory: ForwardMemory, vocab_size: int, max_bs: int):
+        """Captures the graphs of `model` over `memory`, for decode batches of up to `max_bs` requests."""
+        self.model = model
+        self.memory = memory
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
-        dev = mr.device
+        dev = memory.kv_pool.device
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.logits = torch.empty(self.max_bs, mr.vocab_size, dtype=torch.float32, device=dev)  # every graph's
-        backend = mr.attn_backend
+        self.logits = torch.empty(self.max_bs, vocab_size, dtype=torch.float32, device=dev)  # every graph's
+        backend = memory.attn_backend
         backend.init_cuda_graph_state(self.max_bs)
         self.cascade_sizes = frozenset(bs for bs in self.batch_sizes if backend.has_cascade_graph(bs))
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -74,7 +75,7 @@ class CudaGraphRunner:
         self._capture_all()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        mr = self.mr
+        mem = self.memory
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
@@ -84,9 +85,9 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:bs],
             out_cache_loc=self.out_cache_loc[:bs],
             seq_lens_cpu=[1] * bs,
-            req_to_token_pool=mr.req_to_token_pool,
-            kv_pool=mr.kv_pool,
-            attn_backend=mr.attn_backend,
+            req_to_token_pool=mem.req_to_token_pool,
+            kv_pool=mem.kv_pool,
+            attn_backend=mem.attn_backend,
         )
 
     def graph_keys(self) -> list[GraphKey]:
@@ -138,7 +139,7 @@ class CudaGraphRunner:
         self.greedy[key] = greedy
 
     def _init_metadata(self, fb: ForwardBatch, cascade: bool, capture: bool) -> None:
-        backend = self.mr.attn_backend
+        backend = self.memory.attn_backend
         hook = (
             backend.init_forward_metadata_capture_cuda_graph
             if capture
@@ -153,7 +154,7 @@ class CudaGraphRunner:
         logits = self.logits[: fb.batch_size]  # (bs, vocab) float32: the first rows of the shared buffer
         # NOTE: forward_logits, not forward + compute_logits: at batch 1 the final norm then runs inside
         # the LM head's matmul (one launch fewer per step, when the one-row path is on).
-        self.mr.model.forward_logits(fb.input_ids, fb.positions, fb, out=logits)
+        self.model.forward_logits(fb.input_ids, fb.positions, fb, out=logits)
         return greedy_tokens(logits)  # (bs,)
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -180,7 +181,7 @@ class CudaGraphRunner:
         # reading them back from the device would cost a sync per step.
         static.seq_lens_cpu = list(fb.seq_lens_cpu) + [0] * (bs - n)
         static.req_pool_indices_cpu = fb.req_pool_indices_cpu  # the n real rows (shared-prefix grouping)
-        key = GraphKey(bs, bs in self.cascade_sizes and self.mr.attn_backend.decode_uses_cascade(static))
+        key = GraphKey(bs, bs in self.cascade_sizes and self.memory.attn_backend.decode_uses_cascade(static))
         self._init_metadata(static, key.cascade, capture=False)
         self.graphs[key].replay()
         if key.cascade:

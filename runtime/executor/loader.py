@@ -13,6 +13,7 @@ import torch
 
 from ..models import model_class
 from ..models.config import ModelConfig
+from ..models.llama import LlamaForCausalLM
 from ..models.parallel import ModelParallel, read_slice
 
 # (what a folder holds is read in model_files.py, which the engine process imports without torch)
@@ -149,7 +150,7 @@ def load_model(
     max_position: int,
     seed: int = 0,
     parallel: Optional[ModelParallel] = None,
-) -> torch.nn.Module:
+) -> LlamaForCausalLM:
     """The model (this rank's shard of it, split over ranks by `parallel`) with its weights."""
     cls = model_class(cfg)
     files = [] if load_format == "dummy" else safetensors_files(model_path)  # checked before the model is built

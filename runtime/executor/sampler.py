@@ -3,6 +3,7 @@
 `SamplingBatchInfo` turns the per-request parameters into tensors once per step; `sample()` picks one
 token per row. A batch that is entirely greedy and unconstrained by penalties takes the argmax fast
 path. Requests with a `seed` draw from their own generator, so their output reproduces exactly.
+`StepSampler` samples a whole step: its logits rows, grammar masks, logprobs, into a `StepOutput`.
 
 Semantics (pinned against a float64 reference by tests/test_sampling_semantics.py):
 - order: logit_bias, repetition_penalty, frequency/presence penalties, min_new_tokens bans (vLLM's
@@ -21,11 +22,15 @@ Semantics (pinned against a float64 reference by tests/test_sampling_semantics.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
-from ..step import SamplingRow
+from ..constrained.masker import GrammarMasker
+from ..step import SamplingRow, StepInput, StepOutput
+
+# The LM head: final hidden states (N, hidden) -> logits (N, vocab) float32.
+ComputeLogits = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -46,7 +51,9 @@ class SamplingBatchInfo:
     has_seed: bool
 
     @classmethod
-    def from_rows(cls, rows: list[SamplingRow], vocab_size: int, device: str) -> "SamplingBatchInfo":
+    def from_rows(
+        cls, rows: list[SamplingRow], vocab_size: int, device: Union[str, torch.device]
+    ) -> "SamplingBatchInfo":
         sps = [r.params for r in rows]
         greedy = [sp.is_greedy for sp in sps]
         top_ks = [vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size) for sp in sps]
@@ -201,3 +208,96 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int):
         vals, ids = logprobs.topk(min(top_k, logprobs.shape[1]), dim=-1)
         return chosen, vals, ids
     return chosen, None, None
+
+
+class StepSampler:
+    """A step's tokens (and the logprobs its requests asked for) from its hidden states or logits. Owns
+    the grammar masker, made for the first constrained step."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._masker: Optional[GrammarMasker] = None
+
+    def sample_step(
+        self,
+        step: StepInput,
+        compute_logits: ComputeLogits,
+        hidden: Optional[torch.Tensor],
+        logits: Optional[torch.Tensor] = None,
+        greedy: Optional[torch.Tensor] = None,
+        sample_rows_t: Optional[torch.Tensor] = None,
+    ) -> StepOutput:
+        """The step's output, read back. `hidden` (T, hidden): the forward's states, whose rows
+        `sample_rows_t` ((S,) on the device) the LM head turns into logits; or `logits` (S, V) computed
+        already (a decode graph), with their argmax `greedy` (S,)."""
+        n = step.batch_size
+        out = StepOutput(next_token_ids=[None] * n, output_logprobs=[None] * n, input_logprobs=[[] for _ in range(n)])
+        if step.logprob_rows:  # (EXTEND steps only: always run eagerly, with their hidden states)
+            assert hidden is not None
+            self._prompt_logprobs(step, compute_logits, hidden, out)
+        if not step.sample_rows:
+            return out
+        rows = step.sampling
+        if logits is None:
+            assert hidden is not None and sample_rows_t is not None
+            logits = compute_logits(hidden[sample_rows_t])  # (S, V)
+        want_lp = [r.return_logprob for r in rows]
+        raw_logits = logits.clone() if any(want_lp) else None
+        if all(r.plain_greedy() for r in rows):
+            # NOTE: the common case pays for no sampling tensors (each is a host-to-device copy).
+            next_ids = greedy if greedy is not None else greedy_tokens(logits)
+        else:
+            info = SamplingBatchInfo.from_rows(rows, logits.shape[1], logits.device)
+            apply_logit_adjustments(logits, rows, info)
+            if info.has_grammar:
+                self._grammar_masker().apply(logits, [r.grammar for r in rows])
+            next_ids = sample(logits, rows, info)
+        if raw_logits is not None:
+            top_k = max(r.top_logprobs_num for r in rows)
+            chosen, top_v, top_i = compute_logprobs(raw_logits, next_ids, top_k)
+            chosen = chosen.tolist()
+            top_v = top_v.tolist() if top_v is not None else None
+            top_i = top_i.tolist() if top_i is not None else None
+        next_list = next_ids.tolist()
+        for j, i in enumerate(step.sampling_reqs):
+            out.next_token_ids[i] = next_list[j]
+            if raw_logits is not None and want_lp[j]:
+                k = rows[j].top_logprobs_num
+                top = list(zip(top_v[j][:k], top_i[j][:k])) if (k and top_v is not None) else None
+                out.output_logprobs[i] = (chosen[j], top)
+        return out
+
+    @staticmethod
+    def sample_on_device(
+        logits: torch.Tensor, rows: list[SamplingRow], plain_greedy: bool, greedy: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """(B,) int64 next ids of logits (B, V), without reading anything back (no grammar here: a
+        launched step's rows need nothing from the host)."""
+        if plain_greedy:
+            return greedy if greedy is not None else greedy_tokens(logits)
+        info = SamplingBatchInfo.from_rows(rows, logits.shape[1], logits.device)
+        apply_logit_adjustments(logits, rows, info)
+        return sample(logits, rows, info)
+
+    @staticmethod
+    def _prompt_logprobs(step: StepInput, compute_logits: ComputeLogits, hidden: torch.Tensor, out: StepOutput) -> None:
+        lp_rows = step.logprob_rows
+        rows = torch.tensor([lr.row for lr in lp_rows], dtype=torch.int64, device=hidden.device)
+        # (a next-token row has no target: 0 stands in, its logprob is not reported)
+        targets = torch.tensor([lr.target for lr in lp_rows], dtype=torch.int64, device=hidden.device)
+        top_k = max(lr.top_k for lr in lp_rows)
+        chosen, top_v, top_i = compute_logprobs(compute_logits(hidden[rows]), targets, top_k)
+        chosen = chosen.tolist()
+        top_v = top_v.tolist() if top_v is not None else None
+        top_i = top_i.tolist() if top_i is not None else None
+        for j, lr in enumerate(lp_rows):
+            top = list(zip(top_v[j][: lr.top_k], top_i[j][: lr.top_k])) if (lr.top_k and top_v is not None) else None
+            if lr.next_token:
+                out.output_logprobs[lr.req] = (None, top)  # the next token's distribution, no token
+            else:
+                out.input_logprobs[lr.req].append((lr.pos, chosen[j], lr.target, top))
+
+    def _grammar_masker(self) -> GrammarMasker:
+        if self._masker is None:
+            self._masker = GrammarMasker(self.vocab_size)
+        return self._masker

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
 
-from ..attention import create_attention_backend
+from ..attention import AttentionContext, AttentionHeads, create_attention_backend
 from ..kvcache.memory_pool import KVPool
 from ..models.config import ModelConfig
 from ..server_args import ServerArgs
@@ -34,21 +35,19 @@ from ..speculative.eagle_head import EagleHead, HeadConfig
 from ..step import StepInput, StepOutput
 from .loader import _iter_safetensors, load_model, load_model_config, load_tokenizer, safetensors_files
 from .model_runner import ModelRunner
+from .staging import HostStaging
+from .target_runner import TargetRunner
 
 logger = logging.getLogger(__name__)
 
 
 class SpecRunner:
-    def __init__(self, target: ModelRunner, drafter: Any):
+    def __init__(self, target: TargetRunner, drafter: Any):
         self.target = target
         self.drafter = drafter
-        t = target
-        self.max_total_tokens, self.max_running_requests = t.max_total_tokens, t.max_running_requests
-        self.context_len, self.vocab_size, self.device, self.dtype = t.context_len, t.vocab_size, t.device, t.dtype
-        self.eos_token_ids, self.attention_backend = t.eos_token_ids, t.attention_backend
-        self.allocator, self.req_to_token_pool = t.allocator, t.req_to_token_pool
-        self.supports_overlap = False
-        self.memory_bytes = dict(t.memory_bytes)  # the target's only: a drafter's weights and KV are not counted
+        # The target's facts (its memory only: a drafter's weights and KV are not counted), never launched ahead.
+        self.info = replace(target.info, supports_overlap=False)
+        self.allocator, self.req_to_token_pool = target.allocator, target.req_to_token_pool
 
     def run(self, step: StepInput, prev=None) -> StepOutput:
         # (`prev` is always None: no step is launched ahead of a drafter's)
@@ -74,7 +73,9 @@ class SpecRunner:
         return handle
 
 
-def create_step_runner(server_args: ServerArgs, model_path: str, make_target: Optional[Callable[[int], Any]] = None):
+def create_step_runner(
+    server_args: ServerArgs, model_path: str, make_target: Optional[Callable[[int], TargetRunner]] = None
+) -> Any:
     """The scheduler's step runner: the target's, with a drafter when the algorithm has one.
     `make_target(extra_kv_bytes_per_token)` builds the target's runner, its KV pool sized beside a
     drafter's pool of the same slots: one device's ModelRunner by default; the scheduler passes rank 0's
@@ -87,8 +88,8 @@ def create_step_runner(server_args: ServerArgs, model_path: str, make_target: Op
     algo = server_args.speculative_algorithm
     if algo not in ("STANDALONE", "EAGLE", "EAGLE3"):
         runner = make_target(0)
-        if algo is not None:
-            _capture_verify_graphs(runner, server_args, ())
+        if algo is not None:  # drafts from the host (NGRAM): the target verifies them
+            runner.capture_verify_graphs(*_verify_graph_shape(server_args))
         return runner
     steps, topk, nodes = server_args.speculative_shape()
     draft_path = server_args.speculative_draft_model_path
@@ -119,23 +120,21 @@ def create_step_runner(server_args: ServerArgs, model_path: str, make_target: Op
         else None
     )
     target = make_target(KVPool.bytes_per_token(*kv_shape, dtype))
-    rows = target.max_running_requests + 1
-    pool = KVPool(target.max_total_tokens + rows * scratch, *kv_shape, dtype, device)
-    view = _BackendView(device, draft_cfg, server_args)
-    memory = DraftMemory(
-        pool,
-        target.req_to_token_pool,
-        create_attention_backend(target.attention_backend, view),
-        target.max_total_tokens,
-        scratch,
-        device,
-    )
+    rows = target.info.max_running_requests + 1
+    slots = target.info.max_total_tokens
+    pool = KVPool(slots + rows * scratch, *kv_shape, dtype, device)
+    # The drafter's own attention backend (the target's kind), over its own pool: the whole draft model
+    # or head on this device, whatever the target's split.
+    heads = AttentionHeads.split(draft_cfg.num_attention_heads, draft_cfg.num_key_value_heads, draft_cfg.head_dim)
+    attention = AttentionContext(device, heads, dtype, pool.num_slots, server_args.disable_cascade_attention)
+    backend = create_attention_backend(target.info.attention_backend, attention)
+    memory = DraftMemory(pool, target.req_to_token_pool, backend, slots, scratch, device, HostStaging(device))
     if algo == "STANDALONE":
         drafter = DraftModelDrafter(model, memory, steps, topk, nodes)
     else:
         model.attach_target(whole or target.model)
         drafter = EagleDrafter(model, memory, steps, topk, nodes, rows)
-    _capture_verify_graphs(target, server_args, drafter.capture_layers)
+    target.capture_verify_graphs(*_verify_graph_shape(server_args), drafter.capture_layers)
     logger.info(
         "speculative decoding: %s drafter from %s (steps %d, top-k %d, %d tokens per verify)",
         algo,
@@ -147,13 +146,11 @@ def create_step_runner(server_args: ServerArgs, model_path: str, make_target: Op
     return SpecRunner(target, drafter)
 
 
-def _capture_verify_graphs(runner: Any, sa: ServerArgs, capture_layers: tuple) -> None:
-    """On a GPU with decode graphs, verify steps get theirs too (up to the batch size speculation runs at).
-    NOTE: not for a split model: its other ranks score verify steps eagerly (ModelRunner.follow)."""
-    if getattr(runner, "graph_runner", None) is not None:
-        runner.capture_verify_graphs(
-            sa.speculative_shape()[2], sa.resolved_speculative_disable_by_batch_size(), capture_layers
-        )
+def _verify_graph_shape(sa: ServerArgs) -> tuple[int, int]:
+    """(tokens per request, requests) of the verify steps a target captures CUDA graphs for, where it runs
+    decode steps as graphs (a GPU; not a split model, whose other ranks score verify steps eagerly): up
+    to the batch size speculation runs at."""
+    return sa.speculative_shape()[2], sa.resolved_speculative_disable_by_batch_size()
 
 
 class WholeVocabulary:
@@ -200,13 +197,6 @@ class WholeVocabulary:
             head = found.get("lm_head.weight", embedding)  # none: tied to the embedding
         embedding = embedding.to(dtype=dtype, device=device)
         return cls(embedding, embedding if head is embedding else head.to(dtype=dtype, device=device))
-
-
-class _BackendView:
-    """What an attention backend reads of its model runner, for the drafter's own backend."""
-
-    def __init__(self, device: str, model_config: ModelConfig, server_args: ServerArgs):
-        self.device, self.model_config, self.server_args = device, model_config, server_args
 
 
 def _check_same_vocabulary(

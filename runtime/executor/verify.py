@@ -11,47 +11,47 @@ here depends on a node's depth beyond its grammar state.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from ..constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_inplace, unpack_bitmask
-from ..forward_batch import ForwardBatch
 from ..speculative.acceptance import accept_greedy, accept_sampled
 from ..speculative.grammar_drafts import fill_tree_bitmask
 from ..speculative.tree import DraftTree
 from ..speculative.verify_step import step_trees
 from ..step import StepInput, StepOutput, VerifiedTokens
 from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sampling_probs
+from .step_forward import StepForward
 
 
 class VerifySteps:
-    """The part of the model runner that runs VERIFY steps."""
+    """The model runner's part that runs VERIFY steps over the target's forward (and, on a GPU, their
+    CUDA graphs)."""
 
-    def __init__(self, runner):
-        self.runner = runner
-        self.verifier = Verifier(runner.vocab_size)
+    def __init__(self, forward: StepForward, vocab_size: int):
+        self.forward = forward
+        self.vocab_size = vocab_size
+        self.verifier = Verifier(vocab_size)
         self.graphs = None  # verify_graphs.VerifyGraphRunner, GPU
 
     def capture_graphs(self, nodes: int, max_bs: int, capture_layers: tuple) -> None:
         from .verify_graphs import VerifyGraphRunner
 
-        self.graphs = VerifyGraphRunner(self.runner, nodes, max_bs, capture_layers)
+        f = self.forward
+        self.graphs = VerifyGraphRunner(f.model, f.memory, self.vocab_size, nodes, max_bs, capture_layers)
 
-    def run(self, step: StepInput, capture_layers: tuple = ()):
+    def run(self, step: StepInput, capture_layers: tuple = ()) -> tuple[StepOutput, torch.Tensor, Any]:
         """(what each request accepted, the nodes' hidden states (T, hidden), an object whose
         `captured_hidden` holds the inputs of `capture_layers`)."""
-        mr = self.runner
         if self.graphs is not None and self.graphs.can_run(step) and capture_layers == self.graphs.capture_layers:
             logits, hidden, captured = self.graphs.replay(step)
             return self.verifier.accept(step, logits), hidden, CapturedStates(captured)
-        fb = mr._build_forward_batch(step)
+        fb = self.forward.batch(step)
         if capture_layers:
             fb.capture_layers, fb.captured_hidden = capture_layers, []
-        mr.attn_backend.init_forward_metadata(fb)
-        hidden = mr.model(fb.input_ids, fb.positions, fb)  # (T, hidden)
-        return self.verifier.score(step, hidden, mr.model), hidden, fb
+        hidden = self.forward.hidden(fb)  # (T, hidden)
+        return self.verifier.score(step, hidden, self.forward.model), hidden, fb
 
 
 class CapturedStates:
@@ -218,14 +218,3 @@ class Verifier:
                 lps.append((chosen[j], top))
                 j += 1
             verified[b].logprobs = lps
-
-
-def set_verify_tree(fb: ForwardBatch, step: StepInput, device: str) -> None:
-    """A VERIFY step's trees on its forward batch: a target verify's new tokens are its whole trees."""
-    fb.tree_lens, fb.tree_lens_cpu = fb.extend_seq_lens, list(step.extend_lens)
-    mask = step.draft.tree_mask
-    if mask is not None:
-        sizes = np.asarray(step.extend_lens, dtype=np.int64)
-        fb.tree_mask = torch.from_numpy(mask).to(device, non_blocking=True)
-        offsets = np.cumsum(sizes * sizes) - sizes * sizes
-        fb.tree_mask_offsets = torch.from_numpy(offsets).to(device, non_blocking=True)

@@ -29,7 +29,8 @@ import time
 import numpy as np
 import torch
 
-from ..forward_batch import ForwardBatch, ForwardMode
+from ..forward_batch import ForwardBatch, ForwardMemory, ForwardMode
+from ..models.llama import LlamaForCausalLM
 from ..step import StepInput
 
 logger = logging.getLogger(__name__)
@@ -49,15 +50,24 @@ def token_buckets(t_max: int) -> list[int]:
 
 
 class VerifyGraphRunner:
-    def __init__(self, mr, nodes: int, max_bs: int, capture_layers: tuple = ()):
-        self.mr = mr
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        memory: ForwardMemory,
+        vocab_size: int,
+        nodes: int,
+        max_bs: int,
+        capture_layers: tuple = (),
+    ):
+        self.model = model
+        self.memory = memory
         self.nodes = nodes
         self.capture_layers = capture_layers
         self.max_bs = max(1, max_bs)
         # NOTE: dead rows read table columns up to t_max of a request's row: no more than the table holds.
-        self.t_max = min(self.max_bs * nodes, mr.req_to_token_pool.max_context_len)
+        self.t_max = min(self.max_bs * nodes, memory.req_to_token_pool.max_context_len)
         self.token_counts = token_buckets(self.t_max)
-        T, B, dev = self.t_max, self.max_bs + 1, mr.device
+        T, B, dev = self.t_max, self.max_bs + 1, memory.kv_pool.device
         self._layout = {f: (i * T, T) for i, f in enumerate(TOKEN_FIELDS)}
         base = len(TOKEN_FIELDS) * T
         self._layout.update({f: (base + i * B, B) for i, f in enumerate(REQUEST_FIELDS)})
@@ -75,7 +85,7 @@ class VerifyGraphRunner:
         self._dead_mask = np.eye(T, dtype=np.uint8)
         self._dead_mask[:, 0] = 1
         self._tril = [np.tril(np.ones((k, k), dtype=np.uint8)).reshape(-1) for k in range(nodes + 1)]
-        self.logits = torch.empty(T, mr.vocab_size, dtype=torch.float32, device=dev)
+        self.logits = torch.empty(T, vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.captured: dict[int, list] = {}
@@ -103,7 +113,7 @@ class VerifyGraphRunner:
         return min(tokens, max_bs + 1)
 
     def _static_batch(self, t_cap: int) -> ForwardBatch:
-        mr, v = self.mr, self._view
+        mem, v = self.memory, self._view
         bs = self.request_slots(t_cap, self.max_bs)
         fb = ForwardBatch(
             forward_mode=ForwardMode.VERIFY,
@@ -114,9 +124,9 @@ class VerifyGraphRunner:
             seq_lens=v("seq", bs),
             out_cache_loc=v("loc", t_cap),
             seq_lens_cpu=[t_cap] * bs,
-            req_to_token_pool=mr.req_to_token_pool,
-            kv_pool=mr.kv_pool,
-            attn_backend=mr.attn_backend,
+            req_to_token_pool=mem.req_to_token_pool,
+            kv_pool=mem.kv_pool,
+            attn_backend=mem.attn_backend,
         )
         fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = v("prefix", bs), v("ext", bs), v("starts", bs)
         # NOTE: t_cap new tokens per request as far as the kernels' grids go: the dead rows' request may
@@ -134,7 +144,7 @@ class VerifyGraphRunner:
         for t_cap in reversed(self.token_counts):
             self._fill_capture_inputs(t_cap)
             fb = self._static_batch(t_cap)
-            self.mr.attn_backend.init_forward_metadata(fb)  # static tensors only: valid for every replay
+            self.memory.attn_backend.init_forward_metadata(fb)  # static tensors only: valid for every replay
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
@@ -170,8 +180,8 @@ class VerifyGraphRunner:
 
     def _forward(self, fb: ForwardBatch, t_cap: int):
         fb.captured_hidden = [] if self.capture_layers else None
-        hidden = self.mr.model(fb.input_ids, fb.positions, fb)  # (t_cap, hidden)
-        self.mr.model.compute_logits(hidden, out=self.logits[:t_cap])
+        hidden = self.model(fb.input_ids, fb.positions, fb)  # (t_cap, hidden)
+        self.model.compute_logits(hidden, out=self.logits[:t_cap])
         return hidden, fb.captured_hidden
 
     def can_run(self, step: StepInput) -> bool:
@@ -213,7 +223,7 @@ class VerifyGraphRunner:
         self._upload(real_mask + dead * dead)
         # The real nodes' slots into the table (device, and host mirror).
         v = self._view
-        self.mr.req_to_token_pool.write_step((v("table_rows", T), v("table_cols", T), v("loc", T)), step.kv_writes)
+        self.memory.req_to_token_pool.write_step((v("table_rows", T), v("table_cols", T), v("loc", T)), step.kv_writes)
         self.graphs[t_cap].replay()
         captured = [c[:T] for c in self.captured[t_cap]] if self.captured[t_cap] else None
         return self.logits[:T], self.hidden[t_cap][:T], captured

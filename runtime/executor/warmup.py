@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
+from ..kvcache.memory_pool import ReqToTokenPool, TokenAllocator
 from ..sampling_params import SamplingParams
-from ..step import SamplingRow, StepInput
+from ..step import SamplingRow, StepInput, StepOutput
 
 logger = logging.getLogger("plait.warmup")
 
@@ -21,18 +23,20 @@ logger = logging.getLogger("plait.warmup")
 WARMUP_PROMPT_TOKENS = (160, 96)
 
 
-def warm_up_prefill(model_runner) -> None:
-    mr = model_runner
+def warm_up_prefill(
+    run: Callable[[StepInput], StepOutput], allocator: TokenAllocator, req_to_token: ReqToTokenPool, vocab: int
+) -> None:
+    """Two prefill steps through `run` (a runner's), over slots and table rows taken from `allocator` and
+    `req_to_token` and given back after."""
     need = sum(WARMUP_PROMPT_TOKENS)
-    if mr.allocator.available() < need or mr.req_to_token_pool.available() < len(WARMUP_PROMPT_TOKENS):
+    if allocator.available() < need or req_to_token.available() < len(WARMUP_PROMPT_TOKENS):
         return  # a pool this small is a test setup: nothing to warm
     t = time.perf_counter()
     lens, prefix = WARMUP_PROMPT_TOKENS, WARMUP_PROMPT_TOKENS[1] // 2
-    vocab = mr.vocab_size
     prompts = [[1 + (7 * j) % (vocab - 1) for j in range(n)] for n in lens]
     greedy = SamplingParams(max_new_tokens=1, temperature=0)
-    rows = [mr.req_to_token_pool.alloc() for _ in prompts]
-    slots = mr.allocator.alloc(need)
+    rows = [req_to_token.alloc() for _ in prompts]
+    slots = allocator.alloc(need)
     try:
         # First both prompts whole, then the second one again over a cached prefix of its first half.
         whole = StepInput.extend(rows, [0, 0], lens, (t for p in prompts for t in p), slots.numpy())
@@ -43,9 +47,9 @@ def warm_up_prefill(model_runner) -> None:
             step.sample_rows = (step.req_rows[4] + step.req_rows[3] - 1).tolist()  # each request's last token
             step.sampling_reqs = list(range(step.batch_size))
             step.sampling = [SamplingRow(greedy, p, [], set()) for p in sampled]
-            mr.run(step)
+            run(step)
     finally:
-        mr.allocator.free(slots)
+        allocator.free(slots)
         for row in rows:
-            mr.req_to_token_pool.free(row)
+            req_to_token.free(row)
     logger.info("prefill warm-up took %.2f s", time.perf_counter() - t)

@@ -92,7 +92,7 @@ class Scheduler:
         # a token that config.json and generation_config.json do not list would otherwise run to the limit.
         tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
         self.eos_token_ids = tuple(
-            sorted(set(runner.eos_token_ids) | ({tokenizer_eos} if isinstance(tokenizer_eos, int) else set()))
+            sorted(set(runner.info.eos_token_ids) | ({tokenizer_eos} if isinstance(tokenizer_eos, int) else set()))
         )
         self.stats = {
             "prompt_tokens": 0,
@@ -109,19 +109,19 @@ class Scheduler:
         self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self._make_cache())
         self.outputs = OutputBuilder(tokenizer, server_args.stream_interval)
         self.finisher = Finisher(self.queues, self.kv, self.outputs, self.stats)
-        self.grammars = SchedulerGrammars(tokenizer, runner.vocab_size, server_args, self.queues, self.finisher)
+        self.grammars = SchedulerGrammars(tokenizer, runner.info.vocab_size, server_args, self.queues, self.finisher)
         self.shortage = KVShortage(self.queues, self.kv, self.finisher, self.stats)
         self.admission = PrefillAdmission(
-            server_args, self.queues, self.kv, self.shortage, runner.max_running_requests, self.stats
+            server_args, self.queues, self.kv, self.shortage, runner.info.max_running_requests, self.stats
         )
-        self.speculation = Speculation(server_args, self.kv, tokenizer, runner.context_len)
+        self.speculation = Speculation(server_args, self.kv, tokenizer, runner.info.context_len)
         self.results = StepResults(
             self.queues,
             self.kv,
             self.outputs,
             self.finisher,
             self.grammars,
-            runner.context_len,
+            runner.info.context_len,
             self.stats,
             self.speculation,
         )
@@ -133,7 +133,7 @@ class Scheduler:
             self.kv,
             self.results,
             self.timer,
-            overlap=not server_args.disable_overlap_schedule and runner.supports_overlap,
+            overlap=not server_args.disable_overlap_schedule and runner.info.supports_overlap,
             pipeline_prefills=not server_args.disable_prefill_pipeline,
             spec=self.speculation,
         )
@@ -143,14 +143,14 @@ class Scheduler:
             self.admission,
             self.shortage,
             self.speculation,
-            runner.context_len,
+            runner.info.context_len,
             mixing=not server_args.disable_mixed_chunk,
         )
         self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
         # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
         self.compile_watch = CompileWatch()
         self.startup_marks: dict[str, float] = {}  # (create_scheduler's; SchedulerInfo.startup_marks)
-        if runner.device == "cuda":
+        if runner.info.device == "cuda":
             self.compile_watch.start()
 
     def _make_cache(self) -> PrefixCache:
@@ -160,7 +160,7 @@ class Scheduler:
         return RadixCache(allocator, page_size)
 
     def info(self) -> SchedulerInfo:
-        r = self.runner
+        r = self.runner.info
         return SchedulerInfo(
             max_total_tokens=r.max_total_tokens,
             context_len=r.context_len,
@@ -195,10 +195,10 @@ class Scheduler:
     def _add_request(self, m: TokenizedGenerateReq) -> None:
         req = Req.of(m, self.text_decoder, self.eos_token_ids)
         if m.sampling_params.seed is not None:
-            req.set_generator(torch.Generator(device=self.runner.device).manual_seed(m.sampling_params.seed))
+            req.set_generator(torch.Generator(device=self.runner.info.device).manual_seed(m.sampling_params.seed))
         # NOTE: max_new_tokens=None runs until the context is full: that is its budget. The admission
         # reserve and the "budget used up" check after a jump-forward read it.
-        context_len = self.runner.context_len
+        context_len = self.runner.info.context_len
         req.max_new_tokens = min(req.max_new_tokens, max(0, context_len - len(req.origin_input_ids)))
         if req.seq_len + 1 > self.kv.total:
             self.queues.register(req)
@@ -320,7 +320,7 @@ class Scheduler:
             "num_running_reqs": q.num_running(),
             "num_waiting_reqs": q.num_waiting(),
             **self.kv.usage(),
-            **self.runner.memory_bytes,
+            **self.runner.info.memory_bytes,
             **self.stats,
             "cache_hit_rate": self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"]),
             "last_integrity_error": self.last_integrity_error,

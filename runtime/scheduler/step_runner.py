@@ -2,36 +2,28 @@
 
 The scheduler builds each step as plain data (`runtime/step.py`) and hands it to its runner: the model
 runner on one device (executor/model_runner.py), a fake runner with scripted tokens in tests
-(tests/fake_runner.py), later a draft-and-verify runner or a tensor-parallel worker group. The runner
-owns the device and the KV memory it sized; the scheduler borrows the slot allocator and the
-request-to-token table (host side) from it.
+(tests/fake_runner.py), a draft-and-verify runner (executor/spec_runner.py) or rank 0 of a model split
+over ranks (distributed/runner.py). The runner owns the device and the KV memory it sized, and states
+its facts in `info`; the scheduler borrows the slot allocator and the request-to-token table (host side)
+from it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
+from ..executor.runner_info import RunnerInfo
 from ..kvcache.memory_pool import ReqToTokenPool, TokenAllocator
 from ..step import StepInput, StepOutput
 
 
 class StepRunner(Protocol):
-    # Sizes, fixed at start-up.
-    max_total_tokens: int  # kv slots in the pool
-    max_running_requests: int
-    context_len: int
-    vocab_size: int
-    device: str
-    dtype: Any  # of the weights and the KV cache (a torch.dtype)
-    attention_backend: str  # the backend's name, resolved from the settings
-    eos_token_ids: tuple[int, ...]
+    # Its facts, fixed at start-up: sizes (kv slots, running requests, context, vocabulary), device and
+    # dtype, EOS ids, the memory it holds, whether `launch` returns before the device finishes.
+    info: RunnerInfo
     # The KV memory the scheduler accounts for.
     allocator: TokenAllocator
     req_to_token_pool: ReqToTokenPool
-    # Bytes of device memory it holds: {"kv_cache_bytes": ..., "weight_bytes": ...} (get_stats reports them).
-    memory_bytes: dict
-    # Whether `launch` returns before the device finishes (overlap scheduling pays only then).
-    supports_overlap: bool
 
     def run(self, step: StepInput, prev: Optional[Any] = None) -> StepOutput:
         """Run the step and read its results back. `prev`: as for `launch`."""

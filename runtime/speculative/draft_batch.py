@@ -7,8 +7,8 @@ needs slots beyond those: a scratch area after the target's slots, `scratch_per_
 written into the table's device copy past the request's sequence (never into its host mirror; the
 verify step that follows overwrites those positions with its own slots).
 
-Built from the target's plain step data (`StepInput`), never from the target's ForwardBatch, so the
-target may run its step however it likes (a CUDA graph).
+Built from the target's plain step data (`StepInput`, through the one builder `ForwardBatch.of_step`),
+never from the target's ForwardBatch, so the target may run its step however it likes (a CUDA graph).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..forward_batch import ForwardBatch, ForwardMode
+from ..forward_batch import ForwardBatch, ForwardMemory, ForwardMode, HostUploader
 from ..kvcache.memory_pool import KVPool, ReqToTokenPool
 from ..step import StepInput
 
@@ -28,10 +28,14 @@ from ..step import StepInput
 class DraftMemory:
     kv_pool: KVPool  # the drafter's K/V: the target's slots 1..num_slots, then the scratch area
     req_to_token: ReqToTokenPool  # the target's table
-    attn_backend: object
+    attn_backend: object  # the drafter's own, over its pool
     num_target_slots: int
     scratch_per_row: int
     device: str
+    staging: HostUploader  # a target step's rows to the device (executor/staging.py's HostStaging)
+
+    def __post_init__(self) -> None:
+        self.forward_memory = ForwardMemory(self.req_to_token, self.kv_pool, self.attn_backend)
 
     def scratch_slots(self, rows: torch.Tensor, first: int, count: int) -> torch.Tensor:
         """(B, count) scratch slots first .. first + count of each request row."""
@@ -63,34 +67,7 @@ class DraftMemory:
 
     def of_step(self, step: StepInput) -> ForwardBatch:
         """The target's EXTEND or DECODE step, over the drafter's pool (the table is already written)."""
-        if step.mode.is_decode():
-            ids, pos, rows, seq, loc = self.upload(step.token_rows[:5])
-            return self.batch(
-                ForwardMode.DECODE,
-                ids,
-                pos,
-                rows,
-                seq,
-                loc,
-                list(step.seq_lens),
-                req_pool_indices_cpu=step.token_rows[2],
-            )
-        ids, pos, loc, _ = self.upload(step.token_rows[:4])
-        rows, seq, pre, ext, start = self.upload(step.req_rows)
-        return self.batch(
-            ForwardMode.EXTEND,
-            ids,
-            pos,
-            rows,
-            seq,
-            loc,
-            list(step.seq_lens),
-            extend_prefix_lens=pre,
-            extend_seq_lens=ext,
-            extend_start_loc=start,
-            extend_prefix_lens_cpu=list(step.prefix_lens),
-            extend_seq_lens_cpu=list(step.extend_lens),
-        )
+        return ForwardBatch.of_step(step, self.forward_memory, self.staging, write_table=False)
 
     def tree_level(
         self,

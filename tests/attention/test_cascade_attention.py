@@ -25,9 +25,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import dataclasses  # noqa: E402
-import types  # noqa: E402
 
 import pytest  # noqa: E402
+from plait.runtime.attention import AttentionContext, AttentionHeads  # noqa: E402
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.cascade_plan import CascadeConfig, CascadePlanner, build_plan  # noqa: E402
 from plait.runtime.attention.prefix_groups import PrefixGroup  # noqa: E402
@@ -116,19 +116,15 @@ class _SharedCase:
         )
 
 
-def _runner(device="cpu", heads=None, kv_heads=None, head_dim=None, disable=False):
-    cfg = types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
-    return types.SimpleNamespace(
-        device=device,
-        model_config=cfg if heads else None,
-        server_args=types.SimpleNamespace(disable_cascade_attention=disable),
-    )
+def _context(device="cpu", heads=None, kv_heads=None, head_dim=None, disable=False):
+    shape = AttentionHeads.split(heads, kv_heads, head_dim) if heads else None
+    return AttentionContext(device, shape, disable_cascade_attention=disable)
 
 
 def _triton(case, cascade=EAGER_CASCADE, prefix=TINY_PREFIX, decode=TINY_DECODE, disable=False):
     lay = case.layer
     return TritonAttnBackend(
-        _runner(case.device, lay.num_heads, lay.num_kv_heads, lay.head_dim, disable),
+        _context(case.device, lay.num_heads, lay.num_kv_heads, lay.head_dim, disable),
         decode_config=decode,
         cascade_config=cascade,
         prefix_config=prefix,
@@ -136,7 +132,7 @@ def _triton(case, cascade=EAGER_CASCADE, prefix=TINY_PREFIX, decode=TINY_DECODE,
 
 
 def _reference(case, q, rows=None, seq_lens=None):
-    native = TorchNativeAttnBackend(types.SimpleNamespace(device=case.device))
+    native = TorchNativeAttnBackend(AttentionContext(case.device))
     fb = case.forward_batch(native, rows, seq_lens)
     native.init_forward_metadata(fb)
     return native.forward_decode(q, case.layer, fb)
@@ -352,7 +348,7 @@ def test_gpu_cascade_real_sizes(head_dim):
         device="cuda",
     )
     q = case.randn(len(case.rows), 32, head_dim)
-    backend = TritonAttnBackend(_runner("cuda", 32, 8, head_dim), cascade_config=CascadeConfig(min_batch_size=2))
+    backend = TritonAttnBackend(_context("cuda", 32, 8, head_dim), cascade_config=CascadeConfig(min_batch_size=2))
     md, got = _decode(backend, case, q)
     assert md.cascade is not None and len(md.cascade.plan.groups) == 2
     torch.testing.assert_close(got.float(), _reference(case, q).float(), atol=2e-2, rtol=2e-2)
@@ -364,7 +360,7 @@ def test_gpu_cascade_in_a_cuda_graph():
         32, 8, 128, [(1500, [1501 + 3 * i for i in range(30)])], [800, 20], dtype=torch.bfloat16, device="cuda"
     )
     lay = case.layer
-    backend = TritonAttnBackend(_runner("cuda", 32, 8, 128))
+    backend = TritonAttnBackend(_context("cuda", 32, 8, 128))
     backend.init_cuda_graph_state(max_bs=48)
     q = case.randn(48, 32, 128)
     fb = case.forward_batch(backend, batch_size=48)

@@ -10,13 +10,12 @@ tokens as torch_native.
 from __future__ import annotations
 
 import importlib.util
-import types
 
 import pytest
 import torch
 from conftest import make_random_model, near_tie_report
 from plait.runtime import Engine
-from plait.runtime.attention import create_attention_backend
+from plait.runtime.attention import AttentionContext, AttentionHeads, create_attention_backend
 from plait.runtime.attention.base import AttentionLayerSpec
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -30,9 +29,9 @@ without_flashinfer = pytest.mark.skipif(HAS_FLASHINFER, reason="flashinfer is in
 # ---------------------------------------------------------------- without the package (CPU)
 @without_flashinfer
 def test_factory_names_the_missing_package():
-    runner = types.SimpleNamespace(device="cpu", model_config=None)
+    ctx = AttentionContext("cpu")
     with pytest.raises(ImportError, match="flashinfer-python"):
-        create_attention_backend("flashinfer", runner)
+        create_attention_backend("flashinfer", ctx)
 
 
 @without_flashinfer
@@ -66,13 +65,8 @@ class _Pools:
             self.slots.append(slots[start : start + n])
             start += n
         self.g = g
-        self.runner = types.SimpleNamespace(
-            device="cuda",
-            dtype=torch.bfloat16,
-            max_total_tokens=num_slots,
-            model_config=types.SimpleNamespace(
-                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim
-            ),
+        self.ctx = AttentionContext(
+            "cuda", AttentionHeads.split(heads, kv_heads, head_dim), torch.bfloat16, max_total_tokens=num_slots
         )
 
     def q(self, tokens):
@@ -119,12 +113,12 @@ class _Pools:
 def _flashinfer(pools):
     from plait.runtime.attention.flashinfer_backend import FlashInferAttnBackend
 
-    return FlashInferAttnBackend(pools.runner)
+    return FlashInferAttnBackend(pools.ctx)
 
 
 def _reference(pools, mode, q, **batch_kwargs):
     """torch_native in float32 over the same bf16 pool: the exact answer to compare bf16 kernels with."""
-    native = TorchNativeAttnBackend(pools.runner)
+    native = TorchNativeAttnBackend(pools.ctx)
     fb = pools.batch(mode, native, **batch_kwargs)
     native.init_forward_metadata(fb)
     fwd = native.forward_decode if mode is ForwardMode.DECODE else native.forward_extend

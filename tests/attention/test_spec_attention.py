@@ -8,11 +8,10 @@ conftest.py) at tiny shapes with tiny tiles, so the prefix and tree phases each 
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 import torch
+from plait.runtime.attention import AttentionContext
 from plait.runtime.attention.base import AttentionLayerSpec
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -119,7 +118,7 @@ CASES = _cases()
 @pytest.mark.parametrize("name", list(CASES))
 def test_torch_native_verify_attends_to_the_prefix_and_tree_ancestors(name):
     case = CASES[name]
-    backend = TorchNativeAttnBackend(types.SimpleNamespace(device="cpu"))
+    backend = TorchNativeAttnBackend(AttentionContext("cpu"))
     fb = case.forward_batch(backend)
     out = backend.forward_verify(case.q.clone(), case.layer, fb)
     torch.testing.assert_close(out.double(), case.reference(), atol=1e-5, rtol=1e-5)
@@ -131,8 +130,7 @@ def test_triton_verify_matches_the_reference(name):
     from plait.runtime.attention.triton_ops import ExtendConfig
 
     case = CASES[name]
-    runner = types.SimpleNamespace(device="cpu")
-    backend = TritonAttnBackend(runner, extend_config=ExtendConfig(**TINY))
+    backend = TritonAttnBackend(AttentionContext("cpu"), extend_config=ExtendConfig(**TINY))
     fb = case.forward_batch(backend)
     out = backend.forward_verify(case.q.clone(), case.layer, fb)
     torch.testing.assert_close(out.double(), case.reference(), atol=1e-4, rtol=1e-4)

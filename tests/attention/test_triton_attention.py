@@ -27,9 +27,8 @@ if not torch.cuda.is_available():
                 del sys.modules[_name]
     os.environ["TRITON_INTERPRET"] = "1"
 
-import types  # noqa: E402
-
 import pytest  # noqa: E402
+from plait.runtime.attention import AttentionContext, AttentionHeads  # noqa: E402
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
@@ -124,8 +123,11 @@ class _Case:
         )
 
 
-def _runner(device="cpu", **config):
-    return types.SimpleNamespace(device=device, model_config=types.SimpleNamespace(**config) if config else None)
+def _context(device="cpu", num_attention_heads=None, num_key_value_heads=None, head_dim=None):
+    """What a backend is built from; without a head shape it learns it at its first decode call."""
+    if num_attention_heads is None:
+        return AttentionContext(device)
+    return AttentionContext(device, AttentionHeads.split(num_attention_heads, num_key_value_heads, head_dim))
 
 
 def _run(backend, case, mode, q, k=None, v=None, **fb_kwargs):
@@ -146,8 +148,8 @@ def _qkv(case, t):
 
 def _extend_both(case, extend_config=TINY_EXTEND):
     q, k, v = _qkv(case, sum(case.extend_lens))
-    ref = _run(TorchNativeAttnBackend(_runner(case.device)), case, ForwardMode.EXTEND, q, k, v)
-    got = _run(TritonAttnBackend(_runner(case.device), extend_config=extend_config), case, ForwardMode.EXTEND, q, k, v)
+    ref = _run(TorchNativeAttnBackend(_context(case.device)), case, ForwardMode.EXTEND, q, k, v)
+    got = _run(TritonAttnBackend(_context(case.device), extend_config=extend_config), case, ForwardMode.EXTEND, q, k, v)
     return got, ref
 
 
@@ -183,8 +185,8 @@ def _mixed_both(case, decode_rows, extend_config=TINY_EXTEND, decode_config=TINY
     q, k, v = _qkv(case, sum(case.extend_lens))
     outs = []
     for backend in (
-        TorchNativeAttnBackend(_runner(case.device)),
-        TritonAttnBackend(_runner(case.device), extend_config=extend_config, decode_config=decode_config),
+        TorchNativeAttnBackend(_context(case.device)),
+        TritonAttnBackend(_context(case.device), extend_config=extend_config, decode_config=decode_config),
     ):
         fb = case.forward_batch(ForwardMode.EXTEND, backend)
         fb.decode_rows = decode_rows
@@ -210,8 +212,8 @@ def test_mixed_step_matches_torch_native(heads, kv_heads, head_dim, prefix_lens,
 
 def _decode_both(case, decode_config=TINY_DECODE):
     q, k, v = _qkv(case, len(case.seq_lens))
-    ref = _run(TorchNativeAttnBackend(_runner(case.device)), case, ForwardMode.DECODE, q, k, v)
-    got = _run(TritonAttnBackend(_runner(case.device), decode_config=decode_config), case, ForwardMode.DECODE, q, k, v)
+    ref = _run(TorchNativeAttnBackend(_context(case.device)), case, ForwardMode.DECODE, q, k, v)
+    got = _run(TritonAttnBackend(_context(case.device), decode_config=decode_config), case, ForwardMode.DECODE, q, k, v)
     return got, ref
 
 
@@ -348,20 +350,20 @@ def test_default_decode_policy_picks_tiles_by_batch_size():
     uniform = DecodePolicy.uniform(small)
     assert uniform.for_batch(1) is small and uniform.for_batch(4096) is small
     # The backend's default follows the policy; an explicit config serves every batch size.
-    backend = TritonAttnBackend(_runner("cpu"))
+    backend = TritonAttnBackend(_context("cpu"))
     assert backend.decode_policy.for_batch(300).kv_heads_per_program == 2
-    assert TritonAttnBackend(_runner("cpu"), decode_config=TINY_DECODE).decode_policy.for_batch(300) is TINY_DECODE
+    assert TritonAttnBackend(_context("cpu"), decode_config=TINY_DECODE).decode_policy.for_batch(300) is TINY_DECODE
 
 
 def test_cuda_graph_hooks_pad_and_reuse_static_buffers():
     case = _Case(8, 2, 32, [10, 24, 3, 40, 5], [1] * 5)
     layer = case.layer
     backend = TritonAttnBackend(
-        _runner(num_attention_heads=8, num_key_value_heads=2, head_dim=32), decode_config=TINY_DECODE
+        _context(num_attention_heads=8, num_key_value_heads=2, head_dim=32), decode_config=TINY_DECODE
     )
     backend.init_cuda_graph_state(max_bs=4)
     scratch_ptr = backend._scratch.data_ptr()
-    reference = TorchNativeAttnBackend(_runner())
+    reference = TorchNativeAttnBackend(_context())
     q = case.randn(4, layer.num_heads, layer.head_dim)
 
     def graph_step(rows, seq_lens, hook):
@@ -422,7 +424,7 @@ def test_bad_shapes_are_rejected_with_a_clear_error(monkeypatch):
     if not HAS_CUDA:
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="needs a CUDA device"):
-            TritonAttnBackend(_runner("cpu"))
+            TritonAttnBackend(_context("cpu"))
 
 
 # ---------------------------------------------------------------- GPU, real sizes (pytest -m gpu)
@@ -473,7 +475,7 @@ def test_gpu_decode_cuda_graph_capture_and_replay():
     lens = [4096, 100, 2500, 7, 1500, 3000]
     case = _Case(32, 8, 128, [s - 1 for s in lens], [1] * len(lens), dtype=torch.bfloat16, device="cuda")
     layer = case.layer
-    backend = TritonAttnBackend(_runner("cuda", num_attention_heads=32, num_key_value_heads=8, head_dim=128))
+    backend = TritonAttnBackend(_context("cuda", num_attention_heads=32, num_key_value_heads=8, head_dim=128))
     backend.init_cuda_graph_state(max_bs=8)
     q = case.randn(8, layer.num_heads, layer.head_dim)
     fb = case.forward_batch(ForwardMode.DECODE, backend, rows=case.rows[:3], seq_lens=lens[:3], batch_size=8)
@@ -486,7 +488,7 @@ def test_gpu_decode_cuda_graph_capture_and_replay():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = backend.forward_decode(q, layer, fb)
-    reference = TorchNativeAttnBackend(_runner("cuda"))
+    reference = TorchNativeAttnBackend(_context("cuda"))
     for rows, seq_lens in [(case.rows[:3], lens[:3]), (case.rows[3:], lens[3:]), (case.rows, lens)]:
         fb = case.forward_batch(ForwardMode.DECODE, backend, rows=rows, seq_lens=seq_lens, batch_size=8)
         backend.init_forward_metadata_replay_cuda_graph(fb)

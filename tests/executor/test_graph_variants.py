@@ -10,12 +10,12 @@ shares a prefix.
 from __future__ import annotations
 
 import json
-import types
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from plait.runtime.attention import AttentionContext
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend
 from plait.runtime.executor.loader import load_model
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -56,7 +56,7 @@ def _decode_batch(model, seq_lens: list[int], seed: int = 0) -> ForwardBatch:
         r2t.write(i + 1, 0, slots[at : at + s])
         rows.append(i + 1)
         at += s
-    backend = TorchNativeAttnBackend(types.SimpleNamespace(device="cpu"))
+    backend = TorchNativeAttnBackend(AttentionContext("cpu"))
     fb = ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         batch_size=len(seq_lens),
@@ -183,7 +183,7 @@ def captured(tmp_path_factory):
     mr = _model_runner(tmp_path_factory.mktemp("variants"), cuda_graph_max_bs=MAX_BS)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    runner = CudaGraphRunner(mr)
+    runner = CudaGraphRunner(mr.model, mr.memory, mr.info.vocab_size, MAX_BS)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
     sizes = capture_batch_sizes(MAX_BS)
@@ -216,7 +216,7 @@ def _decode_fb(mr, rows: list[int], rows_slots: list[np.ndarray], seed: int) -> 
     for row, slots in zip(rows, rows_slots):
         mr.req_to_token_pool.write(row, 0, torch.from_numpy(slots))
     lens = [len(s) for s in rows_slots]
-    dev = mr.device
+    dev = mr.info.device
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         batch_size=len(rows),
@@ -227,8 +227,8 @@ def _decode_fb(mr, rows: list[int], rows_slots: list[np.ndarray], seed: int) -> 
         out_cache_loc=torch.tensor([int(s[-1]) for s in rows_slots], device=dev),
         seq_lens_cpu=lens,
         req_to_token_pool=mr.req_to_token_pool,
-        kv_pool=mr.kv_pool,
-        attn_backend=mr.attn_backend,
+        kv_pool=mr.memory.kv_pool,
+        attn_backend=mr.memory.attn_backend,
         req_pool_indices_cpu=np.asarray(rows, dtype=np.int64),
     )
 
@@ -236,7 +236,7 @@ def _decode_fb(mr, rows: list[int], rows_slots: list[np.ndarray], seed: int) -> 
 @pytest.mark.gpu
 def test_gpu_replay_picks_the_cascade_graph_only_for_shared_prefixes(captured):
     mr, runner, _, _ = captured
-    for buf in mr.kv_pool.k_buffer + mr.kv_pool.v_buffer:
+    for buf in mr.memory.kv_pool.k_buffer + mr.memory.kv_pool.v_buffer:
         buf.normal_()
     rng = np.random.default_rng(0)
     prefix = np.arange(1, 601, dtype=np.int32)  # 600 slots every request of the first batch shares
@@ -261,7 +261,7 @@ def test_gpu_replay_picks_the_cascade_graph_only_for_shared_prefixes(captured):
         with torch.inference_mode():  # as the model runner calls it
             logits, greedy = runner.replay(fb)
             logits, greedy = logits.clone(), greedy.clone()
-            mr.attn_backend.init_forward_metadata(fb)  # eager: the same attention, cascade or not
+            mr.memory.attn_backend.init_forward_metadata(fb)  # eager: the same attention, cascade or not
             ref = mr.model.compute_logits(mr.model(fb.input_ids, fb.positions, fb))
         ran = (runner.plain_replays - counts[0], runner.cascade_replays - counts[1])
         assert ran == ((0, 1) if cascade else (1, 0))
@@ -275,7 +275,7 @@ def test_gpu_disabled_cascade_captures_plain_graphs_only(tmp_path):
     from plait.runtime.executor.cuda_graphs import CudaGraphRunner
 
     mr = _model_runner(tmp_path, cuda_graph_max_bs=32, disable_cascade_attention=True)
-    runner = CudaGraphRunner(mr)
+    runner = CudaGraphRunner(mr.model, mr.memory, mr.info.vocab_size, 32)
     assert runner.cascade_sizes == frozenset()
     assert sorted(k.batch_size for k in runner.graphs) == [1, 2, 4, 8, 16, 32]
     assert not any(k.cascade for k in runner.graphs)

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 from plait.runtime.constrained.masker import GrammarMasker
+from plait.runtime.executor.runner_info import RunnerInfo
 from plait.runtime.executor.verify import Verifier
 from plait.runtime.kvcache.memory_pool import ReqToTokenPool, TokenAllocator
 from plait.runtime.scheduler.scheduler import Scheduler
@@ -44,18 +45,22 @@ class FakeRunner:
         drafter: Optional[Callable[[SamplingRow, int, int], DraftTree]] = None,
         step_seconds: Optional[Callable[[StepInput], float]] = None,
     ):
-        self.max_total_tokens = max_total_tokens
-        self.max_running_requests = max_running_requests
-        self.context_len = context_len
-        self.vocab_size = vocab_size
-        self.device = "cpu"
-        self.dtype = torch.float32
-        self.attention_backend = "none"
-        self.eos_token_ids = (EOS,)
-        self.memory_bytes = {"kv_cache_bytes": 0, "weight_bytes": 0}  # no model, no device memory
+        # No model and no device memory (kv_cache_bytes and weight_bytes 0); a test that wants the
+        # scheduler to overlap steps replaces it (dataclasses.replace(..., supports_overlap=True)).
+        self.info = RunnerInfo(
+            device="cpu",
+            dtype=torch.float32,
+            context_len=context_len,
+            vocab_size=vocab_size,
+            hidden_size=1,
+            eos_token_ids=(EOS,),
+            max_total_tokens=max_total_tokens,
+            max_running_requests=max_running_requests,
+            attention_backend="none",
+            supports_overlap=False,
+        )
         self.allocator = TokenAllocator(max_total_tokens, "cpu")
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, "cpu")
-        self.supports_overlap = False
         self.script = script or default_script(vocab_size)
         self.drafter = drafter or self._script_chain
         self.steps: list[StepInput] = []
@@ -91,7 +96,7 @@ class FakeRunner:
             id(row.output_ids): out.next_token_ids[i] for i, row in zip(step.sampling_reqs, step.sampling)
         }
         for lr in step.logprob_rows:  # a flat "distribution": every token at log(1/V)
-            lp = -float(torch.log(torch.tensor(float(self.vocab_size))))
+            lp = -float(torch.log(torch.tensor(float(self.info.vocab_size))))
             if lr.next_token:
                 out.output_logprobs[lr.req] = (None, [(lp, 2)][: lr.top_k])
             else:
@@ -110,7 +115,7 @@ class FakeRunner:
                     set_tree(step, b, self.drafter(step.sampling[b], root, step.extend_lens[b]))
             refresh_masks(step)
         trees = step_trees(step)
-        logits = torch.empty(step.num_tokens, self.vocab_size)
+        logits = torch.empty(step.num_tokens, self.info.vocab_size)
         at = 0
         for row, tree in zip(step.sampling, trees):
             for node in range(tree.size):
@@ -126,7 +131,7 @@ class FakeRunner:
 
     def _logits(self, row) -> torch.Tensor:
         """(V,) fake logits preferring the script's token, then lower ids."""
-        logits = -torch.arange(self.vocab_size, dtype=torch.float32)
+        logits = -torch.arange(self.info.vocab_size, dtype=torch.float32)
         logits[self.script(row)] = 1.0
         return logits
 
@@ -141,7 +146,7 @@ class FakeRunner:
         if row.grammar is None:
             return want
         # Fake logits that prefer the scripted token, then lower ids; the grammar removes what it forbids.
-        logits = -torch.arange(self.vocab_size, dtype=torch.float32).unsqueeze(0)
+        logits = -torch.arange(self.info.vocab_size, dtype=torch.float32).unsqueeze(0)
         logits[0, want] = 1.0
         self._masker.apply(logits, [row.grammar])
         return int(logits.argmax())

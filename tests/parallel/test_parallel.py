@@ -165,7 +165,7 @@ def test_tp2_gives_what_one_device_gives(llama_engines, one_device_outputs):
     ids=["ngram", "standalone self chain", "standalone other tree", "eagle tree", "eagle3 chain"],
 )
 def test_tp2_with_speculation_gives_what_one_device_gives(folders, one_device_outputs, algo, draft, shape):
-    # Every rank runs the VERIFY steps rank 0 plans (ModelRunner.follow). A drafter runs whole on rank 0
+    # Every rank runs the VERIFY steps rank 0 plans (Follower.follow). A drafter runs whole on rank 0
     # beside its shard (an EAGLE head with rank 0's whole copy of the embedding and LM head). Greedy outputs
     # and logprobs as one device without speculation; grammar drafts off, so that the regex request jumps
     # forward as there (with them its output is plain constrained decoding's, which jump-forward's

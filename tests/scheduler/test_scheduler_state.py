@@ -297,7 +297,7 @@ def test_prefill_warm_up_runs_and_gives_every_slot_back(random_models):
     calls = []
     run = s.runner.run
     s.runner.run = lambda batch: calls.append((batch.prefix_lens, batch.extend_lens)) or run(batch)
-    warm_up_prefill(s.runner)
+    warm_up_prefill(s.runner.run, s.runner.allocator, s.runner.req_to_token_pool, s.runner.info.vocab_size)
     # Both prompts whole, then the second over a cached prefix of half its length.
     half = WARMUP_PROMPT_TOKENS[1] // 2
     assert calls == [([0, 0], list(WARMUP_PROMPT_TOKENS)), ([half], [WARMUP_PROMPT_TOKENS[1] - half])]
@@ -305,7 +305,7 @@ def test_prefill_warm_up_runs_and_gives_every_slot_back(random_models):
     # A pool too small for it (a test setup) is left alone.
     small = make_scheduler(random_models["llama"], max_total_tokens=64, max_running_requests=4)
     small.runner.run = lambda batch: pytest.fail("warm-up ran on a 64-slot pool")
-    warm_up_prefill(small.runner)
+    warm_up_prefill(small.runner.run, small.runner.allocator, small.runner.req_to_token_pool, 512)
 
 
 def test_in_flight_prefixes_agree_with_comparing_every_pair():

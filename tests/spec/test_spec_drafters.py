@@ -178,8 +178,10 @@ def test_eagle_lockstep_state_is_the_head_over_the_whole_sequence(kind, folders)
     features of the kept path's nodes and the positions line up."""
     import numpy as np
     import torch
+    from plait.runtime.attention import AttentionContext
     from plait.runtime.attention.torch_native import TorchNativeAttnBackend
     from plait.runtime.executor.spec_runner import _load_head
+    from plait.runtime.executor.staging import HostStaging
     from plait.runtime.forward_batch import ForwardMode
     from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool
     from plait.runtime.models.config import ModelConfig
@@ -201,10 +203,11 @@ def test_eagle_lockstep_state_is_the_head_over_the_whole_sequence(kind, folders)
         mem = DraftMemory(
             pool,
             ReqToTokenPool(4, 128, "cpu"),
-            TorchNativeAttnBackend(type("V", (), {"device": "cpu"})),
+            TorchNativeAttnBackend(AttentionContext("cpu")),
             150,
             EagleDrafter.scratch_per_row(3, 1),
             "cpu",
+            HostStaging("cpu"),
         )
         return EagleDrafter(head, mem, 3, 1, 4, 4)
 

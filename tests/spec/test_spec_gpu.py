@@ -91,8 +91,8 @@ def test_a_verify_graph_replay_equals_the_eager_verify_step():
     # NOTE: the runner's staging buffers are inference tensors (made inside its inference_mode steps): the
     # eager reference step runs in inference mode too, as the runner's own steps do.
     with torch.inference_mode():
-        fb = mr._build_forward_batch(step)
-        mr.attn_backend.init_forward_metadata(fb)
+        fb = mr.forward.batch(step)
+        mr.memory.attn_backend.init_forward_metadata(fb)
         hidden = mr.model(fb.input_ids, fb.positions, fb)
     torch.testing.assert_close(hidden_graph, hidden, atol=2e-4, rtol=2e-4)
     with torch.inference_mode():

@@ -5,6 +5,8 @@ per-request adaptation. Outputs with speculation must equal those without, token
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from helpers.fake_runner import EOS, FakeRunner, _PathRow, fake_scheduler
 from plait.runtime.io_struct import AbortReq, FlushCacheReq, TokenizedGenerateReq
@@ -48,7 +50,7 @@ def run(reqs, runner_kw=None, **server_args):
     for rid, ids, sp in reqs:
         submit(s, rid, ids, **sp)
     finals = drain(s)
-    assert all_memory_back(s, runner.max_total_tokens)
+    assert all_memory_back(s, runner.info.max_total_tokens)
     return finals, runner, s
 
 
@@ -205,7 +207,7 @@ def test_an_abort_mid_verify_releases_everything():
     s.handle_message(AbortReq("a"))
     finals = drain(s)
     assert finals["a"][1]["type"] == "abort" and len(finals["b"][0]) == 50
-    assert all_memory_back(s, runner.max_total_tokens)
+    assert all_memory_back(s, runner.info.max_total_tokens)
 
 
 def test_retraction_under_speculation_loses_nothing():
@@ -220,7 +222,7 @@ def test_retraction_under_speculation_loses_nothing():
 
 def test_no_decode_step_is_launched_ahead_of_one_that_may_verify():
     runner = FakeRunner(script=copy_script)
-    runner.supports_overlap = True
+    runner.info = replace(runner.info, supports_overlap=True)
     s = fake_scheduler(runner, speculative_algorithm="NGRAM")
     assert s.pipeline.overlap
     submit(s, "a", PROMPT, max_new_tokens=20)
@@ -250,13 +252,13 @@ def device_seconds(step) -> float:
 def timed_decode_steps(reqs, runner_kw, step_seconds=device_seconds, **server_args):
     """Outputs and decode/verify steps of `reqs` with overlap on, the cost model timing `step_seconds`."""
     runner = FakeRunner(step_seconds=step_seconds, **runner_kw)
-    runner.supports_overlap = True
+    runner.info = replace(runner.info, supports_overlap=True)
     s = fake_scheduler(runner, **server_args)
     s.speculation.clock = runner.clock
     for rid, ids, sp in reqs:
         submit(s, rid, ids, **sp)
     finals = drain(s, max_steps=3000)
-    assert all_memory_back(s, runner.max_total_tokens) and not s.pipeline.in_flight()
+    assert all_memory_back(s, runner.info.max_total_tokens) and not s.pipeline.in_flight()
     return outputs(finals), [st for st in runner.steps if not st.mode.is_extend()], s
 
 
@@ -347,7 +349,7 @@ def rounds_of(reqs, runner_kw, rounds: int, **server_args):
     """Device time of each round of `reqs` (timed by host_bound_seconds) through one scheduler, as a server
     sees one workload after another, the speculation's measurements carried over; and the scheduler."""
     runner = FakeRunner(step_seconds=host_bound_seconds, **runner_kw)
-    runner.supports_overlap = True
+    runner.info = replace(runner.info, supports_overlap=True)
     s = fake_scheduler(runner, **server_args)
     s.speculation.clock = runner.clock
     times, outs = [], []
@@ -357,7 +359,7 @@ def rounds_of(reqs, runner_kw, rounds: int, **server_args):
             submit(s, f"{rid}.{k}", ids, **sp)
         outs.append({rid.split(".")[0]: v for rid, v in outputs(drain(s, max_steps=3000)).items()})
         times.append(sum(host_bound_seconds(st) for st in runner.steps[seen:] if not st.mode.is_extend()))
-    assert all_memory_back(s, runner.max_total_tokens)
+    assert all_memory_back(s, runner.info.max_total_tokens)
     return times, outs, s
 
 
