@@ -2,13 +2,15 @@
 
 Gathers each request's K/V from the pool through `req_to_token` and runs
 `scaled_dot_product_attention`. Extend runs one request at a time (different prefix and extend
-lengths); decode runs the whole batch at once over K/V padded to the longest sequence; verify (draft
-trees) too, its queries padded to the largest tree and masked by prefix + tree ancestors.
+lengths); decode runs the whole batch at once over K/V padded to the longest sequence, and so do a mixed
+step's decode rows; verify (draft trees) too, its queries padded to the largest tree and masked by prefix +
+tree ancestors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +36,11 @@ class _VerifyMetadata:
 
 @dataclass
 class _ExtendMetadata:
-    kv_indices: list  # per request: (S_i,) int64 kv slots of prefix + new tokens
-    causal_masks: list  # per request: (E_i, S_i) bool, or None when there is no prefix
+    kv_indices: list  # per request after the decode rows: (S_i,) int64 kv slots of prefix + new tokens
+    causal_masks: list  # per request after the decode rows: (E_i, S_i) bool, or None when there is no prefix
+    # A mixed step's leading decode rows (one token each), attended as one batch like a decode step's.
+    decode: Optional[_DecodeMetadata] = None
+    num_decode: int = 0
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -45,18 +50,18 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         r2t = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
-            s_max = max(fb.seq_lens_cpu)
-            ar = torch.arange(s_max, device=self.device)
-            mask = ar[None, :] < fb.seq_lens[:, None]  # (B, S_max)
-            kv_index = r2t[fb.req_pool_indices, :s_max].long()
-            kv_index = torch.where(mask, kv_index, torch.zeros_like(kv_index))
-            fb.attn_metadata = _DecodeMetadata(kv_index, mask[:, None, None, :])
+            fb.attn_metadata = self._decode_metadata(r2t, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_cpu))
             return
         if fb.forward_mode.is_verify():
             fb.attn_metadata = _verify_metadata(fb, self.device)
             return
+        d = fb.decode_rows
+        decode = None
+        if d:
+            s_max = max(p + 1 for p in fb.extend_prefix_lens_cpu[:d])
+            decode = self._decode_metadata(r2t, fb.req_pool_indices[:d], fb.seq_lens[:d], s_max)
         kv_indices, masks = [], []
-        for i in range(fb.batch_size):
+        for i in range(d, fb.batch_size):
             req = int(fb.req_pool_indices[i])
             prefix, ext = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
             kv_indices.append(r2t[req, : prefix + ext].long())
@@ -66,21 +71,30 @@ class TorchNativeAttnBackend(AttentionBackend):
                 q_pos = torch.arange(ext, device=self.device)[:, None] + prefix
                 k_pos = torch.arange(prefix + ext, device=self.device)[None, :]
                 masks.append(k_pos <= q_pos)  # (E, S)
-        fb.attn_metadata = _ExtendMetadata(kv_indices, masks)
+        fb.attn_metadata = _ExtendMetadata(kv_indices, masks, decode, d)
+
+    def _decode_metadata(self, r2t, rows: torch.Tensor, seq_lens: torch.Tensor, s_max: int) -> _DecodeMetadata:
+        ar = torch.arange(s_max, device=self.device)
+        mask = ar[None, :] < seq_lens[:, None]  # (B, S_max)
+        kv_index = r2t[rows, :s_max].long()
+        kv_index = torch.where(mask, kv_index, torch.zeros_like(kv_index))
+        return _DecodeMetadata(kv_index, mask[:, None, None, :])
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         md: _ExtendMetadata = fb.attn_metadata
         k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
         out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
         gqa = layer.num_heads != layer.num_kv_heads
-        start = 0
-        for i in range(fb.batch_size):
+        start = d = md.num_decode
+        if md.decode is not None:
+            out[:d] = _attend_one_token(q[:d].view(d, layer.num_heads, layer.head_dim), k_buf, v_buf, md.decode, layer)
+        for j, i in enumerate(range(d, fb.batch_size)):
             ext = fb.extend_seq_lens_cpu[i]
             qi = q[start : start + ext].transpose(0, 1)  # (H, E, D)
-            idx = md.kv_indices[i]
+            idx = md.kv_indices[j]
             ki = _gather(k_buf, idx).transpose(0, 1).to(q.dtype)  # (Hkv, S, D)
             vi = _gather(v_buf, idx).transpose(0, 1).to(q.dtype)
-            mask = md.causal_masks[i]
+            mask = md.causal_masks[j]
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa
             )
@@ -91,13 +105,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         md: _DecodeMetadata = fb.attn_metadata
         k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
-        k = _gather(k_buf, md.kv_index).transpose(1, 2).to(q.dtype)  # (B, Hkv, S, D)
-        v = _gather(v_buf, md.kv_index).transpose(1, 2).to(q.dtype)
-        qb = q.unsqueeze(2)  # (B, H, 1, D)
-        o = F.scaled_dot_product_attention(
-            qb, k, v, attn_mask=md.mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
-        )  # (B, H, 1, D)
-        return o.reshape(q.shape[0], -1)
+        return _attend_one_token(q, k_buf, v_buf, md, layer)
 
     def forward_verify(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         md: _VerifyMetadata = fb.attn_metadata
@@ -111,6 +119,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
         out[md.q_index[md.q_valid]] = o.transpose(1, 2)[md.q_valid].reshape(-1, layer.num_heads * layer.head_dim)
         return out
+
+
+def _attend_one_token(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: _DecodeMetadata, layer: AttentionLayerSpec
+) -> torch.Tensor:
+    """One query token per request, q (B, H, D), over each request's K/V padded to the longest: (B, H * D)."""
+    k = _gather(k_buf, md.kv_index).transpose(1, 2).to(q.dtype)  # (B, Hkv, S, D)
+    v = _gather(v_buf, md.kv_index).transpose(1, 2).to(q.dtype)
+    qb = q.unsqueeze(2)  # (B, H, 1, D)
+    o = F.scaled_dot_product_attention(
+        qb, k, v, attn_mask=md.mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
+    )  # (B, H, 1, D)
+    return o.reshape(q.shape[0], -1)
 
 
 def _verify_metadata(fb: ForwardBatch, device) -> _VerifyMetadata:

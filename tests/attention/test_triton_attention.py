@@ -180,19 +180,26 @@ def test_extend_fp16_pool_and_default_tiles():
 
 
 def _mixed_both(case, decode_rows, extend_config=TINY_EXTEND, decode_config=TINY_DECODE):
-    """A mixed step: the first `decode_rows` requests bring one token each (the decode kernel), the
-    others extend; torch_native treats every request as an extend."""
+    """A mixed step: the first `decode_rows` requests bring one token each (the decode kernel; torch_native's
+    batched decode path), the others extend. Returns (triton, torch_native), having checked torch_native's
+    mixed path against its one-request-at-a-time extend of the same step."""
     q, k, v = _qkv(case, sum(case.extend_lens))
     outs = []
-    for backend in (
-        TorchNativeAttnBackend(_context(case.device)),
-        TritonAttnBackend(_context(case.device), extend_config=extend_config, decode_config=decode_config),
+    for backend, rows in (
+        (TorchNativeAttnBackend(_context(case.device)), 0),
+        (TorchNativeAttnBackend(_context(case.device)), decode_rows),
+        (
+            TritonAttnBackend(_context(case.device), extend_config=extend_config, decode_config=decode_config),
+            decode_rows,
+        ),
     ):
         fb = case.forward_batch(ForwardMode.EXTEND, backend)
-        fb.decode_rows = decode_rows
+        fb.decode_rows = rows
         backend.init_forward_metadata(fb)
         outs.append(backend.forward(q, k, v, case.layer, fb))
-    return outs[1], outs[0]
+    tol = dict(atol=2e-5, rtol=1e-4) if q.dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), **tol)
+    return outs[2], outs[1]
 
 
 @pytest.mark.parametrize(
