@@ -9,7 +9,17 @@ STAMP := $(VENV)/.installed
 # What mypy checks in `make test` (settings: [tool.mypy] in pyproject.toml); add a path as one more line.
 MYPY_PATHS := \
 	runtime/kvcache \
-	runtime/step.py
+	runtime/step.py \
+	runtime/scheduler \
+	runtime/forward_batch.py \
+	runtime/attention/context.py \
+	runtime/executor/runner_info.py \
+	runtime/executor/staging.py \
+	runtime/executor/inflight.py \
+	runtime/executor/step_forward.py \
+	runtime/executor/target_runner.py \
+	runtime/executor/model_runner.py \
+	runtime/executor/sampler.py
 
 .PHONY: demo test install clean bench
 

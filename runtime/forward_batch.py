@@ -103,8 +103,8 @@ class ForwardBatch:
         from the host rows into its host mirror); False where they are there already (a drafter over the
         target's table)."""
         mode = step.mode
-        from_prev = step.prev_src is not None and input_ids is not None
-        rows = np.vstack([step.token_rows, step.prev_src]) if from_prev else step.token_rows
+        prev_src = step.prev_src if input_ids is not None else None  # where inputs come from the previous step
+        rows = np.vstack([step.token_rows, prev_src]) if prev_src is not None else step.token_rows
         if mode.is_decode():
             dev = staging.upload(rows)  # (5, B); + prev_src
             host_ids, pos_t, pool_t, seq_t, loc_t = dev[:5]
@@ -115,7 +115,7 @@ class ForwardBatch:
             host_ids, pos_t, loc_t, token_rows = dev[:4]
             pool_t, seq_t, pre_t, ext_t, start_t = staging.upload(step.req_rows)  # (5, B)
             table_pos = dev[4] if mode.is_verify() else pos_t
-        if from_prev:
+        if prev_src is not None and input_ids is not None:
             input_ids = ids_from_prev(host_ids, input_ids, dev[-1], step.all_ids_from_prev)
         else:
             input_ids = host_ids

@@ -64,8 +64,10 @@ class InFlightSteps:
         else:
             logits, greedy = f.logits(fb), None
         # (the chain's requests are a subset of its first step's: whether all are plain greedy is known)
-        chained = isinstance(prev, PendingDecode) and step.all_ids_from_prev
-        plain_greedy = prev.plain_greedy if chained else all(r.plain_greedy() for r in step.sampling)
+        if isinstance(prev, PendingDecode) and step.all_ids_from_prev:
+            plain_greedy = prev.plain_greedy
+        else:
+            plain_greedy = all(r.plain_greedy() for r in step.sampling)
         next_ids = self.sampler.sample_on_device(logits, step.sampling, plain_greedy, greedy)
         host, event = self.copies.copy(next_ids, "decode")
         return PendingDecode(next_ids, host, event, plain_greedy)

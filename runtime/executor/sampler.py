@@ -128,8 +128,10 @@ def apply_logit_adjustments(logits: torch.Tensor, rows: list[SamplingRow], info:
             # picks divide-or-multiply is the logit's own, not one the additive penalties already moved.
             if sp.repetition_penalty != 1.0:
                 seen = _upload(sorted(set(r.prompt_ids).union(r.output_ids)), torch.int64, logits.device)
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+                seen_logits = logits[i, seen]
+                logits[i, seen] = torch.where(
+                    seen_logits > 0, seen_logits / sp.repetition_penalty, seen_logits * sp.repetition_penalty
+                )
             if sp.frequency_penalty or sp.presence_penalty:
                 if r.output_ids:
                     out = _upload(r.output_ids, torch.int64, logits.device)
@@ -195,7 +197,9 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow], info: SamplingBatchInfo)
     return out
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int):
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Raw-model logprobs of `token_ids` (N,) under logits (N, V); plus top-k (values, ids) if top_k > 0.
 
     NOTE: the model runner passes the logits before bias, penalties, grammar mask and temperature:
@@ -254,16 +258,16 @@ class StepSampler:
             next_ids = sample(logits, rows, info)
         if raw_logits is not None:
             top_k = max(r.top_logprobs_num for r in rows)
-            chosen, top_v, top_i = compute_logprobs(raw_logits, next_ids, top_k)
-            chosen = chosen.tolist()
-            top_v = top_v.tolist() if top_v is not None else None
-            top_i = top_i.tolist() if top_i is not None else None
+            chosen_t, top_v_t, top_i_t = compute_logprobs(raw_logits, next_ids, top_k)
+            chosen = chosen_t.tolist()
+            top_v = top_v_t.tolist() if top_v_t is not None else None
+            top_i = top_i_t.tolist() if top_i_t is not None else None
         next_list = next_ids.tolist()
         for j, i in enumerate(step.sampling_reqs):
             out.next_token_ids[i] = next_list[j]
             if raw_logits is not None and want_lp[j]:
                 k = rows[j].top_logprobs_num
-                top = list(zip(top_v[j][:k], top_i[j][:k])) if (k and top_v is not None) else None
+                top = list(zip(top_v[j][:k], top_i[j][:k])) if (k and top_v is not None and top_i is not None) else None
                 out.output_logprobs[i] = (chosen[j], top)
         return out
 
@@ -286,12 +290,13 @@ class StepSampler:
         # (a next-token row has no target: 0 stands in, its logprob is not reported)
         targets = torch.tensor([lr.target for lr in lp_rows], dtype=torch.int64, device=hidden.device)
         top_k = max(lr.top_k for lr in lp_rows)
-        chosen, top_v, top_i = compute_logprobs(compute_logits(hidden[rows]), targets, top_k)
-        chosen = chosen.tolist()
-        top_v = top_v.tolist() if top_v is not None else None
-        top_i = top_i.tolist() if top_i is not None else None
+        chosen_t, top_v_t, top_i_t = compute_logprobs(compute_logits(hidden[rows]), targets, top_k)
+        chosen = chosen_t.tolist()
+        top_v = top_v_t.tolist() if top_v_t is not None else None
+        top_i = top_i_t.tolist() if top_i_t is not None else None
         for j, lr in enumerate(lp_rows):
-            top = list(zip(top_v[j][: lr.top_k], top_i[j][: lr.top_k])) if (lr.top_k and top_v is not None) else None
+            k = lr.top_k
+            top = list(zip(top_v[j][:k], top_i[j][:k])) if (k and top_v is not None and top_i is not None) else None
             if lr.next_token:
                 out.output_logprobs[lr.req] = (None, top)  # the next token's distribution, no token
             else:

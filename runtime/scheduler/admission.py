@@ -133,7 +133,7 @@ class PrefillAdmission:
             return None  # the running requests' decode tokens fill the step
         budget = PrefillBudget(sa.max_prefill_tokens, chunk, kv.room() - self.shortage.running_reserve())
         plan = PrefillPlan()
-        if q.chunked is not None and not self._continue_chunked(plan, budget):
+        if q.chunked is not None and not self._continue_chunked(q.chunked, plan, budget):
             return None
         self._take_jump_tails(plan, budget)
         refused = self._admit_waiting(plan, budget)
@@ -146,9 +146,9 @@ class PrefillAdmission:
         return self._allocate(plan)
 
     # ---- the steps ----
-    def _continue_chunked(self, plan: PrefillPlan, budget: PrefillBudget) -> bool:
-        """The chunked request's next chunk first; False when the batch must not be built this step."""
-        q, r = self.queues, self.queues.chunked
+    def _continue_chunked(self, r: Req, plan: PrefillPlan, budget: PrefillBudget) -> bool:
+        """The chunked request `r`'s next chunk first; False when the batch must not be built this step."""
+        q = self.queues
         # Bounded by the memory that really exists (free + evictable), not the reserve-adjusted budget:
         # the chunk's earlier part already holds memory, so it must be able to finish.
         ext = min(r.seq_len - r.kv_len, budget.rem_chunk_tokens, self.kv.room())
@@ -220,6 +220,7 @@ class PrefillAdmission:
             kv.assign(r, match)
             self._count_prompt(r, match.num_tokens)
             if match.num_tokens:
+                assert r.req_pool_idx is not None  # `assign` gave it a table row
                 plan.prefix_rows.append((r.req_pool_idx, prefix_kv.setdefault(match.node, match.kv_indices)))
             free_rows -= 1
             budget.take(take, reserve, locked)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 import torch
@@ -103,6 +103,18 @@ class ScheduleBatch:
     def decode_reqs(self) -> list[Req]:
         return self.reqs if self.mode.is_decode() else self.reqs[: self.num_decode]
 
+    @property
+    def slots(self) -> torch.Tensor:
+        """(T,) the kv slots allocated for the step's new tokens (`out_cache_loc`, given to every batch)."""
+        assert self.out_cache_loc is not None, "a batch is built with its new tokens' kv slots"
+        return self.out_cache_loc
+
+    def _decode_rows(self) -> DecodeRows:
+        """The decode rows, built from the requests' host state the first time they are needed."""
+        if self.decode is None:
+            self.decode = DecodeRows.of(self.decode_reqs)
+        return self.decode
+
     def sample_index(self) -> dict[int, int]:
         """id(request) -> index of its token among this step's sampled ids."""
         return {id(r): j for j, r in enumerate(self.sampled)}
@@ -117,7 +129,7 @@ class ScheduleBatch:
             decode.reqs + prefill.reqs,
             (rows.seq_lens - 1).tolist() + prefill.prefix_lens,
             [1] * n + prefill.extend_lens,
-            torch.cat([decode.out_cache_loc, prefill.out_cache_loc]),
+            torch.cat([decode.slots, prefill.slots]),
             decode=rows,
             num_decode=n,
         )
@@ -129,15 +141,13 @@ class ScheduleBatch:
 
     def decode_host_rows(self) -> np.ndarray:
         """(5, B) int64: input ids, positions, req_pool_indices, seq_lens, out_cache_loc of a decode step."""
-        if self.decode is None:
-            self.decode = DecodeRows.of(self.reqs)
-        d = self.decode
+        d = self._decode_rows()
         rows = np.empty((5, len(self.reqs)), dtype=np.int64)
         rows[0] = d.input_ids
         rows[1] = d.seq_lens - 1
         rows[2] = d.req_pool
         rows[3] = d.seq_lens
-        rows[4] = self.out_cache_loc.cpu().numpy()
+        rows[4] = self.slots.cpu().numpy()
         self.kv_writes = (rows[2], rows[1], rows[4])
         return rows
 
@@ -147,9 +157,7 @@ class ScheduleBatch:
         and its input id is this step's sampled token (on the device)."""
         rows = np.arange(len(self.reqs), dtype=np.int64) if keep is None else np.asarray(keep, dtype=np.int64)
         reqs = self.reqs if keep is None else [self.reqs[j] for j in keep]
-        if self.decode is None:
-            self.decode = DecodeRows.of(self.reqs)
-        d = self.decode.take(rows)
+        d = self._decode_rows().take(rows)
         nxt = DecodeRows(d.seq_lens + 1, d.req_pool, np.zeros_like(d.input_ids), rows)
         return ScheduleBatch(ForwardMode.DECODE, reqs, out_cache_loc=out_cache_loc, decode=nxt)
 
@@ -157,11 +165,12 @@ class ScheduleBatch:
         """The step as plain data for the runner."""
         reqs = self.reqs
         if self.mode.is_verify():
+            assert self.verify is not None, "a VERIFY batch is built with its trees"
             step = build_verify_step(
-                [r.req_pool_idx for r in reqs],
+                _table_rows(reqs),
                 [r.kv_len for r in reqs],
                 self.verify.trees,
-                self.out_cache_loc.numpy(),
+                self.slots.numpy(),
                 self.verify.model_draft,
             )
             step.sample_rows = []  # every node is scored; the runner reads the trees
@@ -172,26 +181,27 @@ class ScheduleBatch:
             return step
         if self.mode.is_decode():
             rows = self.decode_host_rows()  # (5, B)
+            d, kv_writes = self._decode_rows(), self.kv_writes
+            assert kv_writes is not None  # decode_host_rows recorded them
             everyone = list(range(len(reqs)))
             self.sampled = list(reqs)
             return StepInput(
                 self.mode,
                 len(reqs),
                 rows,
-                self.decode.seq_lens.tolist(),
-                self.kv_writes,
+                d.seq_lens.tolist(),
+                kv_writes,
                 sample_rows=everyone,
                 sampling_reqs=everyone,
                 sampling=[r.sampling for r in reqs],
-                prev_src=self.decode.prev_src,
+                prev_src=d.prev_src,
             )
         return self._extend_step()
 
     def _extend_step(self) -> StepInput:
         reqs, nd = self.reqs, self.num_decode
-        if nd and self.decode is None:
-            self.decode = DecodeRows.of(reqs[:nd])
-        decode_ids = self.decode.input_ids.tolist() if nd else []
+        decode = self._decode_rows() if nd else None
+        decode_ids = decode.input_ids.tolist() if decode is not None else []
         new_ids = itertools.chain(
             decode_ids,
             itertools.chain.from_iterable(
@@ -200,17 +210,17 @@ class ScheduleBatch:
             ),
         )
         step = StepInput.extend(
-            [r.req_pool_idx for r in reqs],
+            _table_rows(reqs),
             self.prefix_lens,
             self.extend_lens,
             new_ids,
-            self.out_cache_loc.cpu().numpy(),
+            self.slots.cpu().numpy(),
         )
         self.kv_writes = step.kv_writes
         step.decode_rows = nd
-        if nd and self.decode.prev_src is not None:
+        if decode is not None and decode.prev_src is not None:
             src = np.full(step.num_tokens, -1, dtype=np.int64)
-            src[:nd] = self.decode.prev_src  # a decode row's one token is its row in T
+            src[:nd] = decode.prev_src  # a decode row's one token is its row in T
             step.prev_src = src
         # A decode row's next token follows its sampled one (-1): none is known yet.
         step.following_ids = [-1] * nd + [
@@ -245,6 +255,13 @@ class ScheduleBatch:
                 )
             offset += ext
         return step
+
+
+def _table_rows(reqs: list[Req]) -> list[int]:
+    """Each request's row of req_to_token: a request in a batch holds one (assigned at admission)."""
+    rows = [r.req_pool_idx for r in reqs]
+    assert None not in rows, "a request in a batch holds a req_to_token row"
+    return cast(list[int], rows)
 
 
 def _last_token(r: Req) -> int:

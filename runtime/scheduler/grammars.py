@@ -8,21 +8,28 @@ imports xgrammar or outlines.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..request import FinishReason, Req
+from ..server_args import ServerArgs
 from .finish import Finisher
 from .queues import RequestQueues
 
+if TYPE_CHECKING:  # (imported when the first constrained request comes: see the module's note)
+    from ..constrained.integration import GrammarManager
+    from ..constrained.jump_forward import JumpForwardPlan
+
 
 class SchedulerGrammars:
-    def __init__(self, tokenizer: Any, vocab_size: int, server_args: Any, queues: RequestQueues, finisher: Finisher):
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, server_args: ServerArgs, queues: RequestQueues, finisher: Finisher
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.server_args = server_args
         self.queues = queues
         self.finisher = finisher
-        self.manager = None  # constrained.integration.GrammarManager, made on first use
+        self.manager: Optional[GrammarManager] = None  # made on first use
 
     def start(self, req: Req) -> bool:
         """Start compiling the request's grammar; False when constrained decoding is unavailable (the
@@ -63,10 +70,12 @@ class SchedulerGrammars:
 
     def accept(self, req: Req, token_id: int) -> bool:
         """Feed a sampled token to the request's matcher; a rejected token aborts the request."""
+        assert self.manager is not None, "a constrained request started the grammar manager"
         return self.manager.accept(req, token_id)
 
-    def jump_forward(self, req: Req) -> Optional[Any]:
+    def jump_forward(self, req: Req) -> Optional[JumpForwardPlan]:
         """Append the tokens the grammar forces now to the request's output (a plan), or None."""
+        assert self.manager is not None, "a constrained request started the grammar manager"
         return self.manager.jump_forward(req)
 
     def stats(self) -> dict:

@@ -68,9 +68,9 @@ class OutputBuilder:
                 r.final_text = r.detok.text[: idx + len(s)] if sp.no_stop_trim else r.detok.text[:idx]
                 return True
         if r.stop_regexes:
-            hit = find_stop_regex(r.detok.text, r.stop_regexes)
-            if hit is not None:
-                start, end, s = hit
+            regex_hit = find_stop_regex(r.detok.text, r.stop_regexes)
+            if regex_hit is not None:
+                start, end, s = regex_hit
                 r.finished_reason = FinishReason("stop", matched=s)
                 r.final_text = r.detok.text[:end] if sp.no_stop_trim else r.detok.text[:start]
                 return True
@@ -78,6 +78,7 @@ class OutputBuilder:
 
     # ------------------------------------------------------------------ messages
     def emit_final(self, r: Req) -> None:
+        assert r.finished_reason is not None, "a request's final output says why it ended"
         r.detok.flush()
         text = r.final_text if r.final_text is not None else r.detok.text
         out = self._delta(r, text, final=True)

@@ -126,7 +126,7 @@ class StepPipeline:
         them)."""
         decode = batch.decode_reqs
         if decode:
-            for r, slot in zip(decode, batch.out_cache_loc[: len(decode)].tolist()):
+            for r, slot in zip(decode, batch.slots[: len(decode)].tolist()):
                 r.inflight_slot = slot
 
     def _read(self, prev: tuple[ScheduleBatch, Any]) -> None:
@@ -137,7 +137,7 @@ class StepPipeline:
     def _count(self, batch: ScheduleBatch, t0: float) -> None:
         wall = time.perf_counter() - t0
         if batch.mode.is_verify():
-            self.timer.count("verify", len(batch.reqs), len(batch.out_cache_loc), wall)
+            self.timer.count("verify", len(batch.reqs), len(batch.slots), wall)
         elif batch.mode.is_decode():
             self.timer.count("decode", len(batch.reqs), len(batch.reqs), wall)
         else:

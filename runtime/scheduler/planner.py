@@ -55,7 +55,9 @@ class StepPlanner:
         if self.kv.room() < len(running):
             return False  # making room would retract a request whose token is in flight
         if prev.mode.is_decode() and len(prev.reqs) == len(running):
-            longest = int(prev.seq_lens_host.max())  # (counts the token in flight)
+            seq_lens = prev.seq_lens_host
+            assert seq_lens is not None  # prev was built (`to_step`), its decode rows with it
+            longest = int(seq_lens.max())  # (counts the token in flight)
         else:
             longest = max(len(r.origin_input_ids) + len(r.output_ids) for r in running) + 1
         if longest >= self.context_len - 1:

@@ -106,6 +106,7 @@ class RequestQueues:
 
     def take_chunked(self) -> Req:
         r = self.chunked
+        assert r is not None, "no chunked request to take"
         self.chunked = None
         self._to_prefilling(r)
         return r
@@ -213,7 +214,7 @@ class RequestQueues:
                 )
             }.values()
         )
-        self.__init__()
+        RequestQueues.__init__(self)
         return live
 
     # ---- integrity ----

@@ -107,6 +107,7 @@ class KVShortage:
     def retract_chunked(self) -> None:
         """A half-prefilled request that cannot get memory with nothing else running: start it over."""
         r = self.queues.chunked
+        assert r is not None, "no chunked request to retract"
         self.start_over(r)
         logger.info("retracted chunked request %s for lack of KV memory", r.rid)
 

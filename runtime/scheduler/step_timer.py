@@ -19,16 +19,19 @@ KINDS = ("prefill", "mixed", "decode", "verify")
 class StepTimer:
     def __init__(self, device_timing: bool):
         self.device_timing = device_timing and torch.cuda.is_available()
-        self.totals = {k: {"steps": 0, "rows": 0, "tokens": 0, "wall_s": 0.0, "device_s": 0.0} for k in KINDS}
+        self.totals: dict[str, dict[str, float]] = {
+            k: {"steps": 0, "rows": 0, "tokens": 0, "wall_s": 0.0, "device_s": 0.0} for k in KINDS
+        }
         # Decode steps launched while the previous one had already been read back (the pipeline restarted).
         self.decode_restarts = 0
         # Host seconds by phase, whatever the step kind: admitting a prefill batch ("admit"), reading back
         # and processing a step's results ("results"), taking in requests ("intake") and sending outputs
         # ("outputs"). Next to the device time they say which host work the GPU waited for.
         self.phases = {"admit": 0.0, "results": 0.0, "intake": 0.0, "outputs": 0.0}
-        self._open: deque = deque()  # (kind, start event, end event), oldest first, not yet read
+        # (kind, start event, end event), oldest first, not yet read
+        self._open: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque()
 
-    def begin(self) -> Optional[tuple]:
+    def begin(self) -> Optional[torch.cuda.Event]:
         """Mark the start of a step's device work (in stream order). None when not timing."""
         if not self.device_timing:
             return None
@@ -37,7 +40,7 @@ class StepTimer:
         ev.record()
         return ev
 
-    def launched(self, kind: str, start) -> None:
+    def launched(self, kind: str, start: Optional[torch.cuda.Event]) -> None:
         """Mark the end of the step's device work: call right after the launch (or the read-back of a
         step run synchronously), before any host work, so no idle time falls between the events."""
         if start is not None:
@@ -66,9 +69,9 @@ class StepTimer:
             self.totals[kind]["device_s"] += start.elapsed_time(stop) / 1e3
             self._open.popleft()
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, object]:
         self._drain(block=True)
-        out = {k: dict(v) for k, v in self.totals.items()}
+        out: dict[str, object] = {k: dict(v) for k, v in self.totals.items()}
         out["decode_restarts"] = self.decode_restarts
         out["host_phases"] = dict(self.phases)
         out["device_timing"] = self.device_timing
