@@ -389,4 +389,4 @@ class TritonAttnBackend(AttentionBackend):
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H200's count; only the split heuristic uses it
+    return 132  # a Hopper card's count (an H100 SXM's); only the split heuristic uses it

@@ -11,11 +11,11 @@ Variants: a backend may capture a second graph per batch size (its hooks `has_ca
 and `decode_uses_cascade(fb)`; the triton backend's shared-prefix kernels, batch >= 16, with their
 tables filled from the host rows in `req_pool_indices_cpu` at each replay). A step replays that graph
 only when the backend says its batch shares a prefix; every other step replays the plain graph, the
-kernels of a backend without cascade (with nothing grouped the cascade kernels cost ~10% more).
+kernels of a backend without cascade (with nothing grouped the cascade kernels cost more: RESULTS.md).
 
 Memory: every graph writes its logits into the first bs rows of ONE (max_bs, vocab) float32 buffer,
 allocated outside the graph pool. A graph output allocated inside the pool would stay alive, so each
-graph would keep its own (bs, vocab) logits (~9 GB summed over the buckets up to 1,024 at a 128k
+graph would keep its own (bs, vocab) logits (gigabytes summed over the buckets up to 1,024 at a 128k
 vocabulary); this way all a graph keeps is its (bs,) greedy ids, and its temporaries (the bf16 matmul
 output among them) return to the shared pool for the next capture. Largest first, so later captures
 fit into the memory the first one freed. A replay's outputs are valid until the next replay of any

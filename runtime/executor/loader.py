@@ -128,8 +128,8 @@ def _no_init(enabled: bool) -> Iterator[None]:
     weight anyway (`load_weights` refuses a checkpoint that misses one, and zeroes the padding rows of a
     vocabulary shard that no checkpoint fills).
 
-    NOTE: the init (kaiming-uniform draws over freshly mapped memory) was ~1.5 s of a 135M model's start
-    on the CPU; left alone, each page is written once, by the load."""
+    NOTE: the init (kaiming-uniform draws over freshly mapped memory) was a large part of a small model's
+    start on the CPU (RESULTS.md, bench_startup); left alone, each page is written once, by the load."""
     if not enabled:
         yield
         return
@@ -158,7 +158,7 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         # NOTE: on the CPU no device context: it sends every tensor op of the build through a Python
-        # __torch_function__ hook (~1.3 s of a 135M model's start), and the CPU is where tensors go anyway.
+        # __torch_function__ hook (a large part of a small model's start), and the CPU is where tensors go anyway.
         place = contextlib.nullcontext() if torch.device(device).type == "cpu" else torch.device(device)
         with place, _no_init(load_format != "dummy"):
             model = cls(cfg, max_position, parallel)

@@ -1,7 +1,7 @@
 """What a model folder holds, read without torch: the folder check, the model config, the tokenizer.
 
 The engine process reads these before its scheduler process starts, and only these: importing torch there
-(~2.4 s on a small CPU) used to come before the scheduler process was even launched.
+(seconds on a small CPU) used to come before the scheduler process was even launched.
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ def _load_tokenizer(path: str):
         from transformers import AutoTokenizer, PretrainedConfig
 
         # NOTE: local files only: a name that is not a folder must not send the process to the Hub
-        # (offline machines wait out its retries: ~50 s per load). A tokenizer_config.json that names its
+        # (offline machines wait out its retries, per load). A tokenizer_config.json that names its
         # class needs no model config to pick it: handing a blank one skips reading config.json through
-        # AutoConfig, which imports the model's transformers code (~3.5 s of the 135M model's start).
+        # AutoConfig, which imports the model's transformers code (seconds of a small model's start).
         kwargs = {"config": PretrainedConfig()} if _names_its_class(path) else {}
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
         known.remember(path, tokenizer)
@@ -132,7 +132,7 @@ class _KnownTokenizerClasses:
     the cache directory, so that a warm start loads them through that class directly.
 
     NOTE: AutoTokenizer's class lookup imports transformers' model configuration code, and with it torch:
-    ~2.5 s of an engine process that otherwise never needs torch (its scheduler process has it). The
+    seconds of an engine process that otherwise never needs torch (its scheduler process has it). The
     plain class loads the same files the same way; the entry holds while the folder's tokenizer files and
     the transformers version are those it was made with."""
 

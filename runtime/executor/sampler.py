@@ -5,7 +5,7 @@ token per row. A batch that is entirely greedy and unconstrained by penalties ta
 path. Requests with a `seed` draw from their own generator, so their output reproduces exactly.
 `StepSampler` samples a whole step: its logits rows, grammar masks, logprobs, into a `StepOutput`.
 
-Semantics (pinned against a float64 reference by tests/test_sampling_semantics.py):
+Semantics (pinned against a float64 reference by tests/request/test_sampling_semantics.py):
 - order: logit_bias, repetition_penalty, frequency/presence penalties, min_new_tokens bans (vLLM's
   order), grammar mask, then temperature, then top-k / top-p / min-p on the tempered probabilities;
 - repetition_penalty (HF/vLLM): a logit of a token seen in the prompt or the output is divided by the
@@ -96,7 +96,7 @@ def _upload(values: list, dtype: torch.dtype, device) -> torch.Tensor:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """(B, V) -> (B,) int64 argmax, first index on ties. On CUDA a two-stage Triton kernel: torch's
-    single-block reduction takes ~27 us over a 128k vocabulary, about a layer's worth of small ops."""
+    single-block reduction over a 128k vocabulary costs about a layer's worth of small ops."""
     if logits.is_cuda and logits.shape[0] > 0 and logits.stride(-1) == 1:
         from ..kernels.argmax import argmax_rows
 

@@ -17,7 +17,7 @@ The graph is the target's forward and its logits for every row (and the hidden s
 drafter reads). The attention backend builds a verify step's metadata from the forward batch's tensors
 only (the triton backend: `_verify_metadata`, with a tree mask always given), so static tensors make it
 graph-safe. Every per-step input goes up in one copy from a pinned buffer. Not run in this repository's
-CPU test suite (tests/test_spec_gpu.py, marked gpu).
+CPU test suite (tests/spec/test_spec_gpu.py, marked gpu).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def _kept_peeks(cache, peeks: dict):
     """lpm's lookup of a waiting request's ids, as a prefix length: its last lookup (`Req.rank_peek`)
     while the tree would still end that walk there, else a new one; each also left in `peeks`.
 
-    NOTE: every admission step ranks the whole queue (up to 128 requests of ~1,000 tokens, ~10 us
+    NOTE: every admission step ranks the whole queue (up to 128 requests of ~1,000 tokens, a tree walk
     each), and the admission that follows matches most of them again; both reuse these walks.
     """
     current = cache.peek_is_current

@@ -170,8 +170,8 @@ def freeze_startup_heap() -> None:
     gc.freeze()
     # NOTE: and collect the young generation after 20,000 new container objects instead of 700. A round
     # of 256 requests with 2,050-token prompts allocates thousands of lists, and each young collection
-    # walks every id of every prompt list still young: ~14 ms of a 92 ms fewshot round of host work on
-    # the CPU (benchmarks/bench_admission.py), 0 with these thresholds (round 92 -> 78 ms). Cycles are
+    # walks every id of every prompt list still young: a sixth of a fewshot round's host work on the CPU
+    # (benchmarks/scheduler/bench_admission.py; RESULTS.md), none with these thresholds. Cycles are
     # still collected, later.
     gc.set_threshold(20000, 50, 100)
 

@@ -2,7 +2,7 @@
 
 The scheduler builds each step as plain data (`runtime/step.py`) and hands it to its runner: the model
 runner on one device (executor/model_runner.py), a fake runner with scripted tokens in tests
-(tests/fake_runner.py), a draft-and-verify runner (executor/spec_runner.py) or rank 0 of a model split
+(tests/helpers/fake_runner.py), a draft-and-verify runner (executor/spec_runner.py) or rank 0 of a model split
 over ranks (distributed/runner.py). The runner owns the device and the KV memory it sized, and states
 its facts in `info`; the scheduler borrows the slot allocator and the request-to-token table (host side)
 from it.
