@@ -52,6 +52,9 @@ class ServerArgs:
     # (a mixed step). None: chunked_prefill_size. disable_mixed_chunk: a step decodes or prefills, not both.
     max_num_batched_tokens: Optional[int] = None
     disable_mixed_chunk: bool = False
+    # The share of a running request's max_new_tokens the admission reserves for it, scaled (SGLang's name):
+    # below 1 more requests run at once and some are retracted when they outgrow the pool; above 1 fewer.
+    schedule_conservativeness: float = 1.0
 
     # Execution
     attention_backend: str = "auto"
@@ -159,6 +162,8 @@ class ServerArgs:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if not (isinstance(self.schedule_conservativeness, (int, float)) and self.schedule_conservativeness > 0):
+            raise ValueError(f"schedule_conservativeness must be > 0, got {self.schedule_conservativeness!r}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         self._check_parallel()

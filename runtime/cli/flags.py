@@ -91,6 +91,8 @@ CLI_HELP = {
     "max_num_batched_tokens": "tokens one step may take, running requests' decode tokens first, then prefill "
     "chunks (default: chunked_prefill_size)",
     "disable_mixed_chunk": "a step either decodes the running requests or prefills, never both in one forward",
+    "schedule_conservativeness": "scales the KV the admission reserves for running requests' outputs: below 1 "
+    "admits more (and retracts more), above 1 fewer",
     "attention_backend": "auto: triton on CUDA, torch_native on the CPU; flashinfer needs its package",
     "disable_cuda_graph": "GPU: run decode steps eagerly",
     "cuda_graph_max_bs": "GPU: largest decode batch captured as a CUDA graph (default: every size)",

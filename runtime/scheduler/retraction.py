@@ -25,12 +25,17 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 
 
 class KVShortage:
-    def __init__(self, queues: RequestQueues, kv: KVManager, finisher: Finisher, stats: dict):
+    def __init__(
+        self, queues: RequestQueues, kv: KVManager, finisher: Finisher, stats: dict, conservativeness: float = 1.0
+    ):
         self.queues = queues
         self.kv = kv
         self.finisher = finisher
         self.stats = stats
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        # SGLang's schedule_conservativeness: below 1 admits more against the same pool (and retracts more).
+        self.init_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * conservativeness)
+        self.min_ratio = min(self.init_ratio, MIN_NEW_TOKEN_RATIO * conservativeness)
+        self.new_token_ratio = self.init_ratio
 
     def running_reserve(self) -> float:
         """Slots the running requests are expected to need before they finish."""
@@ -63,7 +68,7 @@ class KVShortage:
                 self.retract_one()
             kv.make_free(len(q.running))
         loc = kv.alloc(len(q.running))  # written into req_to_token by the step runner
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return ScheduleBatch(ForwardMode.DECODE, list(q.running), out_cache_loc=loc)
 
     def decode_batch_ahead(self, prev: ScheduleBatch) -> Optional[ScheduleBatch]:
@@ -92,7 +97,7 @@ class KVShortage:
         loc = self.kv.alloc(n)
         if loc is None:
             raise RuntimeError("decode_batch_ahead: the caller checked for room, yet the slots are not there")
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return loc
 
     # ---- starting over ----
@@ -121,7 +126,7 @@ class KVShortage:
         # frees the most memory).
         victim = min(self.queues.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         self.start_over(victim)
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.new_token_ratio = self.init_ratio
         logger.info("retracted %s (%d output tokens) for lack of KV memory", victim.rid, len(victim.output_ids))
 
     def refuse(self, r: Req) -> None:

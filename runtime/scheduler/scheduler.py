@@ -110,7 +110,9 @@ class Scheduler:
         self.outputs = OutputBuilder(tokenizer, server_args.stream_interval)
         self.finisher = Finisher(self.queues, self.kv, self.outputs, self.stats)
         self.grammars = SchedulerGrammars(tokenizer, runner.info.vocab_size, server_args, self.queues, self.finisher)
-        self.shortage = KVShortage(self.queues, self.kv, self.finisher, self.stats)
+        self.shortage = KVShortage(
+            self.queues, self.kv, self.finisher, self.stats, server_args.schedule_conservativeness
+        )
         self.admission = PrefillAdmission(
             server_args, self.queues, self.kv, self.shortage, runner.info.max_running_requests, self.stats
         )

@@ -184,7 +184,15 @@ def _run_workload(pool: int, items, abort: str = "") -> tuple[dict, dict]:
 
     # NOTE: one torch thread: with one per core, a core taken by anything else makes the threads wait on
     # each other and the run many times slower (docs/server_args.md), past the per-request timeout.
-    with Engine(max_total_tokens=pool, chunked_prefill_size=128, max_prefill_tokens=256, num_threads=1) as eng:
+    # A reserve at a third of the default (schedule_conservativeness) admits more than the pool can finish:
+    # requests are retracted whatever the machine's timing (the admission would otherwise mostly avoid it).
+    with Engine(
+        max_total_tokens=pool,
+        chunked_prefill_size=128,
+        max_prefill_tokens=256,
+        num_threads=1,
+        schedule_conservativeness=0.3,
+    ) as eng:
         results = asyncio.run(main(eng))
         stats = eng.get_stats()
         assert eng.check_integrity() is True
