@@ -20,8 +20,8 @@ body through a deployment handle, where the router sees the prompt. A tensor-par
 itself, on that node, over the GPUs Ray gave the replica.
 """
 
-from __future__ import annotations
-
+# NOTE: no `from __future__ import annotations` here: Ray Serve's ingress rewrites the routes' signatures and
+# needs `request: Request` as a class, not a string, or FastAPI reads it as a body field.
 import json
 import logging
 import socket
@@ -229,3 +229,8 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status
     )
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """A Serve config's `import_path` (`serve run deploy/ray/plait.yaml`): `build_app` with the config's `args`."""
+    return build_app(**args)
