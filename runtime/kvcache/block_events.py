@@ -29,8 +29,11 @@ MEDIUMS = ("GPU", "CPU")
 
 
 class CacheNode(Protocol):
-    key: tuple  # token ids of the edge from `parent`
-    parent: Optional["CacheNode"]
+    @property
+    def key(self) -> tuple: ...  # token ids of the edge from `parent`
+
+    @property
+    def parent(self) -> Optional["CacheNode"]: ...
 
 
 class CacheEventListener(Protocol):

@@ -40,14 +40,14 @@ class KVEventPublisher:
         topic: str = "",
         data_parallel_rank: Optional[int] = None,
     ) -> None:
-        import msgpack  # (only a server that publishes needs it)
+        import msgpack  # type: ignore[import-untyped]  # (only a server that publishes needs it)
 
         self.recorder = BlockEvents(block_size, medium)
         self._packer = msgpack.Packer()
         self._topic = topic.encode()
         self._dp_rank = data_parallel_rank
         self._seq = 0
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.set_hwm(self.HIGH_WATER_MARK)
         if binds(endpoint):
