@@ -112,7 +112,7 @@ def lws_defaults(environ: Mapping[str, str] = os.environ) -> dict[str, object]:
     """The defaults of `--nnodes`, `--node-rank` and `--dist-init-addr` inside a LeaderWorkerSet pod:
     a group of LWS_GROUP_SIZE pods is one replica of nnodes machines, pod LWS_WORKER_INDEX is its node (the
     leader, index 0, serves HTTP; the others run their ranks), meeting at LWS_LEADER_ADDRESS:20000. Empty
-    outside one (none of the variables set); flags given on the command line still win."""
+    outside one (none of the variables set) and for a group of one; flags on the command line still win."""
     present = [k for k in LWS_KEYS if environ.get(k)]
     if not present:
         return {}
@@ -122,6 +122,8 @@ def lws_defaults(environ: Mapping[str, str] = os.environ) -> dict[str, object]:
     size, index = environ["LWS_GROUP_SIZE"], environ["LWS_WORKER_INDEX"]
     if not size.isdigit() or not index.isdigit() or int(index) >= int(size):
         raise ValueError(f"LWS_GROUP_SIZE={size!r} and LWS_WORKER_INDEX={index!r} are not a group and a member")
+    if int(size) == 1:  # a group of one pod is a one-machine replica: nothing to meet
+        return {}
     host = environ["LWS_LEADER_ADDRESS"]
     host = f"[{host}]" if ":" in host else host  # an IPv6 address as host:port reads it
     return {"nnodes": int(size), "node_rank": int(index), "dist_init_addr": f"{host}:{LWS_RENDEZVOUS_PORT}"}

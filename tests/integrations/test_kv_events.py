@@ -166,3 +166,28 @@ def test_settings_refuse_what_cannot_publish():
         ServerArgs(kv_events_endpoint="localhost:5557")
     with pytest.raises(ValueError, match="radix cache"):
         ServerArgs(kv_events_endpoint="tcp://*:5557", disable_radix_cache=True)
+
+
+def test_an_engine_publishes_from_its_scheduler_process(default_tokenizer):
+    from conftest import free_port
+    from plait.runtime import Engine
+
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    rebuilt = RebuiltCache()
+    prompt = "The bakery opens at seven and closes at six; it bakes sourdough daily and croissants on weekends."
+    ids = default_tokenizer.encode(prompt)
+    with Engine(
+        kv_events_endpoint=f"tcp://*:{port}", kv_events_block_size=8, num_threads=1, max_total_tokens=2048
+    ) as eng:
+        time.sleep(0.3)  # the subscriber joins before anything is published
+        eng.generate(input_ids=[ids, ids + [13]], sampling_params={"max_new_tokens": 3, "temperature": 0})
+        drain_frames(sub, rebuilt)
+        assert rebuilt.seen["BlockStored"] > 0
+        assert tuple(ids[: 8 * (len(ids) // 8)]) in rebuilt.prefixes()  # the prompt's complete blocks
+        assert eng.flush_cache()
+        drain_frames(sub, rebuilt)
+    sub.close(linger=0)
+    assert rebuilt.seen["AllBlocksCleared"] == 1 and rebuilt.blocks == {}

@@ -23,6 +23,7 @@ LWS = {"LWS_LEADER_ADDRESS": "plait-0.plait.default", "LWS_GROUP_SIZE": "4", "LW
 
 def test_the_variables_map_onto_the_flags(monkeypatch):
     assert lws_defaults({}) == {}
+    assert lws_defaults({**LWS, "LWS_GROUP_SIZE": "1", "LWS_WORKER_INDEX": "0"}) == {}  # one pod: one machine
     assert lws_defaults(LWS) == {"nnodes": 4, "node_rank": 2, "dist_init_addr": "plait-0.plait.default:20000"}
     assert lws_defaults({**LWS, "LWS_LEADER_ADDRESS": "fd00::1"})["dist_init_addr"] == "[fd00::1]:20000"
     with pytest.raises(ValueError, match="missing \\['LWS_WORKER_INDEX'\\]"):
