@@ -80,6 +80,11 @@ class PlaitServer:
         async with self._client().post(self.url + route, json=body) as resp:
             return resp.status, await resp.json(content_type=None), self.replica
 
+    async def forward_get(self, route: str) -> tuple[int, Any, str]:
+        """(status, JSON answer, this replica's id) of a GET route (the model's and the server's info)."""
+        async with self._client().get(self.url + route) as resp:
+            return resp.status, await resp.json(content_type=None), self.replica
+
     async def stream(self, route: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
         """The route's streamed answer, chunk by chunk as the app writes it (SSE for the OpenAI routes);
         the first item is the status and replica as JSON bytes."""
@@ -191,6 +196,22 @@ class PlaitIngress:
     @_app.post("/generate")
     async def generate(self, request: Request) -> Response:
         return await self._route("/generate", request)
+
+    # The routes a DSL `RuntimeEndpoint` reads before it sends requests: any replica answers for all.
+    @_app.get("/get_model_info")
+    async def get_model_info(self) -> Response:
+        return await self._get("/get_model_info")
+
+    @_app.get("/get_server_info")
+    async def get_server_info(self) -> Response:
+        return await self._get("/get_server_info")
+
+    async def _get(self, route: str) -> Response:
+        try:
+            status, answer, replica = await self.server.forward_get.remote(route)
+        except Exception as e:  # noqa: BLE001 - the replica died mid-request
+            return _error(503, f"the replica serving this request went away ({type(e).__name__}); retry")
+        return JSONResponse(answer, status_code=status, headers={REPLICA_HEADER: replica})
 
     async def _route(self, route: str, request: Request) -> Response:
         try:

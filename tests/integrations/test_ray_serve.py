@@ -169,3 +169,35 @@ def test_the_serve_config_builds_and_validates():
     module, _, name = app_config["import_path"].partition(":")
     assert (module, name) == ("plait.runtime.integrations.ray_serve", "app_builder")
     app_builder(app_config["args"])  # the settings are checked and the application built, with no cluster
+
+
+def test_a_programs_group_and_forks_land_where_their_prefix_is(app, cluster):
+    import plait as pl
+    import requests
+
+    # /generate naming a group (what the DSL sends): one replica for the whole group, whatever the texts
+    served = set()
+    for text in ("Group text one.", "An unrelated second text.", "A third, unrelated again."):
+        r = requests.post(
+            cluster + "/generate", json={"text": text, "group": "program-7", "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert r.status_code == 200, r.text
+        served.add(r.headers[REPLICA_HEADER])
+    assert len(served) == 1, served
+
+    # a DSL program through RuntimeEndpoint: its prefix prefilled once, then its forks, all on that replica
+    metas: list = []
+
+    @pl.function
+    def facts(s, topic):
+        s += SHARED + f"Three facts about {topic}."
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += f" Fact {i + 1}:" + pl.gen("fact", max_tokens=3, temperature=0)
+        metas.extend(f.get_meta_info("fact") for f in forks)  # (waits for each fork's answer)
+
+    states = facts.run_batch([{"topic": "bread"}, {"topic": "cakes"}], backend=pl.RuntimeEndpoint(cluster))
+    assert [state.error() for state in states] == [None, None]
+    assert len(metas) == 6
+    for meta in metas:  # every fork found the program's prefix cached where it was sent
+        assert meta["cached_tokens"] >= 40, meta
