@@ -19,6 +19,7 @@ SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 # Algorithms whose drafts come from a model (a draft model, an EAGLE head) in the draft model path.
 MODEL_DRAFT_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 GRAMMAR_DRAFT_MODES = ("auto", "on", "off")
+_ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 
 
 @dataclass
@@ -121,6 +122,14 @@ class ServerArgs:
     # page on another origin can read a response.
     allowed_origins: Optional[list[str]] = None
     log_level: str = "info"
+    # /metrics and /health_generate answer without the API key, as SGLang's do (a Prometheus scrape or a
+    # Kubernetes probe written for SGLang sends none); this puts them behind it too.
+    require_api_key_for_probes: bool = False
+    # KV events (docs/deploy.md): the prefix cache's changes over blocks of kv_events_block_size tokens (a
+    # multiple of page_size), in vLLM's format on a ZMQ PUB socket: tcp://*:5557 binds, tcp://host:port
+    # connects. For a router that sends each request where its prefix is cached.
+    kv_events_endpoint: Optional[str] = None
+    kv_events_block_size: int = 16
 
     def __post_init__(self) -> None:
         def choice(name: str, options: tuple) -> None:
@@ -172,6 +181,17 @@ class ServerArgs:
         if self.allowed_origins is not None:
             self.allowed_origins = _origins(self.allowed_origins)
         self._check_speculative()
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        b = self.kv_events_block_size
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1 or b % self.page_size:
+            raise ValueError(f"kv_events_block_size must be a multiple of page_size {self.page_size}, got {b!r}")
+        endpoint = self.kv_events_endpoint
+        if endpoint is not None and not (isinstance(endpoint, str) and endpoint.startswith(_ZMQ_TRANSPORTS)):
+            raise ValueError(f"kv_events_endpoint must be a ZMQ address such as tcp://*:5557, got {endpoint!r}")
+        if endpoint is not None and self.disable_radix_cache:
+            raise ValueError("kv_events_endpoint publishes the radix cache's changes: it needs the radix cache on")
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "nnodes", "dist_timeout"):

@@ -131,10 +131,14 @@ CLI_HELP = {
     "disable_speculative_adaptive": "always propose the full draft length (no per-request adaptation or off switch)",
     "host": "address the server listens on",
     "port": "port the server listens on",
-    "api_key": "require 'Authorization: Bearer <key>' (/health stays open)",
+    "api_key": "require 'Authorization: Bearer <key>' (/health, /metrics and /health_generate stay open)",
     "allowed_origins": "CORS: origins whose web pages may call the server (https://app.example ..., or '*'); "
     "default: none",
     "log_level": "server log level",
+    "require_api_key_for_probes": "with --api-key: /metrics and /health_generate ask for the key too",
+    "kv_events_endpoint": "publish the prefix cache's changes as vLLM's KV events on this ZMQ address "
+    "(tcp://*:5557 binds, tcp://host:port connects)",
+    "kv_events_block_size": "tokens per block of the KV events (a multiple of --page-size)",
 }
 ROUTER_CLI_HELP = {
     "worker_urls": "the replicas (each a `plait serve`), e.g. http://10.0.0.1:30000 http://10.0.0.2:30000",

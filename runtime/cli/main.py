@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from ..distributed.topology import lws_defaults
 from ..router.args import RouterArgs
 from ..server_args import ServerArgs
 from .flags import CLI_CHOICES, CLI_HELP, ROUTER_CLI_CHOICES, ROUTER_CLI_HELP, add_dataclass_flags, settings_from_args
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--model", dest="model_path", type=str, default=None, help="alias of --model-path")
     add_dataclass_flags(serve, ServerArgs, CLI_HELP, CLI_CHOICES)
+    serve.set_defaults(**lws_defaults())  # inside a LeaderWorkerSet pod: its group is the model's nodes
     router = commands.add_parser(
         "router",
         help="route requests over replicas by prefix-cache affinity",

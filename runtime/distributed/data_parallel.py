@@ -47,6 +47,7 @@ from ..io_struct import (
 from ..router.policy import CacheAwarePolicy
 from ..server_args import ServerArgs
 from .launch import reap
+from .topology import replica_endpoint
 
 logger = logging.getLogger("plait.data_parallel")
 
@@ -55,9 +56,13 @@ MEAN_STATS = ("token_usage", "avg_spec_accept_length")
 
 
 def replica_args(server_args: ServerArgs, i: int) -> ServerArgs:
-    """Replica i's settings: one replica (dp_size 1), on its own GPUs."""
+    """Replica i's settings: one replica (dp_size 1), on its own GPUs, publishing its KV events on its own port."""
     return dataclasses.replace(
-        server_args, dp_size=1, dist_init_addr=None, base_gpu_id=server_args.base_gpu_id + i * server_args.world_size()
+        server_args,
+        dp_size=1,
+        dist_init_addr=None,
+        base_gpu_id=server_args.base_gpu_id + i * server_args.world_size(),
+        kv_events_endpoint=replica_endpoint(server_args.kv_events_endpoint, i),
     )
 
 

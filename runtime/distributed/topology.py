@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 from ..server_args import ServerArgs
 
@@ -99,3 +99,44 @@ def rank_from_env(environ: Mapping[str, str] = os.environ) -> tuple[Rendezvous, 
         int(environ["WORLD_SIZE"]),
         int(environ["LOCAL_RANK"]),
     )
+
+
+# LeaderWorkerSet (Kubernetes) gives each pod of a multi-node replica these; SGLang's and vLLM's guides map
+# them onto their own start flags by hand in the manifest, plait reads them itself (`lws_defaults`).
+LWS_KEYS = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
+# NOTE: LWS names the leader's host, not a port; SGLang's LWS example puts its rendezvous on this one.
+LWS_RENDEZVOUS_PORT = 20000
+
+
+def lws_defaults(environ: Mapping[str, str] = os.environ) -> dict[str, object]:
+    """The defaults of `--nnodes`, `--node-rank` and `--dist-init-addr` inside a LeaderWorkerSet pod:
+    a group of LWS_GROUP_SIZE pods is one replica of nnodes machines, pod LWS_WORKER_INDEX is its node (the
+    leader, index 0, serves HTTP; the others run their ranks), meeting at LWS_LEADER_ADDRESS:20000. Empty
+    outside one (none of the variables set) and for a group of one; flags on the command line still win."""
+    present = [k for k in LWS_KEYS if environ.get(k)]
+    if not present:
+        return {}
+    if len(present) < len(LWS_KEYS):
+        missing = sorted(set(LWS_KEYS) - set(present))
+        raise ValueError(f"a LeaderWorkerSet pod has all of {list(LWS_KEYS)}; missing {missing}")
+    size, index = environ["LWS_GROUP_SIZE"], environ["LWS_WORKER_INDEX"]
+    if not size.isdigit() or not index.isdigit() or int(index) >= int(size):
+        raise ValueError(f"LWS_GROUP_SIZE={size!r} and LWS_WORKER_INDEX={index!r} are not a group and a member")
+    if int(size) == 1:  # a group of one pod is a one-machine replica: nothing to meet
+        return {}
+    host = environ["LWS_LEADER_ADDRESS"]
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address as host:port reads it
+    return {"nnodes": int(size), "node_rank": int(index), "dist_init_addr": f"{host}:{LWS_RENDEZVOUS_PORT}"}
+
+
+def replica_endpoint(endpoint: Optional[str], replica: int) -> Optional[str]:
+    """Data-parallel replica `replica`'s copy of a ZMQ endpoint (KV events): the port moved up by its index
+    (vLLM's convention), so each replica's scheduler binds its own."""
+    if endpoint is None or replica == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{replica}"
+    base, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"{endpoint!r} has no port to move up for data-parallel replica {replica}")
+    return f"{base}:{int(port) + replica}"

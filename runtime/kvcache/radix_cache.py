@@ -27,6 +27,7 @@ from typing import Optional, Sequence, cast
 
 import torch
 
+from .block_events import CacheEventListener
 from .memory_pool import TokenAllocator
 from .prefix_cache import MatchResult, PinHandle, PrefixCache, PrefixHitStats, PrefixPeek
 from .radix_checks import check_tree
@@ -51,11 +52,14 @@ class TreeNode:
 
 
 class RadixCache(PrefixCache):
-    def __init__(self, allocator: TokenAllocator, page_size: int = 1):
+    """`listener` (optional): told of each edge added, leaf evicted, reset; not of splits (no path changes)."""
+
+    def __init__(self, allocator: TokenAllocator, page_size: int = 1, listener: Optional[CacheEventListener] = None):
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.allocator = allocator
         self.page_size = page_size
+        self.listener = listener
         self.hit_stats = PrefixHitStats()
         self._new_tree()
 
@@ -209,6 +213,8 @@ class RadixCache(PrefixCache):
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
+            if self.listener is not None:  # (told while the leaf still spells its path)
+                self.listener.removed(leaf)
             del parent.children[child_key(leaf.key, 0, self.page_size)]
             leaf.parent = None  # detached: a stale handle to it is now detectably invalid
             self.allocator.free(leaf.value)
@@ -234,6 +240,8 @@ class RadixCache(PrefixCache):
                 self.allocator.free(node.value)
                 node.parent = None
         self._new_tree()
+        if self.listener is not None:
+            self.listener.cleared()
 
     # ---- checks and introspection --------------------------------------------------------------
 
@@ -336,6 +344,8 @@ class RadixCache(PrefixCache):
                 leaf = TreeNode(key[pos:], value[pos:].clone(), node, self._clock)
                 node.children[child_key(key, pos, self.page_size)] = leaf
                 self._evictable += len(leaf.key)
+                if self.listener is not None:
+                    self.listener.stored(leaf)
                 tree_values.append(leaf.value)
                 node = leaf
                 break

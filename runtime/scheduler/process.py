@@ -88,6 +88,8 @@ def run_scheduler_process(
         # the default (wait forever) would hang this process's exit on them.
         recv.close(linger=0)
         send.close(linger=0)
+        if scheduler.kv_events is not None:
+            scheduler.kv_events.close()
         ctx.term()
 
 
@@ -154,6 +156,8 @@ def _serve(scheduler: Scheduler, poller, recv, send) -> None:
         outs = scheduler.collect_outputs()
         if outs:
             send.send_pyobj(BatchOut(outs))
+        if scheduler.kv_events is not None:  # what this step (or a flush) did to the cache
+            scheduler.kv_events.publish()
         scheduler.timer.phase("outputs", time.perf_counter() - t_out)
 
 

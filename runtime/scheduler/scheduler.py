@@ -32,6 +32,7 @@ from .batch import ScheduleBatch
 from .control import ControlHandlers
 from .finish import Finisher
 from .grammars import SchedulerGrammars
+from .kv_events import KVEventPublisher
 from .kv_manager import KVManager
 from .outputs import OutputBuilder
 from .overlap import StepPipeline
@@ -106,6 +107,7 @@ class Scheduler:
         self.timer = StepTimer(server_args.enable_step_timing)
         # The parts, each owning its state.
         self.queues = RequestQueues()
+        self.kv_events = KVEventPublisher.of(server_args, runner.info.device)  # None unless an endpoint is set
         self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self._make_cache())
         self.outputs = OutputBuilder(tokenizer, server_args.stream_interval)
         self.finisher = Finisher(self.queues, self.kv, self.outputs, self.stats)
@@ -159,7 +161,7 @@ class Scheduler:
         allocator, page_size = self.runner.allocator, self.server_args.page_size
         if self.server_args.disable_radix_cache:
             return NoSharingCache(allocator, page_size)
-        return RadixCache(allocator, page_size)
+        return RadixCache(allocator, page_size, self.kv_events.recorder if self.kv_events else None)
 
     def info(self) -> SchedulerInfo:
         r = self.runner.info

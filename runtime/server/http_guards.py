@@ -1,4 +1,5 @@
-"""HTTP that never reaches a route: request bodies past a size limit, and bytes that are not HTTP.
+"""HTTP that never reaches a route: request bodies past a size limit, bytes that are not HTTP, and the
+paths that answer without the API key.
 
 Both answer with the server's one JSON error shape (errors.py), so a client that sent something broken
 reads the same `{"error": {...}}` it reads everywhere else instead of uvicorn's plain text.
@@ -16,6 +17,18 @@ from .errors import error_body
 # NOTE: the largest real request is a batch of long prompts as token ids (~7 bytes an id): 64 MiB is
 # about 64 prompts of 128k tokens. Without a limit a client could make the server buffer gigabytes.
 MAX_REQUEST_BODY_BYTES = 64 << 20
+
+
+# NOTE: load balancers probe /health and it reveals nothing. SGLang leaves /metrics and /health_generate open
+# under its API key too, so a Prometheus scrape or a Kubernetes probe written for SGLang sends no key: behind
+# the key they would fail on plait. `require_api_key_for_probes` closes those two (not /health).
+ALWAYS_OPEN_PATHS = frozenset({"/health"})
+PROBE_PATHS = frozenset({"/metrics", "/health_generate"})
+
+
+def paths_without_api_key(server_args: Any) -> frozenset:
+    """The paths the API key does not guard under these settings."""
+    return ALWAYS_OPEN_PATHS if server_args.require_api_key_for_probes else ALWAYS_OPEN_PATHS | PROBE_PATHS
 
 
 def body_too_large_message(limit: int) -> str:

@@ -21,7 +21,7 @@ from fastapi.responses import PlainTextResponse, Response
 from ..server_args import ServerArgs
 from .cors import CORS
 from .errors import error_body, install_error_handlers
-from .http_guards import BodySizeLimit, json_error_protocol_class
+from .http_guards import BodySizeLimit, json_error_protocol_class, paths_without_api_key
 from .metrics import CONTENT_TYPE
 from .native_api import router as native_router
 from .openai.api import router as openai_router
@@ -34,20 +34,18 @@ from .server_context import ServerContext, get_context
 
 logger = logging.getLogger("plait.server")
 
-# Reachable without the API key: load balancers probe it, and it reveals nothing.
-_PUBLIC_PATHS = frozenset({"/health"})
-
 
 class BearerAuth:
     """Pure ASGI middleware (not BaseHTTPMiddleware, which would get between the route and the
     client's `http.disconnect` that aborts requests): 401 unless `Authorization: Bearer <api_key>`."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str, open_paths: frozenset = frozenset({"/health"})) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._open_paths = open_paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("path") in _PUBLIC_PATHS or scope.get("method") == "OPTIONS":
+        if scope["type"] != "http" or scope.get("path") in self._open_paths or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
@@ -139,7 +137,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
         return Response(c.metrics.render(info), media_type=CONTENT_TYPE)
 
     if server_args.api_key:
-        app.add_middleware(BearerAuth, api_key=server_args.api_key)
+        app.add_middleware(BearerAuth, api_key=server_args.api_key, open_paths=paths_without_api_key(server_args))
     if server_args.allowed_origins:  # outside the auth: a 401 is readable by an allowed page too
         app.add_middleware(CORS, allowed_origins=server_args.allowed_origins)
     app.add_middleware(BodySizeLimit)

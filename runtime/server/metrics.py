@@ -50,6 +50,42 @@ _SPEC_ACCEPT_LENGTH = (
 )
 
 
+# The Kubernetes model-server protocol (what the Gateway API Inference Extension's endpoint pickers, llm-d,
+# KServe and the SGLang / vLLM routers scrape): the same three scheduler gauges under vLLM's and SGLang's
+# names, both always (a picker configured for either engine reads plait unchanged; six gauges cost nothing).
+# The hit rate is set at scrape time from the same source as plait_cache_hit_rate.
+_PROTOCOL_GAUGES = (
+    ("vllm:num_requests_running", "Requests in the running batch (vLLM's name)", _RUNNING_KEYS),
+    ("vllm:num_requests_waiting", "Requests waiting in the scheduler queue (vLLM's name)", _QUEUED_KEYS),
+    ("vllm:kv_cache_usage_perc", "Fraction of KV cache slots in use, 0-1 (vLLM's name)", _KV_USAGE_KEYS),
+    ("sglang:num_running_reqs", "Requests in the running batch (SGLang's name)", _RUNNING_KEYS),
+    ("sglang:num_queue_reqs", "Requests waiting in the scheduler queue (SGLang's name)", _QUEUED_KEYS),
+    ("sglang:token_usage", "Fraction of KV cache slots in use, 0-1 (SGLang's name)", _KV_USAGE_KEYS),
+)
+_PROTOCOL_HIT_RATE = ("sglang:cache_hit_rate", "Prefix cache hit rate, 0-1 (SGLang's name)")
+
+
+class ProtocolGauges:
+    """A collector of the model-server protocol's gauges from the last server info handed to `update`."""
+
+    def __init__(self, label: dict[str, str]) -> None:
+        self._label = label
+        self._info: dict[str, Any] = {}
+        self._hit_rate: Optional[float] = None
+
+    def update(self, info: dict[str, Any], hit_rate: Optional[float]) -> None:
+        self._info, self._hit_rate = info, hit_rate
+
+    def collect(self) -> Iterable[Any]:
+        values = [(name, doc, find_stat(self._info, keys)) for name, doc, keys in _PROTOCOL_GAUGES]
+        values.append((*_PROTOCOL_HIT_RATE, self._hit_rate))
+        for name, doc, value in values:
+            if value is not None:
+                metric = GaugeMetricFamily(name, doc, labels=list(self._label))
+                metric.add_metric(list(self._label.values()), value)
+                yield metric
+
+
 class SchedulerStats:
     """A collector of the scheduler's totals from the last server info handed to `update`."""
 
@@ -129,6 +165,8 @@ class ServerMetrics:
         self._label = {"model_name": model_name}
         self.scheduler_stats = SchedulerStats(self._label)
         r.register(self.scheduler_stats)
+        self.protocol_gauges = ProtocolGauges(self._label)
+        r.register(self.protocol_gauges)
         self._prompt_total = 0
         self._cached_total = 0
 
@@ -173,9 +211,10 @@ class ServerMetrics:
             value = find_stat(info, keys)
             if value is not None:
                 gauge.labels(**self._label).set(value)
-        engine_hit_rate = find_stat(info, _HIT_RATE_KEYS)
-        if engine_hit_rate is not None:
-            self.hit_rate.labels(**self._label).set(engine_hit_rate)
-        elif self._prompt_total:
-            self.hit_rate.labels(**self._label).set(self._cached_total / self._prompt_total)
+        hit_rate = find_stat(info, _HIT_RATE_KEYS)
+        if hit_rate is None and self._prompt_total:
+            hit_rate = self._cached_total / self._prompt_total
+        if hit_rate is not None:
+            self.hit_rate.labels(**self._label).set(hit_rate)
+        self.protocol_gauges.update(info, hit_rate)
         return generate_latest(self.registry)

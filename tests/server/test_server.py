@@ -107,13 +107,14 @@ def test_ready_log_health_and_model_info(server):
     assert info["context_length"] > 0 and info["vocab_size"] == 49152
 
 
-def test_api_key_required_everywhere_but_health(server, client):
+def test_api_key_required_everywhere_but_health_and_probes(server, client):
+    # /metrics and /health_generate stay open, as SGLang's do (require_api_key_for_probes closes them).
+    for path in ("/metrics", "/health_generate"):
+        assert requests.get(server["url"] + path, timeout=300).status_code == 200, path
     routes = [
         ("GET", "/v1/models"),
-        ("GET", "/metrics"),
         ("GET", "/get_model_info"),
         ("GET", "/get_server_info"),
-        ("GET", "/health_generate"),
         ("POST", "/generate"),
         ("POST", "/flush_cache"),
         ("POST", "/abort_request"),
