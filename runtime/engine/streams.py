@@ -7,7 +7,8 @@ holding everything so far, for the edges that promise it: `Engine.generate` / `a
 `stream=True` and the native /generate stream.
 
 `RequestStreams` runs one request's stream on the engine's loop and hands its chunks to the caller's
-thread or asyncio loop; a caller that leaves before the end aborts the request.
+thread or asyncio loop (a caller on the engine's loop itself reads the stream there); a caller that leaves
+before the end aborts the request.
 """
 
 from __future__ import annotations
@@ -115,8 +116,29 @@ class RequestStreams:
 
         return chunks()
 
-    async def asynchronous(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
+    def asynchronous(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
         """(call `expect(req.rid)` when handing it out: this runs only once it is read)"""
+        if self.loop.in_loop_thread():
+            return self._on_engine_loop(req, warnings)
+        return self._across_threads(req, warnings)
+
+    async def _on_engine_loop(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
+        """A caller on the engine's own loop (the HTTP server of `plait serve`) reads the tokenizer manager's
+        stream itself.
+
+        NOTE: with the caller on another thread every chunk crossed threads (a wake-up of the caller's
+        loop per chunk, and two busy threads taking turns at the GIL); under hundreds of streams that
+        hand-off was where the server fell behind and tokens reached clients in clumps."""
+        self.loop.check_open()
+        tm = self.manager
+        chunks = tm.stream(await tm.submit(req, warnings))
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()  # now, not whenever it is collected: an unfinished stream aborts its request
+
+    async def _across_threads(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
         caller_loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
