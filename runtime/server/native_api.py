@@ -8,7 +8,6 @@ here from the Engine's deltas).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -24,18 +23,14 @@ from .protocol.compat import NATIVE, review
 from .protocol.native import AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
 from .protocol.openai import MAX_N
 from .server_context import ServerContext, get_context
+from .sse import SSE_DONE, sse_event
 
 router = APIRouter()
 
-SSE_DONE = "data: [DONE]\n\n"
 # Top-level fields of a /generate body that belong inside sampling_params (and OpenAI's name for one):
 # ignoring them would silently change the answer.
 MISPLACED_SAMPLING_FIELDS = frozenset(SamplingParams.field_names()) | {"max_tokens"}
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
-
-
-def sse_event(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 # ---------------------------------------------------------------- request → Engine calls
