@@ -122,7 +122,7 @@ class RequestStreams:
             return self._on_engine_loop(req, warnings)
         return self._across_threads(req, warnings)
 
-    async def _on_engine_loop(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
+    def _on_engine_loop(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
         """A caller on the engine's own loop (the HTTP server of `plait serve`) reads the tokenizer manager's
         stream itself.
 
@@ -130,13 +130,7 @@ class RequestStreams:
         loop per chunk, and two busy threads taking turns at the GIL); under hundreds of streams that
         hand-off was where the server fell behind and tokens reached clients in clumps."""
         self.loop.check_open()
-        tm = self.manager
-        chunks = tm.stream(await tm.submit(req, warnings))
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            await chunks.aclose()  # now, not whenever it is collected: an unfinished stream aborts its request
+        return self.manager.stream(req, warnings)
 
     async def _across_threads(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
         caller_loop = asyncio.get_running_loop()
@@ -163,7 +157,7 @@ class RequestStreams:
 
         async def pump():
             try:
-                chunks = tm.stream(await tm.submit(req, warnings))
+                chunks = tm.stream(req, warnings)
                 try:
                     async for chunk in chunks:
                         if not put(("chunk", chunk)):
