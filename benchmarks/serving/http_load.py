@@ -147,7 +147,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def bench_argv(args: argparse.Namespace, port: int, out_file: str) -> list[str]:
+def bench_argv(args: argparse.Namespace, rate: float, port: int, out_file: str) -> list[str]:
+    concurrency = ["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []
     return [
         "--backend",
         args.backend,
@@ -158,19 +159,19 @@ def bench_argv(args: argparse.Namespace, port: int, out_file: str) -> list[str]:
         "--num-prompts",
         str(args.num_prompts),
         "--request-rate",
-        str(args.request_rate),
+        str(rate),
         "--random-input-len",
         str(args.input_len),
         "--random-output-len",
         str(args.output_len),
-        "--max-concurrency",
-        str(args.max_concurrency),
         "--warmup-requests",
         "4",
         "--output-file",
         out_file,
         "--seed",
         str(args.seed),
+        "--flush-cache",  # (each rate, each run from a cold cache: the prompts repeat)
+        *concurrency,
     ]
 
 
@@ -191,35 +192,38 @@ KEYS = (
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix="plait-http-load-")
-    model = write_micro_llama(os.path.join(workdir, "micro-llama"), layers=args.layers, vocab=args.vocab)
+    model = args.model or write_micro_llama(os.path.join(workdir, "micro-llama"), layers=args.layers, vocab=args.vocab)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(workdir, "server.log")
     proc = start_server(model, port, log_path, args.server_arg)
     spies: list[subprocess.Popen] = []
-    runs: list[dict[str, Any]] = []
+    runs: dict[str, list[dict[str, Any]]] = {}
     try:
         wait_healthy(proc, url, log_path)
-        for i in range(args.runs):
-            scheduler_pid = scheduler_child(proc.pid)
-            if args.profile and i == args.runs - 1:  # the last run, profiled (py-spy slows what it samples)
-                spies = [
-                    start_py_spy(pid, f"{args.profile}-{name}.txt")
-                    for name, pid in (("server", proc.pid), ("scheduler", scheduler_pid))
-                ]
-            cpu_before = cpu_seconds(proc.pid), cpu_seconds(scheduler_pid)
-            summary = bench_serving.main(bench_argv(args, port, os.path.join(workdir, f"run{i}.json")))
-            server_cpu, scheduler_cpu = (cpu_seconds(p) - b for p, b in zip((proc.pid, scheduler_pid), cpu_before))
-            tokens, chunks = max(1, summary["total_output_tokens"]), max(1, summary["total_chunks"])
-            summary["tokens_per_chunk"] = tokens / chunks
-            summary["server_cpu_us_per_chunk"] = 1e6 * server_cpu / chunks
-            summary["scheduler_cpu_us_per_token"] = 1e6 * scheduler_cpu / tokens
-            runs.append({k: summary.get(k) for k in KEYS})
-        for spy in spies:
-            spy.send_signal(signal.SIGINT)
-            spy.wait(timeout=60)
-        if spies:
-            print(f"profiles (py-spy, collapsed stacks): {args.profile}-server.txt, {args.profile}-scheduler.txt")
+        for rate in args.request_rate or [float("inf")]:
+            for i in range(args.runs):
+                scheduler_pid = scheduler_child(proc.pid)
+                if args.profile and i == args.runs - 1:  # the last run, profiled (py-spy slows what it samples)
+                    spies = [
+                        start_py_spy(pid, f"{args.profile}-{name}.txt")
+                        for name, pid in (("server", proc.pid), ("scheduler", scheduler_pid))
+                    ]
+                cpu_before = cpu_seconds(proc.pid), cpu_seconds(scheduler_pid)
+                out_file = os.path.join(workdir, f"rate{rate}-run{i}.json")
+                summary = bench_serving.main(bench_argv(args, rate, port, out_file))
+                server_cpu, scheduler_cpu = (cpu_seconds(p) - b for p, b in zip((proc.pid, scheduler_pid), cpu_before))
+                tokens, chunks = max(1, summary["total_output_tokens"]), max(1, summary["total_chunks"])
+                summary["tokens_per_chunk"] = tokens / chunks
+                summary["server_cpu_us_per_chunk"] = 1e6 * server_cpu / chunks
+                summary["scheduler_cpu_us_per_token"] = 1e6 * scheduler_cpu / tokens
+                runs.setdefault(str(rate), []).append({k: summary.get(k) for k in KEYS})
+                for spy in spies:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(timeout=60)
+                if spies:
+                    print(f"profiles (py-spy, collapsed stacks): {args.profile}-server.txt, -scheduler.txt")
+                spies = []
     finally:
         proc.terminate()
         try:
@@ -230,10 +234,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"kept {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    medians = {k: statistics.median(r[k] for r in runs if r[k] is not None) for k in KEYS}
-    print(f"\n{args.tag or 'run'}: medians of {len(runs)} runs")
-    for k in KEYS:
-        print(f"  {k:<26} {medians[k]:10.3f}   runs: {', '.join(f'{r[k]:.3f}' for r in runs)}")
+    medians = {}
+    for rate, rate_runs in runs.items():
+        medians[rate] = {k: statistics.median(r[k] for r in rate_runs if r[k] is not None) for k in KEYS}
+        print(f"\n{args.tag or 'run'}, request rate {rate}: medians of {len(rate_runs)} runs")
+        for k in KEYS:
+            print(f"  {k:<26} {medians[rate][k]:10.3f}   runs: {', '.join(f'{r[k]:.3f}' for r in rate_runs)}")
     result = {"tag": args.tag, "config": {k: v for k, v in vars(args).items()}, "runs": runs, "medians": medians}
     save(f"http_load_{args.tag or 'run'}", result)
     return result
@@ -243,10 +249,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("plait", "openai"), default="openai")
     p.add_argument("--num-prompts", type=int, default=800)
-    p.add_argument("--max-concurrency", type=int, default=400)
-    p.add_argument("--request-rate", type=float, default=float("inf"))
+    p.add_argument("--max-concurrency", type=int, default=400, help="0: none")
+    p.add_argument("--request-rate", type=float, action="append", help="req/s (repeatable; default inf)")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--model", default=None, help="a model folder (default: the micro Llama, written on the fly)")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--vocab", type=int, default=4096, help="the model's vocabulary (0: the tokenizer's whole)")
     p.add_argument("--runs", type=int, default=1)

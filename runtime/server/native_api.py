@@ -176,7 +176,9 @@ async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator
     outputs: dict[int, CumulativeOutput] = {}
     try:
         async for index, delta in group.chunks():
-            output = outputs.setdefault(index, CumulativeOutput())
+            output = outputs.get(index)
+            if output is None:
+                output = outputs[index] = CumulativeOutput()
             output.add(delta)
             chunk = output.chunk()
             if indexed:

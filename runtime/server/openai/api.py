@@ -315,7 +315,9 @@ async def _completion_events(
         {**head, "choices": [{"index": Slot("index"), "text": Slot("text"), "logprobs": None, "finish_reason": None}]}
     )
     async for index, chunk in group.chunks():
-        cur = cursors.setdefault(index, ChoiceCursor())
+        cur = cursors.get(index)
+        if cur is None:  # (not setdefault: a cursor built per chunk, for nothing but the first)
+            cur = cursors[index] = ChoiceCursor()
         meta = chunk.get("meta_info") or {}
         last_meta[index] = meta
         text = cur.text_delta(chunk)

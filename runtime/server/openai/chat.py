@@ -177,13 +177,17 @@ async def _chat_events(
         return sse_event(body)
 
     async for index, chunk in group.chunks():
-        cur = cursors.setdefault(index, ChoiceCursor())
+        cur = cursors.get(index)
+        if cur is None:  # (not setdefault: a cursor built per chunk, for nothing but the first)
+            cur = cursors[index] = ChoiceCursor()
         meta = chunk.get("meta_info") or {}
         last_meta[index] = meta
         if not cur.role_sent:
             cur.role_sent = True
             yield event(index, {"role": "assistant", "content": ""})
-        tool_stream = tool_streams.setdefault(index, tools.new_stream()) if tools else None
+        tool_stream = tool_streams.get(index)
+        if tool_stream is None and tools:
+            tool_stream = tool_streams[index] = tools.new_stream()
         calls: list[dict] = []
         text = cur.text_delta(chunk)
         if tool_stream is not None:
