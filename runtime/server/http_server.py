@@ -158,7 +158,7 @@ def launch_server(server_args: ServerArgs) -> None:
 
 
 def serve(engine: Any, server_args: ServerArgs) -> None:
-    """Serve `engine` until SIGINT/SIGTERM (its shutdown is the caller's)."""
+    """Serve `engine` (an Engine) on its own event loop until SIGINT/SIGTERM (its shutdown is the caller's)."""
     app = create_app(engine, server_args)
     ctx: ServerContext = app.state.plait
     config = uvicorn.Config(
@@ -175,15 +175,11 @@ def serve(engine: Any, server_args: ServerArgs) -> None:
         f"(model {ctx.model_name}, context {ctx.context_len})"
     )
     server = _ReadyLoggingServer(config, ready)
-    run_on_loop = getattr(engine, "run_on_loop", None)
-    if run_on_loop is None:  # (an Engine stand-in)
-        server.run()
-        return
     # NOTE: served on the engine's own loop, the routes read its streams with no thread hop per chunk
     # (engine/streams.py). The signals are caught here, on the main thread: they ask uvicorn to shut
     # down gracefully there, as they do when uvicorn runs its own loop.
     with server.capture_signals():
-        run_on_loop(server.serve())
+        engine.run_on_loop(server.serve())
 
 
 class _ReadyLoggingServer(uvicorn.Server):
