@@ -3,16 +3,19 @@ produces tokens for hundreds of streams faster than a real model would on this m
 process (detokenizing, JSON, the event loop, the hand-off between threads) is what is measured.
 
     python benchmarks/serving/http_load.py                         # 800 prompts, 400 streams, openai
-    python benchmarks/serving/http_load.py --profile /tmp/prof     # + py-spy of the server and scheduler
+    python benchmarks/serving/http_load.py --profile /tmp/prof     # + py-spy (pip install py-spy) of both processes
     python benchmarks/serving/http_load.py --runs 3 --tag after    # repeat; medians of the runs
+    python benchmarks/serving/http_load.py --model DIR --input-len 512 --num-prompts 400 --max-concurrency 0 \
+        --request-rate 64 --request-rate inf                       # a real shape on a GPU (DIR: config + tokenizer)
 
 The micro model is a Llama of hidden 64 (`--layers`, default 1) with the embedded default model's
-tokenizer and the first `--vocab` tokens of its vocabulary (4,096: the LM head and argmax over all
-49,152 made a CPU step at batch 400 about 100 ms), dummy weights. The server runs with one torch thread and
+tokenizer and the first `--vocab` tokens of its vocabulary (4,096: the LM head and the argmax over all
+49,152 were most of a CPU step at batch 400), dummy weights. The server runs with one torch thread and
 `--max-running-requests 512`; the client is bench_serving.py (`--backend openai`, random 64 in / 128 out,
 unbounded rate, `--max-concurrency`). What to read: ITL median against TPOT median. A server that keeps up
 sends each token in its own chunk as it comes (ITL median near TPOT median); one that falls behind sends
-several chunks in one burst, then nothing (ITL median near 0, a long ITL p99).
+several chunks in one burst, then nothing (ITL median near 0, a long ITL p99). Server and scheduler CPU
+per chunk / token (from /proc) are the steadiest figures on a shared machine.
 """
 
 from __future__ import annotations
