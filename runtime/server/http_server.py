@@ -175,11 +175,23 @@ def serve(engine: Any, server_args: ServerArgs) -> None:
         f"(model {ctx.model_name}, context {ctx.context_len})"
     )
     server = _ReadyLoggingServer(config, ready)
+
+    async def serving() -> Any:
+        try:
+            await server.serve()
+        except SystemExit as e:
+            # uvicorn exits when it cannot start (a port in use); on the engine's loop that would end the
+            # loop's thread and leave this one waiting for it: the exit is raised here instead.
+            return e.code
+        return None
+
     # NOTE: served on the engine's own loop, the routes read its streams with no thread hop per chunk
     # (engine/streams.py). The signals are caught here, on the main thread: they ask uvicorn to shut
     # down gracefully there, as they do when uvicorn runs its own loop.
     with server.capture_signals():
-        engine.run_on_loop(server.serve())
+        exit_code = engine.run_on_loop(serving())
+    if exit_code is not None:
+        raise SystemExit(exit_code)
 
 
 class _ReadyLoggingServer(uvicorn.Server):
