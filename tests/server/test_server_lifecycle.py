@@ -48,7 +48,7 @@ def test_a_port_in_use_ends_the_server_at_once(tmp_path):
                 [sys.executable, "-m", "plait.runtime.server", "--port", str(port), "--num-threads", "1"],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                timeout=120,  # (it used to hang: uvicorn's exit ended the engine loop's thread instead)
+                timeout=120,  # (an exit that ends the engine loop's thread leaves the server waiting forever)
             )
     assert proc.returncode == 3, log.read_text()[-2000:]  # uvicorn's start-up failure
     assert "address already in use" in log.read_text()
