@@ -1,15 +1,19 @@
-"""Server-sent events: the `data: <json>` events the streaming routes write, and templates for the events a
-stream writes over and over that differ in a few values only (the next text of a choice).
+"""Server-sent events: the `data: <json>` events the streaming routes write, templates for the events a
+stream writes over and over that differ in a few values only (the next text of a choice), and SGLang's
+cumulative events of the native /generate stream, encoded as they grow.
 
 NOTE: under hundreds of streams the server writes tens of thousands of events a second; json.dumps of each
-event's whole body (the response id, the model, the choice's keys) was a large part of its time per event.
-An `EventTemplate` encodes the fixed part once, and per event only the values that change.
+event's whole body (the response id, the model, the choice's keys; for /generate, the whole output so far)
+was a large part of its time per event. An `EventTemplate` encodes the fixed part once, and per event only
+the values that change; `CumulativeEvents` encodes only each chunk's new text and ids.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
+
+from ..engine.streams import CumulativeOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -79,3 +83,34 @@ def encode_value(value: Any) -> str:
     if kind is int:
         return int.__repr__(value)
     return _ENCODER.encode(value)
+
+
+class CumulativeEvents:
+    """One request's native /generate stream: SGLang's cumulative chunks (a `CumulativeOutput` folded from the
+    Engine's deltas), each event the UTF-8 of what `sse_event(chunk)` writes, character for character, with the
+    chunk's "index" when given one. The text and ids so far are kept encoded; a chunk encodes only what it adds."""
+
+    def __init__(self, index: Optional[int] = None) -> None:
+        self.output = CumulativeOutput()
+        self._tail = b"}\n\n" if index is None else b', "index": %d}\n\n' % index
+        self._text = b""  # the text so far, JSON-escaped (what goes between its quotes), UTF-8
+        self._ids = b""  # the ids so far, as JSON writes them between the brackets
+
+    def add(self, delta: dict[str, Any]) -> bytes:
+        """Fold in the next delta chunk; its event."""
+        output = self.output
+        before = len(output.text)
+        output.add(delta)
+        new_text = delta.get("text") or ""
+        if len(output.text) != before + len(new_text):  # the end was cut (a stop regex matched in it)
+            self._text = _encode_str(output.text)[1:-1].encode()
+        elif new_text:
+            self._text += _encode_str(new_text)[1:-1].encode()  # (JSON escapes character by character)
+        new_ids = delta.get("output_ids")
+        if new_ids:
+            more = ", ".join(map(int.__repr__, new_ids)).encode()
+            self._ids = self._ids + b", " + more if self._ids else more
+        meta = _ENCODER.encode(output.meta_info).encode()
+        return b"".join(
+            (b'data: {"text": "', self._text, b'", "output_ids": [', self._ids, b'], "meta_info": ', meta, self._tail)
+        )

@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 import requests
 from conftest import server_process
-from plait.runtime.server.sse import EventTemplate, Slot, sse_event
+from plait.runtime.engine.streams import CumulativeOutput
+from plait.runtime.server.sse import CumulativeEvents, EventTemplate, Slot, sse_event
 
 STREAMS = 64
 TOKENS = 12
@@ -117,3 +118,25 @@ def test_event_template_writes_what_json_dumps_writes(text):
         assert nested.render(x, y) == sse_event({"a": [x, {"b": y}], "c": 1.5})
     with pytest.raises(TypeError, match="takes 2 values"):
         nested.render(1)
+
+
+def test_cumulative_events_write_what_json_dumps_writes_of_each_chunk():
+    deltas = [
+        {"text": "Hello", "text_offset": 0, "output_ids": [5, 6], "meta_info": {"id": "r", "completion_tokens": 2}},
+        {"text": "", "text_offset": 5, "output_ids": [7], "meta_info": {"id": "r", "finish_reason": None}},
+        {"text": ' "wörld" \\ \n\t 🙂 \x01', "text_offset": 5, "output_ids": [8], "meta_info": {"e2e": 0.125}},
+        # a stop regex matched inside the text sent: the end is cut, then more comes
+        {"text": "!", "text_offset": 3, "output_ids": [], "meta_info": {"finish_reason": {"type": "stop"}}},
+    ]
+    logprobs = [
+        {**d, "meta_info": {**d["meta_info"], "output_token_logprobs": [(-0.5, i, "t")]}} for i, d in enumerate(deltas)
+    ]
+    for stream, index in ((deltas, None), (logprobs, 3)):
+        events, reference = CumulativeEvents(index), CumulativeOutput()
+        for delta in stream:
+            reference.add(delta)
+            chunk = reference.chunk()
+            if index is not None:
+                chunk["index"] = index
+            assert events.add(delta) == sse_event(chunk).encode()
+    assert reference.text == "Hel!" and reference.output_ids == [5, 6, 7, 8]
