@@ -54,6 +54,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    chunks: int = 0  # stream events that brought tokens (fewer than tokens: the server coalesced some)
 
 
 # ---------------------------------------------------------------- datasets
@@ -157,6 +158,7 @@ async def run_one(session: aiohttp.ClientSession, args: argparse.Namespace, req:
                 now = time.perf_counter()
                 new_tokens = _count_tokens(args.backend, chunk, tokens, result)
                 if new_tokens > tokens:
+                    result.chunks += 1
                     if tokens == 0:
                         result.ttft = now - start
                     else:
@@ -260,6 +262,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "duration_s": duration,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
+        "total_chunks": sum(r.chunks for r in ok),
         "cached_input_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": len(ok) / duration,
         "input_token_throughput": input_tokens / duration,

@@ -340,6 +340,11 @@ class Engine(SGLangEngineExtras):
         return {**info, "internal_states": [internal_state(info, self.startup_s)]}
 
     # ------------------------------------------------------------------ lifecycle
+    def run_on_loop(self, coro) -> Any:
+        """Run `coro` on the engine's own event loop and wait for its result. What runs there reads its
+        streams without a thread hop (`plait serve` serves HTTP there), and must never block."""
+        return self._bg.call(coro)
+
     def shutdown(self) -> None:
         """Stop the engine: requests still in flight end with RuntimeError("the engine is shut down"), the
         scheduler process exits, and later calls raise that error. Safe to call twice, from any thread."""

@@ -30,6 +30,10 @@ FORKED = (
     "thread and sockets stay in the parent. Create an Engine in the child, or have the child send its "
     "requests to one process (e.g. `plait serve`)"
 )
+ON_LOOP = (
+    "a blocking Engine call from the engine's own event loop would wait for itself: await the async_ method, "
+    "or call it through asyncio.to_thread"
+)
 DRAIN_S = 5.0  # how long requests in flight get to unwind (each needs one pass of the loop) before they are cancelled
 WAIT_SLICE_S = 0.25
 
@@ -124,6 +128,10 @@ class EngineLoop:
 
     def result(self, fut: concurrent.futures.Future) -> Any:
         """Block until `fut` is done. The caller's own interruption (Ctrl-C) cancels the work on the loop."""
+        if self.in_loop_thread():
+            # (code running on the loop itself, e.g. an HTTP route served there, would wait for itself forever)
+            fut.cancel()
+            raise RuntimeError(ON_LOOP)
         try:
             return result_interruptibly(fut)
         except concurrent.futures.CancelledError:

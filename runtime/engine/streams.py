@@ -7,13 +7,16 @@ holding everything so far, for the edges that promise it: `Engine.generate` / `a
 `stream=True` and the native /generate stream.
 
 `RequestStreams` runs one request's stream on the engine's loop and hands its chunks to the caller's
-thread or asyncio loop; a caller that leaves before the end aborts the request.
+thread or asyncio loop (a caller on the engine's loop itself reads the stream there); a caller that leaves
+before the end aborts the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
+import threading
+import weakref
 from typing import Any, AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
 
 from ..io_struct import TokenizedGenerateReq
@@ -88,6 +91,40 @@ def _unpack(msg: tuple):
     return item if kind == "chunk" else _END
 
 
+class Mailbox:
+    """Chunks for the streams of one caller's asyncio loop, posted on the engine's loop and handed over
+    together: one wake-up of the caller's loop per pass of the engine's loop (a scheduler message's
+    chunks for all its streams), not one per chunk."""
+
+    def __init__(self, engine_loop: asyncio.AbstractEventLoop, caller_loop: asyncio.AbstractEventLoop) -> None:
+        self._engine_loop = engine_loop
+        self._caller_loop = caller_loop
+        self._pending: list[tuple[asyncio.Queue, tuple]] = []  # (touched on the engine's loop only)
+        self._closed = False
+
+    def post(self, q: asyncio.Queue, msg: tuple) -> bool:
+        """Queue `msg` for `q` (on the engine's loop); False once the caller's loop is closed (it left
+        without closing its streams)."""
+        if self._closed or self._caller_loop.is_closed():
+            return False
+        if not self._pending:
+            self._engine_loop.call_soon(self._hand_over)  # after the chunks this pass of the loop posts
+        self._pending.append((q, msg))
+        return True
+
+    def _hand_over(self) -> None:
+        batch, self._pending = self._pending, []
+        try:
+            self._caller_loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:  # the caller's loop closed meanwhile
+            self._closed = True
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for q, msg in batch:
+        q.put_nowait(msg)
+
+
 class RequestStreams:
     """One request's delta chunks, run on the engine's loop and handed to the caller's thread (`sync`) or
     asyncio loop (`asynchronous`)."""
@@ -95,6 +132,15 @@ class RequestStreams:
     def __init__(self, loop: EngineLoop, manager: TokenizerManager) -> None:
         self.loop = loop
         self.manager = manager
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+        self._mailboxes_lock = threading.Lock()
+
+    def _mailbox(self, caller_loop: asyncio.AbstractEventLoop) -> "Mailbox":
+        with self._mailboxes_lock:
+            mailbox = self._mailboxes.get(caller_loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[caller_loop] = Mailbox(self.loop.loop, caller_loop)
+            return mailbox
 
     def expect(self, rid: str) -> None:
         """A stream handed out is submitted only when first read: an abort meanwhile must end it then."""
@@ -115,19 +161,26 @@ class RequestStreams:
 
         return chunks()
 
-    async def asynchronous(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
+    def asynchronous(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
         """(call `expect(req.rid)` when handing it out: this runs only once it is read)"""
-        caller_loop = asyncio.get_running_loop()
+        if self.loop.in_loop_thread():
+            return self._on_engine_loop(req, warnings)
+        return self._across_threads(req, warnings)
+
+    def _on_engine_loop(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
+        """A caller on the engine's own loop (the HTTP server of `plait serve`) reads the tokenizer manager's
+        stream itself.
+
+        NOTE: with the caller on another thread every chunk crossed threads (a wake-up of the caller's
+        loop per chunk, and two busy threads taking turns at the GIL); under hundreds of streams that
+        hand-off was where the server fell behind and tokens reached clients in clumps."""
+        self.loop.check_open()
+        return self.manager.stream(req, warnings)
+
+    async def _across_threads(self, req: TokenizedGenerateReq, warnings: Sequence[str]) -> AsyncGenerator[dict, None]:
+        mailbox = self._mailbox(asyncio.get_running_loop())
         q: asyncio.Queue = asyncio.Queue()
-
-        def put(msg) -> bool:
-            try:
-                caller_loop.call_soon_threadsafe(q.put_nowait, msg)
-                return True
-            except RuntimeError:  # the consumer's loop is closed (it left without closing the stream)
-                return False
-
-        fut = self._pump(req, warnings, put)
+        fut = self._pump(req, warnings, lambda msg: mailbox.post(q, msg))
         try:
             while (chunk := _unpack(await q.get())) is not _END:
                 yield chunk
@@ -141,7 +194,7 @@ class RequestStreams:
 
         async def pump():
             try:
-                chunks = tm.stream(await tm.submit(req, warnings))
+                chunks = tm.stream(req, warnings)
                 try:
                     async for chunk in chunks:
                         if not put(("chunk", chunk)):

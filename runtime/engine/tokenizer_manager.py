@@ -196,9 +196,12 @@ class TokenizerManager:
         finally:
             self.states.pop(state.rid, None)
 
-    async def stream(self, state: RequestState) -> AsyncIterator[dict[str, Any]]:
-        """The request's output as it comes, in delta chunks (`RequestState.delta`); the last one has a
-        finish_reason. A consumer that leaves before it aborts the request."""
+    async def stream(
+        self, req: TokenizedGenerateReq, grammar_warnings: Sequence[str] = ()
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Submit `req` when first read; then its output as it comes, in delta chunks (`RequestState.delta`);
+        the last one has a finish_reason. A consumer that leaves before it aborts the request."""
+        state = await self.submit(req, grammar_warnings)
         finished = False
         try:
             while True:

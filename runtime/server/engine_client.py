@@ -24,6 +24,7 @@ import inspect
 import logging
 import math
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
@@ -249,7 +250,8 @@ class GenerationGroup:
             if self.log_metrics:
                 self.metrics.observe_finished(meta, now - sub.started_at)
 
-    async def _pump(self, index: int, queue: asyncio.Queue) -> None:
+    async def _sub_chunks(self, index: int) -> AsyncIterator[dict]:
+        """One stream's delta chunks, observed (metrics) on the way."""
         sub = self._subs[index]
         try:
             if sub.leader is not None:
@@ -262,8 +264,7 @@ class GenerationGroup:
                 sub.started_at = sub.started_at or time.perf_counter()  # a follower never opened
                 chunk = _aborted_before_start(sub)
                 self._observe(sub, chunk)
-                await queue.put((index, chunk))
-                await queue.put((index, None))
+                yield chunk
                 return
             # No await between the check above and the first read, which hands the request to the
             # Engine: an abort from now on reaches the scheduler after the request.
@@ -272,18 +273,39 @@ class GenerationGroup:
                 self._observe(sub, chunk)
                 if sub.first_token is not None:
                     sub.first_token.set()
-                await queue.put((index, chunk))
+                yield chunk
+        finally:
+            if sub.first_token is not None:  # never leave the other samples waiting
+                sub.first_token.set()
+            if sub.iterator is not None:  # now, not when collected: the Engine aborts an unfinished stream
+                await sub.iterator.aclose()
+
+    async def _pump(self, index: int, queue: asyncio.Queue) -> None:
+        try:
+            async with aclosing(self._sub_chunks(index)) as chunks:
+                async for chunk in chunks:
+                    await queue.put((index, chunk))
             await queue.put((index, None))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # hand the error to the consumer
             await queue.put((index, e))
-        finally:
-            if sub.first_token is not None:  # never leave the other samples waiting
-                sub.first_token.set()
+
+    def _ended(self, index: int) -> None:
+        sub = self._subs[index]
+        sub.finished = True
+        self._release(sub)
 
     async def chunks(self) -> AsyncIterator[tuple[int, dict]]:
         """(index, delta chunk) from all streams, interleaved as they arrive (engine/streams.py)."""
+        if len(self._subs) == 1:
+            # NOTE: one stream (most requests) is read right here, not through a task and a queue: two
+            # task switches less per token, which counted at hundreds of streams.
+            async with aclosing(self._sub_chunks(0)) as chunks:
+                async for chunk in chunks:
+                    yield 0, chunk
+            self._ended(0)
+            return
         queue: asyncio.Queue = asyncio.Queue()
         self._pumps = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self._subs))]
         remaining = len(self._subs)
@@ -291,9 +313,7 @@ class GenerationGroup:
             index, item = await queue.get()
             if item is None:
                 remaining -= 1
-                sub = self._subs[index]
-                sub.finished = True
-                self._release(sub)
+                self._ended(index)
                 continue
             if isinstance(item, BaseException):
                 raise item

@@ -8,6 +8,7 @@ reads the same `{"error": {...}}` it reads everywhere else instead of uvicorn's 
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 from typing import Any
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -101,12 +102,28 @@ async def send_json_error(send: Any, status: int, message: str) -> None:
 
 def malformed_http_response(reason: str) -> bytes:
     """A whole HTTP/1.1 400 response (JSON body) for bytes the HTTP parser could not read."""
-    body = json.dumps(error_body(400, f"malformed HTTP request: {reason}")).encode()
-    head = (
-        b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+    return json_error_response(400, f"malformed HTTP request: {reason}")
+
+
+def json_error_response(status: int, message: str) -> bytes:
+    """A whole HTTP/1.1 error response with the server's JSON error body, closing the connection."""
+    body = json.dumps(error_body(status, message)).encode()
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % (
+        status,
+        HTTPStatus(status).phrase.encode(),
+        len(body),
     )
     return head + body
+
+
+def declared_length_in_head(raw: bytes) -> int | None:
+    """The Content-Length a request's head in `raw` declares (digits only), or None."""
+    head = raw.split(b"\r\n\r\n", 1)[0]
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"content-length" and value.strip().isdigit():
+            return int(value.strip())
+    return None
 
 
 def json_error_protocol_class() -> type:
@@ -118,10 +135,22 @@ def json_error_protocol_class() -> type:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
     class JsonErrorHTTPProtocol(base):  # type: ignore[misc, valid-type]
+        _received = b""  # the last bytes read: what a parse error came from
+
+        def data_received(self, data: bytes) -> None:
+            self._received = data
+            super().data_received(data)
+
         def send_400_response(self, msg: str) -> None:
             # NOTE: called only before a response has started (the parser failed on the request), and
             # the connection closes right after, so writing the bytes directly keeps no parser state wrong.
-            self.transport.write(malformed_http_response(msg))
+            declared = declared_length_in_head(self._received)
+            if declared is not None and declared > MAX_REQUEST_BODY_BYTES:
+                # httptools refuses a Content-Length past 64 bits as unparseable; h11 hands it to the app,
+                # whose BodySizeLimit answers 413. The same answer either way.
+                self.transport.write(json_error_response(413, body_too_large_message(MAX_REQUEST_BODY_BYTES)))
+            else:
+                self.transport.write(malformed_http_response(msg))
             self.transport.close()
 
     return JsonErrorHTTPProtocol

@@ -8,14 +8,12 @@ here from the Engine's deltas).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.streams import CumulativeOutput
 from ..request_options import RequestOptionError, RequestOptions, expand_samples, is_sample_of, new_rid
 from ..sampling_params import SamplingParams
 from .engine_client import GenerationGroup
@@ -24,18 +22,14 @@ from .protocol.compat import NATIVE, review
 from .protocol.native import AbortRequest, GenerateRequest, PinPrefixRequest, UnpinPrefixRequest
 from .protocol.openai import MAX_N
 from .server_context import ServerContext, get_context
+from .sse import SSE_DONE, CumulativeEvents
 
 router = APIRouter()
 
-SSE_DONE = "data: [DONE]\n\n"
 # Top-level fields of a /generate body that belong inside sampling_params (and OpenAI's name for one):
 # ignoring them would silently change the answer.
 MISPLACED_SAMPLING_FIELDS = frozenset(SamplingParams.field_names()) | {"max_tokens"}
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
-
-
-def sse_event(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 # ---------------------------------------------------------------- request → Engine calls
@@ -177,16 +171,14 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[st
 # ---------------------------------------------------------------- /generate
 
 
-async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator[str]:
-    outputs: dict[int, CumulativeOutput] = {}
+async def _stream_native(group: GenerationGroup, indexed: bool) -> AsyncIterator[Union[str, bytes]]:
+    streams: dict[int, CumulativeEvents] = {}
     try:
         async for index, delta in group.chunks():
-            output = outputs.setdefault(index, CumulativeOutput())
-            output.add(delta)
-            chunk = output.chunk()
-            if indexed:
-                chunk["index"] = index
-            yield sse_event(chunk)
+            stream = streams.get(index)
+            if stream is None:
+                stream = streams[index] = CumulativeEvents(index if indexed else None)
+            yield stream.add(delta)
     except Exception as e:  # headers are sent: report in-band, then end the stream
         yield sse_error_event(e)
     finally:

@@ -144,6 +144,33 @@ def test_an_async_stream_whose_loop_closes_unread_is_aborted(eng, caplog):
     del stream
 
 
+def test_streams_read_on_the_engines_own_loop(eng):
+    # What plait serve's routes do (Engine.run_on_loop): the stream is the tokenizer manager's own, with
+    # no thread between; one read to the end, one left after its first chunk (aborted: nothing left).
+    async def on_loop():
+        whole = [c async for c in await eng.async_stream_deltas("Count to ten:", SHORT)]
+        stream = await eng.async_stream_deltas("Tell me a story", ENDLESS)
+        first = await stream.__anext__()
+        await stream.aclose()
+        return whole, first
+
+    whole, first = eng.run_on_loop(on_loop())
+    assert sum(len(c["output_ids"]) for c in whole) == 3
+    assert whole[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert first["meta_info"]["finish_reason"] is None
+    assert_idle(eng)
+
+
+def test_a_blocking_call_from_the_engines_own_loop_is_an_error_not_a_hang(eng):
+    async def on_loop():
+        with pytest.raises(RuntimeError, match="would wait for itself"):
+            eng.get_stats()
+        return "served"
+
+    assert eng.run_on_loop(on_loop()) == "served"
+    assert_idle(eng)
+
+
 def test_an_async_stream_consumer_that_raises_leaves_no_task_error(eng, caplog):
     async def consume():
         async for _ in await eng.async_generate("Tell me a story", ENDLESS, stream=True):

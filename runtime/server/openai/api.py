@@ -20,18 +20,17 @@ from ...sampling_params import SamplingParams
 from ..engine_client import GenerationGroup
 from ..errors import APIError, sse_error_event
 from ..native_api import (
-    SSE_DONE,
     check_prompt_ids,
     check_unicode,
     expand_n,
     request_options,
-    sse_event,
     tokenize_prompts,
     verified_sampling_params,
 )
 from ..protocol.compat import COMPLETIONS, review
 from ..protocol.openai import ChatCompletionRequest, CompletionRequest
 from ..server_context import ServerContext, get_context
+from ..sse import SSE_DONE, EventTemplate, Slot, sse_event
 from .outputs import ChoiceCursor, abort_error, completion_logprobs, finish_reason, matched_stop, usage
 from .response_format import response_format_to_sampling
 from .structured_outputs import structured_outputs_to_sampling
@@ -311,8 +310,14 @@ async def _completion_events(
     last_meta: dict[int, dict] = {}
     head = {"id": response_id, "object": "text_completion", "created": created, "model": ctx.model_name}
     continuous = continuous_usage(req)
+    # (the event of most chunks: new text, nothing else)
+    text_only = EventTemplate(
+        {**head, "choices": [{"index": Slot("index"), "text": Slot("text"), "logprobs": None, "finish_reason": None}]}
+    )
     async for index, chunk in group.chunks():
-        cur = cursors.setdefault(index, ChoiceCursor())
+        cur = cursors.get(index)
+        if cur is None:  # (not setdefault: a cursor built per chunk, for nothing but the first)
+            cur = cursors[index] = ChoiceCursor()
         meta = chunk.get("meta_info") or {}
         last_meta[index] = meta
         text = cur.text_delta(chunk)
@@ -329,7 +334,9 @@ async def _completion_events(
             logprobs = completion_logprobs(tokens, tops, ctx.tokenizer, cur.text_offset)
             cur.text_offset += sum(len(t) for t in logprobs["tokens"])
         reason = finish_reason(meta)
-        if text or reason or logprobs:
+        if text and reason is None and logprobs is None and not continuous:
+            yield text_only.render(index, text)
+        elif text or reason or logprobs:
             body = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
             if continuous:
                 body["usage"] = usage([meta], [meta])

@@ -12,10 +12,11 @@ from fastapi.responses import StreamingResponse
 
 from ..engine_client import GenerationGroup
 from ..errors import APIError
-from ..native_api import check_prompt_length, check_unicode, sse_event
+from ..native_api import check_prompt_length, check_unicode
 from ..protocol.compat import CHAT, review
 from ..protocol.openai import ChatCompletionRequest
 from ..server_context import ServerContext, get_context
+from ..sse import EventTemplate, Slot, sse_event
 from ..tools.calls import call_schema, check_tools, plan_for, render_messages
 from ..tools.parser import ToolCallStream, ToolPlan
 from .api import (
@@ -157,20 +158,36 @@ async def _chat_events(
     continuous = continuous_usage(req)
     meta: dict[str, Any] = {}
 
+    # (the event of most chunks: new content, nothing else)
+    content_only = EventTemplate(
+        {
+            **head,
+            "choices": [
+                {"index": Slot("index"), "delta": {"content": Slot("content")}, "logprobs": None, "finish_reason": None}
+            ],
+        }
+    )
+
     def event(index: int, delta: dict, reason: Optional[str] = None, logprobs: Any = None) -> str:
+        if reason is None and logprobs is None and not continuous and len(delta) == 1 and "content" in delta:
+            return content_only.render(index, delta["content"])
         body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
         if continuous:
             body["usage"] = usage([meta], [meta])  # the current chunk's choice
         return sse_event(body)
 
     async for index, chunk in group.chunks():
-        cur = cursors.setdefault(index, ChoiceCursor())
+        cur = cursors.get(index)
+        if cur is None:  # (not setdefault: a cursor built per chunk, for nothing but the first)
+            cur = cursors[index] = ChoiceCursor()
         meta = chunk.get("meta_info") or {}
         last_meta[index] = meta
         if not cur.role_sent:
             cur.role_sent = True
             yield event(index, {"role": "assistant", "content": ""})
-        tool_stream = tool_streams.setdefault(index, tools.new_stream()) if tools else None
+        tool_stream = tool_streams.get(index)
+        if tool_stream is None and tools:
+            tool_stream = tool_streams[index] = tools.new_stream()
         calls: list[dict] = []
         text = cur.text_delta(chunk)
         if tool_stream is not None:
