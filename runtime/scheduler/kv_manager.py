@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..kvcache.memory_pool import ReqToTokenPool, TokenAllocator
@@ -108,6 +109,22 @@ class KVManager:
             self.req_to_token.write(r.req_pool_idx, 0, new_kv)
         r.last_node = node
         r.cache_len = self.cache.cached_len(r.kv_len)
+
+    def keep_tree_paths(self, kept: list[tuple[Req, np.ndarray, list[int]]]) -> None:
+        """After a VERIFY step, per request: (the request, its tree nodes' slots (n,), the nodes it keeps:
+        its root, then the accepted drafts it committed, in order down the tree). The kept nodes' slots
+        become the request's next positions after its computed KV (kv_len grows by as many); every other
+        node's slot goes back to the allocator, never to the prefix cache. The table is rewritten only
+        where the path is not the tree's first nodes (a chain's never is)."""
+        freed: list[int] = []
+        for r, seg, path in kept:
+            if path != list(range(len(path))):
+                self.req_to_token.write(r.req_pool_idx, r.kv_len, torch.from_numpy(seg[path]))
+            keep = set(path)
+            freed.extend(int(seg[j]) for j in range(len(seg)) if j not in keep)
+            r.kv_len += len(path)
+        if freed:
+            self.allocator.free(torch.tensor(freed, dtype=torch.int64))
 
     def release(self, r: Req) -> None:
         """Give the request's KV back: the computed part to the cache, the rest to the allocator."""
