@@ -90,11 +90,12 @@ class Speculation:
         """The grammar's forced tokens are this request's drafts: jump-forward must not append them."""
         return self.proposer.forced(r) and self.proposer.eligible(r)
 
-    def may_speculate(self, reqs: list[Req]) -> bool:
-        """Whether the next step could be a VERIFY (so a decode step must not be launched ahead of it)."""
+    def may_speculate(self, reqs: list[Req], prefill_next: bool = False) -> bool:
+        """Whether the next step could be a VERIFY (so a decode step must not be launched ahead of it);
+        `prefill_next`: the next step likely has prefill rows (then it never verifies)."""
         if not self.enabled:
             return False
-        return self.policy.may_verify(_BatchRequests(reqs, self.proposer), self.clock())
+        return self.policy.may_verify(_BatchRequests(reqs, self.proposer), self.clock(), prefill_next)
 
     def upgrade(self, batch: ScheduleBatch) -> ScheduleBatch:
         """The decode `batch` as a VERIFY batch of every request's draft tree, when the policy finds drafts

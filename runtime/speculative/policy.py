@@ -12,10 +12,16 @@ The scheduler asks it three things of the running requests' next decode step, an
 
 Inside, three judges, each for what the others cannot see:
 - the cost model (cost.py): each step's drafts against the measured cost of decode and verify steps,
-  weighed by each request's accept history (adaptive.py);
-- the guard (guard.py): per batch size, the tokens per second each policy arm delivered;
+  weighed by each request's accept history (adaptive.py; a new request's starts from recent requests');
+- the guard (guard.py): per batch size, the tokens per second each policy arm delivered over stretches
+  of the same requests (not asked while the batch streams: see STREAMING);
 - pauses: a decision needs its predecessor read back, which is the overlap a plain decode step has, so
   where drafts do not pay the batch decides nothing for a while (its decode steps launched ahead).
+
+In the step's token budget a verify row is its request's k + 1 scheduled tokens; they run only in a step
+of decode rows alone (a step with prefill rows never verifies, so one likely next is planned ahead
+without asking for drafts: `may_verify`'s `prefill_next`), and only where the cost model expects them to
+deliver more tokens per second than the plain decode step would.
 
 The cost model decides most steps' drafts; every EXPLORE_EVERY-th decision verifies what was proposed
 anyway (the costs of steps it stopped running would never be measured again), and one decision later in
@@ -47,8 +53,18 @@ FIRST_PAUSE = 1
 MAX_PAUSE = 64
 # When no request found a draft to propose (prompt lookup matched nothing), the batch pauses too, for
 # 1, 2, 4 steps while that lasts: each decided step waits for its predecessor's read-back, which is the
-# overlap lost for nothing. Short: a lookup that would match during the pause is lost with it.
+# overlap lost for nothing. Short: a lookup that would match during the pause is lost with it (the pause
+# starts short again whenever drafts were proposed).
 MAX_IDLE_PAUSE = 4
+# Under a stream of arrivals the running batch changes every few steps (requests join and leave, prefill
+# chunks run between its decode steps). The guard judges stretches of the same requests, which then never
+# complete: its verdict is not asked (each of its arms' first steps would be one more decided step), and
+# where lookups find nothing the batch pauses up to STREAMING_IDLE_PAUSE steps (with 4, one step in 5 was
+# decided for nothing: most of what speculation cost such a stream). A batch streams while the share of
+# its steps that followed a change (a moving average, CHURN_DECAY per step) is above STREAMING.
+STREAMING_IDLE_PAUSE = 16
+CHURN_DECAY = 0.9
+STREAMING = 0.03
 # A measuring decision on a batch that runs ahead: this many decode steps launched ahead after it, timed
 # (the `ahead` curve: what a pause's steps cost, the alternative to verifying there).
 MEASURE_PAUSE = 4
@@ -85,6 +101,28 @@ class StepRequests(Protocol):
     def host_sampled(self) -> bool: ...
 
 
+class _Churn:
+    """How often the running batch changed before its steps (a moving average over steps)."""
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+        self._rids: tuple = ()
+
+    def step(self, rids: tuple, prefill: bool = False) -> None:
+        """A decode step of the requests `rids` (`prefill`: a step with prefill rows)."""
+        changed = prefill or rids != self._rids
+        self._rids = rids
+        self.rate = CHURN_DECAY * self.rate + (1 - CHURN_DECAY) * changed
+
+    def prefill(self) -> None:
+        """A step with prefill rows ran (the batch's requests decode in it, or wait for it)."""
+        self.step(self._rids, prefill=True)
+
+    @property
+    def streaming(self) -> bool:
+        return self.rate > STREAMING
+
+
 @dataclass
 class _Decision:
     """The step `decide` planned, until `observed` says what it became."""
@@ -114,24 +152,33 @@ class SpeculationPolicy:
         # Whether the pipeline launches decode steps ahead: only such a pipeline asks `may_verify`.
         self._launches_ahead = False
         self._decision: Optional[_Decision] = None
+        self._churn = _Churn()
 
     def _guesses_fit(self, size: int) -> bool:
         return size <= self.settings.max_batch
 
     # ------------------------------------------------------------------ before the read-back
-    def may_verify(self, reqs: StepRequests, now: float) -> bool:
+    def may_verify(self, reqs: StepRequests, now: float, prefill_next: bool = False) -> bool:
         """Whether the next step could be a VERIFY (so a decode step must not be launched ahead of it).
         When not, the decode step launched ahead is decided here: it counts down the batch's pause and
-        the requests' sit-outs (no `decide` sees it), and it is not a step the cost model can time."""
+        the requests' sit-outs (no `decide` sees it), and it is not a step the cost model can time.
+        `prefill_next`: the next step likely has prefill rows, which a VERIFY step never has: it is
+        launched ahead, and it is no decode step of the batch (no cost is timed across it)."""
         self._launches_ahead = True
         rids = reqs.rids
+        if prefill_next:
+            self._paused = max(0, self._paused - 1)
+            reqs.skip_step()
+            self.interrupted()
+            return False
         if self._paused > 0:
             self._paused -= 1
         else:
-            guesses = self._guesses_fit(len(rids)) and not (self.guard is not None and self.guard.off_now(rids))
+            guesses = self._guesses_fit(len(rids)) and not self._guard_says_off(rids)
             if reqs.may_draft(guesses):
                 self.costs.stop_running_ahead()
                 return True
+        self._churn.step(rids)
         reqs.skip_step()
         if self.guard is not None:
             self.guard.step()
@@ -147,6 +194,7 @@ class SpeculationPolicy:
         if not guesses and not self.forced_drafts:
             return None  # (nothing to weigh, nothing timed: above the batch limit, no grammar drafts)
         rids = reqs.rids
+        self._churn.step(rids)
         d = self._decision = _Decision(rids, now)
         if self.costs.begin(rids, now) is False:
             self._decode_timed[len(rids)] = self._decisions
@@ -199,24 +247,32 @@ class SpeculationPolicy:
                 self._pause_len = min(MAX_PAUSE, 2 * self._pause_len)
         elif d.weigh and not d.proposed and d.ahead and not d.forced:
             self._paused = self._idle_pause_len  # nothing to verify: run ahead a little (MAX_IDLE_PAUSE)
-            self._idle_pause_len = min(MAX_IDLE_PAUSE, 2 * self._idle_pause_len)
+            cap = STREAMING_IDLE_PAUSE if self._churn.streaming else MAX_IDLE_PAUSE
+            self._idle_pause_len = min(cap, 2 * self._idle_pause_len)
         self.costs.decided(d.rids, verified, verify_tokens if verified else len(d.rids), d.now)
 
     def interrupted(self) -> None:
-        """A step ran synchronously that was no decode or verify step of the batch (a prefill): the time
-        between two decisions is no step's cost, and the guard's stretch ends."""
+        """A step with prefill rows runs (synchronously, or launched ahead): the time between two decisions
+        is no step's cost, the guard's stretch ends, and the batch changed (churn)."""
+        self._churn.prefill()
         self.costs.interrupt()
         if self.guard is not None:
             self.guard.interrupt()
 
     # ------------------------------------------------------------------ parts of a decision
+    def _guard_says_off(self, rids: tuple) -> bool:
+        return self.guard is not None and not self._churn.streaming and self.guard.off_now(rids)
+
     def _guard_allows_guesses(self, reqs: StepRequests, now: float) -> bool:
         """The guard's checkpoint at this decision (a small batch's): whether guessed drafts run this step.
         A new policy starts without the cost model's pause left over from the one before."""
         if self.guard is None:
             return True
-        arm = self.guard.checkpoint(reqs.rids, reqs.output_lens(), now)
-        self.guard.step()
+        if self._churn.streaming:
+            arm = Arm.WEIGHED
+        else:
+            arm = self.guard.checkpoint(reqs.rids, reqs.output_lens(), now)
+            self.guard.step()
         if arm is not self._arm:
             self._arm = arm
             self._paused = 0

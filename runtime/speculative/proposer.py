@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..request import Req
-from .adaptive import RequestSpecState
+from .adaptive import AcceptRates, RequestSpecState
 from .grammar_drafts import GrammarDrafts
 from .ngram import NgramIndex, TokenView
 from .settings import SpecSettings
@@ -33,6 +33,7 @@ class DraftProposer:
         self.ngram_window = ngram_window
         special = getattr(tokenizer, "all_special_ids", None) or ()
         self.grammar_drafts = GrammarDrafts(tokenizer, special) if settings.grammar and tokenizer else None
+        self.accept_rates = AcceptRates()  # what recent requests' drafts achieved: a new request's start
 
     # ------------------------------------------------------------------ who may draft
     def eligible(self, r: Req) -> bool:
@@ -68,7 +69,9 @@ class DraftProposer:
             ngram = NgramIndex(*self.ngram_window) if s.ngram or constrained else None
             # (a drafter's chain shortens after a rejection: each draft costs a drafter step; lookup and
             # forced drafts cost nothing to propose, the cost model cuts them)
-            r.spec = RequestSpecState(s.max_drafts, s.adaptive, ngram, shrink=s.model_drafts and not constrained)
+            r.spec = RequestSpecState(
+                s.max_drafts, s.adaptive, ngram, shrink=s.model_drafts and not constrained, population=self.accept_rates
+            )
         return r.spec
 
     @staticmethod
