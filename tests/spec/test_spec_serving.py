@@ -118,3 +118,18 @@ def test_speculation_pays_where_requests_quote_their_context():
     on, rate_on = serve(quoting_script, reqs, **STREAM, speculative_algorithm="NGRAM")
     assert on == off
     assert rate_on > 2 * rate_off, rate_on / rate_off
+
+
+def sweep(rates=(2, 4, 8, 16, 32), n: int = 150) -> None:
+    """The table of benchmarks/RESULTS.md (issue 32): NGRAM over off, each script, at each rate.
+    python -c "import sys; sys.path[:0] = ['tests', 'tests/spec']; import test_spec_serving as t; t.sweep()" """
+    scripts = (("random", hashed_script), ("random", rejected_script), ("quote", quoting_script))
+    for rate in rates:
+        row = []
+        for kind, script in scripts:
+            reqs = prompts(kind, n, 512)
+            off, rate_off = serve(script, reqs, 1 / rate, 128)
+            on, rate_on = serve(script, reqs, 1 / rate, 128, speculative_algorithm="NGRAM")
+            assert on == off
+            row.append(f"{rate_on / rate_off:.3f}")
+        print(rate, " | ".join(row), flush=True)
