@@ -101,12 +101,14 @@ class KVManager:
     def insert_progress(self, r: Req) -> None:
         """The request's computed tokens into the prefix cache (after a prefill): they become shared."""
         ids = token_prefix(r, r.kv_len)
-        kv = self.req_to_token.read(r.req_pool_idx, r.kv_len)
+        row = r.req_pool_idx
+        assert row is not None  # (a prefilled request holds its table row)
+        kv = self.req_to_token.read(row, r.kv_len)
         new_kv, node = self.cache.cache_unfinished_req(ids, kv, r.last_node)
         # NOTE: the row changes only where the tree already held a token this request computed too
         # (rare: prefills of one prefix are deduplicated), so the usual case writes nothing.
         if new_kv is not kv and not torch.equal(new_kv, kv):
-            self.req_to_token.write(r.req_pool_idx, 0, new_kv)
+            self.req_to_token.write(row, 0, new_kv)
         r.last_node = node
         r.cache_len = self.cache.cached_len(r.kv_len)
 
@@ -119,6 +121,7 @@ class KVManager:
         freed: list[int] = []
         for r, seg, path in kept:
             if path != list(range(len(path))):
+                assert r.req_pool_idx is not None  # (a request in a step holds its table row)
                 self.req_to_token.write(r.req_pool_idx, r.kv_len, torch.from_numpy(seg[path]))
             keep = set(path)
             freed.extend(int(seg[j]) for j in range(len(seg)) if j not in keep)

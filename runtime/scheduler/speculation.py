@@ -104,7 +104,8 @@ class Speculation:
             return batch
         proposals = self.policy.decide(_BatchRequests(batch.reqs, self.proposer), self.clock())
         out = self._verify_batch(batch, proposals) if proposals is not None else batch
-        self.policy.observed(len(out.out_cache_loc) if out is not batch else None)
+        nodes = out.out_cache_loc  # (T,) a VERIFY batch's: every node of every tree
+        self.policy.observed(len(nodes) if out is not batch and nodes is not None else None)
         return out
 
     def observe_step(self, batch: ScheduleBatch, seconds: float) -> None:
@@ -123,6 +124,7 @@ class Speculation:
         loc = self.kv.alloc(extra)
         if loc is None:  # no room for drafts this step: decode as usual
             return batch
+        assert batch.out_cache_loc is not None  # (a decode batch's slots, one per request)
         roots = batch.out_cache_loc.numpy()
         slots = np.empty(len(roots) + extra, dtype=np.int64)
         extra_np = loc.numpy()
@@ -140,6 +142,7 @@ class Speculation:
     def commit_kv(self, batch: ScheduleBatch, out: StepOutput, committed: list[int]) -> None:
         """Request i kept `committed[i]` of its accepted tokens: the slots of its root and of the first
         committed - 1 accepted drafts hold their KV now (kv_len grows by that many); the others are freed."""
+        assert batch.out_cache_loc is not None and batch.verify is not None  # (a VERIFY batch's)
         slots = batch.out_cache_loc.numpy()
         kept = []
         at = 0
@@ -158,7 +161,8 @@ class Speculation:
     def stats(self) -> dict:
         t = self.totals
         steps = t["spec_verify_steps"]
-        out = {**t, "avg_spec_accept_length": (t["spec_accepted_tokens"] + steps) / steps if steps else 0.0}
+        out: dict[str, Any] = {**t}
+        out["avg_spec_accept_length"] = (t["spec_accepted_tokens"] + steps) / steps if steps else 0.0
         report = self.policy.report()
         if report is not None and self.settings.enabled:
             out["spec_guard"] = report

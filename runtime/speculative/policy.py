@@ -249,7 +249,7 @@ class SpeculationPolicy:
             self._paused = self._idle_pause_len  # nothing to verify: run ahead a little (MAX_IDLE_PAUSE)
             cap = STREAMING_IDLE_PAUSE if self._churn.streaming else MAX_IDLE_PAUSE
             self._idle_pause_len = min(cap, 2 * self._idle_pause_len)
-        self.costs.decided(d.rids, verified, verify_tokens if verified else len(d.rids), d.now)
+        self.costs.decided(d.rids, verified, len(d.rids) if verify_tokens is None else verify_tokens, d.now)
 
     def interrupted(self) -> None:
         """A step with prefill rows runs (synchronously, or launched ahead): the time between two decisions
@@ -271,7 +271,7 @@ class SpeculationPolicy:
         if self._churn.streaming:
             arm = Arm.WEIGHED
         else:
-            arm = self.guard.checkpoint(reqs.rids, reqs.output_lens(), now)
+            arm = self.guard.checkpoint(reqs.rids, tuple(reqs.output_lens()), now)
             self.guard.step()
         if arm is not self._arm:
             self._arm = arm

@@ -97,7 +97,7 @@ class DraftProposer:
         n = min(state.allowed_drafts(), room)  # the adaptive length (0 while sitting out)
         s = self.settings
         by_grammar = self.forced(r)
-        if by_grammar:
+        if by_grammar and self.grammar_drafts is not None and r.grammar is not None:
             # NOTE: the adaptive length and the sit-outs bound guessed drafts only: forced text is what
             # jump-forward would append, drafted whole (up to the cap) whatever became of earlier guesses.
             # Not where the grammar's budget closer would act within the drafts (draft_room).
@@ -110,9 +110,9 @@ class DraftProposer:
                 lookup = state.ngram is not None and guesses and r.grammar.draft_room(chain, free=True) >= chain
                 drafts, state.forced = self.grammar_drafts.propose(
                     r.grammar,
-                    TokenView(r.origin_input_ids, r.output_ids),
+                    TokenView(r.origin_input_ids, r.output_ids),  # type: ignore[arg-type]
                     chain,
-                    state.ngram.propose if lookup else None,
+                    state.ngram.propose if lookup and state.ngram is not None else None,
                     max_guessed=n,
                 )
                 if drafts:
@@ -125,7 +125,7 @@ class DraftProposer:
         if n <= 0:
             return lone, False
         if not by_grammar and state.ngram is not None:
-            drafts = state.ngram.propose(TokenView(r.origin_input_ids, r.output_ids), n)
+            drafts = state.ngram.propose(TokenView(r.origin_input_ids, r.output_ids), n)  # type: ignore[arg-type]
             if drafts:
                 return DraftTree.chain(root, drafts), False
         if s.model_drafts and guesses and free > 0:
@@ -148,7 +148,8 @@ class DraftProposer:
         """What the target wrote since the grammar forced a text: the grammar drafts' tokens for it."""
         forced, start = r.spec.pending_forced
         written = r.output_ids[start:]
-        if self.grammar_drafts.learn(forced, written) is not None or len(written) > MAX_LEARN_TOKENS:
+        learnt = self.grammar_drafts is not None and self.grammar_drafts.learn(forced, written) is not None
+        if learnt or len(written) > MAX_LEARN_TOKENS:
             r.spec.pending_forced = None
 
 

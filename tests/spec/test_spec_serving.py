@@ -20,10 +20,11 @@ VOCAB = 1000
 
 
 def gpu_seconds(step) -> float:
-    """An 8B step on one H100 or H200 (bench_spec_gpu's verify/decode costs, benchmarks/RESULTS.md): a
-    decode step 5 ms and a little per row when launched ahead of its predecessor's read-back, 1.5 ms more
-    when decided after it (the host work no longer hidden); a verify step (always decided) ~1.3x a decode
-    step at one request, ~1.7x at 32 with a few drafts each; a prefill chunk's tokens 0.05 ms each."""
+    """An 8B model's step on the GPU, shaped after bench_spec_gpu's verify and decode step costs (its table in
+    benchmarks/RESULTS.md): a decode step's fixed cost and a little per row when launched ahead of its
+    predecessor's read-back, more when decided after it (the host work no longer hidden); a verify step
+    (always decided) ~1.3x a decode step at one request, ~1.7x at 32 with a few drafts each; a prefill
+    chunk's cost by its tokens."""
     decided = 0.0 if step.ids_from_prev else 1.5e-3
     if step.mode.is_verify():
         return 6.5e-3 + 1e-4 * step.batch_size + 1.5e-5 * step.num_tokens + 1.5e-3
