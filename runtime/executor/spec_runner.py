@@ -30,6 +30,7 @@ from ..models.config import ModelConfig
 from ..server_args import ServerArgs
 from ..speculative.draft_batch import DraftMemory
 from ..speculative.draft_model import DraftModelDrafter
+from ..speculative.drafter import Drafter
 from ..speculative.eagle import EagleDrafter
 from ..speculative.eagle_head import EagleHead, HeadConfig
 from ..step import StepInput, StepOutput
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 class SpecRunner:
-    def __init__(self, target: TargetRunner, drafter: Any):
+    def __init__(self, target: TargetRunner, drafter: Drafter):
         self.target = target
         self.drafter = drafter
         # The target's facts (its memory only: a drafter's weights and KV are not counted), never launched ahead.
@@ -129,6 +130,7 @@ def create_step_runner(
     attention = AttentionContext(device, heads, dtype, pool.num_slots, server_args.disable_cascade_attention)
     backend = create_attention_backend(target.info.attention_backend, attention)
     memory = DraftMemory(pool, target.req_to_token_pool, backend, slots, scratch, device, HostStaging(device))
+    drafter: Drafter
     if algo == "STANDALONE":
         drafter = DraftModelDrafter(model, memory, steps, topk, nodes)
     else:

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..kvcache.memory_pool import ReqToTokenPool, TokenAllocator
@@ -100,14 +101,33 @@ class KVManager:
     def insert_progress(self, r: Req) -> None:
         """The request's computed tokens into the prefix cache (after a prefill): they become shared."""
         ids = token_prefix(r, r.kv_len)
-        kv = self.req_to_token.read(r.req_pool_idx, r.kv_len)
+        row = r.req_pool_idx
+        assert row is not None  # (a prefilled request holds its table row)
+        kv = self.req_to_token.read(row, r.kv_len)
         new_kv, node = self.cache.cache_unfinished_req(ids, kv, r.last_node)
         # NOTE: the row changes only where the tree already held a token this request computed too
         # (rare: prefills of one prefix are deduplicated), so the usual case writes nothing.
         if new_kv is not kv and not torch.equal(new_kv, kv):
-            self.req_to_token.write(r.req_pool_idx, 0, new_kv)
+            self.req_to_token.write(row, 0, new_kv)
         r.last_node = node
         r.cache_len = self.cache.cached_len(r.kv_len)
+
+    def keep_tree_paths(self, kept: list[tuple[Req, np.ndarray, list[int]]]) -> None:
+        """After a VERIFY step, per request: (the request, its tree nodes' slots (n,), the nodes it keeps:
+        its root, then the accepted drafts it committed, in order down the tree). The kept nodes' slots
+        become the request's next positions after its computed KV (kv_len grows by as many); every other
+        node's slot goes back to the allocator, never to the prefix cache. The table is rewritten only
+        where the path is not the tree's first nodes (a chain's never is)."""
+        freed: list[int] = []
+        for r, seg, path in kept:
+            if path != list(range(len(path))):
+                assert r.req_pool_idx is not None  # (a request in a step holds its table row)
+                self.req_to_token.write(r.req_pool_idx, r.kv_len, torch.from_numpy(seg[path]))
+            keep = set(path)
+            freed.extend(int(seg[j]) for j in range(len(seg)) if j not in keep)
+            r.kv_len += len(path)
+        if freed:
+            self.allocator.free(torch.tensor(freed, dtype=torch.int64))
 
     def release(self, r: Req) -> None:
         """Give the request's KV back: the computed part to the cache, the rest to the allocator."""

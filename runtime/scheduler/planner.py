@@ -62,8 +62,15 @@ class StepPlanner:
             longest = max(len(r.origin_input_ids) + len(r.output_ids) for r in running) + 1
         if longest >= self.context_len - 1:
             return False
-        # NOTE: asked last, once per step planned ahead: it counts the step as decided without drafts.
-        return not self.speculation.may_speculate(list(running))
+        # NOTE: asked last, once per step planned ahead: it counts the step as decided without drafts. A step
+        # with prefill rows never verifies: where one is likely next, it is planned ahead.
+        q = self.queues
+        prefill = (
+            q.chunked is not None
+            or bool(q.jump_tails)
+            or (bool(q.waiting) and len(running) < self.admission.max_running_requests)
+        )
+        return not self.speculation.may_speculate(list(running), prefill_next=prefill)
 
     def plan(self, prev: Optional[ScheduleBatch] = None) -> Optional[ScheduleBatch]:
         """The next step (its requests' slots allocated), or None when nothing can run. `prev`: the step in

@@ -1,15 +1,17 @@
-"""Committing a step's results: tokens appended, stop checks (one batched detokenization per step),
-prefix-cache inserts, finished requests released, grammar-forced tails queued.
+"""Committing a step's results: tokens appended, stop checks (one batched detokenization per round of
+tokens), prefix-cache inserts, finished requests released, grammar-forced tails queued.
 
 A prefill batch is committed in two parts: what it changes without its sampled tokens (each request's
 KV length, its computed prefix in the cache, CHUNKED or RUNNING) when it is launched (`commit_prefill`:
 a batch launched ahead is committed before the next admission, which then matches these tokens instead
 of computing them again), and its tokens when they are read back (`process`).
 
-A VERIFY step (speculative decoding) gives a request several tokens: they are committed one at a time,
-each through the stop checks as a decode step's token would be (one batched detokenization per
-round), so stop strings, EOS and max_new_tokens cut exactly where they would without speculation; the
-speculation part then keeps the KV of what was committed and frees the rest.
+One routine (`process`) commits every kind of step's tokens: a row's one token (a decode row, a prefill
+that completes) or, for a VERIFY row (speculative decoding), its k accepted drafts and the target's
+token after them, k + 1 in all. They are committed in rounds: round j appends every row's j-th token,
+then the stop checks run for all of them at once, as for a decode step's tokens, so stop strings, EOS
+and max_new_tokens cut exactly where they would one token a step; the speculation part then keeps the
+KV of what a verify row committed and frees the rest.
 """
 
 from __future__ import annotations
@@ -61,18 +63,19 @@ class StepResults:
             self.queues.commit_prefill(r, complete=not r.is_chunked)
 
     def process(self, batch: ScheduleBatch, out: StepOutput) -> None:
-        """Commit a step: tokens appended, stops checked (one batched detokenization for the whole step),
+        """Commit a step: tokens appended in rounds, stops checked (one batched detokenization a round),
         then, in batch order, finished requests released, jumps queued. A later batch may have moved a
         prefill's requests on since it was committed, so their kv lengths are not touched here."""
-        if batch.mode.is_verify():
-            return self._process_verify(batch, out)
-        extend = batch.mode.is_extend()
+        verify, extend = batch.mode.is_verify(), batch.mode.is_extend()
         reqs = batch.reqs
-        # Decode rows (a mixed step's first ones) each wrote one token's KV at its slot.
-        num_decode = batch.num_decode if extend else len(reqs)
+        # Decode rows (a mixed step's first ones) each wrote one token's KV at its slot (a verify row's
+        # KV is kept after its tokens: `Speculation.commit_kv`).
+        num_decode = batch.num_decode if extend else (0 if verify else len(reqs))
         decode_slots = batch.out_cache_loc[:num_decode].tolist() if num_decode else []
         staged: list[tuple[Req, int]] = []  # (request, what to do after the stop checks), batch order
         to_check: list[Req] = []
+        committed = [0] * len(reqs) if verify else None  # a verify row's tokens kept
+        more: list[int] = []  # verify rows with tokens after their first
         n_tokens = 0
         now = None
         for i, (r, tok, lps) in enumerate(zip(reqs, out.next_token_ids, out.output_logprobs)):
@@ -82,7 +85,7 @@ class StepResults:
                 if r.inflight_slot == decode_slots[i]:
                     r.inflight_slot = None  # this step's slot is committed here (kv_len += 1)
                 r.kv_len += 1
-            else:
+            elif not verify:
                 for pos, lp, in_tok, top in out.input_logprobs[i]:
                     r.input_token_logprobs.append((lp, in_tok))
                     r.input_top_logprobs.append(top)
@@ -98,6 +101,12 @@ class StepResults:
                 continue
             if r.first_token_time is None:
                 r.first_token_time = now = now or time.monotonic()
+            if committed is not None:  # round 0 of a verify row: its first token
+                v = out.verified[i]
+                tok, lps = v.tokens[0], v.logprobs[0] if v.logprobs is not None else None
+                committed[i] = 1
+                if len(v.tokens) > 1:
+                    more.append(i)
             r.output_ids.append(tok)
             n_tokens += 1
             if lps is not None:
@@ -106,54 +115,54 @@ class StepResults:
                 r.output_top_logprobs.append(top)
             if r.grammar is None:
                 to_check.append(r)
-                if extend:
+                if extend or verify:
                     staged.append((r, _TOKEN))
                 continue
             # A token the grammar rejects gets an abort reason from accept(); it keeps it.
             if self.grammars.accept(r, tok):
                 to_check.append(r)
             staged.append((r, _TOKEN))
-        self.stats["generation_tokens"] += n_tokens
         self.outputs.check_finish_many(to_check, self.context_len)
-        if not extend:  # plain decode requests were not staged: only those that finished need work
+        if committed is not None:
+            n_tokens += self._later_rounds(reqs, out, more, committed)
+            self.spec.commit_kv(batch, out, committed)
+        self.stats["generation_tokens"] += n_tokens
+        if not (extend or verify):  # plain decode requests were not staged: only those that finished need work
             staged = _merge_finished(reqs, staged, to_check)
         self._settle(staged)
 
-    def _process_verify(self, batch: ScheduleBatch, out: StepOutput) -> None:
-        """Commit each request's accepted tokens in rounds (round j: every request still going appends its
-        j-th token, then the stop checks run for all of them at once). A token after the first was chosen
-        at a draft's node under the grammar's plain mask: the grammar says first whether plain decoding
-        would write it there (`keeps_verified`: the budget closer's decision); where not, the request
-        keeps what it has and its next step decodes from there."""
-        reqs = batch.reqs
-        tokens = [v.tokens for v in out.verified]
-        committed = [0] * len(reqs)
-        aborted = [r.finished_reason is not None for r in reqs]  # aborted mid-step
-        active = [i for i, a in enumerate(aborted) if not a]
-        cut: set[int] = set()
-        j = 0
-        while active:
+    def _later_rounds(self, reqs: list[Req], out: StepOutput, rows: list[int], committed: list[int]) -> int:
+        """Rounds 1, 2, .. of a VERIFY step's rows `rows` (those with more than one token): each row still
+        going appends its next token, then the stop checks run for the round. A token after the first was
+        chosen at a draft's node under the grammar's plain mask: the grammar says first whether plain
+        decoding would write it there (`keeps_verified`: the budget closer's decision); where not, the
+        request keeps what it has and its next step decodes from there. Returns the tokens appended."""
+        appended = 0
+        j = 1
+        while rows:
+            rows = [i for i in rows if reqs[i].finished_reason is None and j < len(out.verified[i].tokens)]
             to_check = []
-            for i in active:
-                r, tok = reqs[i], tokens[i][j]
-                if j and r.grammar is not None and not r.grammar.keeps_verified(tok):
-                    cut.add(i)
+            going = []
+            for i in rows:
+                r, v = reqs[i], out.verified[i]
+                tok = v.tokens[j]
+                if r.grammar is not None and not r.grammar.keeps_verified(tok):
                     continue
+                going.append(i)
                 r.output_ids.append(tok)
                 committed[i] += 1
-                lps = out.verified[i].logprobs
-                if lps is not None:
-                    r.output_token_logprobs.append((lps[j][0], tok))
-                    r.output_top_logprobs.append(lps[j][1])
+                appended += 1
+                if v.logprobs is not None:
+                    lp, top = v.logprobs[j]
+                    r.output_token_logprobs.append((lp, tok))
+                    r.output_top_logprobs.append(top)
                 # A token the grammar rejects gets an abort reason from accept(); it keeps it.
                 if r.grammar is None or self.grammars.accept(r, tok):
                     to_check.append(r)
             self.outputs.check_finish_many(to_check, self.context_len)
+            rows = going
             j += 1
-            active = [i for i in active if reqs[i].finished_reason is None and j < len(tokens[i]) and i not in cut]
-        self.stats["generation_tokens"] += sum(committed)
-        self.spec.commit_kv(batch, out, committed)
-        self._settle([(r, _ABORTED if a else _TOKEN) for r, a in zip(reqs, aborted)])
+        return appended
 
     def _settle(self, staged: list[tuple[Req, int]]) -> None:
         """In batch order: finished requests released, grammar-forced tails queued for a prefill."""

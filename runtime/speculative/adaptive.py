@@ -14,6 +14,10 @@ to propose, and cost.allocate cuts what does not pay (a lookup's chain after one
 bet than before it: its next match starts afresh). After `COLLAPSE_STEPS` verify steps in a row that
 accepted nothing the request sits out `backoff` decode steps, doubling up to `MAX_BACKOFF` while it keeps
 failing; one accepted draft resets it.
+
+A request's history starts from what recent requests' drafts achieved (`AcceptRates`, by kind): under a
+stream of requests whose drafts are rejected, each new one would otherwise pay its own verify steps to
+learn what the ones before it learnt; before any history, from PRIOR.
 """
 
 from __future__ import annotations
@@ -27,15 +31,46 @@ FIRST_BACKOFF = 8
 MAX_BACKOFF = 128
 RATE_DECAY = 0.8  # weight of the past in the accept rate at each verify step
 PRIOR = {False: (2.0, 3.0), True: (9.0, 10.0)}  # (accepted, decided): guessed drafts, grammar-forced ones
+POPULATION_DECAY = 0.99  # weight of the past in the recent requests' rates at each request's verify step
+MIN_POPULATION = 8.0  # decided drafts (decayed) before recent requests' rates replace PRIOR
+
+
+class AcceptRates:
+    """Accepted over decided drafts by kind, over every request's verify steps (decayed sums)."""
+
+    def __init__(self) -> None:
+        self._sums = {forced: [0.0, 0.0] for forced in (False, True)}  # kind -> [accepted, decided]
+
+    def add(self, forced: bool, accepted: int, decided: int) -> None:
+        s = self._sums[forced]
+        s[0] = POPULATION_DECAY * s[0] + accepted
+        s[1] = POPULATION_DECAY * s[1] + decided
+
+    def prior(self, forced: bool) -> tuple[float, float]:
+        """A new request's (accepted, decided) for a kind: PRIOR's weight at the recent requests' rate."""
+        hits, decided = self._sums[forced]
+        weight = PRIOR[forced][1]
+        if decided < MIN_POPULATION:
+            return PRIOR[forced]
+        return (weight * hits / decided, weight)
 
 
 class RequestSpecState:
     """One request's speculation: its lookup index, its draft length, and its counters (meta_info)."""
 
-    def __init__(self, max_drafts: int, adaptive: bool, ngram: Optional[NgramIndex] = None, shrink: bool = True):
+    def __init__(
+        self,
+        max_drafts: int,
+        adaptive: bool,
+        ngram: Optional[NgramIndex] = None,
+        shrink: bool = True,
+        population: Optional[AcceptRates] = None,
+    ):
         self.max_drafts = max_drafts
         self.shrink = shrink
-        self._rates = {forced: list(PRIOR[forced]) for forced in (False, True)}  # kind -> [accepted, decided]
+        self.population = population  # recent requests' rates: where this one's start, and what it adds to
+        start = population.prior if population is not None else PRIOR.__getitem__
+        self._rates = {forced: list(start(forced)) for forced in (False, True)}  # kind -> [accepted, decided]
         self.forced: list[bool] = []  # which drafts of this step's chain the grammar forced (the rest: guessed)
         self.adaptive = adaptive
         self.ngram = ngram
@@ -83,7 +118,10 @@ class RequestSpecState:
             hits = sum(1 for k in kinds[:accepted] if k == kind)
             rate = self._rates[kind]
             rate[0] = RATE_DECAY * rate[0] + hits
-            rate[1] = RATE_DECAY * rate[1] + sum(1 for k in kinds if k == kind)
+            decided = sum(1 for k in kinds if k == kind)
+            rate[1] = RATE_DECAY * rate[1] + decided
+            if self.population is not None:
+                self.population.add(kind, hits, decided)
         if not self.adaptive:
             return
         if accepted >= proposed or not self.shrink:

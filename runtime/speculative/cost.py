@@ -9,13 +9,15 @@ adaptive.py) expects 1 + p_1 + ... + p_k tokens from a chain of k drafts. `alloc
 chance of being accepted and takes the prefix of that order with the most expected tokens per second,
 which is none when the plain decode step's rate is best.
 
-Costs are wall time between the scheduler's consecutive decisions on the same running requests
-(`StepCosts.begin`): what a step costs the batch, host work included. A step is measured only when
-nothing else ran between (a prefill, or a decode step launched ahead without a decision: `interrupt`).
-Where decode steps can be launched ahead of the read-back (a GPU), the alternative to a verify step is
-not the decided decode step measured that way but one launched ahead, its host work hidden behind the
-device's: a third curve, `ahead`, times those (`StepCosts.ran_ahead`, between consecutive launches for the
-same requests), and `allocate` weighs drafts against it when told the batch would run ahead.
+Costs are wall time between the scheduler's consecutive decisions on the same running requests, or
+fewer of them (`StepCosts.begin`: under a stream of arrivals requests finish every few steps): what a
+step costs the batch, host work included. A step is measured only when nothing else ran between (a
+prefill, or a decode step launched ahead without a decision: `interrupt`). Where decode steps can be
+launched ahead of the read-back (a GPU), the alternative to a verify step is not the decided decode
+step measured that way but one launched ahead, its host work hidden behind the device's: a third curve,
+`ahead`, times those (`StepCosts.ran_ahead`, between consecutive launches for the same requests, or
+fewer), and `allocate` weighs drafts against it when told the batch would run ahead (interpolated where
+the batch's own size was not timed).
 With too few measurements (fewer than MIN_SAMPLES steps, or steps too short to be a device's:
 MIN_STEP_S, a fake runner's) `allocate` gives every request what it asks.
 """
@@ -96,10 +98,10 @@ class StepCosts:
 
     def begin(self, rids: tuple, now: float) -> Optional[bool]:
         """A decision for the requests `rids` starts at `now`: the step decided last, when it was for
-        the same requests and nothing ran since, took `now - its start`. Returns whether that step was a
-        verify step (None: no step was timed)."""
+        the same requests (or more: some finished in it) and nothing ran since, took `now - its start`.
+        Returns whether that step was a verify step (None: no step was timed)."""
         timed = None
-        if self._open is not None and self._open[0] == rids:
+        if self._open is not None and _same_step(self._open[0], rids):
             _, verify, tokens, start = self._open
             (self.verify if verify else self.decode).record(tokens, now - start)
             timed = verify
@@ -119,14 +121,20 @@ class StepCosts:
     def ran_ahead(self, rids: tuple, now: float) -> None:
         """A decode step for `rids` is launched ahead at `now`, undecided: the one launched before it for
         the same requests took `now - its launch` (the device's pace, host work behind it)."""
-        if self._ahead_open is not None and self._ahead_open[0] == rids:
-            self.ahead.record(len(rids), now - self._ahead_open[1])
+        if self._ahead_open is not None and _same_step(self._ahead_open[0], rids):
+            self.ahead.record(len(self._ahead_open[0]), now - self._ahead_open[1])
         self._ahead_open = (rids, now)
         self._open = None  # (and the decided step before it is not timed to the next decision)
 
     def stop_running_ahead(self) -> None:
         """The next step waits for a decision: the launches' pace is no longer timed."""
         self._ahead_open = None
+
+
+def _same_step(before: tuple, now: tuple) -> bool:
+    """Whether a decision for the requests `now` follows the step of `before` with nothing between: the same
+    requests, or fewer (some finished in it); a request that joined came with a prefill."""
+    return before == now or (len(now) < len(before) and set(now).issubset(before))
 
 
 def allocate(
@@ -147,7 +155,9 @@ def allocate(
     run of drafts can pay where its first one alone does not."""
     base = len(available)
     fixed = [min(f, a) for f, a in zip(fixed, available)] if fixed is not None else [0] * base
-    c_plain = costs.ahead.estimate(base) if ahead and costs.ahead.measured(base) else costs.decode.estimate(base)
+    c_plain = costs.ahead.estimate(base) if ahead else None
+    if c_plain is None:
+        c_plain = costs.decode.estimate(base)
     if c_plain is None or costs.verify.estimate(base + 1) is None:
         return list(available)
     items = sorted(

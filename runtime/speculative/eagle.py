@@ -19,14 +19,14 @@ import numpy as np
 import torch
 
 from ..step import StepInput, StepOutput
-from .draft_batch import DraftMemory, ancestor_rows
-from .draft_model import DraftRequests, kept_paths
+from .draft_batch import DraftMemory
+from .drafter import KeptPaths, TreeLevels, draft_trees_of
 from .eagle_head import EagleHead
-from .tree_draft import draft_trees
-from .verify_step import refresh_masks, set_tree
 
 
 class EagleDrafter:
+    """A `Drafter` (drafter.py) and its `TreeSource`: an EAGLE / EAGLE-3 head over the target's features."""
+
     needs_hidden = True
 
     def __init__(self, head: EagleHead, memory: DraftMemory, steps: int, topk: int, num_nodes: int, max_rows: int):
@@ -81,19 +81,11 @@ class EagleDrafter:
     @torch.inference_mode()
     def after_verify(self, step: StepInput, out: StepOutput, hidden: torch.Tensor, fb) -> None:
         feature = self.feature(hidden, fb)  # (T, f) of every node
-        rows, pre, slots, tokens, positions, at = [], [], [], [], [], []
-        starts = step.req_rows[4]
-        for b, row, p, s, _, pos, path in kept_paths(step, out):
-            rows.append(row)
-            pre.append(p)
-            slots.append(s)
-            tokens.append(out.verified[b].tokens)  # each kept node's next token: the drafts after it, the bonus
-            positions.append(pos)
-            at.extend(int(starts[b]) + n for n in path)
-        dfb = self.mem.extend_paths(rows, pre, slots, tokens, positions)
-        feats = feature.index_select(0, torch.tensor(at, device=feature.device))
-        last = list(np.cumsum([len(s) for s in slots]) - 1)
-        self._run(dfb.input_ids, feats, dfb, last, rows)
+        kept = KeptPaths.of(step, out, next_tokens=True)
+        dfb = kept.batch(self.mem)
+        feats = feature.index_select(0, torch.tensor(kept.nodes, device=feature.device))
+        last = list(np.cumsum([len(s) for s in kept.slots]) - 1)
+        self._run(dfb.input_ids, feats, dfb, last, kept.rows)
 
     def _run(self, ids: torch.Tensor, feature: torch.Tensor, dfb, last: list[int], rows: list[int]) -> None:
         """The head over (ids, feature) of dfb's tokens; the rows `last` (one per request row in `rows`)
@@ -110,52 +102,23 @@ class EagleDrafter:
         self.next_ids[r] = self.head.to_target_ids(ids_k)
         self.next_lps[r] = lps
 
-    # ---- drafting ----
+    # ---- drafting (drafter.py's skeleton: a tree without a root column) ----
+    root_column = False
+
     @torch.inference_mode()
     def draft(self, step: StepInput) -> None:
-        reqs = DraftRequests(step, self.mem.device)
-        if not len(reqs):
-            return
-        k, mem, dev = self.topk, self.mem, self.mem.device
-        B = len(reqs)
-        steps = max(reqs.sizes) - 1 if k == 1 else self.steps
-        M = self.scratch_per_row(steps, k)
-        anc = torch.zeros(B, M + 1, M, dtype=torch.bool, device=dev)  # row M: "no parent" (the root's children)
-        level = [0]
+        draft_trees_of(step, self.mem, self.topk, self.steps, self.num_nodes, self)
 
-        def expand(tokens: torch.Tensor, parent_feature: torch.Tensor, parents: torch.Tensor):
-            level[0] += 1
-            first = (level[0] - 1) * k
-            rows = ancestor_rows(torch.where(parents < 0, M, parents), anc, first)  # (B, k, M)
-            n_cols = first + k
-            # a node at depth d: its entry at position prefix + d - 1 (its parent's)
-            fb = mem.tree_level(
-                reqs.rows,
-                tokens,
-                reqs.prefix[:, None] + (level[0] - 1),
-                reqs.prefix,
-                reqs.prefix_cpu,
-                n_cols,
-                k,
-                mem.scratch_slots(reqs.rows, first, k),
-                rows[:, :, :n_cols] if k > 1 else None,
-            )
-            mem.attn_backend.init_forward_metadata(fb)
-            logits, out = self.head(fb.input_ids, parent_feature.reshape(B * k, -1), fb.positions, fb)
-            vals, ids = torch.log_softmax(logits, dim=-1).view(B, k, -1).topk(k, dim=-1)  # (B, k, k)
-            return self.head.to_target_ids(ids), vals, out.view(B, k, -1)
+    def first(self, levels: TreeLevels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head's state after each root, kept from its lockstep run."""
+        rows = levels.reqs.rows
+        return self.next_ids[rows], self.next_lps[rows], self.next_feature[rows]
 
-        trees = draft_trees(
-            self.next_ids[reqs.rows],
-            self.next_lps[reqs.rows],
-            self.next_feature[reqs.rows],
-            reqs.roots,
-            steps,
-            steps + 1 if k == 1 else self.num_nodes,
-            expand,
-        )
-        for b, tree, size in zip(reqs.index, trees, reqs.sizes):
-            if k == 1:
-                tree = type(tree).chain(tree.tokens[0], tree.tokens[1:size])
-            set_tree(step, b, tree)
-        refresh_masks(step)
+    def expand(
+        self, fb, parent_feature: torch.Tensor, B: int, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each frontier node's entry at the position of its parent, fed its parent's output feature."""
+        self.mem.attn_backend.init_forward_metadata(fb)
+        logits, out = self.head(fb.input_ids, parent_feature.reshape(B * k, -1), fb.positions, fb)
+        vals, ids = torch.log_softmax(logits, dim=-1).view(B, k, -1).topk(k, dim=-1)  # (B, k, k)
+        return self.head.to_target_ids(ids), vals, out.view(B, k, -1)

@@ -101,8 +101,10 @@ def test_greedy_outputs_are_the_same_with_mixed_steps(model, reference, settings
     assert got["outputs"] == reference
 
 
-def test_greedy_outputs_are_the_same_with_mixed_steps_and_speculation(model, reference):
-    got = run(model, speculative_algorithm="NGRAM", max_num_batched_tokens=32, chunked_prefill_size=32)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_greedy_outputs_are_the_same_with_mixed_steps_and_speculation(model, reference, overlap):
+    # (overlap: steps planned past the one in flight, speculation asked first unless a prefill is next)
+    got = run(model, overlap, speculative_algorithm="NGRAM", max_num_batched_tokens=32, chunked_prefill_size=32)
     assert got["mixed_steps"] > 0 and got["outputs"] == reference
 
 

@@ -3,9 +3,8 @@
 from .decode_attention import decode_attention
 from .decode_config import DecodeConfig, DecodePolicy, decode_scratch_numel, default_decode_policy
 from .decode_merge import PrefixPartials
-from .extend_attention import ExtendConfig, default_extend_config, extend_attention
+from .extend_attention import ExtendConfig, default_extend_config, extend_attention, tree_attention
 from .prefix_attention import PrefixConfig, PrefixTables, prefix_attention, prefix_partial_numel, split_prefix_scratch
-from .tree_attention import tree_attention
 
 __all__ = [
     "DecodeConfig",

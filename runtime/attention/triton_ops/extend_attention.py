@@ -14,6 +14,14 @@ FlashAttention-style online softmax (base 2). The key range of a block splits in
 - keys before the block's first query position: visible to every row, no causal mask;
 - the diagonal keys up to the block's last query position: causal mask.
 Keys past the block's last query position are never loaded.
+
+Draft trees (speculative decoding's VERIFY steps) are a branch of the same kernel (`TREE`, `tree_attention`):
+request b then has `prefix_lens[b]` keys every new token sees (its cached sequence), then `tree_lens[b]`
+tree columns (req_to_token positions prefix .. prefix + tree_len), of which its `extend_lens[b]` new
+tokens are the last. New token e sees tree column c where `tree_mask[mask_offsets[b] + e * tree_len + c]`
+is set: its ancestors and itself. A target verify step scores whole trees (extend = tree); a draft
+model's tree step adds one level to a tree drafted so far. The key range then splits into the prefix,
+unmasked, and the tree columns, masked by the tree. Chains need no mask: the plain kernel runs them.
 """
 
 from __future__ import annotations
@@ -101,6 +109,9 @@ def _extend_attention_kernel(
     PrefixLens,
     ExtendLens,
     ExtendStart,
+    TreeLens,  # TREE only: (B,) tree columns
+    TreeMask,  # TREE only: (sum E_b * N_b,) uint8, row-major per request
+    MaskOffsets,  # TREE only: (B,) int64
     sm_scale_log2,
     stride_qt,
     stride_qh,
@@ -118,6 +129,7 @@ def _extend_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,17 +150,20 @@ def _extend_attention_kernel(
         offs_n = tl.arange(0, BLOCK_N)
         q_off = (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(Q + q_off, mask=r_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-        q_pos = prefix_len + tok  # (BLOCK_M,) absolute positions
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        # Phase 1: keys at positions < the block's first query position (no causal mask needed).
+        # Phase 1: keys at positions < the block's first query position (no causal mask needed); in a
+        # tree, the prefix, seen whole.
         # NOTE: no NaN in a stored row: every valid row sees at least one key in the first iteration
         # of each phase (the tail mask only cuts the end), so m_i is finite from then on. Padding
         # rows may hold NaN; they are never stored.
-        visible_end = prefix_len + m_start
+        if TREE:
+            visible_end = prefix_len
+        else:
+            visible_end = prefix_len + m_start
         for n_start in range(0, visible_end, BLOCK_N):
             kv_pos = n_start + offs_n
             n_mask = kv_pos < visible_end
@@ -173,36 +188,82 @@ def _extend_attention_kernel(
                 DOT_PRECISION,
             )
 
-        # Phase 2: the diagonal, keys from the first to the last query position of this block.
-        diag_end = prefix_len + tl.minimum(m_start + TOKENS, ext_len)
-        for n_start in range(visible_end, diag_end, BLOCK_N):
-            kv_pos = n_start + offs_n
-            n_mask = kv_pos < diag_end
-            slots = tl.load(ReqToToken + req * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
-            causal = (kv_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]  # (BLOCK_M, BLOCK_N)
-            m_i, l_i, acc = _online_softmax_step(
-                q,
-                K_buf,
-                V_buf,
-                slots,
-                n_mask[:, None] & d_mask[None, :],
-                causal,
-                kv_head,
-                offs_d,
-                m_i,
-                l_i,
-                acc,
-                sm_scale_log2,
-                stride_ks,
-                stride_kh,
-                stride_vs,
-                stride_vh,
-                DOT_PRECISION,
-            )
+        if TREE:
+            # Phase 2: the tree columns, through the mask. NOTE: no NaN in a stored row: with a prefix m_i
+            # is finite already, and without one the first tile holds the root, which every node sees.
+            tree_len = tl.load(TreeLens + b).to(tl.int32)
+            mask_off = tl.load(MaskOffsets + b).to(tl.int64)
+            tree_row = tree_len - ext_len + tok  # (BLOCK_M,) each new token's own tree column
+            for n_start in range(0, tree_len, BLOCK_N):
+                col = n_start + offs_n  # (BLOCK_N,)
+                n_mask = col < tree_len
+                slots = tl.load(ReqToToken + req * stride_r2t + prefix_len + col, mask=n_mask, other=0).to(tl.int64)
+                bits = tl.load(
+                    TreeMask + mask_off + tok[:, None].to(tl.int64) * tree_len + col[None, :],
+                    mask=r_mask[:, None] & n_mask[None, :],
+                    other=0,
+                )  # (BLOCK_M, BLOCK_N)
+                seen = (bits != 0) & n_mask[None, :] & (col[None, :] <= tree_row[:, None])
+                m_i, l_i, acc = _online_softmax_step(
+                    q,
+                    K_buf,
+                    V_buf,
+                    slots,
+                    n_mask[:, None] & d_mask[None, :],
+                    seen,
+                    kv_head,
+                    offs_d,
+                    m_i,
+                    l_i,
+                    acc,
+                    sm_scale_log2,
+                    stride_ks,
+                    stride_kh,
+                    stride_vs,
+                    stride_vh,
+                    DOT_PRECISION,
+                )
+        else:
+            # Phase 2: the diagonal, keys from the first to the last query position of this block.
+            q_pos = prefix_len + tok  # (BLOCK_M,) absolute positions
+            diag_end = prefix_len + tl.minimum(m_start + TOKENS, ext_len)
+            for n_start in range(visible_end, diag_end, BLOCK_N):
+                kv_pos = n_start + offs_n
+                n_mask = kv_pos < diag_end
+                slots = tl.load(ReqToToken + req * stride_r2t + kv_pos, mask=n_mask, other=0).to(tl.int64)
+                causal = (kv_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]  # (BLOCK_M, BLOCK_N)
+                m_i, l_i, acc = _online_softmax_step(
+                    q,
+                    K_buf,
+                    V_buf,
+                    slots,
+                    n_mask[:, None] & d_mask[None, :],
+                    causal,
+                    kv_head,
+                    offs_d,
+                    m_i,
+                    l_i,
+                    acc,
+                    sm_scale_log2,
+                    stride_ks,
+                    stride_kh,
+                    stride_vs,
+                    stride_vh,
+                    DOT_PRECISION,
+                )
 
         out = acc / l_i[:, None]
         o_off = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+@dataclass(frozen=True)
+class TreeMasks:
+    """A VERIFY step's draft trees, for the kernel's tree branch."""
+
+    tree_lens: torch.Tensor  # (B,) tree columns (>= extend_lens)
+    tree_mask: torch.Tensor  # (sum E_b * N_b,) uint8 / bool, row-major per request
+    mask_offsets: torch.Tensor  # (B,) int64
 
 
 def extend_attention(
@@ -218,7 +279,9 @@ def extend_attention(
     max_extend_len: int,
     sm_scale: float,
     cfg: ExtendConfig | None = None,
+    tree: TreeMasks | None = None,
 ) -> torch.Tensor:
+    """Causal extend attention, or with `tree` each request's new tokens over its prefix and draft tree."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if num_heads % num_kv_heads:
@@ -238,6 +301,8 @@ def extend_attention(
     tokens = block_m // group
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (batch, num_kv_heads, triton.cdiv(max_extend_len, tokens))
+    # (the plain kernel never reads the tree's pointers: any tensor stands in for them)
+    t = tree if tree is not None else TreeMasks(extend_lens, extend_lens, extend_lens)
     _extend_attention_kernel[grid](
         q,
         out,
@@ -248,6 +313,9 @@ def extend_attention(
         prefix_lens,
         extend_lens,
         extend_start,
+        t.tree_lens,
+        t.tree_mask,
+        t.mask_offsets,
         sm_scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -265,7 +333,44 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         DOT_PRECISION=precision,
+        TREE=tree is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def tree_attention(
+    q: torch.Tensor,  # (T, H, D) new tokens of all requests, concatenated
+    k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
+    v_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
+    out: torch.Tensor,  # (T, H, D) written in place
+    req_to_token: torch.Tensor,  # (rows, max_ctx) int32
+    req_pool_indices: torch.Tensor,  # (B,)
+    prefix_lens: torch.Tensor,  # (B,)
+    extend_lens: torch.Tensor,  # (B,) new tokens
+    extend_start: torch.Tensor,  # (B,) row of each request's first new token in q
+    tree_lens: torch.Tensor,  # (B,) tree columns (>= extend_lens)
+    tree_mask: torch.Tensor,  # (sum E_b * N_b,) uint8 / bool, row-major per request
+    mask_offsets: torch.Tensor,  # (B,) int64
+    max_extend_len: int,
+    sm_scale: float,
+    cfg: ExtendConfig | None = None,
+) -> torch.Tensor:
+    """Draft-tree attention: the extend kernel's tree branch (see the module doc)."""
+    tree = TreeMasks(tree_lens, tree_mask, mask_offsets)
+    return extend_attention(
+        q,
+        k_buffer,
+        v_buffer,
+        out,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start,
+        max_extend_len,
+        sm_scale,
+        cfg,
+        tree,
+    )
