@@ -71,7 +71,7 @@ class StepResults:
         # Decode rows (a mixed step's first ones) each wrote one token's KV at its slot (a verify row's
         # KV is kept after its tokens: `Speculation.commit_kv`).
         num_decode = batch.num_decode if extend else (0 if verify else len(reqs))
-        decode_slots = batch.out_cache_loc[:num_decode].tolist() if num_decode else []
+        decode_slots = batch.slots[:num_decode].tolist() if num_decode else []
         staged: list[tuple[Req, int]] = []  # (request, what to do after the stop checks), batch order
         to_check: list[Req] = []
         committed = [0] * len(reqs) if verify else None  # a verify row's tokens kept
