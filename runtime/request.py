@@ -70,6 +70,7 @@ class Req:
         self.return_text_in_logprobs = options.return_text_in_logprobs
         self.stream = stream = options.stream
         self.group = options.group  # program / fork group id (scheduling hint)
+        self.priority = options.priority  # lower first among the waiting (vLLM's convention)
         # NOTE: never rebound (append, extend, del in place): the sampling row shares this list.
         self.output_ids: list[int] = []
         self.finished_reason: Optional[FinishReason] = None

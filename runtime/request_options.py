@@ -38,6 +38,8 @@ class RequestOptions:
     return_text_in_logprobs: bool = False
     stream: bool = False
     group: Optional[str] = None  # program / fork group: a scheduling and caching hint
+    # vLLM's: a waiting request of a lower value is admitted first; equal values keep the schedule policy's order.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # NOTE: checked here, not in `of`, so every RequestOptions that exists is valid, however built.
@@ -49,6 +51,8 @@ class RequestOptions:
         top = self.top_logprobs_num
         if not isinstance(top, int) or top < 0:
             raise RequestOptionError("top_logprobs_num", f"top_logprobs_num must be an int >= 0, got {top!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise RequestOptionError("priority", f"priority must be an int, got {self.priority!r}")
 
     @classmethod
     def of(
@@ -60,6 +64,7 @@ class RequestOptions:
         return_text_in_logprobs: Any = False,
         stream: bool = False,
         group: Optional[str] = None,
+        priority: Optional[int] = None,
     ) -> "RequestOptions":
         """From SGLang's `generate` arguments, where None means the default and flags are truthy values."""
         return cls(
@@ -70,6 +75,7 @@ class RequestOptions:
             return_text_in_logprobs=bool(return_text_in_logprobs),
             stream=stream,
             group=group,
+            priority=0 if priority is None else priority,
         )
 
     def __reduce__(self):
@@ -85,6 +91,7 @@ class RequestOptions:
                 self.return_text_in_logprobs,
                 self.stream,
                 self.group,
+                self.priority,
             ),
         )
 

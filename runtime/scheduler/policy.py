@@ -24,8 +24,16 @@ MAX_REORDERED_WAIT_S = 1.0
 
 
 def order_waiting_queue(policy: str, waiting: list[Req], cache: PrefixCache, peeks: Optional[dict] = None) -> list[Req]:
-    """The waiting queue in admission order. With `peeks` (a dict), lpm leaves each ranked request's
-    lookup there under `id(request)` (the admission reuses it)."""
+    """The waiting queue in admission order: by priority (lower first) where requests set one, then by the
+    schedule policy. With `peeks` (a dict), lpm leaves each ranked request's lookup there under
+    `id(request)` (the admission reuses it)."""
+    ordered = _policy_order(policy, waiting, cache, peeks)
+    if any(r.priority for r in waiting):
+        ordered = sorted(ordered, key=lambda r: r.priority)  # stable: the policy's order within a priority
+    return ordered
+
+
+def _policy_order(policy: str, waiting: list[Req], cache: PrefixCache, peeks: Optional[dict]) -> list[Req]:
     if policy == "fcfs" or len(waiting) <= 1:
         return waiting
     if policy == "lpm":

@@ -162,7 +162,11 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[st
         }
         rid = _per_item(body.rid, i, batch, is_batch, "rid") or new_rid()
         options = request_options(
-            rid=rid, return_text_in_logprobs=body.return_text_in_logprobs, group=body.group, **fields
+            rid=rid,
+            return_text_in_logprobs=body.return_text_in_logprobs,
+            group=body.group,
+            priority=body.priority,
+            **fields,
         )
         runs.append(expand_n(base, sp, options))
     return runs

@@ -205,3 +205,37 @@ def test_a_request_passed_over_for_cache_hits_goes_first_once_it_waited_long_eno
     first = step(s)
     assert [r.rid for r in first.reqs][0] == "cold-2"  # then one hit (two may run)
     drain(s)
+
+
+def test_waiting_requests_of_a_lower_priority_value_are_admitted_first():
+    # vLLM's convention: lower first; equal priorities keep the policy's order (fcfs here: arrival).
+    runner = FakeRunner(max_total_tokens=512, max_running_requests=2)
+    s = fake_scheduler(runner, schedule_policy="fcfs")
+    for rid, priority in (("late-0", 0), ("urgent", -5), ("late-1", 0), ("batch", 3), ("urgent-2", -5)):
+        s.handle_message(
+            TokenizedGenerateReq(
+                list(range(10, 20)),
+                SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True),
+                RequestOptions(rid=rid, priority=priority),
+            )
+        )
+    first = step(s)
+    assert [r.rid for r in first.reqs] == ["urgent", "urgent-2"]
+    order = []
+    for _ in range(20):
+        batch = step(s)
+        if batch is not None:
+            order += [r.rid for r in batch.prefill_part()[0]] if batch.mode.is_extend() else []
+        s.collect_outputs()
+        if s.is_idle():
+            break
+    assert order == ["late-0", "late-1", "batch"]
+
+
+def test_a_priority_that_is_not_an_int_is_refused_naming_it():
+    import pytest
+    from plait.runtime.request_options import RequestOptionError
+
+    with pytest.raises(RequestOptionError, match="priority must be an int") as e:
+        RequestOptions(rid="x", priority="high")  # type: ignore[arg-type]
+    assert e.value.field == "priority"

@@ -126,3 +126,17 @@ def test_a_tenfold_burst_is_answered_or_refused_with_a_reason_and_leaves_nothing
     assert requests.post(server + "/flush_cache", timeout=60).status_code == 200
     # Memory flat: a second burst like the first holds no more than noise beyond it.
     assert server_rss_mb(server) <= rss_after_first + 64
+
+
+def test_a_request_priority_is_taken_not_ignored(server):
+    # vLLM's `priority` (SGLang's too): lower values are admitted first; no longer an ignored field.
+    r = requests.post(
+        server + "/generate",
+        json={"text": "Hi", "priority": -1, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2
+    r = requests.post(server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "priority": 4}, timeout=120)
+    assert r.status_code == 200 and "priority" not in r.headers.get("x-plait-ignored-fields", "")
+    r = requests.post(server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "priority": 1.5}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"

@@ -103,7 +103,7 @@ def engine_calls(
     runs = []
     for i, prompt in enumerate(prompts):
         base_rid = rid if rid and len(prompts) == 1 else (f"{rid}-p{i}" if rid else new_rid())
-        runs.append(expand_n(prompt, sp, request_options(rid=base_rid, **logprob_args)))
+        runs.append(expand_n(prompt, sp, request_options(rid=base_rid, priority=req.priority, **logprob_args)))
     return runs
 
 

@@ -72,7 +72,6 @@ _NO_PD = "plait does not run prefill/decode disaggregation"
 _NO_MM = "plait serves text-only models"
 _NO_LORA = "plait does not load LoRA adapters"
 _NO_REASONING = "plait has no reasoning parser: a reasoning model's thinking stays in the content"
-_NO_PRIORITY = "plait schedules without request priorities"
 _CACHE_KEY = (
     "plait's prefix cache matches tokens exactly, so requests that share a prefix share its cache whatever their key"
 )
@@ -82,7 +81,6 @@ _TRACE = "plait keeps no request traces"
 
 FIELDS: dict[str, CompatField] = {
     # ---- hints: routing, scheduling, caching keys, bookkeeping (SGLang, vLLM, OpenAI)
-    "priority": _ignored(EVERY_API, int, _NO_PRIORITY, off=(None, 0)),
     "routing_key": _ignored(EVERY_API, str, _ONE_RANK),
     "routed_dp_rank": _ignored(EVERY_API, int, _ONE_RANK),
     "data_parallel_rank": _ignored(EVERY_API, int, _ONE_RANK),

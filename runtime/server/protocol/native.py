@@ -27,6 +27,7 @@ class GenerateRequest(compat_model(NATIVE)):  # type: ignore[misc]
     logprob_start_len: Optional[Union[int, list[int]]] = None
     top_logprobs_num: Optional[Union[int, list[int]]] = None
     return_text_in_logprobs: bool = False
+    priority: Optional[int] = None  # lower first among waiting requests (vLLM's convention)
     stream: bool = False
     log_metrics: bool = True
     # plait's program hint: requests of one program (and its forks) share a group id, which the

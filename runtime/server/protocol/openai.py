@@ -102,6 +102,7 @@ class _SamplingExtensions(BaseModel):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     rid: Optional[str] = None
+    priority: Optional[int] = None  # vLLM's: lower first among waiting requests
     stop_regex: Optional[Union[str, list[str]]] = None
     stream_interval: Optional[int] = Field(default=None, ge=1)
     custom_params: Optional[dict[str, Any]] = None
