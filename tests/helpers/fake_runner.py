@@ -20,7 +20,10 @@ import torch
 from plait.runtime.constrained.masker import GrammarMasker
 from plait.runtime.executor.runner_info import RunnerInfo
 from plait.runtime.executor.verify import Verifier
+from plait.runtime.io_struct import TokenizedGenerateReq
 from plait.runtime.kvcache.memory_pool import ReqToTokenPool, TokenAllocator
+from plait.runtime.request_options import RequestOptions
+from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
 from plait.runtime.speculative.tree import DraftTree
@@ -166,3 +169,30 @@ def fake_scheduler(runner: Optional[FakeRunner] = None, tokenizer=None, **server
     """A scheduler driving `runner` (default: a FakeRunner) with `server_args` on top of CPU defaults."""
     args = ServerArgs(model_path="fake", device="cpu", **server_args)
     return Scheduler(args, runner or FakeRunner(), tokenizer)
+
+
+def submit(s: Scheduler, rid: str, ids: list[int], **sp) -> None:
+    """A request of `ids` to scheduler `s` (greedy and to its full length unless `sp` says otherwise)."""
+    sp.setdefault("temperature", 0)
+    sp.setdefault("ignore_eos", True)
+    s.handle_message(TokenizedGenerateReq(list(ids), SamplingParams(**sp), RequestOptions(rid=rid)))
+
+
+def step(s: Scheduler):
+    """One step; the integrity check (queues and slots) holds after it."""
+    batch = s.step()
+    assert s.check_integrity(), s.last_integrity_error
+    return batch
+
+
+def drain(s: Scheduler, max_steps: int = 500) -> dict:
+    """Steps until idle; the final output of every request that ended, by rid."""
+    finals = {}
+    for _ in range(max_steps):
+        step(s)
+        for o in s.collect_outputs():
+            if o.finished_reason is not None:
+                finals[o.rid] = o
+        if s.is_idle():
+            return finals
+    raise AssertionError("the scheduler did not go idle")

@@ -6,44 +6,16 @@ queues, the slots, and the steps the runner was handed). The tiny-model tests ab
 from __future__ import annotations
 
 import pytest
-from helpers.fake_runner import FakeRunner, fake_scheduler
+from helpers.fake_runner import FakeRunner, drain, fake_scheduler, step, submit
 from plait.runtime.io_struct import (
     AbortReq,
     CheckIntegrityReq,
     FlushCacheReq,
     GetStatsReq,
     PinPrefixReq,
-    TokenizedGenerateReq,
     UnpinPrefixReq,
 )
-from plait.runtime.request_options import RequestOptions
-from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.queues import ReqStatus
-
-
-def submit(s, rid: str, ids: list[int], **sp) -> None:
-    sp.setdefault("temperature", 0)
-    sp.setdefault("ignore_eos", True)
-    s.handle_message(TokenizedGenerateReq(list(ids), SamplingParams(**sp), RequestOptions(rid=rid)))
-
-
-def step(s):
-    """One step; the integrity check (queues and slots) holds after it."""
-    batch = s.step()
-    assert s.check_integrity(), s.last_integrity_error
-    return batch
-
-
-def drain(s, max_steps: int = 500) -> dict:
-    finals = {}
-    for _ in range(max_steps):
-        step(s)
-        for o in s.collect_outputs():
-            if o.finished_reason is not None:
-                finals[o.rid] = o
-        if s.is_idle():
-            return finals
-    raise AssertionError("the scheduler did not go idle")
 
 
 def all_memory_back(s, total: int) -> bool:

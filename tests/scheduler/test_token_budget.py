@@ -5,35 +5,11 @@ step in flight read their decode rows' inputs on the device; a decode step alone
 
 from __future__ import annotations
 
-from helpers.fake_runner import FakeRunner, fake_scheduler
+from helpers.fake_runner import FakeRunner, drain, fake_scheduler, step, submit
 from plait.runtime.io_struct import FlushCacheReq, TokenizedGenerateReq
 from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.queues import ReqStatus
-
-
-def submit(s, rid: str, ids: list[int], **sp) -> None:
-    sp.setdefault("temperature", 0)
-    sp.setdefault("ignore_eos", True)
-    s.handle_message(TokenizedGenerateReq(list(ids), SamplingParams(**sp), RequestOptions(rid=rid)))
-
-
-def step(s):
-    batch = s.step()
-    assert s.check_integrity(), s.last_integrity_error
-    return batch
-
-
-def drain(s, max_steps: int = 500) -> dict:
-    finals = {}
-    for _ in range(max_steps):
-        step(s)
-        for o in s.collect_outputs():
-            if o.finished_reason is not None:
-                finals[o.rid] = o
-        if s.is_idle():
-            return finals
-    raise AssertionError("the scheduler did not go idle")
 
 
 def layout(st) -> list[tuple[int, int]]:
