@@ -76,6 +76,26 @@ def test_float32_same_greedy_tokens_as_torch_native_and_transformers(model_dir):
     assert _agree(native_out, ref) >= 15 / 16
 
 
+def test_float32_mixed_steps_same_tokens_as_phases_and_transformers(model_dir):
+    # A 64-token budget: requests finish their prefill chunks while others decode, so steps mix one-token
+    # decode rows (the decode kernel, split-KV) with prefill chunks (the extend kernel) in one forward.
+    prompts = _prompts()
+    budget = {"chunked_prefill_size": 64, "max_num_batched_tokens": 64}
+    runs = {}
+    for mixed in (True, False):
+        with Engine(model_path=model_dir, dtype="float32", disable_mixed_chunk=not mixed, **budget) as eng:
+            before = eng.get_stats()["steps"]["mixed"]["steps"]
+            sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+            runs[mixed] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
+            mixed_steps = eng.get_stats()["steps"]["mixed"]["steps"] - before
+            assert eng.check_integrity()
+        assert (mixed_steps > 0) == mixed, mixed_steps
+    ref = _hf_greedy(_hf(model_dir, torch.float32), prompts)
+    print("fp32 mixed/phases", _agree(runs[True], runs[False]), "mixed/hf", _agree(runs[True], ref))
+    assert _agree(runs[True], runs[False]) >= 15 / 16
+    assert _agree(runs[True], ref) >= 15 / 16
+
+
 def test_bfloat16_every_step_is_transformers_choice_or_a_near_tie(model_dir):
     prompts = _prompts()
     triton_out, triton_alone = _generate(model_dir, "triton", True, "bfloat16", prompts)
