@@ -23,6 +23,7 @@ from .api import (
     get_server_info,
     image,
     select,
+    separate_reasoning,
     set_default_backend,
     system,
     system_begin,
@@ -32,11 +33,19 @@ from .api import (
     user_end,
     video,
 )
+from .backend.anthropic_backend import Anthropic
 from .backend.base import BaseBackend
 from .backend.engine_backend import EngineBackend, Runtime
+from .backend.litellm_backend import LiteLLM
 from .backend.openai_backend import OpenAI
 from .backend.runtime_endpoint import RuntimeEndpoint
-from .chat_template import ChatTemplate, chat_template_from_tokenizer, get_chat_template
+from .backend.vertexai_backend import VertexAI
+from .chat_template import (
+    ChatTemplate,
+    chat_template_from_tokenizer,
+    get_chat_template,
+    get_chat_template_by_model_path,
+)
 from .choices import (
     ChoicesDecision,
     ChoicesSamplingMethod,
@@ -47,6 +56,7 @@ from .choices import (
 from .function import SglFunction
 from .global_config import global_config
 from .state import ProgramState, ProgramStateGroup
+from .version import __version__
 
 
 def __getattr__(name: str):
@@ -64,6 +74,7 @@ __all__ = [
     "gen_int",
     "gen_string",
     "select",
+    "separate_reasoning",
     "image",
     "video",
     "system",
@@ -82,11 +93,15 @@ __all__ = [
     "Runtime",
     "RuntimeEndpoint",
     "OpenAI",
+    "Anthropic",
+    "LiteLLM",
+    "VertexAI",
     "Engine",
     "BaseBackend",
     "EngineBackend",
     "ChatTemplate",
     "get_chat_template",
+    "get_chat_template_by_model_path",
     "chat_template_from_tokenizer",
     "ChoicesDecision",
     "ChoicesSamplingMethod",
@@ -98,4 +113,5 @@ __all__ = [
     "ProgramStateGroup",
     "SamplingParams",
     "ServerArgs",
+    "__version__",
 ]

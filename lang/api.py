@@ -7,11 +7,13 @@ from typing import Any, Callable, List, Optional, Union
 
 from plait.grammars.regexes import REGEXES as NAMED_REGEXES
 
-from .choices import ChoicesSamplingMethod, token_length_normalized
+from .choices import ChoicesSamplingMethod, CustomChoicesMethod, token_length_normalized
 from .function import SglFunction
 from .gen_params import GenOverrides
 from .global_config import global_config
-from .ir import SglExpr, SglExprList, SglGen, SglRoleBegin, SglRoleEnd, SglSelect, as_expr
+from .ir import SglExpr, SglExprList, SglGen, SglRoleBegin, SglRoleEnd, SglSelect, as_expr, flatten
+from .media import unsupported_media
+from .reasoning import reasoning_markers
 
 
 def function(func: Optional[Callable] = None, num_api_spec_tokens: Optional[int] = None):
@@ -148,10 +150,25 @@ def select(
             f"tokens to score; give every choice some text"
         )
     if not isinstance(choices_method, ChoicesSamplingMethod):
-        raise TypeError(
-            f"select({name!r}): choices_method must be one of plait's choice methods, got {choices_method!r}"
-        )
+        if not callable(choices_method):
+            raise TypeError(
+                f"select({name!r}): choices_method must be a choice method (a callable taking choices= and the "
+                f"logprobs as keywords), got {choices_method!r}"
+            )
+        choices_method = CustomChoicesMethod(choices_method)
     return SglSelect(name, list(choices), temperature, choices_method)
+
+
+def separate_reasoning(expr: Any = None, model_type: Optional[str] = None) -> SglExpr:
+    """Split a reasoning model's output: `separate_reasoning(gen("answer"), model_type="deepseek-r1")` leaves
+    the answer in "answer" and the thinking in "answer_reasoning_content" (model types: reasoning.py)."""
+    markers = reasoning_markers(model_type)
+    expr = as_expr(expr)
+    gens = [node for node in flatten(expr) if isinstance(node, SglGen)]
+    if not gens or gens[-1].name is None:
+        raise ValueError("separate_reasoning() wraps a named gen, e.g. separate_reasoning(gen('answer'), ...)")
+    gens[-1].reasoning = markers
+    return expr
 
 
 def image(expr: Any) -> SglExpr:
@@ -159,15 +176,11 @@ def image(expr: Any) -> SglExpr:
 
     NOTE: raising here, in the program body, makes `run()` raise where the user wrote `image(...)`;
     a node that only fails on the worker thread left run() returning a half-built state."""
-    raise NotImplementedError(
-        "image() is not supported: plait's runtime serves text-only models (no multimodal inputs: images, video)"
-    )
+    unsupported_media("image()")
 
 
 def video(path: str, num_frames: int) -> SglExpr:
-    raise NotImplementedError(
-        "video() is not supported: plait's runtime serves text-only models (no multimodal inputs: images, video)"
-    )
+    unsupported_media("video()")
 
 
 def _role_common(role: str, expr: Any = None) -> SglExprList:

@@ -3,7 +3,8 @@
 SGLang keeps a hand-written registry of templates keyed by model name. plait derives the markup from
 the tokenizer's own Jinja chat template instead, so any model that ships a template works: render
 short conversations with sentinel contents and read off what the template put before and after each
-sentinel. A few named templates remain for backends that have no tokenizer (OpenAI, tracing).
+sentinel. SGLang's named templates (`named_templates.py`) remain for backends that have no tokenizer
+(OpenAI, Anthropic, tracing) and for programs that name one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
+
+from .named_templates import NAMED_TEMPLATES, template_name_for_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -26,37 +29,62 @@ class ChatTemplate:
     # End-of-turn strings added to every gen's `stop`.
     stop_str: tuple[str, ...] = ()
     image_token: str = "<image>"
+    # "llama-2": the system turn sits inside the first user turn ([INST] <<SYS>>...<</SYS>> question [/INST]).
+    style: str = "plain"
     # Where each string came from, for error messages and debugging.
     source: str = field(default="builtin", compare=False)
 
     def get_prefix_and_suffix(self, role: str, hist_messages: Sequence[dict] = ()) -> tuple[str, str]:
         if role not in self.role_prefix_and_suffix:
             raise ValueError(f"role {role!r} is not one of {list(self.role_prefix_and_suffix)}")
-        return self.role_prefix_and_suffix[role]
+        prefix, suffix = self.role_prefix_and_suffix[role]
+        if self.style == "llama-2":
+            if role == "system" and not hist_messages:
+                return self.role_prefix_and_suffix["user"][0] + prefix, suffix
+            if role == "user" and len(hist_messages) == 1 and hist_messages[0].get("content") is not None:
+                return "", suffix
+        return prefix, suffix
+
+    def get_prompt(self, messages: Sequence[dict]) -> str:
+        """A conversation as text; a system message whose content is None stands for the default prompt."""
+        prompt = ""
+        for i, message in enumerate(messages):
+            role, content = message["role"], message["content"]
+            if role == "system" and content is None:
+                content = self.default_system_prompt
+                if content is None:
+                    continue
+            prefix, suffix = self.get_prefix_and_suffix(role, messages[:i])
+            prompt += f"{prefix}{content}{suffix}"
+        return prompt
 
 
-_BUILTIN = {
-    # SGLang's fallback for models it does not know.
-    "default": ChatTemplate(
-        "default", {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"), "assistant": ("ASSISTANT:", "\n")}
-    ),
-    # No markup: the OpenAI chat backend sends messages(), so the text is only for reading.
-    "plain": ChatTemplate("plain", {"system": ("", "\n"), "user": ("", "\n"), "assistant": ("", "\n")}),
-    "chatml": ChatTemplate(
-        "chatml", {r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ROLES}, stop_str=("<|im_end|>",)
-    ),
-    "llama-3-instruct": ChatTemplate(
-        "llama-3-instruct",
-        {r: (f"<|start_header_id|>{r}<|end_header_id|>\n\n", "<|eot_id|>") for r in ROLES},
-        stop_str=("<|eot_id|>",),
-    ),
-}
+def _named(name: str) -> ChatTemplate:
+    spec = NAMED_TEMPLATES[name]
+    return ChatTemplate(
+        name,
+        dict(spec["roles"]),
+        default_system_prompt=spec.get("system"),
+        stop_str=tuple(spec.get("stop", ())),
+        image_token=spec.get("image_token", "<image>"),
+        style=spec.get("style", "plain"),
+    )
+
+
+_BUILTIN = {name: _named(name) for name in NAMED_TEMPLATES}
 
 
 def get_chat_template(name: str) -> ChatTemplate:
+    """One of SGLang's named templates ("default", "chatml", "llama-2-chat", "qwen", ...) or plait's "plain"."""
     if name not in _BUILTIN:
         raise ValueError(f"unknown chat template {name!r}; known: {sorted(_BUILTIN)}")
     return _BUILTIN[name]
+
+
+def get_chat_template_by_model_path(model_path: str) -> ChatTemplate:
+    """The named template SGLang picks for a model path (words in it such as "llama-3" and "instruct"),
+    "default" when none matches."""
+    return _BUILTIN[template_name_for_model_path(model_path) or "default"]
 
 
 class TemplateDerivationError(ValueError):

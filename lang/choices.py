@@ -146,6 +146,40 @@ class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
         return ChoicesDecision(choices[_argmax_first(scores)], meta)
 
 
+class CustomChoicesMethod(ChoicesSamplingMethod):
+    """A choice method written for SGLang: any callable taking the keywords above and returning a decision
+    (an object with `.decision` and `.meta_info`), with an optional `requires_unconditional_logprobs`."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+        # NOTE: read once: SGLang's protocol makes the attribute optional (False when absent).
+        self._unconditional = bool(getattr(method, "requires_unconditional_logprobs", False))
+
+    @property
+    def requires_unconditional_logprobs(self) -> bool:
+        return self._unconditional
+
+    def __call__(
+        self,
+        *,
+        choices,
+        normalized_prompt_logprobs,
+        input_token_logprobs,
+        output_token_logprobs,
+        unconditional_token_logprobs=None,
+    ) -> ChoicesDecision:
+        return self.method(
+            choices=choices,
+            normalized_prompt_logprobs=normalized_prompt_logprobs,
+            input_token_logprobs=input_token_logprobs,
+            output_token_logprobs=output_token_logprobs,
+            unconditional_token_logprobs=unconditional_token_logprobs,
+        )
+
+    def __repr__(self) -> str:
+        return repr(self.method)
+
+
 token_length_normalized = TokenLengthNormalized()
 greedy_token_selection = GreedyTokenSelection()
 unconditional_likelihood_normalized = UnconditionalLikelihoodNormalized()

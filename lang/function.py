@@ -19,7 +19,7 @@ class SglFunction:
         if not callable(func):
             raise TypeError(f"@function needs a function, got {type(func).__name__}")
         self.func = func
-        self.num_api_spec_tokens = num_api_spec_tokens  # accepted for SGLang compatibility
+        self.num_api_spec_tokens = num_api_spec_tokens  # each backend says what it makes of it (run.py)
         self.bind_arguments = dict(bind_arguments or {})
         name = getattr(func, "__name__", "program")
         # NOTE: the signature, not getfullargspec: it follows functools.wraps, so a program under a

@@ -41,6 +41,7 @@ from .ir import (
     flatten,
     open_role_after,
 )
+from .media import unsupported_media
 from .pins import PinTicket, ProgramPins
 from .variables import ProgramVariables
 
@@ -301,7 +302,7 @@ class StreamExecutor:
         elif isinstance(other, SglConcateAndAppend):
             self._execute_concatenate(other.states)
         elif isinstance(other, SglImage):
-            raise NotImplementedError("image() is not supported yet: plait's runtime serves text-only models")
+            unsupported_media("image()")
         else:
             raise TypeError(f"cannot execute {other!r}")
 
@@ -346,7 +347,7 @@ class StreamExecutor:
             comp, meta = self.backend.generate(self, params)
             self.text_ += comp[0] if isinstance(comp, list) else comp
             params.warn_if_cut_short(name, comp, meta)
-            self.vars.set_result(name, comp, meta)
+            self.vars.set_result(name, comp, meta, expr.reasoning)
             return
         if name is not None:
             self.vars.start_stream(name)
@@ -357,7 +358,7 @@ class StreamExecutor:
             self.stream_text_event.set()
         if name is not None:
             params.warn_if_cut_short(name, self.vars.values[name], self.vars.meta_info.get(name))
-            self.vars.set_result(name, self.vars.values[name], self.vars.meta_info.get(name))
+            self.vars.set_result(name, self.vars.values[name], self.vars.meta_info.get(name), expr.reasoning)
 
     def _execute_select(self, expr: SglSelect) -> None:
         with collect_requests(self.recorder) as stats:

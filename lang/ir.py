@@ -123,6 +123,7 @@ class SglGen(SglExpr):
         self.name = name
         self.overrides = overrides  # gen_params.GenOverrides
         self.output_model = None  # a Pydantic model class the output parses into (json_schema=Model)
+        self.reasoning = None  # reasoning.ReasoningMarkers: separate_reasoning(gen(...)) splits the output
 
     def __repr__(self) -> str:
         return f"Gen({self.name!r})"

@@ -43,6 +43,8 @@ def run_program(
     """Start the program. Without streaming, its body runs here and an exception in it propagates
     (unless capture_errors, used by run_batch, records it in the state instead)."""
     backend = resolve_backend(backend)
+    if program.num_api_spec_tokens is not None:
+        backend.check_api_speculation(program.num_api_spec_tokens)
     kwargs = {**kwargs, **program.bind_arguments}
     executor = StreamExecutor(backend, kwargs, defaults, stream=stream, use_thread=use_thread)
     executor.recorder.name = program.__name__

@@ -13,6 +13,7 @@ import threading
 from typing import Any, Iterable, Optional
 
 from .ir import SglExpr, SglGen, SglSelect, SglVarScopeBegin, flatten
+from .reasoning import ReasoningMarkers, reasoning_var_name, split_reasoning
 
 
 class ProgramVariables:
@@ -57,11 +58,15 @@ class ProgramVariables:
         created = []
         for node in flatten(expr):
             if isinstance(node, (SglGen, SglSelect, SglVarScopeBegin)) and node.name is not None:
-                event = self.events[node.name] = threading.Event()
-                created.append(event)
-                if self.stream_events is not None:
-                    event = self.stream_events[node.name] = threading.Event()
+                names = [node.name]
+                if isinstance(node, SglGen) and node.reasoning is not None:
+                    names.append(reasoning_var_name(node.name))
+                for name in names:
+                    event = self.events[name] = threading.Event()
                     created.append(event)
+                    if self.stream_events is not None:
+                        event = self.stream_events[name] = threading.Event()
+                        created.append(event)
         return created
 
     def set(self, name: str, value: Any) -> None:
@@ -69,10 +74,21 @@ class ProgramVariables:
         self.values[name] = value
         self.own[name] = None
 
-    def set_result(self, name: Optional[str], value: Any, meta: Any) -> None:
-        """A gen's, select's or var scope's final value: its readers wake."""
+    def set_result(
+        self, name: Optional[str], value: Any, meta: Any, reasoning: Optional[ReasoningMarkers] = None
+    ) -> None:
+        """A gen's, select's or var scope's final value: its readers wake. With `reasoning` (a gen wrapped in
+        separate_reasoning) the value is the answer and `<name>_reasoning_content` the thinking (a list of
+        each for n > 1)."""
         if name is None:
             return
+        if reasoning is not None:
+            splits = [split_reasoning(v, reasoning) for v in (value if isinstance(value, list) else [value])]
+            thinking, answers = [t for t, _ in splits], [a for _, a in splits]
+            if not isinstance(value, list):
+                thinking, answers = thinking[0], answers[0]
+            self.set_result(reasoning_var_name(name), thinking, None)
+            value = answers
         self.values[name] = value
         self.own[name] = None
         self.meta_info[name] = meta

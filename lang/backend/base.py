@@ -86,6 +86,11 @@ class BaseBackend:
             self._pin_service = PinService(self)
         return self._pin_service
 
+    def check_api_speculation(self, num_api_spec_tokens: int) -> None:
+        """`@function(num_api_spec_tokens=N)`: SGLang's API speculative execution, one request for a whole
+        assistant turn of an API chat model. A backend with a runtime behind it has no round trips to save:
+        the setting is unused, as in SGLang. A backend that would need it and cannot honour it raises."""
+
     # ---- generation ----
     def generate(self, s: Any, params: ResolvedGen) -> tuple[Union[str, list[str]], Union[dict, list[dict]]]:
         """Generate after `s.text_`: (text, meta_info), or lists of them when params.sampling.n > 1."""

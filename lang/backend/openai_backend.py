@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from ..chat_template import ChatTemplate, get_chat_template
+from ..chat_template import ChatTemplate, get_chat_template, get_chat_template_by_model_path
 from ..choices import ChoicesDecision, ChoicesSamplingMethod
 from ..gen_params import ResolvedGen
 from .base import BaseBackend
@@ -23,26 +25,61 @@ logger = logging.getLogger(__name__)
 INSTRUCT_MODEL_NAMES = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
 
 
+@dataclass
+class TokenUsage:
+    """The tokens a backend's requests used, summed (`OpenAI.token_usage`; `reset()` starts over)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, usage: Any) -> None:
+        if usage is None:
+            return
+        with self._lock:  # run_batch's programs report from their own threads
+            self.prompt_tokens += getattr(usage, "prompt_tokens", 0) or 0
+            self.completion_tokens += getattr(usage, "completion_tokens", 0) or 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.prompt_tokens = self.completion_tokens = 0
+
+
 class OpenAI(BaseBackend):
     def __init__(
         self,
         model_name: str,
         is_chat_model: Optional[bool] = None,
         chat_template: Optional[Union[ChatTemplate, str]] = None,
+        is_azure: bool = False,
         base_url: Optional[str] = None,
         api_key: Optional[str] = None,
         **client_kwargs: Any,
     ) -> None:
+        """`is_azure=True`: an Azure OpenAI deployment through `openai.AzureOpenAI` (pass `api_version` and
+        `azure_endpoint` as its client takes them); other keyword arguments go to the client as well."""
         import openai
 
         if isinstance(chat_template, str):
             chat_template = get_chat_template(chat_template)
-        super().__init__(chat_template or get_chat_template("default"))
+        super().__init__(chat_template or get_chat_template_by_model_path(model_name))
         if api_key is None and base_url is not None and not os.environ.get("OPENAI_API_KEY"):
             api_key = "EMPTY"  # local OpenAI-compatible servers usually need no key
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, **client_kwargs)
+        client_class = openai.AzureOpenAI if is_azure else openai.OpenAI
+        if base_url is not None:
+            client_kwargs["base_url"] = base_url
+        self.client = client_class(api_key=api_key, **client_kwargs)
         self.model_name = model_name
         self.is_chat_model = model_name not in INSTRUCT_MODEL_NAMES if is_chat_model is None else is_chat_model
+        self.token_usage = TokenUsage()
+
+    def check_api_speculation(self, num_api_spec_tokens: int) -> None:
+        if self.is_chat_model:
+            raise NotImplementedError(
+                f"@function(num_api_spec_tokens={num_api_spec_tokens}): API speculative execution is not "
+                "supported by plait's OpenAI backend; drop num_api_spec_tokens and write each gen as the "
+                "start of its own assistant turn, `s += assistant(gen(...))` (one request per gen)"
+            )
 
     def get_model_name(self) -> str:
         return self.model_name
@@ -111,6 +148,7 @@ class OpenAI(BaseBackend):
         else:
             ret = self.client.completions.create(**kwargs)
             texts = [c.text for c in ret.choices]
+        self.token_usage.add(ret.usage)
         metas = [
             {
                 "id": ret.id,
@@ -133,8 +171,10 @@ class OpenAI(BaseBackend):
         if params.sampling.n > 1:
             raise ValueError("gen(n > 1) cannot stream; run the program with stream=False")
         kwargs = {**self._request_kwargs(params), **self._prompt(s), "stream": True}
+        kwargs["stream_options"] = {"include_usage": True}  # the last chunk: token_usage
         create = self.client.chat.completions.create if self.is_chat_model else self.client.completions.create
         for chunk in create(**kwargs):
+            self.token_usage.add(getattr(chunk, "usage", None))
             if not chunk.choices:
                 continue
             choice = chunk.choices[0]
@@ -161,6 +201,7 @@ class OpenAI(BaseBackend):
             logprobs=0,
             temperature=0,
         )
+        self.token_usage.add(ret.usage)
         by_index = sorted(ret.choices, key=lambda c: c.index)
         input_logprobs = []
         for choice, c in zip(by_index, choices):

@@ -214,6 +214,12 @@ def _bounded_integer_values(node: dict) -> Optional[list[int]]:
     return [v for v in range(low, high + 1) if step is None or v % step == 0]
 
 
+def json_schema_regex(schema_text: str) -> str:
+    """The regex outlines enforces for a JSON schema, whitespace allowed between tokens (what SGLang's
+    `build_regex_from_object` gives programs; ValueError for a schema outlines cannot take)."""
+    return _to_regex("json_ws", schema_text)[0]
+
+
 def validate_for_outlines(kind: str, text: str) -> list[str]:
     """Raise ValueError if outlines cannot handle the constraint; return unenforced-feature warnings."""
     return _to_regex(kind, text)[1]

@@ -1,0 +1,1 @@
+"""`sglang.lang.backend`: plait's backends under SGLang's module paths."""

@@ -1,0 +1,1 @@
+"""`sglang.srt.constrained`: the constraint helpers frontend programs import."""
