@@ -30,18 +30,21 @@ class Anthropic(BaseBackend):
         refuse_unsupported("Anthropic", params)
         system, messages = conversation(s)
         sp = params.sampling
+        # NOTE: the sampling fields go as extra_body: recent SDKs no longer list them as arguments (some models
+        # refuse them), while the API still reads them from the request's JSON, where this puts them.
+        sampling: dict[str, Any] = {"temperature": sp.temperature}
+        if sp.top_p < 1.0:
+            sampling["top_p"] = sp.top_p
+        if top_k(params) is not None:
+            sampling["top_k"] = top_k(params)
         request: dict[str, Any] = {
             "model": self.model_name,
             "messages": messages,
             "max_tokens": sp.max_new_tokens,
-            "temperature": sp.temperature,
+            "extra_body": sampling,
         }
         if system:
             request["system"] = system
-        if sp.top_p < 1.0:
-            request["top_p"] = sp.top_p
-        if top_k(params) is not None:
-            request["top_k"] = top_k(params)
         if stop_list(params):
             request["stop_sequences"] = stop_list(params)
         return request

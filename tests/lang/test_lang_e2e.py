@@ -131,8 +131,14 @@ def test_select_scores_match_the_models_logprobs(runtime):
     # Cross-check the healing bookkeeping: score "…is Paris" directly and compare the choice tokens.
     prefix = state.text()[: state.text().rindex("Paris")]
     tok = runtime.get_tokenizer()
-    full = runtime.generate(
-        prefix + "Paris", {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0, return_text_in_logprobs=True
+    full = json.loads(  # (SGLang's Runtime.generate returns the output's JSON text)
+        runtime.generate(
+            prefix + "Paris",
+            {"max_new_tokens": 0},
+            return_logprob=True,
+            logprob_start_len=0,
+            return_text_in_logprobs=True,
+        )
     )
     n = len(meta["input_token_logprobs"][0])
     direct = full["meta_info"]["input_token_logprobs"][-n:]
