@@ -19,7 +19,6 @@ START_TIMEOUT_S = 60.0
 class LocalHTTPServer:
     def __init__(self, engine: Any) -> None:
         import uvicorn
-
         from plait.runtime.server.http_server import create_app
 
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

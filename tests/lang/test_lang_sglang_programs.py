@@ -129,3 +129,51 @@ def test_max_tokens_zero_gives_the_next_tokens_distribution(runtime):
     assert logprobs == sorted(logprobs, reverse=True) and logprobs[0] <= 0.0
     greedy = first_token.run(question="What is 2 + 3?").get_meta_info("first")
     assert greedy["output_token_logprobs"][0][1] == top[0][1]  # the greedy token is the top-1
+
+
+def test_runtime_as_sglang_has_it(runtime):
+    import asyncio
+    import json
+
+    # generate returns the output's JSON text (SGLang programs json.loads it).
+    out = json.loads(runtime.generate("The capital of France is", {"max_new_tokens": 2, "temperature": 0}))
+    assert out["meta_info"]["completion_tokens"] == 2 and isinstance(out["text"], str)
+    # The served name, never the embedded model's cache folder.
+    assert "/" not in runtime.endpoint.get_model_name()
+    assert runtime.server_args.tp_size == 1
+
+    async def pieces():
+        return [p async for p in runtime.async_generate("Hello", {"max_new_tokens": 3, "temperature": 0})]
+
+    streamed = asyncio.run(pieces())
+    assert (
+        streamed
+        and "".join(streamed) == json.loads(runtime.generate("Hello", {"max_new_tokens": 3, "temperature": 0}))["text"]
+    )
+    assert runtime.add_request.__func__ is type(runtime).async_generate
+    with pytest.raises(NotImplementedError, match="embeddings"):
+        runtime.encode("Hello")
+    # url: plait's HTTP API over the same engine, for programs that post to it or open a RuntimeEndpoint.
+    reply = requests.post(
+        runtime.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    )
+    assert reply.status_code == 200 and reply.json()["text"] == "".join(streamed)
+    endpoint = sgl.RuntimeEndpoint(runtime.url)
+    state = qa.run(question="Hi", backend=endpoint, temperature=0)
+    assert state["answer"] == qa.run(question="Hi", temperature=0)["answer"]
+
+
+def test_custom_choices_method_on_the_runtime(runtime):
+    calls = []
+
+    def last_choice(*, choices, normalized_prompt_logprobs, input_token_logprobs, output_token_logprobs, **kw):
+        calls.append(normalized_prompt_logprobs)
+        return sgl.ChoicesDecision(choices[-1], {"scores": list(normalized_prompt_logprobs)})
+
+    @sgl.function
+    def pick(s):
+        s += "Pick a colour: " + sgl.select("c", ["red", "green", "blue"], choices_method=last_choice)
+
+    state = pick.run()
+    assert state["c"] == "blue" and len(calls[0]) == 3
+    assert state.get_meta_info("c") == {"scores": calls[0]}
