@@ -207,3 +207,29 @@ def test_what_plait_cannot_do_is_a_400_naming_the_field(client, fields, param, n
     with pytest.raises(openai.BadRequestError, match=needle) as info:
         client.responses.create(model="default", **fields)
     assert info.value.body["param"] == param
+
+
+def test_include_output_text_logprobs_whole_and_streamed(client):
+    # They were dropped: "logprobs": [] whatever the request included.
+    ask = dict(
+        model="default",
+        input="Write a long story about a dragon.",
+        max_output_tokens=5,
+        temperature=0,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    r = client.responses.create(**ask)
+    part = r.output[0].content[0]
+    assert len(part.logprobs) == r.usage.output_tokens == 5
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert all(lp.top_logprobs[0].logprob >= lp.logprob - 1e-4 for lp in part.logprobs)  # greedy: the top one
+    streamed, done = [], None
+    for event in client.responses.create(**ask, stream=True):
+        if event.type == "response.output_text.delta":
+            streamed += event.logprobs
+        elif event.type == "response.output_text.done":
+            done = event.logprobs
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs] == [lp.token for lp in done]
+    assert client.responses.create(**{**ask, "include": None, "top_logprobs": None}).output[0].content[0].logprobs == []

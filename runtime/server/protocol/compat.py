@@ -109,8 +109,6 @@ FIELDS: dict[str, CompatField] = {
         OPENAI, dict[str, Json], "a predicted output only speeds decoding up; the output is the same"
     ),
     "verbosity": _ignored(OPENAI, Literal["low", "medium", "high"], "plait passes no verbosity to the model"),
-    "include": _ignored((RESPONSES,), list[str], _EXTRA_OUTPUT),
-    "top_logprobs": _ignored((RESPONSES,), int, _EXTRA_OUTPUT, off=(None, 0)),
     "max_tool_calls": _ignored((RESPONSES,), int, "a turn makes the calls its tool_choice allows"),
     "context_management": _ignored((RESPONSES,), list[Json], "the input is never compacted"),
     "truncation": _ignored(

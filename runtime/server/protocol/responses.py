@@ -164,6 +164,14 @@ class ResponsesRequest(compat_model(RESPONSES)):  # type: ignore[misc]
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     reasoning: Optional[ReasoningConfig] = None
+    # "message.output_text.logprobs" asks for the output's token logprobs (with top_logprobs alternatives
+    # each); the other values name outputs plait never makes (file search, images, encrypted reasoning).
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
 
     @field_validator("input")
     @classmethod

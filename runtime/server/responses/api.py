@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from ..errors import APIError, describe_validation_errors
 from ..openai.api import check_model, raise_if_aborted
 from ..openai.chat import chat_runs
-from ..openai.outputs import finish_reason
+from ..openai.outputs import chat_logprobs, finish_reason
 from ..protocol.compat import RESPONSES, review
 from ..protocol.openai import ChatCompletionRequest
 from ..protocol.responses import (
@@ -97,6 +97,8 @@ def chat_request_for(req: ResponsesRequest, messages: list[dict[str, Any]]) -> C
         body["response_format"] = {"type": fmt.type}
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["reasoning_effort"] = req.reasoning.effort
+    if req.wants_logprobs:
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
@@ -107,12 +109,12 @@ def chat_request_for(req: ResponsesRequest, messages: list[dict[str, Any]]) -> C
 # ---------------------------------------------------------------- outputs → a Response
 
 
-def output_items(message: dict[str, Any], status: str) -> list[dict[str, Any]]:
-    """A chat message (content and/or tool_calls) as Response output items."""
+def output_items(message: dict[str, Any], status: str, logprobs: Optional[list] = None) -> list[dict[str, Any]]:
+    """A chat message (content and/or tool_calls) as Response output items (`logprobs`: its text's)."""
     items: list[dict[str, Any]] = []
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
-        items.append(message_item(new_item_id("msg"), message.get("content") or "", status))
+        items.append(message_item(new_item_id("msg"), message.get("content") or "", status, logprobs))
     items += [
         function_call_item(new_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], status)
         for c in calls
@@ -208,7 +210,9 @@ async def create_response(req: ResponsesRequest, request: Request):
         def body_of(output: list[dict[str, Any]], status: str, usage: Optional[dict[str, Any]]) -> dict[str, Any]:
             return response_body(req, response_id, created, ctx.model_name, output, status, usage)
 
-        return StreamingResponse(response_events(group, tools, body_of, store), media_type="text/event-stream")
+        logprobs_of = (lambda meta: output_logprobs(ctx, meta)) if req.wants_logprobs else None
+        events = response_events(group, tools, body_of, store, logprobs_of)
+        return StreamingResponse(events, media_type="text/event-stream")
     try:
         results = await group.results()
     finally:
@@ -233,16 +237,24 @@ def whole_response(
     message, _ = (
         tools.message(text, cut=reason == "length") if tools else ({"role": "assistant", "content": text}, False)
     )
+    logprobs = output_logprobs(ctx, meta) if req.wants_logprobs else None
     body = response_body(
         req,
         response_id,
         created,
         ctx.model_name,
-        output_items(message, status_of(reason)),
+        output_items(message, status_of(reason), logprobs),
         status_of(reason),
         response_usage(meta),
     )
     return body, message
+
+
+def output_logprobs(ctx: ServerContext, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The output tokens' logprobs in `meta` (a whole output's, or a stream chunk's) as the Responses API
+    writes them: chat's logprobs.content entries."""
+    tokens, tops = meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or []
+    return chat_logprobs(tokens, tops, ctx.tokenizer, ctx.token_bytes)["content"]
 
 
 @router.get("/responses/{response_id}")

@@ -4,21 +4,18 @@ response (responses/api.py) and the stream (responses/stream.py)."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Optional
 
 
 def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {
-        "type": "message",
-        "id": item_id,
-        "status": status,
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
-    }
+def message_item(item_id: str, text: str, status: str, logprobs: Optional[list] = None) -> dict[str, Any]:
+    """`logprobs`: the text's tokens as chat's logprobs.content entries (token, logprob, bytes, top_logprobs),
+    when the request included "message.output_text.logprobs"."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
 
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:

@@ -39,6 +39,9 @@ class _Events:
     output: list[dict[str, Any]] = field(default_factory=list)
     text_item: Optional[dict[str, Any]] = None  # the message item being written, None when closed
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool-call index -> its function_call item
+    # Logprobs of tokens whose text is not sent yet (the tool-call reader may hold text back): they go with
+    # the next text delta.
+    pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -64,8 +67,11 @@ class _Events:
                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
                 )
             )
+        logprobs, self.pending_logprobs = self.pending_logprobs, []
         self.text_item["content"][0]["text"] += delta
-        out.append(self.event("response.output_text.delta", **self._where(self.text_item), delta=delta, logprobs=[]))
+        self.text_item["content"][0]["logprobs"] += logprobs
+        where = self._where(self.text_item)
+        out.append(self.event("response.output_text.delta", **where, delta=delta, logprobs=logprobs))
         return out
 
     def close_text(self, status: str) -> list[str]:
@@ -75,7 +81,7 @@ class _Events:
         item["status"] = status
         part = item["content"][0]
         return [
-            self.event("response.output_text.done", **self._where(item), text=part["text"], logprobs=[]),
+            self.event("response.output_text.done", **self._where(item), text=part["text"], logprobs=part["logprobs"]),
             self.event("response.content_part.done", **self._where(item), part=part),
             self.event("response.output_item.done", output_index=self._index(item), item=item),
         ]
@@ -136,8 +142,13 @@ class _Events:
 
 
 async def response_events(
-    group: GenerationGroup, tools: Optional[ToolPlan], body_of: BodyOf, store: Store
+    group: GenerationGroup,
+    tools: Optional[ToolPlan],
+    body_of: BodyOf,
+    store: Store,
+    logprobs_of: Optional[Callable[[dict[str, Any]], list[dict[str, Any]]]] = None,
 ) -> AsyncIterator[str]:
+    """`logprobs_of`: a chunk's meta_info -> its tokens' logprobs entries, when the request included them."""
     events = _Events()
     yield events.event("response.created", response=body_of([], "in_progress", None))
     yield events.event("response.in_progress", response=body_of([], "in_progress", None))
@@ -148,6 +159,8 @@ async def response_events(
         async for _, chunk in group.chunks():
             output_ids.extend(chunk.get("output_ids") or ())
             meta = chunk.get("meta_info") or {}
+            if logprobs_of is not None:
+                events.pending_logprobs += logprobs_of(meta)
             for event in _deltas(events, cursor, tool_stream, chunk):
                 yield event
         reason = finish_reason(meta)
