@@ -258,7 +258,8 @@ class StreamExecutor:
             self._execute(expr, gens or {})
             return True
         except Exception as e:  # the program's failure: recorded, surfaced by error() and get_var
-            logger.warning("program %s failed:\n%s", self.sid[:8], "".join(traceback.format_exception(e)))
+            if not self.backend.is_shutting_down():  # (forks cut off by the engine's shutdown at exit: quiet)
+                logger.warning("program %s failed:\n%s", self.sid[:8], "".join(traceback.format_exception(e)))
             self._fail(e)
             return False
 

@@ -58,7 +58,13 @@ class PinService:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="plait-pins")
             pool = self._pool
-        pool.submit(fn)
+        try:
+            pool.submit(fn)
+        except RuntimeError:
+            # NOTE: the backend or the interpreter is shutting down ("cannot schedule new futures after
+            # shutdown"): a program thread still running asks to pin or release a prefix of an engine that
+            # is going away with its pins. Nothing to do, and nothing the user should see.
+            return
 
     def _limit(self) -> Optional[int]:
         if not self._budget_known:

@@ -114,3 +114,8 @@ class BaseBackend:
 
     def shutdown(self) -> None:
         pass
+
+    def is_shutting_down(self) -> bool:
+        """Whether `shutdown()` has begun: a program still running then fails because its runtime went away,
+        not because of anything in the program (the interpreter does not log those failures)."""
+        return False

@@ -104,6 +104,9 @@ class EngineBackend(NativeBackend):
     def get_server_info(self) -> dict:
         return self.engine.get_server_info()
 
+    def is_shutting_down(self) -> bool:
+        return self._shutting_down
+
     def shutdown(self) -> None:
         self._shutting_down = True
         self.pin_service().shutdown()  # pin calls already queued finish against the live engine

@@ -177,3 +177,34 @@ def test_custom_choices_method_on_the_runtime(runtime):
     state = pick.run()
     assert state["c"] == "blue" and len(calls[0]) == 3
     assert state.get_meta_info("c") == {"scores": calls[0]}
+
+
+EXIT_WHILE_FORKS_RUN = """
+import plait as sgl
+
+@sgl.function
+def branches(s):
+    s += "Write a long story about a dragon."
+    forks = s.fork(4)
+    for f in forks:
+        f += sgl.gen("story", max_tokens=400, ignore_eos=True)
+    raise SystemExit("the program gives up while its forks generate")
+
+sgl.set_default_backend(sgl.Runtime())
+branches.run()
+"""
+
+
+def test_exit_while_forks_run_is_quiet(tmp_path):
+    # A program that stopped (an exception in its body) and exited without shutdown(): its forks were cut off
+    # by the engine's shutdown at exit and each logged a traceback; pin calls printed "cannot schedule new
+    # futures after shutdown".
+    import subprocess
+    import sys
+
+    script = tmp_path / "exits.py"
+    script.write_text(EXIT_WHILE_FORKS_RUN)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "the program gives up while its forks generate" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "cannot schedule new futures" not in done.stderr, done.stderr
