@@ -6,8 +6,10 @@ runtime/server wrapping that same Engine, on a real socket, so the model loads o
 and a few tokens per gen keep it short.
 """
 
+import dataclasses
 import json
 import math
+import os
 
 import plait as sgl
 import pytest
@@ -98,10 +100,15 @@ def city_json(s, country):
 def test_backend_identity_and_management(runtime):
     backend = sgl.global_config.default_backend
     backend = getattr(backend, "endpoint", backend)
-    assert backend.get_model_name() == runtime.endpoint.get_model_name()
+    # The colocated backend reports the served name (the folder's name), SGLang's RuntimeEndpoint the server's
+    # model_path: the same model either way.
+    assert runtime.endpoint.get_model_name() == "SmolLM2-135M-Instruct"
+    assert os.path.basename(backend.get_model_name()) == runtime.endpoint.get_model_name()
     assert backend.get_model_name().endswith("SmolLM2-135M-Instruct")
-    assert backend.get_chat_template() == runtime.endpoint.get_chat_template()  # both from the tokenizer
-    assert sgl.get_server_info()["model_path"] == backend.get_model_name()
+    # Both from the tokenizer (each named after its backend's model name).
+    unnamed = [dataclasses.replace(b.get_chat_template(), name="") for b in (backend, runtime.endpoint)]
+    assert unnamed[0] == unnamed[1] and unnamed[0].source == "tokenizer"
+    assert os.path.basename(sgl.get_server_info()["model_path"]) == os.path.basename(backend.get_model_name())
     assert sgl.flush_cache()
 
 
