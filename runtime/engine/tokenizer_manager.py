@@ -32,8 +32,8 @@ from ..io_struct import (
 )
 from ..request_options import RequestOptionError, RequestOptions, is_sample_of
 from ..sampling_params import SamplingParams
-from ..setting_values import parse_lora_paths
 from ..server_args import ServerArgs
+from ..setting_values import parse_lora_paths
 from .request_state import RequestState
 
 logger = logging.getLogger("plait.tokenizer_manager")
