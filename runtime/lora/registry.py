@@ -63,7 +63,7 @@ class LoraRegistry:
         """A step's adapters: per request its adapter's slot (0: none), adapters not in a slot copied into
         one. None when no request of the step has an adapter."""
         names = list(names)
-        needed = {n for n in names if n is not None}
+        needed = list(dict.fromkeys(n for n in names if n is not None))  # in order of first use
         if not needed:
             return None
         if len(needed) > self.max_per_batch:
