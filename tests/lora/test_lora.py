@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("peft")
 
 from conftest import make_random_model  # noqa: E402
-from lora.lora_helpers import make_peft_adapter, merged_greedy  # noqa: E402
+from helpers.lora_adapters import make_peft_adapter, merged_greedy  # noqa: E402
 from plait.runtime.lora.adapter import LoraError, LoraShapes, read_adapter  # noqa: E402
 from plait.runtime.lora.matmul import LoraBatch  # noqa: E402
 from plait.runtime.lora.registry import LoraRegistry  # noqa: E402
