@@ -167,6 +167,7 @@ FIELDS: dict[str, CompatField] = {
     "input_ids": _refused(
         (CHAT,), list[int], "the prompt is rendered from messages (send token ids to /v1/completions or /generate)"
     ),
+    "lora_path": _refused(OPENAI, StrOrList, "the OpenAI routes name a LoRA adapter by `model` (base:adapter)"),
     "lora_id": _refused((NATIVE,), StrOrList, _NO_LORA),
     "custom_logit_processor": _refused(EVERY_API, StrOrList, "plait runs no custom logit processors"),
     "logits_processors": _refused((COMPLETIONS,), list[Json], "plait runs no custom logit processors"),
