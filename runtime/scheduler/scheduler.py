@@ -71,7 +71,7 @@ def create_scheduler(server_args: ServerArgs, model_path: str, marks: Optional[d
         runner = create_step_runner(server_args, model_path, _split_target(server_args, model_path))
         marks["model"] = time.time()
         # (with enable_lora the runner is a ModelRunner: settings refuse the split and speculating runners)
-        model_config = runner.model_config if server_args.enable_lora else None  # type: ignore[attr-defined]
+        model_config = runner.model_config if server_args.enable_lora else None
         scheduler = Scheduler(server_args, runner, tokenizer.result(), model_config)
     scheduler.startup_marks.update(marks)
     return scheduler
