@@ -86,6 +86,9 @@ class ForwardBatch:
     captured_hidden: Optional[list] = None
 
     attn_metadata: Any = None
+    # The step's LoRA adapters (runtime/lora/matmul.py's LoraBatch), which the projections add beside
+    # their base matmul: `lora.apply(layer, target, x, y)`; None: the base model alone.
+    lora: Any = None
 
     @classmethod
     def of_step(

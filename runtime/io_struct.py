@@ -76,6 +76,21 @@ class UnpinPrefixReq(ControlReq):
 
 
 @dataclass
+class LoadLoraAdapterReq(ControlReq):
+    """Load the PEFT folder `lora_path` as LoRA adapter `lora_name` (SGLang's /load_lora_adapter)."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+@dataclass
+class UnloadLoraAdapterReq(ControlReq):
+    """Forget LoRA adapter `lora_name` (refused while a live request asks for it)."""
+
+    lora_name: str = ""
+
+
+@dataclass
 class ControlReply:
     call_id: int
     result: Any = None

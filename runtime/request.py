@@ -3,11 +3,14 @@ the scheduler side shares.
 
 A request's tokens are `fill_ids = origin_input_ids + output_ids`. `kv_len` of them have K/V in the
 pool: `req_to_token[req_pool_idx, :kv_len]`. Of those, the first `cache_len` belong to the prefix cache
-(locked through `last_node`); the rest are the request's private slots.
+(locked through `last_node`); the rest are the request's private slots. The prefix cache keys them as
+`cache_prompt + output_ids`: the same ids, but for a request with a LoRA adapter or a cache salt, whose
+first tokens are marked with it (`cache_key_prompt`), so that its prefixes are its namespace's alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 import time
@@ -71,6 +74,8 @@ class Req:
         self.stream = stream = options.stream
         self.group = options.group  # program / fork group id (scheduling hint)
         self.priority = options.priority  # lower first among the waiting (vLLM's convention)
+        self.lora_path = options.lora_path  # the LoRA adapter's name, or None (the base model)
+        self.cache_prompt = cache_key_prompt(self.origin_input_ids, options.lora_path, options.cache_salt)
         # NOTE: never rebound (append, extend, del in place): the sampling row shares this list.
         self.output_ids: list[int] = []
         self.finished_reason: Optional[FinishReason] = None
@@ -168,6 +173,11 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def cache_fill_ids(self) -> list[int]:
+        """`fill_ids` as the prefix cache keys them (see the module's docstring)."""
+        return self.cache_prompt + self.output_ids
+
+    @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
@@ -192,3 +202,23 @@ class Req:
         self.last_node = None
         self.is_chunked = False
         self.num_retractions += 1
+
+
+# A namespace marks up to this many of a prompt's first tokens with 31 bits of its hash each.
+NAMESPACE_MARKED_TOKENS = 2
+
+
+def cache_key_prompt(input_ids: list[int], lora_path: Optional[str], cache_salt: Optional[str]) -> list[int]:
+    """The prompt as the prefix cache keys it: `input_ids` itself for the base model and no salt; else a
+    copy whose first tokens carry the (adapter, salt) namespace's hash above bit 32. The radix tree is a
+    trie, so a different first token is a different subtree: nothing is shared across namespaces, and
+    within one everything is as before. (Keys stay int64, as KV events pack them; two namespaces collide
+    only if 62 bits of their hashes do, 31 for a one-token prompt.)"""
+    if lora_path is None and cache_salt is None:
+        return input_ids
+    digest = hashlib.blake2b(repr((lora_path, cache_salt)).encode(), digest_size=8).digest()
+    marks = int.from_bytes(digest, "little")
+    ids = list(input_ids)
+    for i in range(min(NAMESPACE_MARKED_TOKENS, len(ids))):
+        ids[i] += ((marks >> (31 * i)) & 0x7FFFFFFF | 1) << 32  # never 0: a marked id is never a plain one
+    return ids

@@ -40,6 +40,10 @@ class RequestOptions:
     group: Optional[str] = None  # program / fork group: a scheduling and caching hint
     # vLLM's: a waiting request of a lower value is admitted first; equal values keep the schedule policy's order.
     priority: int = 0
+    # SGLang's: the LoRA adapter (its name) this request runs with; None: the base model.
+    lora_path: Optional[str] = None
+    # vLLM's: requests of different salts never share cached prefixes (tenants kept apart).
+    cache_salt: Optional[str] = None
 
     def __post_init__(self) -> None:
         # NOTE: checked here, not in `of`, so every RequestOptions that exists is valid, however built.
@@ -53,6 +57,10 @@ class RequestOptions:
             raise RequestOptionError("top_logprobs_num", f"top_logprobs_num must be an int >= 0, got {top!r}")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise RequestOptionError("priority", f"priority must be an int, got {self.priority!r}")
+        for name in ("lora_path", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestOptionError(name, f"{name} must be a non-empty string (or null), got {value!r}")
 
     @classmethod
     def of(
@@ -65,6 +73,8 @@ class RequestOptions:
         stream: bool = False,
         group: Optional[str] = None,
         priority: Optional[int] = None,
+        lora_path: Optional[str] = None,
+        cache_salt: Optional[str] = None,
     ) -> "RequestOptions":
         """From SGLang's `generate` arguments, where None means the default and flags are truthy values."""
         return cls(
@@ -76,6 +86,8 @@ class RequestOptions:
             stream=stream,
             group=group,
             priority=0 if priority is None else priority,
+            lora_path=lora_path,
+            cache_salt=cache_salt,
         )
 
     def __reduce__(self):
@@ -92,6 +104,8 @@ class RequestOptions:
                 self.stream,
                 self.group,
                 self.priority,
+                self.lora_path,
+                self.cache_salt,
             ),
         )
 

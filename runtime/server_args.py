@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .setting_values import check_lora_settings, parse_origins
+
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 GRAMMAR_BACKENDS = ("xgrammar", "outlines")
@@ -114,6 +116,12 @@ class ServerArgs:
     speculative_disable_by_batch_size: Optional[int] = None
     disable_speculative_adaptive: bool = False
 
+    # LoRA adapters (runtime/lora/, SGLang's names; checks and name=path parsing: lora_settings.py)
+    enable_lora: bool = False  # on by itself with lora_paths; without them adapters come by /load_lora_adapter
+    lora_paths: Optional[list[str]] = None  # name=path PEFT folders (a bare path: named by its folder)
+    max_lora_rank: int = 64
+    max_loras_per_batch: int = 8  # distinct adapters in one step (device slots; more may be loaded)
+
     # Server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -179,9 +187,10 @@ class ServerArgs:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.allowed_origins is not None:
-            self.allowed_origins = _origins(self.allowed_origins)
+            self.allowed_origins = parse_origins(self.allowed_origins)
         self._check_speculative()
         self._check_kv_events()
+        check_lora_settings(self)
 
     def _check_kv_events(self) -> None:
         b = self.kv_events_block_size
@@ -370,25 +379,3 @@ class ServerArgs:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.resolved_device() == "cuda" else "torch_native"
-
-
-def _origins(value: Any) -> list[str]:
-    """`allowed_origins` as a list of origins (a comma-separated string too); ValueError naming a bad one."""
-    items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)):
-        raise ValueError(f"allowed_origins must be a list of origins or '*', got {value!r}")
-    origins = []
-    for item in items:
-        for origin in item.split(",") if isinstance(item, str) else [item]:
-            origin = origin.strip() if isinstance(origin, str) else origin
-            if origin == "*":
-                origins.append(origin)
-                continue
-            scheme, sep, rest = origin.partition("://") if isinstance(origin, str) else ("", "", "")
-            if not sep or scheme not in ("http", "https") or not rest or "/" in rest.rstrip("/"):
-                raise ValueError(
-                    f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], such as "
-                    "https://app.example or http://localhost:3000) or '*'"
-                )
-            origins.append(f"{scheme}://{rest.rstrip('/')}")
-    return origins

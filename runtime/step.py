@@ -137,6 +137,16 @@ class VerifiedTokens:
 
 
 @dataclass
+class LoraRows:
+    """A step's LoRA adapters (runtime/lora/): per request in step order (B,), its adapter's slot in the
+    runner's device pool (0: the base model alone); and the adapters the runner copies from host memory
+    into slots before this step's forward, (slot, adapter) (the scheduler chose the slots)."""
+
+    slots: list[int]
+    loads: list[tuple[int, Any]] = field(default_factory=list)
+
+
+@dataclass
 class StepInput:
     """One forward step, as the runner needs it.
 
@@ -174,6 +184,7 @@ class StepInput:
     # EXTEND: per request, the token after its new ones when the request has one already (a chunk's next
     # prompt token), else -1 (it is sampled). An EAGLE head's entries are one token ahead of the target's.
     following_ids: Optional[list[int]] = None
+    lora: Optional[LoraRows] = None  # None: no request of the step has an adapter
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,6 @@ from typing import Any, Callable
 
 _WEIGHTS = "the weights are loaded once, at start-up; start a new Engine with the new model_path"
 _NO_EMBEDDINGS = "plait serves generative (causal LM) models only; it computes no embeddings or scores"
-_NO_LORA = "plait has no LoRA adapters"
 _MEMORY = "plait holds its KV cache for the Engine's lifetime; shut the Engine down to free it"
 _PROFILE = "profile the scheduler process with PLAIT_SCHEDULER_PROFILE=path (cProfile) or PLAIT_SCHEDULER_TRACE=path"
 
@@ -37,8 +36,6 @@ class SGLangEngineExtras:
     update_weights_from_distributed = _unsupported("update_weights_from_distributed", _WEIGHTS)
     init_weights_update_group = _unsupported("init_weights_update_group", _WEIGHTS)
     get_weights_by_name = _unsupported("get_weights_by_name", "the weights live in the scheduler process")
-    load_lora_adapter = _unsupported("load_lora_adapter", _NO_LORA)
-    unload_lora_adapter = _unsupported("unload_lora_adapter", _NO_LORA)
     release_memory_occupation = _unsupported("release_memory_occupation", _MEMORY)
     resume_memory_occupation = _unsupported("resume_memory_occupation", _MEMORY)
     start_profile = _unsupported("start_profile", _PROFILE)

@@ -162,6 +162,7 @@ class Engine(SGLangEngineExtras):
         rid=None,
         group=None,
         options: Optional[RequestOptions] = None,
+        lora_path=None,
     ):
         """SGLang's generate. `options` (a RequestOptions) may stand for the keyword arguments after
         input_ids, as the HTTP server and the DSL pass them, built and checked once; a SamplingParams
@@ -179,6 +180,7 @@ class Engine(SGLangEngineExtras):
                 stream=stream,
                 rid=rid,
                 group=group,
+                lora_path=lora_path,
             ),
             options,
         )
@@ -199,6 +201,7 @@ class Engine(SGLangEngineExtras):
         rid=None,
         group=None,
         options: Optional[RequestOptions] = None,
+        lora_path=None,
     ):
         """generate, awaited; with stream=True, an async iterator of SGLang's cumulative chunks."""
         prompts, batch = self._build(
@@ -213,6 +216,7 @@ class Engine(SGLangEngineExtras):
                 stream=stream,
                 rid=rid,
                 group=group,
+                lora_path=lora_path,
             ),
             options,
         )
@@ -334,10 +338,14 @@ class Engine(SGLangEngineExtras):
 
     def get_server_info(self) -> dict:
         """Settings, the scheduler's facts and counters, and SGLang's `internal_states` (server_info.py)."""
-        import dataclasses
-
         info = {**dataclasses.asdict(self.server_args), **dataclasses.asdict(self.info), **self.get_stats()}
         return {**info, "internal_states": [internal_state(info, self.startup_s)]}
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        return self._call(self.tokenizer_manager.load_lora_adapter(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> bool:
+        return self._call(self.tokenizer_manager.unload_lora_adapter(lora_name))
 
     # ------------------------------------------------------------------ lifecycle
     def run_on_loop(self, coro) -> Any:

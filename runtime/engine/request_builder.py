@@ -28,8 +28,9 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "stream": False,
     "rid": None,
     "group": None,
+    "lora_path": None,
 }
-_PER_ITEM = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+_PER_ITEM = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "lora_path")
 
 
 @dataclass

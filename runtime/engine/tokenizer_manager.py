@@ -23,14 +23,17 @@ from ..io_struct import (
     BatchOut,
     ControlReply,
     ControlReq,
+    LoadLoraAdapterReq,
     ReqOutput,
     SchedulerInfo,
     ShutdownReq,
     TokenizedGenerateReq,
+    UnloadLoraAdapterReq,
 )
-from ..request_options import RequestOptions, is_sample_of
+from ..request_options import RequestOptionError, RequestOptions, is_sample_of
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
+from ..setting_values import parse_lora_paths
 from .request_state import RequestState
 
 logger = logging.getLogger("plait.tokenizer_manager")
@@ -67,6 +70,8 @@ class TokenizerManager:
         self.is_scheduler_alive = is_scheduler_alive
         self.text_decoder = TextDecoder.of(tokenizer)
         self.states: dict[str, RequestState] = {}
+        # The LoRA adapters loaded (start-up's, then load/unload calls): a request naming another is refused.
+        self.lora_names: set[str] = set(parse_lora_paths(server_args.lora_paths or []))
         # Streamed requests the Engine handed out but has not submitted (a stream starts when it is first
         # read), and aborts that came for them meanwhile: such a request ends at once when it comes.
         # Both keep at most UNSTARTED_KEPT rids (a stream never read stays unstarted forever).
@@ -148,6 +153,9 @@ class TokenizerManager:
                 f"({self.info.max_total_tokens} tokens)"
             )
         options.check_prompt(len(input_ids))
+        if options.lora_path is not None and options.lora_path not in self.lora_names:
+            loaded = ", ".join(sorted(self.lora_names)) or "none"
+            raise RequestOptionError("lora_path", f"unknown LoRA adapter {options.lora_path!r} (loaded: {loaded})")
         key = sp.grammar_key
         if key is not None:
             from ..constrained import validate_constraint
@@ -245,6 +253,18 @@ class TokenizerManager:
         if reply.error:
             raise ValueError(reply.error)
         return reply.result
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """SGLang's: the PEFT folder `lora_path` loaded as adapter `lora_name` (a ValueError says why not)."""
+        result = await self.control(LoadLoraAdapterReq, lora_name=lora_name, lora_path=lora_path)
+        self.lora_names.add(lora_name)
+        return result
+
+    async def unload_lora_adapter(self, lora_name: str) -> bool:
+        """SGLang's: adapter `lora_name` forgotten (refused while a request still asks for it)."""
+        await self.control(UnloadLoraAdapterReq, lora_name=lora_name)
+        self.lora_names.discard(lora_name)
+        return True
 
     # ------------------------------------------------------------------ background
     async def _recv_loop(self) -> None:

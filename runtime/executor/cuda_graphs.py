@@ -28,10 +28,13 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..forward_batch import ForwardBatch, ForwardMemory, ForwardMode
+from ..lora.matmul import LoraBatch
+from ..lora.slots import LoraSlots
 from ..models.llama import LlamaForCausalLM
 from .sampler import greedy_tokens
 
@@ -50,8 +53,17 @@ class GraphKey:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: LlamaForCausalLM, memory: ForwardMemory, vocab_size: int, max_bs: int):
-        """Captures the graphs of `model` over `memory`, for decode batches of up to `max_bs` requests."""
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        memory: ForwardMemory,
+        vocab_size: int,
+        max_bs: int,
+        lora: Optional[LoraSlots] = None,
+    ):
+        """Captures the graphs of `model` over `memory`, for decode batches of up to `max_bs` requests;
+        with `lora`, each row's LoRA adapter is applied too, its slot read from a static buffer (slot 0,
+        the base model, adds zeros), so one graph serves any mix of adapters."""
         self.model = model
         self.memory = memory
         self.batch_sizes = capture_batch_sizes(max_bs)
@@ -62,6 +74,8 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.lora = lora
+        self.lora_slots = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)  # each row's adapter slot
         self.logits = torch.empty(self.max_bs, vocab_size, dtype=torch.float32, device=dev)  # every graph's
         backend = memory.attn_backend
         backend.init_cuda_graph_state(self.max_bs)
@@ -76,7 +90,7 @@ class CudaGraphRunner:
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         mem = self.memory
-        return ForwardBatch(
+        fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
             input_ids=self.input_ids[:bs],
@@ -89,6 +103,9 @@ class CudaGraphRunner:
             kv_pool=mem.kv_pool,
             attn_backend=mem.attn_backend,
         )
+        if self.lora is not None:
+            fb.lora = LoraBatch(self.lora, self.lora_slots[:bs])  # gathered per row: slots are data
+        return fb
 
     def graph_keys(self) -> list[GraphKey]:
         """Every graph to capture, largest batch first (later captures reuse the memory it freed)."""
@@ -176,6 +193,12 @@ class CudaGraphRunner:
         self.req_pool_indices[:n].copy_(fb.req_pool_indices, non_blocking=True)
         self.seq_lens[:n].copy_(fb.seq_lens, non_blocking=True)
         self.out_cache_loc[:n].copy_(fb.out_cache_loc, non_blocking=True)
+        if self.lora is not None:
+            if fb.lora is None:
+                self.lora_slots[:bs].zero_()
+            else:
+                self.lora_slots[n:bs].zero_()
+                self.lora_slots[:n].copy_(fb.lora.token_slots, non_blocking=True)
         static = self._static_batch(bs)
         # Host lengths of the padded batch: backends that plan on the host (flashinfer) need them, and
         # reading them back from the device would cost a sync per step.

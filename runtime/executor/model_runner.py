@@ -20,6 +20,8 @@ from ..attention import AttentionContext, AttentionHeads, create_attention_backe
 from ..forward_batch import ForwardBatch, ForwardMemory
 from ..kernel_choices import using as using_kernels
 from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
+from ..lora.adapter import LoraShapes
+from ..lora.slots import LoraSlots
 from ..models.config import ModelConfig
 from ..models.llama import LlamaForCausalLM
 from ..models.parallel import ModelParallel, shard_heads
@@ -71,6 +73,8 @@ class ModelRunner:
         dtype = sa.resolved_dtype(cfg.checkpoint_dtype)
         context_len = cfg.resolve_context_length(sa.context_length)
         model = load_model(model_path, cfg, sa.load_format, dtype, device, context_len, sa.random_seed, parallel)
+        # LoRA adapters' device slots (with enable_lora), before the KV pool takes what memory is left.
+        self.lora = LoraSlots.for_server(sa, LoraShapes.of(cfg), dtype, device)
 
         # The KV pool's size: this rank's KV heads and layers; every rank of a split model holds the same slots.
         kv_heads = shard_heads(cfg, parallel.tp).num_kv_heads
@@ -109,7 +113,7 @@ class ModelRunner:
         backend = create_attention_backend(self.info.attention_backend, self.attention)
         self.memory = ForwardMemory(self.req_to_token_pool, kv_pool, backend)
         # Every forward and graph capture runs inside this runner's kernel choices (kernel_choices.py).
-        self.forward = StepForward(model, self.memory, HostStaging(device), sa.kernel_choices())
+        self.forward = StepForward(model, self.memory, HostStaging(device), sa.kernel_choices(), self.lora)
         self.sampler = StepSampler(cfg.vocab_size)
         self.inflight = InFlightSteps(self.forward, self.sampler, SampledIdCopies(device, max_running + 1))
         self.verify = VerifySteps(self.forward, cfg.vocab_size)  # VERIFY steps (speculative decoding)
@@ -117,7 +121,7 @@ class ModelRunner:
         if device == "cuda" and not sa.disable_cuda_graph and backend.supports_cuda_graph:
             max_bs = min(sa.cuda_graph_max_bs or max_running, max_running)
             with using_kernels(self.forward.kernel_choices):
-                self.forward.graphs = CudaGraphRunner(model, self.memory, cfg.vocab_size, max_bs)
+                self.forward.graphs = CudaGraphRunner(model, self.memory, cfg.vocab_size, max_bs, self.lora)
         if device == "cuda":
             warm_up_prefill(self.run, self.allocator, self.req_to_token_pool, cfg.vocab_size)
 

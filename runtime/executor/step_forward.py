@@ -15,6 +15,8 @@ import torch
 
 from ..forward_batch import ForwardBatch, ForwardMemory
 from ..kernel_choices import KernelChoices
+from ..lora.matmul import LoraBatch
+from ..lora.slots import LoraSlots
 from ..models.llama import LlamaForCausalLM
 from ..step import StepInput
 from .cuda_graphs import CudaGraphRunner
@@ -23,7 +25,12 @@ from .staging import HostStaging
 
 class StepForward:
     def __init__(
-        self, model: LlamaForCausalLM, memory: ForwardMemory, staging: HostStaging, kernel_choices: KernelChoices
+        self,
+        model: LlamaForCausalLM,
+        memory: ForwardMemory,
+        staging: HostStaging,
+        kernel_choices: KernelChoices,
+        lora: Optional[LoraSlots] = None,
     ):
         self.model = model  # (every model plait runs is one: Qwen's subclass it)
         self.memory = memory
@@ -32,10 +39,19 @@ class StepForward:
         # step enter them (`using_kernels`).
         self.kernel_choices = kernel_choices
         self.graphs: Optional[CudaGraphRunner] = None  # decode CUDA graphs (GPU), set once captured
+        self.lora = lora  # LoRA adapters' device slots (with enable_lora)
 
     def batch(self, step: StepInput, input_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
-        """The step's ForwardBatch, its new tokens' kv slots written into the table (`ForwardBatch.of_step`)."""
-        return ForwardBatch.of_step(step, self.memory, self.staging, input_ids)
+        """The step's ForwardBatch, its new tokens' kv slots written into the table (`ForwardBatch.of_step`);
+        with the step's LoRA adapters, those it brings copied into their slots first."""
+        fb = ForwardBatch.of_step(step, self.memory, self.staging, input_ids)
+        if step.lora is not None:
+            assert self.lora is not None, "a step with LoRA adapters on a runner without enable_lora"
+            for slot, adapter in step.lora.loads:
+                self.lora.write(slot, adapter)
+            tokens = [1] * step.batch_size if step.mode.is_decode() else step.extend_lens
+            fb.lora = LoraBatch.of_rows(self.lora, step.lora.slots, tokens)
+        return fb
 
     def prepared(self, step: StepInput) -> ForwardBatch:
         """The step's ForwardBatch with its attention metadata: for a caller that runs the model itself

@@ -61,7 +61,12 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = skinny_linear(x, self.qkv_proj)  # (T, q + 2kv)
-        return self.tp.all_reduce(skinny_linear(self.attend(positions, qkv, fb), self.o_proj))  # (T, hidden)
+        if fb.lora is None:
+            return self.tp.all_reduce(skinny_linear(self.attend(positions, qkv, fb), self.o_proj))  # (T, hidden)
+        # LoRA adapters (runtime/lora/matmul.py): each row's adapter beside the fused base matmuls.
+        layer = self.spec.layer_id
+        o = self.attend(positions, fb.lora.apply(layer, "qkv", x, qkv), fb)  # (T, H * D)
+        return self.tp.all_reduce(fb.lora.apply(layer, "o", o, skinny_linear(o, self.o_proj)))  # (T, hidden)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """qkv (T, q + 2kv) -> attention output (T, H * D), before o_proj; stores this step's K/V."""
@@ -86,29 +91,34 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = ONE_RANK):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = ONE_RANK, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id  # (which layer's LoRA weights apply)
         inter = cfg.intermediate_size // tp.size  # this rank's columns of gate/up, rows of down
         self.tp = tp
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: Optional[ForwardBatch] = None) -> torch.Tensor:
         gate_up = skinny_linear(x, self.gate_up_proj)  # (T, 2 * inter); one row: the skinny matmul
-        return self.tp.all_reduce(skinny_linear(self.act_fn(gate_up), self.down_proj))  # (T, hidden)
+        lora = fb.lora if fb is not None else None
+        if lora is None:
+            return self.tp.all_reduce(skinny_linear(self.act_fn(gate_up), self.down_proj))  # (T, hidden)
+        h = self.act_fn(lora.apply(self.layer_id, "gate_up", x, gate_up))  # (T, inter)
+        return self.tp.all_reduce(lora.apply(self.layer_id, "down", h, skinny_linear(h, self.down_proj)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = ONE_RANK):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, rotary, tp)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, tp, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, h, residual, fb):
-        if fuses_decode_row(h, self.mlp.down_proj.weight, self.input_layernorm.use_triton):
+        if fb.lora is None and fuses_decode_row(h, self.mlp.down_proj.weight, self.input_layernorm.use_triton):
             return self._forward_one_row(positions, h, residual, fb)
         # NOTE: on CUDA the norms add h into `residual` in place (fused kernel); residual starts as this
         # step's embedding output, a fresh buffer that nothing else reads.
@@ -119,7 +129,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(positions, h, fb)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, fb), residual
 
     def _forward_one_row(self, positions, h, residual, fb):
         # A batch-1 decode step: the norms run inside the matmuls after them and SiLU-and-mul inside the

@@ -18,6 +18,7 @@ import torch
 from ..forward_batch import ForwardMode
 from ..kvcache.prefix_cache import MatchResult, PrefixPeek
 from ..request import Req
+from .adapters import SchedulerAdapters
 from .batch import ScheduleBatch
 from .kv_manager import KVManager, token_prefix
 from .policy import PrefillBudget, order_waiting_queue
@@ -109,6 +110,7 @@ class PrefillAdmission:
         shortage: KVShortage,
         max_running_requests: int,
         stats: dict,
+        adapters: Optional[SchedulerAdapters] = None,
     ):
         self.server_args = server_args
         self.queues = queues
@@ -116,6 +118,7 @@ class PrefillAdmission:
         self.shortage = shortage
         self.max_running_requests = max_running_requests
         self.stats = stats
+        self.adapters = adapters  # LoRA: at most max_loras_per_batch distinct adapters in a step
         self.sharing = not server_args.disable_radix_cache
         # Tokens one step may take, decode rows included (vLLM's max_num_batched_tokens).
         self.step_tokens = server_args.max_num_batched_tokens or server_args.chunked_prefill_size
@@ -195,9 +198,13 @@ class PrefillAdmission:
         in_flight = InFlightPrefixes(IN_BATCH_DEDUP_MIN_TOKENS)  # token ids being prefilled in this step
         free_rows = kv.free_rows()
         refused = None
+        adapters = self.adapters
+        active = adapters.active(q.running + q.jump_tails + plan.reqs) if adapters is not None else set()
         for r in q.waiting:
             if len(q.running) + len(plan.reqs) >= self.max_running_requests or free_rows == 0:
                 break
+            if adapters is not None and not adapters.admits(r, active):
+                continue  # its adapter would be one too many in this step: it waits for a slot
             match = self._match_unless_in_flight(self._matchable_ids(r), in_flight, peeks.get(id(r)))
             if match is None:
                 continue  # next step its prefix is in the tree: prefill it once, not twice
@@ -226,7 +233,7 @@ class PrefillAdmission:
             budget.take(take, reserve, locked)
             plan.add(r, pre, take)
             plan.admitted.append(r)
-            in_flight.add(r.origin_input_ids if pre + take <= len(r.origin_input_ids) else r.fill_ids, pre + take)
+            in_flight.add(r.cache_prompt if pre + take <= len(r.cache_prompt) else r.cache_fill_ids, pre + take)
             if take < ext:
                 break
         kv.write_prefix_rows(plan.prefix_rows)

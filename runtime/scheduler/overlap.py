@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from .adapters import SchedulerAdapters
 from .batch import ScheduleBatch
 from .kv_manager import KVManager
 from .queues import RequestQueues
@@ -44,6 +45,7 @@ class StepPipeline:
         overlap: bool,
         pipeline_prefills: bool,
         spec: Speculation,
+        adapters: Optional[SchedulerAdapters] = None,
     ):
         self.runner = runner
         self.queues = queues
@@ -54,6 +56,7 @@ class StepPipeline:
         # Steps with prefill rows launched ahead too (else each is read back before the next is planned).
         self.pipeline_prefills = pipeline_prefills
         self.spec = spec
+        self.adapters = adapters  # LoRA: each step's adapter slots
         self.pending: Optional[tuple[ScheduleBatch, Any]] = None  # the step in flight and its handle
 
     def in_flight(self) -> bool:
@@ -76,6 +79,8 @@ class StepPipeline:
         started = self.timer.begin()
         handle = prev[1] if prev is not None else None
         step = batch.to_step()
+        if self.adapters is not None:
+            self.adapters.attach(step, batch.reqs)
         self._hold_decode_slots(batch)
         if self._launchable(batch):
             self.pending = (batch, self.runner.launch(step, prev=handle))

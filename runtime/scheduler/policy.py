@@ -44,12 +44,12 @@ def _policy_order(policy: str, waiting: list[Req], cache: PrefixCache, peeks: Op
             peek = _kept_peeks(cache, peeks)
         else:
             peek = lambda ids, r: cache.peek_prefix_len(ids)  # noqa: E731
-        # NOTE: a request without outputs is ranked on its prompt list itself (fill_ids is a copy).
+        # NOTE: a request without outputs is ranked on its prompt list itself (cache_fill_ids is a copy).
         overdue = time.monotonic() - MAX_REORDERED_WAIT_S
         scored = [
             (
                 r.created > overdue,
-                0 if r.created <= overdue else -peek(r.fill_ids if r.output_ids else r.origin_input_ids, r),
+                0 if r.created <= overdue else -peek(r.cache_fill_ids if r.output_ids else r.cache_prompt, r),
                 i,
                 r,
             )

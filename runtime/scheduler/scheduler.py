@@ -23,10 +23,12 @@ from ..executor.compile_watch import CompileWatch
 from ..io_struct import AbortReq, ControlReply, ControlReq, SchedulerInfo, TokenizedGenerateReq
 from ..kvcache.prefix_cache import NoSharingCache, PrefixCache
 from ..kvcache.radix_cache import RadixCache
+from ..lora.adapter import LoraError
 from ..request import FinishReason, Req
 from ..request_options import RequestOptions
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
+from .adapters import SchedulerAdapters
 from .admission import PrefillAdmission
 from .batch import ScheduleBatch
 from .control import ControlHandlers
@@ -68,7 +70,9 @@ def create_scheduler(server_args: ServerArgs, model_path: str, marks: Optional[d
         tokenizer = pool.submit(timed_tokenizer)
         runner = create_step_runner(server_args, model_path, _split_target(server_args, model_path))
         marks["model"] = time.time()
-        scheduler = Scheduler(server_args, runner, tokenizer.result())
+        # (with enable_lora the runner is a ModelRunner: settings refuse the split and speculating runners)
+        model_config = runner.model_config if server_args.enable_lora else None
+        scheduler = Scheduler(server_args, runner, tokenizer.result(), model_config)
     scheduler.startup_marks.update(marks)
     return scheduler
 
@@ -84,7 +88,9 @@ def _split_target(server_args: ServerArgs, model_path: str):
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, runner: StepRunner, tokenizer: Any):
+    def __init__(self, server_args: ServerArgs, runner: StepRunner, tokenizer: Any, model_config: Any = None):
+        """`model_config`: the model's (models/config.py), which LoRA adapters are checked against (with
+        enable_lora)."""
         self.server_args = server_args
         self.runner = runner
         self.tokenizer = tokenizer
@@ -107,6 +113,7 @@ class Scheduler:
         self.timer = StepTimer(server_args.enable_step_timing)
         # The parts, each owning its state.
         self.queues = RequestQueues()
+        self.adapters = SchedulerAdapters.of(server_args, model_config, self.queues)  # None without enable_lora
         self.kv_events = KVEventPublisher.of(server_args, runner.info.device)  # None unless an endpoint is set
         self.kv = KVManager(runner.allocator, runner.req_to_token_pool, self._make_cache())
         self.outputs = OutputBuilder(tokenizer, server_args.stream_interval)
@@ -116,7 +123,13 @@ class Scheduler:
             self.queues, self.kv, self.finisher, self.stats, server_args.schedule_conservativeness
         )
         self.admission = PrefillAdmission(
-            server_args, self.queues, self.kv, self.shortage, runner.info.max_running_requests, self.stats
+            server_args,
+            self.queues,
+            self.kv,
+            self.shortage,
+            runner.info.max_running_requests,
+            self.stats,
+            self.adapters,
         )
         self.speculation = Speculation(server_args, self.kv, tokenizer, runner.info.context_len)
         self.results = StepResults(
@@ -140,6 +153,7 @@ class Scheduler:
             overlap=not server_args.disable_overlap_schedule and runner.info.supports_overlap,
             pipeline_prefills=not server_args.disable_prefill_pipeline,
             spec=self.speculation,
+            adapters=self.adapters,
         )
         self.planner = StepPlanner(
             self.queues,
@@ -150,7 +164,7 @@ class Scheduler:
             runner.info.context_len,
             mixing=not server_args.disable_mixed_chunk,
         )
-        self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check)
+        self.control = ControlHandlers(self.kv, self.is_idle, self.get_stats, self._full_check, self.adapters)
         # Last, so that start-up's own compiles (warm-up, graph capture) are not counted.
         self.compile_watch = CompileWatch()
         self.startup_marks: dict[str, float] = {}  # (create_scheduler's; SchedulerInfo.startup_marks)
@@ -198,6 +212,10 @@ class Scheduler:
 
     def _add_request(self, m: TokenizedGenerateReq) -> None:
         req = Req.of(m, self.text_decoder, self.eos_token_ids)
+        if req.lora_path is not None:
+            if self.adapters is None:
+                raise LoraError("LoRA adapters are off: start the server with --enable-lora or --lora-paths")
+            self.adapters.check_request(req)
         if m.sampling_params.seed is not None:
             req.set_generator(torch.Generator(device=self.runner.info.device).manual_seed(m.sampling_params.seed))
         # NOTE: max_new_tokens=None runs until the context is full: that is its budget. The admission
@@ -331,5 +349,6 @@ class Scheduler:
             **self.grammars.stats(),
             **self.speculation.stats(),
             **self.compile_watch.stats(),
+            **(self.adapters.stats() if self.adapters is not None else {}),
             "steps": self.timer.report(),
         }

@@ -23,6 +23,7 @@ from ..server_args import ServerArgs
 from .cors import CORS
 from .errors import error_body, install_error_handlers
 from .http_guards import BodySizeLimit, json_error_protocol_class, paths_without_api_key
+from .lora_api import router as lora_router
 from .metrics import CONTENT_TYPE
 from .native_api import router as native_router
 from .openai.api import router as openai_router
@@ -123,6 +124,7 @@ def create_app(engine: Any, server_args: Optional[ServerArgs] = None) -> FastAPI
     app.state.plait = ctx
     install_error_handlers(app)
     app.include_router(native_router)
+    app.include_router(lora_router)
     app.include_router(openai_router)
     app.include_router(chat_router)
     app.include_router(responses_router)

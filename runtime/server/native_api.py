@@ -158,7 +158,7 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[st
         sp = verified_sampling_params(_per_item(body.sampling_params, i, batch, is_batch, "sampling_params"), ctx)
         fields = {
             name: _per_item(getattr(body, name), i, batch, is_batch, name)
-            for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")
+            for name in ("return_logprob", "logprob_start_len", "top_logprobs_num", "lora_path")
         }
         rid = _per_item(body.rid, i, batch, is_batch, "rid") or new_rid()
         options = request_options(
@@ -166,6 +166,7 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[st
             return_text_in_logprobs=body.return_text_in_logprobs,
             group=body.group,
             priority=body.priority,
+            cache_salt=body.cache_salt,
             **fields,
         )
         runs.append(expand_n(base, sp, options))

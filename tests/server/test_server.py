@@ -366,7 +366,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "prompt"),
     ("/v1/completions", {"prompt": TOO_LONG_IDS}, 400, "prompt", "too long"),
     ("/v1/completions", {"prompt": "hi", "top_k": 0}, 400, None, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "lora_path": "adapter"}, 400, "lora_path", "does not load LoRA adapters"),
+    ("/v1/completions", {"prompt": "hi", "lora_path": "adapter"}, 400, "lora_path", "name a LoRA adapter by `model`"),
     ("/v1/completions", {"prompt": "hi", "priority": "high"}, 400, "priority", "valid integer"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),

@@ -19,6 +19,7 @@ from ...request_options import new_rid
 from ...sampling_params import SamplingParams
 from ..engine_client import GenerationGroup
 from ..errors import APIError, sse_error_event
+from ..lora_api import adapter_of_model
 from ..native_api import (
     check_prompt_ids,
     check_unicode,
@@ -65,8 +66,7 @@ _SAMPLING_FIELDS = (
 def check_model(req: Union[CompletionRequest, ChatCompletionRequest], ctx: ServerContext) -> None:
     # NOTE: an empty name means the served model, as in vLLM: wrappers that leave the model setting
     # unset send "" (the openai client requires the argument).
-    if req.model and req.model not in ctx.accepted_model_names:
-        raise APIError(404, f"model '{req.model}' does not exist; this server serves '{ctx.model_name}'", param="model")
+    adapter_of_model(req.model, ctx)  # the served model, or one of its LoRA adapters (a 404 names any other)
 
 
 def sampling_dict(
@@ -103,7 +103,14 @@ def engine_calls(
     runs = []
     for i, prompt in enumerate(prompts):
         base_rid = rid if rid and len(prompts) == 1 else (f"{rid}-p{i}" if rid else new_rid())
-        runs.append(expand_n(prompt, sp, request_options(rid=base_rid, priority=req.priority, **logprob_args)))
+        options = request_options(
+            rid=base_rid,
+            priority=req.priority,
+            lora_path=adapter_of_model(req.model, ctx),
+            cache_salt=req.cache_salt,
+            **logprob_args,
+        )
+        runs.append(expand_n(prompt, sp, options))
     return runs
 
 

@@ -70,7 +70,7 @@ _NO_MOE = "plait serves dense models: there are no routed experts to report"
 _ONE_RANK = "plait runs one data-parallel rank"
 _NO_PD = "plait does not run prefill/decode disaggregation"
 _NO_MM = "plait serves text-only models"
-_NO_LORA = "plait does not load LoRA adapters"
+_NO_LORA = "plait names LoRA adapters by lora_path (their names)"
 _NO_REASONING = "plait has no reasoning parser: a reasoning model's thinking stays in the content"
 _CACHE_KEY = (
     "plait's prefix cache matches tokens exactly, so requests that share a prefix share its cache whatever their key"
@@ -87,7 +87,6 @@ FIELDS: dict[str, CompatField] = {
     "disagg_prefill_dp_rank": _ignored(EVERY_API, int, _ONE_RANK),
     "kv_router_hint": _ignored((NATIVE,), dict[str, Json], _ONE_RANK),
     "extra_key": _ignored(EVERY_API, StrOrList, _CACHE_KEY),
-    "cache_salt": _ignored(EVERY_API, StrOrList, _CACHE_KEY + " (no per-salt isolation)"),
     "ngram_corpus_id": _ignored(OPENAI, StrOrList, "plait has no n-gram speculative decoding"),
     "prompt_cache_key": _ignored(OPENAI_ALL, str, _CACHE_KEY),
     "prompt_cache_retention": _ignored(OPENAI_ALL, str, "cached prefixes stay until evicted by newer ones"),
@@ -166,7 +165,7 @@ FIELDS: dict[str, CompatField] = {
     "input_ids": _refused(
         (CHAT,), list[int], "the prompt is rendered from messages (send token ids to /v1/completions or /generate)"
     ),
-    "lora_path": _refused(EVERY_API, StrOrList, _NO_LORA),
+    "lora_path": _refused(OPENAI, StrOrList, "the OpenAI routes name a LoRA adapter by `model` (base:adapter)"),
     "lora_id": _refused((NATIVE,), StrOrList, _NO_LORA),
     "custom_logit_processor": _refused(EVERY_API, StrOrList, "plait runs no custom logit processors"),
     "logits_processors": _refused((COMPLETIONS,), list[Json], "plait runs no custom logit processors"),

@@ -28,6 +28,8 @@ class GenerateRequest(compat_model(NATIVE)):  # type: ignore[misc]
     top_logprobs_num: Optional[Union[int, list[int]]] = None
     return_text_in_logprobs: bool = False
     priority: Optional[int] = None  # lower first among waiting requests (vLLM's convention)
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None  # a LoRA adapter's name (per prompt in a batch)
+    cache_salt: Optional[str] = None  # vLLM's: requests of different salts share no cached prefix
     stream: bool = False
     log_metrics: bool = True
     # plait's program hint: requests of one program (and its forks) share a group id, which the

@@ -103,6 +103,7 @@ class _SamplingExtensions(BaseModel):
     ebnf: Optional[str] = None
     rid: Optional[str] = None
     priority: Optional[int] = None  # vLLM's: lower first among waiting requests
+    cache_salt: Optional[str] = None  # vLLM's: requests of different salts share no cached prefix
     stop_regex: Optional[Union[str, list[str]]] = None
     stream_interval: Optional[int] = Field(default=None, ge=1)
     custom_params: Optional[dict[str, Any]] = None

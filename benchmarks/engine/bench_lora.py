@@ -1,0 +1,113 @@
+"""Many LoRA adapters on one base model (issue 36): output tok/s of a batch whose requests use 1, 8 or 64
+distinct adapters (rank 16 on every projection: q, k, v, o, gate, up, down), against the base model alone
+(an engine without LoRA), batch by batch, one engine after the other on one machine.
+
+Adapters are written as PEFT folders (random A and B) for the model's shape; the model has dummy weights at
+a built-in shape. GPU: the 8B shape; CPU: the 135M shape at small batches.
+
+    python benchmarks/engine/bench_lora.py                                   # CPU: smollm2-135m, small
+    python benchmarks/engine/bench_lora.py --model llama-3.1-8b --batches 1 32 128 --adapters 1 8 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_common
+
+from bench_common import save  # noqa: E402
+from plait.runtime import Engine  # noqa: E402
+from plait.runtime.models.config import BUILTIN_SHAPES  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(folder: str, shape: dict, rank: int, seed: int) -> str:
+    """A PEFT LoRA folder for `shape` (BUILTIN_SHAPES' keys) with random weights."""
+    from safetensors.torch import save_file
+
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    dims = {  # module: (in, out)
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(shape["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in dims.items():
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none"}
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+def throughput(eng: Engine, batch: int, prompt_len: int, new_tokens: int, adapters: list) -> float:
+    """Output tok/s of one batch (`adapters[i % len]` for request i; [None]: the base model)."""
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]  # distinct prompts
+    sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    lora = [adapters[i % len(adapters)] for i in range(batch)]
+    eng.generate(input_ids=prompts[:1], sampling_params=dict(sp, max_new_tokens=2), lora_path=lora[:1])  # warm
+    eng.flush_cache()
+    start = time.perf_counter()
+    outs = eng.generate(input_ids=prompts, sampling_params=sp, lora_path=lora)
+    seconds = time.perf_counter() - start
+    return sum(len(o["output_ids"]) for o in outs) / seconds
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.1-8b" if cuda else "smollm2-135m", choices=sorted(BUILTIN_SHAPES))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128] if cuda else [1, 8])
+    p.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 64] if cuda else [1, 8])
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=256 if cuda else 32)
+    p.add_argument("--new-tokens", type=int, default=128 if cuda else 16)
+    args = p.parse_args()
+    shape = BUILTIN_SHAPES[args.model]
+    common = dict(model_path=args.model, load_format="dummy", max_running_requests=max(args.batches))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with Engine(**common) as eng:
+            base = {b: throughput(eng, b, args.prompt_len, args.new_tokens, [None]) for b in args.batches}
+        paths = [write_adapter(os.path.join(tmp, f"a{i}"), shape, args.rank, i) for i in range(max(args.adapters))]
+        lora_args = dict(
+            lora_paths=[f"a{i}={path}" for i, path in enumerate(paths)],
+            max_lora_rank=args.rank,
+            max_loras_per_batch=max(args.adapters),
+        )
+        with Engine(**common, **lora_args) as eng:
+            for b in args.batches:
+                for n in sorted({min(n, b) for n in args.adapters}):  # no more adapters than requests
+                    tps = throughput(eng, b, args.prompt_len, args.new_tokens, [f"a{i}" for i in range(n)])
+                    rows.append({"batch": b, "adapters": n, "tok_s": tps, "base_tok_s": base[b]})
+    print(f"{args.model} dummy weights, rank {args.rank} on all projections, {args.new_tokens} new tokens")
+    print(f"{'batch':>6} {'adapters':>9} {'base tok/s':>11} {'LoRA tok/s':>11} {'x base':>7}")
+    for r in rows:
+        ratio = r["tok_s"] / r["base_tok_s"]
+        print(f"{r['batch']:>6} {r['adapters']:>9} {r['base_tok_s']:>11.1f} {r['tok_s']:>11.1f} {ratio:>7.2f}")
+    save("bench_lora", {"model": args.model, "rank": args.rank, "device": "cuda" if cuda else "cpu", "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The segmented LoRA matmul: a batch whose rows belong to different adapters (or none) gets each row's
+adapter added beside the base projection, y += (x @ A^T) @ B^T, A and B the row's adapter's in the pool.
+
+Two ways to pick each row's A and B, one result:
+- segments (eager steps): the step's rows are its requests' runs of tokens, one adapter each, known on
+  the host; each run of one adapter is two small matmuls over a slice. Rows of the base model (slot 0)
+  are not touched at all.
+- gathered (what a CUDA graph can hold): each token's slot is data, (T,) on the device, and A and B are
+  gathered per token (a batched matmul); slot 0 holds zeros, so base rows add exactly zero. No host
+  value decides anything, so a graph captured once replays with any adapters in any rows.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .slots import LoraSlots
+
+
+class LoraBatch:
+    """One step's adapters, as the model's projections read them (`ForwardBatch.lora`)."""
+
+    def __init__(
+        self,
+        slots: LoraSlots,
+        token_slots: torch.Tensor,
+        segments: Optional[list[tuple[int, int, int]]] = None,
+    ):
+        self.pool = slots
+        self.token_slots = token_slots  # (T,) int64 on the device: each token's slot (0: no adapter)
+        # (first token, end, slot) runs of one adapter, base runs left out; None: gather per token.
+        self.segments = segments
+
+    @classmethod
+    def of_rows(cls, slots: LoraSlots, request_slots: list[int], tokens_per_request: list[int]) -> "LoraBatch":
+        """Requests in step order with their slot and their number of new tokens (contiguous in T)."""
+        segments: list[tuple[int, int, int]] = []
+        start = 0
+        for slot, n in zip(request_slots, tokens_per_request):
+            if slot and segments and segments[-1][2] == slot and segments[-1][1] == start:
+                segments[-1] = (segments[-1][0], start + n, slot)  # the same adapter continues the run
+            elif slot and n:
+                segments.append((start, start + n, slot))
+            start += n
+        token_slots = torch.repeat_interleave(
+            torch.tensor(request_slots, dtype=torch.int64), torch.tensor(tokens_per_request, dtype=torch.int64)
+        ).to(slots.device, non_blocking=True)
+        return cls(slots, token_slots, segments)
+
+    def apply(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (T, out) of the base projection `target` of layer `layer` over x (T, in), with each row's
+        adapter added (in place where y is written; returned)."""
+        a_all, b_all = self.pool.a[target], self.pool.b[target]  # (S+1, L, n*R, in), (S+1, L, out, R)
+        rank, splits = self.pool.max_rank, self.pool.out_splits[target]
+        if self.segments is not None:
+            for start, end, slot in self.segments:
+                shrunk = x[start:end] @ a_all[slot, layer].t()  # (n, subs * R)
+                out = 0
+                for j, size in enumerate(splits):
+                    b = b_all[slot, layer, out : out + size]  # (size, R)
+                    y[start:end, out : out + size] += shrunk[:, j * rank : (j + 1) * rank] @ b.t()
+                    out += size
+            return y
+        a = a_all[:, layer].index_select(0, self.token_slots)  # (T, subs * R, in)
+        shrunk = torch.bmm(a, x.unsqueeze(-1))  # (T, subs * R, 1)
+        out = 0
+        for j, size in enumerate(splits):
+            b = b_all[:, layer, out : out + size].index_select(0, self.token_slots)  # (T, size, R)
+            y[:, out : out + size] += torch.bmm(b, shrunk[:, j * rank : (j + 1) * rank]).squeeze(-1)  # (T, size)
+            out += size
+        return y

@@ -1,0 +1,72 @@
+"""Settings given as lists, parsed and checked for ServerArgs: the CORS origins (`allowed_origins`) and the
+LoRA settings (`lora_paths` as name=path pairs, ranks, slots). Apart from server_args.py, which holds the
+fields themselves."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def parse_origins(value: Any) -> list[str]:
+    """`allowed_origins` as a list of origins (a comma-separated string too); ValueError naming a bad one."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"allowed_origins must be a list of origins or '*', got {value!r}")
+    origins = []
+    for item in items:
+        for origin in item.split(",") if isinstance(item, str) else [item]:
+            origin = origin.strip() if isinstance(origin, str) else origin
+            if origin == "*":
+                origins.append(origin)
+                continue
+            scheme, sep, rest = origin.partition("://") if isinstance(origin, str) else ("", "", "")
+            if not sep or scheme not in ("http", "https") or not rest or "/" in rest.rstrip("/"):
+                raise ValueError(
+                    f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], such as "
+                    "https://app.example or http://localhost:3000) or '*'"
+                )
+            origins.append(f"{scheme}://{rest.rstrip('/')}")
+    return origins
+
+
+def parse_lora_paths(value: Any) -> dict[str, str]:
+    """`lora_paths` ("name=path" items, a bare path named by its folder; SGLang's spelling) -> {name: path};
+    a ValueError naming a bad or repeated item."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"lora_paths must be a list of name=path items, got {value!r}")
+    paths: dict[str, str] = {}
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise ValueError(f"lora_paths: {item!r} is not a name=path item")
+        name, sep, path = item.partition("=")
+        if not sep:
+            path = item
+            name = os.path.basename(os.path.normpath(item))
+        name, path = name.strip(), os.path.expanduser(path.strip())
+        if not name or not path or ":" in name:
+            raise ValueError(f"lora_paths: {item!r} must be name=path, the name non-empty and without ':'")
+        if name in paths:
+            raise ValueError(f"lora_paths: adapter name {name!r} is given twice")
+        paths[name] = path
+    return paths
+
+
+def check_lora_settings(sa: Any) -> None:
+    """ServerArgs' LoRA settings: ValueErrors naming the field. Loading adapters is on with lora_paths, and
+    where it is on, the features that do not apply adapters yet are refused."""
+    for name in ("max_lora_rank", "max_loras_per_batch"):
+        v = getattr(sa, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if sa.lora_paths is not None:
+        parse_lora_paths(sa.lora_paths)
+        sa.enable_lora = True
+    if not sa.enable_lora:
+        return
+    for name, off in (("speculative_algorithm", None), ("tp_size", 1), ("pp_size", 1), ("dp_size", 1)):
+        if getattr(sa, name) != off:
+            raise ValueError(
+                f"LoRA adapters (enable_lora / lora_paths) do not run with {name}={getattr(sa, name)!r} yet"
+            )
