@@ -165,6 +165,10 @@ class PrefixCache(ABC):
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
 
+    def tier_stats(self) -> dict:
+        """What a cache with tiers below the device pool reports of them (get_stats); nothing otherwise."""
+        return {}
+
     def check_integrity(self, num_private: int = 0, full: bool = True) -> None:
         """Raise AssertionError unless free + evictable + protected + private == total slots.
 

@@ -1,0 +1,170 @@
+"""HostTier: host memory under the device KV pool, where the hierarchical cache keeps evicted prefixes.
+
+Layout: (host slots + 1, layers, 2 (K, V), KV heads, head dim): one token's K/V of every layer side by
+side, so a run of host slots is one contiguous block of memory for all layers (a node's tokens move as a
+few large copies, not one small copy per layer). Pinned when the pool is on a GPU. Host slot 0 is never
+handed out (as on the device), so a slot is 1..num_slots.
+
+Copies (`save`: device -> host, `load`: host -> device) on a GPU run on a copy stream of their own and never
+make the host wait: a save gathers the device slots on the compute stream (so a later step that reuses them
+cannot overwrite them first), and the copy stream waits for that gather; a load's copies are followed, on the
+compute stream, by a wait for them and the scatter into the device slots, so the first step that reads them
+runs after the load. Every access to host memory is a copy on the copy stream, in order, so a host slot
+freed and handed out again is never written before an earlier copy of it has read it. On the CPU the same
+calls copy synchronously.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .memory_pool import KVPool, TokenAllocator, zeroed
+
+GB = 1 << 30
+
+
+@dataclass
+class HostTierStats:
+    """What crossed between the tiers since start-up (or the last `reset`)."""
+
+    num_loads: int = 0  # matches that loaded host-resident tokens back
+    loaded_tokens: int = 0  # tokens loaded back onto the device
+    saved_tokens: int = 0  # tokens copied to the host (demoted, or written through)
+    evicted_tokens: int = 0  # host-resident tokens dropped to make room (host LRU)
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+
+    def reset(self) -> None:
+        self.num_loads = self.loaded_tokens = self.saved_tokens = self.evicted_tokens = 0
+        self.bytes_to_host = self.bytes_to_device = 0
+
+
+class HostTier:
+    def __init__(self, kv_pool: KVPool, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs at least one token of room, got {num_slots}")
+        self.kv_pool = kv_pool
+        self.num_slots = num_slots
+        self.allocator = TokenAllocator(num_slots, "cpu")
+        self.on_gpu = torch.device(kv_pool.device).type == "cuda"
+        shape = (num_slots + 1, kv_pool.num_layers, 2, kv_pool.num_kv_heads, kv_pool.head_dim)
+        if self.on_gpu:
+            self.buffer = torch.empty(shape, dtype=kv_pool.dtype, pin_memory=True)
+            self.copy_stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device=kv_pool.device)
+        else:
+            self.buffer = zeroed(shape, kv_pool.dtype, "cpu")
+            self.copy_stream = None
+        self.bytes_per_token = KVPool.bytes_per_token(
+            kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
+        )
+        self.stats = HostTierStats()
+
+    @classmethod
+    def sized(cls, kv_pool: KVPool, ratio: float, size_gb: float) -> "HostTier":
+        """A host tier of `size_gb` GB when that is > 0, else `ratio` times the device pool's tokens
+        (SGLang's --hicache-size and --hicache-ratio)."""
+        per_token = KVPool.bytes_per_token(kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype)
+        if size_gb > 0:
+            return cls(kv_pool, int(size_gb * GB) // per_token)
+        return cls(kv_pool, int(kv_pool.num_slots * ratio))
+
+    # ---- host slots ----
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        """`n` host slots, ascending (so they fall in few contiguous runs), or None when fewer are free."""
+        slots = self.allocator.alloc(n)
+        return None if slots is None else torch.sort(slots).values
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    def available(self) -> int:
+        return self.allocator.available()
+
+    def used(self) -> int:
+        return self.num_slots - self.allocator.available()
+
+    def clear(self) -> None:
+        self.allocator.clear()
+
+    # ---- copies ----
+    def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """The K/V of `device_slots` (n,) into `host_slots` (n,) (ascending, from `alloc`)."""
+        staging = self._gather(device_slots)  # (n, L, 2, H, D) on the device
+        n = int(device_slots.numel())
+        if self.copy_stream is None:
+            self.buffer[host_slots] = staging
+        else:
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.copy_stream):
+                for lo, hi, at in _runs(host_slots):
+                    self.buffer[lo:hi].copy_(staging[at : at + hi - lo], non_blocking=True)
+            staging.record_stream(self.copy_stream)  # kept until the copies have read it
+        self.stats.saved_tokens += n
+        self.stats.bytes_to_host += n * self.bytes_per_token
+
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """The K/V in `host_slots` (n,) (ascending) into `device_slots` (n,), before any later step reads them."""
+        n = int(host_slots.numel())
+        if self.copy_stream is None:
+            staging = self.buffer[host_slots]  # (n, L, 2, H, D)
+        else:
+            compute = torch.cuda.current_stream()
+            # NOTE: the staging block comes from the copy stream's own memory, so the copies need not wait
+            # for the step in flight on the compute stream; only the scatter below does.
+            with torch.cuda.stream(self.copy_stream):
+                staging = torch.empty((n, *self.buffer.shape[1:]), dtype=self.buffer.dtype, device=self.kv_pool.device)
+                for lo, hi, at in _runs(host_slots):
+                    staging[at : at + hi - lo].copy_(self.buffer[lo:hi], non_blocking=True)
+            compute.wait_stream(self.copy_stream)
+            staging.record_stream(compute)  # kept until the scatter has read it
+        self._scatter(device_slots, staging)
+        self.stats.loaded_tokens += n
+        self.stats.bytes_to_device += n * self.bytes_per_token
+
+    def _gather(self, device_slots: torch.Tensor) -> torch.Tensor:
+        pool = self.kv_pool
+        idx = self._on_device(device_slots)
+        per_layer = [torch.stack((k[idx], v[idx]), dim=1) for k, v in zip(pool.k_buffer, pool.v_buffer)]
+        return torch.stack(per_layer, dim=1)  # (n, L, 2, H, D)
+
+    def _scatter(self, device_slots: torch.Tensor, staging: torch.Tensor) -> None:
+        pool = self.kv_pool
+        idx = self._on_device(device_slots)
+        for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
+            k[idx] = staging[:, layer, 0]
+            v[idx] = staging[:, layer, 1]
+
+    def _on_device(self, slots: torch.Tensor) -> torch.Tensor:
+        # NOTE: an upload from pageable memory would wait for the steps in flight; from pinned memory it is queued.
+        if not self.on_gpu:
+            return slots
+        return slots.pin_memory().to(self.kv_pool.device, non_blocking=True)
+
+    def usage(self) -> dict:
+        s = self.stats
+        return {
+            "hicache_host_tokens": self.num_slots,
+            "hicache_host_used_tokens": self.used(),
+            "hicache_host_usage": self.used() / self.num_slots,
+            "hicache_host_bytes": self.buffer.numel() * self.buffer.element_size(),
+            "hicache_num_loads": s.num_loads,
+            "hicache_loaded_tokens": s.loaded_tokens,
+            "hicache_saved_tokens": s.saved_tokens,
+            "hicache_host_evicted_tokens": s.evicted_tokens,
+            "hicache_bytes_to_host": s.bytes_to_host,
+            "hicache_bytes_to_device": s.bytes_to_device,
+        }
+
+
+def _runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Ascending slots as contiguous runs: (first slot, past the last, index of the first in `slots`)."""
+    s = slots.numpy()
+    if s.size == 0:
+        return []
+    starts = np.flatnonzero(np.diff(s) != 1) + 1
+    bounds = np.concatenate(([0], starts, [s.size]))
+    return [(int(s[a]), int(s[b - 1]) + 1, int(a)) for a, b in zip(bounds[:-1], bounds[1:])]
