@@ -29,6 +29,7 @@ from .block_events import CacheEventListener
 from .hicache_args import WRITE_POLICIES
 from .host_tier import HostTier
 from .memory_pool import TokenAllocator
+from .prefix_cache import MatchResult
 from .radix_cache import RadixCache
 from .radix_keys import child_key
 from .radix_node import TreeNode
@@ -54,6 +55,12 @@ class HiRadixCache(RadixCache):
     def _commit(self, node: TreeNode, child: Optional[TreeNode], m: int) -> tuple[TreeNode, list[torch.Tensor]]:
         end = self._split(child, m) if child is not None else node
         return super()._commit(self._load_back(end), None, 0)
+
+    def _matched(self, queried: int, node: TreeNode, child: Optional[TreeNode], m: int) -> MatchResult:
+        before = self.host.stats.loaded_tokens
+        match = super()._matched(queried, node, child, m)
+        match.host_tokens = self.host.stats.loaded_tokens - before
+        return match
 
     def _load_back(self, end: TreeNode) -> TreeNode:
         """Bring the host-only nodes at the end of `end`'s path onto the device (as many as the device can take,

@@ -29,6 +29,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class MatchResult:
     kv_indices: torch.Tensor  # (num_matched,) int64 kv slots of the cached prefix
     node: Any  # handle to lock / pass back; None when nothing matched
+    host_tokens: Optional[int] = None  # of those, how many this match loaded back from a host tier (None: no tier)
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,20 @@ def test_multi_turn_outputs_equal_with_the_tier_off_and_hits_come_from_the_host(
     assert stats["hicache_write_policy"] == policy
 
 
+def test_each_request_says_how_many_of_its_cached_tokens_came_from_the_host():
+    s = scheduler(True, "write_back", pool=64)
+    submit(s, "a", list(range(2, 42)), max_new_tokens=2)
+    drain(s)
+    submit(s, "b", list(range(42, 62)) * 2, max_new_tokens=2)  # pushes "a"'s prompt to the host
+    drain(s)
+    submit(s, "c", list(range(2, 42)) + [9], max_new_tokens=2)
+    finals = drain(s)
+    assert finals["c"].cached_tokens == 40 and finals["c"].cached_tokens_host == 40
+    submit(s, "d", list(range(2, 42)) + [10], max_new_tokens=2)
+    finals = drain(s)
+    assert finals["d"].cached_tokens == 40 and finals["d"].cached_tokens_host == 0
+
+
 def test_with_a_small_host_tier_it_evicts_there_too_and_outputs_stay_equal():
     off = scheduler(False)
     on = fake_scheduler(
