@@ -34,6 +34,8 @@ from .radix_cache import RadixCache
 from .radix_keys import child_key
 from .radix_node import TreeNode
 
+HOST_EVICTION_BATCH = 64  # a host eviction frees at least this share (1/64) of the host tier
+
 
 class HiRadixCache(RadixCache):
     def __init__(
@@ -110,7 +112,9 @@ class HiRadixCache(RadixCache):
         n = len(node.key)
         slots = self.host.alloc(n)
         if slots is None:
-            self._evict_host(n - self.host.available())
+            # NOTE: each host eviction walks the whole tree; with write_through a full host tier is asked for
+            # room at every insert, so it makes room for many at once.
+            self._evict_host(max(n - self.host.available(), self.host.num_slots // HOST_EVICTION_BATCH))
             slots = self.host.alloc(n)
             if slots is None:
                 return False
@@ -127,7 +131,7 @@ class HiRadixCache(RadixCache):
         if num_tokens <= 0:
             return 0
         tiebreak = itertools.count()
-        heap = [(n.last_access, next(tiebreak), n) for n in self._iter_nodes() if self._device_leaf(n)]
+        heap = [(n.last_access, next(tiebreak), n) for n in self._device_nodes() if self._device_leaf(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -142,6 +146,14 @@ class HiRadixCache(RadixCache):
             if self._device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, next(tiebreak), parent))
         return freed
+
+    def _device_nodes(self):
+        """The device-resident nodes (and the root): a walk that skips the host-only subtrees."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(c for c in node.children.values() if c.value is not None)
 
     def _device_leaf(self, node: Optional[TreeNode]) -> bool:
         """An unlocked device node with nothing on the device below it (the device tier's leaves)."""
