@@ -139,7 +139,7 @@ class HiRadixCache(RadixCache):
             parent = leaf.parent
             if leaf.host_value is None and not self._back_up(leaf):
                 self._drop(leaf)
-            self.allocator.free(leaf.value)  # type: ignore[arg-type]  # (a device leaf)
+            self.allocator.free(leaf.value)
             leaf.value = None
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)

@@ -276,7 +276,7 @@ class RadixCache(PrefixCache):
         values, above = [], end
         while above is not self.root:
             above.last_access = self._clock
-            values.append(above.value)
+            values.append(cast(torch.Tensor, above.value))  # (on the device: a tiered cache loads a path first)
             above = cast(TreeNode, above.parent)  # an attached node: only the root has no parent
         values.reverse()
         return end, values
@@ -304,7 +304,7 @@ class RadixCache(PrefixCache):
             return self.root, 0
         pos = 0
         for p in reversed(path):
-            if not torch.equal(p.value, kv[pos : pos + len(p.key)]):
+            if not torch.equal(cast(torch.Tensor, p.value), kv[pos : pos + len(p.key)]):  # (locked: on the device)
                 return self.root, 0
             pos += len(p.key)
         return old_node, pos
@@ -333,7 +333,7 @@ class RadixCache(PrefixCache):
                 node.children[child_key(key, pos, self.page_size)] = leaf
                 self._evictable += len(leaf.key)
                 self._stored(leaf)
-                tree_values.append(leaf.value)
+                tree_values.append(cast(torch.Tensor, leaf.value))
                 node = leaf
                 break
             m = common_len(child.key, key, pos, self.page_size)
@@ -346,7 +346,7 @@ class RadixCache(PrefixCache):
                 self._evictable += m  # (an unlocked node: only a path already on the device is locked)
             elif not torch.equal(mine, child.value):
                 duplicates.append(mine[mine != child.value])
-            tree_values.append(child.value)
+            tree_values.append(cast(torch.Tensor, child.value))
             node, pos = child, pos + m
         if not duplicates:
             return node, None
