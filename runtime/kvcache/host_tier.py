@@ -49,6 +49,15 @@ class HostTier:
             raise ValueError(f"the host tier needs at least one token of room, got {num_slots}")
         self.kv_pool = kv_pool
         self.num_slots = num_slots
+        self.bytes_per_token = KVPool.bytes_per_token(
+            kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
+        )
+        need, free = (num_slots + 1) * self.bytes_per_token, host_memory_available()
+        if free is not None and need > free:
+            raise ValueError(
+                f"the host tier of {num_slots} tokens needs {need / GB:.1f} GB of host memory and {free / GB:.1f} GB "
+                "are available: lower hicache_ratio or hicache_size"
+            )
         self.allocator = TokenAllocator(num_slots, "cpu")
         self.on_gpu = torch.device(kv_pool.device).type == "cuda"
         shape = (num_slots + 1, kv_pool.num_layers, 2, kv_pool.num_kv_heads, kv_pool.head_dim)
@@ -58,9 +67,6 @@ class HostTier:
         else:
             self.buffer = zeroed(shape, kv_pool.dtype, "cpu")
             self.copy_stream = None
-        self.bytes_per_token = KVPool.bytes_per_token(
-            kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
-        )
         self.stats = HostTierStats()
 
     @classmethod
@@ -158,6 +164,18 @@ class HostTier:
             "hicache_bytes_to_host": s.bytes_to_host,
             "hicache_bytes_to_device": s.bytes_to_device,
         }
+
+
+def host_memory_available() -> Optional[int]:
+    """Bytes of memory the OS could still give (Linux's MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:

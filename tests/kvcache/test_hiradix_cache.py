@@ -205,3 +205,14 @@ def test_sizes_from_ratio_or_gigabytes():
     pool = KVPool(100, 2, 1, 4, torch.float32, "cpu")  # 64 bytes a token
     assert HostTier.sized(pool, 3.0, 0).num_slots == 300
     assert HostTier.sized(pool, 3.0, 64 * 10 / (1 << 30)).num_slots == 10
+
+
+def test_a_host_tier_larger_than_the_host_memory_is_refused():
+    from plait.runtime.kvcache.host_tier import host_memory_available
+
+    pool = KVPool(100, 2, 1, 4, torch.float32, "cpu")
+    free = host_memory_available()
+    if free is None:
+        pytest.skip("this OS does not say how much memory is available")
+    with pytest.raises(ValueError, match="lower hicache_ratio or hicache_size"):
+        HostTier.sized(pool, 0, 2 * free / (1 << 30))
