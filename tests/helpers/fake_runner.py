@@ -117,11 +117,17 @@ class FakeRunner:
                 out.output_logprobs[i] = (-1.0, None)
         return out
 
+    def _write_kv(self, step: StepInput) -> torch.Tensor:
+        """Each new token's K: (its id, its position in the sequence: a draft's is its depth past the prefix)."""
+        assert self.kv_pool is not None
+        k = self.kv_pool.k_buffer[0]  # (slots + 1, 1, 2)
+        ids_positions = np.stack([step.token_rows[0], step.token_rows[1]], 1)  # (T, 2)
+        k[torch.from_numpy(step.kv_writes[2]), 0] = torch.from_numpy(ids_positions).float()
+        return k
+
     def _write_and_check_kv(self, step: StepInput) -> None:
         assert self.kv_pool is not None
-        _, positions, slots = step.kv_writes
-        k = self.kv_pool.k_buffer[0]  # (slots + 1, 1, 2)
-        k[torch.from_numpy(slots), 0] = torch.from_numpy(np.stack([step.token_rows[0], positions], 1)).float()
+        k = self._write_kv(step)
         if step.prev_src is not None:
             return  # (some input ids are still on the device: nothing to compare with)
         table = step.req_rows if step.mode.is_extend() else step.token_rows[2:4]
@@ -140,6 +146,8 @@ class FakeRunner:
                     root = int(step.token_rows[0, int(step.req_rows[4, b])])
                     set_tree(step, b, self.drafter(step.sampling[b], root, step.extend_lens[b]))
             refresh_masks(step)
+        if self.kv_pool is not None:
+            self._write_kv(step)
         trees = step_trees(step)
         logits = torch.empty(step.num_tokens, self.info.vocab_size)
         at = 0

@@ -23,8 +23,8 @@ def script(row) -> int:
     return 2 + (7 * sum(row.prompt_ids) + 3 * sum(row.output_ids) + len(row.output_ids)) % 62
 
 
-def scheduler(hicache: bool, policy: str = "write_through", pool: int = 160, **args):
-    runner = FakeRunner(max_total_tokens=pool, max_running_requests=4, context_len=600, script=script, kv_pool=True)
+def scheduler(hicache: bool, policy: str = "write_through", pool: int = 160, fake_model=script, **args):
+    runner = FakeRunner(max_total_tokens=pool, max_running_requests=4, context_len=600, script=fake_model, kv_pool=True)
     tier = dict(enable_hierarchical_cache=True, hicache_ratio=6.0, hicache_write_policy=policy) if hicache else {}
     return fake_scheduler(runner, **tier, **args)
 
@@ -92,6 +92,18 @@ def test_chunked_prefill_and_page_size_two():
     on = scheduler(True, chunked_prefill_size=16, page_size=2)
     assert multi_turn(on, conversations=8, turns=3) == multi_turn(off, conversations=8, turns=3)
     assert on.get_stats()["hicache_num_loads"] > 0
+
+
+def test_ngram_speculation_keeps_the_tokens_and_the_kv_it_verified():
+    def copying(row) -> int:  # repeats the prompt: prompt lookup drafts what the fake model then says
+        return row.prompt_ids[(len(row.output_ids) + 3) % len(row.prompt_ids)]
+
+    off = scheduler(False, fake_model=copying)
+    on = scheduler(True, fake_model=copying, speculative_algorithm="NGRAM")
+    assert multi_turn(on, conversations=8) == multi_turn(off, conversations=8)
+    stats = on.get_stats()
+    assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats["hicache_num_loads"] > 0
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
