@@ -77,6 +77,7 @@ class FakeRunner:
         self.step_seconds = step_seconds or (lambda step: 0.0)
         self.elapsed = 0.0
         self._in_flight: dict[int, int] = {}  # id(request's output_ids) -> the last decode step's token
+        self._last_sampled: list = []
         self._masker = GrammarMasker(vocab_size)
         self._verifier = Verifier(vocab_size)
 
@@ -105,6 +106,7 @@ class FakeRunner:
         self._in_flight = {
             id(row.output_ids): out.next_token_ids[i] for i, row in zip(step.sampling_reqs, step.sampling)
         }
+        self._last_sampled = [out.next_token_ids[i] for i in step.sampling_reqs]  # (what a step ahead reads)
         for lr in step.logprob_rows:  # a flat "distribution": every token at log(1/V)
             lp = -float(torch.log(torch.tensor(float(self.info.vocab_size))))
             if lr.next_token:
@@ -121,7 +123,11 @@ class FakeRunner:
         """Each new token's K: (its id, its position in the sequence: a draft's is its depth past the prefix)."""
         assert self.kv_pool is not None
         k = self.kv_pool.k_buffer[0]  # (slots + 1, 1, 2)
-        ids_positions = np.stack([step.token_rows[0], step.token_rows[1]], 1)  # (T, 2)
+        ids = step.token_rows[0].copy()  # (T,)
+        if step.prev_src is not None:  # planned past the step in flight: some ids are that step's samples
+            ahead = step.prev_src >= 0
+            ids[ahead] = np.asarray(self._last_sampled, dtype=np.int64)[step.prev_src[ahead]]
+        ids_positions = np.stack([ids, step.token_rows[1]], 1)  # (T, 2)
         k[torch.from_numpy(step.kv_writes[2]), 0] = torch.from_numpy(ids_positions).float()
         return k
 

@@ -10,6 +10,7 @@ host; every step ends with the full integrity check (both tiers).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from helpers.fake_runner import FakeRunner, drain, fake_scheduler, step, submit
@@ -104,6 +105,17 @@ def test_ngram_speculation_keeps_the_tokens_and_the_kv_it_verified():
     stats = on.get_stats()
     assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
     assert stats["hicache_num_loads"] > 0
+
+
+def test_overlap_scheduling_steps_planned_past_the_one_in_flight():
+    off = scheduler(False)
+    runner = FakeRunner(max_total_tokens=160, max_running_requests=4, context_len=600, script=script, kv_pool=True)
+    runner.info = replace(runner.info, supports_overlap=True)
+    on = fake_scheduler(runner, enable_hierarchical_cache=True, hicache_ratio=6.0)
+    assert on.pipeline.overlap
+    assert multi_turn(on) == multi_turn(off)
+    assert any(st.prev_src is not None for st in on.runner.steps)  # (steps were planned ahead)
+    assert on.get_stats()["hicache_num_loads"] > 0
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
