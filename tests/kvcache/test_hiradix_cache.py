@@ -216,3 +216,36 @@ def test_a_host_tier_larger_than_the_host_memory_is_refused():
         pytest.skip("this OS does not say how much memory is available")
     with pytest.raises(ValueError, match="lower hicache_ratio or hicache_size"):
         HostTier.sized(pool, 0, 2 * free / (1 << 30))
+
+
+class Told:
+    """A CacheEventListener that writes down what it is told."""
+
+    def __init__(self):
+        self.calls = []
+
+    def stored(self, node):
+        self.calls.append(("stored", node.key))
+
+    def removed(self, node):
+        self.calls.append(("removed", node.key))
+
+    def cleared(self):
+        self.calls.append(("cleared",))
+
+
+def test_kv_events_see_a_demoted_prefix_as_still_cached():
+    """A router reading KV events keeps sending a prefix's requests here while the host tier holds it: a
+    demotion is no removal; leaving the tree (host LRU) is."""
+    told = Told()
+    alloc = TokenAllocator(4, "cpu")
+    cache = HiRadixCache(alloc, HostTier(KVPool(4, 1, 1, 1, torch.float32, "cpu"), 4), 1, "write_back", told)
+    pool = cache.host.kv_pool
+    put(cache, pool, [1, 2, 3, 4])
+    cache.evict(4)
+    assert told.calls == [("stored", (1, 2, 3, 4))]
+    put(cache, pool, [5, 6, 7, 8])
+    cache.evict(4)  # the host holds 4 tokens: [1..4] leaves the tree
+    assert told.calls[1:] == [("stored", (5, 6, 7, 8)), ("removed", (1, 2, 3, 4))]
+    cache.reset()
+    assert told.calls[-1] == ("cleared",)
