@@ -5,9 +5,10 @@ side, so a run of host slots is one contiguous block of memory for all layers (a
 few large copies, not one small copy per layer). Pinned when the pool is on a GPU. Host slot 0 is never
 handed out (as on the device), so a slot is 1..num_slots.
 
-Copies (`save`: device -> host, `load`: host -> device) on a GPU run on a copy stream of their own and never
-make the host wait: a save gathers the device slots on the compute stream (so a later step that reuses them
-cannot overwrite them first), and the copy stream waits for that gather; a load's copies are followed, on the
+Copies (`save`: device -> host, `load`: host -> device) go in chunks of at most STAGING_BYTES; on a GPU they
+run on a copy stream of their own, through two fixed staging buffers on the device, and never make the host
+wait: a save gathers the device slots on the compute stream (so a later step that reuses them cannot
+overwrite them first), and the copy stream waits for that gather; a load's copies are followed, on the
 compute stream, by a wait for them and the scatter into the device slots, so the first step that reads them
 runs after the load. Every access to host memory is a copy on the copy stream, in order, so a host slot
 freed and handed out again is never written before an earlier copy of it has read it. On the CPU the same
@@ -25,6 +26,7 @@ import torch
 from .memory_pool import KVPool, TokenAllocator, zeroed
 
 GB = 1 << 30
+STAGING_BYTES = 64 << 20  # one of the two device staging buffers of a GPU's copies
 
 
 @dataclass
@@ -61,9 +63,15 @@ class HostTier:
         self.allocator = TokenAllocator(num_slots, "cpu")
         self.on_gpu = torch.device(kv_pool.device).type == "cuda"
         shape = (num_slots + 1, kv_pool.num_layers, 2, kv_pool.num_kv_heads, kv_pool.head_dim)
+        # Tokens copied at once: a chunk of at most STAGING_BYTES.
+        self.chunk_tokens = max(1, STAGING_BYTES // self.bytes_per_token)
         if self.on_gpu:
             self.buffer = torch.empty(shape, dtype=kv_pool.dtype, pin_memory=True)
             self.copy_stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device=kv_pool.device)
+            staging_shape = (self.chunk_tokens, *shape[1:])
+            self._staging = [torch.empty(staging_shape, dtype=kv_pool.dtype, device=kv_pool.device) for _ in range(2)]
+            self._staging_free = [torch.cuda.Event(), torch.cuda.Event()]
+            self._turn = 0
         else:
             self.buffer = zeroed(shape, kv_pool.dtype, "cpu")
             self.copy_stream = None
@@ -99,37 +107,61 @@ class HostTier:
     # ---- copies ----
     def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """The K/V of `device_slots` (n,) into `host_slots` (n,) (ascending, from `alloc`)."""
-        staging = self._gather(device_slots)  # (n, L, 2, H, D) on the device
-        n = int(device_slots.numel())
-        if self.copy_stream is None:
-            self.buffer[host_slots] = staging
-        else:
-            self.copy_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.copy_stream):
-                for lo, hi, at in _runs(host_slots):
-                    self.buffer[lo:hi].copy_(staging[at : at + hi - lo], non_blocking=True)
-            staging.record_stream(self.copy_stream)  # kept until the copies have read it
-        self.stats.saved_tokens += n
-        self.stats.bytes_to_host += n * self.bytes_per_token
+        for at in range(0, int(device_slots.numel()), self.chunk_tokens):
+            d, h = device_slots[at : at + self.chunk_tokens], host_slots[at : at + self.chunk_tokens]
+            if self.copy_stream is None:
+                self.buffer[h] = self._gather(d)
+            else:
+                self._save_on_gpu(d, h)
+        self.stats.saved_tokens += int(device_slots.numel())
+        self.stats.bytes_to_host += int(device_slots.numel()) * self.bytes_per_token
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """The K/V in `host_slots` (n,) (ascending) into `device_slots` (n,), before any later step reads them."""
-        n = int(host_slots.numel())
-        if self.copy_stream is None:
-            staging = self.buffer[host_slots]  # (n, L, 2, H, D)
-        else:
-            compute = torch.cuda.current_stream()
-            # NOTE: the staging block comes from the copy stream's own memory, so the copies need not wait
-            # for the step in flight on the compute stream; only the scatter below does.
-            with torch.cuda.stream(self.copy_stream):
-                staging = torch.empty((n, *self.buffer.shape[1:]), dtype=self.buffer.dtype, device=self.kv_pool.device)
-                for lo, hi, at in _runs(host_slots):
-                    staging[at : at + hi - lo].copy_(self.buffer[lo:hi], non_blocking=True)
-            compute.wait_stream(self.copy_stream)
-            staging.record_stream(compute)  # kept until the scatter has read it
-        self._scatter(device_slots, staging)
-        self.stats.loaded_tokens += n
-        self.stats.bytes_to_device += n * self.bytes_per_token
+        for at in range(0, int(host_slots.numel()), self.chunk_tokens):
+            h, d = host_slots[at : at + self.chunk_tokens], device_slots[at : at + self.chunk_tokens]
+            if self.copy_stream is None:
+                self._scatter(d, self.buffer[h])
+            else:
+                self._load_on_gpu(h, d)
+        self.stats.loaded_tokens += int(host_slots.numel())
+        self.stats.bytes_to_device += int(host_slots.numel()) * self.bytes_per_token
+
+    # NOTE: on a GPU each chunk goes through one of two fixed staging buffers on the device (a node of
+    # thousands of tokens staged whole would need gigabytes there). `_staging_free[i]` is recorded after the
+    # last use of buffer i, on whichever stream used it; the next use waits for it on the device, never on
+    # the host.
+    def _save_on_gpu(self, d: torch.Tensor, h: torch.Tensor) -> None:
+        assert self.copy_stream is not None
+        compute, i = torch.cuda.current_stream(), self._next_staging()
+        staging = self._staging[i][: d.numel()]  # (m, L, 2, H, D)
+        compute.wait_event(self._staging_free[i])
+        pool, idx = self.kv_pool, self._on_device(d)
+        for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):  # gathered on the compute stream:
+            staging[:, layer, 0] = k[idx]  # a later step that reuses the slots runs after it
+            staging[:, layer, 1] = v[idx]
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            for lo, hi, at in _runs(h):
+                self.buffer[lo:hi].copy_(staging[at : at + hi - lo], non_blocking=True)
+            self._staging_free[i].record()
+
+    def _load_on_gpu(self, h: torch.Tensor, d: torch.Tensor) -> None:
+        assert self.copy_stream is not None
+        compute, i = torch.cuda.current_stream(), self._next_staging()
+        staging = self._staging[i][: h.numel()]  # (m, L, 2, H, D)
+        # NOTE: the copies wait for the buffer only, not for the step in flight on the compute stream.
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self._staging_free[i])
+            for lo, hi, at in _runs(h):
+                staging[at : at + hi - lo].copy_(self.buffer[lo:hi], non_blocking=True)
+        compute.wait_stream(self.copy_stream)
+        self._scatter(d, staging)
+        self._staging_free[i].record(compute)
+
+    def _next_staging(self) -> int:
+        self._turn = 1 - self._turn
+        return self._turn
 
     def _gather(self, device_slots: torch.Tensor) -> torch.Tensor:
         pool = self.kv_pool

@@ -199,6 +199,13 @@ def test_host_copies_are_page_contiguous_runs():
         assert torch.equal(pool.k_buffer[layer][4], pool.k_buffer[layer][1])
         assert torch.equal(pool.v_buffer[layer][3], pool.v_buffer[layer][2])
     assert host.stats.bytes_to_host == host.stats.bytes_to_device == 2 * host.bytes_per_token
+    host.chunk_tokens = 3  # (a GPU's copies go in chunks: the same result, chunk by chunk)
+    src, dst = torch.tensor([4, 1, 3, 2]), torch.tensor([2, 4, 1, 3])
+    want = [pool.k_buffer[layer][src].clone() for layer in range(3)]
+    slots = host.alloc(4)
+    host.save(src, slots)
+    host.load(slots, dst)
+    assert all(torch.equal(pool.k_buffer[layer][dst], want[layer]) for layer in range(3))
 
 
 def test_sizes_from_ratio_or_gigabytes():
