@@ -138,6 +138,8 @@ class ReqOutput:
     spec_verify_ct: Optional[int] = None
     spec_draft_tokens: Optional[int] = None
     spec_accepted_tokens: Optional[int] = None
+    # Of `cached_tokens`, those loaded back from the host tier (set while the server runs one).
+    cached_tokens_host: Optional[int] = None
 
 
 @dataclass

@@ -114,6 +114,7 @@ class Req:
         self.extend_len_this_step = 0
         self.is_chunked = False  # mid-way through a chunked prefill
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (reported)
+        self.cached_tokens_host: Optional[int] = None  # of those, loaded back from a host tier (None: no tier)
         self.num_retractions = 0
         self.inflight_slot: Optional[int] = None  # overlap: kv slot of a launched, unprocessed step
 

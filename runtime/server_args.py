@@ -40,10 +40,13 @@ class ServerArgs:
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.85
     page_size: int = 1
+    enable_hierarchical_cache: bool = False  # a host tier under the radix cache (SGLang's HiCache names; docs)
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0
+    hicache_write_policy: str = "write_through"
 
     # Scheduling
-    # None: 256 on the CPU; on a GPU up to 1,024 as the KV pool allows (a larger decode batch is what
-    # makes the matmuls efficient: offline 8B 8.5k -> 9.3k and 1B 32k -> 44k out tok/s, 512 -> 1,024).
+    # None: 256 on the CPU; on a GPU up to 1,024 as the KV pool allows (a larger decode batch uses the matmuls better).
     max_running_requests: Optional[int] = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 8192
@@ -191,6 +194,9 @@ class ServerArgs:
         self._check_speculative()
         self._check_kv_events()
         check_lora_settings(self)
+        from .kvcache.hicache_args import check_hierarchical_cache  # (kvcache's, torch-free)
+
+        check_hierarchical_cache(self)
 
     def _check_kv_events(self) -> None:
         b = self.kv_events_block_size

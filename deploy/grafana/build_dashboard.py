@@ -253,11 +253,37 @@ def build() -> dict:
         "short",
         16,
     )
+    g.row("Hierarchical cache (host tier; no data without --enable-hierarchical-cache)", 8)
+    g.timeseries(
+        "Host tier usage",
+        "Share of the host tier's slots holding prefixes evicted from (or written through from) the device",
+        [(f"max(plait_hicache_host_usage{SELECT})", "used")],
+        "percentunit",
+        0,
+        maximum=1,
+    )
+    g.timeseries(
+        "Tokens loaded back",
+        "Cached prompt tokens a match brought back from the host tier, per second",
+        [(rate("plait_hicache_loaded_tokens_total"), "loaded back")],
+        "short",
+        8,
+    )
+    g.timeseries(
+        "Host tier traffic",
+        "K/V bytes per second copied each way between the device pool and the host tier",
+        [
+            (rate("plait_hicache_bytes_to_host_total"), "to host"),
+            (rate("plait_hicache_bytes_to_device_total"), "to device"),
+        ],
+        "Bps",
+        16,
+    )
     return {
         "uid": "plait-serving",
         "title": "plait serving",
         "description": "One plait server's /metrics: throughput, latency percentiles, load, KV and prefix cache, "
-        "constraints, speculation.",
+        "constraints, speculation, the host tier.",
         "tags": ["plait", "llm"],
         "timezone": "browser",
         "editable": True,

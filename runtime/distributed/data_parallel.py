@@ -52,7 +52,7 @@ from .topology import replica_endpoint
 logger = logging.getLogger("plait.data_parallel")
 
 STARTUP_TIMEOUT_S = 900
-MEAN_STATS = ("token_usage", "avg_spec_accept_length")
+MEAN_STATS = ("token_usage", "avg_spec_accept_length", "hicache_host_usage")
 
 
 def replica_args(server_args: ServerArgs, i: int) -> ServerArgs:

@@ -84,6 +84,7 @@ class GroupRunner:
         self.info = replace(local.info, supports_overlap=local.info.supports_overlap and self.stages is None)
         self.allocator = local.allocator
         self.req_to_token_pool = local.req_to_token_pool
+        self.kv_pool = local.kv_pool
         # (rank 0's shard; a drafter beside a split model reads the whole embedding and LM head elsewhere:
         # executor/spec_runner.py's WholeVocabulary)
         self.model = local.model

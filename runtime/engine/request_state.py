@@ -27,6 +27,7 @@ class RequestState:
     finished_reason: Optional[dict] = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_host: Optional[int] = None  # (with a host tier)
     input_token_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
     output_token_logprobs: list = field(default_factory=list)
@@ -48,7 +49,7 @@ class RequestState:
         if o.final_text is not None:
             self.text = o.final_text
         self.completion_tokens = o.completion_tokens
-        self.cached_tokens = o.cached_tokens
+        self.cached_tokens, self.cached_tokens_host = o.cached_tokens, o.cached_tokens_host
         self.input_token_logprobs.extend(o.input_token_logprobs)
         self.input_top_logprobs.extend(o.input_top_logprobs)
         self.output_token_logprobs.extend(o.output_token_logprobs)
@@ -83,6 +84,9 @@ class RequestState:
             meta["closed_early"] = self.closed_early
         if self.spec is not None:
             meta.update(self.spec)
+        if self.cached_tokens_host is not None:  # the cached tokens by tier, with a host tier
+            host = self.cached_tokens_host
+            meta["cached_tokens_details"] = {"device": self.cached_tokens - host, "host": host}
         return meta
 
     def result(self) -> dict[str, Any]:

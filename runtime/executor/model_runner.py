@@ -87,7 +87,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             max_running + 1, context_len + 8, device, record_writes=parallel.records_table_writes
         )
-        kv_pool = KVPool(max_total_tokens, kv_layers, kv_heads, cfg.head_dim, dtype, device)
+        self.kv_pool = kv_pool = KVPool(max_total_tokens, kv_layers, kv_heads, cfg.head_dim, dtype, device)
         self.allocator = TokenAllocator(max_total_tokens, device)
         self.info = RunnerInfo(
             device=device,

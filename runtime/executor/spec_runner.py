@@ -49,6 +49,7 @@ class SpecRunner:
         # The target's facts (its memory only: a drafter's weights and KV are not counted), never launched ahead.
         self.info = replace(target.info, supports_overlap=False)
         self.allocator, self.req_to_token_pool = target.allocator, target.req_to_token_pool
+        self.kv_pool = target.kv_pool  # (the target's: the drafter's own is not the scheduler's to copy)
 
     def run(self, step: StepInput, prev=None) -> StepOutput:
         # (`prev` is always None: no step is launched ahead of a drafter's)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from ..forward_batch import ForwardBatch
-from ..kvcache.memory_pool import ReqToTokenPool, TokenAllocator
+from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from ..models.llama import LlamaForCausalLM
 from ..step import StepInput, StepOutput
 from .runner_info import RunnerInfo
@@ -23,6 +23,7 @@ class TargetRunner(Protocol):
     # The KV memory the scheduler accounts for; a drafter's pool holds the same slots over the same table.
     allocator: TokenAllocator
     req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool
 
     @property
     def model(self) -> LlamaForCausalLM:

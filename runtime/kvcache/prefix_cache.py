@@ -29,6 +29,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class MatchResult:
     kv_indices: torch.Tensor  # (num_matched,) int64 kv slots of the cached prefix
     node: Any  # handle to lock / pass back; None when nothing matched
+    host_tokens: Optional[int] = None  # of those, how many this match loaded back from a host tier (None: no tier)
 
     @property
     def num_tokens(self) -> int:
@@ -164,6 +165,10 @@ class PrefixCache(ABC):
 
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
+
+    def tier_stats(self) -> dict:
+        """What a cache with tiers below the device pool reports of them (get_stats); nothing otherwise."""
+        return {}
 
     def check_integrity(self, num_private: int = 0, full: bool = True) -> None:
         """Raise AssertionError unless free + evictable + protected + private == total slots.

@@ -32,23 +32,9 @@ from .memory_pool import TokenAllocator
 from .prefix_cache import MatchResult, PinHandle, PrefixCache, PrefixHitStats, PrefixPeek
 from .radix_checks import check_tree
 from .radix_keys import aligned, as_key, checked_pair, child_key, common_len, key_slice
+from .radix_node import TreeNode, split_slots
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access")
-
-    def __init__(self, key: tuple, value: torch.Tensor, parent: Optional["TreeNode"], last_access: int):
-        self.key = key  # token ids on the edge from `parent` to this node
-        self.value = value  # (len(key),) int64 kv slots
-        self.children: dict = {}  # first page of the child's key -> child
-        self.parent = parent
-        self.lock_ref = 0
-        self.last_access = last_access
-
-    def __repr__(self) -> str:
-        return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
 
 
 class RadixCache(PrefixCache):
@@ -124,7 +110,7 @@ class RadixCache(PrefixCache):
 
     def inc_lock(self, node: Optional[TreeNode]) -> None:
         for n in self._path_to_root(node):
-            if n.lock_ref == 0:
+            if n.lock_ref == 0 and n.value is not None:  # (the counters count device slots only)
                 self._evictable -= len(n.key)
                 self._protected += len(n.key)
             n.lock_ref += 1
@@ -136,7 +122,7 @@ class RadixCache(PrefixCache):
             raise RuntimeError(f"dec_lock on an unlocked node {path[0]!r} (unbalanced lock/unlock)")
         for n in path:
             n.lock_ref -= 1
-            if n.lock_ref == 0:
+            if n.lock_ref == 0 and n.value is not None:
                 self._protected -= len(n.key)
                 self._evictable += len(n.key)
 
@@ -237,7 +223,8 @@ class RadixCache(PrefixCache):
             )
         for node in self._iter_nodes():
             if node is not self.root:
-                self.allocator.free(node.value)
+                if node.value is not None:
+                    self.allocator.free(node.value)
                 node.parent = None
         self._new_tree()
         if self.listener is not None:
@@ -257,7 +244,8 @@ class RadixCache(PrefixCache):
         def visit(node: TreeNode, depth: int) -> None:
             for ck in sorted(node.children):
                 child = node.children[ck]
-                out.append((depth, child.key, tuple(child.value.tolist()), child.lock_ref))
+                slots = () if child.value is None else tuple(child.value.tolist())
+                out.append((depth, child.key, slots, child.lock_ref))
                 visit(child, depth + 1)
 
         visit(self.root, 0)
@@ -288,7 +276,7 @@ class RadixCache(PrefixCache):
         values, above = [], end
         while above is not self.root:
             above.last_access = self._clock
-            values.append(above.value)
+            values.append(cast(torch.Tensor, above.value))  # (on the device: a tiered cache loads a path first)
             above = cast(TreeNode, above.parent)  # an attached node: only the root has no parent
         values.reverse()
         return end, values
@@ -316,7 +304,7 @@ class RadixCache(PrefixCache):
             return self.root, 0
         pos = 0
         for p in reversed(path):
-            if not torch.equal(p.value, kv[pos : pos + len(p.key)]):
+            if not torch.equal(cast(torch.Tensor, p.value), kv[pos : pos + len(p.key)]):  # (locked: on the device)
                 return self.root, 0
             pos += len(p.key)
         return old_node, pos
@@ -344,9 +332,8 @@ class RadixCache(PrefixCache):
                 leaf = TreeNode(key[pos:], value[pos:].clone(), node, self._clock)
                 node.children[child_key(key, pos, self.page_size)] = leaf
                 self._evictable += len(leaf.key)
-                if self.listener is not None:
-                    self.listener.stored(leaf)
-                tree_values.append(leaf.value)
+                self._stored(leaf)
+                tree_values.append(cast(torch.Tensor, leaf.value))
                 node = leaf
                 break
             m = common_len(child.key, key, pos, self.page_size)
@@ -354,9 +341,12 @@ class RadixCache(PrefixCache):
                 child = self._split(child, m)
             child.last_access = self._clock
             mine = value[pos : pos + m]
-            if not torch.equal(mine, child.value):
+            if child.value is None:  # only in the host tier: the request's slots become its device copy
+                child.value = mine.clone()
+                self._evictable += m  # (an unlocked node: only a path already on the device is locked)
+            elif not torch.equal(mine, child.value):
                 duplicates.append(mine[mine != child.value])
-            tree_values.append(child.value)
+            tree_values.append(cast(torch.Tensor, child.value))
             node, pos = child, pos + m
         if not duplicates:
             return node, None
@@ -364,14 +354,22 @@ class RadixCache(PrefixCache):
             self.allocator.free(dup)
         return node, torch.cat(tree_values)
 
+    def _stored(self, leaf: TreeNode) -> None:
+        """A new edge holds a request's computed tokens."""
+        if self.listener is not None:
+            self.listener.stored(leaf)
+
     def _split(self, child: TreeNode, m: int) -> TreeNode:
-        """Cut `child`'s edge after `m` tokens; returns the new upper node (child stays below)."""
+        """Cut `child`'s edge after `m` tokens (in each tier it is in); returns the new upper node (child stays
+        below)."""
         parent = cast(TreeNode, child.parent)  # an edge in the tree
-        upper = TreeNode(child.key[:m], child.value[:m].clone(), parent, child.last_access)
+        upper = TreeNode(child.key[:m], None, parent, child.last_access)
+        upper.value, child.value = split_slots(child.value, m)
+        upper.host_value, child.host_value = split_slots(child.host_value, m)
         # Same locks as the child: every lock through the child goes through the upper half too,
         # so the evictable/protected counters do not change.
         upper.lock_ref = child.lock_ref
-        child.key, child.value = child.key[m:], child.value[m:].clone()
+        child.key = child.key[m:]
         child.parent = upper
         upper.children[child_key(child.key, 0, self.page_size)] = child
         parent.children[child_key(upper.key, 0, self.page_size)] = upper

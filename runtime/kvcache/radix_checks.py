@@ -1,7 +1,8 @@
 """The radix tree's invariants, checked in full (`RadixCache.check_integrity(full=True)`).
 
 Every edge: parent pointers, page-aligned non-empty keys stored under their first page, one int64
-slot per token, lock counts that never grow towards the leaves. Every slot: cached at most once,
+slot per token, lock counts that never grow towards the leaves; where a host tier holds some edges
+(`value` None), those are unlocked and nothing below them is on the device. Every slot: cached at most once,
 never both cached and free, inside 1..num_slots. The size counters agree with the tree.
 """
 
@@ -29,15 +30,20 @@ def check_tree(cache) -> None:
                 f"{where}: key length {len(child.key)} is not a positive multiple of page_size {cache.page_size}",
             )
             _require(ck == child_key(child.key, 0, cache.page_size), f"{where}: stored under child key {ck}")
-            _require(
-                child.value.dtype == torch.int64 and child.value.shape == (len(child.key),),
-                f"{where}: value {child.value.dtype} {tuple(child.value.shape)} does not match its key",
-            )
             _require(child.lock_ref >= 0, f"{where}: negative lock_ref {child.lock_ref}")
             _require(
                 node is cache.root or child.lock_ref <= node.lock_ref,
                 f"{where}: lock_ref {child.lock_ref} exceeds its parent's {node.lock_ref}",
             )
+            if child.value is None:  # in the host tier only (hiradix_cache.py checks that tier)
+                _require(child.host_value is not None, f"{where}: in neither tier")
+                _require(child.lock_ref == 0, f"{where}: locked while only in the host tier")
+                continue
+            _require(
+                child.value.dtype == torch.int64 and child.value.shape == (len(child.key),),
+                f"{where}: value {child.value.dtype} {tuple(child.value.shape)} does not match its key",
+            )
+            _require(node is cache.root or node.value is not None, f"{where}: on the device below a host-only node")
             if child.lock_ref:
                 protected += len(child.key)
             else:

@@ -225,7 +225,7 @@ class PrefillAdmission:
                 refused = r
                 break
             kv.assign(r, match)
-            self._count_prompt(r, match.num_tokens)
+            self._count_prompt(r, match)
             if match.num_tokens:
                 assert r.req_pool_idx is not None  # `assign` gave it a table row
                 plan.prefix_rows.append((r.req_pool_idx, prefix_kv.setdefault(match.node, match.kv_indices)))
@@ -291,10 +291,10 @@ class PrefillAdmission:
             limit = min(limit, max(r.input_logprob_next - 1, 0))
         return token_prefix(r, limit)
 
-    def _count_prompt(self, r: Req, cached: int) -> None:
+    def _count_prompt(self, r: Req, match: MatchResult) -> None:
         if r.num_retractions == 0:  # a retracted request's prompt was counted at its first admission
-            r.cached_tokens = cached
-            self.stats["cached_tokens"] += cached
+            r.cached_tokens, r.cached_tokens_host = match.num_tokens, match.host_tokens
+            self.stats["cached_tokens"] += match.num_tokens
             self.stats["prompt_tokens"] += len(r.origin_input_ids)
 
 

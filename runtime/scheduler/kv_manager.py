@@ -214,4 +214,5 @@ class KVManager:
             "protected_tokens": self.cache.protected_size(),
             "kv_used_tokens": total - free - evictable,
             "token_usage": (total - free - evictable) / total,
+            **self.cache.tier_stats(),
         }

@@ -114,6 +114,7 @@ class OutputBuilder:
             completion_tokens=len(r.output_ids),
             cached_tokens=r.cached_tokens,
             first_token_time=r.first_token_time,
+            cached_tokens_host=r.cached_tokens_host,
         )
         if r.spec is not None:
             out.spec_verify_ct = r.spec.verify_steps

@@ -21,6 +21,8 @@ import torch
 from ..detokenizer import TextDecoder
 from ..executor.compile_watch import CompileWatch
 from ..io_struct import AbortReq, ControlReply, ControlReq, SchedulerInfo, TokenizedGenerateReq
+from ..kvcache.hiradix_cache import HiRadixCache
+from ..kvcache.host_tier import HostTier
 from ..kvcache.prefix_cache import NoSharingCache, PrefixCache
 from ..kvcache.radix_cache import RadixCache
 from ..lora.adapter import LoraError
@@ -173,9 +175,15 @@ class Scheduler:
 
     def _make_cache(self) -> PrefixCache:
         allocator, page_size = self.runner.allocator, self.server_args.page_size
-        if self.server_args.disable_radix_cache:
+        sa, listener = self.server_args, self.kv_events.recorder if self.kv_events else None
+        if sa.disable_radix_cache:
             return NoSharingCache(allocator, page_size)
-        return RadixCache(allocator, page_size, self.kv_events.recorder if self.kv_events else None)
+        if sa.enable_hierarchical_cache:
+            if self.runner.kv_pool is None:
+                raise ValueError("enable_hierarchical_cache: this step runner holds no K/V to copy to the host")
+            host = HostTier.sized(self.runner.kv_pool, sa.hicache_ratio, sa.hicache_size)
+            return HiRadixCache(allocator, host, page_size, sa.hicache_write_policy, listener)
+        return RadixCache(allocator, page_size, listener)
 
     def info(self) -> SchedulerInfo:
         r = self.runner.info

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol
 
 from ..executor.runner_info import RunnerInfo
-from ..kvcache.memory_pool import ReqToTokenPool, TokenAllocator
+from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from ..step import StepInput, StepOutput
 
 
@@ -21,9 +21,11 @@ class StepRunner(Protocol):
     # Its facts, fixed at start-up: sizes (kv slots, running requests, context, vocabulary), device and
     # dtype, EOS ids, the memory it holds, whether `launch` returns before the device finishes.
     info: RunnerInfo
-    # The KV memory the scheduler accounts for.
+    # The KV memory the scheduler accounts for; the K/V themselves, which a host tier copies (None: a runner
+    # without K/V tensors).
     allocator: TokenAllocator
     req_to_token_pool: ReqToTokenPool
+    kv_pool: Optional[KVPool]
 
     def run(self, step: StepInput, prev: Optional[Any] = None) -> StepOutput:
         """Run the step and read its results back. `prev`: as for `launch`."""

@@ -44,7 +44,12 @@ _SCHEDULER_COUNTERS = (
     ("plait_spec_verify_steps", "Speculative verify steps", ("spec_verify_steps",)),
     ("plait_spec_accepted_tokens", "Tokens accepted by speculative verify steps", ("spec_accepted_tokens",)),
     ("plait_spec_draft_tokens", "Draft tokens proposed", ("spec_draft_tokens",)),
+    ("plait_hicache_loaded_tokens", "Cached tokens loaded back from the host tier", ("hicache_loaded_tokens",)),
+    ("plait_hicache_bytes_to_host", "Bytes of K/V copied to the host tier", ("hicache_bytes_to_host",)),
+    ("plait_hicache_bytes_to_device", "Bytes of K/V loaded back from the host tier", ("hicache_bytes_to_device",)),
 )
+# (exported while a host tier runs: --enable-hierarchical-cache)
+_HICACHE_USAGE = ("plait_hicache_host_usage", "Fraction of the host tier's slots in use (0-1)", ("hicache_host_usage",))
 # (exported only once speculation ran: the scheduler reports 0.0 when it is off)
 _SPEC_ACCEPT_LENGTH = (
     "plait_spec_accept_length",
@@ -101,6 +106,7 @@ class SchedulerStats:
 
     def collect(self) -> Iterable[Any]:
         gauges = (_SPEC_ACCEPT_LENGTH,) if (find_stat(self._info, ("spec_verify_steps",)) or 0) > 0 else ()
+        gauges += (_HICACHE_USAGE,)
         for table, family in ((_SCHEDULER_COUNTERS, CounterMetricFamily), (gauges, GaugeMetricFamily)):
             for name, doc, keys in table:
                 value = find_stat(self._info, keys)

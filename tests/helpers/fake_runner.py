@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 from plait.runtime.constrained.masker import GrammarMasker
 from plait.runtime.executor.runner_info import RunnerInfo
 from plait.runtime.executor.verify import Verifier
 from plait.runtime.io_struct import TokenizedGenerateReq
-from plait.runtime.kvcache.memory_pool import ReqToTokenPool, TokenAllocator
+from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler
@@ -47,6 +48,7 @@ class FakeRunner:
         script: Optional[Callable[[SamplingRow], int]] = None,
         drafter: Optional[Callable[[SamplingRow, int, int], DraftTree]] = None,
         step_seconds: Optional[Callable[[StepInput], float]] = None,
+        kv_pool: bool = False,
     ):
         # No model and no device memory (kv_cache_bytes and weight_bytes 0); a test that wants the
         # scheduler to overlap steps replaces it (dataclasses.replace(..., supports_overlap=True)).
@@ -64,6 +66,9 @@ class FakeRunner:
         )
         self.allocator = TokenAllocator(max_total_tokens, "cpu")
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, "cpu")
+        # With `kv_pool`, K/V that a test can follow: each new token's K holds (its id, its position), and
+        # every request that samples must find its whole sequence there (what a host tier moves must come back).
+        self.kv_pool = KVPool(max_total_tokens, 1, 1, 2, torch.float32, "cpu") if kv_pool else None
         self.script = script or default_script(vocab_size)
         self.drafter = drafter or self._script_chain
         self.steps: list[StepInput] = []
@@ -72,6 +77,7 @@ class FakeRunner:
         self.step_seconds = step_seconds or (lambda step: 0.0)
         self.elapsed = 0.0
         self._in_flight: dict[int, int] = {}  # id(request's output_ids) -> the last decode step's token
+        self._last_sampled: list = []
         self._masker = GrammarMasker(vocab_size)
         self._verifier = Verifier(vocab_size)
 
@@ -88,6 +94,8 @@ class FakeRunner:
         )
         if step.mode.is_verify():
             return self._verify(step)
+        if self.kv_pool is not None:
+            self._write_and_check_kv(step)
         n = step.batch_size
         out = StepOutput([None] * n, [None] * n, [[] for _ in range(n)])
         for j, (i, row) in enumerate(zip(step.sampling_reqs, step.sampling)):
@@ -98,6 +106,7 @@ class FakeRunner:
         self._in_flight = {
             id(row.output_ids): out.next_token_ids[i] for i, row in zip(step.sampling_reqs, step.sampling)
         }
+        self._last_sampled = [out.next_token_ids[i] for i in step.sampling_reqs]  # (what a step ahead reads)
         for lr in step.logprob_rows:  # a flat "distribution": every token at log(1/V)
             lp = -float(torch.log(torch.tensor(float(self.info.vocab_size))))
             if lr.next_token:
@@ -110,6 +119,32 @@ class FakeRunner:
                 out.output_logprobs[i] = (-1.0, None)
         return out
 
+    def _write_kv(self, step: StepInput) -> torch.Tensor:
+        """Each new token's K: (its id, its position in the sequence: a draft's is its depth past the prefix)."""
+        assert self.kv_pool is not None
+        k = self.kv_pool.k_buffer[0]  # (slots + 1, 1, 2)
+        ids = step.token_rows[0].copy()  # (T,)
+        if step.prev_src is not None:  # planned past the step in flight: some ids are that step's samples
+            ahead = step.prev_src >= 0
+            ids[ahead] = np.asarray(self._last_sampled, dtype=np.int64)[step.prev_src[ahead]]
+        ids_positions = np.stack([ids, step.token_rows[1]], 1)  # (T, 2)
+        k[torch.from_numpy(step.kv_writes[2]), 0] = torch.from_numpy(ids_positions).float()
+        return k
+
+    def _write_and_check_kv(self, step: StepInput) -> None:
+        assert self.kv_pool is not None
+        k = self._write_kv(step)
+        if step.prev_src is not None:
+            return  # (some input ids are still on the device: nothing to compare with)
+        table = step.req_rows if step.mode.is_extend() else step.token_rows[2:4]
+        assert table is not None
+        for i, row in zip(step.sampling_reqs, step.sampling):
+            n = int(table[1][i])
+            kv = k[torch.from_numpy(self.req_to_token_pool.host[int(table[0][i]), :n].astype(np.int64)), 0]
+            want = (list(row.prompt_ids) + list(row.output_ids))[:n]
+            assert kv[:, 1].long().tolist() == list(range(n)), "a request's K/V are not at its positions"
+            assert kv[:, 0].long().tolist() == want, "a request's K/V are not its tokens'"
+
     def _verify(self, step: StepInput) -> StepOutput:
         if step.draft.has_model_drafts:
             for b, by_model in enumerate(step.draft.model_draft):
@@ -117,6 +152,8 @@ class FakeRunner:
                     root = int(step.token_rows[0, int(step.req_rows[4, b])])
                     set_tree(step, b, self.drafter(step.sampling[b], root, step.extend_lens[b]))
             refresh_masks(step)
+        if self.kv_pool is not None:
+            self._write_kv(step)
         trees = step_trees(step)
         logits = torch.empty(step.num_tokens, self.info.vocab_size)
         at = 0

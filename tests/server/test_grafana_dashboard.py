@@ -90,6 +90,10 @@ def test_every_metric_the_dashboard_reads_is_exported():
             "spec_verify_steps": 4,
             "spec_accepted_tokens": 8,
             "spec_draft_tokens": 12,
+            "hicache_host_usage": 0.25,
+            "hicache_loaded_tokens": 64,
+            "hicache_bytes_to_host": 4096,
+            "hicache_bytes_to_device": 8192,
         }
     ).decode()
     exported = {s.name for family in text_string_to_metric_families(text) for s in family.samples}

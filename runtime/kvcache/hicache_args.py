@@ -1,0 +1,42 @@
+"""The hierarchical cache's settings checked when the server's settings are built (no torch: the engine's
+process imports the settings before it needs torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+WRITE_POLICIES = ("write_through", "write_back")
+# Speculation whose drafter keeps a KV pool of its own at the target's slots: a prefix loaded back would
+# bring the target's K/V but not the drafter's.
+_DRAFTER_POOL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+
+
+def check_hierarchical_cache(args: Any) -> None:
+    """ValueError naming what is wrong with `args`' hicache_* settings, or the setting it cannot be combined
+    with yet."""
+    if args.hicache_write_policy not in WRITE_POLICIES:
+        raise ValueError(
+            f"hicache_write_policy must be one of {list(WRITE_POLICIES)}, got {args.hicache_write_policy!r}"
+        )
+    for name in ("hicache_ratio", "hicache_size"):
+        v = getattr(args, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+    if not args.enable_hierarchical_cache:
+        return
+    if args.hicache_size == 0 and args.hicache_ratio == 0:
+        raise ValueError("enable_hierarchical_cache needs room: set hicache_ratio > 0 or hicache_size (GB) > 0")
+    if args.disable_radix_cache:
+        raise ValueError(
+            "enable_hierarchical_cache keeps the radix cache's prefixes in host memory: it needs the radix cache on"
+        )
+    if args.tp_size > 1 or args.pp_size > 1:
+        raise ValueError(
+            "enable_hierarchical_cache is not supported with a model split over ranks yet (tp_size "
+            f"{args.tp_size}, pp_size {args.pp_size}): each rank would need its own host shard"
+        )
+    if args.speculative_algorithm in _DRAFTER_POOL_ALGORITHMS:
+        raise ValueError(
+            f"enable_hierarchical_cache is not supported with speculative_algorithm={args.speculative_algorithm} "
+            "yet: the drafter's KV pool is not saved to the host tier (NGRAM speculation works)"
+        )
