@@ -157,11 +157,15 @@ class TritonAttnBackend(AttentionBackend):
         if extend_start is None:
             extend_start = torch.cumsum(extend_lens, 0) - extend_lens  # (B,) exclusive prefix sum
         d = fb.decode_rows
+        # NOTE: past the decode rows the chunks' metadata are copies, not slices: a slice past an odd number
+        # of int64 rows starts 8 bytes off a 16-byte boundary, and Triton compiles another variant of the
+        # extend kernel for such a pointer, in the middle of serving, the first time a step has that shape.
+        chunks = (lambda t: t[d:].clone()) if d else (lambda t: t)
         extend = TritonExtendMetadata(
-            fb.req_pool_indices[d:],
-            prefix_lens[d:],
-            extend_lens[d:],
-            extend_start[d:],
+            chunks(fb.req_pool_indices),
+            chunks(prefix_lens),
+            chunks(extend_lens),
+            chunks(extend_start),
             max(fb.extend_seq_lens_cpu[d:], default=0),
         )
         if d:

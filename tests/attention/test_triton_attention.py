@@ -217,6 +217,21 @@ def test_mixed_step_matches_torch_native(heads, kv_heads, head_dim, prefix_lens,
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_mixed_step_chunk_metadata_start_on_16_byte_boundaries():
+    # Triton specializes a kernel on whether each pointer is 16-byte aligned: chunk metadata sliced past an
+    # odd number of int64 decode rows would compile a second extend kernel in the middle of serving.
+    case = _Case(8, 2, 64, [30, 7, 0, 12], [1, 1, 19, 5])
+    for decode_rows in (1, 2, 3):
+        backend = TritonAttnBackend(_context(case.device), extend_config=TINY_EXTEND, decode_config=TINY_DECODE)
+        fb = case.forward_batch(ForwardMode.EXTEND, backend)
+        fb.decode_rows = decode_rows
+        backend.init_forward_metadata(fb)
+        ext = fb.attn_metadata.extend
+        for t in (ext.req_pool_indices, ext.prefix_lens, ext.extend_lens, ext.extend_start):
+            assert t.data_ptr() % 16 == 0, (decode_rows, t)
+        assert ext.extend_lens.tolist() == case.extend_lens[decode_rows:]
+
+
 def _decode_both(case, decode_config=TINY_DECODE):
     q, k, v = _qkv(case, len(case.seq_lens))
     ref = _run(TorchNativeAttnBackend(_context(case.device)), case, ForwardMode.DECODE, q, k, v)
