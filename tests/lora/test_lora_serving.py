@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 from conftest import http_server_in_thread  # noqa: E402
 from helpers.lora_adapters import make_peft_adapter, merged_greedy  # noqa: E402
-from helpers.model_folders import build_tokenizer, make_folder  # noqa: E402
+from helpers.model_folders import TEMPLATE, build_tokenizer, make_folder  # noqa: E402
 
 PROMPT = [40, 41, 42, 43, 44, 45]
 NEW = 8
@@ -32,7 +32,9 @@ GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 def models(tmp_path_factory):
     """The base model (with a tokenizer), two adapters, and transformers' merged references of PROMPT."""
     d = tmp_path_factory.mktemp("lora_http")
-    base = make_folder(d / "base", "llama", tokenizer=build_tokenizer())
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    base = make_folder(d / "base", "llama", tokenizer=tokenizer)
     adapters = {
         "a": make_peft_adapter(base, str(d / "a"), 8, seed=11),
         "b": make_peft_adapter(base, str(d / "b"), 4, seed=12, targets=["q_proj", "v_proj", "gate_proj"]),
