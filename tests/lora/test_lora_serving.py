@@ -190,6 +190,8 @@ def test_dsl_gen_lora_and_the_program_and_backend_defaults(engine, url, kind):
     assert (state["x"], state["y"]) == with_a
     state = program.run(backend=backend(lora="a"))  # the backend's default
     assert (state["x"], state["y"]) == with_a
+    states = program.run_batch([{}, {}], backend=backend(), lora="a")  # no prefill ahead in another namespace
+    assert [(st["x"], st["y"]) for st in states] == [with_a, with_a]
 
 
 def test_dsl_lora_refused_where_it_would_be_dropped():
