@@ -196,6 +196,13 @@ def test_dsl_gen_lora_and_the_program_and_backend_defaults(engine, url, kind):
 
 def test_dsl_lora_refused_where_it_would_be_dropped():
     import plait as sgl
+    from plait.backend.chat_api import refuse_unsupported
+    from plait.gen_params import GenOverrides, RunDefaults, resolve_gen
+
+    params = resolve_gen(RunDefaults(), GenOverrides.from_gen_kwargs({"lora": "a"}))
+    assert params.options.lora_path == "a"
+    with pytest.raises(NotImplementedError, match="serves no LoRA adapters"):
+        refuse_unsupported("Anthropic", params)  # the hosted APIs' backends
 
     with pytest.raises(ValueError, match="program's LoRA adapter"):
         sgl.gen("pick", choices=["x", "y"], lora="a")
@@ -206,3 +213,21 @@ def test_dsl_lora_refused_where_it_would_be_dropped():
             s += "x"
 
         p.run(lora=5)
+
+
+def test_dsl_lora_through_the_openai_backend(engine, url, base_name):
+    """The OpenAI backend names a gen's adapter as the request's model (vLLM's spelling, plait's too)."""
+    import plait as sgl
+
+    backend = sgl.OpenAI(base_name, is_chat_model=False, base_url=url + "/v1", api_key="none")
+    x_plain = engine.generate(prompt=START, sampling_params=GREEDY)["text"]
+    x_a = engine.generate(prompt=START, sampling_params=GREEDY, lora_path="a")["text"]
+    assert x_plain != x_a
+
+    @sgl.function
+    def one_gen(s):
+        s += START
+        s += sgl.gen("x", max_tokens=NEW, temperature=0, ignore_eos=True)
+
+    assert one_gen.run(backend=backend)["x"] == x_plain
+    assert one_gen.run(backend=backend, lora="a")["x"] == x_a
