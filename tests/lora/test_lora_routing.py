@@ -4,6 +4,7 @@ another namespace's copy of the same text is (a replica's prefix cache shares no
 
 from __future__ import annotations
 
+import pytest
 from plait.runtime.distributed.data_parallel import DataParallelController
 from plait.runtime.io_struct import ControlReply, LoadLoraAdapterReq, TokenizedGenerateReq
 from plait.runtime.request_options import RequestOptions, cache_key_prompt
@@ -87,3 +88,33 @@ def test_data_parallel_load_reply_is_one_replicas():
     assert dp.collect(0, ControlReply(7, result=dict(facts))) is None
     merged = dp.collect(1, ControlReply(7, result=dict(facts)))
     assert merged.result == facts  # not summed as stats are (rank 16 for two replicas)
+
+
+def test_data_parallel_replicas_serve_adapters(tmp_path):
+    """Two replicas behind one Engine: an adapter loaded at start-up and one loaded while serving answer
+    as transformers + PEFT merged on whichever replica a request lands; the load's reply is one adapter's."""
+    pytest.importorskip("peft")
+    from conftest import make_random_model
+    from helpers.lora_adapters import make_peft_adapter, merged_greedy
+    from plait.runtime import Engine
+
+    base = make_random_model(str(tmp_path / "base"), "llama")
+    a = make_peft_adapter(base, str(tmp_path / "a"), 8, seed=41)
+    b = make_peft_adapter(base, str(tmp_path / "b"), 4, seed=42)
+    prompts = [[5, 6, 7, 8, 9, 10], [20, 21, 22], [30, 31, 32, 33]]
+    greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    refs = {"a": merged_greedy(base, a, prompts, 6), "b": merged_greedy(base, b, prompts, 6)}
+    with Engine(model_path=base, dp_size=2, num_threads=1, lora_paths=[f"a={a}"], max_lora_rank=8) as engine:
+        assert engine.load_lora_adapter("b", b)["rank"] == 4
+        for name in ("a", "b"):
+            outs = engine.generate(input_ids=prompts * 2, sampling_params=greedy, lora_path=name)
+            assert [o["output_ids"] for o in outs] == refs[name] * 2, name
+        stats = engine.get_stats()
+        assert all(r["prompt_tokens"] > 0 for r in stats["dp_replicas"])  # both replicas served
+        long = list(range(40, 90))
+        salted = RequestOptions(cache_salt="t1")
+        engine.generate(input_ids=long, sampling_params=greedy, options=salted)
+        again = engine.generate(input_ids=long + [3], sampling_params=greedy, options=salted)
+        assert again["meta_info"]["cached_tokens"] >= len(long) - 1  # sent where its namespace's copy is
+        assert engine.unload_lora_adapter("b") is True
+        assert engine.check_integrity()
