@@ -27,7 +27,9 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-@triton.jit
+# NOTE: the layer (and the expand's column offset and sub-projection) not specialized: each value 1 or a
+# multiple of 16 would compile a variant of its own, after start-up's warm-up.
+@triton.jit(do_not_specialize=["layer"])
 def _shrink_kernel(
     X,
     A,
@@ -49,7 +51,7 @@ def _shrink_kernel(
     seg, tile = tl.program_id(0), tl.program_id(1)
     slot = tl.load(SegSlot + seg)
     n = tl.load(SegLen + seg)
-    if slot == 0 or tile * BLOCK_T >= n:
+    if (slot == 0) | (tile * BLOCK_T >= n):  # a base segment, or a tile past its end
         return
     local = tile * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,) rows within the segment
     rows = tl.load(SegStart + seg).to(tl.int64) + local
@@ -68,7 +70,7 @@ def _shrink_kernel(
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_mask[:, None] & k_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "col_offset", "sub"])
 def _expand_kernel(
     Shrunk,
     B,
@@ -93,7 +95,7 @@ def _expand_kernel(
     seg, tile, tile_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(SegSlot + seg)
     n = tl.load(SegLen + seg)
-    if slot == 0 or tile * BLOCK_T >= n:
+    if (slot == 0) | (tile * BLOCK_T >= n):  # a base segment, or a tile past its end
         return
     local = tile * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
     rows = tl.load(SegStart + seg).to(tl.int64) + local
