@@ -113,6 +113,9 @@ def test_load_and_unload_while_a_request_streams(url, models):
     assert r.status_code == 404 and "'c'" in r.json()["error"]["message"], r.text
     r = requests.post(url + "/load_lora_adapter", json={"lora_name": "d", "lora_path": base + "/nowhere"}, timeout=60)
     assert r.status_code == 400 and "'d'" in r.json()["error"]["message"], r.text
+    # a name with ':' could not be told from "base:adapter" in the OpenAI model field
+    r = requests.post(url + "/load_lora_adapter", json={"lora_name": "x:y", "lora_path": adapters["c"]}, timeout=60)
+    assert r.status_code == 400 and "'x:y'" in r.json()["error"]["message"], r.text
 
 
 def test_openai_model_field_names_the_adapter(url, models, base_name):
