@@ -68,14 +68,19 @@ def gen(
     regex: Optional[str] = None,
     json_schema: Optional[Union[str, dict, type]] = None,
     ebnf: Optional[str] = None,
+    lora: Optional[str] = None,
 ) -> SglExpr:
     """Generate into variable `name`. Every argument left None inherits the run() defaults
     (max_new_tokens=128, temperature=1.0, ...); the names map onto plait.runtime.SamplingParams.
     With `choices`, this is select(). `regex` may also name a built-in pattern of
     plait.grammars.regexes ("integer", "float", "boolean", "iso_date", "email", "ipv4", ...).
     `json_schema` takes a dict, a JSON string or a Pydantic model class; with a class,
-    `state.parsed(name)` returns the output as an instance of it."""
+    `state.parsed(name)` returns the output as an instance of it. `lora` names the runtime's LoRA adapter
+    this gen runs with (default: the program's, `run(lora=...)`, else the backend's, else the base model)."""
     if choices:
+        if lora is not None:
+            # NOTE: a select scores the choices with the program's adapter; a gen's own would be dropped silently.
+            raise ValueError(f"gen({name!r}): choices are scored with the program's LoRA adapter; pass run(lora=...)")
         return select(
             name, choices, 0.0 if temperature is None else temperature, choices_method or token_length_normalized
         )

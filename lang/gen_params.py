@@ -2,8 +2,9 @@
 `RequestOptions` per gen.
 
 `SamplingParams` (runtime/sampling_params.py) is the single definition of every sampling field. The DSL
-only adds two spellings SGLang's frontend uses (`max_tokens`, `min_tokens`), four request-level
-logprob options that are not sampling fields (they become the gen's `RequestOptions`), and `dtype`.
+only adds two spellings SGLang's frontend uses (`max_tokens`, `min_tokens`), request-level options that
+are not sampling fields (four logprob options and `lora`, the LoRA adapter: they become the gen's
+`RequestOptions`), and `dtype`.
 Everything else passes through by name, so a field added to `SamplingParams` is usable from `run(...)`
 at once. `resolve_gen` builds a gen's SamplingParams once and verifies it once; the backends hand that
 object on (the Engine does not build or verify it again).
@@ -32,6 +33,11 @@ logger = logging.getLogger(__name__)
 DSL_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 # Request-level options sent next to `sampling_params` (SGLang's /generate fields).
 LOGPROB_OPTIONS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+# The DSL's spelling -> RequestOptions' field, for request options that are not logprob ones. SGLang's
+# frontend has no adapter argument; `lora` names one of the runtime's loaded LoRA adapters (its request
+# field, `lora_path`).
+OPTION_ALIASES = {"lora": "lora_path"}
+REQUEST_OPTIONS = frozenset(LOGPROB_OPTIONS) | frozenset(OPTION_ALIASES)
 SAMPLING_FIELDS = frozenset(SamplingParams.field_names())
 
 
@@ -40,7 +46,7 @@ class GenOverrides:
     """What one gen() call sets explicitly; anything absent inherits the run() defaults."""
 
     sampling: Mapping[str, Any] = field(default_factory=dict)  # SamplingParams field -> value
-    logprob: Mapping[str, Any] = field(default_factory=dict)  # LOGPROB_OPTIONS -> value
+    options: Mapping[str, Any] = field(default_factory=dict)  # RequestOptions field -> value
     dtype: Optional[Union[type, str]] = None
 
     @classmethod
@@ -48,15 +54,15 @@ class GenOverrides:
         """Split gen()'s keyword arguments; `None` means 'not set'. Unknown names raise; values are
         checked once, merged with the run's defaults, when the gen is submitted (`resolve_gens`)."""
         sampling: dict[str, Any] = {}
-        logprob: dict[str, Any] = {}
+        options: dict[str, Any] = {}
         dtype = None
         for key, value in kwargs.items():
             if value is None:
                 continue
             if key == "dtype":
                 dtype = value
-            elif key in LOGPROB_OPTIONS:
-                logprob[key] = value
+            elif key in REQUEST_OPTIONS:
+                options[OPTION_ALIASES.get(key, key)] = value
             else:
                 name = DSL_ALIASES.get(key, key)
                 if name not in SAMPLING_FIELDS:
@@ -64,7 +70,7 @@ class GenOverrides:
                 sampling[name] = value
         if dtype is not None:
             dtype_regex(dtype)  # fail early on an unknown dtype
-        return cls(sampling=sampling, logprob=logprob, dtype=dtype)
+        return cls(sampling=sampling, options=options, dtype=dtype)
 
 
 @dataclass
@@ -72,7 +78,7 @@ class RunDefaults:
     """The sampling defaults of one program run: `run(max_new_tokens=..., temperature=...)`."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    logprob: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # RequestOptions field -> value
     # `sampling` as the fields each gen's parameters start from (read once per run, not once per gen).
     fields: dict[str, Any] = field(init=False, repr=False)
 
@@ -82,11 +88,11 @@ class RunDefaults:
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "RunDefaults":
         sampling: dict[str, Any] = {}
-        logprob: dict[str, Any] = {}
+        options: dict[str, Any] = {}
         for key, value in kwargs.items():
-            if key in LOGPROB_OPTIONS:
+            if key in REQUEST_OPTIONS:
                 if value is not None:
-                    logprob[key] = value
+                    options[OPTION_ALIASES.get(key, key)] = value
                 continue
             name = DSL_ALIASES.get(key, key)
             if name not in SAMPLING_FIELDS:
@@ -96,11 +102,18 @@ class RunDefaults:
                 value = None
             sampling[name] = value
         check_settings(sampling, "run()")
-        return cls(sampling=SamplingParams.from_dict(sampling), logprob=logprob)
+        RequestOptions.of(**options)  # a bad value (lora=5) is an error where run() is called
+        return cls(sampling=SamplingParams.from_dict(sampling), options=options)
+
+    @property
+    def lora_path(self) -> Optional[str]:
+        """The program's LoRA adapter (`run(lora=...)`): its requests that are not a gen's (prefills,
+        select) run with it too, so they share the gens' cached prefixes."""
+        return self.options.get("lora_path")
 
     @staticmethod
     def is_sampling_name(key: str) -> bool:
-        return key in LOGPROB_OPTIONS or DSL_ALIASES.get(key, key) in SAMPLING_FIELDS
+        return key in REQUEST_OPTIONS or DSL_ALIASES.get(key, key) in SAMPLING_FIELDS
 
 
 @dataclass
@@ -180,7 +193,7 @@ def resolve_gen(
         merged["spaces_between_special_tokens"] = False
     sampling = SamplingParams.from_dict(merged)
     sampling.verify(vocab_size)
-    options = RequestOptions.of(**{**defaults.logprob, **overrides.logprob})
+    options = RequestOptions.of(**{**defaults.options, **overrides.options})
     return ResolvedGen(sampling=sampling, options=options, dtype=overrides.dtype)
 
 

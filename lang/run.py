@@ -104,8 +104,15 @@ def run_program_batch(
         raise ValueError(f"num_threads must be 'auto' or a positive int, got {num_threads!r}")
     num_threads = min(num_threads, len(batch_arguments))
     prefill = None
-    # NOTE: without a prefix cache in the runtime, prefilling ahead of the programs is wasted work.
-    if global_config.enable_precache_with_tracing and len(batch_arguments) > 1 and backend.prefix_cache_enabled():
+    # NOTE: without a prefix cache in the runtime, prefilling ahead of the programs is wasted work; so it
+    # is under a LoRA adapter, for now: prefixes are pinned in the base model's namespace, not the adapter's.
+    on_base_model = defaults.lora_path is None and getattr(backend, "lora", None) is None
+    if (
+        global_config.enable_precache_with_tracing
+        and len(batch_arguments) > 1
+        and backend.prefix_cache_enabled()
+        and on_base_model
+    ):
         if backend.hints_enabled():
             # plait: every shared segment of the batch (header, groups), prefilled and pinned once.
             plan = plan_batch(program, backend, batch_arguments)

@@ -10,7 +10,6 @@ first tokens are marked with it (`cache_key_prompt`), so that its prefixes are i
 
 from __future__ import annotations
 
-import hashlib
 import re
 import sys
 import time
@@ -21,7 +20,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .io_struct import TokenizedGenerateReq
-from .request_options import RequestOptions
+from .request_options import RequestOptions, cache_key_prompt
 from .sampling_params import SamplingParams
 from .step import SamplingRow
 
@@ -203,23 +202,3 @@ class Req:
         self.last_node = None
         self.is_chunked = False
         self.num_retractions += 1
-
-
-# A namespace marks up to this many of a prompt's first tokens with 31 bits of its hash each.
-NAMESPACE_MARKED_TOKENS = 2
-
-
-def cache_key_prompt(input_ids: list[int], lora_path: Optional[str], cache_salt: Optional[str]) -> list[int]:
-    """The prompt as the prefix cache keys it: `input_ids` itself for the base model and no salt; else a
-    copy whose first tokens carry the (adapter, salt) namespace's hash above bit 32. The radix tree is a
-    trie, so a different first token is a different subtree: nothing is shared across namespaces, and
-    within one everything is as before. (Keys stay int64, as KV events pack them; two namespaces collide
-    only if 62 bits of their hashes do, 31 for a one-token prompt.)"""
-    if lora_path is None and cache_salt is None:
-        return input_ids
-    digest = hashlib.blake2b(repr((lora_path, cache_salt)).encode(), digest_size=8).digest()
-    marks = int.from_bytes(digest, "little")
-    ids = list(input_ids)
-    for i in range(min(NAMESPACE_MARKED_TOKENS, len(ids))):
-        ids[i] += ((marks >> (31 * i)) & 0x7FFFFFFF | 1) << 32  # never 0: a marked id is never a plain one
-    return ids

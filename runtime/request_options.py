@@ -8,12 +8,14 @@ the scheduler builds its `Req` from them.
 
 `expand_samples` is the one place an n > 1 request becomes its n samples, for the Engine, the HTTP
 server and the DSL alike: sample k is request `{rid}-{k}` with n = 1 and seed + k. `new_rid` is the one
-maker of request ids.
+maker of request ids. `cache_key_prompt` is a prompt as the prefix cache keys it, in its (LoRA adapter,
+cache salt) namespace: here, torch-free, so the data-parallel controller routes by the same keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -152,3 +154,23 @@ def is_sample_of(sample: str, rid: str) -> bool:
     """Whether request `sample` was expanded from request `rid` (its samples, or an OpenAI route's prompts
     `{rid}-p{i}` and their samples)."""
     return sample.startswith(rid + "-")
+
+
+# A namespace marks up to this many of a prompt's first tokens with 31 bits of its hash each.
+NAMESPACE_MARKED_TOKENS = 2
+
+
+def cache_key_prompt(input_ids: list[int], lora_path: Optional[str], cache_salt: Optional[str]) -> list[int]:
+    """The prompt as the prefix cache keys it: `input_ids` itself for the base model and no salt; else a
+    copy whose first tokens carry the (adapter, salt) namespace's hash above bit 32. The radix tree is a
+    trie, so a different first token is a different subtree: nothing is shared across namespaces, and
+    within one everything is as before. (Keys stay int64, as KV events pack them; two namespaces collide
+    only if 62 bits of their hashes do, 31 for a one-token prompt.)"""
+    if lora_path is None and cache_salt is None:
+        return input_ids
+    digest = hashlib.blake2b(repr((lora_path, cache_salt)).encode(), digest_size=8).digest()
+    marks = int.from_bytes(digest, "little")
+    ids = list(input_ids)
+    for i in range(min(NAMESPACE_MARKED_TOKENS, len(ids))):
+        ids[i] += ((marks >> (31 * i)) & 0x7FFFFFFF | 1) << 32  # never 0: a marked id is never a plain one
+    return ids

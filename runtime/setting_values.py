@@ -65,7 +65,7 @@ def check_lora_settings(sa: Any) -> None:
         sa.enable_lora = True
     if not sa.enable_lora:
         return
-    for name, off in (("speculative_algorithm", None), ("tp_size", 1), ("pp_size", 1), ("dp_size", 1)):
+    for name, off in (("speculative_algorithm", None), ("tp_size", 1), ("pp_size", 1)):
         if getattr(sa, name) != off:
             raise ValueError(
                 f"LoRA adapters (enable_lora / lora_paths) do not run with {name}={getattr(sa, name)!r} yet"

@@ -46,6 +46,8 @@ def refuse_unsupported(backend: str, params: ResolvedGen) -> None:
         raise NotImplementedError(f"{backend} does not take gen(n > 1); fork the state instead")
     if params.options.return_logprob:
         raise NotImplementedError(f"{backend} returns no token logprobs")
+    if params.options.lora_path is not None:
+        raise NotImplementedError(f"{backend} serves no LoRA adapters (gen's or run's lora)")
 
 
 def stop_list(params: ResolvedGen) -> list[str]:

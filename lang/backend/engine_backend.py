@@ -30,9 +30,11 @@ class EngineBackend(NativeBackend):
         chat_template: Optional[Union[ChatTemplate, str]] = None,
         program_hints: bool = True,
         model_name: Optional[str] = None,
+        lora: Optional[str] = None,
     ) -> None:
         """`model_name`: what `get_model_name()` reports (the Runtime passes the model path as the user gave
-        it); by default the engine's served_model_name, else its model folder's name."""
+        it); by default the engine's served_model_name, else its model folder's name. `lora`: the LoRA
+        adapter of the requests whose gen and program name none."""
         if isinstance(chat_template, str):
             chat_template = get_chat_template(chat_template)
         self.model_name = model_name or served_model_name(engine)
@@ -42,6 +44,7 @@ class EngineBackend(NativeBackend):
         super().__init__(chat_template)
         self.engine = engine
         self.program_hints = program_hints
+        self.lora = lora
         self._shutting_down = False
 
     def get_model_name(self) -> str:

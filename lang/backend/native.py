@@ -27,6 +27,9 @@ NO_OPTIONS = RequestOptions()
 
 
 class NativeBackend(BaseBackend):
+    # The LoRA adapter (a name the runtime loaded) of every request whose gen and program name none.
+    lora: Optional[str] = None
+
     # ---- transport, implemented by subclasses ----
     def _send(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions) -> Union[dict, list[dict]]:
         """One generate request: a result ({"text", "meta_info"}), or a list of them for a batch or for
@@ -50,10 +53,16 @@ class NativeBackend(BaseBackend):
 
     def _options(self, s: Any, options: RequestOptions = NO_OPTIONS) -> RequestOptions:
         """`options` with the program a request belongs to as its group: the runtime schedules one
-        program's requests (and its forks') together. SGLang servers ignore the field."""
+        program's requests (and its forks') together (SGLang servers ignore the field); and the LoRA
+        adapter, where the gen names none: the program's (`run(lora=...)`), else this backend's."""
         program_id = getattr(s, "program_id", None)
         if program_id and self.program_hints:
-            return dataclasses.replace(options, group=program_id)
+            options = dataclasses.replace(options, group=program_id)
+        if options.lora_path is None:
+            defaults = getattr(s, "default_sampling_para", None)
+            lora = getattr(defaults, "lora_path", None) or self.lora
+            if lora is not None:
+                options = dataclasses.replace(options, lora_path=lora)
         return options
 
     def prefix_cache_enabled(self) -> bool:
@@ -78,13 +87,13 @@ class NativeBackend(BaseBackend):
     def cache_prefix(self, prefix: Union[str, list[int]]) -> Optional[dict]:
         if not prefix:
             return None
-        return self._request(prefix, PREFILL_ONLY, NO_OPTIONS)["meta_info"]
+        return self._request(prefix, PREFILL_ONLY, self._options(None))["meta_info"]
 
     def cache_prefixes(self, prefixes: Sequence[Union[str, list[int]]]) -> list[Optional[dict]]:
         prefixes = [p for p in prefixes if p]
         if len(prefixes) <= 1:
             return [self.cache_prefix(p) for p in prefixes]
-        outs = self._request(list(prefixes), PREFILL_ONLY, NO_OPTIONS)
+        outs = self._request(list(prefixes), PREFILL_ONLY, self._options(None))
         return [o["meta_info"] for o in (outs if isinstance(outs, list) else [outs])]
 
     def commit_lazy_operations(self, s: Any) -> None:

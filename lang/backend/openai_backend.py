@@ -88,7 +88,8 @@ class OpenAI(BaseBackend):
     def _request_kwargs(self, params: ResolvedGen) -> dict:
         sp = params.sampling
         kwargs: dict[str, Any] = {
-            "model": self.model_name,
+            # a LoRA adapter named as vLLM's servers and plait's take it: its own name as the model
+            "model": params.options.lora_path or self.model_name,
             "max_tokens": sp.max_new_tokens,
             "temperature": sp.temperature,
             "top_p": sp.top_p,

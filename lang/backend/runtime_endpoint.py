@@ -28,13 +28,16 @@ class RuntimeEndpoint(NativeBackend):
         chat_template_name: Optional[str] = None,
         timeout: Optional[float] = None,
         program_hints: bool = True,
+        lora: Optional[str] = None,
     ) -> None:
+        """`lora`: the server's LoRA adapter (its name) of the requests whose gen and program name none."""
         self.http = EndpointHTTP(base_url, api_key, verify, timeout)
         self.base_url = self.http.base_url
         self.model_info = self.http.get("/get_model_info")
         template = get_chat_template(chat_template_name) if chat_template_name else self._template_from_server()
         super().__init__(template)
         self.program_hints = program_hints
+        self.lora = lora
         self._server_pins = True  # until the server answers 404: SGLang has no pin routes
 
     @property

@@ -5,9 +5,10 @@ The engine starts this controller where it would start its scheduler (`python -m
 plait.runtime.distributed.data_parallel ARGS.pkl`, the same arguments and the same ZMQ messages), and
 the controller starts the N schedulers (replica i on GPUs from base_gpu_id + i x tp_size x pp_size).
 Each request goes to one replica, chosen as the router chooses (router/policy.py over the prompt's
-token ids: where its prefix is likely cached while the replicas' loads are close, else the least
-loaded); its aborts follow it. Control calls go to every replica and their replies are merged (stats
-summed, flush and integrity true only when true everywhere, one pin id for the pins on every replica).
+token ids in its LoRA adapter's and cache salt's namespace: where its prefix is likely cached while the
+replicas' loads are close, else the least loaded); its aborts follow it. Control calls go to every
+replica and their replies are merged (stats summed, flush and integrity true only when true everywhere,
+one pin id for the pins on every replica, one replica's facts of a loaded adapter).
 Outputs come back through the controller.
 
 A replica that dies ends the controller, and with it the others: the engine then answers 503 for
@@ -38,12 +39,14 @@ from ..io_struct import (
     BatchOut,
     ControlReply,
     ControlReq,
+    LoadLoraAdapterReq,
     PinPrefixReq,
     SchedulerInfo,
     ShutdownReq,
     TokenizedGenerateReq,
     UnpinPrefixReq,
 )
+from ..request_options import cache_key_prompt
 from ..router.policy import CacheAwarePolicy
 from ..server_args import ServerArgs
 from .launch import reap
@@ -165,7 +168,11 @@ class DataParallelController:
     def dispatch(self, msg: Any) -> Optional[ControlReply]:
         """One message from the tokenizer manager; a reply to send back at once, if any."""
         if isinstance(msg, TokenizedGenerateReq):
-            choice = self.policy.choose(tuple(msg.input_ids), self.names, dict(zip(self.names, self.load)))
+            # keyed as the replicas' prefix caches key it: a LoRA adapter's or a cache salt's prefixes are
+            # their own, so affinity never sends a tenant where only another namespace's copy is cached
+            opts = msg.options
+            key = tuple(cache_key_prompt(msg.input_ids, opts.lora_path, opts.cache_salt))
+            choice = self.policy.choose(key, self.names, dict(zip(self.names, self.load)))
             i = self.names.index(choice.replica)
             self.open[msg.rid] = i
             self.load[i] += 1
@@ -222,6 +229,8 @@ class DataParallelController:
             return ControlReply(
                 call.call_id, result={"pin_id": pin_id, "pinned_tokens": max(r["pinned_tokens"] for r in results)}
             )
+        if isinstance(call, LoadLoraAdapterReq):
+            return ControlReply(call.call_id, result=results[0])  # the adapter's facts, alike on every replica
         if isinstance(results[0], dict):
             return ControlReply(call.call_id, result=merge_stats(results))
         if isinstance(results[0], bool):

@@ -70,8 +70,9 @@ class TokenizerManager:
         self.is_scheduler_alive = is_scheduler_alive
         self.text_decoder = TextDecoder.of(tokenizer)
         self.states: dict[str, RequestState] = {}
-        # The LoRA adapters loaded (start-up's, then load/unload calls): a request naming another is refused.
-        self.lora_names: set[str] = set(parse_lora_paths(server_args.lora_paths or []))
+        # The LoRA adapters loaded, name -> folder (start-up's, then load/unload calls): a request naming
+        # another is refused; /v1/models lists them.
+        self.lora_adapters: dict[str, str] = parse_lora_paths(server_args.lora_paths or [])
         # Streamed requests the Engine handed out but has not submitted (a stream starts when it is first
         # read), and aborts that came for them meanwhile: such a request ends at once when it comes.
         # Both keep at most UNSTARTED_KEPT rids (a stream never read stays unstarted forever).
@@ -153,8 +154,8 @@ class TokenizerManager:
                 f"({self.info.max_total_tokens} tokens)"
             )
         options.check_prompt(len(input_ids))
-        if options.lora_path is not None and options.lora_path not in self.lora_names:
-            loaded = ", ".join(sorted(self.lora_names)) or "none"
+        if options.lora_path is not None and options.lora_path not in self.lora_adapters:
+            loaded = ", ".join(sorted(self.lora_adapters)) or "none"
             raise RequestOptionError("lora_path", f"unknown LoRA adapter {options.lora_path!r} (loaded: {loaded})")
         key = sp.grammar_key
         if key is not None:
@@ -257,13 +258,13 @@ class TokenizerManager:
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         """SGLang's: the PEFT folder `lora_path` loaded as adapter `lora_name` (a ValueError says why not)."""
         result = await self.control(LoadLoraAdapterReq, lora_name=lora_name, lora_path=lora_path)
-        self.lora_names.add(lora_name)
+        self.lora_adapters[lora_name] = lora_path
         return result
 
     async def unload_lora_adapter(self, lora_name: str) -> bool:
         """SGLang's: adapter `lora_name` forgotten (refused while a request still asks for it)."""
         await self.control(UnloadLoraAdapterReq, lora_name=lora_name)
-        self.lora_names.discard(lora_name)
+        self.lora_adapters.pop(lora_name, None)
         return True
 
     # ------------------------------------------------------------------ background

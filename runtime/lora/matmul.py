@@ -8,6 +8,8 @@ Two ways to pick each row's A and B, one result:
 - gathered (what a CUDA graph can hold): each token's slot is data, (T,) on the device, and A and B are
   gathered per token (a batched matmul); slot 0 holds zeros, so base rows add exactly zero. No host
   value decides anything, so a graph captured once replays with any adapters in any rows.
+
+On a GPU both are the Triton SGMV kernels (sgmv.py): the runs as segments, or one segment per token.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from .sgmv import Segments, sgmv_apply
 from .slots import LoraSlots
 
 
@@ -32,6 +35,13 @@ class LoraBatch:
         self.token_slots = token_slots  # (T,) int64 on the device: each token's slot (0: no adapter)
         # (first token, end, slot) runs of one adapter, base runs left out; None: gather per token.
         self.segments = segments
+        # On a GPU, the same as device data for the Triton kernels, made once per step (every layer reads it).
+        self.device_segments: Optional[Segments] = None
+        if token_slots.is_cuda:
+            on_host = segments is not None
+            self.device_segments = (
+                Segments.of_runs(segments, token_slots.device) if on_host else Segments.per_token(token_slots)
+            )
 
     @classmethod
     def of_rows(cls, slots: LoraSlots, request_slots: list[int], tokens_per_request: list[int]) -> "LoraBatch":
@@ -54,6 +64,8 @@ class LoraBatch:
         adapter added (in place where y is written; returned)."""
         a_all, b_all = self.pool.a[target], self.pool.b[target]  # (S+1, L, n*R, in), (S+1, L, out, R)
         rank, splits = self.pool.max_rank, self.pool.out_splits[target]
+        if self.device_segments is not None:
+            return sgmv_apply(self.device_segments, a_all, b_all, layer, rank, splits, x, y)
         if self.segments is not None:
             for start, end, slot in self.segments:
                 shrunk = x[start:end] @ a_all[slot, layer].t()  # (n, subs * R)

@@ -42,10 +42,38 @@ def error_json(status: int, message: str) -> JSONResponse:
 
 
 def routing_key(route: str, payload: Any) -> Sequence[Hashable]:
-    """What the prefix tree is keyed on: the prompt's text (characters) or token ids; () when the body
-    names neither (the policy then balances)."""
+    """What the prefix tree is keyed on: the prompt's text (characters) or token ids, after its cache
+    namespace if it has one (`cache_namespace`); () when the body names no prompt (the policy then
+    balances)."""
     if not isinstance(payload, dict):
         return ()
+    key = _prompt_key(route, payload)
+    namespace = cache_namespace(route, payload)
+    if not key or namespace is None:
+        return key
+    # A replica's prefix cache shares nothing across namespaces, so neither does the tree: the same text
+    # under two adapters (or two salts) are two prefixes. Text keys stay strings (a marker string first);
+    # token ids get one marker item that no token id equals.
+    if isinstance(key, str):
+        return f"\x00{namespace!r}\x00{key}"
+    return (namespace, *key)
+
+
+def cache_namespace(route: str, payload: dict) -> Optional[tuple[Optional[str], Optional[str]]]:
+    """The (LoRA adapter, cache_salt) a request's prefixes are cached under, None for the base model
+    unsalted. /generate names its adapter in `lora_path`; an OpenAI route in `model` (SGLang's
+    "base:adapter", or vLLM's bare adapter name: the router cannot tell that from the served model's
+    name, so any model name is a namespace there; the same name always routes alike)."""
+    adapter = payload.get("lora_path") if route == "/generate" else payload.get("model")
+    if isinstance(adapter, str) and route != "/generate":
+        adapter = adapter.rpartition(":")[2] or None
+    salt = payload.get("cache_salt")
+    adapter = adapter if isinstance(adapter, str) and adapter else None
+    salt = salt if isinstance(salt, str) and salt else None
+    return None if adapter is None and salt is None else (adapter, salt)
+
+
+def _prompt_key(route: str, payload: dict) -> Sequence[Hashable]:
     if route == "/v1/chat/completions":
         messages = payload.get("messages")
         if not isinstance(messages, list):

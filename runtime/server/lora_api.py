@@ -54,8 +54,7 @@ def adapter_of_model(model: Optional[str], ctx: ServerContext) -> Optional[str]:
     naming it for a model that is neither the served one nor a loaded adapter."""
     if not model or model in ctx.accepted_model_names:
         return None
-    # (the tokenizer manager's names: the adapters loaded; an engine stand-in in tests may have none)
-    names = getattr(getattr(ctx.engine, "tokenizer_manager", None), "lora_names", set())
+    names = loaded_adapters(ctx)
     base, sep, adapter = model.rpartition(":")
     if sep and base in ctx.accepted_model_names and adapter in names:
         return adapter  # SGLang's "base:adapter"
@@ -63,3 +62,18 @@ def adapter_of_model(model: Optional[str], ctx: ServerContext) -> Optional[str]:
         return model  # vLLM's: the adapter's own name
     loaded = f"; LoRA adapters: {', '.join(sorted(names))}" if names else ""
     raise APIError(404, f"model '{model}' does not exist; this server serves '{ctx.model_name}'{loaded}", param="model")
+
+
+def loaded_adapters(ctx: ServerContext) -> dict[str, str]:
+    """The LoRA adapters loaded now, name -> folder (the tokenizer manager's; an engine stand-in in tests
+    may have none)."""
+    return getattr(getattr(ctx.engine, "tokenizer_manager", None), "lora_adapters", {})
+
+
+def adapter_cards(ctx: ServerContext, created: int) -> list[dict[str, Any]]:
+    """/v1/models' entries of the loaded adapters, as vLLM lists them: the adapter's name as its id, its
+    folder as `root`, the served model as `parent`."""
+    return [
+        {"id": name, "object": "model", "created": created, "owned_by": "plait", "root": path, "parent": ctx.model_name}
+        for name, path in sorted(loaded_adapters(ctx).items())
+    ]

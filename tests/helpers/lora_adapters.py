@@ -8,8 +8,9 @@ import torch
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_peft_adapter(base: str, folder: str, rank: int, seed: int, targets=None, alpha=None) -> str:
-    """A PEFT LoRA adapter on the model at `base` (random A and B, B non-zero: PEFT starts it at zero)."""
+def make_peft_adapter(base: str, folder: str, rank: int, seed: int, targets=None, alpha=None, scale=0.15) -> str:
+    """A PEFT LoRA adapter on the model at `base` (random A and B of standard deviation `scale`; B non-zero:
+    PEFT starts it at zero)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -20,7 +21,7 @@ def make_peft_adapter(base: str, folder: str, rank: int, seed: int, targets=None
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
     peft_model.save_pretrained(folder)
     return folder
 

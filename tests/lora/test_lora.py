@@ -22,7 +22,7 @@ from plait.runtime.lora.matmul import LoraBatch  # noqa: E402
 from plait.runtime.lora.registry import LoraRegistry  # noqa: E402
 from plait.runtime.lora.slots import LoraSlots  # noqa: E402
 from plait.runtime.models.config import ModelConfig  # noqa: E402
-from plait.runtime.request import cache_key_prompt  # noqa: E402
+from plait.runtime.request_options import cache_key_prompt  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], [40, 41, 42, 43, 44]]
 NEW = 8

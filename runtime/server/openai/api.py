@@ -19,7 +19,7 @@ from ...request_options import new_rid
 from ...sampling_params import SamplingParams
 from ..engine_client import GenerationGroup
 from ..errors import APIError, sse_error_event
-from ..lora_api import adapter_of_model
+from ..lora_api import adapter_cards, adapter_of_model
 from ..native_api import (
     check_prompt_ids,
     check_unicode,
@@ -209,16 +209,22 @@ def _model_card(ctx: ServerContext) -> dict[str, Any]:
 
 @router.get("/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(get_context(request))]}
+    """The served model, then its LoRA adapters loaded now."""
+    ctx = get_context(request)
+    return {"object": "list", "data": [_model_card(ctx), *adapter_cards(ctx, int(ctx.started_at))]}
 
 
 @router.get("/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
-    """The openai client's `models.retrieve(name)`; any name the server accepts (aliases included)."""
+    """The openai client's `models.retrieve(name)`; any name the server accepts (aliases included), or a
+    LoRA adapter's."""
     ctx = get_context(request)
-    if model_id not in ctx.accepted_model_names:
-        raise APIError(404, f"model '{model_id}' does not exist; this server serves '{ctx.model_name}'", param="model")
-    return _model_card(ctx)
+    if model_id in ctx.accepted_model_names:
+        return _model_card(ctx)
+    for card in adapter_cards(ctx, int(ctx.started_at)):
+        if card["id"] == model_id:
+            return card
+    raise APIError(404, f"model '{model_id}' does not exist; this server serves '{ctx.model_name}'", param="model")
 
 
 # ---------------------------------------------------------------- /v1/completions
