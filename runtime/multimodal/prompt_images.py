@@ -37,40 +37,32 @@ class PromptImages:
         return cls(vision, ClipPreprocess.of_folder(model_path, vision.tower))
 
     def prepare(self, input_ids: list[int], image_data: Sequence[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """(ids with each image's placeholder expanded, the images). A placeholder is a run of the image
-        token: one token (expanded to the image's count) or already the image's count (kept)."""
+        """(ids with each image's placeholder expanded, the images). The prompt holds the image token once
+        per image (each expanded to the image's tokens), or already the image's count per image (kept)."""
         if len(image_data) > MAX_IMAGES_PER_REQUEST:
             raise ImageError(f"{len(image_data)} images in one request: at most {MAX_IMAGES_PER_REQUEST}")
-        runs = _runs(input_ids, self.image_token_id)
-        if len(runs) != len(image_data):
+        token, n = self.image_token_id, self.tokens_per_image
+        positions = [i for i, t in enumerate(input_ids) if t == token]
+        if len(positions) == len(image_data) * n and n > 1:
+            width = n  # expanded already (a prompt from the OpenAI route or a retry): image k is run k
+        elif len(positions) == len(image_data):
+            width = 1
+        else:
             raise ImageError(
-                f"the prompt has {len(runs)} image placeholder(s) (token {self.image_token_id}) for "
-                f"{len(image_data)} image(s): put one image token where each image goes"
+                f"the prompt has {len(positions)} image token(s) (id {token}) for {len(image_data)} image(s): "
+                f"put one image token where each image goes"
             )
-        n = self.tokens_per_image
         ids: list[int] = []
         images = []
         last = 0
-        for k, ((start, length), source) in enumerate(zip(runs, image_data)):
-            if length not in (1, n):
-                raise ImageError(f"image placeholder {k} is {length} image tokens: give 1 (or exactly {n})")
+        for k, source in enumerate(image_data):
+            start = positions[k * width]
+            if positions[k * width + width - 1] != start + width - 1:
+                raise ImageError(f"image {k}'s {width} tokens are not consecutive in the prompt")
             image = load_image(source, f"image_data[{k}]")
             ids.extend(input_ids[last:start])
             images.append(ImageInput(len(ids), n, self.preprocess(image), image_hash(image)))
-            ids.extend([self.image_token_id] * n)
-            last = start + length
+            ids.extend([token] * n)
+            last = start + width
         ids.extend(input_ids[last:])
         return ids, tuple(images)
-
-
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    """(start, length) of each run of `token` in ids."""
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(ids):
-        if t != token:
-            continue
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
