@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .vision_config import LlavaVision
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -157,6 +159,10 @@ def _vision_language(cls, cfg: dict[str, Any], arch: str, source: str) -> "Model
             text[key] = cfg[key]
     text.pop("architectures", None)
     mc = cls.from_dict(text, source=f"{source} (text_config)")
+    try:
+        LlavaVision(cfg)  # the vision side checked before anything starts
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
     mc.architecture, mc.raw = arch, cfg
     return mc
 
@@ -181,7 +187,7 @@ def _architecture(cfg: dict[str, Any], source: str) -> str:
         return MODEL_TYPES[cfg["model_type"]]
     kind = ""
     if "vision_config" in cfg or "text_config" in cfg:
-        kind = " (a multimodal model: plait runs text-only decoders)"
+        kind = " (a multimodal model: plait runs text-only decoders and LLaVA-1.5-style CLIP + Llama models)"
     elif cfg.get("num_local_experts") or cfg.get("num_experts"):
         kind = " (a mixture-of-experts model: plait runs dense decoders)"
     found = archs or (f"model_type {cfg['model_type']!r}" if cfg.get("model_type") else "no architectures")
