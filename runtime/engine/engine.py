@@ -9,6 +9,7 @@ tokenizer manager's own loop (a background thread) and the results are bridged b
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -29,7 +30,7 @@ from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
 from .compat import SGLangEngineExtras
 from .loop import EngineLoop, abort_request, release_engine, stop_scheduler_process
-from .request_builder import OPTION_DEFAULTS, PromptRequests, build_requests, single_stream, streamed
+from .request_builder import OPTION_DEFAULTS, PREFILL_ONLY, PromptRequests, build_requests, single_stream, streamed
 from .server_info import internal_state
 from .startup import checked_model_path, start_scheduler
 from .streams import RequestStreams, acumulative, cumulative
@@ -109,9 +110,11 @@ class Engine(SGLangEngineExtras):
     # ------------------------------------------------------------------ generate
     def _build(self, prompt, sampling_params, input_ids, option_args, options, image_data=None):
         self._bg.check_open()
-        return build_requests(
-            self.tokenizer_manager, prompt, sampling_params, input_ids, option_args, options, image_data
-        )
+        tm = self.tokenizer_manager
+        return build_requests(tm, prompt, sampling_params, input_ids, option_args, options, image_data)
+
+    async def _abuild(self, *args):  # with images in a worker thread: decoding them would hold the caller's loop
+        return await asyncio.to_thread(self._build, *args) if args[-1] is not None else self._build(*args)
 
     async def _generate_async(self, prompts: list[PromptRequests], batch: bool):
         tm = self.tokenizer_manager
@@ -212,7 +215,7 @@ class Engine(SGLangEngineExtras):
         image_data=None,
     ):
         """generate, awaited; with stream=True, an async iterator of SGLang's cumulative chunks."""
-        prompts, batch = self._build(
+        prompts, batch = await self._abuild(
             prompt,
             sampling_params,
             input_ids,
@@ -257,7 +260,9 @@ class Engine(SGLangEngineExtras):
         image_data=None,
     ) -> AsyncIterator[dict]:
         """stream_deltas for an asyncio caller (the HTTP server): checked when awaited, streamed when read."""
-        prompts, batch = self._build(prompt, sampling_params, input_ids, OPTION_DEFAULTS, streamed(options), image_data)
+        prompts, batch = await self._abuild(
+            prompt, sampling_params, input_ids, OPTION_DEFAULTS, streamed(options), image_data
+        )
         req, warnings = single_stream(prompts, batch)
         self._streams.expect(req.rid)
         return self._streams.asynchronous(req, warnings)
@@ -382,9 +387,6 @@ class Engine(SGLangEngineExtras):
             "sockets belong to this one): create an Engine in each worker process, or share one "
             "through `plait serve`"
         )
-
-
-PREFILL_ONLY = SamplingParams(max_new_tokens=0)  # the shared prompt of n samples, prefilled once
 
 
 __all__ = ["Engine", "OverloadedError"]

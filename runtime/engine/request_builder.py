@@ -31,6 +31,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "group": None,
     "lora_path": None,
 }
+PREFILL_ONLY = SamplingParams(max_new_tokens=0)  # the shared prompt of n samples, prefilled once
 _PER_ITEM = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "lora_path")
 
 
