@@ -172,3 +172,18 @@ def test_placeholder_and_count_errors(engine, folder):
     expanded = [5] + [token] * TOKENS_PER_IMAGE + [6]  # given expanded: kept as it is
     assert engine.generate(input_ids=expanded, image_data=image, sampling_params=GREEDY)["output_ids"]
     assert engine.check_integrity()
+
+
+def test_mark_images_keys_each_image_and_keeps_namespaces():
+    from plait.runtime.io_struct import ImageInput
+    from plait.runtime.request import cache_key_prompt, mark_images
+
+    ids = [9, 300, 300, 300, 7]
+    a, b = ImageInput(1, 3, None, 12345), ImageInput(1, 3, None, 67890)
+    ka, kb = mark_images(ids, (a,)), mark_images(ids, (b,))
+    assert ka[0] == kb[0] == 9 and ka[4] == kb[4] == 7  # the text stays as it is
+    assert ka[1:4] != kb[1:4] and ka == mark_images(ids, (ImageInput(1, 3, None, 12345),))
+    assert all(0 <= t < 2**63 and t % 2**32 == 300 for t in ka[1:4])  # int64, the token in the low bits
+    salted = cache_key_prompt(ids, None, "salt")
+    both = mark_images(salted, (a,))
+    assert both[1] not in (salted[1], ka[1]) and both[2:4] == ka[2:4]  # a namespace mark and an image's, both kept
