@@ -11,8 +11,7 @@ from .choices import ChoicesSamplingMethod, CustomChoicesMethod, token_length_no
 from .function import SglFunction
 from .gen_params import GenOverrides
 from .global_config import global_config
-from .ir import SglExpr, SglExprList, SglGen, SglRoleBegin, SglRoleEnd, SglSelect, as_expr, flatten
-from .media import unsupported_media
+from .ir import SglExpr, SglExprList, SglGen, SglImage, SglRoleBegin, SglRoleEnd, SglSelect, SglVideo, as_expr, flatten
 from .reasoning import reasoning_markers
 
 
@@ -177,15 +176,16 @@ def separate_reasoning(expr: Any = None, model_type: Optional[str] = None) -> Sg
 
 
 def image(expr: Any) -> SglExpr:
-    """Importable so SGLang programs load; calling it raises NotImplementedError at once.
-
-    NOTE: raising here, in the program body, makes `run()` raise where the user wrote `image(...)`;
-    a node that only fails on the worker thread left run() returning a half-built state."""
-    unsupported_media("image()")
+    """An image for a vision model (a path, bytes, base64, a data: URL or a PIL image): the chat
+    template's image token goes into the text, the image with every request that text is part of."""
+    return SglImage(expr)
 
 
 def video(path: str, num_frames: int) -> SglExpr:
-    unsupported_media("video()")
+    """A video as `num_frames` frames sampled evenly from the file, each an image (see `image`)."""
+    if not isinstance(num_frames, int) or num_frames <= 0:
+        raise ValueError(f"video() takes a positive num_frames, got {num_frames!r}")
+    return SglVideo(path, num_frames)
 
 
 def _role_common(role: str, expr: Any = None) -> SglExprList:

@@ -41,7 +41,6 @@ from .ir import (
     flatten,
     open_role_after,
 )
-from .media import unsupported_media
 from .pins import PinTicket, ProgramPins
 from .variables import ProgramVariables
 
@@ -71,6 +70,7 @@ class StreamExecutor:
         self.error_: Optional[BaseException] = None
 
         self.text_ = ""
+        self.images_: list = []  # image() / video() sources in text order (each behind an image token)
         self.messages_: list[dict] = []
         self.chat_template = chat_template or backend.get_chat_template()
         self.cur_role: Optional[str] = None
@@ -87,7 +87,6 @@ class StreamExecutor:
         self.vocab_size = backend.vocab_size()  # what each gen's sampling parameters are checked against
         # Role state as submitted (caller thread), so misuse raises where the user wrote it.
         self._submitted_role: Optional[str] = None
-
         self.stream_text_event = threading.Event() if stream else None
 
         self._lock = threading.Lock()
@@ -187,7 +186,7 @@ class StreamExecutor:
             child.is_root = False
             child.pins = self.pins
             child.vars = self.vars.fork(self.stream)
-            child.text_ = self.text_
+            child.text_, child.images_ = self.text_, list(self.images_)
             child.messages_ = list(self.messages_)
             child.cur_role = self.cur_role
             child.cur_role_begin_pos = self.cur_role_begin_pos
@@ -302,8 +301,9 @@ class StreamExecutor:
             self.backend.commit_lazy_operations(self)
         elif isinstance(other, SglConcateAndAppend):
             self._execute_concatenate(other.states)
-        elif isinstance(other, SglImage):
-            unsupported_media("image()")
+        elif isinstance(other, SglImage):  # (a video: its frames, each an image)
+            self.images_ += (images := other.images())
+            self._execute_fill(self.chat_template.image_token * len(images))
         else:
             raise TypeError(f"cannot execute {other!r}")
 

@@ -160,12 +160,34 @@ class SglRoleEnd(SglExpr):
 
 
 class SglImage(SglExpr):
-    def __init__(self, path: str):
+    """An image (a path, bytes, base64, a data: URL or a PIL image): the chat template's image token in
+    the text, the image beside it."""
+
+    def __init__(self, path: Any):
         super().__init__()
         self.path = path
 
+    def images(self) -> list[Any]:
+        return [self.path]
+
     def __repr__(self) -> str:
-        return f"Image({self.path!r})"
+        return f"Image({self.path!r})" if isinstance(self.path, str) else f"Image(<{type(self.path).__name__}>)"
+
+
+class SglVideo(SglImage):
+    """A video: `num_frames` frames sampled from the file, each an image (read when the program runs)."""
+
+    def __init__(self, path: str, num_frames: int):
+        super().__init__(path)
+        self.num_frames = num_frames
+
+    def images(self) -> list[Any]:
+        from .media import video_frames
+
+        return video_frames(self.path, self.num_frames)
+
+    def __repr__(self) -> str:
+        return f"Video({self.path!r}, {self.num_frames})"
 
 
 class SglVarScopeBegin(SglExpr):

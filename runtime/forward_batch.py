@@ -8,7 +8,7 @@ backend's own metadata (`attn_metadata`, built by `attn_backend.init_forward_met
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -89,6 +89,9 @@ class ForwardBatch:
     # The step's LoRA adapters (runtime/lora/matmul.py's LoraBatch), which the projections add beside
     # their base matmul: `lora.apply(layer, target, x, y)`; None: the base model alone.
     lora: Any = None
+    # EXTEND: the step's image tokens (step.ImageRows), whose input embeddings a vision model replaces
+    # with the images' features; empty for every other step (a decode step never has any).
+    images: list = field(default_factory=list)
 
     @classmethod
     def of_step(
@@ -144,6 +147,7 @@ class ForwardBatch:
         fb.extend_seq_lens_cpu = list(step.extend_lens)
         fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = pre_t, ext_t, start_t
         fb.decode_rows = step.decode_rows
+        fb.images = step.images
         if mode.is_verify():
             fb._set_trees(step, staging.device)
         return fb

@@ -12,6 +12,18 @@ from .request_options import RequestOptions
 from .sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt as the scheduler carries it: its tokens are prompt positions [offset, offset +
+    length) (each the model's image token), `pixels` its preprocessed (C, S, S) float32 array, `hash` a
+    63-bit hash of its pixels (the prefix cache keys its tokens by it)."""
+
+    offset: int
+    length: int
+    pixels: Any
+    hash: int
+
+
 @dataclass(slots=True)
 class TokenizedGenerateReq:
     """One request as the scheduler receives it: its prompt's ids, its sampling and its options, whole (the
@@ -20,6 +32,7 @@ class TokenizedGenerateReq:
     input_ids: list[int]
     sampling_params: SamplingParams
     options: RequestOptions
+    images: tuple[ImageInput, ...] = ()  # a vision model's images, in prompt order
 
     @property
     def rid(self) -> str:
@@ -27,7 +40,7 @@ class TokenizedGenerateReq:
 
     def __reduce__(self):
         # NOTE: one message per request crosses ZMQ: pickled as the constructor's arguments (see RequestOptions).
-        return (TokenizedGenerateReq, (self.input_ids, self.sampling_params, self.options))
+        return (TokenizedGenerateReq, (self.input_ids, self.sampling_params, self.options, self.images))
 
 
 @dataclass

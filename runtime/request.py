@@ -5,7 +5,9 @@ A request's tokens are `fill_ids = origin_input_ids + output_ids`. `kv_len` of t
 pool: `req_to_token[req_pool_idx, :kv_len]`. Of those, the first `cache_len` belong to the prefix cache
 (locked through `last_node`); the rest are the request's private slots. The prefix cache keys them as
 `cache_prompt + output_ids`: the same ids, but for a request with a LoRA adapter or a cache salt, whose
-first tokens are marked with it (`cache_key_prompt`), so that its prefixes are its namespace's alone.
+first tokens are marked with it (`cache_key_prompt`), so that its prefixes are its namespace's alone, and
+with images, whose tokens are marked with their image's hash (`mark_images`): the same image is a prefix
+hit, another image never is.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from .detokenizer import IncrementalDetokenizer
-from .io_struct import TokenizedGenerateReq
+from .io_struct import ImageInput, TokenizedGenerateReq
 from .request_options import RequestOptions, cache_key_prompt
 from .sampling_params import SamplingParams
 from .step import SamplingRow
@@ -74,6 +76,7 @@ class Req:
         self.group = options.group  # program / fork group id (scheduling hint)
         self.priority = options.priority  # lower first among the waiting (vLLM's convention)
         self.lora_path = options.lora_path  # the LoRA adapter's name, or None (the base model)
+        self.images: tuple[ImageInput, ...] = ()  # a vision model's images (their tokens are in the prompt)
         self.cache_prompt = cache_key_prompt(self.origin_input_ids, options.lora_path, options.cache_salt)
         # NOTE: never rebound (append, extend, del in place): the sampling row shares this list.
         self.output_ids: list[int] = []
@@ -148,7 +151,7 @@ class Req:
     def of(cls, message: TokenizedGenerateReq, tokenizer: Any, eos_token_ids: tuple[int, ...]) -> "Req":
         """The scheduler's request for a message from the tokenizer manager: its ids taken over (the message is
         dropped after this), its text left to the receiver when nobody reads it before the end."""
-        return cls(
+        req = cls(
             message.options.rid,  # type: ignore[arg-type]
             message.input_ids,
             message.sampling_params,
@@ -158,6 +161,10 @@ class Req:
             defer_text=True,
             take_ids=True,
         )
+        if message.images:
+            req.images = message.images
+            req.cache_prompt = mark_images(req.cache_prompt, message.images)
+        return req
 
     def set_grammar(self, matcher: Any) -> None:
         """The request's grammar matcher, for the scheduler and for sampling."""
@@ -202,3 +209,15 @@ class Req:
         self.last_node = None
         self.is_chunked = False
         self.num_retractions += 1
+
+
+def mark_images(cache_ids: list[int], images: tuple[ImageInput, ...]) -> list[int]:
+    """`cache_ids` with each image's tokens carrying 31 bits of its hash above bit 32 (xor'ed with a
+    namespace's mark, if any, so both stay in the key): every image token is the same placeholder id, so
+    without its image in the key two different images would share a cached prefix."""
+    ids = list(cache_ids)
+    for image in images:
+        mark = ((image.hash & 0x7FFFFFFF) | 1) << 32
+        for i in range(image.offset, image.offset + image.length):
+            ids[i] ^= mark
+    return ids

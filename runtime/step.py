@@ -147,6 +147,19 @@ class LoraRows:
 
 
 @dataclass
+class ImageRows:
+    """EXTEND: rows [row, row + count) of the step's tokens are image tokens `start ..` of one image (a
+    vision model's input embeddings there are the image's features, not the tokens'). `pixels` is the
+    image preprocessed, (C, S, S) float32; `key` its hash (the same image in one step runs once)."""
+
+    row: int
+    start: int
+    count: int
+    pixels: np.ndarray
+    key: int
+
+
+@dataclass
 class StepInput:
     """One forward step, as the runner needs it.
 
@@ -185,6 +198,7 @@ class StepInput:
     # prompt token), else -1 (it is sampled). An EAGLE head's entries are one token ahead of the target's.
     following_ids: Optional[list[int]] = None
     lora: Optional[LoraRows] = None  # None: no request of the step has an adapter
+    images: list[ImageRows] = field(default_factory=list)  # EXTEND: image tokens among the new ones
 
     @property
     def num_tokens(self) -> int:

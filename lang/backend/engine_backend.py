@@ -51,18 +51,21 @@ class EngineBackend(NativeBackend):
         return self.model_name
 
     # ---- transport: the request's objects, handed to the Engine as they are ----
-    def _send(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions):
+    def _send(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions, image_data: Any = None):
         key = "prompt" if is_text(prompt) else "input_ids"
-        return self.engine.generate(**{key: prompt}, sampling_params=sampling, options=options)
+        return self.engine.generate(**{key: prompt}, sampling_params=sampling, options=options, image_data=image_data)
 
     def _send_stream(
-        self, prompt: Union[str, list[int]], sampling: SamplingParams, options: RequestOptions
+        self, prompt: Union[str, list[int]], sampling: SamplingParams, options: RequestOptions, image_data: Any = None
     ) -> Iterator[tuple[str, dict]]:
         from plait.runtime.engine.streams import CumulativeOutput
 
         key = "prompt" if is_text(prompt) else "input_ids"
         output = CumulativeOutput()  # (the Engine streams deltas: meta_info's logprobs so far are kept here)
-        for delta in self.engine.stream_deltas(**{key: prompt}, sampling_params=sampling, options=options):
+        stream = self.engine.stream_deltas(
+            **{key: prompt}, sampling_params=sampling, options=options, image_data=image_data
+        )
+        for delta in stream:
             output.add(delta)
             yield delta["text"], output.meta()
 

@@ -31,21 +31,27 @@ class NativeBackend(BaseBackend):
     lora: Optional[str] = None
 
     # ---- transport, implemented by subclasses ----
-    def _send(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions) -> Union[dict, list[dict]]:
+    def _send(
+        self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions, image_data: Any = None
+    ) -> Union[dict, list[dict]]:
         """One generate request: a result ({"text", "meta_info"}), or a list of them for a batch or for
-        n > 1 (the runtime expands the samples: request_options.expand_samples)."""
+        n > 1 (the runtime expands the samples: request_options.expand_samples). `image_data`: the
+        prompt's images (a batch: a list per prompt), or None."""
         raise NotImplementedError
 
     def _send_stream(
-        self, prompt: Union[str, list[int]], sampling: SamplingParams, options: RequestOptions
+        self, prompt: Union[str, list[int]], sampling: SamplingParams, options: RequestOptions, image_data: Any = None
     ) -> Iterator[tuple[str, dict]]:
         """One streamed request (n == 1): (the new text, meta_info so far) as it comes."""
         raise NotImplementedError
 
-    def _request(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions) -> Union[dict, list[dict]]:
+    def _request(
+        self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions, images: Sequence[Any] = ()
+    ) -> Union[dict, list[dict]]:
         """Send, and turn an aborted request (the runtime refused or dropped it) into an exception.
-        Each result's meta_info also goes to the program's request graph (plait.graph)."""
-        out = self._send(prompt, sampling, options)
+        Each result's meta_info also goes to the program's request graph (plait.graph). `images`: the
+        program's images (`image()`, `video()`), which every prompt of the request holds."""
+        out = self._send(prompt, sampling, options, image_data_of(prompt, images))
         for item in out if isinstance(out, list) else [out]:
             raise_if_aborted(item.get("meta_info"))
             observe_request(item.get("meta_info"))
@@ -99,10 +105,10 @@ class NativeBackend(BaseBackend):
     def commit_lazy_operations(self, s: Any) -> None:
         # NOTE: without a prefix cache, a prefill ahead of the forks would only be computed again.
         if s.text_ and self.prefix_cache_enabled():
-            self._request(s.text_, PREFILL_ONLY, self._options(s))
+            self._request(s.text_, PREFILL_ONLY, self._options(s), s.images_)
 
     def generate(self, s: Any, params: ResolvedGen):
-        out = self._request(s.text_, params.sampling, self._options(s, params.options))
+        out = self._request(s.text_, params.sampling, self._options(s, params.options), s.images_)
         if params.sampling.n > 1:  # the runtime gives sample k seed + k, as for any caller
             return [o["text"] for o in out], [o["meta_info"] for o in out]
         if isinstance(out, list):  # a server that answers a single prompt with a one-item list
@@ -113,7 +119,8 @@ class NativeBackend(BaseBackend):
         if params.sampling.n > 1:
             raise ValueError("gen(n > 1) cannot stream; run the program with stream=False")
         meta = None
-        for piece, meta in self._send_stream(s.text_, params.sampling, self._options(s, params.options)):
+        options = self._options(s, params.options)
+        for piece, meta in self._send_stream(s.text_, params.sampling, options, image_data_of(s.text_, s.images_)):
             raise_if_aborted(meta)
             yield piece, meta
         observe_request(meta)
@@ -128,7 +135,10 @@ class NativeBackend(BaseBackend):
         prefix = s.text_
         # 1. Prefill the shared prefix once; the batch below then hits it in the prefix cache.
         tagged = self._options(s)
-        prefix_tokens = self._request(prefix, PREFILL_ONLY, tagged)["meta_info"]["prompt_tokens"] if prefix else 0
+        images = s.images_
+        prefix_tokens = (
+            self._request(prefix, PREFILL_ONLY, tagged, images)["meta_info"]["prompt_tokens"] if prefix else 0
+        )
         # 2. Score every choice in one batched request. Logprobs start one token before the end of
         #    the prefix: the prefix's last token may merge with the choice's first ("A: " + "Paris"
         #    tokenizes as "A:" + " Paris"), and then it belongs to the choice (token healing).
@@ -141,6 +151,7 @@ class NativeBackend(BaseBackend):
             dataclasses.replace(
                 tagged, return_logprob=True, return_text_in_logprobs=True, logprob_start_len=max(prefix_tokens - 2, 0)
             ),
+            images,
         )
         prefix_last_id = outs.pop()["meta_info"]["input_token_logprobs"][-1][1] if prefix else None
         input_logprobs = [choice_token_logprobs(o["meta_info"], prefix, prefix_tokens, prefix_last_id) for o in outs]
@@ -170,6 +181,15 @@ class NativeBackend(BaseBackend):
             output_token_logprobs=output_logprobs,
             unconditional_token_logprobs=unconditional,
         )
+
+
+def image_data_of(prompt: Prompt, images: Sequence[Any]) -> Any:
+    """A request's image_data: None without images; the images for one prompt; for a batch, the same
+    images for each prompt (every prompt of a program's batch extends the same text)."""
+    if not images:
+        return None
+    is_batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    return [list(images) for _ in prompt] if is_batch else list(images)
 
 
 def is_text(prompt: Prompt) -> bool:

@@ -12,6 +12,7 @@ from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
 
 from ..chat_template import ChatTemplate, chat_template_from_tokenizer, get_chat_template
+from ..media import image_base64
 from ..pins import PrefixPin
 from .http_client import EndpointHTTP
 from .native import NativeBackend, Prompt, is_text
@@ -66,15 +67,17 @@ class RuntimeEndpoint(NativeBackend):
     def get_model_name(self) -> str:
         return self.model_info.get("model_path", "")
 
-    def _send(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions):
-        return self.http.post("/generate", generate_body(prompt, sampling, options)).json()
+    def _send(self, prompt: Prompt, sampling: SamplingParams, options: RequestOptions, image_data: Any = None):
+        return self.http.post("/generate", generate_body(prompt, sampling, options, image_data)).json()
 
     def _send_stream(
-        self, prompt: Union[str, list[int]], sampling: SamplingParams, options: RequestOptions
+        self, prompt: Union[str, list[int]], sampling: SamplingParams, options: RequestOptions, image_data: Any = None
     ) -> Iterator[tuple[str, dict]]:
         # NOTE: /generate streams SGLang's cumulative chunks: the new text is what extends the last one.
         seen = 0
-        for line in self.http.stream_lines("/generate", {**generate_body(prompt, sampling, options), "stream": True}):
+        for line in self.http.stream_lines(
+            "/generate", {**generate_body(prompt, sampling, options, image_data), "stream": True}
+        ):
             if not line.startswith("data:"):
                 continue
             data = line[len("data:") :].strip()
@@ -121,9 +124,12 @@ class RuntimeEndpoint(NativeBackend):
         return self.http.get("/get_server_info")
 
 
-def generate_body(prompt: Prompt, sampling: SamplingParams, options: RequestOptions) -> dict[str, Any]:
+def generate_body(
+    prompt: Prompt, sampling: SamplingParams, options: RequestOptions, image_data: Any = None
+) -> dict[str, Any]:
     """A /generate body: the prompt as "text" or "input_ids", the sampling parameters that differ from the
-    defaults (so SGLang servers, which lack some of plait's fields, accept it), and the options set."""
+    defaults (so SGLang servers, which lack some of plait's fields, accept it), the options set, and the
+    images (PIL images and bytes as base64 text)."""
     body: dict[str, Any] = {
         "text" if is_text(prompt) else "input_ids": prompt,
         "sampling_params": sampling_body(sampling),
@@ -132,6 +138,10 @@ def generate_body(prompt: Prompt, sampling: SamplingParams, options: RequestOpti
         value = getattr(options, f.name)
         if value != f.default:
             body[f.name] = value
+    if image_data is not None:
+        body["image_data"] = [
+            [image_base64(i) for i in item] if isinstance(item, list) else image_base64(item) for item in image_data
+        ]
     return body
 
 

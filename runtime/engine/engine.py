@@ -9,6 +9,7 @@ tokenizer manager's own loop (a background thread) and the results are bridged b
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -29,7 +30,7 @@ from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
 from .compat import SGLangEngineExtras
 from .loop import EngineLoop, abort_request, release_engine, stop_scheduler_process
-from .request_builder import OPTION_DEFAULTS, PromptRequests, build_requests
+from .request_builder import OPTION_DEFAULTS, PREFILL_ONLY, PromptRequests, build_requests, single_stream, streamed
 from .server_info import internal_state
 from .startup import checked_model_path, start_scheduler
 from .streams import RequestStreams, acumulative, cumulative
@@ -107,9 +108,13 @@ class Engine(SGLangEngineExtras):
         return self.tokenizer
 
     # ------------------------------------------------------------------ generate
-    def _build(self, prompt, sampling_params, input_ids, option_args, options) -> tuple[list[PromptRequests], bool]:
+    def _build(self, prompt, sampling_params, input_ids, option_args, options, image_data=None):
         self._bg.check_open()
-        return build_requests(self.tokenizer_manager, prompt, sampling_params, input_ids, option_args, options)
+        tm = self.tokenizer_manager
+        return build_requests(tm, prompt, sampling_params, input_ids, option_args, options, image_data)
+
+    async def _abuild(self, *args):  # with images in a worker thread: decoding them would hold the caller's loop
+        return await asyncio.to_thread(self._build, *args) if args[-1] is not None else self._build(*args)
 
     async def _generate_async(self, prompts: list[PromptRequests], batch: bool):
         tm = self.tokenizer_manager
@@ -120,7 +125,10 @@ class Engine(SGLangEngineExtras):
                 if len(prompt.samples) > 1 and not self.server_args.disable_radix_cache:
                     head = prompt.samples[0]
                     warm = TokenizedGenerateReq(
-                        head.input_ids, PREFILL_ONLY, RequestOptions(rid=new_rid(), group=head.options.group)
+                        head.input_ids,
+                        PREFILL_ONLY,
+                        RequestOptions(rid=new_rid(), group=head.options.group),
+                        head.images,
                     )
                     await tm.wait(await tm.submit(warm))
             states = []
@@ -163,6 +171,7 @@ class Engine(SGLangEngineExtras):
         group=None,
         options: Optional[RequestOptions] = None,
         lora_path=None,
+        image_data=None,
     ):
         """SGLang's generate. `options` (a RequestOptions) may stand for the keyword arguments after
         input_ids, as the HTTP server and the DSL pass them, built and checked once; a SamplingParams
@@ -183,9 +192,10 @@ class Engine(SGLangEngineExtras):
                 lora_path=lora_path,
             ),
             options,
+            image_data,
         )
         if prompts[0].samples[0].options.stream:
-            return cumulative(self._streams.sync(*_single_stream(prompts, batch)))
+            return cumulative(self._streams.sync(*single_stream(prompts, batch)))
         return self._bg.call(self._generate_async(prompts, batch))  # (Ctrl-C while waiting aborts the requests)
 
     async def async_generate(
@@ -202,9 +212,10 @@ class Engine(SGLangEngineExtras):
         group=None,
         options: Optional[RequestOptions] = None,
         lora_path=None,
+        image_data=None,
     ):
         """generate, awaited; with stream=True, an async iterator of SGLang's cumulative chunks."""
-        prompts, batch = self._build(
+        prompts, batch = await self._abuild(
             prompt,
             sampling_params,
             input_ids,
@@ -219,9 +230,10 @@ class Engine(SGLangEngineExtras):
                 lora_path=lora_path,
             ),
             options,
+            image_data,
         )
         if prompts[0].samples[0].options.stream:
-            req, warnings = _single_stream(prompts, batch)  # (a batch is refused here, not at the first read)
+            req, warnings = single_stream(prompts, batch)  # (a batch is refused here, not at the first read)
             self._streams.expect(req.rid)
             return acumulative(self._streams.asynchronous(req, warnings))
         return await self._acall(self._generate_async(prompts, batch))
@@ -232,11 +244,12 @@ class Engine(SGLangEngineExtras):
         sampling_params: Union[dict, SamplingParams, None] = None,
         input_ids: Optional[list[int]] = None,
         options: Optional[RequestOptions] = None,
+        image_data=None,
     ) -> Iterator[dict]:
         """One request (n == 1) streamed as delta chunks (streams.py): the text, output ids and logprobs
         since the last chunk, the totals in meta_info. What the DSL reads; `options` need not say stream."""
-        prompts, batch = self._build(prompt, sampling_params, input_ids, OPTION_DEFAULTS, _streamed(options))
-        return self._streams.sync(*_single_stream(prompts, batch))
+        prompts, batch = self._build(prompt, sampling_params, input_ids, OPTION_DEFAULTS, streamed(options), image_data)
+        return self._streams.sync(*single_stream(prompts, batch))
 
     async def async_stream_deltas(
         self,
@@ -244,10 +257,13 @@ class Engine(SGLangEngineExtras):
         sampling_params: Union[dict, SamplingParams, None] = None,
         input_ids: Optional[list[int]] = None,
         options: Optional[RequestOptions] = None,
+        image_data=None,
     ) -> AsyncIterator[dict]:
         """stream_deltas for an asyncio caller (the HTTP server): checked when awaited, streamed when read."""
-        prompts, batch = self._build(prompt, sampling_params, input_ids, OPTION_DEFAULTS, _streamed(options))
-        req, warnings = _single_stream(prompts, batch)
+        prompts, batch = await self._abuild(
+            prompt, sampling_params, input_ids, OPTION_DEFAULTS, streamed(options), image_data
+        )
+        req, warnings = single_stream(prompts, batch)
         self._streams.expect(req.rid)
         return self._streams.asynchronous(req, warnings)
 
@@ -371,22 +387,6 @@ class Engine(SGLangEngineExtras):
             "sockets belong to this one): create an Engine in each worker process, or share one "
             "through `plait serve`"
         )
-
-
-PREFILL_ONLY = SamplingParams(max_new_tokens=0)  # the shared prompt of n samples, prefilled once
-
-
-def _single_stream(prompts: list[PromptRequests], batch: bool) -> tuple[TokenizedGenerateReq, list[str]]:
-    """The one request of a stream, and its warnings: a stream takes one prompt with n == 1."""
-    if batch or len(prompts) != 1 or len(prompts[0].samples) != 1:
-        raise ValueError("stream=True takes a single prompt with n=1")
-    return prompts[0].samples[0], prompts[0].grammar_warnings
-
-
-def _streamed(options: Optional[RequestOptions]) -> RequestOptions:
-    if options is None:
-        return RequestOptions(stream=True)
-    return options if options.stream else dataclasses.replace(options, stream=True)
 
 
 __all__ = ["Engine", "OverloadedError"]

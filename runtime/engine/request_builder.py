@@ -9,6 +9,7 @@ that needs no scheduler happens here, so a bad batch is rejected before anything
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "group": None,
     "lora_path": None,
 }
+PREFILL_ONLY = SamplingParams(max_new_tokens=0)  # the shared prompt of n samples, prefilled once
 _PER_ITEM = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "lora_path")
 
 
@@ -49,10 +51,12 @@ def build_requests(
     input_ids,
     option_args: dict[str, Any],
     options: Optional[RequestOptions] = None,
+    image_data=None,
 ):
     """(prompts, is_batch): one PromptRequests per prompt; is_batch says whether the caller gave a batch (a
     list is returned) or one prompt. The options are `options` when given (its rid suffixed `_i` per batch
-    item), else built from `option_args` (Engine.generate's)."""
+    item), else built from `option_args` (Engine.generate's). `image_data`: a vision model's images (one
+    prompt: an image or a list of them; a batch: that per prompt), loaded and preprocessed here."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt (text) and input_ids")
     if prompt is not None:
@@ -75,6 +79,9 @@ def build_requests(
             return value
         return [value] * size
 
+    images: list[tuple] = [()] * size
+    if image_data is not None:
+        ids_list, images = _with_images(tm, ids_list, image_data, batch)
     sps = per_item(sampling_params, "sampling_params")
     item_args = _item_option_args(option_args, options, size, batch, per_item)
     groups = []
@@ -90,13 +97,38 @@ def build_requests(
             raise ValueError(f"batch item {i}: {e}") from None
         if opts.rid is None:
             opts = opts.with_rid(new_rid())
-        samples = [TokenizedGenerateReq(ids_list[i], s, o) for s, o in expand_samples(sp, opts)]
+        samples = [TokenizedGenerateReq(ids_list[i], s, o, images[i]) for s, o in expand_samples(sp, opts)]
         groups.append(PromptRequests(samples, warnings))
     all_rids = [m.rid for group in groups for m in group.samples]
     if len(set(all_rids)) != len(all_rids):
         dup = next(r for r in all_rids if all_rids.count(r) > 1)
         raise ValueError(f"duplicate request id {dup!r}")
     return groups, batch
+
+
+def _with_images(tm: TokenizerManager, ids_list: list[list], image_data, batch: bool) -> tuple[list[list], list[tuple]]:
+    """Each prompt's ids with its image placeholders expanded, and its images (`PromptImages.prepare`)."""
+    if tm.images is None:
+        raise ValueError("image_data was given, but this model takes no images (a text-only model)")
+    if batch:
+        if not isinstance(image_data, (list, tuple)) or len(image_data) != len(ids_list):
+            raise ValueError(
+                f"image_data must give one entry (an image, a list of them or None) per prompt of the "
+                f"batch of {len(ids_list)}"
+            )
+        per_prompt = image_data
+    else:
+        per_prompt = [image_data]
+    ids_out, images = [], []
+    for i, (ids, item) in enumerate(zip(ids_list, per_prompt)):
+        item = [] if item is None else list(item) if isinstance(item, (list, tuple)) else [item]
+        try:
+            expanded, prompt_images = tm.images.prepare(ids, item) if item else (ids, ())
+        except ValueError as e:
+            raise ValueError(f"batch item {i}: {e}" if batch else str(e)) from None
+        ids_out.append(expanded)
+        images.append(prompt_images)
+    return ids_out, images
 
 
 def _item_option_args(
@@ -145,3 +177,16 @@ def _ints(ids) -> list:
         return [operator.index(t) for t in ids]  # numpy / torch integer scalars
     except TypeError:
         return ids  # validate() says what is wrong with them
+
+
+def single_stream(prompts: list[PromptRequests], batch: bool) -> tuple[TokenizedGenerateReq, list[str]]:
+    """The one request of a stream, and its warnings: a stream takes one prompt with n == 1."""
+    if batch or len(prompts) != 1 or len(prompts[0].samples) != 1:
+        raise ValueError("stream=True takes a single prompt with n=1")
+    return prompts[0].samples[0], prompts[0].grammar_warnings
+
+
+def streamed(options: Optional[RequestOptions]) -> RequestOptions:
+    if options is None:
+        return RequestOptions(stream=True)
+    return options if options.stream else dataclasses.replace(options, stream=True)

@@ -30,6 +30,7 @@ from ..io_struct import (
     TokenizedGenerateReq,
     UnloadLoraAdapterReq,
 )
+from ..multimodal.prompt_images import PromptImages
 from ..request_options import RequestOptionError, RequestOptions, is_sample_of
 from ..sampling_params import SamplingParams
 from ..server_args import ServerArgs
@@ -69,6 +70,8 @@ class TokenizerManager:
         self.recv_sock.bind(recv_addr)
         self.is_scheduler_alive = is_scheduler_alive
         self.text_decoder = TextDecoder.of(tokenizer)
+        # A vision model's image facts (placeholders, preprocessing); None for a text-only model.
+        self.images = PromptImages.for_model(server_args.model_path)
         self.states: dict[str, RequestState] = {}
         # The LoRA adapters loaded, name -> folder (start-up's, then load/unload calls): a request naming
         # another is refused; /v1/models lists them.

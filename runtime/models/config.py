@@ -8,11 +8,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .vision_config import LlavaVision
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "LlavaForConditionalGeneration": "llava",
 }
 # config.json's `model_type` → architecture, for configs without an `architectures` list (transformers
 # itself goes by model_type then).
@@ -21,6 +24,7 @@ MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # what models/layers.RotaryEmbedding computes
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -64,6 +68,8 @@ class ModelConfig:
         """`source` names where cfg came from (a config.json path) in the errors."""
         arch = _architecture(cfg, source)
         family = SUPPORTED_ARCHITECTURES[arch]
+        if family == "llava":
+            return _vision_language(cls, cfg, arch, source)
         _check_supported(cfg, arch, source)
         missing = [k for k in REQUIRED_KEYS if cfg.get(k) is None]
         if missing:
@@ -141,6 +147,26 @@ class ModelConfig:
         return requested
 
 
+def _vision_language(cls, cfg: dict[str, Any], arch: str, source: str) -> "ModelConfig":
+    """A VLM's config: its decoder's facts from `text_config` (a Llama's; the top level's EOS, dtype and
+    tying where it says them), the whole file kept in `raw` for the vision side (models/llava.py)."""
+    text = dict(cfg.get("text_config") or {})
+    text.setdefault("model_type", "llama")
+    if text["model_type"] != "llama":
+        raise ValueError(f"{source}: a {arch} over a {text['model_type']!r} decoder is not supported (llama)")
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype"):
+        if cfg.get(key) is not None and text.get(key) is None:
+            text[key] = cfg[key]
+    text.pop("architectures", None)
+    mc = cls.from_dict(text, source=f"{source} (text_config)")
+    try:
+        LlavaVision(cfg)  # the vision side checked before anything starts
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    mc.architecture, mc.raw = arch, cfg
+    return mc
+
+
 def read_json(file: str) -> dict[str, Any]:
     try:
         with open(file) as f:
@@ -161,7 +187,7 @@ def _architecture(cfg: dict[str, Any], source: str) -> str:
         return MODEL_TYPES[cfg["model_type"]]
     kind = ""
     if "vision_config" in cfg or "text_config" in cfg:
-        kind = " (a multimodal model: plait runs text-only decoders)"
+        kind = " (a multimodal model: plait runs text-only decoders and LLaVA-1.5-style CLIP + Llama models)"
     elif cfg.get("num_local_experts") or cfg.get("num_experts"):
         kind = " (a mixture-of-experts model: plait runs dense decoders)"
     found = archs or (f"model_type {cfg['model_type']!r}" if cfg.get("model_type") else "no architectures")

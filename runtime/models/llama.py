@@ -257,6 +257,10 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    def text_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        """The decoder's parameters, which `load_weights` fills and checks (a VLM's tower loads apart)."""
+        return self.named_parameters()
+
     def checkpoint_read(self, name: str) -> Optional[CheckpointRead]:
         """What this rank reads of checkpoint tensor `name`: its slice and local name, or None (see
         models/parallel.py). The loader reads only that; `load_weights` then takes it by its local name."""
@@ -265,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up into one matrix each. Split over ranks, the
         tensors are this rank's slices under their local names (`checkpoint_read`)."""
-        params = dict(self.named_parameters())
+        params = dict(self.text_parameters())
         cfg = self.config
         hs = shard_heads(cfg, self.parallel.tp)  # this rank's heads and MLP columns
         q, kv = hs.num_heads * cfg.head_dim, hs.num_kv_heads * cfg.head_dim

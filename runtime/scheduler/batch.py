@@ -14,7 +14,7 @@ from ..forward_batch import ForwardMode
 from ..request import Req
 from ..speculative.tree import DraftTree
 from ..speculative.verify_step import build_verify_step
-from ..step import LogprobRow, StepInput
+from ..step import ImageRows, LogprobRow, StepInput
 
 
 @dataclass
@@ -253,6 +253,8 @@ class ScheduleBatch:
                 step.logprob_rows.append(
                     LogprobRow(i, offset + ext - 1, len(r.origin_input_ids), 0, r.top_logprobs_num, next_token=True)
                 )
+            if r.images:
+                step.images.extend(_image_rows(r, pre, ext, offset))
             offset += ext
         return step
 
@@ -262,6 +264,17 @@ def _table_rows(reqs: list[Req]) -> list[int]:
     rows = [r.req_pool_idx for r in reqs]
     assert None not in rows, "a request in a batch holds a req_to_token row"
     return cast(list[int], rows)
+
+
+def _image_rows(r: Req, pre: int, ext: int, offset: int) -> list[ImageRows]:
+    """The image tokens among a request's new prompt positions [pre, pre + ext), whose first is row
+    `offset` of the step: a chunk may hold part of an image (the rest was cached, or comes next chunk)."""
+    rows = []
+    for image in r.images:
+        first, end = max(image.offset, pre), min(image.offset + image.length, pre + ext)
+        if first < end:
+            rows.append(ImageRows(offset + first - pre, first - image.offset, end - first, image.pixels, image.hash))
+    return rows
 
 
 def _last_token(r: Req) -> int:

@@ -71,8 +71,8 @@ _SCALAR_TYPE_NAMES = ("str", "int", "float", "bool", "dict")
 
 
 def _is_union_member(part: str) -> bool:
-    """Union members show up in an error's loc as type names ("str", "list[int]")."""
-    return any(ch in part for ch in "[]") or part in _SCALAR_TYPE_NAMES
+    """Union members show up in an error's loc as type names ("str", "list[int]", a content part's class)."""
+    return any(ch in part for ch in "[]") or part in _SCALAR_TYPE_NAMES or part.endswith("ContentPart")
 
 
 def _loc(error: dict[str, Any]) -> list[str]:

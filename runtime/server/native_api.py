@@ -137,6 +137,14 @@ def _per_item(value: Any, i: int, batch: int, is_batch: bool, name: str) -> Any:
     return value
 
 
+def _images_for(image_data: Any, i: int, is_batch: bool, ctx: ServerContext) -> Any:
+    """Batch item i's images, refused up front (named by param) on a model that takes none."""
+    manager = getattr(ctx.engine, "tokenizer_manager", None)
+    if getattr(manager, "images", None) is None:
+        raise APIError(400, "image_data: this model takes no images (a text-only model)", param="image_data")
+    return image_data[i] if is_batch else image_data
+
+
 def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[str, Any]]]:
     """Engine calls for one /generate body: one run of n samples per batch item, each its own rid."""
     batch, is_batch = body.batch_size, body.is_batch
@@ -155,6 +163,8 @@ def native_calls(body: GenerateRequest, ctx: ServerContext) -> list[list[dict[st
             ids = body.input_ids[i] if is_batch else body.input_ids
             check_prompt_ids(ids, ctx, "input_ids")  # type: ignore[arg-type]
             base["input_ids"] = ids
+        if body.image_data is not None:
+            base["image_data"] = _images_for(body.image_data, i, is_batch, ctx)
         sp = verified_sampling_params(_per_item(body.sampling_params, i, batch, is_batch, "sampling_params"), ctx)
         fields = {
             name: _per_item(getattr(body, name), i, batch, is_batch, name)

@@ -65,7 +65,7 @@ class ScriptedEngine:
                 )
             )
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, options=None):
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, options=None, image_data=None):
         """Engine.generate as the DSL calls it: one SamplingParams and one RequestOptions; n > 1 gives a list."""
         assert isinstance(sampling_params, SamplingParams) and isinstance(options, RequestOptions)
         self._record(prompt, sampling_params, input_ids, options, False)
@@ -77,7 +77,7 @@ class ScriptedEngine:
             return [self._one(prompt, input_ids, sampling_params, options) for _ in range(sampling_params.n)]
         return self._one(prompt, input_ids, sampling_params, options)
 
-    def stream_deltas(self, prompt=None, sampling_params=None, input_ids=None, options=None):
+    def stream_deltas(self, prompt=None, sampling_params=None, input_ids=None, options=None, image_data=None):
         """Engine.stream_deltas: a token (a character) per chunk, each chunk only the new text."""
         self._record(prompt, sampling_params, input_ids, options, True)
         result = self._one(prompt, input_ids, sampling_params, options)

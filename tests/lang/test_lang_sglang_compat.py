@@ -43,12 +43,17 @@ def test_sglang_module_paths_name_plaits_own_objects():
     assert sgl.__version__ == importlib.metadata.version("plait")
 
 
-def test_images_fail_at_once_naming_the_issue():
+def test_image_and_video_expressions_and_load_image(tmp_path):
     from plait.srt.utils import load_image
 
-    for call in (lambda: load_image("cat.png"), lambda: sgl.image("cat.png"), lambda: sgl.video("a.mp4", 4)):
-        with pytest.raises(NotImplementedError, match=r"text-only.*plait issue 37"):
-            call()
+    with pytest.raises(ValueError, match="no such file"):
+        load_image("cat.png")
+    with pytest.raises(ValueError, match="no network"):
+        load_image("https://example.com/cat.png")
+    assert repr(sgl.image("cat.png")) == "Image('cat.png')"
+    assert repr(sgl.video("a.mp4", 4)) == "Video('a.mp4', 4)"  # frames are read when the program runs
+    with pytest.raises(ValueError, match="positive num_frames"):
+        sgl.video("a.mp4", 0)
 
 
 def test_sglangs_named_chat_templates():

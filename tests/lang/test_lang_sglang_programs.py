@@ -34,12 +34,12 @@ def image_qa(s, image_file, question):
     s += sgl.assistant(sgl.gen("answer", max_tokens=4))
 
 
-def test_image_program_raises_from_run(runtime):
-    # It used to return a state whose text stopped at the user turn, the error only in state.error().
-    with pytest.raises(NotImplementedError, match=r"image\(\) is not supported.*text-only"):
-        image_qa.run(image_file="example_image.png", question="What is in the image?")
-    with pytest.raises(NotImplementedError, match="video"):
-        sgl.video("clip.mp4", num_frames=4)
+def test_image_program_on_a_text_model_says_why(runtime):
+    # (image programs on a vision model: tests/lang/test_lang_images.py)
+    state = image_qa.run(image_file="example_image.png", question="What is in the image?")
+    with pytest.raises(RuntimeError) as info:
+        state["answer"]
+    assert "this model takes no images" in str(info.value.__cause__ or info.value)
 
 
 @sgl.function

@@ -23,7 +23,10 @@ def write_config(folder, **config) -> str:
     return str(folder)
 
 
-SUPPORTED = r".*plait supports \['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"
+SUPPORTED = (
+    r".*plait supports \['LlamaForCausalLM', 'LlavaForConditionalGeneration', 'MistralForCausalLM', "
+    r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"
+)
 BAD_CONFIGS = {
     "gpt2": (
         dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=64),
@@ -34,9 +37,21 @@ BAD_CONFIGS = {
         dict(architectures=["MixtralForCausalLM"], num_local_experts=8, **SHAPE),
         r"\['MixtralForCausalLM'\].*mixture-of-experts" + SUPPORTED,
     ),
-    "llava": (
-        dict(architectures=["LlavaForConditionalGeneration"], text_config={}, vision_config={}),
-        r"\['LlavaForConditionalGeneration'\].*multimodal" + SUPPORTED,
+    "qwen2-vl": (
+        dict(architectures=["Qwen2VLForConditionalGeneration"], text_config={}, vision_config={}),
+        r"\['Qwen2VLForConditionalGeneration'\].*multimodal" + SUPPORTED,
+    ),
+    "llava-siglip": (
+        dict(
+            architectures=["LlavaForConditionalGeneration"],
+            text_config=dict(model_type="llama", **SHAPE),
+            vision_config=dict(model_type="siglip_vision_model"),
+        ),
+        r"vision tower 'siglip_vision_model' is not supported; plait runs CLIP towers",
+    ),
+    "llava-qwen2": (
+        dict(architectures=["LlavaForConditionalGeneration"], text_config=dict(model_type="qwen2", **SHAPE)),
+        r"a LlavaForConditionalGeneration over a 'qwen2' decoder is not supported",
     ),
     "missing-key": (
         dict(architectures=["LlamaForCausalLM"], hidden_size=64),

@@ -346,7 +346,7 @@ BAD_REQUESTS = [
         "mutually exclusive",
     ),
     ("/generate", {"text": "hi", "temperature": 0}, 400, "temperature", "send it inside sampling_params"),
-    ("/generate", {"text": "hi", "image_data": "x.png"}, 400, "image_data", "plait serves text-only models"),
+    ("/generate", {"text": "hi", "image_data": "x.png"}, 400, "image_data", "takes no images"),
     ("/generate", {"input_ids": [1, 49152]}, 400, "input_ids", "49152"),
     ("/generate", {"input_ids": TOO_LONG_IDS}, 400, "input_ids", "too long"),
     ("/generate", {"text": "word " * 9000}, 400, None, "too long"),

@@ -155,9 +155,10 @@ def test_native_text_xor_input_ids_and_features_that_would_change_the_answer():
     assert "exactly one of" in msg
     # SGLang's bench sends lora_path=None: accepted; a real value is refused by name.
     assert reviewed(GenerateRequest, {"text": "a", "lora_path": None, "image_data": []}, NATIVE).ignored_fields is None
-    error = review_error(GenerateRequest, {"text": "a", "image_data": "x.png"}, NATIVE)
-    assert "'image_data' is not supported by plait: plait serves text-only models" in error.message
-    assert error.param == "image_data"
+    assert reviewed(GenerateRequest, {"text": "a", "image_data": "x.png"}, NATIVE).ignored_fields is None  # (a VLM's)
+    error = review_error(GenerateRequest, {"text": "a", "video_data": "x.mp4"}, NATIVE)
+    assert "'video_data' is not supported by plait: plait's vision models take images only" in error.message
+    assert error.param == "video_data"
     error = review_error(
         ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, CHAT
     )

@@ -193,7 +193,7 @@ REFUSED = [
             ]
         ),
         "messages",
-        "type 'image_url' are not supported",
+        "takes no images",
     ),
     (
         "/v1/chat/completions",

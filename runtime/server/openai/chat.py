@@ -90,7 +90,28 @@ async def chat_runs(
     forced = call_schema(req)
     if forced is not None:  # tool_choice required / named: constrained decoding makes the calls
         params["json_schema"] = json.dumps(forced)
-    return engine_calls(req, [{"input_ids": ids}], params, ctx, logprob_args), plan_for(req), ids
+    prompt: dict[str, Any] = {"input_ids": ids}
+    images = [url for m in req.messages for url in m.image_urls()]
+    if images:
+        prompt["image_data"] = checked_image_urls(images, ctx)
+    return engine_calls(req, [prompt], params, ctx, logprob_args), plan_for(req), ids
+
+
+def checked_image_urls(urls: list[str], ctx: ServerContext) -> list[str]:
+    """A chat request's image_url parts, refused up front (400, param messages) where they cannot be used:
+    a model that takes no images, a URL to fetch (no network). The images themselves are read by the Engine."""
+    manager = getattr(ctx.engine, "tokenizer_manager", None)
+    if getattr(manager, "images", None) is None:
+        raise APIError(400, "image_url content parts: this model takes no images (a text-only model)", param="messages")
+    for url in urls:
+        if url[:8].lower().startswith(("http://", "https://")):
+            raise APIError(
+                400,
+                f"image_url {url[:60]!r}: plait has no network access to fetch images; send the image "
+                f"inline as a data: URL (data:image/png;base64,...)",
+                param="messages",
+            )
+    return urls
 
 
 @router.post("/chat/completions")

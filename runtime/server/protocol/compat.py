@@ -69,7 +69,7 @@ Json = Any
 _NO_MOE = "plait serves dense models: there are no routed experts to report"
 _ONE_RANK = "plait runs one data-parallel rank"
 _NO_PD = "plait does not run prefill/decode disaggregation"
-_NO_MM = "plait serves text-only models"
+_NO_MM = "plait's vision models take images only (image_data, image_url parts), no video or audio fields"
 _NO_LORA = "plait names LoRA adapters by lora_path (their names)"
 _NO_REASONING = "plait has no reasoning parser: a reasoning model's thinking stays in the content"
 _CACHE_KEY = (
@@ -152,7 +152,6 @@ FIELDS: dict[str, CompatField] = {
     "return_prompt_text": _ignored(OPENAI, bool, _EXTRA_OUTPUT),
     "return_mm_kwargs": _ignored(OPENAI, bool, _EXTRA_OUTPUT, off=(None, True, False)),
     # ---- features that change the answer: accepted only off
-    "image_data": _refused((NATIVE,), Json, _NO_MM),
     "video_data": _refused((NATIVE,), Json, _NO_MM),
     "audio_data": _refused((NATIVE,), Json, _NO_MM),
     "modalities": _refused(EVERY_API, list[Optional[str]], _NO_MM, off=_OFF + (["text"],)),

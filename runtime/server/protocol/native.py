@@ -30,6 +30,9 @@ class GenerateRequest(compat_model(NATIVE)):  # type: ignore[misc]
     priority: Optional[int] = None  # lower first among waiting requests (vLLM's convention)
     lora_path: Optional[Union[str, list[Optional[str]]]] = None  # a LoRA adapter's name (per prompt in a batch)
     cache_salt: Optional[str] = None  # vLLM's: requests of different salts share no cached prefix
+    # A vision model's images (one prompt: an image or a list; a batch: that per prompt), each a file
+    # path, a data: URL or base64 (URLs are refused: no network).
+    image_data: Optional[Union[str, list[Any]]] = None
     stream: bool = False
     log_metrics: bool = True
     # plait's program hint: requests of one program (and its forks) share a group id, which the

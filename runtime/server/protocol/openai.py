@@ -200,10 +200,25 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    model_config = _STRICT
+    url: str  # a data: URL (base64); http(s) URLs are refused (the runtime has no network)
+    detail: Optional[Literal["auto", "low", "high"]] = None  # accepted; a LLaVA image is one size
+
+
+class ImageContentPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+IMAGE_PLACEHOLDER = "<image>"  # an image part in a message's text (the engine expands it to the image's tokens)
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextContentPart]]] = None
+    content: Optional[Union[str, list[Union[TextContentPart, ImageContentPart]]]] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
     # What the openai client's `message.model_dump()` puts into a history (assistant turns). The legacy
@@ -219,7 +234,7 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
+    def _text_and_image_parts(cls, content: Any) -> Any:
         """Name the problem with a content part instead of pydantic's union noise."""
         if content is None or isinstance(content, str):
             return content
@@ -229,10 +244,10 @@ class ChatMessage(BaseModel):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind is None:
                 raise ValueError("each content part must be an object with a 'type'")
-            if kind != "text":
+            if kind not in ("text", "image_url"):
                 raise ValueError(
-                    f"content parts of type '{kind}' are not supported (plait serves text-only "
-                    "models): send parts of type 'text'"
+                    f"content parts of type '{kind}' are not supported (plait's vision models take "
+                    "images): send parts of type 'text' or 'image_url'"
                 )
         return content
 
@@ -252,7 +267,13 @@ class ChatMessage(BaseModel):
             return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextContentPart) else IMAGE_PLACEHOLDER for part in self.content)
+
+    def image_urls(self) -> list[str]:
+        """The message's images, in order (each where `text()` puts IMAGE_PLACEHOLDER)."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImageContentPart)]
 
 
 # The "off" values of the legacy function-calling fields (refused otherwise: send tools).

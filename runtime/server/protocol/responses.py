@@ -38,7 +38,10 @@ class MessageItem(BaseModel):
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in ("input_image", "input_file", "input_audio"):
-                raise ValueError(f"content parts of type '{kind}' are not supported (plait serves text-only models)")
+                raise ValueError(
+                    f"content parts of type '{kind}' are not supported on /v1/responses (images: send them to "
+                    "/v1/chat/completions as image_url parts)"
+                )
             if kind == "refusal":
                 part["type"], part["text"] = "output_text", part.get("refusal", "")
         return content
