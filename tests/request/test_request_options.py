@@ -188,7 +188,9 @@ def test_a_prompts_warnings_go_with_its_requests_not_into_the_scheduler_message(
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     (prompt,), _ = build(input_ids=[5, 6], sampling_params={"json_schema": schema, "max_new_tokens": 8, "n": 2})
     assert len(prompt.samples) == 2 and any("uniqueItems" in w for w in prompt.grammar_warnings)
-    assert {f.name for f in dataclasses.fields(TokenizedGenerateReq)} == {"input_ids", "sampling_params", "options"}
+    # The message is the prompt (its ids and a vision model's images), its sampling and its options: no warnings.
+    fields = {f.name for f in dataclasses.fields(TokenizedGenerateReq)}
+    assert fields == {"input_ids", "images", "sampling_params", "options"}
 
 
 def test_engine_batch_options_per_item_and_batch_rids():
