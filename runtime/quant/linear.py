@@ -14,10 +14,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Rows up to which int8 takes torch's packed int8 kernel (_weight_int8pack_mm: one pass over the int8
-# weight per row); above it the weight is widened to the activation dtype once and the matmul library
-# runs the batch, which beats a pass per row (benchmarks/RESULTS.md, low-precision CPU rows).
-INT8_PACKED_ROWS = 4
+# Rows up to which int8 takes torch's packed int8 kernel (_weight_int8pack_mm: its cost grows with the
+# rows); above it the weight is widened to the activation dtype once per call and the matmul library runs
+# the batch (a prefill). The kernel is fast with bf16 activations only (float32 ones take a slow path), so
+# x goes in as bf16 whatever the model's dtype (benchmarks/RESULTS.md, low-precision CPU rows).
+INT8_PACKED_ROWS = 16
 # int4: the weight quantized per group of this many input columns (asymmetric: scale and zero point),
 # which keeps 4 bits accurate where one scale per row would not.
 INT4_GROUP_SIZE = 32
@@ -56,21 +57,23 @@ class Int8Linear(QuantizedLinear):
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # (N,)
         codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)  # (N, K)
         self.weight = nn.Parameter(codes, requires_grad=False)
-        self.scales = nn.Parameter(scales.to(dtype), requires_grad=False)  # (N,) in the activation dtype
+        self.dtype = dtype
+        self.scales = nn.Parameter(scales.to(torch.bfloat16), requires_grad=False)  # (N,): the kernel's dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight.to(self.scales.dtype) * self.scales[:, None]  # (N, K)
+        return self.weight.to(self.dtype) * self.scales.to(self.dtype)[:, None]  # (N, K)
 
     def linear(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)  # (M, K)
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
         if x2.shape[0] <= INT8_PACKED_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales)  # (M, N)
+            xb = x2.to(torch.bfloat16).contiguous()
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales).to(x.dtype)  # (M, N)
             if self.bias is not None:
                 y = y + self.bias
         else:
-            y = F.linear(x2, self.dequantized(), self.bias)  # (M, N)
+            y = F.linear(x2.to(self.dtype), self.dequantized(), self.bias)  # (M, N)
         y = y.reshape(*lead, self.out_features)
         return y if out_dtype is None else y.to(out_dtype)
 
