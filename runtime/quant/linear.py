@@ -58,18 +58,20 @@ class Int8Linear(QuantizedLinear):
         codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)  # (N, K)
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.dtype = dtype
-        self.scales = nn.Parameter(scales.to(torch.bfloat16), requires_grad=False)  # (N,): the kernel's dtype
+        # NOTE: the scales kept in float32 too: rounded to bf16 they cost a float32 model accuracy.
+        self.scales = nn.Parameter(scales.to(dtype), requires_grad=False)  # (N,) in the activation dtype
+        self.kernel_scales = nn.Parameter(scales.to(torch.bfloat16), requires_grad=False)  # (N,): the kernel's
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight.to(self.dtype) * self.scales.to(self.dtype)[:, None]  # (N, K)
+        return self.weight.to(self.dtype) * self.scales[:, None]  # (N, K)
 
     def linear(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if x2.shape[0] <= INT8_PACKED_ROWS:
             xb = x2.to(torch.bfloat16).contiguous()
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales).to(x.dtype)  # (M, N)
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.kernel_scales).to(x.dtype)  # (M, N)
             if self.bias is not None:
                 y = y + self.bias
         else:
