@@ -170,6 +170,8 @@ class SchedulerInfo:
     dtype: str
     attention_backend: str
     eos_token_ids: list[int]
+    quantization: str = "none"  # the weights' quantization ("int8", "int4", "none")
+    cpu_features: list[str] = field(default_factory=list)  # the CPU's low-precision features, on the CPU
     # time.time() when each part of the scheduler process's start-up was done: "imported" (torch and the
     # scheduler's modules), "model" (built, weights in), "tokenizer" (loaded beside the model), "ready".
     startup_marks: dict[str, float] = field(default_factory=dict)

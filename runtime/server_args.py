@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .setting_values import check_lora_settings, parse_origins
+from .setting_values import check_lora_settings, check_quantization, parse_origins
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
@@ -31,6 +31,9 @@ class ServerArgs:
     tokenizer_path: Optional[str] = None
     load_format: str = "auto"
     dtype: str = "auto"
+    # Weight-only quantization of the linear layers on the CPU (runtime/quant/): "int8" (per output
+    # channel), "int4" (per group of 32 columns); None keeps the weights in `dtype`.
+    quantization: Optional[str] = None
     device: str = "auto"
     context_length: Optional[int] = None
     served_model_name: Optional[str] = None
@@ -194,6 +197,7 @@ class ServerArgs:
         self._check_speculative()
         self._check_kv_events()
         check_lora_settings(self)
+        check_quantization(self)
         from .kvcache.hicache_args import check_hierarchical_cache  # (kvcache's, torch-free)
 
         check_hierarchical_cache(self)

@@ -1,5 +1,6 @@
 """Settings given as lists, parsed and checked for ServerArgs: the CORS origins (`allowed_origins`) and the
-LoRA settings (`lora_paths` as name=path pairs, ranks, slots). Apart from server_args.py, which holds the
+LoRA settings (`lora_paths` as name=path pairs, ranks, slots); `quantization` against the settings it
+cannot go with. Apart from server_args.py, which holds the
 fields themselves."""
 
 from __future__ import annotations
@@ -70,3 +71,26 @@ def check_lora_settings(sa: Any) -> None:
             raise ValueError(
                 f"LoRA adapters (enable_lora / lora_paths) do not run with {name}={getattr(sa, name)!r} yet"
             )
+
+
+# `quantization`'s names (runtime/quant/apply.py builds their layers).
+QUANTIZATIONS = ("int8", "int4")
+
+
+def check_quantization(sa: Any) -> None:
+    """ValueError for a `quantization` that is unknown or cannot run with the other settings: its kernels
+    are torch's CPU ones, for one whole model in float32 or bfloat16 activations."""
+    method = sa.quantization
+    if method is None:
+        return
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} (or None: off), got {method!r}")
+    if sa.device == "cuda":
+        raise ValueError(
+            f"quantization={method} runs on the CPU only (torch's packed CPU kernels); on a GPU leave it "
+            "unset (bf16 weights)"
+        )
+    if sa.dtype == "float16":
+        raise ValueError(f"quantization={method} keeps activations in float32 or bfloat16; got dtype float16")
+    if sa.tp_size * sa.pp_size > 1:
+        raise ValueError(f"quantization={method} quantizes one whole model: tp_size and pp_size must be 1")

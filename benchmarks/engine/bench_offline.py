@@ -1,6 +1,7 @@
 """Offline throughput: the plait Engine against transformers `generate`, measured in one run.
 
-CPU (default when there is no GPU): the embedded default model (SmolLM2-135M-Instruct, float32);
+CPU (default when there is no GPU): the embedded default model (SmolLM2-135M-Instruct, in each `--precision`:
+the engine's default, float32, bfloat16, int8, int4, bf16-int8; interleaved over `--rounds`);
 32 prompts of 8-400 words; 64 new tokens each (EOS ignored so both sides produce exactly as many);
 transformers runs the same prompts batched with left padding.
 
@@ -9,6 +10,7 @@ of shared/bench/workload.py (`--workload offline|batch64|single`), against trans
 on a static batch of the same shape, and against a memory-bandwidth roofline measured in the same run.
 
     python benchmarks/engine/bench_offline.py                       # CPU, default model
+    python benchmarks/engine/bench_offline.py --precision float32 --precision bfloat16 --precision int8 --rounds 2
     python benchmarks/engine/bench_offline.py --model llama-3.1-8b --workload offline
 """
 
@@ -55,26 +57,40 @@ def run_cpu(args) -> dict:
     prompts = cpu_prompts(args.num_prompts)
     ids = [tok.encode(p) for p in prompts]
     n_out = args.output_len
+    precisions = args.precision or ["default"]
     result = {
         "bench": "offline-cpu",
-        "model": "SmolLM2-135M-Instruct (float32)",
+        "model": "SmolLM2-135M-Instruct",
         "num_prompts": len(ids),
         "input_tokens": sum(map(len, ids)),
         "output_len": n_out,
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
     }
 
-    with Engine(model_path=path) as eng:
-        eng.generate(input_ids=ids[:2], sampling_params={"max_new_tokens": 4, "temperature": 0})  # warm-up
-        eng.flush_cache()
-        t = time.perf_counter()
-        outs = eng.generate(
-            input_ids=ids, sampling_params={"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True}
-        )
-        dt = time.perf_counter() - t
-    got = sum(len(o["output_ids"]) for o in outs)
-    result["plait"] = {"seconds": dt, "output_tokens": got, "output_tok_s": got / dt}
-    print(f"plait        {got} tokens in {dt:.1f} s: {got / dt:.1f} output tok/s")
+    # Each precision once per round, the rounds interleaved, so a machine's load drifting (shared cores)
+    # touches every precision alike; each one's best round is reported.
+    runs: dict[str, list[dict]] = {p: [] for p in precisions}
+    for _ in range(args.rounds):
+        for precision in precisions:
+            with Engine(model_path=path, **PRECISIONS[precision]) as eng:
+                info = eng.get_server_info()
+                eng.generate(input_ids=ids[:2], sampling_params={"max_new_tokens": 4, "temperature": 0})  # warm-up
+                eng.flush_cache()
+                t = time.perf_counter()
+                outs = eng.generate(
+                    input_ids=ids, sampling_params={"max_new_tokens": n_out, "temperature": 0, "ignore_eos": True}
+                )
+                dt = time.perf_counter() - t
+            got = sum(len(o["output_ids"]) for o in outs)
+            runs[precision].append({"seconds": dt, "output_tokens": got, "output_tok_s": got / dt})
+            print(
+                f"plait {precision:<10} ({info['dtype']}, {info['quantization']}) {got} tokens in {dt:.1f} s: "
+                f"{got / dt:.1f} output tok/s"
+            )
+    result["cpu_features"] = info["cpu_features"]
+    result["plait_by_precision"] = {p: max(r, key=lambda x: x["output_tok_s"]) for p, r in runs.items()}
+    result["plait"] = result["plait_by_precision"][precisions[0]]
 
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     tok.padding_side = "left"
@@ -94,8 +110,35 @@ def run_cpu(args) -> dict:
     result["transformers"] = {"seconds": dt, "output_tokens": got, "output_tok_s": got / dt}
     print(f"transformers {got} tokens in {dt:.1f} s: {got / dt:.1f} output tok/s")
     result["speedup"] = result["plait"]["output_tok_s"] / result["transformers"]["output_tok_s"]
-    print(f"plait / transformers: {result['speedup']:.2f}x")
+    for precision, best in result["plait_by_precision"].items():
+        best["speedup"] = best["output_tok_s"] / result["transformers"]["output_tok_s"]
+        print(f"plait {precision} / transformers (float32): {best['speedup']:.2f}x")
     return result
+
+
+# --precision: the Engine's settings for each name (runtime/quant/ for int8 / int4).
+PRECISIONS = {
+    "default": {},
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+    "bf16-int8": {"dtype": "bfloat16", "quantization": "int8"},
+}
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (benchmarks/RESULTS.md names the machine of each row)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -255,6 +298,13 @@ def main() -> None:
         help="any other ServerArgs field for the Engine (GPU), e.g. --engine-arg chunked_prefill_size=4096",
     )
     p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument(
+        "--precision",
+        action="append",
+        choices=sorted(PRECISIONS),
+        help="CPU: the Engine's weight precision, repeatable (each measured; the first one is `plait`)",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="CPU: rounds over the precisions, interleaved")
     args = p.parse_args()
     if args.model is None:
         res = run_cpu(args)

@@ -25,6 +25,8 @@ from ..lora.slots import LoraSlots
 from ..models.config import ModelConfig
 from ..models.llama import LlamaForCausalLM
 from ..models.parallel import ModelParallel, shard_heads
+from ..quant.apply import quantize_linears
+from ..quant.cpu_features import check_cpu_precision, cpu_features
 from ..server_args import ServerArgs
 from ..step import StepInput, StepOutput
 from .cuda_graphs import CudaGraphRunner
@@ -73,6 +75,9 @@ class ModelRunner:
         dtype = sa.resolved_dtype(cfg.checkpoint_dtype)
         context_len = cfg.resolve_context_length(sa.context_length)
         model = load_model(model_path, cfg, sa.load_format, dtype, device, context_len, sa.random_seed, parallel)
+        check_cpu_precision(sa.quantization, dtype, device)
+        if sa.quantization is not None:
+            quantize_linears(model, sa.quantization, dtype)  # int8 / int4 weights (runtime/quant/)
         # LoRA adapters' device slots (with enable_lora), before the KV pool takes what memory is left.
         self.lora = LoraSlots.for_server(sa, LoraShapes.of(cfg), dtype, device)
 
@@ -105,6 +110,8 @@ class ModelRunner:
             tp_size=parallel.tp.size,
             kv_cache_bytes=kv_pool.nbytes(),
             weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+            quantization=sa.quantization or "none",
+            cpu_features=tuple(cpu_features().describe()) if device == "cpu" else (),
         )
 
         # The attention backend, and the parts a step runs through.

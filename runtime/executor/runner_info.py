@@ -29,6 +29,8 @@ class RunnerInfo:
     # Device memory held (get_stats reports them): the KV cache's and the weights' (one rank's shard).
     kv_cache_bytes: int = 0
     weight_bytes: int = 0
+    quantization: str = "none"  # the linear layers' weights: "int8", "int4" or "none" (in `dtype`)
+    cpu_features: tuple[str, ...] = ()  # on the CPU: its low-precision features (quant/cpu_features.py)
 
     def __post_init__(self) -> None:
         if min(self.context_len, self.vocab_size, self.max_total_tokens, self.max_running_requests) <= 0:

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernel_choices import current as kernel_choices
+from ..quant.linear import QuantizedLinear
 
 
 def _kernels():
@@ -66,6 +67,11 @@ def skinny_linear(
     `out` ((*x.shape[:-1], N); its dtype is the output dtype): the result is written there and returned,
     at no extra pass: the Triton matmuls write it directly, the matmul library's bf16 result is cast
     into it (the cast the path without `out` makes anyway). A CUDA graph's shared logits buffer."""
+    if isinstance(layer, QuantizedLinear):  # low-precision weights on the CPU (runtime/quant/)
+        if out is None:
+            return layer.linear(x, out_dtype)
+        _check_linear_out(out, x, layer.weight, out_dtype)  # (its codes: N rows, whatever the packing)
+        return out.copy_(layer.linear(x, out_dtype))
     bias, weight = getattr(layer, "bias", None), layer.weight
     if out is not None:
         _check_linear_out(out, x, weight, out_dtype)
@@ -94,6 +100,14 @@ def skinny_linear(
         # No cast to make: the matmul F.linear runs for 2-D input, writing `out` itself.
         return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
     return out.copy_(F.linear(x, weight, bias))
+
+
+def weight_rows(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (n,) of a linear layer's or an embedding's (vocab, hidden) weight -> (n, hidden), in the
+    activation dtype (a quantized layer's rows widened)."""
+    if isinstance(layer, QuantizedLinear):
+        return layer.rows(ids)
+    return layer.weight.index_select(0, ids)
 
 
 def share_split_k_workspace(model: nn.Module) -> None:

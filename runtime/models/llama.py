@@ -30,6 +30,7 @@ from .layers import (
     row_linear,
     silu_linear,
     skinny_linear,
+    weight_rows,
 )
 from .parallel import (
     ONE_RANK,
@@ -225,8 +226,8 @@ class LlamaForCausalLM(nn.Module):
     def token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """One row's logits at `token_ids` (n,) alone: (n,) float32 from its hidden state (hidden,), through
         the LM head's rows for those tokens (one device: the whole vocabulary's rows are here at tp 1)."""
-        weight = self._head().weight  # (vocab, hidden)
-        return (weight.index_select(0, token_ids) @ hidden.to(weight.dtype)).float()  # (n,)
+        rows = weight_rows(self._head(), token_ids)  # (n, hidden)
+        return (rows @ hidden.to(rows.dtype)).float()  # (n,)
 
     def forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, out: Optional[torch.Tensor] = None

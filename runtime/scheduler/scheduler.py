@@ -196,6 +196,8 @@ class Scheduler:
             dtype=str(r.dtype).replace("torch.", ""),
             attention_backend=r.attention_backend,
             eos_token_ids=list(self.eos_token_ids),
+            quantization=r.quantization,
+            cpu_features=list(r.cpu_features),
             startup_marks=dict(self.startup_marks),
         )
 

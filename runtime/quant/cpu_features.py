@@ -1,0 +1,67 @@
+"""What this CPU's instruction set offers low-precision matmuls, read from /proc/cpuinfo and torch: never
+assumed (plait's developers run both AMD EPYC with AVX512-BF16/VNNI and Intel Xeon with AMX)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# The /proc/cpuinfo flags that matter here: bf16 dot products (AVX512-BF16), matrix tiles (AMX), int8 dot
+# products (VNNI).
+_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "avx512_vnni", "avx_vnni")
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    flags: tuple[str, ...]  # those of _FLAGS the CPU reports, in _FLAGS order
+    torch_capability: str  # torch.backends.cpu.get_cpu_capability(): the kernels ATen dispatches to
+
+    @property
+    def fast_bf16(self) -> bool:
+        """Whether bf16 matmuls run in hardware (AVX512-BF16 or AMX) rather than widened to float32."""
+        return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+    def describe(self) -> list[str]:
+        """The flags and torch's capability, as /get_server_info reports them."""
+        return [*self.flags, f"torch:{self.torch_capability}"]
+
+
+def parse_cpuinfo_flags(text: str) -> tuple[str, ...]:
+    """Those of _FLAGS in the first "flags" line of a /proc/cpuinfo text (every core reports the same)."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            present = set(value.split())
+            return tuple(f for f in _FLAGS if f in present)
+    return ()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> CpuFeatures:
+    """This machine's features (read once: they do not change while a process runs)."""
+    import torch
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = parse_cpuinfo_flags(f.read())
+    except OSError:  # not Linux: only torch's view is known
+        flags = ()
+    return CpuFeatures(flags, torch.backends.cpu.get_cpu_capability())
+
+
+def check_cpu_precision(quantization, dtype, device: str) -> None:
+    """The weights' precision against the device it resolved to: quantization is the CPU's (ValueError on
+    a GPU), and bfloat16 on a CPU without AVX512-BF16 or AMX is allowed but warned of (widened to float32
+    in software, it is slower than float32)."""
+    import torch
+
+    if quantization is not None and device != "cpu":
+        raise ValueError(f"quantization={quantization} runs on the CPU only; this engine resolved device {device}")
+    if device == "cpu" and dtype == torch.bfloat16 and not cpu_features().fast_bf16:
+        logger.warning(
+            "dtype bfloat16 on a CPU without AVX512-BF16 or AMX (flags: %s): expect it slower than float32",
+            " ".join(cpu_features().flags) or "none",
+        )
