@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import threading
@@ -42,9 +41,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import paper_workloads as pw  # noqa: E402
-from bench_common import save  # noqa: E402
-
 import plait as sgl  # noqa: E402
+from bench_common import save  # noqa: E402
 from plait.backend.openai_backend import OpenAI  # noqa: E402
 
 DRIVERS = ("dsl-hints", "dsl-nohints", "http-plait", "http-vllm")
@@ -222,7 +220,9 @@ def run_drivers(args: argparse.Namespace, workloads: list[pw.Workload], drivers:
                 if runtime is not None:
                     runtime.endpoint.program_hints = driver == "dsl-hints"
                 backend = backends[driver]
-                row = run_workload(workload, driver, backend, runtime if driver.startswith("dsl") else None, args.parallel)
+                row = run_workload(
+                    workload, driver, backend, runtime if driver.startswith("dsl") else None, args.parallel
+                )
                 share = "n/a" if row.cached_share is None else f"{100 * row.cached_share:.0f}%"
                 print(
                     f"{workload.name:10s} {driver:11s} {row.wall_s:7.2f}s {row.programs_per_s:8.2f} prog/s "
@@ -238,7 +238,9 @@ def run_drivers(args: argparse.Namespace, workloads: list[pw.Workload], drivers:
 
 def print_table(rows: list[Row], baseline: str, peer: Optional[str]) -> None:
     print(f"\n({FIXED_LENGTHS}; accuracy is 0.0-ish on dummy weights)")
-    print("| workload | driver | programs | wall s | programs/s | out tok/s | latency mean / p99 s | cached | accuracy |")
+    print(
+        "| workload | driver | programs | wall s | programs/s | out tok/s | latency mean / p99 s | cached | accuracy |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         share = "n/a" if r.cached_share is None else f"{100 * r.cached_share:.0f}%"
@@ -252,7 +254,7 @@ def print_table(rows: list[Row], baseline: str, peer: Optional[str]) -> None:
     if len(drivers) < 2:
         return
     others = [d for d in drivers if d != baseline]
-    print(f"\n| workload | " + " | ".join(f"{baseline} vs {d}" for d in others) + " |")
+    print("\n| workload | " + " | ".join(f"{baseline} vs {d}" for d in others) + " |")
     print("|---|" + "---|" * len(others))
     for name in dict.fromkeys(r.workload for r in rows):
         wall = {r.driver: r.wall_s for r in rows if r.workload == name}
@@ -292,7 +294,7 @@ def plot(rows: list[Row], path: Path) -> Optional[Path]:
     return path
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drivers", default="dsl-hints,dsl-nohints,http-plait", help=f"comma-separated, of {DRIVERS}")
     parser.add_argument("--only", default="", help=f"comma-separated workloads (default: all of {pw.NAMES})")
@@ -310,6 +312,21 @@ def main() -> None:
     parser.add_argument("--vllm-url", default="http://localhost:30200/v1")
     parser.add_argument("--tag", default="", help="suffix of the output file")
     parser.add_argument("--merge", nargs="*", default=None, help="JSON files of earlier runs: one table and plot")
+    return parser
+
+
+def select_workloads(args: argparse.Namespace) -> list[pw.Workload]:
+    workloads = pw.all_workloads(args.scale)
+    if not args.only:
+        return workloads
+    wanted = args.only.split(",")
+    if set(wanted) - set(pw.NAMES):
+        raise SystemExit(f"unknown workload(s) {sorted(set(wanted) - set(pw.NAMES))}; choose from {pw.NAMES}")
+    return [w for w in workloads if w.name in wanted]
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.merge:
         loaded = [json.loads(Path(f).read_text()) for f in args.merge]
@@ -319,12 +336,7 @@ def main() -> None:
         drivers = args.drivers.split(",")
         if not drivers or any(d not in DRIVERS for d in drivers):
             parser.error(f"--drivers takes names from {DRIVERS}, got {args.drivers!r}")
-        workloads = pw.all_workloads(args.scale)
-        if args.only:
-            wanted = args.only.split(",")
-            if set(wanted) - set(pw.NAMES):
-                parser.error(f"unknown workload(s) {sorted(set(wanted) - set(pw.NAMES))}; choose from {pw.NAMES}")
-            workloads = [w for w in workloads if w.name in wanted]
+        workloads = select_workloads(args)
         started = time.perf_counter()
         rows = run_drivers(args, workloads, drivers)
         print(f"total {time.perf_counter() - started:.0f}s")

@@ -11,10 +11,11 @@ Nine workloads, each a plait program and a deterministic synthetic batch shaped 
   json        JSON decoding: a ~3,000-token document, then five regex-constrained fields
   chat-short  multi-turn chat, 4 turns of short answers (16 tokens)
   chat-long   multi-turn chat, 4 turns of long answers (256 tokens)
-  react       ReAct agent: tool descriptions and two example runs shared, 5 steps of a thought (64
-              tokens) then a replayed observation
-  agents      generative agents: an agent's memory shared by its runs, 6 events each answered by a short
-              reaction (16 tokens) and a select over 4 places (12 short serial calls)
+  react       ReAct agent: tool descriptions and example runs shared (~1,500 tokens); 4 replayed steps,
+              each a thought generated in a fork of one (48 tokens, for the paper's stop at "Observation")
+              then the recorded thought, action and observation appended; a last thought
+  agents      generative agents: an agent's memory shared by its runs; 4 events, each through the five
+              agent functions (gens of 2, 20, 6, 5 tokens and a select over 4 areas): 20 short serial calls
 
 Fixed lengths: every free gen runs with `ignore_eos` and no stop string, so a model with dummy weights
 does the same work as a real one (the paper's stop strings, "\\n" or "Observation", are replaced by the
@@ -133,21 +134,40 @@ def chat(s, system, turns, tokens):
 
 
 @sgl.function
-def react(s, header, question, observations, tokens):
+def react(s, header, question, steps, tokens):
+    """A replayed run: each step's thought is generated in a fork of one and thrown away (a benchmark of
+    the calls, not an agent), then the recorded thought, action and observation are appended."""
     s += header + "Question: " + question + "\n"
-    for k, observation in enumerate(observations):
-        s += f"Thought {k + 1}:" + gen(f"thought{k}", tokens) + f"\nObservation {k + 1}: " + observation + "\n"
+    for k, step in enumerate(steps):
+        s += f"Thought {k + 1}:"
+        branch = s.fork(1)
+        branch[0] += gen("thought_action", tokens)
+        branch.join()
+        s += step + "\n"
+    s += f"Thought {len(steps) + 1}:" + gen("final", tokens)
 
 
-AGENT_PLACES = [" kitchen", " garden", " library", " cafe"]
+AGENT_AREAS = [" kitchen}", " garden}", " library}", " cafe}"]
+AGENT_TASKS = (  # the five agent functions that make most of the paper's calls: (instruction, tokens)
+    ("Rate the poignancy of the event from 1 to 10:", 2),
+    ("The event as (subject, predicate, object): (", 20),
+    ("The event as at most two emojis:", 6),
+    ("The area to go to next: {", 0),  # a select over AGENT_AREAS
+    ("The object to use there: {", 5),
+)
 
 
 @sgl.function
-def generative_agent(s, memory, events, tokens):
+def generative_agent(s, memory, events, scale):
     s += memory
     for k, event in enumerate(events):
-        s += "\nEvent: " + event + "\nReaction:" + gen(f"reaction{k}", tokens)
-        s += "\nNext place:" + sgl.select(f"place{k}", choices=AGENT_PLACES)
+        s += "\nEvent: " + event
+        for j, (instruction, tokens) in enumerate(AGENT_TASKS):
+            s += "\n" + instruction
+            if tokens:
+                s += gen(f"call{k}_{j}", max(1, round(tokens * scale)))
+            else:
+                s += sgl.select(f"call{k}_{j}", choices=AGENT_AREAS)
 
 
 # ---------------------------------------------------------------- batches
@@ -208,7 +228,8 @@ def json_batch(rng: random.Random, count: int, words: int) -> list[dict]:
 def react_header(rng: random.Random, words: int) -> str:
     tools = "".join(f"Tool {name}: {text(rng, words // 6)}\n" for name in ("search", "lookup", "calculate", "finish"))
     examples = "".join(
-        f"Example {k + 1}: " + text(rng, words // 6) + "\nThought 1: " + text(rng, words // 12) + "\n\n" for k in range(2)
+        f"Example {k + 1}: " + text(rng, words // 6) + "\nThought 1: " + text(rng, words // 12) + "\n\n"
+        for k in range(2)
     )
     return "Answer by thinking in steps and using the tools.\n" + tools + "\n" + examples
 
@@ -229,7 +250,9 @@ class Workload:
     def score(self, states: list[Any]) -> Optional[float]:
         if self.accuracy is None:
             return None
-        right = [0.0 if s.error() is not None else self.accuracy(s, item["_gold"]) for s, item in zip(states, self.batch)]
+        right = [
+            0.0 if s.error() is not None else self.accuracy(s, item["_gold"]) for s, item in zip(states, self.batch)
+        ]
         return sum(right) / max(1, len(right))
 
 
@@ -251,7 +274,7 @@ def all_workloads(scale: float = 1.0, seed: int = 35) -> list[Workload]:
 
     rng = random.Random(seed)
     # The tool header and agent memories are shared across programs, as in the paper's data.
-    header = react_header(rng, t(450))
+    header = react_header(rng, t(1200))
     memories = [f"You are agent {a}. Your memory:\n" + text(rng, t(600)) + "\n" for a in range(8)]
     chat_system = "You are a helpful assistant. " + text(rng, t(100))
     return [
@@ -268,22 +291,25 @@ def all_workloads(scale: float = 1.0, seed: int = 35) -> list[Workload]:
         Workload(
             "sot",
             skeleton_of_thought,
-            [
-                {"question": text(rng, t(40)), "skeleton_tokens": t(128), "point_tokens": t(256)}
-                for _ in range(n(32))
-            ],
+            [{"question": text(rng, t(40)), "skeleton_tokens": t(128), "point_tokens": t(256)} for _ in range(n(32))],
         ),
         Workload("judge", llm_judge, [{"article": text(rng, t(700)), "tokens": t(256)} for _ in range(n(32))]),
         Workload("json", json_decode, json_batch(rng, n(64), t(2300)), json_accuracy),
         Workload(
             "chat-short",
             chat,
-            [{"system": chat_system, "turns": [text(rng, t(50)) for _ in range(4)], "tokens": t(16)} for _ in range(n(64))],
+            [
+                {"system": chat_system, "turns": [text(rng, t(50)) for _ in range(4)], "tokens": t(16)}
+                for _ in range(n(64))
+            ],
         ),
         Workload(
             "chat-long",
             chat,
-            [{"system": chat_system, "turns": [text(rng, t(50)) for _ in range(4)], "tokens": t(256)} for _ in range(n(32))],
+            [
+                {"system": chat_system, "turns": [text(rng, t(50)) for _ in range(4)], "tokens": t(256)}
+                for _ in range(n(32))
+            ],
         ),
         Workload(
             "react",
@@ -292,8 +318,8 @@ def all_workloads(scale: float = 1.0, seed: int = 35) -> list[Workload]:
                 {
                     "header": header,
                     "question": text(rng, t(30)),
-                    "observations": [text(rng, t(60)) for _ in range(5)],
-                    "tokens": t(64),
+                    "steps": [text(rng, t(60)) for _ in range(4)],
+                    "tokens": t(48),
                 }
                 for _ in range(n(64))
             ],
@@ -302,7 +328,7 @@ def all_workloads(scale: float = 1.0, seed: int = 35) -> list[Workload]:
             "agents",
             generative_agent,
             [
-                {"memory": memories[i % 8], "events": [text(rng, t(20)) for _ in range(6)], "tokens": t(16)}
+                {"memory": memories[i % 8], "events": [text(rng, t(20)) for _ in range(4)], "scale": min(1.0, scale)}
                 for i in range(n(64))
             ],
         ),
