@@ -126,6 +126,26 @@ def served_model_name(base_url: str) -> str:
         return json.load(r)["data"][0]["id"]
 
 
+def flush_server(base_url: str, plait_server: bool) -> None:
+    """Empty the server's prefix cache so each run starts cold: plait's /flush_cache, vLLM's
+    /reset_prefix_cache (served with VLLM_SERVER_DEV_MODE=1). Best effort: a server without it says so once."""
+    import urllib.error
+    import urllib.request
+
+    root = base_url.rstrip("/").removesuffix("/v1")
+    path = "/flush_cache" if plait_server else "/reset_prefix_cache"
+    for _ in range(100):  # plait refuses while requests are in flight
+        try:
+            with urllib.request.urlopen(urllib.request.Request(root + path, method="POST"), timeout=60) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code in (404, 405):
+                print(f"  {root}{path}: {e.code}, runs do not start from an empty cache", flush=True)
+                return
+        time.sleep(0.1)
+
+
 def program_latency(state: Any) -> float:
     """Seconds from the program's start to the end of its last request (its run graph)."""
     ends = [
@@ -149,6 +169,7 @@ def run_workload(workload: pw.Workload, driver: str, backend: Any, runtime: Any,
             time.sleep(0.05)
         before = runtime.engine.get_stats()
     else:
+        flush_server(str(backend.client.base_url), backend.regex_key == "regex")
         backend.token_usage.reset()
     started = time.perf_counter()
     states = workload.program.run_batch(workload.arguments(), temperature=0, backend=backend, num_threads=parallel)
@@ -198,7 +219,13 @@ def make_runtime(args: argparse.Namespace) -> Any:
     return sgl.Runtime(**settings)
 
 
-def run_drivers(args: argparse.Namespace, workloads: list[pw.Workload], drivers: list[str]) -> list[Row]:
+def run_drivers(
+    args: argparse.Namespace,
+    workloads: list[pw.Workload],
+    drivers: list[str],
+    only_for: Optional[dict[str, set[str]]] = None,
+) -> list[Row]:
+    """Each workload on each driver in turn (`only_for`: a driver's workloads, where not all)."""
     needs_runtime = any(d.startswith("dsl") for d in drivers) or ("http-plait" in drivers and not args.plait_url)
     runtime = make_runtime(args) if needs_runtime else None
     rows = []
@@ -217,6 +244,8 @@ def run_drivers(args: argparse.Namespace, workloads: list[pw.Workload], drivers:
             pw.mmlu.run(examples="Warm up.", question=" Q:", backend=backends[driver], temperature=0)
         for workload in workloads:
             for driver in drivers:
+                if only_for and driver in only_for and workload.name not in only_for[driver]:
+                    continue
                 if runtime is not None:
                     runtime.endpoint.program_hints = driver == "dsl-hints"
                 backend = backends[driver]

@@ -52,7 +52,7 @@ for part in "${parts[@]}"; do
       kill $pid; wait $pid 2>/dev/null
       merged+=("$OUT/paper_programs_http_plait.json") ;;
     vllm)
-      bash .shared/bench/vllm/gpu.sh serve $MODEL 30200 --max-model-len 10240 --enable-prompt-tokens-details || continue
+      VLLM_SERVER_DEV_MODE=1 bash .shared/bench/vllm/gpu.sh serve $MODEL 30200 --max-model-len 10240 --enable-prompt-tokens-details || continue
       bench http_vllm --drivers http-vllm --vllm-url http://localhost:30200/v1
       kill "$(cat $HOME/vllm_serve.pid)"
       merged+=("$OUT/paper_programs_http_vllm.json") ;;
