@@ -42,7 +42,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import paper_workloads as pw  # noqa: E402
 import plait as sgl  # noqa: E402
-from bench_common import save  # noqa: E402
+from bench_common import results_dir, save  # noqa: E402
 from plait.backend.openai_backend import OpenAI  # noqa: E402
 
 DRIVERS = ("dsl-hints", "dsl-nohints", "http-plait", "http-vllm")
@@ -259,6 +259,9 @@ def run_drivers(
                     flush=True,
                 )
                 rows.append(row)
+                if getattr(args, "tag", None):  # so far, for a run its time limit stops
+                    partial = Path(results_dir()) / f"paper_programs_{args.tag}.json"
+                    partial.write_text(json.dumps({"partial": True, "rows": [asdict(r) for r in rows]}, indent=1))
     finally:
         if runtime is not None:
             runtime.shutdown()
@@ -327,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drivers", default="dsl-hints,dsl-nohints,http-plait", help=f"comma-separated, of {DRIVERS}")
     parser.add_argument("--only", default="", help=f"comma-separated workloads (default: all of {pw.NAMES})")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply program counts and lengths")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply program counts (and lengths)")
+    parser.add_argument("--length-scale", type=float, default=None, help="multiply lengths (default: --scale)")
     parser.add_argument("--parallel", type=int, default=64, help="programs in flight")
     parser.add_argument("--model-path", default=None, help="the DSL Runtime's model (default: the embedded one)")
     parser.add_argument("--load-format", default=None, help="e.g. dummy")
@@ -345,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def select_workloads(args: argparse.Namespace) -> list[pw.Workload]:
-    workloads = pw.all_workloads(args.scale)
+    workloads = pw.all_workloads(args.scale, length_scale=args.length_scale)
     if not args.only:
         return workloads
     wanted = args.only.split(",")

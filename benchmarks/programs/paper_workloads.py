@@ -263,14 +263,15 @@ def json_accuracy(state: Any, gold: dict) -> float:
 NAMES = ("mmlu", "hellaswag", "tot", "sot", "judge", "json", "chat-short", "chat-long", "react", "agents")
 
 
-def all_workloads(scale: float = 1.0, seed: int = 35) -> list[Workload]:
-    """The workloads at `scale` (1.0: the paper's lengths; counts sized for one GPU run of ~9 minutes)."""
+def all_workloads(scale: float = 1.0, seed: int = 35, length_scale: Optional[float] = None) -> list[Workload]:
+    """The workloads at `scale` (program counts; lengths too unless `length_scale` is given). 1.0: the
+    paper's lengths, counts sized for one GPU machine."""
 
     def n(count: int) -> int:  # programs
         return max(2, round(count * scale))
 
     def t(tokens: int) -> int:  # tokens or words
-        return max(2, round(tokens * scale))
+        return max(2, round(tokens * (scale if length_scale is None else length_scale)))
 
     rng = random.Random(seed)
     # The tool header and agent memories are shared across programs, as in the paper's data.
@@ -328,7 +329,11 @@ def all_workloads(scale: float = 1.0, seed: int = 35) -> list[Workload]:
             "agents",
             generative_agent,
             [
-                {"memory": memories[i % 8], "events": [text(rng, t(20)) for _ in range(4)], "scale": min(1.0, scale)}
+                {
+                    "memory": memories[i % 8],
+                    "events": [text(rng, t(20)) for _ in range(4)],
+                    "scale": min(1.0, scale if length_scale is None else length_scale),
+                }
                 for i in range(n(64))
             ],
         ),
