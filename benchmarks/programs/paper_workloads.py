@@ -107,7 +107,7 @@ def llm_judge(s, article, tokens):
     for dimension, branch in zip(JUDGE_DIMENSIONS, forks):
         s += f"\n{dimension}: " + branch["judgement"]
     s += "\n\nSummary:" + gen("summary", tokens // 2)
-    s += "\nScore (1-9): " + sgl.gen("score", regex="[1-9]", max_tokens=4)
+    s += "\nScore (1-9): " + sgl.gen("score", regex="[1-9]", max_tokens=16)
 
 
 JSON_FIELDS = (
@@ -119,11 +119,13 @@ JSON_FIELDS = (
 )
 
 
+# Regex fields get budgets well past their patterns' lengths: near a tight budget the runtime's budget closer
+# searches for a completion at every step, a CPU cost the field itself does not need.
 @sgl.function
 def json_decode(s, document):
     s += document + "\n\nThe record above as JSON:\n{"
     for i, (field, pattern) in enumerate(JSON_FIELDS):
-        s += f'"{field}": "' + sgl.gen(field, regex=pattern, max_tokens=16) + '"' + (", " if i < 4 else "}")
+        s += f'"{field}": "' + sgl.gen(field, regex=pattern, max_tokens=64) + '"' + (", " if i < 4 else "}")
 
 
 @sgl.function
