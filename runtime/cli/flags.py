@@ -16,6 +16,7 @@ from ..server_args import (
     LOAD_FORMATS,
     SCHEDULE_POLICIES,
 )
+from ..setting_values import QUANTIZATIONS
 
 
 def add_dataclass_flags(
@@ -58,6 +59,7 @@ def settings_from_args(cls, args: argparse.Namespace) -> Any:
 CLI_CHOICES = {
     "load_format": LOAD_FORMATS,
     "dtype": DTYPES,
+    "quantization": QUANTIZATIONS,
     "device": ("auto", "cpu", "cuda"),
     "schedule_policy": SCHEDULE_POLICIES,
     "attention_backend": ATTENTION_BACKENDS,
@@ -74,6 +76,8 @@ CLI_HELP = {
     "tokenizer_path": "a tokenizer folder other than the model's",
     "load_format": "auto: safetensors from the folder; dummy: random weights at the model's shape",
     "dtype": "auto: on CUDA float16 for a float16 checkpoint, else bfloat16; float32 on the CPU",
+    "quantization": "CPU weight-only quantization of the linear layers: int8 (per output channel) or int4 "
+    "(groups of 32); default: off (the weights in --dtype)",
     "device": "auto: CUDA when available",
     "context_length": "longest prompt + output of a request (default: the model's)",
     "served_model_name": "model name the APIs report (default: the model path as given)",
