@@ -14,12 +14,14 @@ On a GPU both are the Triton SGMV kernels (sgmv.py): the runs as segments, or on
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .sgmv import Segments, sgmv_apply
 from .slots import LoraSlots
+
+if TYPE_CHECKING:
+    from .sgmv import Segments
 
 
 class LoraBatch:
@@ -38,6 +40,9 @@ class LoraBatch:
         # On a GPU, the same as device data for the Triton kernels, made once per step (every layer reads it).
         self.device_segments: Optional[Segments] = None
         if token_slots.is_cuda:
+            # (imported here: Triton is a GPU dependency; a CPU process never loads it)
+            from .sgmv import Segments
+
             on_host = segments is not None
             self.device_segments = (
                 Segments.of_runs(segments, token_slots.device) if on_host else Segments.per_token(token_slots)
@@ -65,6 +70,8 @@ class LoraBatch:
         a_all, b_all = self.pool.a[target], self.pool.b[target]  # (S+1, L, n*R, in), (S+1, L, out, R)
         rank, splits = self.pool.max_rank, self.pool.out_splits[target]
         if self.device_segments is not None:
+            from .sgmv import sgmv_apply
+
             return sgmv_apply(self.device_segments, a_all, b_all, layer, rank, splits, x, y)
         if self.segments is not None:
             for start, end, slot in self.segments:
