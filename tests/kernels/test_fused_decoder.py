@@ -40,6 +40,7 @@ def _hidden_both_ways(model, device):
     pool = KVPool(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
     fb = types.SimpleNamespace(
         capture_layers=(),
+        lora=None,  # no adapters in this step
         attn_backend=_CausalAttention(),
         kv_pool=pool,
         out_cache_loc=torch.tensor([9, 2, 4, 11, 1, 6], device=device),
@@ -75,7 +76,7 @@ def test_model_without_layers_is_the_normed_embedding():
     model = LlamaForCausalLM(cfg, max_position=64).eval()
     ids = torch.tensor([3, 7, 1])
     with torch.no_grad():
-        out = model(ids, torch.arange(3), types.SimpleNamespace(capture_layers=()))
+        out = model(ids, torch.arange(3), types.SimpleNamespace(capture_layers=(), lora=None))
         assert torch.allclose(out, rms_norm_torch(model.embed_tokens(ids), model.norm.weight, cfg.rms_norm_eps))
 
 

@@ -180,6 +180,7 @@ def _one_token_batch(model: LlamaForCausalLM, device="cpu"):
     pool = KVPool(8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
     fb = types.SimpleNamespace(
         capture_layers=(),
+        lora=None,  # no adapters in this step
         attn_backend=_OneTokenAttention(),
         kv_pool=pool,
         out_cache_loc=torch.tensor([3], device=device),
