@@ -34,14 +34,7 @@ row_args() {
   esac
 }
 
-wait_up() {  # port, pid, log
-  for _ in $(seq 1 400); do
-    curl -sf "localhost:$1/v1/models" >/dev/null && return 0
-    kill -0 "$2" 2>/dev/null || { echo "server died:"; tail -30 "$3"; return 1; }
-    sleep 1
-  done
-  echo "server did not start"; tail -30 "$3"; return 1
-}
+. benchmarks/serving/wait_up.sh  # wait_up PORT PID LOG
 
 run_rows() {  # port, name
   for row in "${rows[@]}"; do
