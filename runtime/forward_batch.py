@@ -147,6 +147,8 @@ class ForwardBatch:
         fb.extend_seq_lens_cpu = list(step.extend_lens)
         fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = pre_t, ext_t, start_t
         fb.decode_rows = step.decode_rows
+        if step.decode_rows and step.req_rows is not None:
+            fb.req_pool_indices_cpu = step.req_rows[0]  # (B,) host rows: a mixed step's decode rows group too
         fb.images = step.images
         if mode.is_verify():
             fb._set_trees(step, staging.device)

@@ -53,7 +53,8 @@ case "$server" in
     pid=$!
     t0=$(date +%s); wait_up 30100 $pid "$OUT/${name}_serve.log" || exit 1; echo "plait serve up in $(( $(date +%s) - t0 )) s"
     run_rows 30100 "$name"
-    curl -s localhost:30100/get_server_info | python3 -c "import json,sys; d=json.load(sys.stdin); print({k: d.get(k) for k in ('num_retractions', 'integrity_errors', 'last_integrity_error', 'token_usage')})" 2>/dev/null
+    curl -s localhost:30100/get_server_info > "$OUT/${name}_server_info.json"  # steps by kind: --enable-step-timing
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('num_retractions', 'integrity_errors', 'last_integrity_error', 'token_usage')})" "$OUT/${name}_server_info.json" 2>/dev/null
     kill $pid; wait $pid 2>/dev/null ;;
   vllm)
     bash .shared/bench/vllm/gpu.sh serve $MODEL 30200 --max-model-len 10240 || exit 1

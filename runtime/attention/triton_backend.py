@@ -171,7 +171,11 @@ class TritonAttnBackend(AttentionBackend):
         if d:
             # NOTE: decode rows in the extend kernel would each get a program per block of the longest
             # chunk's tokens (all but one empty) and no split of long contexts: they get the decode kernel.
-            decode = TritonDecodeMetadata(fb.req_pool_indices[:d], fb.seq_lens[:d])
+            # Their shared prefixes are read once per group, as in a decode step (the planner was just
+            # invalidated: this step's new rows may reuse table rows).
+            cascade = self._cascade_state()
+            grouped = cascade.eager_step(fb, d) if cascade is not None else None
+            decode = TritonDecodeMetadata(fb.req_pool_indices[:d], fb.seq_lens[:d], grouped)
             fb.attn_metadata = TritonMixedMetadata(d, decode, extend)
         else:
             fb.attn_metadata = extend

@@ -74,12 +74,17 @@ class TritonCascade:
         self.planner.invalidate()
 
     # ---- eager steps ----
-    def eager_step(self, fb: ForwardBatch) -> Optional[CascadeStep]:
+    def eager_step(self, fb: ForwardBatch, num_rows: Optional[int] = None) -> Optional[CascadeStep]:
+        """A decode step's cascade inputs, or None (plain decode). `num_rows`: only the first rows decode
+        (a mixed step's decode rows, whose q and out are the first rows of the step's)."""
         rows = fb.req_pool_indices_cpu
-        if rows is None or len(rows) < self.config.min_batch_size:
+        if rows is None:
             return None
-        layout = self.planner.layout(len(rows))
-        plan = self.planner.plan(fb.req_to_token_pool.host, rows, fb.seq_lens_cpu, layout)
+        n = len(rows) if num_rows is None else num_rows
+        if n < self.config.min_batch_size:
+            return None
+        layout = self.planner.layout(n)
+        plan = self.planner.plan(fb.req_to_token_pool.host, rows[:n], fb.seq_lens_cpu[:n], layout)
         if plan is None:
             return None
         tables = torch.from_numpy(plan.packed).to(self.device, non_blocking=True)

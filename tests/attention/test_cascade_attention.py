@@ -186,6 +186,27 @@ def test_cascade_off_without_host_rows_or_when_disabled():
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_mixed_step_decode_rows_read_their_shared_prefixes_once():
+    # A mixed step's decode rows (all but the last request) group by prefix as a decode step's do; the last
+    # request extends its final token (the extend kernel), the same attention as its decode would be.
+    case = _SharedCase(8, 2, 64, [(37, [38, 40, 60, 39]), (20, [21, 30])], [9, 50])
+    n = len(case.rows)
+    q = case.randn(n, 8, 64)
+    ref = _reference(case, q)
+    backend = _triton(case)
+    fb = case.forward_batch(backend)
+    fb.forward_mode = ForwardMode.EXTEND
+    fb.decode_rows = n - 1
+    fb.extend_seq_lens_cpu = [1] * n
+    fb.extend_prefix_lens_cpu = [s - 1 for s in case.seq_lens]
+    backend.init_forward_metadata(fb)
+    md = fb.attn_metadata
+    assert md.num_decode == n - 1
+    assert md.decode.cascade is not None and md.decode.cascade.plan.num_work > 0  # the cascade path ran
+    got = backend.forward_extend(q.view(n, -1), case.layer, fb)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_kernels_with_an_empty_suffix_and_padding_rows():
     # A member whose whole sequence is the shared prefix (no suffix: stage 1 writes nothing for it),
     # a 1-token suffix, and a padding row (seq_len 0) that must come out zero.
