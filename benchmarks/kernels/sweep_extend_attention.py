@@ -3,10 +3,12 @@ group), block_n, warps and pipeline stages, on the prefill shapes the benchmarks
 triton's do_bench, as attention TFLOP/s (causal work only: keys a query does not see are not counted).
 
     python benchmarks/kernels/sweep_extend_attention.py            # 8B head shape (32 query / 8 KV heads, 128)
+    python benchmarks/kernels/sweep_extend_attention.py chunk --default-only   # named cases, default tiles
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import sys
@@ -26,8 +28,9 @@ CASES = [
     ("fewshot", 163, 2000, 50, True),  # a fewshot prefill step (8,150 rows)
     ("tree", 64, 1100, 120, True),  # forks extending a shared history
     ("offline", 8, 0, 1024, False),  # fresh prompts, causal only
-    ("multiturn", 16, 700, 400, False),
-]  # a history each, then the new turn
+    ("multiturn", 16, 700, 400, False),  # a history each, then the new turn
+    ("chunk", 1, 2048, 128, True),  # one arrival of a shared-prefix stream: its own 128 tokens in a mixed step
+]
 
 
 def make_case(reqs: int, prefix: int, new: int, shared: bool):
@@ -51,13 +54,19 @@ def make_case(reqs: int, prefix: int, new: int, shared: bool):
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", nargs="*", choices=[[]] + [c[0] for c in CASES], help="default: every case")
+    ap.add_argument("--default-only", action="store_true", help="time the default tiles alone (no sweep)")
+    args = ap.parse_args()
     configs = [
         ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
         for bm, bn, w, st in itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3))
+        if not args.default_only
     ]
     default = default_extend_config(HEAD_DIM)
     rows, per_case = [], []
-    for name, reqs, prefix, new, shared in CASES:
+    wanted = args.cases or [c[0] for c in CASES]
+    for name, reqs, prefix, new, shared in (c for c in CASES if c[0] in wanted):
         kv, r2t, q, (idx, pre_t, ext_t, start_t), flops = make_case(reqs, prefix, new, shared)
         out = torch.empty_like(q)
         results = []
@@ -75,7 +84,7 @@ def main() -> None:
                 continue
             results.append((ms, cfg))
         base = results[0][0]
-        ranked = sorted(results[1:], key=lambda r: r[0])
+        ranked = sorted(results[1:], key=lambda r: r[0]) or results[:1]
         per_case.append({(c.block_m, c.block_n, c.num_warps, c.num_stages): ms for ms, c in results[1:]})
         best_ms, best = ranked[0]
         print(
@@ -97,7 +106,7 @@ def main() -> None:
             }
         )
         del kv, r2t, q, out
-    keys = set.intersection(*(set(c) for c in per_case))
+    keys = set.intersection(*(set(c) for c in per_case)) if configs else set()
     slowdown = {k: sum(c[k] / min(c.values()) for c in per_case) / len(per_case) for k in keys}
     for k, v in sorted(slowdown.items(), key=lambda kv: kv[1])[:5]:
         print(

@@ -4,7 +4,8 @@
 #   bash benchmarks/serving/vs_vllm.sh plait [ROW ...]     plait serve, then each row
 #   bash benchmarks/serving/vs_vllm.sh vllm [ROW ...]      vllm serve (staged: ../shared/bench/vllm/README.md)
 #   PLAIT_ARGS="--speculative-algorithm NGRAM" TAG=ngram bash benchmarks/serving/vs_vllm.sh plait random16
-# Rows: random16 random64 randominf shared32 sharedinf long16 (default: all). Each row has its own seed, so
+# Rows: random16 random64 randominf shared32 sharedinf long16 (default: all); burst (4,000 prompts at once: 10x
+# the others, the overload row); copy16 (prompts that quote their context: speculation). Each row has its own seed, so
 # no row hits prefixes cached by an earlier one. Carry .gpu/tok (model_folder.py --save-tokenizer .gpu/tok)
 # and, for vllm, .shared and .stage/p4. plait's Python dependencies come from vLLM's staged site
 # ($HOME/site, $HOME/vsrv) when the image lacks them. Results: $OUT/serving_<server>_<row>.json.
@@ -29,6 +30,7 @@ row_args() {
     shared32) echo "--dataset shared-prefix --shared-prefix-len 2048 --num-groups 8 --question-len 128 $common --request-rate 32 --seed 14" ;;
     sharedinf) echo "--dataset shared-prefix --shared-prefix-len 2048 --num-groups 8 --question-len 128 $common --request-rate inf --seed 15" ;;
     long16) echo "--dataset long-mix --random-input-len 512 --long-input-len 8000 --long-fraction 0.1 $common --request-rate 16 --seed 16" ;;
+    burst) echo "--dataset random --random-input-len 512 --random-output-len 128 --num-prompts 4000 --request-rate inf --seed 18" ;;
     copy16) echo "--dataset copy --copy-segment-len 128 --copy-repeats 4 $common --request-rate 16 --seed 17" ;;
     *) echo "unknown row $1" >&2; return 1 ;;
   esac
@@ -39,7 +41,7 @@ row_args() {
 run_rows() {  # port, name
   for row in "${rows[@]}"; do
     args=$(row_args "$row") || continue
-    timeout 300 python3 benchmarks/serving/bench_serving.py --backend openai --model m --port "$1" --vocab-size 49152 \
+    timeout ${ROW_TIMEOUT:-300} python3 benchmarks/serving/bench_serving.py --backend openai --model m --port "$1" --vocab-size 49152 \
       $args --output-file "$OUT/serving_$2_$row.json" --tag "$2 $row" 2>&1 \
       | grep -E "Successful|Failed|Output token thr|TTFT|ITL|TPOT|Accept|error" | sed "s/^/$2 $row | /"
   done
