@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from plait.runtime.attention.base import AttentionLayerSpec
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -18,7 +19,8 @@ K_SCALE, V_SCALE = 0.5, 2.0  # not 1.0, so a scale left out or applied twice sho
 
 class Fp8Case:
     """Requests of `prefix_lens` cached + `extend_lens` new tokens over scattered slots of both pools (layer 1 of
-    2, so a layer index mix-up shows). `magnitude`: K/V are randn * magnitude before quantization."""
+    2, so a layer index mix-up shows). `magnitude`: K/V are randn * magnitude before quantization. `shared`:
+    every request's first `shared` positions hold the same slots (a prefix the radix cache shares)."""
 
     def __init__(
         self,
@@ -32,6 +34,7 @@ class Fp8Case:
         device: str = "cpu",
         magnitude: float = 3.0,
         seed: int = 0,
+        shared: int = 0,
     ):
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.layer = AttentionLayerSpec(1, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
@@ -52,11 +55,12 @@ class Fp8Case:
         self.r2t = ReqToTokenPool(len(self.seq_lens) + 3, max(self.seq_lens) + 5, device)
         slots = torch.randperm(num_slots, generator=g)[: sum(self.seq_lens)] + 1
         self.rows = torch.randperm(self.r2t.size, generator=g)[: len(self.seq_lens)].tolist()
-        self.slots_per_req, start = [], 0
+        self.slots_per_req, start = [], shared
         for row, n in zip(self.rows, self.seq_lens):
-            self.r2t.write(row, 0, slots[start : start + n].to(device))
-            self.slots_per_req.append(slots[start : start + n])
-            start += n
+            own = torch.cat([slots[:shared], slots[start : start + n - shared]])
+            self.r2t.write(row, 0, own.to(device))
+            self.slots_per_req.append(own)
+            start += n - shared
         self.device, self.ref_dtype, self.g = device, ref_dtype, g
 
     def q(self, tokens: int) -> torch.Tensor:
@@ -80,6 +84,7 @@ class Fp8Case:
             attn_backend=backend,
         )
         if mode is ForwardMode.DECODE:
+            common["req_pool_indices_cpu"] = np.asarray(self.rows, dtype=np.int64)  # (the cascade plans from it)
             loc = [int(s[-1]) for s in self.slots_per_req]
             return ForwardBatch(
                 forward_mode=mode,
