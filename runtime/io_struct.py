@@ -171,6 +171,7 @@ class SchedulerInfo:
     attention_backend: str
     eos_token_ids: list[int]
     quantization: str = "none"  # the weights' quantization ("int8", "int4", "none")
+    kv_cache_dtype: str = ""  # what the KV cache stores ("fp8_e4m3", "bfloat16", ...)
     cpu_features: list[str] = field(default_factory=list)  # the CPU's low-precision features, on the CPU
     # time.time() when each part of the scheduler process's start-up was done: "imported" (torch and the
     # scheduler's modules), "model" (built, weights in), "tokenizer" (loaded beside the model), "ready".

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .setting_values import check_lora_settings, check_quantization, parse_origins
+from .setting_values import check_kv_cache_dtype, check_lora_settings, check_quantization, parse_origins
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
@@ -43,6 +43,10 @@ class ServerArgs:
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.85
     page_size: int = 1
+    # What the KV pool stores (SGLang's and vLLM's names): "auto" the model's dtype; "fp8_e4m3" ("fp8") or
+    # "fp8_e5m2" one byte a value with a float32 scale per layer (runtime/kvcache/kv_quant.py): twice the
+    # tokens in the same memory; "bf16" / "bfloat16".
+    kv_cache_dtype: str = "auto"
     enable_hierarchical_cache: bool = False  # a host tier under the radix cache (SGLang's HiCache names; docs)
     hicache_ratio: float = 2.0
     hicache_size: float = 0
@@ -198,6 +202,7 @@ class ServerArgs:
         self._check_kv_events()
         check_lora_settings(self)
         check_quantization(self)
+        check_kv_cache_dtype(self)
         from .kvcache.hicache_args import check_hierarchical_cache  # (kvcache's, torch-free)
 
         check_hierarchical_cache(self)

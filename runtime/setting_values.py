@@ -1,7 +1,6 @@
 """Settings given as lists, parsed and checked for ServerArgs: the CORS origins (`allowed_origins`) and the
-LoRA settings (`lora_paths` as name=path pairs, ranks, slots); `quantization` against the settings it
-cannot go with. Apart from server_args.py, which holds the
-fields themselves."""
+LoRA settings (`lora_paths` as name=path pairs, ranks, slots); `quantization` and `kv_cache_dtype` against
+the settings they cannot go with. Apart from server_args.py, which holds the fields themselves."""
 
 from __future__ import annotations
 
@@ -94,3 +93,22 @@ def check_quantization(sa: Any) -> None:
         raise ValueError(f"quantization={method} keeps activations in float32 or bfloat16; got dtype float16")
     if sa.tp_size * sa.pp_size > 1:
         raise ValueError(f"quantization={method} quantizes one whole model: tp_size and pp_size must be 1")
+
+
+# `kv_cache_dtype`'s names (SGLang's and vLLM's): "auto" is the model's dtype; each other name maps to the
+# dtype the KV pool stores (runtime/kvcache/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_kv_cache_dtype(sa: Any) -> None:
+    """ValueError for a `kv_cache_dtype` that is unknown or that the chosen attention backend cannot read."""
+    name = sa.kv_cache_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {name!r}")
+    if name in FP8_KV_CACHE_DTYPES and sa.attention_backend == "flashinfer":
+        raise ValueError(
+            f"kv_cache_dtype={name} is read by the triton and torch_native attention backends only; "
+            "attention_backend=flashinfer reads the model's dtype (leave kv_cache_dtype at auto, or "
+            "choose attention_backend triton)"
+        )

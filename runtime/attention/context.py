@@ -39,3 +39,4 @@ class AttentionContext:
     dtype: Optional[torch.dtype] = None  # of the queries and the KV pool; None: the backend's default
     max_total_tokens: Optional[int] = None  # slots of the KV pool (flashinfer's static page-index buffer)
     disable_cascade_attention: bool = False  # triton: no shared-prefix decode kernels
+    kv_dtype: Optional[torch.dtype] = None  # what the KV pool stores, when it differs from `dtype` (FP8)

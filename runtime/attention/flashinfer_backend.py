@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from ..forward_batch import ForwardBatch
+from ..kvcache.kv_quant import is_fp8
 from .base import AttentionBackend, AttentionLayerSpec
 from .context import AttentionContext
 
@@ -82,6 +83,11 @@ class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, ctx: AttentionContext, decode_tensor_cores: Optional[bool] = None):
+        if ctx.kv_dtype is not None and is_fp8(ctx.kv_dtype):
+            raise ValueError(
+                f"the flashinfer attention backend reads a KV cache in the model's dtype, not {ctx.kv_dtype}: "
+                "with an FP8 KV cache use attention_backend='triton' (or kv_cache_dtype='auto')"
+            )
         self.flashinfer = import_flashinfer()
         self.device = torch.device(ctx.device)
         if self.device.type != "cuda":

@@ -4,7 +4,7 @@ Gathers each request's K/V from the pool through `req_to_token` and runs
 `scaled_dot_product_attention`. Extend runs one request at a time (different prefix and extend
 lengths); decode runs the whole batch at once over K/V padded to the longest sequence, and so do a mixed
 step's decode rows; verify (draft trees) too, its queries padded to the largest tree and masked by prefix +
-tree ancestors.
+tree ancestors. An FP8 pool's rows are dequantized as they are gathered (kvcache/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -82,18 +82,17 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         md: _ExtendMetadata = fb.attn_metadata
-        k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
+        kv = _LayerKV.of(fb, layer)
         out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
         gqa = layer.num_heads != layer.num_kv_heads
         start = d = md.num_decode
         if md.decode is not None:
-            out[:d] = _attend_one_token(q[:d].view(d, layer.num_heads, layer.head_dim), k_buf, v_buf, md.decode, layer)
+            out[:d] = _attend_one_token(q[:d].view(d, layer.num_heads, layer.head_dim), kv, md.decode, layer)
         for j, i in enumerate(range(d, fb.batch_size)):
             ext = fb.extend_seq_lens_cpu[i]
             qi = q[start : start + ext].transpose(0, 1)  # (H, E, D)
             idx = md.kv_indices[j]
-            ki = _gather(k_buf, idx).transpose(0, 1).to(q.dtype)  # (Hkv, S, D)
-            vi = _gather(v_buf, idx).transpose(0, 1).to(q.dtype)
+            ki, vi = kv.gather(idx, 0, q.dtype)  # (Hkv, S, D) each
             mask = md.causal_masks[j]
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa
@@ -104,14 +103,11 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         md: _DecodeMetadata = fb.attn_metadata
-        k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
-        return _attend_one_token(q, k_buf, v_buf, md, layer)
+        return _attend_one_token(q, _LayerKV.of(fb, layer), md, layer)
 
     def forward_verify(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         md: _VerifyMetadata = fb.attn_metadata
-        k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
-        k = _gather(k_buf, md.kv_index).transpose(1, 2).to(q.dtype)  # (B, Hkv, S, D)
-        v = _gather(v_buf, md.kv_index).transpose(1, 2).to(q.dtype)
+        k, v = _LayerKV.of(fb, layer).gather(md.kv_index, 1, q.dtype)  # (B, Hkv, S, D) each
         qb = q.view(q.shape[0], layer.num_heads, layer.head_dim)[md.q_index].transpose(1, 2)  # (B, H, E, D)
         o = F.scaled_dot_product_attention(
             qb, k, v, attn_mask=md.mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
@@ -121,12 +117,33 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out
 
 
-def _attend_one_token(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: _DecodeMetadata, layer: AttentionLayerSpec
-) -> torch.Tensor:
+@dataclass
+class _LayerKV:
+    """One layer's K/V buffers in the pool, and their scales when the pool stores FP8 (else None)."""
+
+    k_buf: torch.Tensor  # (N, Hkv, D)
+    v_buf: torch.Tensor
+    scales: Optional[tuple[torch.Tensor, torch.Tensor]]  # 0-d float32 (k_scale, v_scale)
+
+    @classmethod
+    def of(cls, fb: ForwardBatch, layer: AttentionLayerSpec) -> "_LayerKV":
+        pool, i = fb.kv_pool, layer.layer_id
+        return cls(pool.k_buffer[i], pool.v_buffer[i], pool.layer_scales(i))
+
+    def gather(self, index: torch.Tensor, token_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at `index` (any shape), the token axis `token_dim` swapped with the head axis after
+        it, widened to `dtype`: (*index.shape with Hkv at token_dim, D) each. FP8 rows are dequantized
+        here, as they are gathered (times their layer's scale)."""
+        k = _gather(self.k_buf, index).transpose(token_dim, token_dim + 1).to(dtype)
+        v = _gather(self.v_buf, index).transpose(token_dim, token_dim + 1).to(dtype)
+        if self.scales is None:
+            return k, v
+        return k * self.scales[0], v * self.scales[1]
+
+
+def _attend_one_token(q: torch.Tensor, kv: _LayerKV, md: _DecodeMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
     """One query token per request, q (B, H, D), over each request's K/V padded to the longest: (B, H * D)."""
-    k = _gather(k_buf, md.kv_index).transpose(1, 2).to(q.dtype)  # (B, Hkv, S, D)
-    v = _gather(v_buf, md.kv_index).transpose(1, 2).to(q.dtype)
+    k, v = kv.gather(md.kv_index, 1, q.dtype)  # (B, Hkv, S, D) each
     qb = q.unsqueeze(2)  # (B, H, 1, D)
     o = F.scaled_dot_product_attention(
         qb, k, v, attn_mask=md.mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads

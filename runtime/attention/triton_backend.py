@@ -53,8 +53,8 @@ from .triton_ops import (
     decode_scratch_numel,
     default_decode_policy,
     extend_attention,
-    tree_attention,
 )
+from .triton_ops.extend_attention import TreeMasks
 
 
 @dataclass
@@ -201,6 +201,7 @@ class TritonAttnBackend(AttentionBackend):
             md.max_extend_len,
             layer.scaling,
             self.extend_config,
+            kv_scales=fb.kv_pool.layer_scales(layer.layer_id),
         )
         return out  # (T, H * D)
 
@@ -228,41 +229,24 @@ class TritonAttnBackend(AttentionBackend):
         md: TritonVerifyMetadata = fb.attn_metadata
         q = q.view(q.shape[0], layer.num_heads, layer.head_dim)  # (T, H, D)
         out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
-        k_buf, v_buf = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
-        r2t = fb.req_to_token_pool.req_to_token
-        if md.tree_mask is None:
-            extend_attention(
-                q,
-                k_buf,
-                v_buf,
-                out.view(q.shape),
-                r2t,
-                md.req_pool_indices,
-                md.prefix_lens,
-                md.extend_lens,
-                md.extend_start,
-                md.max_extend_len,
-                layer.scaling,
-                self.extend_config,
-            )
-        else:
-            tree_attention(
-                q,
-                k_buf,
-                v_buf,
-                out.view(q.shape),
-                r2t,
-                md.req_pool_indices,
-                md.prefix_lens,
-                md.extend_lens,
-                md.extend_start,
-                md.tree_lens,
-                md.tree_mask,
-                md.mask_offsets,
-                md.max_extend_len,
-                layer.scaling,
-                self.extend_config,
-            )
+        # (chains: the plain extend kernel; trees: its tree branch, what tree_attention launches)
+        tree = None if md.tree_mask is None else TreeMasks(md.tree_lens, md.tree_mask, md.mask_offsets)
+        extend_attention(
+            q,
+            fb.kv_pool.k_buffer[layer.layer_id],
+            fb.kv_pool.v_buffer[layer.layer_id],
+            out.view(q.shape),
+            fb.req_to_token_pool.req_to_token,
+            md.req_pool_indices,
+            md.prefix_lens,
+            md.extend_lens,
+            md.extend_start,
+            md.max_extend_len,
+            layer.scaling,
+            self.extend_config,
+            tree,
+            kv_scales=fb.kv_pool.layer_scales(layer.layer_id),
+        )
         return out  # (T, H * D)
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
@@ -280,13 +264,14 @@ class TritonAttnBackend(AttentionBackend):
         batch = q.shape[0]
         k_buffer, v_buffer = fb.kv_pool.k_buffer[layer.layer_id], fb.kv_pool.v_buffer[layer.layer_id]
         r2t = fb.req_to_token_pool.req_to_token
+        scales = fb.kv_pool.layer_scales(layer.layer_id)  # an FP8 pool's; None otherwise
         scratch = self._decode_scratch(batch, layer.num_heads, layer.num_kv_heads, layer.head_dim)
         prefix, join = None, None
         # NOTE: a layer of another head shape than the one the cascade tables were sized for (none
         # in our models) runs the plain decode, which ignores the tables and is still exact.
         shape = AttentionHeads(layer.num_heads, layer.num_kv_heads, layer.head_dim)
         if md.cascade is not None and shape == self.head_shape:
-            join = self._cascade.launch_prefix(md.cascade, q, k_buffer, v_buffer, r2t, layer.scaling)
+            join = self._cascade.launch_prefix(md.cascade, q, k_buffer, v_buffer, r2t, layer.scaling, scales)
             prefix = self._cascade.prefix_partials(md.cascade)
         decode_attention(
             q,
@@ -301,6 +286,7 @@ class TritonAttnBackend(AttentionBackend):
             scratch=scratch,
             prefix=prefix,
             before_merge=join,
+            kv_scales=scales,
         )
 
     def _cascade_state(self) -> Optional[TritonCascade]:

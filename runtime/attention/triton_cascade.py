@@ -182,6 +182,7 @@ class TritonCascade:
         v_buffer: torch.Tensor,
         req_to_token: torch.Tensor,
         sm_scale: float,
+        kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> Optional[Callable[[], None]]:
         """Start the prefix kernel; returns what must run before the merge (a stream join), if anything."""
 
@@ -196,6 +197,7 @@ class TritonCascade:
                 step.partial_lse,
                 sm_scale,
                 self.prefix_config,
+                kv_scales,
             )
 
         if self._side_stream is None or not torch.cuda.is_current_stream_capturing():

@@ -16,7 +16,7 @@ from ..server_args import (
     LOAD_FORMATS,
     SCHEDULE_POLICIES,
 )
-from ..setting_values import QUANTIZATIONS
+from ..setting_values import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def add_dataclass_flags(
@@ -60,6 +60,7 @@ CLI_CHOICES = {
     "load_format": LOAD_FORMATS,
     "dtype": DTYPES,
     "quantization": QUANTIZATIONS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
     "device": ("auto", "cpu", "cuda"),
     "schedule_policy": SCHEDULE_POLICIES,
     "attention_backend": ATTENTION_BACKENDS,
@@ -85,6 +86,8 @@ CLI_HELP = {
     "max_total_tokens": "tokens the KV cache holds (default: sized from free memory)",
     "mem_fraction_static": "GPU: share of device memory for weights and KV cache",
     "page_size": "tokens per KV page",
+    "kv_cache_dtype": "what the KV cache stores: auto (the model's dtype), bf16, fp8_e4m3 (alias fp8) or "
+    "fp8_e5m2 (one byte a value, a scale per layer: twice the tokens; GPU: compute capability 8.9+)",
     "enable_hierarchical_cache": "HiCache: prefixes evicted from the device kept in host memory, loaded back on a hit",
     "hicache_ratio": "host tier size in device-pool tokens (host tokens = ratio x the device pool)",
     "hicache_size": "host tier size in GB (overrides --hicache-ratio when > 0)",

@@ -19,6 +19,7 @@ import torch
 from ..attention import AttentionContext, AttentionHeads, create_attention_backend
 from ..forward_batch import ForwardBatch, ForwardMemory
 from ..kernel_choices import using as using_kernels
+from ..kvcache.kv_quant import check_kv_dtype_supported, kv_cache_dtype, kv_dtype_name
 from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from ..lora.adapter import LoraShapes
 from ..lora.slots import LoraSlots
@@ -31,6 +32,7 @@ from ..server_args import ServerArgs
 from ..step import StepInput, StepOutput
 from .cuda_graphs import CudaGraphRunner
 from .inflight import InFlightSteps, Pending, resolve
+from .kv_scales import init_kv_scales
 from .loader import load_model, load_model_config
 from .runner_info import RunnerInfo
 from .sampler import StepSampler
@@ -82,9 +84,12 @@ class ModelRunner:
         self.lora = LoraSlots.for_server(sa, LoraShapes.of(cfg), dtype, device)
 
         # The KV pool's size: this rank's KV heads and layers; every rank of a split model holds the same slots.
+        # An FP8 pool (kv_cache_dtype) stores a byte a value: twice the tokens in the same memory.
         kv_heads = shard_heads(cfg, parallel.tp).num_kv_heads
         kv_layers = parallel.stage.layer_count(cfg.num_hidden_layers)
-        per_token = KVPool.bytes_per_token(kv_layers, kv_heads, cfg.head_dim, dtype) + extra_kv_bytes_per_token
+        kv_dtype = kv_cache_dtype(sa.kv_cache_dtype, dtype)
+        check_kv_dtype_supported(kv_dtype, device)
+        per_token = KVPool.bytes_per_token(kv_layers, kv_heads, cfg.head_dim, kv_dtype) + extra_kv_bytes_per_token
         max_total_tokens = parallel.agree_min(kv_pool_tokens(sa, device, per_token))
         max_running = sa.max_running_requests or default_max_running_requests(device, max_total_tokens)
 
@@ -92,7 +97,15 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             max_running + 1, context_len + 8, device, record_writes=parallel.records_table_writes
         )
-        self.kv_pool = kv_pool = KVPool(max_total_tokens, kv_layers, kv_heads, cfg.head_dim, dtype, device)
+        self.kv_pool = kv_pool = KVPool(max_total_tokens, kv_layers, kv_heads, cfg.head_dim, kv_dtype, device)
+        scales = init_kv_scales(kv_pool, model_path, sa.load_format, parallel.stage.first_layer)
+        logger.info(
+            "KV cache: %d tokens in %s (%d bytes a token; scales: %s)",
+            max_total_tokens,
+            kv_dtype_name(kv_dtype),
+            per_token,
+            scales,
+        )
         self.allocator = TokenAllocator(max_total_tokens, device)
         self.info = RunnerInfo(
             device=device,
@@ -111,12 +124,15 @@ class ModelRunner:
             kv_cache_bytes=kv_pool.nbytes(),
             weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
             quantization=sa.quantization or "none",
+            kv_cache_dtype=kv_dtype_name(kv_dtype),
             cpu_features=tuple(cpu_features().describe()) if device == "cpu" else (),
         )
 
         # The attention backend, and the parts a step runs through.
         heads = AttentionHeads.split(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, parallel.tp.size)
-        self.attention = AttentionContext(device, heads, dtype, max_total_tokens, sa.disable_cascade_attention)
+        self.attention = AttentionContext(
+            device, heads, dtype, max_total_tokens, sa.disable_cascade_attention, kv_dtype=kv_dtype
+        )
         backend = create_attention_backend(self.info.attention_backend, self.attention)
         self.memory = ForwardMemory(self.req_to_token_pool, kv_pool, backend)
         # Every forward and graph capture runs inside this runner's kernel choices (kernel_choices.py).

@@ -15,7 +15,7 @@ import torch
 @dataclass(frozen=True)
 class RunnerInfo:
     device: str  # "cpu" or "cuda"
-    dtype: torch.dtype  # of the weights and the KV cache
+    dtype: torch.dtype  # of the weights (and of the KV cache, unless kv_cache_dtype says otherwise)
     context_len: int  # the longest sequence a request may reach
     vocab_size: int
     hidden_size: int  # of the model's residual stream (what a pipeline stage sends on)
@@ -30,6 +30,7 @@ class RunnerInfo:
     kv_cache_bytes: int = 0
     weight_bytes: int = 0
     quantization: str = "none"  # the linear layers' weights: "int8", "int4" or "none" (in `dtype`)
+    kv_cache_dtype: str = ""  # what the KV pool stores: "fp8_e4m3", "fp8_e5m2", or a dtype's name ("bfloat16")
     cpu_features: tuple[str, ...] = ()  # on the CPU: its low-precision features (quant/cpu_features.py)
 
     def __post_init__(self) -> None:

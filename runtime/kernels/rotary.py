@@ -13,10 +13,13 @@ checking would need a host sync and the launch must be capturable in a CUDA grap
 
 `rotary_and_store_kv` is the same kernel with the KV-cache write folded in: it rotates q in place and
 writes the rotated k, and v, straight into the cache slots of each token, so a layer's rotary and its
-cache store cost one launch (at decode batch 1 a launch costs more than the work).
+cache store cost one launch (at decode batch 1 a launch costs more than the work). Into an FP8 cache it
+stores k and v divided by their layer's scales, clamped and rounded (runtime/kvcache/kv_quant.py).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -26,8 +29,29 @@ from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_the
 
 
 @triton.jit
+def _scaled(x, Scale, SCALED: tl.constexpr, LIMIT: tl.constexpr):
+    # x (fp32) as an FP8 cache stores it: divided by its layer's scale, clamped to the format's range.
+    if SCALED:
+        x = tl.minimum(tl.maximum(x / tl.load(Scale), -LIMIT), LIMIT)
+    return x
+
+
+@triton.jit
 def _rotate_heads(
-    Src, Dst, stride_sh, stride_dh, num_heads, cos, sin, offs_half, half_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr
+    Src,
+    Dst,
+    stride_sh,
+    stride_dh,
+    num_heads,
+    cos,
+    sin,
+    offs_half,
+    half_mask,
+    Scale,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SCALED: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     # Src/Dst point at one token's row; Dst may be Src (in place: each element is loaded and stored
     # by the same thread, so no barrier is needed).
@@ -35,24 +59,39 @@ def _rotate_heads(
     mask = (heads < num_heads)[:, None] & half_mask[None, :]  # (BH, BHALF)
     src = Src + heads[:, None] * stride_sh + offs_half[None, :]
     dst = Dst + heads[:, None] * stride_dh + offs_half[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    tl.store(dst, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(dst + HALF, (b * cos + a * sin).to(x2.dtype), mask=mask)
+    a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    out_dtype = Dst.dtype.element_ty  # Src's, or an FP8 cache's
+    tl.store(dst, _scaled(a * cos - b * sin, Scale, SCALED, LIMIT).to(out_dtype), mask=mask)
+    tl.store(dst + HALF, _scaled(b * cos + a * sin, Scale, SCALED, LIMIT).to(out_dtype), mask=mask)
 
 
 @triton.jit
 def _copy_heads(
-    Src, Dst, stride_sh, stride_dh, num_heads, offs_half, half_mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr
+    Src,
+    Dst,
+    stride_sh,
+    stride_dh,
+    num_heads,
+    offs_half,
+    half_mask,
+    Scale,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SCALED: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     heads = tl.arange(0, BLOCK_H)  # (BH,)
     mask = (heads < num_heads)[:, None] & half_mask[None, :]  # (BH, BHALF)
     src = Src + heads[:, None] * stride_sh + offs_half[None, :]
     dst = Dst + heads[:, None] * stride_dh + offs_half[None, :]
-    tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)
-    tl.store(dst + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    if SCALED:
+        x1 = _scaled(x1.to(tl.float32), Scale, SCALED, LIMIT).to(Dst.dtype.element_ty)
+        x2 = _scaled(x2.to(tl.float32), Scale, SCALED, LIMIT).to(Dst.dtype.element_ty)
+    tl.store(dst, x1, mask=mask)
+    tl.store(dst + HALF, x2, mask=mask)
 
 
 @triton.jit
@@ -66,6 +105,8 @@ def _rotary_kernel(
     KCache,
     VCache,
     Loc,
+    KScale,
+    VScale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -82,6 +123,8 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     STORE_KV: tl.constexpr,
+    SCALED: tl.constexpr,
+    LIMIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait_then_release(USE_PDL)
@@ -92,7 +135,22 @@ def _rotary_kernel(
     cos = tl.load(Cos + pos * stride_cos + offs_half, mask=half_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(Sin + pos * stride_cos + offs_half, mask=half_mask, other=0.0).to(tl.float32)[None, :]
     q_row = Q + token * stride_qt
-    _rotate_heads(q_row, q_row, stride_qh, stride_qh, num_q_heads, cos, sin, offs_half, half_mask, HALF, BLOCK_HQ)
+    _rotate_heads(
+        q_row,
+        q_row,
+        stride_qh,
+        stride_qh,
+        num_q_heads,
+        cos,
+        sin,
+        offs_half,
+        half_mask,
+        KScale,
+        HALF,
+        BLOCK_HQ,
+        False,
+        1.0,
+    )
     k_row = K + token * stride_kt
     if STORE_KV:
         # The rotated K goes straight into the cache (K itself is left as it was), V is copied beside it.
@@ -107,8 +165,11 @@ def _rotary_kernel(
             sin,
             offs_half,
             half_mask,
+            KScale,
             HALF,
             BLOCK_HK,
+            SCALED,
+            LIMIT,
         )
         _copy_heads(
             V + token * stride_vt,
@@ -118,11 +179,29 @@ def _rotary_kernel(
             num_k_heads,
             offs_half,
             half_mask,
+            VScale,
             HALF,
             BLOCK_HK,
+            SCALED,
+            LIMIT,
         )
     else:
-        _rotate_heads(k_row, k_row, stride_kh, stride_kh, num_k_heads, cos, sin, offs_half, half_mask, HALF, BLOCK_HK)
+        _rotate_heads(
+            k_row,
+            k_row,
+            stride_kh,
+            stride_kh,
+            num_k_heads,
+            cos,
+            sin,
+            offs_half,
+            half_mask,
+            KScale,
+            HALF,
+            BLOCK_HK,
+            False,
+            1.0,
+        )
 
 
 def rotary_inplace(
@@ -130,7 +209,7 @@ def rotary_inplace(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (T, H, D) and k (T, Hkv, D) in place by positions (T,); returns (q, k)."""
     _check(q, k, positions, cos_cache, sin_cache)
-    _launch(q, k, positions, cos_cache, sin_cache, None, None, None, None)
+    _launch(q, k, positions, cos_cache, sin_cache, None, None, None, None, None)
     return q, k
 
 
@@ -144,10 +223,13 @@ def rotary_and_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     loc: torch.Tensor,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Rotate q in place and write rotated k and plain v (T, Hkv, D) into k_cache/v_cache (S, Hkv, D) at
     slots loc (T,), in one launch: a layer's rotary and KV-cache store are one kernel, not three.
-    Returns q; k is left unrotated. Slots are not bounds-checked (that would need a host sync)."""
+    Returns q; k is left unrotated. Slots are not bounds-checked (that would need a host sync).
+    An FP8 cache takes `kv_scales`, its layer's (k_scale, v_scale) (0-d float32 tensors): k and v are
+    stored divided by them, clamped to the format's range (runtime/kvcache/kv_quant.py)."""
     _check(q, k, positions, cos_cache, sin_cache)
     check_device("rotary_and_store_kv", q, v, k_cache, v_cache, loc)
     if v.shape != k.shape or v.stride(2) != 1:
@@ -163,11 +245,14 @@ def rotary_and_store_kv(
             f"k/v caches must both be (slots, {k.shape[1]}, {k.shape[2]}) with the same strides, "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if (k_cache.dtype != k.dtype or v_cache.dtype != v.dtype) and not fp8:
         raise ValueError(f"cache dtype {k_cache.dtype} differs from k/v dtype {k.dtype}")
+    if fp8 != (kv_scales is not None):
+        raise ValueError(f"kv_scales go with an FP8 cache and only with one; the cache is {k_cache.dtype}")
     if loc.shape != (q.shape[0],):
         raise ValueError(f"loc must be ({q.shape[0]},), got {tuple(loc.shape)}")
-    _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc)
+    _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc, kv_scales)
     return q
 
 
@@ -198,7 +283,7 @@ def _check(q, k, positions, cos_cache, sin_cache) -> None:
         raise ValueError("cos/sin caches must be contiguous")
 
 
-def _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc) -> None:
+def _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc, kv_scales) -> None:
     tokens, _, head_dim = q.shape
     if tokens == 0:
         return
@@ -206,6 +291,7 @@ def _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc) -> 
     half = head_dim // 2
     v_ = v if store else k  # unused when not storing: any tensor with k's strides
     kc, vc, lc = (k_cache, v_cache, loc) if store else (k, k, positions)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (cos_cache, cos_cache)  # (unread without scales)
     _rotary_kernel[(tokens,)](
         q,
         k,
@@ -216,6 +302,8 @@ def _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc) -> 
         kc,
         vc,
         lc,
+        k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -232,6 +320,8 @@ def _launch(q, k, positions, cos_cache, sin_cache, v, k_cache, v_cache, loc) -> 
         BLOCK_HQ=next_power_of_2(q.shape[1]),
         BLOCK_HK=next_power_of_2(k.shape[1]),
         STORE_KV=store,
+        SCALED=kv_scales is not None,
+        LIMIT=torch.finfo(kc.dtype).max if kv_scales is not None else 1.0,
         num_warps=4,
         **pdl_launch_args(q.device),
     )

@@ -2,7 +2,8 @@
 
 - `ReqToTokenPool`: `req_to_token[req_slot, position] -> kv_slot` (int32), one row per running request,
   on the device for the attention kernels and mirrored on the host for the scheduler.
-- `KVPool`: K and V per layer, indexed by kv slot; shape (num_slots, num_kv_heads, head_dim).
+- `KVPool`: K and V per layer, indexed by kv slot; shape (num_slots, num_kv_heads, head_dim); in FP8
+  with a scale per layer (`kv_cache_dtype`, kv_quant.py).
 - `TokenAllocator`: the free list of kv slots.
 
 NOTE: kv slot 0 is never handed out. It is the dummy slot that padded batch entries (CUDA-graph
@@ -15,6 +16,8 @@ from typing import Optional
 
 import numpy as np
 import torch
+
+from .kv_quant import is_fp8, quantize
 
 
 class ReqToTokenPool:
@@ -209,6 +212,13 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Ten
 
 
 class KVPool:
+    """K and V per layer, (num_slots + 1, num_kv_heads, head_dim) each, in `dtype`.
+
+    An FP8 pool (`quantized`) also holds one float32 scale per layer for K and one for V (kv_quant.py):
+    a stored row times its layer's scale is the model's K (V). The scales live on the pool's device and
+    are set in place (`set_scales`), so CUDA graphs and kernels that read them see later values.
+    """
+
     def __init__(
         self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str
     ):
@@ -222,6 +232,11 @@ class KVPool:
         shape = (num_slots + 1, num_kv_heads, head_dim)
         self.k_buffer = [zeroed(shape, dtype, device) for _ in range(num_layers)]
         self.v_buffer = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.quantized = is_fp8(dtype)
+        self.k_scale = torch.ones(num_layers, dtype=torch.float32, device=device)  # (L,) used when quantized
+        self.v_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
+        # Per layer, the (k_scale, v_scale) 0-d views kernels take; None for a pool in the model's dtype.
+        self._layer_scales = [(self.k_scale[i], self.v_scale[i]) if self.quantized else None for i in range(num_layers)]
 
     def nbytes(self) -> int:
         """Bytes the pool's buffers hold (this rank's layers and KV heads)."""
@@ -231,7 +246,31 @@ class KVPool:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
+    def set_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """This pool's layers' scales (L,) each, copied in place; before any K/V is written with them."""
+        if not self.quantized:
+            raise ValueError(f"a KV pool in {self.dtype} stores K/V unscaled")
+        if k_scale.shape != (self.num_layers,) or v_scale.shape != (self.num_layers,):
+            raise ValueError(f"scales must be ({self.num_layers},), got {tuple(k_scale.shape)}, {tuple(v_scale.shape)}")
+        if not (bool((k_scale > 0).all()) and bool((v_scale > 0).all())):
+            raise ValueError("KV scales must be positive")
+        self.k_scale.copy_(k_scale)
+        self.v_scale.copy_(v_scale)
+
+    def layer_scales(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(k_scale, v_scale) of a layer as 0-d float32 tensors for the attention kernels; None unless quantized."""
+        return self._layer_scales[layer_id]
+
+    def stores_from(self, dtype: torch.dtype) -> bool:
+        """Whether a kernel writing K/V of `dtype` stores straight into this pool (the same dtype, or FP8
+        through the layer's scale)."""
+        return self.quantized or dtype == self.dtype
+
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: (T,) ; k, v: (T, num_kv_heads, head_dim)
+        if self.quantized:
+            self.k_buffer[layer_id][loc] = quantize(k, self.k_scale[layer_id], self.dtype)
+            self.v_buffer[layer_id][loc] = quantize(v, self.v_scale[layer_id], self.dtype)
+            return
         self.k_buffer[layer_id][loc] = k.to(self.dtype)
         self.v_buffer[layer_id][loc] = v.to(self.dtype)

@@ -303,9 +303,13 @@ class RotaryEmbedding(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         loc: torch.Tensor,
+        kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
-        """Rotate q (returned) and write rotated k and v into the caches at `loc`, in one launch."""
-        return _kernels().rotary_and_store_kv(q, k, v, positions, self.cos_cache, self.sin_cache, k_cache, v_cache, loc)
+        """Rotate q (returned) and write rotated k and v into the caches at `loc`, in one launch (an FP8
+        cache: divided by `kv_scales`, its layer's (k_scale, v_scale))."""
+        return _kernels().rotary_and_store_kv(
+            q, k, v, positions, self.cos_cache, self.sin_cache, k_cache, v_cache, loc, kv_scales
+        )
 
 
 def rotary_torch(

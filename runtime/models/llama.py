@@ -43,6 +43,9 @@ from .parallel import (
     vocab_shard,
 )
 
+# Checkpoint tensors that are the KV cache's scales, not weights (executor/kv_scales.py reads them).
+_KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = ONE_RANK):
@@ -78,11 +81,19 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         layer = self.spec.layer_id
-        if self.rotary.fuses_kv_store(q) and fb.kv_pool.k_buffer[layer].dtype == k.dtype:
+        if self.rotary.fuses_kv_store(q) and fb.kv_pool.stores_from(k.dtype):
             # NOTE: one launch instead of three (rotary, K store, V store): at decode batch 1 each
-            # launch costs more than its work.
+            # launch costs more than its work. An FP8 pool's K/V are quantized by the same kernel.
+            pool = fb.kv_pool
             q = self.rotary.rotate_and_store_kv(
-                positions, q, k, v, fb.kv_pool.k_buffer[layer], fb.kv_pool.v_buffer[layer], fb.out_cache_loc
+                positions,
+                q,
+                k,
+                v,
+                pool.k_buffer[layer],
+                pool.v_buffer[layer],
+                fb.out_cache_loc,
+                pool.layer_scales(layer),
             )
             o = fb.attn_backend.forward(q, None, None, self.spec, fb, kv_stored=True)  # (T, H * D)
         else:
@@ -280,8 +291,8 @@ class LlamaForCausalLM(nn.Module):
         loaded = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
-                continue
+            if "rotary_emb.inv_freq" in name or name.endswith(_KV_SCALE_SUFFIXES):
+                continue  # (KV-cache scales are the KV pool's: executor/kv_scales.py reads them)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             for part, (fused, idx) in self._STACKED.items():

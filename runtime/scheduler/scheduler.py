@@ -197,6 +197,7 @@ class Scheduler:
             attention_backend=r.attention_backend,
             eos_token_ids=list(self.eos_token_ids),
             quantization=r.quantization,
+            kv_cache_dtype=r.kv_cache_dtype or str(r.dtype).replace("torch.", ""),
             cpu_features=list(r.cpu_features),
             startup_marks=dict(self.startup_marks),
         )

@@ -24,6 +24,10 @@ from `seq_lens` and a host-side cap that depends only on the batch size, so ther
 metadata kernel and no host sync, and a captured CUDA graph stays valid for any sequence lengths.
 
 Empty requests (seq_len == 0, e.g. CUDA-graph padding) produce an all-zero output.
+
+An FP8 pool (`kv_scales`) is read as it is stored: its rows are widened to q's dtype in the kernel, K's scale
+folds into the softmax scale and V's into the output (a constexpr switch: a pool in q's dtype compiles to
+exactly the kernel it had without it).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import triton.language as tl
 from ...kernels.launch import pdl_launch_args, pdl_wait_then_release
 from .decode_config import DecodeConfig, decode_scratch_numel
 from .decode_merge import PrefixPartials, merge_partials, split_count, suffix_start
+from .kv_scale_args import kv_scale_args
 
 _LOG2E = 1.4426950408889634
 
@@ -53,6 +58,8 @@ def _decode_stage1_kernel(
     PartialO,
     PartialLse,
     Out,
+    KScale,
+    VScale,
     sm_scale_log2,
     split_cap,
     stride_qb,
@@ -79,9 +86,12 @@ def _decode_stage1_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait_then_release(USE_PDL)
+    if KV_SCALED:  # an FP8 pool: K's scale folds into the softmax scale, V's into the output (below)
+        sm_scale_log2 = sm_scale_log2 * tl.load(KScale)
     # NOTE: the KV-head group is the grid's fastest axis, so the programs of one request's KV heads are
     # launched side by side and read the same tokens' K/V rows (heads are adjacent in a row) at the same time.
     kv_group = tl.program_id(0)
@@ -144,6 +154,8 @@ def _decode_stage1_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        if KV_SCALED:
+            acc = acc * tl.load(VScale)
         if DIRECT_OUT:  # the only split: this is the output (what stage 2 would compute from it, bit for bit)
             tl.store(
                 Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
@@ -178,10 +190,12 @@ def decode_attention(
     scratch: torch.Tensor | None = None,  # flat fp32, >= decode_scratch_numel(...) elements
     prefix: Optional[PrefixPartials] = None,  # shared-prefix partials to merge; stage 1 starts after them
     before_merge: Optional[Callable[[], None]] = None,  # called between the stages (a stream join)
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,  # an FP8 pool's layer (k_scale, v_scale), 0-d
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     _check_decode_args(q, k_buffer, v_buffer, out, num_kv_heads)
+    k_scale, v_scale = kv_scale_args(k_buffer, kv_scales)
     if batch == 0:
         return out
     split_cap = cfg.split_cap(batch, num_kv_heads)
@@ -226,6 +240,8 @@ def decode_attention(
         partial_o,
         partial_lse,
         out,
+        k_scale,
+        v_scale,
         sm_scale * _LOG2E,
         split_cap,
         q.stride(0),
@@ -252,6 +268,7 @@ def decode_attention(
         DOT_PRECISION=precision,
         HAS_PREFIX=prefix is not None,
         DIRECT_OUT=direct,
+        KV_SCALED=kv_scales is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,

@@ -22,6 +22,8 @@ tokens are the last. New token e sees tree column c where `tree_mask[mask_offset
 is set: its ancestors and itself. A target verify step scores whole trees (extend = tree); a draft
 model's tree step adds one level to a tree drafted so far. The key range then splits into the prefix,
 unmasked, and the tree columns, masked by the tree. Chains need no mask: the plain kernel runs them.
+
+An FP8 pool (`kv_scales`) is dequantized in the kernel as in decode_attention.py (constexpr `KV_SCALED`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .kv_scale_args import kv_scale_args
 
 _LOG2E = 1.4426950408889634
 
@@ -112,6 +116,8 @@ def _extend_attention_kernel(
     TreeLens,  # TREE only: (B,) tree columns
     TreeMask,  # TREE only: (sum E_b * N_b,) uint8, row-major per request
     MaskOffsets,  # TREE only: (B,) int64
+    KScale,  # KV_SCALED only: the FP8 pool's layer scales, () float32
+    VScale,
     sm_scale_log2,
     stride_qt,
     stride_qh,
@@ -130,6 +136,7 @@ def _extend_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TREE: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,6 +144,8 @@ def _extend_attention_kernel(
     ext_len = tl.load(ExtendLens + b).to(tl.int32)
 
     if m_start < ext_len:
+        if KV_SCALED:  # an FP8 pool: K's scale folds into the softmax scale, V's into the output (below)
+            sm_scale_log2 = sm_scale_log2 * tl.load(KScale)
         prefix_len = tl.load(PrefixLens + b).to(tl.int32)
         q_start = tl.load(ExtendStart + b).to(tl.int64)
         req = tl.load(ReqPoolIndices + b).to(tl.int64)
@@ -253,6 +262,8 @@ def _extend_attention_kernel(
                 )
 
         out = acc / l_i[:, None]
+        if KV_SCALED:
+            out = out * tl.load(VScale)
         o_off = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
@@ -280,6 +291,7 @@ def extend_attention(
     sm_scale: float,
     cfg: ExtendConfig | None = None,
     tree: TreeMasks | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 pool's layer (k_scale, v_scale), 0-d
 ) -> torch.Tensor:
     """Causal extend attention, or with `tree` each request's new tokens over its prefix and draft tree."""
     num_tokens, num_heads, head_dim = q.shape
@@ -292,6 +304,7 @@ def extend_attention(
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
     if q.stride(2) != 1 or out.stride(2) != 1 or k_buffer.stride(2) != 1 or v_buffer.stride(2) != 1:
         raise ValueError("q, out and the KV buffers must be contiguous in head_dim")
+    k_scale, v_scale = kv_scale_args(k_buffer, kv_scales)
     batch = req_pool_indices.shape[0]
     if batch == 0 or num_tokens == 0 or max_extend_len <= 0:
         return out
@@ -316,6 +329,8 @@ def extend_attention(
         t.tree_lens,
         t.tree_mask,
         t.mask_offsets,
+        k_scale,
+        v_scale,
         sm_scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -334,6 +349,7 @@ def extend_attention(
         BLOCK_N=cfg.block_n,
         DOT_PRECISION=precision,
         TREE=tree is not None,
+        KV_SCALED=kv_scales is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -356,6 +372,7 @@ def tree_attention(
     max_extend_len: int,
     sm_scale: float,
     cfg: ExtendConfig | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Draft-tree attention: the extend kernel's tree branch (see the module doc)."""
     tree = TreeMasks(tree_lens, tree_mask, mask_offsets)
@@ -373,4 +390,5 @@ def tree_attention(
         sm_scale,
         cfg,
         tree,
+        kv_scales,
     )

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_scale_args import kv_scale_args
+
 _LOG2E = 1.4426950408889634
 
 # Columns of the groups table (see the module docstring).
@@ -90,6 +92,8 @@ def _prefix_attention_kernel(
     WorkLen,
     PartialO,
     PartialLse,
+    KScale,
+    VScale,
     sm_scale_log2,
     num_programs,
     stride_qb,
@@ -112,7 +116,10 @@ def _prefix_attention_kernel(
     GROUP_FIELDS: tl.constexpr,
     WORK_FIELDS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
+    if KV_SCALED:  # an FP8 pool: K's scale folds into the softmax scale, V's into the output (below)
+        sm_scale_log2 = sm_scale_log2 * tl.load(KScale)
     # Persistent: program p takes items p, p + num_programs, ... of (work item x KV head); the KV
     # heads of one work item are consecutive items (same prefix slots, same query rows' neighbours).
     total = tl.load(WorkLen) * NUM_KV_HEADS
@@ -175,6 +182,8 @@ def _prefix_attention_kernel(
         has_keys = l_i > 0
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        if KV_SCALED:
+            o = o * tl.load(VScale)
         slot = (slot_base + local * num_splits + split).to(tl.int64)  # (BLOCK_M,)
         tl.store(
             PartialO + slot[:, None] * stride_pos + heads[:, None] * stride_poh + offs_d[None, :],
@@ -221,6 +230,7 @@ def prefix_attention(
     partial_lse: torch.Tensor,  # (slots, H) fp32, written
     sm_scale: float,
     cfg: PrefixConfig,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 pool's layer (k_scale, v_scale), 0-d
 ) -> None:
     """Attention of every grouped request's query over its group's shared prefix, as partials."""
     _, num_heads, head_dim = q.shape
@@ -231,6 +241,7 @@ def prefix_attention(
         raise ValueError("q and the KV buffers must be contiguous in head_dim")
     if partial_o.stride(2) != 1 or tuple(partial_o.shape[1:]) != (num_heads, head_dim):
         raise ValueError(f"prefix partials {tuple(partial_o.shape)} do not match (slots, {num_heads}, {head_dim})")
+    k_scale, v_scale = kv_scale_args(k_buffer, kv_scales)
     # NOTE: the grid depends only on the tables' capacity (a captured graph replays it for any work
     # list); with no work each program reads work_len and exits.
     programs = min(cfg.num_programs, tables.work.shape[0] * num_kv_heads)
@@ -248,6 +259,8 @@ def prefix_attention(
         tables.work_len,
         partial_o,
         partial_lse,
+        k_scale,
+        v_scale,
         sm_scale * _LOG2E,
         programs,
         q.stride(0),
@@ -270,6 +283,7 @@ def prefix_attention(
         GROUP_FIELDS=GROUP_FIELDS,
         WORK_FIELDS=WORK_FIELDS,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_SCALED=kv_scales is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
