@@ -154,3 +154,35 @@ def test_fp8_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch):
     fp8.check_fp8_device("cuda", torch.bfloat16)  # Hopper: fine
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         fp8.check_fp8_device("cuda", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gpu_random_model_in_fp8_agrees_with_bf16(tmp_path, arch):
+    """The GPU's FP8 paths (the Triton decode matmul, `_scaled_mm` for prefill rows) against bf16, with the
+    CPU's bounds (FP8's error dominates bf16's)."""
+    from conftest import make_random_model
+
+    path = make_random_model(str(tmp_path / arch), arch)
+    reference, _ = _top1_and_logprobs(path, device="cuda")
+    ours, info = _top1_and_logprobs(path, device="cuda", quantization="fp8")
+    assert info["quantization"] == "fp8"
+    pairs = [(a, b) for p, q in zip(ours, reference) for a, b in zip(p, q)]
+    diffs = [abs(a[1] - b[1]) for a, b in pairs if a[0] == b[0]]
+    assert sum(a[0] == b[0] for a, b in pairs) / len(pairs) >= MIN_TOP1_AGREEMENT
+    assert max(diffs) <= MAX_LOGPROB_DIFF and sum(diffs) / len(diffs) <= MEAN_LOGPROB_DIFF
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cuda_graphs_give_the_eager_tokens(tmp_path):
+    from conftest import make_random_model
+
+    path = make_random_model(str(tmp_path / "llama"), "llama")
+    prompts = PROMPTS + [[7] * 3, list(range(2, 60))]
+    greedy = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    outs = {}
+    for graphs in (True, False):
+        with Engine(model_path=path, device="cuda", quantization="fp8", disable_cuda_graph=not graphs) as eng:
+            outs[graphs] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=greedy)]
+            assert eng.check_integrity()
+    assert outs[True] == outs[False]
