@@ -31,8 +31,8 @@ class ServerArgs:
     tokenizer_path: Optional[str] = None
     load_format: str = "auto"
     dtype: str = "auto"
-    # Weight-only quantization of the linear layers on the CPU (runtime/quant/): "int8" (per output
-    # channel), "int4" (per group of 32 columns); None keeps the weights in `dtype`.
+    # The linear layers' weights (runtime/quant/): "fp8" (GPU FP8 tensor cores; implied by an FP8 checkpoint),
+    # CPU weight-only "int8" (per output channel), "int4" (per group of 32 columns); None keeps `dtype`.
     quantization: Optional[str] = None
     device: str = "auto"
     context_length: Optional[int] = None

@@ -72,22 +72,32 @@ def check_lora_settings(sa: Any) -> None:
             )
 
 
-# `quantization`'s names (runtime/quant/apply.py builds their layers).
-QUANTIZATIONS = ("int8", "int4")
+# `quantization`'s names (runtime/quant/apply.py builds their layers): the CPU's weight-only int8 / int4 and
+# the GPU's FP8 (FP8 tensor cores; on the CPU torch's reference FP8 matmul, for tests).
+QUANTIZATIONS = ("int8", "int4", "fp8")
 
 
 def check_quantization(sa: Any) -> None:
-    """ValueError for a `quantization` that is unknown or cannot run with the other settings: its kernels
-    are torch's CPU ones, for one whole model in float32 or bfloat16 activations."""
+    """ValueError for a `quantization` that is unknown or cannot run with the other settings: int8 / int4
+    run torch's CPU kernels for one whole model in float32 or bfloat16 activations; fp8 runs on FP8
+    tensor cores (the device's capability is checked where the device is known: quant/cpu_features.py)
+    with half-precision activations, split over ranks with each shard's scales."""
     method = sa.quantization
     if method is None:
         return
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} (or None: off), got {method!r}")
+    if method == "fp8":
+        if sa.device == "cuda" and sa.dtype == "float32":
+            raise ValueError(
+                "quantization=fp8 on a GPU computes in bfloat16 or float16 (FP8 tensor cores write no float32); "
+                "set dtype auto, bfloat16 or float16"
+            )
+        return
     if sa.device == "cuda":
         raise ValueError(
-            f"quantization={method} runs on the CPU only (torch's packed CPU kernels); on a GPU leave it "
-            "unset (bf16 weights)"
+            f"quantization={method} runs on the CPU only (torch's packed CPU kernels); on a GPU use fp8 or leave "
+            "it unset (bf16 weights)"
         )
     if sa.dtype == "float16":
         raise ValueError(f"quantization={method} keeps activations in float32 or bfloat16; got dtype float16")

@@ -12,6 +12,8 @@ on a static batch of the same shape, and against a memory-bandwidth roofline mea
     python benchmarks/engine/bench_offline.py                       # CPU, default model
     python benchmarks/engine/bench_offline.py --precision float32 --precision bfloat16 --precision int8 --rounds 2
     python benchmarks/engine/bench_offline.py --model llama-3.1-8b --workload offline
+    python benchmarks/engine/bench_offline.py --model llama-3.1-8b --workload offline batch64 single \
+        --quantization fp8 --skip-transformers
 """
 
 from __future__ import annotations
@@ -165,12 +167,15 @@ def run_gpu(args) -> list[dict]:
     from plait.runtime.models.config import BUILTIN_SHAPES, ModelConfig
 
     cfg = ModelConfig.from_dict(BUILTIN_SHAPES[args.model])
-    n_params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.num_hidden_layers * (
+    embed_params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    linear_params = cfg.num_hidden_layers * (
         cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
         + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
         + 3 * cfg.hidden_size * cfg.intermediate_size
     )
-    weight_bytes = 2 * n_params
+    n_params = embed_params + linear_params
+    # FP8 weights: one byte per weight of the layers' matrices; the embedding and the LM head stay bf16.
+    weight_bytes = 2 * embed_params + (1 if args.quantization == "fp8" else 2) * linear_params
     kv_tok = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16)
     bw, flops = copy_bandwidth(), matmul_flops()
     engine_args = parse_engine_args(args.engine_arg)
@@ -182,6 +187,7 @@ def run_gpu(args) -> list[dict]:
         disable_cuda_graph=args.disable_cuda_graph,
         attention_backend=args.attention_backend,
         enable_step_timing=True,
+        quantization=args.quantization,
         **engine_args,
     ) as eng:
         eng.generate(
@@ -194,6 +200,7 @@ def run_gpu(args) -> list[dict]:
                 "bench": f"offline-gpu-{workload}",
                 "model": args.model,
                 "gpu": torch.cuda.get_device_name(),
+                "quantization": args.quantization or "none",
                 "requests": len(reqs),
                 "input_tokens": sum(len(i) for i, _ in reqs),
                 "output_tokens": sum(o for _, o in reqs),
@@ -297,6 +304,12 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="any other ServerArgs field for the Engine (GPU), e.g. --engine-arg chunked_prefill_size=4096",
     )
+    p.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        default=None,
+        help="GPU: the Engine's weights (fp8: FP8 weights quantized at load; default: bf16); transformers stays bf16",
+    )
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument(
         "--precision",
@@ -311,7 +324,8 @@ def main() -> None:
         save("bench_offline_cpu", res)
     else:
         for res in run_gpu(args):
-            save(f"bench_offline_{args.model}_{res['bench'].removeprefix('offline-gpu-')}", res)
+            suffix = f"_{args.quantization}" if args.quantization else ""
+            save(f"bench_offline_{args.model}_{res['bench'].removeprefix('offline-gpu-')}{suffix}", res)
 
 
 if __name__ == "__main__":

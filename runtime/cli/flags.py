@@ -77,8 +77,8 @@ CLI_HELP = {
     "tokenizer_path": "a tokenizer folder other than the model's",
     "load_format": "auto: safetensors from the folder; dummy: random weights at the model's shape",
     "dtype": "auto: on CUDA float16 for a float16 checkpoint, else bfloat16; float32 on the CPU",
-    "quantization": "CPU weight-only quantization of the linear layers: int8 (per output channel) or int4 "
-    "(groups of 32); default: off (the weights in --dtype)",
+    "quantization": "the linear layers' weights: fp8 (GPU FP8 tensor cores, per-channel scales; implied by an FP8 "
+    "checkpoint), or CPU weight-only int8 (per output channel) / int4 (groups of 32); default: off (--dtype)",
     "device": "auto: CUDA when available",
     "context_length": "longest prompt + output of a request (default: the model's)",
     "served_model_name": "model name the APIs report (default: the model path as given)",

@@ -15,6 +15,7 @@ from ..models import model_class
 from ..models.config import ModelConfig
 from ..models.llama import LlamaForCausalLM
 from ..models.parallel import ModelParallel, read_slice
+from ..quant.checkpoint import fp8_layers_for_checkpoint
 
 # (what a folder holds is read in model_files.py, which the engine process imports without torch)
 from .model_files import check_is_folder, load_model_config, load_tokenizer  # noqa: F401
@@ -122,6 +123,15 @@ def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
                 p.uniform_(-0.02, 0.02)
 
 
+def _checkpoint_modules(module: str) -> list[str]:
+    """A model module's name -> the checkpoint modules it holds (HF's names): a fused QKV or gate-up is its
+    parts (LlamaForCausalLM.FUSED_PARTS), a layer's modules are under "model."."""
+    owner, _, attr = module.rpartition(".")
+    parts = LlamaForCausalLM.FUSED_PARTS.get(attr, (attr,))
+    prefix = "model." if module.startswith("layers.") else ""
+    return [f"{prefix}{owner}.{part}" if owner else f"{prefix}{part}" for part in parts]
+
+
 @contextlib.contextmanager
 def _no_init(enabled: bool) -> Iterator[None]:
     """Linear and embedding layers built without their random init, when the checkpoint overwrites every
@@ -165,8 +175,10 @@ def load_model(
     finally:
         torch.set_default_dtype(old)
     if load_format == "dummy":
-        _fill_dummy(model, seed)
+        _fill_dummy(model, seed)  # (an FP8 config's dummy weights are quantized after: quantization fp8)
     else:
+        if cfg.fp8_checkpoint is not None:  # its layers' FP8 codes and scales load as they are
+            fp8_layers_for_checkpoint(model, cfg.fp8_checkpoint, dtype, _checkpoint_modules)
         model.load_weights(_iter_safetensors(files, model))
     if torch.device(device).type == "cuda":
         from ..models.layers import share_split_k_workspace

@@ -24,10 +24,12 @@ from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from ..lora.adapter import LoraShapes
 from ..lora.slots import LoraSlots
 from ..models.config import ModelConfig
+from ..models.layers import share_split_k_workspace
 from ..models.llama import LlamaForCausalLM
 from ..models.parallel import ModelParallel, shard_heads
 from ..quant.apply import quantize_linears
 from ..quant.cpu_features import check_cpu_precision, cpu_features
+from ..quant.fp8 import check_fp8_device
 from ..server_args import ServerArgs
 from ..step import StepInput, StepOutput
 from .cuda_graphs import CudaGraphRunner
@@ -77,9 +79,15 @@ class ModelRunner:
         dtype = sa.resolved_dtype(cfg.checkpoint_dtype)
         context_len = cfg.resolve_context_length(sa.context_length)
         model = load_model(model_path, cfg, sa.load_format, dtype, device, context_len, sa.random_seed, parallel)
-        check_cpu_precision(sa.quantization, dtype, device)
-        if sa.quantization is not None:
-            quantize_linears(model, sa.quantization, dtype)  # int8 / int4 weights (runtime/quant/)
+        quantization = resolve_quantization(sa.quantization, cfg)
+        check_cpu_precision(quantization, dtype, device)
+        if quantization == "fp8":
+            check_fp8_device(device, dtype, parallel.device_index)
+        if quantization is not None:
+            quantize_linears(model, quantization, dtype)  # int8 / int4 / fp8 weights (runtime/quant/)
+            if device == "cuda":
+                share_split_k_workspace(model)  # the new layers too
+                torch.cuda.empty_cache()  # the float weights' memory back to the device, for the KV pool
         # LoRA adapters' device slots (with enable_lora), before the KV pool takes what memory is left.
         self.lora = LoraSlots.for_server(sa, LoraShapes.of(cfg), dtype, device)
 
@@ -123,7 +131,7 @@ class ModelRunner:
             tp_size=parallel.tp.size,
             kv_cache_bytes=kv_pool.nbytes(),
             weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            quantization=sa.quantization or "none",
+            quantization=quantization or "none",
             kv_cache_dtype=kv_dtype_name(kv_dtype),
             cpu_features=tuple(cpu_features().describe()) if device == "cpu" else (),
         )
@@ -225,6 +233,19 @@ class ModelRunner:
         with using_kernels(f.kernel_choices):
             rows = f.upload_rows(step.sample_rows)
             return self.sampler.sample_step(step, f.model.compute_logits, hidden, sample_rows_t=rows)
+
+
+def resolve_quantization(requested: Optional[str], cfg: ModelConfig) -> Optional[str]:
+    """The weights' quantization: `requested` (ServerArgs.quantization), or fp8 for an FP8 checkpoint, which
+    takes no other (its weights are FP8 already; a ValueError names the clash)."""
+    if cfg.fp8_checkpoint is None:
+        return requested
+    if requested not in (None, "fp8"):
+        raise ValueError(
+            f"quantization={requested} with an FP8 checkpoint (config.json's quantization_config: "
+            f"{cfg.fp8_checkpoint.method}); leave quantization unset or fp8"
+        )
+    return "fp8"
 
 
 def kv_pool_tokens(server_args: ServerArgs, device: str, bytes_per_token: int) -> int:

@@ -29,7 +29,7 @@ class RunnerInfo:
     # Device memory held (get_stats reports them): the KV cache's and the weights' (one rank's shard).
     kv_cache_bytes: int = 0
     weight_bytes: int = 0
-    quantization: str = "none"  # the linear layers' weights: "int8", "int4" or "none" (in `dtype`)
+    quantization: str = "none"  # the linear layers' weights: "int8", "int4", "fp8" or "none" (in `dtype`)
     kv_cache_dtype: str = ""  # what the KV pool stores: "fp8_e4m3", "fp8_e5m2", or a dtype's name ("bfloat16")
     cpu_features: tuple[str, ...] = ()  # on the CPU: its low-precision features (quant/cpu_features.py)
 

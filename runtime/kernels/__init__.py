@@ -1,6 +1,6 @@
 """Fused Triton kernels for the small per-layer ops (RMSNorm(+residual), rotary, SiLU-and-mul), the
 one-row decode matmuls (plain, or with the norm / SiLU-and-mul before them folded in), and the tensor-core
-matmul for decode batches of a few dozen rows.
+matmuls for decode batches of a few dozen rows (bf16 weights, and FP8 weights widened in registers).
 
 They run on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1, for tests). Importing this
 package imports triton; `runtime/models/layers.py` imports it only when a fused op is actually used,
@@ -10,6 +10,7 @@ no host sync, so all of them can be captured in a CUDA graph.
 
 from .activation import silu_and_mul
 from .decode_gemm import SplitKWorkspace, decode_gemm
+from .fp8_gemm import fp8_gemm
 from .gemv import gemv
 from .gemv_fused import gemv_row, rmsnorm_gemv, silu_mul_gemv
 from .rmsnorm import fused_add_rmsnorm, rmsnorm
@@ -18,6 +19,7 @@ from .rotary import rotary_and_store_kv, rotary_inplace
 __all__ = [
     "SplitKWorkspace",
     "decode_gemm",
+    "fp8_gemm",
     "fused_add_rmsnorm",
     "gemv",
     "gemv_row",

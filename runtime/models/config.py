@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..quant.checkpoint import Fp8CheckpointFormat
 from .vision_config import LlavaVision
 
 SUPPORTED_ARCHITECTURES = {
@@ -57,6 +58,9 @@ class ModelConfig:
     # The dtype the checkpoint was saved in ("bfloat16", "float16", "float32"; None when unsaid): dtype
     # "auto" keeps a float16 checkpoint in float16 on the GPU (its weights may not fit bfloat16's precision).
     checkpoint_dtype: Optional[str] = None
+    # An FP8 checkpoint's format (config.json's quantization_config; runtime/quant/checkpoint.py): its linear
+    # layers are loaded as FP8, and `quantization` is fp8 whether or not it was asked for.
+    fp8_checkpoint: Optional[Fp8CheckpointFormat] = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -104,6 +108,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_checkpoint_dtype(cfg),
+            fp8_checkpoint=Fp8CheckpointFormat.parse(cfg.get("quantization_config"), source),
             raw=cfg,
         )
 
@@ -200,11 +205,11 @@ def _check_supported(cfg: dict[str, Any], arch: str, source: str) -> None:
     """Settings a supported architecture may carry that plait does not implement: an error, never
     silently different numbers."""
     quant = cfg.get("quantization_config")
-    if quant:
+    if quant and Fp8CheckpointFormat.parse(quant, source) is None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise ValueError(
             f"{source}: quantized checkpoints ({method}) are not supported; plait loads "
-            f"float32/float16/bfloat16 weights"
+            f"float32/float16/bfloat16 weights and FP8 ones (quant_method fp8, or compressed-tensors float-quantized)"
         )
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernel_choices import current as kernel_choices
+from ..quant.fp8 import Fp8Linear
 from ..quant.linear import QuantizedLinear
 
 
@@ -53,6 +54,12 @@ SKINNY_MATMUL_ROWS = 1
 DECODE_GEMM_ROWS = 32
 DECODE_GEMM_ROWS_WIDE = 64
 WIDE_MATRIX_N = 65536
+# Rows up to which an FP8 layer on CUDA takes the FP8-weight decode matmul (runtime/kernels/fp8_gemm.py:
+# bf16 rows, FP8 weights widened in registers) instead of torch._scaled_mm; the same `decode_gemm` kernel
+# choice switches it. Set from reading, to be measured (bench_fp8_linear.py): up to its 64 rows the matmul
+# is bound by the weight bytes both read alike, and _scaled_mm also quantizes the rows first (a few
+# elementwise launches per layer, which at decode batch sizes cost more than the matmul).
+FP8_DECODE_ROWS = 64
 
 
 def skinny_linear(
@@ -67,7 +74,25 @@ def skinny_linear(
     `out` ((*x.shape[:-1], N); its dtype is the output dtype): the result is written there and returned,
     at no extra pass: the Triton matmuls write it directly, the matmul library's bf16 result is cast
     into it (the cast the path without `out` makes anyway). A CUDA graph's shared logits buffer."""
-    if isinstance(layer, QuantizedLinear):  # low-precision weights on the CPU (runtime/quant/)
+    if (
+        isinstance(layer, Fp8Linear)
+        and x.is_cuda
+        and x.dim() == 2
+        and 0 < x.shape[0] <= FP8_DECODE_ROWS
+        and x.stride(-1) == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and kernel_choices().decode_gemm
+    ):
+        return _kernels().fp8_gemm(
+            x,
+            layer.weight,
+            layer.weight_scale,
+            layer.bias,
+            workspace=_split_k_workspace(layer),
+            out_dtype=out_dtype,
+            out=out,
+        )
+    if isinstance(layer, QuantizedLinear):  # low-precision weights (runtime/quant/): CPU int8 / int4, FP8
         if out is None:
             return layer.linear(x, out_dtype)
         _check_linear_out(out, x, layer.weight, out_dtype)  # (its codes: N rows, whatever the packing)
@@ -89,9 +114,7 @@ def skinny_linear(
             rows <= (DECODE_GEMM_ROWS_WIDE if weight.shape[0] >= WIDE_MATRIX_N else DECODE_GEMM_ROWS)
             and kernel_choices().decode_gemm
         ):
-            workspace = getattr(layer, "split_k_workspace", None)
-            if workspace is None:
-                workspace = layer.split_k_workspace = _kernels().SplitKWorkspace()
+            workspace = _split_k_workspace(layer)
             return _kernels().decode_gemm(x, weight, workspace=workspace, out_dtype=out_dtype, out=out, bias=bias)
     if out is None:
         y = F.linear(x, weight, bias)
@@ -100,6 +123,13 @@ def skinny_linear(
         # No cast to make: the matmul F.linear runs for 2-D input, writing `out` itself.
         return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
     return out.copy_(F.linear(x, weight, bias))
+
+
+def _split_k_workspace(layer: nn.Module):
+    workspace = getattr(layer, "split_k_workspace", None)
+    if workspace is None:
+        workspace = layer.split_k_workspace = _kernels().SplitKWorkspace()
+    return workspace
 
 
 def weight_rows(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -118,7 +148,7 @@ def share_split_k_workspace(model: nn.Module) -> None:
 
     workspace = None
     for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding, QuantizedLinear)):
             workspace = workspace or SplitKWorkspace()
             module.split_k_workspace = workspace
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
+from ..quant.checkpoint import SCALE_SUFFIXES, copy_checkpoint_tensor
 from . import layers
 from .config import ModelConfig
 from .layers import (
@@ -268,6 +269,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # A fused module -> its checkpoint parts in order (an FP8 checkpoint's ignore list names the parts).
+    FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def text_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         """The decoder's parameters, which `load_weights` fills and checks (a VLM's tower loads apart)."""
@@ -301,7 +304,9 @@ class LlamaForCausalLM(nn.Module):
                     if target not in params:
                         raise ValueError(_unexpected(name, cfg))
                     start, size = offsets[fused][idx]
-                    _copy_checked(params[target].data[start : start + size], tensor, name)
+                    dst = params[target].data
+                    # (an FP8 layer's static input scale is one for the fused matmul: not split by rows)
+                    _copy_checked(dst if name.endswith("input_scale") else dst[start : start + size], tensor, name)
                     loaded.add(f"{target}#{idx}")
                     break
             else:
@@ -316,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         expected = set()
         for pname in params:
             fused = next(
-                (f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in pname and pname.endswith("weight")), None
+                (f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in pname and pname.endswith(_PER_PART)), None
             )
             if fused == "qkv_proj":
                 expected |= {f"{pname}#{i}" for i in range(3)}
@@ -333,6 +338,10 @@ class LlamaForCausalLM(nn.Module):
                 if "lm_head.weight" in missing
                 else ""
             )
+            scales = [m for m in missing if m.partition("#")[0].endswith(SCALE_SUFFIXES)]
+            if scales:  # named first: a scale missing is the FP8 checkpoint's fault, not the config's shape
+                missing = scales + [m for m in missing if m not in scales]
+                hint = " (config.json's quantization_config says FP8: each quantized layer needs its scales)"
             raise ValueError(
                 f"checkpoint is missing {len(missing)} weight(s) that a {cfg.architecture} with this "
                 f"config.json has, e.g. {[self._checkpoint_name(m) for m in missing[:3]]}{hint}"
@@ -352,7 +361,15 @@ class LlamaForCausalLM(nn.Module):
         return name if name == "lm_head.weight" else "model." + name
 
 
+# A fused layer's parameters that each checkpoint part fills: its rows of the weight (and of an FP8
+# layer's weight scales), and an FP8 layer's input scale (the largest of the parts').
+_PER_PART = ("weight", "weight_scale", "input_scale")
+
+
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    with torch.no_grad():
+        if copy_checkpoint_tensor(dst, src, name):  # FP8 codes and scales (runtime/quant/checkpoint.py)
+            return
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(
             f"checkpoint weight {name!r} has shape {tuple(src.shape)} where config.json implies "

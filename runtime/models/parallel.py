@@ -295,6 +295,11 @@ def read_slice(handle, name: str, read: CheckpointRead) -> torch.Tensor:
     if read.dim is None:
         return handle.get_tensor(name)
     part = handle.get_slice(name)
+    shape = part.get_shape()
+    if name.endswith("_scale") and (len(shape) <= read.dim or shape[read.dim] == 1):
+        # An FP8 layer's per-tensor scale: every rank's slice of the layer shares it (a per-channel one,
+        # (N, 1), is sliced with its rows like the weight).
+        return handle.get_tensor(name)
     if read.dim == 0:
         return part[read.start : read.stop]
     return part[:, read.start : read.stop]

@@ -53,12 +53,12 @@ def cpu_features() -> CpuFeatures:
 
 
 def check_cpu_precision(quantization, dtype, device: str) -> None:
-    """The weights' precision against the device it resolved to: quantization is the CPU's (ValueError on
-    a GPU), and bfloat16 on a CPU without AVX512-BF16 or AMX is allowed but warned of (widened to float32
-    in software, it is slower than float32)."""
+    """The weights' precision against the device it resolved to: int8 / int4 are the CPU's (ValueError on
+    a GPU; fp8 is checked by quant/fp8.check_fp8_device), and bfloat16 on a CPU without AVX512-BF16 or AMX
+    is allowed but warned of (widened to float32 in software, it is slower than float32)."""
     import torch
 
-    if quantization is not None and device != "cpu":
+    if quantization in ("int8", "int4") and device != "cpu":
         raise ValueError(f"quantization={quantization} runs on the CPU only; this engine resolved device {device}")
     if device == "cpu" and dtype == torch.bfloat16 and not cpu_features().fast_bf16:
         logger.warning(

@@ -1,0 +1,109 @@
+"""The FP8-weight decode matmul (runtime/kernels/fp8_gemm.py) against float64 over the dequantized weights:
+unsplit and split-K, bias, `out`, deterministic, counters back to zero. CPU interpreter at small sizes
+(its dot in float32: see the kernel's DOT_F32), the GPU at Llama-3.1-8B shapes in bf16, an FP8 layer's
+dispatch by rows (Triton kernel <= FP8_DECODE_ROWS, `_scaled_mm` above) and a CUDA graph of it."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from plait.runtime.quant.fp8 import Fp8Linear, quantize_per_channel
+
+torch.set_num_threads(1)
+
+
+def fg():
+    return importlib.import_module("plait.runtime.kernels.fp8_gemm")  # after conftest chose the interpreter
+
+
+def _operands(rows, n, k, device="cpu", dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    codes, scales = quantize_per_channel(torch.randn(n, k, generator=gen) * 0.02)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    ref = x.double() @ (codes.double() * scales.double()[:, None]).T  # (rows, n)
+    return x.to(device), codes.to(device), scales.to(device), bias.to(device), ref.to(device)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("rows", [1, 9, 40])
+@pytest.mark.parametrize("n,k,block_k,split", [(70, 96, 32, 1), (130, 512, 64, 3)])
+def test_fp8_gemm_matches_float64(rows, n, k, block_k, split):
+    m = fg()
+    from plait.runtime.kernels.decode_gemm import SplitKWorkspace
+
+    x, codes, scales, bias, ref = _operands(rows, n, k, seed=rows * 100 + n)
+    ws = SplitKWorkspace()
+    cfg = m.Fp8GemmConfig(block_n=64, block_k=block_k, split_k=split)
+    y1 = m.fp8_gemm(x, codes, scales, config=cfg, workspace=ws)
+    y2 = m.fp8_gemm(x, codes, scales, config=cfg, workspace=ws)
+    assert y1.shape == (rows, n) and y1.dtype == torch.bfloat16
+    assert rel_err(y1, ref) < 1e-2  # bf16 output rounding
+    assert torch.equal(y1, y2)  # the split-K reduction adds in a fixed order
+    assert int(ws.counters.abs().sum()) == 0
+    out = torch.empty(rows, n, dtype=torch.float32)
+    got = m.fp8_gemm(x, codes, scales, bias=bias, config=cfg, workspace=ws, out=out)
+    assert got is out and rel_err(out, ref + bias.double()) < 1e-5
+
+
+def test_fp8_gemm_refuses_wrong_operands():
+    m = fg()
+    x, codes, scales, _, _ = _operands(2, 64, 64)
+    with pytest.raises(ValueError, match="float8_e4m3fn weights"):
+        m.fp8_gemm(x, codes.float(), scales)
+    with pytest.raises(ValueError, match="weight_scale must be float32"):
+        m.fp8_gemm(x, codes, scales[:10])
+    with pytest.raises(ValueError, match="handles 1..64 rows"):
+        m.fp8_gemm(torch.zeros(65, 64, dtype=torch.bfloat16), codes, scales)
+
+
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down: (N, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 32, 64])
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+def test_gpu_fp8_gemm_real_shapes(rows, n, k):
+    m = fg()
+    from plait.runtime.kernels.decode_gemm import SplitKWorkspace
+
+    x, codes, scales, bias, ref = _operands(rows, n, k, device="cuda")
+    ws = SplitKWorkspace()
+    for cfg in (None, m.Fp8GemmConfig(block_n=128, block_k=128, split_k=4)):  # the default, a forced split
+        y = m.fp8_gemm(x, codes, scales, config=cfg, workspace=ws)
+        assert rel_err(y, ref) < 1e-2, cfg
+        assert int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_layer_dispatch_and_graph_capture():
+    from plait.runtime.models.layers import FP8_DECODE_ROWS, share_split_k_workspace, skinny_linear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        Fp8Linear.from_float(torch.randn(14336 // 2, 4096, device="cuda") * 0.02, None, torch.bfloat16)
+    )
+    share_split_k_workspace(model)
+    layer = model[0]
+    for rows in (1, 8, FP8_DECODE_ROWS, FP8_DECODE_ROWS + 1, 256):  # Triton up to the constant, _scaled_mm above
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ layer.dequantized().double().T
+        y = skinny_linear(x, layer)
+        assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 0.05, rows  # _scaled_mm quantizes x too
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    eager = skinny_linear(x, layer)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        skinny_linear(x, layer)  # warm-up (compile) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = skinny_linear(x, layer)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
