@@ -19,7 +19,6 @@ import torch.nn as nn
 
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
-from ..quant.checkpoint import SCALE_SUFFIXES, copy_checkpoint_tensor
 from . import layers
 from .config import ModelConfig
 from .layers import (
@@ -43,9 +42,7 @@ from .parallel import (
     shard_heads,
     vocab_shard,
 )
-
-# Checkpoint tensors that are the KV cache's scales, not weights (executor/kv_scales.py reads them).
-_KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
+from .weights import load_checkpoint_weights
 
 
 class Attention(nn.Module):
@@ -75,18 +72,23 @@ class Attention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """qkv (T, q + 2kv) -> attention output (T, H * D), before o_proj; stores this step's K/V."""
+        q = self.query_and_store(positions, qkv, fb)
+        return fb.attn_backend.forward(q, None, None, self.spec, fb, kv_stored=True)  # (T, H * D)
+
+    def query_and_store(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """qkv (T, q + 2kv) -> the rotated queries (T, H, D); this step's K/V rotated and stored in the pool
+        (what a piecewise CUDA graph holds of the attention: executor/piecewise_graphs.py)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        layer = self.spec.layer_id
-        if self.rotary.fuses_kv_store(q) and fb.kv_pool.stores_from(k.dtype):
+        layer, pool = self.spec.layer_id, fb.kv_pool
+        if self.rotary.fuses_kv_store(q) and pool.stores_from(k.dtype):
             # NOTE: one launch instead of three (rotary, K store, V store): at decode batch 1 each
             # launch costs more than its work. An FP8 pool's K/V are quantized by the same kernel.
-            pool = fb.kv_pool
-            q = self.rotary.rotate_and_store_kv(
+            return self.rotary.rotate_and_store_kv(
                 positions,
                 q,
                 k,
@@ -96,11 +98,9 @@ class Attention(nn.Module):
                 fb.out_cache_loc,
                 pool.layer_scales(layer),
             )
-            o = fb.attn_backend.forward(q, None, None, self.spec, fb, kv_stored=True)  # (T, H * D)
-        else:
-            q, k = self.rotary(positions, q, k)
-            o = fb.attn_backend.forward(q, k, v, self.spec, fb)
-        return o
+        q, k = self.rotary(positions, q, k)
+        pool.set_kv(layer, fb.out_cache_loc, k, v)
+        return q
 
 
 class MLP(nn.Module):
@@ -133,16 +133,36 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, h, residual, fb):
         if fb.lora is None and fuses_decode_row(h, self.mlp.down_proj.weight, self.input_layernorm.use_triton):
             return self._forward_one_row(positions, h, residual, fb)
+        if fb.lora is None:
+            q, residual = self.attention_input(positions, h, residual, fb)
+            return self.attention_output(
+                fb.attn_backend.forward(q, None, None, self.self_attn.spec, fb, True), residual
+            )
+        h, residual = self._input_norm(h, residual)
+        h = self.self_attn(positions, h, fb)  # (the projections with each row's LoRA adapter)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, fb), residual
+
+    def attention_input(self, positions, h, residual, fb):
+        """The layer up to its attention kernel: (rotated queries (T, H, D), the residual stream (T, hidden));
+        this step's K/V stored. `forward` without LoRA is this, the attention, then `attention_output`: a
+        piecewise CUDA graph (executor/piecewise_graphs.py) holds the two parts, the attention runs between."""
+        h, residual = self._input_norm(h, residual)
+        attn = self.self_attn
+        return attn.query_and_store(positions, skinny_linear(h, attn.qkv_proj), fb), residual
+
+    def attention_output(self, o, residual):
+        """The attention's output o (T, H * D) -> (the layer's output, the residual stream), both (T, hidden)."""
+        h = self.self_attn.tp.all_reduce(skinny_linear(o, self.self_attn.o_proj))  # (T, hidden)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+    def _input_norm(self, h, residual):
         # NOTE: on CUDA the norms add h into `residual` in place (fused kernel); residual starts as this
         # step's embedding output, a fresh buffer that nothing else reads.
         if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, fb)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, fb), residual
+            return self.input_layernorm(h), h
+        return self.input_layernorm(h, residual)
 
     def _forward_one_row(self, positions, h, residual, fb):
         # A batch-1 decode step: the norms run inside the matmuls after them and SiLU-and-mul inside the
@@ -262,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         return self.compute_logits(self.norm(h) if residual is None else self.norm(h, residual)[0], out=out)
 
     # ---- weights ----
-    _STACKED = {
+    STACKED = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),
@@ -282,105 +302,6 @@ class LlamaForCausalLM(nn.Module):
         return checkpoint_read(name, self.config, self.parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up into one matrix each. Split over ranks, the
-        tensors are this rank's slices under their local names (`checkpoint_read`)."""
-        params = dict(self.text_parameters())
-        cfg = self.config
-        hs = shard_heads(cfg, self.parallel.tp)  # this rank's heads and MLP columns
-        q, kv = hs.num_heads * cfg.head_dim, hs.num_kv_heads * cfg.head_dim
-        inter = cfg.intermediate_size // self.parallel.tp.size
-        vocab_parallel = self.parallel.tp.size > 1
-        offsets = {"qkv_proj": [(0, q), (q, kv), (q + kv, kv)], "gate_up_proj": [(0, inter), (inter, inter)]}
-        loaded = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or name.endswith(_KV_SCALE_SUFFIXES):
-                continue  # (KV-cache scales are the KV pool's: executor/kv_scales.py reads them)
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            for part, (fused, idx) in self._STACKED.items():
-                if f".{part}." in name:
-                    target = name.replace(part, fused)
-                    if target not in params:
-                        raise ValueError(_unexpected(name, cfg))
-                    start, size = offsets[fused][idx]
-                    dst = params[target].data
-                    # (an FP8 layer's static input scale is one for the fused matmul: not split by rows)
-                    _copy_checked(dst if name.endswith("input_scale") else dst[start : start + size], tensor, name)
-                    loaded.add(f"{target}#{idx}")
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(_unexpected(name, cfg))
-                dst = params[name].data
-                if vocab_parallel and name in ("embed_tokens.weight", "lm_head.weight"):
-                    dst[tensor.shape[0] :].zero_()  # the last shard's padding rows: never looked up, logits cut off
-                    dst = dst[: tensor.shape[0]]
-                _copy_checked(dst, tensor, name)
-                loaded.add(name)
-        expected = set()
-        for pname in params:
-            fused = next(
-                (f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in pname and pname.endswith(_PER_PART)), None
-            )
-            if fused == "qkv_proj":
-                expected |= {f"{pname}#{i}" for i in range(3)}
-            elif fused == "gate_up_proj":
-                expected |= {f"{pname}#{i}" for i in range(2)}
-            elif ".qkv_proj.bias" in pname:
-                expected |= {f"{pname}#{i}" for i in range(3)}
-            else:
-                expected.add(pname)
-        missing = sorted(expected - loaded)
-        if missing:
-            hint = (
-                " (config.json says tie_word_embeddings=false, so the checkpoint needs its own lm_head.weight)"
-                if "lm_head.weight" in missing
-                else ""
-            )
-            scales = [m for m in missing if m.partition("#")[0].endswith(SCALE_SUFFIXES)]
-            if scales:  # named first: a scale missing is the FP8 checkpoint's fault, not the config's shape
-                missing = scales + [m for m in missing if m not in scales]
-                hint = " (config.json's quantization_config says FP8: each quantized layer needs its scales)"
-            raise ValueError(
-                f"checkpoint is missing {len(missing)} weight(s) that a {cfg.architecture} with this "
-                f"config.json has, e.g. {[self._checkpoint_name(m) for m in missing[:3]]}{hint}"
-            )
-
-    def _checkpoint_name(self, loaded_key: str) -> str:
-        """A `loaded` key ('layers.0.self_attn.qkv_proj.weight#1') -> the checkpoint's name for it."""
-        name, _, idx = loaded_key.partition("#")
-        for part, (fused, i) in self._STACKED.items():
-            if idx and f".{fused}." in name and i == int(idx):
-                name = name.replace(fused, part)
-                break
-        stage = self.parallel.stage
-        if name.startswith("layers.") and stage.num_layers >= 0:  # a stage's local layer index -> the model's
-            layer, _, rest = name[len("layers.") :].partition(".")
-            name = f"layers.{int(layer) + stage.first_layer}.{rest}"
-        return name if name == "lm_head.weight" else "model." + name
-
-
-# A fused layer's parameters that each checkpoint part fills: its rows of the weight (and of an FP8
-# layer's weight scales), and an FP8 layer's input scale (the largest of the parts').
-_PER_PART = ("weight", "weight_scale", "input_scale")
-
-
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    with torch.no_grad():
-        if copy_checkpoint_tensor(dst, src, name):  # FP8 codes and scales (runtime/quant/checkpoint.py)
-            return
-    if tuple(src.shape) != tuple(dst.shape):
-        raise ValueError(
-            f"checkpoint weight {name!r} has shape {tuple(src.shape)} where config.json implies "
-            f"{tuple(dst.shape)}: the config and the weights are not of the same model"
-        )
-    with torch.no_grad():
-        dst.copy_(src)
-
-
-def _unexpected(name: str, cfg: ModelConfig) -> str:
-    return (
-        f"unexpected weight {name!r} in checkpoint: a {cfg.architecture} with this config.json has no such "
-        f"weight (weights saved by transformers for another architecture or format?)"
-    )
+        """Load HF-named tensors, fusing q/k/v and gate/up into one matrix each (models/weights.py). Split over
+        ranks, the tensors are this rank's slices under their local names (`checkpoint_read`)."""
+        load_checkpoint_weights(self, weights)

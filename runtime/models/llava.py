@@ -22,9 +22,10 @@ import torch.nn as nn
 from ..forward_batch import ForwardBatch
 from .clip import ClipVisionModel, activation
 from .config import ModelConfig
-from .llama import LlamaForCausalLM, _copy_checked
+from .llama import LlamaForCausalLM
 from .parallel import CheckpointRead, ModelParallel
 from .vision_config import LlavaVision
+from .weights import copy_checked
 
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
@@ -129,7 +130,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 elif name not in own:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint: this LLaVA config has no such weight")
                 else:
-                    _copy_checked(own[name].data, tensor, name)
+                    copy_checked(own[name].data, tensor, name)
                     loaded.add(name)
 
         super().load_weights(text_weights())
