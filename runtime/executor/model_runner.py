@@ -36,6 +36,7 @@ from .cuda_graphs import CudaGraphRunner
 from .inflight import InFlightSteps, Pending, resolve
 from .kv_scales import init_kv_scales
 from .loader import load_model, load_model_config
+from .piecewise_graphs import PiecewiseGraphs
 from .runner_info import RunnerInfo
 from .sampler import StepSampler
 from .staging import HostStaging, SampledIdCopies
@@ -153,6 +154,8 @@ class ModelRunner:
             max_bs = min(sa.cuda_graph_max_bs or max_running, max_running)
             with using_kernels(self.forward.kernel_choices):
                 self.forward.graphs = CudaGraphRunner(model, self.memory, cfg.vocab_size, max_bs, self.lora)
+                if sa.piecewise_cuda_graph_max_tokens and self.lora is None and PiecewiseGraphs.supports(model):
+                    self.forward.piecewise = PiecewiseGraphs(model, self.memory, sa.piecewise_cuda_graph_max_tokens)
         if device == "cuda":
             warm_up_prefill(self.run, self.allocator, self.req_to_token_pool, cfg.vocab_size)
 

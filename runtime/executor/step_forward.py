@@ -2,9 +2,10 @@
 
 It owns what every forward of the target model needs: the model, the KV memory it runs over (table, pool,
 attention backend), the staging ring its inputs go up through, the kernel choices it runs inside, and the
-decode CUDA graphs once captured. The model runner composes it with sampling (run, launch, verify); a
-split model's other ranks (distributed/follower.py) and pipeline stages (distributed/pipeline.py) run it
-as it is. Every step's ForwardBatch is built here, by `ForwardBatch.of_step`.
+CUDA graphs once captured (decode steps whole; other steps piecewise, between their attention kernels).
+The model runner composes it with sampling (run, launch, verify); a split model's other ranks
+(distributed/follower.py) and pipeline stages (distributed/pipeline.py) run it as it is. Every step's
+ForwardBatch is built here, by `ForwardBatch.of_step`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..lora.slots import LoraSlots
 from ..models.llama import LlamaForCausalLM
 from ..step import StepInput
 from .cuda_graphs import CudaGraphRunner
+from .piecewise_graphs import PiecewiseGraphs
 from .staging import HostStaging
 
 
@@ -39,6 +41,7 @@ class StepForward:
         # step enter them (`using_kernels`).
         self.kernel_choices = kernel_choices
         self.graphs: Optional[CudaGraphRunner] = None  # decode CUDA graphs (GPU), set once captured
+        self.piecewise: Optional[PiecewiseGraphs] = None  # other steps' graphs between attention kernels (GPU)
         self.lora = lora  # LoRA adapters' device slots (with enable_lora)
 
     def batch(self, step: StepInput, input_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
@@ -83,6 +86,8 @@ class StepForward:
         # after it waits for the whole forward (a pageable copy syncs the stream), and only then could
         # the LM head and the sampling be queued.
         rows = self.upload_rows(sample_rows)
+        if self.piecewise is not None and self.piecewise.can_run(fb):
+            return self.piecewise.run(fb), rows
         return self.model(fb.input_ids, fb.positions, fb), rows  # (T, hidden), (S,)
 
     def upload_rows(self, rows: list[int]) -> Optional[torch.Tensor]:

@@ -5,7 +5,7 @@ fit: an unexpected tensor, a shape the config does not imply, the weights a chec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -13,15 +13,13 @@ from ..quant.checkpoint import SCALE_SUFFIXES, copy_checkpoint_tensor
 from .config import ModelConfig
 from .parallel import shard_heads
 
-if TYPE_CHECKING:
-    from .llama import LlamaForCausalLM
-
 # Checkpoint tensors that are the KV cache's scales, not weights (executor/kv_scales.py reads them).
 _KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
 
 
-def load_checkpoint_weights(model: "LlamaForCausalLM", weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load HF-named tensors into `model`, fusing q/k/v and gate/up into one matrix each. Split over ranks,
+def load_checkpoint_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load HF-named tensors into `model` (a LlamaForCausalLM: its parameters, config, parallel split and
+    fused parts), fusing q/k/v and gate/up into one matrix each. Split over ranks,
     the tensors are this rank's slices under their local names (`model.checkpoint_read`)."""
     params = dict(model.text_parameters())
     cfg = model.config
@@ -85,7 +83,7 @@ def load_checkpoint_weights(model: "LlamaForCausalLM", weights: Iterable[tuple[s
         )
 
 
-def _checkpoint_name(model: "LlamaForCausalLM", loaded_key: str) -> str:
+def _checkpoint_name(model: Any, loaded_key: str) -> str:
     """A `loaded` key ('layers.0.self_attn.qkv_proj.weight#1') -> the checkpoint's name for it."""
     name, _, idx = loaded_key.partition("#")
     for part, (fused, i) in model.STACKED.items():

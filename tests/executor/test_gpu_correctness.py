@@ -96,6 +96,44 @@ def test_float32_mixed_steps_same_tokens_as_phases_and_transformers(model_dir):
     assert _agree(runs[True], ref) >= 15 / 16
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_piecewise_graphs_give_the_eager_tokens(model_dir, dtype):
+    # Mixed and prefill steps as CUDA graphs between their attention kernels (executor/piecewise_graphs.py)
+    # against the same steps run eagerly, on one model runner in this process: the same greedy tokens.
+    from plait.runtime.executor.model_runner import ModelRunner
+    from plait.runtime.io_struct import TokenizedGenerateReq
+    from plait.runtime.request_options import RequestOptions
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.scheduler.scheduler import Scheduler
+    from plait.runtime.server_args import ServerArgs
+
+    settings = dict(model_path=model_dir, dtype=dtype, chunked_prefill_size=96, max_num_batched_tokens=96)
+    runner = ModelRunner(ServerArgs(**settings), model_dir)
+    pieces = runner.forward.piecewise
+    assert pieces is not None and pieces.max_tokens == 512
+    prompts, runs = _prompts(), {}
+    for on in (True, False):
+        runner.forward.piecewise = pieces if on else None
+        s = Scheduler(ServerArgs(**settings), runner, None)
+        outs, mixed = {}, 0
+        for t in range(5000):
+            if t < len(prompts):  # one arrival a step: every step after the first mixes
+                sp = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+                s.handle_message(TokenizedGenerateReq(prompts[t], sp, RequestOptions(rid=str(t))))
+            batch = s.step()
+            mixed += batch is not None and batch.num_decode > 0
+            for o in s.collect_outputs():
+                outs.setdefault(o.rid, []).extend(o.new_ids)
+            if t >= len(prompts) and s.is_idle():
+                break
+        assert s.check_integrity(), s.last_integrity_error
+        assert mixed > 0
+        runs[on] = [outs[str(i)] for i in range(len(prompts))]
+    assert pieces.replays > 0
+    print(f"{dtype} piecewise/eager", _agree(runs[True], runs[False]), "replays", pieces.replays)
+    assert _agree(runs[True], runs[False]) >= (15 / 16 if dtype == "float32" else 12 / 16)
+
+
 def test_bfloat16_every_step_is_transformers_choice_or_a_near_tie(model_dir):
     prompts = _prompts()
     triton_out, triton_alone = _generate(model_dir, "triton", True, "bfloat16", prompts)

@@ -116,3 +116,20 @@ def test_greedy_outputs_are_the_same_with_mixed_steps_under_retraction(default_m
     got = run((runner, tok), pool=160, max_num_batched_tokens=32, chunked_prefill_size=32)
     assert got["mixed_steps"] > 0 and got["retractions"] > 0
     assert got["outputs"] == reference
+
+
+def test_greedy_outputs_are_the_same_with_mixed_steps_run_in_pieces(model, reference):
+    # Piecewise CUDA graphs' path (executor/piecewise_graphs.py) without the graphs: each layer's work before
+    # and after its attention over padded static buffers, the attention between on the real rows.
+    from plait.runtime.executor.piecewise_graphs import PiecewiseGraphs
+
+    runner, _ = model
+    pieces = PiecewiseGraphs(runner.model, runner.memory, 40, capture=False)
+    assert pieces.sizes == [16, 32]  # (40 rounds down to the captured sizes: steps of 33+ tokens run eagerly)
+    runner.forward.piecewise = pieces
+    try:
+        got = run(model, overlap=True, max_num_batched_tokens=24, chunked_prefill_size=24)
+    finally:
+        runner.forward.piecewise = None
+    assert got["mixed_steps"] > 0 and pieces.replays > got["mixed_steps"]  # (decode steps above too: no graphs)
+    assert got["outputs"] == reference
