@@ -177,3 +177,53 @@ def test_the_ranks_parts_add_up_to_the_whole_adapter(models, kv_heads):
                 _, start, stop = part.shard.cuts[module]
                 got = got + _delta(part, target.name, x[:, start:stop])
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_ngram_verify_graphs_with_adapters_equal_plain_decoding_on_the_gpu(models):
+    """The verify steps' CUDA graphs read each node's adapter slot as data (executor/verify_graphs.py): NGRAM
+    with them gives what plain decoding (the decode graphs) gives, the batch mixing two adapters and the base."""
+    from plait.runtime.io_struct import TokenizedGenerateReq
+    from plait.runtime.request_options import RequestOptions
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.scheduler.scheduler import create_scheduler
+    from plait.runtime.server_args import ServerArgs
+
+    base, adapters, _ = models
+    paths = [f"{n}={p}" for n, p in adapters.items()]
+
+    def scheduler(**kw):
+        sa = ServerArgs(model_path=base, device="cuda", dtype="float32", lora_paths=paths, **SMALL, **kw)
+        return create_scheduler(sa, base)
+
+    def run(s) -> dict:
+        for i, prompt in enumerate(PROMPTS):
+            for name in NAMES:
+                s.handle_message(
+                    TokenizedGenerateReq(
+                        list(prompt),
+                        SamplingParams(max_new_tokens=LONG, temperature=0, ignore_eos=True),
+                        RequestOptions(rid=f"{name}-{i}", lora_path=name),
+                    )
+                )
+        out: dict = {}
+        for _ in range(4000):
+            s.step()
+            assert s.check_integrity(), s.last_integrity_error
+            for o in s.collect_outputs():
+                out.setdefault(o.rid, []).extend(o.new_ids)
+            if s.is_idle():
+                return out
+        raise AssertionError("the scheduler did not go idle")
+
+    plain = run(scheduler())
+    spec = scheduler(
+        speculative_algorithm="NGRAM",
+        speculative_ngram_min_match_window_size=1,
+        disable_speculative_adaptive=True,
+        speculative_disable_by_batch_size=16,
+    )
+    assert spec.runner.verify.graphs is not None and spec.runner.verify.graphs.lora is not None
+    assert run(spec) == plain
+    stats = spec.get_stats()
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
