@@ -2,8 +2,9 @@
 distinct adapters (rank 16 on every projection: q, k, v, o, gate, up, down), against the base model alone
 (an engine without LoRA), batch by batch, one engine after the other on one machine.
 
-Adapters are written as PEFT folders (random A and B) for the model's shape; the model has dummy weights at
-a built-in shape. GPU: the 8B shape; CPU: the 135M shape at small batches.
+Adapters are written as PEFT folders (random A and B) for the model's shape (lora_folders.py, which vLLM's side
+of the comparison, vllm_lora_peer.py, writes its adapters with too); the model has dummy weights at a built-in
+shape. GPU: the 8B shape; CPU: the 135M shape at small batches.
 
     python benchmarks/engine/bench_lora.py                                   # CPU: smollm2-135m, small
     python benchmarks/engine/bench_lora.py --model llama-3.1-8b --batches 1 32 128 --adapters 1 8 64
@@ -12,7 +13,6 @@ a built-in shape. GPU: the 8B shape; CPU: the 135M shape at small batches.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,42 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_common
 
 from bench_common import save  # noqa: E402
+from lora_folders import write_adapters  # noqa: E402
 from plait.runtime import Engine  # noqa: E402
 from plait.runtime.models.config import BUILTIN_SHAPES  # noqa: E402
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def write_adapter(folder: str, shape: dict, rank: int, seed: int) -> str:
-    """A PEFT LoRA folder for `shape` (BUILTIN_SHAPES' keys) with random weights."""
-    from safetensors.torch import save_file
-
-    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
-    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
-    dims = {  # module: (in, out)
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shape["num_hidden_layers"]):
-        for module, (fan_in, fan_out) in dims.items():
-            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.01
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
-    os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none"}
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
-    return folder
 
 
 def throughput(eng: Engine, batch: int, prompt_len: int, new_tokens: int, adapters: list) -> float:
@@ -90,7 +57,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         with Engine(**common) as eng:
             base = {b: throughput(eng, b, args.prompt_len, args.new_tokens, [None]) for b in args.batches}
-        paths = [write_adapter(os.path.join(tmp, f"a{i}"), shape, args.rank, i) for i in range(max(args.adapters))]
+        paths = write_adapters(tmp, shape, args.rank, max(args.adapters))
         lora_args = dict(
             lora_paths=[f"a{i}={path}" for i, path in enumerate(paths)],
             max_lora_rank=args.rank,

@@ -20,26 +20,36 @@ import torch.distributed as dist
 
 from ..executor.runner_info import RunnerInfo
 from ..executor.step_forward import StepForward
-from ..step import StepInput
+from ..step import LoraRows, StepInput
 from .group import RankContext
 
 
 def split_micro_batches(step: StepInput, n: int) -> list[StepInput]:
     """`step` as up to `n` steps of consecutive requests (balanced by new tokens), each as the stages
-    run it: token and request rows, lengths and kv writes; no sampling rows (the whole step samples
-    on the first stage)."""
+    run it: token and request rows, lengths, kv writes and LoRA slots; no sampling rows (the whole step
+    samples on the first stage)."""
     b = step.batch_size
     n = max(1, min(n, b))
     if step.mode.is_decode():
         bounds = np.linspace(0, b, n + 1).round().astype(int)
-        return [_decode_part(step, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    ends = np.cumsum(step.req_rows[3])  # (B,) tokens up to and including each request
-    targets = ends[-1] * np.arange(1, n) / n  # (n - 1,) where the cuts would ideally fall
-    i = np.searchsorted(ends, targets)  # ends[i - 1] < target <= ends[i]
-    below = np.where(i > 0, ends[np.maximum(i - 1, 0)], 0)
-    cuts = np.where(targets - below <= ends[i] - targets, i, i + 1)  # requests before each cut: the nearer end
-    bounds = np.unique(np.concatenate([[0], np.clip(cuts, 0, b), [b]]))
-    return [_extend_part(step, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        cut = _decode_part
+    else:
+        ends = np.cumsum(step.req_rows[3])  # (B,) tokens up to and including each request
+        targets = ends[-1] * np.arange(1, n) / n  # (n - 1,) where the cuts would ideally fall
+        i = np.searchsorted(ends, targets)  # ends[i - 1] < target <= ends[i]
+        below = np.where(i > 0, ends[np.maximum(i - 1, 0)], 0)
+        cuts = np.where(targets - below <= ends[i] - targets, i, i + 1)  # requests before each cut: the nearer end
+        bounds = np.unique(np.concatenate([[0], np.clip(cuts, 0, b), [b]]))
+        cut = _extend_part
+    return [_with_lora(cut(step, int(lo), int(hi)), step, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def _with_lora(part: StepInput, step: StepInput, lo: int, hi: int) -> StepInput:
+    """`part` (requests [lo, hi) of `step`) with its requests' LoRA slots; the step's adapter copies go
+    with the first part, which every stage runs before the others."""
+    if step.lora is not None:
+        part.lora = LoraRows(step.lora.slots[lo:hi], step.lora.loads if lo == 0 else [])
+    return part
 
 
 def _decode_part(step: StepInput, lo: int, hi: int) -> StepInput:

@@ -82,6 +82,7 @@ class GroupRunner:
         # memory). NOTE: a pipeline's step is read back within `run` (its micro-batches are in flight
         # inside it): no overlap there.
         self.info = replace(local.info, supports_overlap=local.info.supports_overlap and self.stages is None)
+        self.model_config = local.model_config  # (what the scheduler checks LoRA adapters against)
         self.allocator = local.allocator
         self.req_to_token_pool = local.req_to_token_pool
         self.kv_pool = local.kv_pool

@@ -22,11 +22,12 @@ from ..kernel_choices import using as using_kernels
 from ..kvcache.kv_quant import check_kv_dtype_supported, kv_cache_dtype, kv_dtype_name
 from ..kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from ..lora.adapter import LoraShapes
+from ..lora.shard import LoraShard
 from ..lora.slots import LoraSlots
 from ..models.config import ModelConfig
 from ..models.layers import share_split_k_workspace
 from ..models.llama import LlamaForCausalLM
-from ..models.parallel import ModelParallel, shard_heads
+from ..models.parallel import ModelParallel, projection_slices, shard_heads
 from ..quant.apply import quantize_linears
 from ..quant.cpu_features import check_cpu_precision, cpu_features
 from ..quant.fp8 import check_fp8_device
@@ -89,8 +90,13 @@ class ModelRunner:
             if device == "cuda":
                 share_split_k_workspace(model)  # the new layers too
                 torch.cuda.empty_cache()  # the float weights' memory back to the device, for the KV pool
-        # LoRA adapters' device slots (with enable_lora), before the KV pool takes what memory is left.
-        self.lora = LoraSlots.for_server(sa, LoraShapes.of(cfg), dtype, device)
+        # LoRA adapters' device slots (with enable_lora), before the KV pool takes what memory is left: this
+        # rank's part of each adapter, cut as its shard of the base layers is.
+        stage = parallel.stage
+        lora_shard = LoraShard.of(
+            projection_slices(cfg, parallel.tp), stage.first_layer, stage.layer_count(cfg.num_hidden_layers)
+        )
+        self.lora = LoraSlots.for_server(sa, LoraShapes.of(cfg), dtype, device, lora_shard)
 
         # The KV pool's size: this rank's KV heads and layers; every rank of a split model holds the same slots.
         # An FP8 pool (kv_cache_dtype) stores a byte a value: twice the tokens in the same memory.

@@ -48,13 +48,20 @@ class StepForward:
         """The step's ForwardBatch, its new tokens' kv slots written into the table (`ForwardBatch.of_step`);
         with the step's LoRA adapters, those it brings copied into their slots first."""
         fb = ForwardBatch.of_step(step, self.memory, self.staging, input_ids)
-        if step.lora is not None:
-            assert self.lora is not None, "a step with LoRA adapters on a runner without enable_lora"
-            for slot, adapter in step.lora.loads:
-                self.lora.write(slot, adapter)
+        if self.write_adapters(step):
             tokens = [1] * step.batch_size if step.mode.is_decode() else step.extend_lens
             fb.lora = LoraBatch.of_rows(self.lora, step.lora.slots, tokens)
         return fb
+
+    def write_adapters(self, step: StepInput) -> bool:
+        """The adapters `step` brings copied into their slots (before its forward, graph or not); whether
+        the step has LoRA adapters at all."""
+        if step.lora is None:
+            return False
+        assert self.lora is not None, "a step with LoRA adapters on a runner without enable_lora"
+        for slot, adapter in step.lora.loads:
+            self.lora.write(slot, adapter)
+        return True
 
     def prepared(self, step: StepInput) -> ForwardBatch:
         """The step's ForwardBatch with its attention metadata: for a caller that runs the model itself

@@ -39,12 +39,13 @@ class VerifySteps:
         from .verify_graphs import VerifyGraphRunner
 
         f = self.forward
-        self.graphs = VerifyGraphRunner(f.model, f.memory, self.vocab_size, nodes, max_bs, capture_layers)
+        self.graphs = VerifyGraphRunner(f.model, f.memory, self.vocab_size, nodes, max_bs, capture_layers, f.lora)
 
     def run(self, step: StepInput, capture_layers: tuple = ()) -> tuple[StepOutput, torch.Tensor, Any]:
         """(what each request accepted, the nodes' hidden states (T, hidden), an object whose
         `captured_hidden` holds the inputs of `capture_layers`)."""
         if self.graphs is not None and self.graphs.can_run(step) and capture_layers == self.graphs.capture_layers:
+            self.forward.write_adapters(step)
             logits, hidden, captured = self.graphs.replay(step)
             return self.verifier.accept(step, logits), hidden, CapturedStates(captured)
         fb = self.forward.batch(step)

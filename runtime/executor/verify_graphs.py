@@ -16,8 +16,10 @@ compute-bound, 64 are not).
 The graph is the target's forward and its logits for every row (and the hidden states, and the layers a
 drafter reads). The attention backend builds a verify step's metadata from the forward batch's tensors
 only (the triton backend: `_verify_metadata`, with a tree mask always given), so static tensors make it
-graph-safe. Every per-step input goes up in one copy from a pinned buffer. Not run in this repository's
-CPU test suite (tests/spec/test_spec_gpu.py, marked gpu).
+graph-safe. Every per-step input goes up in one copy from a pinned buffer. With LoRA adapters each row's
+adapter slot is one more per-token input (the gathered LoraBatch: slot 0, the base model and the dead rows,
+adds zeros), so one graph serves any mix of adapters. Not run in this repository's CPU test suite
+(tests/spec/test_spec_gpu.py, marked gpu).
 """
 
 from __future__ import annotations
@@ -25,18 +27,23 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Optional
 
 import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch, ForwardMemory, ForwardMode
+from ..lora.matmul import LoraBatch
+from ..lora.slots import LoraSlots
 from ..models.llama import LlamaForCausalLM
 from ..step import StepInput
 
 logger = logging.getLogger(__name__)
 
-# Int64 inputs, in this order in one buffer: per token (T_max each), then per request slot (B_max each).
+# Int64 inputs, in this order in one buffer: per token (T_max each), then per request slot (B_max each);
+# with LoRA adapters, each token's adapter slot after the token fields.
 TOKEN_FIELDS = ("ids", "pos", "loc", "table_rows", "table_cols")
+LORA_FIELD = "lora"
 REQUEST_FIELDS = ("rows", "prefix", "ext", "starts", "tree_lens", "offsets", "seq")
 
 
@@ -58,8 +65,10 @@ class VerifyGraphRunner:
         nodes: int,
         max_bs: int,
         capture_layers: tuple = (),
+        lora: Optional[LoraSlots] = None,
     ):
         self.model = model
+        self.lora = lora
         self.memory = memory
         self.nodes = nodes
         self.capture_layers = capture_layers
@@ -68,8 +77,9 @@ class VerifyGraphRunner:
         self.t_max = min(self.max_bs * nodes, memory.req_to_token_pool.max_context_len)
         self.token_counts = token_buckets(self.t_max)
         T, B, dev = self.t_max, self.max_bs + 1, memory.kv_pool.device
-        self._layout = {f: (i * T, T) for i, f in enumerate(TOKEN_FIELDS)}
-        base = len(TOKEN_FIELDS) * T
+        token_fields = TOKEN_FIELDS + ((LORA_FIELD,) if lora is not None else ())
+        self._layout = {f: (i * T, T) for i, f in enumerate(token_fields)}
+        base = len(token_fields) * T
         self._layout.update({f: (base + i * B, B) for i, f in enumerate(REQUEST_FIELDS)})
         size = base + len(REQUEST_FIELDS) * B
         self.args = torch.zeros(size, dtype=torch.int64, device=dev)  # every per-step input
@@ -136,6 +146,8 @@ class VerifyGraphRunner:
         fb.tree_mask, fb.tree_mask_offsets = self.mask, v("offsets", bs)
         if self.capture_layers:
             fb.capture_layers = self.capture_layers
+        if self.lora is not None:
+            fb.lora = LoraBatch(self.lora, v(LORA_FIELD, t_cap))  # gathered per token: the slots are data
         return fb
 
     @torch.inference_mode()
@@ -200,6 +212,10 @@ class VerifyGraphRunner:
         for f, row in (("ids", 0), ("pos", 1), ("loc", 2), ("table_rows", 3), ("table_cols", 4)):
             a = h(f)
             a[:T] = step.token_rows[row]
+            a[T:t_cap] = 0
+        if self.lora is not None:
+            a = h(LORA_FIELD)
+            a[:T] = np.repeat(step.lora.slots, sizes) if step.lora is not None else 0  # (T,) each node's adapter
             a[T:t_cap] = 0
         slots = self.request_slots(t_cap, self.max_bs)
         for f in REQUEST_FIELDS:

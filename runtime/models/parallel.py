@@ -290,6 +290,25 @@ def _layer_slice(local_name: str, rest: str, cfg: ModelConfig, tp: TensorParalle
     return CheckpointRead(local_name)  # norms (q_norm/k_norm per head too): replicated
 
 
+# A decoder layer's projections, under the module that holds each (Hugging Face's names).
+PROJECTIONS = {
+    **{m: "self_attn" for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{m: "mlp" for m in ("gate_proj", "up_proj", "down_proj")},
+}
+
+
+def projection_slices(cfg: ModelConfig, tp: TensorParallel) -> dict[str, Optional[tuple[int, int, int]]]:
+    """Per projection of a decoder layer, the slice of its weight (out, in) this rank holds, as the
+    checkpoint reads it: (dim, start, stop), dim 0 its output rows (column-parallel: q/k/v, gate/up), dim 1
+    its input columns (row-parallel: o, down); None where the rank holds it whole (one rank). What a
+    LoRA adapter of the projection is cut by (runtime/lora/shard.py)."""
+    slices: dict[str, Optional[tuple[int, int, int]]] = {}
+    for module, parent in PROJECTIONS.items():
+        read = _layer_slice("", f"{parent}.{module}.weight", cfg, tp) if tp.size > 1 else None
+        slices[module] = None if read is None or read.dim is None else (read.dim, read.start, read.stop)
+    return slices
+
+
 def read_slice(handle, name: str, read: CheckpointRead) -> torch.Tensor:
     """The slice `read` asks for of tensor `name` from an open safetensors file (`safe_open`)."""
     if read.dim is None:

@@ -72,7 +72,8 @@ def create_scheduler(server_args: ServerArgs, model_path: str, marks: Optional[d
         tokenizer = pool.submit(timed_tokenizer)
         runner = create_step_runner(server_args, model_path, _split_target(server_args, model_path))
         marks["model"] = time.time()
-        # (with enable_lora the runner is a ModelRunner: settings refuse the split and speculating runners)
+        # (with enable_lora the runner is the target's, a ModelRunner or a split model's GroupRunner: settings
+        # refuse the drafters that run a SpecRunner)
         model_config = runner.model_config if server_args.enable_lora else None
         scheduler = Scheduler(server_args, runner, tokenizer.result(), model_config)
     scheduler.startup_marks.update(marks)
