@@ -49,6 +49,7 @@ class StepForward:
         with the step's LoRA adapters, those it brings copied into their slots first."""
         fb = ForwardBatch.of_step(step, self.memory, self.staging, input_ids)
         if self.write_adapters(step):
+            assert self.lora is not None and step.lora is not None  # (write_adapters checked both)
             tokens = [1] * step.batch_size if step.mode.is_decode() else step.extend_lens
             fb.lora = LoraBatch.of_rows(self.lora, step.lora.slots, tokens)
         return fb
