@@ -61,9 +61,7 @@ def main() -> None:
                 )
                 return sum(o["meta_info"]["prompt_tokens"] for o in outs), sum(len(o["output_ids"]) for o in outs)
 
-            rows = vlm_workload.measure_batches(
-                generate, eng.flush_cache, args.batches, args.words, args.image_size, args.new_tokens
-            )
+            rows = vlm_workload.measure_batches(generate, eng.flush_cache, vlm_workload.SHAPES[args.shape], args)
             seconds = time.perf_counter() - start
             steps = step_breakdown(before, eng.get_stats(), seconds) if before else None
     settings = dict(

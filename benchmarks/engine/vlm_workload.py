@@ -19,7 +19,7 @@ import io
 import json
 import os
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -196,41 +196,46 @@ Generate = Callable[[list, int], "tuple[int, int]"]
 
 
 def measure_batches(
-    generate: Generate, flush: Callable[[], None], batches: list[int], words: int, size: int, new_tokens: int
+    generate: Generate, flush: Callable[[], None], shape: dict, args, batches: Optional[list[int]] = None
 ) -> list[dict]:
     """Each batch size as closed batches of fresh requests (none repeats a text or an image, so nothing is a
-    prefix hit, nor a hit in any cache of processed images): a warm-up batch (2 new tokens), the prefill run
-    (1 new token: its prompt tokens, the 576 image tokens each included, over its time is the image-prefill
-    rate), then the full run (`new_tokens` each). Decode tok/s: the full run's tokens after each request's
-    first (which its prefill made) over the full run's time less the prefill run's."""
+    prefix hit, nor a hit in any cache of processed images): a warm-up batch (16 new tokens before the first
+    batch size, 2 before the others), the prefill run (1 new token: its prompt tokens, the image tokens
+    included, over its time is the image-prefill rate), then the full run (`args.new_tokens` each). Decode
+    tok/s: the full run's tokens after each request's first (which its prefill made) over the full run's time
+    less the prefill run's (None where the full run was no slower: a count of new tokens too small to time).
+    `args`: add_arguments' flags."""
     rows = []
     first = 0
-    for batch in batches:
+    per_request = text_tokens(args.words) + tokens_per_image(shape)
+    for batch in batches or args.batches:
 
         def run(new: int) -> tuple[int, int, float]:
             nonlocal first
-            reqs = requests(first, batch, words, size)  # built (PNGs decoded) before the clock starts
+            reqs = requests(first, batch, args.words, args.image_size)  # built (PNGs decoded) before the clock
             first += batch
             start = time.perf_counter()
             prompt_tokens, output_tokens = generate(reqs, new)
             return prompt_tokens, output_tokens, time.perf_counter() - start
 
-        run(2)
+        run(2 if rows else 16)
         flush()
-        prompt_tokens, _, prefill_s = run(1)
+        reported, _, prefill_s = run(1)
         flush()
-        _, output_tokens, full_s = run(new_tokens)
+        _, output_tokens, full_s = run(args.new_tokens)
         flush()
+        prompt_tokens = batch * per_request
         rows.append(
             dict(
                 batch=batch,
                 prompt_tokens=prompt_tokens,
+                reported_prompt_tokens=reported,  # the engine's count, the same unless it tokenized otherwise
                 prefill_s=round(prefill_s, 4),
                 prefill_tok_s=prompt_tokens / prefill_s,
                 full_s=round(full_s, 4),
                 output_tokens=output_tokens,
-                decode_tok_s=(output_tokens - batch) / max(full_s - prefill_s, 1e-9),
-                exact_lengths=output_tokens == batch * new_tokens,
+                decode_tok_s=(output_tokens - batch) / (full_s - prefill_s) if full_s > prefill_s else None,
+                exact_lengths=output_tokens == batch * args.new_tokens,
             )
         )
     return rows
@@ -243,10 +248,12 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"{r['batch']:>6} {r['prompt_tokens']:>11} {r['prefill_s']:>10.3f} {r['prefill_tok_s']:>14.1f} "
-            f"{r['full_s']:>8.3f} {r['decode_tok_s']:>13.1f}"
+            f"{r['full_s']:>8.3f} {'n/a' if r['decode_tok_s'] is None else format(r['decode_tok_s'], '.1f'):>13}"
         )
     if not all(r["exact_lengths"] for r in rows):
         lines.append("WARNING: some requests did not generate exactly the asked number of tokens")
+    if any(r["reported_prompt_tokens"] != r["prompt_tokens"] for r in rows):
+        lines.append("WARNING: the engine counted other prompt lengths than the workload's (reported_prompt_tokens)")
     return "\n".join(lines)
 
 
