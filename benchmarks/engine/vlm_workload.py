@@ -19,7 +19,7 @@ import io
 import json
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 
@@ -192,12 +192,10 @@ def requests(first: int, count: int, words: int, size: int) -> list[tuple[str, o
 
 
 # generate(requests, max_new_tokens) -> (prompt tokens, output tokens) of the batch, all requests together
-Generate = Callable[[list, int], "tuple[int, int]"]
+Generate = Callable[[list, int], tuple[int, int]]
 
 
-def measure_batches(
-    generate: Generate, flush: Callable[[], None], shape: dict, args, batches: Optional[list[int]] = None
-) -> list[dict]:
+def measure_batches(generate: Generate, flush: Callable[[], None], shape: dict, args) -> list[dict]:
     """Each batch size as closed batches of fresh requests (none repeats a text or an image, so nothing is a
     prefix hit, nor a hit in any cache of processed images): a warm-up batch (16 new tokens before the first
     batch size, 2 before the others), the prefill run (1 new token: its prompt tokens, the image tokens
@@ -208,7 +206,7 @@ def measure_batches(
     rows = []
     first = 0
     per_request = text_tokens(args.words) + tokens_per_image(shape)
-    for batch in batches or args.batches:
+    for batch in args.batches:
 
         def run(new: int) -> tuple[int, int, float]:
             nonlocal first
