@@ -8,7 +8,9 @@ radix cache, the grammars, the overlap pipeline and the sampler state stay in on
 
 A plan is what a rank needs to run the step itself: the StepInput without its sampling rows (rank 0
 samples), and the req_to_token writes the scheduler made since the previous plan (prefix rows at
-admission, cache inserts; ReqToTokenPool.take_writes), applied before the step.
+admission, cache inserts; ReqToTokenPool.take_writes), applied before the step; with a hierarchical cache,
+the copies rank 0's host tier queued since then (kvcache/host_copies.py), which each rank replays on its own
+pool and host shard before the step, after the table writes.
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ class StepPlan:
     kind: str  # RUN, LAUNCH or STOP
     step: Optional[StepInput] = None
     table_writes: list = field(default_factory=list)
+    host_copies: list = field(default_factory=list)  # HostCopy, oldest first
 
 
 RUN, LAUNCH, STOP = "run", "launch", "stop"
 
 
-def plan_of(kind: str, step: StepInput, table_writes: list) -> StepPlan:
+def plan_of(kind: str, step: StepInput, table_writes: list, host_copies: list) -> StepPlan:
     """The plan of `step` for the other ranks: its sampling rows stay on rank 0 (their grammar matchers,
     generators and output lists are the scheduler's, and no other rank samples)."""
-    return StepPlan(kind, dataclasses.replace(step, sampling=[]), table_writes)
+    return StepPlan(kind, dataclasses.replace(step, sampling=[]), table_writes, host_copies)
 
 
 def broadcast_plan(plan: StepPlan, group: Any) -> None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..executor.loader import load_model_config
 from ..executor.model_runner import ModelRunner
+from ..kvcache.host_copies import HostCopyLog
 from ..models.parallel import check_parallel_shape
 from ..server_args import ServerArgs
 from ..step import StepInput, StepOutput
@@ -89,6 +90,10 @@ class GroupRunner:
         # (rank 0's shard; a drafter beside a split model reads the whole embedding and LM head elsewhere:
         # executor/spec_runner.py's WholeVocabulary)
         self.model = local.model
+        # With a hierarchical cache: the copies the scheduler's host tier makes on rank 0's pool, recorded
+        # for the other ranks' shards (kvcache/host_copies.py; the same tier settings built theirs).
+        if server_args.enable_hierarchical_cache:
+            self.kv_pool.host_copies = HostCopyLog()
         self._closed = False
         atexit.register(self.close)  # the scheduler process's exit stops the group
 
@@ -145,7 +150,9 @@ class GroupRunner:
 
     # ------------------------------------------------------------------ the group
     def _send(self, kind: str, step: StepInput) -> None:
-        broadcast_plan(plan_of(kind, step, self.req_to_token_pool.take_writes()), self.ctx.plan_group)
+        log = self.kv_pool.host_copies
+        copies = log.take() if log is not None else []
+        broadcast_plan(plan_of(kind, step, self.req_to_token_pool.take_writes(), copies), self.ctx.plan_group)
 
     def _fail(self, error: BaseException) -> None:
         logger.exception("a step failed on rank 0 of a split model")

@@ -20,6 +20,7 @@ from ..executor.loader import load_model_config
 from ..executor.model_runner import ModelRunner
 from ..executor.runner_info import RunnerInfo
 from ..executor.step_forward import StepForward
+from ..kvcache.host_tier import HostTier
 from ..server_args import ServerArgs
 from .follower import Follower
 from .group import RankContext, join_group
@@ -65,14 +66,24 @@ def serve_rank(server_args: ServerArgs, model_path: str) -> None:
     )
     runner = ModelRunner(server_args, model_path, ctx.parallel)
     try:
-        follow_plans(runner.forward, runner.info, ctx)
+        follow_plans(runner.forward, runner.info, ctx, host_shard(server_args, runner))
         watchdog.stop()
     finally:
         ctx.close()
 
 
-def follow_plans(forward: StepForward, info: RunnerInfo, ctx: RankContext) -> None:
-    """Run rank 0's steps on this rank's shard (`forward`, its runner's) until a STOP plan."""
+def host_shard(server_args: ServerArgs, runner: ModelRunner) -> Optional[HostTier]:
+    """This rank's part of the hierarchical cache's host tier, over its own KV pool: sized by the same
+    settings as rank 0's, so it holds as many slots (host_copies.py; hicache_args.py refuses the settings
+    where the ranks' counts could differ)."""
+    if not server_args.enable_hierarchical_cache:
+        return None
+    return HostTier.sized(runner.kv_pool, server_args.hicache_ratio, server_args.hicache_size)
+
+
+def follow_plans(forward: StepForward, info: RunnerInfo, ctx: RankContext, host: Optional[HostTier] = None) -> None:
+    """Run rank 0's steps on this rank's shard (`forward`, its runner's) until a STOP plan; `host`: this
+    rank's host tier, where rank 0's host copies are replayed."""
     follower = Follower(forward)
     stages = StageRunner(forward, info, ctx) if ctx.topology.pp_size > 1 else None
     device = torch.device("cuda", ctx.parallel.device_index) if info.device == "cuda" else torch.device("cpu")
@@ -82,6 +93,9 @@ def follow_plans(forward: StepForward, info: RunnerInfo, ctx: RankContext) -> No
         if plan.kind == STOP:
             return
         forward.memory.req_to_token_pool.replay_writes(plan.table_writes)
+        if plan.host_copies:
+            assert host is not None, "rank 0 sent host-tier copies to a rank without a host tier"
+            host.replay(plan.host_copies)
         step = plan.step
         if stages is not None:
             hidden = stages.forward(step)

@@ -30,10 +30,12 @@ def check_hierarchical_cache(args: Any) -> None:
         raise ValueError(
             "enable_hierarchical_cache keeps the radix cache's prefixes in host memory: it needs the radix cache on"
         )
-    if args.tp_size > 1 or args.pp_size > 1:
+    if args.pp_size > 1 and args.hicache_size > 0:
+        # NOTE: every rank's host shard must hold as many slots as rank 0's (host_copies.py); GB over the
+        # bytes of a token gives each pipeline stage its own count where the stages' layers differ.
         raise ValueError(
-            "enable_hierarchical_cache is not supported with a model split over ranks yet (tp_size "
-            f"{args.tp_size}, pp_size {args.pp_size}): each rank would need its own host shard"
+            f"enable_hierarchical_cache with pp_size {args.pp_size} sizes the host tier by hicache_ratio only "
+            f"(the stages' shards must hold the same tokens): set hicache_size 0, got {args.hicache_size}"
         )
     if args.speculative_algorithm in _DRAFTER_POOL_ALGORITHMS:
         raise ValueError(

@@ -13,6 +13,10 @@ compute stream, by a wait for them and the scatter into the device slots, so the
 runs after the load. Every access to host memory is a copy on the copy stream, in order, so a host slot
 freed and handed out again is never written before an earlier copy of it has read it. On the CPU the same
 calls copy synchronously.
+
+A model split over ranks: each rank holds a tier of its own over its pool (its KV heads, its stage's layers),
+of the same number of slots; rank 0's copies are recorded (the pool's `host_copies`) and `replay`ed by the
+others before the next step (host_copies.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .host_copies import HostCopy
 from .memory_pool import KVPool, TokenAllocator, zeroed
 
 GB = 1 << 30
@@ -113,6 +118,8 @@ class HostTier:
                 self.buffer[h] = self._gather(d)
             else:
                 self._save_on_gpu(d, h)
+        if self.kv_pool.host_copies is not None:
+            self.kv_pool.host_copies.record(True, device_slots, host_slots)
         self.stats.saved_tokens += int(device_slots.numel())
         self.stats.bytes_to_host += int(device_slots.numel()) * self.bytes_per_token
 
@@ -124,8 +131,20 @@ class HostTier:
                 self._scatter(d, self.buffer[h])
             else:
                 self._load_on_gpu(h, d)
+        if self.kv_pool.host_copies is not None:
+            self.kv_pool.host_copies.record(False, device_slots, host_slots)
         self.stats.loaded_tokens += int(host_slots.numel())
         self.stats.bytes_to_device += int(host_slots.numel()) * self.bytes_per_token
+
+    def replay(self, copies: list[HostCopy]) -> None:
+        """Rank 0's copies (its pool's `host_copies`, taken into a step plan), in order, on this rank's pool
+        and shard: another rank of a split model, before the plan's step."""
+        for c in copies:
+            device, host = torch.from_numpy(c.device_slots), torch.from_numpy(c.host_slots)
+            if c.to_host:
+                self.save(device, host)
+            else:
+                self.load(host, device)
 
     # NOTE: on a GPU each chunk goes through one of two fixed staging buffers on the device (a node of
     # thousands of tokens staged whole would need gigabytes there). `_staging_free[i]` is recorded after the

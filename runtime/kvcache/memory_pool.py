@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .host_copies import HostCopyLog
 from .kv_quant import is_fp8, quantize
 
 
@@ -237,6 +238,9 @@ class KVPool:
         self.v_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
         # Per layer, the (k_scale, v_scale) 0-d views kernels take; None for a pool in the model's dtype.
         self._layer_scales = [(self.k_scale[i], self.v_scale[i]) if self.quantized else None for i in range(num_layers)]
+        # Rank 0 of a model split over ranks: where a host tier over this pool records its copies, for the
+        # other ranks to replay on their own pools (host_copies.py; set by the group runner).
+        self.host_copies: Optional[HostCopyLog] = None
 
     def nbytes(self) -> int:
         """Bytes the pool's buffers hold (this rank's layers and KV heads)."""

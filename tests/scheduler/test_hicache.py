@@ -166,7 +166,7 @@ def test_the_fake_runner_catches_a_load_that_never_arrives(monkeypatch):
     "args, message",
     [
         (dict(disable_radix_cache=True), "needs the radix cache"),
-        (dict(tp_size=2), "tp_size 2"),
+        (dict(pp_size=2, hicache_size=1.0), "pp_size 2"),
         (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="x"), "EAGLE"),
         (dict(hicache_write_policy="write_through_selective"), "hicache_write_policy"),
         (dict(hicache_ratio=-1.0), "hicache_ratio"),
