@@ -78,8 +78,9 @@ class ServerArgs:
     # Decode steps above the largest graph run eagerly, paying every kernel's Python launch.
     cuda_graph_max_bs: Optional[int] = None
     # Steps the decode graphs do not hold (mixed, prefill, larger decode) of up to this many tokens run as
-    # CUDA graphs between their attention kernels (executor/piecewise_graphs.py); 0: eagerly.
-    piecewise_cuda_graph_max_tokens: int = 512
+    # CUDA graphs between their attention kernels (executor/piecewise_graphs.py); 0 (the default until
+    # measured faster on a GPU): eagerly.
+    piecewise_cuda_graph_max_tokens: int = 0
     disable_overlap_schedule: bool = False
     # Triton decode attention reads a prefix that several running requests share once per tile of
     # them instead of once per request (shared-prefix "cascade" attention); this turns it off.

@@ -107,7 +107,13 @@ def test_piecewise_graphs_give_the_eager_tokens(model_dir, dtype):
     from plait.runtime.scheduler.scheduler import Scheduler
     from plait.runtime.server_args import ServerArgs
 
-    settings = dict(model_path=model_dir, dtype=dtype, chunked_prefill_size=96, max_num_batched_tokens=96)
+    settings = dict(
+        model_path=model_dir,
+        dtype=dtype,
+        chunked_prefill_size=96,
+        max_num_batched_tokens=96,
+        piecewise_cuda_graph_max_tokens=512,
+    )
     runner = ModelRunner(ServerArgs(**settings), model_dir)
     pieces = runner.forward.piecewise
     assert pieces is not None and pieces.max_tokens == 512
