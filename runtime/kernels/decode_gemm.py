@@ -74,6 +74,7 @@ class SplitKWorkspace:
 def _decode_gemm_kernel(
     X,
     W,
+    Scale,
     B,
     Y,
     Partials,
@@ -87,11 +88,15 @@ def _decode_gemm_kernel(
     K_PER_SPLIT,
     SPLIT_K,
     HAS_BIAS: tl.constexpr,
+    W_FP8: tl.constexpr,
+    DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     # NOTE: SPLIT_K is a runtime value (one compiled kernel serves every split of a tile shape).
+    # W_FP8: W holds float8_e4m3fn codes with one float32 scale per row (fp8_gemm.py): each tile is widened to
+    # x's dtype in registers (FP8 codes are exact in bf16 and fp16) and the scale multiplies the sums once.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) rows of W = columns of y
@@ -108,10 +113,19 @@ def _decode_gemm_kernel(
         k_mask = offs_k < k_hi
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # (BN, BK)
         xt = tl.load(x_cols + offs_k[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)  # (BK, BM)
-        acc = tl.dot(w, xt, acc)
+        if DOT_F32:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+        elif W_FP8:
+            acc = tl.dot(w.to(xt.dtype), xt, acc)
+        else:
+            acc = tl.dot(w, xt, acc)
     y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]  # (BN, BM)
     y_mask = n_mask[:, None] & m_mask[None, :]
+    if W_FP8:
+        scale = tl.load(Scale + offs_n, mask=n_mask, other=0.0)[:, None]  # (BN, 1) float32
     if SPLIT_K == 1:
+        if W_FP8:
+            acc = acc * scale
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=y_mask)
@@ -128,6 +142,8 @@ def _decode_gemm_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(SPLIT_K):  # fixed order: deterministic sums
                 total += tl.load(tile_base + s * (BLOCK_N * BLOCK_M) + inner, cache_modifier=".cg")
+            if W_FP8:
+                total = total * scale
             if HAS_BIAS:
                 total += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=y_mask)
@@ -178,6 +194,25 @@ def decode_gemm(
     `out` ((M, N), unit stride on N) the kernel writes there and returns it."""
     m, n, k, out = linear_operands("decode_gemm", x, weight, bias, out, out_dtype, MAX_ROWS)
     config = config or pick_decode_gemm_config(n, k, m)
+    launch_decode_gemm(x, weight, None, bias, out, config, workspace, "decode_gemm")
+    return out
+
+
+def launch_decode_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    config: DecodeGemmConfig,
+    workspace: Optional[SplitKWorkspace],
+    name: str,
+    dot_f32: bool = False,
+) -> None:
+    """out (M, N) = x (M, K) @ weight (N, K)^T (weight_scale (N,): FP8 codes' row scales; None: a float W)
+    (+ bias), operands checked by the caller; K split as `config` says, over `workspace`."""
+    m, k = x.shape
+    n = weight.shape[0]
     block_m = max(16, next_power_of_2(m))
     tiles = triton.cdiv(n, config.block_n)
     k_tiles = triton.cdiv(k, config.block_k)
@@ -185,7 +220,7 @@ def decode_gemm(
     k_per_split = triton.cdiv(k_tiles, split) * config.block_k
     split = triton.cdiv(k, k_per_split)  # no empty split
     if split > 1 and workspace is None:
-        raise ValueError("decode_gemm with split_k > 1 needs a SplitKWorkspace")
+        raise ValueError(f"{name} with split_k > 1 needs a SplitKWorkspace")
     if workspace is not None:  # also unsplit: the same pointer types, one compiled kernel
         partial_elems = tiles * split * config.block_n * block_m if split > 1 else 1
         partials, counters = workspace.reserve(x.device, partial_elems, tiles)
@@ -194,6 +229,7 @@ def decode_gemm(
     _decode_gemm_kernel[(tiles, split)](
         x,
         weight,
+        weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight,
         out,
         partials,
@@ -207,10 +243,11 @@ def decode_gemm(
         k_per_split,
         split,
         HAS_BIAS=bias is not None,
+        W_FP8=weight_scale is not None,
+        DOT_F32=dot_f32,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    return out

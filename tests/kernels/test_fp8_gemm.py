@@ -39,7 +39,7 @@ def test_fp8_gemm_matches_float64(rows, n, k, block_k, split):
 
     x, codes, scales, bias, ref = _operands(rows, n, k, seed=rows * 100 + n)
     ws = SplitKWorkspace()
-    cfg = m.Fp8GemmConfig(block_n=64, block_k=block_k, split_k=split)
+    cfg = m.DecodeGemmConfig(block_n=64, block_k=block_k, split_k=split)
     y1 = m.fp8_gemm(x, codes, scales, config=cfg, workspace=ws)
     y2 = m.fp8_gemm(x, codes, scales, config=cfg, workspace=ws)
     assert y1.shape == (rows, n) and y1.dtype == torch.bfloat16
@@ -74,7 +74,7 @@ def test_gpu_fp8_gemm_real_shapes(rows, n, k):
 
     x, codes, scales, bias, ref = _operands(rows, n, k, device="cuda")
     ws = SplitKWorkspace()
-    for cfg in (None, m.Fp8GemmConfig(block_n=128, block_k=128, split_k=4)):  # the default, a forced split
+    for cfg in (None, m.DecodeGemmConfig(block_n=128, block_k=128, split_k=4)):  # the default, a forced split
         y = m.fp8_gemm(x, codes, scales, config=cfg, workspace=ws)
         assert rel_err(y, ref) < 1e-2, cfg
         assert int(ws.counters.abs().sum()) == 0
