@@ -188,6 +188,12 @@ class TritonAttnBackend(AttentionBackend):
             d = md.num_decode
             self._decode(q[:d], out[:d], md.decode, layer, fb)
             md = md.extend
+        self._extend(q, out, md, layer, fb)
+        return out  # (T, H * D)
+
+    def _extend(self, q, out, md, layer: AttentionLayerSpec, fb: ForwardBatch, tree: Optional[TreeMasks] = None):
+        """The extend kernel: q (T, H, D) of the requests `md` (extend or verify metadata) lays out, into out
+        (T, H * D); `tree`: a VERIFY step's draft trees (the kernel's tree branch)."""
         extend_attention(
             q,
             fb.kv_pool.k_buffer[layer.layer_id],
@@ -201,9 +207,9 @@ class TritonAttnBackend(AttentionBackend):
             md.max_extend_len,
             layer.scaling,
             self.extend_config,
+            tree,
             kv_scales=fb.kv_pool.layer_scales(layer.layer_id),
         )
-        return out  # (T, H * D)
 
     def _verify_metadata(self, fb: ForwardBatch) -> TritonVerifyMetadata:
         ext = fb.extend_seq_lens
@@ -231,22 +237,7 @@ class TritonAttnBackend(AttentionBackend):
         out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
         # (chains: the plain extend kernel; trees: its tree branch, what tree_attention launches)
         tree = None if md.tree_mask is None else TreeMasks(md.tree_lens, md.tree_mask, md.mask_offsets)
-        extend_attention(
-            q,
-            fb.kv_pool.k_buffer[layer.layer_id],
-            fb.kv_pool.v_buffer[layer.layer_id],
-            out.view(q.shape),
-            fb.req_to_token_pool.req_to_token,
-            md.req_pool_indices,
-            md.prefix_lens,
-            md.extend_lens,
-            md.extend_start,
-            md.max_extend_len,
-            layer.scaling,
-            self.extend_config,
-            tree,
-            kv_scales=fb.kv_pool.layer_scales(layer.layer_id),
-        )
+        self._extend(q, out, md, layer, fb, tree)
         return out  # (T, H * D)
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
