@@ -14,6 +14,7 @@ pytest.importorskip("peft")
 
 from conftest import make_random_model  # noqa: E402
 from helpers.lora_adapters import make_peft_adapter, merged_greedy  # noqa: E402
+from helpers.scheduler_loop import run_until_idle
 from plait.runtime import Engine  # noqa: E402
 from plait.runtime.lora.adapter import TARGETS, LoraShapes, read_adapter  # noqa: E402
 from plait.runtime.lora.matmul import LoraBatch  # noqa: E402
@@ -206,15 +207,7 @@ def test_ngram_verify_graphs_with_adapters_equal_plain_decoding_on_the_gpu(model
                         RequestOptions(rid=f"{name}-{i}", lora_path=name),
                     )
                 )
-        out: dict = {}
-        for _ in range(4000):
-            s.step()
-            assert s.check_integrity(), s.last_integrity_error
-            for o in s.collect_outputs():
-                out.setdefault(o.rid, []).extend(o.new_ids)
-            if s.is_idle():
-                return out
-        raise AssertionError("the scheduler did not go idle")
+        return run_until_idle(s)
 
     plain = run(scheduler())
     spec = scheduler(

@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 from conftest import make_random_model
+from helpers.scheduler_loop import run_until_idle
 from helpers.spec_models import write_eagle_head
 from plait.runtime.io_struct import TokenizedGenerateReq
 from plait.runtime.request_options import RequestOptions
@@ -50,15 +51,7 @@ def reqs(n_new: int = 20, prompts=PROMPTS):
 def run(s, requests) -> dict:
     for rid, ids, sp in requests:
         s.handle_message(TokenizedGenerateReq(list(ids), SamplingParams(**sp), RequestOptions(rid=rid)))
-    out: dict = {}
-    for _ in range(1000):
-        s.step()
-        assert s.check_integrity(), s.last_integrity_error
-        for o in s.collect_outputs():
-            out.setdefault(o.rid, []).extend(o.new_ids)
-        if s.is_idle():
-            return out
-    raise AssertionError("the scheduler did not go idle")
+    return run_until_idle(s, 1000)
 
 
 def scheduler(path: str, **kw):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.scheduler_loop import run_until_idle
 from plait.runtime.io_struct import TokenizedGenerateReq
 from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
@@ -24,15 +25,7 @@ def _run(s, prompts, n_new=32) -> dict:
                 RequestOptions(rid=f"r{i}"),
             )
         )
-    out: dict = {}
-    for _ in range(4000):
-        s.step()
-        assert s.check_integrity(), s.last_integrity_error
-        for o in s.collect_outputs():
-            out.setdefault(o.rid, []).extend(o.new_ids)
-        if s.is_idle():
-            return out
-    raise AssertionError("the scheduler did not go idle")
+    return run_until_idle(s)
 
 
 def _prompts(n: int, repeat: bool) -> list[list[int]]:
