@@ -21,8 +21,9 @@ SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 # Algorithms whose drafts come from a model (a draft model, an EAGLE head) in the draft model path.
 MODEL_DRAFT_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 GRAMMAR_DRAFT_MODES = ("auto", "on", "off")
-# Integer settings whose None means the engine chooses.
+# Integer settings whose None means the engine chooses; what else some may be, for their errors.
 _ENGINE_CHOOSES = ("cuda_graph_max_bs", "max_running_requests", "max_num_batched_tokens", "num_threads")
+_ALSO = {"num_threads": " (or None: one per core)", "piecewise_cuda_graph_max_tokens": " (or 0: off)"}
 _ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 
 
@@ -77,9 +78,8 @@ class ServerArgs:
     # None: graphs for every batch size the scheduler can run (max_running_requests, at most 1024).
     # Decode steps above the largest graph run eagerly, paying every kernel's Python launch.
     cuda_graph_max_bs: Optional[int] = None
-    # Steps the decode graphs do not hold (mixed, prefill, larger decode) of up to this many tokens run as
-    # CUDA graphs between their attention kernels (executor/piecewise_graphs.py); 0 (the default until
-    # measured faster on a GPU): eagerly.
+    # Steps the decode graphs do not hold, of up to this many tokens, run as CUDA graphs between their attention
+    # kernels (executor/piecewise_graphs.py); 0: eagerly (the default until measured faster on a GPU).
     piecewise_cuda_graph_max_tokens: int = 0
     disable_overlap_schedule: bool = False
     # Triton decode attention reads a prefix that several running requests share once per tile of
@@ -186,7 +186,7 @@ class ServerArgs:
             if (v is None and name in _ENGINE_CHOOSES) or (v == 0 and name == "piecewise_cuda_graph_max_tokens"):
                 continue  # (None: the engine's choice; 0: piecewise graphs off)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+                raise ValueError(f"{name} must be a positive int{_ALSO.get(name, '')}, got {v!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
         if self.context_length is not None and self.context_length < 2:
