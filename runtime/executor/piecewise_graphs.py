@@ -167,15 +167,14 @@ class PiecewiseGraphs:
         else:
             h, residual = layers[i - 1].attention_output(self.attn_out[:size], pieces.residuals[i - 1])
         if i == len(layers):
-            hidden = self.model.norm(h, residual)[0]  # (size, hidden)
-            if pieces.hidden is None:
-                pieces.hidden = hidden
-            elif hidden.data_ptr() != pieces.hidden.data_ptr():
-                pieces.hidden.copy_(hidden)
+            pieces.hidden = _kept(pieces.hidden, self.model.norm(h, residual)[0])  # (size, hidden)
             return
         q, residual = layers[i].attention_input(positions, h, residual, fb)  # (size, H, D), (size, hidden)
-        _keep(pieces.queries, i, q)
-        _keep(pieces.residuals, i, residual)
+        if len(pieces.queries) == i:
+            pieces.queries.append(None)
+            pieces.residuals.append(None)
+        pieces.queries[i] = _kept(pieces.queries[i], q)
+        pieces.residuals[i] = _kept(pieces.residuals[i], residual)
 
     def _run_pieces(self, size: int, capture: Optional[Callable[[int, _Pieces], None]]) -> _Pieces:
         pieces = _Pieces(size)
@@ -221,10 +220,11 @@ class PiecewiseGraphs:
         )
 
 
-def _keep(outputs: list, i: int, tensor: torch.Tensor) -> None:
-    """Piece i's output: kept the first time (a graph's static tensor), copied into it after if a later
+def _kept(static: Optional[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    """A piece's output: kept the first time (a graph's static tensor), copied into it after if a later
     eager run made a new one (the CPU's path; a graph replay writes in place)."""
-    if len(outputs) == i:
-        outputs.append(tensor)
-    elif tensor.data_ptr() != outputs[i].data_ptr():
-        outputs[i].copy_(tensor)
+    if static is None:
+        return tensor
+    if tensor.data_ptr() != static.data_ptr():
+        static.copy_(tensor)
+    return static
