@@ -79,8 +79,8 @@ class ServerArgs:
     # Decode steps above the largest graph run eagerly, paying every kernel's Python launch.
     cuda_graph_max_bs: Optional[int] = None
     # Steps the decode graphs do not hold, of up to this many tokens, run as CUDA graphs between their attention
-    # kernels (executor/piecewise_graphs.py); 0: eagerly (the default until measured faster on a GPU).
-    piecewise_cuda_graph_max_tokens: int = 0
+    # kernels (executor/piecewise_graphs.py); 0: eagerly. 512 holds a mixed step of a chunk and a running batch.
+    piecewise_cuda_graph_max_tokens: int = 512
     disable_overlap_schedule: bool = False
     # Triton decode attention reads a prefix that several running requests share once per tile of
     # them instead of once per request (shared-prefix "cascade" attention); this turns it off.

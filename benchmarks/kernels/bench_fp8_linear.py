@@ -12,6 +12,7 @@ dispatch constant (models/layers.FP8_DECODE_ROWS) should sit where `triton` stop
 
     python benchmarks/kernels/bench_fp8_linear.py                  # every shape, rows 1 8 32 64 256 2048
     python benchmarks/kernels/bench_fp8_linear.py --rows 1 16 --only gate_up
+    python benchmarks/kernels/bench_fp8_linear.py --sweep --rows 1 16 64   # the triton path's tiles and splits
 """
 
 from __future__ import annotations
@@ -78,17 +79,82 @@ def time_paths(n: int, k: int, rows: int, copies: int) -> dict[str, float]:
     return {name: graph_time(fn) for name, fn in paths.items()}
 
 
+def sweep_triton(n: int, k: int, rows: int, copies: int) -> tuple[float, list]:
+    """The triton path over tile shapes, K splits and stages at x (rows, k) @ W (n, k)^T: (seconds of the
+    picked config, [(seconds, config)] fastest first), each config checked against the dequantized product."""
+    import itertools
+
+    from plait.runtime.kernels.decode_gemm import DecodeGemmConfig, SplitKWorkspace
+    from plait.runtime.kernels.fp8_gemm import fp8_gemm, pick_fp8_gemm_config
+    from plait.runtime.quant.fp8 import Fp8Linear
+
+    layers = [
+        Fp8Linear.from_float(torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02, None, torch.bfloat16)
+        for _ in range(copies)
+    ]
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    ref = x.float() @ layers[0].dequantized().float().t()
+    workspace = SplitKWorkspace()
+    picked = pick_fp8_gemm_config(n, k, rows)
+    grid = itertools.product((64, 128), (128, 256, 512), (1, 2, 4, 8), (3, 4))
+    configs = [picked] + [DecodeGemmConfig(bn, bk, sp, 4, st) for bn, bk, sp, st in grid]
+    results, t_picked = [], float("nan")
+    for cfg in configs:
+        try:
+            y = fp8_gemm(x, layers[0].weight, layers[0].weight_scale, config=cfg, workspace=workspace)
+        except Exception:  # a tile that does not fit in shared memory
+            continue
+        if float((y.float() - ref).norm() / ref.norm()) > 0.02:
+            print(f"  {n}x{k} rows {rows} {cfg}: WRONG")
+            continue
+
+        def run(cfg=cfg):
+            for layer in layers:
+                fp8_gemm(x, layer.weight, layer.weight_scale, config=cfg, workspace=workspace)
+
+        t = graph_time(run, reps=5) / copies
+        if cfg is picked:
+            t_picked = t
+        else:
+            results.append((t, cfg))
+    results.sort(key=lambda r: r[0])
+    return t_picked, results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256, 2048])
     p.add_argument("--only", nargs="+", choices=sorted(SHAPES_8B), default=None)
     p.add_argument("--copies", type=int, default=4, help="distinct weights cycled (L2 holds none of the next)")
+    p.add_argument("--sweep", action="store_true", help="the triton path's configs instead (rows <= 64)")
     args = p.parse_args()
     from plait.runtime.models.layers import FP8_DECODE_ROWS
 
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  FP8_DECODE_ROWS {FP8_DECODE_ROWS}")
+    if args.sweep:
+        sweeps = []
+        for rows in [r for r in args.rows if r <= 64]:
+            for name, (n, k) in SHAPES_8B.items():
+                if args.only and name not in args.only:
+                    continue
+                t_picked, results = sweep_triton(n, k, rows, args.copies)
+                best = results[0]
+                print(
+                    f"rows {rows:>3} {name:>8}: picked"
+                    f" {t_picked * 1e6:7.1f} us ({n * k / t_picked / 1e12:.2f} TB/s); best "
+                    f"{best[0] * 1e6:7.1f} us ({n * k / best[0] / 1e12:.2f} TB/s) {vars(best[1])}; next "
+                    + ", ".join(
+                        f"{t * 1e6:.1f} {c.block_n}/{c.block_k}/s{c.split_k}/st{c.num_stages}" for t, c in results[1:4]
+                    ),
+                    flush=True,
+                )
+                sweeps.append(
+                    {"rows": rows, "shape": name, "picked_s": t_picked, "best": [(t, vars(c)) for t, c in results[:8]]}
+                )
+        save("fp8_gemm_sweep", {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "sweeps": sweeps})
+        return
     columns = ("bf16 us", "sc_mm us", "mm only", "triton", "fp8 TB/s")
     print(f"{'rows':>5} {'shape':>8} " + " ".join(f"{c:>8}" for c in columns) + f" {'best x':>7}")
     records = []

@@ -151,31 +151,47 @@ def test_gpu_triton_paths_read_fp8_at_real_sizes(head_dim):
 
 
 @pytest.mark.gpu
-def test_gpu_engine_fp8_kv_agrees_with_bf16_kv_and_holds_twice_the_tokens(tmp_path):
-    """The engine on an H100 with CUDA graphs, triton backend: a random Llama (conftest), greedy over 32 prompts
-    with FP8 KV against bf16 KV. Bound: >= 24 of 32 first tokens and >= 40% of all tokens agree (the random
-    model's near-ties: see tests/kvcache/test_fp8_kv.py); at the same mem_fraction_static the FP8 pool holds
-    twice the tokens (within 1%)."""
-    from conftest import make_random_model
+def test_gpu_engine_fp8_kv_matches_the_torch_reference_and_stays_near_transformers(tmp_path):
+    """The engine on a GPU, greedy over 32 prompts that share a 200-token prefix (run twice: the second from the
+    cached FP8 prefix), a random Llama (conftest): the triton backend with CUDA graphs and FP8 KV against
+    torch_native with FP8 KV (the same quantized pool, dequantized by torch): their first tokens agree on at
+    least 30 of 32 prompts. Each run's steps are scored under transformers' bf16 logits (teacher forcing,
+    conftest.near_tie_report: sequences split at near-ties, steps are judged on their own); bound: bf16 KV's
+    worst step within 0.05 of the logit spread; FP8 KV's within 0.5 and at least 65% of steps its argmax (an
+    H100 measured 0.43 and 74%: this model's initializer makes attention sharp, so e4m3's 3 mantissa bits in K
+    move its scores by more than a real model's; tests/kvcache/test_fp8_kv.py measures the CPU's)."""
+    from conftest import make_random_model, near_tie_report
     from plait.runtime import Engine
+    from transformers import AutoModelForCausalLM
 
     model = make_random_model(str(tmp_path / "llama"), "llama", seed=3)
     g = torch.Generator().manual_seed(7)
     shared = torch.randint(2, 256, (200,), generator=g).tolist()
     prompts = [shared + torch.randint(2, 256, (int(n),), generator=g).tolist() for n in torch.randint(2, 60, (32,))]
     sp = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
-    outs, tokens = {}, {}
-    for kv in ("bf16", "fp8_e4m3"):
-        with Engine(model_path=model, kv_cache_dtype=kv, attention_backend="triton", mem_fraction_static=0.5) as eng:
-            outs[kv] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
+    runs = {
+        "bf16 triton": ("bf16", "triton"),
+        "fp8 triton": ("fp8_e4m3", "triton"),
+        "fp8 torch": ("fp8_e4m3", "torch_native"),
+    }
+    outs = {}
+    for name, (kv, backend) in runs.items():
+        with Engine(
+            model_path=model,
+            kv_cache_dtype=kv,
+            attention_backend=backend,
+            disable_cuda_graph=backend != "triton",
+            mem_fraction_static=0.5,
+        ) as eng:
+            outs[name] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
             again = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]  # cached prefix
-            assert again == outs[kv] and eng.check_integrity()
-            info = eng.get_server_info()
-            assert info["kv_cache_dtype"] == ("bfloat16" if kv == "bf16" else kv)
-            tokens[kv] = info["max_total_tokens"]
-    ref, got = outs["bf16"], outs["fp8_e4m3"]
-    first = sum(x[0] == y[0] for x, y in zip(ref, got))
-    agree = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y))
-    print(f"fp8 KV vs bf16 KV: {first}/32 first tokens, {agree}/{32 * 16} tokens; pool {tokens}")
-    assert first >= 24 and agree >= 0.4 * 32 * 16
-    assert tokens["fp8_e4m3"] >= 1.98 * tokens["bf16"] or tokens["fp8_e4m3"] == tokens["bf16"] == 1 << 24
+            assert again == outs[name] and eng.check_integrity()
+            assert eng.get_server_info()["kv_cache_dtype"] == ("bfloat16" if kv == "bf16" else kv)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+    scores = {name: near_tie_report(hf, prompts, out) for name, out in outs.items()}
+    first = sum(x[0] == y[0] for x, y in zip(outs["fp8 triton"], outs["fp8 torch"]))
+    print(f"fp8 KV: triton and torch agree on {first}/32 first tokens; (argmax share, worst gap) {scores}")
+    assert first >= 30
+    assert scores["bf16 triton"][1] < 0.05
+    for name in ("fp8 triton", "fp8 torch"):
+        assert scores[name][0] >= 0.65 and scores[name][1] < 0.5

@@ -135,6 +135,7 @@ def test_piecewise_graphs_give_the_eager_tokens(model_dir, dtype):
         assert s.check_integrity(), s.last_integrity_error
         assert mixed > 0
         runs[on] = [outs[str(i)] for i in range(len(prompts))]
+        s.kv.flush()  # both schedulers share the runner's KV pool: hand this one's cached slots back
     assert pieces.replays > 0
     print(f"{dtype} piecewise/eager", _agree(runs[True], runs[False]), "replays", pieces.replays)
     assert _agree(runs[True], runs[False]) >= (15 / 16 if dtype == "float32" else 12 / 16)
