@@ -26,26 +26,15 @@ MAX_ROWS = 64  # the x tile is BLOCK_M wide; above it `torch._scaled_mm` (FP8 te
 
 
 def pick_fp8_gemm_config(n: int, k: int, rows: int) -> DecodeGemmConfig:
-    """Tiles by shape, a first choice from reading (not yet swept: benchmarks/kernels/bench_fp8_linear.py
-    measures it): decode_gemm's tiles with twice the K per step, since an FP8 tile of the same bytes holds
-    twice the columns (a program keeps ~64 KB of W in flight per stage). Wide matrices (gate_up, above 16K
-    rows) take 128-row tiles unsplit; the others 64-row tiles, K split in two when long (down: 14,336), and
-    few tiles (small models) split K up to ~128 programs."""
-    # NOTE: K steps shrink as the x tile widens, so the stages of W and x tiles stay inside shared memory.
-    if n >= 16384:
-        return DecodeGemmConfig(block_n=128, block_k=128 if rows > 32 else 256, split_k=1, num_warps=4, num_stages=3)
+    """Tiles by shape, from benchmarks/kernels/bench_fp8_linear.py --sweep (H100, Llama-3.1-8B's matrices at 1,
+    16 and 64 rows): 64-row tiles of 128-wide K steps, 3 stages, and K split until there are ~512 programs
+    (~384 above 32 rows, where each reads a wider x tile). An FP8 tile holds half the bytes of a bf16 one, so
+    a program streams too little to hide its latency unless many run per SM: QKV splits in 4, O and down in 8
+    (4 above 32 rows), gate-up's 448 tiles run unsplit. A split keeps at least 512 of K (4 steps)."""
     tiles = triton.cdiv(n, 64)
-    if tiles >= 64:
-        split = 2 if k > 8192 else 1
-    else:
-        split = 1 << (triton.cdiv(128, tiles).bit_length() - 1)  # a power of two: K's tiles divide evenly
-    return DecodeGemmConfig(
-        block_n=64,
-        block_k=512 if rows <= 16 else 256,
-        split_k=min(split, max(1, k // 1024)),
-        num_warps=4,
-        num_stages=3 if split >= 4 else 4,
-    )
+    target = 512 if rows <= 32 else 384
+    split = 1 << max(0, (target // tiles).bit_length() - 1)  # a power of two: K's tiles divide evenly
+    return DecodeGemmConfig(block_n=64, block_k=128, split_k=min(split, max(1, k // 512)), num_warps=4, num_stages=3)
 
 
 def fp8_gemm(
