@@ -59,7 +59,12 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def quantize_rows(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations x (M, K) -> (codes (M, K) float8_e4m3fn, scales (M, 1) float32): one scale per row (per
     token, dynamic), or a checkpoint's calibrated per-tensor scale (`static_scale`, (1,)) for every row.
-    Device ops only (no host sync), so it runs inside a CUDA graph."""
+    Device ops only (no host sync), so it runs inside a CUDA graph. On a GPU one Triton kernel
+    (kernels/fp8_quant.py), the same codes; the torch ops below are the CPU's path and its reference."""
+    if x.is_cuda and x.stride(-1) == 1:
+        from ..kernels.fp8_quant import quantize_rows_fp8  # Triton: loaded only where a GPU runs it
+
+        return quantize_rows_fp8(x, static_scale, FP8_MAX, MIN_AMAX)
     xf = x.float()  # (M, K)
     if static_scale is None:
         scales = xf.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX  # (M, 1)

@@ -1,0 +1,75 @@
+"""An FP8 layer's activation quantization as one Triton kernel (runtime/kernels/fp8_quant.py) against the torch
+ops it replaces (quant/fp8.quantize_rows' CPU path): per-row and static scales, rows longer than one block, an
+all-zero row, clamping under a static scale. CPU interpreter at small sizes; on a GPU at the 8B shapes, where
+the codes must be torch's exactly (the interpreter rounds some float32 -> FP8 conversions that carry into the
+exponent to half the value and some others one step off: there at most 5% of codes may be off in those ways)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from plait.runtime.quant.fp8 import FP8_MAX, MIN_AMAX, quantize_rows
+
+torch.set_num_threads(1)
+
+
+def fq():
+    return importlib.import_module("plait.runtime.kernels.fp8_quant")  # after conftest chose the interpreter
+
+
+def _rows(m: int, k: int, device: str, dtype=torch.bfloat16) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, m)[:, None]  # rows of different ranges
+    x[m // 2] = 0  # a padding row: a tiny scale, codes 0
+    return x.to(dtype).to(device)
+
+
+def _check(x: torch.Tensor, static: torch.Tensor | None, exact: bool) -> None:
+    codes, scales = fq().quantize_rows_fp8(x, static, FP8_MAX, MIN_AMAX)
+    ref_codes, ref_scales = quantize_rows(x.cpu(), None if static is None else static.cpu())
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape and scales.shape == (x.shape[0], 1)
+    torch.testing.assert_close(scales.cpu(), ref_scales, rtol=0, atol=0)
+    got, ref = codes.cpu().float(), ref_codes.float()
+    if exact:
+        assert torch.equal(got, ref)
+    else:  # the interpreter rounds some conversions off by one step, and a carry into a power of two to half of it
+        wrong = got != ref
+        step = torch.maximum(ref.abs() / 8, torch.full_like(ref, 2**-9))
+        assert torch.all(((got - ref).abs() <= step) | (2 * got == ref))
+        assert wrong.float().mean() < 0.05
+
+
+def _on_grid(m: int, k: int) -> torch.Tensor:
+    """Rows whose scaled values are FP8 codes exactly (amax 448 times a power of two): no rounding at all."""
+    gen = torch.Generator().manual_seed(k)
+    grid = torch.randint(-126, 127, (m, k), dtype=torch.int8, generator=gen).view(torch.float8_e4m3fn).float()
+    grid = grid.nan_to_num(0.0).clamp(-448, 448)
+    grid[:, 0] = 448.0
+    return (grid * 2.0 ** torch.arange(-4, m - 4)[:, None]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("m,k", [(5, 96), (3, 5000)])  # 5,000: two blocks of 4,096, the second ragged
+def test_quantize_rows_kernel_matches_torch(m, k):
+    _check(_on_grid(m, k), None, exact=True)
+    x = _rows(m, k, "cpu")
+    _check(x, None, exact=False)
+    _check(x.float(), None, exact=False)
+    _check(x, torch.tensor([0.01]), exact=False)  # static: large rows clamp to +-448
+
+
+def test_quantize_rows_kernel_refuses_a_strided_x():
+    x = _rows(4, 64, "cpu")
+    with pytest.raises(ValueError, match="unit stride"):
+        fq().quantize_rows_fp8(x.t(), None, FP8_MAX, MIN_AMAX)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_gpu_quantize_rows_is_torch_exactly(k):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    x = _rows(256, k, "cuda")
+    _check(x, None, exact=True)
+    _check(x, torch.tensor([0.01], device="cuda"), exact=True)
