@@ -40,6 +40,7 @@ def _quantize_rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     c_row = Codes + row * stride_c
+    # NOTE: IEEE divisions (div_rn), as torch's: Triton's `/` on float32 is approximate (scales 1 ulp off).
     if STATIC:
         scale = tl.load(StaticScale)
     else:
@@ -48,13 +49,12 @@ def _quantize_rows_kernel(
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / MAX_CODE
+        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), MAX_CODE)
     tl.store(Scales + row, scale)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        # NOTE: an IEEE division, as torch's `x / scale` (a reciprocal multiply would move codes at ties).
         q = tl.clamp(tl.div_rn(x, scale), -MAX_CODE, MAX_CODE)
         tl.store(c_row + offs, q.to(Codes.dtype.element_ty), mask=mask)
 
