@@ -18,8 +18,9 @@ times, and prints the median seconds of each workload and the ratio:
     python -m venv /tmp/ovenv && /tmp/ovenv/bin/pip install torch==2.13.0 outlines==1.3.3 transformers
     .venv/bin/python benchmarks/grammar/vs_outlines.py --outlines-python /tmp/ovenv/bin/python
 
-Both engines use every core torch sees (2 on the developers' machines); the first call of each workload in a
-process is a warm-up (model, grammar compile) and not timed. Saves benchmarks/out/vs_outlines.json.
+`--dtype bfloat16` runs both engines in bf16 (on CPUs with AVX512-BF16 or AMX). Both engines use every core
+torch sees (2 on the developers' machines); the first call of each workload in a process is a warm-up (model,
+grammar compile) and not timed. Saves benchmarks/out/vs_outlines_<dtype>.json.
 """
 
 from __future__ import annotations
@@ -145,10 +146,10 @@ def score(workload: str, texts: list[str]) -> dict:
 
 
 class PlaitRunner:
-    def __init__(self):
+    def __init__(self, dtype: str):
         from plait.runtime import Engine
 
-        self.engine = Engine()
+        self.engine = Engine(dtype=dtype)
         self.tokenizer = self.engine.tokenizer
 
     def params(self, workload: str) -> dict:
@@ -169,12 +170,12 @@ class PlaitRunner:
 
 
 class OutlinesRunner:
-    def __init__(self, path: str):
+    def __init__(self, path: str, dtype: str):
         import outlines
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         self.model = outlines.from_transformers(hf, self.tokenizer)
         self.generators: dict = {}
 
@@ -202,8 +203,8 @@ class OutlinesRunner:
         pass
 
 
-def run_engine(engine: str, workloads: list[str], model_path: str) -> dict:
-    runner = PlaitRunner() if engine == "plait" else OutlinesRunner(model_path)
+def run_engine(engine: str, workloads: list[str], model_path: str, dtype: str) -> dict:
+    runner = PlaitRunner(dtype) if engine == "plait" else OutlinesRunner(model_path, dtype)
     result = {}
     for workload in workloads:
         prompts = [
@@ -230,7 +231,8 @@ def drive(args) -> None:
     for _ in range(args.repeats):
         for engine, python in (("plait", sys.executable), ("outlines", args.outlines_python)):
             out = subprocess.run(
-                [python, __file__, "--engine", engine, "--model-path", model_path, "--workloads", *args.workloads],
+                [python, __file__, "--engine", engine, "--model-path", model_path, "--dtype", args.dtype]
+                + ["--workloads", *args.workloads],
                 capture_output=True,
                 text=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])},
@@ -255,7 +257,10 @@ def drive(args) -> None:
         summary[w] = {"median_s": med, "speedup": med["outlines"] / med["plait"], "last": last}
     from bench_common import save
 
-    save("vs_outlines", {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "workloads": summary})
+    save(
+        f"vs_outlines_{args.dtype}",
+        {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "dtype": args.dtype, "workloads": summary},
+    )
 
 
 def cpu_model() -> str:
@@ -270,9 +275,15 @@ def main() -> None:
     ap.add_argument("--outlines-python", default="/tmp/ovenv/bin/python", help="a Python with outlines installed")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model-path", default="", help="with --engine outlines: the Hugging Face folder")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="both engines' weights and compute (bfloat16: where the CPU has AVX512-BF16 or AMX)",
+    )
     args = ap.parse_args()
     if args.engine:
-        print(json.dumps(run_engine(args.engine, args.workloads, args.model_path)))
+        print(json.dumps(run_engine(args.engine, args.workloads, args.model_path, args.dtype)))
     else:
         drive(args)
 

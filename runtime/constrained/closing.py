@@ -34,7 +34,7 @@ ended, a key began).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Hashable, Optional
 
 from .base import GrammarMatcher
 from .completion import Completion, CompletionSearch
@@ -52,8 +52,9 @@ BUDGET, REPETITION = "budget", "repetition"  # why an output was closed early
 class BudgetCloser:
     """Per request: the current estimate, and once closing, the forced tokens."""
 
-    def __init__(self, search: CompletionSearch, greedy: bool) -> None:
+    def __init__(self, search: CompletionSearch, greedy: bool, grammar_key: Optional[Hashable] = None) -> None:
         self.search = search
+        self.grammar_key = grammar_key  # with the bytes accepted, the state a search's result is kept under
         self.decoded = search.tables.vocab.decoded
         self.greedy = greedy  # the request samples the argmax: one fitting token is all it needs
         self.estimate: Optional[Completion] = None
@@ -257,7 +258,8 @@ class BudgetCloser:
 
     def _refresh(self, matcher, scanner, version, accepted, left) -> Optional[Completion]:
         old = self.estimate.text if self.estimate is not None else b""
-        found = self.search.find(matcher, scanner, _hints(old, b"".join(accepted[self._estimate_tokens :])))
+        state = None if self.grammar_key is None else (self.grammar_key, b"".join(accepted))
+        found = self.search.find(matcher, scanner, _hints(old, b"".join(accepted[self._estimate_tokens :])), state)
         # NOTE: a search that finds nothing (a grammar too intricate for its node budget) is not
         # retried on every token: the next try waits RETRY_AFTER tokens.
         self._retry_left = None if found is not None else left - RETRY_AFTER
@@ -282,13 +284,14 @@ _STRUCTURAL = frozenset(b'"{}[],:')
 
 def _hints(old: bytes, written: bytes) -> list[bytes]:
     """Completions to try first, from `old` (the completion before `written` was accepted), shortest
-    first: what is left of it if the model wrote its start; it without its leading content (the model
-    wrote a value's digits or letters of its own: `0, "b": 0}` after the model's "2" is `, "b": 0}`);
-    it whole (the model only added content inside a string)."""
+    first: what is left of it after as many bytes as the model wrote (the model wrote its start, or other
+    bytes of a fixed-width field: a regex's date `000-01-01` after the model's "4" leaves `00-01-01`); it
+    without its leading content (the model wrote a value's digits or letters of its own: `0, "b": 0}` after
+    the model's "23" is `, "b": 0}`); it whole (the model only added content inside a string)."""
     if not old:
         return []
     hints = []
-    if written and old.startswith(written) and len(old) > len(written):
+    if written and len(old) > len(written):
         hints.append(old[len(written) :])
     lead = next((i for i, b in enumerate(old) if b in _STRUCTURAL), len(old))
     if 0 < lead < len(old):

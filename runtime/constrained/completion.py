@@ -22,8 +22,9 @@ Every search is bounded (`max_nodes` grammar steps); None means no completion wa
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import torch
 
@@ -45,6 +46,7 @@ from .json_scan import (
 )
 from .token_tables import TokenTables
 
+MEMO_STATES = 4096  # search results kept by state, least recently used out (a few hundred bytes each)
 _VALUE_START = b'0"[{ntf-123456789'
 # The bytes tried first in each context: those that end something, then the shortest content. NOTE: '1'
 # before '0' inside strings: a date, time or uuid spelled with ones is a real one (year 0000 is not).
@@ -75,7 +77,7 @@ _ANY = (
 class Completion:
     text: bytes  # what to append (b"": the grammar may end where it stands)
     token_ids: tuple[int, ...]  # the tokens spelling it
-    how: str  # "done" | "hint" | "closers" | "search"
+    how: str  # "done" | "hint" | "closers" | "search" | "memo" (a search's result from the same state before)
     nodes: int = 0  # grammar steps the search took
 
 
@@ -84,10 +86,14 @@ class _OutOfNodes(Exception):
 
 
 class CompletionSearch:
-    """Shared by the requests of one backend; per-call state only (one scheduler thread)."""
+    """Shared by the requests of one backend; per-call state only (one scheduler thread), and the texts its
+    searches found by state: a search depends only on the grammar and the bytes accepted so far, and a batch of
+    requests with one constraint starts from one state (every regex answer's first estimate, every JSON
+    object's opening), so the first of them searches and the others reuse its text."""
 
     def __init__(self, tables: TokenTables, max_nodes: int = 600, max_bytes: int = 400) -> None:
         self.tables = tables
+        self._memo: OrderedDict[Hashable, Optional[bytes]] = OrderedDict()  # state -> the search's text
         self.max_nodes = max_nodes
         self.max_bytes = max_bytes
         self._scratch = torch.zeros((1, bitmask_width(tables.vocab.vocab_size)), dtype=torch.int32)  # (1, W)
@@ -99,18 +105,24 @@ class CompletionSearch:
             "completion_hints": 0,
             "completion_closers": 0,
             "completion_searches": 0,
+            "completion_memo": 0,
             "completion_not_found": 0,
             "completion_ms": 0.0,
             "completion_search_ms": 0.0,
         }
 
     def find(
-        self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], hints: Sequence[bytes] = ()
+        self,
+        matcher: GrammarMatcher,
+        scanner: Optional[JsonScanner],
+        hints: Sequence[bytes] = (),
+        state: Optional[Hashable] = None,
     ) -> Optional[Completion]:
         """The shortest completion found (see the module docstring), or None. The matcher and the
-        scanner are left as they were."""
+        scanner are left as they were. state: what identifies the matcher's state (the grammar's key and
+        the bytes accepted), under which a search's text is kept for the next request there."""
         start = time.perf_counter()
-        found = self._find(matcher, scanner, hints)
+        found = self._find(matcher, scanner, hints, state)
         ms = 1000 * (time.perf_counter() - start)
         self.stats["completion_ms"] += ms
         if found is None or found.how == "search":
@@ -118,16 +130,19 @@ class CompletionSearch:
         key = (
             "completion_not_found"
             if found is None
-            else {"hint": "completion_hints", "closers": "completion_closers", "search": "completion_searches"}.get(
-                found.how
-            )
+            else {
+                "hint": "completion_hints",
+                "closers": "completion_closers",
+                "search": "completion_searches",
+                "memo": "completion_memo",
+            }.get(found.how)
         )
         if key is not None:
             self.stats[key] += 1
         return found
 
     def _find(
-        self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], hints: Sequence[bytes]
+        self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], hints: Sequence[bytes], state: Optional[Hashable]
     ) -> Optional[Completion]:
         if matcher.is_terminated():
             return None
@@ -142,17 +157,30 @@ class CompletionSearch:
             found = self.verify(matcher, closers, "closers", scanner) if closers else None
             if found is not None:
                 return found
-        return self.search_only(matcher, scanner)
+        return self.search_only(matcher, scanner, state)
 
-    def search_only(self, matcher: GrammarMatcher, scanner: Optional[JsonScanner]) -> Optional[Completion]:
+    def search_only(
+        self, matcher: GrammarMatcher, scanner: Optional[JsonScanner], state: Optional[Hashable] = None
+    ) -> Optional[Completion]:
         """The completion the search finds, without the cheap paths (a benchmark compares them)."""
-        text = self._search(matcher, scanner)
+        # NOTE: the memo stands in for the search alone, after the hints: a request finds what it would
+        # find on its own, batched or not.
+        if state is not None and state in self._memo:
+            self._memo.move_to_end(state)
+            text, how, nodes = self._memo[state], "memo", 0
+        else:
+            text, how = self._search(matcher, scanner), "search"
+            nodes = self._nodes
+            if state is not None:
+                self._memo[state] = text
+                if len(self._memo) > MEMO_STATES:
+                    self._memo.popitem(last=False)
         if text is None:
             return None
-        found = self.verify(matcher, text, "search", scanner)
+        found = self.verify(matcher, text, how, scanner)
         if found is None:
             return None
-        return Completion(found.text, found.token_ids, "search", self._nodes)
+        return Completion(found.text, found.token_ids, how, nodes)
 
     def verify(
         self, matcher: GrammarMatcher, text: bytes, how: str, scanner: Optional[JsonScanner] = None

@@ -112,6 +112,7 @@ class GrammarManager:
             close_within_budget=sampling_params.close_within_budget,
             greedy=sampling_params.is_greedy,
             budget_left=max_new,
+            grammar_key=sampling_params.grammar_key,
         )
 
     # ---- sampling ----

@@ -19,7 +19,7 @@ model's that did not fit) and the grammar may end: the request ends there with f
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Hashable, Iterator, Optional
 
 import torch
 
@@ -44,6 +44,7 @@ class RequestGrammar(GrammarMatcher):
         close_within_budget: bool,
         greedy: bool = False,
         budget_left: Optional[int] = None,
+        grammar_key: Optional[Hashable] = None,
     ) -> None:
         self.inner = matcher
         self.warnings = matcher.warnings
@@ -54,7 +55,7 @@ class RequestGrammar(GrammarMatcher):
         self._accepted: list[bytes] = []  # each accepted token's bytes
         self._version = 0  # changes with every accept and rollback: identifies the matcher's state
         self.watch = RepetitionWatch() if close_within_budget else None
-        self.closer = BudgetCloser(search, greedy) if close_within_budget else None
+        self.closer = BudgetCloser(search, greedy, grammar_key) if close_within_budget else None
         self._budget_left = budget_left  # tokens the request may still generate (None: not known yet)
         self._event: Optional[str] = None  # "closed" | "overshoot", until taken by the manager
         self._drafting = 0  # inside drafting(): masks are filled with no decision taken
