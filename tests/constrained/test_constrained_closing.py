@@ -366,6 +366,33 @@ def test_regex_output_is_closed_within_the_budget(manager, default_tokenizer):
     assert req.finished_reason.type == "length" and req.grammar.closed_early == "budget"
 
 
+def test_requests_of_one_constraint_search_once_and_write_what_each_writes_alone(manager, default_tokenizer):
+    """A batch of date answers under one regex: the first request's search from the opening state is kept
+    (CompletionSearch's memo) and the others take its text instead of searching again; after the model's own
+    digits the old completion less as many bytes still completes (the fixed-width hint), so no request searches
+    again. Each output is what the same request writes alone on a fresh manager."""
+    pattern = r"(1[0-9]|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+    digits = [default_tokenizer.encode(d, add_special_tokens=False)[0] for d in "4719"]
+    stats = manager.search.stats
+    before = dict(stats)
+    texts = []
+    for i in range(4):
+        req = fake_request(manager, default_tokenizer, 16, regex=pattern)
+        texts.append(drive(manager, req, digits[i:] + digits[:i], default_tokenizer))
+        assert re.fullmatch(pattern, texts[-1]), texts[-1]
+    assert stats["completion_searches"] - before["completion_searches"] == 1
+    assert stats["completion_memo"] - before["completion_memo"] == 3
+    alone = GrammarManager(
+        default_tokenizer, VOCAB, ServerArgs(grammar_backend="xgrammar", grammar_compile_timeout=60.0)
+    )
+    try:
+        req = fake_request(alone, default_tokenizer, 16, regex=pattern)
+        assert drive(alone, req, digits[3:] + digits[:3], default_tokenizer) == texts[3]
+        assert alone.search.stats["completion_searches"] == 1 and alone.search.stats["completion_memo"] == 0
+    finally:
+        alone.backend.shutdown()
+
+
 # ---------------------------------------------------------------- the closing under grammar drafts
 def scripted_logits(grammar, scores: torch.Tensor, tokenizer) -> torch.Tensor:
     """(V,) the scripted model of `drive` at the grammar's state: `scores`, and where text is forced its
