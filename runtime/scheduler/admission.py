@@ -26,8 +26,9 @@ from .queues import RequestQueues
 from .retraction import KVShortage
 
 # A waiting request that shares at least this many not-yet-cached tokens with one being prefilled
-# waits one step, then hits the cache instead of computing the same prefix again.
-IN_BATCH_DEDUP_MIN_TOKENS = 32
+# waits one step, then hits the cache instead of computing the same prefix again. 16 catches a chat
+# template's system prompt (SmolLM2's: ~20 tokens), which a batch of chat prompts shares and nothing else.
+IN_BATCH_DEDUP_MIN_TOKENS = 16
 # Distinct dedup windows indexed per batch (see InFlightPrefixes); past that, a linear scan.
 MAX_INDEXED_WINDOWS = 8
 

@@ -263,6 +263,18 @@ def test_in_batch_prefix_dedup_prefills_a_shared_prefix_once(random_models):
     assert s.stats["cached_tokens"] == 3 * 64
 
 
+def test_a_chat_templates_system_prompt_is_prefilled_once(random_models):
+    # SmolLM2's template puts ~20 tokens of system prompt before every user turn: requests batched together
+    # share that much and wait a step for it (a CPU prefill of 16 such prompts: 926 tokens, 420 of them shared).
+    s = make_scheduler(random_models["llama"], max_total_tokens=1024)
+    system = list(range(2, 22))  # 20 tokens
+    for i in range(3):
+        submit(s, f"q{i}", system + [100 + i] * 8, max_new_tokens=1, temperature=0)
+    assert [r.rid for r in s.step().reqs] == ["q0"]
+    second = s.step()
+    assert sorted(r.rid for r in second.reqs) == ["q1", "q2"] and second.prefix_lens == [20, 20]
+
+
 def test_short_shared_prefix_is_not_held_back(random_models):
     s = make_scheduler(random_models["llama"], max_total_tokens=1024)
     for i in range(3):
