@@ -4,7 +4,9 @@ Gathers each request's K/V from the pool through `req_to_token` and runs
 `scaled_dot_product_attention`. Extend runs one request at a time (different prefix and extend
 lengths); decode runs the whole batch at once over K/V padded to the longest sequence, and so do a mixed
 step's decode rows; verify (draft trees) too, its queries padded to the largest tree and masked by prefix +
-tree ancestors. An FP8 pool's rows are dequantized as they are gathered (kvcache/kv_quant.py).
+tree ancestors, and so do an extend step's requests when they all bring a few tokens (grammar-forced
+tails, continuations of cached prompts): one call instead of one per request and layer. An FP8 pool's rows
+are dequantized as they are gathered (kvcache/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ class _ExtendMetadata:
     # A mixed step's leading decode rows (one token each), attended as one batch like a decode step's.
     decode: Optional[_DecodeMetadata] = None
     num_decode: int = 0
+    # The requests after the decode rows as one padded batch, when each brings at most SHORT_EXTEND tokens
+    # (then kv_indices and causal_masks are empty).
+    short: Optional[_VerifyMetadata] = None
+
+
+# Requests that bring at most this many new tokens each are attended together, their queries padded to
+# the longest (at most this many per request), rather than one call per request.
+SHORT_EXTEND = 16
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -60,6 +70,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         if d:
             s_max = max(p + 1 for p in fb.extend_prefix_lens_cpu[:d])
             decode = self._decode_metadata(r2t, fb.req_pool_indices[:d], fb.seq_lens[:d], s_max)
+        ext_cpu = fb.extend_seq_lens_cpu
+        if fb.batch_size - d > 1 and max(ext_cpu[d:]) <= SHORT_EXTEND:
+            fb.attn_metadata = _ExtendMetadata([], [], decode, d, _verify_metadata(fb, self.device, first=d))
+            return
         kv_indices, masks = [], []
         for i in range(d, fb.batch_size):
             req = int(fb.req_pool_indices[i])
@@ -88,6 +102,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         start = d = md.num_decode
         if md.decode is not None:
             out[:d] = _attend_one_token(q[:d].view(d, layer.num_heads, layer.head_dim), kv, md.decode, layer)
+        if md.short is not None:
+            _attend_padded(q, kv, md.short, layer, out)
+            return out
         for j, i in enumerate(range(d, fb.batch_size)):
             ext = fb.extend_seq_lens_cpu[i]
             qi = q[start : start + ext].transpose(0, 1)  # (H, E, D)
@@ -106,14 +123,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         return _attend_one_token(q, _LayerKV.of(fb, layer), md, layer)
 
     def forward_verify(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
-        md: _VerifyMetadata = fb.attn_metadata
-        k, v = _LayerKV.of(fb, layer).gather(md.kv_index, 1, q.dtype)  # (B, Hkv, S, D) each
-        qb = q.view(q.shape[0], layer.num_heads, layer.head_dim)[md.q_index].transpose(1, 2)  # (B, H, E, D)
-        o = F.scaled_dot_product_attention(
-            qb, k, v, attn_mask=md.mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
-        )  # (B, H, E, D)
         out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
-        out[md.q_index[md.q_valid]] = o.transpose(1, 2)[md.q_valid].reshape(-1, layer.num_heads * layer.head_dim)
+        _attend_padded(q, _LayerKV.of(fb, layer), fb.attn_metadata, layer, out)
         return out
 
 
@@ -151,16 +162,33 @@ def _attend_one_token(q: torch.Tensor, kv: _LayerKV, md: _DecodeMetadata, layer:
     return o.reshape(q.shape[0], -1)
 
 
-def _verify_metadata(fb: ForwardBatch, device) -> _VerifyMetadata:
+def _attend_padded(
+    q: torch.Tensor, kv: _LayerKV, md: _VerifyMetadata, layer: AttentionLayerSpec, out: torch.Tensor
+) -> None:
+    """The requests of `md`, their queries padded to the longest, in one call: their rows of `out` written."""
+    k, v = kv.gather(md.kv_index, 1, q.dtype)  # (B, Hkv, S, D) each
+    qb = q.view(q.shape[0], layer.num_heads, layer.head_dim)[md.q_index].transpose(1, 2)  # (B, H, E, D)
+    o = F.scaled_dot_product_attention(
+        qb, k, v, attn_mask=md.mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
+    )  # (B, H, E, D)
+    out[md.q_index[md.q_valid]] = o.transpose(1, 2)[md.q_valid].reshape(-1, layer.num_heads * layer.head_dim)
+
+
+def _verify_metadata(fb: ForwardBatch, device, first: int = 0) -> _VerifyMetadata:
     """Queries padded to the largest tree, keys to the longest prefix + tree; the mask sees the prefix
-    whole and the tree through fb.tree_mask (causal without one: a chain)."""
-    ext_cpu = fb.extend_seq_lens_cpu
-    tree_cpu = fb.tree_lens_cpu or ext_cpu
+    whole and the tree through fb.tree_mask (causal without one: a chain). first: the requests from this
+    one on (an extend step's after its decode rows, each a chain)."""
+    ext_cpu = fb.extend_seq_lens_cpu[first:]
+    tree_cpu = (fb.tree_lens_cpu or fb.extend_seq_lens_cpu)[first:]
     e_max = max(ext_cpu)
-    s_max = max(p + n for p, n in zip(fb.extend_prefix_lens_cpu, tree_cpu))
-    pre, ext = fb.extend_prefix_lens, fb.extend_seq_lens  # (B,) each
-    tree = fb.tree_lens if fb.tree_lens is not None else ext
-    starts = fb.extend_start_loc if fb.extend_start_loc is not None else torch.cumsum(ext, 0) - ext
+    s_max = max(p + n for p, n in zip(fb.extend_prefix_lens_cpu[first:], tree_cpu))
+    pre, ext = fb.extend_prefix_lens[first:], fb.extend_seq_lens[first:]  # (B,) each
+    tree = fb.tree_lens[first:] if fb.tree_lens is not None else ext
+    starts = (
+        fb.extend_start_loc
+        if fb.extend_start_loc is not None
+        else torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
+    )[first:]
     e = torch.arange(e_max, device=device)  # (E,)
     cols = torch.arange(s_max, device=device)  # (S,)
     q_valid = e[None, :] < ext[:, None]  # (B, E)
@@ -178,7 +206,7 @@ def _verify_metadata(fb: ForwardBatch, device) -> _VerifyMetadata:
     mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & seen)  # (B, E, S)
     mask &= q_valid[:, :, None]
     mask[:, :, 0] |= ~q_valid  # padding queries see one key (no NaN); their output is dropped
-    kv_index = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :s_max].long()  # (B, S)
+    kv_index = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[first:], :s_max].long()  # (B, S)
     kv_index = torch.where(cols[None, :] < (pre + tree)[:, None], kv_index, torch.zeros_like(kv_index))
     return _VerifyMetadata(q_index, q_valid, kv_index, mask[:, None])
 

@@ -217,6 +217,25 @@ def test_mixed_step_matches_torch_native(heads, kv_heads, head_dim, prefix_lens,
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_torch_native_attends_short_extends_together_as_one_at_a_time(monkeypatch):
+    """torch_native's padded path (each request after the decode rows brings <= SHORT_EXTEND tokens: grammar
+    tails, cached prompts' last tokens) against its one-request-at-a-time extend of the same step."""
+    from plait.runtime.attention import torch_native
+
+    case = _Case(8, 2, 32, [40, 0, 13, 7], [1, 6, 3, 16])
+    q, k, v = _qkv(case, sum(case.extend_lens))
+    outs = []
+    for short in (torch_native.SHORT_EXTEND, 0):
+        monkeypatch.setattr(torch_native, "SHORT_EXTEND", short)
+        backend = TorchNativeAttnBackend(_context(case.device))
+        fb = case.forward_batch(ForwardMode.EXTEND, backend)
+        fb.decode_rows = 1
+        backend.init_forward_metadata(fb)
+        assert (fb.attn_metadata.short is not None) == (short > 0)
+        outs.append(backend.forward(q, k, v, case.layer, fb))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
 def test_mixed_step_chunk_metadata_start_on_16_byte_boundaries():
     # Triton specializes a kernel on whether each pointer is 16-byte aligned: chunk metadata sliced past an
     # odd number of int64 decode rows would compile a second extend kernel in the middle of serving.
