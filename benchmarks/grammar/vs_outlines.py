@@ -37,7 +37,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench_extraction beside this file, bench_common above
 
-from bench_extraction import FIELDS, INSTRUCTION, SCHEMA, TEXTS, norm, parse  # noqa: E402
+from bench_extraction import FIELDS, INSTRUCTION, SCHEMA, TEXTS, parse  # noqa: E402
+from bench_extraction import score as score_extraction  # noqa: E402
 
 JSON_TEXTS = TEXTS[:16]
 
@@ -114,25 +115,11 @@ def user_messages(workload: str) -> list[str]:
 def score(workload: str, texts: list[str]) -> dict:
     """Valid share (the constraint held) and, where there is a truth, the share right."""
     if workload == "json":
-        import jsonschema
-
-        right = valid = 0
-        for text, truth in zip(texts, JSON_TEXTS):
-            value = parse(text)
-            if not isinstance(value, dict):
-                continue
-            for field, expected in zip(FIELDS, truth[1:]):
-                got = value.get(field)
-                if field in ("kind", "age_or_founded"):
-                    right += got == expected and type(got) is type(expected)
-                else:
-                    right += norm(got) == norm(expected)
-            try:
-                jsonschema.validate(value, SCHEMA)
-                valid += 1
-            except jsonschema.ValidationError:
-                pass
-        return {"valid": valid / len(texts), "right": right / (len(FIELDS) * len(texts))}
+        scored = [score_extraction(parse(text), truth) for text, truth in zip(texts, JSON_TEXTS)]
+        return {
+            "valid": sum(ok for _, ok in scored) / len(texts),
+            "right": sum(right for right, _ in scored) / (len(FIELDS) * len(texts)),
+        }
     if workload == "regex":
         return {"valid": sum(re.fullmatch(DATE_REGEX, t.strip()) is not None for t in texts) / len(texts)}
     labels = [t.strip() for t in texts]
