@@ -54,7 +54,10 @@ class BudgetCloser:
 
     def __init__(self, search: CompletionSearch, greedy: bool, grammar_key: Optional[Hashable] = None) -> None:
         self.search = search
-        self.grammar_key = grammar_key  # with the bytes accepted, the state a search's result is kept under
+        # With the bytes accepted, the state a search's result is kept under. A hash, not the key: the memo
+        # would otherwise hold every distinct schema text it saw (a collision could only cost an estimate:
+        # the memo's text is verified against this request's own matcher before it is used).
+        self.grammar_id = None if grammar_key is None else hash(grammar_key)
         self.decoded = search.tables.vocab.decoded
         self.greedy = greedy  # the request samples the argmax: one fitting token is all it needs
         self.estimate: Optional[Completion] = None
@@ -258,7 +261,7 @@ class BudgetCloser:
 
     def _refresh(self, matcher, scanner, version, accepted, left) -> Optional[Completion]:
         old = self.estimate.text if self.estimate is not None else b""
-        state = None if self.grammar_key is None else (self.grammar_key, b"".join(accepted))
+        state = None if self.grammar_id is None else (self.grammar_id, b"".join(accepted))
         found = self.search.find(matcher, scanner, _hints(old, b"".join(accepted[self._estimate_tokens :])), state)
         # NOTE: a search that finds nothing (a grammar too intricate for its node budget) is not
         # retried on every token: the next try waits RETRY_AFTER tokens.
