@@ -3,7 +3,8 @@
 CPU (default when there is no GPU): the embedded default model (SmolLM2-135M-Instruct, in each `--precision`:
 the engine's default, float32, bfloat16, int8, int4, bf16-int8; interleaved over `--rounds`);
 32 prompts of 8-400 words; 64 new tokens each (EOS ignored so both sides produce exactly as many);
-transformers runs the same prompts batched with left padding.
+transformers runs the same prompts batched with left padding; with `--llamacpp-python`, llama.cpp runs them on the
+GGUF the model ships in (engine/llamacpp_peer.py).
 
 GPU: dummy weights at a real shape (`--model llama-3.2-1b` / `llama-3.1-8b`) on the fixed workloads
 of shared/bench/workload.py (`--workload offline|batch64|single`), against transformers `generate`
@@ -115,7 +116,30 @@ def run_cpu(args) -> dict:
     for precision, best in result["plait_by_precision"].items():
         best["speedup"] = best["output_tok_s"] / result["transformers"]["output_tok_s"]
         print(f"plait {precision} / transformers (float32): {best['speedup']:.2f}x")
+    if args.llamacpp_python:
+        result["llama.cpp"] = run_llamacpp(args.llamacpp_python, ids, n_out)
+        for precision, best in result["plait_by_precision"].items():
+            best["vs_llamacpp"] = best["output_tok_s"] / result["llama.cpp"]["output_tok_s"]
+            print(f"plait {precision} / llama.cpp (Q4_1): {best['vs_llamacpp']:.2f}x")
     return result
+
+
+def run_llamacpp(python: str, ids: list[list[int]], n_out: int) -> dict:
+    """llama.cpp on the default model's own GGUF, the same token ids (engine/llamacpp_peer.py, in `python`)."""
+    import subprocess
+    import tempfile
+
+    from plait.runtime.models.default_model import gguf_path
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(ids, f)
+    peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_peer.py")
+    cmd = [python, peer, "--gguf", gguf_path(), "--ids", f.name, "--output-len", str(n_out)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    os.unlink(f.name)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"llama.cpp {res['output_tokens']} tokens in {res['seconds']:.1f} s: {res['output_tok_s']:.1f} output tok/s")
+    return res
 
 
 # --precision: the Engine's settings for each name (runtime/quant/ for int8 / int4).
@@ -318,6 +342,11 @@ def main() -> None:
         help="CPU: the Engine's weight precision, repeatable (each measured; the first one is `plait`)",
     )
     p.add_argument("--rounds", type=int, default=1, help="CPU: rounds over the precisions, interleaved")
+    p.add_argument(
+        "--llamacpp-python",
+        default=None,
+        help="CPU: a Python with llama-cpp-python: llama.cpp on the default model's GGUF too (engine/llamacpp_peer.py)",
+    )
     args = p.parse_args()
     if args.model is None:
         res = run_cpu(args)
