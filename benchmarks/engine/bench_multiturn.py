@@ -1,13 +1,9 @@
 """Multi-turn chat whose working set is several times the device KV pool: the hierarchical cache (a host
 tier under the radix cache, issue 33) off vs on, back to back in one run.
 
-`--conversations` conversations of `--rounds` rounds: each opens with its own `--first-tokens` message,
-and every round adds the previous answer and a new `--turn-tokens` user message, then asks for
-`--output-tokens` tokens (greedy, exact lengths). `--users` clients run at once, each working through its
-share of the conversations one round at a time (its round r of every conversation it holds before any
-round r + 1), so between two turns of a conversation every other conversation runs: the prefixes it
-left are long gone from a device pool sized at 1/`--pool-factor` of the working set (the last round's
-histories), unless a host tier kept them.
+The workload is multiturn_workload.py's (shared with vLLM's side, vllm_multiturn_peer.py): between two
+turns of a conversation every other conversation runs, so the prefixes it left are long gone from a device
+pool sized at 1/`--pool-factor` of the working set (the last round's histories), unless a host tier kept them.
 
 Reported per setting: seconds, throughput (prompt + output tokens/s, output tokens/s), TTFT (meta_info
 `ttft`: from the request's arrival to its first token) mean / p50 / p99, the prompt tokens served from
@@ -18,13 +14,14 @@ GPU (dummy weights at a real shape, the pool capped to a quarter of the working 
     python benchmarks/engine/bench_multiturn.py --model llama-3.1-8b
 CPU (a tiny random Llama, a small workload: checks it end to end):
     python benchmarks/engine/bench_multiturn.py
+vLLM beside it, on the same GPU machine (its native CPU offloading sized as the host tier):
+    PYTHONPATH=$HOME/site python3 benchmarks/engine/vllm_multiturn_peer.py
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import tempfile
 import threading
@@ -37,19 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # engine/: bench
 
 from bench_common import parse_engine_args, save  # noqa: E402
 from bench_rounds import engine_kwargs_for, git_commit  # noqa: E402
-
-VOCAB_LO, VOCAB_HI = 100, 29000  # token ids of the made-up messages (inside the tiny model's vocabulary)
-
-
-def make_conversations(n: int, first: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(first)] for _ in range(n)]
-
-
-def working_set(args) -> int:
-    """Tokens of every conversation's last-round prompt: what a cache would need to keep them all."""
-    last = args.first_tokens + (args.rounds - 1) * (args.output_tokens + args.turn_tokens)
-    return args.conversations * last
+from multiturn_workload import (  # noqa: E402
+    add_arguments,
+    describe,
+    make_conversations,
+    make_turns,
+    summarize,
+    working_set,
+)
 
 
 def run_setting(args, engine_kwargs: dict, hicache: bool) -> dict:
@@ -69,11 +61,7 @@ def run_setting(args, engine_kwargs: dict, hicache: bool) -> dict:
             raise RuntimeError("flush_cache refused: the engine is not idle")
         before = eng.get_stats()
         histories = make_conversations(args.conversations, args.first_tokens, seed=0)
-        rng = random.Random(2)
-        turns = {
-            c: [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(args.turn_tokens)] for _ in range(args.rounds)]
-            for c in range(args.conversations)
-        }
+        turns = make_turns(args.conversations, args.rounds, args.turn_tokens)
         outputs: dict[tuple[int, int], list[int]] = {}
         metas: list[dict] = []
         lock = threading.Lock()
@@ -99,43 +87,16 @@ def run_setting(args, engine_kwargs: dict, hicache: bool) -> dict:
         after = eng.get_stats()
         integrity = eng.check_integrity()
         max_total_tokens = eng.get_server_info().get("max_total_tokens")
-    ttfts = sorted(m["ttft"] for m in metas)
-    prompt = sum(m["prompt_tokens"] for m in metas)
-    output = sum(m["completion_tokens"] for m in metas)
-    cached = sum(m["cached_tokens"] for m in metas)
-    host = sum(m.get("cached_tokens_details", {}).get("host", 0) for m in metas)
-    res = {
-        "seconds": seconds,
-        "requests": len(metas),
-        "prompt_tokens": prompt,
-        "output_tokens": output,
-        "total_tok_s": (prompt + output) / seconds,
-        "output_tok_s": output / seconds,
-        "ttft_mean_s": sum(ttfts) / len(ttfts),
-        "ttft_p50_s": percentile(ttfts, 0.5),
-        "ttft_p99_s": percentile(ttfts, 0.99),
-        "cached_ratio": cached / max(1, prompt),
-        "cached_device_tokens": cached - host,
-        "cached_host_tokens": host,
-        "retractions": after["num_retractions"] - before["num_retractions"],
-        "integrity_ok": integrity,
-        "max_total_tokens": max_total_tokens,
-        "hicache": {k: v for k, v in after.items() if k.startswith("hicache_")},
-        "exact_lengths": all(len(o) == args.output_tokens for o in outputs.values()),
-    }
-    print(
-        f"hicache {label:3s} {seconds:7.2f} s  {res['total_tok_s']:8.0f} tok/s  {res['output_tok_s']:6.0f} out tok/s  "
-        f"TTFT mean {res['ttft_mean_s'] * 1e3:.0f} p50 {res['ttft_p50_s'] * 1e3:.0f} "
-        f"p99 {res['ttft_p99_s'] * 1e3:.0f} ms  "
-        f"cached {res['cached_ratio']:.1%} (device {cached - host}, host {host})  retractions {res['retractions']}  "
-        f"integrity {integrity}",
-        flush=True,
+    res = summarize(seconds, metas)
+    res.update(
+        retractions=after["num_retractions"] - before["num_retractions"],
+        integrity_ok=integrity,
+        max_total_tokens=max_total_tokens,
+        hicache={k: v for k, v in after.items() if k.startswith("hicache_")},
+        exact_lengths=all(len(o) == args.output_tokens for o in outputs.values()),
     )
+    print(f"{describe('hicache ' + label, res)}  retractions {res['retractions']}  integrity {integrity}", flush=True)
     return {"result": res, "outputs": outputs}
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def main() -> None:
@@ -143,15 +104,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b" if cuda else "tiny", help="as bench_rounds.py's --model")
     p.add_argument("--load-format", default="dummy", choices=["dummy", "auto"], help="for a model folder")
-    p.add_argument("--conversations", type=int, default=64 if cuda else 16)
-    p.add_argument("--rounds", type=int, default=6 if cuda else 4)
-    p.add_argument("--first-tokens", type=int, default=1000 if cuda else 200)
-    p.add_argument("--turn-tokens", type=int, default=200 if cuda else 40)
-    p.add_argument("--output-tokens", type=int, default=100 if cuda else 16)
-    p.add_argument("--users", type=int, default=16 if cuda else 4, help="clients sending at once")
-    p.add_argument("--pool-factor", type=float, default=4.0, help="working set / device pool (sets max_total_tokens)")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="the device pool (default: from --pool-factor)")
-    p.add_argument("--hicache-ratio", type=float, default=4.0, help="host tier tokens per device pool token")
+    add_arguments(p, cuda)
     p.add_argument("--write-policy", default="write_through", choices=["write_through", "write_back"])
     p.add_argument("--max-running-requests", type=int, default=None, help="default: --users")
     p.add_argument("--attention-backend", default="auto")
