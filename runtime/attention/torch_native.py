@@ -24,8 +24,12 @@ from .context import AttentionContext
 
 @dataclass
 class _DecodeMetadata:
-    kv_index: torch.Tensor  # (B, S_max) int64 kv slots, padded with the dummy slot 0
-    mask: torch.Tensor  # (B, 1, 1, S_max) bool, True where a real key exists
+    kv_index: Optional[torch.Tensor]  # (B, S_max) int64 kv slots, padded with the dummy slot 0
+    mask: Optional[torch.Tensor]  # (B, 1, 1, S_max) bool, True where a real key exists
+    # On the CPU, requests of very different lengths in groups of similar ones, each padded to its own
+    # longest (`_length_groups`): each group's (rows (b,) int64, its metadata), and no kv_index or mask of
+    # the whole batch; None: one group, in order.
+    groups: Optional[list] = None
 
 
 @dataclass
@@ -51,6 +55,12 @@ class _ExtendMetadata:
 # Requests that bring at most this many new tokens each are attended together, their queries padded to
 # the longest (at most this many per request), rather than one call per request.
 SHORT_EXTEND = 16
+# On the CPU a decode row's attention is bound by the K/V it gathers and reads, padding included; a group
+# of rows attended apart costs about as much as this many more padded keys (its calls, per layer), so rows
+# are grouped by length where the padding it saves is worth more (`_length_groups`).
+GROUP_COST_KEYS = 512
+# Batches past this many decode rows stay one group (the grouping's search grows with the square).
+MAX_GROUPED_ROWS = 64
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -60,7 +70,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         r2t = fb.req_to_token_pool.req_to_token
         if fb.forward_mode.is_decode():
-            fb.attn_metadata = self._decode_metadata(r2t, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_cpu))
+            lens = fb.seq_lens_cpu
+            fb.attn_metadata = self._decode_metadata(r2t, fb.req_pool_indices, fb.seq_lens, max(lens), list(lens))
             return
         if fb.forward_mode.is_verify():
             fb.attn_metadata = _verify_metadata(fb, self.device)
@@ -87,7 +98,19 @@ class TorchNativeAttnBackend(AttentionBackend):
                 masks.append(k_pos <= q_pos)  # (E, S)
         fb.attn_metadata = _ExtendMetadata(kv_indices, masks, decode, d)
 
-    def _decode_metadata(self, r2t, rows: torch.Tensor, seq_lens: torch.Tensor, s_max: int) -> _DecodeMetadata:
+    def _decode_metadata(
+        self, r2t, rows: torch.Tensor, seq_lens: torch.Tensor, s_max: int, lens_cpu: Optional[list] = None
+    ) -> _DecodeMetadata:
+        """Decode rows' keys padded to s_max; on the CPU, given the rows' lengths `lens_cpu`, in groups of
+        similar lengths when that pads less (`_length_groups`)."""
+        groups = _length_groups(lens_cpu) if lens_cpu is not None and torch.device(self.device).type == "cpu" else None
+        if groups is not None:
+            parts = []
+            for members in groups:
+                at = torch.tensor(members, dtype=torch.int64)
+                part = self._decode_metadata(r2t, rows[at], seq_lens[at], max(lens_cpu[i] for i in members))
+                parts.append((at, part))
+            return _DecodeMetadata(None, None, parts)
         ar = torch.arange(s_max, device=self.device)
         mask = ar[None, :] < seq_lens[:, None]  # (B, S_max)
         kv_index = r2t[rows, :s_max].long()
@@ -153,7 +176,13 @@ class _LayerKV:
 
 
 def _attend_one_token(q: torch.Tensor, kv: _LayerKV, md: _DecodeMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
-    """One query token per request, q (B, H, D), over each request's K/V padded to the longest: (B, H * D)."""
+    """One query token per request, q (B, H, D), over each request's K/V padded to the longest (of its
+    group, when grouped): (B, H * D)."""
+    if md.groups is not None:
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        for at, part in md.groups:
+            out.index_copy_(0, at, _attend_one_token(q.index_select(0, at), kv, part, layer))  # (b, H * D)
+        return out
     k, v = kv.gather(md.kv_index, 1, q.dtype)  # (B, Hkv, S, D) each
     qb = q.unsqueeze(2)  # (B, H, 1, D)
     o = F.scaled_dot_product_attention(
@@ -209,6 +238,27 @@ def _verify_metadata(fb: ForwardBatch, device, first: int = 0) -> _VerifyMetadat
     kv_index = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[first:], :s_max].long()  # (B, S)
     kv_index = torch.where(cols[None, :] < (pre + tree)[:, None], kv_index, torch.zeros_like(kv_index))
     return _VerifyMetadata(q_index, q_valid, kv_index, mask[:, None])
+
+
+def _length_groups(lens: list) -> Optional[list]:
+    """Decode rows by key count `lens` (B,) -> groups of row numbers, each to be padded to its longest, that
+    minimize the keys gathered plus GROUP_COST_KEYS a group; None when one group is best (or the batch is
+    past MAX_GROUPED_ROWS). Groups are runs of the rows sorted by length, found by dynamic programming."""
+    n = len(lens)
+    if n < 2 or n > MAX_GROUPED_ROWS:
+        return None
+    order = sorted(range(n), key=lambda i: -lens[i])  # longest first: a run's first row is its longest
+    best = [0] + [0] * n  # best[j]: the cost of the first j rows of `order`
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        best[j], cut[j] = min((best[i] + GROUP_COST_KEYS + (j - i) * lens[order[i]], i) for i in range(j))
+    if cut[n] == 0:
+        return None
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
 
 
 def _gather(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

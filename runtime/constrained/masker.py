@@ -19,19 +19,31 @@ class GrammarMasker:
         self.vocab_size = vocab_size
         self._bitmask: Optional[torch.Tensor] = None  # (rows, W) int32 on the host
 
-    def apply(self, logits: torch.Tensor, matchers: Sequence[Any]) -> None:
-        """Mask logits (B, V) in place: row i allows only what matchers[i] accepts next."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
-            return
-        batch = logits.shape[0]
+    def fill(self, matchers: Sequence[Any], batch: int) -> torch.Tensor:
+        """The (batch, W) int32 bits of what each row's matcher allows next (a terminated one: nothing; a row
+        without a matcher: left as it was, never applied). Filled once a step: a matcher's fill may decide
+        things (request_grammar.py), so `apply` takes these bits rather than filling again."""
         if self._bitmask is None or self._bitmask.shape[0] < batch:
             self._bitmask = allocate_token_bitmask(max(batch, 8), self.vocab_size)
         bitmask = self._bitmask[:batch]  # (B, W)
-        for i in rows:
-            if not matchers[i].is_terminated():
-                matchers[i].fill_bitmask(bitmask, i)
-                matchers[i].refine_bitmask(logits[i], bitmask[i])
+        for i, m in enumerate(matchers):
+            if m is None:
+                continue
+            if not m.is_terminated():
+                m.fill_bitmask(bitmask, i)
             else:  # only reached if a finished request is still batched: allow nothing but stop
                 bitmask[i].zero_()
+        return bitmask
+
+    def apply(self, logits: torch.Tensor, matchers: Sequence[Any], bitmask: Optional[torch.Tensor] = None) -> None:
+        """Mask logits (B, V) in place: row i allows only what matchers[i] accepts next. `bitmask`: the bits
+        `fill` wrote for this step already (else filled here)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        if bitmask is None:
+            bitmask = self.fill(matchers, logits.shape[0])
+        for i in rows:
+            if not matchers[i].is_terminated():
+                matchers[i].refine_bitmask(logits[i], bitmask[i])
         apply_token_bitmask_inplace(logits, bitmask, rows)

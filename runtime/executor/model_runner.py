@@ -153,6 +153,8 @@ class ModelRunner:
         # Every forward and graph capture runs inside this runner's kernel choices (kernel_choices.py).
         self.forward = StepForward(model, self.memory, HostStaging(device), sa.kernel_choices(), self.lora)
         self.sampler = StepSampler(cfg.vocab_size)
+        # The LM head at some tokens, for rows a grammar narrows (one device: every vocabulary row is here).
+        self._logits_at = model.logits_at if parallel.tp.size == 1 else None
         self.inflight = InFlightSteps(self.forward, self.sampler, SampledIdCopies(device, max_running + 1))
         self.verify = VerifySteps(self.forward, cfg.vocab_size)  # VERIFY steps (speculative decoding)
 
@@ -186,7 +188,9 @@ class ModelRunner:
                 logits, greedy = replayed  # (B, vocab) float32, (B,)
                 return self.sampler.sample_step(step, f.model.compute_logits, None, logits, greedy)
             hidden, rows = f.eager(fb, step.sample_rows)
-            return self.sampler.sample_step(step, f.model.compute_logits, hidden, sample_rows_t=rows)
+            return self.sampler.sample_step(
+                step, f.model.compute_logits, hidden, sample_rows_t=rows, logits_at=self._logits_at
+            )
 
     @torch.inference_mode()
     def launch(self, step: StepInput, prev: Optional[Pending] = None) -> Pending:
@@ -216,7 +220,13 @@ class ModelRunner:
             if capture_layers:
                 fb.capture_layers, fb.captured_hidden = capture_layers, []
             hidden, rows = f.eager(fb, step.sample_rows)
-            return self.sampler.sample_step(step, f.model.compute_logits, hidden, sample_rows_t=rows), hidden, fb
+            return (
+                self.sampler.sample_step(
+                    step, f.model.compute_logits, hidden, sample_rows_t=rows, logits_at=self._logits_at
+                ),
+                hidden,
+                fb,
+            )
 
     @torch.inference_mode()
     def run_verify(self, step: StepInput, capture_layers: tuple = ()) -> tuple[StepOutput, torch.Tensor, Any]:
@@ -241,7 +251,9 @@ class ModelRunner:
         f = self.forward
         with using_kernels(f.kernel_choices):
             rows = f.upload_rows(step.sample_rows)
-            return self.sampler.sample_step(step, f.model.compute_logits, hidden, sample_rows_t=rows)
+            return self.sampler.sample_step(
+                step, f.model.compute_logits, hidden, sample_rows_t=rows, logits_at=self._logits_at
+            )
 
 
 def resolve_quantization(requested: Optional[str], cfg: ModelConfig) -> Optional[str]:

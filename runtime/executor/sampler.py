@@ -26,11 +26,20 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ..constrained.bitmask import unpack_bitmask
 from ..constrained.masker import GrammarMasker
 from ..step import SamplingRow, StepInput, StepOutput
 
 # The LM head: final hidden states (N, hidden) -> logits (N, vocab) float32.
 ComputeLogits = Callable[[torch.Tensor], torch.Tensor]
+# Some of the LM head: hidden states (N, hidden) and token ids (n,) -> those tokens' logits (N, n) float32.
+LogitsAt = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# On the CPU, a step whose rows are all greedy and narrowed by a grammar to at most this many tokens each is
+# scored on the union of those tokens alone (a VERIFY step: each such node, executor/verify.py): the LM
+# head's rows for them, where the whole head is a pass over every token's weights (a fifth of a small
+# model's). Digits, a date's dashes, a label's first tokens.
+NARROW_TOKENS = 256
 
 
 @dataclass
@@ -214,6 +223,36 @@ def compute_logprobs(
     return chosen, None, None
 
 
+def _narrowable(row: SamplingRow) -> bool:
+    """Whether the row's token is its grammar's argmax of the raw logits and nothing else (greedy, no
+    logprobs, no bias, penalty or ban): its logits outside what the grammar allows are never read."""
+    sp = row.params
+    return (
+        row.grammar is not None
+        and sp.is_greedy
+        and not row.return_logprob
+        and not sp.logit_bias
+        and not row.penalized
+        and not row.min_tokens_pending()
+    )
+
+
+def _narrow_logits(
+    states: torch.Tensor, logits_at: LogitsAt, bitmask: torch.Tensor, vocab_size: int
+) -> Optional[torch.Tensor]:
+    """(S, V) float32 logits that are the model's at every token the masks `bitmask` (S, W) allow (-inf at
+    tokens no row allows), from the head's rows of those tokens alone; None where a row allows more than
+    NARROW_TOKENS (then the whole head is cheaper than the gather). The mask then sets each row's others to
+    -inf, as it would on whole logits: the argmax under the mask is the same."""
+    allowed = unpack_bitmask(bitmask, vocab_size)  # (S, V) bool
+    if int(allowed.sum(dim=1).max()) > NARROW_TOKENS:
+        return None
+    ids = allowed.any(dim=0).nonzero().squeeze(1)  # (n,) every row's allowed tokens
+    logits = torch.full((states.shape[0], vocab_size), float("-inf"), dtype=torch.float32)
+    logits[:, ids] = logits_at(states, ids)  # (S, n)
+    return logits
+
+
 class StepSampler:
     """A step's tokens (and the logprobs its requests asked for) from its hidden states or logits. Owns
     the grammar masker, made for the first constrained step."""
@@ -230,10 +269,12 @@ class StepSampler:
         logits: Optional[torch.Tensor] = None,
         greedy: Optional[torch.Tensor] = None,
         sample_rows_t: Optional[torch.Tensor] = None,
+        logits_at: Optional[LogitsAt] = None,
     ) -> StepOutput:
         """The step's output, read back. `hidden` (T, hidden): the forward's states, whose rows
         `sample_rows_t` ((S,) on the device) the LM head turns into logits; or `logits` (S, V) computed
-        already (a decode graph), with their argmax `greedy` (S,)."""
+        already (a decode graph), with their argmax `greedy` (S,). `logits_at`: the head at some tokens
+        (the model's `logits_at`, one device), for rows a grammar narrows (`_narrow_logits`)."""
         n = step.batch_size
         out = StepOutput(next_token_ids=[None] * n, output_logprobs=[None] * n, input_logprobs=[[] for _ in range(n)])
         if step.logprob_rows:  # (EXTEND steps only: always run eagerly, with their hidden states)
@@ -242,9 +283,15 @@ class StepSampler:
         if not step.sample_rows:
             return out
         rows = step.sampling
+        bitmask = None  # (S, W) the grammar masks, when filled before the logits
         if logits is None:
             assert hidden is not None and sample_rows_t is not None
-            logits = compute_logits(hidden[sample_rows_t])  # (S, V)
+            states = hidden[sample_rows_t]  # (S, hidden)
+            if logits_at is not None and not states.is_cuda and all(_narrowable(r) for r in rows):
+                bitmask = self._grammar_masker().fill([r.grammar for r in rows], len(rows))
+                logits = _narrow_logits(states, logits_at, bitmask, self.vocab_size)
+            if logits is None:
+                logits = compute_logits(states)  # (S, V)
         want_lp = [r.return_logprob for r in rows]
         raw_logits = logits.clone() if any(want_lp) else None
         if all(r.plain_greedy() for r in rows):
@@ -254,7 +301,7 @@ class StepSampler:
             info = SamplingBatchInfo.from_rows(rows, logits.shape[1], logits.device)
             apply_logit_adjustments(logits, rows, info)
             if info.has_grammar:
-                self._grammar_masker().apply(logits, [r.grammar for r in rows])
+                self._grammar_masker().apply(logits, [r.grammar for r in rows], bitmask)
             next_ids = sample(logits, rows, info)
         if raw_logits is not None:
             top_k = max(r.top_logprobs_num for r in rows)

@@ -21,7 +21,14 @@ from ..speculative.grammar_drafts import fill_tree_bitmask
 from ..speculative.tree import DraftTree
 from ..speculative.verify_step import step_trees
 from ..step import StepInput, StepOutput, VerifiedTokens
-from .sampler import SamplingBatchInfo, apply_logit_adjustments, compute_logprobs, greedy_tokens, sampling_probs
+from .sampler import (
+    NARROW_TOKENS,
+    SamplingBatchInfo,
+    apply_logit_adjustments,
+    compute_logprobs,
+    greedy_tokens,
+    sampling_probs,
+)
 from .step_forward import StepForward
 
 
@@ -60,12 +67,6 @@ class CapturedStates:
 
     def __init__(self, captured_hidden: Optional[list]):
         self.captured_hidden = captured_hidden
-
-
-# On the CPU a node whose grammar allows at most this many tokens is scored on those alone: the LM head's
-# rows for them, where the whole head is a pass over every token's weights (forced text allows a few
-# spellings of itself; the vocabulary is ~50k tokens).
-NARROW_TOKENS = 256
 
 
 class Verifier:

@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
@@ -260,6 +261,15 @@ class LlamaForCausalLM(nn.Module):
         the LM head's rows for those tokens (one device: the whole vocabulary's rows are here at tp 1)."""
         rows = weight_rows(self._head(), token_ids)  # (n, hidden)
         return (rows @ hidden.to(rows.dtype)).float()  # (n,)
+
+    def logits_at(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rows' logits at `token_ids` (n,) alone: hidden (R, hidden) -> (R, n) float32, through the LM head's
+        rows for those tokens in the head's dtype, as compute_logits runs the whole head (one device: the
+        whole vocabulary's rows are here at tp 1). A step whose rows a grammar narrows to a few tokens
+        reads those rows of the head, not all of it (executor/sampler.py). The same matmul as the whole
+        head's on the CPU (skinny_linear's F.linear, then float32), over fewer columns."""
+        rows = weight_rows(self._head(), token_ids)  # (n, hidden)
+        return F.linear(hidden.to(rows.dtype), rows).float()  # (R, n)
 
     def forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, out: Optional[torch.Tensor] = None

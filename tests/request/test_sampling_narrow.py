@@ -1,0 +1,61 @@
+"""The sampler's narrow LM head (CPU): rows a grammar narrows to a few tokens are scored on those tokens'
+rows of the head alone, and pick what masking the whole logits picks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from plait.runtime.constrained.masker import GrammarMasker
+from plait.runtime.executor.sampler import NARROW_TOKENS, _narrow_logits, greedy_tokens
+
+VOCAB, HIDDEN = 1000, 32
+
+
+class _Allows:
+    """A matcher that allows a fixed set of tokens next; counts its fills (a fill may decide things)."""
+
+    def __init__(self, ids):
+        self.ids, self.fills = list(ids), 0
+
+    def is_terminated(self):
+        return False
+
+    def fill_bitmask(self, bitmask, row):
+        self.fills += 1
+        allowed = torch.zeros(bitmask.shape[1] * 32, dtype=torch.int64)
+        allowed[self.ids] = 1
+        words = (allowed.view(-1, 32) << torch.arange(32)).sum(dim=1)  # (W,) each word's bits
+        bitmask[row] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+    def refine_bitmask(self, logits, row):
+        pass
+
+
+def _head_and_states(rows: int):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g)  # (V, hidden)
+    states = torch.randn(rows, HIDDEN, generator=g)  # (S, hidden)
+    return weight, states, (lambda h, ids: F.linear(h, weight.index_select(0, ids)).float())
+
+
+def test_narrow_logits_pick_what_masking_the_whole_logits_picks():
+    weight, states, logits_at = _head_and_states(3)
+    matchers = [_Allows([5, 17, 900]), _Allows(range(40, 60)), _Allows([999])]
+    masker = GrammarMasker(VOCAB)
+    bitmask = masker.fill(matchers, 3)
+    assert [m.fills for m in matchers] == [1, 1, 1]
+    narrow = _narrow_logits(states, logits_at, bitmask, VOCAB)
+    whole = F.linear(states, weight).float()  # (S, V)
+    ids = torch.tensor([5, 17, 900, *range(40, 60), 999])
+    torch.testing.assert_close(narrow[:, ids], whole[:, ids])
+    masker.apply(narrow, matchers, bitmask)
+    masker.apply(whole, matchers)  # fills again: the whole-logits path of a step
+    assert torch.equal(greedy_tokens(narrow), greedy_tokens(whole))
+    assert torch.equal(narrow.isinf(), whole.isinf())  # -inf exactly where the masks disallow
+
+
+def test_a_row_allowing_many_tokens_keeps_the_whole_head():
+    _, states, logits_at = _head_and_states(2)
+    matchers = [_Allows([1, 2]), _Allows(range(NARROW_TOKENS + 1))]
+    bitmask = GrammarMasker(VOCAB).fill(matchers, 2)
+    assert _narrow_logits(states, logits_at, bitmask, VOCAB) is None
