@@ -6,23 +6,11 @@ tile, split and mask path runs) against the torch_native backend over the same p
 marked `gpu` run the compiled kernels at real sizes and an engine end to end (`pytest -m gpu`).
 """
 
-import os
-import sys
-
 import numpy as np
 import torch
+from helpers.paged_attention import use_triton_interpreter_without_cuda
 
-if not torch.cuda.is_available():
-    # NOTE: as in test_triton_attention.py: the interpreter must be chosen before triton is imported.
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        for _name in [
-            m
-            for m in sys.modules
-            if m == "triton" or m.startswith("triton.") or m.startswith("plait.runtime.attention.triton")
-        ]:
-            if not _name.startswith("triton._C"):
-                del sys.modules[_name]
-    os.environ["TRITON_INTERPRET"] = "1"
+use_triton_interpreter_without_cuda()  # before triton is imported
 
 import dataclasses  # noqa: E402
 
@@ -33,10 +21,10 @@ from plait.runtime.attention.cascade_plan import CascadeConfig, CascadePlanner, 
 from plait.runtime.attention.prefix_groups import PrefixGroup  # noqa: E402
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from plait.runtime.attention.triton_ops import (
+from plait.runtime.attention.triton_ops import (  # noqa: E402
     DecodeConfig,
     PrefixConfig,
-    PrefixPartials,  # noqa: E402
+    PrefixPartials,
     decode_attention,
     prefix_attention,
     split_prefix_scratch,

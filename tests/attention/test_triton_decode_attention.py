@@ -1,0 +1,298 @@
+"""The triton attention backend's split-KV decode against the torch_native reference, over real paged pools:
+splits, the merge, tiles by batch size, KV heads a program, the CUDA-graph hooks (extend and mixed steps:
+test_triton_attention.py).
+
+On a machine without CUDA the kernels run in Triton's interpreter at tiny shapes with tiny tiles. Tests marked
+`gpu` run the compiled kernels at real model sizes (`pytest -m gpu`).
+"""
+
+import dataclasses
+
+import torch
+from helpers.paged_attention import (
+    PagedCase,
+    attention_context,
+    fused_qkv,
+    run_backend,
+    use_triton_interpreter_without_cuda,
+)
+
+use_triton_interpreter_without_cuda()
+
+
+import pytest  # noqa: E402
+from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
+from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from plait.runtime.attention.triton_ops import (  # noqa: E402
+    DecodeConfig,
+    DecodePolicy,
+    ExtendConfig,
+    decode_attention,
+    default_decode_policy,
+)
+from plait.runtime.forward_batch import ForwardMode  # noqa: E402
+
+torch.set_num_threads(1)
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+# Tiny tiles so that the interpreter walks several blocks, phases and KV splits at small sizes.
+TINY_EXTEND = ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+TINY_DECODE = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=64)
+
+
+def _decode_both(case, decode_config=TINY_DECODE):
+    q, k, v = fused_qkv(case, len(case.seq_lens))
+    ref = run_backend(TorchNativeAttnBackend(attention_context(case.device)), case, ForwardMode.DECODE, q, k, v)
+    got = run_backend(
+        TritonAttnBackend(attention_context(case.device), decode_config=decode_config),
+        case,
+        ForwardMode.DECODE,
+        q,
+        k,
+        v,
+    )
+    return got, ref
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,seq_lens",
+    [
+        (2, 2, 64, [1, 8, 9, 70]),  # MHA; 1 token, exactly one split, 2 splits, capped at 4 splits
+        (8, 2, 128, [33, 5]),  # GQA 4
+        (8, 1, 96, [64, 17, 2]),  # GQA 8, head_dim 96
+        (9, 3, 64, [40, 3]),  # GQA 3 (SmolLM2-135M's shape)
+    ],
+)
+def test_decode_matches_torch_native(heads, kv_heads, head_dim, seq_lens):
+    case = PagedCase(heads, kv_heads, head_dim, [s - 1 for s in seq_lens], [1] * len(seq_lens))
+    got, ref = _decode_both(case)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("merge_per_head", [False, True])
+def test_decode_with_an_empty_last_split(merge_per_head):
+    # seq_len 9 in 4 splits of cdiv(9, 4) = 3 tokens: the 4th split is empty and must be ignored.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=2, target_programs=64, merge_per_head=merge_per_head)
+    case = PagedCase(4, 4, 32, [8, 12], [1, 1])
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,seq_lens",
+    [
+        (8, 2, 128, [33, 5, 70]),  # GQA 4, up to 4 splits
+        (9, 3, 64, [40, 3]),  # GQA 3
+    ],
+)
+def test_decode_merge_per_head_matches_torch_native(heads, kv_heads, head_dim, seq_lens):
+    # The small-batch stage 2 (one program per request and head) against the reference.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=64, merge_per_head=True)
+    case = PagedCase(heads, kv_heads, head_dim, [s - 1 for s in seq_lens], [1] * len(seq_lens))
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_with_one_split_writes_the_output_from_stage_one():
+    # target_programs 1: one split per request, so stage 1 writes the output and stage 2 is skipped.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=2, target_programs=1)
+    assert cfg.split_cap(3, 2) == 1
+    case = PagedCase(8, 2, 32, [20, 3, 40], [1, 1, 1])
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    # A padding request (seq_len 0) gets a zero output, not what the buffer held.
+    q = case.randn(3, 8, 32)
+    out = torch.full((3, 8, 32), float("nan"))
+    seq = torch.tensor(case.seq_lens)
+    seq[1] = 0
+    decode_attention(
+        q,
+        case.kv_pool.k_buffer[1],
+        case.kv_pool.v_buffer[1],
+        out,
+        case.r2t_pool.req_to_token,
+        torch.tensor(case.rows),
+        seq,
+        32**-0.5,
+        cfg,
+    )
+    assert torch.equal(out[1], torch.zeros(8, 32)) and not out.isnan().any()
+
+
+def test_min_splits_floor_splits_a_full_batch_and_stage_two_merges_them():
+    # target_programs 1 alone would give one split per request; min_splits 2 keeps two (the wave
+    # quantization fix for large batches), so stage 2 runs, over requests of 1 to 40 tokens.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=1, min_splits=2)
+    assert cfg.split_cap(512, 8) == 2
+    case = PagedCase(8, 2, 32, [20, 0, 39, 8], [1, 1, 1, 1])
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_with_the_large_batch_tiles_matches_torch_native():
+    # The policy's tiles above 32 requests (two KV heads a program, 3 stages), at small sizes.
+    cfg = default_decode_policy(132).for_batch(64)
+    cfg = dataclasses.replace(cfg, max_kv_splits=4, min_split_len=8, target_programs=8)
+    case = PagedCase(8, 2, 64, [199, 64, 5, 130], [1] * 4)
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,hpp,seq_lens",
+    [
+        (16, 4, 32, 2, [33, 5, 70, 1]),  # GQA 4: two heads fill the 16 rows
+        (16, 4, 32, 4, [33, 5, 70, 1]),  # four heads: 16 rows, 128 packed columns
+        (8, 8, 64, 4, [20, 9]),  # MHA: 4 rows padded to 16
+        (12, 6, 48, 2, [40, 3, 17]),  # head_dim 48 padded to 64 per head; 3 programs of 2 heads
+        (9, 3, 64, 2, [40, 3]),  # 3 KV heads: 2 does not divide them, so 1 a program
+        (14, 2, 64, 2, [25, 60]),  # GQA 7 (Qwen2.5-0.5B): 14 rows
+    ],
+)
+@pytest.mark.parametrize("merge_per_head", [False, True])
+def test_decode_with_several_kv_heads_a_program_matches_torch_native(
+    heads, kv_heads, head_dim, hpp, seq_lens, merge_per_head
+):
+    cfg = DecodeConfig(
+        block_n=16,
+        max_kv_splits=4,
+        min_split_len=8,
+        target_programs=16,
+        kv_heads_per_program=hpp,
+        merge_per_head=merge_per_head,
+    )
+    case = PagedCase(heads, kv_heads, head_dim, [s - 1 for s in seq_lens], [1] * len(seq_lens))
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_kv_heads_per_program_divides_the_model_heads_and_sets_the_split_cap():
+    cfg = DecodeConfig(kv_heads_per_program=4, target_programs=64)
+    assert [cfg.heads_per_program(n) for n in (8, 4, 6, 3, 1)] == [4, 4, 2, 1, 1]
+    # 8 KV heads at 4 a program: a batch of 4 has 8 programs per split, so 8 splits reach 64 programs.
+    assert cfg.split_cap(4, 8) == 8 and DecodeConfig(target_programs=64).split_cap(4, 8) == 2
+    with pytest.raises(ValueError, match="kv_heads_per_program"):
+        DecodeConfig(kv_heads_per_program=3)
+
+
+def test_default_decode_policy_picks_tiles_by_batch_size():
+    policy = default_decode_policy(132)
+    tiny, small, large = policy.for_batch(1), policy.for_batch(8), policy.for_batch(256)
+    assert policy.for_batch(4) is tiny and policy.for_batch(5) is small and policy.for_batch(32) is small
+    assert policy.for_batch(33) is large and policy.for_batch(1000) is large
+    assert tiny.merge_per_head and small.merge_per_head and not large.merge_per_head  # batch 1: 32 head merges
+    assert (tiny.num_stages, small.num_stages, large.num_stages) == (2, 3, 3)
+    assert (small.kv_heads_per_program, large.kv_heads_per_program) == (1, 2)
+    assert large.split_cap(64, 8) == 2 and large.split_cap(512, 8) == 1 and tiny.split_cap(1, 8) == 64
+    uniform = DecodePolicy.uniform(small)
+    assert uniform.for_batch(1) is small and uniform.for_batch(4096) is small
+    # The backend's default follows the policy; an explicit config serves every batch size.
+    backend = TritonAttnBackend(attention_context("cpu"))
+    assert backend.decode_policy.for_batch(300).kv_heads_per_program == 2
+    assert (
+        TritonAttnBackend(attention_context("cpu"), decode_config=TINY_DECODE).decode_policy.for_batch(300)
+        is TINY_DECODE
+    )
+
+
+def test_cuda_graph_hooks_pad_and_reuse_static_buffers():
+    case = PagedCase(8, 2, 32, [10, 24, 3, 40, 5], [1] * 5)
+    layer = case.layer
+    backend = TritonAttnBackend(
+        attention_context(num_attention_heads=8, num_key_value_heads=2, head_dim=32), decode_config=TINY_DECODE
+    )
+    backend.init_cuda_graph_state(max_bs=4)
+    scratch_ptr = backend._scratch.data_ptr()
+    reference = TorchNativeAttnBackend(attention_context())
+    q = case.randn(4, layer.num_heads, layer.head_dim)
+
+    def graph_step(rows, seq_lens, hook):
+        fb = case.forward_batch(ForwardMode.DECODE, backend, rows=rows, seq_lens=seq_lens, batch_size=4)
+        hook(fb)
+        return fb.attn_metadata, backend.forward_decode(q, layer, fb)
+
+    # Capture with 4 real requests.
+    md1, out1 = graph_step(case.rows[:4], case.seq_lens[:4], backend.init_forward_metadata_capture_cuda_graph)
+    ref1 = run_backend(reference, case, ForwardMode.DECODE, q, rows=case.rows[:4], seq_lens=case.seq_lens[:4])
+    torch.testing.assert_close(out1, ref1, atol=2e-5, rtol=1e-4)
+
+    # Replay with 3 real requests: the backend pads the 4th (stale from the capture) to empty.
+    rows2, lens2 = case.rows[2:], case.seq_lens[2:]
+    md2, out2 = graph_step(rows2, lens2, backend.init_forward_metadata_replay_cuda_graph)
+    ref2 = run_backend(reference, case, ForwardMode.DECODE, q[:3], rows=rows2, seq_lens=lens2)
+    torch.testing.assert_close(out2[:3], ref2, atol=2e-5, rtol=1e-4)
+    assert torch.count_nonzero(out2[3]) == 0  # the padding request attends over nothing
+    # A captured graph would read the same static storage, now holding the new batch.
+    assert md2.seq_lens.data_ptr() == md1.seq_lens.data_ptr()
+    assert md2.req_pool_indices.data_ptr() == md1.req_pool_indices.data_ptr()
+    assert md1.seq_lens.tolist() == lens2 + [0]
+
+    # Replay padded by the caller instead (seq_len 1 on row 0, i.e. the dummy slot).
+    rows3, lens3 = [case.rows[4], case.rows[0], 0, 0], [case.seq_lens[4], case.seq_lens[0], 1, 1]
+    _, out3 = graph_step(rows3, lens3, backend.init_forward_metadata_replay_cuda_graph)
+    ref3 = run_backend(reference, case, ForwardMode.DECODE, q[:2], rows=rows3[:2], seq_lens=lens3[:2])
+    torch.testing.assert_close(out3[:2], ref3, atol=2e-5, rtol=1e-4)
+
+    # An eager batch above max_bs still works and leaves the graphs' scratch where it was.
+    q5 = case.randn(5, layer.num_heads, layer.head_dim)
+    got5 = run_backend(backend, case, ForwardMode.DECODE, q5)
+    torch.testing.assert_close(got5, run_backend(reference, case, ForwardMode.DECODE, q5), atol=2e-5, rtol=1e-4)
+    assert backend._scratch.data_ptr() == scratch_ptr
+
+    with pytest.raises(ValueError, match="max_bs"):  # 5 requests > max_bs 4
+        backend.init_forward_metadata_replay_cuda_graph(case.forward_batch(ForwardMode.DECODE, backend))
+
+
+# ---------------------------------------------------------------- GPU, real sizes (pytest -m gpu)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_decode_real_sizes(head_dim):
+    lens = [4096, 1, 4000, 17, 2048, 300, 1024, 4095]
+    case = PagedCase(32, 8, head_dim, [s - 1 for s in lens], [1] * len(lens), dtype=torch.bfloat16, device="cuda")
+    got, ref = _decode_both(case, decode_config=None)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_large_batch_takes_the_large_batch_tiles():
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(1, 900, (300,), generator=gen).tolist()  # 300 requests: two KV heads a program
+    case = PagedCase(32, 8, 128, [s - 1 for s in lens], [1] * len(lens), dtype=torch.bfloat16, device="cuda")
+    got, ref = _decode_both(case, decode_config=None)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_cuda_graph_capture_and_replay():
+    lens = [4096, 100, 2500, 7, 1500, 3000]
+    case = PagedCase(32, 8, 128, [s - 1 for s in lens], [1] * len(lens), dtype=torch.bfloat16, device="cuda")
+    layer = case.layer
+    backend = TritonAttnBackend(attention_context("cuda", num_attention_heads=32, num_key_value_heads=8, head_dim=128))
+    backend.init_cuda_graph_state(max_bs=8)
+    q = case.randn(8, layer.num_heads, layer.head_dim)
+    fb = case.forward_batch(ForwardMode.DECODE, backend, rows=case.rows[:3], seq_lens=lens[:3], batch_size=8)
+    backend.init_forward_metadata_capture_cuda_graph(fb)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward_decode(q, layer, fb)  # warm-up compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward_decode(q, layer, fb)
+    reference = TorchNativeAttnBackend(attention_context("cuda"))
+    for rows, seq_lens in [(case.rows[:3], lens[:3]), (case.rows[3:], lens[3:]), (case.rows, lens)]:
+        fb = case.forward_batch(ForwardMode.DECODE, backend, rows=rows, seq_lens=seq_lens, batch_size=8)
+        backend.init_forward_metadata_replay_cuda_graph(fb)
+        graph.replay()
+        n = len(rows)
+        ref = run_backend(reference, case, ForwardMode.DECODE, q[:n], rows=rows, seq_lens=seq_lens)
+        torch.testing.assert_close(out[:n].float(), ref.float(), atol=2e-2, rtol=2e-2)
+        assert torch.count_nonzero(out[n:]) == 0
