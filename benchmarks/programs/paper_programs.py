@@ -176,6 +176,13 @@ def run_workload(workload: pw.Workload, driver: str, backend: Any, runtime: Any,
     wall = time.perf_counter() - started
     if runtime is not None:
         after = runtime.engine.get_stats()
+        # NOTE: the last requests' prefixes are unlocked by the scheduler a step after their outputs reach the
+        # program (and a program's pins on its pin thread), so "nothing left behind" is given a moment.
+        for _ in range(100):
+            if after["protected_tokens"] == 0:
+                break
+            time.sleep(0.05)
+            after = runtime.engine.get_stats()
         assert after["protected_tokens"] == 0, f"{workload.name}/{driver}: pins left behind"
         prompt = after["prompt_tokens"] - before["prompt_tokens"]
         cached: Optional[int] = after["cached_tokens"] - before["cached_tokens"]
@@ -249,6 +256,9 @@ def run_drivers(
                 if runtime is not None:
                     runtime.endpoint.program_hints = driver == "dsl-hints"
                 backend = backends[driver]
+                if args.warm:  # untimed: what a workload meets first (its constraints compiled, forks' threads)
+                    warm = workload.arguments()[: args.warm]
+                    workload.program.run_batch(warm, temperature=0, backend=backend, num_threads=len(warm))
                 row = run_workload(
                     workload, driver, backend, runtime if driver.startswith("dsl") else None, args.parallel
                 )
@@ -333,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply program counts (and lengths)")
     parser.add_argument("--length-scale", type=float, default=None, help="multiply lengths (default: --scale)")
     parser.add_argument("--parallel", type=int, default=64, help="programs in flight")
+    parser.add_argument(
+        "--warm",
+        type=int,
+        default=1,
+        help="programs of each workload run untimed on each driver first (a runtime compiles a regex on its first "
+        "use; without this the first driver of a workload paid it: 0.4x on the judge's score on a CPU)",
+    )
     parser.add_argument("--model-path", default=None, help="the DSL Runtime's model (default: the embedded one)")
     parser.add_argument("--load-format", default=None, help="e.g. dummy")
     parser.add_argument("--schedule-policy", default="lpm", help="the DSL Runtime's (plait serve's default: lpm)")

@@ -22,7 +22,7 @@ HTTP_WORKLOADS = {"mmlu", "hellaswag", "json"}  # few-shot, select (echoed logpr
 @pytest.fixture(scope="module")
 def rows():
     args = paper_programs.build_parser().parse_args(
-        ["--scale", "0.01", "--parallel", "8", "--max-total-tokens", "8192"]
+        ["--scale", "0.01", "--parallel", "8", "--max-total-tokens", "8192", "--warm", "0"]
     )
     return paper_programs.run_drivers(
         args, paper_programs.select_workloads(args), DRIVERS, {"http-plait": HTTP_WORKLOADS}
