@@ -347,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--warm",
         type=int,
         default=1,
-        help="programs of each workload run untimed on each driver first (a runtime compiles a regex on its first "
-        "use; without this the first driver of a workload paid it: 0.4x on the judge's score on a CPU)",
+        help="programs of each workload run untimed on each driver first: what a workload meets first in a process "
+        "(its regexes compiled, its forks' batch shapes) was paid by whichever driver ran it first (0.4x on a CPU)",
     )
     parser.add_argument("--model-path", default=None, help="the DSL Runtime's model (default: the embedded one)")
     parser.add_argument("--load-format", default=None, help="e.g. dummy")
