@@ -185,14 +185,14 @@ def test_sgmv_of_a_batch_without_adapters_changes_nothing(slots):
     assert torch.equal(sgmv_apply(per_token, slots.a["qkv"], slots.b["qkv"], 0, 8, [64, 32, 32], x, y.clone()), y)
 
 
-def _cuda_pool(dtype) -> tuple[LoraSlots, LoraSlots]:
+def _cuda_pool(dtype, shapes: LoraShapes = SHAPES) -> tuple[LoraSlots, LoraSlots]:
     """The same random adapters in a CPU float32 pool (the reference) and a CUDA pool of `dtype`."""
-    cpu = LoraSlots(SHAPES, 3, 16, torch.float32, "cpu")
+    cpu = LoraSlots(shapes, 3, 16, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(2)
     for target in cpu.a:
         cpu.a[target][1:].copy_(torch.randn(cpu.a[target][1:].shape, generator=gen) * 0.2)
         cpu.b[target][1:].copy_(torch.randn(cpu.b[target][1:].shape, generator=gen) * 0.2)
-    gpu = LoraSlots(SHAPES, 3, 16, dtype, "cuda")
+    gpu = LoraSlots(shapes, 3, 16, dtype, "cuda")
     for target in cpu.a:
         gpu.a[target].copy_(cpu.a[target])
         gpu.b[target].copy_(cpu.b[target])
@@ -200,15 +200,17 @@ def _cuda_pool(dtype) -> tuple[LoraSlots, LoraSlots]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shapes", [SHAPES, WIDE], ids=["small", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype):
+def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype, shapes):
     """What the runner runs on a GPU: LoraBatch picks the kernels (segments eagerly; one per token in a
-    captured graph, replayed with other slots), equal to the CPU's torch segments within the dtype."""
-    cpu, gpu = _cuda_pool(dtype)
+    captured graph, replayed with other slots), equal to the CPU's torch segments within the dtype. WIDE's
+    fan-in the rule splits (two partials) in the graph's one-row form."""
+    cpu, gpu = _cuda_pool(dtype, shapes)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=5e-2)
     request_slots, tokens = [2, 0, 1, 3, 2], [40, 3, 17, 1, 70]
     T = sum(tokens)
-    x = torch.randn(T, SHAPES.hidden)
+    x = torch.randn(T, shapes.hidden)
     y = torch.randn(T, gpu.b["qkv"].shape[2])
     want = LoraBatch.of_rows(cpu, request_slots, tokens).apply(1, "qkv", x, y.clone())
     eager = LoraBatch.of_rows(gpu, request_slots, tokens)
@@ -219,8 +221,8 @@ def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype):
     bs = 8
     slots = torch.zeros(bs, dtype=torch.int64, device="cuda")
     xs, ys = (
-        torch.randn(bs, SHAPES.hidden, device="cuda", dtype=dtype),
-        torch.zeros(bs, 128, device="cuda", dtype=dtype),
+        torch.randn(bs, shapes.hidden, device="cuda", dtype=dtype),
+        torch.zeros(bs, gpu.b["qkv"].shape[2], device="cuda", dtype=dtype),
     )
     out = torch.empty_like(ys)
     LoraBatch(gpu, slots).apply(0, "qkv", xs, ys.clone())  # compiled before the capture, as the runner warms up
