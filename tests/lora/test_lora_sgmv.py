@@ -126,14 +126,21 @@ def test_split_k_shrink_equals_the_torch_segments(wide, per_token, in_splits, ba
         assert torch.equal(got[base_rows], y[base_rows]), target
 
 
-@pytest.mark.parametrize("per_token", [False, True], ids=["runs", "per_token"])
-def test_split_k_in_bfloat16_within_its_rounding(wide, per_token):
-    """bf16 x, adapters and y, the shrink split in 3: within 2^-6 of |y| + |delta| of the float32 torch
-    path over the same (bf16-rounded) values (the shrunk rows and y's store rounded to bf16 at most once each,
-    2^-8 apiece, with headroom for the fp32 sums' order). On the GPU where there is one."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not per_token:
-        pytest.skip("the interpreter's tl.dot over bf16 is wrong (numpy has no bf16); the row tiles run on a GPU")
+@pytest.mark.parametrize(
+    "device,per_token",
+    [
+        pytest.param("cpu", True, id="cpu-per_token"),  # the interpreter's tl.dot over bf16 is wrong (numpy
+        # has no bf16), so the row tiles run on a GPU only
+        pytest.param("cuda", False, marks=pytest.mark.gpu, id="gpu-runs"),
+        pytest.param("cuda", True, marks=pytest.mark.gpu, id="gpu-per_token"),
+    ],
+)
+def test_split_k_in_bfloat16_within_its_rounding(wide, device, per_token):
+    """bf16 x, adapters and y, the shrink split in 3: within 2^-6 of |y| + max |delta| of the float32 torch
+    path over the same (bf16-rounded) values. y's store rounds to bf16 (2^-9 of |y + delta|); the row tiles
+    round the shrunk rows to bf16 before their dot, an error that scales with the terms s_r * b_r rather than
+    their sum (their sum may cancel), hence max |delta| rather than each element's (a rounding model of both
+    over 50 random batches stays under 0.6 of 2^-7 of it)."""
     request_slots, tokens = BATCHES["T33"]
     T = sum(tokens)
     gen = torch.Generator().manual_seed(5)
@@ -147,7 +154,7 @@ def test_split_k_in_bfloat16_within_its_rounding(wide, per_token):
         y = torch.randn(T, wide.b[target].shape[2], generator=gen).bfloat16()
         got = _kernels(pool16, request_slots, tokens, per_token, target, x.to(device), y.to(device), 3).cpu()
         want, base_rows = _torch(_float32_copy(pool16), request_slots, tokens, target, x, y)
-        bound = 2**-6 * (y.float().abs() + (want - y.float()).abs()) + 1e-6
+        bound = 2**-6 * (y.float().abs() + (want - y.float()).abs().max())
         assert ((got.float() - want).abs() <= bound).all(), (target, (got.float() - want).abs().max().item())
         assert torch.equal(got[base_rows], y[base_rows]), target
 
@@ -186,11 +193,13 @@ def test_sgmv_of_a_batch_without_adapters_changes_nothing(slots):
 
 
 def _cuda_pool(dtype, shapes: LoraShapes = SHAPES) -> tuple[LoraSlots, LoraSlots]:
-    """The same random adapters in a CPU float32 pool (the reference) and a CUDA pool of `dtype`."""
+    """The same random adapters in a CPU float32 pool (the reference) and a CUDA pool of `dtype`; A scaled
+    by sqrt(64 / fan-in), so a wider fan-in's sums stay within the bf16 tolerance fitted at 64."""
     cpu = LoraSlots(shapes, 3, 16, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(2)
     for target in cpu.a:
-        cpu.a[target][1:].copy_(torch.randn(cpu.a[target][1:].shape, generator=gen) * 0.2)
+        scale = 0.2 * (64 / cpu.a[target].shape[3]) ** 0.5
+        cpu.a[target][1:].copy_(torch.randn(cpu.a[target][1:].shape, generator=gen) * scale)
         cpu.b[target][1:].copy_(torch.randn(cpu.b[target][1:].shape, generator=gen) * 0.2)
     gpu = LoraSlots(shapes, 3, 16, dtype, "cuda")
     for target in cpu.a:
