@@ -1,25 +1,44 @@
 """The segmented LoRA matmul as two Triton kernels (SGMV, after Punica): a step's rows grouped into
-segments of one adapter each, one program per (segment, tile of its rows[, tile of output columns]).
+segments of one adapter each.
 
-- shrink: shrunk (T, K) = x (T, in) @ A[slot, layer]^T (K = subs * R), per segment, looped over `in`;
-- expand: y[:, cols] += shrunk[:, j * R : (j + 1) * R] @ B[slot, layer, cols]^T, one launch per
-  sub-projection j of the fused target (q | k | v; gate | up), each over its own output columns.
+- shrink: partials (P, T, K) fp32, part p of x (T, in) @ A[slot, layer]^T (K = subs * R) over the p-th
+  slice of `in` (split-K): one program per (segment, tile of its rows, slice), so a few rows still fill the
+  GPU; their sum is the shrunk (T, K);
+- expand: y (T, out) += shrunk[:, j * R : (j + 1) * R] @ B[slot, layer, cols]^T for the columns of each
+  sub-projection j of the fused target (q | k | v; gate | up), one program per (segment, tile of its rows,
+  tile of output columns), summing the P partials as it loads them (no atomics, no reduction kernel).
+
+Segments of one row each (the CUDA-graph form) take a GEMV path in both kernels (a broadcast product
+summed, no 16-row `tl.dot` tile of which 15 rows would be masked), chosen by a constexpr.
 
 A segment of slot 0 (the base model) returns at once: its rows are left as the base matmul wrote them.
 Segments are device data ((S,) starts, lengths, slots), so a step can be captured in a CUDA graph: the
 gathered form of `LoraBatch` (no host segments) is the same kernels with one segment per token. The grid
-needs only the longest segment's length, which the host knows where it knows the segments.
+needs only the longest segment's length and the shapes, which the host knows where it knows the segments.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 16  # rows per program (tl.dot needs at least 16)
-BLOCK_IN = 64  # the shrink's step over the input features
+BLOCK_T = 16  # rows per tile (tl.dot needs at least 16)
+BLOCK_IN = 64  # the tiled shrink's step over the input features
 BLOCK_N = 64  # output columns per expand program
+ROW_TILE_ELEMS = 4096  # the one-row shrink's (BK, BI) accumulator: 32 fp32 registers a thread at 4 warps
+
+# How many slices of the input features the shrink splits into: enough programs for about two waves on an
+# H100's 132 SMs when the rows alone are few (decode: 1-32 one-row segments), each slice at least
+# MIN_SLICE_IN features (shorter slices would make the expand's sum of partials cost more than they save),
+# and at most MAX_SPLITS_ROW / MAX_SPLITS_TILE, what the expand holds in registers as it sums them
+# ((P, BR) for one row, (P, BT, BR) for a tile).
+TARGET_PROGRAMS = 264
+MIN_SLICE_IN = 128
+MAX_SPLITS_ROW = 64
+MAX_SPLITS_TILE = 8
 
 
 def _block(n: int) -> int:
@@ -27,68 +46,110 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-# NOTE: the layer (and the expand's column offset and sub-projection) not specialized: each value 1 or a
-# multiple of 16 would compile a variant of its own, after start-up's warm-up.
-@triton.jit(do_not_specialize=["layer"])
+def shrink_plan(num_segs: int, longest: int, fan_in: int, K: int, in_splits: Optional[int] = None):
+    """(splits, slice, block_in) of the shrink for `num_segs` segments of at most `longest` rows over
+    `fan_in` input features into K outputs: `splits` programs per row tile, each over `slice` features
+    (a multiple of `block_in`, its step), every split non-empty. `in_splits`: ask for that many instead of
+    the rule's (tests, the benchmark); host values only, so a captured graph replays the same grid."""
+    one_row = longest == 1
+    block_in = min(128, max(32, ROW_TILE_ELEMS // _block(K))) if one_row else BLOCK_IN
+    if in_splits is None:
+        programs = num_segs * triton.cdiv(longest, BLOCK_T)
+        most = MAX_SPLITS_ROW if one_row else MAX_SPLITS_TILE
+        in_splits = min(TARGET_PROGRAMS // programs, fan_in // MIN_SLICE_IN, most)
+    in_splits = max(1, in_splits)
+    slice_in = triton.cdiv(triton.cdiv(fan_in, in_splits), block_in) * block_in
+    return triton.cdiv(fan_in, slice_in), slice_in, block_in
+
+
+# NOTE: the layer and the partials' split stride (T * K) not specialized: each value 1 or a multiple of 16
+# would compile a variant of its own, after start-up's warm-up.
+@triton.jit(do_not_specialize=["layer", "split_stride"])
 def _shrink_kernel(
     X,
     A,
-    Out,
+    Partials,
     SegStart,
     SegLen,
     SegSlot,
     layer,
+    split_stride,
     stride_xt,
     stride_as,
     stride_al,
     stride_ak,
     IN: tl.constexpr,
     K: tl.constexpr,
+    SLICE_IN: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_IN: tl.constexpr,
 ):
-    seg, tile = tl.program_id(0), tl.program_id(1)
+    seg, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(SegSlot + seg)
     n = tl.load(SegLen + seg)
     if (slot == 0) | (tile * BLOCK_T >= n):  # a base segment, or a tile past its end
         return
-    local = tile * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,) rows within the segment
-    rows = tl.load(SegStart + seg).to(tl.int64) + local
-    row_mask = local < n
     ks = tl.arange(0, BLOCK_K)  # (BK,)
     k_mask = ks < K
     a_base = A + slot.to(tl.int64) * stride_as + layer * stride_al
-    acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-    for i0 in range(0, IN, BLOCK_IN):
-        cols = i0 + tl.arange(0, BLOCK_IN)  # (BI,)
-        c_mask = cols < IN
-        x = tl.load(X + rows[:, None] * stride_xt + cols[None, :], mask=row_mask[:, None] & c_mask[None, :], other=0.0)
-        a = tl.load(a_base + ks[:, None] * stride_ak + cols[None, :], mask=k_mask[:, None] & c_mask[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(a), input_precision="ieee")  # (BT, BK)
-    out_ptrs = Out + rows[:, None] * K + ks[None, :]
-    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_mask[:, None] & k_mask[None, :])
+    first = split * SLICE_IN
+    out_base = Partials + split.to(tl.int64) * split_stride
+    if ONE_ROW:
+        row = tl.load(SegStart + seg).to(tl.int64)
+        acc = tl.zeros((BLOCK_K, BLOCK_IN), dtype=tl.float32)
+        for i0 in range(0, SLICE_IN, BLOCK_IN):
+            cols = first + i0 + tl.arange(0, BLOCK_IN)  # (BI,)
+            c_mask = cols < IN
+            x = tl.load(X + row * stride_xt + cols, mask=c_mask, other=0.0)  # (BI,)
+            a = tl.load(
+                a_base + ks[:, None] * stride_ak + cols[None, :], mask=k_mask[:, None] & c_mask[None, :], other=0.0
+            )
+            acc += a.to(tl.float32) * x.to(tl.float32)[None, :]  # (BK, BI)
+        tl.store(out_base + row * K + ks, tl.sum(acc, axis=1), mask=k_mask)
+    else:
+        local = tile * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,) rows within the segment
+        rows = tl.load(SegStart + seg).to(tl.int64) + local
+        row_mask = local < n
+        acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+        for i0 in range(0, SLICE_IN, BLOCK_IN):
+            cols = first + i0 + tl.arange(0, BLOCK_IN)  # (BI,)
+            c_mask = cols < IN
+            x = tl.load(
+                X + rows[:, None] * stride_xt + cols[None, :], mask=row_mask[:, None] & c_mask[None, :], other=0.0
+            )
+            a = tl.load(
+                a_base + ks[:, None] * stride_ak + cols[None, :], mask=k_mask[:, None] & c_mask[None, :], other=0.0
+            )
+            acc += tl.dot(x, tl.trans(a), input_precision="ieee")  # (BT, BK)
+        tl.store(out_base + rows[:, None] * K + ks[None, :], acc, mask=row_mask[:, None] & k_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["layer", "col_offset", "sub"])
+@triton.jit(do_not_specialize=["layer", "split_stride"])
 def _expand_kernel(
-    Shrunk,
+    Partials,
     B,
     Y,
     SegStart,
     SegLen,
     SegSlot,
     layer,
-    col_offset,
-    sub,
+    split_stride,
     stride_yt,
     stride_bs,
     stride_bl,
     stride_bo,
-    SIZE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SUBS: tl.constexpr,
+    END0: tl.constexpr,
+    END1: tl.constexpr,
+    END2: tl.constexpr,
     K: tl.constexpr,
     R: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -97,24 +158,59 @@ def _expand_kernel(
     n = tl.load(SegLen + seg)
     if (slot == 0) | (tile * BLOCK_T >= n):  # a base segment, or a tile past its end
         return
-    local = tile * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
-    rows = tl.load(SegStart + seg).to(tl.int64) + local
-    row_mask = local < n
+    ps = tl.arange(0, BLOCK_P)  # (BP,) the shrink's splits
+    p_mask = ps < SPLITS
     rs = tl.arange(0, BLOCK_R)  # (BR,)
     r_mask = rs < R
-    within = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) columns within this sub-projection
-    n_mask = within < SIZE
-    cols = col_offset + within  # (BN,) columns of the fused output
-    s = tl.load(
-        Shrunk + rows[:, None] * K + sub * R + rs[None, :], mask=row_mask[:, None] & r_mask[None, :], other=0.0
-    )  # (BT, BR)
+    first_col = tile_n * BLOCK_N
+    cols = first_col + tl.arange(0, BLOCK_N)  # (BN,) columns of the fused output
     b_base = B + slot.to(tl.int64) * stride_bs + layer * stride_bl
-    b = tl.load(b_base + cols[:, None] * stride_bo + rs[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-    delta = tl.dot(s, tl.trans(b), input_precision="ieee")  # (BT, BN)
-    y_ptrs = Y + rows[:, None] * stride_yt + cols[None, :]
-    mask = row_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=mask)
+    if ONE_ROW:
+        row = tl.load(SegStart + seg).to(tl.int64)
+        delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(SUBS):
+            lo = END0 if j == 1 else (END1 if j == 2 else 0)  # sub-projection j's columns [lo, hi)
+            hi = END0 if j == 0 else (END1 if j == 1 else END2)
+            if (first_col < hi) & (first_col + BLOCK_N > lo):  # this tile holds columns of sub-projection j
+                part_ptrs = Partials + ps[:, None].to(tl.int64) * split_stride + row * K + j * R + rs[None, :]
+                s = tl.sum(tl.load(part_ptrs, mask=p_mask[:, None] & r_mask[None, :], other=0.0), axis=0)  # (BR,)
+                n_mask = (cols >= lo) & (cols < hi)
+                b = tl.load(
+                    b_base + cols[:, None] * stride_bo + rs[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
+                )
+                delta += tl.sum(b.to(tl.float32) * s[None, :], axis=1)  # (BN,)
+        mask = cols < END2
+        y_ptrs = Y + row * stride_yt + cols
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=mask)
+    else:
+        local = tile * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
+        rows = tl.load(SegStart + seg).to(tl.int64) + local
+        row_mask = local < n
+        delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(SUBS):
+            lo = END0 if j == 1 else (END1 if j == 2 else 0)  # sub-projection j's columns [lo, hi)
+            hi = END0 if j == 0 else (END1 if j == 1 else END2)
+            if (first_col < hi) & (first_col + BLOCK_N > lo):
+                part_ptrs = (
+                    Partials
+                    + ps[:, None, None].to(tl.int64) * split_stride
+                    + rows[None, :, None] * K
+                    + j * R
+                    + rs[None, None, :]
+                )  # (BP, BT, BR)
+                part_mask = p_mask[:, None, None] & row_mask[None, :, None] & r_mask[None, None, :]
+                s = tl.sum(tl.load(part_ptrs, mask=part_mask, other=0.0), axis=0)  # (BT, BR)
+                n_mask = (cols >= lo) & (cols < hi)
+                b = tl.load(
+                    b_base + cols[:, None] * stride_bo + rs[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
+                )
+                # NOTE: the shrunk rows rounded to the adapter's dtype, as the torch path's matmuls round them
+                delta += tl.dot(s.to(b.dtype), tl.trans(b), input_precision="ieee")  # (BT, BN)
+        y_ptrs = Y + rows[:, None] * stride_yt + cols[None, :]
+        mask = row_mask[:, None] & (cols < END2)[None, :]
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=mask)
 
 
 class Segments:
@@ -149,58 +245,70 @@ def sgmv_apply(
     splits: list[int],
     x: torch.Tensor,
     y: torch.Tensor,
+    in_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """y (T, out) += each segment's adapter over x (T, in): A `a_all` (S+1, L, subs * R, in), B `b_all`
-    (S+1, L, out, R), `splits` the sub-projections' output sizes; y written in place and returned."""
+    (S+1, L, out, R), `splits` the sub-projections' output sizes (at most three); y written in place and
+    returned. `in_splits`: the shrink's split of `in`, where not the rule's (`shrink_plan`)."""
     T, fan_in = x.shape
     num_segs = segments.starts.shape[0]
     if T == 0 or num_segs == 0 or segments.longest == 0:
         return y
     assert y.stride(1) == 1, "the kernels write y's rows as contiguous columns"
+    assert 1 <= len(splits) <= 3, "a fused target of one to three sub-projections"
     x = x.contiguous()
     K = a_all.shape[2]
-    shrunk = torch.empty(T, K, dtype=x.dtype, device=x.device)  # rows of base segments never read
+    one_row = segments.longest == 1
+    num_splits, slice_in, block_in = shrink_plan(num_segs, segments.longest, fan_in, K, in_splits)
+    partials = torch.empty(num_splits, T, K, dtype=torch.float32, device=x.device)  # base rows never read
     row_tiles = triton.cdiv(segments.longest, BLOCK_T)
-    _shrink_kernel[(num_segs, row_tiles)](
+    _shrink_kernel[(num_segs, row_tiles, num_splits)](
         x,
         a_all,
-        shrunk,
+        partials,
         segments.starts,
         segments.lengths,
         segments.slots,
         layer,
+        T * K,
         x.stride(0),
         a_all.stride(0),
         a_all.stride(1),
         a_all.stride(2),
         IN=fan_in,
         K=K,
+        SLICE_IN=slice_in,
+        ONE_ROW=one_row,
         BLOCK_T=BLOCK_T,
         BLOCK_K=_block(K),
-        BLOCK_IN=BLOCK_IN,
+        BLOCK_IN=block_in,
     )
-    col = 0
-    for sub, size in enumerate(splits):
-        _expand_kernel[(num_segs, row_tiles, triton.cdiv(size, BLOCK_N))](
-            shrunk,
-            b_all,
-            y,
-            segments.starts,
-            segments.lengths,
-            segments.slots,
-            layer,
-            col,
-            sub,
-            y.stride(0),
-            b_all.stride(0),
-            b_all.stride(1),
-            b_all.stride(2),
-            SIZE=size,
-            K=K,
-            R=rank,
-            BLOCK_T=BLOCK_T,
-            BLOCK_R=_block(rank),
-            BLOCK_N=BLOCK_N,
-        )
-        col += size
+    ends = [sum(splits[: j + 1]) for j in range(len(splits))]
+    ends += [ends[-1]] * (3 - len(ends))
+    _expand_kernel[(num_segs, row_tiles, triton.cdiv(ends[-1], BLOCK_N))](
+        partials,
+        b_all,
+        y,
+        segments.starts,
+        segments.lengths,
+        segments.slots,
+        layer,
+        T * K,
+        y.stride(0),
+        b_all.stride(0),
+        b_all.stride(1),
+        b_all.stride(2),
+        SPLITS=num_splits,
+        SUBS=len(splits),
+        END0=ends[0],
+        END1=ends[1],
+        END2=ends[2],
+        K=K,
+        R=rank,
+        ONE_ROW=one_row,
+        BLOCK_T=BLOCK_T,
+        BLOCK_P=triton.next_power_of_2(num_splits),
+        BLOCK_R=_block(rank),
+        BLOCK_N=BLOCK_N,
+    )
     return y

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from plait.runtime.lora.adapter import LoraShapes
+from plait.runtime.lora.adapter import TARGETS, LoraShapes
 from plait.runtime.lora.matmul import LoraBatch
-from plait.runtime.lora.sgmv import Segments, sgmv_apply
+from plait.runtime.lora.sgmv import Segments, sgmv_apply, shrink_plan
 from plait.runtime.lora.slots import LoraSlots
 
 SHAPES = LoraShapes(num_layers=2, hidden=64, q_size=64, kv_size=32, intermediate=80)
+# Fan-ins long enough to split (none a multiple of a slice), for the split-K shrink.
+WIDE = LoraShapes(num_layers=1, hidden=328, q_size=200, kv_size=40, intermediate=456)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,131 @@ def test_sgmv_equals_the_torch_segments(slots, per_token):
             assert torch.equal(got[base_rows], base_out[base_rows]), (target, layer)
 
 
+def _random_pool(shapes: LoraShapes, seed: int) -> LoraSlots:
+    """Three slots of random float32 adapters at max rank 8, the third at rank 4 (the rest of its rank zero)."""
+    pool = LoraSlots(shapes, 3, 8, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    for target in pool.a:
+        pool.a[target][1:].copy_(torch.randn(pool.a[target][1:].shape, generator=gen) * 0.2)
+        pool.b[target][1:].copy_(torch.randn(pool.b[target][1:].shape, generator=gen) * 0.2)
+        pool.a[target][3, :, :, :] *= (torch.arange(pool.a[target].shape[2]) % 8 < 4)[:, None]  # rank 4 of 8
+        pool.b[target][3, :, :, 4:] = 0
+    return pool
+
+
+@pytest.fixture(scope="module")
+def wide():
+    return _random_pool(WIDE, 3)
+
+
+def _kernels(pool, request_slots, tokens, per_token, target, x, y, in_splits):
+    """The Triton kernels' y of one target over x, y, with the host's runs or one segment per token."""
+    token_slots = torch.repeat_interleave(torch.tensor(request_slots), torch.tensor(tokens)).to(x.device)
+    segments = (
+        Segments.per_token(token_slots)
+        if per_token
+        else Segments.of_runs(LoraBatch.of_rows(pool, request_slots, tokens).segments, x.device)
+    )
+    args = (pool.a[target], pool.b[target], 0, pool.max_rank, pool.out_splits[target])
+    return sgmv_apply(segments, *args, x, y.clone(), in_splits=in_splits)
+
+
+def _torch(pool, request_slots, tokens, target, x, y):
+    """The torch segments' y (float32) and which rows are the base model's."""
+    reference = LoraBatch.of_rows(pool, request_slots, tokens)
+    return reference.apply(0, target, x.float(), y.float().clone()), reference.token_slots == 0
+
+
+# (request slots, tokens): one token of an adapter (T = 1); 33 tokens, base rows between runs of adapters,
+# a run longer than two row tiles.
+BATCHES = {"T1": ([2], [1]), "T33": ([1, 0, 3, 2, 0, 1], [3, 2, 1, 20, 1, 6])}
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["runs", "per_token"])
+@pytest.mark.parametrize("in_splits", [None, 2, 3, 8])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_split_k_shrink_equals_the_torch_segments(wide, per_token, in_splits, batch):
+    """The shrink split over the input features (slices that do not divide them), the partials summed by
+    the expand: float32 equal to the torch path within 1e-4 relative, base rows untouched. Dropping or
+    doubling a split's partial moves the result by far more than that."""
+    request_slots, tokens = BATCHES[batch]
+    T = sum(tokens)
+    gen = torch.Generator().manual_seed(4)
+    for target in ("qkv", "o", "gate_up", "down"):
+        fan_in = WIDE.in_features(next(t for t in TARGETS if t.name == target))
+        longest = 1 if per_token else max(tokens[i] for i, s in enumerate(request_slots) if s)
+        num_splits, slice_in, _ = shrink_plan(
+            T if per_token else 1, longest, fan_in, wide.a[target].shape[2], in_splits
+        )
+        assert (num_splits - 1) * slice_in < fan_in <= num_splits * slice_in  # every split holds features
+        if in_splits and in_splits > 1:
+            assert num_splits > 1, (target, in_splits)
+        x = torch.randn(T, fan_in, generator=gen)
+        y = torch.randn(T, wide.b[target].shape[2], generator=gen)
+        got = _kernels(wide, request_slots, tokens, per_token, target, x, y, in_splits)
+        want, base_rows = _torch(wide, request_slots, tokens, target, x, y)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+        assert torch.equal(got[base_rows], y[base_rows]), target
+
+
+@pytest.mark.parametrize(
+    "device,per_token",
+    [
+        pytest.param("cpu", True, id="cpu-per_token"),  # the interpreter's tl.dot over bf16 is wrong (numpy
+        # has no bf16), so the row tiles run on a GPU only
+        pytest.param("cuda", False, marks=pytest.mark.gpu, id="gpu-runs"),
+        pytest.param("cuda", True, marks=pytest.mark.gpu, id="gpu-per_token"),
+    ],
+)
+def test_split_k_in_bfloat16_within_its_rounding(wide, device, per_token):
+    """bf16 x, adapters and y, the shrink split in 3: within 2^-6 of |y| + max |delta| of the float32 torch
+    path over the same (bf16-rounded) values. y's store rounds to bf16 (2^-9 of |y + delta|); the row tiles
+    round the shrunk rows to bf16 before their dot, an error that scales with the terms s_r * b_r rather than
+    their sum (their sum may cancel), hence max |delta| rather than each element's (a rounding model of both
+    over 50 random batches stays under 0.6 of 2^-7 of it)."""
+    request_slots, tokens = BATCHES["T33"]
+    T = sum(tokens)
+    gen = torch.Generator().manual_seed(5)
+    pool16 = LoraSlots(WIDE, 3, 8, torch.bfloat16, device)
+    for target in wide.a:
+        pool16.a[target].copy_(wide.a[target])
+        pool16.b[target].copy_(wide.b[target])
+    for target in ("qkv", "down"):
+        fan_in = wide.a[target].shape[3]
+        x = torch.randn(T, fan_in, generator=gen).bfloat16()
+        y = torch.randn(T, wide.b[target].shape[2], generator=gen).bfloat16()
+        got = _kernels(pool16, request_slots, tokens, per_token, target, x.to(device), y.to(device), 3).cpu()
+        want, base_rows = _torch(_float32_copy(pool16), request_slots, tokens, target, x, y)
+        bound = 2**-6 * (y.float().abs() + (want - y.float()).abs().max())
+        assert ((got.float() - want).abs() <= bound).all(), (target, (got.float() - want).abs().max().item())
+        assert torch.equal(got[base_rows], y[base_rows]), target
+
+
+def _float32_copy(pool: LoraSlots) -> LoraSlots:
+    """A float32 pool holding `pool`'s (lower precision) values."""
+    out = LoraSlots(pool.shapes, pool.num_slots, pool.max_rank, torch.float32, "cpu")
+    for target in out.a:
+        out.a[target].copy_(pool.a[target].cpu())
+        out.b[target].copy_(pool.b[target].cpu())
+    return out
+
+
+def test_the_split_rule_at_the_8b_shape():
+    """shrink_plan at Llama-3.1-8B's fan-ins, rank 16 (qkv K = 48, down K = 16): decode's one-row segments
+    split until ~264 programs or 128-feature slices; prefill's row tiles alone fill the GPU (one split)."""
+    for T, want_qkv, want_down in ((1, 32, 56), (8, 32, 28), (32, 8, 8), (128, 2, 2), (512, 1, 1)):
+        assert shrink_plan(T, 1, 4096, 48)[0] == want_qkv, T
+        assert shrink_plan(T, 1, 14336, 16)[0] == want_down, T
+    assert shrink_plan(1, 32, 4096, 48)[0] == 8  # one run of 32 rows: two tiles, at most 8 partials held
+    assert shrink_plan(4, 512, 4096, 48)[0] == 2  # 128 row tiles
+    assert shrink_plan(1, 2048, 14336, 16)[0] == 2
+    assert shrink_plan(8, 2048, 14336, 16)[0] == 1
+    for fan_in in (64, 80, 4096, 14336):
+        for T in (1, 3, 33, 300):
+            splits, slice_in, block_in = shrink_plan(T, 1, fan_in, 48)
+            assert slice_in % block_in == 0 and (splits - 1) * slice_in < fan_in <= splits * slice_in
+
+
 def test_sgmv_of_a_batch_without_adapters_changes_nothing(slots):
     x, y = torch.randn(5, SHAPES.hidden), torch.randn(5, slots.b["qkv"].shape[2])
     segments = Segments.of_runs([], "cpu")
@@ -65,14 +192,16 @@ def test_sgmv_of_a_batch_without_adapters_changes_nothing(slots):
     assert torch.equal(sgmv_apply(per_token, slots.a["qkv"], slots.b["qkv"], 0, 8, [64, 32, 32], x, y.clone()), y)
 
 
-def _cuda_pool(dtype) -> tuple[LoraSlots, LoraSlots]:
-    """The same random adapters in a CPU float32 pool (the reference) and a CUDA pool of `dtype`."""
-    cpu = LoraSlots(SHAPES, 3, 16, torch.float32, "cpu")
+def _cuda_pool(dtype, shapes: LoraShapes = SHAPES) -> tuple[LoraSlots, LoraSlots]:
+    """The same random adapters in a CPU float32 pool (the reference) and a CUDA pool of `dtype`; A scaled
+    by sqrt(64 / fan-in), so a wider fan-in's sums stay within the bf16 tolerance fitted at 64."""
+    cpu = LoraSlots(shapes, 3, 16, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(2)
     for target in cpu.a:
-        cpu.a[target][1:].copy_(torch.randn(cpu.a[target][1:].shape, generator=gen) * 0.2)
+        scale = 0.2 * (64 / cpu.a[target].shape[3]) ** 0.5
+        cpu.a[target][1:].copy_(torch.randn(cpu.a[target][1:].shape, generator=gen) * scale)
         cpu.b[target][1:].copy_(torch.randn(cpu.b[target][1:].shape, generator=gen) * 0.2)
-    gpu = LoraSlots(SHAPES, 3, 16, dtype, "cuda")
+    gpu = LoraSlots(shapes, 3, 16, dtype, "cuda")
     for target in cpu.a:
         gpu.a[target].copy_(cpu.a[target])
         gpu.b[target].copy_(cpu.b[target])
@@ -80,15 +209,17 @@ def _cuda_pool(dtype) -> tuple[LoraSlots, LoraSlots]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shapes", [SHAPES, WIDE], ids=["small", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype):
+def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype, shapes):
     """What the runner runs on a GPU: LoraBatch picks the kernels (segments eagerly; one per token in a
-    captured graph, replayed with other slots), equal to the CPU's torch segments within the dtype."""
-    cpu, gpu = _cuda_pool(dtype)
+    captured graph, replayed with other slots), equal to the CPU's torch segments within the dtype. WIDE's
+    fan-in the rule splits (two partials) in the graph's one-row form."""
+    cpu, gpu = _cuda_pool(dtype, shapes)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=5e-2)
     request_slots, tokens = [2, 0, 1, 3, 2], [40, 3, 17, 1, 70]
     T = sum(tokens)
-    x = torch.randn(T, SHAPES.hidden)
+    x = torch.randn(T, shapes.hidden)
     y = torch.randn(T, gpu.b["qkv"].shape[2])
     want = LoraBatch.of_rows(cpu, request_slots, tokens).apply(1, "qkv", x, y.clone())
     eager = LoraBatch.of_rows(gpu, request_slots, tokens)
@@ -99,8 +230,8 @@ def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype):
     bs = 8
     slots = torch.zeros(bs, dtype=torch.int64, device="cuda")
     xs, ys = (
-        torch.randn(bs, SHAPES.hidden, device="cuda", dtype=dtype),
-        torch.zeros(bs, 128, device="cuda", dtype=dtype),
+        torch.randn(bs, shapes.hidden, device="cuda", dtype=dtype),
+        torch.zeros(bs, gpu.b["qkv"].shape[2], device="cuda", dtype=dtype),
     )
     out = torch.empty_like(ys)
     LoraBatch(gpu, slots).apply(0, "qkv", xs, ys.clone())  # compiled before the capture, as the runner warms up
