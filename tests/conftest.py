@@ -51,6 +51,25 @@ def default_tokenizer(default_model_path):
     return AutoTokenizer.from_pretrained(default_model_path)
 
 
+@pytest.fixture(scope="module")
+def backends(default_tokenizer):
+    """Both grammar backends on the default tokenizer (the structured-output tests without a model)."""
+    from plait.runtime.constrained import create_grammar_backend
+
+    made = {name: create_grammar_backend(name, default_tokenizer) for name in ("xgrammar", "outlines")}
+    yield made
+    for backend in made.values():
+        backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tables(backends):
+    """The xgrammar backend's token tables."""
+    from plait.runtime.constrained.token_tables import TokenTables
+
+    return TokenTables(backends["xgrammar"].vocab)
+
+
 def make_random_model(folder: str, arch: str, seed: int = 0) -> str:
     """Write a small random Hugging Face model (config.json + safetensors) for reference tests."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,5 +1,6 @@
-"""What the structured-output tests without a model share: the vocabulary size, a person schema, a matcher
-fed a prefix, and the JSON scanner after a prefix."""
+"""What the structured-output tests without a model share (their fixtures, both grammar backends and the token
+tables, are in tests/conftest.py): the vocabulary size, a person schema, a matcher fed a prefix, and the JSON
+scanner after a prefix."""
 
 from __future__ import annotations
 
