@@ -117,6 +117,7 @@ class Req:
         self.is_chunked = False  # mid-way through a chunked prefill
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (reported)
         self.cached_tokens_host: Optional[int] = None  # of those, loaded back from a host tier (None: no tier)
+        self.host_tokens_loading = 0  # loaded back for it while it waited for the copy (a held load)
         self.num_retractions = 0
         self.inflight_slot: Optional[int] = None  # overlap: kv slot of a launched, unprocessed step
 

@@ -54,6 +54,9 @@ class ServerArgs:
     hicache_ratio: float = 2.0
     hicache_size: float = 0
     hicache_write_policy: str = "write_through"
+    # "wait": the step that first reads a prefix loaded back from the host waits for its copy on the device;
+    # "hold": the request waits for it instead and the others' steps go on (one device; not yet measured).
+    hicache_load_policy: str = "wait"
 
     # Scheduling
     # None: 256 on the CPU; on a GPU up to 1,024 as the KV pool allows (a larger decode batch uses the matmuls better).

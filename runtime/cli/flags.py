@@ -92,6 +92,8 @@ CLI_HELP = {
     "hicache_ratio": "host tier size in device-pool tokens (host tokens = ratio x the device pool)",
     "hicache_size": "host tier size in GB (overrides --hicache-ratio when > 0)",
     "hicache_write_policy": "write_through (copy to the host after prefill) or write_back (copy when evicted)",
+    "hicache_load_policy": "wait (the step that reads a loaded-back prefix waits for its copy) or hold (the request "
+    "waits for it, the other requests' steps go on; one device)",
     "max_running_requests": "requests decoded together (default: 256 on the CPU, up to 1,024 on a GPU)",
     "max_prefill_tokens": "prompt tokens one prefill step may take",
     "chunked_prefill_size": "longer prompts are prefilled in chunks of this many tokens",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 WRITE_POLICIES = ("write_through", "write_back")
+LOAD_POLICIES = ("wait", "hold")
 # Speculation whose drafter keeps a KV pool of its own at the target's slots: a prefix loaded back would
 # bring the target's K/V but not the drafter's.
 _DRAFTER_POOL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
@@ -18,6 +19,8 @@ def check_hierarchical_cache(args: Any) -> None:
         raise ValueError(
             f"hicache_write_policy must be one of {list(WRITE_POLICIES)}, got {args.hicache_write_policy!r}"
         )
+    if args.hicache_load_policy not in LOAD_POLICIES:
+        raise ValueError(f"hicache_load_policy must be one of {list(LOAD_POLICIES)}, got {args.hicache_load_policy!r}")
     for name in ("hicache_ratio", "hicache_size"):
         v = getattr(args, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
@@ -36,6 +39,13 @@ def check_hierarchical_cache(args: Any) -> None:
         raise ValueError(
             f"enable_hierarchical_cache with pp_size {args.pp_size} sizes the host tier by hicache_ratio only "
             f"(the stages' shards must hold the same tokens): set hicache_size 0, got {args.hicache_size}"
+        )
+    if args.hicache_load_policy == "hold" and (args.tp_size > 1 or args.pp_size > 1):
+        # NOTE: the other ranks replay rank 0's loads before the next step (host_copies.py) and their steps
+        # must wait for them on their own devices; a held load's request could be scheduled before theirs land.
+        raise ValueError(
+            f"hicache_load_policy='hold' runs on one device only (tp_size {args.tp_size}, pp_size {args.pp_size}): "
+            "use 'wait'"
         )
     if args.speculative_algorithm in _DRAFTER_POOL_ALGORITHMS:
         raise ValueError(

@@ -10,7 +10,11 @@ RadixCache:
     before any step that reads it: host_tier.py); where the device cannot make room for all of them, the
     match ends at the last one it could load;
   - `write_through`: every new edge is also copied to the host when inserted (after the prefill that
-    computed it), so its eviction later costs no copy; `write_back`: copied only when evicted.
+    computed it), so its eviction later costs no copy; `write_back`: copied only when evicted;
+  - `hold_loads` (one GPU): a load runs on the copy stream alone and its nodes stay locked and marked
+    loading until its event says it is done (`poll_loads`); a match through a loading node says so
+    (`MatchResult.loading`) and the scheduler leaves that request out of the step, so the steps of everyone
+    else never wait for the copy. Without it, the step that first reads the nodes waits on the device.
 Invariants added to RadixCache's (checked by `check_integrity`): the device-resident nodes form a subtree
 at the root (a host-only node has only host-only nodes below it); host-only nodes are never locked (a lock
 is taken on a device path: a match loads it first); every host slot is in one node at most, never both in
@@ -45,12 +49,19 @@ class HiRadixCache(RadixCache):
         page_size: int = 1,
         write_policy: str = "write_through",
         listener: Optional[CacheEventListener] = None,
+        hold_loads: bool = False,
     ):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
         super().__init__(allocator, page_size, listener)
         self.host = host
         self.write_through = write_policy == "write_through"
+        self.hold_loads = hold_loads
+        # Loads in flight under hold_loads: (their event, the deepest node loaded: locked until done, the
+        # device slots written), oldest first; and which device slots are still landing, for `_matched` (by
+        # slot, not node: a later match may split a loaded node's edge).
+        self._pending: list[tuple[object, TreeNode, torch.Tensor]] = []
+        self._landing = torch.zeros(allocator.num_slots + 1, dtype=torch.bool) if hold_loads else None
 
     # ---- loading back on a match ---------------------------------------------------------------
 
@@ -62,7 +73,25 @@ class HiRadixCache(RadixCache):
         before = self.host.stats.loaded_tokens
         match = super()._matched(queried, node, child, m)
         match.host_tokens = self.host.stats.loaded_tokens - before
+        if self._pending and self._landing is not None:
+            match.loading = bool(self._landing[match.kv_indices].any())
         return match
+
+    def loads_pending(self) -> bool:
+        return bool(self._pending)
+
+    def poll_loads(self, wait: bool = False) -> None:
+        """Unlock the loads that are done (all of them, waiting for each, with `wait`)."""
+        still = []
+        for done, deepest, slots in self._pending:
+            if wait:
+                done.synchronize()  # type: ignore[attr-defined]  # (a torch.cuda.Event, or a test's stand-in)
+            elif not done.query():  # type: ignore[attr-defined]
+                still.append((done, deepest, slots))
+                continue
+            self.dec_lock(deepest)
+            self._landing[slots] = False  # type: ignore[index]  # (set where loads are held)
+        self._pending = still
 
     def _load_back(self, end: TreeNode) -> TreeNode:
         """Bring the host-only nodes at the end of `end`'s path onto the device (as many as the device can take,
@@ -89,13 +118,18 @@ class HiRadixCache(RadixCache):
             if k:
                 slots = self.allocator.alloc(take)
                 assert slots is not None  # (`room` slots are free)
-                self.host.load(torch.cat([n.host_value for n in tail[:k]]), slots)  # type: ignore[misc]
+                host_slots = torch.cat([n.host_value for n in tail[:k]])  # type: ignore[misc]
+                done = self.host.load(host_slots, slots, hold=self.hold_loads)
                 at = 0
                 for n in tail[:k]:
                     n.value = slots[at : at + len(n.key)].clone()
                     at += len(n.key)
                 self._protected += take  # (locked above; unlocked below, they become evictable)
                 self.host.stats.num_loads += 1
+                if done is not None and self._landing is not None:  # copying still: locked and marked until
+                    self.inc_lock(tail[k - 1])  # `poll_loads` sees it done
+                    self._pending.append((done, tail[k - 1], slots))
+                    self._landing[slots] = True
         finally:
             self.dec_lock(end)
         return tail[k - 1] if k else node
@@ -203,6 +237,7 @@ class HiRadixCache(RadixCache):
         node.host_value = None
 
     def reset(self) -> None:
+        self.poll_loads(wait=True)
         super().reset()
         self.host.clear()
 

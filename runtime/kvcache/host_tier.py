@@ -123,18 +123,27 @@ class HostTier:
         self.stats.saved_tokens += int(device_slots.numel())
         self.stats.bytes_to_host += int(device_slots.numel()) * self.bytes_per_token
 
-    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        """The K/V in `host_slots` (n,) (ascending) into `device_slots` (n,), before any later step reads them."""
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, hold: bool = False) -> Optional[object]:
+        """The K/V in `host_slots` (n,) (ascending) into `device_slots` (n,). Without `hold`, before any later
+        step reads them (the compute stream waits for the copies). With `hold` (one device), the copies and
+        the scatter run on the copy stream alone and the returned event (its `query()` true once they are
+        done) tells when the slots may be read: the caller keeps every step off them until then. None where
+        the copy was synchronous (the CPU) or waited for."""
         for at in range(0, int(host_slots.numel()), self.chunk_tokens):
             h, d = host_slots[at : at + self.chunk_tokens], device_slots[at : at + self.chunk_tokens]
             if self.copy_stream is None:
                 self._scatter(d, self.buffer[h])
             else:
-                self._load_on_gpu(h, d)
+                self._load_on_gpu(h, d, hold)
         if self.kv_pool.host_copies is not None:
             self.kv_pool.host_copies.record(False, device_slots, host_slots)
         self.stats.loaded_tokens += int(host_slots.numel())
         self.stats.bytes_to_device += int(host_slots.numel()) * self.bytes_per_token
+        if not hold or self.copy_stream is None:
+            return None
+        done = torch.cuda.Event()
+        done.record(self.copy_stream)
+        return done
 
     def replay(self, copies: list[HostCopy]) -> None:
         """Rank 0's copies (its pool's `host_copies`, taken into a step plan), in order, on this rank's pool
@@ -165,7 +174,7 @@ class HostTier:
                 self.buffer[lo:hi].copy_(staging[at : at + hi - lo], non_blocking=True)
             self._staging_free[i].record()
 
-    def _load_on_gpu(self, h: torch.Tensor, d: torch.Tensor) -> None:
+    def _load_on_gpu(self, h: torch.Tensor, d: torch.Tensor, hold: bool) -> None:
         assert self.copy_stream is not None
         compute, i = torch.cuda.current_stream(), self._next_staging()
         staging = self._staging[i][: h.numel()]  # (m, L, 2, H, D)
@@ -174,6 +183,14 @@ class HostTier:
             self.copy_stream.wait_event(self._staging_free[i])
             for lo, hi, at in _runs(h):
                 staging[at : at + hi - lo].copy_(self.buffer[lo:hi], non_blocking=True)
+        if hold:
+            # NOTE: the scatter waits for what the compute stream has queued (a step in flight may still read
+            # what these freshly allocated slots held before), never the other way round: no step is held up.
+            self.copy_stream.wait_stream(compute)
+            with torch.cuda.stream(self.copy_stream):
+                self._scatter(d, staging)
+                self._staging_free[i].record(self.copy_stream)
+            return
         compute.wait_stream(self.copy_stream)
         self._scatter(d, staging)
         self._staging_free[i].record(compute)

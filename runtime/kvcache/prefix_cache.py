@@ -30,6 +30,8 @@ class MatchResult:
     kv_indices: torch.Tensor  # (num_matched,) int64 kv slots of the cached prefix
     node: Any  # handle to lock / pass back; None when nothing matched
     host_tokens: Optional[int] = None  # of those, how many this match loaded back from a host tier (None: no tier)
+    # Some of them are still being copied onto the device (a host tier's held load): no step may read them yet.
+    loading: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +104,15 @@ class PrefixCache(ABC):
     @abstractmethod
     def peek_prefix_of(self, peek: PrefixPeek, token_ids: Sequence[int]) -> PrefixPeek:
         """`peek_prefix(token_ids)` for `token_ids` a prefix of `peek.token_ids`, reusing its walk."""
+
+    def poll_loads(self, wait: bool = False) -> None:
+        """Take in the copies onto the device that have finished (a host tier's held loads; `wait`: all of
+        them). A cache without a tier has none."""
+        return None
+
+    def loads_pending(self) -> bool:
+        """Whether copies onto the device are still landing (what they hold locked is freed after)."""
+        return False
 
     def peek_prefix_len(self, token_ids: Sequence[int]) -> int:
         return self.peek_prefix(token_ids).num_tokens

@@ -132,6 +132,9 @@ class PrefillAdmission:
         q, kv, sa = self.queues, self.kv, self.server_args
         if not q.waiting and q.chunked is None and not q.jump_tails:
             return None
+        # Prefixes whose copy from the host tier has landed may be read from now on. With nothing running
+        # there is no step to go on meanwhile: the copies in flight are waited for (they hold memory).
+        kv.cache.poll_loads(wait=not q.running)
         chunk = min(sa.chunked_prefill_size, self.step_tokens - decode_tokens)
         if chunk <= 0:
             return None  # the running requests' decode tokens fill the step
@@ -142,7 +145,8 @@ class PrefillAdmission:
         self._take_jump_tails(plan, budget)
         refused = self._admit_waiting(plan, budget)
         if not plan.reqs:
-            if refused is not None and not (q.running or q.jump_tails or prefill_in_flight):
+            held = kv.cache.loads_pending()  # copies landing hold memory that is free after them
+            if refused is not None and not (q.running or q.jump_tails or prefill_in_flight or held):
                 # NOTE: alone it gets every slot that is neither free nor evictable: pins hold them all
                 # (with its own cached prefix). Waiting would never end; an error tells the caller why.
                 self.shortage.refuse(refused)
@@ -225,6 +229,16 @@ class PrefillAdmission:
                 kv.unlock(match)
                 refused = r
                 break
+            if match.loading:
+                # Its prefix is still being copied back from the host tier: it waits, the others run meanwhile.
+                # The room it will need is kept from the requests after it (as if admitted), and what this
+                # match loaded still counts as its host hit when it is admitted.
+                kv.unlock(match)
+                budget.take(take, reserve, locked)
+                r.host_tokens_loading += match.host_tokens or 0
+                if take < ext:
+                    break
+                continue
             kv.assign(r, match)
             self._count_prompt(r, match)
             if match.num_tokens:
@@ -294,7 +308,10 @@ class PrefillAdmission:
 
     def _count_prompt(self, r: Req, match: MatchResult) -> None:
         if r.num_retractions == 0:  # a retracted request's prompt was counted at its first admission
-            r.cached_tokens, r.cached_tokens_host = match.num_tokens, match.host_tokens
+            host = match.host_tokens
+            if r.host_tokens_loading:  # loaded for it while it waited (a held load), matched since as device hits
+                host, r.host_tokens_loading = min(match.num_tokens, (host or 0) + r.host_tokens_loading), 0
+            r.cached_tokens, r.cached_tokens_host = match.num_tokens, host
             self.stats["cached_tokens"] += match.num_tokens
             self.stats["prompt_tokens"] += len(r.origin_input_ids)
 

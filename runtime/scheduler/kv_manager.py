@@ -58,10 +58,16 @@ class KVManager:
         return self.allocator.available() + self.cache.evictable_size()
 
     def make_free(self, n: int) -> None:
-        """Evict cached slots until `n` are free (or nothing more can be evicted)."""
+        """Evict cached slots until `n` are free (or nothing more can be evicted). Prefixes still landing from
+        the host tier (held loads) are waited for first when nothing else can give the room: they are about to
+        be evictable, and a running request must not be retracted for memory that is only in transit."""
         short = n - self.allocator.available()
         if short > 0:
             self.cache.evict(short)
+            short = n - self.allocator.available()
+            if short > 0 and self.cache.loads_pending():
+                self.cache.poll_loads(wait=True)
+                self.cache.evict(short)
 
     def alloc(self, n: int) -> Optional[torch.Tensor]:
         """`n` free slots, evicting cached ones if needed; None when even that cannot give them."""

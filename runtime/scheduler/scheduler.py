@@ -183,7 +183,8 @@ class Scheduler:
             if self.runner.kv_pool is None:
                 raise ValueError("enable_hierarchical_cache: this step runner holds no K/V to copy to the host")
             host = HostTier.sized(self.runner.kv_pool, sa.hicache_ratio, sa.hicache_size)
-            return HiRadixCache(allocator, host, page_size, sa.hicache_write_policy, listener)
+            hold = sa.hicache_load_policy == "hold"
+            return HiRadixCache(allocator, host, page_size, sa.hicache_write_policy, listener, hold_loads=hold)
         return RadixCache(allocator, page_size, listener)
 
     def info(self) -> SchedulerInfo:

@@ -71,3 +71,29 @@ def test_gpu_scheduler_with_a_host_tier_gives_the_same_tokens(random_models):
     on = run(enable_hierarchical_cache=True, hicache_ratio=4.0)
     assert on["outputs"] == off["outputs"]
     assert on["stats"]["hicache_num_loads"] > 0
+    held = run(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_load_policy="hold")
+    assert held["outputs"] == off["outputs"]  # copies and scatters on the copy stream, requests held till they land
+    assert held["stats"]["hicache_num_loads"] > 0 and held["stats"]["protected_tokens"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_a_held_load_lands_on_the_copy_stream_and_its_event_says_when():
+    from plait.runtime.kvcache.host_tier import HostTier
+    from plait.runtime.kvcache.memory_pool import KVPool
+
+    pool = KVPool(4096, 4, 2, 64, torch.bfloat16, "cuda")
+    host = HostTier(pool, 8192)
+    for k, v in zip(pool.k_buffer, pool.v_buffer):
+        k.copy_(torch.randn_like(k, dtype=torch.float32))
+        v.copy_(torch.randn_like(v, dtype=torch.float32))
+    src = torch.randperm(4096)[:2000] + 1
+    want = [(k[src.cuda()].clone(), v[src.cuda()].clone()) for k, v in zip(pool.k_buffer, pool.v_buffer)]
+    slots = host.alloc(2000)
+    host.save(src, slots)
+    dst = torch.randperm(4096)[:2000] + 1
+    done = host.load(slots, dst, hold=True)
+    assert done is not None
+    done.synchronize()
+    for (k_want, v_want), k, v in zip(want, pool.k_buffer, pool.v_buffer):
+        assert torch.equal(k[dst.cuda()], k_want) and torch.equal(v[dst.cuda()], v_want)
+    assert host.load(slots, dst) is None  # without hold: the compute stream waits, nothing to poll
