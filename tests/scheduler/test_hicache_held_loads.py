@@ -9,11 +9,13 @@ load landed fails there.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
-from helpers.fake_runner import drain, step, submit
+from helpers.fake_runner import FakeRunner, drain, fake_scheduler, step, submit
 from plait.runtime.kvcache.host_tier import HostTier
 from plait.runtime.server_args import ServerArgs
-from test_hicache import multi_turn, scheduler
+from test_hicache import multi_turn, scheduler, script
 
 
 class LandsLater:
@@ -64,6 +66,24 @@ def test_held_loads_give_the_tier_off_outputs_and_no_step_reads_a_load_before_it
     stats = s.get_stats()
     assert stats["hicache_num_loads"] == len(held) and stats["protected_tokens"] == 0
     assert s.check_integrity(full=True), s.last_integrity_error
+
+
+def test_held_loads_with_chunked_prefill_and_page_size_two(held):
+    off = scheduler(False, chunked_prefill_size=16, page_size=2)
+    on = scheduler(True, chunked_prefill_size=16, page_size=2, hicache_load_policy="hold")
+    assert multi_turn(on, conversations=8, turns=3) == multi_turn(off, conversations=8, turns=3)
+    assert held and all(e.landed for e in held)
+
+
+def test_held_loads_under_overlap_scheduling(held):
+    want = multi_turn(scheduler(False))
+    runner = FakeRunner(max_total_tokens=160, max_running_requests=4, context_len=600, script=script, kv_pool=True)
+    runner.info = replace(runner.info, supports_overlap=True)
+    s = fake_scheduler(runner, enable_hierarchical_cache=True, hicache_ratio=6.0, hicache_load_policy="hold")
+    assert s.pipeline.overlap
+    assert multi_turn(s) == want
+    assert any(st.prev_src is not None for st in s.runner.steps)  # (steps were planned ahead)
+    assert held and all(e.landed for e in held)
 
 
 def test_a_request_waits_for_its_load_while_the_others_decode(held):
