@@ -8,10 +8,13 @@ compiled kernels at real model sizes (`pytest -m gpu`).
 
 import torch
 from helpers.paged_attention import (
+    HAS_CUDA,
     PagedCase,
     attention_context,
     fused_qkv,
-    run_backend,
+    needs_cuda,
+    tiny_tiles,
+    triton_against_reference,
     use_triton_interpreter_without_cuda,
 )
 
@@ -23,33 +26,17 @@ from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa:
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_ops import (  # noqa: E402
     DecodeConfig,
-    ExtendConfig,
     decode_attention,
 )
 from plait.runtime.forward_batch import ForwardMode  # noqa: E402
 
 torch.set_num_threads(1)
 
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-# Tiny tiles so that the interpreter walks several blocks, phases and KV splits at small sizes.
-TINY_EXTEND = ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-TINY_DECODE = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=64)
+TINY_EXTEND, TINY_DECODE = tiny_tiles()
 
 
 def _extend_both(case, extend_config=TINY_EXTEND):
-    q, k, v = fused_qkv(case, sum(case.extend_lens))
-    ref = run_backend(TorchNativeAttnBackend(attention_context(case.device)), case, ForwardMode.EXTEND, q, k, v)
-    got = run_backend(
-        TritonAttnBackend(attention_context(case.device), extend_config=extend_config),
-        case,
-        ForwardMode.EXTEND,
-        q,
-        k,
-        v,
-    )
-    return got, ref
+    return triton_against_reference(case, ForwardMode.EXTEND, extend_config=extend_config)
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,10 @@ import torch
 from helpers.paged_attention import (
     PagedCase,
     attention_context,
-    fused_qkv,
+    needs_cuda,
     run_backend,
+    tiny_tiles,
+    triton_against_reference,
     use_triton_interpreter_without_cuda,
 )
 
@@ -26,7 +28,6 @@ from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E4
 from plait.runtime.attention.triton_ops import (  # noqa: E402
     DecodeConfig,
     DecodePolicy,
-    ExtendConfig,
     decode_attention,
     default_decode_policy,
 )
@@ -34,26 +35,11 @@ from plait.runtime.forward_batch import ForwardMode  # noqa: E402
 
 torch.set_num_threads(1)
 
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-# Tiny tiles so that the interpreter walks several blocks, phases and KV splits at small sizes.
-TINY_EXTEND = ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-TINY_DECODE = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=64)
+TINY_EXTEND, TINY_DECODE = tiny_tiles()
 
 
 def _decode_both(case, decode_config=TINY_DECODE):
-    q, k, v = fused_qkv(case, len(case.seq_lens))
-    ref = run_backend(TorchNativeAttnBackend(attention_context(case.device)), case, ForwardMode.DECODE, q, k, v)
-    got = run_backend(
-        TritonAttnBackend(attention_context(case.device), decode_config=decode_config),
-        case,
-        ForwardMode.DECODE,
-        q,
-        k,
-        v,
-    )
-    return got, ref
+    return triton_against_reference(case, ForwardMode.DECODE, decode_config=decode_config)
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,12 @@
 """Triton's interpreter on a machine without CUDA, chosen before triton is first imported (the attention
-kernel tests call it at their top), and `PagedCase`: a real paged KV pool with random K/V at scattered slots
-and a batch over it, as the attention backends read them."""
+kernel tests call it at their top); `PagedCase`: a real paged KV pool with random K/V at scattered slots and a
+batch over it, as the attention backends read them; tiny tiles for the interpreter; and the triton backend's
+output beside torch_native's on one case."""
 
 import os
 import sys
 
+import pytest
 import torch
 from plait.runtime.attention import AttentionContext, AttentionHeads
 from plait.runtime.attention.base import AttentionLayerSpec
@@ -123,3 +125,31 @@ def fused_qkv(case, t):
     h, hkv = case.layer.num_heads, case.layer.num_kv_heads
     qkv = case.randn(t, h + 2 * hkv, case.layer.head_dim)
     return qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :]
+
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def tiny_tiles():
+    """(ExtendConfig, DecodeConfig) with tiny tiles, so that the interpreter walks several blocks, phases and
+    KV splits at small sizes (imported here, after the caller chose the interpreter)."""
+    from plait.runtime.attention.triton_ops import DecodeConfig, ExtendConfig
+
+    return (
+        ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1),
+        DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=64),
+    )
+
+
+def triton_against_reference(case, mode, **triton_configs):
+    """(triton's output, torch_native's) for `case`'s batch in `mode` (EXTEND: its new tokens; DECODE: a token
+    per request), over the same pool and q/k/v. `triton_configs`: the triton backend's extend_config /
+    decode_config."""
+    from plait.runtime.attention.torch_native import TorchNativeAttnBackend
+    from plait.runtime.attention.triton_backend import TritonAttnBackend
+
+    q, k, v = fused_qkv(case, sum(case.extend_lens) if mode is ForwardMode.EXTEND else len(case.seq_lens))
+    ref = run_backend(TorchNativeAttnBackend(attention_context(case.device)), case, mode, q, k, v)
+    got = run_backend(TritonAttnBackend(attention_context(case.device), **triton_configs), case, mode, q, k, v)
+    return got, ref

@@ -11,19 +11,24 @@ import pytest
 import torch
 
 
-@pytest.mark.gpu
-def test_gpu_copies_are_ordered_against_the_compute_stream():
+def random_pool_and_tier(n: int):
+    """A bf16 GPU pool of random K/V with a host tier under it, `n` random slots and their K/V per layer."""
     from plait.runtime.kvcache.host_tier import HostTier
     from plait.runtime.kvcache.memory_pool import KVPool
 
     pool = KVPool(4096, 4, 2, 64, torch.bfloat16, "cuda")
-    host = HostTier(pool, 8192)
-    assert host.buffer.is_pinned() and host.copy_stream is not None
     for k, v in zip(pool.k_buffer, pool.v_buffer):
         k.copy_(torch.randn_like(k, dtype=torch.float32))
         v.copy_(torch.randn_like(v, dtype=torch.float32))
-    src = torch.randperm(4096)[:1000] + 1
+    src = torch.randperm(4096)[:n] + 1
     want = [(k[src.cuda()].clone(), v[src.cuda()].clone()) for k, v in zip(pool.k_buffer, pool.v_buffer)]
+    return pool, HostTier(pool, 8192), src, want
+
+
+@pytest.mark.gpu
+def test_gpu_copies_are_ordered_against_the_compute_stream():
+    pool, host, src, want = random_pool_and_tier(1000)
+    assert host.buffer.is_pinned() and host.copy_stream is not None
     slots = host.alloc(1000)
     host.save(src, slots)
     for k, v in zip(pool.k_buffer, pool.v_buffer):  # a later step reuses the slots at once
@@ -78,16 +83,7 @@ def test_gpu_scheduler_with_a_host_tier_gives_the_same_tokens(random_models):
 
 @pytest.mark.gpu
 def test_gpu_a_held_load_lands_on_the_copy_stream_and_its_event_says_when():
-    from plait.runtime.kvcache.host_tier import HostTier
-    from plait.runtime.kvcache.memory_pool import KVPool
-
-    pool = KVPool(4096, 4, 2, 64, torch.bfloat16, "cuda")
-    host = HostTier(pool, 8192)
-    for k, v in zip(pool.k_buffer, pool.v_buffer):
-        k.copy_(torch.randn_like(k, dtype=torch.float32))
-        v.copy_(torch.randn_like(v, dtype=torch.float32))
-    src = torch.randperm(4096)[:2000] + 1
-    want = [(k[src.cuda()].clone(), v[src.cuda()].clone()) for k, v in zip(pool.k_buffer, pool.v_buffer)]
+    pool, host, src, want = random_pool_and_tier(2000)
     slots = host.alloc(2000)
     host.save(src, slots)
     dst = torch.randperm(4096)[:2000] + 1
