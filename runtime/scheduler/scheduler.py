@@ -281,7 +281,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop
     def is_idle(self) -> bool:
-        return self.queues.is_idle() and not self.pipeline.in_flight()
+        # (a held load from the host tier still landing keeps the loop polling: its lock ends when it lands)
+        return self.queues.is_idle() and not self.pipeline.in_flight() and not self.kv.cache.loads_pending()
 
     def step(self) -> Optional[ScheduleBatch]:
         """Plan, run and process one step. Returns its batch (None when nothing could run). With overlap
@@ -289,6 +290,7 @@ class Scheduler:
         meanwhile (the returned batch is the one launched, or, when nothing more runs, the one read back)."""
         t0 = time.perf_counter()
         self.kv.expire_pins()
+        self.kv.cache.poll_loads()  # held loads from the host tier that have landed unlock their prefixes
         self.grammars.poll()
         self._sweep_aborted()
         prev = self.pipeline.pending

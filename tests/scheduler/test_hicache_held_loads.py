@@ -112,6 +112,26 @@ def test_a_request_waits_for_its_load_while_the_others_decode(held):
     assert s.check_integrity(full=True), s.last_integrity_error
 
 
+def test_a_load_whose_request_was_aborted_unlocks_when_it_lands(held):
+    from plait.runtime.io_struct import AbortReq
+
+    s = scheduler(True, "write_back", pool=64, hicache_load_policy="hold")
+    submit(s, "a", list(range(2, 42)), max_new_tokens=2)
+    drain(s)
+    submit(s, "b", list(range(42, 62)) * 2, max_new_tokens=2)  # pushes "a"'s prompt to the host
+    drain(s)
+    submit(s, "long", [3, 4, 5], max_new_tokens=30)
+    step(s)
+    submit(s, "c", list(range(2, 42)) + [9], max_new_tokens=2)
+    step(s)  # c's load is held
+    assert len(held) == 1 and not held[0].landed
+    s.handle_message(AbortReq("c"))
+    drain(s)  # not idle while the copy lands: the loop polls it, then the lock ends
+    assert held[0].landed and not s.kv.cache.loads_pending()
+    assert s.get_stats()["protected_tokens"] == 0
+    assert s.check_integrity(full=True), s.last_integrity_error
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
