@@ -3,6 +3,9 @@ combination on the decode shapes that matter, timed as CUDA-graph replays (a dec
 attention is a few microseconds: launch gaps would swamp a plain timer), against the KV bytes read.
 
     python benchmarks/kernels/sweep_decode_attention.py
+    python benchmarks/kernels/sweep_decode_attention.py --policy-only --cases 80x1400 72x600+8x8000
+      (a case BATCHxCONTEXT, or a mix of such groups joined by "+", its rows shuffled: the long-prompt serving
+      mix's decode batch beside a uniform batch of about the same KV)
 """
 
 from __future__ import annotations
@@ -27,26 +30,50 @@ SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}
 CASES = [(1, 576), (8, 576), (64, 770), (256, 576), (512, 700), (256, 2000), (1, 4096), (32, 4096)]
 
 
-def decode_case(shape: str, bs: int, ctx: int):
+def seq_lens_of(case) -> list[int]:
+    """A case's context lengths: (batch, context), or a list of such groups (rows shuffled, fixed seed)."""
+    if isinstance(case, tuple):
+        return [case[1]] * case[0]
+    lens = [ctx for bs, ctx in case for _ in range(bs)]
+    order = torch.randperm(len(lens), generator=torch.Generator().manual_seed(0)).tolist()
+    return [lens[i] for i in order]
+
+
+def decode_case(shape: str, case):
     """One case: a function running the decode kernel on it with a given config, and the KV bytes it reads."""
     heads, kv_heads, head_dim = SHAPES[shape]
-    kv, r2t = make_pools([ctx] * bs, kv_heads, head_dim)
+    lens = seq_lens_of(case)
+    bs = len(lens)
+    kv, r2t = make_pools(lens, kv_heads, head_dim)
     q = torch.randn(bs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
-    req, sl = torch.arange(bs, device="cuda"), torch.full((bs,), ctx, device="cuda")
+    req, sl = torch.arange(bs, device="cuda"), torch.tensor(lens, device="cuda")
 
     def run(cfg: DecodeConfig) -> None:
         decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], out, r2t.req_to_token, req, sl, 0.1, cfg)
 
-    return run, 2 * bs * ctx * kv_heads * head_dim * 2
+    return run, 2 * sum(lens) * kv_heads * head_dim * 2
+
+
+def case_name(case) -> tuple[int, object]:
+    """(batch, context): 576, or "600x72+8000x8" for a mix."""
+    if isinstance(case, tuple):
+        return case[0], case[1]
+    return sum(bs for bs, _ in case), "+".join(f"{ctx}x{bs}" for bs, ctx in case)
+
+
+def parse_case(text: str):
+    groups = [tuple(int(v) for v in g.lower().split("x")) for g in text.split("+")]
+    return groups[0] if len(groups) == 1 else groups
 
 
 def each_case(shapes: list[str]):
     """(shape, batch, context, run, KV bytes) for every case of CASES on every shape, one case's pools
     alive at a time (the caller drops `run` before asking for the next)."""
     for shape in shapes:
-        for bs, ctx in CASES:
-            run, kv_bytes = decode_case(shape, bs, ctx)
+        for case in CASES:
+            run, kv_bytes = decode_case(shape, case)
+            bs, ctx = case_name(case)
             yield shape, bs, ctx, run, kv_bytes
             del run
 
@@ -86,7 +113,7 @@ def main() -> None:
         nargs="+",
         default=None,
         metavar="BATCHxCONTEXT",
-        help="only these cases, e.g. 64x770 512x700 (default: all of CASES)",
+        help="only these cases, e.g. 64x770 512x700, or a mix such as 72x600+8x8000 (default: all of CASES)",
     )
     ap.add_argument(
         "--policy-only",
@@ -97,7 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     shapes = args.shapes
     if args.cases:
-        CASES[:] = [tuple(int(v) for v in c.lower().split("x")) for c in args.cases]
+        CASES[:] = [parse_case(c) for c in args.cases]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.policy_only:
         return policy_only(shapes, sms)
@@ -155,7 +182,7 @@ def main() -> None:
             }
         )
         print(
-            f"{shape} bs={bs:4d} ctx={ctx:5d}: default {base_us:7.1f} us  best {best_us:7.1f} us "
+            f"{shape} bs={bs:4d} ctx={ctx:>5}: default {base_us:7.1f} us  best {best_us:7.1f} us "
             f"({kv_bytes / best_us / 1e3:6.0f} GB/s) bn={best.block_n} splits<={best.max_kv_splits} "
             f"min_len={best.min_split_len} programs={best.target_programs // sms}xSM",
             flush=True,
@@ -196,7 +223,7 @@ def launch_sweep(shapes: list[str], sms: int, variants, name: str) -> None:
             }
         )
         print(
-            f"{shape} bs={bs:4d} ctx={ctx:5d}: policy {base_us:7.1f} us ({kv_bytes / base_us / 1e3:5.0f} GB/s, "
+            f"{shape} bs={bs:4d} ctx={ctx:>5}: policy {base_us:7.1f} us ({kv_bytes / base_us / 1e3:5.0f} GB/s, "
             f"bn={base.block_n} w={base.num_warps} st={base.num_stages})  best {best_us:7.1f} us "
             f"({kv_bytes / best_us / 1e3:5.0f} GB/s) bn={best.block_n} w={best.num_warps} st={best.num_stages} "
             f"heads/program={best.kv_heads_per_program} programs={best.target_programs // sms}xSM",
@@ -213,7 +240,7 @@ def policy_only(shapes: list[str], sms: int) -> None:
         cfg = policy.for_batch(bs)
         us = do_bench_cudagraph(lambda: run(cfg), rep=50) * 1e3
         rows.append({"shape": shape, "bs": bs, "ctx": ctx, "us": us, "kv_gb_s": kv_bytes / us / 1e3})
-        print(f"{shape} bs={bs:4d} ctx={ctx:5d}: policy {us:7.1f} us ({kv_bytes / us / 1e3:6.0f} GB/s)", flush=True)
+        print(f"{shape} bs={bs:4d} ctx={ctx:>5}: policy {us:7.1f} us ({kv_bytes / us / 1e3:6.0f} GB/s)", flush=True)
         run = None
     save("sweep_decode_attention_policy", rows)
 
