@@ -10,17 +10,20 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .setting_values import check_kv_cache_dtype, check_lora_settings, check_quantization, parse_origins
+from .setting_values import (
+    MODEL_DRAFT_ALGORITHMS,
+    check_kv_cache_dtype,
+    check_lora_settings,
+    check_quantization,
+    check_speculative,
+    parse_origins,
+)
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 GRAMMAR_BACKENDS = ("xgrammar", "outlines")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
-# Algorithms whose drafts come from a model (a draft model, an EAGLE head) in the draft model path.
-MODEL_DRAFT_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
-GRAMMAR_DRAFT_MODES = ("auto", "on", "off")
 # Integer settings whose None means the engine chooses; what else some may be, for their errors.
 _ENGINE_CHOOSES = ("cuda_graph_max_bs", "max_running_requests", "max_num_batched_tokens", "num_threads")
 _ALSO = {"num_threads": " (or None: one per core)", "piecewise_cuda_graph_max_tokens": " (or 0: off)"}
@@ -205,7 +208,7 @@ class ServerArgs:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.allowed_origins is not None:
             self.allowed_origins = parse_origins(self.allowed_origins)
-        self._check_speculative()
+        check_speculative(self)
         self._check_kv_events()
         check_lora_settings(self)
         check_quantization(self)
@@ -264,71 +267,6 @@ class ServerArgs:
     def world_size(self) -> int:
         """Ranks (processes) of one model: tp_size x pp_size."""
         return self.tp_size * self.pp_size
-
-    def _check_speculative(self) -> None:
-        algo = self.speculative_algorithm
-        if algo is not None:
-            if not isinstance(algo, str) or algo.upper() not in SPECULATIVE_ALGORITHMS:
-                raise ValueError(
-                    f"speculative_algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} (or None: off), got {algo!r}"
-                )
-            self.speculative_algorithm = algo = algo.upper()
-        if self.speculative_grammar_drafts not in GRAMMAR_DRAFT_MODES:
-            raise ValueError(
-                f"speculative_grammar_drafts must be one of {list(GRAMMAR_DRAFT_MODES)}, "
-                f"got {self.speculative_grammar_drafts!r}"
-            )
-        if self.attention_backend == "flashinfer" and (algo is not None or self.speculative_grammar_drafts == "on"):
-            raise ValueError(
-                "speculative decoding verifies drafts with the torch_native or triton attention backend "
-                "(flashinfer has no verify mode): set attention_backend to one of them"
-            )
-        if self.pp_size > 1 and (algo is not None or self.speculative_grammar_drafts == "on"):
-            raise ValueError(
-                f"speculative decoding does not verify drafts through pipeline stages (pp_size="
-                f"{self.pp_size}): leave speculative_algorithm unset and speculative_grammar_drafts "
-                "at auto, or use tp_size"
-            )
-        if algo in MODEL_DRAFT_ALGORITHMS and not self.speculative_draft_model_path:
-            what = "a draft model's folder" if algo == "STANDALONE" else f"the {algo} head's folder"
-            raise ValueError(f"speculative_algorithm={algo} needs speculative_draft_model_path ({what})")
-        if self.speculative_draft_model_path and algo not in MODEL_DRAFT_ALGORITHMS:
-            raise ValueError(
-                f"speculative_draft_model_path is set but speculative_algorithm={algo!r} uses no "
-                f"draft model (set it to one of {list(MODEL_DRAFT_ALGORITHMS)})"
-            )
-        for name in (
-            "speculative_num_steps",
-            "speculative_eagle_topk",
-            "speculative_num_draft_tokens",
-            "speculative_disable_by_batch_size",
-            "speculative_ngram_min_match_window_size",
-            "speculative_ngram_max_match_window_size",
-        ):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
-            raise ValueError(
-                "speculative_ngram_min_match_window_size "
-                f"({self.speculative_ngram_min_match_window_size}) is above "
-                f"speculative_ngram_max_match_window_size ({self.speculative_ngram_max_match_window_size})"
-            )
-        steps, topk, tokens = self.speculative_shape()
-        if topk == 1 and tokens > steps + 1:
-            raise ValueError(
-                f"speculative_num_draft_tokens={tokens} cannot be verified: a chain of "
-                f"speculative_num_steps={steps} drafts is {steps + 1} tokens with the last committed one"
-            )
-        if topk > 1:
-            if algo == "NGRAM":
-                raise ValueError("speculative_eagle_topk > 1 needs a draft model (NGRAM drafts are chains)")
-            candidates = topk + (steps - 1) * topk * topk
-            if tokens - 1 > candidates:
-                raise ValueError(
-                    f"speculative_num_draft_tokens={tokens} is more than a tree of speculative_num_steps="
-                    f"{steps} with speculative_eagle_topk={topk} drafts ({candidates} + 1)"
-                )
 
     def speculative_shape(self) -> tuple[int, int, int]:
         """(num_steps, topk, num_draft_tokens) with the defaults filled in: NGRAM and grammar drafts alone,

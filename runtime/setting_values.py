@@ -1,6 +1,7 @@
 """Settings given as lists, parsed and checked for ServerArgs: the CORS origins (`allowed_origins`) and the
-LoRA settings (`lora_paths` as name=path pairs, ranks, slots); `quantization` and `kv_cache_dtype` against
-the settings they cannot go with. Apart from server_args.py, which holds the fields themselves."""
+LoRA settings (`lora_paths` as name=path pairs, ranks, slots); `quantization`, `kv_cache_dtype` and the
+speculative settings against the settings they cannot go with. Apart from server_args.py, which holds the
+fields themselves."""
 
 from __future__ import annotations
 
@@ -125,3 +126,76 @@ def check_kv_cache_dtype(sa: Any) -> None:
             "attention_backend=flashinfer reads the model's dtype (leave kv_cache_dtype at auto, or "
             "choose attention_backend triton)"
         )
+
+
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+# Algorithms whose drafts come from a model (a draft model, an EAGLE head) in the draft model path.
+MODEL_DRAFT_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+GRAMMAR_DRAFT_MODES = ("auto", "on", "off")
+
+
+def check_speculative(args: Any) -> None:
+    """ValueError naming what is wrong with `args`' speculative_* settings; the algorithm's name upper-cased."""
+    algo = args.speculative_algorithm
+    if algo is not None:
+        if not isinstance(algo, str) or algo.upper() not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} (or None: off), got {algo!r}"
+            )
+        args.speculative_algorithm = algo = algo.upper()
+    if args.speculative_grammar_drafts not in GRAMMAR_DRAFT_MODES:
+        raise ValueError(
+            f"speculative_grammar_drafts must be one of {list(GRAMMAR_DRAFT_MODES)}, "
+            f"got {args.speculative_grammar_drafts!r}"
+        )
+    if args.attention_backend == "flashinfer" and (algo is not None or args.speculative_grammar_drafts == "on"):
+        raise ValueError(
+            "speculative decoding verifies drafts with the torch_native or triton attention backend "
+            "(flashinfer has no verify mode): set attention_backend to one of them"
+        )
+    if args.pp_size > 1 and (algo is not None or args.speculative_grammar_drafts == "on"):
+        raise ValueError(
+            f"speculative decoding does not verify drafts through pipeline stages (pp_size="
+            f"{args.pp_size}): leave speculative_algorithm unset and speculative_grammar_drafts "
+            "at auto, or use tp_size"
+        )
+    if algo in MODEL_DRAFT_ALGORITHMS and not args.speculative_draft_model_path:
+        what = "a draft model's folder" if algo == "STANDALONE" else f"the {algo} head's folder"
+        raise ValueError(f"speculative_algorithm={algo} needs speculative_draft_model_path ({what})")
+    if args.speculative_draft_model_path and algo not in MODEL_DRAFT_ALGORITHMS:
+        raise ValueError(
+            f"speculative_draft_model_path is set but speculative_algorithm={algo!r} uses no "
+            f"draft model (set it to one of {list(MODEL_DRAFT_ALGORITHMS)})"
+        )
+    for name in (
+        "speculative_num_steps",
+        "speculative_eagle_topk",
+        "speculative_num_draft_tokens",
+        "speculative_disable_by_batch_size",
+        "speculative_ngram_min_match_window_size",
+        "speculative_ngram_max_match_window_size",
+    ):
+        v = getattr(args, name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if args.speculative_ngram_min_match_window_size > args.speculative_ngram_max_match_window_size:
+        raise ValueError(
+            "speculative_ngram_min_match_window_size "
+            f"({args.speculative_ngram_min_match_window_size}) is above "
+            f"speculative_ngram_max_match_window_size ({args.speculative_ngram_max_match_window_size})"
+        )
+    steps, topk, tokens = args.speculative_shape()
+    if topk == 1 and tokens > steps + 1:
+        raise ValueError(
+            f"speculative_num_draft_tokens={tokens} cannot be verified: a chain of "
+            f"speculative_num_steps={steps} drafts is {steps + 1} tokens with the last committed one"
+        )
+    if topk > 1:
+        if algo == "NGRAM":
+            raise ValueError("speculative_eagle_topk > 1 needs a draft model (NGRAM drafts are chains)")
+        candidates = topk + (steps - 1) * topk * topk
+        if tokens - 1 > candidates:
+            raise ValueError(
+                f"speculative_num_draft_tokens={tokens} is more than a tree of speculative_num_steps="
+                f"{steps} with speculative_eagle_topk={topk} drafts ({candidates} + 1)"
+            )

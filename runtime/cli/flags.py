@@ -12,11 +12,10 @@ from ..server_args import (
     ATTENTION_BACKENDS,
     DTYPES,
     GRAMMAR_BACKENDS,
-    GRAMMAR_DRAFT_MODES,
     LOAD_FORMATS,
     SCHEDULE_POLICIES,
 )
-from ..setting_values import KV_CACHE_DTYPES, QUANTIZATIONS
+from ..setting_values import GRAMMAR_DRAFT_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def add_dataclass_flags(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..server_args import MODEL_DRAFT_ALGORITHMS, ServerArgs
+from ..server_args import ServerArgs
+from ..setting_values import MODEL_DRAFT_ALGORITHMS
 
 
 @dataclass(frozen=True)
