@@ -108,7 +108,7 @@ class Verifier:
         if whole:
             logits[whole] = model.compute_logits(hidden[whole])
         for row, ids in narrow.items():
-            logits[row, ids] = model.token_logits(hidden[row], ids)  # (n,)
+            logits[row, ids] = model.logits_at(hidden[row : row + 1], ids)[0]  # (n,)
         return logits
 
     def accept(

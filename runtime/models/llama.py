@@ -256,18 +256,13 @@ class LlamaForCausalLM(nn.Module):
         local = skinny_linear(hidden, self._head(), out_dtype=torch.float32)  # (N, this rank's vocab rows)
         return tp.gather_columns(local, self.config.vocab_size, out=out)  # (N, vocab)
 
-    def token_logits(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """One row's logits at `token_ids` (n,) alone: (n,) float32 from its hidden state (hidden,), through
-        the LM head's rows for those tokens (one device: the whole vocabulary's rows are here at tp 1)."""
-        rows = weight_rows(self._head(), token_ids)  # (n, hidden)
-        return (rows @ hidden.to(rows.dtype)).float()  # (n,)
-
     def logits_at(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows' logits at `token_ids` (n,) alone: hidden (R, hidden) -> (R, n) float32, through the LM head's
         rows for those tokens in the head's dtype, as compute_logits runs the whole head (one device: the
         whole vocabulary's rows are here at tp 1). A step whose rows a grammar narrows to a few tokens
-        reads those rows of the head, not all of it (executor/sampler.py). The same matmul as the whole
-        head's on the CPU (skinny_linear's F.linear, then float32), over fewer columns."""
+        reads those rows of the head, not all of it (executor/sampler.py; a verify step's nodes each with
+        their own tokens, executor/verify.py). The same matmul as the whole head's on the CPU
+        (skinny_linear's F.linear, then float32), over fewer columns."""
         rows = weight_rows(self._head(), token_ids)  # (n, hidden)
         return F.linear(hidden.to(rows.dtype), rows).float()  # (R, n)
 
