@@ -86,7 +86,8 @@ def test_held_loads_under_overlap_scheduling(held):
     assert held and all(e.landed for e in held)
 
 
-def test_a_request_waits_for_its_load_while_the_others_decode(held):
+def a_held_load(held):
+    """A scheduler where "long" decodes and "c" waits for its prompt's prefix, held in landing from the host."""
     s = scheduler(True, "write_back", pool=64, hicache_load_policy="hold")
     submit(s, "a", list(range(2, 42)), max_new_tokens=2)
     drain(s)
@@ -98,6 +99,11 @@ def test_a_request_waits_for_its_load_while_the_others_decode(held):
     submit(s, "c", list(range(2, 42)) + [9], max_new_tokens=2)
     step(s)  # c's match loads "a"'s prompt back: held
     assert len(held) == 1 and not held[0].landed
+    return s
+
+
+def test_a_request_waits_for_its_load_while_the_others_decode(held):
+    s = a_held_load(held)
     assert s.kv.cache.protected_size() >= 40  # the loaded prefix stays locked while it lands
     long = next(r for r in s.queues.running if r.rid == "long")
     decoded = len(long.output_ids)
@@ -115,16 +121,7 @@ def test_a_request_waits_for_its_load_while_the_others_decode(held):
 def test_a_load_whose_request_was_aborted_unlocks_when_it_lands(held):
     from plait.runtime.io_struct import AbortReq
 
-    s = scheduler(True, "write_back", pool=64, hicache_load_policy="hold")
-    submit(s, "a", list(range(2, 42)), max_new_tokens=2)
-    drain(s)
-    submit(s, "b", list(range(42, 62)) * 2, max_new_tokens=2)  # pushes "a"'s prompt to the host
-    drain(s)
-    submit(s, "long", [3, 4, 5], max_new_tokens=30)
-    step(s)
-    submit(s, "c", list(range(2, 42)) + [9], max_new_tokens=2)
-    step(s)  # c's load is held
-    assert len(held) == 1 and not held[0].landed
+    s = a_held_load(held)
     s.handle_message(AbortReq("c"))
     drain(s)  # not idle while the copy lands: the loop polls it, then the lock ends
     assert held[0].landed and not s.kv.cache.loads_pending()
