@@ -298,6 +298,8 @@ def select_workloads(args: argparse.Namespace) -> list[pw.Workload]:
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
+    if args.warm < 0:
+        parser.error(f"--warm must be >= 0 (programs run untimed per workload and driver), got {args.warm}")
     if args.merge:
         loaded = [json.loads(Path(f).read_text()) for f in args.merge]
         rows = [Row(**r) for d in loaded for r in d["rows"]]
