@@ -32,11 +32,13 @@ from plait.runtime.attention import AttentionContext, AttentionHeads  # noqa: E4
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from plait.runtime.attention.triton_ops import (
+from plait.runtime.attention.triton_ops import (  # noqa: E402
     DecodeConfig,
+    DecodeSplits,
     ExtendConfig,
-    decode_attention,  # noqa: E402
+    decode_attention,
     extend_attention,
+    plan_splits,
 )
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
@@ -223,6 +225,9 @@ def sweep(quick):
             for t in (4, 8)
         ]
         for cfg in configs:
+            splits = DecodeSplits.upload(
+                plan_splits([ctx] * bs, cfg, kv_heads), q.device
+            )  # planned once, as a step does
 
             def fn():
                 return decode_attention(
@@ -235,6 +240,7 @@ def sweep(quick):
                     sl,
                     0.1,
                     cfg,
+                    splits=splits,
                 )
 
             try:
@@ -288,6 +294,7 @@ def sweep(quick):
                     ext,
                     0.1,
                     cfg,
+                    splits=splits,
                 )
 
             try:

@@ -23,7 +23,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this room's scripts, then benchmarks/ (bench_common)
 from bench_attention_kernels import make_pools  # noqa: E402
 from bench_common import save  # noqa: E402
-from plait.runtime.attention.triton_ops import DecodeConfig, decode_attention, default_decode_policy  # noqa: E402
+from plait.runtime.attention.triton_ops import (  # noqa: E402
+    DecodeConfig,
+    DecodeSplits,
+    decode_attention,
+    default_decode_policy,
+    plan_splits,
+)
 
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}
 # Batch 512 x 700 is the offline run's decode step; 64 x 770 multiturn's; 256 x 2,000 a long-context batch.
@@ -48,9 +54,19 @@ def decode_case(shape: str, case):
     q = torch.randn(bs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     req, sl = torch.arange(bs, device="cuda"), torch.tensor(lens, device="cuda")
+    plans: dict = {}
 
-    def run(cfg: DecodeConfig) -> None:
-        decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], out, r2t.req_to_token, req, sl, 0.1, cfg)
+    def run(cfg: DecodeConfig, graph: bool = False) -> None:
+        """One decode call with the step's split plan, planned (and uploaded) at the first call of a config:
+        as an eager step plans it (the items it uses), or as a decode graph launches it (its batch size's
+        whole item capacity, stage 2 always)."""
+        splits = plans.get((cfg, graph))
+        if splits is None:
+            cap = bs + cfg.extra_items(kv_heads) if graph else None
+            splits = plans[(cfg, graph)] = DecodeSplits.upload(plan_splits(lens, cfg, kv_heads, cap), q.device)
+            splits.merge = splits.merge or graph
+            torch.cuda.synchronize()
+        decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], out, r2t.req_to_token, req, sl, 0.1, cfg, splits=splits)
 
     return run, 2 * sum(lens) * kv_heads * head_dim * 2
 
@@ -83,6 +99,7 @@ def timed_configs(run, configs: list[DecodeConfig]) -> list[tuple[float, DecodeC
     results = []
     for cfg in configs:
         try:
+            run(cfg)  # its split plan, uploaded before any capture
             results.append((do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20) * 1e3, cfg))
         except Exception as exc:  # a config that does not compile
             print(f"  {cfg} failed: {exc!r}"[:160])
@@ -150,7 +167,6 @@ def main() -> None:
                     num_warps=warps,
                     num_stages=stages,
                     target_programs=t * sms,
-                    min_splits=1,
                 )
                 for hpp, bn, warps, stages, t in itertools.product((1, 2, 4), (16, 32), (4, 8), (2, 3), (2, 4, 8))
             ],
@@ -208,6 +224,7 @@ def launch_sweep(shapes: list[str], sms: int, variants, name: str) -> None:
     for shape, bs, ctx, run, kv_bytes in each_case(shapes):
         base = policy.for_batch(bs)
         results = timed_configs(run, variants(base))
+        run(base)
         base_us = do_bench_cudagraph(lambda: run(base), rep=50) * 1e3
         results.sort(key=lambda r: r[0])
         best_us, best = results[0]
@@ -238,9 +255,17 @@ def policy_only(shapes: list[str], sms: int) -> None:
     rows = []
     for shape, bs, ctx, run, kv_bytes in each_case(shapes):
         cfg = policy.for_batch(bs)
+        run(cfg), run(cfg, graph=True)  # their split plans, uploaded before any capture
         us = do_bench_cudagraph(lambda: run(cfg), rep=50) * 1e3
-        rows.append({"shape": shape, "bs": bs, "ctx": ctx, "us": us, "kv_gb_s": kv_bytes / us / 1e3})
-        print(f"{shape} bs={bs:4d} ctx={ctx:>5}: policy {us:7.1f} us ({kv_bytes / us / 1e3:6.0f} GB/s)", flush=True)
+        graph_us = do_bench_cudagraph(lambda: run(cfg, graph=True), rep=50) * 1e3
+        rows.append(
+            {"shape": shape, "bs": bs, "ctx": ctx, "us": us, "graph_us": graph_us, "kv_gb_s": kv_bytes / us / 1e3}
+        )
+        print(
+            f"{shape} bs={bs:4d} ctx={ctx:>5}: policy {us:7.1f} us ({kv_bytes / us / 1e3:6.0f} GB/s), as a decode "
+            f"graph launches it {graph_us:7.1f} us",
+            flush=True,
+        )
         run = None
     save("sweep_decode_attention_policy", rows)
 

@@ -30,6 +30,9 @@ CASES = [
     ("offline", 8, 0, 1024, False),  # fresh prompts, causal only
     ("multiturn", 16, 700, 400, False),  # a history each, then the new turn
     ("chunk", 1, 2048, 128, True),  # one arrival of a shared-prefix stream: its own 128 tokens in a mixed step
+    ("long", 1, 0, 8000, False),  # the serving long-prompt mix's 8,000-token prompt in one step
+    ("longchunk", 1, 6144, 2048, False),  # its last 2,048-token chunk where a step's budget is 2,048
+    ("short", 1, 0, 512, False),  # one 512-token arrival of the random rows
 ]
 
 

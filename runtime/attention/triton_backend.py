@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch
@@ -47,12 +48,15 @@ from .triton_cascade import CascadeStep, TritonCascade
 from .triton_ops import (
     DecodeConfig,
     DecodePolicy,
+    DecodeSplits,
     ExtendConfig,
     PrefixConfig,
     decode_attention,
     decode_scratch_numel,
     default_decode_policy,
     extend_attention,
+    plan_splits,
+    split_table_numel,
 )
 from .triton_ops.extend_attention import TreeMasks
 
@@ -62,6 +66,7 @@ class TritonDecodeMetadata:
     req_pool_indices: torch.Tensor  # (B,) rows of req_to_token
     seq_lens: torch.Tensor  # (B,) tokens to attend over, including the new one; 0 = padding
     cascade: Optional[CascadeStep] = None  # shared-prefix tables of this step, when it uses them
+    splits: Optional[DecodeSplits] = None  # the step's KV splits (None: decode_attention plans them)
 
 
 @dataclass
@@ -132,13 +137,16 @@ class TritonAttnBackend(AttentionBackend):
         sms = _num_sms(self.device)
         self._prefix_config = prefix_config or PrefixConfig(num_programs=2 * sms, target_programs=4 * sms)
         self._cascade: Optional[TritonCascade] = None  # built once the head shape is known
+        self._uploads = PlanUploads(self.device)  # the steps' split plans, to the device
+        self._graph_splits: Optional[torch.Tensor] = None  # static int32 split table (graphs), for max_bs
 
     # ---- per-step metadata ----
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode():
             cascade = self._cascade_state()
             step = cascade.eager_step(fb) if cascade is not None else None
-            fb.attn_metadata = TritonDecodeMetadata(fb.req_pool_indices, fb.seq_lens, step)
+            splits = self._eager_splits(fb.seq_lens_cpu, step)
+            fb.attn_metadata = TritonDecodeMetadata(fb.req_pool_indices, fb.seq_lens, step, splits)
             return
         if self._cascade is not None:
             self._cascade.invalidate()  # this step rewrites rows' prefixes
@@ -175,7 +183,8 @@ class TritonAttnBackend(AttentionBackend):
             # invalidated: this step's new rows may reuse table rows).
             cascade = self._cascade_state()
             grouped = cascade.eager_step(fb, d) if cascade is not None else None
-            decode = TritonDecodeMetadata(fb.req_pool_indices[:d], fb.seq_lens[:d], grouped)
+            splits = self._eager_splits(fb.seq_lens_cpu[:d], grouped)
+            decode = TritonDecodeMetadata(fb.req_pool_indices[:d], fb.seq_lens[:d], grouped, splits)
             fb.attn_metadata = TritonMixedMetadata(d, decode, extend)
         else:
             fb.attn_metadata = extend
@@ -278,7 +287,28 @@ class TritonAttnBackend(AttentionBackend):
             prefix=prefix,
             before_merge=join,
             kv_scales=scales,
+            splits=md.splits if shape == self.head_shape else None,
         )
+
+    # ---- KV splits ----
+    def _split_plan(self, seq_lens: Sequence[int], step: Optional[CascadeStep], items_cap: Optional[int] = None):
+        """The step's split plan from the lengths the host knows (the KV after each request's shared prefix,
+        when the cascade kernels attend that), or None before the head shape is known."""
+        if self.head_shape is None:
+            return None
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        if step is not None and step.plan is not None:
+            layout = step.plan.layout
+            req_info = step.plan.packed[layout.req_info_at : layout.req_info_at + 3 * layout.batch_size]
+            lens = lens - req_info.reshape(-1, 3)[: len(lens), 0]
+        cfg = self.decode_policy.for_batch(len(lens))
+        return plan_splits(lens, cfg, self.head_shape.num_kv_heads, items_cap)
+
+    def _eager_splits(self, seq_lens: Sequence[int], step: Optional[CascadeStep]) -> Optional[DecodeSplits]:
+        plan = self._split_plan(seq_lens, step)
+        if plan is None:
+            return None
+        return DecodeSplits(self._uploads.upload(plan.table), plan.items_at, plan.items, plan.max_splits > 1)
 
     def _cascade_state(self) -> Optional[TritonCascade]:
         if self._cascade is None and self._cascade_on and self.head_shape is not None:
@@ -318,6 +348,13 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
         self._graph_req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
         self._graph_seq_lens = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        # Room for the split table of any graph up to max_bs (a graph launches its batch size's capacity).
+        kv_heads = self.head_shape.num_kv_heads if self.head_shape is not None else 1
+        numel = max(
+            split_table_numel(bs, bs + self.decode_policy.for_batch(bs).extra_items(kv_heads))
+            for bs in range(1, max_bs + 1)
+        )
+        self._graph_splits = torch.zeros(numel, dtype=torch.int32, device=self.device)
         if self._scratch is None or self._scratch_max_bs < max_bs:
             # Sized before any capture (when the head shape is known) so that every graph shares one
             # scratch buffer that never moves; otherwise the first decode call sizes it for max_bs.
@@ -368,7 +405,60 @@ class TritonAttnBackend(AttentionBackend):
             seq[n:].zero_()  # empty requests: no KV read, zero output
         # The plain variant carries no tables at all: decode_attention then runs the pre-cascade kernels.
         step = self._cascade.graph_step(fb, capture=capture) if available and cascade is not False else None
-        return TritonDecodeMetadata(req, seq, step)
+        # NOTE: a graph launches its batch size's whole item capacity and always merges (its steps'
+        # lengths vary); the items a step does not use exit at once.
+        if self.head_shape is None:
+            raise RuntimeError("the triton backend's decode graphs need the head shape (AttentionContext.heads)")
+        lens = list(fb.seq_lens_cpu[:n]) + [0] * (bs - n)
+        cfg = self.decode_policy.for_batch(bs)
+        plan = self._split_plan(lens, step, bs + cfg.extra_items(self.head_shape.num_kv_heads))
+        table = self._uploads.upload(plan.table, into=self._graph_splits)
+        return TritonDecodeMetadata(req, seq, step, DecodeSplits(table, plan.items_at, plan.items, True))
+
+
+class PlanUploads:
+    """Split tables to the device through a ring of pinned buffers, each rewritten only after its last copy
+    ran: with overlap scheduling the next step's plan is written while this one's copy may be queued. A
+    static destination (a graph's table) is left as it is when it already holds the same plan."""
+
+    RING = 4
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._ring: list = [(None, None)] * self.RING  # (pinned int32 buffer, its last copy's event)
+        self._pos = 0
+        self._static: Optional[np.ndarray] = None  # what the static destination holds
+
+    def upload(self, table: np.ndarray, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        n = table.shape[0]
+        if into is not None and n > into.numel():
+            raise ValueError(f"a split table of {n} entries does not fit the static one of {into.numel()}")
+        if self.device.type != "cuda":
+            host = torch.from_numpy(table)
+            if into is None:
+                return host.clone()
+            into[:n].copy_(host)
+            return into[:n]
+        if into is not None:
+            if self._static is not None and np.array_equal(self._static, table):
+                return into[:n]
+            self._static = table.copy()
+        self._pos = (self._pos + 1) % self.RING
+        buf, done = self._ring[self._pos]
+        if done is not None:
+            done.synchronize()
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 4096), dtype=torch.int32, pin_memory=True)
+        buf[:n].copy_(torch.from_numpy(table))
+        if into is None:
+            dev = buf[:n].to(self.device, non_blocking=True)
+        else:
+            dev = into[:n]
+            dev.copy_(buf[:n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._ring[self._pos] = (buf, done)
+        return dev
 
 
 def _num_sms(device: torch.device) -> int:

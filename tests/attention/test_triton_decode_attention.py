@@ -28,8 +28,10 @@ from plait.runtime.attention.triton_backend import TritonAttnBackend  # noqa: E4
 from plait.runtime.attention.triton_ops import (  # noqa: E402
     DecodeConfig,
     DecodePolicy,
+    DecodeSplits,
     decode_attention,
     default_decode_policy,
+    plan_splits,
 )
 from plait.runtime.forward_batch import ForwardMode  # noqa: E402
 
@@ -84,7 +86,7 @@ def test_decode_merge_per_head_matches_torch_native(heads, kv_heads, head_dim, s
 def test_decode_with_one_split_writes_the_output_from_stage_one():
     # target_programs 1: one split per request, so stage 1 writes the output and stage 2 is skipped.
     cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=2, target_programs=1)
-    assert cfg.split_cap(3, 2) == 1
+    assert plan_splits([20, 3, 40], cfg, 2).max_splits == 1
     case = PagedCase(8, 2, 32, [20, 3, 40], [1, 1, 1])
     got, ref = _decode_both(case, decode_config=cfg)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
@@ -107,14 +109,59 @@ def test_decode_with_one_split_writes_the_output_from_stage_one():
     assert torch.equal(out[1], torch.zeros(8, 32)) and not out.isnan().any()
 
 
-def test_min_splits_floor_splits_a_full_batch_and_stage_two_merges_them():
-    # target_programs 1 alone would give one split per request; min_splits 2 keeps two (the wave
-    # quantization fix for large batches), so stage 2 runs, over requests of 1 to 40 tokens.
-    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=1, min_splits=2)
-    assert cfg.split_cap(512, 8) == 2
-    case = PagedCase(8, 2, 32, [20, 0, 39, 8], [1, 1, 1, 1])
-    got, ref = _decode_both(case, decode_config=cfg)
-    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+def test_a_long_request_gets_more_splits_than_its_short_neighbours():
+    # One split length for the step (19 tokens: 151 x 2 KV heads / 16 programs): the 120-token request gets 7
+    # splits, the short ones one each (they write
+    # their outputs in stage 1 and stage 2 leaves them alone), and a padding request gets zeros.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=8, min_split_len=8, target_programs=16)
+    lens = [9, 120, 12, 0, 10]
+    plan = plan_splits(lens, cfg, 2)
+    rows = plan.table[: 2 * len(lens)].reshape(-1, 2)
+    assert rows[:, 0].tolist() == [1, 7, 1, 1, 1] and plan.items == 5 + 6 and plan.max_splits == 7
+    items = plan.table[plan.items_at : plan.items_at + 2 * plan.items].reshape(-1, 2).tolist()
+    assert items[:5] == [[b, 0] for b in range(5)] and items[5:] == [[1, s] for s in range(1, 7)]
+    assert rows[1, 1] == 5  # the long request's second split is item 5
+    case = PagedCase(8, 2, 32, [s - 1 for s in lens if s] + [0], [1] * 4 + [1])
+    q = case.randn(5, 8, 32)
+    seq = torch.tensor(lens)
+    rows_t = torch.tensor(case.rows[:3] + [0] + case.rows[3:4])
+    for items_cap in (None, 5 + cfg.extra_items(2)):  # exactly the items used; a graph's capacity
+        out = torch.full((5, 8, 32), float("nan"))
+        splits = DecodeSplits.upload(plan_splits(lens, cfg, 2, items_cap), torch.device("cpu"))
+        if items_cap is not None:
+            splits.merge = True  # as a graph launches it: stage 2 runs, the one-split requests skip it
+        k, v, r2t = case.kv_pool.k_buffer[1], case.kv_pool.v_buffer[1], case.r2t_pool.req_to_token
+        decode_attention(q, k, v, out, r2t, rows_t, seq, 32**-0.5, cfg, splits=splits)
+        ref = torch.full_like(out, float("nan"))
+        alone = DecodeConfig(block_n=16, max_kv_splits=8, min_split_len=8, target_programs=1)
+        for b in range(len(lens)):  # each request alone: one split, no stage 2
+            one = slice(b, b + 1)
+            decode_attention(q[one], k, v, ref[one], r2t, rows_t[one], seq[one], 32**-0.5, alone)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        assert torch.equal(out[3], torch.zeros(8, 32))
+
+
+def test_split_plans_of_equal_and_mixed_lengths():
+    large = default_decode_policy(132).for_batch(80)  # two KV heads a program: 4 groups for 8 KV heads
+    # Equal requests split evenly (as many splits each as the GPU's programs want).
+    assert plan_splits([1400] * 80, large, 8).max_splits == 1
+    assert set(plan_splits([770] * 64, large, 8).table[: 2 * 64 : 2].tolist()) == {2}
+    tiny = default_decode_policy(132).for_batch(1)
+    assert plan_splits([576], tiny, 8).max_splits == 18  # 32-token splits, the shortest allowed
+    # A 10% share of 8,000-token requests among 600-token ones: 5 splits each, the others one.
+    lens = [600] * 72 + [8000] * 8
+    plan = plan_splits(lens, large, 8)
+    n = plan.table[: 2 * 80 : 2]
+    assert set(n[:72].tolist()) == {1} and set(n[72:].tolist()) == {5}
+    # Whatever the lengths, the items fit a graph's capacity (batch + extra_items).
+    gen = torch.Generator().manual_seed(0)
+    for bs in (1, 3, 17, 40, 80, 300):
+        cfg = default_decode_policy(132).for_batch(bs)
+        for _ in range(20):
+            lens = (torch.randint(0, 9000, (bs,), generator=gen) * (torch.rand(bs, generator=gen) < 0.3)).tolist()
+            plan = plan_splits(lens, cfg, 8, bs + cfg.extra_items(8))
+            assert plan.items == bs + cfg.extra_items(8)
+            assert int(plan.table[: 2 * bs : 2].sum()) - bs <= cfg.extra_items(8)
 
 
 def test_decode_with_the_large_batch_tiles_matches_torch_native():
@@ -154,11 +201,14 @@ def test_decode_with_several_kv_heads_a_program_matches_torch_native(
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
-def test_kv_heads_per_program_divides_the_model_heads_and_sets_the_split_cap():
-    cfg = DecodeConfig(kv_heads_per_program=4, target_programs=64)
+def test_kv_heads_per_program_divides_the_model_heads_and_sets_the_extra_splits():
+    cfg = DecodeConfig(kv_heads_per_program=4, target_programs=64, min_split_len=8)
     assert [cfg.heads_per_program(n) for n in (8, 4, 6, 3, 1)] == [4, 4, 2, 1, 1]
-    # 8 KV heads at 4 a program: a batch of 4 has 8 programs per split, so 8 splits reach 64 programs.
-    assert cfg.split_cap(4, 8) == 8 and DecodeConfig(target_programs=64).split_cap(4, 8) == 2
+    # 8 KV heads at 4 a program: 2 programs per split, so 32 extra splits make 64 programs.
+    assert cfg.extra_items(8) == 32 and DecodeConfig(target_programs=64).extra_items(8) == 8
+    # 4 requests of 64 tokens: 8 splits each at 4 heads a program, 2 each at one head a program.
+    assert plan_splits([64] * 4, cfg, 8).max_splits == 8
+    assert plan_splits([64] * 4, DecodeConfig(target_programs=64, min_split_len=8), 8).max_splits == 2
     with pytest.raises(ValueError, match="kv_heads_per_program"):
         DecodeConfig(kv_heads_per_program=3)
 
@@ -171,7 +221,7 @@ def test_default_decode_policy_picks_tiles_by_batch_size():
     assert tiny.merge_per_head and small.merge_per_head and not large.merge_per_head  # batch 1: 32 head merges
     assert (tiny.num_stages, small.num_stages, large.num_stages) == (2, 3, 3)
     assert (small.kv_heads_per_program, large.kv_heads_per_program) == (1, 2)
-    assert large.split_cap(64, 8) == 2 and large.split_cap(512, 8) == 1 and tiny.split_cap(1, 8) == 64
+    assert large.extra_items(8) == 66 and tiny.extra_items(8) == 66 and tiny.max_row_splits(8) == 64
     uniform = DecodePolicy.uniform(small)
     assert uniform.for_batch(1) is small and uniform.for_batch(4096) is small
     # The backend's default follows the policy; an explicit config serves every batch size.

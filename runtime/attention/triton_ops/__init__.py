@@ -1,7 +1,15 @@
 """Triton attention kernels over the paged KV pool (used by `triton_backend.py`)."""
 
-from .decode_attention import decode_attention
-from .decode_config import DecodeConfig, DecodePolicy, decode_scratch_numel, default_decode_policy
+from .decode_attention import DecodeSplits, decode_attention
+from .decode_config import (
+    DecodeConfig,
+    DecodePolicy,
+    SplitPlan,
+    decode_scratch_numel,
+    default_decode_policy,
+    plan_splits,
+    split_table_numel,
+)
 from .decode_merge import PrefixPartials
 from .extend_attention import ExtendConfig, default_extend_config, extend_attention, tree_attention
 from .prefix_attention import PrefixConfig, PrefixTables, prefix_attention, prefix_partial_numel, split_prefix_scratch
@@ -9,6 +17,8 @@ from .prefix_attention import PrefixConfig, PrefixTables, prefix_attention, pref
 __all__ = [
     "DecodeConfig",
     "DecodePolicy",
+    "DecodeSplits",
+    "SplitPlan",
     "default_decode_policy",
     "ExtendConfig",
     "PrefixConfig",
@@ -18,6 +28,8 @@ __all__ = [
     "decode_scratch_numel",
     "default_extend_config",
     "extend_attention",
+    "plan_splits",
+    "split_table_numel",
     "prefix_attention",
     "prefix_partial_numel",
     "split_prefix_scratch",

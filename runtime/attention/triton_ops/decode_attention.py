@@ -3,7 +3,7 @@
 One query token per request attends over its whole sequence, whose K/V live in the pool at the slots
 `req_to_token[req_pool_indices[b], 0:seq_lens[b]]`.
 
-- Stage 1 (grid: kv-head group x batch x split): each program takes one KV split of one request, one
+- Stage 1 (grid: kv-head group x split item): each program takes one KV split of one request, one
   or more adjacent KV heads (`DecodeConfig.kv_heads_per_program`) and ALL the query heads that share
   them (GQA grouping), so every K/V row is read from memory once per group instead of once per query
   head. It writes the split's normalised partial output and its log-sum-exp (base 2).
@@ -19,9 +19,11 @@ merges the `req_info[b, 2]` prefix partials (from slot `req_info[b, 1]`) with th
 constexpr switches: the plain decode compiles to exactly the kernels it had without them.
 
 Splitting the KV axis is what keeps the GPU busy when the batch is small (a batch of one has only
-`num_kv_heads` programs otherwise). The number of splits per request is computed *inside* the kernels
-from `seq_lens` and a host-side cap that depends only on the batch size, so there is no per-step
-metadata kernel and no host sync, and a captured CUDA graph stays valid for any sequence lengths.
+`num_kv_heads` programs otherwise), and what keeps a long request from walking its KV alone in a batch of
+short ones. Which splits a step runs is a small table the host plans per step from the lengths it knows
+(`SplitPlan`, decode_config.py): a request's split count, and per stage-1 item its request and split. A
+captured CUDA graph launches a fixed number of items (batch + `DecodeConfig.extra_items`); the items a
+step does not use exit at once.
 
 Empty requests (seq_len == 0, e.g. CUDA-graph padding) produce an all-zero output.
 
@@ -32,6 +34,7 @@ exactly the kernel it had without it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -39,8 +42,8 @@ import triton
 import triton.language as tl
 
 from ...kernels.launch import pdl_launch_args, pdl_wait_then_release
-from .decode_config import DecodeConfig, decode_scratch_numel
-from .decode_merge import PrefixPartials, merge_partials, split_count, suffix_start
+from .decode_config import DecodeConfig, SplitPlan, decode_scratch_numel, plan_splits
+from .decode_merge import PrefixPartials, merge_partials, suffix_start
 from .kv_scale_args import kv_scale_args
 
 _LOG2E = 1.4426950408889634
@@ -55,13 +58,14 @@ def _decode_stage1_kernel(
     ReqPoolIndices,
     SeqLens,
     ReqInfo,
+    Splits,
     PartialO,
     PartialLse,
     Out,
     KScale,
     VScale,
     sm_scale_log2,
-    split_cap,
+    items_at,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -71,7 +75,6 @@ def _decode_stage1_kernel(
     stride_r2t,
     stride_pob,
     stride_poh,
-    stride_pos,
     stride_plb,
     stride_plh,
     stride_ob,
@@ -82,10 +85,8 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
-    DIRECT_OUT: tl.constexpr,
     KV_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -95,16 +96,23 @@ def _decode_stage1_kernel(
     # NOTE: the KV-head group is the grid's fastest axis, so the programs of one request's KV heads are
     # launched side by side and read the same tokens' K/V rows (heads are adjacent in a row) at the same time.
     kv_group = tl.program_id(0)
-    b = tl.program_id(1)
-    split = tl.program_id(2)
+    item = tl.program_id(1)
+    owner = tl.load(Splits + items_at + 2 * item)  # -1: an item this step does not use (a graph's spare)
+    split = tl.load(Splits + items_at + 2 * item + 1)
+    b = tl.maximum(owner, 0)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     kv_begin = suffix_start(ReqInfo, b, HAS_PREFIX)
     suffix_len = tl.maximum(seq_len - kv_begin, 0)
-    num_splits = split_count(suffix_len, split_cap, MIN_SPLIT_LEN)
+    num_splits = tl.load(Splits + 2 * b)
     split_len = tl.cdiv(suffix_len, num_splits)
     kv_start = kv_begin + split * split_len
-    kv_end = tl.minimum(kv_start + split_len, seq_len)
+    kv_end = tl.where(owner >= 0, tl.minimum(kv_start + split_len, seq_len), kv_start)
+    # A request with one split and no prefix partials to merge: stage 1 writes its output (what stage 2
+    # would compute from the one partial, bit for bit) and stage 2 leaves it alone.
+    direct = (num_splits == 1) & (owner >= 0)
+    if HAS_PREFIX:
+        direct = owner < -1  # never: the prefix partials are merged in stage 2
 
     # The program reads HPP adjacent KV heads as one (BLOCK_N, HPP * BLOCK_D) tile, and its rows are their
     # query heads (head h's GROUP heads are rows h * GROUP ...). q is block-diagonal over those columns: a
@@ -156,7 +164,7 @@ def _decode_stage1_kernel(
 
         if KV_SCALED:
             acc = acc * tl.load(VScale)
-        if DIRECT_OUT:  # the only split: this is the output (what stage 2 would compute from it, bit for bit)
+        if direct:
             tl.store(
                 Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
                 (acc / l_i[:, None]).to(Out.dtype.element_ty),
@@ -164,17 +172,39 @@ def _decode_stage1_kernel(
             )
         else:
             tl.store(
-                PartialO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + col_d[None, :],
+                PartialO + item * stride_pob + heads[:, None] * stride_poh + col_d[None, :],
                 acc / l_i[:, None],
                 mask=own,
             )
-            tl.store(PartialLse + b * stride_plb + heads * stride_plh + split, m_i + tl.log2(l_i), mask=r_mask)
-    elif DIRECT_OUT:  # an empty (padding) request: zero output, as stage 2 gives it
+            tl.store(PartialLse + item * stride_plb + heads * stride_plh, m_i + tl.log2(l_i), mask=r_mask)
+    elif direct:  # an empty (padding) request: zero output, as stage 2 gives it
         tl.store(
             Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
             tl.zeros([BLOCK_R, HPP * BLOCK_D], dtype=Out.dtype.element_ty),
             mask=own,
         )
+
+
+@dataclass
+class DecodeSplits:
+    """A step's split plan on the device (`SplitPlan` uploaded): what `decode_attention` launches from."""
+
+    table: torch.Tensor  # int32, the plan's table (a graph's static buffer may be longer)
+    items_at: int
+    items: int  # stage-1 items to launch
+    merge: bool  # whether stage 2 runs (False: every request has one split and wrote its output)
+
+    @classmethod
+    def upload(cls, plan: SplitPlan, device: torch.device, into: Optional[torch.Tensor] = None) -> "DecodeSplits":
+        """The plan on `device`: a new tensor, or copied into `into` (a graph's static table, whose layout
+        the plan must have been made for: the same batch size and item capacity)."""
+        host = torch.from_numpy(plan.table)
+        if into is None:
+            table = host.to(device, non_blocking=True)
+        else:
+            table = into[: host.numel()]
+            table.copy_(host, non_blocking=True)
+        return cls(table, plan.items_at, plan.items, plan.max_splits > 1)
 
 
 def decode_attention(
@@ -191,6 +221,7 @@ def decode_attention(
     prefix: Optional[PrefixPartials] = None,  # shared-prefix partials to merge; stage 1 starts after them
     before_merge: Optional[Callable[[], None]] = None,  # called between the stages (a stream join)
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,  # an FP8 pool's layer (k_scale, v_scale), 0-d
+    splits: Optional[DecodeSplits] = None,  # the step's plan; None: planned here from seq_lens (a host sync)
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -198,7 +229,12 @@ def decode_attention(
     k_scale, v_scale = kv_scale_args(k_buffer, kv_scales)
     if batch == 0:
         return out
-    split_cap = cfg.split_cap(batch, num_kv_heads)
+    if splits is None:
+        lens = seq_lens.tolist()
+        if prefix is not None:
+            begin = prefix.req_info[:batch, 0].tolist()
+            lens = [n - s for n, s in zip(lens, begin)]
+        splits = DecodeSplits.upload(plan_splits(lens, cfg, num_kv_heads), q.device)
     need = decode_scratch_numel(batch, num_heads, num_kv_heads, head_dim, cfg)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.float32, device=q.device)
@@ -206,9 +242,12 @@ def decode_attention(
         raise ValueError(
             f"decode scratch must be fp32 with >= {need} elements, got {scratch.dtype} x {scratch.numel()}"
         )
-    n_o = batch * num_heads * split_cap * head_dim
-    partial_o = scratch[:n_o].view(batch, num_heads, split_cap, head_dim)
-    partial_lse = scratch[n_o:need].view(batch, num_heads, split_cap)
+    items = splits.items
+    if items > batch + cfg.extra_items(num_kv_heads):
+        raise ValueError(f"a split plan of {items} items for a batch of {batch} is over this config's bound")
+    n_o = items * num_heads * head_dim
+    partial_o = scratch[:n_o].view(items, num_heads, head_dim)
+    partial_lse = scratch[n_o : n_o + items * num_heads].view(items, num_heads)
     group = num_heads // num_kv_heads
     hpp = cfg.heads_per_program(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
@@ -223,13 +262,14 @@ def decode_attention(
     prefix_o = prefix.partial_o if prefix is not None else partial_o
     prefix_lse = prefix.partial_lse if prefix is not None else partial_lse
 
-    # NOTE: with one split per request (batch * kv heads already fills the GPU) and no prefix partials to
-    # merge, stage 1 writes the output and stage 2, which would only copy it, is not launched.
-    direct = split_cap == 1 and prefix is None
+    # NOTE: when every request has one split (batch * kv heads already fills the GPU and no request is
+    # much longer than the rest) and no prefix partials to merge, stage 1 writes every output and stage 2,
+    # which would only copy them, is not launched. A graph's plan always merges: its steps' lengths vary.
+    merge = splits.merge or prefix is not None
     # NOTE: no programmatic launch with a shared prefix: stage 2 then also waits for the prefix kernel on
     # another stream (`before_merge`), a dependency PDL's same-stream handshake does not cover.
     pdl = pdl_launch_args(q.device) if prefix is None else {"USE_PDL": False}
-    _decode_stage1_kernel[(num_kv_heads // hpp, batch, split_cap)](
+    _decode_stage1_kernel[(num_kv_heads // hpp, items)](
         q,
         k_buffer,
         v_buffer,
@@ -237,13 +277,14 @@ def decode_attention(
         req_pool_indices,
         seq_lens,
         req_info,
+        splits.table,
         partial_o,
         partial_lse,
         out,
         k_scale,
         v_scale,
         sm_scale * _LOG2E,
-        split_cap,
+        splits.items_at,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -253,7 +294,6 @@ def decode_attention(
         req_to_token.stride(0),
         partial_o.stride(0),
         partial_o.stride(1),
-        partial_o.stride(2),
         partial_lse.stride(0),
         partial_lse.stride(1),
         out.stride(0),
@@ -264,10 +304,8 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_R=block_r,
         BLOCK_N=cfg.block_n,
-        MIN_SPLIT_LEN=cfg.min_split_len,
         DOT_PRECISION=precision,
         HAS_PREFIX=prefix is not None,
-        DIRECT_OUT=direct,
         KV_SCALED=kv_scales is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -275,9 +313,22 @@ def decode_attention(
     )
     if before_merge is not None:
         before_merge()
-    if direct:
+    if not merge:
         return out
-    merge_partials(partial_o, partial_lse, seq_lens, out, req_info, prefix_o, prefix_lse, split_cap, cfg, prefix, pdl)
+    merge_partials(
+        partial_o,
+        partial_lse,
+        seq_lens,
+        out,
+        req_info,
+        splits.table,
+        prefix_o,
+        prefix_lse,
+        cfg.max_row_splits(num_kv_heads),
+        cfg,
+        prefix,
+        pdl,
+    )
     return out
 
 

@@ -1,14 +1,26 @@
 """Which tiles and how many KV splits the split-KV decode (`decode_attention.py`) runs with.
 
 `DecodeConfig` is one set of launch parameters; `DecodePolicy` picks one per decode batch size (the
-choice depends on the batch size only, so a captured CUDA graph stays valid for any sequence lengths);
-`decode_scratch_numel` sizes the partial-output scratch a config needs.
+choice depends on the batch size only, so a captured CUDA graph keeps its kernels for any sequence lengths);
+`plan_splits` cuts each request's KV into splits for one step; `decode_scratch_numel` sizes the
+partial-output scratch a config needs.
+
+How a step's KV is split: every request has at least one split, and a step has `target_programs` programs'
+worth of extra splits to hand out (`DecodeConfig.extra_items`). One split length serves the whole step,
+long enough that all the splits together make about `target_programs` programs: sum(KV) x KV-head groups /
+target_programs tokens, and at least `min_split_len`. A request gets cdiv(its KV, that length) splits, so a
+batch of equal requests splits as evenly as before, and in a batch of mixed lengths an 8,000-token request
+gets more splits than its 600-token neighbours instead of walking its KV in one program while they wait
+(benchmarks/RESULTS.md, issue 32: 3-5x the step's attention time at a 10% share of long requests).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -20,15 +32,11 @@ class DecodeConfig:
     # Short splits matter most at small batch: a short context cut into long splits runs few programs per
     # KV head, each looping serially, far slower than the KV read; small KV tiles pay off at large batch.
     block_n: int = 32  # KV tokens per inner-loop iteration
-    max_kv_splits: int = 64  # upper bound on splits per request (sizes the partial-output scratch)
+    max_kv_splits: int = 64  # upper bound on splits per request (sizes stage 2's merge tile)
     min_split_len: int = 32  # do not split a sequence into pieces shorter than this
     target_programs: int = 4 * 132  # stage-1 programs worth launching (about 4 waves on a GPU of 132 SMs)
     num_warps: int = 4
     num_stages: int = 2
-    # A floor on the split cap. At batch 512 x 8 KV heads one split per request already makes 4,096
-    # programs, but of equal length they run in ~3.1 waves of the GPU's resident programs, and the last,
-    # mostly empty wave costs a whole one; two splits even the waves out.
-    min_splits: int = 1
     # Stage 2 with one program per (request, head) instead of per request: a small batch has too few
     # requests to spread the merge over (batch 1: one program, looping over its splits).
     merge_per_head: bool = False
@@ -42,8 +50,8 @@ class DecodeConfig:
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
-        if min(self.max_kv_splits, self.min_split_len, self.target_programs, self.min_splits) < 1:
-            raise ValueError("max_kv_splits, min_split_len, target_programs and min_splits must be >= 1")
+        if min(self.max_kv_splits, self.min_split_len, self.target_programs) < 1:
+            raise ValueError("max_kv_splits, min_split_len and target_programs must be >= 1")
         hpp = self.kv_heads_per_program
         if hpp < 1 or hpp & (hpp - 1):
             raise ValueError(f"kv_heads_per_program must be a power of two >= 1, got {hpp}")
@@ -55,11 +63,19 @@ class DecodeConfig:
             hpp //= 2
         return hpp
 
-    def split_cap(self, batch_size: int, num_kv_heads: int) -> int:
-        """Most splits a request of this batch may use: enough programs to fill the GPU, no more."""
-        programs_per_split = batch_size * (num_kv_heads // self.heads_per_program(num_kv_heads))
-        want = -(-self.target_programs // max(1, programs_per_split))
-        return max(1, min(self.max_kv_splits, max(want, self.min_splits)))
+    def head_groups(self, num_kv_heads: int) -> int:
+        """Stage-1 programs per split: the model's KV heads in groups of heads_per_program."""
+        return num_kv_heads // self.heads_per_program(num_kv_heads)
+
+    def extra_items(self, num_kv_heads: int) -> int:
+        """Splits beyond each request's first that one step may hand out: target_programs' worth of
+        programs. A step's split length keeps the splits it cuts within this bound (`plan_splits`), so
+        a captured graph's grid of (batch + extra_items) splits holds any step of its batch size."""
+        return -(-self.target_programs // self.head_groups(num_kv_heads))
+
+    def max_row_splits(self, num_kv_heads: int) -> int:
+        """Most splits one request can get (stage 2 merges them in one tile)."""
+        return max(1, min(self.max_kv_splits, 1 + self.extra_items(num_kv_heads)))
 
 
 @dataclass(frozen=True)
@@ -109,10 +125,68 @@ def default_decode_policy(num_sms: int) -> DecodePolicy:
 
 
 def decode_scratch_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int, cfg: DecodeConfig) -> int:
-    """fp32 elements of scratch one decode call needs: partial outputs + log-sum-exps per split.
+    """fp32 elements of scratch one decode call needs: a partial output + log-sum-exp per split and head,
+    for the most splits a step of this batch can have (a first split per request + the extra ones)."""
+    return (batch_size + cfg.extra_items(num_kv_heads)) * num_heads * (head_dim + 1)
 
-    NOTE: the split count shrinks as the batch grows (see `split_cap`), so batch * splits stays near
-    `target_programs / num_kv_heads` and the scratch stays small even for large batches.
-    """
-    splits = cfg.split_cap(batch_size, num_kv_heads)
-    return batch_size * num_heads * splits * (head_dim + 1)
+
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16  # sections of the table start 64-byte aligned, as the kernels specialize them
+
+
+def split_table_numel(batch_size: int, items_cap: int) -> int:
+    """int32 elements of a split plan's table (`SplitPlan`) for a batch and an item capacity."""
+    return 2 * _align16(max(batch_size, 1)) + 2 * _align16(max(items_cap, 1))
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """One step's KV splits, as the kernels read them from one int32 table:
+
+    rows (rows_cap, 2): per request, its split count and the item index of its second split;
+    items (items_cap, 2) from `items_at`: per stage-1 item, its request (-1: none) and split index.
+    Items 0..B-1 are the requests' first splits, the extra splits follow request by request. Stage 1 runs
+    a program per (KV-head group, item) and writes item i's partials at scratch row i (or, for a request
+    with one split and no shared-prefix partials, the output itself); stage 2 merges the others."""
+
+    table: np.ndarray  # int32 (items_at + 2 * items_cap,)
+    items_at: int  # where the items section starts (a multiple of 16)
+    items: int  # items to launch: B + the extra splits (or a graph's fixed capacity)
+    max_splits: int  # the most splits any request got (1: every request writes its output in stage 1)
+
+
+def plan_splits(
+    suffix_lens: Sequence[int] | np.ndarray,
+    cfg: DecodeConfig,
+    num_kv_heads: int,
+    items_cap: Optional[int] = None,
+) -> SplitPlan:
+    """Split each request's KV (its length after any shared prefix the cascade kernels attend) for one
+    step (see the module docstring). `items_cap`: the grid's fixed item count (a graph's
+    batch + extra_items); None: exactly the items used."""
+    lens = np.maximum(np.asarray(suffix_lens, dtype=np.int64), 0)
+    b = len(lens)
+    groups = cfg.head_groups(num_kv_heads)
+    split_len = max(cfg.min_split_len, -(-int(lens.sum()) * groups // cfg.target_programs))
+    n = np.clip(-(-lens // split_len), 1, cfg.max_row_splits(num_kv_heads))  # (B,)
+    extra = n - 1
+    num_extra = int(extra.sum())  # <= sum(lens) / split_len <= extra_items, by the split length's choice
+    items = b + num_extra
+    cap = items if items_cap is None else items_cap
+    if cap < items:
+        raise AssertionError(f"{items} decode splits > the grid's {cap}")  # extra_items' bound is wrong
+    rows_cap = _align16(max(b, 1))
+    table = np.zeros(split_table_numel(b, cap), dtype=np.int32)
+    rows = table[: 2 * b].reshape(b, 2)
+    rows[:, 0] = n
+    first_extra = b + np.cumsum(extra) - extra  # (B,) item index of each request's second split
+    rows[:, 1] = first_extra
+    its = table[2 * rows_cap :].reshape(-1, 2)
+    its[:b, 0] = np.arange(b)
+    its[:b, 1] = 0
+    owner = np.repeat(np.arange(b), extra)  # (num_extra,)
+    its[b:items, 0] = owner
+    its[b:items, 1] = np.arange(b, items) - np.repeat(first_extra, extra) + 1
+    its[items:, 0] = -1
+    its[items:, 1] = 0
+    return SplitPlan(table, 2 * rows_cap, cap, int(n.max(initial=1)))

@@ -1,7 +1,8 @@
 """Stage 2 of the split-KV decode (`decode_attention.py`): each request's KV splits, and with shared-prefix
 attention the prefix kernel's partials (`PrefixPartials`), merged by their log-sum-exps (base 2) into the
-output. Also the split layout both stages compute on the device: where a request's splits start (after its
-shared prefix) and how many it has.
+output. A request's splits sit in the scratch at the rows of their stage-1 items: its first split at row b,
+the others from the row its plan names (`SplitPlan`, decode_config.py). A request with one split and no
+prefix partials wrote its output in stage 1 and is left alone here.
 
 An empty split or request (seq_len == 0) weighs nothing; a request with nothing at all gets zeros.
 """
@@ -20,13 +21,6 @@ from .decode_config import DecodeConfig
 
 
 @triton.jit
-def split_count(seq_len, split_cap, MIN_SPLIT_LEN: tl.constexpr):
-    # A request's KV splits: the same formula in both stages, so they agree on where each starts and ends.
-    n = tl.cdiv(seq_len, MIN_SPLIT_LEN)
-    return tl.maximum(tl.minimum(n, split_cap), 1)
-
-
-@triton.jit
 def suffix_start(ReqInfo, b, HAS_PREFIX: tl.constexpr):
     # First KV position the split-KV stages cover: the suffix after the group's shared prefix.
     if HAS_PREFIX:
@@ -37,12 +31,17 @@ def suffix_start(ReqInfo, b, HAS_PREFIX: tl.constexpr):
 
 
 @triton.jit
-def _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr):
-    # Stage 2's view of request b: the KV length stage 1 covered, its split count and split length.
+def _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX: tl.constexpr):
+    # Stage 2's view of request b: the KV length stage 1 covered, its split count and length, the scratch
+    # row of its second split, and whether there is anything to merge.
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     suffix_len = tl.maximum(seq_len - suffix_start(ReqInfo, b, HAS_PREFIX), 0)
-    num_splits = split_count(suffix_len, split_cap, MIN_SPLIT_LEN)
-    return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits)
+    num_splits = tl.load(Splits + 2 * b)
+    first_extra = tl.load(Splits + 2 * b + 1)
+    merge = num_splits > 1
+    if HAS_PREFIX:
+        merge = num_splits > 0  # always: the prefix partials are merged here
+    return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits), first_extra, merge
 
 
 @triton.jit
@@ -52,12 +51,11 @@ def _decode_stage2_kernel(
     SeqLens,
     Out,
     ReqInfo,
+    Splits,
     PrefixO,
     PrefixLse,
-    split_cap,
     stride_pob,
     stride_poh,
-    stride_pos,
     stride_plb,
     stride_plh,
     stride_ob,
@@ -70,7 +68,6 @@ def _decode_stage2_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -81,62 +78,67 @@ def _decode_stage2_kernel(
     # programs whose time went mostly to block scheduling.
     b = tl.program_id(0)
 
-    suffix_len, num_splits, split_len = _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX)
-    offs_h = tl.arange(0, BLOCK_HQ)
-    h_mask = offs_h < NUM_HEADS
-    offs_s = tl.arange(0, BLOCK_S)
-    # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
-    # wrote nothing there, so it must be masked here by its start, not just by num_splits.
-    s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    suffix_len, num_splits, split_len, first_extra, merge = _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX)
+    if merge:
+        offs_h = tl.arange(0, BLOCK_HQ)
+        h_mask = offs_h < NUM_HEADS
+        offs_s = tl.arange(0, BLOCK_S)
+        rows = tl.where(offs_s == 0, b, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
+        # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
+        # wrote nothing there, so it must be masked here by its start, not just by num_splits.
+        s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
+        offs_d = tl.arange(0, BLOCK_D)
+        hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
 
-    lse = tl.load(
-        PartialLse + b * stride_plb + offs_h[:, None] * stride_plh + offs_s[None, :],
-        mask=h_mask[:, None] & s_mask[None, :],
-        other=float("-inf"),
-    )  # (BLOCK_HQ, BLOCK_S)
-    lse_max = tl.max(lse, 1)  # (BLOCK_HQ,)
-    if HAS_PREFIX:
-        p_slot = tl.load(ReqInfo + b * 3 + 1)
-        n_prefix = tl.load(ReqInfo + b * 3 + 2)
-        offs_p = tl.arange(0, BLOCK_P)
-        lse_p = tl.load(
-            PrefixLse + (p_slot + offs_p)[None, :] * stride_xls + offs_h[:, None],
-            mask=h_mask[:, None] & (offs_p < n_prefix)[None, :],
+        lse = tl.load(
+            PartialLse + rows[None, :] * stride_plb + offs_h[:, None] * stride_plh,
+            mask=h_mask[:, None] & s_mask[None, :],
             other=float("-inf"),
-        )
-        lse_max = tl.maximum(lse_max, tl.max(lse_p, 1))
-    # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max[:, None])  # (BLOCK_HQ, BLOCK_S), 0 for masked splits
-    w_sum = tl.sum(w, 1)
-    acc = tl.zeros([BLOCK_HQ, BLOCK_D], dtype=tl.float32)
-    # The splits stage 1 wrote (not the empty last one; the scratch there is stale, maybe NaN).
-    n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
-    for s in range(0, n_written):
-        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)  # (BLOCK_HQ,) this split's weight
-        o = tl.load(
-            PartialO + b * stride_pob + offs_h[:, None] * stride_poh + s * stride_pos + offs_d[None, :],
-            mask=hd_mask,
-            other=0.0,
-        )
-        acc += o * w_s[:, None]
-    if HAS_PREFIX:
-        w_p = tl.exp2(lse_p - lse_max[:, None])  # (BLOCK_HQ, BLOCK_P)
-        w_sum += tl.sum(w_p, 1)
-        for j in range(0, n_prefix):
-            w_j = tl.sum(tl.where(offs_p[None, :] == j, w_p, 0.0), 1)
+        )  # (BLOCK_HQ, BLOCK_S)
+        lse_max = tl.max(lse, 1)  # (BLOCK_HQ,)
+        if HAS_PREFIX:
+            p_slot = tl.load(ReqInfo + b * 3 + 1)
+            n_prefix = tl.load(ReqInfo + b * 3 + 2)
+            offs_p = tl.arange(0, BLOCK_P)
+            lse_p = tl.load(
+                PrefixLse + (p_slot + offs_p)[None, :] * stride_xls + offs_h[:, None],
+                mask=h_mask[:, None] & (offs_p < n_prefix)[None, :],
+                other=float("-inf"),
+            )
+            lse_max = tl.maximum(lse_max, tl.max(lse_p, 1))
+        # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        w = tl.exp2(lse - lse_max[:, None])  # (BLOCK_HQ, BLOCK_S), 0 for masked splits
+        w_sum = tl.sum(w, 1)
+        acc = tl.zeros([BLOCK_HQ, BLOCK_D], dtype=tl.float32)
+        # The splits stage 1 wrote (not the empty last one; the scratch there is stale, maybe NaN).
+        n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
+        for s in range(0, n_written):
+            w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)  # (BLOCK_HQ,) this split's weight
+            row = tl.where(s == 0, b, first_extra + s - 1)
             o = tl.load(
-                PrefixO + (p_slot + j) * stride_xos + offs_h[:, None] * stride_xoh + offs_d[None, :],
+                PartialO + row * stride_pob + offs_h[:, None] * stride_poh + offs_d[None, :],
                 mask=hd_mask,
                 other=0.0,
             )
-            acc += o * w_j[:, None]
-    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-    tl.store(
-        Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty), mask=hd_mask
-    )
+            acc += o * w_s[:, None]
+        if HAS_PREFIX:
+            w_p = tl.exp2(lse_p - lse_max[:, None])  # (BLOCK_HQ, BLOCK_P)
+            w_sum += tl.sum(w_p, 1)
+            for j in range(0, n_prefix):
+                w_j = tl.sum(tl.where(offs_p[None, :] == j, w_p, 0.0), 1)
+                o = tl.load(
+                    PrefixO + (p_slot + j) * stride_xos + offs_h[:, None] * stride_xoh + offs_d[None, :],
+                    mask=hd_mask,
+                    other=0.0,
+                )
+                acc += o * w_j[:, None]
+        out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+        tl.store(
+            Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=hd_mask,
+        )
 
 
 @triton.jit
@@ -146,12 +148,11 @@ def _decode_stage2_per_head_kernel(
     SeqLens,
     Out,
     ReqInfo,
+    Splits,
     PrefixO,
     PrefixLse,
-    split_cap,
     stride_pob,
     stride_poh,
-    stride_pos,
     stride_plb,
     stride_plh,
     stride_ob,
@@ -162,7 +163,6 @@ def _decode_stage2_per_head_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -173,47 +173,47 @@ def _decode_stage2_per_head_kernel(
     b = tl.program_id(0)
     head = tl.program_id(1)
 
-    suffix_len, num_splits, split_len = _suffix_splits(SeqLens, ReqInfo, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX)
-    offs_s = tl.arange(0, BLOCK_S)
-    # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
-    # wrote nothing there, so it must be masked here by its start, not just by num_splits.
-    s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
+    suffix_len, num_splits, split_len, first_extra, merge = _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX)
+    if merge:
+        offs_s = tl.arange(0, BLOCK_S)
+        rows = tl.where(offs_s == 0, b, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
+        # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
+        # wrote nothing there, so it must be masked here by its start, not just by num_splits.
+        s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
 
-    lse = tl.load(
-        PartialLse + b * stride_plb + head * stride_plh + offs_s, mask=s_mask, other=float("-inf")
-    )  # (BLOCK_S,)
-    lse_max = tl.max(lse, 0)
-    if HAS_PREFIX:
-        p_slot = tl.load(ReqInfo + b * 3 + 1)
-        offs_p = tl.arange(0, BLOCK_P)
-        p_mask = offs_p < tl.load(ReqInfo + b * 3 + 2)
-        lse_p = tl.load(
-            PrefixLse + (p_slot + offs_p) * stride_xls + head, mask=p_mask, other=float("-inf")
-        )  # (BLOCK_P,)
-        lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
-    # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # (BLOCK_S,) 0 for masked splits
-    o = tl.load(
-        PartialO + b * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # (BLOCK_S, BLOCK_D)
-    w_sum = tl.sum(w, 0)
-    acc = tl.sum(o * w[:, None], 0)  # (BLOCK_D,)
-    if HAS_PREFIX:
-        w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
-        o_p = tl.load(
-            PrefixO + (p_slot + offs_p)[:, None] * stride_xos + head * stride_xoh + offs_d[None, :],
-            mask=p_mask[:, None] & d_mask[None, :],
+        lse = tl.load(PartialLse + rows * stride_plb + head * stride_plh, mask=s_mask, other=float("-inf"))
+        lse_max = tl.max(lse, 0)
+        if HAS_PREFIX:
+            p_slot = tl.load(ReqInfo + b * 3 + 1)
+            offs_p = tl.arange(0, BLOCK_P)
+            p_mask = offs_p < tl.load(ReqInfo + b * 3 + 2)
+            lse_p = tl.load(
+                PrefixLse + (p_slot + offs_p) * stride_xls + head, mask=p_mask, other=float("-inf")
+            )  # (BLOCK_P,)
+            lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
+        # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        w = tl.exp2(lse - lse_max)  # (BLOCK_S,) 0 for masked splits
+        o = tl.load(
+            PartialO + rows[:, None] * stride_pob + head * stride_poh + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
             other=0.0,
-        )  # (BLOCK_P, BLOCK_D)
-        w_sum += tl.sum(w_p, 0)
-        acc += tl.sum(o_p * w_p[:, None], 0)
-    out = acc / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
-    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+        )  # (BLOCK_S, BLOCK_D)
+        w_sum = tl.sum(w, 0)
+        acc = tl.sum(o * w[:, None], 0)  # (BLOCK_D,)
+        if HAS_PREFIX:
+            w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
+            o_p = tl.load(
+                PrefixO + (p_slot + offs_p)[:, None] * stride_xos + head * stride_xoh + offs_d[None, :],
+                mask=p_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )  # (BLOCK_P, BLOCK_D)
+            w_sum += tl.sum(w_p, 0)
+            acc += tl.sum(o_p * w_p[:, None], 0)
+        out = acc / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
+        tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
 @dataclass
@@ -227,14 +227,15 @@ class PrefixPartials:
 
 
 def merge_partials(
-    partial_o: torch.Tensor,  # (B, H, split_cap, D) fp32, stage 1's per-split outputs
-    partial_lse: torch.Tensor,  # (B, H, split_cap) fp32, their log-sum-exps (base 2)
+    partial_o: torch.Tensor,  # (items, H, D) fp32, stage 1's per-split outputs
+    partial_lse: torch.Tensor,  # (items, H) fp32, their log-sum-exps (base 2)
     seq_lens: torch.Tensor,  # (B,)
     out: torch.Tensor,  # (B, H, D) written in place
     req_info: torch.Tensor,  # (B, 3) int32 with a prefix (suffix start, first prefix slot, prefix partials)
+    splits: torch.Tensor,  # int32, the step's split plan (SplitPlan's table)
     prefix_o: torch.Tensor,  # (slots, H, D) fp32 prefix partials (unused without a prefix)
     prefix_lse: torch.Tensor,  # (slots, H) fp32
-    split_cap: int,
+    max_row_splits: int,
     cfg: DecodeConfig,
     prefix: Optional[PrefixPartials],
     pdl: dict,
@@ -244,21 +245,20 @@ def merge_partials(
     batch, num_heads, head_dim = out.shape
     block_d = triton.next_power_of_2(head_dim)
     block_p = triton.next_power_of_2(max(1, prefix.max_partials if prefix is not None else 1))
-    # NOTE: no request has more splits than split_cap, which depends on the batch size only, so a
+    # NOTE: no request has more splits than max_row_splits, which depends on the config only, so a
     # captured graph's constexpr BLOCK_S stays right for any sequence lengths.
-    block_s = triton.next_power_of_2(split_cap)
+    block_s = triton.next_power_of_2(max_row_splits)
     args = (
         partial_o,
         partial_lse,
         seq_lens,
         out,
         req_info,
+        splits,
         prefix_o,
         prefix_lse,
-        split_cap,
         partial_o.stride(0),
         partial_o.stride(1),
-        partial_o.stride(2),
         partial_lse.stride(0),
         partial_lse.stride(1),
         out.stride(0),
@@ -271,7 +271,6 @@ def merge_partials(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_S=block_s,
-        MIN_SPLIT_LEN=cfg.min_split_len,
         HAS_PREFIX=prefix is not None,
         BLOCK_P=block_p,
         **pdl,
