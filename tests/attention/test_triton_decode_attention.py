@@ -141,6 +141,18 @@ def test_a_long_request_gets_more_splits_than_its_short_neighbours():
         assert torch.equal(out[3], torch.zeros(8, 32))
 
 
+@pytest.mark.parametrize("merge_per_head", [False, True])
+def test_a_request_of_many_splits_is_merged_in_chunks(merge_per_head):
+    # 50 splits of 2 tokens: the per-head merge walks them 16 at a time, the per-request one by one.
+    cfg = DecodeConfig(
+        block_n=16, max_kv_splits=64, min_split_len=2, target_programs=512, merge_per_head=merge_per_head
+    )
+    assert plan_splits([100, 3], cfg, 2).table[0] == 50
+    case = PagedCase(4, 2, 32, [99, 2], [1, 1])
+    got, ref = _decode_both(case, decode_config=cfg)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_split_plans_of_equal_and_mixed_lengths():
     large = default_decode_policy(132).for_batch(80)  # two KV heads a program: 4 groups for 8 KV heads
     # Equal requests split evenly (as many splits each as the GPU's programs want).

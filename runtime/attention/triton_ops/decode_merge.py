@@ -114,8 +114,9 @@ def _decode_stage2_kernel(
         # The splits stage 1 wrote (not the empty last one; the scratch there is stale, maybe NaN).
         n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
         for s in range(0, n_written):
-            w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)  # (BLOCK_HQ,) this split's weight
             row = tl.where(s == 0, b, first_extra + s - 1)
+            lse_s = tl.load(PartialLse + row * stride_plb + offs_h * stride_plh, mask=h_mask, other=float("-inf"))
+            w_s = tl.exp2(lse_s - lse_max)  # (BLOCK_HQ,) this split's weight
             o = tl.load(
                 PartialO + row * stride_pob + offs_h[:, None] * stride_poh + offs_d[None, :],
                 mask=hd_mask,
@@ -163,6 +164,7 @@ def _decode_stage2_per_head_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -195,14 +197,25 @@ def _decode_stage2_per_head_kernel(
             lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
         # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
         lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        w = tl.exp2(lse - lse_max)  # (BLOCK_S,) 0 for masked splits
-        o = tl.load(
-            PartialO + rows[:, None] * stride_pob + head * stride_poh + offs_d[None, :],
-            mask=s_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # (BLOCK_S, BLOCK_D)
-        w_sum = tl.sum(w, 0)
-        acc = tl.sum(o * w[:, None], 0)  # (BLOCK_D,)
+        w_sum = tl.sum(tl.exp2(lse - lse_max), 0)  # 0 for masked splits
+        # The partial outputs CHUNK_S splits at a time: one (BLOCK_S, BLOCK_D) tile would hold the most
+        # splits a request can have (64 rows) in every program, most of them masked.
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
+        for c in range(0, n_written, CHUNK_S):
+            offs_c = c + tl.arange(0, CHUNK_S)
+            c_mask = offs_c < n_written
+            rows_c = tl.where(offs_c == 0, b, first_extra + offs_c - 1)
+            w_c = tl.exp2(
+                tl.load(PartialLse + rows_c * stride_plb + head * stride_plh, mask=c_mask, other=float("-inf"))
+                - lse_max
+            )  # (CHUNK_S,)
+            o = tl.load(
+                PartialO + rows_c[:, None] * stride_pob + head * stride_poh + offs_d[None, :],
+                mask=c_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )  # (CHUNK_S, BLOCK_D)
+            acc += tl.sum(o * w_c[:, None], 0)  # (BLOCK_D,)
         if HAS_PREFIX:
             w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
             o_p = tl.load(
@@ -276,7 +289,9 @@ def merge_partials(
         **pdl,
     )
     if cfg.merge_per_head:
-        _decode_stage2_per_head_kernel[(batch, num_heads)](*args, **consts, num_warps=4 if block_d >= 128 else 2)
+        _decode_stage2_per_head_kernel[(batch, num_heads)](
+            *args, **consts, CHUNK_S=min(16, block_s), num_warps=4 if block_d >= 128 else 2
+        )
     else:
         _decode_stage2_kernel[(batch,)](
             *args, NUM_HEADS=num_heads, BLOCK_HQ=triton.next_power_of_2(num_heads), **consts, num_warps=4
