@@ -88,3 +88,13 @@ class AttentionBackend(ABC):
     def decode_uses_cascade(self, fb: ForwardBatch) -> bool:
         """Whether this graph step should replay the cascade variant."""
         return False
+
+    # And one for steps whose requests each need a single pass over their KV (the triton backend's decode
+    # without a merge stage), beside the general graph.
+    def has_direct_graph(self, bs: int) -> bool:
+        """Whether decode graphs of batch `bs` also come in a direct variant."""
+        return False
+
+    def decode_uses_direct(self, fb: ForwardBatch) -> bool:
+        """Whether this graph step (not a cascade one) should replay the direct variant."""
+        return False

@@ -51,6 +51,7 @@ from .triton_ops import (
     DecodeSplits,
     ExtendConfig,
     PrefixConfig,
+    SplitPlan,
     decode_attention,
     decode_scratch_numel,
     default_decode_policy,
@@ -139,6 +140,7 @@ class TritonAttnBackend(AttentionBackend):
         self._cascade: Optional[TritonCascade] = None  # built once the head shape is known
         self._uploads = PlanUploads(self.device)  # the steps' split plans, to the device
         self._graph_splits: Optional[torch.Tensor] = None  # static int32 split table (graphs), for max_bs
+        self._graph_plan_of: Optional[tuple] = None  # (static batch, cascade step, its plan): the last graph step's
 
     # ---- per-step metadata ----
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -376,13 +378,47 @@ class TritonAttnBackend(AttentionBackend):
         the batch's requests stay; the replay hook then reuses the plan)."""
         return self.has_cascade_graph(fb.batch_size) and self._cascade.graph_plan(fb) is not None
 
-    def init_forward_metadata_capture_cuda_graph(self, fb: ForwardBatch, cascade: Optional[bool] = None) -> None:
-        fb.attn_metadata = self._load_graph_inputs(fb, capture=True, cascade=cascade)
+    def has_direct_graph(self, bs: int) -> bool:
+        """Whether decode graphs of batch `bs` also come in a direct variant (`direct=True`): a batch this
+        large gives requests of about one length a single split each (and short ones, any batch; below
+        this size they are the first tokens of a request, too rare to capture graphs for)."""
+        if self.head_shape is None:
+            return False
+        return self.decode_policy.for_batch(bs).even_splits(bs, self.head_shape.num_kv_heads) == 1
 
-    def init_forward_metadata_replay_cuda_graph(self, fb: ForwardBatch, cascade: Optional[bool] = None) -> None:
-        fb.attn_metadata = self._load_graph_inputs(fb, capture=False, cascade=cascade)
+    def decode_uses_direct(self, fb: ForwardBatch) -> bool:
+        """Whether this graph step (fb.batch_size: the padded size; not a cascade step) gives every request
+        one split, so the direct variant serves it. Plans on the host; the replay hook reuses the plan."""
+        return self.has_direct_graph(fb.batch_size) and self._graph_plan(fb, None).max_splits == 1
 
-    def _load_graph_inputs(self, fb: ForwardBatch, capture: bool, cascade: Optional[bool]) -> TritonDecodeMetadata:
+    def init_forward_metadata_capture_cuda_graph(
+        self, fb: ForwardBatch, cascade: Optional[bool] = None, direct: bool = False
+    ) -> None:
+        fb.attn_metadata = self._load_graph_inputs(fb, capture=True, cascade=cascade, direct=direct)
+
+    def init_forward_metadata_replay_cuda_graph(
+        self, fb: ForwardBatch, cascade: Optional[bool] = None, direct: bool = False
+    ) -> None:
+        fb.attn_metadata = self._load_graph_inputs(fb, capture=False, cascade=cascade, direct=direct)
+
+    def _graph_plan(self, fb: ForwardBatch, step: Optional[CascadeStep]) -> SplitPlan:
+        """The split plan of a graph step, for its batch size's item capacity (made once per step: the
+        direct variant's check and the replay hook share it)."""
+        cached = self._graph_plan_of
+        if cached is not None and cached[0] is fb and cached[1] is step:
+            return cached[2]
+        if self.head_shape is None:
+            raise RuntimeError("the triton backend's decode graphs need the head shape (AttentionContext.heads)")
+        bs, n = fb.batch_size, len(fb.seq_lens_cpu)
+        lens = list(fb.seq_lens_cpu) + [0] * (bs - n)
+        cfg = self.decode_policy.for_batch(bs)
+        plan = self._split_plan(lens, step, bs + cfg.extra_items(self.head_shape.num_kv_heads))
+        self._graph_plan_of = (fb, step, plan)
+        return plan
+
+    def _load_graph_inputs(
+        self, fb: ForwardBatch, capture: bool, cascade: Optional[bool], direct: bool = False
+    ) -> TritonDecodeMetadata:
         if self._graph_seq_lens is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing or replaying a graph")
         if not fb.forward_mode.is_decode():
@@ -405,14 +441,16 @@ class TritonAttnBackend(AttentionBackend):
             seq[n:].zero_()  # empty requests: no KV read, zero output
         # The plain variant carries no tables at all: decode_attention then runs the pre-cascade kernels.
         step = self._cascade.graph_step(fb, capture=capture) if available and cascade is not False else None
-        # NOTE: a graph launches its batch size's whole item capacity and always merges (its steps'
-        # lengths vary); the items a step does not use exit at once.
-        if self.head_shape is None:
-            raise RuntimeError("the triton backend's decode graphs need the head shape (AttentionContext.heads)")
-        lens = list(fb.seq_lens_cpu[:n]) + [0] * (bs - n)
-        cfg = self.decode_policy.for_batch(bs)
-        plan = self._split_plan(lens, step, bs + cfg.extra_items(self.head_shape.num_kv_heads))
+        if direct and (step is not None or not self.has_direct_graph(bs)):
+            raise ValueError(f"no direct decode graph for batch {bs} (or asked for one with the cascade kernels)")
+        plan = self._graph_plan(fb, step)
         table = self._uploads.upload(plan.table, into=self._graph_splits)
+        if direct:  # one split each: the first bs items, stage 1 writes the outputs, no merge
+            if plan.max_splits > 1:
+                raise ValueError("a direct decode graph replayed for a step whose requests need several splits")
+            return TritonDecodeMetadata(req, seq, None, DecodeSplits(table, plan.items_at, bs, False))
+        # NOTE: the general graph launches its batch size's whole item capacity and always merges (its
+        # steps' lengths vary); the items a step does not use exit at once.
         return TritonDecodeMetadata(req, seq, step, DecodeSplits(table, plan.items_at, plan.items, True))
 
 

@@ -7,11 +7,14 @@ attention backend prepares its own static metadata through its capture/replay ho
 ends with the logits and their argmax (greedy tokens), so a replay is the whole forward of a decode
 step and a greedy batch needs no launch after it. Batches larger than the biggest bucket run eagerly.
 
-Variants: a backend may capture a second graph per batch size (its hooks `has_cascade_graph(bs)`
+Variants: a backend may capture more graphs per batch size. A cascade one (hooks `has_cascade_graph(bs)`
 and `decode_uses_cascade(fb)`; the triton backend's shared-prefix kernels, batch >= 16, with their
-tables filled from the host rows in `req_pool_indices_cpu` at each replay). A step replays that graph
-only when the backend says its batch shares a prefix; every other step replays the plain graph, the
-kernels of a backend without cascade (with nothing grouped the cascade kernels cost more: RESULTS.md).
+tables filled from the host rows in `req_pool_indices_cpu` at each replay): a step replays it only when
+the backend says its batch shares a prefix (with nothing grouped the cascade kernels cost more:
+RESULTS.md). A direct one (`has_direct_graph(bs)`, `decode_uses_direct(fb)`; the triton backend's
+split-KV decode when every request's KV is one split, without the merge stage the general graph must
+launch because its steps' lengths vary): a step replays it when the backend says its plan allows. Every
+other step replays the plain graph.
 
 Memory: every graph writes its logits into the first bs rows of ONE (max_bs, vocab) float32 buffer,
 allocated outside the graph pool. A graph output allocated inside the pool would stay alive, so each
@@ -50,6 +53,7 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 class GraphKey:
     batch_size: int
     cascade: bool  # captured with the backend's shared-prefix kernels
+    direct: bool = False  # captured for steps the backend runs without a merge stage
 
 
 class CudaGraphRunner:
@@ -80,12 +84,14 @@ class CudaGraphRunner:
         backend = memory.attn_backend
         backend.init_cuda_graph_state(self.max_bs)
         self.cascade_sizes = frozenset(bs for bs in self.batch_sizes if backend.has_cascade_graph(bs))
+        self.direct_sizes = frozenset(bs for bs in self.batch_sizes if backend.has_direct_graph(bs))
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.greedy: dict[GraphKey, torch.Tensor] = {}  # (bs,) int64 greedy ids, each graph's own
         self.pool = None
         self.capture_seconds = 0.0
         self.plain_replays = 0
         self.cascade_replays = 0
+        self.direct_replays = 0  # of the plain replays, those of the direct variant
         self._capture_all()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -109,11 +115,14 @@ class CudaGraphRunner:
 
     def graph_keys(self) -> list[GraphKey]:
         """Every graph to capture, largest batch first (later captures reuse the memory it freed)."""
-        return [
-            GraphKey(bs, cascade)
-            for bs in reversed(self.batch_sizes)
-            for cascade in ((False, True) if bs in self.cascade_sizes else (False,))
-        ]
+        keys = []
+        for bs in reversed(self.batch_sizes):
+            keys.append(GraphKey(bs, False))
+            if bs in self.direct_sizes:
+                keys.append(GraphKey(bs, False, direct=True))
+            if bs in self.cascade_sizes:
+                keys.append(GraphKey(bs, True))
+        return keys
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -125,14 +134,16 @@ class CudaGraphRunner:
             self._capture(key, stream)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        cascade = sorted(self.cascade_sizes)
+        cascade, direct = sorted(self.cascade_sizes), sorted(self.direct_sizes)
         logger.info(
-            "captured %d decode CUDA graphs in %.1f s: %d plain (batch %s), %d with cascade attention "
-            "(batch %s); logits buffer %.0f MiB, device memory reserved +%.0f MiB",
+            "captured %d decode CUDA graphs in %.1f s: %d plain (batch %s), %d direct (batch %s), %d with "
+            "cascade attention (batch %s); logits buffer %.0f MiB, device memory reserved +%.0f MiB",
             len(self.graphs),
             self.capture_seconds,
             len(self.batch_sizes),
             _span(self.batch_sizes),
+            len(direct),
+            _span(direct),
             len(cascade),
             _span(cascade),
             self.logits.numel() * 4 / 2**20,
@@ -141,7 +152,7 @@ class CudaGraphRunner:
 
     def _capture(self, key: GraphKey, stream: torch.cuda.Stream) -> None:
         fb = self._static_batch(key.batch_size)
-        self._init_metadata(fb, key.cascade, capture=True)
+        self._init_metadata(fb, key, capture=True)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
@@ -155,17 +166,19 @@ class CudaGraphRunner:
         self.graphs[key] = graph
         self.greedy[key] = greedy
 
-    def _init_metadata(self, fb: ForwardBatch, cascade: bool, capture: bool) -> None:
+    def _init_metadata(self, fb: ForwardBatch, key: GraphKey, capture: bool) -> None:
         backend = self.memory.attn_backend
         hook = (
             backend.init_forward_metadata_capture_cuda_graph
             if capture
             else backend.init_forward_metadata_replay_cuda_graph
         )
+        variant = {}  # several variants of this batch size: say which one
         if fb.batch_size in self.cascade_sizes:
-            hook(fb, cascade=cascade)  # two variants of this batch size: say which one
-        else:
-            hook(fb)
+            variant["cascade"] = key.cascade
+        if fb.batch_size in self.direct_sizes:
+            variant["direct"] = key.direct
+        hook(fb, **variant)
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         logits = self.logits[: fb.batch_size]  # (bs, vocab) float32: the first rows of the shared buffer
@@ -204,13 +217,16 @@ class CudaGraphRunner:
         # reading them back from the device would cost a sync per step.
         static.seq_lens_cpu = list(fb.seq_lens_cpu) + [0] * (bs - n)
         static.req_pool_indices_cpu = fb.req_pool_indices_cpu  # the n real rows (shared-prefix grouping)
-        key = GraphKey(bs, bs in self.cascade_sizes and self.memory.attn_backend.decode_uses_cascade(static))
-        self._init_metadata(static, key.cascade, capture=False)
+        backend = self.memory.attn_backend
+        cascade = bs in self.cascade_sizes and backend.decode_uses_cascade(static)
+        key = GraphKey(bs, cascade, not cascade and bs in self.direct_sizes and backend.decode_uses_direct(static))
+        self._init_metadata(static, key, capture=False)
         self.graphs[key].replay()
         if key.cascade:
             self.cascade_replays += 1
         else:
             self.plain_replays += 1
+            self.direct_replays += key.direct
         return self.logits[:n], self.greedy[key][:n]
 
 

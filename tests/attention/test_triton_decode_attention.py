@@ -160,11 +160,15 @@ def test_split_plans_of_equal_and_mixed_lengths():
     assert set(plan_splits([770] * 64, large, 8).table[: 2 * 64 : 2].tolist()) == {2}
     tiny = default_decode_policy(132).for_batch(1)
     assert plan_splits([576], tiny, 8).max_splits == 18  # 32-token splits, the shortest allowed
-    # A 10% share of 8,000-token requests among 600-token ones: 5 splits each, the others one.
+    # A 10% share of 8,000-token requests among 600-token ones: 3 splits each (twice the mean length, 2,680
+    # tokens: a batch of 80 fills the GPU with one split each), the others one; at a batch of 40, 10 splits.
     lens = [600] * 72 + [8000] * 8
     plan = plan_splits(lens, large, 8)
     n = plan.table[: 2 * 80 : 2]
-    assert set(n[:72].tolist()) == {1} and set(n[72:].tolist()) == {5}
+    assert set(n[:72].tolist()) == {1} and set(n[72:].tolist()) == {3}
+    assert plan_splits([600] * 36 + [8000] * 4, large, 8).table[2 * 36] == 10
+    # Requests within twice the mean length of each other stay one split each in a full batch.
+    assert plan_splits([512 + 3 * i for i in range(80)], large, 8).max_splits == 1
     # Whatever the lengths, the items fit a graph's capacity (batch + extra_items).
     gen = torch.Generator().manual_seed(0)
     for bs in (1, 3, 17, 40, 80, 300):
@@ -291,6 +295,37 @@ def test_cuda_graph_hooks_pad_and_reuse_static_buffers():
 
     with pytest.raises(ValueError, match="max_bs"):  # 5 requests > max_bs 4
         backend.init_forward_metadata_replay_cuda_graph(case.forward_batch(ForwardMode.DECODE, backend))
+
+
+def test_direct_graph_variant_serves_steps_of_one_split_each():
+    # target_programs 8 with 2 KV heads: a batch of 4 fills the GPU with one split each, so its graphs
+    # come in a direct variant (no merge stage) beside the general one; a step picks by its plan.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=8)
+    case = PagedCase(8, 2, 32, [9, 10, 8, 11, 39, 2], [1] * 6)
+    backend = TritonAttnBackend(attention_context(num_attention_heads=8, num_key_value_heads=2, head_dim=32), cfg)
+    backend.init_cuda_graph_state(max_bs=4)
+    assert backend.has_direct_graph(4) and not backend.has_direct_graph(2)
+    reference = TorchNativeAttnBackend(attention_context())
+    q = case.randn(4, 8, 32)
+
+    def step(rows, lens, direct):
+        fb = case.forward_batch(ForwardMode.DECODE, backend, rows=rows, seq_lens=lens, batch_size=4)
+        uses = backend.decode_uses_direct(fb)
+        backend.init_forward_metadata_replay_cuda_graph(fb, direct=direct)
+        got = backend.forward_decode(q[: len(rows)], case.layer, fb)
+        ref = run_backend(reference, case, ForwardMode.DECODE, q[: len(rows)], rows=rows, seq_lens=lens)
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+        return uses, fb.attn_metadata.splits
+
+    # Lengths 9-12 (the split length is twice the mean): one split each, the direct variant, no merge.
+    uses, splits = step(case.rows[:4], case.seq_lens[:4], direct=True)
+    assert uses and not splits.merge and splits.items == 4
+    # A 40-token request among them needs two splits: the general variant, merged; the direct one refuses.
+    rows, lens = case.rows[1:5], case.seq_lens[1:5]
+    uses, splits = step(rows, lens, direct=False)
+    assert not uses and splits.merge and splits.items == 4 + cfg.extra_items(2)
+    with pytest.raises(ValueError, match="several splits"):
+        step(rows, lens, direct=True)
 
 
 # ---------------------------------------------------------------- GPU, real sizes (pytest -m gpu)

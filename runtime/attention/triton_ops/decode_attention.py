@@ -87,6 +87,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
     KV_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -108,11 +109,6 @@ def _decode_stage1_kernel(
     split_len = tl.cdiv(suffix_len, num_splits)
     kv_start = kv_begin + split * split_len
     kv_end = tl.where(owner >= 0, tl.minimum(kv_start + split_len, seq_len), kv_start)
-    # A request with one split and no prefix partials to merge: stage 1 writes its output (what stage 2
-    # would compute from the one partial, bit for bit) and stage 2 leaves it alone.
-    direct = (num_splits == 1) & (owner >= 0)
-    if HAS_PREFIX:
-        direct = owner < -1  # never: the prefix partials are merged in stage 2
 
     # The program reads HPP adjacent KV heads as one (BLOCK_N, HPP * BLOCK_D) tile, and its rows are their
     # query heads (head h's GROUP heads are rows h * GROUP ...). q is block-diagonal over those columns: a
@@ -164,7 +160,7 @@ def _decode_stage1_kernel(
 
         if KV_SCALED:
             acc = acc * tl.load(VScale)
-        if direct:
+        if DIRECT_OUT:  # the only split: this is the output (what stage 2 would compute from it, bit for bit)
             tl.store(
                 Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
                 (acc / l_i[:, None]).to(Out.dtype.element_ty),
@@ -177,7 +173,7 @@ def _decode_stage1_kernel(
                 mask=own,
             )
             tl.store(PartialLse + item * stride_plb + heads * stride_plh, m_i + tl.log2(l_i), mask=r_mask)
-    elif direct:  # an empty (padding) request: zero output, as stage 2 gives it
+    elif DIRECT_OUT:  # an empty (padding) request: zero output, as stage 2 gives it
         tl.store(
             Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
             tl.zeros([BLOCK_R, HPP * BLOCK_D], dtype=Out.dtype.element_ty),
@@ -192,7 +188,7 @@ class DecodeSplits:
     table: torch.Tensor  # int32, the plan's table (a graph's static buffer may be longer)
     items_at: int
     items: int  # stage-1 items to launch
-    merge: bool  # whether stage 2 runs (False: every request has one split and wrote its output)
+    merge: bool  # whether stage 2 runs (False: every request has one split, whose output stage 1 writes)
 
     @classmethod
     def upload(cls, plan: SplitPlan, device: torch.device, into: Optional[torch.Tensor] = None) -> "DecodeSplits":
@@ -264,7 +260,7 @@ def decode_attention(
 
     # NOTE: when every request has one split (batch * kv heads already fills the GPU and no request is
     # much longer than the rest) and no prefix partials to merge, stage 1 writes every output and stage 2,
-    # which would only copy them, is not launched. A graph's plan always merges: its steps' lengths vary.
+    # which would only copy them, is not launched.
     merge = splits.merge or prefix is not None
     # NOTE: no programmatic launch with a shared prefix: stage 2 then also waits for the prefix kernel on
     # another stream (`before_merge`), a dependency PDL's same-stream handshake does not cover.
@@ -306,6 +302,7 @@ def decode_attention(
         BLOCK_N=cfg.block_n,
         DOT_PRECISION=precision,
         HAS_PREFIX=prefix is not None,
+        DIRECT_OUT=not merge,
         KV_SCALED=kv_scales is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -325,6 +322,7 @@ def decode_attention(
         prefix_o,
         prefix_lse,
         cfg.max_row_splits(num_kv_heads),
+        cfg.even_splits(batch, num_kv_heads),
         cfg,
         prefix,
         pdl,

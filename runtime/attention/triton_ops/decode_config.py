@@ -8,10 +8,11 @@ partial-output scratch a config needs.
 How a step's KV is split: every request has at least one split, and a step has `target_programs` programs'
 worth of extra splits to hand out (`DecodeConfig.extra_items`). One split length serves the whole step,
 long enough that all the splits together make about `target_programs` programs: sum(KV) x KV-head groups /
-target_programs tokens, and at least `min_split_len`. A request gets cdiv(its KV, that length) splits, so a
-batch of equal requests splits as evenly as before, and in a batch of mixed lengths an 8,000-token request
-gets more splits than its 600-token neighbours instead of walking its KV in one program while they wait
-(benchmarks/RESULTS.md, issue 32: 3-5x the step's attention time at a 10% share of long requests).
+target_programs tokens, at least `min_split_len`, and where one split a request already fills the GPU, at
+least twice the mean length. A request gets cdiv(its KV, that length) splits, so a batch of equal requests
+splits as evenly as before, and in a batch of mixed lengths an 8,000-token request gets more splits than its
+600-token neighbours instead of walking its KV in one program while they wait (benchmarks/RESULTS.md, issue
+32: 3-5x the step's attention time at a 10% share of long requests).
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ class DecodeConfig:
         programs. A step's split length keeps the splits it cuts within this bound (`plan_splits`), so
         a captured graph's grid of (batch + extra_items) splits holds any step of its batch size."""
         return -(-self.target_programs // self.head_groups(num_kv_heads))
+
+    def even_splits(self, batch_size: int, num_kv_heads: int) -> int:
+        """Most splits a request gets in a batch of this size whose requests are of about one length (the
+        batch's share of target_programs): stage 2's merge tile (a longer request's splits take more)."""
+        want = -(-self.target_programs // max(1, batch_size * self.head_groups(num_kv_heads)))
+        return max(1, min(self.max_kv_splits, want))
 
     def max_row_splits(self, num_kv_heads: int) -> int:
         """Most splits one request can get (stage 2 merges them in one tile)."""
@@ -167,7 +174,13 @@ def plan_splits(
     lens = np.maximum(np.asarray(suffix_lens, dtype=np.int64), 0)
     b = len(lens)
     groups = cfg.head_groups(num_kv_heads)
-    split_len = max(cfg.min_split_len, -(-int(lens.sum()) * groups // cfg.target_programs))
+    total = int(lens.sum())
+    split_len = max(cfg.min_split_len, -(-total * groups // cfg.target_programs))
+    if b * groups >= cfg.target_programs:
+        # NOTE: a batch this large fills the GPU with one split per request: splits are then only for
+        # balance, and a request up to twice the mean length is no longer a tail worth a merge stage
+        # (requests of about one length keep the direct kernels: no scratch round trip, no stage 2).
+        split_len = max(split_len, -(-2 * total // b))
     n = np.clip(-(-lens // split_len), 1, cfg.max_row_splits(num_kv_heads))  # (B,)
     extra = n - 1
     num_extra = int(extra.sum())  # <= sum(lens) / split_len <= extra_items, by the split length's choice

@@ -1,8 +1,7 @@
 """Stage 2 of the split-KV decode (`decode_attention.py`): each request's KV splits, and with shared-prefix
 attention the prefix kernel's partials (`PrefixPartials`), merged by their log-sum-exps (base 2) into the
 output. A request's splits sit in the scratch at the rows of their stage-1 items: its first split at row b,
-the others from the row its plan names (`SplitPlan`, decode_config.py). A request with one split and no
-prefix partials wrote its output in stage 1 and is left alone here.
+the others from the row its plan names (`SplitPlan`, decode_config.py).
 
 An empty split or request (seq_len == 0) weighs nothing; a request with nothing at all gets zeros.
 """
@@ -32,16 +31,13 @@ def suffix_start(ReqInfo, b, HAS_PREFIX: tl.constexpr):
 
 @triton.jit
 def _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX: tl.constexpr):
-    # Stage 2's view of request b: the KV length stage 1 covered, its split count and length, the scratch
-    # row of its second split, and whether there is anything to merge.
+    # Stage 2's view of request b: the KV length stage 1 covered, its split count and length, and the
+    # scratch row of its second split.
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     suffix_len = tl.maximum(seq_len - suffix_start(ReqInfo, b, HAS_PREFIX), 0)
     num_splits = tl.load(Splits + 2 * b)
     first_extra = tl.load(Splits + 2 * b + 1)
-    merge = num_splits > 1
-    if HAS_PREFIX:
-        merge = num_splits > 0  # always: the prefix partials are merged here
-    return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits), first_extra, merge
+    return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits), first_extra
 
 
 @triton.jit
@@ -78,68 +74,67 @@ def _decode_stage2_kernel(
     # programs whose time went mostly to block scheduling.
     b = tl.program_id(0)
 
-    suffix_len, num_splits, split_len, first_extra, merge = _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX)
-    if merge:
-        offs_h = tl.arange(0, BLOCK_HQ)
-        h_mask = offs_h < NUM_HEADS
-        offs_s = tl.arange(0, BLOCK_S)
-        rows = tl.where(offs_s == 0, b, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
-        # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
-        # wrote nothing there, so it must be masked here by its start, not just by num_splits.
-        s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
-        offs_d = tl.arange(0, BLOCK_D)
-        hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    suffix_len, num_splits, split_len, first_extra = _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX)
+    offs_h = tl.arange(0, BLOCK_HQ)
+    h_mask = offs_h < NUM_HEADS
+    offs_s = tl.arange(0, BLOCK_S)
+    rows = tl.where(offs_s == 0, b, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
+    # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
+    # wrote nothing there, so it must be masked here by its start, not just by num_splits.
+    s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
 
-        lse = tl.load(
-            PartialLse + rows[None, :] * stride_plb + offs_h[:, None] * stride_plh,
-            mask=h_mask[:, None] & s_mask[None, :],
+    lse = tl.load(
+        PartialLse + rows[None, :] * stride_plb + offs_h[:, None] * stride_plh,
+        mask=h_mask[:, None] & s_mask[None, :],
+        other=float("-inf"),
+    )  # (BLOCK_HQ, BLOCK_S)
+    lse_max = tl.max(lse, 1)  # (BLOCK_HQ,)
+    if HAS_PREFIX:
+        p_slot = tl.load(ReqInfo + b * 3 + 1)
+        n_prefix = tl.load(ReqInfo + b * 3 + 2)
+        offs_p = tl.arange(0, BLOCK_P)
+        lse_p = tl.load(
+            PrefixLse + (p_slot + offs_p)[None, :] * stride_xls + offs_h[:, None],
+            mask=h_mask[:, None] & (offs_p < n_prefix)[None, :],
             other=float("-inf"),
-        )  # (BLOCK_HQ, BLOCK_S)
-        lse_max = tl.max(lse, 1)  # (BLOCK_HQ,)
-        if HAS_PREFIX:
-            p_slot = tl.load(ReqInfo + b * 3 + 1)
-            n_prefix = tl.load(ReqInfo + b * 3 + 2)
-            offs_p = tl.arange(0, BLOCK_P)
-            lse_p = tl.load(
-                PrefixLse + (p_slot + offs_p)[None, :] * stride_xls + offs_h[:, None],
-                mask=h_mask[:, None] & (offs_p < n_prefix)[None, :],
-                other=float("-inf"),
-            )
-            lse_max = tl.maximum(lse_max, tl.max(lse_p, 1))
-        # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        w = tl.exp2(lse - lse_max[:, None])  # (BLOCK_HQ, BLOCK_S), 0 for masked splits
-        w_sum = tl.sum(w, 1)
-        acc = tl.zeros([BLOCK_HQ, BLOCK_D], dtype=tl.float32)
-        # The splits stage 1 wrote (not the empty last one; the scratch there is stale, maybe NaN).
-        n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
-        for s in range(0, n_written):
-            row = tl.where(s == 0, b, first_extra + s - 1)
-            lse_s = tl.load(PartialLse + row * stride_plb + offs_h * stride_plh, mask=h_mask, other=float("-inf"))
-            w_s = tl.exp2(lse_s - lse_max)  # (BLOCK_HQ,) this split's weight
+        )
+        lse_max = tl.maximum(lse_max, tl.max(lse_p, 1))
+    # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max[:, None])  # (BLOCK_HQ, BLOCK_S), 0 for masked splits
+    w_sum = tl.sum(w, 1)
+    acc = tl.zeros([BLOCK_HQ, BLOCK_D], dtype=tl.float32)
+    # The splits stage 1 wrote (not the empty last one; the scratch there is stale, maybe NaN).
+    n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
+    for s in range(0, n_written):
+        row = tl.where(s == 0, b, first_extra + s - 1)
+        lse_s = tl.load(PartialLse + row * stride_plb + offs_h * stride_plh, mask=h_mask, other=float("-inf"))
+        w_s = tl.exp2(lse_s - lse_max)  # (BLOCK_HQ,) this split's weight
+        o = tl.load(
+            PartialO + row * stride_pob + offs_h[:, None] * stride_poh + offs_d[None, :],
+            mask=hd_mask,
+            other=0.0,
+        )
+        acc += o * w_s[:, None]
+    if HAS_PREFIX:
+        w_p = tl.exp2(lse_p - lse_max[:, None])  # (BLOCK_HQ, BLOCK_P)
+        w_sum += tl.sum(w_p, 1)
+        for j in range(0, n_prefix):
+            w_j = tl.sum(tl.where(offs_p[None, :] == j, w_p, 0.0), 1)
             o = tl.load(
-                PartialO + row * stride_pob + offs_h[:, None] * stride_poh + offs_d[None, :],
+                PrefixO + (p_slot + j) * stride_xos + offs_h[:, None] * stride_xoh + offs_d[None, :],
                 mask=hd_mask,
                 other=0.0,
             )
-            acc += o * w_s[:, None]
-        if HAS_PREFIX:
-            w_p = tl.exp2(lse_p - lse_max[:, None])  # (BLOCK_HQ, BLOCK_P)
-            w_sum += tl.sum(w_p, 1)
-            for j in range(0, n_prefix):
-                w_j = tl.sum(tl.where(offs_p[None, :] == j, w_p, 0.0), 1)
-                o = tl.load(
-                    PrefixO + (p_slot + j) * stride_xos + offs_h[:, None] * stride_xoh + offs_d[None, :],
-                    mask=hd_mask,
-                    other=0.0,
-                )
-                acc += o * w_j[:, None]
-        out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-        tl.store(
-            Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=hd_mask,
-        )
+            acc += o * w_j[:, None]
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    tl.store(
+        Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=hd_mask,
+    )
 
 
 @triton.jit
@@ -175,58 +170,57 @@ def _decode_stage2_per_head_kernel(
     b = tl.program_id(0)
     head = tl.program_id(1)
 
-    suffix_len, num_splits, split_len, first_extra, merge = _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX)
-    if merge:
-        offs_s = tl.arange(0, BLOCK_S)
-        rows = tl.where(offs_s == 0, b, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
-        # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
-        # wrote nothing there, so it must be masked here by its start, not just by num_splits.
-        s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
+    suffix_len, num_splits, split_len, first_extra = _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX)
+    offs_s = tl.arange(0, BLOCK_S)
+    rows = tl.where(offs_s == 0, b, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
+    # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
+    # wrote nothing there, so it must be masked here by its start, not just by num_splits.
+    s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
 
-        lse = tl.load(PartialLse + rows * stride_plb + head * stride_plh, mask=s_mask, other=float("-inf"))
-        lse_max = tl.max(lse, 0)
-        if HAS_PREFIX:
-            p_slot = tl.load(ReqInfo + b * 3 + 1)
-            offs_p = tl.arange(0, BLOCK_P)
-            p_mask = offs_p < tl.load(ReqInfo + b * 3 + 2)
-            lse_p = tl.load(
-                PrefixLse + (p_slot + offs_p) * stride_xls + head, mask=p_mask, other=float("-inf")
-            )  # (BLOCK_P,)
-            lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
-        # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        w_sum = tl.sum(tl.exp2(lse - lse_max), 0)  # 0 for masked splits
-        # The partial outputs CHUNK_S splits at a time: one (BLOCK_S, BLOCK_D) tile would hold the most
-        # splits a request can have (64 rows) in every program, most of them masked.
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
-        for c in range(0, n_written, CHUNK_S):
-            offs_c = c + tl.arange(0, CHUNK_S)
-            c_mask = offs_c < n_written
-            rows_c = tl.where(offs_c == 0, b, first_extra + offs_c - 1)
-            w_c = tl.exp2(
-                tl.load(PartialLse + rows_c * stride_plb + head * stride_plh, mask=c_mask, other=float("-inf"))
-                - lse_max
-            )  # (CHUNK_S,)
-            o = tl.load(
-                PartialO + rows_c[:, None] * stride_pob + head * stride_poh + offs_d[None, :],
-                mask=c_mask[:, None] & d_mask[None, :],
-                other=0.0,
-            )  # (CHUNK_S, BLOCK_D)
-            acc += tl.sum(o * w_c[:, None], 0)  # (BLOCK_D,)
-        if HAS_PREFIX:
-            w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
-            o_p = tl.load(
-                PrefixO + (p_slot + offs_p)[:, None] * stride_xos + head * stride_xoh + offs_d[None, :],
-                mask=p_mask[:, None] & d_mask[None, :],
-                other=0.0,
-            )  # (BLOCK_P, BLOCK_D)
-            w_sum += tl.sum(w_p, 0)
-            acc += tl.sum(o_p * w_p[:, None], 0)
-        out = acc / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
-        tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+    lse = tl.load(PartialLse + rows * stride_plb + head * stride_plh, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    if HAS_PREFIX:
+        p_slot = tl.load(ReqInfo + b * 3 + 1)
+        offs_p = tl.arange(0, BLOCK_P)
+        p_mask = offs_p < tl.load(ReqInfo + b * 3 + 2)
+        lse_p = tl.load(
+            PrefixLse + (p_slot + offs_p) * stride_xls + head, mask=p_mask, other=float("-inf")
+        )  # (BLOCK_P,)
+        lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
+    # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w_sum = tl.sum(tl.exp2(lse - lse_max), 0)  # 0 for masked splits
+    # The partial outputs CHUNK_S splits at a time: as many as a batch of this size splits a request into
+    # when its requests are of about one length (one chunk), where one (BLOCK_S, BLOCK_D) tile would hold
+    # the most splits a request can have (64 rows) in every program, most of them masked.
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
+    for c in range(0, n_written, CHUNK_S):
+        offs_c = c + tl.arange(0, CHUNK_S)
+        c_mask = offs_c < n_written
+        rows_c = tl.where(offs_c == 0, b, first_extra + offs_c - 1)
+        w_c = tl.exp2(
+            tl.load(PartialLse + rows_c * stride_plb + head * stride_plh, mask=c_mask, other=float("-inf")) - lse_max
+        )  # (CHUNK_S,)
+        o = tl.load(
+            PartialO + rows_c[:, None] * stride_pob + head * stride_poh + offs_d[None, :],
+            mask=c_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # (CHUNK_S, BLOCK_D)
+        acc += tl.sum(o * w_c[:, None], 0)  # (BLOCK_D,)
+    if HAS_PREFIX:
+        w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
+        o_p = tl.load(
+            PrefixO + (p_slot + offs_p)[:, None] * stride_xos + head * stride_xoh + offs_d[None, :],
+            mask=p_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_P, BLOCK_D)
+        w_sum += tl.sum(w_p, 0)
+        acc += tl.sum(o_p * w_p[:, None], 0)
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)  # (BLOCK_D,)
+    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
 @dataclass
@@ -249,6 +243,7 @@ def merge_partials(
     prefix_o: torch.Tensor,  # (slots, H, D) fp32 prefix partials (unused without a prefix)
     prefix_lse: torch.Tensor,  # (slots, H) fp32
     max_row_splits: int,
+    even_splits: int,
     cfg: DecodeConfig,
     prefix: Optional[PrefixPartials],
     pdl: dict,
@@ -290,7 +285,10 @@ def merge_partials(
     )
     if cfg.merge_per_head:
         _decode_stage2_per_head_kernel[(batch, num_heads)](
-            *args, **consts, CHUNK_S=min(16, block_s), num_warps=4 if block_d >= 128 else 2
+            *args,
+            **consts,
+            CHUNK_S=min(block_s, triton.next_power_of_2(even_splits)),
+            num_warps=4 if block_d >= 128 else 2,
         )
     else:
         _decode_stage2_kernel[(batch,)](
