@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from plait.runtime.attention import AttentionContext
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend
+from plait.runtime.executor.cuda_graphs import GraphKey
 from plait.runtime.executor.loader import load_model
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
 from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool
@@ -139,7 +140,7 @@ VOCAB = 128256  # Llama 3's: the size where one logits tensor per graph cost ~9 
 MAX_BS = 256
 
 
-def _model_runner(tmp_path, **server_args):
+def _model_runner(tmp_path, heads: int = 4, kv_heads: int = 2, **server_args):
     from plait.runtime.executor.model_runner import ModelRunner
     from plait.runtime.server_args import ServerArgs
 
@@ -152,8 +153,8 @@ def _model_runner(tmp_path, **server_args):
                 hidden_size=256,
                 intermediate_size=512,
                 num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
                 head_dim=64,
                 vocab_size=VOCAB,
                 rms_norm_eps=1e-5,
@@ -198,6 +199,7 @@ def captured(tmp_path_factory):
 def test_gpu_graphs_keep_one_logits_buffer(captured):
     mr, runner, sizes, held = captured
     assert runner.cascade_sizes == {bs for bs in sizes if bs >= 16}
+    assert not runner.direct_sizes  # 2 KV heads, two a program: one split each fills the GPU from 264 on
     assert len(runner.graphs) == len(sizes) + len(runner.cascade_sizes)
     one = MAX_BS * VOCAB * 4
     # A (bs, vocab) float32 output kept per graph would hold sum(bs) rows over both variants: ~17x one
@@ -279,3 +281,33 @@ def test_gpu_disabled_cascade_captures_plain_graphs_only(tmp_path):
     assert runner.cascade_sizes == frozenset()
     assert sorted(k.batch_size for k in runner.graphs) == [1, 2, 4, 8, 16, 32]
     assert not any(k.cascade for k in runner.graphs)
+
+
+@pytest.mark.gpu
+def test_gpu_replay_picks_the_direct_graph_for_steps_of_one_split_each(tmp_path):
+    # 8 KV heads, two a program: a batch of 80 fills the GPU (H100: 264 programs) with one split each, so
+    # its graphs come in a direct variant; a step replays it when no request needs more than one split.
+    from plait.runtime.executor.cuda_graphs import CudaGraphRunner
+
+    mr = _model_runner(tmp_path, heads=8, kv_heads=8, cuda_graph_max_bs=80, disable_cascade_attention=True)
+    runner = CudaGraphRunner(mr.model, mr.memory, mr.info.vocab_size, 80)
+    assert runner.direct_sizes == frozenset({80}) and GraphKey(80, False, direct=True) in runner.graphs
+    for buf in mr.memory.kv_pool.k_buffer + mr.memory.kv_pool.v_buffer:
+        buf.normal_()
+    rng = np.random.default_rng(1)
+    at, even, ragged = 1, [], []
+    for batch, lens in ((even, rng.integers(500, 700, 72)), (ragged, [300] * 70 + [6000, 5000])):
+        for n in lens:
+            batch.append(np.arange(at, at + int(n), dtype=np.int32))
+            at += int(n)
+    for rows, batch, direct in ((range(1, 73), even, True), (range(73, 145), ragged, False)):
+        fb = _decode_fb(mr, list(rows), batch, seed=len(batch))
+        before = (runner.plain_replays, runner.direct_replays)
+        with torch.inference_mode():
+            logits, greedy = runner.replay(fb)
+            logits, greedy = logits.clone(), greedy.clone()
+            mr.memory.attn_backend.init_forward_metadata(fb)
+            ref = mr.model.compute_logits(mr.model(fb.input_ids, fb.positions, fb))
+        assert (runner.plain_replays - before[0], runner.direct_replays - before[1]) == (1, int(direct))
+        assert torch.equal(greedy, logits.argmax(-1))
+        assert float((logits - ref).norm() / ref.norm()) < 2e-2
