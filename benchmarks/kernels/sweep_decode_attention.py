@@ -57,19 +57,18 @@ def decode_case(shape: str, case):
     plans: dict = {}
 
     def run(cfg: DecodeConfig, graph: bool = False) -> None:
-        """One decode call with the step's split plan, planned (and uploaded) at the first call of a config:
-        as an eager step plans it (the items it uses), or as a decode graph launches it (the direct variant
-        where every request has one split and the batch has one, else its batch size's whole item
-        capacity, stage 2 always)."""
-        splits = plans.get((cfg, graph))
-        if splits is None:
-            cap = bs + cfg.extra_items(kv_heads) if graph else None
-            plan = plan_splits(lens, cfg, kv_heads, cap)
-            splits = plans[(cfg, graph)] = DecodeSplits.upload(plan, q.device)
-            if graph:
-                direct = plan.max_splits == 1 and cfg.even_splits(bs, kv_heads) == 1
-                splits.items, splits.merge = (bs, False) if direct else (plan.items, True)
+        """One decode call as a step makes it: even splits where they serve (no plan), else the step's split
+        plan, planned (and uploaded) at the first call of a config, with the items it uses (eager) or its
+        batch size's whole item capacity and the merge stage (a ragged decode graph)."""
+        if (cfg, graph) not in plans:
+            plan = plan_splits(lens, cfg, kv_heads, bs + cfg.extra_items(kv_heads) if graph else None)
+            splits = None
+            if plan.max_splits > cfg.even_splits(bs, kv_heads):
+                splits = DecodeSplits.upload(plan, q.device)
+                splits.merge = splits.merge or graph
+            plans[(cfg, graph)] = splits
             torch.cuda.synchronize()
+        splits = plans[(cfg, graph)]
         decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], out, r2t.req_to_token, req, sl, 0.1, cfg, splits=splits)
 
     return run, 2 * sum(lens) * kv_heads * head_dim * 2

@@ -89,12 +89,12 @@ class AttentionBackend(ABC):
         """Whether this graph step should replay the cascade variant."""
         return False
 
-    # And one for steps whose requests each need a single pass over their KV (the triton backend's decode
-    # without a merge stage), beside the general graph.
-    def has_direct_graph(self, bs: int) -> bool:
-        """Whether decode graphs of batch `bs` also come in a direct variant."""
+    # And one for steps whose requests' KV lengths are far apart (the triton backend's kernels of a split
+    # plan, which a long request among short ones needs), beside the general graph.
+    def has_ragged_graph(self, bs: int) -> bool:
+        """Whether decode graphs of batch `bs` also come in a ragged variant."""
         return False
 
-    def decode_uses_direct(self, fb: ForwardBatch) -> bool:
-        """Whether this graph step (not a cascade one) should replay the direct variant."""
+    def decode_uses_ragged(self, fb: ForwardBatch) -> bool:
+        """Whether this graph step (not a cascade one) should replay the ragged variant."""
         return False

@@ -307,10 +307,18 @@ class TritonAttnBackend(AttentionBackend):
         return plan_splits(lens, cfg, self.head_shape.num_kv_heads, items_cap)
 
     def _eager_splits(self, seq_lens: Sequence[int], step: Optional[CascadeStep]) -> Optional[DecodeSplits]:
+        """The step's uneven split plan on the device, or None where even splits serve it (the kernels
+        without a plan: every request as many splits as the batch size gives, up to its length)."""
         plan = self._split_plan(seq_lens, step)
-        if plan is None:
+        if plan is None or not self._uneven(plan, len(seq_lens)):
             return None
         return DecodeSplits(self._uploads.upload(plan.table), plan.items_at, plan.items, plan.max_splits > 1)
+
+    def _uneven(self, plan: SplitPlan, batch: int) -> bool:
+        """Whether a plan gives some request more splits than even splits would (a long request among short
+        ones: the only steps the plan's kernels serve better)."""
+        assert self.head_shape is not None
+        return plan.max_splits > self.decode_policy.for_batch(batch).even_splits(batch, self.head_shape.num_kv_heads)
 
     def _cascade_state(self) -> Optional[TritonCascade]:
         if self._cascade is None and self._cascade_on and self.head_shape is not None:
@@ -378,32 +386,30 @@ class TritonAttnBackend(AttentionBackend):
         the batch's requests stay; the replay hook then reuses the plan)."""
         return self.has_cascade_graph(fb.batch_size) and self._cascade.graph_plan(fb) is not None
 
-    def has_direct_graph(self, bs: int) -> bool:
-        """Whether decode graphs of batch `bs` also come in a direct variant (`direct=True`): a batch this
-        large gives requests of about one length a single split each (and short ones, any batch; below
-        this size they are the first tokens of a request, too rare to capture graphs for)."""
-        if self.head_shape is None:
-            return False
-        return self.decode_policy.for_batch(bs).even_splits(bs, self.head_shape.num_kv_heads) == 1
+    def has_ragged_graph(self, bs: int) -> bool:
+        """Whether decode graphs of batch `bs` also come in a ragged variant (`ragged=True`): the kernels of
+        a split plan, for steps where a long request among short ones needs more splits than even splits
+        give (below 8 requests even splits already cut every request into 17 or more)."""
+        return self.head_shape is not None and bs >= 8
 
-    def decode_uses_direct(self, fb: ForwardBatch) -> bool:
-        """Whether this graph step (fb.batch_size: the padded size; not a cascade step) gives every request
-        one split, so the direct variant serves it. Plans on the host; the replay hook reuses the plan."""
-        return self.has_direct_graph(fb.batch_size) and self._graph_plan(fb, None).max_splits == 1
+    def decode_uses_ragged(self, fb: ForwardBatch) -> bool:
+        """Whether this graph step (fb.batch_size: the padded size; not a cascade step) needs the ragged
+        variant. Plans on the host; the replay hook reuses the plan."""
+        return self.has_ragged_graph(fb.batch_size) and self._uneven(self._graph_plan(fb, None), fb.batch_size)
 
     def init_forward_metadata_capture_cuda_graph(
-        self, fb: ForwardBatch, cascade: Optional[bool] = None, direct: bool = False
+        self, fb: ForwardBatch, cascade: Optional[bool] = None, ragged: bool = False
     ) -> None:
-        fb.attn_metadata = self._load_graph_inputs(fb, capture=True, cascade=cascade, direct=direct)
+        fb.attn_metadata = self._load_graph_inputs(fb, capture=True, cascade=cascade, ragged=ragged)
 
     def init_forward_metadata_replay_cuda_graph(
-        self, fb: ForwardBatch, cascade: Optional[bool] = None, direct: bool = False
+        self, fb: ForwardBatch, cascade: Optional[bool] = None, ragged: bool = False
     ) -> None:
-        fb.attn_metadata = self._load_graph_inputs(fb, capture=False, cascade=cascade, direct=direct)
+        fb.attn_metadata = self._load_graph_inputs(fb, capture=False, cascade=cascade, ragged=ragged)
 
     def _graph_plan(self, fb: ForwardBatch, step: Optional[CascadeStep]) -> SplitPlan:
         """The split plan of a graph step, for its batch size's item capacity (made once per step: the
-        direct variant's check and the replay hook share it)."""
+        ragged variant's check and the replay hook share it)."""
         cached = self._graph_plan_of
         if cached is not None and cached[0] is fb and cached[1] is step:
             return cached[2]
@@ -417,7 +423,7 @@ class TritonAttnBackend(AttentionBackend):
         return plan
 
     def _load_graph_inputs(
-        self, fb: ForwardBatch, capture: bool, cascade: Optional[bool], direct: bool = False
+        self, fb: ForwardBatch, capture: bool, cascade: Optional[bool], ragged: bool = False
     ) -> TritonDecodeMetadata:
         if self._graph_seq_lens is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing or replaying a graph")
@@ -441,17 +447,15 @@ class TritonAttnBackend(AttentionBackend):
             seq[n:].zero_()  # empty requests: no KV read, zero output
         # The plain variant carries no tables at all: decode_attention then runs the pre-cascade kernels.
         step = self._cascade.graph_step(fb, capture=capture) if available and cascade is not False else None
-        if direct and (step is not None or not self.has_direct_graph(bs)):
-            raise ValueError(f"no direct decode graph for batch {bs} (or asked for one with the cascade kernels)")
-        plan = self._graph_plan(fb, step)
+        if not ragged:  # even splits: the kernels take their layout from the grid, no plan
+            return TritonDecodeMetadata(req, seq, step)
+        if step is not None or not self.has_ragged_graph(bs):
+            raise ValueError(f"no ragged decode graph for batch {bs} (or asked for one with the cascade kernels)")
+        # NOTE: the ragged graph launches its batch size's whole item capacity and always merges (its steps'
+        # plans vary); the items a step does not use exit at once.
+        plan = self._graph_plan(fb, None)
         table = self._uploads.upload(plan.table, into=self._graph_splits)
-        if direct:  # one split each: the first bs items, stage 1 writes the outputs, no merge
-            if plan.max_splits > 1:
-                raise ValueError("a direct decode graph replayed for a step whose requests need several splits")
-            return TritonDecodeMetadata(req, seq, None, DecodeSplits(table, plan.items_at, bs, False))
-        # NOTE: the general graph launches its batch size's whole item capacity and always merges (its
-        # steps' lengths vary); the items a step does not use exit at once.
-        return TritonDecodeMetadata(req, seq, step, DecodeSplits(table, plan.items_at, plan.items, True))
+        return TritonDecodeMetadata(req, seq, None, DecodeSplits(table, plan.items_at, plan.items, True))
 
 
 class PlanUploads:

@@ -11,10 +11,9 @@ Variants: a backend may capture more graphs per batch size. A cascade one (hooks
 and `decode_uses_cascade(fb)`; the triton backend's shared-prefix kernels, batch >= 16, with their
 tables filled from the host rows in `req_pool_indices_cpu` at each replay): a step replays it only when
 the backend says its batch shares a prefix (with nothing grouped the cascade kernels cost more:
-RESULTS.md). A direct one (`has_direct_graph(bs)`, `decode_uses_direct(fb)`; the triton backend's
-split-KV decode when every request's KV is one split, without the merge stage the general graph must
-launch because its steps' lengths vary): a step replays it when the backend says its plan allows. Every
-other step replays the plain graph.
+RESULTS.md). A ragged one (`has_ragged_graph(bs)`, `decode_uses_ragged(fb)`; the triton backend's
+split-KV decode from a per-step split plan, which a long request among short ones needs): a step replays
+it when the backend says its lengths are that far apart. Every other step replays the plain graph.
 
 Memory: every graph writes its logits into the first bs rows of ONE (max_bs, vocab) float32 buffer,
 allocated outside the graph pool. A graph output allocated inside the pool would stay alive, so each
@@ -53,7 +52,7 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 class GraphKey:
     batch_size: int
     cascade: bool  # captured with the backend's shared-prefix kernels
-    direct: bool = False  # captured for steps the backend runs without a merge stage
+    ragged: bool = False  # captured for steps whose requests' lengths are far apart
 
 
 class CudaGraphRunner:
@@ -84,14 +83,14 @@ class CudaGraphRunner:
         backend = memory.attn_backend
         backend.init_cuda_graph_state(self.max_bs)
         self.cascade_sizes = frozenset(bs for bs in self.batch_sizes if backend.has_cascade_graph(bs))
-        self.direct_sizes = frozenset(bs for bs in self.batch_sizes if backend.has_direct_graph(bs))
+        self.ragged_sizes = frozenset(bs for bs in self.batch_sizes if backend.has_ragged_graph(bs))
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.greedy: dict[GraphKey, torch.Tensor] = {}  # (bs,) int64 greedy ids, each graph's own
         self.pool = None
         self.capture_seconds = 0.0
         self.plain_replays = 0
         self.cascade_replays = 0
-        self.direct_replays = 0  # of the plain replays, those of the direct variant
+        self.ragged_replays = 0  # of the plain replays, those of the ragged variant
         self._capture_all()
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -118,8 +117,8 @@ class CudaGraphRunner:
         keys = []
         for bs in reversed(self.batch_sizes):
             keys.append(GraphKey(bs, False))
-            if bs in self.direct_sizes:
-                keys.append(GraphKey(bs, False, direct=True))
+            if bs in self.ragged_sizes:
+                keys.append(GraphKey(bs, False, ragged=True))
             if bs in self.cascade_sizes:
                 keys.append(GraphKey(bs, True))
         return keys
@@ -134,16 +133,16 @@ class CudaGraphRunner:
             self._capture(key, stream)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        cascade, direct = sorted(self.cascade_sizes), sorted(self.direct_sizes)
+        cascade, ragged = sorted(self.cascade_sizes), sorted(self.ragged_sizes)
         logger.info(
-            "captured %d decode CUDA graphs in %.1f s: %d plain (batch %s), %d direct (batch %s), %d with "
+            "captured %d decode CUDA graphs in %.1f s: %d plain (batch %s), %d ragged (batch %s), %d with "
             "cascade attention (batch %s); logits buffer %.0f MiB, device memory reserved +%.0f MiB",
             len(self.graphs),
             self.capture_seconds,
             len(self.batch_sizes),
             _span(self.batch_sizes),
-            len(direct),
-            _span(direct),
+            len(ragged),
+            _span(ragged),
             len(cascade),
             _span(cascade),
             self.logits.numel() * 4 / 2**20,
@@ -176,8 +175,8 @@ class CudaGraphRunner:
         variant = {}  # several variants of this batch size: say which one
         if fb.batch_size in self.cascade_sizes:
             variant["cascade"] = key.cascade
-        if fb.batch_size in self.direct_sizes:
-            variant["direct"] = key.direct
+        if fb.batch_size in self.ragged_sizes:
+            variant["ragged"] = key.ragged
         hook(fb, **variant)
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -219,14 +218,14 @@ class CudaGraphRunner:
         static.req_pool_indices_cpu = fb.req_pool_indices_cpu  # the n real rows (shared-prefix grouping)
         backend = self.memory.attn_backend
         cascade = bs in self.cascade_sizes and backend.decode_uses_cascade(static)
-        key = GraphKey(bs, cascade, not cascade and bs in self.direct_sizes and backend.decode_uses_direct(static))
+        key = GraphKey(bs, cascade, not cascade and bs in self.ragged_sizes and backend.decode_uses_ragged(static))
         self._init_metadata(static, key, capture=False)
         self.graphs[key].replay()
         if key.cascade:
             self.cascade_replays += 1
         else:
             self.plain_replays += 1
-            self.direct_replays += key.direct
+            self.ragged_replays += key.ragged
         return self.logits[:n], self.greedy[key][:n]
 
 

@@ -297,35 +297,45 @@ def test_cuda_graph_hooks_pad_and_reuse_static_buffers():
         backend.init_forward_metadata_replay_cuda_graph(case.forward_batch(ForwardMode.DECODE, backend))
 
 
-def test_direct_graph_variant_serves_steps_of_one_split_each():
-    # target_programs 8 with 2 KV heads: a batch of 4 fills the GPU with one split each, so its graphs
-    # come in a direct variant (no merge stage) beside the general one; a step picks by its plan.
-    cfg = DecodeConfig(block_n=16, max_kv_splits=4, min_split_len=8, target_programs=8)
-    case = PagedCase(8, 2, 32, [9, 10, 8, 11, 39, 2], [1] * 6)
+def test_ragged_graph_variant_serves_a_long_request_among_short_ones():
+    # A batch of 8 x 2 KV heads fills the 16 programs with one split a request (even splits) unless a
+    # request is long enough that its plan gives it more: the ragged variant, with the plan's items and a
+    # merge. The eager step takes the same kernels.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=16, min_split_len=8, target_programs=16)
+    lens = [12, 10, 9, 11, 12, 10, 9, 11]
+    case = PagedCase(8, 2, 32, [n - 1 for n in lens] + [159] + [n - 1 for n in lens[1:]], [1] * 16)
     backend = TritonAttnBackend(attention_context(num_attention_heads=8, num_key_value_heads=2, head_dim=32), cfg)
-    backend.init_cuda_graph_state(max_bs=4)
-    assert backend.has_direct_graph(4) and not backend.has_direct_graph(2)
+    backend.init_cuda_graph_state(max_bs=8)
+    assert backend.has_ragged_graph(8) and not backend.has_ragged_graph(4)
+    assert cfg.even_splits(8, 2) == 1
     reference = TorchNativeAttnBackend(attention_context())
-    q = case.randn(4, 8, 32)
+    q = case.randn(8, 8, 32)
 
-    def step(rows, lens, direct):
-        fb = case.forward_batch(ForwardMode.DECODE, backend, rows=rows, seq_lens=lens, batch_size=4)
-        uses = backend.decode_uses_direct(fb)
-        backend.init_forward_metadata_replay_cuda_graph(fb, direct=direct)
-        got = backend.forward_decode(q[: len(rows)], case.layer, fb)
-        ref = run_backend(reference, case, ForwardMode.DECODE, q[: len(rows)], rows=rows, seq_lens=lens)
+    def step(first, ragged):
+        rows, lens = case.rows[first : first + 8], case.seq_lens[first : first + 8]
+        fb = case.forward_batch(ForwardMode.DECODE, backend, rows=rows, seq_lens=lens, batch_size=8)
+        uses = backend.decode_uses_ragged(fb)
+        backend.init_forward_metadata_replay_cuda_graph(fb, ragged=ragged)
+        got = backend.forward_decode(q, case.layer, fb)
+        ref = run_backend(reference, case, ForwardMode.DECODE, q, rows=rows, seq_lens=lens)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+        eager = run_backend(backend, case, ForwardMode.DECODE, q, rows=rows, seq_lens=lens)
+        torch.testing.assert_close(eager, ref, atol=2e-5, rtol=1e-4)
         return uses, fb.attn_metadata.splits
 
-    # Lengths 9-12 (the split length is twice the mean): one split each, the direct variant, no merge.
-    uses, splits = step(case.rows[:4], case.seq_lens[:4], direct=True)
-    assert uses and not splits.merge and splits.items == 4
-    # A 40-token request among them needs two splits: the general variant, merged; the direct one refuses.
-    rows, lens = case.rows[1:5], case.seq_lens[1:5]
-    uses, splits = step(rows, lens, direct=False)
-    assert not uses and splits.merge and splits.items == 4 + cfg.extra_items(2)
-    with pytest.raises(ValueError, match="several splits"):
-        step(rows, lens, direct=True)
+    # Lengths 9-12: even splits (one each), the plain graph, no plan.
+    uses, splits = step(0, ragged=False)
+    assert not uses and splits is None
+    # A 160-token request among them: its plan gives it 3 splits (58 tokens: twice the mean length).
+    uses, splits = step(8, ragged=True)
+    assert uses and splits.merge and splits.items == 8 + cfg.extra_items(2)
+    with pytest.raises(ValueError, match="ragged"):
+        backend.init_forward_metadata_replay_cuda_graph(
+            case.forward_batch(
+                ForwardMode.DECODE, backend, rows=case.rows[:4], seq_lens=case.seq_lens[:4], batch_size=4
+            ),
+            ragged=True,
+        )
 
 
 # ---------------------------------------------------------------- GPU, real sizes (pytest -m gpu)

@@ -199,8 +199,8 @@ def captured(tmp_path_factory):
 def test_gpu_graphs_keep_one_logits_buffer(captured):
     mr, runner, sizes, held = captured
     assert runner.cascade_sizes == {bs for bs in sizes if bs >= 16}
-    assert not runner.direct_sizes  # 2 KV heads, two a program: one split each fills the GPU from 264 on
-    assert len(runner.graphs) == len(sizes) + len(runner.cascade_sizes)
+    assert runner.ragged_sizes == {bs for bs in sizes if bs >= 8}
+    assert len(runner.graphs) == len(sizes) + len(runner.cascade_sizes) + len(runner.ragged_sizes)
     one = MAX_BS * VOCAB * 4
     # A (bs, vocab) float32 output kept per graph would hold sum(bs) rows over both variants: ~17x one
     # buffer here. Shared, it is one buffer plus static inputs, tables and (bs,) greedy ids.
@@ -279,35 +279,35 @@ def test_gpu_disabled_cascade_captures_plain_graphs_only(tmp_path):
     mr = _model_runner(tmp_path, cuda_graph_max_bs=32, disable_cascade_attention=True)
     runner = CudaGraphRunner(mr.model, mr.memory, mr.info.vocab_size, 32)
     assert runner.cascade_sizes == frozenset()
-    assert sorted(k.batch_size for k in runner.graphs) == [1, 2, 4, 8, 16, 32]
+    assert sorted(k.batch_size for k in runner.graphs if not k.ragged) == [1, 2, 4, 8, 16, 32]
     assert not any(k.cascade for k in runner.graphs)
 
 
 @pytest.mark.gpu
-def test_gpu_replay_picks_the_direct_graph_for_steps_of_one_split_each(tmp_path):
-    # 8 KV heads, two a program: a batch of 80 fills the GPU (H100: 264 programs) with one split each, so
-    # its graphs come in a direct variant; a step replays it when no request needs more than one split.
+def test_gpu_replay_picks_the_ragged_graph_for_a_long_request_among_short_ones(tmp_path):
+    # A batch of about one length replays the plain graph (even splits); one with two long requests among
+    # short ones the ragged variant (the split plan's kernels). Both against the eager step.
     from plait.runtime.executor.cuda_graphs import CudaGraphRunner
 
     mr = _model_runner(tmp_path, heads=8, kv_heads=8, cuda_graph_max_bs=80, disable_cascade_attention=True)
     runner = CudaGraphRunner(mr.model, mr.memory, mr.info.vocab_size, 80)
-    assert runner.direct_sizes == frozenset({80}) and GraphKey(80, False, direct=True) in runner.graphs
+    assert GraphKey(80, False, ragged=True) in runner.graphs and GraphKey(4, False, ragged=True) not in runner.graphs
     for buf in mr.memory.kv_pool.k_buffer + mr.memory.kv_pool.v_buffer:
         buf.normal_()
     rng = np.random.default_rng(1)
-    at, even, ragged = 1, [], []
-    for batch, lens in ((even, rng.integers(500, 700, 72)), (ragged, [300] * 70 + [6000, 5000])):
+    at, even, ragged = 1, [], []  # 32,000 slots of the pool's 40,000
+    for batch, lens in ((even, rng.integers(150, 250, 72)), (ragged, [100] * 70 + [6000, 5000])):
         for n in lens:
             batch.append(np.arange(at, at + int(n), dtype=np.int32))
             at += int(n)
-    for rows, batch, direct in ((range(1, 73), even, True), (range(73, 145), ragged, False)):
+    for rows, batch, uneven in ((range(1, 73), even, False), (range(73, 145), ragged, True)):
         fb = _decode_fb(mr, list(rows), batch, seed=len(batch))
-        before = (runner.plain_replays, runner.direct_replays)
+        before = (runner.plain_replays, runner.ragged_replays)
         with torch.inference_mode():
             logits, greedy = runner.replay(fb)
             logits, greedy = logits.clone(), greedy.clone()
             mr.memory.attn_backend.init_forward_metadata(fb)
             ref = mr.model.compute_logits(mr.model(fb.input_ids, fb.positions, fb))
-        assert (runner.plain_replays - before[0], runner.direct_replays - before[1]) == (1, int(direct))
+        assert (runner.plain_replays - before[0], runner.ragged_replays - before[1]) == (1, int(uneven))
         assert torch.equal(greedy, logits.argmax(-1))
         assert float((logits - ref).norm() / ref.norm()) < 2e-2

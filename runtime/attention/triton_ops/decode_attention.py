@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from ...kernels.launch import pdl_launch_args, pdl_wait_then_release
-from .decode_config import DecodeConfig, SplitPlan, decode_scratch_numel, plan_splits
-from .decode_merge import PrefixPartials, merge_partials, suffix_start
+from .decode_config import DecodeConfig, SplitPlan, decode_scratch_numel
+from .decode_merge import PrefixPartials, merge_partials, request_split_count, suffix_start
 from .kv_scale_args import kv_scale_args
 
 _LOG2E = 1.4426950408889634
@@ -65,6 +65,7 @@ def _decode_stage1_kernel(
     KScale,
     VScale,
     sm_scale_log2,
+    split_cap,
     items_at,
     stride_qb,
     stride_qh,
@@ -85,8 +86,10 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    ITEMS: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
     KV_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -97,18 +100,25 @@ def _decode_stage1_kernel(
     # NOTE: the KV-head group is the grid's fastest axis, so the programs of one request's KV heads are
     # launched side by side and read the same tokens' K/V rows (heads are adjacent in a row) at the same time.
     kv_group = tl.program_id(0)
-    item = tl.program_id(1)
-    owner = tl.load(Splits + items_at + 2 * item)  # -1: an item this step does not use (a graph's spare)
-    split = tl.load(Splits + items_at + 2 * item + 1)
-    b = tl.maximum(owner, 0)
+    if ITEMS:  # a split plan's item: its request (-1: one this step does not use) and split
+        item = tl.program_id(1)
+        owner = tl.load(Splits + items_at + 2 * item)
+        split = tl.load(Splits + items_at + 2 * item + 1)
+        b = tl.maximum(owner, 0)
+    else:  # even splits: (request, split) from the grid, the split's partials at row b * split_cap + split
+        b = tl.program_id(1)
+        split = tl.program_id(2)
+        item = b * split_cap + split
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     kv_begin = suffix_start(ReqInfo, b, HAS_PREFIX)
     suffix_len = tl.maximum(seq_len - kv_begin, 0)
-    num_splits = tl.load(Splits + 2 * b)
+    num_splits = request_split_count(Splits, b, suffix_len, split_cap, MIN_SPLIT_LEN, ITEMS)
     split_len = tl.cdiv(suffix_len, num_splits)
     kv_start = kv_begin + split * split_len
-    kv_end = tl.where(owner >= 0, tl.minimum(kv_start + split_len, seq_len), kv_start)
+    kv_end = tl.minimum(kv_start + split_len, seq_len)
+    if ITEMS:
+        kv_end = tl.where(owner >= 0, kv_end, kv_start)
 
     # The program reads HPP adjacent KV heads as one (BLOCK_N, HPP * BLOCK_D) tile, and its rows are their
     # query heads (head h's GROUP heads are rows h * GROUP ...). q is block-diagonal over those columns: a
@@ -217,7 +227,7 @@ def decode_attention(
     prefix: Optional[PrefixPartials] = None,  # shared-prefix partials to merge; stage 1 starts after them
     before_merge: Optional[Callable[[], None]] = None,  # called between the stages (a stream join)
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,  # an FP8 pool's layer (k_scale, v_scale), 0-d
-    splits: Optional[DecodeSplits] = None,  # the step's plan; None: planned here from seq_lens (a host sync)
+    splits: Optional[DecodeSplits] = None,  # a step's uneven split plan; None: even splits, from the grid
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -225,12 +235,7 @@ def decode_attention(
     k_scale, v_scale = kv_scale_args(k_buffer, kv_scales)
     if batch == 0:
         return out
-    if splits is None:
-        lens = seq_lens.tolist()
-        if prefix is not None:
-            begin = prefix.req_info[:batch, 0].tolist()
-            lens = [n - s for n, s in zip(lens, begin)]
-        splits = DecodeSplits.upload(plan_splits(lens, cfg, num_kv_heads), q.device)
+    split_cap = cfg.even_splits(batch, num_kv_heads)
     need = decode_scratch_numel(batch, num_heads, num_kv_heads, head_dim, cfg)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.float32, device=q.device)
@@ -238,7 +243,7 @@ def decode_attention(
         raise ValueError(
             f"decode scratch must be fp32 with >= {need} elements, got {scratch.dtype} x {scratch.numel()}"
         )
-    items = splits.items
+    items = splits.items if splits is not None else batch * split_cap  # scratch rows of partials
     if items > batch + cfg.extra_items(num_kv_heads):
         raise ValueError(f"a split plan of {items} items for a batch of {batch} is over this config's bound")
     n_o = items * num_heads * head_dim
@@ -261,11 +266,13 @@ def decode_attention(
     # NOTE: when every request has one split (batch * kv heads already fills the GPU and no request is
     # much longer than the rest) and no prefix partials to merge, stage 1 writes every output and stage 2,
     # which would only copy them, is not launched.
-    merge = splits.merge or prefix is not None
+    merge = (splits.merge if splits is not None else split_cap > 1) or prefix is not None
     # NOTE: no programmatic launch with a shared prefix: stage 2 then also waits for the prefix kernel on
     # another stream (`before_merge`), a dependency PDL's same-stream handshake does not cover.
     pdl = pdl_launch_args(q.device) if prefix is None else {"USE_PDL": False}
-    _decode_stage1_kernel[(num_kv_heads // hpp, items)](
+    grid = (num_kv_heads // hpp, items) if splits is not None else (num_kv_heads // hpp, batch, split_cap)
+    table = splits.table if splits is not None else seq_lens  # (unused without a plan)
+    _decode_stage1_kernel[grid](
         q,
         k_buffer,
         v_buffer,
@@ -273,14 +280,15 @@ def decode_attention(
         req_pool_indices,
         seq_lens,
         req_info,
-        splits.table,
+        table,
         partial_o,
         partial_lse,
         out,
         k_scale,
         v_scale,
         sm_scale * _LOG2E,
-        splits.items_at,
+        split_cap,
+        splits.items_at if splits is not None else 0,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -300,8 +308,10 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_R=block_r,
         BLOCK_N=cfg.block_n,
+        MIN_SPLIT_LEN=cfg.min_split_len,
         DOT_PRECISION=precision,
         HAS_PREFIX=prefix is not None,
+        ITEMS=splits is not None,
         DIRECT_OUT=not merge,
         KV_SCALED=kv_scales is not None,
         num_warps=cfg.num_warps,
@@ -318,11 +328,11 @@ def decode_attention(
         seq_lens,
         out,
         req_info,
-        splits.table,
+        splits.table if splits is not None else None,
         prefix_o,
         prefix_lse,
-        cfg.max_row_splits(num_kv_heads),
-        cfg.even_splits(batch, num_kv_heads),
+        split_cap,
+        cfg.max_row_splits(num_kv_heads) if splits is not None else split_cap,
         cfg,
         prefix,
         pdl,

@@ -2,8 +2,10 @@
 
 `DecodeConfig` is one set of launch parameters; `DecodePolicy` picks one per decode batch size (the
 choice depends on the batch size only, so a captured CUDA graph keeps its kernels for any sequence lengths);
-`plan_splits` cuts each request's KV into splits for one step; `decode_scratch_numel` sizes the
-partial-output scratch a config needs.
+`even_splits` is how many splits the kernels give each request by themselves (from the batch size: a
+captured graph stays valid for any lengths); `plan_splits` cuts each request's KV for one step from its
+length, for the steps where that differs (a long request among short ones); `decode_scratch_numel` sizes
+the partial-output scratch a config needs.
 
 How a step's KV is split: every request has at least one split, and a step has `target_programs` programs'
 worth of extra splits to hand out (`DecodeConfig.extra_items`). One split length serves the whole step,
@@ -178,8 +180,8 @@ def plan_splits(
     split_len = max(cfg.min_split_len, -(-total * groups // cfg.target_programs))
     if b * groups >= cfg.target_programs:
         # NOTE: a batch this large fills the GPU with one split per request: splits are then only for
-        # balance, and a request up to twice the mean length is no longer a tail worth a merge stage
-        # (requests of about one length keep the direct kernels: no scratch round trip, no stage 2).
+        # balance, and a request up to twice the mean length is no tail worth a merge stage (a batch of
+        # about one length keeps one split each, written out by stage 1 alone).
         split_len = max(split_len, -(-2 * total // b))
     n = np.clip(-(-lens // split_len), 1, cfg.max_row_splits(num_kv_heads))  # (B,)
     extra = n - 1

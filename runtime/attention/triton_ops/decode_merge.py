@@ -1,7 +1,8 @@
 """Stage 2 of the split-KV decode (`decode_attention.py`): each request's KV splits, and with shared-prefix
 attention the prefix kernel's partials (`PrefixPartials`), merged by their log-sum-exps (base 2) into the
-output. A request's splits sit in the scratch at the rows of their stage-1 items: its first split at row b,
-the others from the row its plan names (`SplitPlan`, decode_config.py).
+output. A request's splits sit in the scratch at the rows of their stage-1 items: with even splits at rows
+b * split_cap + split, with a plan (`SplitPlan`, decode_config.py) its first split at row b and the others from
+the row the plan names.
 
 An empty split or request (seq_len == 0) weighs nothing; a request with nothing at all gets zeros.
 """
@@ -30,14 +31,32 @@ def suffix_start(ReqInfo, b, HAS_PREFIX: tl.constexpr):
 
 
 @triton.jit
-def _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX: tl.constexpr):
+def request_split_count(Splits, b, suffix_len, split_cap, MIN_SPLIT_LEN: tl.constexpr, ITEMS: tl.constexpr):
+    # A request's KV splits: its plan's count, or with even splits the same formula in both stages, so they
+    # agree on where each starts and ends.
+    if ITEMS:
+        n = tl.load(Splits + 2 * b)
+    else:
+        n = tl.maximum(tl.minimum(tl.cdiv(suffix_len, MIN_SPLIT_LEN), split_cap), 1)
+    return n
+
+
+@triton.jit
+def _request_splits(
+    SeqLens, ReqInfo, Splits, b, split_cap, MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, ITEMS: tl.constexpr
+):
     # Stage 2's view of request b: the KV length stage 1 covered, its split count and length, and the
-    # scratch row of its second split.
+    # scratch rows of its first and second splits (the others follow the second).
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     suffix_len = tl.maximum(seq_len - suffix_start(ReqInfo, b, HAS_PREFIX), 0)
-    num_splits = tl.load(Splits + 2 * b)
-    first_extra = tl.load(Splits + 2 * b + 1)
-    return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits), first_extra
+    num_splits = request_split_count(Splits, b, suffix_len, split_cap, MIN_SPLIT_LEN, ITEMS)
+    if ITEMS:
+        first_row = b
+        second_row = tl.load(Splits + 2 * b + 1)
+    else:
+        first_row = b * split_cap
+        second_row = first_row + 1
+    return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits), first_row, second_row
 
 
 @triton.jit
@@ -50,6 +69,7 @@ def _decode_stage2_kernel(
     Splits,
     PrefixO,
     PrefixLse,
+    split_cap,
     stride_pob,
     stride_poh,
     stride_plb,
@@ -64,7 +84,9 @@ def _decode_stage2_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    ITEMS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -74,11 +96,13 @@ def _decode_stage2_kernel(
     # programs whose time went mostly to block scheduling.
     b = tl.program_id(0)
 
-    suffix_len, num_splits, split_len, first_extra = _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX)
+    suffix_len, num_splits, split_len, first_row, first_extra = _request_splits(
+        SeqLens, ReqInfo, Splits, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX, ITEMS
+    )
     offs_h = tl.arange(0, BLOCK_HQ)
     h_mask = offs_h < NUM_HEADS
     offs_s = tl.arange(0, BLOCK_S)
-    rows = tl.where(offs_s == 0, b, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
+    rows = tl.where(offs_s == 0, first_row, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
     # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
     # wrote nothing there, so it must be masked here by its start, not just by num_splits.
     s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
@@ -109,7 +133,7 @@ def _decode_stage2_kernel(
     # The splits stage 1 wrote (not the empty last one; the scratch there is stale, maybe NaN).
     n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
     for s in range(0, n_written):
-        row = tl.where(s == 0, b, first_extra + s - 1)
+        row = tl.where(s == 0, first_row, first_extra + s - 1)
         lse_s = tl.load(PartialLse + row * stride_plb + offs_h * stride_plh, mask=h_mask, other=float("-inf"))
         w_s = tl.exp2(lse_s - lse_max)  # (BLOCK_HQ,) this split's weight
         o = tl.load(
@@ -147,6 +171,7 @@ def _decode_stage2_per_head_kernel(
     Splits,
     PrefixO,
     PrefixLse,
+    split_cap,
     stride_pob,
     stride_poh,
     stride_plb,
@@ -160,7 +185,9 @@ def _decode_stage2_per_head_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK_S: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    ITEMS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -170,9 +197,11 @@ def _decode_stage2_per_head_kernel(
     b = tl.program_id(0)
     head = tl.program_id(1)
 
-    suffix_len, num_splits, split_len, first_extra = _request_splits(SeqLens, ReqInfo, Splits, b, HAS_PREFIX)
+    suffix_len, num_splits, split_len, first_row, first_extra = _request_splits(
+        SeqLens, ReqInfo, Splits, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX, ITEMS
+    )
     offs_s = tl.arange(0, BLOCK_S)
-    rows = tl.where(offs_s == 0, b, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
+    rows = tl.where(offs_s == 0, first_row, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
     # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
     # wrote nothing there, so it must be masked here by its start, not just by num_splits.
     s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
@@ -200,7 +229,7 @@ def _decode_stage2_per_head_kernel(
     for c in range(0, n_written, CHUNK_S):
         offs_c = c + tl.arange(0, CHUNK_S)
         c_mask = offs_c < n_written
-        rows_c = tl.where(offs_c == 0, b, first_extra + offs_c - 1)
+        rows_c = tl.where(offs_c == 0, first_row, first_extra + offs_c - 1)
         w_c = tl.exp2(
             tl.load(PartialLse + rows_c * stride_plb + head * stride_plh, mask=c_mask, other=float("-inf")) - lse_max
         )  # (CHUNK_S,)
@@ -234,16 +263,16 @@ class PrefixPartials:
 
 
 def merge_partials(
-    partial_o: torch.Tensor,  # (items, H, D) fp32, stage 1's per-split outputs
-    partial_lse: torch.Tensor,  # (items, H) fp32, their log-sum-exps (base 2)
+    partial_o: torch.Tensor,  # (rows, H, D) fp32, stage 1's per-split outputs
+    partial_lse: torch.Tensor,  # (rows, H) fp32, their log-sum-exps (base 2)
     seq_lens: torch.Tensor,  # (B,)
     out: torch.Tensor,  # (B, H, D) written in place
     req_info: torch.Tensor,  # (B, 3) int32 with a prefix (suffix start, first prefix slot, prefix partials)
-    splits: torch.Tensor,  # int32, the step's split plan (SplitPlan's table)
+    splits: Optional[torch.Tensor],  # int32, an uneven split plan (SplitPlan's table); None: even splits
     prefix_o: torch.Tensor,  # (slots, H, D) fp32 prefix partials (unused without a prefix)
     prefix_lse: torch.Tensor,  # (slots, H) fp32
-    max_row_splits: int,
-    even_splits: int,
+    split_cap: int,  # even splits: the most a request has (cfg.even_splits)
+    max_row_splits: int,  # the most splits any request can have
     cfg: DecodeConfig,
     prefix: Optional[PrefixPartials],
     pdl: dict,
@@ -253,8 +282,8 @@ def merge_partials(
     batch, num_heads, head_dim = out.shape
     block_d = triton.next_power_of_2(head_dim)
     block_p = triton.next_power_of_2(max(1, prefix.max_partials if prefix is not None else 1))
-    # NOTE: no request has more splits than max_row_splits, which depends on the config only, so a
-    # captured graph's constexpr BLOCK_S stays right for any sequence lengths.
+    # NOTE: the bounds depend on the config and batch size only, so a captured graph's constexpr BLOCK_S
+    # stays right for any sequence lengths.
     block_s = triton.next_power_of_2(max_row_splits)
     args = (
         partial_o,
@@ -262,9 +291,10 @@ def merge_partials(
         seq_lens,
         out,
         req_info,
-        splits,
+        splits if splits is not None else seq_lens,  # (unused with even splits)
         prefix_o,
         prefix_lse,
+        split_cap,
         partial_o.stride(0),
         partial_o.stride(1),
         partial_lse.stride(0),
@@ -279,16 +309,17 @@ def merge_partials(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_S=block_s,
+        MIN_SPLIT_LEN=cfg.min_split_len,
         HAS_PREFIX=prefix is not None,
+        ITEMS=splits is not None,
         BLOCK_P=block_p,
         **pdl,
     )
     if cfg.merge_per_head:
+        # (a request's partials CHUNK_S at a time: as many as even splits give it, in one chunk)
+        chunk = min(block_s, triton.next_power_of_2(split_cap))
         _decode_stage2_per_head_kernel[(batch, num_heads)](
-            *args,
-            **consts,
-            CHUNK_S=min(block_s, triton.next_power_of_2(even_splits)),
-            num_warps=4 if block_d >= 128 else 2,
+            *args, **consts, CHUNK_S=chunk, num_warps=4 if block_d >= 128 else 2
         )
     else:
         _decode_stage2_kernel[(batch,)](
