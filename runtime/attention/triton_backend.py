@@ -61,6 +61,9 @@ from .triton_ops import (
 )
 from .triton_ops.extend_attention import TreeMasks
 
+# Decode batches of fewer requests never take a split plan: even splits cut every request into 17 or more.
+RAGGED_MIN_BATCH = 8
+
 
 @dataclass
 class TritonDecodeMetadata:
@@ -308,8 +311,14 @@ class TritonAttnBackend(AttentionBackend):
 
     def _eager_splits(self, seq_lens: Sequence[int], step: Optional[CascadeStep]) -> Optional[DecodeSplits]:
         """The step's uneven split plan on the device, or None where even splits serve it (the kernels
-        without a plan: every request as many splits as the batch size gives, up to its length)."""
-        plan = self._split_plan(seq_lens, step)
+        without a plan: every request as many splits as the batch size gives, up to its length).
+
+        NOTE: as in the graphs: no plan for a batch below RAGGED_MIN_BATCH or with shared-prefix (cascade)
+        tables, so an eager step never meets a kernel variant the start-up's graph captures did not compile
+        (a compile in the middle of serving stalls every request for about a second)."""
+        if step is not None or len(seq_lens) < RAGGED_MIN_BATCH:
+            return None
+        plan = self._split_plan(seq_lens, None)
         if plan is None or not self._uneven(plan, len(seq_lens)):
             return None
         return DecodeSplits(self._uploads.upload(plan.table), plan.items_at, plan.items, plan.max_splits > 1)
@@ -390,7 +399,7 @@ class TritonAttnBackend(AttentionBackend):
         """Whether decode graphs of batch `bs` also come in a ragged variant (`ragged=True`): the kernels of
         a split plan, for steps where a long request among short ones needs more splits than even splits
         give (below 8 requests even splits already cut every request into 17 or more)."""
-        return self.head_shape is not None and bs >= 8
+        return self.head_shape is not None and bs >= RAGGED_MIN_BATCH
 
     def decode_uses_ragged(self, fb: ForwardBatch) -> bool:
         """Whether this graph step (fb.batch_size: the padded size; not a cascade step) needs the ragged

@@ -295,8 +295,8 @@ def test_gpu_replay_picks_the_ragged_graph_for_a_long_request_among_short_ones(t
     for buf in mr.memory.kv_pool.k_buffer + mr.memory.kv_pool.v_buffer:
         buf.normal_()
     rng = np.random.default_rng(1)
-    at, even, ragged = 1, [], []  # 32,000 slots of the pool's 40,000
-    for batch, lens in ((even, rng.integers(150, 250, 72)), (ragged, [100] * 70 + [6000, 5000])):
+    at, even, ragged = 1, [], []  # ~20,000 slots of the pool's 40,000; rows of at most 1,024 (the context)
+    for batch, lens in ((even, rng.integers(150, 250, 72)), (ragged, [60] * 70 + [1000, 900])):
         for n in lens:
             batch.append(np.arange(at, at + int(n), dtype=np.int32))
             at += int(n)
