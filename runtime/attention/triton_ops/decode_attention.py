@@ -76,6 +76,7 @@ def _decode_stage1_kernel(
     stride_r2t,
     stride_pob,
     stride_poh,
+    stride_pos,
     stride_plb,
     stride_plh,
     stride_ob,
@@ -105,10 +106,11 @@ def _decode_stage1_kernel(
         owner = tl.load(Splits + items_at + 2 * item)
         split = tl.load(Splits + items_at + 2 * item + 1)
         b = tl.maximum(owner, 0)
-    else:  # even splits: (request, split) from the grid, the split's partials at row b * split_cap + split
+        block, row = item * 0, item  # the partials at the item's row of the plan's one block
+    else:  # even splits: (request, split) from the grid
         b = tl.program_id(1)
         split = tl.program_id(2)
-        item = b * split_cap + split
+        block, row = b, split  # the partials at the split's row of the request's own block
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     kv_begin = suffix_start(ReqInfo, b, HAS_PREFIX)
@@ -178,11 +180,11 @@ def _decode_stage1_kernel(
             )
         else:
             tl.store(
-                PartialO + item * stride_pob + heads[:, None] * stride_poh + col_d[None, :],
+                PartialO + block * stride_pob + heads[:, None] * stride_poh + row * stride_pos + col_d[None, :],
                 acc / l_i[:, None],
                 mask=own,
             )
-            tl.store(PartialLse + item * stride_plb + heads * stride_plh, m_i + tl.log2(l_i), mask=r_mask)
+            tl.store(PartialLse + block * stride_plb + heads * stride_plh + row, m_i + tl.log2(l_i), mask=r_mask)
     elif DIRECT_OUT:  # an empty (padding) request: zero output, as stage 2 gives it
         tl.store(
             Out + b * stride_ob + heads[:, None] * stride_oh + col_d[None, :],
@@ -243,12 +245,20 @@ def decode_attention(
         raise ValueError(
             f"decode scratch must be fp32 with >= {need} elements, got {scratch.dtype} x {scratch.numel()}"
         )
-    items = splits.items if splits is not None else batch * split_cap  # scratch rows of partials
+    items = splits.items if splits is not None else batch * split_cap  # splits written
     if items > batch + cfg.extra_items(num_kv_heads):
         raise ValueError(f"a split plan of {items} items for a batch of {batch} is over this config's bound")
     n_o = items * num_heads * head_dim
-    partial_o = scratch[:n_o].view(items, num_heads, head_dim)
-    partial_lse = scratch[n_o : n_o + items * num_heads].view(items, num_heads)
+    # The partials: with even splits a block per request, (B, H, split_cap, D), a request's splits of a head
+    # side by side for the merge; with a plan one block, (H, items, D), each item's at its row.
+    if splits is None:
+        partial_o = scratch[:n_o].view(batch, num_heads, split_cap, head_dim)
+        partial_lse = scratch[n_o : n_o + items * num_heads].view(batch, num_heads, split_cap)
+        strides = (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2), partial_lse.stride(0), split_cap)
+    else:
+        partial_o = scratch[:n_o].view(num_heads, items, head_dim)
+        partial_lse = scratch[n_o : n_o + items * num_heads].view(num_heads, items)
+        strides = (0, partial_o.stride(0), partial_o.stride(1), 0, items)
     group = num_heads // num_kv_heads
     hpp = cfg.heads_per_program(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
@@ -296,10 +306,7 @@ def decode_attention(
         v_buffer.stride(0),
         v_buffer.stride(1),
         req_to_token.stride(0),
-        partial_o.stride(0),
-        partial_o.stride(1),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
+        *strides,
         out.stride(0),
         out.stride(1),
         GROUP=group,
@@ -325,6 +332,7 @@ def decode_attention(
     merge_partials(
         partial_o,
         partial_lse,
+        strides,
         seq_lens,
         out,
         req_info,

@@ -45,18 +45,21 @@ def request_split_count(Splits, b, suffix_len, split_cap, MIN_SPLIT_LEN: tl.cons
 def _request_splits(
     SeqLens, ReqInfo, Splits, b, split_cap, MIN_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr, ITEMS: tl.constexpr
 ):
-    # Stage 2's view of request b: the KV length stage 1 covered, its split count and length, and the
-    # scratch rows of its first and second splits (the others follow the second).
+    # Stage 2's view of request b: the KV length stage 1 covered, its split count and length, and where its
+    # partials are: the request's block of the scratch (even splits: its own; a plan's: the one shared
+    # block), and in it the rows of its first and second splits (the others follow the second).
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     suffix_len = tl.maximum(seq_len - suffix_start(ReqInfo, b, HAS_PREFIX), 0)
     num_splits = request_split_count(Splits, b, suffix_len, split_cap, MIN_SPLIT_LEN, ITEMS)
     if ITEMS:
+        block = b * 0
         first_row = b
         second_row = tl.load(Splits + 2 * b + 1)
     else:
-        first_row = b * split_cap
+        block = b
+        first_row = b * 0
         second_row = first_row + 1
-    return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits), first_row, second_row
+    return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits), block, first_row, second_row
 
 
 @triton.jit
@@ -72,6 +75,7 @@ def _decode_stage2_kernel(
     split_cap,
     stride_pob,
     stride_poh,
+    stride_pos,
     stride_plb,
     stride_plh,
     stride_ob,
@@ -96,13 +100,18 @@ def _decode_stage2_kernel(
     # programs whose time went mostly to block scheduling.
     b = tl.program_id(0)
 
-    suffix_len, num_splits, split_len, first_row, first_extra = _request_splits(
+    suffix_len, num_splits, split_len, block, first_row, second_row = _request_splits(
         SeqLens, ReqInfo, Splits, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX, ITEMS
     )
+    PartialO += block * stride_pob
+    PartialLse += block * stride_plb
     offs_h = tl.arange(0, BLOCK_HQ)
     h_mask = offs_h < NUM_HEADS
     offs_s = tl.arange(0, BLOCK_S)
-    rows = tl.where(offs_s == 0, first_row, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
+    if ITEMS:
+        rows = tl.where(offs_s == 0, first_row, second_row + offs_s - 1)  # (BLOCK_S,) each split's row
+    else:
+        rows = offs_s
     # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
     # wrote nothing there, so it must be masked here by its start, not just by num_splits.
     s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
@@ -110,7 +119,7 @@ def _decode_stage2_kernel(
     hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
 
     lse = tl.load(
-        PartialLse + rows[None, :] * stride_plb + offs_h[:, None] * stride_plh,
+        PartialLse + offs_h[:, None] * stride_plh + rows[None, :],
         mask=h_mask[:, None] & s_mask[None, :],
         other=float("-inf"),
     )  # (BLOCK_HQ, BLOCK_S)
@@ -133,11 +142,15 @@ def _decode_stage2_kernel(
     # The splits stage 1 wrote (not the empty last one; the scratch there is stale, maybe NaN).
     n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
     for s in range(0, n_written):
-        row = tl.where(s == 0, first_row, first_extra + s - 1)
-        lse_s = tl.load(PartialLse + row * stride_plb + offs_h * stride_plh, mask=h_mask, other=float("-inf"))
-        w_s = tl.exp2(lse_s - lse_max)  # (BLOCK_HQ,) this split's weight
+        if ITEMS:  # (a plan's requests may have up to 64 splits: its weight read, not picked from the tile)
+            row = tl.where(s == 0, first_row, second_row + s - 1)
+            lse_s = tl.load(PartialLse + offs_h * stride_plh + row, mask=h_mask, other=float("-inf"))
+            w_s = tl.exp2(lse_s - lse_max)  # (BLOCK_HQ,) this split's weight
+        else:
+            row = s
+            w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)  # (BLOCK_HQ,) this split's weight
         o = tl.load(
-            PartialO + row * stride_pob + offs_h[:, None] * stride_poh + offs_d[None, :],
+            PartialO + offs_h[:, None] * stride_poh + row * stride_pos + offs_d[None, :],
             mask=hd_mask,
             other=0.0,
         )
@@ -174,6 +187,7 @@ def _decode_stage2_per_head_kernel(
     split_cap,
     stride_pob,
     stride_poh,
+    stride_pos,
     stride_plb,
     stride_plh,
     stride_ob,
@@ -197,18 +211,23 @@ def _decode_stage2_per_head_kernel(
     b = tl.program_id(0)
     head = tl.program_id(1)
 
-    suffix_len, num_splits, split_len, first_row, first_extra = _request_splits(
+    suffix_len, num_splits, split_len, block, first_row, second_row = _request_splits(
         SeqLens, ReqInfo, Splits, b, split_cap, MIN_SPLIT_LEN, HAS_PREFIX, ITEMS
     )
+    PartialO += block * stride_pob + head * stride_poh
+    PartialLse += block * stride_plb + head * stride_plh
     offs_s = tl.arange(0, BLOCK_S)
-    rows = tl.where(offs_s == 0, first_row, first_extra + offs_s - 1)  # (BLOCK_S,) scratch row of each split
+    if ITEMS:
+        rows = tl.where(offs_s == 0, first_row, second_row + offs_s - 1)  # (BLOCK_S,) each split's row
+    else:
+        rows = offs_s
     # NOTE: with split_len = cdiv(L, n) the last split can be empty (L=9, n=4 -> 3,3,3,0); stage 1
     # wrote nothing there, so it must be masked here by its start, not just by num_splits.
     s_mask = (offs_s < num_splits) & (offs_s * split_len < suffix_len)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
 
-    lse = tl.load(PartialLse + rows * stride_plb + head * stride_plh, mask=s_mask, other=float("-inf"))
+    lse = tl.load(PartialLse + rows, mask=s_mask, other=float("-inf"))  # (BLOCK_S,)
     lse_max = tl.max(lse, 0)
     if HAS_PREFIX:
         p_slot = tl.load(ReqInfo + b * 3 + 1)
@@ -220,25 +239,32 @@ def _decode_stage2_per_head_kernel(
         lse_max = tl.maximum(lse_max, tl.max(lse_p, 0))
     # Guard the all-empty case (seq_len == 0): exp2(-inf - -inf) would be NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w_sum = tl.sum(tl.exp2(lse - lse_max), 0)  # 0 for masked splits
-    # The partial outputs CHUNK_S splits at a time: as many as a batch of this size splits a request into
-    # when its requests are of about one length (one chunk), where one (BLOCK_S, BLOCK_D) tile would hold
-    # the most splits a request can have (64 rows) in every program, most of them masked.
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
-    for c in range(0, n_written, CHUNK_S):
-        offs_c = c + tl.arange(0, CHUNK_S)
-        c_mask = offs_c < n_written
-        rows_c = tl.where(offs_c == 0, first_row, first_extra + offs_c - 1)
-        w_c = tl.exp2(
-            tl.load(PartialLse + rows_c * stride_plb + head * stride_plh, mask=c_mask, other=float("-inf")) - lse_max
-        )  # (CHUNK_S,)
+    w = tl.exp2(lse - lse_max)  # (BLOCK_S,) 0 for masked splits
+    w_sum = tl.sum(w, 0)
+    if ITEMS:
+        # A plan's partials CHUNK_S splits at a time: as many as even splits give a request of this batch
+        # (one chunk), where one (BLOCK_S, BLOCK_D) tile would hold the most splits a request can have (64
+        # rows) in every program, most of them masked.
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        n_written = tl.cdiv(suffix_len, tl.maximum(split_len, 1))
+        for c in range(0, n_written, CHUNK_S):
+            offs_c = c + tl.arange(0, CHUNK_S)
+            c_mask = offs_c < n_written
+            rows_c = tl.where(offs_c == 0, first_row, second_row + offs_c - 1)
+            w_c = tl.exp2(tl.load(PartialLse + rows_c, mask=c_mask, other=float("-inf")) - lse_max)  # (CHUNK_S,)
+            o = tl.load(
+                PartialO + rows_c[:, None] * stride_pos + offs_d[None, :],
+                mask=c_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )  # (CHUNK_S, BLOCK_D)
+            acc += tl.sum(o * w_c[:, None], 0)  # (BLOCK_D,)
+    else:
         o = tl.load(
-            PartialO + rows_c[:, None] * stride_pob + head * stride_poh + offs_d[None, :],
-            mask=c_mask[:, None] & d_mask[None, :],
+            PartialO + offs_s[:, None] * stride_pos + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
             other=0.0,
-        )  # (CHUNK_S, BLOCK_D)
-        acc += tl.sum(o * w_c[:, None], 0)  # (BLOCK_D,)
+        )  # (BLOCK_S, BLOCK_D)
+        acc = tl.sum(o * w[:, None], 0)  # (BLOCK_D,)
     if HAS_PREFIX:
         w_p = tl.exp2(lse_p - lse_max)  # (BLOCK_P,)
         o_p = tl.load(
@@ -263,8 +289,9 @@ class PrefixPartials:
 
 
 def merge_partials(
-    partial_o: torch.Tensor,  # (rows, H, D) fp32, stage 1's per-split outputs
-    partial_lse: torch.Tensor,  # (rows, H) fp32, their log-sum-exps (base 2)
+    partial_o: torch.Tensor,  # fp32, stage 1's per-split outputs (layout: decode_attention's scratch)
+    partial_lse: torch.Tensor,  # fp32, their log-sum-exps (base 2)
+    strides: tuple[int, int, int, int, int],  # the scratch layout's (block, head, split) and lse (block, head)
     seq_lens: torch.Tensor,  # (B,)
     out: torch.Tensor,  # (B, H, D) written in place
     req_info: torch.Tensor,  # (B, 3) int32 with a prefix (suffix start, first prefix slot, prefix partials)
@@ -295,10 +322,7 @@ def merge_partials(
         prefix_o,
         prefix_lse,
         split_cap,
-        partial_o.stride(0),
-        partial_o.stride(1),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
+        *strides,
         out.stride(0),
         out.stride(1),
         prefix_o.stride(0),
