@@ -46,17 +46,27 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def shrink_plan(num_segs: int, longest: int, fan_in: int, K: int, in_splits: Optional[int] = None):
+def shrink_plan(
+    num_segs: int, longest: int, fan_in: int, K: int, in_splits: Optional[int] = None, fan_out: Optional[int] = None
+):
     """(splits, slice, block_in) of the shrink for `num_segs` segments of at most `longest` rows over
-    `fan_in` input features into K outputs: `splits` programs per row tile, each over `slice` features
-    (a multiple of `block_in`, its step), every split non-empty. `in_splits`: ask for that many instead of
-    the rule's (tests, the benchmark); host values only, so a captured graph replays the same grid."""
+    `fan_in` input features into K outputs (for a target of `fan_out` output columns): `splits` programs per
+    row tile, each over `slice` features (a multiple of `block_in`, its step), every split non-empty.
+    `in_splits`: ask for that many instead of the rule's (tests, the benchmark); host values only, so a
+    captured graph replays the same grid."""
     one_row = longest == 1
     block_in = min(128, max(32, ROW_TILE_ELEMS // _block(K))) if one_row else BLOCK_IN
     if in_splits is None:
         programs = num_segs * triton.cdiv(longest, BLOCK_T)
         most = MAX_SPLITS_ROW if one_row else MAX_SPLITS_TILE
         in_splits = min(TARGET_PROGRAMS // programs, fan_in // MIN_SLICE_IN, most)
+        if not one_row and fan_out is not None and (fan_out > 4 * fan_in or (longest >= 64 and fan_out >= fan_in)):
+            # NOTE: the expand reads every split's partials once per BLOCK_N output columns: for row tiles
+            # of a wide target (gate_up: 28,672 columns over 4,096 features) or long runs of an adapter
+            # into as many columns as features (qkv, o), that costs more than the split saves (H100,
+            # bench_sgmv.py: gate_up runs of 4-64 rows 1.5-3.1x the unsplit kernels, qkv / o runs of 64
+            # rows 1.2-1.3x; down, 4,096 columns over 14,336 features, 2-4x faster split).
+            in_splits = 1
     in_splits = max(1, in_splits)
     slice_in = triton.cdiv(triton.cdiv(fan_in, in_splits), block_in) * block_in
     return triton.cdiv(fan_in, slice_in), slice_in, block_in
@@ -259,7 +269,7 @@ def sgmv_apply(
     x = x.contiguous()
     K = a_all.shape[2]
     one_row = segments.longest == 1
-    num_splits, slice_in, block_in = shrink_plan(num_segs, segments.longest, fan_in, K, in_splits)
+    num_splits, slice_in, block_in = shrink_plan(num_segs, segments.longest, fan_in, K, in_splits, sum(splits))
     partials = torch.empty(num_splits, T, K, dtype=torch.float32, device=x.device)  # base rows never read
     row_tiles = triton.cdiv(segments.longest, BLOCK_T)
     _shrink_kernel[(num_segs, row_tiles, num_splits)](

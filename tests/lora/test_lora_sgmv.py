@@ -178,6 +178,12 @@ def test_the_split_rule_at_the_8b_shape():
     assert shrink_plan(4, 512, 4096, 48)[0] == 2  # 128 row tiles
     assert shrink_plan(1, 2048, 14336, 16)[0] == 2
     assert shrink_plan(8, 2048, 14336, 16)[0] == 1
+    # Row tiles of gate_up (28,672 columns over 4,096 features), and runs of 64 rows into qkv's 6,144: one
+    # split (the expand would read the partials once per 64 columns); down's 4,096 over 14,336 still split.
+    assert shrink_plan(8, 4, 4096, 32, fan_out=28672)[0] == 1 and shrink_plan(8, 4, 4096, 32)[0] == 8
+    assert shrink_plan(8, 64, 4096, 48, fan_out=6144)[0] == 1 and shrink_plan(8, 16, 4096, 48, fan_out=6144)[0] == 8
+    assert shrink_plan(8, 64, 14336, 16, fan_out=4096)[0] == 8
+    assert shrink_plan(1, 1, 4096, 32, fan_out=28672)[0] == 32  # one-row segments (decode) split as before
     for fan_in in (64, 80, 4096, 14336):
         for T in (1, 3, 33, 300):
             splits, slice_in, block_in = shrink_plan(T, 1, fan_in, 48)
