@@ -56,6 +56,7 @@ from .triton_ops import (
     decode_scratch_numel,
     default_decode_policy,
     extend_attention,
+    needs_plan,
     plan_splits,
     split_table_numel,
 )
@@ -316,18 +317,19 @@ class TritonAttnBackend(AttentionBackend):
         NOTE: as in the graphs: no plan for a batch below RAGGED_MIN_BATCH or with shared-prefix (cascade)
         tables, so an eager step never meets a kernel variant the start-up's graph captures did not compile
         (a compile in the middle of serving stalls every request for about a second)."""
-        if step is not None or len(seq_lens) < RAGGED_MIN_BATCH:
+        if step is not None or len(seq_lens) < RAGGED_MIN_BATCH or not self._uneven(seq_lens):
             return None
         plan = self._split_plan(seq_lens, None)
-        if plan is None or not self._uneven(plan, len(seq_lens)):
-            return None
+        assert plan is not None
         return DecodeSplits(self._uploads.upload(plan.table), plan.items_at, plan.items, plan.max_splits > 1)
 
-    def _uneven(self, plan: SplitPlan, batch: int) -> bool:
-        """Whether a plan gives some request more splits than even splits would (a long request among short
-        ones: the only steps the plan's kernels serve better)."""
-        assert self.head_shape is not None
-        return plan.max_splits > self.decode_policy.for_batch(batch).even_splits(batch, self.head_shape.num_kv_heads)
+    def _uneven(self, seq_lens: Sequence[int]) -> bool:
+        """Whether a step's plan would give some request more splits than even splits do (a long request
+        among short ones: the only steps the plan's kernels serve better); False before the head shape is
+        known."""
+        if self.head_shape is None:
+            return False
+        return needs_plan(seq_lens, self.decode_policy.for_batch(len(seq_lens)), self.head_shape.num_kv_heads)
 
     def _cascade_state(self) -> Optional[TritonCascade]:
         if self._cascade is None and self._cascade_on and self.head_shape is not None:
@@ -403,8 +405,9 @@ class TritonAttnBackend(AttentionBackend):
 
     def decode_uses_ragged(self, fb: ForwardBatch) -> bool:
         """Whether this graph step (fb.batch_size: the padded size; not a cascade step) needs the ragged
-        variant. Plans on the host; the replay hook reuses the plan."""
-        return self.has_ragged_graph(fb.batch_size) and self._uneven(self._graph_plan(fb, None), fb.batch_size)
+        variant (from its lengths' sum and maximum; the replay hook then makes the plan)."""
+        bs = fb.batch_size
+        return self.has_ragged_graph(bs) and self._uneven(list(fb.seq_lens_cpu) + [0] * (bs - len(fb.seq_lens_cpu)))
 
     def init_forward_metadata_capture_cuda_graph(
         self, fb: ForwardBatch, cascade: Optional[bool] = None, ragged: bool = False
@@ -417,8 +420,8 @@ class TritonAttnBackend(AttentionBackend):
         fb.attn_metadata = self._load_graph_inputs(fb, capture=False, cascade=cascade, ragged=ragged)
 
     def _graph_plan(self, fb: ForwardBatch, step: Optional[CascadeStep]) -> SplitPlan:
-        """The split plan of a graph step, for its batch size's item capacity (made once per step: the
-        ragged variant's check and the replay hook share it)."""
+        """The split plan of a graph step, for its batch size's item capacity (made once per step: a
+        capture's warm-up runs and the capture share it)."""
         cached = self._graph_plan_of
         if cached is not None and cached[0] is fb and cached[1] is step:
             return cached[2]

@@ -31,6 +31,7 @@ from plait.runtime.attention.triton_ops import (  # noqa: E402
     DecodeSplits,
     decode_attention,
     default_decode_policy,
+    needs_plan,
     plan_splits,
 )
 from plait.runtime.forward_batch import ForwardMode  # noqa: E402
@@ -178,6 +179,8 @@ def test_split_plans_of_equal_and_mixed_lengths():
             plan = plan_splits(lens, cfg, 8, bs + cfg.extra_items(8))
             assert plan.items == bs + cfg.extra_items(8)
             assert int(plan.table[: 2 * bs : 2].sum()) - bs <= cfg.extra_items(8)
+            # the graphs' quick check (sum and maximum only) agrees with the plan
+            assert needs_plan(lens, cfg, 8) == (plan.max_splits > cfg.even_splits(bs, 8))
 
 
 def test_decode_with_the_large_batch_tiles_matches_torch_native():

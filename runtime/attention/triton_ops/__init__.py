@@ -7,6 +7,7 @@ from .decode_config import (
     SplitPlan,
     decode_scratch_numel,
     default_decode_policy,
+    needs_plan,
     plan_splits,
     split_table_numel,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "decode_scratch_numel",
     "default_extend_config",
     "extend_attention",
+    "needs_plan",
     "plan_splits",
     "split_table_numel",
     "prefix_attention",

@@ -164,6 +164,31 @@ class SplitPlan:
     max_splits: int  # the most splits any request got (1: every request writes its output in stage 1)
 
 
+def step_split_len(total: int, batch: int, cfg: DecodeConfig, num_kv_heads: int) -> int:
+    """The one split length of a step of `batch` requests holding `total` KV tokens (module docstring)."""
+    groups = cfg.head_groups(num_kv_heads)
+    split_len = max(cfg.min_split_len, -(-total * groups // cfg.target_programs))
+    if batch * groups >= cfg.target_programs:
+        # NOTE: a batch this large fills the GPU with one split per request: splits are then only for
+        # balance, and a request up to twice the mean length is no tail worth a merge stage (a batch of
+        # about one length keeps one split each, written out by stage 1 alone).
+        split_len = max(split_len, -(-2 * total // batch))
+    return split_len
+
+
+def needs_plan(suffix_lens: Sequence[int], cfg: DecodeConfig, num_kv_heads: int) -> bool:
+    """Whether a step's plan would give some request more splits than even splits do (`plan_splits`'
+    max_splits > `even_splits`), from the lengths' sum and maximum alone: the check every graph step makes,
+    a few microseconds where building the plan is tens."""
+    b = len(suffix_lens)
+    if b == 0:
+        return False
+    longest = max(max(suffix_lens), 0)
+    split_len = step_split_len(max(sum(suffix_lens), 0), b, cfg, num_kv_heads)
+    most = min(-(-longest // split_len), cfg.max_row_splits(num_kv_heads))
+    return most > cfg.even_splits(b, num_kv_heads)
+
+
 def plan_splits(
     suffix_lens: Sequence[int] | np.ndarray,
     cfg: DecodeConfig,
@@ -175,14 +200,7 @@ def plan_splits(
     batch + extra_items); None: exactly the items used."""
     lens = np.maximum(np.asarray(suffix_lens, dtype=np.int64), 0)
     b = len(lens)
-    groups = cfg.head_groups(num_kv_heads)
-    total = int(lens.sum())
-    split_len = max(cfg.min_split_len, -(-total * groups // cfg.target_programs))
-    if b * groups >= cfg.target_programs:
-        # NOTE: a batch this large fills the GPU with one split per request: splits are then only for
-        # balance, and a request up to twice the mean length is no tail worth a merge stage (a batch of
-        # about one length keeps one split each, written out by stage 1 alone).
-        split_len = max(split_len, -(-2 * total // b))
+    split_len = step_split_len(int(lens.sum()), b, cfg, num_kv_heads)
     n = np.clip(-(-lens // split_len), 1, cfg.max_row_splits(num_kv_heads))  # (B,)
     extra = n - 1
     num_extra = int(extra.sum())  # <= sum(lens) / split_len <= extra_items, by the split length's choice
