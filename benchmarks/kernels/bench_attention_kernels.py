@@ -38,6 +38,7 @@ from plait.runtime.attention.triton_ops import (  # noqa: E402
     ExtendConfig,
     decode_attention,
     extend_attention,
+    needs_plan,
     plan_splits,
 )
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -225,9 +226,11 @@ def sweep(quick):
             for t in (4, 8)
         ]
         for cfg in configs:
-            splits = DecodeSplits.upload(
-                plan_splits([ctx] * bs, cfg, kv_heads), q.device
-            )  # planned once, as a step does
+            # equal lengths: even splits, no plan, as the engine runs such a step
+            lens = [ctx] * bs
+            splits = None
+            if needs_plan(lens, cfg, kv_heads):
+                splits = DecodeSplits.upload(plan_splits(lens, cfg, kv_heads), q.device)
 
             def fn():
                 return decode_attention(

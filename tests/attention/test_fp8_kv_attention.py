@@ -28,10 +28,10 @@ EAGER_CASCADE = CascadeConfig(min_prefix_len=8, min_saved_tokens=0, min_batch_si
 TOL = dict(atol=3e-5, rtol=1e-4)
 
 
-def _triton(case: Fp8Case, device="cpu", cascade=False, tiny=True):
+def _triton(case: Fp8Case, device="cpu", cascade=False, tiny=True, decode=TINY_DECODE):
     lay = case.layer
     heads = AttentionHeads(lay.num_heads, lay.num_kv_heads, lay.head_dim)
-    configs = dict(extend_config=TINY_EXTEND, decode_config=TINY_DECODE, prefix_config=TINY_PREFIX) if tiny else {}
+    configs = dict(extend_config=TINY_EXTEND, decode_config=decode, prefix_config=TINY_PREFIX) if tiny else {}
     return lambda: TritonAttnBackend(
         AttentionContext(device, heads, disable_cascade_attention=not cascade),
         cascade_config=EAGER_CASCADE if cascade else None,
@@ -46,6 +46,14 @@ def test_triton_extend_and_decode_read_fp8(fp8_dtype):
     torch.testing.assert_close(*both(_triton(case), case, ForwardMode.DECODE), **TOL)  # 8-token splits, merged
     one_split = Fp8Case(4, 4, 16, [3, 2], [1, 1], fp8_dtype=fp8_dtype)  # stage 1 writes the output itself
     torch.testing.assert_close(*both(_triton(one_split), one_split, ForwardMode.DECODE), **TOL)
+
+
+def test_triton_decode_of_a_split_plan_reads_fp8():
+    # 7 short requests and a long one, with a config whose even splits give one each: the step's split plan
+    # (the long request in 4 splits) over an FP8 pool.
+    ragged = DecodeConfig(block_n=16, max_kv_splits=16, min_split_len=8, target_programs=16)
+    case = Fp8Case(8, 2, 32, [4] * 7 + [199], [1] * 8)
+    torch.testing.assert_close(*both(_triton(case, decode=ragged), case, ForwardMode.DECODE), **TOL)
 
 
 def test_triton_mixed_step_and_verify_read_fp8():

@@ -110,11 +110,12 @@ def test_decode_with_one_split_writes_the_output_from_stage_one():
     assert torch.equal(out[1], torch.zeros(8, 32)) and not out.isnan().any()
 
 
-def test_a_long_request_gets_more_splits_than_its_short_neighbours():
+@pytest.mark.parametrize("merge_per_head", [False, True])
+def test_a_long_request_gets_more_splits_than_its_short_neighbours(merge_per_head):
     # One split length for the step (19 tokens: 151 x 2 KV heads / 16 programs): the 120-token request gets 7
-    # splits, the short ones one each (they write
-    # their outputs in stage 1 and stage 2 leaves them alone), and a padding request gets zeros.
-    cfg = DecodeConfig(block_n=16, max_kv_splits=8, min_split_len=8, target_programs=16)
+    # splits, the short ones one each, merged per request or per head (in chunks of 2, even splits' count at
+    # 5 requests); a padding request gets zeros.
+    cfg = DecodeConfig(block_n=16, max_kv_splits=8, min_split_len=8, target_programs=16, merge_per_head=merge_per_head)
     lens = [9, 120, 12, 0, 10]
     plan = plan_splits(lens, cfg, 2)
     rows = plan.table[: 2 * len(lens)].reshape(-1, 2)
