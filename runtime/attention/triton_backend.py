@@ -51,7 +51,6 @@ from .triton_ops import (
     DecodeSplits,
     ExtendConfig,
     PrefixConfig,
-    SplitPlan,
     decode_attention,
     decode_scratch_numel,
     default_decode_policy,
@@ -144,7 +143,6 @@ class TritonAttnBackend(AttentionBackend):
         self._cascade: Optional[TritonCascade] = None  # built once the head shape is known
         self._uploads = PlanUploads(self.device)  # the steps' split plans, to the device
         self._graph_splits: Optional[torch.Tensor] = None  # static int32 split table (graphs), for max_bs
-        self._graph_plan_of: Optional[tuple] = None  # (static batch, cascade step, its plan): the last graph step's
 
     # ---- per-step metadata ----
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -419,21 +417,6 @@ class TritonAttnBackend(AttentionBackend):
     ) -> None:
         fb.attn_metadata = self._load_graph_inputs(fb, capture=False, cascade=cascade, ragged=ragged)
 
-    def _graph_plan(self, fb: ForwardBatch, step: Optional[CascadeStep]) -> SplitPlan:
-        """The split plan of a graph step, for its batch size's item capacity (made once per step: a
-        capture's warm-up runs and the capture share it)."""
-        cached = self._graph_plan_of
-        if cached is not None and cached[0] is fb and cached[1] is step:
-            return cached[2]
-        if self.head_shape is None:
-            raise RuntimeError("the triton backend's decode graphs need the head shape (AttentionContext.heads)")
-        bs, n = fb.batch_size, len(fb.seq_lens_cpu)
-        lens = list(fb.seq_lens_cpu) + [0] * (bs - n)
-        cfg = self.decode_policy.for_batch(bs)
-        plan = self._split_plan(lens, step, bs + cfg.extra_items(self.head_shape.num_kv_heads))
-        self._graph_plan_of = (fb, step, plan)
-        return plan
-
     def _load_graph_inputs(
         self, fb: ForwardBatch, capture: bool, cascade: Optional[bool], ragged: bool = False
     ) -> TritonDecodeMetadata:
@@ -465,7 +448,11 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"no ragged decode graph for batch {bs} (or asked for one with the cascade kernels)")
         # NOTE: the ragged graph launches its batch size's whole item capacity and always merges (its steps'
         # plans vary); the items a step does not use exit at once.
-        plan = self._graph_plan(fb, None)
+        assert self.head_shape is not None  # (has_ragged_graph)
+        lens = list(fb.seq_lens_cpu) + [0] * (bs - len(fb.seq_lens_cpu))
+        extra = self.decode_policy.for_batch(bs).extra_items(self.head_shape.num_kv_heads)
+        plan = self._split_plan(lens, None, bs + extra)
+        assert plan is not None
         table = self._uploads.upload(plan.table, into=self._graph_splits)
         return TritonDecodeMetadata(req, seq, None, DecodeSplits(table, plan.items_at, plan.items, True))
 

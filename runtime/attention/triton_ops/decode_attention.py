@@ -3,7 +3,8 @@
 One query token per request attends over its whole sequence, whose K/V live in the pool at the slots
 `req_to_token[req_pool_indices[b], 0:seq_lens[b]]`.
 
-- Stage 1 (grid: kv-head group x split item): each program takes one KV split of one request, one
+- Stage 1 (grid: kv-head group x request x split, or kv-head group x item of a split plan): each program
+  takes one KV split of one request, one
   or more adjacent KV heads (`DecodeConfig.kv_heads_per_program`) and ALL the query heads that share
   them (GQA grouping), so every K/V row is read from memory once per group instead of once per query
   head. It writes the split's normalised partial output and its log-sum-exp (base 2).
@@ -20,10 +21,13 @@ constexpr switches: the plain decode compiles to exactly the kernels it had with
 
 Splitting the KV axis is what keeps the GPU busy when the batch is small (a batch of one has only
 `num_kv_heads` programs otherwise), and what keeps a long request from walking its KV alone in a batch of
-short ones. Which splits a step runs is a small table the host plans per step from the lengths it knows
-(`SplitPlan`, decode_config.py): a request's split count, and per stage-1 item its request and split. A
-captured CUDA graph launches a fixed number of items (batch + `DecodeConfig.extra_items`); the items a
-step does not use exit at once.
+short ones. Even splits (no `splits` argument): the split count per request is computed inside the kernels
+from `seq_lens` and a cap that depends only on the batch size (`DecodeConfig.even_splits`), so a captured
+graph stays valid for any lengths. A split plan (`DecodeSplits`: `SplitPlan`, decode_config.py, on the
+device), for a step with a long request among short ones: per request its split count, per stage-1 item its
+request and split; a captured graph launches a fixed number of items (batch + `DecodeConfig.extra_items`)
+and the items a step does not use exit at once. The two are constexpr switches: even splits compile to
+exactly the kernels there were before plans.
 
 Empty requests (seq_len == 0, e.g. CUDA-graph padding) produce an all-zero output.
 
@@ -203,15 +207,10 @@ class DecodeSplits:
     merge: bool  # whether stage 2 runs (False: every request has one split, whose output stage 1 writes)
 
     @classmethod
-    def upload(cls, plan: SplitPlan, device: torch.device, into: Optional[torch.Tensor] = None) -> "DecodeSplits":
-        """The plan on `device`: a new tensor, or copied into `into` (a graph's static table, whose layout
-        the plan must have been made for: the same batch size and item capacity)."""
-        host = torch.from_numpy(plan.table)
-        if into is None:
-            table = host.to(device, non_blocking=True)
-        else:
-            table = into[: host.numel()]
-            table.copy_(host, non_blocking=True)
+    def upload(cls, plan: SplitPlan, device: torch.device) -> "DecodeSplits":
+        """The plan on `device`, in a tensor of its own (tests, benchmarks; the backend uploads through a ring
+        of pinned buffers and, for graphs, into a static table)."""
+        table = torch.from_numpy(plan.table).to(device, non_blocking=True)
         return cls(table, plan.items_at, plan.items, plan.max_splits > 1)
 
 
