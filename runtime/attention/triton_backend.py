@@ -2,7 +2,9 @@
 
 Kernels live in `triton_ops/`. Both read K/V straight from the pool through `req_to_token`, so the
 per-step metadata is only a handful of (B,) tensors that the ForwardBatch already holds: nothing is
-flattened or copied per step, and decode needs no host data at all (CUDA-graph friendly).
+flattened or copied per step. Decode needs no host data (CUDA-graph friendly) except for a step with a long
+request among short ones (eight or more requests): its split plan, made from the host's lengths
+(`needs_plan`, `plan_splits`) and uploaded as one small int32 table.
 
 What the backend reads from its `AttentionContext` (context.py): `device`, where metadata and scratch
 live; `heads`, this rank's head shape, which pre-sizes the decode scratch in `init_cuda_graph_state`
@@ -18,6 +20,9 @@ CUDA-graph contract (decode only):
   `req_to_token` row (row 0); their `out_cache_loc` must be the dummy slot 0.
 - Nothing in the decode path syncs with the host, so replay only needs the two copies above (and,
   for graphs with the cascade kernels, one copy of the step's prefix-group tables).
+- A ragged variant per batch size from RAGGED_MIN_BATCH (`has_ragged_graph`, `ragged=True`): the kernels of a
+  split plan over the batch size's item capacity, its table copied into a static buffer at each replay. A
+  step should replay it only when `decode_uses_ragged(fb)`.
 - Two variants per batch size where `has_cascade_graph(bs)` (cascade on, bs >= its min_batch_size):
   `cascade=False`, the plain split-KV decode (exactly the kernels of a backend without cascade), and
   `cascade=True`, the cascade kernels. A step should replay the cascade one only when
