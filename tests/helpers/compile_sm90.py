@@ -1,0 +1,95 @@
+"""Compile Triton kernels for a Hopper GPU (sm_90) on a machine without one: Triton's front end, its GPU
+passes and ptxas (shipped in Triton's wheel) run on the CPU, so a kernel that only the interpreter ever ran
+here still meets the compiler a GPU would use. Run as a script (Triton must not be in interpreter mode,
+which the test suite's conftest sets); prints one line per variant, "ok NAME" or "FAILED NAME: error".
+
+Arguments are typed from the kernels' naming convention: a capitalized argument is a pointer (fp32 unless
+the variant's `pointers` names its dtype), `sm_scale*` a float, anything else an int32; constexprs as given.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import itertools
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def signature(kernel, constexprs: dict, pointers: dict) -> dict:
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name[0].isupper():
+            sig[name] = pointers.get(name, "*fp32")
+        elif name.startswith("sm_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_variant(kernel, constexprs: dict, pointers: dict, **options) -> None:
+    source = ASTSource(kernel, signature(kernel, constexprs, pointers), constexprs)
+    compiled = triton.compile(source, target=HOPPER, options=options)
+    assert "cubin" in compiled.asm
+
+
+def decode_attention_variants():
+    """The split-KV decode's stage 1 and both merges, in every constexpr combination the engine launches."""
+    stage1 = importlib.import_module("plait.runtime.attention.triton_ops.decode_attention")._decode_stage1_kernel
+    merge = importlib.import_module("plait.runtime.attention.triton_ops.decode_merge")
+    pointers = {
+        "Q": "*bf16",
+        "K_buf": "*bf16",
+        "V_buf": "*bf16",
+        "Out": "*bf16",
+        "ReqToToken": "*i32",
+        "ReqPoolIndices": "*i64",
+        "SeqLens": "*i64",
+        "ReqInfo": "*i32",
+        "Splits": "*i32",
+    }
+    for items, prefix, direct, scaled in itertools.product((False, True), repeat=4):
+        if direct and (prefix or items):  # stage 1 writes the output only with even splits and no prefix
+            continue
+        consts = dict(
+            GROUP=4, HPP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_R=16, BLOCK_N=32, MIN_SPLIT_LEN=32,
+            DOT_PRECISION="tf32", HAS_PREFIX=prefix, ITEMS=items, DIRECT_OUT=direct, KV_SCALED=scaled, USE_PDL=False,
+        )  # fmt: skip
+        pool = dict(K_buf="*fp8e4nv", V_buf="*fp8e4nv") if scaled else {}
+        name = f"decode stage 1 items={items} prefix={prefix} direct={direct} fp8={scaled}"
+        yield name, stage1, consts, {**pointers, **pool}, dict(num_warps=4, num_stages=3)
+    for items, prefix in itertools.product((False, True), repeat=2):
+        common = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64 if items else 4, MIN_SPLIT_LEN=32, HAS_PREFIX=prefix,
+                      ITEMS=items, BLOCK_P=4, USE_PDL=False)  # fmt: skip
+        per_request = dict(common, NUM_HEADS=32, BLOCK_HQ=32)
+        yield f"decode merge items={items} prefix={prefix}", merge._decode_stage2_kernel, per_request, pointers, {}
+        per_head = dict(common, CHUNK_S=4)
+        kernel = merge._decode_stage2_per_head_kernel
+        yield f"decode per-head merge items={items} prefix={prefix}", kernel, per_head, pointers, {}
+
+
+def main() -> int:
+    failed = 0
+    for name, kernel, constexprs, pointers, options in decode_attention_variants():
+        try:
+            compile_variant(kernel, constexprs, pointers, **{"num_warps": 4, **options})
+            print(f"ok {name}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported per variant
+            failed += 1
+            print(f"FAILED {name}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
