@@ -1,7 +1,8 @@
-"""The split-KV decode kernels compiled for a Hopper GPU (sm_90) on this machine: the interpreter runs them here
-(the other tests in this folder), but only a GPU's compiler rejects what it cannot lower. Triton's wheel ships
-the compiler passes and ptxas, so every constexpr variant the engine launches is compiled to a cubin here, in a
-process of its own (the suite runs Triton in interpreter mode). tests/helpers/compile_sm90.py lists them."""
+"""The attention kernels (split-KV decode, extend, shared prefix) compiled for a Hopper GPU (sm_90) on this
+machine: the interpreter runs them here (the other tests in this folder), but only a GPU's compiler rejects
+what it cannot lower. Triton's wheel ships the compiler passes and ptxas, so the variants the engine launches
+are compiled to cubins here, in a process of its own (the suite runs Triton in interpreter mode);
+tests/helpers/compile_sm90.py lists them."""
 
 import os
 import subprocess
@@ -29,4 +30,4 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     lines = [line for line in run.stdout.splitlines() if line.startswith(("ok ", "FAILED "))]
     assert lines and not [line for line in lines if line.startswith("FAILED")], run.stdout + run.stderr[-2000:]
     assert run.returncode == 0, run.stderr[-2000:]
-    assert len(lines) == 18  # 10 stage-1 variants, 4 of each merge
+    assert len(lines) == 24  # decode: 10 stage-1 variants, 4 of each merge; extend: 4; shared prefix: 2

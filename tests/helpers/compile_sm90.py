@@ -79,9 +79,58 @@ def decode_attention_variants():
         yield f"decode per-head merge items={items} prefix={prefix}", kernel, per_head, pointers, {}
 
 
+def extend_and_prefix_variants():
+    """The extend (prefill, verify trees) and shared-prefix kernels at the 8B head shape, default tiles."""
+    ops = importlib.import_module("plait.runtime.attention.triton_ops")
+    extend = importlib.import_module("plait.runtime.attention.triton_ops.extend_attention")
+    prefix = importlib.import_module("plait.runtime.attention.triton_ops.prefix_attention")
+    cfg = ops.default_extend_config(128)
+    for tree, scaled in itertools.product((False, True), repeat=2):
+        pool = "*fp8e4nv" if scaled else "*bf16"
+        pointers = dict(
+            Q="*bf16",
+            Out="*bf16",
+            K_buf=pool,
+            V_buf=pool,
+            ReqToToken="*i32",
+            ReqPoolIndices="*i64",
+            PrefixLens="*i64",
+            ExtendLens="*i64",
+            ExtendStart="*i64",
+            TreeLens="*i64",
+            TreeMask="*u8",
+            MaskOffsets="*i64",
+        )
+        tiles = dict(TOKENS=cfg.block_m // 4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+        consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32", TREE=tree, KV_SCALED=scaled, **tiles)
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        yield f"extend tree={tree} fp8={scaled}", extend._extend_attention_kernel, consts, pointers, options
+    pcfg = ops.PrefixConfig()
+    for scaled in (False, True):
+        pool = "*fp8e4nv" if scaled else "*bf16"
+        tables = dict(Groups="*i32", Members="*i32", Work="*i32", WorkLen="*i32")
+        pointers = dict(Q="*bf16", K_buf=pool, V_buf=pool, ReqToToken="*i32", **tables)
+        tiles = dict(MEMBERS_PER_TILE=pcfg.members_per_tile(4), BLOCK_M=pcfg.rows_per_tile(4), BLOCK_N=pcfg.block_n)
+        fields = dict(GROUP_FIELDS=prefix.GROUP_FIELDS, WORK_FIELDS=prefix.WORK_FIELDS)
+        consts = dict(
+            NUM_KV_HEADS=8,
+            GROUP=4,
+            HEAD_DIM=128,
+            BLOCK_D=128,
+            DOT_PRECISION="tf32",
+            KV_SCALED=scaled,
+            **tiles,
+            **fields,
+        )
+        options = dict(num_warps=pcfg.num_warps, num_stages=pcfg.num_stages)
+        yield f"shared prefix fp8={scaled}", prefix._prefix_attention_kernel, consts, pointers, options
+
+
 def main() -> int:
     failed = 0
-    for name, kernel, constexprs, pointers, options in decode_attention_variants():
+    for name, kernel, constexprs, pointers, options in itertools.chain(
+        decode_attention_variants(), extend_and_prefix_variants()
+    ):
         try:
             compile_variant(kernel, constexprs, pointers, **{"num_warps": 4, **options})
             print(f"ok {name}", flush=True)
