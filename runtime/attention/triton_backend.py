@@ -3,8 +3,8 @@
 Kernels live in `triton_ops/`. Both read K/V straight from the pool through `req_to_token`, so the
 per-step metadata is only a handful of (B,) tensors that the ForwardBatch already holds: nothing is
 flattened or copied per step. Decode needs no host data (CUDA-graph friendly) except for a step with a long
-request among short ones (eight or more requests): its split plan, made from the host's lengths
-(`needs_plan`, `plan_splits`) and uploaded as one small int32 table.
+request among short ones (eight or more requests): its split plan, made from the host's lengths and
+uploaded as one small int32 table (triton_splits.py).
 
 What the backend reads from its `AttentionContext` (context.py): `device`, where metadata and scratch
 live; `heads`, this rank's head shape, which pre-sizes the decode scratch in `init_cuda_graph_state`
@@ -20,9 +20,9 @@ CUDA-graph contract (decode only):
   `req_to_token` row (row 0); their `out_cache_loc` must be the dummy slot 0.
 - Nothing in the decode path syncs with the host, so replay only needs the two copies above (and,
   for graphs with the cascade kernels, one copy of the step's prefix-group tables).
-- A ragged variant per batch size from RAGGED_MIN_BATCH (`has_ragged_graph`, `ragged=True`): the kernels of a
-  split plan over the batch size's item capacity, its table copied into a static buffer at each replay. A
-  step should replay it only when `decode_uses_ragged(fb)`.
+- A ragged variant per batch size from 8 (`has_ragged_graph`, `ragged=True`; triton_splits.py): the kernels
+  of a split plan over the batch size's item capacity, its table copied into a static buffer at each replay.
+  A step should replay it only when `decode_uses_ragged(fb)`.
 - Two variants per batch size where `has_cascade_graph(bs)` (cascade on, bs >= its min_batch_size):
   `cascade=False`, the plain split-KV decode (exactly the kernels of a backend without cascade), and
   `cascade=True`, the cascade kernels. A step should replay the cascade one only when
@@ -42,7 +42,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch
@@ -60,14 +59,9 @@ from .triton_ops import (
     decode_scratch_numel,
     default_decode_policy,
     extend_attention,
-    needs_plan,
-    plan_splits,
-    split_table_numel,
 )
 from .triton_ops.extend_attention import TreeMasks
-
-# Decode batches of fewer requests never take a split plan: even splits cut every request into 17 or more.
-RAGGED_MIN_BATCH = 8
+from .triton_splits import TritonSplits
 
 
 @dataclass
@@ -75,7 +69,7 @@ class TritonDecodeMetadata:
     req_pool_indices: torch.Tensor  # (B,) rows of req_to_token
     seq_lens: torch.Tensor  # (B,) tokens to attend over, including the new one; 0 = padding
     cascade: Optional[CascadeStep] = None  # shared-prefix tables of this step, when it uses them
-    splits: Optional[DecodeSplits] = None  # the step's KV splits (None: decode_attention plans them)
+    splits: Optional[DecodeSplits] = None  # the step's split plan (None: even splits, from the batch size)
 
 
 @dataclass
@@ -146,8 +140,7 @@ class TritonAttnBackend(AttentionBackend):
         sms = _num_sms(self.device)
         self._prefix_config = prefix_config or PrefixConfig(num_programs=2 * sms, target_programs=4 * sms)
         self._cascade: Optional[TritonCascade] = None  # built once the head shape is known
-        self._uploads = PlanUploads(self.device)  # the steps' split plans, to the device
-        self._graph_splits: Optional[torch.Tensor] = None  # static int32 split table (graphs), for max_bs
+        self._splits = TritonSplits(self.device, self.decode_policy)  # split plans, for steps that need one
 
     # ---- per-step metadata ----
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -299,40 +292,12 @@ class TritonAttnBackend(AttentionBackend):
             splits=md.splits if shape == self.head_shape else None,
         )
 
-    # ---- KV splits ----
-    def _split_plan(self, seq_lens: Sequence[int], step: Optional[CascadeStep], items_cap: Optional[int] = None):
-        """The step's split plan from the lengths the host knows (the KV after each request's shared prefix,
-        when the cascade kernels attend that), or None before the head shape is known."""
-        if self.head_shape is None:
-            return None
-        lens = np.asarray(seq_lens, dtype=np.int64)
-        if step is not None and step.plan is not None:
-            layout = step.plan.layout
-            req_info = step.plan.packed[layout.req_info_at : layout.req_info_at + 3 * layout.batch_size]
-            lens = lens - req_info.reshape(-1, 3)[: len(lens), 0]
-        cfg = self.decode_policy.for_batch(len(lens))
-        return plan_splits(lens, cfg, self.head_shape.num_kv_heads, items_cap)
-
     def _eager_splits(self, seq_lens: Sequence[int], step: Optional[CascadeStep]) -> Optional[DecodeSplits]:
-        """The step's uneven split plan on the device, or None where even splits serve it (the kernels
-        without a plan: every request as many splits as the batch size gives, up to its length).
-
-        NOTE: as in the graphs: no plan for a batch below RAGGED_MIN_BATCH or with shared-prefix (cascade)
-        tables, so an eager step never meets a kernel variant the start-up's graph captures did not compile
-        (a compile in the middle of serving stalls every request for about a second)."""
-        if step is not None or len(seq_lens) < RAGGED_MIN_BATCH or not self._uneven(seq_lens):
+        """An eager decode step's split plan, or None (even splits; and always with shared-prefix tables,
+        see triton_splits.py)."""
+        if step is not None or self.head_shape is None:
             return None
-        plan = self._split_plan(seq_lens, None)
-        assert plan is not None
-        return DecodeSplits(self._uploads.upload(plan.table), plan.items_at, plan.items, plan.max_splits > 1)
-
-    def _uneven(self, seq_lens: Sequence[int]) -> bool:
-        """Whether a step's plan would give some request more splits than even splits do (a long request
-        among short ones: the only steps the plan's kernels serve better); False before the head shape is
-        known."""
-        if self.head_shape is None:
-            return False
-        return needs_plan(seq_lens, self.decode_policy.for_batch(len(seq_lens)), self.head_shape.num_kv_heads)
+        return self._splits.eager(seq_lens, self.head_shape.num_kv_heads)
 
     def _cascade_state(self) -> Optional[TritonCascade]:
         if self._cascade is None and self._cascade_on and self.head_shape is not None:
@@ -372,13 +337,7 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
         self._graph_req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
         self._graph_seq_lens = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        # Room for the split table of any graph up to max_bs (a graph launches its batch size's capacity).
-        kv_heads = self.head_shape.num_kv_heads if self.head_shape is not None else 1
-        numel = max(
-            split_table_numel(bs, bs + self.decode_policy.for_batch(bs).extra_items(kv_heads))
-            for bs in range(1, max_bs + 1)
-        )
-        self._graph_splits = torch.zeros(numel, dtype=torch.int32, device=self.device)
+        self._splits.init_graph_state(max_bs, self.head_shape.num_kv_heads if self.head_shape is not None else 1)
         if self._scratch is None or self._scratch_max_bs < max_bs:
             # Sized before any capture (when the head shape is known) so that every graph shares one
             # scratch buffer that never moves; otherwise the first decode call sizes it for max_bs.
@@ -404,13 +363,18 @@ class TritonAttnBackend(AttentionBackend):
         """Whether decode graphs of batch `bs` also come in a ragged variant (`ragged=True`): the kernels of
         a split plan, for steps where a long request among short ones needs more splits than even splits
         give (below 8 requests even splits already cut every request into 17 or more)."""
-        return self.head_shape is not None and bs >= RAGGED_MIN_BATCH
+        return self.head_shape is not None and self._splits.graph_batch(bs)
 
     def decode_uses_ragged(self, fb: ForwardBatch) -> bool:
         """Whether this graph step (fb.batch_size: the padded size; not a cascade step) needs the ragged
         variant (from its lengths' sum and maximum; the replay hook then makes the plan)."""
         bs = fb.batch_size
-        return self.has_ragged_graph(bs) and self._uneven(list(fb.seq_lens_cpu) + [0] * (bs - len(fb.seq_lens_cpu)))
+        if not self.has_ragged_graph(bs):
+            return False
+        assert self.head_shape is not None  # (has_ragged_graph)
+        return self._splits.uneven(
+            list(fb.seq_lens_cpu) + [0] * (bs - len(fb.seq_lens_cpu)), self.head_shape.num_kv_heads
+        )
 
     def init_forward_metadata_capture_cuda_graph(
         self, fb: ForwardBatch, cascade: Optional[bool] = None, ragged: bool = False
@@ -451,60 +415,9 @@ class TritonAttnBackend(AttentionBackend):
             return TritonDecodeMetadata(req, seq, step)
         if step is not None or not self.has_ragged_graph(bs):
             raise ValueError(f"no ragged decode graph for batch {bs} (or asked for one with the cascade kernels)")
-        # NOTE: the ragged graph launches its batch size's whole item capacity and always merges (its steps'
-        # plans vary); the items a step does not use exit at once.
         assert self.head_shape is not None  # (has_ragged_graph)
         lens = list(fb.seq_lens_cpu) + [0] * (bs - len(fb.seq_lens_cpu))
-        extra = self.decode_policy.for_batch(bs).extra_items(self.head_shape.num_kv_heads)
-        plan = self._split_plan(lens, None, bs + extra)
-        assert plan is not None
-        table = self._uploads.upload(plan.table, into=self._graph_splits)
-        return TritonDecodeMetadata(req, seq, None, DecodeSplits(table, plan.items_at, plan.items, True))
-
-
-class PlanUploads:
-    """Split tables to the device through a ring of pinned buffers, each rewritten only after its last copy
-    ran: with overlap scheduling the next step's plan is written while this one's copy may be queued. A
-    static destination (a graph's table) is left as it is when it already holds the same plan."""
-
-    RING = 4
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._ring: list = [(None, None)] * self.RING  # (pinned int32 buffer, its last copy's event)
-        self._pos = 0
-        self._static: Optional[np.ndarray] = None  # what the static destination holds
-
-    def upload(self, table: np.ndarray, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-        n = table.shape[0]
-        if into is not None and n > into.numel():
-            raise ValueError(f"a split table of {n} entries does not fit the static one of {into.numel()}")
-        if self.device.type != "cuda":
-            host = torch.from_numpy(table)
-            if into is None:
-                return host.clone()
-            into[:n].copy_(host)
-            return into[:n]
-        if into is not None:
-            if self._static is not None and np.array_equal(self._static, table):
-                return into[:n]
-            self._static = table.copy()
-        self._pos = (self._pos + 1) % self.RING
-        buf, done = self._ring[self._pos]
-        if done is not None:
-            done.synchronize()
-        if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 4096), dtype=torch.int32, pin_memory=True)
-        buf[:n].copy_(torch.from_numpy(table))
-        if into is None:
-            dev = buf[:n].to(self.device, non_blocking=True)
-        else:
-            dev = into[:n]
-            dev.copy_(buf[:n], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._ring[self._pos] = (buf, done)
-        return dev
+        return TritonDecodeMetadata(req, seq, None, self._splits.graph_step(lens, self.head_shape.num_kv_heads))
 
 
 def _num_sms(device: torch.device) -> int:

@@ -25,6 +25,7 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from .cascade_plan import CascadeConfig, CascadeLayout, CascadePlan, CascadePlanner
+from .pinned_uploads import PinnedUploads
 from .triton_ops import (
     PrefixConfig,
     PrefixPartials,
@@ -66,8 +67,7 @@ class TritonCascade:
         self._max_bs = 0  # largest graph batch (0: graphs off)
         self._uploaded: Optional[tuple] = None  # (plan or empty array, batch size) in the static tables
         self._empty: dict[int, np.ndarray] = {}  # batch size -> tables of a step without groups
-        self._staging: list = [(None, None)] * 2  # pinned host copies of uploaded tables + their copy events
-        self._staging_pos = 0
+        self._uploads = PinnedUploads(device, ring=2)  # the graphs' tables, to their static storage
         self._side_stream: Optional[torch.cuda.Stream] = None
 
     def invalidate(self) -> None:
@@ -151,23 +151,7 @@ class TritonCascade:
     def _upload(self, key, packed: np.ndarray, bs: int) -> None:
         if self._uploaded is not None and self._uploaded[0] is key and self._uploaded[1] == bs:
             return  # the static tables hold exactly this already
-        n = packed.shape[0]
-        if self.device.type != "cuda":
-            self._tables[:n].copy_(torch.from_numpy(packed))
-        else:
-            # NOTE: a ring of pinned buffers, each rewritten only after its last copy ran: with
-            # overlap scheduling the next step's tables are written while this copy may be queued.
-            self._staging_pos = (self._staging_pos + 1) % len(self._staging)
-            buf, done = self._staging[self._staging_pos]
-            if done is not None:
-                done.synchronize()
-            if buf is None or buf.numel() < n:
-                buf = torch.empty(self._tables.numel(), dtype=torch.int32, pin_memory=True)
-            buf[:n].copy_(torch.from_numpy(packed))
-            self._tables[:n].copy_(buf[:n], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            self._staging[self._staging_pos] = (buf, done)
+        self._uploads.upload(packed, into=self._tables)
         self._uploaded = (key, bs)
 
     # ---- the attention call ----
