@@ -103,6 +103,27 @@ def test_mixed_step_matches_torch_native(heads, kv_heads, head_dim, prefix_lens,
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_mixed_step_decode_rows_of_a_split_plan():
+    # Nine decode rows, one of them long, and a prefill chunk: the decode rows take the step's split plan
+    # (even splits would give each one split here), the chunk the extend kernel.
+    ragged = DecodeConfig(block_n=16, max_kv_splits=16, min_split_len=8, target_programs=18)
+    case = PagedCase(8, 2, 32, [6, 9, 4, 7, 5, 8, 150, 6, 5, 20], [1] * 9 + [13])
+    q, k, v = fused_qkv(case, sum(case.extend_lens))
+    outs = []
+    heads = attention_context(case.device, 8, 2, 32)
+    for backend in (
+        TorchNativeAttnBackend(attention_context(case.device)),
+        TritonAttnBackend(heads, extend_config=TINY_EXTEND, decode_config=ragged),
+    ):
+        fb = case.forward_batch(ForwardMode.EXTEND, backend)
+        fb.decode_rows = 9
+        backend.init_forward_metadata(fb)
+        outs.append(backend.forward(q, k, v, case.layer, fb))
+    splits = fb.attn_metadata.decode.splits
+    assert splits is not None and splits.merge and splits.items > 9
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+
+
 def test_torch_native_attends_short_extends_together_as_one_at_a_time(monkeypatch):
     """torch_native's padded path (each request after the decode rows brings <= SHORT_EXTEND tokens: grammar
     tails, cached prompts' last tokens) against its one-request-at-a-time extend of the same step."""
