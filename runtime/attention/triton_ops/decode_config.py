@@ -77,8 +77,9 @@ class DecodeConfig:
         return -(-self.target_programs // self.head_groups(num_kv_heads))
 
     def even_splits(self, batch_size: int, num_kv_heads: int) -> int:
-        """Most splits a request gets in a batch of this size whose requests are of about one length (the
-        batch's share of target_programs): stage 2's merge tile (a longer request's splits take more)."""
+        """The splits the kernels give each request of a batch this size without a plan (the batch's share of
+        target_programs, fewer where a request is shorter than that many min_split_len pieces); also the
+        per-head merge's chunk of a plan's splits."""
         want = -(-self.target_programs // max(1, batch_size * self.head_groups(num_kv_heads)))
         return max(1, min(self.max_kv_splits, want))
 
@@ -155,8 +156,8 @@ class SplitPlan:
     rows (rows_cap, 2): per request, its split count and the item index of its second split;
     items (items_cap, 2) from `items_at`: per stage-1 item, its request (-1: none) and split index.
     Items 0..B-1 are the requests' first splits, the extra splits follow request by request. Stage 1 runs
-    a program per (KV-head group, item) and writes item i's partials at scratch row i (or, for a request
-    with one split and no shared-prefix partials, the output itself); stage 2 merges the others."""
+    a program per (KV-head group, item) and writes item i's partials at row i of the scratch; stage 2
+    merges each request's rows."""
 
     table: np.ndarray  # int32 (items_at + 2 * items_cap,)
     items_at: int  # where the items section starts (a multiple of 16)
