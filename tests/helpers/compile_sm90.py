@@ -1,7 +1,8 @@
 """Compile Triton kernels for a Hopper GPU (sm_90) on a machine without one: Triton's front end, its GPU
 passes and ptxas (shipped in Triton's wheel) run on the CPU, so a kernel that only the interpreter ever ran
 here still meets the compiler a GPU would use. Run as a script (Triton must not be in interpreter mode,
-which the test suite's conftest sets); prints one line per variant, "ok NAME" or "FAILED NAME: error".
+which the test suite's conftest sets) with the rooms to compile (`attention`, `lora`; default attention);
+prints one line per variant, "ok NAME" or "FAILED NAME: error".
 
 Arguments are typed from the kernels' naming convention: a capitalized argument is a pointer (fp32 unless
 the variant's `pointers` names its dtype), `sm_scale*` a float, anything else an int32; constexprs as given.
@@ -126,11 +127,36 @@ def extend_and_prefix_variants():
         yield f"shared prefix fp8={scaled}", prefix._prefix_attention_kernel, consts, pointers, options
 
 
+def lora_variants():
+    """The LoRA SGMV shrink and expand at Llama-3.1-8B's targets, rank 16, as a decode graph's one-row
+    segments (32 requests) and as a prefill's runs (8 adapters x 64 rows), with the launch's own plan."""
+    sgmv = importlib.import_module("plait.runtime.lora.sgmv")
+    pointers = dict(X="*bf16", A="*bf16", B="*bf16", Y="*bf16", SegStart="*i64", SegLen="*i64", SegSlot="*i64")
+    targets = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336]), "down": (14336, [4096])}
+    rank = 16
+    for (target, (fan_in, outs)), (num_segs, longest) in itertools.product(targets.items(), ((32, 1), (8, 64))):
+        K = rank * len(outs)
+        splits, slice_in, block_in = sgmv.shrink_plan(num_segs, longest, fan_in, K, fan_out=sum(outs))
+        one_row = longest == 1
+        form = "one-row" if one_row else "runs"
+        shrink = dict(IN=fan_in, K=K, SLICE_IN=slice_in, ONE_ROW=one_row, BLOCK_T=sgmv.BLOCK_T,
+                      BLOCK_K=sgmv._block(K), BLOCK_IN=block_in)  # fmt: skip
+        yield f"lora shrink {target} {form}", sgmv._shrink_kernel, shrink, pointers, {}
+        ends = [sum(outs[: j + 1]) for j in range(len(outs))]
+        ends += [ends[-1]] * (3 - len(ends))
+        expand = dict(SPLITS=splits, SUBS=len(outs), END0=ends[0], END1=ends[1], END2=ends[2], K=K, R=rank,
+                      ONE_ROW=one_row, BLOCK_T=sgmv.BLOCK_T, BLOCK_P=triton.next_power_of_2(splits),
+                      BLOCK_R=sgmv._block(rank), BLOCK_N=sgmv.BLOCK_N)  # fmt: skip
+        yield f"lora expand {target} {form}", sgmv._expand_kernel, expand, pointers, {}
+
+
+ROOMS = {"attention": (decode_attention_variants, extend_and_prefix_variants), "lora": (lora_variants,)}
+
+
 def main() -> int:
+    rooms = sys.argv[1:] or ["attention"]
     failed = 0
-    for name, kernel, constexprs, pointers, options in itertools.chain(
-        decode_attention_variants(), extend_and_prefix_variants()
-    ):
+    for name, kernel, constexprs, pointers, options in itertools.chain(*(v() for room in rooms for v in ROOMS[room])):
         try:
             compile_variant(kernel, constexprs, pointers, **{"num_warps": 4, **options})
             print(f"ok {name}", flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.hopper_compile import compile_for_hopper, ptxas_shipped
 from plait.runtime.lora.adapter import TARGETS, LoraShapes
 from plait.runtime.lora.matmul import LoraBatch
 from plait.runtime.lora.sgmv import Segments, sgmv_apply, shrink_plan
@@ -251,3 +252,12 @@ def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype, shapes):
         graph.replay()
         ref = LoraBatch.of_rows(cpu, row_slots, [1] * bs).apply(0, "qkv", xs.float().cpu(), ys.float().cpu())
         torch.testing.assert_close(out.float().cpu(), ref, **tol)
+
+
+@pytest.mark.skipif(not ptxas_shipped(), reason="this Triton wheel has no NVIDIA backend with ptxas")
+def test_sgmv_kernels_compile_for_hopper(tmp_path):
+    """The shrink and expand compiled for sm_90 here (the interpreter runs them above; only a GPU's compiler
+    rejects what it cannot lower): the 8B's qkv, gate_up and down, one-row segments and runs."""
+    ok, failed, output = compile_for_hopper(["lora"], tmp_path)
+    assert not failed, output
+    assert len(ok) == 12, output
