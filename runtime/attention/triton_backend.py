@@ -372,9 +372,7 @@ class TritonAttnBackend(AttentionBackend):
         if not self.has_ragged_graph(bs):
             return False
         assert self.head_shape is not None  # (has_ragged_graph)
-        return self._splits.uneven(
-            list(fb.seq_lens_cpu) + [0] * (bs - len(fb.seq_lens_cpu)), self.head_shape.num_kv_heads
-        )
+        return self._splits.uneven(fb.seq_lens_cpu, self.head_shape.num_kv_heads, bs)
 
     def init_forward_metadata_capture_cuda_graph(
         self, fb: ForwardBatch, cascade: Optional[bool] = None, ragged: bool = False
@@ -416,8 +414,9 @@ class TritonAttnBackend(AttentionBackend):
         if step is not None or not self.has_ragged_graph(bs):
             raise ValueError(f"no ragged decode graph for batch {bs} (or asked for one with the cascade kernels)")
         assert self.head_shape is not None  # (has_ragged_graph)
-        lens = list(fb.seq_lens_cpu) + [0] * (bs - len(fb.seq_lens_cpu))
-        return TritonDecodeMetadata(req, seq, None, self._splits.graph_step(lens, self.head_shape.num_kv_heads))
+        return TritonDecodeMetadata(
+            req, seq, None, self._splits.graph_step(fb.seq_lens_cpu, self.head_shape.num_kv_heads, bs)
+        )
 
 
 def _num_sms(device: torch.device) -> int:

@@ -35,12 +35,12 @@ class TritonSplits:
         self._table: Optional[torch.Tensor] = None  # static int32 split table (graphs), sized for max_bs
         self._held: Optional[np.ndarray] = None  # the plan the static table holds
 
-    def uneven(self, seq_lens: Sequence[int], num_kv_heads: int) -> bool:
+    def uneven(self, seq_lens: Sequence[int], num_kv_heads: int, batch: Optional[int] = None) -> bool:
         """Whether a step's plan would give some request more splits than even splits do (from the lengths'
-        sum and maximum alone: a few microseconds, where making the plan is tens)."""
-        return len(seq_lens) >= RAGGED_MIN_BATCH and needs_plan(
-            seq_lens, self.policy.for_batch(len(seq_lens)), num_kv_heads
-        )
+        sum and maximum alone: a few microseconds, where making the plan is tens). `batch`: a graph's padded
+        batch size, the lengths its first rows'."""
+        b = len(seq_lens) if batch is None else batch
+        return b >= RAGGED_MIN_BATCH and needs_plan(seq_lens, self.policy.for_batch(b), num_kv_heads, b)
 
     def eager(self, seq_lens: Sequence[int], num_kv_heads: int) -> Optional[DecodeSplits]:
         """An eager step's plan on the device, or None where even splits serve it."""
@@ -61,14 +61,15 @@ class TritonSplits:
         """Whether decode graphs of batch `bs` come in a ragged variant."""
         return bs >= RAGGED_MIN_BATCH
 
-    def graph_step(self, seq_lens: Sequence[int], num_kv_heads: int) -> DecodeSplits:
-        """A ragged graph step's plan (`seq_lens`: its padded batch's), in the static table.
+    def graph_step(self, seq_lens: Sequence[int], num_kv_heads: int, bs: int) -> DecodeSplits:
+        """A ragged graph step's plan in the static table: `seq_lens` its first rows', `bs` its padded size.
 
         NOTE: the ragged graph launches its batch size's whole item capacity and always merges (its steps'
         plans vary); the items a step does not use exit at once."""
         if self._table is None:
             raise RuntimeError("call init_graph_state(max_bs) before capturing or replaying a ragged graph")
-        bs = len(seq_lens)
+        if len(seq_lens) < bs:  # (the graph runner hands the padded lengths already; direct callers may not)
+            seq_lens = list(seq_lens) + [0] * (bs - len(seq_lens))
         plan = plan_splits(seq_lens, self.policy.for_batch(bs), num_kv_heads, bs + self._extra(bs, num_kv_heads))
         if self._held is None or not np.array_equal(self._held, plan.table):
             self._uploads.upload(plan.table, into=self._table)  # (often the last step's plan again)

@@ -177,12 +177,13 @@ def step_split_len(total: int, batch: int, cfg: DecodeConfig, num_kv_heads: int)
     return split_len
 
 
-def needs_plan(suffix_lens: Sequence[int], cfg: DecodeConfig, num_kv_heads: int) -> bool:
+def needs_plan(suffix_lens: Sequence[int], cfg: DecodeConfig, num_kv_heads: int, batch: Optional[int] = None) -> bool:
     """Whether a step's plan would give some request more splits than even splits do (`plan_splits`'
     max_splits > `even_splits`), from the lengths' sum and maximum alone: the check every graph step makes,
-    a few microseconds where building the plan is tens."""
-    b = len(suffix_lens)
-    if b == 0:
+    a few microseconds where building the plan is tens. `batch`: the padded batch the lengths are the first
+    of (its empty rows change neither the sum nor the maximum)."""
+    b = len(suffix_lens) if batch is None else batch
+    if b == 0 or not len(suffix_lens):
         return False
     longest = max(max(suffix_lens), 0)
     split_len = step_split_len(max(sum(suffix_lens), 0), b, cfg, num_kv_heads)
