@@ -85,7 +85,7 @@ class StepPipeline:
         if self._launchable(batch):
             self.pending = (batch, self.runner.launch(step, prev=handle))
             self.timer.launched(kind, started)
-            if batch.mode.is_decode():
+            if batch.mode.is_decode() and prev is None:
                 self.timer.decode_restarts += 1
             if batch.mode.is_extend():
                 t_commit = time.perf_counter()

@@ -74,7 +74,8 @@ def run(model, overlap: bool = False, pool: int = POOL, **settings) -> dict:
             break
     assert s.check_integrity(), s.last_integrity_error
     assert s.handle_message(FlushCacheReq(0)).result is True and s.kv.available() == pool
-    return {"outputs": finals, "mixed_steps": mixed, "retractions": s.stats["num_retractions"]}
+    steps = s.timer.report()
+    return {"outputs": finals, "mixed_steps": mixed, "retractions": s.stats["num_retractions"], "steps": steps}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,9 @@ def test_greedy_outputs_are_the_same_with_mixed_steps(model, reference, settings
     got = run(model, **settings)
     assert got["mixed_steps"] > 0
     assert got["outputs"] == reference
+    if settings.get("overlap"):  # most decode steps are launched behind the step in flight, not after a read-back
+        steps = got["steps"]
+        assert 0 < steps["decode_restarts"] < steps["decode"]["steps"] / 2, steps
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
