@@ -68,6 +68,7 @@ class TritonCascade:
         self._uploaded: Optional[tuple] = None  # (plan or empty array, batch size) in the static tables
         self._empty: dict[int, np.ndarray] = {}  # batch size -> tables of a step without groups
         self._uploads = PinnedUploads(device, ring=2)  # the graphs' tables, to their static storage
+        self._eager_uploads = PinnedUploads(device)  # eager steps' tables, each to a tensor of its own
         self._side_stream: Optional[torch.cuda.Stream] = None
 
     def invalidate(self) -> None:
@@ -87,7 +88,9 @@ class TritonCascade:
         plan = self.planner.plan(fb.req_to_token_pool.host, rows[:n], fb.seq_lens_cpu[:n], layout)
         if plan is None:
             return None
-        tables = torch.from_numpy(plan.packed).to(self.device, non_blocking=True)
+        # NOTE: through pinned buffers: a copy from pageable memory would make the host wait for the step
+        # in flight, and a mixed step (whose decode rows take this path) would no longer overlap it.
+        tables = self._eager_uploads.upload(plan.packed)
         scratch = torch.empty(
             prefix_partial_numel(plan.num_partials, self.num_heads, self.head_dim),
             dtype=torch.float32,

@@ -234,7 +234,12 @@ class Segments:
         """(first token, end, slot) runs, known on the host (base runs may be left out)."""
         # (3, S): one copy up, each row contiguous as the kernels read it
         table = torch.tensor([[s, e - s, slot] for s, e, slot in runs] or [[0, 0, 0]], dtype=torch.int64).t()
-        table = table.contiguous().to(device, non_blocking=True)
+        table = table.contiguous()
+        if torch.device(device).type == "cuda":
+            # NOTE: from pageable memory the copy would make the host wait for the step in flight (overlap
+            # scheduling); the caching host allocator keeps the pinned block until the copy has run.
+            table = table.pin_memory()
+        table = table.to(device, non_blocking=True)
         longest = max((e - s for s, e, _ in runs), default=0)
         return cls(table[0], table[1], table[2], longest)
 

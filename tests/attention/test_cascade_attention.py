@@ -364,6 +364,24 @@ def test_gpu_cascade_real_sizes(head_dim):
 
 
 @pytest.mark.gpu
+def test_gpu_eager_cascade_step_does_not_wait_for_the_device():
+    # A mixed step's decode rows plan their cascade while the step before is still running (overlap
+    # scheduling): the plan's tables go up from pinned memory, so the host does not wait for that step.
+    case = _SharedCase(32, 8, 128, [(1500, [1501 + 3 * i for i in range(30)])], [800, 20], torch.bfloat16, "cuda")
+    backend = TritonAttnBackend(_context("cuda", 32, 8, 128), cascade_config=CascadeConfig(min_batch_size=2))
+    q = case.randn(len(case.rows), 32, 128)
+    fb = case.forward_batch(backend)
+    stream = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # the step in flight: ~1 s of one busy kernel
+    backend.init_forward_metadata(fb)
+    assert not stream.query()  # planned and uploaded while the device was still busy
+    assert fb.attn_metadata.cascade is not None
+    got = backend.forward_decode(q, case.layer, fb)
+    torch.testing.assert_close(got.float(), _reference(case, q).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_cascade_in_a_cuda_graph():
     case = _SharedCase(
         32, 8, 128, [(1500, [1501 + 3 * i for i in range(30)])], [800, 20], dtype=torch.bfloat16, device="cuda"

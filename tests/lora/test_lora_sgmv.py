@@ -216,6 +216,17 @@ def _cuda_pool(dtype, shapes: LoraShapes = SHAPES) -> tuple[LoraSlots, LoraSlots
 
 
 @pytest.mark.gpu
+def test_gpu_segments_go_up_without_waiting_for_the_device():
+    # An eager LoRA step's segments are known on the host; their copy must not wait for the step in flight.
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of one busy kernel
+    seg = Segments.of_runs([(0, 5, 2), (5, 12, 0), (12, 13, 1)], "cuda")
+    assert not torch.cuda.current_stream().query()
+    assert seg.starts.tolist() == [0, 5, 12] and seg.lengths.tolist() == [5, 7, 1] and seg.slots.tolist() == [2, 0, 1]
+    assert seg.longest == 7
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shapes", [SHAPES, WIDE], ids=["small", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype, shapes):
