@@ -16,6 +16,7 @@ import torch
 
 from .kvcache.memory_pool import KVPool, ReqToTokenPool
 from .step import ForwardMode, StepInput
+from .uploads import to_device
 
 __all__ = ["ForwardBatch", "ForwardMemory", "ForwardMode", "HostUploader"]
 
@@ -160,9 +161,9 @@ class ForwardBatch:
         mask = step.draft.tree_mask if step.draft is not None else None
         if mask is not None:
             sizes = np.asarray(step.extend_lens, dtype=np.int64)  # (B,)
-            self.tree_mask = torch.from_numpy(mask).to(device, non_blocking=True)
+            self.tree_mask = to_device(torch.from_numpy(mask), device)
             offsets = np.cumsum(sizes * sizes) - sizes * sizes  # (B,) each tree's first mask entry
-            self.tree_mask_offsets = torch.from_numpy(offsets).to(device, non_blocking=True)
+            self.tree_mask_offsets = to_device(torch.from_numpy(offsets), device)
 
 
 def ids_from_prev(host_ids: torch.Tensor, prev_ids: torch.Tensor, src: torch.Tensor, every: bool) -> torch.Tensor:

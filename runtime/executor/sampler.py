@@ -29,6 +29,7 @@ import torch
 from ..constrained.bitmask import unpack_bitmask
 from ..constrained.masker import GrammarMasker
 from ..step import SamplingRow, StepInput, StepOutput
+from ..uploads import to_device
 
 # The LM head: final hidden states (N, hidden) -> logits (N, vocab) float32.
 ComputeLogits = Callable[[torch.Tensor], torch.Tensor]
@@ -94,13 +95,8 @@ class SamplingBatchInfo:
 
 
 def _upload(values: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """A host list as a tensor on `device`. On CUDA through pinned memory, without blocking: a copy from
-    pageable memory makes the host wait for everything queued before it, so an overlapped step's
-    launch would wait for the step in flight to finish."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    """A host list as a tensor on `device`, without waiting for the step in flight (uploads.py)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..uploads import to_device
 from .slots import LoraSlots
 
 if TYPE_CHECKING:
@@ -59,9 +60,12 @@ class LoraBatch:
             elif slot and n:
                 segments.append((start, start + n, slot))
             start += n
-        token_slots = torch.repeat_interleave(
-            torch.tensor(request_slots, dtype=torch.int64), torch.tensor(tokens_per_request, dtype=torch.int64)
-        ).to(slots.device, non_blocking=True)
+        token_slots = to_device(
+            torch.repeat_interleave(
+                torch.tensor(request_slots, dtype=torch.int64), torch.tensor(tokens_per_request, dtype=torch.int64)
+            ),
+            slots.device,
+        )
         return cls(slots, token_slots, segments)
 
     def apply(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..uploads import to_device
+
 BLOCK_T = 16  # rows per tile (tl.dot needs at least 16)
 BLOCK_IN = 64  # the tiled shrink's step over the input features
 BLOCK_N = 64  # output columns per expand program
@@ -234,12 +236,7 @@ class Segments:
         """(first token, end, slot) runs, known on the host (base runs may be left out)."""
         # (3, S): one copy up, each row contiguous as the kernels read it
         table = torch.tensor([[s, e - s, slot] for s, e, slot in runs] or [[0, 0, 0]], dtype=torch.int64).t()
-        table = table.contiguous()
-        if torch.device(device).type == "cuda":
-            # NOTE: from pageable memory the copy would make the host wait for the step in flight (overlap
-            # scheduling); the caching host allocator keeps the pinned block until the copy has run.
-            table = table.pin_memory()
-        table = table.to(device, non_blocking=True)
+        table = to_device(table.contiguous(), device)
         longest = max((e - s for s, e, _ in runs), default=0)
         return cls(table[0], table[1], table[2], longest)
 

@@ -216,14 +216,17 @@ def _cuda_pool(dtype, shapes: LoraShapes = SHAPES) -> tuple[LoraSlots, LoraSlots
 
 
 @pytest.mark.gpu
-def test_gpu_segments_go_up_without_waiting_for_the_device():
-    # An eager LoRA step's segments are known on the host; their copy must not wait for the step in flight.
+def test_gpu_step_rows_go_up_without_waiting_for_the_device():
+    # A LoRA step's rows and segments are known on the host; their copies must not wait for the step in
+    # flight (overlap scheduling), here a kernel still running.
+    pool = LoraSlots(SHAPES, 3, 8, torch.float32, "cuda")
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of one busy kernel
-    seg = Segments.of_runs([(0, 5, 2), (5, 12, 0), (12, 13, 1)], "cuda")
+    batch = LoraBatch.of_rows(pool, [2, 0, 1, 1], [5, 7, 1, 2])
     assert not torch.cuda.current_stream().query()
-    assert seg.starts.tolist() == [0, 5, 12] and seg.lengths.tolist() == [5, 7, 1] and seg.slots.tolist() == [2, 0, 1]
-    assert seg.longest == 7
+    seg = batch.device_segments
+    assert seg.starts.tolist() == [0, 12] and seg.lengths.tolist() == [5, 3] and seg.slots.tolist() == [2, 1]
+    assert seg.longest == 5 and batch.token_slots.tolist() == [2] * 5 + [0] * 7 + [1] * 3
 
 
 @pytest.mark.gpu
