@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..forward_batch import ForwardBatch
+from ..uploads import to_device
 from .clip import ClipVisionModel, activation
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
@@ -99,7 +100,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             if item.key not in keys:
                 keys[item.key] = len(pixels)
                 pixels.append(item.pixels)
-        batch = torch.from_numpy(np.stack(pixels)).to(h.device)  # (N, C, S, S) float32
+        batch = to_device(torch.from_numpy(np.stack(pixels)), h.device)  # (N, C, S, S) float32, queued
         feats = self.image_features(batch).to(h.dtype)  # (N, tokens, hidden)
         for item in images:
             h[item.row : item.row + item.count] = feats[keys[item.key], item.start : item.start + item.count]
