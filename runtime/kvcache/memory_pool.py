@@ -55,9 +55,9 @@ class ReqToTokenPool:
 
     def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
         """kv_slots (n,) at positions start..start+n of one request, in both tables."""
-        self.req_to_token[slot, start : start + len(kv_slots)] = kv_slots.to(torch.int32)
-        host = kv_slots.cpu().numpy()
-        self.host[slot, start : start + len(kv_slots)] = host
+        host = kv_slots.cpu().numpy().astype(np.int32)
+        self.req_to_token[slot, start : start + len(host)] = self._upload(host)
+        self.host[slot, start : start + len(host)] = host
         if self._recorded is not None:
             self._recorded.append(("row", slot, start, host.astype(np.int32)))
 
