@@ -4,10 +4,12 @@ with one segment per token (the CUDA-graph form); rows of the base model left ex
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from helpers.hopper_compile import compile_for_hopper, ptxas_shipped
-from plait.runtime.lora.adapter import TARGETS, LoraShapes
+from plait.runtime.lora.adapter import TARGETS, LoraAdapter, LoraShapes
 from plait.runtime.lora.matmul import LoraBatch
 from plait.runtime.lora.sgmv import Segments, sgmv_apply, shrink_plan
 from plait.runtime.lora.slots import LoraSlots
@@ -275,3 +277,40 @@ def test_sgmv_kernels_compile_for_hopper(tmp_path):
     ok, failed, output = compile_for_hopper(["lora"], tmp_path)
     assert not failed, output
     assert len(ok) == 12, output
+
+
+def test_slot_write_from_the_adapters_host_image():
+    # A slot holds each module's A and B at the max rank (zero-padded), in the slots' dtype; the adapter's
+    # host image is made once, reused by later writes (a swap back), and dropped with the adapter.
+    gen = torch.Generator().manual_seed(3)
+    L, r = SHAPES.num_layers, 4
+    weights = {}
+    for t in TARGETS:
+        for module in t.modules:
+            if module in ("k_proj", "up_proj"):
+                weights[module] = None  # a module the adapter leaves alone
+                continue
+            fan_in, fan_out = SHAPES.in_features(t), SHAPES.out_features(module)
+            weights[module] = (torch.randn(L, r, fan_in, generator=gen), torch.randn(L, fan_out, r, generator=gen))
+    adapter = LoraAdapter("x", "/nowhere", r, weights)
+    pool = LoraSlots(SHAPES, 3, 8, torch.bfloat16, "cpu")
+    pool.write(2, adapter)
+    for t in TARGETS:
+        out = 0
+        for j, module in enumerate(t.modules):
+            size = SHAPES.out_features(module)
+            a = pool.a[t.name][2, :, j * 8 : (j + 1) * 8]  # (L, R, in)
+            b = pool.b[t.name][2, :, out : out + size]  # (L, size, R)
+            if weights[module] is None:
+                assert not a.any() and not b.any()
+            else:
+                assert torch.equal(a[:, :r], weights[module][0].to(torch.bfloat16)) and not a[:, r:].any()
+                assert torch.equal(b[:, :, :r], weights[module][1].to(torch.bfloat16)) and not b[:, :, r:].any()
+            out += size
+        assert not pool.a[t.name][1].any() and not pool.a[t.name][3].any()  # other slots untouched
+    image = pool.host_image(adapter)
+    pool.write(1, adapter)
+    assert pool.host_image(adapter) is image and torch.equal(pool.a["qkv"][1], pool.a["qkv"][2])
+    del adapter, image
+    gc.collect()
+    assert not pool._images
