@@ -1,6 +1,7 @@
 """The Triton segmented LoRA matmul (runtime/lora/sgmv.py), run by Triton's CPU interpreter at small
 sizes: the same sums as the torch path (`LoraBatch`'s segments), with segments from the host's runs and
-with one segment per token (the CUDA-graph form); rows of the base model left exactly as they were."""
+with one segment per token (the CUDA-graph form); rows of the base model left exactly as they were. Also what
+the kernels read: a slot as `LoraSlots.write` fills it from an adapter's host image."""
 
 from __future__ import annotations
 
