@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch
+from ..uploads import copy_into, to_device
 from .cascade_plan import CascadeConfig, CascadeLayout, CascadePlan, CascadePlanner
-from .pinned_uploads import PinnedUploads
 from .triton_ops import (
     PrefixConfig,
     PrefixPartials,
@@ -67,8 +67,6 @@ class TritonCascade:
         self._max_bs = 0  # largest graph batch (0: graphs off)
         self._uploaded: Optional[tuple] = None  # (plan or empty array, batch size) in the static tables
         self._empty: dict[int, np.ndarray] = {}  # batch size -> tables of a step without groups
-        self._uploads = PinnedUploads(device, ring=2)  # the graphs' tables, to their static storage
-        self._eager_uploads = PinnedUploads(device)  # eager steps' tables, each to a tensor of its own
         self._side_stream: Optional[torch.cuda.Stream] = None
 
     def invalidate(self) -> None:
@@ -88,9 +86,9 @@ class TritonCascade:
         plan = self.planner.plan(fb.req_to_token_pool.host, rows[:n], fb.seq_lens_cpu[:n], layout)
         if plan is None:
             return None
-        # NOTE: through pinned buffers: a copy from pageable memory would make the host wait for the step
-        # in flight, and a mixed step (whose decode rows take this path) would no longer overlap it.
-        tables = self._eager_uploads.upload(plan.packed)
+        # NOTE: queued (uploads.py): from pageable memory the copy would make the host wait for the step in
+        # flight, and a mixed step (whose decode rows take this path) would no longer overlap it.
+        tables = to_device(torch.from_numpy(plan.packed), self.device)
         scratch = torch.empty(
             prefix_partial_numel(plan.num_partials, self.num_heads, self.head_dim),
             dtype=torch.float32,
@@ -154,7 +152,7 @@ class TritonCascade:
     def _upload(self, key, packed: np.ndarray, bs: int) -> None:
         if self._uploaded is not None and self._uploaded[0] is key and self._uploaded[1] == bs:
             return  # the static tables hold exactly this already
-        self._uploads.upload(packed, into=self._tables)
+        copy_into(self._tables, torch.from_numpy(packed))
         self._uploaded = (key, bs)
 
     # ---- the attention call ----

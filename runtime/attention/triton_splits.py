@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .pinned_uploads import PinnedUploads
+from ..uploads import copy_into, to_device
 from .triton_ops import DecodePolicy, DecodeSplits, needs_plan, plan_splits, split_table_numel
 
 RAGGED_MIN_BATCH = 8
@@ -31,7 +31,6 @@ class TritonSplits:
     def __init__(self, device: torch.device, policy: DecodePolicy):
         self.device = device
         self.policy = policy
-        self._uploads = PinnedUploads(device)
         self._table: Optional[torch.Tensor] = None  # static int32 split table (graphs), sized for max_bs
         self._held: Optional[np.ndarray] = None  # the plan the static table holds
 
@@ -47,7 +46,9 @@ class TritonSplits:
         if not self.uneven(seq_lens, num_kv_heads):
             return None
         plan = plan_splits(seq_lens, self.policy.for_batch(len(seq_lens)), num_kv_heads)
-        return DecodeSplits(self._uploads.upload(plan.table), plan.items_at, plan.items, plan.max_splits > 1)
+        return DecodeSplits(
+            to_device(torch.from_numpy(plan.table), self.device), plan.items_at, plan.items, plan.max_splits > 1
+        )
 
     # ---- the ragged decode graphs ----
     def init_graph_state(self, max_bs: int, num_kv_heads: int) -> None:
@@ -72,7 +73,7 @@ class TritonSplits:
             seq_lens = list(seq_lens) + [0] * (bs - len(seq_lens))
         plan = plan_splits(seq_lens, self.policy.for_batch(bs), num_kv_heads, bs + self._extra(bs, num_kv_heads))
         if self._held is None or not np.array_equal(self._held, plan.table):
-            self._uploads.upload(plan.table, into=self._table)  # (often the last step's plan again)
+            copy_into(self._table, torch.from_numpy(plan.table))  # (often the last step's plan again)
             self._held = plan.table
         return DecodeSplits(self._table[: plan.table.shape[0]], plan.items_at, plan.items, True)
 

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ..uploads import copy_into
 from .adapter import TARGETS, LoraAdapter, LoraShapes
 from .shard import WHOLE, LoraShard
 
@@ -75,12 +76,10 @@ class LoraSlots:
         if not 1 <= slot <= self.num_slots:
             raise ValueError(f"LoRA slot {slot} out of 1..{self.num_slots}")
         image = self.host_image(adapter)
-        pin = torch.device(self.device).type == "cuda"  # (pinned copies are queued; the pinned block is
-        # the caching host allocator's, kept until its copy has run, so pinned memory stays bounded)
         for t in TARGETS:
             a, b = image[t.name]
-            self.a[t.name][slot].copy_(a.pin_memory() if pin else a, non_blocking=True)
-            self.b[t.name][slot].copy_(b.pin_memory() if pin else b, non_blocking=True)
+            copy_into(self.a[t.name][slot], a)
+            copy_into(self.b[t.name][slot], b)
         self.holds[slot] = adapter.name
 
     def host_image(self, adapter: LoraAdapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
