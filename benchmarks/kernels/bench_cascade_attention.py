@@ -47,6 +47,7 @@ CASES = {
     "long": (64, 4000, 100, 1),
     "none": (256, 0, 600, 0),
     "none16": (16, 0, 600, 0),
+    "shared32": (36, 2048, 190, 8),  # bench_serving's shared-prefix stream at 32 req/s: ~36 running, 8 prefixes
 }  # name: (batch, prefix, suffix, groups)
 
 
@@ -254,8 +255,9 @@ def main():
     ap.add_argument("--layers", type=int, default=8, help="attention calls per graph, each its own layer's K/V")
     ap.add_argument("--sweep", action="store_true", help="also time prefix-kernel tile configs")
     ap.add_argument("--quick", action="store_true", help="fewshot and none only")
+    ap.add_argument("--cases", nargs="+", choices=sorted(CASES), help="these cases only")
     args = ap.parse_args()
-    names = ["fewshot", "none", "none16"] if args.quick else list(CASES)
+    names = args.cases or (["fewshot", "none", "none16"] if args.quick else list(CASES))
     rows = [run_case(name, args.layers) for name in names]
     print(
         f"\n{torch.cuda.get_device_name(0)}, Llama-3.1-8B shape ({HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, "
