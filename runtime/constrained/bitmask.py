@@ -7,7 +7,7 @@ caller passes only the constrained row indices, so a free request in a mixed bat
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -41,6 +41,18 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
         return allowed[:, :vocab_size]
     pad = torch.zeros((rows, vocab_size - width * 32), dtype=torch.bool, device=bitmask.device)
     return torch.cat([allowed, pad], dim=1)
+
+
+def single_token(row: torch.Tensor) -> Optional[int]:
+    """The one token a (W,) int32 row of bits allows, or None (none, or two or more)."""
+    words = row.nonzero()
+    if words.numel() != 1:
+        return None
+    w = int(words[0, 0])
+    bits = int(row[w]) & 0xFFFFFFFF
+    if bits & (bits - 1):
+        return None
+    return w * 32 + bits.bit_length() - 1
 
 
 def apply_token_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: Rows) -> None:

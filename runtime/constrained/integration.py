@@ -10,6 +10,8 @@ Calls the scheduler makes (runtime/scheduler/grammars.py):
     manager.accept(req, token_id)                                    # after appending a sampled token
     plan = manager.jump_forward(req)                                 # after the stop checks, if the
                                                                      # request is still running
+    tok = manager.forced_stop(req)                                   # before jump_forward: a stop
+                                                                     # token the grammar leaves alone
 
 Each matcher is a `RequestGrammar` (request_grammar.py): no repeated JSON keys, and (unless the request
 set `close_within_budget` off) the closing that keeps a cut output valid. The masking itself happens in
@@ -33,7 +35,7 @@ import torch
 
 from ..request import FinishReason
 from .base import JSON_KINDS, GrammarBackend, GrammarMatcher
-from .bitmask import apply_token_bitmask_inplace
+from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace, single_token
 from .completion import CompletionSearch
 from .factory import create_grammar_backend
 from .jump_forward import JumpForwardPlan, apply_jump_forward, plan_jump_forward
@@ -67,11 +69,15 @@ class GrammarManager:
         self.keys = RepeatedKeyMask(self.tables)
         self._special = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
         self._masker = GrammarMasker(self.backend.vocab_size)
+        self._row = allocate_token_bitmask(1, self.backend.vocab_size)  # forced_stop's one row of bits
         # jump_forward_tokens: tokens appended without a decode step; jump_forward_rollback_tokens:
         # sampled tokens replaced by the retokenized forced text (decoded, then dropped).
         # grammar_closed_early: outputs steered to their shortest completion (budget or loop);
         # grammar_close_overshoots: outputs whose shortest completion no longer fitted their budget.
+        # grammar_forced_stops: outputs ended on the one stop token their grammar allowed, without the
+        # step that would have sampled it.
         self.counters = {
+            "grammar_forced_stops": 0,
             "jump_forward_events": 0,
             "jump_forward_tokens": 0,
             "jump_forward_rollback_tokens": 0,
@@ -156,6 +162,28 @@ class GrammarManager:
             if isinstance(req.grammar, RequestGrammar):
                 req.grammar.note_budget(_budget_left(req))
         return plan
+
+    def forced_stop(self, req: Any) -> Optional[int]:
+        """The stop token that ends `req` now, when it is the only token its grammar allows here (the
+        end of a fixed-length regex, a closed JSON value, a chosen label): whatever the logits, the
+        next step would sample it and stop. The scheduler appends it instead of running that step.
+        None where the step is still needed: logprobs asked for (the token's logprob comes from that
+        step), a stop token the request does not stop on (ignore_eos, min_new_tokens), two or more
+        tokens allowed (say, two EOS ids: the model chooses)."""
+        grammar = req.grammar
+        if not self.jump_forward_enabled or grammar is None or getattr(req, "return_logprob", False):
+            return None
+        if grammar.is_terminated() or not grammar.is_completed():
+            return None
+        with grammar.drafting():  # the mask as it stands, no budget decision taken for it
+            grammar.fill_bitmask(self._row, 0)
+        token = single_token(self._row[0])
+        if token is None or token not in req.stop_token_ids:
+            return None
+        if len(req.output_ids) + 1 < req.sampling_params.min_new_tokens:
+            return None
+        self.counters["grammar_forced_stops"] += 1
+        return token
 
     def _count(self, event: Optional[str]) -> None:
         if event == "closed":

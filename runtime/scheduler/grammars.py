@@ -78,5 +78,10 @@ class SchedulerGrammars:
         assert self.manager is not None, "a constrained request started the grammar manager"
         return self.manager.jump_forward(req)
 
+    def forced_stop(self, req: Req) -> Optional[int]:
+        """The stop token the grammar leaves as the request's only continuation (it ends on it), or None."""
+        assert self.manager is not None, "a constrained request started the grammar manager"
+        return self.manager.forced_stop(req)
+
     def stats(self) -> dict:
         return dict(self.manager.stats) if self.manager is not None else {}

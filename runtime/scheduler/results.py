@@ -179,6 +179,9 @@ class StepResults:
             elif r.finished_reason is not None:
                 self.finisher.end(r, counted=True)
                 changed = True
+            elif r.grammar is not None and self._forced_stop(r):
+                self.finisher.end(r, counted=True)
+                changed = True
             elif (
                 r.grammar is not None
                 and not self.spec.replaces_jump_forward(r)
@@ -195,6 +198,18 @@ class StepResults:
             self.queues.to_jump_tails(jumped)
         if changed:
             self.queues.drop_from_running()
+
+    def _forced_stop(self, r: Req) -> bool:
+        """Where the grammar allows only the stop token `r` ends on, append it now, as the step that would
+        sample it would have (stop checks included), and save that step. True: `r` finished."""
+        token = self.grammars.forced_stop(r)
+        if token is None:
+            return False
+        r.output_ids.append(token)
+        self.grammars.accept(r, token)
+        self.stats["generation_tokens"] += 1
+        self.outputs.check_finish_many([r], self.context_len)
+        return r.finished_reason is not None
 
     def collect_outputs(self):
         return self.outputs.collect(self.queues.holding_kv())

@@ -124,6 +124,29 @@ def test_jump_forward_on_and_off_give_valid_json(engines):
     assert engines["outlines"].get_stats().get("jump_forward_tokens", 0) == 0
 
 
+def test_forced_stop_ends_without_its_step_and_changes_nothing(engines):
+    """Where a grammar allows only the stop token (a fixed-length regex fully written), xgrammar's engine
+    (jump-forward on) appends it without the step that would sample it; outlines' (jump-forward off) runs
+    that step. Same outputs, token for token; with logprobs asked for, the step runs (its logprob)."""
+    xg, ol = engines["xgrammar"], engines["outlines"]
+    prompts = [chat(xg, f"Give a three-digit number about {w}.") for w in ("cats", "rain", "trains")]
+    params = greedy(12, regex=r"[0-9]{3}")
+    before = xg.get_stats().get("grammar_forced_stops", 0)
+    on, off = xg.generate(prompts, params), ol.generate(prompts, params)
+    assert xg.get_stats()["grammar_forced_stops"] == before + len(prompts)
+    assert ol.get_stats().get("grammar_forced_stops", 0) == 0
+    eos = xg.tokenizer.eos_token_id
+    for a, b in zip(on, off):
+        assert re.fullmatch(r"[0-9]{3}", a["text"]), a["text"]
+        assert a["output_ids"] == b["output_ids"] and a["output_ids"][-1] == eos
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+        assert a["meta_info"]["completion_tokens"] == b["meta_info"]["completion_tokens"] == 4
+    with_logprobs = xg.generate(prompts[0], params, return_logprob=True)
+    assert xg.get_stats()["grammar_forced_stops"] == before + len(prompts)
+    assert with_logprobs["output_ids"] == on[0]["output_ids"]
+    assert len(with_logprobs["meta_info"]["output_token_logprobs"]) == 4
+
+
 def test_stats_report_grammar_compile_time_and_device_memory(engines):
     # What /metrics (plait_grammar_compile_seconds) and /get_server_info's memory_usage read.
     eng = engines["outlines"]
