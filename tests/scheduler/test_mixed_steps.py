@@ -102,7 +102,9 @@ def test_greedy_outputs_are_the_same_with_mixed_steps(model, reference, settings
     assert got["outputs"] == reference
     if settings.get("overlap"):  # most decode steps are launched behind the step in flight, not after a read-back
         steps = got["steps"]
-        assert 0 < steps["decode_restarts"] < steps["decode"]["steps"] / 2, steps
+        assert steps["decode_restarts"] < steps["decode"]["steps"] / 2, steps
+        if settings == dict(overlap=True):  # and the counter counts: this schedule restarts decoding after a read-back
+            assert steps["decode_restarts"] > 0, steps
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
