@@ -43,6 +43,15 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([allowed, pad], dim=1)
 
 
+def allowed_ids(row: torch.Tensor) -> torch.Tensor:
+    """The tokens a (W,) int32 row of bits allows, ascending (int64, on the row's device). Reads only the
+    row's nonzero words: a grammar state that allows a few tokens costs a few words, not the vocabulary."""
+    words = row.nonzero().squeeze(1)  # (k,)
+    bits = (row[words].unsqueeze(1) >> _bit_positions(row.device)) & 1  # (k, 32)
+    word, bit = bits.nonzero(as_tuple=True)
+    return words[word].long() * 32 + bit
+
+
 def single_token(row: torch.Tensor) -> Optional[int]:
     """The one token a (W,) int32 row of bits allows, or None (none, or two or more)."""
     words = row.nonzero()
@@ -53,6 +62,12 @@ def single_token(row: torch.Tensor) -> Optional[int]:
     if bits & (bits - 1):
         return None
     return w * 32 + bits.bit_length() - 1
+
+
+def allow(row: torch.Tensor, token_id: int) -> None:
+    """Set token `token_id`'s bit in a (W,) int32 row."""
+    bit = token_id & 31
+    row[token_id >> 5] |= (1 << bit) - (1 << 32) if bit == 31 else (1 << bit)
 
 
 def apply_token_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: Rows) -> None:

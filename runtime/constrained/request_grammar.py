@@ -24,7 +24,7 @@ from typing import Hashable, Iterator, Optional
 import torch
 
 from .base import GrammarMatcher
-from .bitmask import unpack_bitmask
+from .bitmask import allow, allowed_ids
 from .closing import BUDGET, CHOICES, FIRST_LOOK, NEAR, BudgetCloser
 from .completion import CompletionSearch
 from .json_scan import JsonScanner
@@ -205,7 +205,7 @@ class RequestGrammar(GrammarMatcher):
             bitmask[row].zero_()
             forced = closer.forced_token()
             if forced is not None:
-                _allow(bitmask[row], forced)
+                allow(bitmask[row], forced)
             else:  # the plan is written: the grammar's own end
                 bitmask[row] |= self._tables.stops
             return
@@ -218,17 +218,15 @@ class RequestGrammar(GrammarMatcher):
         after which a completion still fits. logits: (V,) on any device; row: the (W,) bits just filled."""
         if self.closer is None or not self.closer.choosing or self.closer.closing:
             return
-        allowed = unpack_bitmask(row.unsqueeze(0), logits.shape[0])[0].to(logits.device)  # (V,)
-        top = logits.masked_fill(~allowed, float("-inf")).topk(min(CHOICES, logits.shape[0]))
-        candidates = [t for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")]
+        ids = allowed_ids(row)
+        ids = ids[ids < logits.shape[0]]
+        values = logits[ids.to(logits.device)]
+        top = values.topk(min(CHOICES, values.shape[0]))
+        candidates = [t for t, v in zip(ids[top.indices.cpu()].tolist(), top.values.tolist()) if v != float("-inf")]
         had_reason = self.closer.reason is not None
         keep = self.closer.fitting(self.inner, self.scanner, candidates, self._tables.vocab.decoded, self._budget_left)
         if self.closer.reason is not None and not had_reason:
             self._event = "closed"
         row.zero_()
-        row |= self._tables.row_of(keep)
-
-
-def _allow(row: torch.Tensor, token_id: int) -> None:
-    bit = token_id & 31
-    row[token_id >> 5] |= (1 << bit) - (1 << 32) if bit == 31 else (1 << bit)
+        for token in keep:
+            allow(row, token)

@@ -27,6 +27,7 @@ from plait.runtime.constrained import (
     create_grammar_backend,
     validate_constraint,
 )
+from plait.runtime.constrained import bitmask as bits
 from plait.runtime.constrained.bitmask import unpack_bitmask
 from plait.runtime.constrained.integration import GrammarManager
 from plait.runtime.constrained.jump_forward import apply_jump_forward, plan_jump_forward
@@ -87,6 +88,26 @@ def test_mask_allows_exactly_grammar_tokens(backends, default_tokenizer, name):
     expected = {i for i, b in enumerate(vocab.decoded) if b and re.fullmatch(rb"[a-z]{1,8}", b)}
     assert allowed == expected
     assert not any(i < 17 or i >= 49152 for i in allowed)  # special and padded ids never allowed
+
+
+def test_bitmask_row_helpers_read_and_set_single_bits():
+    """allowed_ids reads a row's tokens from its nonzero words (bit 31 is the int32 sign bit),
+    single_token finds a row's only token, allow sets one bit."""
+    vocab = 49152
+    row = allocate_token_bitmask(1, vocab)[0].zero_()
+    for token in (31, 5, 0, 32, vocab - 1, 63):
+        bits.allow(row, token)
+    assert bits.allowed_ids(row).tolist() == [0, 5, 31, 32, 63, vocab - 1]
+    assert bits.allowed_ids(row).tolist() == unpack_bitmask(row.unsqueeze(0), vocab)[0].nonzero().flatten().tolist()
+    assert bits.single_token(row) is None
+    row.zero_()
+    assert bits.single_token(row) is None and bits.allowed_ids(row).numel() == 0
+    for token in (31, 12345):
+        row.zero_()
+        bits.allow(row, token)
+        assert bits.single_token(row) == token and bits.allowed_ids(row).tolist() == [token]
+    bits.allow(row, 12346)  # two bits of one word
+    assert bits.single_token(row) is None
 
 
 def test_apply_bitmask_mixed_batch_and_padded_vocab(backends):
