@@ -104,6 +104,14 @@ class BatchPlan:
     segments: list[SharedSegment]
     leaf_stats: dict[int, NodeStats] = field(default_factory=dict)  # program index -> its run's totals
 
+    def distinct_length(self) -> int:
+        """The batch's prompts with every shared segment counted once (in `unit`s): what the cache holds
+        while all of them are in it."""
+        deepest = self.deepest_segment()
+        ends = {seg.id: seg.end for seg in self.segments}
+        own = sum(len(p) - ends[deepest[i]] if i in deepest else len(p) for i, p in enumerate(self.prefixes))
+        return own + sum(seg.end - seg.start for seg in self.segments)
+
     def segment_prefix(self, seg: SharedSegment) -> Prefix:
         return self.prefixes[seg.members[0]][: seg.end]
 

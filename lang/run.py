@@ -115,14 +115,50 @@ def run_program_batch(
     ):
         if backend.hints_enabled():
             # plait: every shared segment of the batch (header, groups), prefilled and pinned once.
-            plan = plan_batch(program, backend, batch_arguments)
-            prefill = BatchPrefill(plan, backend) if plan.segments else None
+            prefill = _batch_prefill(program, backend, batch_arguments)
         if prefill is None:
             cache_program(program, backend)  # SGLang: the constant text every run starts with
     runs = _BatchRuns(program, backend, batch_arguments, defaults, num_threads, progress_bar, prefill)
     if generator_style:
         return runs.iter_in_order()
     return list(runs.iter_in_order())
+
+
+# Characters per token where a plan compares text (over HTTP): to weigh it against the KV pool.
+CHARS_PER_TOKEN = 4
+# batch_prefill "auto": the share of the KV pool the batch's distinct tokens must fill for the up-front prefill.
+BATCH_PREFILL_POOL_SHARE = 0.5
+# Programs traced first to bound the whole batch's tokens (each trace runs a program's body to its first gen).
+SAMPLE_PROGRAMS = 8
+
+
+def _batch_prefill(program: Any, backend: Any, batch_arguments: list[dict]) -> Optional[BatchPrefill]:
+    """run_batch's up-front prefill of the batch's shared segments (global_config.batch_prefill), or None."""
+    setting = global_config.batch_prefill
+    if setting not in ("auto", "always", "never"):
+        raise ValueError(f"global_config.batch_prefill must be 'auto', 'always' or 'never', got {setting!r}")
+    if setting == "never":
+        return None
+    room = BATCH_PREFILL_POOL_SHARE * (backend.kv_pool_tokens() or 0) if setting == "auto" else 0
+    if room:
+        # Before tracing every program: a batch whose prompts fit even unshared (its longest of the first
+        # SAMPLE_PROGRAMS, times the programs) needs no plan.
+        sample = [
+            _tokens(backend, extract_prefix_by_tracing(program, backend, a)) for a in batch_arguments[:SAMPLE_PROGRAMS]
+        ]
+        if max(sample, default=0) * len(batch_arguments) <= room:
+            return None
+    plan = plan_batch(program, backend, batch_arguments)
+    if not plan.segments:
+        return None
+    if room and plan.distinct_length() / (1 if plan.unit == "tokens" else CHARS_PER_TOKEN) <= room:
+        return None
+    return BatchPrefill(plan, backend)
+
+
+def _tokens(backend: Any, text: str) -> float:
+    ids = backend.tokenize(text) if text else []
+    return len(ids) if ids is not None else len(text) / CHARS_PER_TOKEN
 
 
 class _BatchRuns:

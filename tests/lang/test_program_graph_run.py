@@ -155,7 +155,8 @@ BATCH = [
 ]
 
 
-def test_run_batch_prefills_each_shared_segment_once_and_releases_it(runtime):
+def test_run_batch_prefills_each_shared_segment_once_and_releases_it(runtime, monkeypatch):
+    monkeypatch.setattr(sgl.global_config, "batch_prefill", "always")  # "auto" leaves a batch this small alone
     runtime.engine.flush_cache()
     states = few_shot.run_batch(BATCH, temperature=0, backend=runtime)
     assert all(s.error() is None for s in states) and protected(runtime) == 0
@@ -208,6 +209,25 @@ def test_run_batch_prefills_each_shared_segment_once_and_releases_it(runtime):
     assert g.nodes[2].text == "2 plus 5?\nA:"
     assert all(g.nodes[i].stats.cached_tokens == ends[int(g.nodes[i].name[1:])] for i in (2, 3, 5, 6))
     check_dot(to_dot(g), g)
+
+
+def test_run_batch_prefills_up_front_only_where_the_batch_fills_the_cache(runtime, monkeypatch):
+    """batch_prefill "auto": a batch whose distinct tokens fit in half the KV pool runs as SGLang's would (its
+    constant text precached, no plan), with the same answers; one that fills more of it (a pool shrunk to
+    the batch's size, here) gets the plan. Any other setting is refused by name."""
+    runtime.engine.flush_cache()
+    planned = few_shot.run_batch(BATCH, temperature=0, backend=runtime)
+    assert not hasattr(planned[0], "batch_plan") and protected(runtime) == 0
+    monkeypatch.setattr(sgl.global_config, "batch_prefill", "always")
+    runtime.engine.flush_cache()
+    always = few_shot.run_batch(BATCH, temperature=0, backend=runtime)
+    assert [s["answer"] for s in always] == [s["answer"] for s in planned]
+    monkeypatch.setattr(sgl.global_config, "batch_prefill", "auto")
+    monkeypatch.setattr(runtime.endpoint, "kv_pool_tokens", lambda: always[0].batch_plan.distinct_length())
+    assert hasattr(few_shot.run_batch(BATCH, temperature=0, backend=runtime)[0], "batch_plan")
+    monkeypatch.setattr(sgl.global_config, "batch_prefill", "sometimes")
+    with pytest.raises(ValueError, match="batch_prefill must be 'auto', 'always' or 'never', got 'sometimes'"):
+        few_shot.run_batch(BATCH, temperature=0, backend=runtime)
 
 
 def test_program_hints_off_sends_what_sglang_sends(runtime):
