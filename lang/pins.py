@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -32,6 +33,12 @@ PIN_BUDGET_FRACTION = 0.25
 PIN_THREADS = 8
 # A program state shorter than this is cheaper to prefill again than to keep pinned between requests.
 MIN_STATE_PIN_CHARS = 256
+# State pins are taken only while less than this share of the runtime's KV pool is free: with room to spare
+# nothing is evicted between a program's requests, and each pin is a call (its text tokenized, the prefix
+# tree walked and locked) that agents of many short requests paid 12-15% of their time for
+# (benchmarks/RESULTS.md, paper_programs). A reading of the room is trusted for ROOM_READING_S.
+STATE_PIN_FREE_SHARE = 0.5
+ROOM_READING_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,11 @@ class PinService:
         self._lock = threading.Lock()
         self._pool: Optional[ThreadPoolExecutor] = None
         self._budget: Optional[int] = None
+        self._kv_pool: Optional[int] = None
         self._budget_known = False
         self.pinned_tokens = 0
+        self._room_read_at = float("-inf")
+        self._short_of_room = True
 
     def submit(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -68,8 +78,8 @@ class PinService:
 
     def _limit(self) -> Optional[int]:
         if not self._budget_known:
-            total = self.backend.kv_pool_tokens()
-            self._budget = int(total * PIN_BUDGET_FRACTION) if total else None
+            self._kv_pool = self.backend.kv_pool_tokens()
+            self._budget = int(self._kv_pool * PIN_BUDGET_FRACTION) if self._kv_pool else None
             self._budget_known = True
         return self._budget
 
@@ -82,6 +92,21 @@ class PinService:
                 return False
             self.pinned_tokens += tokens
             return True
+
+    def short_of_room(self) -> bool:
+        """Whether the runtime's cache may evict a program's state before its next request (less than
+        STATE_PIN_FREE_SHARE of the pool free, or a runtime that does not say)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._room_read_at < ROOM_READING_S:
+                return self._short_of_room
+            self._room_read_at = now
+        self._limit()
+        free = self.backend.kv_free_tokens()
+        short = free is None or not self._kv_pool or free < STATE_PIN_FREE_SHARE * self._kv_pool
+        with self._lock:
+            self._short_of_room = short
+        return short
 
     def give_back(self, tokens: int) -> None:
         with self._lock:
@@ -146,7 +171,7 @@ class ProgramPins:
     def after_request(self, branch: str, text: str, will_extend: bool) -> None:
         """`branch`'s state is `text` after a gen/select: keep it cached until the branch's next request
         when one will follow (`will_extend`) and the state is long enough to pay; else let it go."""
-        if will_extend and len(text) >= MIN_STATE_PIN_CHARS:
+        if will_extend and len(text) >= MIN_STATE_PIN_CHARS and self.service.short_of_room():
             self.move_state_pin(branch, text)
         else:
             self.drop_state_pin(branch)

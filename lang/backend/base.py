@@ -50,6 +50,10 @@ class BaseBackend:
         """The runtime's KV pool size in tokens, when known (it bounds what programs may pin)."""
         return None
 
+    def kv_free_tokens(self) -> Optional[int]:
+        """Free slots in the runtime's KV pool now, when it says (a pin is worth its call only when short)."""
+        return None
+
     def vocab_size(self) -> Optional[int]:
         """The runtime's vocabulary size, when this process knows it: each gen's sampling parameters are
         checked against it once, where the program writes the gen (token ids included)."""

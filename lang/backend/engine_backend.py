@@ -76,6 +76,9 @@ class EngineBackend(NativeBackend):
     def kv_pool_tokens(self) -> Optional[int]:
         return getattr(getattr(self.engine, "info", None), "max_total_tokens", None)
 
+    def kv_free_tokens(self) -> Optional[int]:
+        return self.engine.get_stats().get("free_tokens") if hasattr(self.engine, "get_stats") else None
+
     def vocab_size(self) -> Optional[int]:
         return getattr(getattr(self.engine, "info", None), "vocab_size", None)
 

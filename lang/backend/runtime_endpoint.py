@@ -123,6 +123,9 @@ class RuntimeEndpoint(NativeBackend):
     def get_server_info(self) -> dict:
         return self.http.get("/get_server_info")
 
+    def kv_free_tokens(self) -> Optional[int]:
+        return self.get_server_info().get("free_tokens")
+
 
 def generate_body(
     prompt: Prompt, sampling: SamplingParams, options: RequestOptions, image_data: Any = None

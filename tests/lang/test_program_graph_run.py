@@ -71,7 +71,10 @@ def two_turns(s, q1, q2, seen):
     s += sgl.user(q2) + sgl.assistant(sgl.gen("a2", max_tokens=6))
 
 
-def test_run_graph_records_cache_hits_per_node_and_pins_the_state_between_gens(runtime):
+def test_run_graph_records_cache_hits_per_node_and_pins_the_state_between_gens(runtime, monkeypatch):
+    # a pool short of room (less than STATE_PIN_FREE_SHARE of it free), where a state pin pays for its call
+    monkeypatch.setattr(runtime.endpoint, "kv_free_tokens", lambda: 0)
+    runtime.endpoint.pin_service()._room_read_at = float("-inf")
     state = two_turns.run("Capital of France?", "And of Spain?", runtime, temperature=0, backend=runtime)
     state.sync()
     assert state.error() is None
@@ -95,6 +98,27 @@ def test_run_graph_records_cache_hits_per_node_and_pins_the_state_between_gens(r
     # the second turn reused the first turn's prompt and answer
     assert a2.stats.cached_tokens >= a1.stats.prompt_tokens
     assert "cached " + str(a2.stats.cached_tokens) in to_dot(g)
+
+
+@sgl.function
+def two_turns_unpinned(s, q1, q2, rt, seen):
+    s += sgl.system(SYSTEM)
+    s += sgl.user(q1) + sgl.assistant(sgl.gen("a1", max_tokens=6))
+    s["a1"]
+    time.sleep(0.3)  # time for a state pin, were one taken
+    seen.append(protected(rt))
+    s += sgl.user(q2) + sgl.assistant(sgl.gen("a2", max_tokens=6))
+
+
+def test_no_state_pin_while_the_pool_has_room(runtime):
+    """With most of the KV pool free (the module's runtime: a few programs in a 65k-token pool) nothing is
+    evicted between a program's requests: the state is not pinned, and the second turn still hits it."""
+    runtime.endpoint.pin_service()._room_read_at = float("-inf")
+    seen: list[int] = []
+    state = two_turns_unpinned.run("Capital of France?", "And of Spain?", runtime, seen, temperature=0, backend=runtime)
+    state.sync()
+    assert state.error() is None and seen == [0]
+    assert state.get_meta_info("a2")["cached_tokens"] >= state.get_meta_info("a1")["prompt_tokens"]
 
 
 def test_fork_prefix_is_prefilled_once_pinned_until_join_and_every_request_is_grouped(runtime):
