@@ -44,11 +44,16 @@ class CompileWatch:
         self.count += 1
         self.seconds_after_start.append(time.perf_counter() - self._t0)
         self.names.append(name)
+        # NOTE: the repr names the kernel and its options; which variant it was (each argument's type and
+        # specialization: an int that is 1 or a multiple of 16, constexpr values) is in the compile key.
+        compiled = kwargs.get("compile")
         logger.info(
-            "Triton compiled %s after start-up (%d so far): the batch that needed it waited for the compile; %s",
+            "Triton compiled %s after start-up (%d so far): the batch that needed it waited for the compile; "
+            "%s; key %s",
             name,
             self.count,
             kwargs.get("repr", ""),
+            compiled.get("key") if isinstance(compiled, dict) else kwargs.get("key"),
         )
         if self._chained is not None:
             return self._chained(*args, **kwargs)

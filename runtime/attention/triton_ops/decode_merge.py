@@ -62,7 +62,7 @@ def _request_splits(
     return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits), block, first_row, second_row
 
 
-@triton.jit(do_not_specialize=["split_cap"])  # see _decode_stage1_kernel's note
+@triton.jit(do_not_specialize=["split_cap", "stride_plh"])  # see _decode_stage1_kernel's note
 def _decode_stage2_kernel(
     PartialO,
     PartialLse,
@@ -174,7 +174,7 @@ def _decode_stage2_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["split_cap"])  # see _decode_stage1_kernel's note
+@triton.jit(do_not_specialize=["split_cap", "stride_plh"])  # see _decode_stage1_kernel's note
 def _decode_stage2_per_head_kernel(
     PartialO,
     PartialLse,
