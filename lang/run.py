@@ -4,6 +4,7 @@ the text every run of a program starts with (`cache_program`)."""
 from __future__ import annotations
 
 import os
+import random
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -128,7 +129,8 @@ def run_program_batch(
 CHARS_PER_TOKEN = 4
 # batch_prefill "auto": the share of the KV pool the batch's distinct tokens must fill for the up-front prefill.
 BATCH_PREFILL_POOL_SHARE = 0.5
-# Programs traced first to bound the whole batch's tokens (each trace runs a program's body to its first gen).
+# Programs traced first to estimate the whole batch's distinct tokens (a trace runs a program's body to its
+# first gen and tokenizes its prompt: for a batch of long prompts, most of the plan's cost).
 SAMPLE_PROGRAMS = 8
 
 
@@ -140,25 +142,28 @@ def _batch_prefill(program: Any, backend: Any, batch_arguments: list[dict]) -> O
     if setting == "never":
         return None
     room = BATCH_PREFILL_POOL_SHARE * (backend.kv_pool_tokens() or 0) if setting == "auto" else 0
-    if room:
-        # Before tracing every program: a batch whose prompts fit even unshared (its longest of the first
-        # SAMPLE_PROGRAMS, times the programs) needs no plan.
-        sample = [
-            _tokens(backend, extract_prefix_by_tracing(program, backend, a)) for a in batch_arguments[:SAMPLE_PROGRAMS]
-        ]
-        if max(sample, default=0) * len(batch_arguments) <= room:
+    n = len(batch_arguments)
+    if room and n > SAMPLE_PROGRAMS:
+        # Before tracing every program: the distinct tokens of a random sample's plan, its shared part plus
+        # each sampled program's own part times the programs. Where the batch has many groups the sample
+        # mostly falls in different ones, shares less and overestimates (then the whole batch is traced), so
+        # the estimate skips the plan where the batch fits, not where it might not.
+        picks = sorted(random.Random(n).sample(range(n), SAMPLE_PROGRAMS))
+        sample = plan_batch(program, backend, [batch_arguments[i] for i in picks])
+        shared = sum(seg.end - seg.start for seg in sample.segments)
+        estimate = shared + (sample.distinct_length() - shared) * n / SAMPLE_PROGRAMS
+        if _in_tokens(sample, estimate) <= room:
             return None
     plan = plan_batch(program, backend, batch_arguments)
     if not plan.segments:
         return None
-    if room and plan.distinct_length() / (1 if plan.unit == "tokens" else CHARS_PER_TOKEN) <= room:
+    if room and _in_tokens(plan, plan.distinct_length()) <= room:
         return None
     return BatchPrefill(plan, backend)
 
 
-def _tokens(backend: Any, text: str) -> float:
-    ids = backend.tokenize(text) if text else []
-    return len(ids) if ids is not None else len(text) / CHARS_PER_TOKEN
+def _in_tokens(plan: Any, length: float) -> float:
+    return length if plan.unit == "tokens" else length / CHARS_PER_TOKEN
 
 
 class _BatchRuns:

@@ -249,6 +249,11 @@ def test_run_batch_prefills_up_front_only_where_the_batch_fills_the_cache(runtim
     monkeypatch.setattr(sgl.global_config, "batch_prefill", "auto")
     monkeypatch.setattr(runtime.endpoint, "kv_pool_tokens", lambda: always[0].batch_plan.distinct_length())
     assert hasattr(few_shot.run_batch(BATCH, temperature=0, backend=runtime)[0], "batch_plan")
+    # more programs than the sample (8): "auto" decides from a sample's plan before tracing them all
+    monkeypatch.setattr(runtime.endpoint, "kv_pool_tokens", lambda: 65536)
+    assert not hasattr(few_shot.run_batch(BATCH * 3, temperature=0, backend=runtime)[0], "batch_plan")
+    monkeypatch.setattr(runtime.endpoint, "kv_pool_tokens", lambda: 16)
+    assert len(few_shot.run_batch(BATCH * 3, temperature=0, backend=runtime)[0].batch_plan.prefixes) == 12
     monkeypatch.setattr(sgl.global_config, "batch_prefill", "sometimes")
     with pytest.raises(ValueError, match="batch_prefill must be 'auto', 'always' or 'never', got 'sometimes'"):
         few_shot.run_batch(BATCH, temperature=0, backend=runtime)
