@@ -102,7 +102,10 @@ class PinService:
                 return self._short_of_room
             self._room_read_at = now
         self._limit()
-        free = self.backend.kv_free_tokens()
+        try:
+            free = self.backend.kv_free_tokens()
+        except Exception:  # a server without the figure, or one going away: a hint must not break the program
+            free = None
         short = free is None or not self._kv_pool or free < STATE_PIN_FREE_SHARE * self._kv_pool
         with self._lock:
             self._short_of_room = short

@@ -328,3 +328,30 @@ def test_a_state_stays_pinned_only_when_long_enough_and_another_request_follows(
     assert service.pinned_tokens == MIN_STATE_PIN_CHARS + 1
     pins.release_all(wait=True)
     assert engine.events[-1] == ("unpin", 2) and service.pinned_tokens == 0
+
+
+def test_state_pins_follow_the_runtimes_free_room_and_survive_a_failing_reading():
+    from plait.pins import MIN_STATE_PIN_CHARS, ProgramPins
+
+    class RoomEngine(PinLedgerEngine):
+        free = 9_000
+
+        def get_stats(self):
+            if self.free is None:
+                raise RuntimeError("the engine is shutting down")
+            return {"free_tokens": self.free}
+
+    engine = RoomEngine(pool_tokens=10_000)
+    service = EngineBackend(engine).pin_service()
+    pins = ProgramPins(service)
+    state = "y" * MIN_STATE_PIN_CHARS
+    pins.after_request("main", state, will_extend=True)  # 90% free: nothing to protect, no call
+    pins.wait_idle()
+    assert engine.events == []
+    for free in (1_000, None):  # 10% free: pinned; a reading that fails: pinned too (the old behaviour)
+        engine.free, service._room_read_at = free, float("-inf")
+        pins.after_request("main", state + str(free), will_extend=True)
+        pins.wait_idle()
+        assert engine.events[-1][0] in ("pin", "unpin") and ("pin", state + str(free)) in engine.events
+    pins.release_all(wait=True)
+    assert service.pinned_tokens == 0
