@@ -54,14 +54,8 @@ def allowed_ids(row: torch.Tensor) -> torch.Tensor:
 
 def single_token(row: torch.Tensor) -> Optional[int]:
     """The one token a (W,) int32 row of bits allows, or None (none, or two or more)."""
-    words = row.nonzero()
-    if words.numel() != 1:
-        return None
-    w = int(words[0, 0])
-    bits = int(row[w]) & 0xFFFFFFFF
-    if bits & (bits - 1):
-        return None
-    return w * 32 + bits.bit_length() - 1
+    ids = allowed_ids(row)
+    return int(ids[0]) if ids.numel() == 1 else None
 
 
 def allow(row: torch.Tensor, token_id: int) -> None:
