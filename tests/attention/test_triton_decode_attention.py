@@ -393,3 +393,39 @@ def test_gpu_decode_cuda_graph_capture_and_replay():
         ref = run_backend(reference, case, ForwardMode.DECODE, q[:n], rows=rows, seq_lens=seq_lens)
         torch.testing.assert_close(out[:n].float(), ref.float(), atol=2e-2, rtol=2e-2)
         assert torch.count_nonzero(out[n:]) == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_eager_plans_of_any_item_count_compile_no_new_variant():
+    # An eager step's plan has a different item count every step (a long request among short ones). Neither the
+    # count nor a stride made of it may pick a kernel variant: Triton specializes an int on being a multiple of
+    # 16, and a variant first met while serving compiles mid-step (~1 s for every request in flight). Found on an
+    # H100: the unused prefix strides of the merge carried the item count. Batch 20 takes the per-head merge,
+    # 40 the per-request one; each pair of lengths gives item counts on both sides of a multiple of 16.
+    from plait.runtime.executor.compile_watch import CompileWatch
+
+    policy = default_decode_policy(torch.cuda.get_device_properties(0).multi_processor_count)
+    case = PagedCase(32, 8, 128, [4095] * 40, [1] * 40, dtype=torch.bfloat16, device="cuda")
+    k, v, r2t = case.kv_pool.k_buffer[1], case.kv_pool.v_buffer[1], case.r2t_pool.req_to_token
+    q = case.randn(40, 32, 128)
+    rows = torch.tensor(case.rows, device="cuda")
+
+    def run(long_len: int, batch: int) -> int:
+        lens = [long_len] + [64] * (batch - 1)
+        cfg = policy.for_batch(batch)
+        plan = plan_splits(lens, cfg, 8)
+        out = torch.empty(batch, 32, 128, dtype=torch.bfloat16, device="cuda")
+        seq = torch.tensor(lens, device="cuda")
+        splits = DecodeSplits.upload(plan, q.device)
+        decode_attention(q[:batch], k, v, out, r2t, rows[:batch], seq, 128**-0.5, cfg, splits=splits)
+        torch.cuda.synchronize()
+        return plan.items
+
+    for batch in (20, 40):
+        run(200, batch)  # compiles this batch's variants
+    watch = CompileWatch()
+    assert watch.start()
+    items = [run(long_len, batch) for batch in (20, 40) for long_len in (200, 291, 886, 1500, 3000)]
+    assert {n % 16 == 0 for n in items} == {True, False}  # both sides of the specialization were met
+    assert watch.count == 0, f"compiled after the first steps: {watch.names}"

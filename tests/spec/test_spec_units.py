@@ -50,6 +50,27 @@ def test_ngram_index_starts_over_when_the_tokens_are_rewritten():
     assert ix.propose([1, 2, 3, 1, 5, 6, 1, 5], 2) == [6, 1]
 
 
+
+def test_ngram_index_grown_in_any_steps_equals_one_built_position_by_position():
+    # The index is built a window size at a time over a slice of the tokens; it must hold, for every n-gram
+    # with a token after it, the position after its latest occurrence, however the tokens arrived (a whole
+    # prompt, then one token a step, then a few at once).
+    import random
+
+    rng = random.Random(5)
+    tokens = [rng.randrange(4) for _ in range(300)]  # a small alphabet: many repeated n-grams
+    ix = NgramIndex(2, 6)
+    grown = 0
+    for step in [40, 1, 1, 1, 7, 2, 100, 1, 147]:
+        grown += step
+        ix.propose(tokens[:grown], 3)
+        want = {}
+        for end in range(1, grown):
+            for n in range(2, min(6, end) + 1):
+                want[tuple(tokens[end - n : end])] = end
+        assert ix._next == want, grown
+
+
 # ---------------------------------------------------------------- trees and acceptance
 def test_trees_masks_and_merged_chains():
     tree = merge_chains(9, [[1, 2, 3], [1, 4], [6]], max_nodes=5)

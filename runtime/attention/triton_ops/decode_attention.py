@@ -53,12 +53,12 @@ from .kv_scale_args import kv_scale_args
 _LOG2E = 1.4426950408889634
 
 
-# NOTE: split_cap, items_at and stride_plh (even splits: split_cap; a plan: its item count) change with a
-# step's batch and lengths. Specialized (Triton compiles a variant for an int that is 1 or a multiple of 16),
-# a value the start-up warm-up never passed compiles a variant mid-serving, a stall of ~1 s (H100, random64:
-# both decode kernels compiled after start-up). They feed counts, scalar table reads and the LSE's few
-# floats, not the partial outputs' vectorized rows.
-@triton.jit(do_not_specialize=["split_cap", "items_at", "stride_plh"])
+# NOTE: split_cap, items_at, stride_plh (even splits: split_cap; a plan: its item count) and stride_plb (even
+# splits: heads x split_cap) change with a step's batch and lengths. Specialized (Triton compiles a variant for
+# an int that is 1 or a multiple of 16), a value the start-up warm-up never passed compiles a variant
+# mid-serving, a stall of ~1 s (H100, random64: both decode kernels compiled after start-up). They feed counts,
+# scalar table reads and the LSE's few floats, not the partial outputs' vectorized rows.
+@triton.jit(do_not_specialize=["split_cap", "items_at", "stride_plb", "stride_plh"])
 def _decode_stage1_kernel(
     Q,
     K_buf,

@@ -62,7 +62,7 @@ def _request_splits(
     return suffix_len, num_splits, tl.cdiv(suffix_len, num_splits), block, first_row, second_row
 
 
-@triton.jit(do_not_specialize=["split_cap", "stride_plh"])  # see _decode_stage1_kernel's note
+@triton.jit(do_not_specialize=["split_cap", "stride_plb", "stride_plh"])  # see _decode_stage1_kernel's note
 def _decode_stage2_kernel(
     PartialO,
     PartialLse,
@@ -174,7 +174,7 @@ def _decode_stage2_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["split_cap", "stride_plh"])  # see _decode_stage1_kernel's note
+@triton.jit(do_not_specialize=["split_cap", "stride_plb", "stride_plh"])  # see _decode_stage1_kernel's note
 def _decode_stage2_per_head_kernel(
     PartialO,
     PartialLse,
@@ -312,6 +312,12 @@ def merge_partials(
     # NOTE: the bounds depend on the config and batch size only, so a captured graph's constexpr BLOCK_S
     # stays right for any sequence lengths.
     block_s = triton.next_power_of_2(max_row_splits)
+    # NOTE: without a prefix, `prefix_o` / `prefix_lse` are the split partials passed as unused pointers, and their
+    # strides would carry a plan's item count (different every step): specialized by whether it is a multiple of
+    # 16, a value the start-up's graphs never passed compiled a variant mid-serving (H100, every serving row).
+    prefix_strides = (
+        (prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0)) if prefix is not None else (0, 0, 0)
+    )
     args = (
         partial_o,
         partial_lse,
@@ -325,9 +331,7 @@ def merge_partials(
         *strides,
         out.stride(0),
         out.stride(1),
-        prefix_o.stride(0),
-        prefix_o.stride(1),
-        prefix_lse.stride(0),
+        *prefix_strides,
     )
     consts = dict(
         HEAD_DIM=head_dim,
