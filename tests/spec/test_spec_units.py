@@ -50,7 +50,6 @@ def test_ngram_index_starts_over_when_the_tokens_are_rewritten():
     assert ix.propose([1, 2, 3, 1, 5, 6, 1, 5], 2) == [6, 1]
 
 
-
 def test_ngram_index_grown_in_any_steps_equals_one_built_position_by_position():
     # The index is built a window size at a time over a slice of the tokens; it must hold, for every n-gram
     # with a token after it, the position after its latest occurrence, however the tokens arrived (a whole

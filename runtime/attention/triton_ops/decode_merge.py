@@ -315,9 +315,7 @@ def merge_partials(
     # NOTE: without a prefix, `prefix_o` / `prefix_lse` are the split partials passed as unused pointers, and their
     # strides would carry a plan's item count (different every step): specialized by whether it is a multiple of
     # 16, a value the start-up's graphs never passed compiled a variant mid-serving (H100, every serving row).
-    prefix_strides = (
-        (prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0)) if prefix is not None else (0, 0, 0)
-    )
+    prefix_strides = (prefix_o.stride(0), prefix_o.stride(1), prefix_lse.stride(0)) if prefix is not None else (0, 0, 0)
     args = (
         partial_o,
         partial_lse,
