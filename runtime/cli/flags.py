@@ -109,7 +109,7 @@ CLI_HELP = {
     "disable_cuda_graph": "GPU: run decode steps eagerly",
     "cuda_graph_max_bs": "GPU: largest decode batch captured as a CUDA graph (default: every size)",
     "piecewise_cuda_graph_max_tokens": "GPU: mixed, prefill and large decode steps of up to this many tokens "
-    "run as CUDA graphs between their attention kernels (default 512; 0: eagerly)",
+    "run as CUDA graphs between their attention kernels (default 1024; 0: eagerly)",
     "disable_overlap_schedule": "GPU: read each step back before launching the next",
     "disable_cascade_attention": "GPU: do not read a prefix that running requests share once per tile",
     "disable_decode_gemm": "GPU: decode batches of 2-64 rows use cuBLAS instead of plait's decode matmul",

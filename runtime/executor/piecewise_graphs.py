@@ -43,9 +43,10 @@ logger = logging.getLogger(__name__)
 
 def piecewise_sizes(max_tokens: int) -> list[int]:
     """The token counts graphs are captured for, up to `max_tokens` (at least 16): fine steps where a mixed
-    step's decode rows and a short chunk fall, coarser above (padding costs little there: the matmuls read
-    the weights once whatever the rows)."""
-    sizes = [16] + list(range(32, 257, 32)) + list(range(320, 1025, 64)) + list(range(1152, 8193, 128))
+    step's decode rows and a short chunk fall, coarser above. Each size keeps its own per-layer hand-off
+    tensors (~0.4 MB a token at the 8B shape), so the grid above 640 tokens is coarse: a padded row costs
+    less there than the memory of a size per 64 tokens."""
+    sizes = [16] + list(range(32, 257, 32)) + list(range(320, 641, 64)) + list(range(768, 8193, 128))
     return [s for s in sizes if s <= max(max_tokens, 16)]
 
 

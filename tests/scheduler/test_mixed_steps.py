@@ -139,3 +139,14 @@ def test_greedy_outputs_are_the_same_with_mixed_steps_run_in_pieces(model, refer
         runner.forward.piecewise = None
     assert got["mixed_steps"] > 0 and pieces.replays > got["mixed_steps"]  # (decode steps above too: no graphs)
     assert got["outputs"] == reference
+
+
+def test_piecewise_graphs_by_default_hold_a_512_token_prompt_beside_a_running_batch():
+    # A serving stream's typical mixed step is one arriving prompt's chunk plus every running request's decode
+    # row: above the largest graph it runs eagerly, at about twice a graphed step's time (H100, 8B shape).
+    from plait.runtime.executor.piecewise_graphs import piecewise_sizes
+    from plait.runtime.server_args import ServerArgs
+
+    sizes = piecewise_sizes(ServerArgs(model_path="m").piecewise_cuda_graph_max_tokens)
+    assert sizes[-1] >= 512 + 64 and 576 in sizes  # 64 decode rows beside a 512-token chunk: 8% padding
+    assert sizes == sorted(set(sizes)) and sizes[0] == 16 and piecewise_sizes(40) == [16, 32]
