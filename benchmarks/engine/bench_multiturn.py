@@ -74,7 +74,7 @@ def run_setting(args, engine_kwargs: dict, hicache: bool) -> dict:
                     out = eng.generate(input_ids=histories[c], sampling_params=params)
                     with lock:
                         outputs[(c, r)] = out["output_ids"]
-                        metas.append(out["meta_info"])
+                        metas.append({**out["meta_info"], "round": r})
                     histories[c] = histories[c] + out["output_ids"] + turns[c][r]
 
         t0 = time.perf_counter()
@@ -93,9 +93,11 @@ def run_setting(args, engine_kwargs: dict, hicache: bool) -> dict:
         integrity_ok=integrity,
         max_total_tokens=max_total_tokens,
         hicache={k: v for k, v in after.items() if k.startswith("hicache_")},
+        steps=after.get("steps"),  # the steps by kind, with device time under enable_step_timing
         exact_lengths=all(len(o) == args.output_tokens for o in outputs.values()),
     )
     print(f"{describe('hicache ' + label, res)}  retractions {res['retractions']}  integrity {integrity}", flush=True)
+    print("  TTFT mean by round (ms): " + " ".join(f"{t:.0f}" for t in res["ttft_mean_by_round_ms"]), flush=True)
     return {"result": res, "outputs": outputs}
 
 

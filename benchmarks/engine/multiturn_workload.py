@@ -60,7 +60,11 @@ def summarize(seconds: float, metas: list[dict]) -> dict:
     output = sum(m["completion_tokens"] for m in metas)
     cached = sum(m["cached_tokens"] for m in metas)
     host = sum(m.get("cached_tokens_details", {}).get("host", 0) for m in metas)
+    rounds = sorted({m["round"] for m in metas if "round" in m})
+    by_round = [[m["ttft"] for m in metas if m.get("round") == r] for r in rounds]
     return {
+        # (the first round prefills every conversation whatever the cache; later rounds are what a tier serves)
+        "ttft_mean_by_round_ms": [1e3 * sum(t) / len(t) for t in by_round],
         "seconds": seconds,
         "requests": len(metas),
         "prompt_tokens": prompt,

@@ -151,7 +151,7 @@ async def run_setting(args) -> None:
         for r in range(args.rounds):
             for c in mine:
                 tokens, meta = await generate(histories[c])
-                metas.append(meta)
+                metas.append({**meta, "round": r})
                 exact[0] &= len(tokens) == args.output_tokens
                 histories[c] = histories[c] + tokens + turns[c][r]
 
