@@ -21,13 +21,14 @@ LENGTH_SCALE=${LENGTH_SCALE:-1}  # the paper's lengths
 ONLY=${ONLY:-}
 LIMIT=${LIMIT:-200}  # seconds per part's benchmark, so the whole call ends in time
 WARM=${WARM:-1}  # programs of each workload run untimed per driver first (regexes compiled, first-use costs)
+WARM_PASS=${WARM_PASS-1}  # each workload once whole on the part's first driver, untimed (WARM_PASS= : none)
 [ -d "$HOME/site" ] && export PYTHONPATH="$HOME/site:$HOME/vsrv:${PYTHONPATH:-}"
 python3 -c "import plait" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 python3 benchmarks/serving/model_folder.py --tokenizer .gpu/tok --out $MODEL || exit 1
 bench() {  # tag, then paper_programs.py arguments
   local tag=$1; shift
   timeout "$LIMIT" python3 benchmarks/programs/paper_programs.py --scale "$SCALE" --length-scale "$LENGTH_SCALE" ${ONLY:+--only $ONLY} \
-    --warm "$WARM" --tag "$tag" "$@" 2>&1 | grep -v "^|" | sed "s/^/$tag | /"
+    --warm "$WARM" ${WARM_PASS:+--warm-pass} --tag "$tag" "$@" 2>&1 | grep -v "^|" | sed "s/^/$tag | /"
 }
 
 . benchmarks/serving/wait_up.sh  # wait_up PORT PID LOG
