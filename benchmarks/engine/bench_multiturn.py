@@ -39,6 +39,7 @@ from multiturn_workload import (  # noqa: E402
     describe,
     make_conversations,
     make_turns,
+    pauses,
     summarize,
     working_set,
 )
@@ -69,8 +70,10 @@ def run_setting(args, engine_kwargs: dict, hicache: bool) -> dict:
 
         def user(u: int) -> None:
             mine = list(range(u, args.conversations, args.users))
+            wait = pauses(args, u)
             for r in range(args.rounds):
                 for c in mine:
+                    time.sleep(next(wait))
                     out = eng.generate(input_ids=histories[c], sampling_params=params)
                     with lock:
                         outputs[(c, r)] = out["output_ids"]

@@ -6,7 +6,10 @@ brings its own `generate`.
 adds the previous answer and a new `turn_tokens` user message, then asks for `output_tokens` tokens (greedy, exact
 lengths). `users` clients run at once, each working through its share of the conversations one round at a time
 (its round r of every conversation it holds before any round r + 1), so between two turns of a conversation every
-other conversation runs.
+other conversation runs. With `--think-time S` each user waits an exponential pause of mean S seconds (its own
+seed) before each request, as a person reads an answer and types the next turn, so returning turns arrive spread
+out; without it (closed loop) users with equal output lengths finish together and come back together: in waves,
+each wave's turns loaded and prefilled together.
 """
 
 from __future__ import annotations
@@ -47,6 +50,16 @@ def add_arguments(p, cuda: bool) -> None:
     p.add_argument("--pool-factor", type=float, default=4.0, help="working set / device pool (sets max_total_tokens)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="the device pool (default: from --pool-factor)")
     p.add_argument("--hicache-ratio", type=float, default=4.0, help="host tier tokens per device pool token")
+    p.add_argument(
+        "--think-time", type=float, default=0.0, help="mean seconds a user pauses before each request (0: none)"
+    )
+
+
+def pauses(args, user: int):
+    """Seconds user `user` waits before each of its requests: exponential with mean `think_time` (0: none)."""
+    rng = random.Random(1000 + user)
+    while True:
+        yield rng.expovariate(1.0 / args.think_time) if args.think_time > 0 else 0.0
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

@@ -38,6 +38,7 @@ from multiturn_workload import (  # noqa: E402
     describe,
     make_conversations,
     make_turns,
+    pauses,
     summarize,
     working_set,
 )
@@ -148,8 +149,10 @@ async def run_setting(args) -> None:
 
     async def user(u: int) -> None:
         mine = list(range(u, args.conversations, args.users))
+        wait = pauses(args, u)
         for r in range(args.rounds):
             for c in mine:
+                await asyncio.sleep(next(wait))
                 tokens, meta = await generate(histories[c])
                 metas.append({**meta, "round": r})
                 exact[0] &= len(tokens) == args.output_tokens
