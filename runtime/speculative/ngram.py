@@ -2,15 +2,20 @@
 appeared, in its own prompt or output. Costs no model; pays where outputs copy their context
 (summaries that quote, extraction, code edits, RAG answers).
 
-`NgramIndex` is a request's own index: for every window size n in [min_n, max_n], the n-gram ending at
-each position maps to the position after it (the latest occurrence wins). It grows with the request's
-tokens (a few dict writes per token) and starts over when they change (a jump-forward rolled one back).
-Drafts proposed on top of other drafts (`extra`: tokens not committed) are looked up, never indexed.
+`NgramIndex` is a request's own index: each min_n-gram maps to the positions after its occurrences; a lookup
+extends its latest occurrences' matches backwards, up to max_n tokens, and the longest (then the latest) match
+gives the drafts. It grows with the request's tokens (one dict write per token) and starts over when they
+change (a jump-forward rolled one back). Drafts proposed on top of other drafts (`extra`: tokens not
+committed) are looked up, never indexed.
 """
 
 from __future__ import annotations
 
 from typing import Sequence, Union
+
+# A lookup extends at most this many of its min_n-gram's latest occurrences (a degenerate repetition has
+# thousands; a longer match further back is rare, and missing it costs a draft, never an output).
+MAX_CANDIDATES = 64
 
 
 class TokenView:
@@ -48,8 +53,11 @@ class NgramIndex:
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n
         self.max_n = max_n
-        self._next: dict[tuple, int] = {}  # n-gram -> index of the token after its latest occurrence
-        self._indexed = 0  # tokens[:_indexed] have their n-grams (those with a token after them) indexed
+        # NOTE: one entry per token, not one per window size: each min_n-gram's end positions (the index after it,
+        # ascending); a lookup extends the candidates' matches backwards to max_n. A 512-token prompt is 512
+        # dict writes, where an n-gram per size was 4,600 (a serving host's time, with a request every step).
+        self._ends: dict[tuple, list[int]] = {}
+        self._indexed = 0  # tokens[:_indexed] have their min_n-grams (those with a token after them) indexed
         self._last: tuple = ()  # the last indexed tokens, to notice a rewrite of what was indexed
 
     def propose(
@@ -57,41 +65,50 @@ class NgramIndex:
     ) -> list[int]:
         """Up to `max_drafts` tokens that followed the longest suffix of `tokens` + `extra` seen before in
         `tokens` (the committed ones, indexed here; `extra`: drafts already proposed after them), a suffix
-        of more than `longer_than` tokens."""
+        of more than `longer_than` tokens (and of min_n to max_n); of equally long ones, the latest."""
         if max_drafts <= 0 or len(tokens) < self.min_n + 1:
             return []
         self._catch_up(tokens)
         seq = TokenView(tokens, extra) if extra else tokens
         n_seq = len(seq)
-        for n in range(min(self.max_n, n_seq - 1), max(self.min_n, longer_than + 1) - 1, -1):
-            start = self._next.get(tuple(seq[n_seq - n :]))
-            if start is not None:
-                return list(seq[start : min(start + max_drafts, n_seq)])
-        return []
+        longest = min(self.max_n, n_seq - 1)
+        ends = self._ends.get(tuple(seq[n_seq - self.min_n :]))
+        if not ends or longest < max(self.min_n, longer_than + 1):
+            return []
+        tail = list(seq[n_seq - longest :])  # (the suffix, its last token at tail[-1])
+        best, best_end = 0, -1
+        for end in reversed(ends[-MAX_CANDIDATES:]):  # latest first: a tie keeps the later occurrence
+            # (`end` <= len(tokens) - 1: an indexed n-gram has a token after it)
+            k = self.min_n
+            limit = min(longest, end)
+            while k < limit and tokens[end - 1 - k] == tail[-1 - k]:
+                k += 1
+            if k > best:
+                best, best_end = k, end
+                if k == longest:
+                    break
+        if best <= longer_than:
+            return []
+        return list(seq[best_end : min(best_end + max_drafts, n_seq)])
 
     def _catch_up(self, tokens: Sequence[int]) -> None:
         n_tokens = len(tokens)
         k = len(self._last)
         if n_tokens < self._indexed or (k and tuple(tokens[self._indexed - k : self._indexed]) != self._last):
-            self._next.clear()  # what was indexed changed: index again
+            self._ends.clear()  # what was indexed changed: index again
             self._indexed = 0
         # NOTE: the n-grams ending at position e are indexed once the token after them (e + 1) exists,
         # so the suffix itself (nothing after it yet) is never its own match.
-        lo = max(self._indexed, 1)  # the first `end` (the index after an n-gram) not indexed yet
-        if lo < n_tokens:
-            # NOTE: one slice of the request's tokens, and each window size's n-grams made and stored by zip and
-            # dict.update (C loops): a 512-token prompt's first lookup indexes ~4,600 n-grams, per token a
-            # Python loop over slices of the token view cost ~18 ms a request, enough to make a serving host
-            # fall behind the GPU. Within a size, later positions overwrite earlier ones (the latest wins).
-            base = max(0, lo - self.max_n)
-            seg = list(tokens[base:n_tokens])
-            nxt = self._next
-            for n in range(self.min_n, self.max_n + 1):
-                first = max(lo, n)  # n-grams ending at `end` need end >= n
-                if first >= n_tokens:
-                    break
-                at, count = first - n - base, n_tokens - first
-                grams = zip(*(seg[at + i : at + i + count] for i in range(n)))
-                nxt.update(zip(grams, range(first, n_tokens)))
+        n = self.min_n
+        first = max(self._indexed, n)  # the first `end` (the index after a min_n-gram) not indexed yet
+        if first < n_tokens:
+            seg = list(tokens[first - n : n_tokens])
+            ends = self._ends
+            for end, gram in zip(range(first, n_tokens), zip(*(seg[i : len(seg) - n + i] for i in range(n)))):
+                at = ends.get(gram)
+                if at is None:
+                    ends[gram] = [end]
+                else:
+                    at.append(end)
         self._indexed = n_tokens
         self._last = tuple(tokens[max(0, n_tokens - 4) : n_tokens])

@@ -50,10 +50,20 @@ def test_ngram_index_starts_over_when_the_tokens_are_rewritten():
     assert ix.propose([1, 2, 3, 1, 5, 6, 1, 5], 2) == [6, 1]
 
 
-def test_ngram_index_grown_in_any_steps_equals_one_built_position_by_position():
-    # The index is built a window size at a time over a slice of the tokens; it must hold, for every n-gram
-    # with a token after it, the position after its latest occurrence, however the tokens arrived (a whole
-    # prompt, then one token a step, then a few at once).
+def _lookup_by_brute_force(tokens, max_drafts, extra=(), longer_than=0, min_n=2, max_n=6):
+    """What prompt lookup means, by scanning: the longest suffix of tokens + extra (min_n..max_n tokens, more than
+    longer_than) seen before in tokens with a token after it; its latest occurrence's continuation."""
+    seq = list(tokens) + list(extra)
+    for n in range(min(max_n, len(seq) - 1), max(min_n, longer_than + 1) - 1, -1):
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if list(tokens[end - n : end]) == seq[len(seq) - n :]:
+                return seq[end : min(end + max_drafts, len(seq))]
+    return []
+
+
+def test_ngram_lookup_grown_in_any_steps_matches_a_scan():
+    # The index holds each 2-gram's positions and extends matches backwards at lookup; however the tokens
+    # arrived (a whole prompt, then one token a step, then a few at once), a lookup is what a scan finds.
     import random
 
     rng = random.Random(5)
@@ -62,12 +72,10 @@ def test_ngram_index_grown_in_any_steps_equals_one_built_position_by_position():
     grown = 0
     for step in [40, 1, 1, 1, 7, 2, 100, 1, 147]:
         grown += step
-        ix.propose(tokens[:grown], 3)
-        want = {}
-        for end in range(1, grown):
-            for n in range(2, min(6, end) + 1):
-                want[tuple(tokens[end - n : end])] = end
-        assert ix._next == want, grown
+        seen = tokens[:grown]
+        for max_drafts, extra, longer_than in [(3, (), 0), (5, (), 3), (4, (seen[-3], seen[-1]), 0), (2, (1,), 2)]:
+            got = ix.propose(seen, max_drafts, extra, longer_than)
+            assert got == _lookup_by_brute_force(seen, max_drafts, extra, longer_than), (grown, max_drafts, extra)
 
 
 # ---------------------------------------------------------------- trees and acceptance
