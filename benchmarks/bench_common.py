@@ -25,6 +25,25 @@ def save(name: str, result) -> str:
     return path
 
 
+def git_commit() -> str | None:
+    """The checkout's commit, "-dirty" when its files differ from it (the device machine's copy of a working
+    tree keeps the session's first commit under newer files: a bare hash there would name code that did not run).
+    None outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def load_workload_module():
     """shared/bench/workload.py beside the repo, or the copy carried to the GPU machine (.shared/)."""
     for folder in (os.path.join(HERE, "..", "..", "shared", "bench"), os.path.join(HERE, "..", ".shared", "bench")):

@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_common
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # engine/: bench_rounds (the engine flags)
 
-from bench_common import parse_engine_args, save  # noqa: E402
-from bench_rounds import engine_kwargs_for, git_commit  # noqa: E402
+from bench_common import git_commit, parse_engine_args, save  # noqa: E402
+from bench_rounds import engine_kwargs_for  # noqa: E402
 from multiturn_workload import (  # noqa: E402
     add_arguments,
     describe,

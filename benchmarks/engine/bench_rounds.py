@@ -32,7 +32,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_common
 
-from bench_common import format_breakdown, load_workload_module, parse_engine_args, save, step_breakdown  # noqa: E402
+from bench_common import (  # noqa: E402
+    format_breakdown,
+    git_commit,
+    load_workload_module,
+    parse_engine_args,
+    save,
+    step_breakdown,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STREAMS = ("fewshot", "multiturn", "tree")
@@ -351,20 +358,6 @@ def print_table(summary: dict, compare_to_vllm: bool) -> None:
         print(line + ("" if r["exact_lengths"] else "  (output lengths NOT exact)"))
     if compare_to_vllm:
         print(f"target: vLLM/on >= {TARGET_VS_VLLM} (plait {TARGET_VS_VLLM}x faster than vLLM with its prefix cache)")
-
-
-def git_commit() -> str | None:
-    import subprocess
-
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 if __name__ == "__main__":

@@ -35,6 +35,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: bench_common
+
+from bench_common import git_commit  # noqa: E402
+
 BENCH_DIR = os.path.join(HERE, "..", "..", "..", "shared", "data", "jsonschemabench")
 SCHEMA = {
     "type": "object",
@@ -366,12 +370,7 @@ def main() -> None:
         return
     parts = args.parts.split(",")
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args)}
-    try:
-        results["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        pass
+    results["commit"] = git_commit()
     if "throughput" in parts:
         results["throughput"] = part_throughput(args.num_requests, args.max_new_tokens, args.repeats)
         print(json.dumps(results["throughput"], indent=1), flush=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import git_commit  # noqa: E402
 from plait.runtime.attention import AttentionContext, AttentionHeads  # noqa: E402
 from plait.runtime.attention.base import AttentionLayerSpec  # noqa: E402
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
@@ -377,9 +377,7 @@ def main():
                     f"{kind} {dict(zip(keys, c))} best: "
                     + "; ".join(f"{ {k: v for k, v in r.items() if k not in ('kind',) + keys} }" for r in best)
                 )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    ).stdout.strip()
+    commit = git_commit()
     result = {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,

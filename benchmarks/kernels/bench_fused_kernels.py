@@ -26,13 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common
+
+from bench_common import git_commit  # noqa: E402
 from plait.runtime import kernels  # noqa: E402
 from plait.runtime.models.layers import (
     RotaryEmbedding,
@@ -178,18 +181,6 @@ class Case:
             "rotary": max(max_diff(q, ref_q), max_diff(k, ref_k)),
             "silu_and_mul": max_diff(kernels.silu_and_mul(self.gate_up), silu_and_mul_torch(self.gate_up)),
         }
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parents[1],
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def main() -> None:
