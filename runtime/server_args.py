@@ -86,7 +86,8 @@ class ServerArgs:
     cuda_graph_max_bs: Optional[int] = None
     # Steps the decode graphs do not hold, of up to this many tokens, run as CUDA graphs between their attention
     # kernels (executor/piecewise_graphs.py); 0: eagerly. 1024 holds a mixed step of a 512-token prompt (or a few
-    # short ones) and a running batch: at 512 such steps ran eagerly, at about twice a graphed step's time.
+    # short ones) and a running batch: at 512 such steps ran eagerly, at about twice a graphed step's time. Fewer
+    # sizes where the device memory left after the KV pool does not afford them (a warning says so).
     piecewise_cuda_graph_max_tokens: int = 1024
     disable_overlap_schedule: bool = False
     # Triton decode attention reads a prefix that several running requests share once per tile of

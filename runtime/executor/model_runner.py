@@ -37,7 +37,7 @@ from .cuda_graphs import CudaGraphRunner
 from .inflight import InFlightSteps, Pending, resolve
 from .kv_scales import init_kv_scales
 from .loader import load_model, load_model_config
-from .piecewise_graphs import PiecewiseGraphs
+from .piecewise_graphs import PiecewiseGraphs, affordable_max_tokens
 from .runner_info import RunnerInfo
 from .sampler import StepSampler
 from .staging import HostStaging, SampledIdCopies
@@ -163,7 +163,20 @@ class ModelRunner:
             with using_kernels(self.forward.kernel_choices):
                 self.forward.graphs = CudaGraphRunner(model, self.memory, cfg.vocab_size, max_bs, self.lora)
                 if sa.piecewise_cuda_graph_max_tokens and self.lora is None and PiecewiseGraphs.supports(model):
-                    self.forward.piecewise = PiecewiseGraphs(model, self.memory, sa.piecewise_cuda_graph_max_tokens)
+                    free = torch.cuda.mem_get_info()[0]
+                    tokens = affordable_max_tokens(
+                        sa.piecewise_cuda_graph_max_tokens, PiecewiseGraphs.bytes_per_token(model), free
+                    )
+                    if tokens < sa.piecewise_cuda_graph_max_tokens:
+                        logger.warning(
+                            "piecewise CUDA graphs up to %d tokens, not %d: %.1f GB of device memory are free after "
+                            "the KV cache (lower mem_fraction_static for more)",
+                            tokens,
+                            sa.piecewise_cuda_graph_max_tokens,
+                            free / 2**30,
+                        )
+                    if tokens:
+                        self.forward.piecewise = PiecewiseGraphs(model, self.memory, tokens)
         if device == "cuda":
             warm_up_prefill(self.run, self.allocator, self.req_to_token_pool, cfg.vocab_size)
 

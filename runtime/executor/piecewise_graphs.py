@@ -50,6 +50,25 @@ def piecewise_sizes(max_tokens: int) -> list[int]:
     return [s for s in sizes if s <= max(max_tokens, 16)]
 
 
+# The share of the device memory still free after the KV pool that the piecewise graphs' hand-off tensors may
+# take: the rest is for a large prefill chunk's activations (an 8,192-token chunk of the 8B shape: ~2 GB).
+MEMORY_SHARE = 0.5
+
+
+def affordable_max_tokens(max_tokens: int, bytes_per_token: int, free_bytes: int) -> int:
+    """The largest captured size up to `max_tokens` whose sizes' hand-off tensors (every size up to it, at
+    `bytes_per_token`) fit in MEMORY_SHARE of `free_bytes`; 0 when not even the smallest does. On an 80 GB
+    GPU the 8B shape's default (1024) fits many times over; a 24 GB GPU left with ~3 GB after an 8B model's
+    KV pool gets fewer sizes instead of an out-of-memory error at start-up."""
+    best, used = 0, 0
+    for size in piecewise_sizes(max_tokens):
+        used += size * bytes_per_token
+        if used > MEMORY_SHARE * free_bytes:
+            break
+        best = size
+    return best
+
+
 @dataclass
 class _Pieces:
     """One captured size: its L + 1 graphs and the static tensors they hand each other."""
@@ -84,6 +103,15 @@ class PiecewiseGraphs:
             self._capture_all()
         else:
             self.pieces = {s: self._run_pieces(s, None) for s in self.sizes}
+
+    @staticmethod
+    def bytes_per_token(model: LlamaForCausalLM) -> int:
+        """Device bytes one captured token costs: each layer's queries and residual stream kept for the graphs'
+        hand-offs, and the final states (the graph pool's other activations are reused between pieces)."""
+        attn, dtype = model.layers[0].self_attn, model.layers[0].input_layernorm.weight.dtype
+        hidden = model.config.hidden_size
+        per_layer = attn.num_heads * attn.head_dim + hidden
+        return (len(model.layers) * per_layer + hidden) * torch.empty((), dtype=dtype).element_size()
 
     @staticmethod
     def supports(model: LlamaForCausalLM) -> bool:

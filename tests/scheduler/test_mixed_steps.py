@@ -150,3 +150,20 @@ def test_piecewise_graphs_by_default_hold_a_512_token_prompt_beside_a_running_ba
     sizes = piecewise_sizes(ServerArgs(model_path="m").piecewise_cuda_graph_max_tokens)
     assert sizes[-1] >= 512 + 64 and 576 in sizes  # 64 decode rows beside a 512-token chunk: 8% padding
     assert sizes == sorted(set(sizes)) and sizes[0] == 16 and piecewise_sizes(40) == [16, 32]
+
+
+def test_piecewise_graphs_take_only_the_sizes_the_free_memory_affords(model):
+    # Each captured size keeps its hand-off tensors: on a GPU left with little memory after the KV pool the
+    # largest sizes are dropped (a warning says so) instead of failing the start-up with an out-of-memory error.
+    from plait.runtime.executor.piecewise_graphs import MEMORY_SHARE, PiecewiseGraphs, affordable_max_tokens
+
+    runner, _ = model
+    per = PiecewiseGraphs.bytes_per_token(runner.model)
+    cfg = runner.model.config
+    assert per == (cfg.num_hidden_layers * 2 * cfg.hidden_size + cfg.hidden_size) * 4  # float32, H * D == hidden
+    sizes_up_to = lambda top: sum(s for s in [16, 32, 64, 96, 128, 160, 192, 224, 256] if s <= top)  # noqa: E731
+    plenty = 10 * sizes_up_to(256) * per
+    assert affordable_max_tokens(256, per, int(plenty)) == 256
+    just = int(sizes_up_to(128) * per / MEMORY_SHARE)  # exactly the sizes up to 128
+    assert affordable_max_tokens(256, per, just) == 128 and affordable_max_tokens(256, per, just - 1) == 96
+    assert affordable_max_tokens(1024, per, 0) == 0
