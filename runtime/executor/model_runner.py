@@ -163,6 +163,7 @@ class ModelRunner:
             with using_kernels(self.forward.kernel_choices):
                 self.forward.graphs = CudaGraphRunner(model, self.memory, cfg.vocab_size, max_bs, self.lora)
                 if sa.piecewise_cuda_graph_max_tokens and self.lora is None and PiecewiseGraphs.supports(model):
+                    torch.cuda.empty_cache()  # (the graphs' private pool cannot use the allocator's cached blocks)
                     free = torch.cuda.mem_get_info()[0]
                     tokens = affordable_max_tokens(
                         sa.piecewise_cuda_graph_max_tokens, PiecewiseGraphs.bytes_per_token(model), free
