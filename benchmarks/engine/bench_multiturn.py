@@ -36,6 +36,7 @@ from bench_common import git_commit, parse_engine_args, save  # noqa: E402
 from bench_rounds import engine_kwargs_for  # noqa: E402
 from multiturn_workload import (  # noqa: E402
     add_arguments,
+    check_arguments,
     describe,
     make_conversations,
     make_turns,
@@ -118,6 +119,7 @@ def main() -> None:
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="any other ServerArgs field")
     p.add_argument("--skip-off", action="store_true", help="only run with the host tier on")
     args = p.parse_args()
+    check_arguments(p, args)
     args.max_running_requests = args.max_running_requests or args.users
     ws = working_set(args)
     pool = args.max_total_tokens or int(ws / args.pool_factor)

@@ -55,6 +55,15 @@ def add_arguments(p, cuda: bool) -> None:
     )
 
 
+def check_arguments(p, args) -> None:
+    """The workload's flags that cannot work, named (argparse's `error`: a usage line and exit 2)."""
+    if args.think_time < 0:
+        p.error(f"--think-time is a mean pause in seconds, >= 0; got {args.think_time}")
+    for name in ("conversations", "rounds", "first_tokens", "users"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
 def pauses(args, user: int):
     """Seconds user `user` waits before each of its requests: exponential with mean `think_time` (0: none)."""
     rng = random.Random(1000 + user)

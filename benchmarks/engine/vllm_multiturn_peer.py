@@ -35,6 +35,7 @@ from bench_common import save  # noqa: E402
 from lora_folders import builtin_shape  # noqa: E402
 from multiturn_workload import (  # noqa: E402
     add_arguments,
+    check_arguments,
     describe,
     make_conversations,
     make_turns,
@@ -193,6 +194,7 @@ def main() -> None:
     p.add_argument("--part", choices=["offload", "prefix"], help=argparse.SUPPRESS)  # a child's setting
     p.add_argument("--model-dir", help=argparse.SUPPRESS)  # the config the parent wrote
     args = p.parse_args()
+    check_arguments(p, args)
     if args.part is not None:
         asyncio.run(run_setting(args))
         return
