@@ -59,8 +59,7 @@ class NgramIndex:
         # n-gram tokens[e - min_n : e]). Growing it is a few vector operations per call, where a dict entry per
         # token cost a serving host ~0.3 ms a 512-token prompt; a lookup compares the request's keys at once
         # and checks each candidate token by token (so a hash collision is never a match).
-        self._tokens = np.zeros(0, dtype=np.uint64)  # the indexed tokens (room to grow: `_indexed` are real)
-        self._keys = np.zeros(0, dtype=np.uint64)
+        self._keys = np.zeros(0, dtype=np.uint64)  # (room to grow: the first `_indexed` are real)
         self._indexed = 0  # tokens[:_indexed] have their min_n-grams (those with a token after them) indexed
         self._last: tuple = ()  # the last indexed tokens, to notice a rewrite of what was indexed
 
@@ -102,22 +101,18 @@ class NgramIndex:
             self._indexed = 0  # what was indexed changed: index again
         # NOTE: the n-grams ending at position e are indexed once the token after them (e + 1) exists,
         # so the suffix itself (nothing after it yet) is never its own match.
-        if n_tokens > self._indexed:
-            if n_tokens > self._tokens.shape[0]:  # room for twice as many: growing is amortized
-                grown = np.zeros(2 * n_tokens, dtype=np.uint64)
-                grown[: self._indexed] = self._tokens[: self._indexed]
-                self._tokens = grown
+        n = self.min_n
+        first = max(self._indexed, n)
+        if first < n_tokens:
+            if n_tokens > self._keys.shape[0]:  # room for twice as many: growing is amortized
                 keys = np.zeros(2 * n_tokens, dtype=np.uint64)
-                keys[: self._indexed] = self._keys[: self._indexed]
+                keys[: self._keys.shape[0]] = self._keys
                 self._keys = keys
-            self._tokens[self._indexed : n_tokens] = tokens[self._indexed : n_tokens]
-            n = self.min_n
-            first = max(self._indexed, n)
-            if first < n_tokens:
-                acc = np.zeros(n_tokens - first, dtype=np.uint64)
-                for i in range(n):  # (uint64 arithmetic wraps: the same hash as `_key`)
-                    acc = acc * np.uint64(_BASE) + self._tokens[first - n + i : n_tokens - n + i]
-                self._keys[first:n_tokens] = acc
+            seg = np.asarray(tokens[first - n : n_tokens], dtype=np.uint64)  # the new n-grams' tokens
+            acc = np.zeros(n_tokens - first, dtype=np.uint64)
+            for i in range(n):  # (uint64 arithmetic wraps: the same hash as `_key`)
+                acc = acc * np.uint64(_BASE) + seg[i : i + n_tokens - first]
+            self._keys[first:n_tokens] = acc
         self._indexed = n_tokens
         self._last = tuple(tokens[max(0, n_tokens - 4) : n_tokens])
 
