@@ -326,14 +326,15 @@ class ServerArgs:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def resolved_dtype(self, checkpoint_dtype: Optional[str] = None):
-        """dtype "auto": float32 on the CPU; on the GPU the checkpoint's float16 when it was saved in
-        float16 (as SGLang and vLLM keep it), else bfloat16."""
+    def resolved_dtype(self, checkpoint_dtype: Optional[str] = None, cpu_auto: str = "float32"):
+        """dtype "auto": on the CPU `cpu_auto` (the caller's reading of the CPU: quant/cpu_features.py's
+        auto_cpu_dtype); on the GPU the checkpoint's float16 when it was saved in float16 (as SGLang and vLLM
+        keep it), else bfloat16."""
         import torch
 
         if self.dtype == "auto":
             if self.resolved_device() != "cuda":
-                return torch.float32
+                return getattr(torch, cpu_auto)
             return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
         return getattr(torch, self.dtype)
 

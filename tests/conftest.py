@@ -20,6 +20,10 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(2)
 
+# dtype "auto" on a CPU with AMX is bfloat16 (quant/cpu_features.py); the suite's references are transformers'
+# float32, so engines here resolve "auto" to float32 unless the runner asks otherwise (servers inherit it).
+os.environ.setdefault("PLAIT_CPU_DTYPE", "float32")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -142,13 +142,14 @@ def run_llamacpp(python: str, ids: list[list[int]], n_out: int) -> dict:
     return res
 
 
-# --precision: the Engine's settings for each name (runtime/quant/ for int8 / int4).
+# --precision: the Engine's settings for each name (runtime/quant/ for int8 / int4). "default" is dtype auto
+# (bfloat16 on an AMX CPU, else float32); int8 / int4 keep float32 around their weights, as measured so far.
 PRECISIONS = {
     "default": {},
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
-    "int8": {"quantization": "int8"},
-    "int4": {"quantization": "int4"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "int4": {"dtype": "float32", "quantization": "int4"},
     "bf16-int8": {"dtype": "bfloat16", "quantization": "int8"},
 }
 

@@ -29,7 +29,7 @@ from ..models.layers import share_split_k_workspace
 from ..models.llama import LlamaForCausalLM
 from ..models.parallel import ModelParallel, projection_slices, shard_heads
 from ..quant.apply import quantize_linears
-from ..quant.cpu_features import check_cpu_precision, cpu_features
+from ..quant.cpu_features import auto_cpu_dtype, check_cpu_precision, cpu_features
 from ..quant.fp8 import check_fp8_device
 from ..server_args import ServerArgs
 from ..step import StepInput, StepOutput
@@ -78,7 +78,7 @@ class ModelRunner:
         # The model and its weights.
         self.model_config: ModelConfig = load_model_config(model_path, sa.load_format)
         cfg = self.model_config
-        dtype = sa.resolved_dtype(cfg.checkpoint_dtype)
+        dtype = model_dtype(sa, cfg.checkpoint_dtype)
         context_len = cfg.resolve_context_length(sa.context_length)
         model = load_model(model_path, cfg, sa.load_format, dtype, device, context_len, sa.random_seed, parallel)
         quantization = resolve_quantization(sa.quantization, cfg)
@@ -268,6 +268,13 @@ class ModelRunner:
             return self.sampler.sample_step(
                 step, f.model.compute_logits, hidden, sample_rows_t=rows, logits_at=self._logits_at
             )
+
+
+def model_dtype(server_args: ServerArgs, checkpoint_dtype: Optional[str]) -> torch.dtype:
+    """The weights' dtype: ServerArgs.dtype, where "auto" reads the checkpoint on a GPU and the CPU's features
+    on a CPU (bfloat16 with AMX, else float32: quant/cpu_features.py)."""
+    on_cpu = server_args.resolved_device() == "cpu"
+    return server_args.resolved_dtype(checkpoint_dtype, cpu_auto=auto_cpu_dtype() if on_cpu else "float32")
 
 
 def resolve_quantization(requested: Optional[str], cfg: ModelConfig) -> Optional[str]:

@@ -35,7 +35,7 @@ from ..speculative.eagle import EagleDrafter
 from ..speculative.eagle_head import EagleHead, HeadConfig
 from ..step import StepInput, StepOutput
 from .loader import _iter_safetensors, load_model, load_model_config, load_tokenizer, safetensors_files
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, model_dtype
 from .staging import HostStaging
 from .target_runner import TargetRunner
 
@@ -99,7 +99,7 @@ def create_step_runner(
         raise ValueError(f"speculative_draft_model_path {draft_path!r} is not a folder")
     target_cfg = load_model_config(model_path, server_args.load_format)
     device = server_args.resolved_device()
-    dtype = server_args.resolved_dtype(target_cfg.checkpoint_dtype)
+    dtype = model_dtype(server_args, target_cfg.checkpoint_dtype)
     context_len = target_cfg.resolve_context_length(server_args.context_length)
     if algo == "STANDALONE":
         draft_cfg = load_model_config(draft_path, "auto")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,12 @@ class CpuFeatures:
     def fast_bf16(self) -> bool:
         """Whether bf16 matmuls run in hardware (AVX512-BF16 or AMX) rather than widened to float32."""
         return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+    @property
+    def amx_bf16(self) -> bool:
+        """Whether bf16 matmuls have AMX's matrix tiles: where bf16 was measured faster than float32 at every
+        batch (benchmarks/RESULTS.md); AVX512-BF16 alone has not been measured here."""
+        return "amx_bf16" in self.flags
 
     def describe(self) -> list[str]:
         """The flags and torch's capability, as /get_server_info reports them."""
@@ -50,6 +57,22 @@ def cpu_features() -> CpuFeatures:
     except OSError:  # not Linux: only torch's view is known
         flags = ()
     return CpuFeatures(flags, torch.backends.cpu.get_cpu_capability())
+
+
+# What dtype "auto" resolves to on a CPU, when set: the suite pins float32 with it (its token-for-token
+# references are transformers' float32), and anyone wanting one CPU's outputs on another can too.
+CPU_DTYPE_ENV = "PLAIT_CPU_DTYPE"
+
+
+def auto_cpu_dtype() -> str:
+    """dtype "auto" on this CPU: bfloat16 with AMX (1.9x float32's batched decode on the 2-core Xeon, perplexity
+    within 1%), else float32; $PLAIT_CPU_DTYPE (float32 or bfloat16) overrides the choice."""
+    chosen = os.environ.get(CPU_DTYPE_ENV)
+    if chosen is not None:
+        if chosen not in ("float32", "bfloat16"):
+            raise ValueError(f"{CPU_DTYPE_ENV}={chosen!r}: expected float32 or bfloat16")
+        return chosen
+    return "bfloat16" if cpu_features().amx_bf16 else "float32"
 
 
 def check_cpu_precision(quantization, dtype, device: str) -> None:

@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 from plait.runtime import Engine, ServerArgs
+from plait.runtime.quant import cpu_features as features
 from plait.runtime.quant.apply import quantize_linears
-from plait.runtime.quant.cpu_features import cpu_features, parse_cpuinfo_flags
+from plait.runtime.quant.cpu_features import CpuFeatures, auto_cpu_dtype, cpu_features, parse_cpuinfo_flags
 from plait.runtime.quant.linear import Int4Linear, Int8Linear
 
 TEXT = (
@@ -100,6 +101,26 @@ def test_cpuinfo_flags_are_read_not_assumed():
     assert parse_cpuinfo_flags(text) == ("avx512f", "avx512_bf16", "amx_tile", "avx512_vnni")
     assert parse_cpuinfo_flags("flags\t: fpu sse avx2\n") == ()
     assert parse_cpuinfo_flags("") == ()
+
+
+def test_auto_dtype_on_a_cpu_is_bf16_only_with_amx(monkeypatch):
+    monkeypatch.delenv(features.CPU_DTYPE_ENV, raising=False)
+    for flags, expected in [
+        (("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "bfloat16"),
+        (("avx512f", "avx512_bf16", "avx512_vnni"), "float32"),  # AVX512-BF16 alone: not measured faster here
+        ((), "float32"),
+    ]:
+        monkeypatch.setattr(features, "cpu_features", lambda flags=flags: CpuFeatures(flags, "AVX512"))
+        assert auto_cpu_dtype() == expected, flags
+    monkeypatch.setenv(features.CPU_DTYPE_ENV, "float32")  # the suite's pin (tests/conftest.py)
+    assert auto_cpu_dtype() == "float32"
+    monkeypatch.setenv(features.CPU_DTYPE_ENV, "float16")
+    with pytest.raises(ValueError, match="PLAIT_CPU_DTYPE='float16'"):
+        auto_cpu_dtype()
+    monkeypatch.setenv(features.CPU_DTYPE_ENV, "bfloat16")
+    assert ServerArgs(model_path="m", device="cpu").resolved_dtype(cpu_auto=auto_cpu_dtype()) == torch.bfloat16
+    pinned = ServerArgs(model_path="m", device="cpu", dtype="float32")
+    assert pinned.resolved_dtype(cpu_auto="bfloat16") == torch.float32
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
