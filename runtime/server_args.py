@@ -73,6 +73,10 @@ class ServerArgs:
     # A step is a token budget: running requests' decode tokens first, then prefill chunks, in one forward
     # (a mixed step). None: chunked_prefill_size. disable_mixed_chunk: a step decodes or prefills, not both.
     max_num_batched_tokens: Optional[int] = None
+    # vLLM's name: a prompt prefills at most this many tokens a step (0: up to the whole budget), and what is left
+    # of the step's budget goes to other waiting prompts, so a long prompt neither holds the running requests'
+    # next token for its whole prefill nor makes the short prompts behind it wait a step.
+    long_prefill_token_threshold: int = 0
     disable_mixed_chunk: bool = False
     # The share of a running request's max_new_tokens the admission reserves for it, scaled (SGLang's name):
     # below 1 more requests run at once and some are retracted when they outgrow the pool; above 1 fewer.
@@ -195,6 +199,9 @@ class ServerArgs:
                 continue  # (None: the engine's choice; 0: piecewise graphs off)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int{_ALSO.get(name, '')}, got {v!r}")
+        v = self.long_prefill_token_threshold
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0: no limit), got {v!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
         if self.context_length is not None and self.context_length < 2:

@@ -102,6 +102,8 @@ CLI_HELP = {
     "stream_interval": "tokens between two chunks of a streamed response",
     "max_num_batched_tokens": "tokens one step may take, running requests' decode tokens first, then prefill "
     "chunks (default: chunked_prefill_size)",
+    "long_prefill_token_threshold": "a prompt prefills at most this many tokens a step; the rest of the step's "
+    "budget goes to other waiting prompts (default 0: no limit)",
     "disable_mixed_chunk": "a step either decodes the running requests or prefills, never both in one forward",
     "schedule_conservativeness": "scales the KV the admission reserves for running requests' outputs: below 1 "
     "admits more (and retracts more), above 1 fewer",

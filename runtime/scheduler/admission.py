@@ -123,6 +123,8 @@ class PrefillAdmission:
         self.sharing = not server_args.disable_radix_cache
         # Tokens one step may take, decode rows included (vLLM's max_num_batched_tokens).
         self.step_tokens = server_args.max_num_batched_tokens or server_args.chunked_prefill_size
+        # Tokens one prompt may prefill in a step (0: the whole budget): a long prompt leaves room for others.
+        self.long_prefill = server_args.long_prefill_token_threshold
 
     def build(self, prefill_in_flight: bool = False, decode_tokens: int = 0) -> Optional[ScheduleBatch]:
         """The next prefill batch, its requests in PREFILLING and its new tokens' slots allocated; None
@@ -159,7 +161,7 @@ class PrefillAdmission:
         q = self.queues
         # Bounded by the memory that really exists (free + evictable), not the reserve-adjusted budget:
         # the chunk's earlier part already holds memory, so it must be able to finish.
-        ext = min(r.seq_len - r.kv_len, budget.rem_chunk_tokens, self.kv.room())
+        ext = min(r.seq_len - r.kv_len, budget.rem_chunk_tokens, self.kv.room(), self.long_prefill or r.seq_len)
         if ext <= 0:
             if q.running:
                 return False  # decode first; finishing (or retracted) requests free memory
@@ -223,8 +225,17 @@ class PrefillAdmission:
             # NOTE: with nothing else running or admitted, the reserve protects nobody but this request
             # (the decode step aborts it if it outgrows the pool); checked against it, a prompt that fits
             # but whose max_new_tokens would not was never admitted and waited forever.
+            if plan.reqs and 0 < self.long_prefill < ext:
+                # NOTE: only a batch's first prompt may be cut (one chunked request at a time): a long prompt
+                # after it waits for a step of its own, and the ones behind it with it (none passes another,
+                # so no order of the queue starves it).
+                kv.unlock(match)
+                break
             check_reserve = reserve if (q.running or plan.reqs) else 0.0
             take = admitted_tokens(budget, ext, check_reserve, locked, first=not plan.reqs)
+            capped = 0 < self.long_prefill < take
+            if capped:
+                take = self.long_prefill
             if take <= 0:
                 kv.unlock(match)
                 refused = r
@@ -249,8 +260,8 @@ class PrefillAdmission:
             plan.add(r, pre, take)
             plan.admitted.append(r)
             in_flight.add(r.cache_prompt if pre + take <= len(r.cache_prompt) else r.cache_fill_ids, pre + take)
-            if take < ext:
-                break
+            if take < ext and not capped:
+                break  # the step's budget (or memory) is spent
         kv.write_prefix_rows(plan.prefix_rows)
         q.admit(plan.admitted)
         return refused

@@ -93,8 +93,9 @@ def reference(model):
         dict(overlap=True),
         dict(max_num_batched_tokens=16, chunked_prefill_size=16),
         dict(disable_radix_cache=True, max_num_batched_tokens=48, chunked_prefill_size=48, overlap=True),
+        dict(long_prefill_token_threshold=8, overlap=True),  # every prompt here is longer: each cut, one at a time
     ],
-    ids=["default", "overlap", "budget16", "no-cache-budget48-overlap"],
+    ids=["default", "overlap", "budget16", "no-cache-budget48-overlap", "long-prefill8-overlap"],
 )
 def test_greedy_outputs_are_the_same_with_mixed_steps(model, reference, settings):
     got = run(model, **settings)

@@ -215,3 +215,39 @@ def test_a_priority_that_is_not_an_int_is_refused_naming_it():
     with pytest.raises(RequestOptionError, match="priority must be an int") as e:
         RequestOptions(rid="x", priority="high")  # type: ignore[arg-type]
     assert e.value.field == "priority"
+
+
+def test_a_long_prompt_prefills_at_most_the_threshold_a_step_beside_the_short_ones():
+    # long_prefill_token_threshold (vLLM's name): a prompt takes at most 8 of the step's 32 tokens, the short
+    # prompts behind it take what is left in the same step, and a second long prompt waits until the first
+    # is whole (one chunked request at a time; the ones behind it wait with it: none passes another).
+    runner = FakeRunner(max_total_tokens=256, max_running_requests=8)
+    s = fake_scheduler(
+        runner,
+        max_num_batched_tokens=32,
+        chunked_prefill_size=32,
+        long_prefill_token_threshold=8,
+        disable_radix_cache=True,
+    )
+    submit(s, "a", list(range(2, 8)), max_new_tokens=8)  # 6 tokens: under the threshold, whole
+    assert layout(step(s) and runner.steps[-1]) == [(0, 6)]
+    for rid, ids in (("b", range(20, 40)), ("c", range(60, 65)), ("d", range(70, 90)), ("e", range(100, 103))):
+        submit(s, rid, list(ids), max_new_tokens=2)  # b and d: 20 tokens, c: 5, e: 3
+    want = [
+        [(6, 1), (0, 8), (0, 5)],  # a decodes; b's first 8; c whole; d (long, not first) waits, e with it
+        [(7, 1), (5, 1), (8, 8)],  # b's next 8 before anyone waiting; d still waits
+        [(8, 1), (16, 4)],  # b's last 4 (c finished)
+        [(9, 1), (20, 1), (0, 8), (0, 3)],  # d first now: its first 8, and e beside it
+        [(10, 1), (3, 1), (8, 8)],
+        [(11, 1), (16, 4)],
+    ]
+    for k, layout_k in enumerate(want):
+        step(s)
+        assert layout(runner.steps[-1]) == layout_k, k
+        assert runner.steps[-1].num_tokens <= 32
+    assert s.queues.chunked is None and s.queues.by_rid["d"].status is ReqStatus.RUNNING
+    finals = drain(s)
+    for rid, n in (("b", 20), ("c", 5), ("d", 20), ("e", 3)):
+        assert finals[rid].new_ids == [2 + (n + k) % 62 for k in range(2)], rid  # as if each ran alone
+    assert finals["a"].new_ids == [2 + (6 + k) % 62 for k in range(8)]
+    assert s.handle_message(FlushCacheReq(0)).result is True and s.kv.available() == 256

@@ -292,6 +292,10 @@ def test_cli_every_server_arg_is_a_flag():
     assert parse_server_args(["--cuda-graph-max-bs", "64"]).cuda_graph_max_bs == 64
     with pytest.raises(SystemExit):
         parse_server_args(["--cuda-graph-max-bs", "0"])
+    # vLLM's per-prompt prefill cap: 0 (the default) is no cap, a negative one is refused.
+    assert parse_server_args(["--long-prefill-token-threshold", "2048"]).long_prefill_token_threshold == 2048
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an int >= 0"):
+        ServerArgs(long_prefill_token_threshold=-1)
     # SGLang's parallelism flags; settings that cannot work together are usage errors naming them.
     assert parse_server_args(["--tp-size", "1", "--dp-size", "1"]) == ServerArgs()
     assert parse_server_args(["--tp-size", "2", "--pp-size", "2"]).world_size() == 4
