@@ -21,7 +21,7 @@ import torch
 from plait.runtime.constrained.masker import GrammarMasker
 from plait.runtime.executor.runner_info import RunnerInfo
 from plait.runtime.executor.verify import Verifier
-from plait.runtime.io_struct import TokenizedGenerateReq
+from plait.runtime.io_struct import FlushCacheReq, TokenizedGenerateReq
 from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool, TokenAllocator
 from plait.runtime.request_options import RequestOptions
 from plait.runtime.sampling_params import SamplingParams
@@ -233,3 +233,30 @@ def drain(s: Scheduler, max_steps: int = 500) -> dict:
         if s.is_idle():
             return finals
     raise AssertionError("the scheduler did not go idle")
+
+
+def serve_stream(s: Scheduler, runner: FakeRunner, reqs: list[list[int]], every_s: float, out_len: int) -> dict:
+    """A stream of arrivals on the runner's clock: request str(i) (prompt `reqs[i]`, greedy, `out_len` tokens,
+    streamed) arrives at i * every_s seconds; steps until every one has finished, then checks integrity and that
+    every slot comes back. Returns each request's output ids ("ids"), its tokens' clock times ("times") and its
+    arrival ("arrival")."""
+    arrival: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    ids: dict[str, list[int]] = {}
+    while True:
+        while len(arrival) < len(reqs) and len(arrival) * every_s <= runner.clock():
+            rid, sp = str(len(arrival)), SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=out_len)
+            s.handle_message(TokenizedGenerateReq(list(reqs[len(arrival)]), sp, RequestOptions(rid=rid, stream=True)))
+            arrival[rid] = len(arrival) * every_s
+        s.step()
+        for o in s.collect_outputs():
+            if o.new_ids:
+                times.setdefault(o.rid, []).extend([runner.clock()] * len(o.new_ids))
+                ids.setdefault(o.rid, []).extend(o.new_ids)
+        if s.is_idle():
+            if len(arrival) == len(reqs):
+                break
+            runner.elapsed = max(runner.elapsed, len(arrival) * every_s)  # nothing runs until the next arrival
+    assert s.check_integrity(), s.last_integrity_error
+    assert s.handle_message(FlushCacheReq(0)).result is True and s.kv.available() == runner.info.max_total_tokens
+    return {"ids": ids, "times": times, "arrival": arrival}

@@ -12,10 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from helpers.fake_runner import FakeRunner, fake_scheduler
-from plait.runtime.io_struct import FlushCacheReq, TokenizedGenerateReq
-from plait.runtime.request_options import RequestOptions
-from plait.runtime.sampling_params import SamplingParams
+from helpers.fake_runner import FakeRunner, fake_scheduler, serve_stream
 
 POOL = 200_000
 
@@ -39,27 +36,7 @@ def serve(reqs: list[list[int]], every_s: float, out_len: int, **server_args) ->
     )
     runner.info = replace(runner.info, supports_overlap=True)
     s = fake_scheduler(runner, chunked_prefill_size=8192, **server_args)
-    arrival, times, ids = {}, {}, {}
-    arrived = 0
-    while True:
-        while arrived < len(reqs) and arrived * every_s <= runner.clock():
-            sp = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=out_len)
-            rid = str(arrived)
-            s.handle_message(TokenizedGenerateReq(list(reqs[arrived]), sp, RequestOptions(rid=rid, stream=True)))
-            arrival[rid] = arrived * every_s
-            arrived += 1
-        s.step()
-        for o in s.collect_outputs():
-            if o.new_ids:
-                times.setdefault(o.rid, []).extend([runner.clock()] * len(o.new_ids))
-                ids.setdefault(o.rid, []).extend(o.new_ids)
-        if s.is_idle():
-            if arrived == len(reqs):
-                break
-            runner.elapsed = max(runner.elapsed, arrived * every_s)  # nothing runs until the next arrival
-    assert s.check_integrity(), s.last_integrity_error
-    assert s.handle_message(FlushCacheReq(0)).result is True and s.kv.available() == POOL
-    return {"ids": ids, "times": times, "arrival": arrival, "steps": runner.steps}
+    return {**serve_stream(s, runner, reqs, every_s, out_len), "steps": runner.steps}
 
 
 def figures(run: dict) -> dict:

@@ -11,10 +11,7 @@ import random
 from dataclasses import replace
 
 import pytest
-from helpers.fake_runner import FakeRunner, fake_scheduler
-from plait.runtime.io_struct import FlushCacheReq, TokenizedGenerateReq
-from plait.runtime.request_options import RequestOptions
-from plait.runtime.sampling_params import SamplingParams
+from helpers.fake_runner import FakeRunner, fake_scheduler, serve_stream
 
 VOCAB = 1000
 
@@ -75,29 +72,9 @@ def serve(script, reqs: list[list[int]], every_s: float, out_len: int, **server_
     runner.info = replace(runner.info, supports_overlap=True)
     s = fake_scheduler(runner, speculative_disable_by_batch_size=32, **server_args)
     s.speculation.clock = runner.clock
-    first, last, ids = {}, {}, {}
-    arrived = 0
-    while True:
-        while arrived < len(reqs) and arrived * every_s <= runner.clock():
-            sp = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=out_len)
-            s.handle_message(
-                TokenizedGenerateReq(list(reqs[arrived]), sp, RequestOptions(rid=str(arrived), stream=True))
-            )
-            arrived += 1
-        s.step()
-        for o in s.collect_outputs():
-            if o.new_ids:
-                first.setdefault(o.rid, runner.clock())
-                last[o.rid] = runner.clock()
-                ids.setdefault(o.rid, []).extend(o.new_ids)
-        if s.is_idle():
-            if arrived == len(reqs):
-                break
-            runner.elapsed = max(runner.elapsed, arrived * every_s)  # nothing runs until the next arrival
-    assert s.check_integrity(), s.last_integrity_error
-    assert s.handle_message(FlushCacheReq(0)).result is True and s.kv.available() == 60000
-    rates = [(len(ids[r]) - 1) / (last[r] - first[r]) for r in ids]
-    return ids, sum(rates) / len(rates)
+    run = serve_stream(s, runner, reqs, every_s, out_len)
+    rates = [(len(t) - 1) / (t[-1] - t[0]) for t in run["times"].values()]
+    return run["ids"], sum(rates) / len(rates)
 
 
 # 16 requests a second, 512-token prompts, 128 tokens out: ~25 running at once, a prefill every few steps.
