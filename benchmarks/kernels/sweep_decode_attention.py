@@ -6,6 +6,8 @@ attention is a few microseconds: launch gaps would swamp a plain timer), against
     python benchmarks/kernels/sweep_decode_attention.py --policy-only --cases 80x1400 72x600+8x8000
       (a case BATCHxCONTEXT, or a mix of such groups joined by "+", its rows shuffled: the long-prompt serving
       mix's decode batch beside a uniform batch of about the same KV)
+    python benchmarks/kernels/sweep_decode_attention.py --kv-dtype fp8_e4m3 --launch --cases 64x1536 256x1000
+      (an FP8 pool: half the bytes a token; --launch / --pack sweep the tiles around the policy's)
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from plait.runtime.attention.triton_ops import (  # noqa: E402
 )
 
 SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64)}
+# The pool's dtype (--kv-dtype): bf16, or FP8 (e4m3 codes, scale 1.0 a layer) read and widened in the kernel.
+KV_FP8 = {"fp8": False}
 # Batch 512 x 700 is the offline run's decode step; 64 x 770 multiturn's; 256 x 2,000 a long-context batch.
 CASES = [(1, 576), (8, 576), (64, 770), (256, 576), (512, 700), (256, 2000), (1, 4096), (32, 4096)]
 
@@ -51,6 +55,11 @@ def decode_case(shape: str, case):
     lens = seq_lens_of(case)
     bs = len(lens)
     kv, r2t = make_pools(lens, kv_heads, head_dim)
+    k_buf, v_buf, scales, elem = kv.k_buffer[0], kv.v_buffer[0], None, 2
+    if KV_FP8["fp8"]:
+        k_buf, v_buf = k_buf.to(torch.float8_e4m3fn), v_buf.to(torch.float8_e4m3fn)
+        one = torch.ones((), dtype=torch.float32, device="cuda")
+        scales, elem = (one, one), 1
     q = torch.randn(bs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     req, sl = torch.arange(bs, device="cuda"), torch.tensor(lens, device="cuda")
@@ -69,9 +78,9 @@ def decode_case(shape: str, case):
             plans[(cfg, graph)] = splits
             torch.cuda.synchronize()
         splits = plans[(cfg, graph)]
-        decode_attention(q, kv.k_buffer[0], kv.v_buffer[0], out, r2t.req_to_token, req, sl, 0.1, cfg, splits=splits)
+        decode_attention(q, k_buf, v_buf, out, r2t.req_to_token, req, sl, 0.1, cfg, splits=splits, kv_scales=scales)
 
-    return run, 2 * sum(lens) * kv_heads * head_dim * 2
+    return run, 2 * sum(lens) * kv_heads * head_dim * elem
 
 
 def case_name(case) -> tuple[int, object]:
@@ -141,7 +150,9 @@ def main() -> None:
         help="time only the engine's config for each case (default_decode_policy): a quick check "
         "of a kernel change, no sweep",
     )
+    ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8_e4m3"], help="the KV pool's dtype")
     args = ap.parse_args()
+    KV_FP8["fp8"] = args.kv_dtype == "fp8_e4m3"
     shapes = args.shapes
     if args.cases:
         CASES[:] = [parse_case(c) for c in args.cases]
@@ -250,7 +261,7 @@ def launch_sweep(shapes: list[str], sms: int, variants, name: str) -> None:
             flush=True,
         )
         run = None
-    save(f"sweep_decode_attention_{name}", rows)
+    save(f"sweep_decode_attention_{name}" + ("_fp8" if KV_FP8["fp8"] else ""), rows)
 
 
 def policy_only(shapes: list[str], sms: int) -> None:
@@ -270,7 +281,7 @@ def policy_only(shapes: list[str], sms: int) -> None:
             flush=True,
         )
         run = None
-    save("sweep_decode_attention_policy", rows)
+    save("sweep_decode_attention_policy" + ("_fp8" if KV_FP8["fp8"] else ""), rows)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ class SplitKWorkspace:
 @triton.jit(do_not_specialize=["M"])
 def _decode_gemm_kernel(
     X,
+    XScale,
     W,
     Scale,
     B,
@@ -89,6 +90,7 @@ def _decode_gemm_kernel(
     SPLIT_K,
     HAS_BIAS: tl.constexpr,
     W_FP8: tl.constexpr,
+    X_FP8: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -97,6 +99,8 @@ def _decode_gemm_kernel(
     # NOTE: SPLIT_K is a runtime value (one compiled kernel serves every split of a tile shape).
     # W_FP8: W holds float8_e4m3fn codes with one float32 scale per row (fp8_gemm.py): each tile is widened to
     # x's dtype in registers (FP8 codes are exact in bf16 and fp16) and the scale multiplies the sums once.
+    # X_FP8 (with W_FP8): x holds FP8 codes too, one float32 scale per row (XScale): the tiles go to the FP8
+    # tensor cores as they are, and both scales multiply the sums once.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) rows of W = columns of y
@@ -115,6 +119,8 @@ def _decode_gemm_kernel(
         xt = tl.load(x_cols + offs_k[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)  # (BK, BM)
         if DOT_F32:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+        elif X_FP8:
+            acc = tl.dot(w, xt, acc)
         elif W_FP8:
             acc = tl.dot(w.to(xt.dtype), xt, acc)
         else:
@@ -123,6 +129,8 @@ def _decode_gemm_kernel(
     y_mask = n_mask[:, None] & m_mask[None, :]
     if W_FP8:
         scale = tl.load(Scale + offs_n, mask=n_mask, other=0.0)[:, None]  # (BN, 1) float32
+        if X_FP8:
+            scale = scale * tl.load(XScale + offs_m, mask=m_mask, other=0.0)[None, :]  # (BN, BM)
     if SPLIT_K == 1:
         if W_FP8:
             acc = acc * scale
@@ -208,9 +216,11 @@ def launch_decode_gemm(
     workspace: Optional[SplitKWorkspace],
     name: str,
     dot_f32: bool = False,
+    x_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """out (M, N) = x (M, K) @ weight (N, K)^T (weight_scale (N,): FP8 codes' row scales; None: a float W)
-    (+ bias), operands checked by the caller; K split as `config` says, over `workspace`."""
+    (+ bias), operands checked by the caller; K split as `config` says, over `workspace`. x_scale ((M,) or
+    (M, 1) float32, with weight_scale): x holds FP8 codes, x = codes * x_scale."""
     m, k = x.shape
     n = weight.shape[0]
     block_m = max(16, next_power_of_2(m))
@@ -228,6 +238,7 @@ def launch_decode_gemm(
         partials, counters = out, out  # never touched when unsplit
     _decode_gemm_kernel[(tiles, split)](
         x,
+        x_scale if x_scale is not None else x,
         weight,
         weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight,
@@ -244,6 +255,7 @@ def launch_decode_gemm(
         split,
         HAS_BIAS=bias is not None,
         W_FP8=weight_scale is not None,
+        X_FP8=x_scale is not None,
         DOT_F32=dot_f32,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,

@@ -9,6 +9,10 @@ in float32 and rounded to the output dtype once.
 W is (N, K) with unit stride on K (nn.Linear's layout); x is (M, K) with unit stride on K.
 `gemv_config` holds the tile shape; `pick_gemv_config` is the default choice per (N, K).
 
+FP8 weights (`weight_scale` given: W float8_e4m3fn codes with one float32 scale per row, quant/fp8.py) are
+read as they are stored, half of bf16's bytes, widened to float32 in registers; the row scale multiplies each
+sum once at the end.
+
 Programmatic dependent launch (see launch.py): the kernel may be launched while the previous kernel
 finishes. Each program loads its first weight tile before it waits (weights are constant, so that load
 may overlap the previous kernel's tail), then waits for it before loading x, which may be its output.
@@ -40,6 +44,7 @@ class GemvConfig:
 def _gemv_kernel(
     X,
     W,
+    Scale,
     B,
     Y,
     M,
@@ -49,6 +54,7 @@ def _gemv_kernel(
     stride_wn,
     stride_ym,
     HAS_BIAS: tl.constexpr,
+    W_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -81,6 +87,8 @@ def _gemv_kernel(
             X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
         )  # (BM, BK)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
+    if W_FP8:
+        acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -104,6 +112,14 @@ def pick_gemv_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n=8 if n >= 4096 else 2, block_k=2048, num_warps=4, num_stages=1)
 
 
+def pick_fp8_gemv_config(n: int, k: int) -> GemvConfig:
+    """FP8 weights: a row holds half the bytes, so a program takes twice the rows of `pick_gemv_config`'s
+    choice and keeps as many bytes in flight. (From reading; benchmarks/kernels/bench_fp8_linear.py --sweep
+    times the alternatives.)"""
+    cfg = pick_gemv_config(n, k)
+    return GemvConfig(block_n=cfg.block_n * 2, block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -111,15 +127,25 @@ def gemv(
     config: Optional[GemvConfig] = None,
     out_dtype: Optional[torch.dtype] = None,
     out: Optional[torch.Tensor] = None,
+    weight_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N) in out_dtype (default x's), 1 <= M <= MAX_ROWS.
     With `out` ((M, N), unit stride on N, any row stride; its dtype is the output dtype) the kernel
-    writes there and returns it: e.g. a CUDA graph's logits buffer, with no copy after."""
+    writes there and returns it: e.g. a CUDA graph's logits buffer, with no copy after. `weight_scale`
+    ((N,) float32): `weight` holds float8_e4m3fn codes, W = codes * weight_scale[:, None]."""
     m, n, k, y = linear_operands("gemv", x, weight, bias, out, out_dtype, MAX_ROWS)
-    cfg = config or pick_gemv_config(n, k)
+    if weight_scale is not None:
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"gemv with a weight_scale expects float8_e4m3fn weights, got {weight.dtype}")
+        if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,):
+            raise ValueError(
+                f"gemv weight_scale must be float32 ({n},), got {weight_scale.dtype} {tuple(weight_scale.shape)}"
+            )
+    cfg = config or (pick_gemv_config(n, k) if weight_scale is None else pick_fp8_gemv_config(n, k))
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x,
         weight,
+        weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight,
         y,
         m,
@@ -129,6 +155,7 @@ def gemv(
         weight.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
+        W_FP8=weight_scale is not None,
         BLOCK_M=max(1, next_power_of_2(m)),
         BLOCK_N=cfg.block_n,
         BLOCK_K=min(cfg.block_k, next_power_of_2(k)),

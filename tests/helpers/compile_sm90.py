@@ -1,7 +1,7 @@
 """Compile Triton kernels for a Hopper GPU (sm_90) on a machine without one: Triton's front end, its GPU
 passes and ptxas (shipped in Triton's wheel) run on the CPU, so a kernel that only the interpreter ever ran
 here still meets the compiler a GPU would use. Run as a script (Triton must not be in interpreter mode,
-which the test suite's conftest sets) with the rooms to compile (`attention`, `lora`; default attention);
+which the test suite's conftest sets) with the rooms to compile (`attention`, `lora`, `matmul`; default attention);
 prints one line per variant, "ok NAME" or "FAILED NAME: error".
 
 Arguments are typed from the kernels' naming convention: a capitalized argument is a pointer (fp32 unless
@@ -150,7 +150,35 @@ def lora_variants():
         yield f"lora expand {target} {form}", sgmv._expand_kernel, expand, pointers, {}
 
 
-ROOMS = {"attention": (decode_attention_variants, extend_and_prefix_variants), "lora": (lora_variants,)}
+def matmul_variants():
+    """The decode matmuls with FP8 weights at Llama-3.1-8B's QKV (6,144 x 4,096): the skinny matmul reading FP8
+    codes, and the tensor-core decode matmul with bf16 rows (FP8 widened in registers) and FP8 rows (both
+    operands to the FP8 tensor cores), at the tiles `pick_fp8_gemm_config` takes for 1-256 rows."""
+    gemv = importlib.import_module("plait.runtime.kernels.gemv")
+    fp8 = importlib.import_module("plait.runtime.kernels.fp8_gemm")
+    decode = importlib.import_module("plait.runtime.kernels.decode_gemm")
+    n, k = 6144, 4096
+    cfg = gemv.pick_fp8_gemv_config(n, k)
+    consts = dict(HAS_BIAS=False, W_FP8=True, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=False)
+    ints = dict(M="i32", N="i32", K="i32")  # capitalized, yet not pointers
+    pointers = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", B="*bf16", Y="*bf16", **ints)
+    yield "gemv fp8 weights", gemv._gemv_kernel, consts, pointers, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    for rows, x_fp8 in ((16, False), (64, False), (128, False), (256, False), (64, True), (128, True), (256, True)):
+        cfg = fp8.pick_fp8_gemm_config(n, k, rows, x_fp8)
+        consts = dict(HAS_BIAS=False, W_FP8=True, X_FP8=x_fp8, DOT_F32=False, BLOCK_M=rows, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k)  # fmt: skip
+        pointers = dict(X="*fp8e4nv" if x_fp8 else "*bf16", XScale="*fp32", W="*fp8e4nv", Scale="*fp32", B="*bf16",
+                        Y="*bf16", Partials="*fp32", Counters="*i32", K_PER_SPLIT="i32", SPLIT_K="i32",
+                        **ints)  # fmt: skip
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        yield f"fp8 decode matmul rows={rows} x_fp8={x_fp8}", decode._decode_gemm_kernel, consts, pointers, options
+
+
+ROOMS = {
+    "attention": (decode_attention_variants, extend_and_prefix_variants),
+    "lora": (lora_variants,),
+    "matmul": (matmul_variants,),
+}
 
 
 def main() -> int:

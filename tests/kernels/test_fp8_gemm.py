@@ -58,8 +58,52 @@ def test_fp8_gemm_refuses_wrong_operands():
         m.fp8_gemm(x, codes.float(), scales)
     with pytest.raises(ValueError, match="weight_scale must be float32"):
         m.fp8_gemm(x, codes, scales[:10])
-    with pytest.raises(ValueError, match="handles 1..64 rows"):
-        m.fp8_gemm(torch.zeros(65, 64, dtype=torch.bfloat16), codes, scales)
+    with pytest.raises(ValueError, match="handles 1..256 rows"):
+        m.fp8_gemm(torch.zeros(257, 64, dtype=torch.bfloat16), codes, scales)
+    with pytest.raises(ValueError, match="x_scale exactly when x holds float8_e4m3fn"):
+        m.fp8_gemm(x, codes, scales, x_scale=torch.ones(2, 1))
+    with pytest.raises(ValueError, match="x_scale exactly when x holds float8_e4m3fn"):
+        m.fp8_gemm(x.to(torch.float8_e4m3fn), codes, scales)
+
+
+@pytest.mark.parametrize("rows", [3, 80])
+def test_fp8_gemm_with_fp8_rows_matches_float64(rows):
+    """x as FP8 codes with a scale per row (what `quantize_rows` gives): both scales applied once, at the end,
+    to sums of the codes' exact products; the reference is the product of the two dequantized operands."""
+    m = fg()
+    from plait.runtime.kernels.decode_gemm import SplitKWorkspace
+    from plait.runtime.quant.fp8 import quantize_rows
+
+    x, codes, scales, bias, _ = _operands(rows, 130, 512, seed=rows)
+    x_codes, x_scales = quantize_rows(x.float())
+    ref = (x_codes.double() * x_scales.double()) @ (codes.double() * scales.double()[:, None]).T
+    ws = SplitKWorkspace()
+    for split in (1, 2):
+        cfg = m.DecodeGemmConfig(block_n=64, block_k=64, split_k=split)
+        y = m.fp8_gemm(x_codes, codes, scales, config=cfg, workspace=ws, x_scale=x_scales)
+        assert y.shape == (rows, 130) and y.dtype == torch.bfloat16
+        assert rel_err(y, ref) < 1e-2, split
+        out = torch.empty(rows, 130, dtype=torch.float32)
+        m.fp8_gemm(x_codes, codes, scales, bias=bias, config=cfg, workspace=ws, x_scale=x_scales, out=out)
+        assert rel_err(out, ref + bias.double()) < 1e-5, split
+    assert int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_with_fp8_weights_matches_float64(rows):
+    """The skinny matmul reading FP8 codes (half the bytes) with their row scales, against float64."""
+    from plait.runtime.kernels.gemv import GemvConfig, gemv
+
+    x, codes, scales, bias, ref = _operands(rows, 70, 96, seed=7 + rows)
+    x = x.float()
+    ref = x.double() @ (codes.double() * scales.double()[:, None]).T
+    for cfg in (None, GemvConfig(block_n=16, block_k=32)):
+        y = gemv(x, codes, bias=bias.float(), config=cfg, weight_scale=scales)
+        assert rel_err(y, ref + bias.double()) < 1e-5, cfg
+    with pytest.raises(ValueError, match="expects float8_e4m3fn weights"):
+        gemv(x, codes.float(), weight_scale=scales)
+    with pytest.raises(ValueError, match="weight_scale must be float32"):
+        gemv(x, codes, weight_scale=scales[:5])
 
 
 LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down: (N, K)
