@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_common
 
-from bench_common import save  # noqa: E402
+from bench_common import parse_engine_args, save  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,6 +51,13 @@ def main() -> None:
         "instead of one contiguous run per request",
     )
     ap.add_argument("--trace", default=None, help="write the graph replays' Chrome trace (kernel timeline) here")
+    ap.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other ServerArgs field, e.g. --engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8_e4m3",
+    )
     args = ap.parse_args()
     bs, ctx = args.batch_size, args.context
     gen = torch.Generator().manual_seed(0)
@@ -64,6 +71,7 @@ def main() -> None:
         max_running_requests=bs,
         cuda_graph_max_bs=bs,
         context_length=longest + 80,
+        **parse_engine_args(args.engine_arg),
     )
     mr = ModelRunner(sa, args.model)
     reqs = []
@@ -119,7 +127,7 @@ def main() -> None:
     for name, us, count in eager_rows[:22]:
         print(f"  {us:9.1f} {graph_by_name.get(name, 0.0):9.1f}          {count:4d}x  {name}")
     save(
-        f"profile_decode_{args.model}_bs{bs}",
+        f"profile_decode_{args.model}_bs{bs}" + "".join(f"_{item.replace('=', '-')}" for item in args.engine_arg),
         {
             "graph_step_ms": graph,
             "graph_kernel_sum_ms": graph_total / 1e3,
