@@ -296,7 +296,8 @@ def main() -> None:
             # The best whole path (a8_only and the *_only matmuls leave the rows' quantization out).
             fp8_best = min(v for key, v in t.items() if key in ("scaled_mm", "triton", "triton_a8", "gemv"))
             records.append({"rows": rows, "shape": name, "n": n, "k": k, "seconds": t})
-            cells = ("quant_only", "bf16", "scaled_mm", "scaled_mm_only", "pt_mm_only", "triton", "triton_a8", "a8_only", "gemv")
+            cells = ("quant_only", "bf16", "scaled_mm", "scaled_mm_only", "pt_mm_only")
+            cells += ("triton", "triton_a8", "a8_only", "gemv")
             text = " ".join(f"{t[c] * 1e6:8.1f}" if c in t else f"{'-':>8}" for c in cells)
             print(
                 f"{rows:>5} {name:>8} {text} {n * k / fp8_best / 1e12:8.2f} {t['bf16'] / fp8_best:7.2f}",
