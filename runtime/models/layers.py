@@ -54,12 +54,14 @@ SKINNY_MATMUL_ROWS = 1
 DECODE_GEMM_ROWS = 32
 DECODE_GEMM_ROWS_WIDE = 64
 WIDE_MATRIX_N = 65536
-# Rows up to which an FP8 layer on CUDA takes the FP8-weight decode matmul (runtime/kernels/fp8_gemm.py:
-# bf16 rows, FP8 weights widened in registers) instead of torch._scaled_mm; the same `decode_gemm` kernel
-# choice switches it. Set from reading, to be measured (bench_fp8_linear.py): up to its 64 rows the matmul
-# is bound by the weight bytes both read alike, and _scaled_mm also quantizes the rows first (a few
-# elementwise launches per layer, which at decode batch sizes cost more than the matmul).
+# An FP8 layer on CUDA (runtime/quant/fp8.py), by rows: up to FP8_GEMV_ROWS the skinny matmul reading the FP8
+# codes (kernels/gemv.py, CUDA cores); up to FP8_DECODE_ROWS the tensor-core decode matmul (kernels/fp8_gemm.py),
+# with bf16 rows (FP8 weights widened in registers) below FP8_ROWS_QUANTIZED_FROM and with the rows quantized
+# first (both operands on the FP8 tensor cores) from it; above, torch._scaled_mm. The `decode_gemm` kernel
+# choice off sends every row count to _scaled_mm. Where each pays: benchmarks/RESULTS.md, bench_fp8_linear.py.
+FP8_GEMV_ROWS = 0
 FP8_DECODE_ROWS = 64
+FP8_ROWS_QUANTIZED_FROM = FP8_DECODE_ROWS + 1
 
 
 def skinny_linear(
@@ -83,15 +85,7 @@ def skinny_linear(
         and x.dtype in (torch.bfloat16, torch.float16)
         and kernel_choices().decode_gemm
     ):
-        return _kernels().fp8_gemm(
-            x,
-            layer.weight,
-            layer.weight_scale,
-            layer.bias,
-            workspace=_split_k_workspace(layer),
-            out_dtype=out_dtype,
-            out=out,
-        )
+        return _fp8_decode_linear(x, layer, out_dtype, out)
     if isinstance(layer, QuantizedLinear):  # low-precision weights (runtime/quant/): CPU int8 / int4, FP8
         if out is None:
             return layer.linear(x, out_dtype)
@@ -123,6 +117,35 @@ def skinny_linear(
         # No cast to make: the matmul F.linear runs for 2-D input, writing `out` itself.
         return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
     return out.copy_(F.linear(x, weight, bias))
+
+
+def _fp8_decode_linear(
+    x: torch.Tensor, layer: Fp8Linear, out_dtype: Optional[torch.dtype], out: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """A decode step's few rows through an FP8 layer (the kernels by rows: see FP8_DECODE_ROWS)."""
+    rows = x.shape[0]
+    kernels = _kernels()
+    if rows <= FP8_GEMV_ROWS:
+        return kernels.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, out=out, weight_scale=layer.weight_scale)
+    workspace = _split_k_workspace(layer)
+    if rows >= FP8_ROWS_QUANTIZED_FROM:
+        from ..quant.fp8 import quantize_rows
+
+        codes, scales = quantize_rows(x, layer.input_scale)
+        y = kernels.fp8_gemm(
+            codes,
+            layer.weight,
+            layer.weight_scale,
+            layer.bias,
+            workspace=workspace,
+            out_dtype=out.dtype if out is not None else (out_dtype or x.dtype),
+            out=out,
+            x_scale=scales,
+        )
+        return y
+    return kernels.fp8_gemm(
+        x, layer.weight, layer.weight_scale, layer.bias, workspace=workspace, out_dtype=out_dtype, out=out
+    )
 
 
 def _split_k_workspace(layer: nn.Module):

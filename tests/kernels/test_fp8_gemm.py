@@ -134,7 +134,7 @@ def test_gpu_fp8_layer_dispatch_and_graph_capture():
     )
     share_split_k_workspace(model)
     layer = model[0]
-    for rows in (1, 8, FP8_DECODE_ROWS, FP8_DECODE_ROWS + 1, 256):  # Triton up to the constant, _scaled_mm above
+    for rows in (1, 2, 8, 16, 64, 65, 128, FP8_DECODE_ROWS, FP8_DECODE_ROWS + 1, 300):  # each path by rows
         x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ layer.dequantized().double().T
         y = skinny_linear(x, layer)
