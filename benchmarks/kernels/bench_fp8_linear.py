@@ -229,6 +229,41 @@ def sweep_wide(n: int, k: int, rows: int, copies: int) -> dict:
     return out
 
 
+def pick_rows(records: list[dict]) -> tuple[str, dict]:
+    """The layers' FP8 routing (models/layers.FP8_GEMV_ROWS, FP8_DECODE_ROWS, FP8_ROWS_QUANTIZED_FROM) that
+    takes the least time summed over the four matrices at the measured row counts: the skinny matmul up to
+    G rows, the decode matmul with bf16 rows up to Q - 1 and with FP8 rows from Q to D, _scaled_mm above D.
+    Returns ($PLAIT_FP8_ROWS's text, {rows: (path, microseconds summed)})."""
+    import itertools
+
+    rows = sorted({r["rows"] for r in records})
+    total = {(r, path): 0.0 for r in rows for path in ("gemv", "triton", "triton_a8", "scaled_mm")}
+    for rec in records:
+        for path in ("gemv", "triton", "triton_a8", "scaled_mm"):
+            total[(rec["rows"], path)] += rec["seconds"].get(path, float("inf"))
+
+    def path_at(r, g, q, d):
+        if r <= g:
+            return "gemv"
+        if r > d:
+            return "scaled_mm"
+        return "triton_a8" if r >= q else "triton"
+
+    cuts = [0] + rows
+    best = None
+    for g, q, d in itertools.product([0] + [r for r in rows if r <= 8], [r for r in rows] + [257], cuts):
+        if d > 256:
+            continue
+        cost = sum(total[(r, path_at(r, g, q, d))] for r in rows)
+        if best is None or cost < best[0]:
+            best = (cost, g, q, d)
+    _, g, q, d = best
+    if q > d:
+        q = d + 1
+    chosen = {r: (path_at(r, g, q, d), total[(r, path_at(r, g, q, d))] * 1e6) for r in rows}
+    return f"gemv={g},decode={d},quantized_from={q}", chosen
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 2048])
@@ -303,6 +338,10 @@ def main() -> None:
                 f"{rows:>5} {name:>8} {text} {n * k / fp8_best / 1e12:8.2f} {t['bf16'] / fp8_best:7.2f}",
                 flush=True,
             )
+    routing, chosen = pick_rows(records)
+    print(f"fastest routing over these rows: PLAIT_FP8_ROWS={routing}")
+    for rows, (path, us) in chosen.items():
+        print(f"  {rows:>5} rows: {path} ({us:.1f} us for the four matrices)")
     save(
         "fp8_linear",
         {
@@ -310,6 +349,7 @@ def main() -> None:
             "copy_bandwidth": bw,
             "fp8_decode_rows": FP8_DECODE_ROWS,
             "records": records,
+            "routing": routing,
         },
     )
 

@@ -19,6 +19,7 @@ returned tensors and must not rely on the inputs being left alone (or being chan
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 import torch
@@ -62,6 +63,28 @@ WIDE_MATRIX_N = 65536
 FP8_GEMV_ROWS = 0
 FP8_DECODE_ROWS = 64
 FP8_ROWS_QUANTIZED_FROM = FP8_DECODE_ROWS + 1
+# $PLAIT_FP8_ROWS ("gemv=1,decode=128,quantized_from=33") sets them for a process (benchmarks A/B the choices).
+FP8_ROWS_ENV = "PLAIT_FP8_ROWS"
+
+
+def _fp8_rows_from_env() -> None:
+    global FP8_GEMV_ROWS, FP8_DECODE_ROWS, FP8_ROWS_QUANTIZED_FROM
+    text = os.environ.get(FP8_ROWS_ENV)
+    if not text:
+        return
+    names = {"gemv": "FP8_GEMV_ROWS", "decode": "FP8_DECODE_ROWS", "quantized_from": "FP8_ROWS_QUANTIZED_FROM"}
+    values = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in names or not value.strip().isdigit():
+            raise ValueError(f"{FP8_ROWS_ENV}={text!r}: expected items gemv=N, decode=N, quantized_from=N")
+        values[names[key.strip()]] = int(value)
+    if values.get("FP8_DECODE_ROWS", FP8_DECODE_ROWS) > 256 or values.get("FP8_GEMV_ROWS", FP8_GEMV_ROWS) > 8:
+        raise ValueError(f"{FP8_ROWS_ENV}={text!r}: decode rows go up to 256, gemv rows up to 8")
+    globals().update(values)
+
+
+_fp8_rows_from_env()
 
 
 def skinny_linear(
