@@ -89,8 +89,12 @@ def time_paths(n: int, k: int, rows: int, copies: int) -> dict[str, float]:
         layer = cycle(layers)
         return fp8_gemm(x_codes, layer.weight, layer.weight_scale, workspace=workspace, x_scale=x_scales)
 
+    from plait.runtime.kernels.fp8_quant import quantize_rows_fp8
+
     paths = {
         "quant_only": lambda: quantize_rows(x)[0],
+        "quant_1pass": lambda: quantize_rows_fp8(x, None, 448.0, 1e-12, one_pass=True)[0],
+        "quant_1p_mul": lambda: quantize_rows_fp8(x, None, 448.0, 1e-12, one_pass=True, mul_inverse=True)[0],
         "bf16": lambda: torch.mm(x, cycle(floats).t()),
         "scaled_mm": lambda: cycle(layers).linear(x),
         "scaled_mm_only": scaled_mm_only,
@@ -108,7 +112,7 @@ def time_paths(n: int, k: int, rows: int, copies: int) -> dict[str, float]:
     # Correctness first: every FP8 path near the bf16 product of the dequantized weight.
     ref = x.float() @ layers[0].dequantized().float().t()
     for name, fn in paths.items():
-        if name == "quant_only":
+        if name.startswith("quant"):
             continue
         calls[0] = -1  # the next call takes copy 0
         y = fn().float()
@@ -320,7 +324,8 @@ def main() -> None:
                 )
         save("fp8_gemm_sweep", {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "sweeps": sweeps})
         return
-    columns = ("quant", "bf16 us", "sc_mm us", "mm only", "pt only", "triton", "tr_a8", "a8 only", "gemv", "fp8 TB/s")
+    columns = ("quant", "q 1pass", "q 1p mul", "bf16 us", "sc_mm us", "mm only", "pt only", "triton", "tr_a8")
+    columns += ("a8 only", "gemv", "fp8 TB/s")
     print(f"{'rows':>5} {'shape':>8} " + " ".join(f"{c:>8}" for c in columns) + f" {'best x':>7}")
     records = []
     for rows in args.rows:
@@ -331,7 +336,7 @@ def main() -> None:
             # The best whole path (a8_only and the *_only matmuls leave the rows' quantization out).
             fp8_best = min(v for key, v in t.items() if key in ("scaled_mm", "triton", "triton_a8", "gemv"))
             records.append({"rows": rows, "shape": name, "n": n, "k": k, "seconds": t})
-            cells = ("quant_only", "bf16", "scaled_mm", "scaled_mm_only", "pt_mm_only")
+            cells = ("quant_only", "quant_1pass", "quant_1p_mul", "bf16", "scaled_mm", "scaled_mm_only", "pt_mm_only")
             cells += ("triton", "triton_a8", "a8_only", "gemv")
             text = " ".join(f"{t[c] * 1e6:8.1f}" if c in t else f"{'-':>8}" for c in cells)
             print(

@@ -36,10 +36,27 @@ def _quantize_rows_kernel(
     MAX_CODE: tl.constexpr,
     MIN_AMAX: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    MUL_INVERSE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     c_row = Codes + row * stride_c
+    if ONE_PASS:  # the whole row in one tile (BLOCK >= K): read once
+        offs = tl.arange(0, BLOCK)
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(StaticScale)
+        else:
+            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), MAX_CODE)
+        tl.store(Scales + row, scale)
+        if MUL_INVERSE:
+            q = tl.clamp(x * tl.div_rn(1.0, scale), -MAX_CODE, MAX_CODE)
+        else:
+            q = tl.clamp(tl.div_rn(x, scale), -MAX_CODE, MAX_CODE)
+        tl.store(c_row + offs, q.to(Codes.dtype.element_ty), mask=mask)
+        return
     # NOTE: IEEE divisions (div_rn), as torch's: Triton's `/` on float32 is approximate (scales 1 ulp off).
     if STATIC:
         scale = tl.load(StaticScale)
@@ -60,11 +77,18 @@ def _quantize_rows_kernel(
 
 
 def quantize_rows_fp8(
-    x: torch.Tensor, static_scale: Optional[torch.Tensor], max_code: float, min_amax: float
+    x: torch.Tensor,
+    static_scale: Optional[torch.Tensor],
+    max_code: float,
+    min_amax: float,
+    one_pass: bool = False,
+    mul_inverse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) bf16/fp16/float32 with unit stride on K -> (codes (M, K) float8_e4m3fn, scales (M, 1) float32).
     static_scale: a (1,) float32 scale for every row (a checkpoint's calibrated input scale); None: per row,
-    max(amax, min_amax) / max_code. No host sync (runs inside CUDA graphs)."""
+    max(amax, min_amax) / max_code. No host sync (runs inside CUDA graphs). one_pass (rows up to 16,384): the row
+    read once, held whole; mul_inverse: codes from x * (1 / scale) instead of x / scale (the two differ where
+    the float32 quotient rounds across an FP8 rounding boundary). Both off: the kernel measured so far."""
     check_device("quantize_rows_fp8", x, static_scale)
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_rows_fp8 expects a 2-D x with unit stride on K, got {tuple(x.shape)}")
@@ -73,7 +97,8 @@ def quantize_rows_fp8(
     scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return codes, scales
-    block = min(MAX_BLOCK, next_power_of_2(k))
+    one_pass = one_pass and k <= 4 * MAX_BLOCK
+    block = next_power_of_2(k) if one_pass else min(MAX_BLOCK, next_power_of_2(k))
     _quantize_rows_kernel[(m,)](
         x,
         codes,
@@ -86,6 +111,8 @@ def quantize_rows_fp8(
         MAX_CODE=max_code,
         MIN_AMAX=min_amax,
         BLOCK=block,
-        num_warps=4 if block <= 1024 else 8,
+        ONE_PASS=one_pass,
+        MUL_INVERSE=mul_inverse,
+        num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
     )
     return codes, scales

@@ -162,7 +162,8 @@ def matmul_variants():
     consts = dict(HAS_BIAS=False, W_FP8=True, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=False)
     ints = dict(M="i32", N="i32", K="i32")  # capitalized, yet not pointers
     pointers = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", B="*bf16", Y="*bf16", **ints)
-    yield "gemv fp8 weights", gemv._gemv_kernel, consts, pointers, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    yield "gemv fp8 weights", gemv._gemv_kernel, consts, pointers, options
     for rows, x_fp8 in ((16, False), (64, False), (128, False), (256, False), (64, True), (128, True), (256, True)):
         cfg = fp8.pick_fp8_gemm_config(n, k, rows, x_fp8)
         consts = dict(HAS_BIAS=False, W_FP8=True, X_FP8=x_fp8, DOT_F32=False, BLOCK_M=rows, BLOCK_N=cfg.block_n,
@@ -172,6 +173,14 @@ def matmul_variants():
                         **ints)  # fmt: skip
         options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         yield f"fp8 decode matmul rows={rows} x_fp8={x_fp8}", decode._decode_gemm_kernel, consts, pointers, options
+    quant = importlib.import_module("plait.runtime.kernels.fp8_quant")
+    pointers = dict(X="*bf16", Codes="*fp8e4nv", Scales="*fp32", StaticScale="*fp32", K="i32")
+    variants = ((False, False, 4096, 8), (True, False, 16384, 16), (True, True, 4096, 8))
+    for one_pass, mul_inverse, block, warps in variants:
+        consts = dict(STATIC=False, MAX_CODE=448.0, MIN_AMAX=1e-12, BLOCK=block, ONE_PASS=one_pass,
+                      MUL_INVERSE=mul_inverse)  # fmt: skip
+        name = f"fp8 row quantization one_pass={one_pass} mul_inverse={mul_inverse} block={block}"
+        yield name, quant._quantize_rows_kernel, consts, pointers, dict(num_warps=warps)
 
 
 ROOMS = {

@@ -26,8 +26,8 @@ def _rows(m: int, k: int, device: str, dtype=torch.bfloat16) -> torch.Tensor:
     return x.to(dtype).to(device)
 
 
-def _check(x: torch.Tensor, static: torch.Tensor | None, exact: bool) -> None:
-    codes, scales = fq().quantize_rows_fp8(x, static, FP8_MAX, MIN_AMAX)
+def _check(x: torch.Tensor, static: torch.Tensor | None, exact: bool, **variant) -> None:
+    codes, scales = fq().quantize_rows_fp8(x, static, FP8_MAX, MIN_AMAX, **variant)
     ref_codes, ref_scales = quantize_rows(x.cpu(), None if static is None else static.cpu())
     assert codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape and scales.shape == (x.shape[0], 1)
     torch.testing.assert_close(scales.cpu(), ref_scales, rtol=0, atol=0)
@@ -59,6 +59,16 @@ def test_quantize_rows_kernel_matches_torch(m, k):
     _check(x, torch.tensor([0.01]), exact=False)  # static: large rows clamp to +-448
 
 
+@pytest.mark.parametrize("mul_inverse", [False, True])
+def test_quantize_rows_in_one_pass(mul_inverse):
+    """The row read once (held whole) gives the two-pass kernel's scales and codes; codes from x * (1 / scale)
+    too, on rows whose quotients are exact (on the grid), and within a code step elsewhere."""
+    variant = dict(one_pass=True, mul_inverse=mul_inverse)
+    _check(_on_grid(5, 5000), None, exact=True, **variant)
+    _check(_rows(3, 5000, "cpu"), None, exact=False, **variant)
+    _check(_rows(3, 96, "cpu"), torch.tensor([0.01]), exact=False, **variant)
+
+
 def test_quantize_rows_kernel_refuses_a_strided_x():
     x = _rows(4, 64, "cpu")
     with pytest.raises(ValueError, match="unit stride"):
@@ -73,3 +83,20 @@ def test_gpu_quantize_rows_is_torch_exactly(k):
     x = _rows(256, k, "cuda")
     _check(x, None, exact=True)
     _check(x, torch.tensor([0.01], device="cuda"), exact=True)
+    _check(x, None, exact=True, one_pass=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_gpu_quantize_rows_by_the_inverse_scale(k):
+    """Codes from x * (1 / scale): the scales torch's, a code one step off only where the float32 quotient and
+    product round across an FP8 rounding boundary (a handful in a million)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    x = _rows(256, k, "cuda")
+    codes, scales = fq().quantize_rows_fp8(x, None, FP8_MAX, MIN_AMAX, one_pass=True, mul_inverse=True)
+    ref_codes, ref_scales = quantize_rows(x.cpu())
+    torch.testing.assert_close(scales.cpu(), ref_scales, rtol=0, atol=0)
+    got, ref = codes.cpu().float(), ref_codes.float()
+    assert torch.all((got - ref).abs() <= torch.maximum(ref.abs() / 8, torch.full_like(ref, 2**-9)))
+    assert float((got != ref).float().mean()) < 1e-4

@@ -1,7 +1,8 @@
-"""The FP8 decode matmuls compiled for a Hopper GPU (sm_90) on this machine: the skinny matmul reading FP8
-codes and the tensor-core decode matmul with bf16 rows and with FP8 rows (both operands on the FP8 tensor
-cores), at the tiles the engine picks for 1-256 rows. The interpreter runs them here in float32 (the other
-tests in this folder); only a GPU's compiler says whether an FP8 x FP8 dot of these layouts lowers."""
+"""The FP8 decode matmuls (and the quantization of their rows) compiled for a Hopper GPU (sm_90) on this
+machine: the skinny matmul reading FP8 codes, and the tensor-core decode matmul with bf16 rows and with FP8
+rows (both operands on the FP8 tensor cores), at the tiles the engine picks for 1-256 rows. The interpreter
+runs them here in float32 (the other tests in this folder); only a GPU's compiler says whether an FP8 x FP8
+dot of these layouts lowers."""
 
 import pytest
 from helpers.hopper_compile import compile_for_hopper, ptxas_shipped
@@ -11,4 +12,5 @@ from helpers.hopper_compile import compile_for_hopper, ptxas_shipped
 def test_fp8_matmul_kernels_compile_for_hopper(tmp_path):
     ok, failed, output = compile_for_hopper(["matmul"], tmp_path)
     assert not failed, output
-    assert len(ok) == 8, output  # the FP8 skinny matmul; W8A16 at 16-256 rows; W8A8 at 64-256 rows
+    # the FP8 skinny matmul; W8A16 at 16-256 rows; W8A8 at 64-256 rows; the rows' quantization, 3 variants
+    assert len(ok) == 11, output
