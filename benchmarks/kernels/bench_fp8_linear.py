@@ -178,7 +178,7 @@ def sweep_wide(n: int, k: int, rows: int, copies: int) -> dict:
 
     from plait.runtime.kernels.decode_gemm import DecodeGemmConfig, SplitKWorkspace
     from plait.runtime.kernels.fp8_gemm import fp8_gemm, pick_fp8_gemm_config
-    from plait.runtime.kernels.gemv import GemvConfig, gemv, pick_fp8_gemv_config
+    from plait.runtime.kernels.gemv import GemvConfig, gemv, pick_gemv_config
     from plait.runtime.quant.fp8 import Fp8Linear, quantize_rows
 
     layers = [
@@ -207,7 +207,7 @@ def sweep_wide(n: int, k: int, rows: int, copies: int) -> dict:
         out.setdefault(name, []).append((graph_time(run, reps=5) / copies, vars(cfg)))
 
     if rows <= 8:
-        picked = pick_fp8_gemv_config(n, k)
+        picked = pick_gemv_config(n, k)
         grid = itertools.product((4, 8, 16), (2048, 4096), (1, 2), (4, 8))
         for cfg in [picked] + [GemvConfig(bn, bk, w, st) for bn, bk, st, w in grid]:
             timed("gemv", lambda layer, cfg: gemv(x, layer.weight, config=cfg, weight_scale=layer.weight_scale), cfg)

@@ -158,7 +158,7 @@ def matmul_variants():
     fp8 = importlib.import_module("plait.runtime.kernels.fp8_gemm")
     decode = importlib.import_module("plait.runtime.kernels.decode_gemm")
     n, k = 6144, 4096
-    cfg = gemv.pick_fp8_gemv_config(n, k)
+    cfg = gemv.pick_gemv_config(n, k)
     consts = dict(HAS_BIAS=False, W_FP8=True, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=False)
     ints = dict(M="i32", N="i32", K="i32")  # capitalized, yet not pointers
     pointers = dict(X="*bf16", W="*fp8e4nv", Scale="*fp32", B="*bf16", Y="*bf16", **ints)
