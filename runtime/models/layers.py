@@ -62,7 +62,7 @@ WIDE_MATRIX_N = 65536
 # choice off sends every row count to _scaled_mm. Measured (bench_fp8_linear.py, one H100, the 8B matrices; RESULTS):
 # one row, the skinny matmul 94 us for the four against the decode matmul's 107 (bf16: 157); 16 rows, bf16 rows
 # 108 us against FP8 rows' 115 with their quantization; 64, 132 against 128 (3%: not worth activations quantized at
-# 64 rows and not at 63, so off); 128 and 256, _scaled_mm 143 and 184 against the decode matmul's 169 and 306.
+# 64 rows and not at 63, so off); 128 and 256, _scaled_mm 143 and 184 against the decode matmul's 169 and 367.
 FP8_GEMV_ROWS = 1
 FP8_DECODE_ROWS = 64
 FP8_ROWS_QUANTIZED_FROM = FP8_DECODE_ROWS + 1
