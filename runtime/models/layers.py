@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernel_choices import current as kernel_choices
-from ..quant.fp8 import Fp8Linear
+from ..quant.fp8 import Fp8Linear, quantize_rows
 from ..quant.linear import QuantizedLinear
 
 
@@ -149,29 +149,18 @@ def _fp8_decode_linear(
     x: torch.Tensor, layer: Fp8Linear, out_dtype: Optional[torch.dtype], out: Optional[torch.Tensor]
 ) -> torch.Tensor:
     """A decode step's few rows through an FP8 layer (the kernels by rows: see FP8_DECODE_ROWS)."""
-    rows = x.shape[0]
     kernels = _kernels()
-    if rows <= FP8_GEMV_ROWS:
+    if x.shape[0] <= FP8_GEMV_ROWS:
         return kernels.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, out=out, weight_scale=layer.weight_scale)
+    x_scale = None
+    if x.shape[0] >= FP8_ROWS_QUANTIZED_FROM:  # FP8 rows: the output still in x's dtype (or out's)
+        out_dtype = out.dtype if out is not None else (out_dtype or x.dtype)
+        x, x_scale = quantize_rows(x, layer.input_scale)
     workspace = _split_k_workspace(layer)
-    if rows >= FP8_ROWS_QUANTIZED_FROM:
-        from ..quant.fp8 import quantize_rows
-
-        codes, scales = quantize_rows(x, layer.input_scale)
-        y = kernels.fp8_gemm(
-            codes,
-            layer.weight,
-            layer.weight_scale,
-            layer.bias,
-            workspace=workspace,
-            out_dtype=out.dtype if out is not None else (out_dtype or x.dtype),
-            out=out,
-            x_scale=scales,
-        )
-        return y
     return kernels.fp8_gemm(
-        x, layer.weight, layer.weight_scale, layer.bias, workspace=workspace, out_dtype=out_dtype, out=out
-    )
+        x, layer.weight, layer.weight_scale, layer.bias,
+        workspace=workspace, out_dtype=out_dtype, out=out, x_scale=x_scale,
+    )  # fmt: skip
 
 
 def _split_k_workspace(layer: nn.Module):

@@ -164,3 +164,24 @@ def test_gpu_fp8_layer_dispatch_and_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_fp8_decode_rows_route_by_count(rows, monkeypatch):
+    """models/layers' FP8 routing, each row count through the path its constants name (the interpreter runs the
+    kernels here): the skinny matmul up to FP8_GEMV_ROWS, bf16 rows below FP8_ROWS_QUANTIZED_FROM, FP8 rows from it;
+    every path near the product of the dequantized weight, in x's dtype, into `out` when given."""
+    fg()
+    from plait.runtime.models import layers
+
+    monkeypatch.setattr(layers, "FP8_GEMV_ROWS", 1)
+    monkeypatch.setattr(layers, "FP8_ROWS_QUANTIZED_FROM", 32)
+    torch.manual_seed(rows)
+    layer = Fp8Linear.from_float(torch.randn(70, 96) * 0.02, None, torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    ref = x.double() @ layer.dequantized().double().T
+    y = layers._fp8_decode_linear(x, layer, None, None)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 70)
+    assert rel_err(y, ref) < (0.05 if rows >= 32 else 1e-2)  # FP8 rows are quantized too
+    out = torch.empty(rows, 70, dtype=torch.float32)
+    assert layers._fp8_decode_linear(x, layer, None, out) is out and rel_err(out, ref) < 0.05
