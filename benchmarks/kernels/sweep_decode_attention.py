@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import os
 import sys
@@ -151,8 +152,17 @@ def main() -> None:
         "of a kernel change, no sweep",
     )
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8_e4m3"], help="the KV pool's dtype")
+    ap.add_argument(
+        "--widen",
+        default="f16",
+        choices=["f16", "bf16"],
+        help="what an FP8 pool's rows widen to in the kernel with bf16 queries (the engine's: f16)",
+    )
     args = ap.parse_args()
     KV_FP8["fp8"] = args.kv_dtype == "fp8_e4m3"
+    # (the package's `decode_attention` is the function; its module holds the switch)
+    kernel_module = importlib.import_module("plait.runtime.attention.triton_ops.decode_attention")
+    kernel_module.WIDEN_FP8_TO_F16 = args.widen == "f16"
     shapes = args.shapes
     if args.cases:
         CASES[:] = [parse_case(c) for c in args.cases]
@@ -165,7 +175,9 @@ def main() -> None:
             sms,
             lambda base: [
                 dataclasses.replace(base, block_n=bn, num_warps=warps, num_stages=stages)
-                for bn, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3, 4))
+                for bn, warps, stages in itertools.product(
+                    (32, 64, 128) if KV_FP8["fp8"] else (32, 64), (2, 4, 8), (1, 2, 3, 4)
+                )
             ],
             "launch",
         )
@@ -233,7 +245,7 @@ def main() -> None:
 
 def launch_sweep(shapes: list[str], sms: int, variants, name: str) -> None:
     """Per case, the policy's config against `variants(policy config)`."""
-    policy = default_decode_policy(sms)
+    policy = default_decode_policy(sms, kv_fp8=KV_FP8["fp8"])
     rows = []
     for shape, bs, ctx, run, kv_bytes in each_case(shapes):
         base = policy.for_batch(bs)
@@ -265,7 +277,7 @@ def launch_sweep(shapes: list[str], sms: int, variants, name: str) -> None:
 
 
 def policy_only(shapes: list[str], sms: int) -> None:
-    policy = default_decode_policy(sms)
+    policy = default_decode_policy(sms, kv_fp8=KV_FP8["fp8"])
     rows = []
     for shape, bs, ctx, run, kv_bytes in each_case(shapes):
         cfg = policy.for_batch(bs)

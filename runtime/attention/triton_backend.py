@@ -45,6 +45,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..forward_batch import ForwardBatch
+from ..kvcache.kv_quant import is_fp8
 from .base import AttentionBackend, AttentionLayerSpec
 from .cascade_plan import CascadeConfig
 from .context import AttentionContext, AttentionHeads
@@ -123,11 +124,13 @@ class TritonAttnBackend(AttentionBackend):
                 f"the triton attention backend needs a CUDA device, not {self.device.type!r} "
                 "(use attention_backend='torch_native'; TRITON_INTERPRET=1 runs it slowly on CPU)"
             )
-        # An explicit config (tests, sweeps) serves every batch size; the default picks by batch size.
+        # An explicit config (tests, sweeps) serves every batch size; the default picks by batch size (and
+        # by the pool's dtype: an FP8 pool's tiles hold twice the tokens).
+        kv_fp8 = ctx.kv_dtype is not None and is_fp8(ctx.kv_dtype)
         self.decode_policy = (
             DecodePolicy.uniform(decode_config)
             if decode_config is not None
-            else default_decode_policy(_num_sms(self.device))
+            else default_decode_policy(_num_sms(self.device), kv_fp8=kv_fp8)
         )
         self.extend_config = extend_config  # None: picked per head_dim by the kernel module
         self.head_shape: Optional[AttentionHeads] = ctx.heads

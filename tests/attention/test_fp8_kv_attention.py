@@ -15,7 +15,7 @@ from helpers.fp8_kv import Fp8Case, both
 from plait.runtime.attention import AttentionContext, AttentionHeads
 from plait.runtime.attention.cascade_plan import CascadeConfig
 from plait.runtime.attention.triton_backend import TritonAttnBackend
-from plait.runtime.attention.triton_ops import DecodeConfig, ExtendConfig, PrefixConfig
+from plait.runtime.attention.triton_ops import DecodeConfig, ExtendConfig, PrefixConfig, decode_attention
 from plait.runtime.forward_batch import ForwardMode
 from plait.runtime.kvcache.kv_quant import quantize
 
@@ -46,6 +46,30 @@ def test_triton_extend_and_decode_read_fp8(fp8_dtype):
     torch.testing.assert_close(*both(_triton(case), case, ForwardMode.DECODE), **TOL)  # 8-token splits, merged
     one_split = Fp8Case(4, 4, 16, [3, 2], [1, 1], fp8_dtype=fp8_dtype)  # stage 1 writes the output itself
     torch.testing.assert_close(*both(_triton(one_split), one_split, ForwardMode.DECODE), **TOL)
+
+
+def test_triton_decode_with_bf16_queries_reads_fp8_through_fp16():
+    # bf16 queries over an FP8 pool: the kernel widens the rows to fp16 (q and the probabilities too). Against
+    # float32 attention over the dequantized values, for a split-and-merged batch and a one-split batch. (The
+    # interpreter's bf16 products are not the GPU's, so the bf16-widening kernel is checked on the GPU only.)
+    g = torch.Generator().manual_seed(3)
+    for lens, cfg in (([5, 40, 17], TINY_DECODE), ([9, 3], DecodeConfig(block_n=16, max_kv_splits=1))):
+        heads, kv_heads, dim, slots = 8, 2, 32, sum(lens) + 1
+        codes = [(torch.randn(slots, kv_heads, dim, generator=g) * 60).to(torch.float8_e4m3fn) for _ in range(2)]
+        scales = (torch.tensor(0.02), torch.tensor(0.05))
+        q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
+        r2t = torch.zeros(len(lens), max(lens), dtype=torch.int32)
+        start = 1
+        for b, n in enumerate(lens):
+            r2t[b, :n] = torch.arange(start, start + n)
+            start += n
+        out = torch.empty_like(q)
+        decode_attention(q, *codes, out, r2t, torch.arange(len(lens)), torch.tensor(lens), 0.3, cfg, kv_scales=scales)
+        for b, n in enumerate(lens):
+            k, v = (c[r2t[b, :n].long()].float() * s for c, s in zip(codes, scales))  # (n, Hkv, D)
+            k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # (n, H, D)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * 0.3, dim=-1)
+            torch.testing.assert_close(out[b].float(), torch.einsum("hn,nhd->hd", p, v), atol=2e-2, rtol=2e-2)
 
 
 def test_triton_decode_of_a_split_plan_reads_fp8():

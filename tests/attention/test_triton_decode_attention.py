@@ -242,6 +242,12 @@ def test_default_decode_policy_picks_tiles_by_batch_size():
     assert (tiny.num_stages, small.num_stages, large.num_stages) == (2, 3, 3)
     assert (small.kv_heads_per_program, large.kv_heads_per_program) == (1, 2)
     assert large.extra_items(8) == 66 and tiny.extra_items(8) == 66 and tiny.max_row_splits(8) == 64
+    # An FP8 pool's tiles take twice the tokens (the same bytes a tile), the rest as bf16's.
+    fp8 = default_decode_policy(132, kv_fp8=True)
+    assert [fp8.for_batch(bs).block_n for bs in (1, 8, 256)] == [64, 64, 64] and tiny.block_n == 32
+    assert dataclasses.replace(fp8.for_batch(256), block_n=32) == large
+    fp8_pool = dataclasses.replace(attention_context("cpu"), kv_dtype=torch.float8_e4m3fn)
+    assert TritonAttnBackend(fp8_pool).decode_policy.for_batch(1).block_n == 64
     uniform = DecodePolicy.uniform(small)
     assert uniform.for_batch(1) is small and uniform.for_batch(4096) is small
     # The backend's default follows the policy; an explicit config serves every batch size.

@@ -65,7 +65,8 @@ def decode_attention_variants():
             continue
         consts = dict(
             GROUP=4, HPP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_R=16, BLOCK_N=32, MIN_SPLIT_LEN=32,
-            DOT_PRECISION="tf32", HAS_PREFIX=prefix, ITEMS=items, DIRECT_OUT=direct, KV_SCALED=scaled, USE_PDL=False,
+            DOT_PRECISION="tf32", HAS_PREFIX=prefix, ITEMS=items, DIRECT_OUT=direct, KV_SCALED=scaled, KV_F16=scaled,
+            USE_PDL=False,
         )  # fmt: skip
         pool = dict(K_buf="*fp8e4nv", V_buf="*fp8e4nv") if scaled else {}
         name = f"decode stage 1 items={items} prefix={prefix} direct={direct} fp8={scaled}"

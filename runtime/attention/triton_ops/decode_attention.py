@@ -31,9 +31,12 @@ exactly the kernels there were before plans.
 
 Empty requests (seq_len == 0, e.g. CUDA-graph padding) produce an all-zero output.
 
-An FP8 pool (`kv_scales`) is read as it is stored: its rows are widened to q's dtype in the kernel, K's scale
-folds into the softmax scale and V's into the output (a constexpr switch: a pool in q's dtype compiles to
-exactly the kernel it had without it).
+An FP8 pool (`kv_scales`) is read as it is stored: its rows are widened in the kernel, K's scale folds into
+the softmax scale and V's into the output (a constexpr switch: a pool in q's dtype compiles to exactly the
+kernel it had without it). With bf16 queries the rows widen to fp16, not bf16, and q and the probabilities
+take fp16 for the two products: Hopper converts a pair of e4m3 codes to fp16 in one instruction and to bf16
+only through fp16 (two more a value, in the loop over every K/V tile); fp16 also keeps more of q's mantissa,
+and q is clamped to fp16's range first.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ from .decode_merge import PrefixPartials, merge_partials, request_split_count, s
 from .kv_scale_args import kv_scale_args
 
 _LOG2E = 1.4426950408889634
+_F16_MAX: tl.constexpr = tl.constexpr(65504.0)
+# An FP8 pool's rows with bf16 queries widen to fp16 (see the module's docstring); False widens them to bf16
+# (sweep_decode_attention.py --widen bf16 times the two).
+WIDEN_FP8_TO_F16 = True
 
 
 # NOTE: split_cap, items_at, stride_plh (even splits: split_cap; a plan: its item count) and stride_plb (even
@@ -102,6 +109,7 @@ def _decode_stage1_kernel(
     ITEMS: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    KV_F16: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait_then_release(USE_PDL)
@@ -154,6 +162,8 @@ def _decode_stage1_kernel(
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + col_d[None, :], mask=own, other=0.0
         )  # (BLOCK_R, HPP * BLOCK_D)
+        if KV_F16:  # FP8 rows widen to fp16 in one instruction per pair (to bf16: two); q and p follow
+            q = tl.clamp(q.to(tl.float32), -_F16_MAX, _F16_MAX).to(tl.float16)
 
         m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -325,6 +335,7 @@ def decode_attention(
         ITEMS=splits is not None,
         DIRECT_OUT=not merge,
         KV_SCALED=kv_scales is not None,
+        KV_F16=kv_scales is not None and q.dtype == torch.bfloat16 and WIDEN_FP8_TO_F16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl,

@@ -114,7 +114,7 @@ class DecodePolicy:
         return self.largest
 
 
-def default_decode_policy(num_sms: int) -> DecodePolicy:
+def default_decode_policy(num_sms: int, kv_fp8: bool = False) -> DecodePolicy:
     # NOTE: from benchmarks/kernels/sweep_decode_attention.py (8B heads, bf16; its figures are in
     # benchmarks/RESULTS.md).
     # - Up to 32 requests, one KV head a program and the per-head merge. The boundary (32) is where
@@ -127,10 +127,14 @@ def default_decode_policy(num_sms: int) -> DecodePolicy:
     #   GPU from batch ~66 on: the earlier floor of two splits (a fix for the wave quantization of 4,096
     #   one-head programs at batch 512) and the separate tier above 256 requests (64-token tiles) are no
     #   longer needed.
-    latency = DecodeConfig(target_programs=4 * num_sms, merge_per_head=True)
+    # - An FP8 pool (kv_fp8): a token's K/V row is half the bytes, so the KV tiles take twice the tokens
+    #   (the bytes a program has in flight stay the bf16 tiles'). A first pick, to be set by
+    #   `sweep_decode_attention.py --kv-dtype fp8_e4m3 --launch`.
+    block_n = 64 if kv_fp8 else 32
+    latency = DecodeConfig(block_n=block_n, target_programs=4 * num_sms, merge_per_head=True)
     return DecodePolicy(
         tiers=((4, latency), (32, dataclasses.replace(latency, num_stages=3))),
-        largest=DecodeConfig(target_programs=2 * num_sms, kv_heads_per_program=2, num_stages=3),
+        largest=DecodeConfig(block_n=block_n, target_programs=2 * num_sms, kv_heads_per_program=2, num_stages=3),
     )
 
 
