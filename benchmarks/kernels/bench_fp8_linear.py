@@ -11,9 +11,12 @@ Paths, each timed as CUDA-graph replays over distinct weight copies (L2 never ho
   the FP8 tensor cores; `a8_only`: its matmul alone;
 - `gemv`: runtime/kernels/gemv.py reading the FP8 codes (CUDA cores), up to 8 rows;
 - `pt_mm_only`: torch._scaled_mm with one scale per tensor (cuBLASLt's FP8 kernels, not the rowwise CUTLASS
-  ones), the matmul alone: whether per-tensor scales would pay for the extra amax pass.
+  ones), the matmul alone: whether per-tensor scales would pay for the extra amax pass;
+- `unit_scaled`: quant/fp8_rows.unit_scaled_linear: the rows quantized, cuBLASLt at unit scales, the rows' and
+  channels' scales after (kernels/fp8_epilogue.py); `unit_no_quant`: the same without the rows' quantization
+  (what it costs behind a norm or SiLU-and-mul that writes FP8 rows itself).
 Reported: microseconds, the weight read bandwidth they imply, and each FP8 path's speed-up over bf16; the
-dispatch constant (models/layers.FP8_DECODE_ROWS) should sit where `triton` stops beating `scaled_mm`.
+routing by rows (quant/fp8_rows.py) that the figures favour is printed as $PLAIT_FP8_ROWS's text.
 
     python benchmarks/kernels/bench_fp8_linear.py                  # every shape, rows 1 8 32 64 256 2048
     python benchmarks/kernels/bench_fp8_linear.py --rows 1 16 --only gate_up
@@ -89,7 +92,15 @@ def time_paths(n: int, k: int, rows: int, copies: int) -> dict[str, float]:
         layer = cycle(layers)
         return fp8_gemm(x_codes, layer.weight, layer.weight_scale, workspace=workspace, x_scale=x_scales)
 
+    from plait.runtime.kernels.fp8_epilogue import scale_rows_cols
     from plait.runtime.kernels.fp8_quant import quantize_rows_fp8
+    from plait.runtime.quant.fp8_rows import unit_scaled_linear
+
+    def unit_no_quant():  # the unit-scaled path with its rows quantized before (a norm that writes FP8 rows)
+        layer = cycle(layers)
+        unit = layer.unit_scale
+        y = torch._scaled_mm(x_codes, layer.weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.bfloat16)
+        return scale_rows_cols(y, x_scales, layer.weight_scale, out=y)
 
     paths = {
         "quant_only": lambda: quantize_rows(x)[0],
@@ -99,6 +110,8 @@ def time_paths(n: int, k: int, rows: int, copies: int) -> dict[str, float]:
         "scaled_mm": lambda: cycle(layers).linear(x),
         "scaled_mm_only": scaled_mm_only,
         "pt_mm_only": pt_mm_only,
+        "unit_scaled": lambda: unit_scaled_linear(x, cycle(layers)),
+        "unit_no_quant": unit_no_quant,
     }
     if rows <= MAX_ROWS:
         paths["triton"] = lambda: (lambda layer: fp8_gemm(x, layer.weight, layer.weight_scale, workspace=workspace))(
@@ -234,38 +247,42 @@ def sweep_wide(n: int, k: int, rows: int, copies: int) -> dict:
 
 
 def pick_rows(records: list[dict]) -> tuple[str, dict]:
-    """The layers' FP8 routing (models/layers.FP8_GEMV_ROWS, FP8_DECODE_ROWS, FP8_ROWS_QUANTIZED_FROM) that
-    takes the least time summed over the four matrices at the measured row counts: the skinny matmul up to
-    G rows, the decode matmul with bf16 rows up to Q - 1 and with FP8 rows from Q to D, _scaled_mm above D.
+    """The FP8 routing (quant/fp8_rows.py's bounds) that takes the least time summed over the four matrices at the
+    measured row counts: the skinny matmul up to G rows, cuBLASLt at unit scales from U to V rows, the decode
+    matmul with bf16 rows up to Q - 1 and with FP8 rows from Q to D, the rowwise `_scaled_mm` above.
     Returns ($PLAIT_FP8_ROWS's text, {rows: (path, microseconds summed)})."""
     import itertools
 
+    names = ("gemv", "unit_scaled", "triton", "triton_a8", "scaled_mm")
     rows = sorted({r["rows"] for r in records})
-    total = {(r, path): 0.0 for r in rows for path in ("gemv", "triton", "triton_a8", "scaled_mm")}
+    total = {(r, path): 0.0 for r in rows for path in names}
     for rec in records:
-        for path in ("gemv", "triton", "triton_a8", "scaled_mm"):
+        for path in names:
             total[(rec["rows"], path)] += rec["seconds"].get(path, float("inf"))
 
-    def path_at(r, g, q, d):
+    def path_at(r, g, u, v, q, d):
         if r <= g:
             return "gemv"
+        if u and u <= r <= v:
+            return "unit_scaled"
         if r > d:
             return "scaled_mm"
         return "triton_a8" if r >= q else "triton"
 
     cuts = [0] + rows
     best = None
-    for g, q, d in itertools.product([0] + [r for r in rows if r <= 8], [r for r in rows] + [257], cuts):
-        if d > 256:
+    gemv_cuts = [0] + [r for r in rows if r <= 8]
+    for g, u, v, q, d in itertools.product(gemv_cuts, cuts, rows, rows + [257], cuts):
+        if d > 256 or v > 256 or (u and v < u):
             continue
-        cost = sum(total[(r, path_at(r, g, q, d))] for r in rows)
+        cost = sum(total[(r, path_at(r, g, u, v, q, d))] for r in rows)
         if best is None or cost < best[0]:
-            best = (cost, g, q, d)
-    _, g, q, d = best
-    if q > d:
-        q = d + 1
-    chosen = {r: (path_at(r, g, q, d), total[(r, path_at(r, g, q, d))] * 1e6) for r in rows}
-    return f"gemv={g},decode={d},quantized_from={q}", chosen
+            best = (cost, g, u, v, q, d)
+    _, g, u, v, q, d = best
+    q = min(q, d + 1)
+    chosen = {r: (path_at(r, g, u, v, q, d), total[(r, path_at(r, g, u, v, q, d))] * 1e6) for r in rows}
+    unit = f",unit_scaled_from={u},unit_scaled_to={v}" if u else ",unit_scaled_from=0"
+    return f"gemv={g},decode={d},quantized_from={q}" + unit, chosen
 
 
 def main() -> None:
@@ -280,7 +297,7 @@ def main() -> None:
         help="the FP8-reading skinny matmul's tiles (rows <= 8) and the W8A16 / W8A8 decode matmul's (rows >= 16)",
     )
     args = p.parse_args()
-    from plait.runtime.models.layers import FP8_DECODE_ROWS
+    from plait.runtime.quant.fp8_rows import FP8_DECODE_ROWS
 
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -325,7 +342,7 @@ def main() -> None:
         save("fp8_gemm_sweep", {"gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "sweeps": sweeps})
         return
     columns = ("quant", "q 1pass", "q 1p mul", "bf16 us", "sc_mm us", "mm only", "pt only", "triton", "tr_a8")
-    columns += ("a8 only", "gemv", "fp8 TB/s")
+    columns += ("a8 only", "gemv", "unit", "unit nq", "fp8 TB/s")
     print(f"{'rows':>5} {'shape':>8} " + " ".join(f"{c:>8}" for c in columns) + f" {'best x':>7}")
     records = []
     for rows in args.rows:
@@ -334,10 +351,11 @@ def main() -> None:
                 continue
             t = time_paths(n, k, rows, args.copies)
             # The best whole path (a8_only and the *_only matmuls leave the rows' quantization out).
-            fp8_best = min(v for key, v in t.items() if key in ("scaled_mm", "triton", "triton_a8", "gemv"))
+            whole = ("scaled_mm", "triton", "triton_a8", "gemv", "unit_scaled")
+            fp8_best = min(v for key, v in t.items() if key in whole)
             records.append({"rows": rows, "shape": name, "n": n, "k": k, "seconds": t})
             cells = ("quant_only", "quant_1pass", "quant_1p_mul", "bf16", "scaled_mm", "scaled_mm_only", "pt_mm_only")
-            cells += ("triton", "triton_a8", "a8_only", "gemv")
+            cells += ("triton", "triton_a8", "a8_only", "gemv", "unit_scaled", "unit_no_quant")
             text = " ".join(f"{t[c] * 1e6:8.1f}" if c in t else f"{'-':>8}" for c in cells)
             print(
                 f"{rows:>5} {name:>8} {text} {n * k / fp8_best / 1e12:8.2f} {t['bf16'] / fp8_best:7.2f}",

@@ -19,7 +19,6 @@ returned tensors and must not rely on the inputs being left alone (or being chan
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Optional
 
 import torch
@@ -27,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernel_choices import current as kernel_choices
-from ..quant.fp8 import Fp8Linear, quantize_rows
+from ..quant.fp8 import Fp8Linear
+from ..quant.fp8_rows import fp8_linear_by_rows
 from ..quant.linear import QuantizedLinear
 
 
@@ -55,39 +55,6 @@ SKINNY_MATMUL_ROWS = 1
 DECODE_GEMM_ROWS = 32
 DECODE_GEMM_ROWS_WIDE = 64
 WIDE_MATRIX_N = 65536
-# An FP8 layer on CUDA (runtime/quant/fp8.py), by rows: up to FP8_GEMV_ROWS the skinny matmul reading the FP8
-# codes (kernels/gemv.py, CUDA cores); up to FP8_DECODE_ROWS the tensor-core decode matmul (kernels/fp8_gemm.py),
-# with bf16 rows (FP8 weights widened in registers) below FP8_ROWS_QUANTIZED_FROM and with the rows quantized
-# first (both operands on the FP8 tensor cores) from it; above, torch._scaled_mm. The `decode_gemm` kernel
-# choice off sends every row count to _scaled_mm. Measured (bench_fp8_linear.py, one H100, the 8B matrices; RESULTS):
-# one row, the skinny matmul 94 us for the four against the decode matmul's 107 (bf16: 157); 16 rows, bf16 rows
-# 108 us against FP8 rows' 115 with their quantization; 64, 132 against 128 (3%: not worth activations quantized at
-# 64 rows and not at 63, so off); 128 and 256, _scaled_mm 143 and 184 against the decode matmul's 169 and 367.
-FP8_GEMV_ROWS = 1
-FP8_DECODE_ROWS = 64
-FP8_ROWS_QUANTIZED_FROM = FP8_DECODE_ROWS + 1
-# $PLAIT_FP8_ROWS ("gemv=1,decode=128,quantized_from=33") sets them for a process (benchmarks A/B the choices).
-FP8_ROWS_ENV = "PLAIT_FP8_ROWS"
-
-
-def _fp8_rows_from_env() -> None:
-    global FP8_GEMV_ROWS, FP8_DECODE_ROWS, FP8_ROWS_QUANTIZED_FROM
-    text = os.environ.get(FP8_ROWS_ENV)
-    if not text:
-        return
-    names = {"gemv": "FP8_GEMV_ROWS", "decode": "FP8_DECODE_ROWS", "quantized_from": "FP8_ROWS_QUANTIZED_FROM"}
-    values = {}
-    for item in text.split(","):
-        key, _, value = item.partition("=")
-        if key.strip() not in names or not value.strip().isdigit():
-            raise ValueError(f"{FP8_ROWS_ENV}={text!r}: expected items gemv=N, decode=N, quantized_from=N")
-        values[names[key.strip()]] = int(value)
-    if values.get("FP8_DECODE_ROWS", FP8_DECODE_ROWS) > 256 or values.get("FP8_GEMV_ROWS", FP8_GEMV_ROWS) > 8:
-        raise ValueError(f"{FP8_ROWS_ENV}={text!r}: decode rows go up to 256, gemv rows up to 8")
-    globals().update(values)
-
-
-_fp8_rows_from_env()
 
 
 def skinny_linear(
@@ -106,12 +73,12 @@ def skinny_linear(
         isinstance(layer, Fp8Linear)
         and x.is_cuda
         and x.dim() == 2
-        and 0 < x.shape[0] <= FP8_DECODE_ROWS
+        and x.shape[0] > 0
         and x.stride(-1) == 1
         and x.dtype in (torch.bfloat16, torch.float16)
-        and kernel_choices().decode_gemm
-    ):
-        return _fp8_decode_linear(x, layer, out_dtype, out)
+    ):  # the kernels by rows: quant/fp8_rows.py
+        workspace = _split_k_workspace(layer)
+        return fp8_linear_by_rows(x, layer, out_dtype, out, workspace, kernel_choices().decode_gemm)
     if isinstance(layer, QuantizedLinear):  # low-precision weights (runtime/quant/): CPU int8 / int4, FP8
         if out is None:
             return layer.linear(x, out_dtype)
@@ -143,24 +110,6 @@ def skinny_linear(
         # No cast to make: the matmul F.linear runs for 2-D input, writing `out` itself.
         return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
     return out.copy_(F.linear(x, weight, bias))
-
-
-def _fp8_decode_linear(
-    x: torch.Tensor, layer: Fp8Linear, out_dtype: Optional[torch.dtype], out: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """A decode step's few rows through an FP8 layer (the kernels by rows: see FP8_DECODE_ROWS)."""
-    kernels = _kernels()
-    if x.shape[0] <= FP8_GEMV_ROWS:
-        return kernels.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, out=out, weight_scale=layer.weight_scale)
-    x_scale = None
-    if x.shape[0] >= FP8_ROWS_QUANTIZED_FROM:  # FP8 rows: the output still in x's dtype (or out's)
-        out_dtype = out.dtype if out is not None else (out_dtype or x.dtype)
-        x, x_scale = quantize_rows(x, layer.input_scale)
-    workspace = _split_k_workspace(layer)
-    return kernels.fp8_gemm(
-        x, layer.weight, layer.weight_scale, layer.bias,
-        workspace=workspace, out_dtype=out_dtype, out=out, x_scale=x_scale,
-    )  # fmt: skip
 
 
 def _split_k_workspace(layer: nn.Module):

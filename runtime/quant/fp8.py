@@ -107,6 +107,10 @@ class Fp8Linear(QuantizedLinear):
         if static_input_scale:
             # NOTE: zero until loaded: a fused layer's parts each bring a scale and it keeps their largest.
             self.input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device), requires_grad=False)
+        # The scale cuBLASLt's FP8 matmul takes for each operand where the real scales are applied after it
+        # (quant/fp8_rows.unit_scaled_linear): a device tensor made once, not inside a captured graph.
+        self.unit_scale: torch.Tensor
+        self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         self.bias: Optional[nn.Parameter] = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)

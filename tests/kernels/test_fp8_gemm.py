@@ -1,7 +1,7 @@
 """The FP8-weight decode matmul (runtime/kernels/fp8_gemm.py) against float64 over the dequantized weights:
 unsplit and split-K, bias, `out`, deterministic, counters back to zero. CPU interpreter at small sizes
 (its dot in float32: see the kernel's DOT_F32), the GPU at Llama-3.1-8B shapes in bf16, an FP8 layer's
-dispatch by rows (Triton kernel <= FP8_DECODE_ROWS, `_scaled_mm` above) and a CUDA graph of it."""
+dispatch by rows (quant/fp8_rows.py) and a CUDA graph of it."""
 
 from __future__ import annotations
 
@@ -139,7 +139,8 @@ def test_gpu_fp8_gemm_real_shapes(rows, n, k):
 
 @pytest.mark.gpu
 def test_gpu_fp8_layer_dispatch_and_graph_capture():
-    from plait.runtime.models.layers import FP8_DECODE_ROWS, share_split_k_workspace, skinny_linear
+    from plait.runtime.models.layers import share_split_k_workspace, skinny_linear
+    from plait.runtime.quant.fp8_rows import FP8_DECODE_ROWS
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -166,22 +167,38 @@ def test_gpu_fp8_layer_dispatch_and_graph_capture():
     assert torch.equal(captured, eager)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])
-def test_fp8_decode_rows_route_by_count(rows, monkeypatch):
-    """models/layers' FP8 routing, each row count through the path its constants name (the interpreter runs the
-    kernels here): the skinny matmul up to FP8_GEMV_ROWS, bf16 rows below FP8_ROWS_QUANTIZED_FROM, FP8 rows from it;
-    every path near the product of the dequantized weight, in x's dtype, into `out` when given."""
+@pytest.mark.parametrize("rows,path", [(1, "gemv"), (5, "unit_scaled"), (12, "decode"), (40, "decode_fp8_rows"),
+                                       (70, "rowwise")])  # fmt: skip
+def test_fp8_layer_routes_by_rows(rows, path, monkeypatch):
+    """quant/fp8_rows' routing, each row count through the path its bounds name (the interpreter runs the kernels,
+    torch's CPU `_scaled_mm` the FP8 products): every path near the product of the dequantized weight, in x's
+    dtype, and into `out` when given."""
     fg()
-    from plait.runtime.models import layers
+    from plait.runtime.kernels.decode_gemm import SplitKWorkspace
+    from plait.runtime.quant import fp8_rows
 
-    monkeypatch.setattr(layers, "FP8_GEMV_ROWS", 1)
-    monkeypatch.setattr(layers, "FP8_ROWS_QUANTIZED_FROM", 32)
+    bounds = dict(FP8_GEMV_ROWS=1, FP8_UNIT_SCALED_FROM=4, FP8_UNIT_SCALED_TO=8, FP8_DECODE_ROWS=64)
+    for name, value in dict(bounds, FP8_ROWS_QUANTIZED_FROM=32).items():
+        monkeypatch.setattr(fp8_rows, name, value)
+    assert fp8_rows.fp8_path(rows) == path and fp8_rows.fp8_path(rows, decode_kernels=False) == "rowwise"
     torch.manual_seed(rows)
-    layer = Fp8Linear.from_float(torch.randn(70, 96) * 0.02, None, torch.bfloat16)
+    layer = Fp8Linear.from_float(torch.randn(64, 96) * 0.02, torch.randn(64) * 0.1, torch.bfloat16)
     x = torch.randn(rows, 96).to(torch.bfloat16)
-    ref = x.double() @ layer.dequantized().double().T
-    y = layers._fp8_decode_linear(x, layer, None, None)
-    assert y.dtype == torch.bfloat16 and y.shape == (rows, 70)
-    assert rel_err(y, ref) < (0.05 if rows >= 32 else 1e-2)  # FP8 rows are quantized too
-    out = torch.empty(rows, 70, dtype=torch.float32)
-    assert layers._fp8_decode_linear(x, layer, None, out) is out and rel_err(out, ref) < 0.05
+    ref = x.double() @ layer.dequantized().double().T + layer.bias.double()
+    y = fp8_rows.fp8_linear_by_rows(x, layer, None, None, SplitKWorkspace())
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 64)
+    assert rel_err(y, ref) < (1e-2 if path in ("gemv", "decode") else 0.05)  # the other paths quantize x too
+    out = torch.empty(rows, 64, dtype=torch.float32)
+    assert fp8_rows.fp8_linear_by_rows(x, layer, None, out, SplitKWorkspace()) is out and rel_err(out, ref) < 0.05
+
+
+def test_fp8_rows_bounds_from_text(monkeypatch):
+    from plait.runtime.quant import fp8_rows
+
+    for name in ("FP8_GEMV_ROWS", "FP8_UNIT_SCALED_FROM", "FP8_UNIT_SCALED_TO", "FP8_DECODE_ROWS"):
+        monkeypatch.setattr(fp8_rows, name, getattr(fp8_rows, name))
+    fp8_rows.set_fp8_rows("gemv=2, unit_scaled_from=3,unit_scaled_to=200,decode=16")
+    assert [fp8_rows.fp8_path(r) for r in (2, 3, 200, 201)] == ["gemv", "unit_scaled", "unit_scaled", "rowwise"]
+    for bad in ("gemv=one", "rows=4", "decode=512", "gemv=9"):
+        with pytest.raises(ValueError, match="PLAIT_FP8_ROWS"):
+            fp8_rows.set_fp8_rows(bad)

@@ -100,3 +100,23 @@ def test_gpu_quantize_rows_by_the_inverse_scale(k):
     got, ref = codes.cpu().float(), ref_codes.float()
     assert torch.all((got - ref).abs() <= torch.maximum(ref.abs() / 8, torch.full_like(ref, 2**-9)))
     assert float((got != ref).float().mean()) < 1e-4
+
+
+def test_scale_rows_cols_puts_both_scales_and_the_bias_back():
+    """kernels/fp8_epilogue.py: y * row_scale * col_scale + bias in float32, into a new tensor of out_dtype or in
+    place; mismatched scales refused by name."""
+    from plait.runtime.kernels.fp8_epilogue import scale_rows_cols
+
+    gen = torch.Generator().manual_seed(0)
+    y = (torch.randn(3, 2100, generator=gen) * 300).to(torch.bfloat16)  # two column blocks
+    rows, cols, bias = torch.rand(3, 1, generator=gen), torch.rand(2100, generator=gen), torch.randn(2100)
+    ref = y.float() * rows * cols + bias.to(torch.bfloat16).float()
+    got = scale_rows_cols(y, rows, cols, bias.to(torch.bfloat16), out_dtype=torch.float32)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-4)
+    same = y.clone()
+    assert scale_rows_cols(same, rows.view(3), cols, out=same) is same
+    torch.testing.assert_close(same.float(), y.float() * rows * cols, rtol=1e-2, atol=0)
+    with pytest.raises(ValueError, match="scales must be"):
+        scale_rows_cols(y, rows, cols[:-1])
+    with pytest.raises(ValueError, match="float32"):
+        scale_rows_cols(y, rows.double(), cols)
