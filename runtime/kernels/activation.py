@@ -17,6 +17,16 @@ from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_the
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up elementwise, rounded to gate's dtype as torch's `F.silu(gate) * up` rounds."""
+    g = gate.to(tl.float32)
+    # NOTE: tl.exp is the GPU's fast exp2-based approximation (libdevice's accurate expf does not run
+    # in the interpreter); its few-ulp error vanishes in the rounding to bf16/fp16.
+    act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(GateUp, Out, inter, stride_in, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -24,12 +34,7 @@ def _silu_and_mul_kernel(GateUp, Out, inter, stride_in, stride_out, BLOCK: tl.co
     mask = cols < inter
     gate = tl.load(GateUp + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(GateUp + row * stride_in + inter + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    # NOTE: tl.exp is the GPU's fast exp2-based approximation (libdevice's accurate expf does not run
-    # in the interpreter); its few-ulp error vanishes in the rounding to bf16/fp16.
-    act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
-    out = act.to(tl.float32) * up.to(tl.float32)
-    tl.store(Out + row * stride_out + cols, out.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + row * stride_out + cols, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,36 @@ from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_the
 MAX_ROW = 65536
 
 
+@triton.jit
+def load_norm_input(X, Residual, x_offs, r_offs, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """Rows of x (R, BD) in the input dtype, 0 where masked; with a residual, `residual += x` in place and the
+    sum returned. x_offs, r_offs (R,): where each row starts in X and Residual; cols (BD,)."""
+    x = tl.load(X + x_offs[:, None] + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_ptrs = Residual + r_offs[:, None] + cols[None, :]
+        res = tl.load(r_ptrs, mask=mask, other=0.0)
+        # NOTE: rounded to the input dtype before normalising, exactly like `x + residual` in torch.
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        tl.store(r_ptrs, x, mask=mask)
+    return x
+
+
+@triton.jit
+def normalize_rows(x, W, cols, eps, DIM: tl.constexpr):
+    """x (R, BD) in the input dtype, 0 past DIM -> (R, BD) float32 `weight * n.to(x.dtype)`: the module
+    docstring's `out` before its rounding to promote(weight.dtype, x.dtype), which is the caller's to do.
+    NOTE: the mean of squares is summed in the order of the tile's layout (its shape and num_warps), so a
+    kernel that must give rmsnorm's output bit for bit launches the tiles `row_tiles` picks."""
+    h = x.to(tl.float32)
+    sum_sq = tl.sum(h * h, axis=1)  # (R,)
+    # NOTE: div_rn/sqrt_rn, not `/` and rsqrt: Triton lowers those to approximate PTX instructions.
+    mean_sq = tl.div_rn(sum_sq, tl.full(sum_sq.shape, DIM, tl.float32))  # (R,)
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))  # (R,)
+    normed = (h * inv_rms[:, None]).to(x.dtype)
+    w = tl.load(W + cols, mask=cols < DIM, other=0.0).to(tl.float32)  # (BD,)
+    return w[None, :] * normed.to(tl.float32)
+
+
 # NOTE: n_rows only bounds a mask: not specialized, so that no row count (a prefill's token count, its
 # number of requests) compiles a variant that start-up's warm-up did not (see compile_watch.py).
 @triton.jit(do_not_specialize=["n_rows"])
@@ -61,22 +91,19 @@ def _rmsnorm_kernel(
     mask = row_mask[:, None] & (cols < DIM)[None, :]  # (R, BD)
     # A flat row index r covers x[r // heads, r % heads, :] (heads == 1 for 2-D inputs).
     m, n = rows // heads, rows % heads
-    x_ptrs = X + (m * stride_xm + n * stride_xn)[:, None] + cols[None, :]
-    x = tl.load(x_ptrs, mask=mask, other=0.0)  # (R, BD) input dtype
-    if HAS_RESIDUAL:
-        r_ptrs = Residual + (m * stride_rm + n * stride_rn)[:, None] + cols[None, :]
-        res = tl.load(r_ptrs, mask=mask, other=0.0)
-        # NOTE: rounded to the input dtype before normalising, exactly like `x + residual` in torch.
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-        tl.store(r_ptrs, x, mask=mask)
-    h = x.to(tl.float32)
-    # NOTE: div_rn/sqrt_rn, not `/` and rsqrt: Triton lowers those to approximate PTX instructions.
-    mean_sq = tl.div_rn(tl.sum(h * h, axis=1), tl.full((BLOCK_ROWS,), DIM, tl.float32))  # (R,)
-    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))  # (R,)
-    normed = (h * inv_rms[:, None]).to(x.dtype)
-    w = tl.load(W + cols, mask=cols < DIM, other=0.0).to(tl.float32)  # (BD,)
-    out = w[None, :] * normed.to(tl.float32)
+    x = load_norm_input(
+        X, Residual, m * stride_xm + n * stride_xn, m * stride_rm + n * stride_rn, cols, mask, HAS_RESIDUAL
+    )
+    out = normalize_rows(x, W, cols, eps, DIM)
     tl.store(Out + rows[:, None] * DIM + cols[None, :], out.to(Out.dtype.element_ty), mask=mask)
+
+
+def row_tiles(dim: int, n_rows: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_ROWS, num_warps) of a launch over n_rows rows of dim elements: ~4K elements a
+    program, so one row at hidden sizes and a group of heads at head_dim 64/128."""
+    block_d = next_power_of_2(dim)
+    block_rows = min(max(1, 4096 // block_d), next_power_of_2(n_rows))
+    return block_d, block_rows, min(16, max(1, block_rows * block_d // 256))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,10 +149,7 @@ def _launch(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
     def row_strides(t: torch.Tensor) -> tuple[int, int]:
         return (t.stride(0), t.stride(1)) if t.dim() == 3 else (t.stride(0), 0)
 
-    block_d = next_power_of_2(dim)
-    # ~4K elements a program: one row at hidden sizes, a group of heads at head_dim 64/128.
-    block_rows = min(max(1, 4096 // block_d), next_power_of_2(n_rows))
-    num_warps = min(16, max(1, block_rows * block_d // 256))
+    block_d, block_rows, num_warps = row_tiles(dim, n_rows)
     res = residual if residual is not None else x
     _rmsnorm_kernel[(triton.cdiv(n_rows, block_rows),)](
         x,

@@ -19,15 +19,15 @@ returned tensors and must not rely on the inputs being left alone (or being chan
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernel_choices import current as kernel_choices
-from ..quant.fp8 import Fp8Linear
-from ..quant.fp8_rows import fp8_linear_by_rows
+from ..quant.fp8 import FP8_MAX, MIN_AMAX, Fp8Linear, Fp8Rows
+from ..quant.fp8_rows import fp8_linear_by_rows, takes_quantized_rows
 from ..quant.linear import QuantizedLinear
 
 
@@ -58,7 +58,10 @@ WIDE_MATRIX_N = 65536
 
 
 def skinny_linear(
-    x: torch.Tensor, layer: nn.Module, out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None
+    x: Union[torch.Tensor, Fp8Rows],
+    layer: nn.Module,
+    out_dtype: Optional[torch.dtype] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """x @ layer.weight^T (+ layer.bias), optionally cast to out_dtype; `layer` is an nn.Linear, or an
     nn.Embedding used as a tied LM head. On CUDA, a decode step's few rows take a Triton matmul that
@@ -69,6 +72,8 @@ def skinny_linear(
     `out` ((*x.shape[:-1], N); its dtype is the output dtype): the result is written there and returned,
     at no extra pass: the Triton matmuls write it directly, the matmul library's bf16 result is cast
     into it (the cast the path without `out` makes anyway). A CUDA graph's shared logits buffer."""
+    if isinstance(x, Fp8Rows):  # an FP8 layer's input, quantized by the norm or activation that made it
+        return fp8_linear_by_rows(x, layer, out_dtype, out, _split_k_workspace(layer), kernel_choices().decode_gemm)
     if (
         isinstance(layer, Fp8Linear)
         and x.is_cuda
@@ -228,6 +233,42 @@ class RMSNorm(nn.Module):
         if residual is None:
             return _kernels().rmsnorm(x, self.weight, self.eps)
         return _kernels().fused_add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+def _fp8_input(x: torch.Tensor, layer: nn.Module, use_triton: Optional[bool]) -> bool:
+    """Whether the kernel making x (T, K) should write it as FP8 rows for `layer`: an FP8 layer on CUDA (or the
+    interpreter) whose path for T rows quantizes them (quant/fp8_rows.takes_quantized_rows)."""
+    return (
+        isinstance(layer, Fp8Linear)
+        and _wants_triton(x, use_triton)
+        and x.dim() == 2
+        and x.shape[0] > 0
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and takes_quantized_rows(layer, x.shape[0], kernel_choices().decode_gemm)
+    )
+
+
+def norm_for_linear(
+    norm: "RMSNorm", x: torch.Tensor, residual: Optional[torch.Tensor], layer: nn.Module
+) -> tuple[Union[torch.Tensor, Fp8Rows], torch.Tensor]:
+    """norm(x + residual) as `layer`'s input, and the residual stream (x itself where residual is None, as for the
+    first layer): FP8 rows written by the norm's kernel where `layer` quantizes its rows (kernels/fp8_activations.py),
+    else the norm's output (RMSNorm.forward)."""
+    if _fp8_input(x, layer, norm.use_triton) and x.stride(-1) == 1:
+        static = layer.input_scale  # type: ignore[union-attr]
+        codes, scales = _kernels().rmsnorm_fp8(x, norm.weight, norm.eps, residual, static, FP8_MAX, MIN_AMAX)
+        return Fp8Rows(codes, scales, x.dtype), (x if residual is None else residual)
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
+def silu_and_mul_for_linear(act: "SiluAndMul", gate_up: torch.Tensor, layer: nn.Module) -> Union[torch.Tensor, Fp8Rows]:
+    """silu(gate) * up as `layer`'s input: FP8 rows where `layer` quantizes its rows, else act(gate_up)."""
+    if _fp8_input(gate_up, layer, act.use_triton):
+        codes, scales = _kernels().silu_and_mul_fp8(gate_up, layer.input_scale, FP8_MAX, MIN_AMAX)  # type: ignore[union-attr]
+        return Fp8Rows(codes, scales, gate_up.dtype)
+    return act(gate_up)
 
 
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:

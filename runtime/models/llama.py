@@ -12,7 +12,7 @@ all-reduce after o_proj and down_proj), its vocabulary rows, its pipeline stage'
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
+from ..quant.fp8 import Fp8Rows
 from . import layers
 from .config import ModelConfig
 from .layers import (
@@ -27,8 +28,10 @@ from .layers import (
     RotaryEmbedding,
     SiluAndMul,
     fuses_decode_row,
+    norm_for_linear,
     norm_linear,
     row_linear,
+    silu_and_mul_for_linear,
     silu_linear,
     skinny_linear,
     weight_rows,
@@ -114,11 +117,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor, fb: Optional[ForwardBatch] = None) -> torch.Tensor:
+    def forward(self, x: Union[torch.Tensor, Fp8Rows], fb: Optional[ForwardBatch] = None) -> torch.Tensor:
         gate_up = skinny_linear(x, self.gate_up_proj)  # (T, 2 * inter); one row: the skinny matmul
         lora = fb.lora if fb is not None else None
-        if lora is None:
-            return self.tp.all_reduce(skinny_linear(self.act_fn(gate_up), self.down_proj))  # (T, hidden)
+        if lora is None:  # (FP8 layers: the activation may write down_proj's FP8 rows itself)
+            h = silu_and_mul_for_linear(self.act_fn, gate_up, self.down_proj)
+            return self.tp.all_reduce(skinny_linear(h, self.down_proj))  # (T, hidden)
+        assert isinstance(x, torch.Tensor)
         h = self.act_fn(lora.apply(self.layer_id, "gate_up", x, gate_up))  # (T, inter)
         return self.tp.all_reduce(lora.apply(self.layer_id, "down", h, skinny_linear(h, self.down_proj)))
 
@@ -148,15 +153,15 @@ class DecoderLayer(nn.Module):
         """The layer up to its attention kernel: (rotated queries (T, H, D), the residual stream (T, hidden));
         this step's K/V stored. `forward` without LoRA is this, the attention, then `attention_output`: a
         piecewise CUDA graph (executor/piecewise_graphs.py) holds the two parts, the attention runs between."""
-        h, residual = self._input_norm(h, residual)
         attn = self.self_attn
-        return attn.query_and_store(positions, skinny_linear(h, attn.qkv_proj), fb), residual
+        x, residual = norm_for_linear(self.input_layernorm, h, residual, attn.qkv_proj)  # FP8 layers: maybe FP8 rows
+        return attn.query_and_store(positions, skinny_linear(x, attn.qkv_proj), fb), residual
 
     def attention_output(self, o, residual):
         """The attention's output o (T, H * D) -> (the layer's output, the residual stream), both (T, hidden)."""
         h = self.self_attn.tp.all_reduce(skinny_linear(o, self.self_attn.o_proj))  # (T, hidden)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        x, residual = norm_for_linear(self.post_attention_layernorm, h, residual, self.mlp.gate_up_proj)
+        return self.mlp(x), residual
 
     def _input_norm(self, h, residual):
         # NOTE: on CUDA the norms add h into `residual` in place (fused kernel); residual starts as this

@@ -11,7 +11,8 @@ GPU's tensor cores compute, so the CPU suite covers the quantization, the scales
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -74,6 +75,22 @@ def quantize_rows(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None) 
     return codes, scales
 
 
+@dataclass
+class Fp8Rows:
+    """Activations already in FP8, as the kernel that produced them wrote them (an RMSNorm or SiLU-and-mul that
+    quantizes its own output for the FP8 layer after it: kernels/fp8_activations.py): codes (M, K)
+    float8_e4m3fn, scales (M, 1) float32 (quantize_rows' layout), and `dtype`, the activations' own dtype
+    (the layer's output dtype)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+
 def scaled_mm_fits(n: int, k: int) -> bool:
     """Whether FP8 tensor cores (cuBLASLt through `_scaled_mm`) take a (N, K) weight: both multiples of 16."""
     return n % 16 == 0 and k % 16 == 0
@@ -134,7 +151,9 @@ class Fp8Linear(QuantizedLinear):
         w = self.weight.index_select(0, ids).float() * self.weight_scale.index_select(0, ids)[:, None]
         return w.to(self.dtype)  # (n, K)
 
-    def linear(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def linear(self, x: Union[torch.Tensor, Fp8Rows], out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):  # quantized by the kernel that made them (2-D, shapes the tensor cores take)
+            return self._scaled_mm(x.codes, x.scales, out_dtype or x.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if x2.shape[0] == 0 or not scaled_mm_fits(self.out_features, self.in_features):
@@ -142,20 +161,26 @@ class Fp8Linear(QuantizedLinear):
             y = F.linear(x2.to(self.dtype), self.dequantized(), self.bias)  # (M, N)
         else:
             codes, scales = quantize_rows(x2, self.input_scale)  # (M, K) fp8, (M, 1)
-            # NOTE: on CUDA rowwise scaling writes bf16 only; the CPU's kernel writes the model's dtype.
-            mm_dtype = torch.bfloat16 if x2.is_cuda else self.dtype
-            y = torch._scaled_mm(
-                codes,
-                self.weight.t(),  # (K, N), column-major: the layout the FP8 matmul wants
-                scale_a=scales,
-                scale_b=self.weight_scale.view(1, -1),  # (1, N)
-                out_dtype=mm_dtype,
-            )  # (M, N)
-            if self.bias is not None:
-                y = y + self.bias.to(mm_dtype)
+            y = self._scaled_mm(codes, scales, None)
         y = y.reshape(*lead, self.out_features)
         target = out_dtype or x.dtype
         return y if y.dtype == target else y.to(target)
+
+    def _scaled_mm(self, codes: torch.Tensor, scales: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """FP8 rows (M, K) with their scales (M, 1) through the weight, rowwise-scaled, + bias -> (M, N) in out_dtype
+        (None: what the matmul wrote)."""
+        # NOTE: on CUDA rowwise scaling writes bf16 only; the CPU's kernel writes the model's dtype.
+        mm_dtype = torch.bfloat16 if codes.is_cuda else self.dtype
+        y = torch._scaled_mm(
+            codes,
+            self.weight.t(),  # (K, N), column-major: the layout the FP8 matmul wants
+            scale_a=scales,
+            scale_b=self.weight_scale.view(1, -1),  # (1, N)
+            out_dtype=mm_dtype,
+        )  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias.to(mm_dtype)
+        return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
     def extra_repr(self) -> str:
         static = ", static input scale" if self.input_scale is not None else ""

@@ -14,24 +14,30 @@ matrices and prints the routing its figures favour; benchmarks/RESULTS.md, issue
 - `rowwise`: above, `torch._scaled_mm` with a scale per row and per channel (Fp8Linear.linear).
 The `decode_gemm` kernel choice off sends every row count to `rowwise`.
 
-$PLAIT_FP8_ROWS ("gemv=1,decode=64,quantized_from=65,unit_scaled_from=2,unit_scaled_to=256") sets the bounds for
-a process: benchmarks A/B the choices with it.
+The paths that quantize the rows (`unit_scaled`, `decode_fp8_rows`, `rowwise`) take them already quantized
+(`Fp8Rows`) where the RMSNorm or SiLU-and-mul before the layer wrote its output in FP8 itself
+(kernels/fp8_activations.py: one launch less a layer input, ~3-4 us each on an H100 even at one row);
+FP8_FUSED_QUANTIZATION off (`fused=0`) quantizes in the layer instead.
+
+$PLAIT_FP8_ROWS ("gemv=1,decode=64,quantized_from=65,unit_scaled_from=2,unit_scaled_to=256,fused=1") sets them
+for a process: benchmarks A/B the choices with it.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from .fp8 import Fp8Linear, quantize_rows, scaled_mm_fits
+from .fp8 import Fp8Linear, Fp8Rows, quantize_rows, scaled_mm_fits
 
 FP8_GEMV_ROWS = 1
 FP8_UNIT_SCALED_FROM = 0
 FP8_UNIT_SCALED_TO = 256
 FP8_DECODE_ROWS = 64
 FP8_ROWS_QUANTIZED_FROM = FP8_DECODE_ROWS + 1
+FP8_FUSED_QUANTIZATION = 1
 FP8_ROWS_ENV = "PLAIT_FP8_ROWS"
 _ENV_NAMES = {
     "gemv": "FP8_GEMV_ROWS",
@@ -39,7 +45,9 @@ _ENV_NAMES = {
     "unit_scaled_to": "FP8_UNIT_SCALED_TO",
     "decode": "FP8_DECODE_ROWS",
     "quantized_from": "FP8_ROWS_QUANTIZED_FROM",
+    "fused": "FP8_FUSED_QUANTIZATION",
 }
+_QUANTIZING_PATHS = ("unit_scaled", "decode_fp8_rows", "rowwise")
 # Rows the few-row kernels take at most: the decode matmul's tiles (kernels/fp8_gemm.MAX_ROWS), the skinny
 # matmul's unrolled rows.
 _MAX_DECODE_ROWS, _MAX_GEMV_ROWS = 256, 8
@@ -78,21 +86,34 @@ def fp8_path(rows: int, decode_kernels: bool = True) -> str:
     return "rowwise"
 
 
+def takes_quantized_rows(layer: Fp8Linear, rows: int, decode_kernels: bool = True) -> bool:
+    """Whether `layer`'s matmul of `rows` rows on CUDA quantizes them (so the kernel before it may hand them over
+    in FP8): a path that quantizes, a shape the FP8 tensor cores take, fused quantization on."""
+    return (
+        bool(FP8_FUSED_QUANTIZATION)
+        and fp8_path(rows, decode_kernels) in _QUANTIZING_PATHS
+        and scaled_mm_fits(layer.out_features, layer.in_features)
+    )
+
+
 def fp8_linear_by_rows(
-    x: torch.Tensor,
+    x: Union[torch.Tensor, Fp8Rows],
     layer: Fp8Linear,
     out_dtype: Optional[torch.dtype],
     out: Optional[torch.Tensor],
     workspace,
     decode_kernels: bool = True,
 ) -> torch.Tensor:
-    """x (M, K) bf16/fp16 on CUDA (unit stride on K) through `layer` by the path its rows take; `out` as
-    models/layers.skinny_linear's; `workspace` the decode matmul's split-K workspace."""
+    """x (M, K) bf16/fp16 on CUDA (unit stride on K), or its FP8 rows already made (where takes_quantized_rows),
+    through `layer` by the path its rows take; `out` as models/layers.skinny_linear's; `workspace` the decode
+    matmul's split-K workspace."""
     from .. import kernels  # Triton: imported where a GPU (or the interpreter) runs it
 
     path = fp8_path(x.shape[0], decode_kernels)
     if path == "unit_scaled" and not scaled_mm_fits(layer.out_features, layer.in_features):
         path = "rowwise"  # a shape cuBLASLt's FP8 matmul refuses (tiny test models): Fp8Linear.linear widens
+    if isinstance(x, Fp8Rows) and path not in _QUANTIZING_PATHS:
+        raise ValueError(f"FP8 rows handed to the {path!r} path, which takes {x.dtype} rows ({x.shape[0]} rows)")
     if path == "gemv":
         return kernels.gemv(x, layer.weight, layer.bias, out_dtype=out_dtype, out=out, weight_scale=layer.weight_scale)
     if path == "unit_scaled":
@@ -103,22 +124,31 @@ def fp8_linear_by_rows(
     x_scale = None
     if path == "decode_fp8_rows":  # FP8 rows: the output still in x's dtype (or out's)
         out_dtype = out.dtype if out is not None else (out_dtype or x.dtype)
-        x, x_scale = quantize_rows(x, layer.input_scale)
+        x, x_scale = _codes(x, layer)
+    assert isinstance(x, torch.Tensor)
     return kernels.fp8_gemm(
         x, layer.weight, layer.weight_scale, layer.bias,
         workspace=workspace, out_dtype=out_dtype, out=out, x_scale=x_scale,
     )  # fmt: skip
 
 
+def _codes(x: Union[torch.Tensor, Fp8Rows], layer: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's FP8 codes (M, K) and row scales (M, 1): as handed over, or quantized here."""
+    return (x.codes, x.scales) if isinstance(x, Fp8Rows) else quantize_rows(x, layer.input_scale)
+
+
 def unit_scaled_linear(
-    x: torch.Tensor, layer: Fp8Linear, out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None
+    x: Union[torch.Tensor, Fp8Rows],
+    layer: Fp8Linear,
+    out_dtype: Optional[torch.dtype] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """x (M, K) through `layer`: the rows quantized per token (or by the layer's static scale), their product with
     the FP8 weight on cuBLASLt at unit scales (rounded to bf16), then rows' and channels' scales and the bias in
     one pass (kernels/fp8_epilogue.py), into `out` or a new tensor of out_dtype (default x's)."""
     from ..kernels.fp8_epilogue import scale_rows_cols
 
-    codes, x_scale = quantize_rows(x, layer.input_scale)  # (M, K) fp8, (M, 1)
+    codes, x_scale = _codes(x, layer)  # (M, K) fp8, (M, 1)
     unit = layer.unit_scale
     y = torch._scaled_mm(codes, layer.weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.bfloat16)  # (M, N)
     target = out.dtype if out is not None else (out_dtype or x.dtype)

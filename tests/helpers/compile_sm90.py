@@ -5,7 +5,8 @@ which the test suite's conftest sets) with the rooms to compile (`attention`, `l
 prints one line per variant, "ok NAME" or "FAILED NAME: error".
 
 Arguments are typed from the kernels' naming convention: a capitalized argument is a pointer (fp32 unless
-the variant's `pointers` names its dtype), `sm_scale*` a float, anything else an int32; constexprs as given.
+the variant's `pointers` names its dtype), `sm_scale*` a float, anything else an int32 (unless `pointers`
+names its type: a float such as `eps`); constexprs as given.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def signature(kernel, constexprs: dict, pointers: dict) -> dict:
     for name in inspect.signature(kernel.fn).parameters:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
         elif name[0].isupper():
             sig[name] = pointers.get(name, "*fp32")
         elif name.startswith("sm_scale"):
@@ -154,7 +157,8 @@ def lora_variants():
 def matmul_variants():
     """The decode matmuls with FP8 weights at Llama-3.1-8B's QKV (6,144 x 4,096): the skinny matmul reading FP8
     codes, and the tensor-core decode matmul with bf16 rows (FP8 widened in registers) and FP8 rows (both
-    operands to the FP8 tensor cores), at the tiles `pick_fp8_gemm_config` takes for 1-256 rows."""
+    operands to the FP8 tensor cores), at the tiles `pick_fp8_gemm_config` takes for 1-256 rows; and the
+    kernels that make those FP8 rows (the quantization alone, and fused after RMSNorm or SiLU-and-mul)."""
     gemv = importlib.import_module("plait.runtime.kernels.gemv")
     fp8 = importlib.import_module("plait.runtime.kernels.fp8_gemm")
     decode = importlib.import_module("plait.runtime.kernels.decode_gemm")
@@ -182,6 +186,25 @@ def matmul_variants():
                       MUL_INVERSE=mul_inverse)  # fmt: skip
         name = f"fp8 row quantization one_pass={one_pass} mul_inverse={mul_inverse} block={block}"
         yield name, quant._quantize_rows_kernel, consts, pointers, dict(num_warps=warps)
+    # The norm and SiLU-and-mul writing those FP8 rows themselves, at the 8B widths (hidden 4,096, intermediate
+    # 14,336) and the launches' own tiles: one row a program, the SiLU's row in chunks.
+    acts = importlib.import_module("plait.runtime.kernels.fp8_activations")
+    norm = importlib.import_module("plait.runtime.kernels.rmsnorm")
+    block_d, block_rows, warps = norm.row_tiles(4096, 64)
+    pointers = dict(X="*bf16", Residual="*bf16", W="*bf16", Codes="*fp8e4nv", Scales="*fp32", StaticScale="*fp32",
+                    eps="fp32")  # fmt: skip
+    for residual, static in ((True, False), (False, True)):
+        consts = dict(DIM=4096, HAS_RESIDUAL=residual, ROUND_TO_X=True, STATIC=static, MAX_CODE=448.0, MIN_AMAX=1e-12,
+                      BLOCK_ROWS=block_rows, BLOCK_D=block_d, USE_PDL=False)  # fmt: skip
+        name = f"rmsnorm to fp8 residual={residual} static={static}"
+        yield name, acts._rmsnorm_fp8_kernel, consts, pointers, dict(num_warps=warps)
+    pointers = dict(GateUp="*bf16", Codes="*fp8e4nv", Scales="*fp32", StaticScale="*fp32")
+    consts = dict(STATIC=False, MAX_CODE=448.0, MIN_AMAX=1e-12, BLOCK=acts.SILU_BLOCK, USE_PDL=False)
+    yield "silu_and_mul to fp8", acts._silu_and_mul_fp8_kernel, consts, pointers, dict(num_warps=8)
+    epilogue = importlib.import_module("plait.runtime.kernels.fp8_epilogue")
+    pointers = dict(Y="*bf16", RowScale="*fp32", ColScale="*fp32", Bias="*bf16", Out="*bf16")
+    consts = dict(HAS_BIAS=True, BLOCK=epilogue.MAX_BLOCK, USE_PDL=False)
+    yield "unit-scaled FP8 matmul's scales", epilogue._scale_rows_cols_kernel, consts, pointers, dict(num_warps=8)
 
 
 ROOMS = {

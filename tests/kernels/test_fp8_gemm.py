@@ -138,8 +138,9 @@ def test_gpu_fp8_gemm_real_shapes(rows, n, k):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_layer_dispatch_and_graph_capture():
+def test_gpu_fp8_layer_dispatch_and_graph_capture(monkeypatch):
     from plait.runtime.models.layers import share_split_k_workspace, skinny_linear
+    from plait.runtime.quant import fp8_rows
     from plait.runtime.quant.fp8_rows import FP8_DECODE_ROWS
 
     torch.manual_seed(0)
@@ -153,6 +154,11 @@ def test_gpu_fp8_layer_dispatch_and_graph_capture():
         ref = x.double() @ layer.dequantized().double().T
         y = skinny_linear(x, layer)
         assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 0.05, rows  # _scaled_mm quantizes x too
+    monkeypatch.setattr(fp8_rows, "FP8_UNIT_SCALED_FROM", 2)  # cuBLASLt at unit scales from 2 to 256 rows
+    for rows in (2, 16, 64, 256):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ layer.dequantized().double().T
+        assert fp8_rows.fp8_path(rows) == "unit_scaled" and rel_err(skinny_linear(x, layer), ref) < 0.05, rows
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     eager = skinny_linear(x, layer)
     stream = torch.cuda.Stream()

@@ -186,3 +186,55 @@ def test_gpu_fp8_cuda_graphs_give_the_eager_tokens(tmp_path):
             outs[graphs] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=greedy)]
             assert eng.check_integrity()
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("rows,path", [(5, "unit_scaled"), (70, "rowwise")])
+def test_norm_and_activation_hand_fp8_layers_their_rows_quantized(rows, path, monkeypatch):
+    """A decoder layer's second half (o_proj, the post-attention norm, gate_up, SiLU-and-mul, down) with FP8 linears
+    under the interpreter: with fused quantization the norm and SiLU-and-mul write gate_up's and down's FP8 rows
+    themselves (kernels/fp8_activations.py); the output matches the same layer quantizing in its matmuls."""
+    import importlib
+
+    from plait.runtime.models.config import ModelConfig
+    from plait.runtime.models.layers import RotaryEmbedding, set_use_triton
+    from plait.runtime.models.llama import DecoderLayer
+    from plait.runtime.quant import fp8_rows
+
+    kernels = importlib.import_module("plait.runtime.kernels")  # after conftest chose the interpreter
+    for name, value in dict(FP8_GEMV_ROWS=1, FP8_UNIT_SCALED_FROM=2, FP8_UNIT_SCALED_TO=8).items():
+        monkeypatch.setattr(fp8_rows, name, value)
+    assert fp8_rows.fp8_path(rows) == path
+    cfg = ModelConfig("LlamaForCausalLM", 64, 128, 1, 4, 2, 16, 256)
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg, 0, RotaryEmbedding(16, 512, 10000.0, None))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3 if p.dim() == 2 else 1.0)
+    layer = layer.to(torch.bfloat16)
+    assert quantize_linears(layer, "fp8", torch.bfloat16) == 4
+    set_use_triton(layer, True)
+    o = torch.randn(rows, 64).to(torch.bfloat16)
+    residual = torch.randn(rows, 64).to(torch.bfloat16)
+    # Every quantization by the Triton kernel (the interpreter rounds some float32 -> FP8 conversions a step away
+    # from torch's: the same rounding on both sides gives the same codes).
+    fp8 = importlib.import_module("plait.runtime.quant.fp8")
+    quantize = importlib.import_module("plait.runtime.kernels.fp8_quant").quantize_rows_fp8
+    monkeypatch.setattr(fp8, "quantize_rows", lambda x, static=None: quantize(x, static, FP8_MAX, fp8.MIN_AMAX))
+    monkeypatch.setattr(fp8_rows, "quantize_rows", fp8.quantize_rows)
+    made = []
+    for name in ("rmsnorm_fp8", "silu_and_mul_fp8"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name, **kw: made.append(_n) or _k(*a, **kw))
+    fused, fused_residual = layer.attention_output(o, residual.clone())
+    assert made == ["rmsnorm_fp8", "silu_and_mul_fp8"]
+    # Then the layer quantizing in its matmuls instead.
+    monkeypatch.setattr(fp8_rows, "FP8_FUSED_QUANTIZATION", 0)
+    plain, plain_residual = layer.attention_output(o, residual.clone())
+    assert len(made) == 2  # not called again
+    assert torch.equal(fused_residual, plain_residual)
+    if path == "rowwise":  # the same codes through the same matmul
+        assert torch.equal(fused, plain)
+    else:  # on CPU the plain layer takes the rowwise matmul; the unit-scaled one rounds its product to bf16 before
+        # the scales, and down's input, quantized again, moves a code a step (1/16) where that crosses a boundary
+        err = float((fused.float() - plain.float()).norm() / plain.float().norm())
+        assert err < 0.03, err
