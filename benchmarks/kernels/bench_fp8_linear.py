@@ -246,10 +246,17 @@ def sweep_wide(n: int, k: int, rows: int, copies: int) -> dict:
     return out
 
 
-def pick_rows(records: list[dict]) -> tuple[str, dict]:
+# The paths that quantize their rows, and their matmul alone: what they cost where the kernel before the layer
+# writes its rows in FP8 itself (the engine's default for QKV, gate-up and down: quant/fp8_rows.py).
+QUANTIZED_ALONE = {"unit_scaled": "unit_no_quant", "triton_a8": "a8_only", "scaled_mm": "scaled_mm_only"}
+FUSED_SHAPES = ("qkv", "gate_up", "down")  # their inputs come from RMSNorm or SiLU-and-mul; O's from attention
+
+
+def pick_rows(records: list[dict], fused: bool = True) -> tuple[str, dict]:
     """The FP8 routing (quant/fp8_rows.py's bounds) that takes the least time summed over the four matrices at the
     measured row counts: the skinny matmul up to G rows, cuBLASLt at unit scales from U to V rows, the decode
-    matmul with bf16 rows up to Q - 1 and with FP8 rows from Q to D, the rowwise `_scaled_mm` above.
+    matmul with bf16 rows up to Q - 1 and with FP8 rows from Q to D, the rowwise `_scaled_mm` above. `fused`: a
+    quantizing path's time for QKV, gate-up and down is its matmul alone (their rows arrive quantized).
     Returns ($PLAIT_FP8_ROWS's text, {rows: (path, microseconds summed)})."""
     import itertools
 
@@ -258,7 +265,8 @@ def pick_rows(records: list[dict]) -> tuple[str, dict]:
     total = {(r, path): 0.0 for r in rows for path in names}
     for rec in records:
         for path in names:
-            total[(rec["rows"], path)] += rec["seconds"].get(path, float("inf"))
+            key = QUANTIZED_ALONE.get(path, path) if fused and rec["shape"] in FUSED_SHAPES else path
+            total[(rec["rows"], path)] += rec["seconds"].get(key, float("inf"))
 
     def path_at(r, g, u, v, q, d):
         if r <= g:
@@ -361,8 +369,10 @@ def main() -> None:
                 f"{rows:>5} {name:>8} {text} {n * k / fp8_best / 1e12:8.2f} {t['bf16'] / fp8_best:7.2f}",
                 flush=True,
             )
+    unfused, _ = pick_rows(records, fused=False)
+    print(f"fastest routing, every layer quantizing its own rows: PLAIT_FP8_ROWS={unfused},fused=0")
     routing, chosen = pick_rows(records)
-    print(f"fastest routing over these rows: PLAIT_FP8_ROWS={routing}")
+    print(f"fastest routing with the norms and SiLU-and-mul writing FP8 rows: PLAIT_FP8_ROWS={routing}")
     for rows, (path, us) in chosen.items():
         print(f"  {rows:>5} rows: {path} ({us:.1f} us for the four matrices)")
     save(
