@@ -2,8 +2,8 @@
 activations quantized per token (or by a checkpoint's static per-tensor scale) as they arrive, and the
 matmul on FP8 tensor cores through `torch._scaled_mm` (scale_a (M, 1), scale_b (1, N), rowwise).
 Decode at small batch is bound by reading weights, so half the bytes of bf16 is the gain there; a decode
-step's few rows take a Triton kernel instead (runtime/kernels/fp8_gemm.py: FP8 weights widened in
-registers, activations left in bf16), chosen in models/layers.skinny_linear.
+step's few rows take other kernels (the FP8-reading skinny matmul, cuBLASLt at unit scales, the Triton decode
+matmul), chosen by row count in quant/fp8_rows.py.
 
 On the CPU torch's `_scaled_mm` runs too (a reference kernel, slower than float32): the same numbers the
 GPU's tensor cores compute, so the CPU suite covers the quantization, the scales and the checkpoints."""
