@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_mul
+from .fp8_quant import row_scale, scaled_codes
 from .launch import check_device, next_power_of_2, pdl_launch_args, pdl_wait_then_release
 from .rmsnorm import MAX_ROW, load_norm_input, normalize_rows, row_tiles
 
@@ -72,10 +73,9 @@ def _rmsnorm_fp8_kernel(
     if STATIC:
         scale = tl.load(StaticScale + tl.zeros_like(rows))  # (R,) the one scale, for every row
     else:
-        # NOTE: div_rn, as fp8_quant's: Triton's `/` on float32 is approximate (scales 1 ulp off).
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=1), MIN_AMAX), MAX_CODE)  # (R,)
+        scale = row_scale(tl.max(tl.abs(y), axis=1), MIN_AMAX, MAX_CODE)  # (R,)
     tl.store(Scales + rows, scale, mask=row_mask)
-    q = tl.clamp(tl.div_rn(y, scale[:, None]), -MAX_CODE, MAX_CODE)
+    q = scaled_codes(y, scale[:, None], MAX_CODE)
     tl.store(Codes + rows[:, None] * DIM + cols[None, :], q.to(Codes.dtype.element_ty), mask=mask)
 
 
@@ -113,14 +113,14 @@ def _silu_and_mul_fp8_kernel(
             gate = tl.load(gate_row + cols, mask=mask, other=0.0)
             up = tl.load(up_row + cols, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.abs(silu_mul(gate, up).to(tl.float32)))  # masked lanes: silu(0) * 0 = 0
-        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), MAX_CODE)
+        scale = row_scale(tl.max(amax, axis=0), MIN_AMAX, MAX_CODE)
     tl.store(Scales + row, scale)
     for k0 in range(0, inter, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         mask = cols < inter
         gate = tl.load(gate_row + cols, mask=mask, other=0.0)
         up = tl.load(up_row + cols, mask=mask, other=0.0)
-        q = tl.clamp(tl.div_rn(silu_mul(gate, up).to(tl.float32), scale), -MAX_CODE, MAX_CODE)
+        q = scaled_codes(silu_mul(gate, up).to(tl.float32), scale, MAX_CODE)
         tl.store(c_row + cols, q.to(Codes.dtype.element_ty), mask=mask)
 
 

@@ -23,6 +23,21 @@ from .launch import check_device, next_power_of_2
 MAX_BLOCK = 4096  # elements a program holds at a time; longer rows loop
 
 
+# NOTE: IEEE divisions (div_rn), as torch's: Triton's `/` on float32 is approximate (scales 1 ulp off). These two
+# are the whole arithmetic of a row's quantization, shared with the kernels that quantize their own output
+# (fp8_activations.py), so that they give these codes bit for bit.
+@triton.jit
+def row_scale(amax, MIN_AMAX: tl.constexpr, MAX_CODE: tl.constexpr):
+    """A row's scale from its largest magnitude: max(amax, MIN_AMAX) / MAX_CODE."""
+    return tl.div_rn(tl.maximum(amax, MIN_AMAX), MAX_CODE)
+
+
+@triton.jit
+def scaled_codes(x, scale, MAX_CODE: tl.constexpr):
+    """float32 values divided by their scale and clamped to +-MAX_CODE (the cast to FP8 rounds them)."""
+    return tl.clamp(tl.div_rn(x, scale), -MAX_CODE, MAX_CODE)
+
+
 @triton.jit(do_not_specialize=["K"])
 def _quantize_rows_kernel(
     X,
@@ -49,15 +64,14 @@ def _quantize_rows_kernel(
         if STATIC:
             scale = tl.load(StaticScale)
         else:
-            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), MAX_CODE)
+            scale = row_scale(tl.max(tl.abs(x), axis=0), MIN_AMAX, MAX_CODE)
         tl.store(Scales + row, scale)
         if MUL_INVERSE:
             q = tl.clamp(x * tl.div_rn(1.0, scale), -MAX_CODE, MAX_CODE)
         else:
-            q = tl.clamp(tl.div_rn(x, scale), -MAX_CODE, MAX_CODE)
+            q = scaled_codes(x, scale, MAX_CODE)
         tl.store(c_row + offs, q.to(Codes.dtype.element_ty), mask=mask)
         return
-    # NOTE: IEEE divisions (div_rn), as torch's: Triton's `/` on float32 is approximate (scales 1 ulp off).
     if STATIC:
         scale = tl.load(StaticScale)
     else:
@@ -66,13 +80,13 @@ def _quantize_rows_kernel(
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), MAX_CODE)
+        scale = row_scale(tl.max(amax, axis=0), MIN_AMAX, MAX_CODE)
     tl.store(Scales + row, scale)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, scale), -MAX_CODE, MAX_CODE)
+        q = scaled_codes(x, scale, MAX_CODE)
         tl.store(c_row + offs, q.to(Codes.dtype.element_ty), mask=mask)
 
 
