@@ -243,6 +243,7 @@ def _fp8_input(x: torch.Tensor, layer: nn.Module, use_triton: Optional[bool]) ->
         and _wants_triton(x, use_triton)
         and x.dim() == 2
         and x.shape[0] > 0
+        and x.stride(-1) == 1
         and x.dtype in (torch.bfloat16, torch.float16)
         and takes_quantized_rows(layer, x.shape[0], kernel_choices().decode_gemm)
     )
@@ -254,7 +255,7 @@ def norm_for_linear(
     """norm(x + residual) as `layer`'s input, and the residual stream (x itself where residual is None, as for the
     first layer): FP8 rows written by the norm's kernel where `layer` quantizes its rows (kernels/fp8_activations.py),
     else the norm's output (RMSNorm.forward)."""
-    if _fp8_input(x, layer, norm.use_triton) and x.stride(-1) == 1:
+    if _fp8_input(x, layer, norm.use_triton):
         static = layer.input_scale  # type: ignore[union-attr]
         codes, scales = _kernels().rmsnorm_fp8(x, norm.weight, norm.eps, residual, static, FP8_MAX, MIN_AMAX)
         return Fp8Rows(codes, scales, x.dtype), (x if residual is None else residual)
