@@ -19,7 +19,7 @@ The paths that quantize the rows (`unit_scaled`, `decode_fp8_rows`, `rowwise`) t
 (kernels/fp8_activations.py: one launch less a layer input, ~3-4 us each on an H100 even at one row);
 FP8_FUSED_QUANTIZATION off (`fused=0`) quantizes in the layer instead.
 
-$PLAIT_FP8_ROWS ("gemv=1,decode=64,quantized_from=65,unit_scaled_from=2,unit_scaled_to=256,fused=1") sets them
+$PLAIT_FP8_ROWS ("gemv=1,decode=64,quantized_from=2,unit_scaled_from=0,unit_scaled_to=256,fused=1") sets them
 for a process: benchmarks A/B the choices with it.
 """
 
@@ -36,7 +36,10 @@ FP8_GEMV_ROWS = 1
 FP8_UNIT_SCALED_FROM = 0
 FP8_UNIT_SCALED_TO = 256
 FP8_DECODE_ROWS = 64
-FP8_ROWS_QUANTIZED_FROM = FP8_DECODE_ROWS + 1
+# From two rows the decode matmul takes FP8 rows: with the norm or SiLU-and-mul writing them, that is the fastest
+# routing bench_fp8_linear measured at 16-64 rows (one H100, 2026-12-07: 95 and 107 us for the 8B layer's four
+# matrices against 108 and 132 with bf16 rows).
+FP8_ROWS_QUANTIZED_FROM = FP8_GEMV_ROWS + 1
 FP8_FUSED_QUANTIZATION = 1
 FP8_ROWS_ENV = "PLAIT_FP8_ROWS"
 _ENV_NAMES = {
