@@ -47,14 +47,20 @@ class _ExtendMetadata:
     # A mixed step's leading decode rows (one token each), attended as one batch like a decode step's.
     decode: Optional[_DecodeMetadata] = None
     num_decode: int = 0
-    # The requests after the decode rows as one padded batch, when each brings at most SHORT_EXTEND tokens
-    # (then kv_indices and causal_masks are empty).
+    # The requests after the decode rows as one padded batch, where `_attend_together` says so (then
+    # kv_indices and causal_masks are empty).
     short: Optional[_VerifyMetadata] = None
 
 
-# Requests that bring at most this many new tokens each are attended together, their queries padded to
-# the longest (at most this many per request), rather than one call per request.
+# An extend step's requests are attended together, their queries padded to the longest and their keys to the
+# longest prefix + extend, rather than one call per request and layer: always when each brings at most
+# SHORT_EXTEND tokens (grammar-forced tails, continuations of cached prompts), and otherwise where the scores
+# the padding adds (query-key pairs times heads) cost less than the calls it saves, at EXTEND_CALL_SCORES a
+# call (two cores: ~120 us a call, ~2.3 ns a score), with the padded scores under PADDED_SCORES elements.
+# (15 chat prompts of ~29 new tokens after a shared system prompt: 450 calls a step became 30.)
 SHORT_EXTEND = 16
+EXTEND_CALL_SCORES = 1 << 15
+PADDED_SCORES = 1 << 24
 # On the CPU a decode row's attention is bound by the K/V it gathers and reads, padding included; a group
 # of rows attended apart costs about as much as this many more padded keys (its calls, per layer), so rows
 # are grouped by length where the padding it saves is worth more (`_length_groups`).
@@ -66,6 +72,9 @@ MAX_GROUPED_ROWS = 64
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, ctx: AttentionContext):
         self.device = ctx.device
+        # Query heads, for the padded scores' size (_attend_together); a context without them: the most any
+        # model plait runs has a rank.
+        self.num_heads = ctx.heads.num_heads if ctx.heads is not None else 128
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         r2t = fb.req_to_token_pool.req_to_token
@@ -82,7 +91,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             s_max = max(p + 1 for p in fb.extend_prefix_lens_cpu[:d])
             decode = self._decode_metadata(r2t, fb.req_pool_indices[:d], fb.seq_lens[:d], s_max)
         ext_cpu = fb.extend_seq_lens_cpu
-        if fb.batch_size - d > 1 and max(ext_cpu[d:]) <= SHORT_EXTEND:
+        if _attend_together(ext_cpu[d:], fb.extend_prefix_lens_cpu[d:], self.num_heads):
             fb.attn_metadata = _ExtendMetadata([], [], decode, d, _verify_metadata(fb, self.device, first=d))
             return
         kv_indices, masks = [], []
@@ -238,6 +247,19 @@ def _verify_metadata(fb: ForwardBatch, device, first: int = 0) -> _VerifyMetadat
     kv_index = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[first:], :s_max].long()  # (B, S)
     kv_index = torch.where(cols[None, :] < (pre + tree)[:, None], kv_index, torch.zeros_like(kv_index))
     return _VerifyMetadata(q_index, q_valid, kv_index, mask[:, None])
+
+
+def _attend_together(ext: list, prefix: list, heads: int) -> bool:
+    """Whether requests bringing `ext` new tokens after `prefix` cached ones each are attended as one padded
+    batch of `heads` query heads (SHORT_EXTEND, EXTEND_CALL_SCORES, PADDED_SCORES above)."""
+    if len(ext) < 2:
+        return False
+    if max(ext) <= SHORT_EXTEND:
+        return True
+    e_max, s_max = max(ext), max(p + e for p, e in zip(prefix, ext))
+    padded = len(ext) * e_max * s_max * heads
+    added = padded - sum(e * (p + e) for p, e in zip(prefix, ext)) * heads
+    return padded <= PADDED_SCORES and added <= (len(ext) - 1) * EXTEND_CALL_SCORES
 
 
 def _length_groups(lens: list) -> Optional[list]:

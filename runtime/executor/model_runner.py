@@ -43,7 +43,7 @@ from .sampler import StepSampler
 from .staging import HostStaging, SampledIdCopies
 from .step_forward import StepForward
 from .verify import VerifySteps
-from .warmup import warm_up_prefill
+from .warmup import warm_up_cpu_matmuls, warm_up_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +180,8 @@ class ModelRunner:
                         self.forward.piecewise = PiecewiseGraphs(model, self.memory, tokens)
         if device == "cuda":
             warm_up_prefill(self.run, self.allocator, self.req_to_token_pool, cfg.vocab_size)
+        else:
+            warm_up_cpu_matmuls(model)
 
     @property
     def model(self) -> LlamaForCausalLM:

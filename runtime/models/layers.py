@@ -108,6 +108,10 @@ def skinny_linear(
         ):
             workspace = _split_k_workspace(layer)
             return _kernels().decode_gemm(x, weight, workspace=workspace, out_dtype=out_dtype, out=out, bias=bias)
+    if rows and cpu_matmul_rows(rows, x) != rows:
+        y = cpu_linear(x, weight, bias)
+        y = y if out_dtype is None else y.to(out_dtype)
+        return y if out is None else out.copy_(y)
     if out is None:
         y = F.linear(x, weight, bias)
         return y if out_dtype is None else y.to(out_dtype)
@@ -115,6 +119,39 @@ def skinny_linear(
         # No cast to make: the matmul F.linear runs for 2-D input, writing `out` itself.
         return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
     return out.copy_(F.linear(x, weight, bias))
+
+
+def cpu_matmul_rows(rows: int, x: Optional[torch.Tensor] = None) -> int:
+    """The row count a bf16/fp16 matmul of `rows` rows (of `x`, when given: the count as it is unless x is a
+    half-precision CPU tensor) runs at on the CPU: up to 16 as it is, above that rounded up to eight counts an
+    octave (at most 1/8 more rows).
+
+    torch runs these matmuls through oneDNN, which builds (JIT-compiles) a kernel for every new shape and keeps
+    it: ~3 ms a matrix on the developers' AMX Xeon, so an engine whose steps carry ever new token counts
+    (prefill chunks beside decode rows) paid ~15 ms at each new count for the layer shapes and the LM head,
+    more than such a step's matmuls themselves at a few rows. Rounded, the counts a server meets are a few
+    dozen, each built once."""
+    if x is not None and (x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16)):
+        return rows
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (M, K) on the CPU, its rows padded with zeros to cpu_matmul_rows(M, x)
+    and weight's to cpu_matmul_rows(N, weight) (rows of a weight gathered per step: the LM head's at a
+    grammar's tokens), the (M, N) block of the product returned."""
+    m, n = x.shape[0], weight.shape[0]
+    pm, pn = cpu_matmul_rows(m, x), cpu_matmul_rows(n, weight)
+    if pm != m:
+        x = torch.cat([x, x.new_zeros(pm - m, x.shape[1])])
+    if pn != n:
+        weight = torch.cat([weight, weight.new_zeros(pn - n, weight.shape[1])])
+        bias = None if bias is None else torch.cat([bias, bias.new_zeros(pn - n)])
+    y = F.linear(x, weight, bias)
+    return y if (pm, pn) == (m, n) else y[:m, :n]
 
 
 def _split_k_workspace(layer: nn.Module):

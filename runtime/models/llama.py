@@ -16,7 +16,6 @@ from typing import Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
@@ -27,6 +26,7 @@ from .layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
+    cpu_linear,
     fuses_decode_row,
     norm_for_linear,
     norm_linear,
@@ -269,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
         their own tokens, executor/verify.py). The same matmul as the whole head's on the CPU
         (skinny_linear's F.linear, then float32), over fewer columns."""
         rows = weight_rows(self._head(), token_ids)  # (n, hidden)
-        return F.linear(hidden.to(rows.dtype), rows).float()  # (R, n)
+        return cpu_linear(hidden.to(rows.dtype), rows).float()  # (R, n)
 
     def forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, out: Optional[torch.Tensor] = None

@@ -3,10 +3,9 @@ together, and that the grouped attention is the one padded batch's, row for row.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from plait.runtime.attention.base import AttentionLayerSpec
+from plait.runtime.attention.context import AttentionContext
 from plait.runtime.attention.torch_native import (
     MAX_GROUPED_ROWS,
     TorchNativeAttnBackend,
@@ -35,7 +34,7 @@ def test_grouped_decode_attention_equals_the_one_padded_batch():
     for b, n in enumerate(lens):  # scattered slots, never the dummy slot 0
         table[b, :n] = torch.randperm(slots - 1, generator=g)[:n].to(torch.int32) + 1
     rows, seq_lens = torch.arange(len(lens)), torch.tensor(lens)
-    backend = TorchNativeAttnBackend(SimpleNamespace(device="cpu"))
+    backend = TorchNativeAttnBackend(AttentionContext("cpu"))
     grouped = backend._decode_metadata(table, rows, seq_lens, max(lens), lens)
     whole = backend._decode_metadata(table, rows, seq_lens, max(lens))
     assert grouped.groups is not None and len(grouped.groups) == 2 and whole.groups is None

@@ -124,23 +124,44 @@ def test_mixed_step_decode_rows_of_a_split_plan():
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
 
 
-def test_torch_native_attends_short_extends_together_as_one_at_a_time(monkeypatch):
-    """torch_native's padded path (each request after the decode rows brings <= SHORT_EXTEND tokens: grammar
-    tails, cached prompts' last tokens) against its one-request-at-a-time extend of the same step."""
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens",
+    [
+        ([40, 0, 13, 7], [1, 6, 3, 16]),  # each brings <= SHORT_EXTEND tokens (grammar tails, cached prompts)
+        ([40, 28, 28, 28, 28], [1, 29, 31, 27, 30]),  # chat prompts after a shared system prompt: little padding
+        ([5, 0, 0], [1, 24, 20]),  # no prefix: the causal mask alone
+    ],
+)
+def test_torch_native_attends_extends_together_as_one_at_a_time(monkeypatch, prefix_lens, extend_lens):
+    """torch_native's padded path for an extend step's requests after the decode rows (`_attend_together`)
+    against its one-request-at-a-time extend of the same step."""
     from plait.runtime.attention import torch_native
 
-    case = PagedCase(8, 2, 32, [40, 0, 13, 7], [1, 6, 3, 16])
+    case = PagedCase(8, 2, 32, prefix_lens, extend_lens)
     q, k, v = fused_qkv(case, sum(case.extend_lens))
     outs = []
-    for short in (torch_native.SHORT_EXTEND, 0):
-        monkeypatch.setattr(torch_native, "SHORT_EXTEND", short)
-        backend = TorchNativeAttnBackend(attention_context(case.device))
+    for together in (True, False):
+        if not together:
+            monkeypatch.setattr(torch_native, "SHORT_EXTEND", 0)
+            monkeypatch.setattr(torch_native, "PADDED_SCORES", 0)
+        backend = TorchNativeAttnBackend(attention_context(case.device, 8, 2, 32))
         fb = case.forward_batch(ForwardMode.EXTEND, backend)
         fb.decode_rows = 1
         backend.init_forward_metadata(fb)
-        assert (fb.attn_metadata.short is not None) == (short > 0)
+        assert (fb.attn_metadata.short is not None) == together
         outs.append(backend.forward(q, k, v, case.layer, fb))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_torch_native_attends_apart_where_padding_would_cost_more():
+    from plait.runtime.attention.torch_native import PADDED_SCORES, _attend_together
+
+    assert _attend_together([3, 16, 1], [900, 0, 4], heads=9)  # all short: together whatever the keys
+    assert _attend_together([29, 31, 27], [28, 28, 28], heads=9)
+    assert not _attend_together([400, 20], [0, 0], heads=9)  # one long prompt among short ones: 2x the pairs
+    assert not _attend_together([30], [0], heads=9)  # one request: nothing to batch
+    n = int((PADDED_SCORES / 9 / 16) ** 0.5) + 1  # 16 equal prompts just past the padded scores' bound
+    assert _attend_together([n - 8] * 16, [0] * 16, heads=9) and not _attend_together([n] * 16, [0] * 16, heads=9)
 
 
 def test_mixed_step_chunk_metadata_start_on_16_byte_boundaries():

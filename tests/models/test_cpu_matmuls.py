@@ -1,0 +1,56 @@
+"""Half-precision matmuls on the CPU at rounded row counts (models/layers.cpu_matmul_rows, cpu_linear) and their
+start-up warm-up (executor/warmup.warm_up_cpu_matmuls): the products are the unpadded ones, row for row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from plait.runtime.executor.warmup import warm_up_cpu_matmuls
+from plait.runtime.models.layers import cpu_linear, cpu_matmul_rows, skinny_linear
+from torch import nn
+
+
+def test_row_counts_round_up_by_at_most_an_eighth():
+    assert [cpu_matmul_rows(m) for m in (1, 7, 16)] == [1, 7, 16]  # a decode step's rows as they are
+    assert [cpu_matmul_rows(m) for m in (17, 18, 33, 65, 433, 1000, 4097)] == [18, 18, 36, 72, 448, 1024, 4608]
+    for m in range(1, 5000):
+        assert m <= cpu_matmul_rows(m) <= m + m / 8
+    assert len({cpu_matmul_rows(m) for m in range(1, 8193)}) == 16 + 8 * 9  # the counts a server meets
+    x32 = torch.zeros(433, 8)
+    assert cpu_matmul_rows(433, x32) == 433 and cpu_matmul_rows(433, x32.bfloat16()) == 448  # float32: MKL's
+
+
+@pytest.mark.parametrize("rows,n", [(5, 64), (17, 64), (433, 40), (70, 11)])
+def test_cpu_linear_is_the_unpadded_product(rows, n):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=gen).bfloat16()
+    w, b = torch.randn(n, 48, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+    y = cpu_linear(x, w, b)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    ref = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(y.double(), ref, atol=0.05, rtol=0.02)  # bf16 out
+    torch.testing.assert_close(y, torch.cat([F.linear(x[i : i + 1], w, b) for i in range(rows)]), atol=0.02, rtol=0)
+
+
+def test_skinny_linear_pads_half_precision_rows_on_the_cpu():
+    layer = nn.Linear(48, 40).bfloat16()
+    x = torch.randn(21, 48).bfloat16()
+    y = skinny_linear(x, layer, out_dtype=torch.float32)
+    assert y.shape == (21, 40) and y.dtype == torch.float32
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias).float(), atol=0.02, rtol=0)
+    out = torch.empty(21, 40, dtype=torch.float32)
+    assert skinny_linear(x, layer, out_dtype=torch.float32, out=out) is out and torch.equal(out, y)
+
+
+def test_warm_up_multiplies_each_half_precision_weight_shape(monkeypatch):
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: calls.append((x.shape[0], tuple(w.shape))) or real(x, w, b))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 16), nn.Embedding(30, 8)).bfloat16()
+    warm_up_cpu_matmuls(model, max_rows=20)
+    rows = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 20]
+    assert sorted(calls) == sorted((r, s) for s in [(16, 8), (8, 16), (30, 8)] for r in rows)  # shapes once each
+    calls.clear()
+    warm_up_cpu_matmuls(nn.Linear(8, 16), max_rows=20)  # float32: MKL builds nothing per shape
+    assert calls == []
