@@ -25,7 +25,7 @@ from ..lora.adapter import LoraShapes
 from ..lora.shard import LoraShard
 from ..lora.slots import LoraSlots
 from ..models.config import ModelConfig
-from ..models.layers import share_split_k_workspace
+from ..models.layers import pack_cpu_linears, share_split_k_workspace
 from ..models.llama import LlamaForCausalLM
 from ..models.parallel import ModelParallel, projection_slices, shard_heads
 from ..quant.apply import quantize_linears
@@ -181,6 +181,7 @@ class ModelRunner:
         if device == "cuda":
             warm_up_prefill(self.run, self.allocator, self.req_to_token_pool, cfg.vocab_size)
         else:
+            pack_cpu_linears(model)
             warm_up_cpu_matmuls(model)
 
     @property

@@ -15,11 +15,10 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kvcache.memory_pool import ReqToTokenPool, TokenAllocator
-from ..models.layers import cpu_matmul_rows
+from ..models.layers import cpu_matmul_rows, skinny_linear
 from ..sampling_params import SamplingParams
 from ..step import SamplingRow, StepInput, StepOutput
 
@@ -69,24 +68,20 @@ _HALF = (torch.bfloat16, torch.float16)
 
 def warm_up_cpu_matmuls(model: nn.Module, max_rows: int = CPU_WARM_ROWS) -> None:
     """Every bf16/fp16 weight shape of `model` (its linears, a tied LM head) multiplied once at each row count
-    up to `max_rows`: torch's CPU matmul (oneDNN) builds a kernel for each new shape on first use, ~3 ms a matrix
-    on an AMX Xeon (models/layers.cpu_matmul_rows), which the first steps of a server would otherwise pay at
-    every layer shape. ~0.2 s for the default model's five shapes at 32 row counts."""
-    weights = {}
+    up to `max_rows`, as a step multiplies it (models/layers.skinny_linear): torch's CPU matmul (oneDNN) builds a
+    kernel for each new shape on first use, ~3 ms a matrix on an AMX Xeon (models/layers.cpu_matmul_rows), which
+    the first steps of a server would otherwise pay at every layer shape. ~0.2 s for the default model."""
+    layers = {}
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if (
-            isinstance(module, (nn.Linear, nn.Embedding))
-            and w is not None
-            and w.dtype in (torch.bfloat16, torch.float16)
-        ):
-            weights.setdefault((tuple(w.shape), w.dtype, getattr(module, "bias", None) is not None), module)
-    if not weights:
+        if isinstance(module, (nn.Linear, nn.Embedding)) and w is not None and w.dtype in _HALF:
+            packed = hasattr(module, "cpu_packed_weight")
+            layers.setdefault((tuple(w.shape), w.dtype, getattr(module, "bias", None) is not None, packed), module)
+    if not layers:
         return
     t = time.perf_counter()
     with torch.inference_mode():
-        for module in weights.values():
-            w, bias = module.weight, getattr(module, "bias", None)
+        for module in layers.values():
             for rows in sorted({cpu_matmul_rows(m) for m in range(1, max_rows + 1)}):
-                F.linear(w.new_zeros(rows, w.shape[1]), w, bias)
-    logger.info("CPU matmul warm-up (%d weight shapes) took %.2f s", len(weights), time.perf_counter() - t)
+                skinny_linear(module.weight.new_zeros(rows, module.weight.shape[1]), module)
+    logger.info("CPU matmul warm-up (%d weight shapes) took %.2f s", len(layers), time.perf_counter() - t)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from plait.runtime.executor.warmup import warm_up_cpu_matmuls
-from plait.runtime.models.layers import cpu_linear, cpu_matmul_rows, skinny_linear
+from plait.runtime.models.layers import cpu_linear, cpu_matmul_rows, pack_cpu_linears, skinny_linear
 from torch import nn
 
 
@@ -54,3 +54,18 @@ def test_warm_up_multiplies_each_half_precision_weight_shape(monkeypatch):
     calls.clear()
     warm_up_cpu_matmuls(nn.Linear(8, 16), max_rows=20)  # float32: MKL builds nothing per shape
     assert calls == []
+
+
+def test_packed_weights_give_the_plain_product():
+    """pack_cpu_linears: bf16 linears get oneDNN's reordered weight, which skinny_linear multiplies by (the same
+    product as F.linear's, within bf16's rounding); float32 layers, quantized ones and embeddings keep theirs."""
+    model = nn.Sequential(nn.Linear(48, 40), nn.Linear(40, 24, bias=False)).bfloat16()
+    plain = nn.Linear(48, 40)
+    assert pack_cpu_linears(nn.Sequential(model, plain, nn.Embedding(9, 4).bfloat16())) == 2
+    assert not hasattr(plain, "cpu_packed_weight")
+    for rows in (1, 7, 21, 433):
+        x = torch.randn(rows, 48).bfloat16()
+        for layer, inp in ((model[0], x), (model[1], F.linear(x, model[0].weight, model[0].bias))):
+            y = skinny_linear(inp, layer)
+            assert y.shape == (rows, layer.out_features)
+            torch.testing.assert_close(y, F.linear(inp, layer.weight, layer.bias), atol=0.05, rtol=0.02)
