@@ -7,8 +7,9 @@ matrices and prints the routing its figures favour; benchmarks/RESULTS.md, issue
 - `gemv`: up to FP8_GEMV_ROWS, the skinny matmul reading the FP8 codes with their scales (kernels/gemv.py,
   CUDA cores; one row: 94 us for the 8B layer's four matrices against bf16's 157, one H100);
 - `unit_scaled`: rows from FP8_UNIT_SCALED_FROM to FP8_UNIT_SCALED_TO (0: off), the rows quantized per token,
-  the product on cuBLASLt with unit scales (per-tensor `_scaled_mm`: the fastest FP8 matmul measured at 1-256
-  rows) and both scales put back after (kernels/fp8_epilogue.py);
+  the product on cuBLASLt with unit scales (per-tensor `_scaled_mm`, the fastest FP8 matmul alone at 1-256 rows)
+  and both scales put back after (kernels/fp8_epilogue.py). Off: with the scales' pass it was no faster than the
+  decode matmul at 16-64 rows nor `rowwise` above (one H100, 2026-12-07);
 - `decode` / `decode_fp8_rows`: up to FP8_DECODE_ROWS, the tensor-core decode matmul (kernels/fp8_gemm.py) with
   bf16 rows (FP8 weights widened in registers), or from FP8_ROWS_QUANTIZED_FROM with the rows quantized first;
 - `rowwise`: above, `torch._scaled_mm` with a scale per row and per channel (Fp8Linear.linear).

@@ -56,7 +56,8 @@ from .kv_scale_args import kv_scale_args
 _LOG2E = 1.4426950408889634
 _F16_MAX: tl.constexpr = tl.constexpr(65504.0)
 # An FP8 pool's rows with bf16 queries widen to fp16 (see the module's docstring); False widens them to bf16
-# (sweep_decode_attention.py --widen bf16 times the two).
+# (sweep_decode_attention.py --widen bf16 times the two: on an H100, 64 requests x 1,536 keys 93 against 107 us,
+# 256 x 700 160 against 184).
 WIDEN_FP8_TO_F16 = True
 
 
