@@ -19,6 +19,7 @@ returned tensors and must not rely on the inputs being left alone (or being chan
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional, Union
 
 import torch
@@ -163,22 +164,23 @@ def cpu_linear(
     return y if (pm, pn) == (m, n) else y[:m, :n]
 
 
-def pack_cpu_linears(model: nn.Module) -> int:
+def pack_cpu_linears(model: nn.Module, memory_share: float = 0.25) -> int:
     """Give each bf16/fp16 nn.Linear of `model` on the CPU its weight reordered into oneDNN's blocked layout
     (`cpu_packed_weight`, which skinny_linear then multiplies by): torch's F.linear reorders the weight on every
     call, and for a decode step's few rows that is a third of the matmul (the default model's 16-row step:
     layer matmuls 15 -> 9 ms on an AMX Xeon). The plain weight stays (checkpoint names, LoRA shapes, the tied LM
-    head's rows); the packed copy costs as many bytes again. Returns how many layers were packed; none where
-    torch has no oneDNN."""
+    head's rows), so the packed copies cost as many bytes again: none are made where they would take more than
+    `memory_share` of the machine's memory. Returns how many layers were packed; none where torch has no
+    oneDNN."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    packed = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if type(module) is nn.Linear and w is not None and not w.is_cuda and w.dtype in _HALF:
-            module.cpu_packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
-            packed += 1
-    return packed
+    layers = [m for m in model.modules() if type(m) is nn.Linear and not m.weight.is_cuda and m.weight.dtype in _HALF]
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    if extra > memory_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        return 0
+    for m in layers:
+        m.cpu_packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 16)
+    return len(layers)
 
 
 def _split_k_workspace(layer: nn.Module):

@@ -69,3 +69,8 @@ def test_packed_weights_give_the_plain_product():
             y = skinny_linear(inp, layer)
             assert y.shape == (rows, layer.out_features)
             torch.testing.assert_close(y, F.linear(inp, layer.weight, layer.bias), atol=0.05, rtol=0.02)
+
+
+def test_no_packed_copies_past_the_memory_share():
+    model = nn.Sequential(nn.Linear(48, 40)).bfloat16()
+    assert pack_cpu_linears(model, memory_share=0.0) == 0 and not hasattr(model[0], "cpu_packed_weight")
