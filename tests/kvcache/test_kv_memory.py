@@ -22,6 +22,7 @@ def test_allocator_free_list_exact():
 
 def test_allocator_reuses_freed_runs_only_when_needed():
     a = TokenAllocator(6, "cpu")
+    a.reuse_freed_first = False  # as on a GPU
     first = a.alloc(4)  # [1..4]
     a.free(first[:2])
     a.free(first[3:])
@@ -33,6 +34,23 @@ def test_allocator_reuses_freed_runs_only_when_needed():
     assert a.alloc(1) is None
     a.free(got)
     assert a.free_slot_set() == {1, 2, 4} and a.available() == 3
+
+
+def test_cpu_allocator_hands_out_the_latest_freed_slots_first():
+    """On the CPU the pool's unwritten pages cost a page fault at first write: freed slots go out again before
+    never-used ones, the most recently freed run first, each slot exactly once."""
+    a = TokenAllocator(10, "cpu")
+    assert a.reuse_freed_first and not TokenAllocator(10, "meta").reuse_freed_first
+    first = a.alloc(5)  # [1..5]
+    a.free(first[:2])  # [1, 2]
+    a.free(first[3:])  # [4, 5]
+    assert a.alloc(1).tolist() == [4]  # part of the latest run; its rest stays next in line
+    assert a.alloc(3).tolist() == [5, 1, 2]
+    assert a.alloc(2).tolist() == [6, 7] and a.available() == 3  # then never-used slots
+    a.free(torch.tensor([6]))
+    assert a.alloc(4).tolist() == [6, 8, 9, 10] and a.available() == 0 and a.alloc(1) is None
+    a.free(torch.tensor([3, 1]))
+    assert a.free_slot_set() == {1, 3} and a.available() == 2
 
 
 def test_no_sharing_cache_returns_every_slot():

@@ -11,6 +11,7 @@ from plait.runtime.kvcache.radix_cache import PinHandle, RadixCache
 
 def make(num_slots=32, page_size=1):
     alloc = TokenAllocator(num_slots, "cpu")
+    alloc.reuse_freed_first = False  # never-used slots first, as on a GPU: the dumps below name slots
     return alloc, RadixCache(alloc, page_size=page_size)
 
 
