@@ -149,7 +149,8 @@ def cpu_linear(
     """F.linear(x, weight, bias) for x (M, K) on the CPU, its rows padded with zeros to cpu_matmul_rows(M, x)
     and weight's to cpu_matmul_rows(N, weight) (rows of a weight gathered per step: the LM head's at a
     grammar's tokens), the (M, N) block of the product returned. `packed`: the weight as pack_cpu_linears
-    reordered it for oneDNN (then used in its place, bitwise the same product)."""
+    reordered it for oneDNN, used in its place (the same product within bf16's rounding; bitwise at most
+    shapes)."""
     m, n = x.shape[0], weight.shape[0]
     pm, pn = cpu_matmul_rows(m, x), n if packed is not None else cpu_matmul_rows(n, weight)
     if pm != m:
