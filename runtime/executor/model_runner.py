@@ -25,7 +25,8 @@ from ..lora.adapter import LoraShapes
 from ..lora.shard import LoraShard
 from ..lora.slots import LoraSlots
 from ..models.config import ModelConfig
-from ..models.layers import pack_cpu_linears, share_split_k_workspace
+from ..models.cpu_matmul import pack_cpu_linears
+from ..models.layers import share_split_k_workspace
 from ..models.llama import LlamaForCausalLM
 from ..models.parallel import ModelParallel, projection_slices, shard_heads
 from ..quant.apply import quantize_linears

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..kvcache.memory_pool import ReqToTokenPool, TokenAllocator
-from ..models.layers import cpu_matmul_rows, skinny_linear
+from ..models.cpu_matmul import HALF_DTYPES, cpu_matmul_rows
+from ..models.layers import skinny_linear
 from ..sampling_params import SamplingParams
 from ..step import SamplingRow, StepInput, StepOutput
 
@@ -63,18 +64,17 @@ def warm_up_prefill(
 # Row counts up to this many (as cpu_matmul_rows rounds them) are built at start-up on the CPU: a decode step's,
 # and a mixed step's with a few prefill tokens. Larger counts are prefill steps, whose matmuls dwarf the build.
 CPU_WARM_ROWS = 64
-_HALF = (torch.bfloat16, torch.float16)
 
 
 def warm_up_cpu_matmuls(model: nn.Module, max_rows: int = CPU_WARM_ROWS) -> None:
     """Every bf16/fp16 weight shape of `model` (its linears, a tied LM head) multiplied once at each row count
     up to `max_rows`, as a step multiplies it (models/layers.skinny_linear): torch's CPU matmul (oneDNN) builds a
-    kernel for each new shape on first use, ~3 ms a matrix on an AMX Xeon (models/layers.cpu_matmul_rows), which
+    kernel for each new shape on first use, ~3 ms a matrix on an AMX Xeon (models/cpu_matmul.py), which
     the first steps of a server would otherwise pay at every layer shape. ~0.2 s for the default model."""
     layers = {}
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if isinstance(module, (nn.Linear, nn.Embedding)) and w is not None and w.dtype in _HALF:
+        if isinstance(module, (nn.Linear, nn.Embedding)) and w is not None and w.dtype in HALF_DTYPES:
             packed = hasattr(module, "cpu_packed_weight")
             layers.setdefault((tuple(w.shape), w.dtype, getattr(module, "bias", None) is not None, packed), module)
     if not layers:

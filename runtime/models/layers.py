@@ -19,7 +19,6 @@ returned tensors and must not rely on the inputs being left alone (or being chan
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Optional, Union
 
 import torch
@@ -30,6 +29,7 @@ from ..kernel_choices import current as kernel_choices
 from ..quant.fp8 import FP8_MAX, MIN_AMAX, Fp8Linear, Fp8Rows
 from ..quant.fp8_rows import fp8_linear_by_rows, takes_quantized_rows
 from ..quant.linear import QuantizedLinear
+from .cpu_matmul import HALF_DTYPES, cpu_linear
 
 
 def _kernels():
@@ -109,7 +109,7 @@ def skinny_linear(
         ):
             workspace = _split_k_workspace(layer)
             return _kernels().decode_gemm(x, weight, workspace=workspace, out_dtype=out_dtype, out=out, bias=bias)
-    if rows and not x.is_cuda and x.dtype == weight.dtype in _HALF:  # oneDNN: rounded rows, packed weights
+    if rows and not x.is_cuda and x.dtype == weight.dtype in HALF_DTYPES:  # oneDNN: rounded rows, packed weights
         y = cpu_linear(x, weight, bias, getattr(layer, "cpu_packed_weight", None))
         y = y if out_dtype is None else y.to(out_dtype)
         return y if out is None else out.copy_(y)
@@ -120,68 +120,6 @@ def skinny_linear(
         # No cast to make: the matmul F.linear runs for 2-D input, writing `out` itself.
         return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
     return out.copy_(F.linear(x, weight, bias))
-
-
-_HALF = (torch.bfloat16, torch.float16)
-
-
-def cpu_matmul_rows(rows: int, x: Optional[torch.Tensor] = None) -> int:
-    """The row count a bf16/fp16 matmul of `rows` rows (of `x`, when given: the count as it is unless x is a
-    half-precision CPU tensor) runs at on the CPU: up to 16 as it is, above that rounded up to eight counts an
-    octave (at most 1/8 more rows).
-
-    torch runs these matmuls through oneDNN, which builds (JIT-compiles) a kernel for every new shape and keeps
-    it: ~3 ms a matrix on the developers' AMX Xeon, so an engine whose steps carry ever new token counts
-    (prefill chunks beside decode rows) paid ~15 ms at each new count for the layer shapes and the LM head,
-    more than such a step's matmuls themselves at a few rows. Rounded, the counts a server meets are a few
-    dozen, each built once."""
-    if x is not None and (x.is_cuda or x.dtype not in _HALF):
-        return rows
-    if rows <= 16:
-        return rows
-    step = 1 << (rows.bit_length() - 4)
-    return -(-rows // step) * step
-
-
-def cpu_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x (M, K) on the CPU, its rows padded with zeros to cpu_matmul_rows(M, x)
-    and weight's to cpu_matmul_rows(N, weight) (rows of a weight gathered per step: the LM head's at a
-    grammar's tokens), the (M, N) block of the product returned. `packed`: the weight as pack_cpu_linears
-    reordered it for oneDNN, used in its place (the same product within bf16's rounding; bitwise at most
-    shapes)."""
-    m, n = x.shape[0], weight.shape[0]
-    pm, pn = cpu_matmul_rows(m, x), n if packed is not None else cpu_matmul_rows(n, weight)
-    if pm != m:
-        x = torch.cat([x, x.new_zeros(pm - m, x.shape[1])])
-    if packed is not None:
-        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-        return y if pm == m else y[:m]
-    if pn != n:
-        weight = torch.cat([weight, weight.new_zeros(pn - n, weight.shape[1])])
-        bias = None if bias is None else torch.cat([bias, bias.new_zeros(pn - n)])
-    y = F.linear(x, weight, bias)
-    return y if (pm, pn) == (m, n) else y[:m, :n]
-
-
-def pack_cpu_linears(model: nn.Module, memory_share: float = 0.25) -> int:
-    """Give each bf16/fp16 nn.Linear of `model` on the CPU its weight reordered into oneDNN's blocked layout
-    (`cpu_packed_weight`, which skinny_linear then multiplies by): torch's F.linear reorders the weight on every
-    call, and for a decode step's few rows that is a third of the matmul (the default model's 16-row step:
-    layer matmuls 15 -> 9 ms on an AMX Xeon). The plain weight stays (checkpoint names, LoRA shapes, the tied LM
-    head's rows), so the packed copies cost as many bytes again: none are made where they would take more than
-    `memory_share` of the machine's memory. Returns how many layers were packed; none where torch has no
-    oneDNN."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
-    layers = [m for m in model.modules() if type(m) is nn.Linear and not m.weight.is_cuda and m.weight.dtype in _HALF]
-    extra = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-    if extra > memory_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
-        return 0
-    for m in layers:
-        m.cpu_packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 16)
-    return len(layers)
 
 
 def _split_k_workspace(layer: nn.Module):

@@ -22,11 +22,11 @@ from ..forward_batch import ForwardBatch
 from ..quant.fp8 import Fp8Rows
 from . import layers
 from .config import ModelConfig
+from .cpu_matmul import cpu_linear
 from .layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
-    cpu_linear,
     fuses_decode_row,
     norm_for_linear,
     norm_linear,

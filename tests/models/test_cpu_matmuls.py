@@ -1,4 +1,4 @@
-"""Half-precision matmuls on the CPU at rounded row counts (models/layers.cpu_matmul_rows, cpu_linear) and their
+"""Half-precision matmuls on the CPU at rounded row counts (models/cpu_matmul.py: cpu_matmul_rows, cpu_linear) and their
 start-up warm-up (executor/warmup.warm_up_cpu_matmuls): the products are the unpadded ones, row for row."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from plait.runtime.executor.warmup import warm_up_cpu_matmuls
-from plait.runtime.models.layers import cpu_linear, cpu_matmul_rows, pack_cpu_linears, skinny_linear
+from plait.runtime.models.cpu_matmul import cpu_linear, cpu_matmul_rows, pack_cpu_linears
+from plait.runtime.models.layers import skinny_linear
 from torch import nn
 
 
