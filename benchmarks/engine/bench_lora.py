@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -30,9 +31,23 @@ from plait.runtime import Engine  # noqa: E402
 from plait.runtime.models.config import BUILTIN_SHAPES  # noqa: E402
 
 
-def throughput(eng: Engine, batch: int, prompt_len: int, new_tokens: int, adapters: list) -> tuple[float, float]:
+def step_delta(before: dict, after: dict) -> dict:
+    """The steps by kind (count, rows, tokens, device ms) between two `get_stats()["steps"]`."""
+    out = {}
+    for kind, t in (after or {}).items():
+        if isinstance(t, dict) and "steps" in t and t["steps"] > before[kind]["steps"]:
+            d = {k: t[k] - before[kind][k] for k in ("steps", "rows", "tokens", "device_s", "wall_s")}
+            d["device_ms"], d["wall_ms"] = round(d.pop("device_s") * 1e3, 2), round(d.pop("wall_s") * 1e3, 2)
+            out[kind] = d
+    return out
+
+
+def throughput(
+    eng: Engine, batch: int, prompt_len: int, new_tokens: int, adapters: list, steps: Optional[list] = None
+) -> tuple[float, float]:
     """Output tok/s of one batch (`adapters[i % len]` for request i; [None]: the base model): the first run,
-    in which the batch's adapters are first copied into their device slots (cold), and a second (warm)."""
+    in which the batch's adapters are first copied into their device slots (cold), and a second (warm).
+    `steps`: where the warm run's steps by kind are appended (device time under enable_step_timing)."""
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]  # distinct prompts
     sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     lora = [adapters[i % len(adapters)] for i in range(batch)]
@@ -40,9 +55,12 @@ def throughput(eng: Engine, batch: int, prompt_len: int, new_tokens: int, adapte
     rates = []
     for _ in range(2):
         eng.flush_cache()
+        before = eng.get_stats().get("steps") if steps is not None else None
         start = time.perf_counter()
         outs = eng.generate(input_ids=prompts, sampling_params=sp, lora_path=lora)
         rates.append(sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - start))
+    if steps is not None:
+        steps.append(step_delta(before, eng.get_stats().get("steps")))
     return rates[0], rates[1]
 
 
@@ -55,13 +73,22 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=256 if cuda else 32)
     p.add_argument("--new-tokens", type=int, default=128 if cuda else 16)
+    p.add_argument("--step-timing", action="store_true", help="each warm run's steps by kind, with device time")
     args = p.parse_args()
     shape = BUILTIN_SHAPES[args.model]
     common = dict(model_path=args.model, load_format="dummy", max_running_requests=max(args.batches))
+    if args.step_timing:
+        common["enable_step_timing"] = True
     rows = []
+    base_steps: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         with Engine(**common) as eng:
-            base = {b: throughput(eng, b, args.prompt_len, args.new_tokens, [None])[1] for b in args.batches}
+            base = {}
+            for b in args.batches:
+                steps: Optional[list] = [] if args.step_timing else None
+                base[b] = throughput(eng, b, args.prompt_len, args.new_tokens, [None], steps)[1]
+                if steps:
+                    base_steps[b] = steps[0]
         paths = write_adapters(tmp, shape, args.rank, max(args.adapters))
         lora_args = dict(
             lora_paths=[f"a{i}={path}" for i, path in enumerate(paths)],
@@ -71,8 +98,12 @@ def main() -> None:
         with Engine(**common, **lora_args) as eng:
             for b in args.batches:
                 for n in sorted({min(n, b) for n in args.adapters}):  # no more adapters than requests
-                    cold, tps = throughput(eng, b, args.prompt_len, args.new_tokens, [f"a{i}" for i in range(n)])
+                    steps = [] if args.step_timing else None
+                    names = [f"a{i}" for i in range(n)]
+                    cold, tps = throughput(eng, b, args.prompt_len, args.new_tokens, names, steps)
                     rows.append({"batch": b, "adapters": n, "tok_s": tps, "cold_tok_s": cold, "base_tok_s": base[b]})
+                    if steps:
+                        rows[-1].update(steps=steps[0], base_steps=base_steps.get(b))
     print(f"{args.model} dummy weights, rank {args.rank} on all projections, {args.new_tokens} new tokens")
     print(f"{'batch':>6} {'adapters':>9} {'base tok/s':>11} {'LoRA tok/s':>11} {'x base':>7} {'first run':>10}")
     for r in rows:
@@ -81,6 +112,10 @@ def main() -> None:
             f"{r['batch']:>6} {r['adapters']:>9} {r['base_tok_s']:>11.1f} {r['tok_s']:>11.1f} {ratio:>7.2f} "
             f"{r['cold_tok_s'] / r['base_tok_s']:>10.2f}"
         )
+        for label, steps in (("LoRA", r.get("steps")), ("base", r.get("base_steps"))):
+            for kind, t in (steps or {}).items():
+                print(f"{'':>17} {label} {kind:>7}: {t['steps']} steps, {t['tokens']} tokens, "
+                      f"{t['device_ms']:.1f} ms device, {t['wall_ms']:.1f} ms wall")  # fmt: skip
     save("bench_lora", {"model": args.model, "rank": args.rank, "device": "cuda" if cuda else "cpu", "rows": rows})
 
 

@@ -8,8 +8,9 @@ segments of one adapter each.
   sub-projection j of the fused target (q | k | v; gate | up), one program per (segment, tile of its rows,
   tile of output columns), summing the P partials as it loads them (no atomics, no reduction kernel).
 
-Segments of one row each (the CUDA-graph form) take a GEMV path in both kernels (a broadcast product
-summed, no 16-row `tl.dot` tile of which 15 rows would be masked), chosen by a constexpr.
+Segments of one row each (the CUDA-graph form) take a GEMV path (a broadcast product summed, no 16-row
+`tl.dot` tile of which 15 rows would be masked): a constexpr of the shrink, an expand kernel of their own
+whose programs each take a few rows' tile of output columns.
 
 A segment of slot 0 (the base model) returns at once: its rows are left as the base matmul wrote them.
 Segments are device data ((S,) starts, lengths, slots), so a step can be captured in a CUDA graph: the
@@ -29,7 +30,11 @@ from ..uploads import to_device
 
 BLOCK_T = 16  # rows per tile (tl.dot needs at least 16)
 BLOCK_IN = 64  # the tiled shrink's step over the input features
-BLOCK_N = 64  # output columns per expand program
+BLOCK_N = 64  # output columns per expand program (runs)
+# One-row segments (decode): (segments, output columns) per expand program. NOTE: one row and 64 columns a
+# program made decode's expand thousands of programs of a few KB each (gate_up at 32 rows: 14,336);
+# bench_sgmv.py's per-token rows time the alternatives.
+ONE_ROW_EXPAND = (4, 128)
 ROW_TILE_ELEMS = 4096  # the one-row shrink's (BK, BI) accumulator: 32 fp32 registers a thread at 4 warps
 
 # How many slices of the input features the shrink splits into: enough programs for about two waves on an
@@ -159,12 +164,12 @@ def _expand_kernel(
     END2: tl.constexpr,
     K: tl.constexpr,
     R: tl.constexpr,
-    ONE_ROW: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """Segments of runs: one program per (segment, tile of its rows, tile of output columns)."""
     seg, tile, tile_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(SegSlot + seg)
     n = tl.load(SegLen + seg)
@@ -177,52 +182,96 @@ def _expand_kernel(
     first_col = tile_n * BLOCK_N
     cols = first_col + tl.arange(0, BLOCK_N)  # (BN,) columns of the fused output
     b_base = B + slot.to(tl.int64) * stride_bs + layer * stride_bl
-    if ONE_ROW:
-        row = tl.load(SegStart + seg).to(tl.int64)
-        delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j in tl.static_range(SUBS):
-            lo = END0 if j == 1 else (END1 if j == 2 else 0)  # sub-projection j's columns [lo, hi)
-            hi = END0 if j == 0 else (END1 if j == 1 else END2)
-            if (first_col < hi) & (first_col + BLOCK_N > lo):  # this tile holds columns of sub-projection j
-                part_ptrs = Partials + ps[:, None].to(tl.int64) * split_stride + row * K + j * R + rs[None, :]
-                s = tl.sum(tl.load(part_ptrs, mask=p_mask[:, None] & r_mask[None, :], other=0.0), axis=0)  # (BR,)
-                n_mask = (cols >= lo) & (cols < hi)
-                b = tl.load(
-                    b_base + cols[:, None] * stride_bo + rs[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
-                )
-                delta += tl.sum(b.to(tl.float32) * s[None, :], axis=1)  # (BN,)
-        mask = cols < END2
-        y_ptrs = Y + row * stride_yt + cols
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=mask)
-    else:
-        local = tile * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
-        rows = tl.load(SegStart + seg).to(tl.int64) + local
-        row_mask = local < n
-        delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(SUBS):
-            lo = END0 if j == 1 else (END1 if j == 2 else 0)  # sub-projection j's columns [lo, hi)
-            hi = END0 if j == 0 else (END1 if j == 1 else END2)
-            if (first_col < hi) & (first_col + BLOCK_N > lo):
-                part_ptrs = (
-                    Partials
-                    + ps[:, None, None].to(tl.int64) * split_stride
-                    + rows[None, :, None] * K
-                    + j * R
-                    + rs[None, None, :]
-                )  # (BP, BT, BR)
-                part_mask = p_mask[:, None, None] & row_mask[None, :, None] & r_mask[None, None, :]
-                s = tl.sum(tl.load(part_ptrs, mask=part_mask, other=0.0), axis=0)  # (BT, BR)
-                n_mask = (cols >= lo) & (cols < hi)
-                b = tl.load(
-                    b_base + cols[:, None] * stride_bo + rs[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
-                )
-                # NOTE: the shrunk rows rounded to the adapter's dtype, as the torch path's matmuls round them
-                delta += tl.dot(s.to(b.dtype), tl.trans(b), input_precision="ieee")  # (BT, BN)
-        y_ptrs = Y + rows[:, None] * stride_yt + cols[None, :]
-        mask = row_mask[:, None] & (cols < END2)[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=mask)
+    local = tile * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
+    rows = tl.load(SegStart + seg).to(tl.int64) + local
+    row_mask = local < n
+    delta = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(SUBS):
+        lo = END0 if j == 1 else (END1 if j == 2 else 0)  # sub-projection j's columns [lo, hi)
+        hi = END0 if j == 0 else (END1 if j == 1 else END2)
+        if (first_col < hi) & (first_col + BLOCK_N > lo):  # this tile holds columns of sub-projection j
+            part_ptrs = (
+                Partials
+                + ps[:, None, None].to(tl.int64) * split_stride
+                + rows[None, :, None] * K
+                + j * R
+                + rs[None, None, :]
+            )  # (BP, BT, BR)
+            part_mask = p_mask[:, None, None] & row_mask[None, :, None] & r_mask[None, None, :]
+            s = tl.sum(tl.load(part_ptrs, mask=part_mask, other=0.0), axis=0)  # (BT, BR)
+            n_mask = (cols >= lo) & (cols < hi)
+            b = tl.load(
+                b_base + cols[:, None] * stride_bo + rs[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
+            )
+            # NOTE: the shrunk rows rounded to the adapter's dtype, as the torch path's matmuls round them
+            delta += tl.dot(s.to(b.dtype), tl.trans(b), input_precision="ieee")  # (BT, BN)
+    y_ptrs = Y + rows[:, None] * stride_yt + cols[None, :]
+    mask = row_mask[:, None] & (cols < END2)[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_segs", "layer", "split_stride"])
+def _expand_rows_kernel(
+    Partials,
+    B,
+    Y,
+    SegStart,
+    SegSlot,
+    num_segs,
+    layer,
+    split_stride,
+    stride_yt,
+    stride_bs,
+    stride_bl,
+    stride_bo,
+    SPLITS: tl.constexpr,
+    SUBS: tl.constexpr,
+    END0: tl.constexpr,
+    END1: tl.constexpr,
+    END2: tl.constexpr,
+    K: tl.constexpr,
+    R: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Segments of one row (decode): one program per (ROWS segments, tile of output columns), a broadcast
+    product summed per row (no 16-row `tl.dot` tile of which 15 rows would be masked)."""
+    group, tile_n = tl.program_id(0), tl.program_id(1)
+    ps = tl.arange(0, BLOCK_P)  # (BP,) the shrink's splits
+    p_mask = ps < SPLITS
+    rs = tl.arange(0, BLOCK_R)  # (BR,)
+    r_mask = rs < R
+    first_col = tile_n * BLOCK_N
+    cols = first_col + tl.arange(0, BLOCK_N)  # (BN,) columns of the fused output
+    for i in tl.static_range(ROWS):
+        seg = group * ROWS + i
+        if seg < num_segs:
+            slot = tl.load(SegSlot + seg)
+            if slot != 0:  # a base row is left as the base matmul wrote it
+                row = tl.load(SegStart + seg).to(tl.int64)
+                b_base = B + slot.to(tl.int64) * stride_bs + layer * stride_bl
+                delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for j in tl.static_range(SUBS):
+                    lo = END0 if j == 1 else (END1 if j == 2 else 0)  # sub-projection j's columns [lo, hi)
+                    hi = END0 if j == 0 else (END1 if j == 1 else END2)
+                    if (first_col < hi) & (first_col + BLOCK_N > lo):  # the tile holds columns of j
+                        part_ptrs = Partials + ps[:, None].to(tl.int64) * split_stride + row * K + j * R + rs[None, :]
+                        part_mask = p_mask[:, None] & r_mask[None, :]
+                        s = tl.sum(tl.load(part_ptrs, mask=part_mask, other=0.0), axis=0)  # (BR,)
+                        n_mask = (cols >= lo) & (cols < hi)
+                        b = tl.load(
+                            b_base + cols[:, None] * stride_bo + rs[None, :],
+                            mask=n_mask[:, None] & r_mask[None, :],
+                            other=0.0,
+                        )
+                        delta += tl.sum(b.to(tl.float32) * s[None, :], axis=1)  # (BN,)
+                mask = cols < END2
+                y_ptrs = Y + row * stride_yt + cols
+                y = tl.load(y_ptrs, mask=mask, other=0.0)
+                tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=mask)
 
 
 class Segments:
@@ -297,19 +346,7 @@ def sgmv_apply(
     )
     ends = [sum(splits[: j + 1]) for j in range(len(splits))]
     ends += [ends[-1]] * (3 - len(ends))
-    _expand_kernel[(num_segs, row_tiles, triton.cdiv(ends[-1], BLOCK_N))](
-        partials,
-        b_all,
-        y,
-        segments.starts,
-        segments.lengths,
-        segments.slots,
-        layer,
-        T * K,
-        y.stride(0),
-        b_all.stride(0),
-        b_all.stride(1),
-        b_all.stride(2),
+    common = dict(
         SPLITS=num_splits,
         SUBS=len(splits),
         END0=ends[0],
@@ -317,10 +354,21 @@ def sgmv_apply(
         END2=ends[2],
         K=K,
         R=rank,
-        ONE_ROW=one_row,
-        BLOCK_T=BLOCK_T,
         BLOCK_P=triton.next_power_of_2(num_splits),
         BLOCK_R=_block(rank),
-        BLOCK_N=BLOCK_N,
     )
+    strides = (y.stride(0), b_all.stride(0), b_all.stride(1), b_all.stride(2))
+    if one_row:
+        rows, block_n = ONE_ROW_EXPAND
+        grid = (triton.cdiv(num_segs, rows), triton.cdiv(ends[-1], block_n))
+        _expand_rows_kernel[grid](
+            partials, b_all, y, segments.starts, segments.slots, num_segs, layer, T * K, *strides,
+            ROWS=rows, BLOCK_N=block_n, **common,
+        )  # fmt: skip
+    else:
+        grid = (num_segs, row_tiles, triton.cdiv(ends[-1], BLOCK_N))
+        _expand_kernel[grid](
+            partials, b_all, y, segments.starts, segments.lengths, segments.slots, layer, T * K, *strides,
+            BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, **common,
+        )  # fmt: skip
     return y

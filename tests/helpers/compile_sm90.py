@@ -149,9 +149,15 @@ def lora_variants():
         ends = [sum(outs[: j + 1]) for j in range(len(outs))]
         ends += [ends[-1]] * (3 - len(ends))
         expand = dict(SPLITS=splits, SUBS=len(outs), END0=ends[0], END1=ends[1], END2=ends[2], K=K, R=rank,
-                      ONE_ROW=one_row, BLOCK_T=sgmv.BLOCK_T, BLOCK_P=triton.next_power_of_2(splits),
-                      BLOCK_R=sgmv._block(rank), BLOCK_N=sgmv.BLOCK_N)  # fmt: skip
-        yield f"lora expand {target} {form}", sgmv._expand_kernel, expand, pointers, {}
+                      BLOCK_P=triton.next_power_of_2(splits), BLOCK_R=sgmv._block(rank))  # fmt: skip
+        if one_row:
+            rows, block_n = sgmv.ONE_ROW_EXPAND
+            expand.update(ROWS=rows, BLOCK_N=block_n)
+            kernel = sgmv._expand_rows_kernel
+        else:
+            expand.update(BLOCK_T=sgmv.BLOCK_T, BLOCK_N=sgmv.BLOCK_N)
+            kernel = sgmv._expand_kernel
+        yield f"lora expand {target} {form}", kernel, expand, pointers, {}
 
 
 def matmul_variants():

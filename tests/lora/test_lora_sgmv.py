@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.hopper_compile import compile_for_hopper, ptxas_shipped
 from plait.runtime.lora.adapter import TARGETS, LoraAdapter, LoraShapes
-from plait.runtime.lora.matmul import LoraBatch
+from plait.runtime.lora.matmul import LONG_RUN_ROWS, LoraBatch
 from plait.runtime.lora.sgmv import Segments, sgmv_apply, shrink_plan
 from plait.runtime.lora.slots import LoraSlots
 
@@ -236,23 +236,25 @@ def test_gpu_step_rows_go_up_without_waiting_for_the_device():
 @pytest.mark.parametrize("shapes", [SHAPES, WIDE], ids=["small", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype, shapes):
-    """What the runner runs on a GPU: LoraBatch picks the kernels (segments eagerly; one per token in a
-    captured graph, replayed with other slots), equal to the CPU's torch segments within the dtype. WIDE's
-    fan-in the rule splits (two partials) in the graph's one-row form."""
+    """What the runner runs on a GPU: LoraBatch picks the kernels (short runs as segments eagerly, long ones
+    as cuBLAS matmuls; one segment per token in a captured graph, replayed with other slots), equal to the
+    CPU's torch segments within the dtype. WIDE's fan-in the rule splits (two partials) in the graph's
+    one-row form."""
     cpu, gpu = _cuda_pool(dtype, shapes)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=5e-2)
-    request_slots, tokens = [2, 0, 1, 3, 2], [40, 3, 17, 1, 70]
+    request_slots, tokens = [2, 0, 1, 3, 2, 1], [40, 3, 17, 1, 70, LONG_RUN_ROWS + 9]
     T = sum(tokens)
     x = torch.randn(T, shapes.hidden)
     y = torch.randn(T, gpu.b["qkv"].shape[2])
     last = shapes.num_layers - 1  # (WIDE has one layer)
     want = LoraBatch.of_rows(cpu, request_slots, tokens).apply(last, "qkv", x, y.clone())
     eager = LoraBatch.of_rows(gpu, request_slots, tokens)
-    assert eager.device_segments is not None
+    assert eager.device_segments is not None and eager.device_segments.longest == 70
+    assert eager.matmul_runs == [(131, 131 + LONG_RUN_ROWS + 9, 1)]
     got = eager.apply(last, "qkv", x.to("cuda", dtype), y.to("cuda", dtype))
     torch.testing.assert_close(got.float().cpu(), want, **tol)
     # a decode batch in a graph: the slots are data
-    bs = 8
+    bs = 11  # not a multiple of the one-row expand's rows a program
     slots = torch.zeros(bs, dtype=torch.int64, device="cuda")
     xs, ys = (
         torch.randn(bs, shapes.hidden, device="cuda", dtype=dtype),
@@ -264,7 +266,7 @@ def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype, shapes):
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         out.copy_(LoraBatch(gpu, slots).apply(0, "qkv", xs, ys.clone()))
-    for row_slots in ([1, 0, 2, 3, 3, 0, 1, 2], [0] * bs, [3] * bs):
+    for row_slots in ([1, 0, 2, 3, 3, 0, 1, 2, 2, 0, 1], [0] * bs, [3] * bs):
         slots.copy_(torch.tensor(row_slots))
         graph.replay()
         ref = LoraBatch.of_rows(cpu, row_slots, [1] * bs).apply(0, "qkv", xs.float().cpu(), ys.float().cpu())
