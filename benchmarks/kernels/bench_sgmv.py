@@ -3,8 +3,8 @@ rank 16, 8 adapters, in both forms a step gives them, beside the base projection
 cuBLAS) at the same rows:
 
 - one segment per token (the decode CUDA graphs; T = 1 .. 256): the split-K shrink and the one-row expand
-  at each of `--expand-grids` (segments x output columns per expand program; 1x64 is the kernel before
-  ONE_ROW_EXPAND), the fastest marked;
+  at the rules' plan ("rule"), at each of `--expand-grids` (rows x output columns an expand program), and
+  at each of `--splits` (the shrink's slices of the input features), the fastest marked;
 - runs of one adapter (eager steps; T / 8 rows each, T = 64 .. 8,192): the SGMV kernels' 16-row tiles
   against two cuBLAS matmuls per run (`add_runs_by_matmul`, what LoraBatch does from LONG_RUN_ROWS rows).
 
@@ -64,7 +64,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="toy sizes, one layer (the CPU interpreter's run)")
     ap.add_argument("--rows", type=int, nargs="+", default=None, help="per-token T (default 1 8 32 64 128 256)")
     ap.add_argument("--run-rows", type=int, nargs="+", default=None, help="runs' T (default 64 .. 8192)")
-    ap.add_argument("--expand-grids", nargs="+", default=["1x64", "2x64", "4x64", "4x128", "8x128", "4x256", "8x256"])
+    ap.add_argument("--expand-grids", nargs="+", default=["1x64", "2x64", "4x128", "4x256", "8x256"])
+    ap.add_argument("--splits", type=int, nargs="+", default=[8, 16, 32, 64], help="the shrink's, one-row form")
     ap.add_argument("--targets", nargs="+", default=list(TARGETS_8B), choices=list(TARGETS_8B))
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
@@ -98,7 +99,6 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "rank": R, "adapters": S,
               "layers": layers, "dtype": str(dtype), "smoke": args.smoke, "rows": []}  # fmt: skip
-    default_grid = sgmv.ONE_ROW_EXPAND
     for name in args.targets:
         fan_in, splits = targets[name]
         out = sum(splits)
@@ -119,29 +119,29 @@ def main() -> None:
                 segs = segments_of(form, T, S, device)
                 runs = [(int(s0), int(s0 + n), int(slot)) for s0, n, slot in
                         zip(segs.starts.tolist(), segs.lengths.tolist(), segs.slots.tolist())]  # fmt: skip
-                variants = {}
+                # label -> (the shrink's splits, the one-row expand's grid); None: the rule's
+                variants: dict = {"rule": (None, None)} if form == "per_token" else {"sgmv": (None, None)}
                 if form == "per_token":
-                    for grid in grids:
-                        variants[f"{grid[0]}x{grid[1]}"] = grid
+                    variants.update({f"{g[0]}x{g[1]}": (None, g) for g in grids})
+                    variants.update({f"P={p}": (p, None) for p in args.splits})
                 else:
-                    variants = {"sgmv": None, "cublas": None}
+                    variants["cublas"] = (None, None)
 
                 def call(label, i, ys):
                     if label == "cublas":
                         add_runs_by_matmul(runs, a_all, b_all, i, R, splits, x, ys)
                     else:
-                        sgmv.sgmv_apply(segs, a_all, b_all, i, R, splits, x, ys)
+                        in_splits, grid = variants[label]
+                        sgmv.sgmv_apply(segs, a_all, b_all, i, R, splits, x, ys, in_splits, grid)
 
                 times, first, diff = {}, None, 0.0
-                for label, grid in variants.items():
-                    sgmv.ONE_ROW_EXPAND = grid or default_grid
+                for label in variants:
                     got = y.clone()
                     call(label, 0, got)
                     first = got if first is None else first
                     diff = max(diff, (got.float() - first.float()).abs().max().item())
                     ys = y.clone()
                     times[label] = time_of(lambda label=label: [call(label, i, ys) for i in range(layers)]) / layers
-                sgmv.ONE_ROW_EXPAND = default_grid
                 best = min(times, key=times.get)
                 row = {"target": name, "T": T, "form": form, "us": {k: v * 1e6 for k, v in times.items()},
                        "best": best, "base_us": base_s * 1e6, "max_abs_diff": diff}  # fmt: skip

@@ -9,9 +9,9 @@ Two ways to pick each row's A and B, one result:
   gathered per token (a batched matmul); slot 0 holds zeros, so base rows add exactly zero. No host
   value decides anything, so a graph captured once replays with any adapters in any rows.
 
-On a GPU the gathered form and short runs are the Triton SGMV kernels (sgmv.py: one segment per token, or
-the runs as segments); runs of at least LONG_RUN_ROWS rows (a prompt's prefill) are the two matmuls of the
-segments form, on cuBLAS.
+On a GPU both are the Triton SGMV kernels (sgmv.py): the runs as segments, or one segment per token.
+NOTE: cuBLAS's two matmuls per run (`add_runs_by_matmul` on a GPU) measured 1.2-7x slower than the kernels
+for runs of 16 to 1,024 rows on an H100 (bench_sgmv.py's runs rows), so prefills take the kernels too.
 """
 
 from __future__ import annotations
@@ -25,13 +25,6 @@ from .slots import LoraSlots
 
 if TYPE_CHECKING:
     from .sgmv import Segments
-
-# NOTE: a run this long is two cuBLAS matmuls (x @ A^T, then y += shrunk @ B^T in place) rather than the
-# SGMV kernels' 16-row tiles: those re-read the adapter's A once per tile and add into y in 16 x 64
-# pieces, where cuBLAS reads A once and writes y in large tiles (a prefill of 8 runs of 1,024 rows paid
-# ~0.6x the base's speed for its LoRA). The kernels keep what cuBLAS launches too many small calls for:
-# decode rows and short runs. Where it crosses over: bench_sgmv.py's runs rows, "cublas" against "sgmv".
-LONG_RUN_ROWS = 128
 
 
 def add_runs_by_matmul(
@@ -69,22 +62,16 @@ class LoraBatch:
         self.token_slots = token_slots  # (T,) int64 on the device: each token's slot (0: no adapter)
         # (first token, end, slot) runs of one adapter, base runs left out; None: gather per token.
         self.segments = segments
-        # The runs done as two matmuls each (on the CPU all of them; on a GPU the long ones) ...
-        self.matmul_runs = segments or []
-        # ... and on a GPU the rest as device data for the Triton kernels, made once per step (every layer
-        # reads it): the short runs, or one segment per token.
+        # On a GPU, the same as device data for the Triton kernels, made once per step (every layer reads it).
         self.device_segments: Optional[Segments] = None
         if token_slots.is_cuda:
             # (imported here: Triton is a GPU dependency; a CPU process never loads it)
             from .sgmv import Segments
 
-            if segments is None:
-                self.device_segments = Segments.per_token(token_slots)
-            else:
-                self.matmul_runs = [run for run in segments if run[1] - run[0] >= LONG_RUN_ROWS]
-                short = [run for run in segments if run[1] - run[0] < LONG_RUN_ROWS]
-                if short:
-                    self.device_segments = Segments.of_runs(short, token_slots.device)
+            on_host = segments is not None
+            self.device_segments = (
+                Segments.of_runs(segments, token_slots.device) if on_host else Segments.per_token(token_slots)
+            )
 
     @classmethod
     def of_rows(cls, slots: LoraSlots, request_slots: list[int], tokens_per_request: list[int]) -> "LoraBatch":
@@ -110,12 +97,12 @@ class LoraBatch:
         adapter added (in place where y is written; returned)."""
         a_all, b_all = self.pool.a[target], self.pool.b[target]  # (S+1, L, n*R, in), (S+1, L, out, R)
         rank, splits = self.pool.max_rank, self.pool.out_splits[target]
-        add_runs_by_matmul(self.matmul_runs, a_all, b_all, layer, rank, splits, x, y)
         if self.device_segments is not None:
             from .sgmv import sgmv_apply
 
-            sgmv_apply(self.device_segments, a_all, b_all, layer, rank, splits, x, y)
-        if self.segments is not None or self.device_segments is not None:
+            return sgmv_apply(self.device_segments, a_all, b_all, layer, rank, splits, x, y)
+        if self.segments is not None:
+            add_runs_by_matmul(self.segments, a_all, b_all, layer, rank, splits, x, y)
             return y
         a = a_all[:, layer].index_select(0, self.token_slots)  # (T, subs * R, in)
         shrunk = torch.bmm(a, x.unsqueeze(-1))  # (T, subs * R, 1)

@@ -30,11 +30,13 @@ from ..uploads import to_device
 
 BLOCK_T = 16  # rows per tile (tl.dot needs at least 16)
 BLOCK_IN = 64  # the tiled shrink's step over the input features
-BLOCK_N = 64  # output columns per expand program (runs)
-# One-row segments (decode): (segments, output columns) per expand program. NOTE: one row and 64 columns a
-# program made decode's expand thousands of programs of a few KB each (gate_up at 32 rows: 14,336);
-# bench_sgmv.py's per-token rows time the alternatives.
-ONE_ROW_EXPAND = (4, 128)
+BLOCK_N = 64  # output columns per expand program
+# One-row segments (decode): the expand's (segments, output columns) a program, by how many programs one
+# row and BLOCK_N columns each would make. NOTE: H100, bench_sgmv.py: up to ~3,000 such programs one a
+# program is fastest (qkv, o, down at 32 rows); from ~8,000 (gate_up at 32 rows: 14,336; everything at
+# 128 rows) 4 rows x 256 columns is, by 10-40% (each program walks its rows in turn, which costs where
+# programs are few).
+ONE_ROW_EXPAND_MANY = 4096
 ROW_TILE_ELEMS = 4096  # the one-row shrink's (BK, BI) accumulator: 32 fp32 registers a thread at 4 warps
 
 # How many slices of the input features the shrink splits into: enough programs for about two waves on an
@@ -43,6 +45,10 @@ ROW_TILE_ELEMS = 4096  # the one-row shrink's (BK, BI) accumulator: 32 fp32 regi
 # and at most MAX_SPLITS_ROW / MAX_SPLITS_TILE, what the expand holds in registers as it sums them
 # ((P, BR) for one row, (P, BT, BR) for a tile).
 TARGET_PROGRAMS = 264
+# One-row segments' programs are a row's slice of the features, whose loop waits on each load: NOTE: at
+# 264 programs T = 32 took slices of 512 (down: 1,792) features and T = 128 of 2,048 (qkv 42.8 us against
+# the base matmul's 20.7, H100); ONE_ROW_PROGRAMS keeps each SM several programs deep instead.
+ONE_ROW_PROGRAMS = 2048
 MIN_SLICE_IN = 128
 MAX_SPLITS_ROW = 64
 MAX_SPLITS_TILE = 8
@@ -51,6 +57,11 @@ MAX_SPLITS_TILE = 8
 def _block(n: int) -> int:
     """A tl.dot dimension of at least 16 (what the GPU's dot needs) holding `n`."""
     return max(16, triton.next_power_of_2(n))
+
+
+def one_row_expand_grid(num_segs: int, fan_out: int) -> tuple[int, int]:
+    """(segments, output columns) per program of the one-row expand over `num_segs` rows."""
+    return (4, 256) if num_segs * triton.cdiv(fan_out, BLOCK_N) > ONE_ROW_EXPAND_MANY else (1, BLOCK_N)
 
 
 def shrink_plan(
@@ -66,7 +77,8 @@ def shrink_plan(
     if in_splits is None:
         programs = num_segs * triton.cdiv(longest, BLOCK_T)
         most = MAX_SPLITS_ROW if one_row else MAX_SPLITS_TILE
-        in_splits = min(TARGET_PROGRAMS // programs, fan_in // MIN_SLICE_IN, most)
+        target = ONE_ROW_PROGRAMS if one_row else TARGET_PROGRAMS
+        in_splits = min(target // programs, fan_in // MIN_SLICE_IN, most)
         if not one_row and fan_out is not None and (fan_out > 4 * fan_in or (longest >= 64 and fan_out >= fan_in)):
             # NOTE: the expand reads every split's partials once per BLOCK_N output columns: for row tiles
             # of a wide target (gate_up: 28,672 columns over 4,096 features) or long runs of an adapter
@@ -307,10 +319,12 @@ def sgmv_apply(
     x: torch.Tensor,
     y: torch.Tensor,
     in_splits: Optional[int] = None,
+    expand_grid: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
     """y (T, out) += each segment's adapter over x (T, in): A `a_all` (S+1, L, subs * R, in), B `b_all`
     (S+1, L, out, R), `splits` the sub-projections' output sizes (at most three); y written in place and
-    returned. `in_splits`: the shrink's split of `in`, where not the rule's (`shrink_plan`)."""
+    returned. `in_splits`: the shrink's split of `in`, `expand_grid`: the one-row expand's (rows, columns)
+    a program, where not the rules' (`shrink_plan`, `one_row_expand_grid`; the tests and benchmark)."""
     T, fan_in = x.shape
     num_segs = segments.starts.shape[0]
     if T == 0 or num_segs == 0 or segments.longest == 0:
@@ -359,7 +373,7 @@ def sgmv_apply(
     )
     strides = (y.stride(0), b_all.stride(0), b_all.stride(1), b_all.stride(2))
     if one_row:
-        rows, block_n = ONE_ROW_EXPAND
+        rows, block_n = expand_grid or one_row_expand_grid(num_segs, ends[-1])
         grid = (triton.cdiv(num_segs, rows), triton.cdiv(ends[-1], block_n))
         _expand_rows_kernel[grid](
             partials, b_all, y, segments.starts, segments.slots, num_segs, layer, T * K, *strides,

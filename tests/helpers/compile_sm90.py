@@ -151,7 +151,7 @@ def lora_variants():
         expand = dict(SPLITS=splits, SUBS=len(outs), END0=ends[0], END1=ends[1], END2=ends[2], K=K, R=rank,
                       BLOCK_P=triton.next_power_of_2(splits), BLOCK_R=sgmv._block(rank))  # fmt: skip
         if one_row:
-            rows, block_n = sgmv.ONE_ROW_EXPAND
+            rows, block_n = sgmv.one_row_expand_grid(num_segs, sum(outs))
             expand.update(ROWS=rows, BLOCK_N=block_n)
             kernel = sgmv._expand_rows_kernel
         else:

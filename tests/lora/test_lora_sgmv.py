@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers.hopper_compile import compile_for_hopper, ptxas_shipped
 from plait.runtime.lora.adapter import TARGETS, LoraAdapter, LoraShapes
-from plait.runtime.lora.matmul import LONG_RUN_ROWS, LoraBatch
-from plait.runtime.lora.sgmv import Segments, sgmv_apply, shrink_plan
+from plait.runtime.lora.matmul import LoraBatch
+from plait.runtime.lora.sgmv import Segments, one_row_expand_grid, sgmv_apply, shrink_plan
 from plait.runtime.lora.slots import LoraSlots
 
 SHAPES = LoraShapes(num_layers=2, hidden=64, q_size=64, kv_size=32, intermediate=80)
@@ -80,7 +80,7 @@ def wide():
     return _random_pool(WIDE, 3)
 
 
-def _kernels(pool, request_slots, tokens, per_token, target, x, y, in_splits):
+def _kernels(pool, request_slots, tokens, per_token, target, x, y, in_splits, expand_grid=None):
     """The Triton kernels' y of one target over x, y, with the host's runs or one segment per token."""
     token_slots = torch.repeat_interleave(torch.tensor(request_slots), torch.tensor(tokens)).to(x.device)
     segments = (
@@ -89,7 +89,7 @@ def _kernels(pool, request_slots, tokens, per_token, target, x, y, in_splits):
         else Segments.of_runs(LoraBatch.of_rows(pool, request_slots, tokens).segments, x.device)
     )
     args = (pool.a[target], pool.b[target], 0, pool.max_rank, pool.out_splits[target])
-    return sgmv_apply(segments, *args, x, y.clone(), in_splits=in_splits)
+    return sgmv_apply(segments, *args, x, y.clone(), in_splits=in_splits, expand_grid=expand_grid)
 
 
 def _torch(pool, request_slots, tokens, target, x, y):
@@ -125,6 +125,23 @@ def test_split_k_shrink_equals_the_torch_segments(wide, per_token, in_splits, ba
         x = torch.randn(T, fan_in, generator=gen)
         y = torch.randn(T, wide.b[target].shape[2], generator=gen)
         got = _kernels(wide, request_slots, tokens, per_token, target, x, y, in_splits)
+        want, base_rows = _torch(wide, request_slots, tokens, target, x, y)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+        assert torch.equal(got[base_rows], y[base_rows]), target
+
+
+@pytest.mark.parametrize("expand_grid", [(4, 256), (3, 64)])
+def test_one_row_expand_with_rows_and_columns_a_program(wide, expand_grid):
+    """The one-row expand taking several rows (the last program's partly past the end) and wide column tiles
+    (across sub-projections' bounds): the torch path's sums, base rows untouched."""
+    request_slots, tokens = BATCHES["T33"]
+    T = sum(tokens)
+    gen = torch.Generator().manual_seed(5)
+    for target in ("qkv", "gate_up", "down"):
+        fan_in = WIDE.in_features(next(t for t in TARGETS if t.name == target))
+        x = torch.randn(T, fan_in, generator=gen)
+        y = torch.randn(T, wide.b[target].shape[2], generator=gen)
+        got = _kernels(wide, request_slots, tokens, True, target, x, y, None, expand_grid)
         want, base_rows = _torch(wide, request_slots, tokens, target, x, y)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
         assert torch.equal(got[base_rows], y[base_rows]), target
@@ -174,8 +191,8 @@ def _float32_copy(pool: LoraSlots) -> LoraSlots:
 
 def test_the_split_rule_at_the_8b_shape():
     """shrink_plan at Llama-3.1-8B's fan-ins, rank 16 (qkv K = 48, down K = 16): decode's one-row segments
-    split until ~264 programs or 128-feature slices; prefill's row tiles alone fill the GPU (one split)."""
-    for T, want_qkv, want_down in ((1, 32, 56), (8, 32, 28), (32, 8, 8), (128, 2, 2), (512, 1, 1)):
+    split until ~2,048 programs or 128-feature slices; prefill's row tiles alone fill the GPU (one split)."""
+    for T, want_qkv, want_down in ((1, 32, 56), (8, 32, 56), (32, 32, 56), (128, 16, 16), (512, 4, 4)):
         assert shrink_plan(T, 1, 4096, 48)[0] == want_qkv, T
         assert shrink_plan(T, 1, 14336, 16)[0] == want_down, T
     assert shrink_plan(1, 32, 4096, 48)[0] == 8  # one run of 32 rows: two tiles, at most 8 partials held
@@ -192,6 +209,14 @@ def test_the_split_rule_at_the_8b_shape():
         for T in (1, 3, 33, 300):
             splits, slice_in, block_in = shrink_plan(T, 1, fan_in, 48)
             assert slice_in % block_in == 0 and (splits - 1) * slice_in < fan_in <= splits * slice_in
+
+
+def test_the_one_row_expand_grid_by_programs():
+    # one row a program while rows x 64-column tiles stay few (decode's qkv, o, down at 32 rows); 4 rows x 256
+    # columns past ONE_ROW_EXPAND_MANY programs (gate_up's 28,672 columns at 32 rows, everything at 128)
+    assert [one_row_expand_grid(32, out) for out in (6144, 4096, 28672)] == [(1, 64), (1, 64), (4, 256)]
+    assert [one_row_expand_grid(128, out) for out in (6144, 4096)] == [(4, 256), (4, 256)]
+    assert one_row_expand_grid(1, 28672) == (1, 64)
 
 
 def test_sgmv_of_a_batch_without_adapters_changes_nothing(slots):
@@ -236,21 +261,19 @@ def test_gpu_step_rows_go_up_without_waiting_for_the_device():
 @pytest.mark.parametrize("shapes", [SHAPES, WIDE], ids=["small", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sgmv_compiled_on_the_gpu_eager_and_in_a_cuda_graph(dtype, shapes):
-    """What the runner runs on a GPU: LoraBatch picks the kernels (short runs as segments eagerly, long ones
-    as cuBLAS matmuls; one segment per token in a captured graph, replayed with other slots), equal to the
-    CPU's torch segments within the dtype. WIDE's fan-in the rule splits (two partials) in the graph's
-    one-row form."""
+    """What the runner runs on a GPU: LoraBatch picks the kernels (segments eagerly; one per token in a
+    captured graph, replayed with other slots), equal to the CPU's torch segments within the dtype. WIDE's
+    fan-in the rule splits (two partials) in the graph's one-row form."""
     cpu, gpu = _cuda_pool(dtype, shapes)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=5e-2)
-    request_slots, tokens = [2, 0, 1, 3, 2, 1], [40, 3, 17, 1, 70, LONG_RUN_ROWS + 9]
+    request_slots, tokens = [2, 0, 1, 3, 2, 1], [40, 3, 17, 1, 70, 137]
     T = sum(tokens)
     x = torch.randn(T, shapes.hidden)
     y = torch.randn(T, gpu.b["qkv"].shape[2])
     last = shapes.num_layers - 1  # (WIDE has one layer)
     want = LoraBatch.of_rows(cpu, request_slots, tokens).apply(last, "qkv", x, y.clone())
     eager = LoraBatch.of_rows(gpu, request_slots, tokens)
-    assert eager.device_segments is not None and eager.device_segments.longest == 70
-    assert eager.matmul_runs == [(131, 131 + LONG_RUN_ROWS + 9, 1)]
+    assert eager.device_segments is not None and eager.device_segments.longest == 137
     got = eager.apply(last, "qkv", x.to("cuda", dtype), y.to("cuda", dtype))
     torch.testing.assert_close(got.float().cpu(), want, **tol)
     # a decode batch in a graph: the slots are data
