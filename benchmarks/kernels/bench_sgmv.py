@@ -5,8 +5,8 @@ cuBLAS) at the same rows:
 - one segment per token (the decode CUDA graphs; T = 1 .. 256): the split-K shrink and the one-row expand
   at the rules' plan ("rule"), at each of `--expand-grids` (rows x output columns an expand program), and
   at each of `--splits` (the shrink's slices of the input features), the fastest marked;
-- runs of one adapter (eager steps; T / 8 rows each, T = 64 .. 8,192): the SGMV kernels' 16-row tiles
-  against two cuBLAS matmuls per run (`add_runs_by_matmul`, what LoraBatch does from LONG_RUN_ROWS rows).
+- runs of one adapter (eager steps; T / 8 rows each, T = 64 .. 8,192): the SGMV kernels at the rule's
+  expand tile and at each of `--run-tiles`, against two cuBLAS matmuls per run (`add_runs_by_matmul`).
 
 Each call timed as CUDA-graph replays over 32 layers of adapters (each replay walks every layer, so L2 does
 not keep a layer's A and B between calls) and the base over 8 weight copies; microseconds per call. Every
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--run-rows", type=int, nargs="+", default=None, help="runs' T (default 64 .. 8192)")
     ap.add_argument("--expand-grids", nargs="+", default=["1x64", "2x64", "4x128", "4x256", "8x256"])
     ap.add_argument("--splits", type=int, nargs="+", default=[8, 16, 32, 64], help="the shrink's, one-row form")
+    ap.add_argument("--run-tiles", nargs="+", default=["16x64", "64x128"], help="the runs' expand tiles")
     ap.add_argument("--targets", nargs="+", default=list(TARGETS_8B), choices=list(TARGETS_8B))
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
@@ -86,6 +87,7 @@ def main() -> None:
     token_rows = args.rows or ([1, 5] if args.smoke else [1, 8, 32, 64, 128, 256])
     run_rows = args.run_rows or ([33] if args.smoke else [64, 128, 512, 1024, 2048, 8192])
     grids = [tuple(int(v) for v in g.split("x")) for g in args.expand_grids]
+    run_tiles = [tuple(int(v) for v in t.split("x")) for t in args.run_tiles]
     layers = 1 if args.smoke else args.layers
     R, S = args.rank, args.adapters
     if cuda:
@@ -119,20 +121,20 @@ def main() -> None:
                 segs = segments_of(form, T, S, device)
                 runs = [(int(s0), int(s0 + n), int(slot)) for s0, n, slot in
                         zip(segs.starts.tolist(), segs.lengths.tolist(), segs.slots.tolist())]  # fmt: skip
-                # label -> (the shrink's splits, the one-row expand's grid); None: the rule's
-                variants: dict = {"rule": (None, None)} if form == "per_token" else {"sgmv": (None, None)}
+                # label -> (the shrink's splits, the one-row expand's grid, the runs' expand tile); None: the rule's
+                variants: dict = {"rule": (None, None, None)}
                 if form == "per_token":
-                    variants.update({f"{g[0]}x{g[1]}": (None, g) for g in grids})
-                    variants.update({f"P={p}": (p, None) for p in args.splits})
+                    variants.update({f"{g[0]}x{g[1]}": (None, g, None) for g in grids})
+                    variants.update({f"P={p}": (p, None, None) for p in args.splits})
                 else:
-                    variants["cublas"] = (None, None)
+                    variants.update({f"{t[0]}x{t[1]}": (None, None, t) for t in run_tiles})
+                    variants["cublas"] = (None, None, None)  # (not the kernels)
 
                 def call(label, i, ys):
                     if label == "cublas":
                         add_runs_by_matmul(runs, a_all, b_all, i, R, splits, x, ys)
                     else:
-                        in_splits, grid = variants[label]
-                        sgmv.sgmv_apply(segs, a_all, b_all, i, R, splits, x, ys, in_splits, grid)
+                        sgmv.sgmv_apply(segs, a_all, b_all, i, R, splits, x, ys, *variants[label])
 
                 times, first, diff = {}, None, 0.0
                 for label in variants:

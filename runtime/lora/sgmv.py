@@ -31,6 +31,10 @@ from ..uploads import to_device
 BLOCK_T = 16  # rows per tile (tl.dot needs at least 16)
 BLOCK_IN = 64  # the tiled shrink's step over the input features
 BLOCK_N = 64  # output columns per expand program
+# Runs of at least this many rows (a prompt's prefill) take the expand in RUN_EXPAND_ROWS x 128 tiles. NOTE:
+# in 16 x 64 tiles a prefill of 8 runs of 1,024 rows made 229,376 programs of 4 KB of y each for gate_up
+# (443 us against the 2,640 of its base matmul, H100); the expand's row tile need not be the shrink's.
+RUN_EXPAND_ROWS = 64
 # One-row segments (decode): the expand's (segments, output columns) a program, by how many programs one
 # row and BLOCK_N columns each would make. NOTE: H100, bench_sgmv.py: up to ~3,000 such programs one a
 # program is fastest (qkv, o, down at 32 rows); from ~8,000 (gate_up at 32 rows: 14,336; everything at
@@ -40,17 +44,17 @@ ONE_ROW_EXPAND_MANY = 4096
 ROW_TILE_ELEMS = 4096  # the one-row shrink's (BK, BI) accumulator: 32 fp32 registers a thread at 4 warps
 
 # How many slices of the input features the shrink splits into: enough programs for about two waves on an
-# H100's 132 SMs when the rows alone are few (decode: 1-32 one-row segments), each slice at least
-# MIN_SLICE_IN features (shorter slices would make the expand's sum of partials cost more than they save),
-# and at most MAX_SPLITS_ROW / MAX_SPLITS_TILE, what the expand holds in registers as it sums them
-# ((P, BR) for one row, (P, BT, BR) for a tile).
+# H100's 132 SMs when the rows alone are few, each slice at least MIN_SLICE_IN features (shorter slices
+# would make the expand's sum of partials cost more than they save), and at most MAX_SPLITS_ROW /
+# MAX_SPLITS_TILE, what the expand sums for each row (NOTE: one-row down at 32 rows: 56 splits 13.6 us,
+# 32 splits 8.3, H100) and holds unrolled for a tile.
 TARGET_PROGRAMS = 264
 # One-row segments' programs are a row's slice of the features, whose loop waits on each load: NOTE: at
 # 264 programs T = 32 took slices of 512 (down: 1,792) features and T = 128 of 2,048 (qkv 42.8 us against
 # the base matmul's 20.7, H100); ONE_ROW_PROGRAMS keeps each SM several programs deep instead.
 ONE_ROW_PROGRAMS = 2048
 MIN_SLICE_IN = 128
-MAX_SPLITS_ROW = 64
+MAX_SPLITS_ROW = 32
 MAX_SPLITS_TILE = 8
 
 
@@ -62,6 +66,11 @@ def _block(n: int) -> int:
 def one_row_expand_grid(num_segs: int, fan_out: int) -> tuple[int, int]:
     """(segments, output columns) per program of the one-row expand over `num_segs` rows."""
     return (4, 256) if num_segs * triton.cdiv(fan_out, BLOCK_N) > ONE_ROW_EXPAND_MANY else (1, BLOCK_N)
+
+
+def run_expand_tile(longest: int) -> tuple[int, int]:
+    """(rows, output columns) per program of the runs' expand, for runs of at most `longest` rows."""
+    return (RUN_EXPAND_ROWS, 2 * BLOCK_N) if longest >= RUN_EXPAND_ROWS else (BLOCK_T, BLOCK_N)
 
 
 def shrink_plan(
@@ -177,7 +186,6 @@ def _expand_kernel(
     K: tl.constexpr,
     R: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -187,8 +195,6 @@ def _expand_kernel(
     n = tl.load(SegLen + seg)
     if (slot == 0) | (tile * BLOCK_T >= n):  # a base segment, or a tile past its end
         return
-    ps = tl.arange(0, BLOCK_P)  # (BP,) the shrink's splits
-    p_mask = ps < SPLITS
     rs = tl.arange(0, BLOCK_R)  # (BR,)
     r_mask = rs < R
     first_col = tile_n * BLOCK_N
@@ -202,15 +208,11 @@ def _expand_kernel(
         lo = END0 if j == 1 else (END1 if j == 2 else 0)  # sub-projection j's columns [lo, hi)
         hi = END0 if j == 0 else (END1 if j == 1 else END2)
         if (first_col < hi) & (first_col + BLOCK_N > lo):  # this tile holds columns of sub-projection j
-            part_ptrs = (
-                Partials
-                + ps[:, None, None].to(tl.int64) * split_stride
-                + rows[None, :, None] * K
-                + j * R
-                + rs[None, None, :]
-            )  # (BP, BT, BR)
-            part_mask = p_mask[:, None, None] & row_mask[None, :, None] & r_mask[None, None, :]
-            s = tl.sum(tl.load(part_ptrs, mask=part_mask, other=0.0), axis=0)  # (BT, BR)
+            part_ptrs = Partials + rows[:, None] * K + j * R + rs[None, :]  # (BT, BR) of split 0
+            part_mask = row_mask[:, None] & r_mask[None, :]
+            s = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+            for p in tl.static_range(SPLITS):  # (at most MAX_SPLITS_TILE)
+                s += tl.load(part_ptrs + p * split_stride, mask=part_mask, other=0.0)
             n_mask = (cols >= lo) & (cols < hi)
             b = tl.load(
                 b_base + cols[:, None] * stride_bo + rs[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0
@@ -320,11 +322,13 @@ def sgmv_apply(
     y: torch.Tensor,
     in_splits: Optional[int] = None,
     expand_grid: Optional[tuple[int, int]] = None,
+    run_tile: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
     """y (T, out) += each segment's adapter over x (T, in): A `a_all` (S+1, L, subs * R, in), B `b_all`
     (S+1, L, out, R), `splits` the sub-projections' output sizes (at most three); y written in place and
     returned. `in_splits`: the shrink's split of `in`, `expand_grid`: the one-row expand's (rows, columns)
-    a program, where not the rules' (`shrink_plan`, `one_row_expand_grid`; the tests and benchmark)."""
+    a program, `run_tile`: the runs' expand's, where not the rules' (`shrink_plan`, `one_row_expand_grid`,
+    `run_expand_tile`; the tests and benchmark)."""
     T, fan_in = x.shape
     num_segs = segments.starts.shape[0]
     if T == 0 or num_segs == 0 or segments.longest == 0:
@@ -380,9 +384,11 @@ def sgmv_apply(
             ROWS=rows, BLOCK_N=block_n, **common,
         )  # fmt: skip
     else:
-        grid = (num_segs, row_tiles, triton.cdiv(ends[-1], BLOCK_N))
+        block_t, block_n = run_tile or run_expand_tile(segments.longest)
+        grid = (num_segs, triton.cdiv(segments.longest, block_t), triton.cdiv(ends[-1], block_n))
+        common.pop("BLOCK_P")
         _expand_kernel[grid](
             partials, b_all, y, segments.starts, segments.lengths, segments.slots, layer, T * K, *strides,
-            BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, **common,
+            BLOCK_T=block_t, BLOCK_N=block_n, num_warps=8 if block_t * block_n >= 8192 else 4, **common,
         )  # fmt: skip
     return y

@@ -149,15 +149,18 @@ def lora_variants():
         ends = [sum(outs[: j + 1]) for j in range(len(outs))]
         ends += [ends[-1]] * (3 - len(ends))
         expand = dict(SPLITS=splits, SUBS=len(outs), END0=ends[0], END1=ends[1], END2=ends[2], K=K, R=rank,
-                      BLOCK_P=triton.next_power_of_2(splits), BLOCK_R=sgmv._block(rank))  # fmt: skip
+                      BLOCK_R=sgmv._block(rank))  # fmt: skip
+        options = {}
         if one_row:
             rows, block_n = sgmv.one_row_expand_grid(num_segs, sum(outs))
-            expand.update(ROWS=rows, BLOCK_N=block_n)
+            expand.update(ROWS=rows, BLOCK_N=block_n, BLOCK_P=triton.next_power_of_2(splits))
             kernel = sgmv._expand_rows_kernel
         else:
-            expand.update(BLOCK_T=sgmv.BLOCK_T, BLOCK_N=sgmv.BLOCK_N)
+            block_t, block_n = sgmv.run_expand_tile(longest)
+            expand.update(BLOCK_T=block_t, BLOCK_N=block_n)
+            options = dict(num_warps=8 if block_t * block_n >= 8192 else 4)
             kernel = sgmv._expand_kernel
-        yield f"lora expand {target} {form}", kernel, expand, pointers, {}
+        yield f"lora expand {target} {form}", kernel, expand, pointers, options
 
 
 def matmul_variants():

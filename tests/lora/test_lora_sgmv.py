@@ -12,7 +12,7 @@ import torch
 from helpers.hopper_compile import compile_for_hopper, ptxas_shipped
 from plait.runtime.lora.adapter import TARGETS, LoraAdapter, LoraShapes
 from plait.runtime.lora.matmul import LoraBatch
-from plait.runtime.lora.sgmv import Segments, one_row_expand_grid, sgmv_apply, shrink_plan
+from plait.runtime.lora.sgmv import Segments, one_row_expand_grid, run_expand_tile, sgmv_apply, shrink_plan
 from plait.runtime.lora.slots import LoraSlots
 
 SHAPES = LoraShapes(num_layers=2, hidden=64, q_size=64, kv_size=32, intermediate=80)
@@ -80,7 +80,7 @@ def wide():
     return _random_pool(WIDE, 3)
 
 
-def _kernels(pool, request_slots, tokens, per_token, target, x, y, in_splits, expand_grid=None):
+def _kernels(pool, request_slots, tokens, per_token, target, x, y, in_splits, expand_grid=None, run_tile=None):
     """The Triton kernels' y of one target over x, y, with the host's runs or one segment per token."""
     token_slots = torch.repeat_interleave(torch.tensor(request_slots), torch.tensor(tokens)).to(x.device)
     segments = (
@@ -89,7 +89,7 @@ def _kernels(pool, request_slots, tokens, per_token, target, x, y, in_splits, ex
         else Segments.of_runs(LoraBatch.of_rows(pool, request_slots, tokens).segments, x.device)
     )
     args = (pool.a[target], pool.b[target], 0, pool.max_rank, pool.out_splits[target])
-    return sgmv_apply(segments, *args, x, y.clone(), in_splits=in_splits, expand_grid=expand_grid)
+    return sgmv_apply(segments, *args, x, y.clone(), in_splits, expand_grid, run_tile)
 
 
 def _torch(pool, request_slots, tokens, target, x, y):
@@ -147,6 +147,24 @@ def test_one_row_expand_with_rows_and_columns_a_program(wide, expand_grid):
         assert torch.equal(got[base_rows], y[base_rows]), target
 
 
+@pytest.mark.parametrize("run_tile", [None, (16, 64), (32, 128)])
+def test_runs_expand_in_tiles_of_the_rule_and_others(wide, run_tile):
+    """Runs longer than RUN_EXPAND_ROWS (the rule's 64 x 128 tiles, the last one partly past the run's end)
+    and shorter, beside base rows, in each tile: the torch path's sums, base rows untouched."""
+    request_slots, tokens = [1, 0, 2, 3], [70, 5, 130, 9]
+    assert run_expand_tile(130) == (64, 128) and run_expand_tile(9) == (16, 64)
+    T = sum(tokens)
+    gen = torch.Generator().manual_seed(6)
+    for target in ("qkv", "gate_up", "down"):
+        fan_in = WIDE.in_features(next(t for t in TARGETS if t.name == target))
+        x = torch.randn(T, fan_in, generator=gen)
+        y = torch.randn(T, wide.b[target].shape[2], generator=gen)
+        got = _kernels(wide, request_slots, tokens, False, target, x, y, None, None, run_tile)
+        want, base_rows = _torch(wide, request_slots, tokens, target, x, y)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+        assert torch.equal(got[base_rows], y[base_rows]), target
+
+
 @pytest.mark.parametrize(
     "device,per_token",
     [
@@ -192,7 +210,7 @@ def _float32_copy(pool: LoraSlots) -> LoraSlots:
 def test_the_split_rule_at_the_8b_shape():
     """shrink_plan at Llama-3.1-8B's fan-ins, rank 16 (qkv K = 48, down K = 16): decode's one-row segments
     split until ~2,048 programs or 128-feature slices; prefill's row tiles alone fill the GPU (one split)."""
-    for T, want_qkv, want_down in ((1, 32, 56), (8, 32, 56), (32, 32, 56), (128, 16, 16), (512, 4, 4)):
+    for T, want_qkv, want_down in ((1, 32, 28), (8, 32, 28), (32, 32, 28), (128, 16, 16), (512, 4, 4)):
         assert shrink_plan(T, 1, 4096, 48)[0] == want_qkv, T
         assert shrink_plan(T, 1, 14336, 16)[0] == want_down, T
     assert shrink_plan(1, 32, 4096, 48)[0] == 8  # one run of 32 rows: two tiles, at most 8 partials held
