@@ -88,7 +88,7 @@ class ForwardBatch:
 
     attn_metadata: Any = None
     # The step's LoRA adapters (runtime/lora/matmul.py's LoraBatch), which the projections add beside
-    # their base matmul: `lora.apply(layer, target, x, y)`; None: the base model alone.
+    # their base matmul: `lora.finish(lora.begin(layer, target, x), y)`; None: the base model alone.
     lora: Any = None
     # EXTEND: the step's image tokens (step.ImageRows), whose input embeddings a vision model replaces
     # with the images' features; empty for every other step (a decode step never has any).

@@ -9,7 +9,9 @@ Two ways to pick each row's A and B, one result:
   gathered per token (a batched matmul); slot 0 holds zeros, so base rows add exactly zero. No host
   value decides anything, so a graph captured once replays with any adapters in any rows.
 
-On a GPU both are the Triton SGMV kernels (sgmv.py): the runs as segments, or one segment per token.
+On a GPU both are the Triton SGMV kernels (sgmv.py): the runs as segments, or one segment per token. The
+model starts a target's shrink before its base matmul (`begin`) and adds the expand after it (`finish`):
+the shrink reads only x, so on a GPU it runs on a stream of its own beside the base matmul.
 NOTE: cuBLAS's two matmuls per run (`add_runs_by_matmul` on a GPU) measured 1.2-7x slower than the kernels
 for runs of 16 to 1,024 rows on an H100 (bench_sgmv.py's runs rows), so prefills take the kernels too.
 """
@@ -24,7 +26,27 @@ from ..uploads import to_device
 from .slots import LoraSlots
 
 if TYPE_CHECKING:
-    from .sgmv import Segments
+    from .sgmv import Segments, Shrunk
+
+# NOTE: the shrink launched on a second stream, where it may run beside the base projection's matmul (a
+# decode step's matmuls read their weights for ~15-85 us a layer; the shrinks took 3-4 us each after them).
+OVERLAP_SHRINK = True
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+class Pending:
+    """A target's adapters begun over x (`LoraBatch.begin`), waiting for the base projection's y."""
+
+    def __init__(self, layer: int, target: str, x: torch.Tensor, shrunk: "Optional[Shrunk]", stream):
+        self.layer, self.target, self.x = layer, target, x
+        self.shrunk = shrunk  # the GPU's partials (None on the CPU, or with no adapter rows)
+        self.stream = stream  # where the shrink was launched, if not the current stream
 
 
 def add_runs_by_matmul(
@@ -92,15 +114,46 @@ class LoraBatch:
         )
         return cls(slots, token_slots, segments)
 
+    def begin(self, layer: int, target: str, x: torch.Tensor) -> Pending:
+        """Start the adapters of the base projection `target` of layer `layer` over x (T, in), before the
+        base matmul: on a GPU, the shrink (on a side stream with OVERLAP_SHRINK)."""
+        if self.device_segments is None:
+            return Pending(layer, target, x, None, None)
+        from .sgmv import sgmv_shrink
+
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        a_all = self.pool.a[target]  # (S+1, L, subs * R, in)
+        rank, splits = self.pool.max_rank, self.pool.out_splits[target]
+        if not OVERLAP_SHRINK:
+            return Pending(layer, target, x, sgmv_shrink(self.device_segments, a_all, layer, rank, splits, x), None)
+        side = _side_stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))  # x is written
+        # (the partials are allocated on this stream, which waits for the side one in `finish`, before it
+        # reads them or drops them or x)
+        shrunk = sgmv_shrink(self.device_segments, a_all, layer, rank, splits, x, stream=side)
+        return Pending(layer, target, x, shrunk, side)
+
+    def finish(self, pending: Pending, y: torch.Tensor) -> torch.Tensor:
+        """y (T, out) of the base projection begun as `pending`, with each row's adapter added (in place
+        where y is written; returned)."""
+        if pending.stream is not None:
+            torch.cuda.current_stream(y.device).wait_stream(pending.stream)
+        if self.device_segments is not None:
+            if pending.shrunk is None:
+                return y
+            from .sgmv import sgmv_expand
+
+            return sgmv_expand(pending.shrunk, self.pool.b[pending.target], pending.layer, y)
+        return self.apply(pending.layer, pending.target, pending.x, y)
+
     def apply(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (T, out) of the base projection `target` of layer `layer` over x (T, in), with each row's
         adapter added (in place where y is written; returned)."""
         a_all, b_all = self.pool.a[target], self.pool.b[target]  # (S+1, L, n*R, in), (S+1, L, out, R)
         rank, splits = self.pool.max_rank, self.pool.out_splits[target]
         if self.device_segments is not None:
-            from .sgmv import sgmv_apply
-
-            return sgmv_apply(self.device_segments, a_all, b_all, layer, rank, splits, x, y)
+            return self.finish(self.begin(layer, target, x), y)
         if self.segments is not None:
             add_runs_by_matmul(self.segments, a_all, b_all, layer, rank, splits, x, y)
             return y

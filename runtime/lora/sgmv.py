@@ -311,37 +311,52 @@ class Segments:
         return cls(starts, torch.ones_like(starts), token_slots, 1)
 
 
-def sgmv_apply(
+class Shrunk:
+    """The shrink's output for one target, waiting for its expand: the (P, T, K) fp32 partials and the plan
+    they were made with."""
+
+    def __init__(self, segments: Segments, partials: torch.Tensor, rank: int, splits: list[int]):
+        self.segments = segments
+        self.partials = partials
+        self.rank = rank
+        self.splits = splits
+
+
+def sgmv_shrink(
     segments: Segments,
     a_all: torch.Tensor,
-    b_all: torch.Tensor,
     layer: int,
     rank: int,
     splits: list[int],
     x: torch.Tensor,
-    y: torch.Tensor,
     in_splits: Optional[int] = None,
-    expand_grid: Optional[tuple[int, int]] = None,
-    run_tile: Optional[tuple[int, int]] = None,
-) -> torch.Tensor:
-    """y (T, out) += each segment's adapter over x (T, in): A `a_all` (S+1, L, subs * R, in), B `b_all`
-    (S+1, L, out, R), `splits` the sub-projections' output sizes (at most three); y written in place and
-    returned. `in_splits`: the shrink's split of `in`, `expand_grid`: the one-row expand's (rows, columns)
-    a program, `run_tile`: the runs' expand's, where not the rules' (`shrink_plan`, `one_row_expand_grid`,
-    `run_expand_tile`; the tests and benchmark)."""
+    stream: Optional[torch.cuda.Stream] = None,
+) -> Optional[Shrunk]:
+    """Each segment's rows of x (T, in) times its adapter's A (`a_all` (S+1, L, subs * R, in)), as the
+    partials `sgmv_expand` sums; None when no segment holds a row. `in_splits`: the split of `in`, where not
+    `shrink_plan`'s. `stream`: where the kernel runs, if not the current stream (the partials are still
+    allocated on the current one, which must wait for `stream` before it reads or frees them, or x)."""
     T, fan_in = x.shape
     num_segs = segments.starts.shape[0]
     if T == 0 or num_segs == 0 or segments.longest == 0:
-        return y
-    assert y.stride(1) == 1, "the kernels write y's rows as contiguous columns"
+        return None
     assert 1 <= len(splits) <= 3, "a fused target of one to three sub-projections"
-    x = x.contiguous()
+    assert x.stride(1) == 1, "the shrink reads x's rows as contiguous features"
     K = a_all.shape[2]
-    one_row = segments.longest == 1
     num_splits, slice_in, block_in = shrink_plan(num_segs, segments.longest, fan_in, K, in_splits, sum(splits))
     partials = torch.empty(num_splits, T, K, dtype=torch.float32, device=x.device)  # base rows never read
-    row_tiles = triton.cdiv(segments.longest, BLOCK_T)
-    _shrink_kernel[(num_segs, row_tiles, num_splits)](
+    if stream is None:
+        _launch_shrink(segments, a_all, layer, x, partials, slice_in, block_in)
+    else:
+        with torch.cuda.stream(stream):
+            _launch_shrink(segments, a_all, layer, x, partials, slice_in, block_in)
+    return Shrunk(segments, partials, rank, splits)
+
+
+def _launch_shrink(segments: Segments, a_all, layer: int, x, partials, slice_in: int, block_in: int) -> None:
+    num_splits, T, K = partials.shape
+    fan_in = x.shape[1]
+    _shrink_kernel[(segments.starts.shape[0], triton.cdiv(segments.longest, BLOCK_T), num_splits)](
         x,
         a_all,
         partials,
@@ -357,11 +372,28 @@ def sgmv_apply(
         IN=fan_in,
         K=K,
         SLICE_IN=slice_in,
-        ONE_ROW=one_row,
+        ONE_ROW=segments.longest == 1,
         BLOCK_T=BLOCK_T,
         BLOCK_K=_block(K),
         BLOCK_IN=block_in,
     )
+
+
+def sgmv_expand(
+    shrunk: Shrunk,
+    b_all: torch.Tensor,
+    layer: int,
+    y: torch.Tensor,
+    expand_grid: Optional[tuple[int, int]] = None,
+    run_tile: Optional[tuple[int, int]] = None,
+) -> torch.Tensor:
+    """y (T, out) += the shrunk rows times each segment's adapter's B (`b_all` (S+1, L, out, R)), in place
+    (returned). `expand_grid`: the one-row expand's (rows, columns) a program, `run_tile`: the runs'
+    expand's, where not `one_row_expand_grid`'s / `run_expand_tile`'s."""
+    assert y.stride(1) == 1, "the kernels write y's rows as contiguous columns"
+    segments, splits, partials = shrunk.segments, shrunk.splits, shrunk.partials
+    num_splits, T, K = partials.shape
+    num_segs = segments.starts.shape[0]
     ends = [sum(splits[: j + 1]) for j in range(len(splits))]
     ends += [ends[-1]] * (3 - len(ends))
     common = dict(
@@ -371,24 +403,41 @@ def sgmv_apply(
         END1=ends[1],
         END2=ends[2],
         K=K,
-        R=rank,
-        BLOCK_P=triton.next_power_of_2(num_splits),
-        BLOCK_R=_block(rank),
+        R=shrunk.rank,
+        BLOCK_R=_block(shrunk.rank),
     )
     strides = (y.stride(0), b_all.stride(0), b_all.stride(1), b_all.stride(2))
-    if one_row:
+    if segments.longest == 1:
         rows, block_n = expand_grid or one_row_expand_grid(num_segs, ends[-1])
         grid = (triton.cdiv(num_segs, rows), triton.cdiv(ends[-1], block_n))
         _expand_rows_kernel[grid](
             partials, b_all, y, segments.starts, segments.slots, num_segs, layer, T * K, *strides,
-            ROWS=rows, BLOCK_N=block_n, **common,
+            ROWS=rows, BLOCK_N=block_n, BLOCK_P=triton.next_power_of_2(num_splits), **common,
         )  # fmt: skip
     else:
         block_t, block_n = run_tile or run_expand_tile(segments.longest)
         grid = (num_segs, triton.cdiv(segments.longest, block_t), triton.cdiv(ends[-1], block_n))
-        common.pop("BLOCK_P")
         _expand_kernel[grid](
             partials, b_all, y, segments.starts, segments.lengths, segments.slots, layer, T * K, *strides,
             BLOCK_T=block_t, BLOCK_N=block_n, num_warps=8 if block_t * block_n >= 8192 else 4, **common,
         )  # fmt: skip
     return y
+
+
+def sgmv_apply(
+    segments: Segments,
+    a_all: torch.Tensor,
+    b_all: torch.Tensor,
+    layer: int,
+    rank: int,
+    splits: list[int],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    in_splits: Optional[int] = None,
+    expand_grid: Optional[tuple[int, int]] = None,
+    run_tile: Optional[tuple[int, int]] = None,
+) -> torch.Tensor:
+    """y (T, out) += each segment's adapter over x (T, in): the shrink then the expand, in place (returned).
+    `splits` the sub-projections' output sizes (at most three); the rest as `sgmv_shrink` / `sgmv_expand`."""
+    shrunk = sgmv_shrink(segments, a_all, layer, rank, splits, x.contiguous(), in_splits)
+    return y if shrunk is None else sgmv_expand(shrunk, b_all, layer, y, expand_grid, run_tile)

@@ -66,13 +66,16 @@ class Attention(nn.Module):
         self.spec = AttentionLayerSpec(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        qkv = skinny_linear(x, self.qkv_proj)  # (T, q + 2kv)
         if fb.lora is None:
+            qkv = skinny_linear(x, self.qkv_proj)  # (T, q + 2kv)
             return self.tp.all_reduce(skinny_linear(self.attend(positions, qkv, fb), self.o_proj))  # (T, hidden)
-        # LoRA adapters (runtime/lora/matmul.py): each row's adapter beside the fused base matmuls.
-        layer = self.spec.layer_id
-        o = self.attend(positions, fb.lora.apply(layer, "qkv", x, qkv), fb)  # (T, H * D)
-        return self.tp.all_reduce(fb.lora.apply(layer, "o", o, skinny_linear(o, self.o_proj)))  # (T, hidden)
+        # LoRA adapters (runtime/lora/matmul.py): each row's adapter begun beside the fused base matmul
+        # (the shrink reads only the input), finished into its output.
+        lora, layer = fb.lora, self.spec.layer_id
+        pending = lora.begin(layer, "qkv", x)
+        o = self.attend(positions, lora.finish(pending, skinny_linear(x, self.qkv_proj)), fb)  # (T, H * D)
+        pending = lora.begin(layer, "o", o)
+        return self.tp.all_reduce(lora.finish(pending, skinny_linear(o, self.o_proj)))  # (T, hidden)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """qkv (T, q + 2kv) -> attention output (T, H * D), before o_proj; stores this step's K/V."""
@@ -118,14 +121,16 @@ class MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: Union[torch.Tensor, Fp8Rows], fb: Optional[ForwardBatch] = None) -> torch.Tensor:
-        gate_up = skinny_linear(x, self.gate_up_proj)  # (T, 2 * inter); one row: the skinny matmul
         lora = fb.lora if fb is not None else None
         if lora is None:  # (FP8 layers: the activation may write down_proj's FP8 rows itself)
+            gate_up = skinny_linear(x, self.gate_up_proj)  # (T, 2 * inter); one row: the skinny matmul
             h = silu_and_mul_for_linear(self.act_fn, gate_up, self.down_proj)
             return self.tp.all_reduce(skinny_linear(h, self.down_proj))  # (T, hidden)
         assert isinstance(x, torch.Tensor)
-        h = self.act_fn(lora.apply(self.layer_id, "gate_up", x, gate_up))  # (T, inter)
-        return self.tp.all_reduce(lora.apply(self.layer_id, "down", h, skinny_linear(h, self.down_proj)))
+        pending = lora.begin(self.layer_id, "gate_up", x)
+        h = self.act_fn(lora.finish(pending, skinny_linear(x, self.gate_up_proj)))  # (T, inter)
+        pending = lora.begin(self.layer_id, "down", h)
+        return self.tp.all_reduce(lora.finish(pending, skinny_linear(h, self.down_proj)))
 
 
 class DecoderLayer(nn.Module):
