@@ -88,12 +88,16 @@ def shrink_plan(
         most = MAX_SPLITS_ROW if one_row else MAX_SPLITS_TILE
         target = ONE_ROW_PROGRAMS if one_row else TARGET_PROGRAMS
         in_splits = min(target // programs, fan_in // MIN_SLICE_IN, most)
-        if not one_row and fan_out is not None and (fan_out > 4 * fan_in or (longest >= 64 and fan_out >= fan_in)):
+        wide = fan_out is not None and (fan_out > 4 * fan_in or (longest >= 64 and fan_out >= fan_in))
+        lone_long_run = longest >= RUN_EXPAND_ROWS and programs * 16 <= TARGET_PROGRAMS
+        if not one_row and wide and not lone_long_run:
             # NOTE: the expand reads every split's partials once per BLOCK_N output columns: for row tiles
             # of a wide target (gate_up: 28,672 columns over 4,096 features) or long runs of an adapter
             # into as many columns as features (qkv, o), that costs more than the split saves (H100,
             # bench_sgmv.py: gate_up runs of 4-64 rows 1.5-3.1x the unsplit kernels, qkv / o runs of 64
-            # rows 1.2-1.3x; down, 4,096 columns over 14,336 features, 2-4x faster split).
+            # rows 1.2-1.3x; down, 4,096 columns over 14,336 features, 2-4x faster split). Not where a
+            # prompt or two alone make at most 16 row tiles: one program a tile walked all the features
+            # (one 256-token prompt's LoRA took 30 ms of a 39 ms prefill on an H100).
             in_splits = 1
     in_splits = max(1, in_splits)
     slice_in = triton.cdiv(triton.cdiv(fan_in, in_splits), block_in) * block_in

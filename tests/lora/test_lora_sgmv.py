@@ -222,6 +222,9 @@ def test_the_split_rule_at_the_8b_shape():
     assert shrink_plan(8, 4, 4096, 32, fan_out=28672)[0] == 1 and shrink_plan(8, 4, 4096, 32)[0] == 8
     assert shrink_plan(8, 64, 4096, 48, fan_out=6144)[0] == 1 and shrink_plan(8, 16, 4096, 48, fan_out=6144)[0] == 8
     assert shrink_plan(8, 64, 14336, 16, fan_out=4096)[0] == 8
+    # one prompt's prefill alone (16 row tiles): its tiles split even for wide targets
+    assert shrink_plan(1, 256, 4096, 48, fan_out=6144)[0] == 8 and shrink_plan(1, 256, 4096, 32, fan_out=28672)[0] == 8
+    assert shrink_plan(2, 512, 4096, 48, fan_out=6144)[0] == 1  # 64 row tiles
     assert shrink_plan(1, 1, 4096, 32, fan_out=28672)[0] == 32  # one-row segments (decode) split as before
     for fan_in in (64, 80, 4096, 14336):
         for T in (1, 3, 33, 300):
