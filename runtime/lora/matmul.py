@@ -11,7 +11,7 @@ Two ways to pick each row's A and B, one result:
 
 On a GPU both are the Triton SGMV kernels (sgmv.py): the runs as segments, or one segment per token. The
 model starts a target's shrink before its base matmul (`begin`) and adds the expand after it (`finish`):
-the shrink reads only x, so on a GPU it runs on a stream of its own beside the base matmul.
+the shrink reads only x, so in a CUDA graph it runs on a stream of its own beside the base matmul.
 NOTE: cuBLAS's two matmuls per run (`add_runs_by_matmul` on a GPU) measured 1.2-7x slower than the kernels
 for runs of 16 to 1,024 rows on an H100 (bench_sgmv.py's runs rows), so prefills take the kernels too.
 """
@@ -28,8 +28,9 @@ from .slots import LoraSlots
 if TYPE_CHECKING:
     from .sgmv import Segments, Shrunk
 
-# NOTE: the shrink launched on a second stream, where it may run beside the base projection's matmul (a
-# decode step's matmuls read their weights for ~15-85 us a layer; the shrinks took 3-4 us each after them).
+# NOTE: in a CUDA graph (decode), the shrink on a second stream, where it may run beside the base
+# projection's matmul: the 32 x 8 cell of bench_lora 0.844x -> 0.856x the base (H100). Not in eager steps,
+# where the streams' joins cost host time a short prefill waits for (no graph hides it).
 OVERLAP_SHRINK = True
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -116,7 +117,7 @@ class LoraBatch:
 
     def begin(self, layer: int, target: str, x: torch.Tensor) -> Pending:
         """Start the adapters of the base projection `target` of layer `layer` over x (T, in), before the
-        base matmul: on a GPU, the shrink (on a side stream with OVERLAP_SHRINK)."""
+        base matmul: on a GPU, the shrink (on a side stream in a graph's capture, with OVERLAP_SHRINK)."""
         if self.device_segments is None:
             return Pending(layer, target, x, None, None)
         from .sgmv import sgmv_shrink
@@ -125,7 +126,7 @@ class LoraBatch:
             x = x.contiguous()
         a_all = self.pool.a[target]  # (S+1, L, subs * R, in)
         rank, splits = self.pool.max_rank, self.pool.out_splits[target]
-        if not OVERLAP_SHRINK:
+        if not (OVERLAP_SHRINK and torch.cuda.is_current_stream_capturing()):
             return Pending(layer, target, x, sgmv_shrink(self.device_segments, a_all, layer, rank, splits, x), None)
         side = _side_stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))  # x is written
