@@ -130,39 +130,34 @@ def test_split_k_shrink_equals_the_torch_segments(wide, per_token, in_splits, ba
         assert torch.equal(got[base_rows], y[base_rows]), target
 
 
+def _kernels_match_torch(pool, request_slots, tokens, seed, per_token, expand_grid=None, run_tile=None):
+    """qkv, gate_up and down through the kernels at the given grid or tile: the torch path's sums within 1e-4
+    relative, base rows untouched."""
+    T = sum(tokens)
+    gen = torch.Generator().manual_seed(seed)
+    for target in ("qkv", "gate_up", "down"):
+        fan_in = WIDE.in_features(next(t for t in TARGETS if t.name == target))
+        x = torch.randn(T, fan_in, generator=gen)
+        y = torch.randn(T, pool.b[target].shape[2], generator=gen)
+        got = _kernels(pool, request_slots, tokens, per_token, target, x, y, None, expand_grid, run_tile)
+        want, base_rows = _torch(pool, request_slots, tokens, target, x, y)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+        assert torch.equal(got[base_rows], y[base_rows]), target
+
+
 @pytest.mark.parametrize("expand_grid", [(4, 256), (3, 64)])
 def test_one_row_expand_with_rows_and_columns_a_program(wide, expand_grid):
     """The one-row expand taking several rows (the last program's partly past the end) and wide column tiles
     (across sub-projections' bounds): the torch path's sums, base rows untouched."""
-    request_slots, tokens = BATCHES["T33"]
-    T = sum(tokens)
-    gen = torch.Generator().manual_seed(5)
-    for target in ("qkv", "gate_up", "down"):
-        fan_in = WIDE.in_features(next(t for t in TARGETS if t.name == target))
-        x = torch.randn(T, fan_in, generator=gen)
-        y = torch.randn(T, wide.b[target].shape[2], generator=gen)
-        got = _kernels(wide, request_slots, tokens, True, target, x, y, None, expand_grid)
-        want, base_rows = _torch(wide, request_slots, tokens, target, x, y)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
-        assert torch.equal(got[base_rows], y[base_rows]), target
+    _kernels_match_torch(wide, *BATCHES["T33"], seed=5, per_token=True, expand_grid=expand_grid)
 
 
 @pytest.mark.parametrize("run_tile", [None, (16, 64), (32, 128)])
 def test_runs_expand_in_tiles_of_the_rule_and_others(wide, run_tile):
     """Runs longer than RUN_EXPAND_ROWS (the rule's 64 x 128 tiles, the last one partly past the run's end)
     and shorter, beside base rows, in each tile: the torch path's sums, base rows untouched."""
-    request_slots, tokens = [1, 0, 2, 3], [70, 5, 130, 9]
     assert run_expand_tile(130) == (64, 128) and run_expand_tile(9) == (16, 64)
-    T = sum(tokens)
-    gen = torch.Generator().manual_seed(6)
-    for target in ("qkv", "gate_up", "down"):
-        fan_in = WIDE.in_features(next(t for t in TARGETS if t.name == target))
-        x = torch.randn(T, fan_in, generator=gen)
-        y = torch.randn(T, wide.b[target].shape[2], generator=gen)
-        got = _kernels(wide, request_slots, tokens, False, target, x, y, None, None, run_tile)
-        want, base_rows = _torch(wide, request_slots, tokens, target, x, y)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
-        assert torch.equal(got[base_rows], y[base_rows]), target
+    _kernels_match_torch(wide, [1, 0, 2, 3], [70, 5, 130, 9], seed=6, per_token=False, run_tile=run_tile)
 
 
 @pytest.mark.parametrize(
