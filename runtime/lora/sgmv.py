@@ -36,8 +36,8 @@ BLOCK_N = 64  # output columns per expand program
 # (443 us against the 2,640 of its base matmul, H100); the expand's row tile need not be the shrink's.
 RUN_EXPAND_ROWS = 64
 # One-row segments (decode): the expand's (segments, output columns) a program, by how many programs one
-# row and BLOCK_N columns each would make. NOTE: H100, bench_sgmv.py: up to ~3,000 such programs one a
-# program is fastest (qkv, o, down at 32 rows); from ~8,000 (gate_up at 32 rows: 14,336; everything at
+# row and BLOCK_N columns each would make. NOTE: H100, bench_sgmv.py: up to ~3,000 such programs, one row
+# a program is fastest (qkv, o, down at 32 rows); from ~8,000 (gate_up at 32 rows: 14,336; everything at
 # 128 rows) 4 rows x 256 columns is, by 10-40% (each program walks its rows in turn, which costs where
 # programs are few).
 ONE_ROW_EXPAND_MANY = 4096
