@@ -44,7 +44,14 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 class Pending:
     """A target's adapters begun over x (`LoraBatch.begin`), waiting for the base projection's y."""
 
-    def __init__(self, layer: int, target: str, x: torch.Tensor, shrunk: "Optional[Shrunk]", stream):
+    def __init__(
+        self,
+        layer: int,
+        target: str,
+        x: torch.Tensor,
+        shrunk: "Optional[Shrunk]",
+        stream: Optional[torch.cuda.Stream],
+    ):
         self.layer, self.target, self.x = layer, target, x
         self.shrunk = shrunk  # the GPU's partials (None on the CPU, or with no adapter rows)
         self.stream = stream  # where the shrink was launched, if not the current stream
