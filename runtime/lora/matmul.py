@@ -75,7 +75,9 @@ def add_runs_by_matmul(
         out = 0
         for j, size in enumerate(splits):
             b = b_all[slot, layer, out : out + size]  # (size, R)
-            y[start:end, out : out + size].addmm_(shrunk[:, j * rank : (j + 1) * rank], b.t())
+            # NOTE: the product rounded to y's dtype, then added (not one fused addmm_): PEFT's unmerged
+            # forward rounds the same way, so low-precision outputs follow it more closely
+            y[start:end, out : out + size] += shrunk[:, j * rank : (j + 1) * rank] @ b.t()
             out += size
 
 
