@@ -109,7 +109,7 @@ def main() -> None:
     for r in rows:
         ratio = r["tok_s"] / r["base_tok_s"]
         print(
-            f"{r['batch']:>6} {r['adapters']:>9} {r['base_tok_s']:>11.1f} {r['tok_s']:>11.1f} {ratio:>7.2f} "
+            f"{r['batch']:>6} {r['adapters']:>9} {r['base_tok_s']:>11.1f} {r['tok_s']:>11.1f} {ratio:>7.3f} "
             f"{r['cold_tok_s'] / r['base_tok_s']:>10.2f}"
         )
         for label, steps in (("LoRA", r.get("steps")), ("base", r.get("base_steps"))):
