@@ -20,6 +20,7 @@ needs only the longest segment's length and the shapes, which the host knows whe
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -71,6 +72,12 @@ def one_row_expand_grid(num_segs: int, fan_out: int) -> tuple[int, int]:
 def run_expand_tile(longest: int) -> tuple[int, int]:
     """(rows, output columns) per program of the runs' expand, for runs of at most `longest` rows."""
     return (RUN_EXPAND_ROWS, 2 * BLOCK_N) if longest >= RUN_EXPAND_ROWS else (BLOCK_T, BLOCK_N)
+
+
+def run_expand_warps(block_t: int, block_n: int) -> int:
+    """Warps of a runs' expand program: 8 for a tile of 8,192 outputs or more (64 fp32 accumulators a
+    thread at 4 warps)."""
+    return 8 if block_t * block_n >= 8192 else 4
 
 
 def shrink_plan(
@@ -349,38 +356,29 @@ def sgmv_shrink(
     K = a_all.shape[2]
     num_splits, slice_in, block_in = shrink_plan(num_segs, segments.longest, fan_in, K, in_splits, sum(splits))
     partials = torch.empty(num_splits, T, K, dtype=torch.float32, device=x.device)  # base rows never read
-    if stream is None:
-        _launch_shrink(segments, a_all, layer, x, partials, slice_in, block_in)
-    else:
-        with torch.cuda.stream(stream):
-            _launch_shrink(segments, a_all, layer, x, partials, slice_in, block_in)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        _shrink_kernel[(num_segs, triton.cdiv(segments.longest, BLOCK_T), num_splits)](
+            x,
+            a_all,
+            partials,
+            segments.starts,
+            segments.lengths,
+            segments.slots,
+            layer,
+            T * K,
+            x.stride(0),
+            a_all.stride(0),
+            a_all.stride(1),
+            a_all.stride(2),
+            IN=fan_in,
+            K=K,
+            SLICE_IN=slice_in,
+            ONE_ROW=segments.longest == 1,
+            BLOCK_T=BLOCK_T,
+            BLOCK_K=_block(K),
+            BLOCK_IN=block_in,
+        )
     return Shrunk(segments, partials, rank, splits)
-
-
-def _launch_shrink(segments: Segments, a_all, layer: int, x, partials, slice_in: int, block_in: int) -> None:
-    num_splits, T, K = partials.shape
-    fan_in = x.shape[1]
-    _shrink_kernel[(segments.starts.shape[0], triton.cdiv(segments.longest, BLOCK_T), num_splits)](
-        x,
-        a_all,
-        partials,
-        segments.starts,
-        segments.lengths,
-        segments.slots,
-        layer,
-        T * K,
-        x.stride(0),
-        a_all.stride(0),
-        a_all.stride(1),
-        a_all.stride(2),
-        IN=fan_in,
-        K=K,
-        SLICE_IN=slice_in,
-        ONE_ROW=segments.longest == 1,
-        BLOCK_T=BLOCK_T,
-        BLOCK_K=_block(K),
-        BLOCK_IN=block_in,
-    )
 
 
 def sgmv_expand(
@@ -423,7 +421,7 @@ def sgmv_expand(
         grid = (num_segs, triton.cdiv(segments.longest, block_t), triton.cdiv(ends[-1], block_n))
         _expand_kernel[grid](
             partials, b_all, y, segments.starts, segments.lengths, segments.slots, layer, T * K, *strides,
-            BLOCK_T=block_t, BLOCK_N=block_n, num_warps=8 if block_t * block_n >= 8192 else 4, **common,
+            BLOCK_T=block_t, BLOCK_N=block_n, num_warps=run_expand_warps(block_t, block_n), **common,
         )  # fmt: skip
     return y
 

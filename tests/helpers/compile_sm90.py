@@ -158,7 +158,7 @@ def lora_variants():
         else:
             block_t, block_n = sgmv.run_expand_tile(longest)
             expand.update(BLOCK_T=block_t, BLOCK_N=block_n)
-            options = dict(num_warps=8 if block_t * block_n >= 8192 else 4)
+            options = dict(num_warps=sgmv.run_expand_warps(block_t, block_n))
             kernel = sgmv._expand_kernel
         yield f"lora expand {target} {form}", kernel, expand, pointers, options
 
