@@ -168,3 +168,31 @@ def test_req_to_token_write_rows_on_the_gpu_matches_the_host_mirror():
     for round_ in range(3):  # the pinned staging blocks are reused between rounds
         pool.write_rows([(i, shared + round_) for i in range(4)] + [(5, torch.arange(100, 100 + 7 * round_ + 1))])
         assert (pool.host == pool.req_to_token.cpu().numpy()).all(), round_
+
+
+def test_cpu_pool_asks_for_huge_pages_over_its_whole_2mib_pages():
+    """The CPU pool's buffers are advised as transparent huge pages (a 4 KiB fault each slot page was most of a
+    fresh process's first long step): the advice covers exactly the whole huge pages inside the buffer, and the
+    buffer still reads as zeros and takes writes."""
+    import os
+    import sys
+
+    import numpy as np
+    from plait.runtime.kvcache import host_pages
+    from plait.runtime.kvcache.memory_pool import zeroed
+
+    big = np.zeros(5 * host_pages.HUGE_PAGE + 12345, dtype=np.uint8)
+    advised = host_pages.advise_huge_pages(big)
+    start, end = big.ctypes.data, big.ctypes.data + big.nbytes
+    whole = (end // host_pages.HUGE_PAGE - -(-start // host_pages.HUGE_PAGE)) * host_pages.HUGE_PAGE
+    assert whole >= 4 * host_pages.HUGE_PAGE
+    if sys.platform.startswith("linux") and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert advised == whole  # a kernel with transparent huge pages takes the advice
+    else:
+        assert advised in (0, whole)
+    assert host_pages.advise_huge_pages(np.zeros(4096, dtype=np.uint8)) == 0  # no whole huge page inside
+
+    pool = zeroed((3000, 3, 64), torch.bfloat16, "cpu")
+    assert pool.shape == (3000, 3, 64) and pool.dtype == torch.bfloat16 and not pool.any()
+    pool[1234] = 1.5
+    assert float(pool[1234].sum()) == 1.5 * 3 * 64 and float(pool.sum()) == 1.5 * 3 * 64
