@@ -29,8 +29,8 @@ from .retraction import KVShortage
 # them from that request in the same step instead of computing them again (shorter overlaps are computed
 # twice, and the prefix cache keeps one copy). 16 catches a chat template's system prompt (SmolLM2's: ~20
 # tokens), which a batch of chat prompts shares and nothing else; it is also the window the index below hashes.
-IN_BATCH_DEDUP_MIN_TOKENS = 16
-# Distinct dedup windows indexed per batch (see InFlightPrefixes); past that, a linear scan.
+SHARED_IN_STEP_MIN_TOKENS = 16
+# Distinct windows indexed per batch (see InFlightPrefixes); past that, a linear scan.
 MAX_INDEXED_WINDOWS = 8
 
 
@@ -229,7 +229,7 @@ class PrefillAdmission:
         peeks: dict = {}  # id(request) -> the ranking's lookup of its sequence (lpm), reused by the match
         q.set_waiting_order(order_waiting_queue(self.server_args.schedule_policy, q.waiting, kv.cache, peeks))
         prefix_kv: dict = {}  # matched node -> its kv slots
-        in_flight = InFlightPrefixes(IN_BATCH_DEDUP_MIN_TOKENS)  # token ids being prefilled in this step
+        in_flight = InFlightPrefixes(SHARED_IN_STEP_MIN_TOKENS)  # token ids being prefilled in this step
         free_rows = kv.free_rows()
         refused = None
         adapters = self.adapters
@@ -358,7 +358,7 @@ class PrefillAdmission:
             peek = cache.peek_prefix(ids)
         if not in_flight:
             return cache.match_peeked(peek), None
-        need = peek.num_tokens + IN_BATCH_DEDUP_MIN_TOKENS  # shared tokens worth reading from another
+        need = peek.num_tokens + SHARED_IN_STEP_MIN_TOKENS  # shared tokens worth reading from another
         # NOTE: only the window just past the cached part is looked up; whole prefixes are compared
         # for the sequences that share it.
         source = in_flight.source(ids, need) if len(ids) >= need else None
