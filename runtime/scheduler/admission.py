@@ -35,8 +35,8 @@ MAX_INDEXED_WINDOWS = 8
 
 
 class InFlightPrefixes:
-    """The token ids of the requests admitted to this prefill batch so far, for the in-batch dedup
-    check: does a waiting request share its first `need` tokens with one of them?
+    """The token ids of the requests admitted to this prefill batch so far, for the sharing check: does a
+    waiting request share its first `need` tokens with one of them, and which one?
 
     NOTE: a few-shot batch admits ~160 requests that share a 2,000-token prefix, and comparing each
     with every earlier one was ~13k window compares per batch. The admitted sequences are indexed by
