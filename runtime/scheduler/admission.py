@@ -3,9 +3,9 @@
 In order: the chunked request continues, jump-forward tails go next, then the waiting queue (ordered by
 the schedule policy) is admitted while the token and memory budgets allow, the prefix cache supplies
 each request's cached prefix, and a request that shares a long uncached prefix with one already in this
-batch reads that part from it in the same step (`SharedInStep`: computed once, and nobody waits a step for
-it). The first request of an empty batch may be chunked. Requests move between queues only through
-`RequestQueues`; memory only through the `KVManager`.
+batch waits a step (its prefix is then cached: computed once, not twice). The first request of an empty
+batch may be chunked. Requests move between queues only through `RequestQueues`; memory only through
+the `KVManager`.
 """
 
 from __future__ import annotations
@@ -19,24 +19,23 @@ from ..forward_batch import ForwardMode
 from ..kvcache.prefix_cache import MatchResult, PrefixPeek
 from ..request import Req
 from .adapters import SchedulerAdapters
-from .batch import ScheduleBatch, SharedInStep
+from .batch import ScheduleBatch
 from .kv_manager import KVManager, token_prefix
 from .policy import PrefillBudget, order_waiting_queue
 from .queues import RequestQueues
 from .retraction import KVShortage
 
-# A waiting request that shares at least this many not-yet-cached tokens with one being prefilled reads
-# them from that request in the same step instead of computing them again (shorter overlaps are computed
-# twice, and the prefix cache keeps one copy). 16 catches a chat template's system prompt (SmolLM2's: ~20
-# tokens), which a batch of chat prompts shares and nothing else; it is also the window the index below hashes.
-SHARED_IN_STEP_MIN_TOKENS = 16
-# Distinct windows indexed per batch (see InFlightPrefixes); past that, a linear scan.
+# A waiting request that shares at least this many not-yet-cached tokens with one being prefilled
+# waits one step, then hits the cache instead of computing the same prefix again. 16 catches a chat
+# template's system prompt (SmolLM2's: ~20 tokens), which a batch of chat prompts shares and nothing else.
+IN_BATCH_DEDUP_MIN_TOKENS = 16
+# Distinct dedup windows indexed per batch (see InFlightPrefixes); past that, a linear scan.
 MAX_INDEXED_WINDOWS = 8
 
 
 class InFlightPrefixes:
-    """The token ids of the requests admitted to this prefill batch so far, for the sharing check: does a
-    waiting request share its first `need` tokens with one of them, and which one?
+    """The token ids of the requests admitted to this prefill batch so far, for the in-batch dedup
+    check: does a waiting request share its first `need` tokens with one of them?
 
     NOTE: a few-shot batch admits ~160 requests that share a 2,000-token prefix, and comparing each
     with every earlier one was ~13k window compares per batch. The admitted sequences are indexed by
@@ -47,64 +46,39 @@ class InFlightPrefixes:
     def __init__(self, window: int):
         self.window = window
         self._seqs: list[tuple[list[int], int]] = []  # (token ids, how many of them are in flight)
-        self._owners: list[Req] = []  # the request prefilling each
         self._index: dict[int, dict[tuple, list[int]]] = {}  # need -> window tokens -> indices in _seqs
 
     def __bool__(self) -> bool:
         return bool(self._seqs)
 
-    def add(self, ids: list[int], length: int, owner: Req) -> None:
-        """`ids[:length]` is being prefilled by `owner` (`ids` is not copied: it must not change meanwhile)."""
+    def add(self, ids: list[int], length: int) -> None:
+        """`ids[:length]` is being prefilled (`ids` is not copied: it must not change meanwhile)."""
         i = len(self._seqs)
         self._seqs.append((ids, length))
-        self._owners.append(owner)
         for need, index in self._index.items():
             if length >= need:
                 index.setdefault(tuple(ids[need - self.window : need]), []).append(i)
 
-    def source(self, ids: list[int], need: int) -> Optional[tuple[Req, int]]:
-        """The first request in flight whose sequence starts with `ids[:need]` (len(ids) >= need >= window),
-        and how long the start they share is (at least `need`, at most what is in flight); None if none."""
+    def shares(self, ids: list[int], need: int) -> bool:
+        """Is `ids[:need]` (len(ids) >= need >= window) the start of a sequence in flight?"""
         w = self.window
         index = self._index.get(need)
         if index is None:
             if len(self._index) >= MAX_INDEXED_WINDOWS:
                 window = ids[need - w : need]
-                hits = [
-                    i
-                    for i, (other, length) in enumerate(self._seqs)
-                    if length >= need and other[need - w : need] == window
-                ]
-                return self._first_sharing(hits, ids, need)
+                return any(
+                    length >= need and other[need - w : need] == window and other[:need] == ids[:need]
+                    for other, length in self._seqs
+                )
             index = self._index[need] = {}
             for i, (other, length) in enumerate(self._seqs):
                 if length >= need:
                     index.setdefault(tuple(other[need - w : need]), []).append(i)
-        return self._first_sharing(index.get(tuple(ids[need - w : need]), ()), ids, need)
-
-    def _first_sharing(self, hits, ids: list[int], need: int) -> Optional[tuple[Req, int]]:
+        hits = index.get(tuple(ids[need - w : need]))
+        if not hits:
+            return False
         head = ids[:need]
-        for i in hits:
-            other, length = self._seqs[i]
-            if other[:need] == head:
-                return self._owners[i], common_length(ids, other, need, min(len(ids), length))
-        return None
-
-
-def common_length(a: list[int], b: list[int], known: int, limit: int) -> int:
-    """How many first tokens `a` and `b` share, given that the first `known` are the same and at most `limit`
-    count: halving the unknown part (slice comparisons run in C: a 2,000-token prefix ~15 of them)."""
-    lo, hi = known, limit
-    if a[lo:hi] == b[lo:hi]:
-        return hi
-    hi -= 1  # a[:hi + 1] != b[:hi + 1] from here on
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+        return any(self._seqs[i][0][:need] == head for i in hits)
 
 
 @dataclass
@@ -121,7 +95,6 @@ class PrefillPlan:
     # (request row, cached prefix kv slots) of the admitted requests, written into the table at once.
     # NOTE: requests that matched the same node pass one tensor, which write_rows uploads once.
     prefix_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    shared: list[SharedInStep] = field(default_factory=list)  # requests reading part of a prompt in flight
 
     def add(self, r: Req, prefix_len: int, extend_len: int) -> None:
         self.reqs.append(r)
@@ -229,7 +202,7 @@ class PrefillAdmission:
         peeks: dict = {}  # id(request) -> the ranking's lookup of its sequence (lpm), reused by the match
         q.set_waiting_order(order_waiting_queue(self.server_args.schedule_policy, q.waiting, kv.cache, peeks))
         prefix_kv: dict = {}  # matched node -> its kv slots
-        in_flight = InFlightPrefixes(SHARED_IN_STEP_MIN_TOKENS)  # token ids being prefilled in this step
+        in_flight = InFlightPrefixes(IN_BATCH_DEDUP_MIN_TOKENS)  # token ids being prefilled in this step
         free_rows = kv.free_rows()
         refused = None
         adapters = self.adapters
@@ -239,12 +212,10 @@ class PrefillAdmission:
                 break
             if adapters is not None and not adapters.admits(r, active):
                 continue  # its adapter would be one too many in this step: it waits for a slot
-            match, shared = self._match(self._matchable_ids(r), in_flight, peeks.get(id(r)))
+            match = self._match_unless_in_flight(self._matchable_ids(r), in_flight, peeks.get(id(r)))
+            if match is None:
+                continue  # next step its prefix is in the tree: prefill it once, not twice
             pre = match.num_tokens
-            # From `start` (its cached prefix) to `pre` its prompt is read from a request in this batch.
-            start = pre
-            if shared is not None:
-                pre = shared[1]
             ext = r.seq_len - pre
             reserve = self.shortage.reserve_of(r)
             # NOTE: locking the matched prefix takes its evictable slots out of eviction's reach, so the
@@ -280,18 +251,15 @@ class PrefillAdmission:
                     break
                 continue
             kv.assign(r, match)
-            self._count_prompt(r, match, pre - start)
+            self._count_prompt(r, match)
             if match.num_tokens:
                 assert r.req_pool_idx is not None  # `assign` gave it a table row
                 plan.prefix_rows.append((r.req_pool_idx, prefix_kv.setdefault(match.node, match.kv_indices)))
-            if shared is not None:
-                plan.shared.append(SharedInStep(r, shared[0], start, pre))
             free_rows -= 1
             budget.take(take, reserve, locked)
             plan.add(r, pre, take)
             plan.admitted.append(r)
-            ids = r.cache_prompt if pre + take <= len(r.cache_prompt) else r.cache_fill_ids
-            in_flight.add(ids, pre + take, r)
+            in_flight.add(r.cache_prompt if pre + take <= len(r.cache_prompt) else r.cache_fill_ids, pre + take)
             if take < ext and not capped:
                 break  # the step's budget (or memory) is spent
         kv.write_prefix_rows(plan.prefix_rows)
@@ -311,63 +279,34 @@ class PrefillAdmission:
             return None
         for r, pre, ext in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
             r.prefix_len_this_step, r.extend_len_this_step = pre, ext
-        if plan.shared:
-            self._write_shared_rows(plan, loc)
         # NOTE: the step runner writes `loc` into req_to_token on the device (one indexed write).
-        batch = ScheduleBatch(ForwardMode.EXTEND, plan.reqs, plan.prefix_lens, plan.extend_lens, loc)
-        batch.shared = plan.shared
-        return batch
-
-    def _write_shared_rows(self, plan: PrefillPlan, loc: torch.Tensor) -> None:
-        """Each sharing request's positions [start, end) in its table row: its source's slots there, which are
-        the source's cached or shared slots (already in the source's row) below the source's new tokens, and
-        the source's new slots (part of `loc`) from them on. In batch order, so a source that shares too has
-        its row written first."""
-        new_from: dict[int, tuple[int, int]] = {}  # id(request) -> (its first new position, its offset in loc)
-        offset = 0
-        for r, pre, ext in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
-            new_from[id(r)] = (pre, offset)
-            offset += ext
-        for s in plan.shared:
-            first_new, at = new_from[id(s.source)]
-            parts = []
-            if s.start < first_new:
-                parts.append(self.kv.row_slots(s.source, s.start, min(s.end, first_new)))
-            if s.end > first_new:
-                lo = max(s.start, first_new) - first_new
-                parts.append(loc[at + lo : at + s.end - first_new])
-            self.kv.write_row(s.req, s.start, parts[0] if len(parts) == 1 else torch.cat(parts))
+        return ScheduleBatch(ForwardMode.EXTEND, plan.reqs, plan.prefix_lens, plan.extend_lens, loc)
 
     # ---- matching ----
-    def _match(
+    def _match_unless_in_flight(
         self, ids: list[int], in_flight: InFlightPrefixes, ranked: Optional[PrefixPeek] = None
-    ) -> tuple[MatchResult, Optional[tuple[Req, int]]]:
-        """The cached prefix of `ids`, and, where `ids` goes on to share a long uncached part with a request
-        already in this prefill batch, that request and where the shared part ends (whole pages: a page is
-        cached whole or not at all). `ranked`: the lpm ranking's lookup of the request's whole sequence
-        (`ids` is a prefix of it), reused where it still holds."""
+    ) -> Optional[MatchResult]:
+        """The cached prefix of `ids`, or None when `ids` shares a long uncached prefix with a request
+        already in this prefill batch (it waits a step). `ranked`: the lpm ranking's lookup of the
+        request's whole sequence (`ids` is a prefix of it), reused where it still holds."""
         cache = self.kv.cache
         if not self.sharing:
-            return cache.match_prefix(ids), None  # nothing is ever cached: no prefix is shared
+            return cache.match_prefix(ids)  # nothing is ever cached: no request waits for a prefix
         if ranked is not None:
             peek = cache.peek_prefix_of(ranked, ids)
         elif not in_flight:
-            return cache.match_prefix(ids), None
+            return cache.match_prefix(ids)
         else:
             # NOTE: the peek's walk is reused by the match (nothing changes the tree in between).
             peek = cache.peek_prefix(ids)
         if not in_flight:
-            return cache.match_peeked(peek), None
-        need = peek.num_tokens + SHARED_IN_STEP_MIN_TOKENS  # shared tokens worth reading from another
+            return cache.match_peeked(peek)
+        need = peek.num_tokens + IN_BATCH_DEDUP_MIN_TOKENS  # shared tokens that would make it wait
         # NOTE: only the window just past the cached part is looked up; whole prefixes are compared
         # for the sequences that share it.
-        source = in_flight.source(ids, need) if len(ids) >= need else None
-        match = cache.match_peeked(peek)
-        if source is None:
-            return match, None
-        page = self.server_args.page_size
-        end = source[1] // page * page
-        return match, ((source[0], end) if end > match.num_tokens else None)
+        if len(ids) >= need and in_flight.shares(ids, need):
+            return None
+        return cache.match_peeked(peek)
 
     @staticmethod
     def _matchable_ids(r: Req) -> list[int]:
@@ -378,15 +317,13 @@ class PrefillAdmission:
             limit = min(limit, max(r.input_logprob_next - 1, 0))
         return token_prefix(r, limit)
 
-    def _count_prompt(self, r: Req, match: MatchResult, shared: int) -> None:
-        """`shared`: prompt tokens read from another request of the batch, counted as cached (computed once,
-        not for this request: what a request that waited a step for them would have matched)."""
+    def _count_prompt(self, r: Req, match: MatchResult) -> None:
         if r.num_retractions == 0:  # a retracted request's prompt was counted at its first admission
             host = match.host_tokens
             if r.host_tokens_loading:  # loaded for it while it waited (a held load), matched since as device hits
                 host, r.host_tokens_loading = min(match.num_tokens, (host or 0) + r.host_tokens_loading), 0
-            r.cached_tokens, r.cached_tokens_host = match.num_tokens + shared, host
-            self.stats["cached_tokens"] += match.num_tokens + shared
+            r.cached_tokens, r.cached_tokens_host = match.num_tokens, host
+            self.stats["cached_tokens"] += match.num_tokens
             self.stats["prompt_tokens"] += len(r.origin_input_ids)
 
 

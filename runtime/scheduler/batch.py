@@ -67,19 +67,6 @@ class DecodeRows:
 
 
 @dataclass(eq=False)
-class SharedInStep:
-    """A prefill request whose prompt positions [start, end) are computed in the same step by an earlier request
-    of the batch (`source`): its table row holds the source's slots there, and the step computes only its tokens
-    from `end` on (its `prefix_lens` entry). The forward stores every token's K/V before any attention reads the
-    pool, so the source's K/V are there when the request's attention reads them."""
-
-    req: Req
-    source: Req
-    start: int  # the request's own cached prefix ends here
-    end: int
-
-
-@dataclass(eq=False)
 class ScheduleBatch:
     """The requests of one forward step and how many new tokens each contributes.
 
@@ -102,7 +89,6 @@ class ScheduleBatch:
     verify: Optional[VerifyPlan] = None  # VERIFY: the trees; out_cache_loc holds every node's slot
     # The requests whose token this step samples, in the order of its sampled ids (set by `to_step`).
     sampled: list[Req] = field(default_factory=list)
-    shared: list[SharedInStep] = field(default_factory=list)  # EXTEND: prompt parts read from a request before
 
     @property
     def batch_size(self) -> int:
@@ -146,7 +132,6 @@ class ScheduleBatch:
             torch.cat([decode.slots, prefill.slots]),
             decode=rows,
             num_decode=n,
-            shared=prefill.shared,
         )
 
     def prefill_part(self) -> tuple[list[Req], list[int], list[int]]:

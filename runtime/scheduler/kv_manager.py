@@ -20,7 +20,6 @@ import torch
 from ..kvcache.memory_pool import ReqToTokenPool, TokenAllocator
 from ..kvcache.prefix_cache import MatchResult, PinHandle, PrefixCache
 from ..request import Req
-from .batch import SharedInStep
 
 logger = logging.getLogger("plait.scheduler")
 
@@ -105,25 +104,6 @@ class KVManager:
     def write_prefix_rows(self, rows: list[tuple[int, torch.Tensor]]) -> None:
         """(request row, cached prefix slots) of a prefill batch's requests, written from position 0."""
         self.req_to_token.write_rows(rows)
-
-    def row_slots(self, r: Req, start: int, end: int) -> torch.Tensor:
-        """The slots at positions [start, end) of the request's table row (int64, from the host mirror)."""
-        assert r.req_pool_idx is not None  # (a request holding KV holds its table row)
-        return torch.from_numpy(self.req_to_token.host[r.req_pool_idx, start:end].astype(np.int64))
-
-    def write_row(self, r: Req, start: int, slots: torch.Tensor) -> None:
-        """`slots` at positions start.. of the request's table row (both copies)."""
-        assert r.req_pool_idx is not None
-        self.req_to_token.write(r.req_pool_idx, start, slots)
-
-    def follow_source(self, shared: SharedInStep) -> None:
-        """Before a request that read part of its prompt from another request of its step is inserted (after
-        that request was): its row takes the source's slots there again. The source's insert may have swapped
-        some of its own for the tree's (tokens another request of the step computed too, freed as duplicates),
-        and a row must never keep a freed slot."""
-        now = self.row_slots(shared.source, shared.start, shared.end)
-        if not torch.equal(now, self.row_slots(shared.req, shared.start, shared.end)):
-            self.write_row(shared.req, shared.start, now)
 
     def insert_progress(self, r: Req) -> None:
         """The request's computed tokens into the prefix cache (after a prefill): they become shared."""

@@ -56,10 +56,7 @@ class StepResults:
     def commit_prefill(self, batch: ScheduleBatch) -> None:
         """What a prefill batch changes on the host without its sampled tokens (see the module doc). A
         mixed step's decode rows change nothing until their tokens are read."""
-        shared = {id(s.req): s for s in batch.shared}
         for r, pre, ext in zip(*batch.prefill_part()):
-            if shared and id(r) in shared:  # (its source is earlier in the batch: inserted already)
-                self.kv.follow_source(shared[id(r)])
             r.kv_len = pre + ext
             self.kv.insert_progress(r)
             r.is_chunked = r.kv_len < r.seq_len

@@ -96,27 +96,6 @@ def test_float32_mixed_steps_same_tokens_as_phases_and_transformers(model_dir):
     assert _agree(runs[True], ref) >= 15 / 16
 
 
-def test_float32_prefixes_shared_within_a_step_same_tokens_as_transformers(model_dir):
-    # Two groups of prompts, each sharing a long uncached prefix: one prefill step admits them all, the first of
-    # each group computing the prefix and the others reading its K/V from the pool in the same forward.
-    g = torch.Generator().manual_seed(11)
-    heads = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (120, 75)]
-    prompts = [
-        heads[i % 2] + torch.randint(2, 256, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
-        for i in range(16)
-    ]
-    sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    with Engine(model_path=model_dir, dtype="float32") as eng:
-        out = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
-        stats = eng.get_stats()
-        assert eng.check_integrity()
-    prefill_steps = stats["steps"]["prefill"]["steps"] + stats["steps"]["mixed"]["steps"]
-    assert prefill_steps == 1 and stats["cached_tokens"] == 7 * 120 + 7 * 75, (prefill_steps, stats["cached_tokens"])
-    ref = _hf_greedy(_hf(model_dir, torch.float32), prompts)
-    print("fp32 shared-in-step/hf", _agree(out, ref))
-    assert _agree(out, ref) >= 15 / 16
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_piecewise_graphs_give_the_eager_tokens(model_dir, dtype):
     # Mixed and prefill steps as CUDA graphs between their attention kernels (executor/piecewise_graphs.py)

@@ -217,15 +217,14 @@ def test_admission_counts_the_prefill_in_flight_as_running(random_models):
     check_state(s)
 
 
-def test_a_prefix_in_flight_is_in_the_tree_for_the_next_batch(random_models):
-    # q1..q3 share q0's 64 uncached tokens and arrive after q0's batch was launched. Their batch is admitted
-    # while q0's is still in flight, so q0's prefix must already be in the tree then.
+def test_prefix_held_back_in_a_batch_hits_the_tree_while_its_batch_is_in_flight(random_models):
+    # q1..q3 share q0's 64 uncached tokens: they wait for q0's batch. Their batch is admitted while
+    # q0's is still in flight, so q0's prefix must already be in the tree then.
     s = scheduler(random_models["llama"], "on", max_total_tokens=1024)
     shared = list(range(2, 66))
-    submit(s, "q0", shared + [100, 120], max_new_tokens=2, **GREEDY)
-    first = s.step()
-    for i in range(1, 4):
+    for i in range(4):
         submit(s, f"q{i}", shared + [100 + i, 120 + i], max_new_tokens=2, **GREEDY)
+    first = s.step()
     assert [r.rid for r in first.reqs] == ["q0"] and s.pipeline.pending_prefill[0] is first
     assert s.kv.cache.peek_prefix_len(shared) == 64  # inserted at launch
     second = s.step()

@@ -88,20 +88,17 @@ def test_a_shared_prefix_is_matched_exactly_once_cached():
     assert s.get_stats()["cached_tokens"] == 40
 
 
-def test_a_request_sharing_an_uncached_prefix_with_one_in_the_batch_reads_it_in_the_same_step():
+def test_a_request_sharing_an_uncached_prefix_with_one_in_the_batch_waits_one_step():
     runner = FakeRunner(max_total_tokens=256)
     s = fake_scheduler(runner)
     shared = list(range(2, 42))
-    submit(s, "a", shared + [50], max_new_tokens=2)
-    submit(s, "b", shared + [51], max_new_tokens=2)
+    submit(s, "a", shared + [50], max_new_tokens=1)
+    submit(s, "b", shared + [51], max_new_tokens=1)
     step(s)
-    assert runner.steps[0].prefix_lens == [0, 40] and runner.steps[0].extend_lens == [41, 1]
-    a, b = s.queues.by_rid["a"], s.queues.by_rid["b"]
-    rows = s.kv.req_to_token.host
-    assert rows[b.req_pool_idx, :40].tolist() == rows[a.req_pool_idx, :40].tolist()
-    assert s.kv.available() == 256 - 42  # 41 + 1 slots: the shared 40 once
-    finals = drain(s)
-    assert finals["b"].cached_tokens == 40
+    assert runner.steps[0].extend_lens == [41] and s.queues.by_rid["b"].status is ReqStatus.WAITING
+    step(s)  # "a" decodes nothing more (max 1): "b" now hits the cached prefix
+    assert runner.steps[-1].prefix_lens == [40] and runner.steps[-1].extend_lens == [1]
+    drain(s)
 
 
 def test_short_of_kv_the_request_with_fewest_outputs_is_retracted_and_finishes_later():

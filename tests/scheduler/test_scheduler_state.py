@@ -296,22 +296,14 @@ def test_in_flight_prefixes_agree_with_comparing_every_pair():
         admission.MAX_INDEXED_WINDOWS, saved = max_indexed, admission.MAX_INDEXED_WINDOWS
         try:
             flight, seqs = InFlightPrefixes(4), []
-            for n in range(200):
+            for _ in range(200):
                 ids = base[: rng.randrange(0, 40)] + [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
                 need = rng.randrange(4, 12) if rng.random() < 0.5 else rng.choice((8, 20))
                 if len(ids) >= need:
-                    # the first sequence in flight that starts with ids[:need], and how far the two agree
-                    starts = [i for i, (o, length) in enumerate(seqs) if length >= need and o[:need] == ids[:need]]
-                    first = starts[0] if starts else None
-                    expect = None
-                    if first is not None:
-                        other, length = seqs[first]
-                        shared = next((k for k in range(need, min(len(ids), length)) if ids[k] != other[k]), None)
-                        expect = (first, min(len(ids), length) if shared is None else shared)
-                    found = flight.source(ids, need)
-                    assert (found if found is None else (int(found[0]), found[1])) == expect, (ids, need)
+                    expect = any(length >= need and other[:need] == ids[:need] for other, length in seqs)
+                    assert flight.shares(ids, need) == expect, (ids, need)
                 length = rng.randrange(1, len(ids) + 1)
-                flight.add(ids, length, n)
+                flight.add(ids, length)
                 seqs.append((ids, length))
         finally:
             admission.MAX_INDEXED_WINDOWS = saved
