@@ -130,11 +130,15 @@ def test_mixed_step_decode_rows_of_a_split_plan():
         ([40, 0, 13, 7], [1, 6, 3, 16]),  # each brings <= SHORT_EXTEND tokens (grammar tails, cached prompts)
         ([40, 28, 28, 28, 28], [1, 29, 31, 27, 30]),  # chat prompts after a shared system prompt: little padding
         ([5, 0, 0], [1, 24, 20]),  # no prefix: the causal mask alone
+        ([40, 10, 20], [1, 6, 6]),  # as many tokens each: q's rows read and written as a view
+        ([40, 33, 12, 7], [1, 2, 2, 1]),  # forced tails: the decode row joins the padded batch
+        ([900, 33, 12], [1, 2, 3]),  # the same, but the decode row's keys are many more: it is attended apart
     ],
 )
 def test_torch_native_attends_extends_together_as_one_at_a_time(monkeypatch, prefix_lens, extend_lens):
-    """torch_native's padded path for an extend step's requests after the decode rows (`_attend_together`)
-    against its one-request-at-a-time extend of the same step."""
+    """torch_native's padded path for an extend step's requests after the decode rows (`_attend_together`;
+    with the decode row too where the others bring a few tokens) against its one-request-at-a-time extend of
+    the same step."""
     from plait.runtime.attention import torch_native
 
     case = PagedCase(8, 2, 32, prefix_lens, extend_lens)
@@ -144,11 +148,17 @@ def test_torch_native_attends_extends_together_as_one_at_a_time(monkeypatch, pre
         if not together:
             monkeypatch.setattr(torch_native, "SHORT_EXTEND", 0)
             monkeypatch.setattr(torch_native, "PADDED_SCORES", 0)
+            monkeypatch.setattr(torch_native, "DECODE_ROWS_JOIN_EXTEND", 0)
         backend = TorchNativeAttnBackend(attention_context(case.device, 8, 2, 32))
         fb = case.forward_batch(ForwardMode.EXTEND, backend)
         fb.decode_rows = 1
         backend.init_forward_metadata(fb)
-        assert (fb.attn_metadata.short is not None) == together
+        md = fb.attn_metadata
+        assert (md.short is not None) == together
+        joined = together and max(extend_lens[1:]) <= 4 and prefix_lens[0] < 100
+        assert (md.num_decode == 0 and md.decode is None) == joined
+        if together:
+            assert (md.short.q_start is not None) == (len(set(extend_lens[md.num_decode :])) == 1)
         outs.append(backend.forward(q, k, v, case.layer, fb))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
