@@ -379,15 +379,37 @@ class RotaryEmbedding(nn.Module):
 def rotary_torch(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference rotate-half RoPE; returns new tensors."""
-    cos = cos_cache[positions].unsqueeze(1)  # (T, 1, D/2)
-    sin = sin_cache[positions].unsqueeze(1)
+    """Reference rotate-half RoPE, computed in float32 and rounded once: returns new tensors. q and k sliced
+    side by side from one projection's rows (q's heads, then k's) are rotated as one tensor (a third of the
+    small ops, which dominate a CPU decode step's rotary)."""
+    cos = cos_cache[positions]  # (T, D/2)
+    sin = sin_cache[positions]
+    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # (T, 1, D)
+    sin = torch.cat([-sin, sin], dim=-1).unsqueeze(1)  # (rotate_half's sign folded in)
+    heads = q.shape[1]
+    both = _side_by_side(q, k)
+    if both is not None:
+        out = _apply_rope(both, cos, sin)
+        return out[:, :heads], out[:, heads:]
     return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(dtype)
+    """x (T, heads, D) -> x * cos + rotate_half(x) * sin in x's dtype (float32 arithmetic; rotate_half's
+    sign is in `sin`: x1 * cos - x2 * sin exactly as written out)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
+    """q (T, H, D) and k (T, Hkv, D) as one (T, H + Hkv, D) view where k's heads follow q's in memory, row by
+    row (both sliced from a fused QKV projection's output); None otherwise."""
+    if q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or q.device != k.device or q.shape[0] != k.shape[0]:
+        return None
+    head_dim = q.shape[2]
+    if q.stride() != k.stride() or q.stride()[1:] != (head_dim, 1) or k.shape[2] != head_dim:
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * head_dim * q.element_size():
+        return None
+    return torch.as_strided(q, (q.shape[0], q.shape[1] + k.shape[1], head_dim), q.stride())

@@ -179,6 +179,29 @@ def test_rotary_in_place_matches_torch(dtype, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_torch_rotary_of_q_and_k_side_by_side_equals_each_apart(dtype):
+    """rotary_torch rotates q and k sliced from one QKV output as one tensor: bitwise the same as rotating
+    copies of them one at a time (and as transformers' formula in float32), v untouched."""
+    from plait.runtime.models.layers import _side_by_side
+
+    rope = RotaryEmbedding(64, 300, 10000.0, None)
+    qkv, q, k, v = qkv_views(6, 9, 3, 64, dtype)
+    assert _side_by_side(q, k) is not None and _side_by_side(q.clone(), k.clone()) is None
+    assert _side_by_side(k, q) is None
+    v_before = v.clone()
+    positions = torch.tensor([0, 5, 299, 17, 17, 1])
+    got_q, got_k = rotary_torch(positions, q, k, rope.cos_cache, rope.sin_cache)
+    apart_q, apart_k = rotary_torch(positions, q.clone(), k.clone(), rope.cos_cache, rope.sin_cache)
+    assert torch.equal(got_q, apart_q) and torch.equal(got_k, apart_k) and torch.equal(v, v_before)
+    cos = torch.cat([rope.cos_cache[positions]] * 2, -1)[:, None]
+    sin = torch.cat([rope.sin_cache[positions]] * 2, -1)[:, None]
+    for x, got in ((q, got_q), (k, got_k)):
+        xf = x.float()
+        rotate_half = torch.cat([-xf[..., 32:], xf[..., :32]], -1)
+        assert torch.equal(got, (xf * cos + rotate_half * sin).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (6, 3, 80)])
 def test_rotary_and_store_kv_writes_rotated_k_and_v_into_the_cache(dtype, heads, kv_heads, head_dim):
     rope = RotaryEmbedding(head_dim, 300, 10000.0, None)
