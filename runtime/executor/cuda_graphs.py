@@ -86,6 +86,9 @@ class CudaGraphRunner:
         self.ragged_sizes = frozenset(bs for bs in self.batch_sizes if backend.has_ragged_graph(bs))
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.greedy: dict[GraphKey, torch.Tensor] = {}  # (bs,) int64 greedy ids, each graph's own
+        # Each graph's static batch, kept while the graph lives: the captured kernels read tensors its parts
+        # own, made outside the graph's memory pool (the LoRA per-token segments), which must not be freed.
+        self.static_batches: dict[GraphKey, ForwardBatch] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.plain_replays = 0
@@ -164,6 +167,7 @@ class CudaGraphRunner:
             self.pool = graph.pool()
         self.graphs[key] = graph
         self.greedy[key] = greedy
+        self.static_batches[key] = fb
 
     def _init_metadata(self, fb: ForwardBatch, key: GraphKey, capture: bool) -> None:
         backend = self.memory.attn_backend

@@ -99,6 +99,10 @@ class VerifyGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.captured: dict[int, list] = {}
+        # Each graph's static batch, kept while the graph lives: the captured kernels read tensors its parts
+        # own, made outside the graph's memory pool (the LoRA per-token segments: freed, their memory went to
+        # other tensors, and a replay read adapter slots and token offsets out of range).
+        self.static_batches: dict[int, ForwardBatch] = {}
         self.pool = None
         start = time.perf_counter()
         self._capture_all()
@@ -167,6 +171,7 @@ class VerifyGraphRunner:
                 self.hidden[t_cap], self.captured[t_cap] = self._forward(fb, t_cap)
             self.pool = self.pool or graph.pool()
             self.graphs[t_cap] = graph
+            self.static_batches[t_cap] = fb
         torch.cuda.synchronize()
 
     def _fill_capture_inputs(self, t_cap: int) -> None:
