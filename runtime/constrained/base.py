@@ -156,6 +156,11 @@ class GrammarMatcher(ABC):
         return None
 
     @property
+    def wants_logits(self) -> bool:
+        """Whether `refine_bitmask` would read the logits at this point (else it leaves the bits as they are)."""
+        return False
+
+    @property
     def max_rollback(self) -> int:
         """How many accepted tokens `rollback` can undo (0: unsupported)."""
         return 0

@@ -7,7 +7,7 @@ and filled on the host by the matchers, then applied in place on the logits' dev
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -34,6 +34,13 @@ class GrammarMasker:
             else:  # only reached if a finished request is still batched: allow nothing but stop
                 bitmask[i].zero_()
         return bitmask
+
+    def refine(self, matchers: Sequence[Any], bitmask: torch.Tensor, row_logits: Callable[[int], torch.Tensor]) -> None:
+        """Narrow the bits `fill` wrote by each row's logits, where its matcher reads them (`wants_logits`):
+        `row_logits(i)` makes row i's (V,) logits, only for those rows."""
+        for i, m in enumerate(matchers):
+            if m is not None and not m.is_terminated() and m.wants_logits:
+                m.refine_bitmask(row_logits(i), bitmask[i])
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[Any], bitmask: Optional[torch.Tensor] = None) -> None:
         """Mask logits (B, V) in place: row i allows only what matchers[i] accepts next. `bitmask`: the bits

@@ -213,10 +213,14 @@ class RequestGrammar(GrammarMatcher):
         if self.scanner is not None and not self.scanner.broken:
             self._keys.apply(self.scanner, bitmask[row], self.inner)
 
+    @property
+    def wants_logits(self) -> bool:
+        return self.closer is not None and self.closer.choosing and not self.closer.closing
+
     def refine_bitmask(self, logits: torch.Tensor, row: torch.Tensor) -> None:
         """Near the end of the budget (closing.py): of the CHOICES likeliest allowed tokens, keep those
         after which a completion still fits. logits: (V,) on any device; row: the (W,) bits just filled."""
-        if self.closer is None or not self.closer.choosing or self.closer.closing:
+        if not self.wants_logits:
             return
         ids = allowed_ids(row)
         ids = ids[ids < logits.shape[0]]

@@ -17,6 +17,9 @@ import torch
 from .bitmask import bitmask_width
 from .vocab import TokenizerVocab
 
+# How many texts `encode` remembers (short completions: a few hundred bytes each at most).
+ENCODED_TEXTS = 4096
+
 
 def _row(vocab_size: int, ids: list[int]) -> torch.Tensor:
     """(W,) int32 bitmask row with the bits of `ids` set."""
@@ -44,6 +47,7 @@ class TokenTables:
         self._sorted_ids = [token_id for _, token_id in entries]
         self.multi_quote_ids = tuple(i for i, data in enumerate(decoded) if data.count(b'"') >= 2)
         self.stops = _row(vocab.vocab_size, list(vocab.stop_token_ids))
+        self._encoded: dict[bytes, Optional[tuple[int, ...]]] = {}  # `encode`'s results, oldest use first
 
     def row_of(self, ids: list[int]) -> torch.Tensor:
         """(W,) int32 bitmask row with the bits of `ids` set."""
@@ -64,12 +68,26 @@ class TokenTables:
         return out
 
     def encode(self, text: bytes) -> Optional[list[int]]:
-        """The tokenizer's ids for `text` if they spell exactly it, else None."""
+        """The tokenizer's ids for `text` if they spell exactly it, else None (a new list each call).
+
+        NOTE: remembered by text (ENCODED_TEXTS, least recently used out): the budget closer encodes the same
+        short completions ("-01-01", '"}') for every row of a batch on every step, and a tokenizer call
+        costs ~50 us."""
+        if text in self._encoded:
+            ids = self._encoded.pop(text)  # (re-inserted below: most recently used last)
+        else:
+            ids = self._encode(text)
+            if len(self._encoded) >= ENCODED_TEXTS:
+                del self._encoded[next(iter(self._encoded))]
+        self._encoded[text] = ids
+        return None if ids is None else list(ids)
+
+    def _encode(self, text: bytes) -> Optional[tuple[int, ...]]:
         try:
             string = text.decode("utf-8")
         except UnicodeDecodeError:
             return None
-        ids = list(self.tokenizer.encode(string, add_special_tokens=False))
+        ids = tuple(self.tokenizer.encode(string, add_special_tokens=False))
         if b"".join(self.vocab.decoded[i] if i < len(self.vocab.decoded) else b"?" for i in ids) != text:
             return None
         return ids

@@ -26,7 +26,6 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..constrained.bitmask import unpack_bitmask
 from ..constrained.masker import GrammarMasker
 from ..step import SamplingRow, StepInput, StepOutput
 from ..uploads import to_device
@@ -233,20 +232,51 @@ def _narrowable(row: SamplingRow) -> bool:
     )
 
 
+@dataclass
+class NarrowLogits:
+    """A step's logits at the tokens its rows' grammars allow, and nowhere else (-inf there)."""
+
+    ids: torch.Tensor  # (n,) int64, ascending: every token some row allows
+    values: torch.Tensor  # (S, n) float32: each row's logits at `ids`
+    vocab_size: int
+
+    def row(self, i: int) -> torch.Tensor:
+        """Row i as whole logits (V,) float32 (what a matcher's `refine_bitmask` reads)."""
+        logits = torch.full((self.vocab_size,), float("-inf"), dtype=torch.float32)
+        logits[self.ids] = self.values[i]
+        return logits
+
+    def greedy(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """(S,) int64: each row's argmax among the tokens its bits (S, W) allow (first on ties; token 0 where
+        a row allows none, as the argmax of a row of -inf is)."""
+        words = bitmask.index_select(1, self.ids >> 5)  # (S, n) int32: the word holding each token's bit
+        allowed = ((words >> (self.ids & 31).to(torch.int32)) & 1).bool()  # (S, n)
+        best = self.ids[self.values.masked_fill(~allowed, float("-inf")).argmax(dim=1)]  # (S,)
+        return torch.where(allowed.any(dim=1), best, torch.zeros_like(best))
+
+
 def _narrow_logits(
     states: torch.Tensor, logits_at: LogitsAt, bitmask: torch.Tensor, vocab_size: int
-) -> Optional[torch.Tensor]:
-    """(S, V) float32 logits that are the model's at every token the masks `bitmask` (S, W) allow (-inf at
-    tokens no row allows), from the head's rows of those tokens alone; None where a row allows more than
-    NARROW_TOKENS (then the whole head is cheaper than the gather). The mask then sets each row's others to
-    -inf, as it would on whole logits: the argmax under the mask is the same."""
-    allowed = unpack_bitmask(bitmask, vocab_size)  # (S, V) bool
-    if int(allowed.sum(dim=1).max()) > NARROW_TOKENS:
+) -> Optional[NarrowLogits]:
+    """The model's logits at every token the masks `bitmask` (S, W) allow, from the head's rows of those tokens
+    alone; None where a row allows more than NARROW_TOKENS (then the whole head is cheaper than the gather).
+    Reads the masks' nonzero words only: a row allowing a few tokens costs a few words, not the vocabulary."""
+    if int((bitmask != 0).sum(dim=1).max()) > NARROW_TOKENS:  # a bit at least in each nonzero word
         return None
-    ids = allowed.any(dim=0).nonzero().squeeze(1)  # (n,) every row's allowed tokens
-    logits = torch.full((states.shape[0], vocab_size), float("-inf"), dtype=torch.float32)
-    logits[:, ids] = logits_at(states, ids)  # (S, n)
-    return logits
+    at = bitmask.nonzero()  # (K, 2) (row, word) of every nonzero word
+    bits = (bitmask[at[:, 0], at[:, 1]].unsqueeze(1) >> _BIT_POSITIONS) & 1  # (K, 32)
+    per_row = torch.zeros(bitmask.shape[0], dtype=torch.int64).index_add_(
+        0, at[:, 0], bits.sum(dim=1, dtype=torch.int64)
+    )
+    if int(per_row.max()) > NARROW_TOKENS:
+        return None
+    word, bit = bits.nonzero(as_tuple=True)
+    ids = torch.unique(at[word, 1] * 32 + bit)  # (n,) sorted
+    ids = ids[ids < vocab_size]
+    return NarrowLogits(ids, logits_at(states, ids), vocab_size)  # values (S, n)
+
+
+_BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
 
 
 class StepSampler:
@@ -284,8 +314,18 @@ class StepSampler:
             assert hidden is not None and sample_rows_t is not None
             states = hidden[sample_rows_t]  # (S, hidden)
             if logits_at is not None and not states.is_cuda and all(_narrowable(r) for r in rows):
-                bitmask = self._grammar_masker().fill([r.grammar for r in rows], len(rows))
-                logits = _narrow_logits(states, logits_at, bitmask, self.vocab_size)
+                masker = self._grammar_masker()
+                grammars = [r.grammar for r in rows]
+                bitmask = masker.fill(grammars, len(rows))
+                narrow = _narrow_logits(states, logits_at, bitmask, self.vocab_size)
+                if narrow is not None:
+                    # Greedy rows with nothing else adjusting their logits: the argmax under the (refined)
+                    # masks, read on the allowed tokens alone, never on (S, V) tensors.
+                    masker.refine(grammars, bitmask, narrow.row)
+                    next_list = narrow.greedy(bitmask).tolist()
+                    for j, i in enumerate(step.sampling_reqs):
+                        out.next_token_ids[i] = next_list[j]
+                    return out
             if logits is None:
                 logits = compute_logits(states)  # (S, V)
         want_lp = [r.return_logprob for r in rows]
