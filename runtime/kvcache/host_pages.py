@@ -5,8 +5,7 @@ then every 4 KiB page faults once. Where a fault is expensive that is most of a 
 developers' VM (Firecracker, free pages reported back to the host) a fault cost 4-10 us, and a fresh process's
 433-token step on the default model spent ~220 ms of its ~420 in `set_kv`. Advised as huge pages, the kernel
 maps 2 MiB at a fault (100 MiB faulted in ~13 ms against 95-260 ms a page at a time, measured there); where
-transparent huge pages are off or the kernel ignores the advice, nothing changes. `huge_page_zeros` makes such a
-buffer starting on a huge page's boundary, so the advice covers all of it.
+transparent huge pages are off or the kernel ignores the advice, nothing changes.
 """
 
 from __future__ import annotations
@@ -51,19 +50,3 @@ def advise_huge_pages(array: np.ndarray) -> int:
         logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
         return 0
     return length
-
-
-def huge_page_zeros(num_bytes: int) -> np.ndarray:
-    """(num_bytes,) uint8 zeros, untouched (calloc), advised as huge pages from their first byte: a buffer of at
-    least one huge page starts on a 2 MiB boundary (taken from an allocation 2 MiB larger, whose unused part is
-    never touched), so its first slots are huge pages too.
-
-    NOTE: unaligned, the buffer's first up-to-2 MiB stayed 4 KiB pages: the slots a server hands out first, every
-    layer's K and V, ~3,600 faults (~50 ms here) in the first 433-token step after a warm-up."""
-    if num_bytes < HUGE_PAGE or _MADVISE is None:
-        return np.zeros(num_bytes, dtype=np.uint8)
-    raw = np.zeros(num_bytes + HUGE_PAGE, dtype=np.uint8)
-    skip = -raw.ctypes.data % HUGE_PAGE
-    zeros = raw[skip : skip + num_bytes]
-    advise_huge_pages(zeros)
-    return zeros

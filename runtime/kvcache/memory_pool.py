@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .host_copies import HostCopyLog
-from .host_pages import huge_page_zeros
+from .host_pages import advise_huge_pages
 from .kv_quant import is_fp8, quantize
 
 
@@ -233,7 +233,9 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Ten
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = int(np.prod(shape)) * dtype.itemsize
-    return torch.from_numpy(huge_page_zeros(num_bytes)).view(dtype).view(shape)
+    zeros = np.zeros(num_bytes, dtype=np.uint8)
+    advise_huge_pages(zeros)
+    return torch.from_numpy(zeros).view(dtype).view(shape)
 
 
 class KVPool:

@@ -196,9 +196,3 @@ def test_cpu_pool_asks_for_huge_pages_over_its_whole_2mib_pages():
     assert pool.shape == (3000, 3, 64) and pool.dtype == torch.bfloat16 and not pool.any()
     pool[1234] = 1.5
     assert float(pool[1234].sum()) == 1.5 * 3 * 64 and float(pool.sum()) == 1.5 * 3 * 64
-
-    # A pool of a huge page or more starts on a huge page's boundary: the advice covers its first slots too.
-    large = zeroed((5 * host_pages.HUGE_PAGE // 384 + 7, 3, 64), torch.bfloat16, "cpu")
-    assert large.data_ptr() % host_pages.HUGE_PAGE == 0 and not large.any()
-    large[-1] = 2.0
-    assert float(large.sum()) == 2.0 * 3 * 64
