@@ -37,12 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: ben
 
 from bench_common import git_commit  # noqa: E402
 from plait.runtime import kernels  # noqa: E402
-from plait.runtime.models.layers import (
-    RotaryEmbedding,
-    rms_norm_torch,
-    rotary_torch,  # noqa: E402
-    silu_and_mul_torch,
-)
+from plait.runtime.models.layers import rms_norm_torch, silu_and_mul_torch  # noqa: E402
+from plait.runtime.models.rotary import RotaryEmbedding, rotary_torch  # noqa: E402
 from triton.testing import do_bench
 
 SHAPES = {  # hidden, intermediate, heads, kv heads, head_dim, rope theta

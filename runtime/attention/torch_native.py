@@ -39,11 +39,11 @@ class _VerifyMetadata:
     q_valid: torch.Tensor  # (B, E_max) bool
     kv_index: torch.Tensor  # (B, S_max) int64 kv slots of prefix + tree, padded with the dummy slot 0
     mask: torch.Tensor  # (B, 1, E_max, S_max) bool, True where the query sees the key
-    q_rows: torch.Tensor  # (n,) int64: q_index's valid entries, the rows of q these requests bring, in order
-    valid_at: torch.Tensor  # (n,) int64: where those are in q_index flattened
     # The first row of q when every request brings E_max tokens, one after another (no padding: q's rows are
-    # read and written as a view); None otherwise.
+    # read and written as a view); None otherwise, and then:
     q_start: Optional[int] = None
+    q_rows: Optional[torch.Tensor] = None  # (n,) int64: q_index's valid entries, the rows of q brought, in order
+    valid_at: Optional[torch.Tensor] = None  # (n,) int64: where those are in q_index flattened
     # `mask` as the additive mask of the folded queries (`_attend_padded`), by (dtype, query heads per kv head)
     _additive: Optional[dict] = None
 
@@ -113,11 +113,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         d = fb.decode_rows
         decode = None
         ext_cpu = fb.extend_seq_lens_cpu
-        keys = [p + n for p, n in zip(fb.extend_prefix_lens_cpu, ext_cpu)]
-        if d and max(ext_cpu[d:], default=1) <= DECODE_ROWS_JOIN_EXTEND and _length_groups(keys) is None:
-            # One padded batch, the decode rows too (unless their lengths differ so much that padding costs more).
-            fb.attn_metadata = _ExtendMetadata([], [], None, 0, _verify_metadata(fb, self.device))
-            return
+        if d and max(ext_cpu[d:], default=1) <= DECODE_ROWS_JOIN_EXTEND:
+            keys = [p + n for p, n in zip(fb.extend_prefix_lens_cpu, ext_cpu)]
+            if _length_groups(keys) is None:  # (lengths so different that padding costs more: attended apart)
+                # One padded batch, the decode rows too.
+                fb.attn_metadata = _ExtendMetadata([], [], None, 0, _verify_metadata(fb, self.device))
+                return
         if d:
             s_max = max(p + 1 for p in fb.extend_prefix_lens_cpu[:d])
             decode = self._decode_metadata(r2t, fb.req_pool_indices[:d], fb.seq_lens[:d], s_max)
@@ -251,6 +252,7 @@ def _attend_padded(
     o = F.scaled_dot_product_attention(qb, k, v, attn_mask=md.additive_mask(q.dtype, group), scale=layer.scaling)
     o = o.view(b, kv_heads, e, group, dim).transpose(1, 2).reshape(b, e, heads * dim)  # (B, E, H * D)
     if md.q_start is None:
+        assert md.q_rows is not None and md.valid_at is not None
         out.index_copy_(0, md.q_rows, o.view(b * e, heads * dim).index_select(0, md.valid_at))
     else:
         out[md.q_start : md.q_start + b * e] = o.view(b * e, heads * dim)
@@ -290,11 +292,10 @@ def _verify_metadata(fb: ForwardBatch, device, first: int = 0) -> _VerifyMetadat
     mask[:, :, 0] |= ~q_valid  # padding queries see one key (no NaN); their output is dropped
     kv_index = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[first:], :s_max].long()  # (B, S)
     kv_index = torch.where(cols[None, :] < (pre + tree)[:, None], kv_index, torch.zeros_like(kv_index))
-    q_start = None
     if min(ext_cpu) == e_max:  # no padding: the queries are q's rows from the first request's on, as they are
-        q_start = sum(fb.extend_seq_lens_cpu[:first])
+        return _VerifyMetadata(q_index, q_valid, kv_index, mask[:, None], sum(fb.extend_seq_lens_cpu[:first]))
     valid_at = q_valid.view(-1).nonzero().view(-1)
-    return _VerifyMetadata(q_index, q_valid, kv_index, mask[:, None], q_index.view(-1)[valid_at], valid_at, q_start)
+    return _VerifyMetadata(q_index, q_valid, kv_index, mask[:, None], None, q_index.view(-1)[valid_at], valid_at)
 
 
 def _attend_together(ext: list, prefix: list, heads: int) -> bool:

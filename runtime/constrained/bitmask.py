@@ -46,10 +46,22 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def allowed_ids(row: torch.Tensor) -> torch.Tensor:
     """The tokens a (W,) int32 row of bits allows, ascending (int64, on the row's device). Reads only the
     row's nonzero words: a grammar state that allows a few tokens costs a few words, not the vocabulary."""
-    words = row.nonzero().squeeze(1)  # (k,)
-    bits = (row[words].unsqueeze(1) >> _bit_positions(row.device)) & 1  # (k, 32)
+    return set_bits(row.unsqueeze(0))[1]
+
+
+def set_bits(bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every allowed (row, token) of (R, W) int32 bits: (rows, token ids), int64, by row then token. Reads
+    only the nonzero words."""
+    at = bitmask.nonzero()  # (k, 2) (row, word) of each nonzero word
+    bits = (bitmask[at[:, 0], at[:, 1]].unsqueeze(1) >> _bit_positions(bitmask.device)) & 1  # (k, 32)
     word, bit = bits.nonzero(as_tuple=True)
-    return words[word].long() * 32 + bit
+    return at[word, 0], at[word, 1] * 32 + bit
+
+
+def bits_at(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(R, n) bool: whether each row of (R, W) int32 bits allows each of the tokens `ids` (n,) int64."""
+    words = bitmask.index_select(1, ids >> 5)  # (R, n): the word holding each token's bit
+    return ((words >> (ids & 31).to(torch.int32)) & 1).bool()
 
 
 def single_token(row: torch.Tensor) -> Optional[int]:

@@ -50,7 +50,5 @@ class GrammarMasker:
             return
         if bitmask is None:
             bitmask = self.fill(matchers, logits.shape[0])
-        for i in rows:
-            if not matchers[i].is_terminated():
-                matchers[i].refine_bitmask(logits[i], bitmask[i])
+        self.refine(matchers, bitmask, lambda i: logits[i])
         apply_token_bitmask_inplace(logits, bitmask, rows)

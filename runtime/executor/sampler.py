@@ -26,6 +26,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ..constrained.bitmask import bits_at, set_bits
 from ..constrained.masker import GrammarMasker
 from ..step import SamplingRow, StepInput, StepOutput
 from ..uploads import to_device
@@ -249,8 +250,7 @@ class NarrowLogits:
     def greedy(self, bitmask: torch.Tensor) -> torch.Tensor:
         """(S,) int64: each row's argmax among the tokens its bits (S, W) allow (first on ties; token 0 where
         a row allows none, as the argmax of a row of -inf is)."""
-        words = bitmask.index_select(1, self.ids >> 5)  # (S, n) int32: the word holding each token's bit
-        allowed = ((words >> (self.ids & 31).to(torch.int32)) & 1).bool()  # (S, n)
+        allowed = bits_at(bitmask, self.ids)  # (S, n)
         best = self.ids[self.values.masked_fill(~allowed, float("-inf")).argmax(dim=1)]  # (S,)
         return torch.where(allowed.any(dim=1), best, torch.zeros_like(best))
 
@@ -263,20 +263,12 @@ def _narrow_logits(
     Reads the masks' nonzero words only: a row allowing a few tokens costs a few words, not the vocabulary."""
     if int((bitmask != 0).sum(dim=1).max()) > NARROW_TOKENS:  # a bit at least in each nonzero word
         return None
-    at = bitmask.nonzero()  # (K, 2) (row, word) of every nonzero word
-    bits = (bitmask[at[:, 0], at[:, 1]].unsqueeze(1) >> _BIT_POSITIONS) & 1  # (K, 32)
-    per_row = torch.zeros(bitmask.shape[0], dtype=torch.int64).index_add_(
-        0, at[:, 0], bits.sum(dim=1, dtype=torch.int64)
-    )
-    if int(per_row.max()) > NARROW_TOKENS:
+    rows, ids = set_bits(bitmask)
+    if int(torch.bincount(rows, minlength=bitmask.shape[0]).max()) > NARROW_TOKENS:
         return None
-    word, bit = bits.nonzero(as_tuple=True)
-    ids = torch.unique(at[word, 1] * 32 + bit)  # (n,) sorted
+    ids = torch.unique(ids)  # (n,) sorted
     ids = ids[ids < vocab_size]
     return NarrowLogits(ids, logits_at(states, ids), vocab_size)  # values (S, n)
-
-
-_BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
 
 
 class StepSampler:

@@ -27,7 +27,7 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "llava": "LlavaForConditionalGeneration",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # what models/layers.RotaryEmbedding computes
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # what models/rotary.RotaryEmbedding computes
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 logger = logging.getLogger("plait.model_config")

@@ -25,7 +25,6 @@ from .config import ModelConfig
 from .cpu_matmul import cpu_linear
 from .layers import (
     RMSNorm,
-    RotaryEmbedding,
     SiluAndMul,
     fuses_decode_row,
     norm_for_linear,
@@ -46,6 +45,7 @@ from .parallel import (
     shard_heads,
     vocab_shard,
 )
+from .rotary import RotaryEmbedding
 from .weights import load_checkpoint_weights
 
 

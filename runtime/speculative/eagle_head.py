@@ -28,8 +28,9 @@ import torch.nn as nn
 
 from ..forward_batch import ForwardBatch
 from ..models.config import ModelConfig
-from ..models.layers import RMSNorm, RotaryEmbedding
+from ..models.layers import RMSNorm
 from ..models.llama import MLP, Attention
+from ..models.rotary import RotaryEmbedding
 
 EAGLE_ARCHITECTURES = {
     "LlamaForCausalLMEagle": "EAGLE",

@@ -139,7 +139,7 @@ def test_fused_rotary_store_quantizes_as_set_kv_does():
 @pytest.mark.gpu
 def test_gpu_fused_rotary_store_rounds_as_torch_does():
     from plait.runtime.kernels.rotary import rotary_and_store_kv
-    from plait.runtime.models.layers import rotary_torch
+    from plait.runtime.models.rotary import rotary_torch
 
     (q, k, v, pos, cos, sin, loc, ks, vs), (k_cache, v_cache) = _rotary_store_case(
         [0, 3, 7, 8, 20], on_grid=False, device="cuda"

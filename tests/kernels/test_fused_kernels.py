@@ -13,13 +13,12 @@ import torch
 import torch.nn.functional as F
 from plait.runtime.models.layers import (
     RMSNorm,
-    RotaryEmbedding,
     SiluAndMul,
     rms_norm_torch,
-    rotary_torch,
     silu_and_mul,
     silu_and_mul_torch,
 )
+from plait.runtime.models.rotary import RotaryEmbedding, rotary_torch
 
 torch.set_num_threads(1)
 
@@ -182,7 +181,7 @@ def test_rotary_in_place_matches_torch(dtype, heads, kv_heads, head_dim):
 def test_torch_rotary_of_q_and_k_side_by_side_equals_each_apart(dtype):
     """rotary_torch rotates q and k sliced from one QKV output as one tensor: bitwise the same as rotating
     copies of them one at a time (and as transformers' formula in float32), v untouched."""
-    from plait.runtime.models.layers import _side_by_side
+    from plait.runtime.models.rotary import _side_by_side
 
     rope = RotaryEmbedding(64, 300, 10000.0, None)
     qkv, q, k, v = qkv_views(6, 9, 3, 64, dtype)

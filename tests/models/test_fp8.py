@@ -196,8 +196,9 @@ def test_norm_and_activation_hand_fp8_layers_their_rows_quantized(rows, path, mo
     import importlib
 
     from plait.runtime.models.config import ModelConfig
-    from plait.runtime.models.layers import RotaryEmbedding, set_use_triton
+    from plait.runtime.models.layers import set_use_triton
     from plait.runtime.models.llama import DecoderLayer
+    from plait.runtime.models.rotary import RotaryEmbedding
     from plait.runtime.quant import fp8_rows
 
     kernels = importlib.import_module("plait.runtime.kernels")  # after conftest chose the interpreter
