@@ -162,6 +162,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         kv = _LayerKV.of(fb, layer)
         out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
         gqa = layer.num_heads != layer.num_kv_heads
+        dtype = scores_dtype(q)
         start = d = md.num_decode
         if md.decode is not None:
             out[:d] = _attend_one_token(q[:d].view(d, layer.num_heads, layer.head_dim), kv, md.decode, layer)
@@ -170,9 +171,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             return out
         for j, i in enumerate(range(d, fb.batch_size)):
             ext = fb.extend_seq_lens_cpu[i]
-            qi = q[start : start + ext].transpose(0, 1)  # (H, E, D)
+            qi = q[start : start + ext].transpose(0, 1).to(dtype)  # (H, E, D)
             idx = md.kv_indices[j]
-            ki, vi = kv.gather(idx, 0, q.dtype)  # (Hkv, S, D) each
+            ki, vi = kv.gather(idx, 0, dtype)  # (Hkv, S, D) each
             mask = md.causal_masks[j]
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa
@@ -215,6 +216,17 @@ class _LayerKV:
         return k * self.scales[0], v * self.scales[1]
 
 
+def scores_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in for queries `q`: q's own, except bf16 / fp16 on a CPU without AMX, where
+    torch's attention kernels in half precision are 4-7x slower than widening q, K and V to float32 first (decode
+    rows on an AMD EPYC with AVX512-BF16; on an Intel Xeon with AMX bf16 attention was the faster)."""
+    if q.device.type != "cpu" or q.dtype == torch.float32:
+        return q.dtype
+    from ..quant.cpu_features import cpu_features
+
+    return q.dtype if cpu_features().amx_bf16 else torch.float32
+
+
 def _attend_one_token(q: torch.Tensor, kv: _LayerKV, md: _DecodeMetadata, layer: AttentionLayerSpec) -> torch.Tensor:
     """One query token per request, q (B, H, D), over each request's K/V padded to the longest (of its
     group, when grouped): (B, H * D)."""
@@ -223,12 +235,13 @@ def _attend_one_token(q: torch.Tensor, kv: _LayerKV, md: _DecodeMetadata, layer:
         for at, part in md.groups:
             out.index_copy_(0, at, _attend_one_token(q.index_select(0, at), kv, part, layer))  # (b, H * D)
         return out
-    k, v = kv.gather(md.kv_index, 1, q.dtype)  # (B, Hkv, S, D) each
-    qb = q.unsqueeze(2)  # (B, H, 1, D)
+    dtype = scores_dtype(q)
+    k, v = kv.gather(md.kv_index, 1, dtype)  # (B, Hkv, S, D) each
+    qb = q.unsqueeze(2).to(dtype)  # (B, H, 1, D)
     o = F.scaled_dot_product_attention(
         qb, k, v, attn_mask=md.mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
     )  # (B, H, 1, D)
-    return o.reshape(q.shape[0], -1)
+    return o.reshape(q.shape[0], -1).to(q.dtype)
 
 
 def _attend_padded(
@@ -242,15 +255,16 @@ def _attend_padded(
     heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
     group = heads // kv_heads
     b, e = md.q_index.shape
-    k, v = kv.gather(md.kv_index, 1, q.dtype)  # (B, Hkv, S, D) each
+    dtype = scores_dtype(q)
+    k, v = kv.gather(md.kv_index, 1, dtype)  # (B, Hkv, S, D) each
     q3 = q.view(q.shape[0], heads, dim)
     if md.q_start is None:  # (index_select / index_copy_: on the CPU faster than indexing with tensors)
         qb = q3.index_select(0, md.q_index.view(-1)).view(b, e, heads, dim)
     else:
         qb = q3[md.q_start : md.q_start + b * e].view(b, e, heads, dim)
-    qb = qb.view(b, e, kv_heads, group, dim).transpose(1, 2).reshape(b, kv_heads, e * group, dim)
-    o = F.scaled_dot_product_attention(qb, k, v, attn_mask=md.additive_mask(q.dtype, group), scale=layer.scaling)
-    o = o.view(b, kv_heads, e, group, dim).transpose(1, 2).reshape(b, e, heads * dim)  # (B, E, H * D)
+    qb = qb.view(b, e, kv_heads, group, dim).transpose(1, 2).reshape(b, kv_heads, e * group, dim).to(dtype)
+    o = F.scaled_dot_product_attention(qb, k, v, attn_mask=md.additive_mask(dtype, group), scale=layer.scaling)
+    o = o.to(q.dtype).view(b, kv_heads, e, group, dim).transpose(1, 2).reshape(b, e, heads * dim)  # (B, E, H * D)
     if md.q_start is None:
         assert md.q_rows is not None and md.valid_at is not None
         out.index_copy_(0, md.q_rows, o.view(b * e, heads * dim).index_select(0, md.valid_at))

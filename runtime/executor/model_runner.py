@@ -276,7 +276,7 @@ class ModelRunner:
 
 def model_dtype(server_args: ServerArgs, checkpoint_dtype: Optional[str]) -> torch.dtype:
     """The weights' dtype: ServerArgs.dtype, where "auto" reads the checkpoint on a GPU and the CPU's features
-    on a CPU (bfloat16 with AMX, else float32: quant/cpu_features.py)."""
+    on a CPU (bfloat16 with AMX or AVX512-BF16, else float32: quant/cpu_features.py)."""
     on_cpu = server_args.resolved_device() == "cpu"
     return server_args.resolved_dtype(checkpoint_dtype, cpu_auto=auto_cpu_dtype() if on_cpu else "float32")
 

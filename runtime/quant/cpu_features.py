@@ -27,8 +27,8 @@ class CpuFeatures:
 
     @property
     def amx_bf16(self) -> bool:
-        """Whether bf16 matmuls have AMX's matrix tiles: where bf16 was measured faster than float32 at every
-        batch (benchmarks/RESULTS.md); AVX512-BF16 alone has not been measured here."""
+        """Whether bf16 matmuls have AMX's matrix tiles (then torch's bf16 attention is fast too; without them it
+        is slower than float32's: attention/torch_native.scores_dtype)."""
         return "amx_bf16" in self.flags
 
     def describe(self) -> list[str]:
@@ -65,14 +65,15 @@ CPU_DTYPE_ENV = "PLAIT_CPU_DTYPE"
 
 
 def auto_cpu_dtype() -> str:
-    """dtype "auto" on this CPU: bfloat16 with AMX (1.9x float32's batched decode on the 2-core Xeon, perplexity
-    within 1%), else float32; $PLAIT_CPU_DTYPE (float32 or bfloat16) overrides the choice."""
+    """dtype "auto" on this CPU: bfloat16 where bf16 matmuls run in hardware (AMX: 1.9x float32's batched decode
+    on the 2-core Xeon; AVX512-BF16: 1.6x on the 2-core AMD EPYC, attention kept in float32 there; perplexity
+    within 1% of float32's), else float32; $PLAIT_CPU_DTYPE (float32 or bfloat16) overrides the choice."""
     chosen = os.environ.get(CPU_DTYPE_ENV)
     if chosen is not None:
         if chosen not in ("float32", "bfloat16"):
             raise ValueError(f"{CPU_DTYPE_ENV}={chosen!r}: expected float32 or bfloat16")
         return chosen
-    return "bfloat16" if cpu_features().amx_bf16 else "float32"
+    return "bfloat16" if cpu_features().fast_bf16 else "float32"
 
 
 def check_cpu_precision(quantization, dtype, device: str) -> None:

@@ -44,3 +44,36 @@ def test_grouped_decode_attention_equals_the_one_padded_batch():
     out = _attend_one_token(q, kv, grouped, layer)  # (B, H * D)
     assert out.shape == (len(lens), heads * dim)
     torch.testing.assert_close(out, _attend_one_token(q, kv, whole, layer), rtol=1e-5, atol=1e-6)
+
+
+def test_half_precision_attention_widens_to_float32_on_a_cpu_without_amx(monkeypatch):
+    import plait.runtime.quant.cpu_features as features
+    from plait.runtime.attention.torch_native import scores_dtype
+
+    def with_flags(flags):
+        monkeypatch.setattr(features, "cpu_features", lambda: features.CpuFeatures(flags, "AVX512"))
+
+    q = torch.zeros(2, 6, 16, dtype=torch.bfloat16)
+    with_flags(("avx512f", "avx512_bf16"))  # AMD EPYC: bf16 dot products, no matrix tiles
+    assert scores_dtype(q) == torch.float32 and scores_dtype(q.float()) == torch.float32
+    with_flags(("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"))  # Intel Xeon with AMX: bf16 stays
+    assert scores_dtype(q) == torch.bfloat16
+
+    # Widened, the bf16 decode rows' attention is the float32 attention of the same bf16 values, rounded once.
+    with_flags(("avx512f", "avx512_bf16"))
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, slots, lens = 6, 2, 16, 512, [300, 40, 7]
+    k_buf = torch.randn(slots, kv_heads, dim, generator=g).bfloat16()
+    v_buf = torch.randn(slots, kv_heads, dim, generator=g).bfloat16()
+    table = torch.zeros(len(lens), max(lens), dtype=torch.int32)
+    for b, n in enumerate(lens):
+        table[b, :n] = torch.randperm(slots - 1, generator=g)[:n].to(torch.int32) + 1
+    md = TorchNativeAttnBackend(AttentionContext("cpu"))._decode_metadata(
+        table, torch.arange(len(lens)), torch.tensor(lens), max(lens)
+    )
+    layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim**-0.5)
+    qb = torch.randn(len(lens), heads, dim, generator=g).bfloat16()
+    out = _attend_one_token(qb, _LayerKV(k_buf, v_buf, None), md, layer)
+    ref = _attend_one_token(qb.float(), _LayerKV(k_buf.float(), v_buf.float(), None), md, layer)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref.bfloat16(), rtol=0, atol=0)

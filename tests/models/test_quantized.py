@@ -103,11 +103,12 @@ def test_cpuinfo_flags_are_read_not_assumed():
     assert parse_cpuinfo_flags("") == ()
 
 
-def test_auto_dtype_on_a_cpu_is_bf16_only_with_amx(monkeypatch):
+def test_auto_dtype_on_a_cpu_is_bf16_only_where_bf16_runs_in_hardware(monkeypatch):
     monkeypatch.delenv(features.CPU_DTYPE_ENV, raising=False)
     for flags, expected in [
-        (("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "bfloat16"),
-        (("avx512f", "avx512_bf16", "avx512_vnni"), "float32"),  # AVX512-BF16 alone: not measured faster here
+        (("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "bfloat16"),  # Intel Xeon with AMX
+        (("avx512f", "avx512_bf16", "avx512_vnni"), "bfloat16"),  # AMD EPYC: AVX512-BF16
+        (("avx512f", "avx512_vnni"), "float32"),
         ((), "float32"),
     ]:
         monkeypatch.setattr(features, "cpu_features", lambda flags=flags: CpuFeatures(flags, "AVX512"))
