@@ -20,8 +20,9 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(2)
 
-# dtype "auto" on a CPU with AMX or AVX512-BF16 is bfloat16 (quant/cpu_features.py); the suite's references are transformers'
-# float32, so engines here resolve "auto" to float32 unless the runner asks otherwise (servers inherit it).
+# dtype "auto" on a CPU with AMX or AVX512-BF16 is bfloat16 (quant/cpu_features.py); the suite's references are
+# transformers' float32, so engines here resolve "auto" to float32 unless the runner asks otherwise (servers
+# inherit it).
 os.environ.setdefault("PLAIT_CPU_DTYPE", "float32")
 
 
