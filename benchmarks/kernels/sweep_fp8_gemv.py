@@ -6,11 +6,9 @@ the weight-read bandwidth each implies:
 - `gemv`: runtime/kernels/gemv.py (bf16 row, FP8 codes widened in registers) at its picked tiles, then over a grid
   of tiles: whole-row tiles (the picked family) and short K tiles in a pipelined K loop (`num_stages` >= 3: the
   compiler's software pipeline keeps several tiles of weights in flight per program);
-- `gemv_tma`: the same product with the weight tiles brought into shared memory by the tensor memory accelerator
-  (a host-made tensor descriptor; `tl.range(..., num_stages)` keeps that many tiles in flight) — an experiment:
-  it lives here until it wins;
 - `bf16`: torch.mm on the bf16 weight (cuBLAS), and `pt_mm`: torch._scaled_mm with unit scales on an FP8 row
-  (cuBLASLt's FP8 kernel, the matmul alone: what the tensor cores' library reaches at one row).
+  (cuBLASLt's FP8 kernel, the matmul alone: what the tensor cores' library reaches at one row);
+- `decode_a8` (2 rows and more): the engine's path there, the tensor-core decode matmul on FP8 rows.
 Each config's product is checked against the dequantized weight's before it is timed.
 
     python benchmarks/kernels/sweep_fp8_gemv.py                 # every shape, one row
@@ -27,7 +25,6 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this room's scripts, then benchmarks/ (bench_common)
@@ -35,45 +32,6 @@ from bench_common import save  # noqa: E402
 from bench_gemv import graph_time  # noqa: E402
 
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-
-
-@triton.jit
-def _gemv_tma_kernel(
-    X, w_desc, Scale, Y, M, K, stride_xm, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    n0 = pid * BLOCK_N
-    offs_m = tl.arange(0, BLOCK_M)  # (BM,)
-    m_mask = offs_m < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = w_desc.load([n0, k0])  # (BN, BK) fp8
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None], other=0.0)  # (BM, BK)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    acc = acc * tl.load(Scale + offs_n)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=m_mask[:, None])
-
-
-def gemv_tma(x, weight, weight_scale, cfg):
-    """x (M, K) bf16 @ (weight (N, K) fp8 * weight_scale[:, None])^T; cfg (block_n, block_k, num_warps, stages);
-    N a multiple of block_n, K of block_k (the 8B shapes are)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    bn, bk, warps, stages = cfg
-    m, k = x.shape
-    n = weight.shape[0]
-    if n % bn or k % bk:
-        raise ValueError("shape not a multiple of the tile")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    desc = TensorDescriptor.from_tensor(weight, [bn, bk])
-    _gemv_tma_kernel[(n // bn,)](
-        x, desc, weight_scale, y, m, k, x.stride(0), y.stride(0),
-        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps,
-    )  # fmt: skip
-    return y
 
 
 def per_thread(bn: int, bk: int, warps: int, rows: int = 1) -> int:
@@ -89,13 +47,6 @@ def plain_grid(quick: bool) -> list:
         whole = [c for c in whole if c[2] == 4 and c[3] == 2]
         piped = [c for c in piped if c[3] == 4]
     return [c for c in whole + piped if per_thread(c[0], c[1], c[2]) <= 64]
-
-
-def tma_grid(quick: bool) -> list:
-    grid = list(itertools.product((8, 16, 32, 64), (128, 256), (4, 8), (3, 4, 6, 8)))
-    if quick:
-        grid = [c for c in grid if c[3] in (4, 6)]
-    return [c for c in grid if per_thread(c[0], c[1], c[2]) <= 64]
 
 
 def sweep_shape(n: int, k: int, rows: int, copies: int, quick: bool, only: dict | None = None) -> dict:
@@ -132,7 +83,7 @@ def sweep_shape(n: int, k: int, rows: int, copies: int, quick: bool, only: dict 
 
         results.setdefault(name, []).append((graph_time(run, reps=5) / copies, cfg))
 
-    timed("bf16", lambda w, cfg: torch.mm(x, w.t()), None)
+    timed("bf16", lambda w, cfg: torch.mm(x, (w if isinstance(w, torch.Tensor) else floats[0]).t()), None)
     if rows >= 2:  # the engine's path at 2-64 rows today: the tensor-core decode matmul on FP8 rows
         from plait.runtime.kernels.decode_gemm import SplitKWorkspace
         from plait.runtime.kernels.fp8_gemm import fp8_gemm
@@ -150,8 +101,6 @@ def sweep_shape(n: int, k: int, rows: int, copies: int, quick: bool, only: dict 
     for cfg in plain:
         timed("gemv", lambda layer, cfg: gemv(
             x, layer.weight, config=GemvConfig(*cfg), weight_scale=layer.weight_scale), cfg)  # fmt: skip
-    for cfg in only["gemv_tma"] if only else tma_grid(quick):
-        timed("gemv_tma", lambda layer, cfg: gemv_tma(x, layer.weight, layer.weight_scale, cfg), cfg)
     for name, rs in results.items():
         if name != "refused":
             first = rs[0]
@@ -179,12 +128,10 @@ def main() -> None:
             t0 = time.time()
             res = sweep_shape(n, k, rows, args.copies, args.quick, fastest.get(name))
             if name not in fastest:
-                fastest[name] = {
-                    p: [c for _, c in res.get(p, [])[1 if p == "gemv" else 0 :][:4]] for p in ("gemv", "gemv_tma")
-                }
+                fastest[name] = {p: [c for _, c in res.get(p, [])[1:][:4]] for p in ("gemv",)}
             wbytes = n * k  # FP8: one byte a weight
             line = [f"rows {rows} {name} {n}x{k} ({time.time() - t0:.0f} s):"]
-            for path in ("bf16", "pt_mm", "decode_a8", "gemv", "gemv_tma"):
+            for path in ("bf16", "pt_mm", "decode_a8", "gemv"):
                 if path not in res:
                     continue
                 if path == "gemv":
@@ -198,12 +145,14 @@ def main() -> None:
                 rate = (wbytes * (2 if path == "bf16" else 1)) / best[0] / 1e12
                 line.append(f"{path} {best[0] * 1e6:.1f} ({rate:.2f} TB/s) {best[1] or ''}")
             print("  ".join(line), flush=True)
-            for path in ("gemv", "gemv_tma"):
-                top = res.get(path, [])[1 if path == "gemv" else 0 :][:5]
+            for path in ("gemv",):
+                top = res.get(path, [])[1:][:5]
                 print(f"    {path} top: " + "; ".join(f"{t * 1e6:.1f} {c}" for t, c in top))
             if res.get("refused"):
                 print(f"    refused: {len(res['refused'])} (first: {res['refused'][0]})")
-            per_shape[name] = {p: [(t, list(c) if c else None) for t, c in v[:8]] for p, v in res.items()}
+            per_shape[name] = {
+                p: [(t, list(c) if c else None) for t, c in v[:8]] for p, v in res.items() if p != "refused"
+            }
         print(f"rows {rows} four matrices, us: " + ", ".join(f"{p} {t * 1e6:.1f}" for p, t in totals.items()))
         record["rows"][rows] = {"totals_us": {p: t * 1e6 for p, t in totals.items()}, "shapes": per_shape}
     save("sweep_fp8_gemv", record)
