@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -24,6 +25,14 @@ class KernelChoices:
     fused_decode_row: bool = False
     # Programmatic dependent launch between kernels on Hopper (kernels/launch.py). Off by default.
     pdl: bool = False
+    # ... and on for the decode graphs of at most this many rows whatever `pdl` says: with FP8 weights a batch-1
+    # decode step, whose kernels are short, gains from it (single-stream 256 -> 271 out tok/s on an H100, 8B), where
+    # batch 64 loses 2% (benchmarks/RESULTS.md, issue 38).
+    pdl_max_rows: int = 0
+
+    def for_rows(self, rows: int) -> "KernelChoices":
+        """These choices for a step of `rows` rows (`pdl_max_rows`)."""
+        return self if self.pdl or rows > self.pdl_max_rows else dataclasses.replace(self, pdl=True)
 
 
 DEFAULT = KernelChoices()

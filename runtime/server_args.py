@@ -323,7 +323,10 @@ class ServerArgs:
         from .kernel_choices import KernelChoices
 
         return KernelChoices(
-            decode_gemm=not self.disable_decode_gemm, fused_decode_row=self.enable_fused_decode_row, pdl=self.enable_pdl
+            decode_gemm=not self.disable_decode_gemm,
+            fused_decode_row=self.enable_fused_decode_row,
+            pdl=self.enable_pdl,
+            pdl_max_rows=1 if self.quantization == "fp8" else 0,
         )
 
     def resolved_device(self) -> str:

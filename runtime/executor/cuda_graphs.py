@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 
 from ..forward_batch import ForwardBatch, ForwardMemory, ForwardMode
+from ..kernel_choices import current as current_kernels
+from ..kernel_choices import using as using_kernels
 from ..lora.matmul import LoraBatch
 from ..lora.slots import LoraSlots
 from ..models.llama import LlamaForCausalLM
@@ -153,6 +155,10 @@ class CudaGraphRunner:
         )
 
     def _capture(self, key: GraphKey, stream: torch.cuda.Stream) -> None:
+        with using_kernels(current_kernels().for_rows(key.batch_size)):  # (e.g. PDL for one FP8 row)
+            self._capture_with(key, stream)
+
+    def _capture_with(self, key: GraphKey, stream: torch.cuda.Stream) -> None:
         fb = self._static_batch(key.batch_size)
         self._init_metadata(fb, key, capture=True)
         stream.wait_stream(torch.cuda.current_stream())

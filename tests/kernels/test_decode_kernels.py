@@ -97,6 +97,19 @@ def test_gpu_gemv_pdl_chain_in_cuda_graph():
         assert torch.equal(out, ref)
 
 
+def test_pdl_by_rows_on_for_one_fp8_row_only():
+    from plait.runtime.kernel_choices import KernelChoices
+    from plait.runtime.server_args import ServerArgs
+
+    fp8 = ServerArgs(model_path="m", quantization="fp8").kernel_choices()
+    assert not fp8.pdl and fp8.pdl_max_rows == 1
+    assert fp8.for_rows(1).pdl and not fp8.for_rows(2).pdl and fp8.for_rows(2) is fp8
+    bf16 = ServerArgs(model_path="m").kernel_choices()
+    assert not bf16.for_rows(1).pdl  # bf16's batch-1 step: measured no gain
+    assert ServerArgs(model_path="m", enable_pdl=True).kernel_choices().for_rows(64).pdl  # everywhere when asked
+    assert KernelChoices(pdl_max_rows=4).for_rows(4).pdl
+
+
 # ---------------------------------------------------------------- greedy argmax (runtime/kernels/argmax.py)
 
 
