@@ -69,7 +69,7 @@ def auto_cpu_dtype() -> str:
     on the 2-core Xeon; AVX512-BF16: 1.6x on the 2-core AMD EPYC, attention kept in float32 there; perplexity
     within 1% of float32's), else float32; $PLAIT_CPU_DTYPE (float32 or bfloat16) overrides the choice."""
     chosen = os.environ.get(CPU_DTYPE_ENV)
-    if chosen is not None:
+    if chosen:  # (set but empty: as unset)
         if chosen not in ("float32", "bfloat16"):
             raise ValueError(f"{CPU_DTYPE_ENV}={chosen!r}: expected float32 or bfloat16")
         return chosen

@@ -115,6 +115,8 @@ def test_auto_dtype_on_a_cpu_is_bf16_only_where_bf16_runs_in_hardware(monkeypatc
     ]:
         monkeypatch.setattr(features, "cpu_features", lambda flags=flags: CpuFeatures(flags, "AVX512"))
         assert auto_cpu_dtype() == expected, flags
+    monkeypatch.setenv(features.CPU_DTYPE_ENV, "")  # set but empty: as unset
+    assert auto_cpu_dtype() == "float32"  # (the last flags above)
     monkeypatch.setenv(features.CPU_DTYPE_ENV, "float32")  # the suite's pin (tests/conftest.py)
     assert auto_cpu_dtype() == "float32"
     monkeypatch.setenv(features.CPU_DTYPE_ENV, "float16")
