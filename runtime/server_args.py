@@ -326,7 +326,8 @@ class ServerArgs:
             decode_gemm=not self.disable_decode_gemm,
             fused_decode_row=self.enable_fused_decode_row,
             pdl=self.enable_pdl,
-            pdl_max_rows=1 if self.quantization == "fp8" else 0,
+            # (one GPU: where it was measured; a split model's graphs hold its all-reduces between the kernels)
+            pdl_max_rows=1 if self.quantization == "fp8" and self.tp_size == self.pp_size == 1 else 0,
         )
 
     def resolved_device(self) -> str:

@@ -103,6 +103,7 @@ def test_pdl_by_rows_on_for_one_fp8_row_only():
 
     fp8 = ServerArgs(model_path="m", quantization="fp8").kernel_choices()
     assert not fp8.pdl and fp8.pdl_max_rows == 1
+    assert ServerArgs(model_path="m", quantization="fp8", tp_size=2).kernel_choices().pdl_max_rows == 0
     assert fp8.for_rows(1).pdl and not fp8.for_rows(2).pdl and fp8.for_rows(2) is fp8
     bf16 = ServerArgs(model_path="m").kernel_choices()
     assert not bf16.for_rows(1).pdl  # bf16's batch-1 step: measured no gain
