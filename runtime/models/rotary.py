@@ -107,6 +107,8 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     xf = x.float()
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
+    if x.requires_grad and torch.is_grad_enabled():  # (out= takes no tensors autograd tracks)
+        return torch.cat([x1 * cos + x2 * -sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.add(x1 * cos, x2 * -sin, out=out[..., :half])
     torch.add(x2 * cos, x1 * sin, out=out[..., half:])
