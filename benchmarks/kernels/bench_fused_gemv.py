@@ -10,9 +10,13 @@ the weight shapes of Llama-3.1-8B and Llama-3.2-1B, bf16, all CUDA-graph replaye
    Triton skinny matmuls only, in the unfused chain). Per layer, per step, against the weight-only memory
    floor; PDL's output is checked to be bit-identical to the plain launch's.
 --sweep: tile configs per fused op, fastest first (pick_fused_gemv_config takes gemv.py's tiles).
+--fp8: part 1 with FP8 weights (per-row scales), the unfused side as an FP8 model's batch-1 step runs it (the norm or
+activation kernel, then gemv.py's FP8 one-row matmul; the LM head stays bf16 and is left out), the fused side with
+the FP8 tiles (gemv.pick_gemv_config(fp8=True)).
 
     python benchmarks/kernels/bench_fused_gemv.py                                  # both shapes, parts 1-2
     python benchmarks/kernels/bench_fused_gemv.py --sweep --model llama-3.1-8b     # + the config sweep
+    python benchmarks/kernels/bench_fused_gemv.py --fp8 --sweep --model llama-3.1-8b --skip-chain
 """
 
 from __future__ import annotations
@@ -44,16 +48,47 @@ def dims(model: str) -> dict:
     return dict(hidden=h, inter=inter, layers=layers, q=qh * d, qkv=(qh + 2 * kvh) * d, vocab=vocab)
 
 
-def op_cases(model: str):
+def op_cases(model: str, fp8: bool = False):
     """name -> (N, K, unfused launches, fused launches) of one decode step's one-row matmuls."""
     m = dims(model)
-    return {
+    cases = {
         "norm->qkv": (m["qkv"], m["hidden"], 2, 1),
         "o": (m["hidden"], m["q"], 1, 1),
         "norm->gate_up": (2 * m["inter"], m["hidden"], 2, 1),
-        "silu->down": (m["hidden"], m["inter"], 3, 1),  # + cuBLAS's split-K reduce
+        "silu->down": (m["hidden"], m["inter"], 2 if fp8 else 3, 1),  # bf16: + cuBLAS's split-K reduce
         "norm->lm_head": (m["vocab"], m["hidden"], 2, 1),
     }
+    if fp8:
+        del cases["norm->lm_head"]  # an FP8 model's LM head stays bf16 (quant/apply.quantize_fp8)
+    return cases
+
+
+def fp8_op_fns(name: str, n: int, k: int, copies: int):
+    """op_fns with FP8 weights: the unfused side as an FP8 model's one-row step runs it."""
+    from plait.runtime import kernels as kn
+    from plait.runtime.quant.fp8 import quantize_per_channel
+
+    ws = [quantize_per_channel(rand(n, k, scale=0.02)) for _ in range(copies)]  # (codes, scales) each
+    if name == "silu->down":
+        gate_up = rand(1, 2 * k, scale=3.0)
+        unfused = lambda: [kn.gemv(kn.silu_and_mul(gate_up), w, weight_scale=sc) for w, sc in ws]  # noqa: E731
+        fused = lambda cfg=None: [kn.silu_mul_gemv(gate_up, w, config=cfg, weight_scale=sc) for w, sc in ws]  # noqa: E731
+    elif name == "o":
+        x = rand(1, k)
+        unfused = lambda: [kn.gemv(x, w, weight_scale=sc) for w, sc in ws]  # noqa: E731
+        fused = lambda cfg=None: [kn.gemv_row(x, w, config=cfg, weight_scale=sc) for w, sc in ws]  # noqa: E731
+    else:
+        x, residual, nw = rand(1, k), rand(1, k), rand(k, scale=0.1) + 1
+
+        def unfused():
+            for w, sc in ws:
+                a, _ = kn.fused_add_rmsnorm(x, residual, nw, EPS)
+                kn.gemv(a, w, weight_scale=sc)
+
+        def fused(cfg=None):
+            return [kn.rmsnorm_gemv(x, residual, nw, EPS, w, config=cfg, weight_scale=sc) for w, sc in ws]
+
+    return unfused, fused, n * k
 
 
 def op_fns(name: str, n: int, k: int, copies: int):
@@ -96,16 +131,17 @@ def sweep_configs(k: int):
             yield FusedGemvConfig(bn, 0, warps, 3, resident=True, sub_n=sub)
 
 
-def part_ops(model: str, copies: int, sweep: bool, result: dict) -> None:
+def part_ops(model: str, copies: int, sweep: bool, result: dict, fp8: bool = False) -> None:
     from plait.runtime.kernels.gemv_fused import pick_fused_gemv_config
 
-    print(f"\n{model}: one-row ops, {copies} weight copies in turn (us per call; TB/s of weight reads)")
+    fmt = "FP8" if fp8 else "bf16"
+    print(f"\n{model}: one-row ops, {fmt} weights, {copies} copies in turn (us per call; TB/s of weight reads)")
     print(
         f"  {'op':14s} {'N x K':>14s} {'unfused':>9s} {'fused':>9s} {'saved':>8s} {'unf. TB/s':>9s} "
         f"{'fused TB/s':>10s}  launches"
     )
-    for name, (n, k, l_unf, l_fus) in op_cases(model).items():
-        unfused, fused, nbytes = op_fns(name, n, k, copies)
+    for name, (n, k, l_unf, l_fus) in op_cases(model, fp8).items():
+        unfused, fused, nbytes = (fp8_op_fns if fp8 else op_fns)(name, n, k, copies)
         t_u = graph_time(unfused, reps=2) / copies
         t_f = graph_time(fused, reps=2) / copies
         rec = {
@@ -115,7 +151,7 @@ def part_ops(model: str, copies: int, sweep: bool, result: dict) -> None:
             "fused_us": t_f * 1e6,
             "unfused_tb_s": nbytes / t_u / 1e12,
             "fused_tb_s": nbytes / t_f / 1e12,
-            "config": vars(pick_fused_gemv_config(n, k)),
+            "config": vars(pick_fused_gemv_config(n, k, fp8)),
             "launches": [l_unf, l_fus],
         }
         print(
@@ -135,7 +171,7 @@ def part_ops(model: str, copies: int, sweep: bool, result: dict) -> None:
             for t, c in timed[:3]:
                 print(f"    {t * 1e6:8.2f} us {nbytes / t / 1e12:5.2f} TB/s  {c}")
             print(f"    ({len(timed)} configs in {time.time() - start:.0f} s)", flush=True)
-        result.setdefault("ops", {})[f"{model}/{name}"] = rec
+        result.setdefault("ops", {})[f"{model}/{fmt}/{name}"] = rec
         torch.cuda.empty_cache()
 
 
@@ -239,13 +275,14 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs per fused op")
     ap.add_argument("--skip-chain", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="part 1 with FP8 weights (the chain stays bf16)")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"GPU {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
     result = {"copy_bandwidth": bw}
     for model in args.model:
-        part_ops(model, args.copies, args.sweep, result)
+        part_ops(model, args.copies, args.sweep, result, args.fp8)
         if not args.skip_chain:
             part_chain(model, bw, result)
     save("bench_fused_gemv", result)

@@ -14,7 +14,9 @@ Prologues (the PROLOGUE constexpr), numerics step for step those of the unfused 
   sums the squares over the whole row; program 0 alone writes s into a *new* residual buffer (never in
   place: the other programs are still reading the old one).
 - SILU_MUL (as activation.py): x = [gate | up] (1, 2K); a = (silu(gate).to(dtype) * up).to(dtype).
-Products with W are accumulated in float32 and rounded to the output dtype once.
+Products with W are accumulated in float32 and rounded to the output dtype once. FP8 weights (`weight_scale`
+given: float8_e4m3fn codes, one float32 scale a row, quant/fp8.py) are read as stored and widened in registers,
+the row's scale multiplying its sum once at the end, as gemv.py does.
 
 Two loop shapes (`FusedGemvConfig.resident`):
 - K loop (like gemv.py, and the default, with gemv.py's measured tiles): each program walks K in BLOCK_K
@@ -103,8 +105,10 @@ def _activation(
 
 
 @triton.jit
-def _store_rows(Y, B, rows, acc, N, HAS_BIAS: tl.constexpr):
+def _store_rows(Y, B, Scale, rows, acc, N, HAS_BIAS: tl.constexpr, W_FP8: tl.constexpr):
     mask = rows < N
+    if W_FP8:
+        acc = acc * tl.load(Scale + rows, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(B + rows, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=mask)
@@ -117,6 +121,7 @@ def _fused_gemv_kloop_kernel(
     ResidualOut,
     NormW,
     W,
+    Scale,
     B,
     Y,
     N,
@@ -126,6 +131,7 @@ def _fused_gemv_kloop_kernel(
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -162,7 +168,7 @@ def _fused_gemv_kloop_kernel(
         w = tl.load(w_rows + kk, mask=n_mask & kk_mask, other=0.0)  # (BN, BK)
         a = _activation(X, Residual, NormW, kk, kk_mask, inv_rms, K, PROLOGUE, HAS_RESIDUAL)  # (1, BK)
         acc += tl.sum(a * w.to(tl.float32), axis=1)  # (BN,)
-    _store_rows(Y, B, rows, acc, N, HAS_BIAS)
+    _store_rows(Y, B, Scale, rows, acc, N, HAS_BIAS, W_FP8)
 
 
 @triton.jit
@@ -172,6 +178,7 @@ def _fused_gemv_resident_kernel(
     ResidualOut,
     NormW,
     W,
+    Scale,
     B,
     Y,
     N,
@@ -181,6 +188,7 @@ def _fused_gemv_resident_kernel(
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SUB_N: tl.constexpr,
     K_POW2: tl.constexpr,
@@ -208,22 +216,22 @@ def _fused_gemv_resident_kernel(
         a = _activation(
             X, Residual, NormW, cols, k_mask, tl.full((1,), 1.0, tl.float32), K, PROLOGUE, HAS_RESIDUAL
         )  # (1, KP)
-    _store_rows(Y, B, rows, tl.sum(a * w.to(tl.float32), axis=1), N, HAS_BIAS)
+    _store_rows(Y, B, Scale, rows, tl.sum(a * w.to(tl.float32), axis=1), N, HAS_BIAS, W_FP8)
     for n0 in range(SUB_N, BLOCK_N, SUB_N):
         rows_n = row0 + n0 + sub  # (SN,)
         w_n = tl.load(
             W + rows_n.to(tl.int64)[:, None] * stride_wn + cols, mask=(rows_n < N)[:, None] & k_mask, other=0.0
         )  # (SN, KP)
-        _store_rows(Y, B, rows_n, tl.sum(a * w_n.to(tl.float32), axis=1), N, HAS_BIAS)
+        _store_rows(Y, B, Scale, rows_n, tl.sum(a * w_n.to(tl.float32), axis=1), N, HAS_BIAS, W_FP8)
 
 
-def pick_fused_gemv_config(n: int, k: int) -> FusedGemvConfig:
-    """Default tiles for every prologue: gemv.py's choice for the same (N, K) (block_n, block_k, warps,
-    stages, and its K loop rather than the resident row), because those were swept.
+def pick_fused_gemv_config(n: int, k: int, fp8: bool = False) -> FusedGemvConfig:
+    """Default tiles for every prologue: gemv.py's choice for the same (N, K) and weight format (block_n, block_k,
+    warps, stages, and its K loop rather than the resident row), because those were swept.
     NOTE: the first guess for the prologues (twice the rows per program, 3 stages: fewer programs
     re-reading the activation row) lost bandwidth against gemv.py's kernel with its own tiles
     (bench_fused_gemv.py; --sweep to retune)."""
-    base = pick_gemv_config(n, k)
+    base = pick_gemv_config(n, k, fp8)
     return FusedGemvConfig(base.block_n, base.block_k, base.num_warps, base.num_stages, resident=False)
 
 
@@ -246,14 +254,22 @@ def _launch(
     eps: float,
     out_dtype: Optional[torch.dtype],
     config: Optional[FusedGemvConfig],
+    weight_scale: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_device(op, x, weight, bias, residual, norm_weight)
+    check_device(op, x, weight, bias, residual, norm_weight, weight_scale)
     if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"{op}: weight must be (N, {k}) with unit stride on K, got {tuple(weight.shape)}")
     n = weight.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"{op}: bias must be ({n},), got {tuple(bias.shape)}")
-    cfg = config or pick_fused_gemv_config(n, k)
+    fp8 = weight_scale is not None
+    if fp8 != (weight.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"{op}: float8_e4m3fn weights come with a weight_scale, and only they do (got {weight.dtype})")
+    if weight_scale is not None and (weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,)):
+        raise ValueError(
+            f"{op}: weight_scale must be float32 ({n},), got {weight_scale.dtype} {tuple(weight_scale.shape)}"
+        )
+    cfg = config or pick_fused_gemv_config(n, k, fp8)
     if cfg.resident and next_power_of_2(k) > MAX_RESIDENT_K:
         raise ValueError(f"{op}: the resident-row kernel holds rows up to {MAX_RESIDENT_K}, got K={k}")
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
@@ -265,6 +281,7 @@ def _launch(
         residual_out,
         norm_weight if norm_weight is not None else x,
         weight,
+        weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight,
         y,
         n,
@@ -276,6 +293,7 @@ def _launch(
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
+        W_FP8=fp8,
         BLOCK_N=cfg.block_n,
         USE_PDL=pdl,
         num_warps=cfg.num_warps,
@@ -300,8 +318,11 @@ def rmsnorm_gemv(
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     config: Optional[FusedGemvConfig] = None,
+    weight_scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x + residual) (1, K) @ weight (N, K)^T (+ bias) -> (y (1, N), new residual (1, K)).
+    `weight_scale` ((N,) float32): `weight` holds float8_e4m3fn codes, W = codes * weight_scale[:, None] (the same
+    in the functions below).
 
     residual None (a model's first norm) normalises x alone and returns x itself as the residual.
     The residual sum goes to a new tensor; `residual` is left alone."""
@@ -317,7 +338,9 @@ def rmsnorm_gemv(
             f"{op}: norm weight must be contiguous ({k},) in {x.dtype}, got "
             f"{tuple(norm_weight.shape)} {norm_weight.dtype}"
         )
-    return _launch(op, ADD_RMSNORM.value, x, k, weight, bias, residual, norm_weight, eps, out_dtype, config)
+    return _launch(
+        op, ADD_RMSNORM.value, x, k, weight, bias, residual, norm_weight, eps, out_dtype, config, weight_scale
+    )
 
 
 def silu_mul_gemv(
@@ -325,6 +348,7 @@ def silu_mul_gemv(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     config: Optional[FusedGemvConfig] = None,
+    weight_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """(silu(gate) * up) (1, K) @ weight (N, K)^T (+ bias) -> (1, N), with gate_up = [gate | up] (1, 2K)."""
     op = "silu_mul_gemv"
@@ -332,7 +356,7 @@ def silu_mul_gemv(
         raise ValueError(f"{op}: gate_up must be (1, 2K), got {tuple(gate_up.shape)}")
     k = gate_up.shape[-1] // 2
     _check_row(op, "gate_up", gate_up, 2 * k)
-    return _launch(op, SILU_MUL.value, gate_up, k, weight, bias, None, None, 0.0, None, config)[0]
+    return _launch(op, SILU_MUL.value, gate_up, k, weight, bias, None, None, 0.0, None, config, weight_scale)[0]
 
 
 def gemv_row(
@@ -341,10 +365,11 @@ def gemv_row(
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     config: Optional[FusedGemvConfig] = None,
+    weight_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """x (1, K) @ weight (N, K)^T (+ bias) -> (1, N): gemv.py's one-row matmul in this family, so a chain
     of one-row matmuls can use programmatic dependent launch throughout."""
     op = "gemv_row"
     k = x.shape[-1] if x.dim() else 0
     _check_row(op, "x", x, k)
-    return _launch(op, PLAIN.value, x, k, weight, bias, None, None, 0.0, out_dtype, config)[0]
+    return _launch(op, PLAIN.value, x, k, weight, bias, None, None, 0.0, out_dtype, config, weight_scale)[0]

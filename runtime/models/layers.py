@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernel_choices import current as kernel_choices
-from ..quant.fp8 import FP8_MAX, MIN_AMAX, Fp8Linear, Fp8Rows
+from ..quant import fp8_rows
+from ..quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, Fp8Linear, Fp8Rows
 from ..quant.fp8_rows import fp8_linear_by_rows, takes_quantized_rows
 from ..quant.linear import QuantizedLinear
 from .cpu_matmul import HALF_DTYPES, cpu_linear
@@ -173,18 +174,29 @@ FUSE_NORM_INTO_GATE_UP = False
 
 
 def fuses_decode_row(x: torch.Tensor, weight: torch.Tensor, use_triton: Optional[bool]) -> bool:
-    """Whether x (T, K) takes the fused one-row kernels: the path switched on (`fused_decode_row`), exactly
-    one row, half-precision weights of x's dtype, and the Triton path chosen (`use_triton` as for the
-    other layers: None = CUDA tensors)."""
+    """Whether x (T, K) takes the fused one-row kernels: the path switched on (`fused_decode_row`; for FP8 weights
+    also quant/fp8_rows.FP8_FUSED_ROW), exactly one row of half precision, weights of x's dtype or FP8 codes, and
+    the Triton path chosen (`use_triton` as for the other layers: None = CUDA tensors)."""
+    fp8 = weight.dtype == FP8_DTYPE
     return (
-        kernel_choices().fused_decode_row
+        (kernel_choices().fused_decode_row or (fp8 and bool(fp8_rows.FP8_FUSED_ROW)))
         and _wants_triton(x, use_triton)
         and x.dim() == 2
         and x.shape[0] == 1
         and x.stride(-1) == 1
-        and x.dtype == weight.dtype
-        and weight.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and (fp8 or x.dtype == weight.dtype)
     )
+
+
+def fuses_norm_into(layer: nn.Module) -> bool:
+    """On the fused one-row path, whether the norm before `layer` runs inside its matmul: FP8 layers always (their
+    one-row matmul is plait's own kernel either way), half-precision ones as FUSE_NORM_INTO_GATE_UP says."""
+    return isinstance(layer, Fp8Linear) or FUSE_NORM_INTO_GATE_UP
+
+
+def _weight_scale(layer: nn.Module) -> Optional[torch.Tensor]:
+    return layer.weight_scale if isinstance(layer, Fp8Linear) else None
 
 
 def norm_linear(
@@ -197,18 +209,25 @@ def norm_linear(
     """One row: layer(norm(x + residual)) in one launch -> (out (1, N), new residual (1, K)). residual
     None (the first layer) normalises x alone and returns x as the residual. `layer` as in skinny_linear."""
     return _kernels().rmsnorm_gemv(
-        x, residual, norm.weight, norm.eps, layer.weight, getattr(layer, "bias", None), out_dtype=out_dtype
+        x,
+        residual,
+        norm.weight,
+        norm.eps,
+        layer.weight,
+        getattr(layer, "bias", None),
+        out_dtype=out_dtype,
+        weight_scale=_weight_scale(layer),
     )
 
 
 def silu_linear(gate_up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """One row: layer(silu_and_mul(gate_up)) in one launch; gate_up (1, 2I) -> (1, N)."""
-    return _kernels().silu_mul_gemv(gate_up, layer.weight, layer.bias)
+    return _kernels().silu_mul_gemv(gate_up, layer.weight, layer.bias, weight_scale=_weight_scale(layer))
 
 
 def row_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """One row: layer(x) with the same kernel family as norm_linear / silu_linear (x (1, K) -> (1, N))."""
-    return _kernels().gemv_row(x, layer.weight, layer.bias)
+    return _kernels().gemv_row(x, layer.weight, layer.bias, weight_scale=_weight_scale(layer))
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):

@@ -2,9 +2,9 @@
 
 Qwen2/2.5/3 reuse this module with flags (`attention_bias`, `qk_norm`); see qwen.py.
 Q/K/V and gate/up projections are fused at load time (one matmul each). Opt in (ServerArgs
-`enable_fused_decode_row`, off by default: measured slower, see layers.fuses_decode_row), a batch-1 decode step (one
-row, on CUDA)
-runs each norm and SiLU-and-mul inside the matmul after it: `DecoderLayer._forward_one_row`.
+`enable_fused_decode_row`, off by default: measured slower, see layers.fuses_decode_row; FP8 layers:
+quant/fp8_rows.FP8_FUSED_ROW), a batch-1 decode step (one row, on CUDA) runs each norm and SiLU-and-mul inside the
+matmul after it: `DecoderLayer._forward_one_row`.
 
 Split over ranks (models/parallel.py), a model holds its rank's shard: its heads and MLP columns (an
 all-reduce after o_proj and down_proj), its vocabulary rows, its pipeline stage's layers.
@@ -182,7 +182,7 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = norm_linear(h, residual, self.input_layernorm, attn.qkv_proj)  # (1, q + 2kv), (1, hidden)
         h = attn.tp.all_reduce(row_linear(attn.attend(positions, qkv, fb), attn.o_proj))  # (1, hidden)
-        if layers.FUSE_NORM_INTO_GATE_UP:
+        if layers.fuses_norm_into(mlp.gate_up_proj):
             gate_up, residual = norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
         else:
             h, residual = self.post_attention_layernorm(h, residual)

@@ -20,8 +20,11 @@ The paths that quantize the rows (`unit_scaled`, `decode_fp8_rows`, `rowwise`) t
 (kernels/fp8_activations.py: one launch less a layer input, ~3-4 us each on an H100 even at one row);
 FP8_FUSED_QUANTIZATION off (`fused=0`) quantizes in the layer instead.
 
-$PLAIT_FP8_ROWS ("gemv=1,decode=64,quantized_from=2,unit_scaled_from=0,unit_scaled_to=256,fused=1") sets them
-for a process: benchmarks A/B the choices with it.
+A batch-1 step's FP8 layers may also take their norm or activation inside the one-row matmul (FP8_FUSED_ROW,
+`fused_row=1`).
+
+$PLAIT_FP8_ROWS ("gemv=1,decode=64,quantized_from=2,unit_scaled_from=0,unit_scaled_to=256,fused=1,fused_row=0")
+sets them for a process: benchmarks A/B the choices with it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ FP8_DECODE_ROWS = 64
 # matrices against 108 and 132 with bf16 rows).
 FP8_ROWS_QUANTIZED_FROM = FP8_GEMV_ROWS + 1
 FP8_FUSED_QUANTIZATION = 1
+# A batch-1 decode step's FP8 layers fold the RMSNorm before QKV and gate-up and the SiLU-and-mul before down into
+# their one-row matmuls (kernels/gemv_fused.py; models/layers.fuses_decode_row), whatever `fused_decode_row` says
+# for half-precision layers.
+FP8_FUSED_ROW = 0
 FP8_ROWS_ENV = "PLAIT_FP8_ROWS"
 _ENV_NAMES = {
     "gemv": "FP8_GEMV_ROWS",
@@ -50,6 +57,7 @@ _ENV_NAMES = {
     "decode": "FP8_DECODE_ROWS",
     "quantized_from": "FP8_ROWS_QUANTIZED_FROM",
     "fused": "FP8_FUSED_QUANTIZATION",
+    "fused_row": "FP8_FUSED_ROW",
 }
 _QUANTIZING_PATHS = ("unit_scaled", "decode_fp8_rows", "rowwise")
 # Rows the few-row kernels take at most: the decode matmul's tiles (kernels/fp8_gemm.MAX_ROWS), the skinny

@@ -141,6 +141,43 @@ def test_final_norm_into_lm_head_float32_out():
     assert rel_err(y, F.linear(out.double(), w.double())) < 1e-5
 
 
+def _fp8_weight(n: int, k: int, seed: int):
+    from plait.runtime.quant.fp8 import quantize_per_channel
+
+    g = torch.Generator().manual_seed(seed)
+    codes, scales = quantize_per_channel(torch.randn(n, k, generator=g) * 0.1)
+    return codes, scales, codes.double() * scales.double()[:, None]  # (N, K) codes, (N,) scales, W in float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gemv_reads_fp8_weights_with_their_row_scales(dtype):
+    # Each prologue over FP8 codes: the unfused op, then the product with codes * scale, in float64.
+    n, k = 37, 200
+    x, residual, norm_w, _, b = _inputs(n, k, dtype, seed=9)
+    codes, scales, w = _fp8_weight(n, k, seed=10)
+    bound = 1e-5 if dtype == torch.float32 else 3e-2
+    for cfg in [
+        None,
+        fused().FusedGemvConfig(block_n=4, block_k=64),
+        fused().FusedGemvConfig(block_n=8, resident=True),
+    ]:
+        y, res = kernels().rmsnorm_gemv(x, residual, norm_w, EPS, codes, b, config=cfg, weight_scale=scales)
+        act, ref_res = rms_norm_torch(x, norm_w, EPS, residual.clone())
+        assert y.dtype == dtype and rel_err(y, act.double() @ w.T + b.double()) < bound
+        assert torch.equal(res, ref_res) or dtype != torch.float32
+        gate_up = torch.cat([x, residual], dim=1)  # (1, 2K)
+        y = kernels().silu_mul_gemv(gate_up, codes, config=cfg, weight_scale=scales)
+        assert rel_err(y, silu_and_mul_torch(gate_up).double() @ w.T) < bound
+        y = kernels().gemv_row(x, codes, b, out_dtype=torch.float32, config=cfg, weight_scale=scales)
+        assert y.dtype == torch.float32 and rel_err(y, x.double() @ w.T + b.double()) < 1e-6
+    with pytest.raises(ValueError, match="come with a weight_scale"):
+        kernels().gemv_row(x, codes)  # FP8 codes read as numbers
+    with pytest.raises(ValueError, match="come with a weight_scale"):
+        kernels().gemv_row(x, w.float(), weight_scale=scales)  # a scale for float weights
+    with pytest.raises(ValueError, match=r"weight_scale must be float32 \(37,\)"):
+        kernels().gemv_row(x, codes, weight_scale=scales[:5])
+
+
 def test_fused_gemv_bad_input_names_the_problem():
     k_ = kernels()
     x, residual, norm_w, w, b = _inputs(8, 32, torch.float32, seed=5)
@@ -232,6 +269,48 @@ def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch, fus
     assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_fp8_decoder_one_row_path_folds_norms_and_activation(arch, monkeypatch):
+    # An FP8 model's batch-1 step with FP8_FUSED_ROW on (fused_decode_row off, as ServerArgs leaves it): every FP8
+    # layer takes its one-row kernel with the op before it inside, gate-up's norm too; the half-precision LM head
+    # stays apart. Against the torch path over the same weights dequantized (float16: the interpreter rounds it
+    # like torch).
+    import copy
+
+    from plait.runtime.quant import fp8_rows
+    from plait.runtime.quant.apply import quantize_fp8
+    from plait.runtime.quant.fp8 import Fp8Linear
+
+    model = tiny_llama_model(arch)
+    quantize_fp8(model, torch.float16)
+    reference = copy.deepcopy(model)
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            parent, _, attr = name.rpartition(".")
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            linear.weight.data = module.dequantized()
+            if module.bias is not None:
+                linear.bias.data = module.bias.data.clone()
+            setattr(reference.get_submodule(parent), attr, linear)
+    ids, positions, fb = _one_token_batch(model)
+    calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row", "fused_add_rmsnorm"])
+    with torch.no_grad():
+        set_use_triton(reference, False)
+        ref_logits = reference.forward_logits(ids, positions, fb)
+        set_use_triton(model, True)
+        down = model.layers[0].mlp.down_proj.weight
+        monkeypatch.setattr(fp8_rows, "FP8_FUSED_ROW", 0)
+        assert not layers.fuses_decode_row(torch.ones(1, 64, dtype=torch.float16), down, True)
+        monkeypatch.setattr(fp8_rows, "FP8_FUSED_ROW", 1)
+        assert layers.fuses_decode_row(torch.ones(1, 64, dtype=torch.float16), down, True)
+        logits = model.forward_logits(ids, positions, fb)
+    n = model.config.num_hidden_layers
+    # (the final norm runs apart, before the float16 head)
+    assert calls == {"rmsnorm_gemv": 2 * n, "silu_mul_gemv": n, "gemv_row": n, "fused_add_rmsnorm": 1}
+    assert rel_err(logits, ref_logits) < 1e-2  # float32 sums in another order, float16 results
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+
+
 def test_decoder_takes_the_unfused_path_for_several_rows_and_float32(monkeypatch, fused_decode_row):
     calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row"])
     x = torch.randn(2, 8, dtype=torch.float16)
@@ -317,6 +396,33 @@ def test_gpu_rmsnorm_gemv_bf16_8b_shapes(name):
     assert torch.equal(res, tri_res) and torch.equal(res, x + residual)
     assert rel_err(y, unfused) < 5e-3
     assert rel_err(y, F.linear(rms_norm_torch(x, norm_w, EPS, residual)[0].double(), w.double())) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
+def test_gpu_fused_gemv_fp8_8b_shapes(name):
+    # The FP8 one-row kernels with their prologue against the unfused FP8 step (norm / activation kernel, then
+    # gemv.py's FP8 matmul) at the 8B layer's shapes, with the FP8 tiles.
+    from plait.runtime.quant.fp8 import quantize_per_channel
+
+    n, k = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}[name]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x, residual = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    norm_w = torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g)
+    codes, scales = quantize_per_channel(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    k_ = kernels()
+    if name == "o":
+        y, unfused = k_.gemv_row(x, codes, weight_scale=scales), k_.gemv(x, codes, weight_scale=scales)
+    elif name == "down":
+        gate_up = torch.cat([x, residual], dim=1)
+        y = k_.silu_mul_gemv(gate_up, codes, weight_scale=scales)
+        unfused = k_.gemv(k_.silu_and_mul(gate_up), codes, weight_scale=scales)
+    else:
+        y, res = k_.rmsnorm_gemv(x, residual, norm_w, EPS, codes, weight_scale=scales)
+        act, tri_res = k_.fused_add_rmsnorm(x, residual.clone(), norm_w, EPS)
+        unfused = k_.gemv(act, codes, weight_scale=scales)
+        assert torch.equal(res, tri_res)
+    assert y.dtype == torch.bfloat16 and rel_err(y, unfused) < 5e-3
 
 
 @gpu
