@@ -135,18 +135,22 @@ def _fused_gemv_kloop_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PREFETCH_W: tl.constexpr,
 ):
-    if USE_PDL:
-        # NOTE: before any load, as in gemv.py. Loading the first weight tile before the wait hides its
-        # latency, but the tile then stays live through the sum of squares: norm->LM head took 106
-        # registers a thread instead of 72 (sm_90 build), fewer programs per SM for a bandwidth-bound loop.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     w_rows = W + rows.to(tl.int64)[:, None] * stride_wn  # (BN, 1) row starts
     n_mask = (rows < N)[:, None]  # (BN, 1)
     cols = tl.arange(0, BLOCK_K)[None, :]  # (1, BK)
+    if PREFETCH_W:  # the first weight tile first: before the PDL wait (weights are constant) and the norm's pass
+        w_first = tl.load(w_rows + cols, mask=n_mask & (cols < K), other=0.0)  # (BN, BK)
+    if USE_PDL:
+        # NOTE: otherwise before any load. Loading the first weight tile before the wait hides its latency, but
+        # the tile then stays live through the sum of squares: norm->LM head (bf16) took 106 registers a thread
+        # instead of 72 (sm_90 build), fewer programs per SM for a bandwidth-bound loop; an FP8 tile is a
+        # quarter of that one's bytes a thread (PREFETCH_W).
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if PROLOGUE == ADD_RMSNORM:
         is_first = (cols * 0 + pid) == 0  # (1, BK): program 0 writes the residual (a mask, not a branch)
         sum_sq = tl.zeros((1, BLOCK_K), dtype=tl.float32)
@@ -162,7 +166,12 @@ def _fused_gemv_kloop_kernel(
     else:
         inv_rms = tl.full((1,), 1.0, tl.float32)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # gemv.py's loop: one weight tile and its activations per step
+    k_start = 0
+    if PREFETCH_W:
+        a = _activation(X, Residual, NormW, cols, cols < K, inv_rms, K, PROLOGUE, HAS_RESIDUAL)  # (1, BK)
+        acc += tl.sum(a * w_first.to(tl.float32), axis=1)  # (BN,)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):  # gemv.py's loop: one weight tile and its activations per step
         kk = k0 + cols  # (1, BK)
         kk_mask = kk < K
         w = tl.load(w_rows + kk, mask=n_mask & kk_mask, other=0.0)  # (BN, BK)
@@ -305,7 +314,8 @@ def _launch(
     if cfg.resident:
         _fused_gemv_resident_kernel[grid](*args, SUB_N=min(cfg.sub_n, cfg.block_n), K_POW2=next_power_of_2(k), **flags)
     else:
-        _fused_gemv_kloop_kernel[grid](*args, BLOCK_K=min(cfg.block_k, next_power_of_2(k)), **flags)
+        block_k = min(cfg.block_k, next_power_of_2(k))
+        _fused_gemv_kloop_kernel[grid](*args, BLOCK_K=block_k, PREFETCH_W=fp8, **flags)
     return y, residual_out
 
 

@@ -189,10 +189,40 @@ def fuses_decode_row(x: torch.Tensor, weight: torch.Tensor, use_triton: Optional
     )
 
 
-def fuses_norm_into(layer: nn.Module) -> bool:
-    """On the fused one-row path, whether the norm before `layer` runs inside its matmul: FP8 layers always (their
-    one-row matmul is plait's own kernel either way), half-precision ones as FUSE_NORM_INTO_GATE_UP says."""
-    return isinstance(layer, Fp8Linear) or FUSE_NORM_INTO_GATE_UP
+def fuses_prologue(layer: nn.Module, part: str) -> bool:
+    """On the one-row path, whether `layer` (the decoder's `part`: "qkv", "gate_up", "down") runs the op before it
+    inside its matmul: FP8 layers as quant/fp8_rows.FP8_FUSED_ROW says, half-precision ones always but gate-up's
+    norm (FUSE_NORM_INTO_GATE_UP)."""
+    if isinstance(layer, Fp8Linear):
+        return fp8_rows.fused_row(part)
+    return part != "gate_up" or FUSE_NORM_INTO_GATE_UP
+
+
+def one_row_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """On the one-row path, a matmul without a prologue: the fused kernels' family (row_linear), but for FP8 layers
+    whose "plain" bit is off (gemv.py's kernel, as any one-row step) and half-precision gate-up (the matmul library:
+    FUSE_NORM_INTO_GATE_UP says why)."""
+    if isinstance(layer, Fp8Linear):
+        return row_linear(x, layer) if fp8_rows.fused_row("plain") else skinny_linear(x, layer)
+    return row_linear(x, layer)
+
+
+def one_row_norm_linear(
+    x: torch.Tensor, residual: Optional[torch.Tensor], norm: "RMSNorm", layer: nn.Module, part: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the one-row path, layer(norm(x + residual)) -> (out, new residual): one launch where fuses_prologue, else
+    the norm's kernel, then the matmul."""
+    if fuses_prologue(layer, part):
+        return norm_linear(x, residual, norm, layer)
+    h, residual = (norm(x), x) if residual is None else norm(x, residual)
+    return (layer(h) if part == "gate_up" and not isinstance(layer, Fp8Linear) else one_row_linear(h, layer)), residual
+
+
+def one_row_silu_linear(gate_up: torch.Tensor, act: "SiluAndMul", layer: nn.Module) -> torch.Tensor:
+    """On the one-row path, layer(silu_and_mul(gate_up)): one launch where fuses_prologue, else two."""
+    if fuses_prologue(layer, "down"):
+        return silu_linear(gate_up, layer)
+    return one_row_linear(act(gate_up), layer)
 
 
 def _weight_scale(layer: nn.Module) -> Optional[torch.Tensor]:

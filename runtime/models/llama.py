@@ -20,7 +20,6 @@ import torch.nn as nn
 from ..attention.base import AttentionLayerSpec
 from ..forward_batch import ForwardBatch
 from ..quant.fp8 import Fp8Rows
-from . import layers
 from .config import ModelConfig
 from .cpu_matmul import cpu_linear
 from .layers import (
@@ -29,9 +28,10 @@ from .layers import (
     fuses_decode_row,
     norm_for_linear,
     norm_linear,
-    row_linear,
+    one_row_linear,
+    one_row_norm_linear,
+    one_row_silu_linear,
     silu_and_mul_for_linear,
-    silu_linear,
     skinny_linear,
     weight_rows,
 )
@@ -180,14 +180,10 @@ class DecoderLayer(nn.Module):
         # down projection (runtime/kernels/gemv_fused.py), 7 launches a layer instead of 10-11. The
         # residual sums go to new buffers; nothing is updated in place.
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = norm_linear(h, residual, self.input_layernorm, attn.qkv_proj)  # (1, q + 2kv), (1, hidden)
-        h = attn.tp.all_reduce(row_linear(attn.attend(positions, qkv, fb), attn.o_proj))  # (1, hidden)
-        if layers.fuses_norm_into(mlp.gate_up_proj):
-            gate_up, residual = norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-        else:
-            h, residual = self.post_attention_layernorm(h, residual)
-            gate_up = mlp.gate_up_proj(h)  # (1, 2 * inter)
-        return mlp.tp.all_reduce(silu_linear(gate_up, mlp.down_proj)), residual
+        qkv, residual = one_row_norm_linear(h, residual, self.input_layernorm, attn.qkv_proj, "qkv")  # (1, q + 2kv)
+        h = attn.tp.all_reduce(one_row_linear(attn.attend(positions, qkv, fb), attn.o_proj))  # (1, hidden)
+        gate_up, residual = one_row_norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj, "gate_up")
+        return mlp.tp.all_reduce(one_row_silu_linear(gate_up, mlp.act_fn, mlp.down_proj)), residual
 
 
 class LlamaForCausalLM(nn.Module):

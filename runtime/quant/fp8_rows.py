@@ -20,8 +20,8 @@ The paths that quantize the rows (`unit_scaled`, `decode_fp8_rows`, `rowwise`) t
 (kernels/fp8_activations.py: one launch less a layer input, ~3-4 us each on an H100 even at one row);
 FP8_FUSED_QUANTIZATION off (`fused=0`) quantizes in the layer instead.
 
-A batch-1 step's FP8 layers may also take their norm or activation inside the one-row matmul (FP8_FUSED_ROW,
-`fused_row=1`).
+A batch-1 step's FP8 layers may also take the op before them inside their one-row matmul (FP8_FUSED_ROW, the parts
+of FUSED_ROW_PARTS as bits: `fused_row=7` all three prologues, 8 the other one-row matmuls in the same kernel family).
 
 $PLAIT_FP8_ROWS ("gemv=1,decode=64,quantized_from=2,unit_scaled_from=0,unit_scaled_to=256,fused=1,fused_row=0")
 sets them for a process: benchmarks A/B the choices with it.
@@ -45,9 +45,12 @@ FP8_DECODE_ROWS = 64
 # matrices against 108 and 132 with bf16 rows).
 FP8_ROWS_QUANTIZED_FROM = FP8_GEMV_ROWS + 1
 FP8_FUSED_QUANTIZATION = 1
-# A batch-1 decode step's FP8 layers fold the RMSNorm before QKV and gate-up and the SiLU-and-mul before down into
-# their one-row matmuls (kernels/gemv_fused.py; models/layers.fuses_decode_row), whatever `fused_decode_row` says
-# for half-precision layers.
+# A batch-1 decode step's FP8 layers on the one-row path of kernels/gemv_fused.py (models/layers.fuses_decode_row),
+# whatever `fused_decode_row` says for half-precision layers: a bit for each part below that takes it (0: none, the
+# step runs as any other). "qkv" / "gate_up": the RMSNorm before it inside the matmul; "down": SiLU-and-mul; "plain":
+# the one-row matmuls without a prologue (o_proj, and the others where their bit is off) through that kernel family
+# instead of gemv.py's.
+FUSED_ROW_PARTS = {"qkv": 1, "gate_up": 2, "down": 4, "plain": 8}
 FP8_FUSED_ROW = 0
 FP8_ROWS_ENV = "PLAIT_FP8_ROWS"
 _ENV_NAMES = {
@@ -83,6 +86,11 @@ def set_fp8_rows(text: str) -> None:
 
 if os.environ.get(FP8_ROWS_ENV):
     set_fp8_rows(os.environ[FP8_ROWS_ENV])
+
+
+def fused_row(part: str) -> bool:
+    """Whether a batch-1 step's FP8 layers take the fused one-row kernel for `part` (FUSED_ROW_PARTS)."""
+    return bool(FP8_FUSED_ROW & FUSED_ROW_PARTS[part])
 
 
 def fp8_path(rows: int, decode_kernels: bool = True) -> str:

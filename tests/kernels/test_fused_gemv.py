@@ -269,12 +269,14 @@ def test_decoder_one_row_path_matches_torch(arch, fuse_gate_up, monkeypatch, fus
     assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
-def test_fp8_decoder_one_row_path_folds_norms_and_activation(arch, monkeypatch):
-    # An FP8 model's batch-1 step with FP8_FUSED_ROW on (fused_decode_row off, as ServerArgs leaves it): every FP8
-    # layer takes its one-row kernel with the op before it inside, gate-up's norm too; the half-precision LM head
-    # stays apart. Against the torch path over the same weights dequantized (float16: the interpreter rounds it
-    # like torch).
+@pytest.mark.parametrize(
+    "arch,fused_row", [("LlamaForCausalLM", 15), ("Qwen2ForCausalLM", 15), ("LlamaForCausalLM", 1)]
+)
+def test_fp8_decoder_one_row_path_folds_norms_and_activation(arch, fused_row, monkeypatch):
+    # An FP8 model's batch-1 step with FP8_FUSED_ROW on (fused_decode_row off, as ServerArgs leaves it): each FP8
+    # layer whose bit is set takes its one-row kernel with the op before it inside, gate-up's norm too, the others
+    # their unfused kernels; the half-precision LM head stays apart. Against the torch path over the same weights
+    # dequantized (float16: the interpreter rounds it like torch).
     import copy
 
     from plait.runtime.quant import fp8_rows
@@ -293,7 +295,7 @@ def test_fp8_decoder_one_row_path_folds_norms_and_activation(arch, monkeypatch):
                 linear.bias.data = module.bias.data.clone()
             setattr(reference.get_submodule(parent), attr, linear)
     ids, positions, fb = _one_token_batch(model)
-    calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row", "fused_add_rmsnorm"])
+    calls = _counting(monkeypatch, ["rmsnorm_gemv", "silu_mul_gemv", "gemv_row", "fused_add_rmsnorm", "silu_and_mul"])
     with torch.no_grad():
         set_use_triton(reference, False)
         ref_logits = reference.forward_logits(ids, positions, fb)
@@ -301,14 +303,20 @@ def test_fp8_decoder_one_row_path_folds_norms_and_activation(arch, monkeypatch):
         down = model.layers[0].mlp.down_proj.weight
         monkeypatch.setattr(fp8_rows, "FP8_FUSED_ROW", 0)
         assert not layers.fuses_decode_row(torch.ones(1, 64, dtype=torch.float16), down, True)
-        monkeypatch.setattr(fp8_rows, "FP8_FUSED_ROW", 1)
+        monkeypatch.setattr(fp8_rows, "FP8_FUSED_ROW", fused_row)
         assert layers.fuses_decode_row(torch.ones(1, 64, dtype=torch.float16), down, True)
         logits = model.forward_logits(ids, positions, fb)
     n = model.config.num_hidden_layers
-    # (the final norm runs apart, before the float16 head)
-    assert calls == {"rmsnorm_gemv": 2 * n, "silu_mul_gemv": n, "gemv_row": n, "fused_add_rmsnorm": 1}
-    assert rel_err(logits, ref_logits) < 1e-2  # float32 sums in another order, float16 results
-    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+    if fused_row == 15:  # (the final norm runs apart, before the float16 head)
+        want = {"rmsnorm_gemv": 2 * n, "silu_mul_gemv": n, "gemv_row": n, "fused_add_rmsnorm": 1, "silu_and_mul": 0}
+    else:  # QKV's norm alone inside its matmul: gate-up's (with the residual) and SiLU-and-mul apart
+        want = {"rmsnorm_gemv": n, "silu_mul_gemv": 0, "gemv_row": 0, "fused_add_rmsnorm": n + 1, "silu_and_mul": n}
+    assert calls == want
+    if fused_row == 15:
+        assert rel_err(logits, ref_logits) < 1e-2  # float32 sums in another order, float16 results
+        assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+    else:  # (the unfused FP8 layers of CPU tensors quantize their rows too, as _scaled_mm's path does)
+        assert rel_err(logits, ref_logits) < 0.1
 
 
 def test_decoder_takes_the_unfused_path_for_several_rows_and_float32(monkeypatch, fused_decode_row):
