@@ -23,7 +23,7 @@ FP8_FUSED_QUANTIZATION off (`fused=0`) quantizes in the layer instead.
 A batch-1 step's FP8 layers may also take the op before them inside their one-row matmul (FP8_FUSED_ROW, the parts
 of FUSED_ROW_PARTS as bits: `fused_row=7` all three prologues, 8 the other one-row matmuls in the same kernel family).
 
-$PLAIT_FP8_ROWS ("gemv=1,decode=64,quantized_from=2,unit_scaled_from=0,unit_scaled_to=256,fused=1,fused_row=0")
+$PLAIT_FP8_ROWS ("gemv=1,decode=64,quantized_from=2,unit_scaled_from=0,unit_scaled_to=256,fused=1,fused_row=9")
 sets them for a process: benchmarks A/B the choices with it.
 """
 
@@ -49,9 +49,10 @@ FP8_FUSED_QUANTIZATION = 1
 # whatever `fused_decode_row` says for half-precision layers: a bit for each part below that takes it (0: none, the
 # step runs as any other). "qkv" / "gate_up": the RMSNorm before it inside the matmul; "down": SiLU-and-mul; "plain":
 # the one-row matmuls without a prologue (o_proj, and the others where their bit is off) through that kernel family
-# instead of gemv.py's.
+# instead of gemv.py's (its K a compile-time constant). QKV's norm and "plain" (9) measured the fastest; the wide
+# matrices lose more to their prologue than the launch saved (benchmarks/RESULTS.md, issue 38).
 FUSED_ROW_PARTS = {"qkv": 1, "gate_up": 2, "down": 4, "plain": 8}
-FP8_FUSED_ROW = 0
+FP8_FUSED_ROW = FUSED_ROW_PARTS["qkv"] | FUSED_ROW_PARTS["plain"]
 FP8_ROWS_ENV = "PLAIT_FP8_ROWS"
 _ENV_NAMES = {
     "gemv": "FP8_GEMV_ROWS",

@@ -1,7 +1,7 @@
 """FP8 weights (issue 38), on the CPU through torch's reference `_scaled_mm` (the same scaled products the
 GPU's FP8 tensor cores compute): the quantization and its scales, the layer against float matmuls, a random
 Llama / Qwen2 in FP8 against the same model in float32 (top-1 agreement and logprob differences over a fixed
-prompt set), and the settings' errors. FP8 checkpoints: test_fp8_checkpoints.py; the GPU: test_fp8_gpu.py."""
+prompt set), and the settings' errors. FP8 checkpoints: test_fp8_checkpoints.py; the GPU: the `gpu` tests at the end."""
 
 from __future__ import annotations
 
