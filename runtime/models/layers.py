@@ -198,31 +198,31 @@ def fuses_prologue(layer: nn.Module, part: str) -> bool:
     return part != "gate_up" or FUSE_NORM_INTO_GATE_UP
 
 
-def one_row_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """On the one-row path, a matmul without a prologue: the fused kernels' family (row_linear), but for FP8 layers
-    whose "plain" bit is off (gemv.py's kernel, as any one-row step) and half-precision gate-up (the matmul library:
-    FUSE_NORM_INTO_GATE_UP says why)."""
+def one_row_linear(x: torch.Tensor, layer: nn.Module, part: str = "plain") -> torch.Tensor:
+    """On the one-row path, `layer`'s matmul without a prologue: the fused kernels' family (row_linear), but for FP8
+    layers whose "plain" bit is off (gemv.py's kernel, as any one-row step) and half-precision gate-up (the matmul
+    library: FUSE_NORM_INTO_GATE_UP says why)."""
     if isinstance(layer, Fp8Linear):
         return row_linear(x, layer) if fp8_rows.fused_row("plain") else skinny_linear(x, layer)
-    return row_linear(x, layer)
+    return layer(x) if part == "gate_up" else row_linear(x, layer)
 
 
 def one_row_norm_linear(
     x: torch.Tensor, residual: Optional[torch.Tensor], norm: "RMSNorm", layer: nn.Module, part: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """On the one-row path, layer(norm(x + residual)) -> (out, new residual): one launch where fuses_prologue, else
-    the norm's kernel, then the matmul."""
+    the norm's kernel (adding x into the residual in place, as on the other paths), then the matmul."""
     if fuses_prologue(layer, part):
         return norm_linear(x, residual, norm, layer)
     h, residual = (norm(x), x) if residual is None else norm(x, residual)
-    return (layer(h) if part == "gate_up" and not isinstance(layer, Fp8Linear) else one_row_linear(h, layer)), residual
+    return one_row_linear(h, layer, part), residual
 
 
 def one_row_silu_linear(gate_up: torch.Tensor, act: "SiluAndMul", layer: nn.Module) -> torch.Tensor:
     """On the one-row path, layer(silu_and_mul(gate_up)): one launch where fuses_prologue, else two."""
     if fuses_prologue(layer, "down"):
         return silu_linear(gate_up, layer)
-    return one_row_linear(act(gate_up), layer)
+    return one_row_linear(act(gate_up), layer, "down")
 
 
 def _weight_scale(layer: nn.Module) -> Optional[torch.Tensor]:

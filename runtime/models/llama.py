@@ -177,8 +177,9 @@ class DecoderLayer(nn.Module):
 
     def _forward_one_row(self, positions, h, residual, fb):
         # A batch-1 decode step: the norms run inside the matmuls after them and SiLU-and-mul inside the
-        # down projection (runtime/kernels/gemv_fused.py), 7 launches a layer instead of 10-11. The
-        # residual sums go to new buffers; nothing is updated in place.
+        # down projection (runtime/kernels/gemv_fused.py), 7 launches a layer instead of 10-11, where
+        # layers.fuses_prologue says so. A fused norm writes the residual sum to a new buffer; one run apart
+        # adds into the residual in place, as on the other paths.
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = one_row_norm_linear(h, residual, self.input_layernorm, attn.qkv_proj, "qkv")  # (1, q + 2kv)
         h = attn.tp.all_reduce(one_row_linear(attn.attend(positions, qkv, fb), attn.o_proj))  # (1, hidden)

@@ -80,6 +80,8 @@ def set_fp8_rows(text: str) -> None:
         values[_ENV_NAMES[key.strip()]] = int(value)
     if values.get("FP8_DECODE_ROWS", FP8_DECODE_ROWS) > _MAX_DECODE_ROWS:
         raise ValueError(f"{FP8_ROWS_ENV}={text!r}: decode rows go up to {_MAX_DECODE_ROWS}")
+    if values.get("FP8_FUSED_ROW", FP8_FUSED_ROW) > sum(FUSED_ROW_PARTS.values()):
+        raise ValueError(f"{FP8_ROWS_ENV}={text!r}: fused_row is a sum of the bits {FUSED_ROW_PARTS}")
     if values.get("FP8_GEMV_ROWS", FP8_GEMV_ROWS) > _MAX_GEMV_ROWS:
         raise ValueError(f"{FP8_ROWS_ENV}={text!r}: gemv rows go up to {_MAX_GEMV_ROWS}")
     globals().update(values)

@@ -205,6 +205,6 @@ def test_fp8_rows_bounds_from_text(monkeypatch):
         monkeypatch.setattr(fp8_rows, name, getattr(fp8_rows, name))
     fp8_rows.set_fp8_rows("gemv=2, unit_scaled_from=3,unit_scaled_to=200,decode=16")
     assert [fp8_rows.fp8_path(r) for r in (2, 3, 200, 201)] == ["gemv", "unit_scaled", "unit_scaled", "rowwise"]
-    for bad in ("gemv=one", "rows=4", "decode=512", "gemv=9"):
+    for bad in ("gemv=one", "rows=4", "decode=512", "gemv=9", "fused_row=16"):
         with pytest.raises(ValueError, match="PLAIT_FP8_ROWS"):
             fp8_rows.set_fp8_rows(bad)
