@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_llama_model
-from plait.runtime.kvcache.memory_pool import KVPool
+from helpers.model_step import model_step
 from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.layers import rms_norm_torch, set_use_triton
 from plait.runtime.models.llama import LlamaForCausalLM
@@ -36,15 +36,7 @@ class _CausalAttention:
 def _hidden_both_ways(model, device):
     ids = torch.tensor([5, 17, 99, 3, 64, 2], device=device)
     positions = torch.tensor([0, 1, 2, 3, 4, 5], device=device)
-    cfg = model.config
-    pool = KVPool(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
-    fb = types.SimpleNamespace(
-        capture_layers=(),
-        lora=None,  # no adapters in this step
-        attn_backend=_CausalAttention(),
-        kv_pool=pool,
-        out_cache_loc=torch.tensor([9, 2, 4, 11, 1, 6], device=device),
-    )
+    fb = model_step(model, _CausalAttention(), [9, 2, 4, 11, 1, 6], 16, device)
     with torch.no_grad():
         set_use_triton(model, False)
         ref = model(ids, positions, fb)

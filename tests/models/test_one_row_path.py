@@ -7,14 +7,12 @@ runs two layers of the 8B shape.
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from conftest import tiny_llama_model
+from helpers.model_step import model_step
 from plait.runtime.kernel_choices import KernelChoices, using
 from plait.runtime.kernel_choices import current as current_choices
-from plait.runtime.kvcache.memory_pool import KVPool
 from plait.runtime.models import layers
 from plait.runtime.models.layers import set_use_triton
 from plait.runtime.models.llama import LlamaForCausalLM
@@ -50,15 +48,7 @@ class _OneTokenAttention:
 
 
 def _one_token_batch(model: LlamaForCausalLM, device="cpu"):
-    cfg = model.config
-    pool = KVPool(8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, model.norm.weight.dtype, device)
-    fb = types.SimpleNamespace(
-        capture_layers=(),
-        lora=None,  # no adapters in this step
-        attn_backend=_OneTokenAttention(),
-        kv_pool=pool,
-        out_cache_loc=torch.tensor([3], device=device),
-    )
+    fb = model_step(model, _OneTokenAttention(), [3], 8, device)
     return torch.tensor([17], device=device), torch.tensor([0], device=device), fb
 
 
