@@ -27,8 +27,8 @@ class CpuFeatures:
 
     @property
     def amx_bf16(self) -> bool:
-        """Whether bf16 matmuls have AMX's matrix tiles (then torch's bf16 attention is fast too; without them it
-        is slower than float32's: attention/torch_native.scores_dtype)."""
+        """Whether bf16 matmuls have AMX's matrix tiles (then torch's bf16 attention is fast too; without them,
+        with query heads unfolded, it is slower than float32's: attention/torch_native.scores_dtype)."""
         return "amx_bf16" in self.flags
 
     def describe(self) -> list[str]:

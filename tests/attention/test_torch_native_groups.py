@@ -3,6 +3,7 @@ together, and that the grouped attention is the one padded batch's, row for row.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from plait.runtime.attention.base import AttentionLayerSpec
 from plait.runtime.attention.context import AttentionContext
@@ -47,24 +48,30 @@ def test_grouped_decode_attention_equals_the_one_padded_batch():
 
 
 def test_half_precision_attention_widens_to_float32_on_a_cpu_without_amx(monkeypatch):
+    import plait.runtime.attention.torch_native as tn
     import plait.runtime.quant.cpu_features as features
-    from plait.runtime.attention.torch_native import scores_dtype
 
     def with_flags(flags):
         monkeypatch.setattr(features, "cpu_features", lambda: features.CpuFeatures(flags, "AVX512"))
 
     q = torch.zeros(2, 6, 16, dtype=torch.bfloat16)
     with_flags(("avx512f", "avx512_bf16"))  # AMD EPYC: bf16 dot products, no matrix tiles
-    assert scores_dtype(q) == torch.float32 and scores_dtype(q.float()) == torch.float32
+    # A request's extend (query heads unfolded) widens; folded attention (decode rows, padded batches) keeps
+    # bf16, fp16 widens.
+    assert tn.scores_dtype(q) == torch.float32 and tn.scores_dtype(q.float()) == torch.float32
+    assert tn.folded_dtype(q) == torch.bfloat16 and tn.folded_dtype(q.half()) == torch.float32
     with_flags(("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"))  # Intel Xeon with AMX: bf16 stays
-    assert scores_dtype(q) == torch.bfloat16
+    assert tn.scores_dtype(q) == torch.bfloat16 and tn.folded_dtype(q.half()) == torch.float16
 
-    # Widened, the bf16 decode rows' attention is the float32 attention of the same bf16 values, rounded once.
-    with_flags(("avx512f", "avx512_bf16"))
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_rows_fold_query_heads_by_kv_head(dtype):
+    """Decode rows attend with each kv head's query heads as the query axis: the same attention as the query
+    heads unfolded with enable_gqa (float32: to rounding; bf16: within bf16's precision of the float64 answer)."""
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, slots, lens = 6, 2, 16, 512, [300, 40, 7]
-    k_buf = torch.randn(slots, kv_heads, dim, generator=g).bfloat16()
-    v_buf = torch.randn(slots, kv_heads, dim, generator=g).bfloat16()
+    k_buf = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    v_buf = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
     table = torch.zeros(len(lens), max(lens), dtype=torch.int32)
     for b, n in enumerate(lens):
         table[b, :n] = torch.randperm(slots - 1, generator=g)[:n].to(torch.int32) + 1
@@ -72,8 +79,14 @@ def test_half_precision_attention_widens_to_float32_on_a_cpu_without_amx(monkeyp
         table, torch.arange(len(lens)), torch.tensor(lens), max(lens)
     )
     layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim**-0.5)
-    qb = torch.randn(len(lens), heads, dim, generator=g).bfloat16()
-    out = _attend_one_token(qb, _LayerKV(k_buf, v_buf, None), md, layer)
-    ref = _attend_one_token(qb.float(), _LayerKV(k_buf.float(), v_buf.float(), None), md, layer)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, ref.bfloat16(), rtol=0, atol=0)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    out = _attend_one_token(q, _LayerKV(k_buf, v_buf, None), md, layer)
+    assert out.dtype == dtype and out.shape == (len(lens), heads * dim)
+    for b, n in enumerate(lens):  # each row alone, unfolded, in float64
+        keys = table[b, :n].long()
+        k = k_buf[keys].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # (H, n, D)
+        v = v_buf[keys].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        p = torch.softmax((q[b].double()[:, None, :] @ k.transpose(1, 2)) * layer.scaling, -1)  # (H, 1, n)
+        ref = (p @ v).reshape(-1)
+        bound = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[b].double(), ref, rtol=0, atol=bound)
