@@ -249,7 +249,8 @@ class LlamaForCausalLM(nn.Module):
             fb.captured_hidden.append(h if residual is None else h + residual)
         return h, residual
 
-    def _head(self) -> nn.Module:
+    def head(self) -> nn.Module:
+        """The LM head: its own linear, or the token embedding where the checkpoint ties them."""
         return self.embed_tokens if self.lm_head is None else self.lm_head  # both hold a (vocab, hidden) weight
 
     def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -259,8 +260,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"logits out must be float32, got {out.dtype}")
         tp = self.parallel.tp
         if tp.size == 1:
-            return skinny_linear(hidden, self._head(), out_dtype=torch.float32, out=out)  # (N, vocab)
-        local = skinny_linear(hidden, self._head(), out_dtype=torch.float32)  # (N, this rank's vocab rows)
+            return skinny_linear(hidden, self.head(), out_dtype=torch.float32, out=out)  # (N, vocab)
+        local = skinny_linear(hidden, self.head(), out_dtype=torch.float32)  # (N, this rank's vocab rows)
         return tp.gather_columns(local, self.config.vocab_size, out=out)  # (N, vocab)
 
     def logits_at(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -270,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
         reads those rows of the head, not all of it (executor/sampler.py; a verify step's nodes each with
         their own tokens, executor/verify.py). The same matmul as the whole head's on the CPU
         (skinny_linear's F.linear, then float32), over fewer columns."""
-        rows = weight_rows(self._head(), token_ids)  # (n, hidden)
+        rows = weight_rows(self.head(), token_ids)  # (n, hidden)
         return cpu_linear(hidden.to(rows.dtype), rows).float()  # (R, n)
 
     def forward_logits(
@@ -280,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
         decode CUDA graph): on the one-row path (when switched on) the final norm runs inside the LM head's
         matmul; otherwise it is the norm, then compute_logits."""
         h, residual = self._decoder(input_ids, positions, fb)
-        head = self._head()
+        head = self.head()
         if residual is not None and fuses_decode_row(h, head.weight, self.norm.use_triton):
             logits = norm_linear(h, residual, self.norm, head, out_dtype=torch.float32)[0]  # (1, vocab shard)
             logits = self.parallel.tp.gather_columns(logits, self.config.vocab_size)  # (1, vocab)

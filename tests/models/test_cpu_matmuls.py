@@ -72,6 +72,36 @@ def test_packed_weights_give_the_plain_product():
             torch.testing.assert_close(y, F.linear(inp, layer.weight, layer.bias), atol=0.05, rtol=0.02)
 
 
+def test_a_tied_lm_head_is_packed_and_gives_the_plain_logits():
+    """A model whose LM head is its token embedding gets the embedding packed too (the other embeddings stay
+    plain): the logits are the plain product's within bf16's rounding, the lookups unchanged."""
+    from plait.runtime.models.config import ModelConfig
+    from plait.runtime.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=300,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg, max_position=64).bfloat16().eval()
+    assert model.head() is model.embed_tokens
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert pack_cpu_linears(model) == linears + 1 and hasattr(model.embed_tokens, "cpu_packed_weight")
+    hidden = torch.randn(5, 32).bfloat16()
+    with torch.no_grad():
+        logits = model.compute_logits(hidden)
+        ids = torch.tensor([0, 299, 17])
+        torch.testing.assert_close(model.embed_tokens(ids), model.embed_tokens.weight[ids], rtol=0, atol=0)
+    assert logits.dtype == torch.float32 and logits.shape == (5, 300)
+    torch.testing.assert_close(logits, F.linear(hidden, model.embed_tokens.weight).float(), atol=0.05, rtol=0.02)
+
+
 def test_no_packed_copies_past_the_memory_share():
     model = nn.Sequential(nn.Linear(48, 40)).bfloat16()
     assert pack_cpu_linears(model, memory_share=0.0) == 0 and not hasattr(model[0], "cpu_packed_weight")
