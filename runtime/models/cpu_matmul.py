@@ -1,8 +1,8 @@
 """Half-precision matmuls on the CPU: torch runs bf16/fp16 matmuls through oneDNN, which JIT-builds a kernel for
-every new shape and (through F.linear) reorders the weight on every call. Row counts are rounded so a server meets
-a few dozen shapes below a prefill's (`cpu_matmul_rows`, `cpu_linear`), and each layer's weight is reordered once at load
-(`pack_cpu_linears`). models/layers.skinny_linear sends a CPU half-precision matmul here; executor/warmup.py builds
-the small row counts' kernels at start-up."""
+every new shape and (through F.linear) reorders the weight on every call. Row counts below a prefill's are rounded
+so a server meets a few dozen shapes (`cpu_matmul_rows`, `cpu_linear`), and each layer's weight is reordered once
+at load (`pack_cpu_linears`). models/layers.skinny_linear sends a CPU half-precision matmul here; executor/warmup.py
+builds the small row counts' kernels at start-up."""
 
 from __future__ import annotations
 
@@ -66,10 +66,10 @@ def cpu_linear(
 def pack_cpu_linears(model: nn.Module, memory_share: float = 0.25) -> int:
     """Give each bf16/fp16 nn.Linear of `model` on the CPU (and a tied LM head: `model.head()`) its weight reordered
     into oneDNN's blocked layout (`cpu_packed_weight`, which skinny_linear then multiplies by): torch's F.linear
-    reorders the weight on every call, and for a decode step's few rows that is a third of the matmul (the default model's 16-row step:
-    layer matmuls 15 -> 9 ms on an AMX Xeon). The plain weight stays (checkpoint names, LoRA shapes, the tied LM
-    head's rows), so the packed copies cost as many bytes again: none are made where they would take more than
-    `memory_share` of the machine's memory. Returns how many layers were packed; none where torch has no
+    reorders the weight on every call, and for a decode step's few rows that is a third of the matmul (the default
+    model's 16-row step: layer matmuls 15 -> 9 ms on an AMX Xeon). The plain weight stays (checkpoint names, LoRA
+    shapes, the tied LM head's rows), so the packed copies cost as many bytes again: none are made where they would
+    take more than `memory_share` of the machine's memory. Returns how many layers were packed; none where torch has no
     oneDNN."""
     if not torch.backends.mkldnn.is_available():
         return 0

@@ -20,6 +20,7 @@ request's complete output, and a route that streams cumulative text builds it it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import math
@@ -123,7 +124,7 @@ class GenerationGroup:
     disconnected: bool = False
 
     # ---------------------------------------------------------------- lifecycle
-    async def start(self, runs: list[list[dict[str, Any]]]) -> None:
+    async def start(self, runs: list[list[dict[str, Any]]], final_only: bool = False) -> None:
         """Hand the calls (kwargs of `Engine.async_generate`: the prompt, a verified SamplingParams and the
         RequestOptions, streamed) to the Engine.
 
@@ -131,11 +132,17 @@ class GenerationGroup:
         sample of a run starts now; the others start once it has produced its first token, i.e. once
         the prompt is prefilled and in the prefix cache, so the prompt is computed once, not n times.
         Outputs are indexed in the order of the flattened runs.
+
+        `final_only`: the caller reads `results()` alone (a request without stream): each request is asked of
+        the scheduler as its first token (the n samples wait on it; time to first token) and its end, not every
+        token between (`_final_only`), unless it set its own stream_interval.
         """
         self._subs = []
         for run in runs:
             leader = len(self._subs)
             for j, call in enumerate(run):
+                if final_only:
+                    call = _final_only(call)
                 self._subs.append(_SubStream(rid=call["options"].rid, call=call, leader=leader if j else None))
             if len(run) > 1:
                 self._subs[leader].first_token = asyncio.Event()
@@ -330,6 +337,24 @@ class GenerationGroup:
         if missing:
             raise RuntimeError(f"the engine returned no output for {', '.join(missing)}")
         return [out.chunk() for out in outputs]
+
+
+# A request read whole gets its first token and its end from the scheduler, nothing between: each chunk between
+# cost the scheduler a delta and this process a message, a detokenized delta and a metrics update (~57 us a token
+# on the AMD EPYC's server process: 2.1 against 1.2 ms a 16-token request).
+FINAL_ONLY_INTERVAL = 1 << 30
+
+
+def _final_only(call: dict[str, Any]) -> dict[str, Any]:
+    """`call` with its stream_interval FINAL_ONLY_INTERVAL where it set none."""
+    params = call.get("sampling_params")
+    if isinstance(params, dict):
+        if params.get("stream_interval") is not None:
+            return call
+        return {**call, "sampling_params": {**params, "stream_interval": FINAL_ONLY_INTERVAL}}
+    if params is None or params.stream_interval is not None:
+        return call
+    return {**call, "sampling_params": dataclasses.replace(params, stream_interval=FINAL_ONLY_INTERVAL)}
 
 
 def _aborted_before_start(sub: _SubStream) -> dict:

@@ -210,7 +210,7 @@ async def generate(body: GenerateRequest, request: Request):
     if len(runs) == 1 and len(runs[0]) == 1:  # X-Request-Id = meta_info.id (http_server.ResponseHeaders)
         request.state.request_id = runs[0][0]["options"].rid
     group = ctx.new_group(request, log_metrics=body.log_metrics)
-    await group.start(runs)
+    await group.start(runs, final_only=not body.stream)
     indexed = body.is_batch or len(runs[0]) > 1
     if body.stream:
         return StreamingResponse(_stream_native(group, indexed), media_type="text/event-stream")
@@ -257,7 +257,7 @@ async def health_generate(request: Request) -> Response:
 
 
 async def _run_to_end(group: GenerationGroup, call: dict[str, Any]) -> list[dict]:
-    await group.start([[call]])
+    await group.start([[call]], final_only=True)
     return await group.results()
 
 

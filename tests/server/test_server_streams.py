@@ -100,6 +100,58 @@ def test_many_streams_get_every_token_in_order_one_chunk_each_and_leavers_are_ab
     assert after["last_integrity_error"] is None
 
 
+def test_a_request_read_whole_gets_what_its_stream_gets(url):
+    """A request without stream is asked of the scheduler as its first token and its end alone (engine_client
+    FINAL_ONLY_INTERVAL): the same text and ids as the streamed request, its n samples (which wait on the first
+    sample's first token) too, a stop string still cut, and a stream_interval the request sets kept."""
+    prompt = "Question 5: name a river and say why it matters."
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    streamed = asyncio.run(_stream_whole(url, prompt, params))
+    whole = requests.post(url + "/generate", json={"text": prompt, "sampling_params": params}, timeout=120).json()
+    assert whole["output_ids"] == streamed["output_ids"] and whole["text"] == streamed["text"]
+    samples = requests.post(
+        url + "/generate", json={"text": prompt, "sampling_params": {**params, "n": 2}}, timeout=120
+    ).json()
+    assert [s["output_ids"] for s in samples] == [streamed["output_ids"]] * 2
+    stop = streamed["text"][len(streamed["text"]) // 2 :][:3]
+    cut = requests.post(
+        url + "/v1/completions",
+        json={
+            "model": "default",
+            "prompt": prompt,
+            "max_tokens": 24,
+            "temperature": 0,
+            "stop": [stop],
+            "ignore_eos": True,
+        },
+        timeout=120,
+    ).json()
+    assert cut["choices"][0]["text"] == streamed["text"][: streamed["text"].index(stop)]
+    own = requests.post(
+        url + "/generate", json={"text": prompt, "sampling_params": {**params, "stream_interval": 5}}, timeout=120
+    ).json()
+    assert own["output_ids"] == streamed["output_ids"]
+    from plait.runtime.sampling_params import SamplingParams
+    from plait.runtime.server.engine_client import FINAL_ONLY_INTERVAL, _final_only
+
+    assert _final_only({"sampling_params": {"n": 1}})["sampling_params"]["stream_interval"] == FINAL_ONLY_INTERVAL
+    assert _final_only({"sampling_params": SamplingParams()})["sampling_params"].stream_interval == FINAL_ONLY_INTERVAL
+    assert _final_only({"sampling_params": SamplingParams(stream_interval=3)})["sampling_params"].stream_interval == 3
+    assert wait_idle(url)["last_integrity_error"] is None
+
+
+async def _stream_whole(url: str, prompt: str, params: dict) -> dict:
+    chunks = []
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(url + "/generate", json={"text": prompt, "stream": True, "sampling_params": params})
+        async for line in resp.content:
+            line = line.strip()
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                chunks.append(json.loads(line[5:]))
+    assert len(chunks) == params["max_new_tokens"]  # one chunk a token: streams keep theirs
+    return chunks[-1]
+
+
 @pytest.mark.parametrize(
     "text",
     ["plain", "", 'quotes " and \\ backslashes', "new\nline\ttab", "unicode: é ü 中文 🙂", "\x00\x1f control"],

@@ -146,7 +146,7 @@ def default_max_tokens(prompt_len: int, ctx: ServerContext) -> Optional[int]:
 async def results_or_stream(
     group: GenerationGroup, runs: list[list[dict[str, Any]]], stream: bool, events: Callable[[], AsyncIterator[str]]
 ) -> Union[list[dict], StreamingResponse]:
-    await group.start(runs)
+    await group.start(runs, final_only=not stream)
     if stream:
         return StreamingResponse(_sse(group, events()), media_type="text/event-stream")
     try:

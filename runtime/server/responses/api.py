@@ -195,7 +195,7 @@ async def create_response(req: ResponsesRequest, request: Request):
     request.state.request_id = response_id  # the X-Request-Id header (http_server.ResponseHeaders)
     created = time.time()
     group = ctx.new_group(request)
-    await group.start(runs)
+    await group.start(runs, final_only=not req.stream)
 
     async def store(body: dict[str, Any], assistant: dict[str, Any], output_ids: list[int]) -> None:
         if req.store is not False:
