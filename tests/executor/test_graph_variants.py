@@ -15,31 +15,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from helpers.model_step import tiny_llama
 from plait.runtime.attention import AttentionContext
 from plait.runtime.attention.torch_native import TorchNativeAttnBackend
 from plait.runtime.executor.cuda_graphs import GraphKey
-from plait.runtime.executor.loader import load_model
 from plait.runtime.forward_batch import ForwardBatch, ForwardMode
 from plait.runtime.kvcache.memory_pool import KVPool, ReqToTokenPool
-from plait.runtime.models.config import ModelConfig
 from plait.runtime.models.layers import skinny_linear
 
 torch.set_num_threads(1)
-
-
-def _tiny_model(dtype: torch.dtype, tie: bool = False):
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=300,
-        tie_word_embeddings=tie,
-    )
-    return load_model("", cfg, "dummy", dtype, "cpu", max_position=64, seed=3)
 
 
 def _decode_batch(model, seq_lens: list[int], seed: int = 0) -> ForwardBatch:
@@ -81,7 +65,7 @@ def _decode_batch(model, seq_lens: list[int], seed: int = 0) -> ForwardBatch:
 
 @pytest.mark.parametrize("dtype,tie", [(torch.float32, False), (torch.bfloat16, True)])
 def test_compute_and_forward_logits_into_out_equal_the_fresh_tensors(dtype, tie):
-    model = _tiny_model(dtype, tie)
+    model = tiny_llama(dtype, tie)
     vocab = model.config.vocab_size
     hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
     buf = torch.full((8, vocab), float("nan"))  # (max_bs, vocab): a graph of 5 writes the first rows
@@ -112,7 +96,7 @@ def test_skinny_linear_out_with_bias_and_bad_outs():
             skinny_linear(x.bfloat16(), half, out_dtype=torch.float32, out=torch.empty(2, 10))  # rows
         with pytest.raises(ValueError, match="linear out must be"):
             skinny_linear(x.bfloat16(), half, out_dtype=torch.float32, out=torch.empty(3, 10, dtype=torch.bfloat16))
-        model = _tiny_model(torch.float32)
+        model = tiny_llama(torch.float32)
         with pytest.raises(ValueError, match="float32"):
             model.compute_logits(torch.randn(2, 64), out=torch.empty(2, 300, dtype=torch.bfloat16))
 

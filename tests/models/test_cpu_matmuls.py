@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.model_step import tiny_llama
 from plait.runtime.executor.warmup import warm_up_cpu_matmuls
 from plait.runtime.models.cpu_matmul import cpu_linear, cpu_matmul_rows, pack_cpu_linears
 from plait.runtime.models.layers import skinny_linear
@@ -76,25 +77,11 @@ def test_packed_weights_give_the_plain_product():
 def test_a_tied_lm_head_is_packed_and_gives_the_plain_logits():
     """A model whose LM head is its token embedding gets the embedding packed too (the other embeddings stay
     plain): the logits are the plain product's within bf16's rounding, the lookups unchanged."""
-    from plait.runtime.models.config import ModelConfig
-    from plait.runtime.models.llama import LlamaForCausalLM
-
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        vocab_size=300,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(cfg, max_position=64).bfloat16().eval()
+    model = tiny_llama(torch.bfloat16, tie=True).eval()
     assert model.head() is model.embed_tokens
     linears = sum(type(m) is nn.Linear for m in model.modules())
     assert pack_cpu_linears(model) == linears + 1 and hasattr(model.embed_tokens, "cpu_packed_weight")
-    hidden = torch.randn(5, 32).bfloat16()
+    hidden = torch.randn(5, 64).bfloat16()
     with torch.no_grad():
         logits = model.compute_logits(hidden)
         ids = torch.tensor([0, 299, 17])
