@@ -1,5 +1,5 @@
 """Half-precision matmuls on the CPU: torch runs bf16/fp16 matmuls through oneDNN, which JIT-builds a kernel for
-every new shape and (through F.linear) reorders the weight on every call. Row counts below a prefill's are rounded
+every new shape and (through F.linear) reorders the weight on every call. Row counts (a prefill's apart) are rounded
 so a server meets a few dozen shapes (`cpu_matmul_rows`, `cpu_linear`), and each layer's weight is reordered once
 at load (`pack_cpu_linears`). models/layers.skinny_linear sends a CPU half-precision matmul here; executor/warmup.py
 builds the small row counts' kernels at start-up."""
@@ -17,16 +17,17 @@ import torch.nn.functional as F
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-# From this many rows a matmul runs at its own count: a new count's kernels cost ~5 ms a step to build (the default
-# model's four layer shapes, 517-6,190 rows, AMD EPYC), less than padding the rows would (the copy and the extra
-# rows: a 966-token prefill step 0.89 -> 0.80 s, 6,190 tokens 6.47 -> 6.10 s).
+# From this many activation rows a matmul runs at their own count: a new count's kernels cost ~5 ms a step to build
+# (the default model's four layer shapes, 517-6,190 rows, AMD EPYC), less than padding the activation would (its
+# copy and the extra rows: a 966-token prefill step 0.89 -> 0.80 s, 6,190 tokens 6.47 -> 6.10 s). A weight's rows
+# gathered per step stay rounded: there the matmul is a few rows and a build would cost more than it.
 EXACT_ROWS_FROM = 512
 
 
 def cpu_matmul_rows(rows: int, x: Optional[torch.Tensor] = None) -> int:
     """The row count a bf16/fp16 matmul of `rows` rows (of `x`, when given: the count as it is unless x is a
     half-precision CPU tensor) runs at on the CPU: up to 16 as it is, above that rounded up to eight counts an
-    octave (at most 1/8 more rows), from EXACT_ROWS_FROM as it is again.
+    octave (at most 1/8 more rows).
 
     torch runs these matmuls through oneDNN, which builds (JIT-compiles) a kernel for every new shape and keeps
     it: ~3 ms a matrix on the developers' AMX Xeon, so an engine whose steps carry ever new token counts
@@ -35,7 +36,7 @@ def cpu_matmul_rows(rows: int, x: Optional[torch.Tensor] = None) -> int:
     dozen, each built once."""
     if x is not None and (x.is_cuda or x.dtype not in HALF_DTYPES):
         return rows
-    if rows <= 16 or rows >= EXACT_ROWS_FROM:
+    if rows <= 16:
         return rows
     step = 1 << (rows.bit_length() - 4)
     return -(-rows // step) * step
@@ -45,12 +46,13 @@ def cpu_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x (M, K) on the CPU, its rows padded with zeros to cpu_matmul_rows(M, x)
-    and weight's to cpu_matmul_rows(N, weight) (rows of a weight gathered per step: the LM head's at a
-    grammar's tokens), the (M, N) block of the product returned. `packed`: the weight as pack_cpu_linears
+    below EXACT_ROWS_FROM, and weight's to cpu_matmul_rows(N, weight) (rows of a weight gathered per step: the LM
+    head's at a grammar's tokens), the (M, N) block of the product returned. `packed`: the weight as pack_cpu_linears
     reordered it for oneDNN, used in its place (the same product within bf16's rounding; bitwise at most
     shapes)."""
     m, n = x.shape[0], weight.shape[0]
-    pm, pn = cpu_matmul_rows(m, x), n if packed is not None else cpu_matmul_rows(n, weight)
+    pm = m if m >= EXACT_ROWS_FROM else cpu_matmul_rows(m, x)
+    pn = n if packed is not None else cpu_matmul_rows(n, weight)
     if pm != m:
         x = torch.cat([x, x.new_zeros(pm - m, x.shape[1])])
     if packed is not None:

@@ -15,11 +15,28 @@ from torch import nn
 
 def test_row_counts_round_up_by_at_most_an_eighth():
     assert [cpu_matmul_rows(m) for m in (1, 7, 16)] == [1, 7, 16]  # a decode step's rows as they are
-    assert [cpu_matmul_rows(m) for m in (17, 18, 33, 65, 433, 511)] == [18, 18, 36, 72, 448, 512]
-    assert [cpu_matmul_rows(m) for m in (512, 1000, 4097)] == [512, 1000, 4097]  # prefill steps: as they are
+    assert [cpu_matmul_rows(m) for m in (17, 18, 33, 65, 433, 1000, 4097)] == [18, 18, 36, 72, 448, 1024, 4608]
     for m in range(1, 5000):
         assert m <= cpu_matmul_rows(m) <= m + m / 8
-    assert len({cpu_matmul_rows(m) for m in range(1, 512)}) == 16 + 8 * 5  # the counts a server's small steps meet
+    assert len({cpu_matmul_rows(m) for m in range(1, 8193)}) == 16 + 8 * 9  # the counts a server meets
+
+
+def test_prefill_rows_run_as_they_are_and_gathered_weight_rows_stay_rounded(monkeypatch):
+    """cpu_linear pads activation rows below EXACT_ROWS_FROM only (a prefill's copy would cost more than a new
+    kernel's build); a weight's rows gathered per step (the LM head's at a grammar's tokens) are rounded at any
+    count. The product is the unpadded one either way."""
+    import plait.runtime.models.cpu_matmul as cm
+
+    seen = []
+    plain = F.linear
+    monkeypatch.setattr(cm.F, "linear", lambda x, w, b=None: seen.append((x.shape[0], w.shape[0])) or plain(x, w, b))
+    weight = torch.randn(600, 48).bfloat16()
+    for m, n, padded in ((433, 40, (448, 40)), (600, 40, (600, 40)), (5, 600, (5, 640))):
+        x = torch.randn(m, 48).bfloat16()
+        seen.clear()
+        y = cm.cpu_linear(x, weight[:n])
+        assert seen == [padded] and y.shape == (m, n)
+        torch.testing.assert_close(y, plain(x, weight[:n]), atol=0.05, rtol=0.02)
     x32 = torch.zeros(433, 8)
     assert cpu_matmul_rows(433, x32) == 433 and cpu_matmul_rows(433, x32.bfloat16()) == 448  # float32: MKL's
 
